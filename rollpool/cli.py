@@ -1,0 +1,80 @@
+"""The `rollpool` console script: one subcommand per service or application.
+
+Each subcommand lives in its own module, which defines ``HELP`` (one line),
+``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them
+together with the shared logging flags. A subcommand whose module is not
+importable in this build (a service still being written) is left out of
+``--help`` rather than breaking the others. Modules are imported without their
+heavy dependencies (torch, sglang, ray load when a command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from rollpool import __version__
+from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
+
+__all__ = ["main", "SUBCOMMANDS", "build_parser"]
+
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("demo", "rollpool.demo.cli"),
+    ("broker", "rollpool.broker.cli"),
+    ("worker", "rollpool.workers.cli"),
+    ("relay", "rollpool.weights.relay_cli"),
+    ("status", "rollpool.monitor.status_cli"),
+    ("top", "rollpool.monitor.top_cli"),
+    ("exporter", "rollpool.monitor.exporter_cli"),
+    ("launch", "rollpool.launch.cli"),
+    ("chaos", "rollpool.chaos.cli"),
+    ("keys", "rollpool.keys_cli"),
+)
+
+
+def _load(module_name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None  # the subcommand is not part of this build yet
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollpool",
+        description="Asynchronous rollout worker pool for RL of language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"rollpool {__version__}")
+    add_logging_arguments(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS:
+        module = _load(module_name)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        add_logging_arguments(p)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    configure_logging_from_args(args)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The rollpool exception hierarchy (defined in `rollpool.protocol.errors`)."""
+
+from __future__ import annotations
+
+from rollpool.protocol.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    EngineError,
+    ProtocolError,
+    RejectedError,
+    RollpoolError,
+    WeightSyncError,
+)
+
+__all__ = [
+    "RollpoolError",
+    "ConfigError",
+    "ProtocolError",
+    "EngineError",
+    "WeightSyncError",
+    "BrokerUnavailableError",
+    "RejectedError",
+]

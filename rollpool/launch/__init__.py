@@ -1,0 +1,3 @@
+"""rollpool.launch: an application composed from the services."""
+
+from __future__ import annotations

@@ -1,0 +1,74 @@
+"""rollpool.protocol: messages, codec, limits, staleness arithmetic and the seams.
+
+Pure: imports the standard library, msgpack and numpy, nothing else of ours
+and no zmq, redis or torch at import time. Every other subpackage talks in
+these types.
+"""
+
+from __future__ import annotations
+
+from rollpool.protocol.codec import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    SUPPORTED_MAJORS,
+    decode,
+    encode,
+    message_types,
+    peek_type,
+    records_equal,
+)
+from rollpool.protocol.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    EngineError,
+    ProtocolError,
+    RejectedError,
+    RollpoolError,
+    WeightSyncError,
+)
+from rollpool.protocol.limits import DEFAULT_LIMITS, Limits
+from rollpool.protocol.messages import *  # noqa: F403
+from rollpool.protocol.messages import __all__ as _messages_all
+from rollpool.protocol.metrics import MemoryMetricsSink, MetricsSink, NullMetricsSink
+from rollpool.protocol.sockets import SecurityConfig, SocketFactory, SocketOptions
+from rollpool.protocol.staleness import StalenessController, admission_capacity, can_admit, trajectory_staleness
+
+__all__ = [
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "SUPPORTED_MAJORS",
+    "encode",
+    "decode",
+    "peek_type",
+    "message_types",
+    "records_equal",
+    "RollpoolError",
+    "ConfigError",
+    "ProtocolError",
+    "EngineError",
+    "WeightSyncError",
+    "BrokerUnavailableError",
+    "RejectedError",
+    "Limits",
+    "DEFAULT_LIMITS",
+    "MetricsSink",
+    "NullMetricsSink",
+    "MemoryMetricsSink",
+    "SocketFactory",
+    "SocketOptions",
+    "SecurityConfig",
+    "StalenessController",
+    "admission_capacity",
+    "can_admit",
+    "trajectory_staleness",
+    *_messages_all,
+]
+
+
+def negotiate_version(peer_min: int, peer_max: int) -> int | None:
+    """The highest protocol major both sides speak, or None."""
+    common = [m for m in SUPPORTED_MAJORS if peer_min <= m <= peer_max]
+    return max(common) if common else None
+
+
+__all__.append("negotiate_version")

@@ -1,0 +1,551 @@
+"""The wire codec: frozen dataclasses <-> ZeroMQ multipart frames.
+
+Format of one message (pinned by the golden fixtures in tests/fixtures):
+
+    frame 0     msgpack array [major, minor, type, fields]
+                  major, minor  protocol version of the encoder (ints)
+                  type          the message's type string (``"task"``, ...)
+                  fields        a map of field name -> value
+    frame 1..k  raw binary frames; a field whose type is an array or a blob
+                holds the index of its frame (int, >= 1) instead of a value.
+
+Arrays travel as raw little-endian bytes of a fixed dtype (token ids int32,
+logprobs float32, masks uint8), so encoding 4,096 tokens costs one memcpy at
+most and decoding is a zero-copy ``numpy.frombuffer`` view (read-only). The same
+array object referenced twice in one message (the prompt shared by the n
+trajectories of a group) travels once.
+
+Decoding is strict and bounded: an unsupported major version, an unknown type,
+a missing required field, a value of the wrong type, an oversize header or
+frame, too many frames, a frame no field refers to, or a reference to a frame
+that is not there all raise `ProtocolError` before anything large is
+allocated. Unknown fields are ignored (new optional fields are additive).
+Nothing is ever unpickled or evaluated: msgpack ext types are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from rollpool.protocol.errors import ProtocolError
+from rollpool.protocol.limits import DEFAULT_LIMITS, Limits
+
+__all__ = [
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "SUPPORTED_MAJORS",
+    "Frame",
+    "Int32Array",
+    "Float32Array",
+    "UInt8Array",
+    "Blob",
+    "record",
+    "message",
+    "encode",
+    "decode",
+    "message_types",
+    "records_equal",
+]
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+SUPPORTED_MAJORS: tuple[int, ...] = (1,)
+"""Majors this build can decode; hello messages advertise min/max of these."""
+
+
+class _FrameKind:
+    """Marks a field that travels in its own binary frame."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: np.dtype[Any] | None) -> None:
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"_FrameKind({self.dtype})"
+
+
+Int32Array = Annotated[npt.NDArray[np.int32], _FrameKind(np.dtype("<i4"))]
+Float32Array = Annotated[npt.NDArray[np.float32], _FrameKind(np.dtype("<f4"))]
+UInt8Array = Annotated[npt.NDArray[np.uint8], _FrameKind(np.dtype("u1"))]
+Blob = Annotated[bytes | memoryview, _FrameKind(None)]
+"""Opaque bytes in their own frame; decoded as a zero-copy memoryview."""
+
+Frame = Any
+"""Anything that supports the buffer protocol (zmq.Frame included)."""
+
+_Enc = Callable[[Any, list[Any], dict[int, int]], Any]
+_Dec = Callable[[Any, "_DecodeState"], Any]
+
+_MESSAGES: dict[str, type[Any]] = {}
+_SPECS: dict[type[Any], _RecordSpec] = {}
+
+T = TypeVar("T")
+
+
+class _DecodeState:
+    __slots__ = ("frames", "sizes", "used", "limits")
+
+    def __init__(self, frames: list[Any], sizes: list[int], limits: Limits) -> None:
+        self.frames = frames
+        self.sizes = sizes
+        self.used = bytearray(len(frames))
+        self.limits = limits
+
+
+class _RecordSpec:
+    """Per-class plan: how to encode and decode each field.
+
+    Scalar fields (str, int, bool) are checked inline rather than through a
+    converter call; a field equal to its (immutable) default is left off the
+    wire and filled back in on decode. Both keep the common messages cheap.
+    """
+
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories")
+
+    def __init__(self, cls: type[Any]) -> None:
+        self.cls = cls
+        hints = typing.get_type_hints(cls, include_extras=True)
+        # (name, inline scalar type or None, converter, default or _NO_DEFAULT)
+        self.plan: list[tuple[str, type[Any] | None, _Enc, Any]] = []
+        self.decoders: dict[str, tuple[type[Any] | None, _Dec]] = {}
+        self.required: list[str] = []
+        self.static_defaults: dict[str, Any] = {}
+        self.factories: dict[str, Callable[[], Any]] = {}
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            enc, dec = _converters(tp, f"{cls.__name__}.{f.name}")
+            inline = tp if tp in (str, int, bool) else None
+            default: Any = _NO_DEFAULT
+            if f.default is not dataclasses.MISSING:
+                self.static_defaults[f.name] = f.default
+                if f.default is None or type(f.default) in (str, int, float, bool, tuple):
+                    default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                self.factories[f.name] = f.default_factory
+            else:
+                self.required.append(f.name)
+            self.plan.append((f.name, inline, enc, default))
+            self.decoders[f.name] = (inline, dec)
+
+
+_NO_DEFAULT = object()
+
+
+def _records_eq(self: Any, other: Any) -> Any:
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    return records_equal(self, other)
+
+
+def records_equal(a: Any, b: Any) -> bool:
+    """Deep equality that compares arrays and blobs by content."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        return a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, (bytes, bytearray, memoryview)) and isinstance(b, (bytes, bytearray, memoryview)):
+        return bytes(a) == bytes(b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        if a.__class__ is not b.__class__:
+            return False
+        return all(
+            records_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(records_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(records_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def record(cls: type[T]) -> type[T]:
+    """Make `cls` a frozen, slotted dataclass that can nest inside messages."""
+    dc = dataclasses.dataclass(frozen=True, slots=True, eq=False)(cls)
+    dc.__eq__ = _records_eq  # type: ignore[method-assign]
+    dc.__hash__ = None  # type: ignore[assignment]
+    _SPECS[dc] = _RecordSpec(dc)
+    return dc
+
+
+def message(type_name: str) -> Callable[[type[T]], type[T]]:
+    """Register a top-level message type under its wire `type_name`."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        if type_name in _MESSAGES:
+            raise TypeError(f"message type {type_name!r} registered twice")
+        dc = record(cls)
+        dc.TYPE = type_name  # type: ignore[attr-defined]
+        _MESSAGES[type_name] = dc
+        return dc
+
+    return wrap
+
+
+def message_types() -> dict[str, type[Any]]:
+    """Every registered message type by its wire name."""
+    return dict(_MESSAGES)
+
+
+# --------------------------------------------------------------------------- converters
+
+
+def _fail(code: str, path: str, detail: str) -> ProtocolError:
+    return ProtocolError(code, f"{path}: {detail}")
+
+
+def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        base, *extra = get_args(tp)
+        for marker in extra:
+            if isinstance(marker, _FrameKind):
+                return _frame_converters(marker.dtype, path)
+        return _converters(base, path)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) != 1 or len(get_args(tp)) != 2:
+            raise TypeError(f"{path}: only `X | None` unions are supported")
+        enc, dec = _converters(args[0], path)
+
+        def enc_opt(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return None if v is None else enc(v, frames, memo)
+
+        def dec_opt(v: Any, st: _DecodeState) -> Any:
+            return None if v is None else dec(v, st)
+
+        return enc_opt, dec_opt
+    if origin in (list, tuple):
+        targs = get_args(tp)
+        item = targs[0]
+        if origin is tuple and not (len(targs) == 2 and targs[1] is Ellipsis):
+            raise TypeError(f"{path}: only tuple[X, ...] is supported")
+        if item in (str, int, float, bool):
+            check = _scalar_check(item, path + "[]")
+
+            iconv = _scalar_encoder(item, path + "[]")
+
+            def enc_scalars(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+                return [iconv(x) for x in v]
+
+            def dec_scalars(v: Any, st: _DecodeState) -> Any:
+                if type(v) is not list:
+                    raise _fail("type", path, f"expected a list, got {type(v).__name__}")
+                return tuple([check(x) for x in v])
+
+            return enc_scalars, dec_scalars
+        ienc, idec = _converters(item, path + "[]")
+
+        def enc_list(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return [ienc(x, frames, memo) for x in v]
+
+        def dec_list(v: Any, st: _DecodeState) -> Any:
+            if type(v) is not list:
+                raise _fail("type", path, f"expected a list, got {type(v).__name__}")
+            return tuple([idec(x, st) for x in v])
+
+        return enc_list, dec_list
+    if origin is dict:
+        key, _value = get_args(tp)
+        if key is not str:
+            raise TypeError(f"{path}: only dict[str, Any] is supported")
+
+        def enc_map(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return v
+
+        def dec_map(v: Any, st: _DecodeState) -> Any:
+            if type(v) is not dict:
+                raise _fail("type", path, f"expected a map, got {type(v).__name__}")
+            _check_free(v, st.limits.max_depth, path)
+            return v
+
+        return enc_map, dec_map
+    if tp is Any:
+
+        def enc_any(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return v
+
+        def dec_any(v: Any, st: _DecodeState) -> Any:
+            _check_free(v, st.limits.max_depth, path)
+            return v
+
+        return enc_any, dec_any
+    if tp in (str, int, float, bool, bytes):
+        check = _scalar_check(tp, path)
+        conv = _scalar_encoder(tp, path)
+
+        def enc_scalar(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return conv(v)
+
+        def dec_scalar(v: Any, st: _DecodeState) -> Any:
+            return check(v)
+
+        return enc_scalar, dec_scalar
+    if isinstance(tp, type) and tp in _SPECS:
+        spec = _SPECS[tp]
+        return (
+            lambda v, frames, memo: _encode_record(spec, v, frames, memo),
+            lambda v, st: _decode_record(spec, v, st, path),
+        )
+    raise TypeError(f"{path}: unsupported field type {tp!r}")
+
+
+def _scalar_encoder(tp: type[Any], path: str) -> Callable[[Any], Any]:
+    """Accept numpy scalars for numbers; refuse anything that would change meaning."""
+
+    def conv(v: Any) -> Any:
+        if tp is int:
+            if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+                return int(v)
+        elif tp is float:
+            if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+                return float(v)
+        elif tp is bool:
+            if isinstance(v, (bool, np.bool_)):
+                return bool(v)
+        elif tp is bytes:
+            if isinstance(v, (bytes, bytearray, memoryview)):
+                return bytes(v)
+        elif type(v) is tp:
+            return v
+        raise _fail("encode", path, f"expected {tp.__name__}, got {type(v).__name__}")
+
+    return conv
+
+
+def _scalar_check(tp: type[Any], path: str) -> Callable[[Any], Any]:
+    if tp is float:
+
+        def check_float(v: Any) -> float:
+            t = type(v)
+            if t is float:
+                return v  # type: ignore[no-any-return]
+            if t is int:
+                return float(v)
+            raise _fail("type", path, f"expected float, got {t.__name__}")
+
+        return check_float
+
+    def check(v: Any) -> Any:
+        if type(v) is not tp:
+            raise _fail("type", path, f"expected {tp.__name__}, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+def _check_free(v: Any, depth: int, path: str) -> None:
+    """Free-form values (metadata) may hold only msgpack natives, bounded in depth."""
+    if depth < 0:
+        raise _fail("oversize", path, "nesting too deep")
+    t = type(v)
+    if t is dict:
+        for k, x in v.items():
+            if type(k) is not str:
+                raise _fail("type", path, "map keys must be strings")
+            _check_free(x, depth - 1, path)
+    elif t is list:
+        for x in v:
+            _check_free(x, depth - 1, path)
+    elif t not in (str, int, float, bool, bytes, type(None)):
+        raise _fail("type", path, f"unsupported value type {t.__name__}")
+
+
+def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _Dec]:
+    if dtype is None:
+
+        def enc_blob(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
+            key = (id(v), 0)
+            idx = memo.get(key)
+            if idx is None:
+                if not isinstance(v, (bytes, bytearray, memoryview)):
+                    raise _fail("encode", path, f"expected bytes-like, got {type(v).__name__}")
+                frames.append(v)
+                idx = memo[key] = len(frames) - 1
+            return idx
+
+        def dec_blob(v: Any, st: _DecodeState) -> Any:
+            f = st.frames[_frame_index(v, st, path)]
+            return f if type(f) is memoryview else memoryview(f)
+
+        return enc_blob, dec_blob
+
+    itemsize = dtype.itemsize
+
+    def enc_array(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
+        key = (id(v), itemsize)
+        idx = memo.get(key)
+        if idx is None:
+            try:
+                arr = np.ascontiguousarray(v, dtype=dtype)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise _fail("encode", path, f"cannot convert to {dtype}: {exc}") from exc
+            if arr.ndim != 1:
+                arr = arr.reshape(-1)
+            frames.append(arr)
+            idx = memo[key] = len(frames) - 1
+        return idx
+
+    def dec_array(v: Any, st: _DecodeState) -> Any:
+        idx = _frame_index(v, st, path)
+        if st.sizes[idx] % itemsize:
+            raise _fail("frames", path, f"frame of {st.sizes[idx]} bytes is not a whole number of {dtype}")
+        return np.frombuffer(st.frames[idx], dtype=dtype)
+
+    return enc_array, dec_array
+
+
+def _frame_index(v: Any, st: _DecodeState, path: str) -> int:
+    if type(v) is not int:
+        raise _fail("type", path, f"expected a frame index, got {type(v).__name__}")
+    if not 1 <= v < len(st.frames):
+        raise _fail("frames", path, f"frame index {v} out of range (message has {len(st.frames)} frames)")
+    st.used[v] = 1
+    return v
+
+
+def _encode_record(spec: _RecordSpec, obj: Any, frames: list[Any], memo: dict[Any, int]) -> dict[str, Any]:
+    if obj.__class__ is not spec.cls:
+        raise ProtocolError("encode", f"expected {spec.cls.__name__}, got {type(obj).__name__}")
+    out: dict[str, Any] = {}
+    for name, inline, enc, default in spec.plan:
+        v = getattr(obj, name)
+        if v is default or (default is not _NO_DEFAULT and type(v) is type(default) and v == default):
+            continue
+        if inline is not None and type(v) is inline:
+            out[name] = v
+        else:
+            out[name] = enc(v, frames, memo)
+    return out
+
+
+def _decode_record(spec: _RecordSpec, raw: Any, st: _DecodeState, path: str) -> Any:
+    if type(raw) is not dict:
+        raise _fail("type", path, f"expected a map for {spec.cls.__name__}, got {type(raw).__name__}")
+    kwargs = spec.static_defaults.copy()
+    decoders = spec.decoders
+    for name, v in raw.items():
+        entry = decoders.get(name)
+        if entry is None:
+            continue  # a field from a newer minor version: ignored
+        inline, dec = entry
+        if inline is not None and type(v) is inline:
+            kwargs[name] = v
+        else:
+            kwargs[name] = dec(v, st)
+    if len(kwargs) != len(decoders):
+        for name in spec.required:
+            if name not in kwargs:
+                raise _fail("missing_field", path, f"{spec.cls.__name__}.{name} is required")
+        for name, factory in spec.factories.items():
+            if name not in kwargs:
+                kwargs[name] = factory()
+    return spec.cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def encode(msg: Any) -> list[Any]:
+    """Encode a registered message to a list of frames for ``send_multipart``.
+
+    Frame 0 is bytes; the others are numpy arrays or bytes-like objects that
+    ZeroMQ sends without a Python-side copy.
+    """
+    cls = msg.__class__
+    type_name = getattr(cls, "TYPE", None)
+    if type_name is None or _MESSAGES.get(type_name) is not cls:
+        raise ProtocolError("encode", f"{cls.__name__} is not a registered message type")
+    frames: list[Any] = [b""]
+    try:
+        fields = _encode_record(_SPECS[cls], msg, frames, {})  # type: ignore[index]
+        frames[0] = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields], use_bin_type=True)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError("encode", f"{type_name}: {exc}") from exc
+    return frames
+
+
+def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Decode frames into a message object; raises `ProtocolError` and nothing else."""
+    try:
+        n = len(frames)
+    except TypeError as exc:
+        raise ProtocolError("malformed", "frames must be a sequence") from exc
+    if n == 0:
+        raise ProtocolError("truncated", "no frames")
+    if n > limits.max_frames:
+        raise ProtocolError("oversize", f"{n} frames, limit {limits.max_frames}")
+    views: list[Any] = list(frames)
+    sizes: list[int] = [0] * n
+    total = 0
+    for i, f in enumerate(views):
+        if type(f) is bytes:
+            size = len(f)
+        else:
+            try:
+                mv = memoryview(f)
+            except TypeError as exc:
+                raise ProtocolError("malformed", f"frame {i} is not bytes-like") from exc
+            size = mv.nbytes
+            views[i] = mv
+        if i == 0:
+            if size > limits.max_header_bytes:
+                raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}")
+        elif size > limits.max_frame_bytes:
+            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {limits.max_frame_bytes}")
+        sizes[i] = size
+        total += size
+    if total > limits.max_message_bytes:
+        raise ProtocolError("oversize", f"message of {total} bytes, limit {limits.max_message_bytes}")
+    try:
+        header = msgpack.unpackb(
+            views[0],
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types; all mean "bad header"
+        raise ProtocolError("malformed", f"header is not valid msgpack: {type(exc).__name__}") from exc
+    if type(header) is not list or len(header) != 4:
+        raise ProtocolError("malformed", "header must be [major, minor, type, fields]")
+    major, minor, type_name, fields = header
+    if type(major) is not int or type(minor) is not int:
+        raise ProtocolError("malformed", "protocol version must be two ints")
+    if major not in SUPPORTED_MAJORS:
+        raise ProtocolError("version", f"protocol major {major} not supported (this peer speaks {list(SUPPORTED_MAJORS)})")
+    if type(type_name) is not str:
+        raise ProtocolError("malformed", "message type must be a string")
+    cls = _MESSAGES.get(type_name)
+    if cls is None:
+        raise ProtocolError("unknown_type", f"unknown message type {type_name[:64]!r}")
+    st = _DecodeState(views, sizes, limits)
+    msg = _decode_record(_SPECS[cls], fields, st, type_name)
+    if n > 1 and st.used.count(1) != n - 1:
+        unused = [i for i in range(1, n) if not st.used[i]]
+        raise ProtocolError("frames", f"{type_name}: frames {unused[:8]} are not referenced")
+    return msg
+
+
+def peek_type(frames: Sequence[Frame]) -> str | None:
+    """The type string of a message without decoding it fully (None if unreadable)."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, max_str_len=256, max_array_len=4, max_map_len=4096, max_ext_len=0)
+        t = header[2]
+        return t if type(t) is str else None
+    except Exception:
+        return None

@@ -1,0 +1,59 @@
+"""Decoding limits: the most a peer may make us read or allocate.
+
+Every bound is configurable; the defaults fit the largest legitimate messages
+(a pulled batch of 64 groups of 64 samples, a 4 MiB weight chunk) with room to
+spare and refuse anything far beyond them before it is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollpool.protocol.errors import ConfigError
+
+__all__ = ["Limits", "DEFAULT_LIMITS"]
+
+_MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_header_bytes: int = 4 * _MiB
+    """Largest msgpack header (frame 0)."""
+    max_frame_bytes: int = 64 * _MiB
+    """Largest binary frame (token ids, logprobs, a weight chunk)."""
+    max_message_bytes: int = 512 * _MiB
+    """Largest sum of all frames of one message."""
+    max_frames: int = 65_536
+    """Most frames in one message, header included."""
+    max_str_len: int = 1 * _MiB
+    """Longest string anywhere in a header."""
+    max_bin_len: int = 1 * _MiB
+    """Longest inline bytes value in a header."""
+    max_array_len: int = 65_536
+    """Longest list in a header."""
+    max_map_len: int = 4_096
+    """Most keys in one map of a header."""
+    max_depth: int = 16
+    """Deepest nesting of free-form maps (metadata)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_header_bytes",
+            "max_frame_bytes",
+            "max_message_bytes",
+            "max_frames",
+            "max_str_len",
+            "max_bin_len",
+            "max_array_len",
+            "max_map_len",
+            "max_depth",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Limits.{name} must be a positive int, got {value!r}")
+        if self.max_frames < 1:
+            raise ConfigError("Limits.max_frames must be >= 1")
+
+
+DEFAULT_LIMITS = Limits()

@@ -1,0 +1,560 @@
+"""Every message rollpool puts on the wire, as frozen dataclasses.
+
+Three flows share one codec (see `codec.py`):
+
+worker <-> broker (worker DEALER, broker ROUTER "worker" port)
+    Hello -> Welcome; Credit; Task; Result; WorkerHeartbeat / BrokerHeartbeat;
+    Nack; Goodbye; Cancel; Control -> ControlReply; ApplyRequest -> ApplyGrant
+    -> ApplyDone (rolling weight updates).
+client <-> broker (client DEALER, broker ROUTER "client" port)
+    ClientHello -> ClientWelcome; Submit -> SubmitReply; Pull -> Batch; Ack;
+    SetVersion -> Reply; StatusRequest -> StatusReply; Control -> ControlReply;
+    CancelPrompts -> Reply.
+weights (publisher PUB + ROUTER; worker or relay SUB + DEALER)
+    Announce (PUB); ManifestRequest -> Manifest; Fetch -> Chunk.
+any
+    Error: the answer to a request that could not be served.
+
+Requests carry a `request_id` that the reply echoes. Every broker reply and
+heartbeat carries the broker's `epoch`, so peers notice a restart. Fields with
+defaults are optional on the wire; a later minor version adds fields only with
+defaults, so older peers keep decoding newer messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from rollpool.protocol.codec import Blob, Float32Array, Int32Array, UInt8Array, message, record
+
+__all__ = [
+    # records
+    "SamplingParams",
+    "Prompt",
+    "Trajectory",
+    "GroupResult",
+    "InflightTask",
+    "Rejection",
+    "TensorInfo",
+    "BucketInfo",
+    # group terminal states and finish reasons
+    "GroupState",
+    "FinishReason",
+    # worker flow
+    "Hello",
+    "Welcome",
+    "Credit",
+    "Task",
+    "Result",
+    "WorkerHeartbeat",
+    "BrokerHeartbeat",
+    "Nack",
+    "Goodbye",
+    "Cancel",
+    "Control",
+    "ControlReply",
+    "ApplyRequest",
+    "ApplyGrant",
+    "ApplyDone",
+    # client flow
+    "ClientHello",
+    "ClientWelcome",
+    "Submit",
+    "SubmitReply",
+    "Pull",
+    "Batch",
+    "Ack",
+    "SetVersion",
+    "StatusRequest",
+    "StatusReply",
+    "CancelPrompts",
+    "Reply",
+    # weights
+    "Announce",
+    "ManifestRequest",
+    "Manifest",
+    "Fetch",
+    "Chunk",
+    # any
+    "Error",
+]
+
+
+class GroupState:
+    """Terminal states of a prompt group, as the trainer is told of them."""
+
+    DONE = "done"
+    FAILED = "failed"
+    DROPPED_STALE = "dropped_stale"
+    CANCELLED = "cancelled"
+    ALL = (DONE, FAILED, DROPPED_STALE, CANCELLED)
+
+
+class FinishReason:
+    """Why one sample ended (data on the trajectory, never an exception)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    ALL = (STOP, LENGTH, ABORT, ERROR)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@record
+class SamplingParams:
+    """Sampling settings of one prompt group (the names SGLang uses)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 means no top-k truncation."""
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings."""
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@record
+class Prompt:
+    """One prompt group: `group_size` samples of the same input on one engine."""
+
+    prompt_id: str
+    input_ids: Int32Array | None = None
+    text: str | None = None
+    """Tokenized by the worker with the model's tokenizer when `input_ids` is None."""
+    apply_chat_template: bool = False
+    group_size: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    """Higher is dispatched first; equal priorities keep submission order."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Small map echoed back on every trajectory (e.g. the reference answer)."""
+
+
+@record
+class Trajectory:
+    """One sample of a group, every output token tagged with its policy version."""
+
+    prompt_id: str
+    sample_index: int
+    input_ids: Int32Array
+    output_ids: Int32Array
+    """The stop token included, as SGLang reports it."""
+    output_logprobs: Float32Array
+    """log_softmax(logits / temperature) of each output token, before top-k/top-p."""
+    token_versions: Int32Array
+    """Policy (weight) version that produced each output token."""
+    loss_mask: UInt8Array
+    """1 for generated tokens, 0 for tokens inserted by a multi-turn workflow."""
+    finish_reason: str
+    worker_id: str = ""
+    attempt: int = 0
+    output_text: str | None = None
+    queued_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    """Wall-clock timestamps (seconds since the epoch)."""
+    reward: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trajectory_id(self) -> str:
+        """The dedup key: ``f"{prompt_id}:{sample_index}"``."""
+        return f"{self.prompt_id}:{self.sample_index}"
+
+
+@record
+class GroupResult:
+    """A prompt group in its terminal state, as delivered to the trainer."""
+
+    prompt_id: str
+    state: str
+    """One of `GroupState.ALL`."""
+    trajectories: tuple[Trajectory, ...] = ()
+    """All n samples when DONE; empty otherwise."""
+    reason: str = ""
+    attempts: int = 0
+    worker_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@record
+class InflightTask:
+    """A task a worker holds, re-announced on hello after a broker restart."""
+
+    task_id: str
+    prompt_id: str
+    group_size: int
+    attempt: int = 0
+
+
+@record
+class Rejection:
+    """Why a submitted prompt was not accepted."""
+
+    prompt_id: str
+    reason: str
+    """``duplicate``, ``invalid``, ``group_too_large``, ``queue_full``, ``stopping``."""
+    detail: str = ""
+
+
+@record
+class TensorInfo:
+    """Where one named tensor lies inside its bucket."""
+
+    name: str
+    dtype: str
+    """numpy-style name (``float32``, ``bfloat16``, ...)."""
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@record
+class BucketInfo:
+    """One contiguous bucket of a weight version."""
+
+    index: int
+    dtype: str
+    nbytes: int
+    checksum: str
+    """``"<algorithm>:<hex digest>"`` of the bucket's bytes."""
+    tensors: tuple[TensorInfo, ...] = ()
+
+
+# --------------------------------------------------------------------------- worker flow
+
+
+@message("hello")
+class Hello:
+    """Worker -> broker on connect, and again when it sees a new broker epoch."""
+
+    worker_id: str
+    protocol_min: int
+    protocol_max: int
+    engine: str
+    capacity: int
+    """Most sequences the worker runs at once."""
+    credits: int
+    """Sequences it can take now (capacity minus those in flight)."""
+    weight_version: int = -1
+    apply_modes: tuple[str, ...] = ()
+    fingerprint: str = ""
+    """Digest of the model config and tokenizer; clients may refuse a mismatch."""
+    inflight: tuple[InflightTask, ...] = ()
+    engine_info: dict[str, Any] = field(default_factory=dict)
+    host: str = ""
+    pid: int = 0
+    pool: str = "default"
+
+
+@message("welcome")
+class Welcome:
+    """Broker -> worker: the settled protocol and where to get weights."""
+
+    epoch: str
+    protocol: int
+    heartbeat_interval_s: float
+    weight_version: int = -1
+    """Newest version the trainer announced (-1: none yet)."""
+    weight_endpoint: str | None = None
+    """The publisher's ROUTER (bucket fetch)."""
+    announce_endpoint: str | None = None
+    """The publisher's PUB (announcements)."""
+    adopted: tuple[str, ...] = ()
+    """In-flight task ids the broker took over from the hello."""
+    refused: tuple[str, ...] = ()
+    """In-flight task ids the worker should drop (already done elsewhere)."""
+
+
+@message("credit")
+class Credit:
+    """Worker -> broker: `credits` more sequences may be sent."""
+
+    credits: int
+
+
+@message("task")
+class Task:
+    """Broker -> worker: one prompt group to generate."""
+
+    task_id: str
+    prompt: Prompt
+    attempt: int = 0
+    deadline_s: float = 0.0
+    """Most seconds the broker waits for the result (0: no deadline)."""
+    queued_at: float = 0.0
+    min_version: int = -1
+    """The oldest weight version the broker accepts output from."""
+
+
+@message("result")
+class Result:
+    """Worker -> broker: the whole group of one task, or why it failed."""
+
+    task_id: str
+    prompt_id: str
+    trajectories: tuple[Trajectory, ...] = ()
+    error: str | None = None
+    """Set when the worker could not produce the group; the broker may retry."""
+    retryable: bool = True
+
+
+@message("worker_heartbeat")
+class WorkerHeartbeat:
+    worker_id: str
+    inflight_task_ids: tuple[str, ...] = ()
+    weight_version: int = -1
+    state: str = "ready"
+    """``ready``, ``applying``, ``draining``, ``sleeping``, ``restarting``."""
+    tokens_total: int = 0
+    epoch: str = ""
+    """The broker epoch the worker believes in ("" before its first welcome)."""
+
+
+@message("broker_heartbeat")
+class BrokerHeartbeat:
+    epoch: str
+    weight_version: int = -1
+    weight_endpoint: str | None = None
+    announce_endpoint: str | None = None
+
+
+@message("nack")
+class Nack:
+    """Worker -> broker: hand these tasks back now (not counted as a failure)."""
+
+    task_ids: tuple[str, ...]
+    reason: str = ""
+
+
+@message("goodbye")
+class Goodbye:
+    """Either way: the sender is leaving; a worker hands back `task_ids`."""
+
+    reason: str = ""
+    task_ids: tuple[str, ...] = ()
+
+
+@message("cancel")
+class Cancel:
+    """Broker -> worker: stop these tasks; their results will be dropped."""
+
+    task_ids: tuple[str, ...]
+    reason: str = ""
+
+
+@message("control")
+class Control:
+    """Client -> broker -> every worker: sleep, wake, flush_cache, drain, resume."""
+
+    request_id: str
+    op: str
+    tags: tuple[str, ...] = ()
+    args: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+
+
+@message("control_reply")
+class ControlReply:
+    request_id: str
+    ok: bool
+    error: str | None = None
+    results: dict[str, Any] = field(default_factory=dict)
+    """Per worker id: ``{"ok": bool, "error": str | None, ...}``."""
+    epoch: str = ""
+
+
+@message("apply_request")
+class ApplyRequest:
+    """Worker -> broker: may I pause to apply `version` (rolling updates)?"""
+
+    version: int
+
+
+@message("apply_grant")
+class ApplyGrant:
+    version: int
+
+
+@message("apply_done")
+class ApplyDone:
+    version: int
+    ok: bool
+    duration_s: float = 0.0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- client flow
+
+
+@message("client_hello")
+class ClientHello:
+    client_id: str
+    protocol_min: int
+    protocol_max: int
+    fingerprint: str = ""
+    """When set, the broker refuses to dispatch to workers with another fingerprint."""
+
+
+@message("client_welcome")
+class ClientWelcome:
+    epoch: str
+    protocol: int
+    weight_version: int = -1
+    redelivered: int = 0
+    """Groups this client had been sent but not acknowledged, made ready again."""
+
+
+@message("submit")
+class Submit:
+    request_id: str
+    prompts: tuple[Prompt, ...]
+
+
+@message("submit_reply")
+class SubmitReply:
+    request_id: str
+    epoch: str
+    accepted: tuple[str, ...] = ()
+    rejected: tuple[Rejection, ...] = ()
+
+
+@message("pull")
+class Pull:
+    """Ask for up to `max_groups` terminal groups, waiting up to `wait_s`."""
+
+    request_id: str
+    max_groups: int
+    wait_s: float = 0.0
+    ack: tuple[str, ...] = ()
+    """Prompt ids acknowledged with this request (saves a round trip)."""
+
+
+@message("batch")
+class Batch:
+    request_id: str
+    epoch: str
+    groups: tuple[GroupResult, ...] = ()
+    weight_version: int = -1
+
+
+@message("ack")
+class Ack:
+    """Client -> broker: these groups were consumed; forget them."""
+
+    prompt_ids: tuple[str, ...]
+    dropped_stale: tuple[str, ...] = ()
+    """Of those, the groups the trainer dropped as too stale (frees capacity)."""
+
+
+@message("set_version")
+class SetVersion:
+    request_id: str
+    version: int
+    weight_endpoint: str | None = None
+    announce_endpoint: str | None = None
+
+
+@message("status_request")
+class StatusRequest:
+    request_id: str
+
+
+@message("status_reply")
+class StatusReply:
+    request_id: str
+    epoch: str
+    counters: dict[str, Any] = field(default_factory=dict)
+    workers: dict[str, Any] = field(default_factory=dict)
+    """Per worker id: a map of its live state."""
+
+
+@message("cancel_prompts")
+class CancelPrompts:
+    request_id: str
+    prompt_ids: tuple[str, ...]
+
+
+@message("reply")
+class Reply:
+    """Generic acknowledgement of a client request."""
+
+    request_id: str
+    ok: bool = True
+    epoch: str = ""
+    error: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@message("announce")
+class Announce:
+    """Publisher PUB: a new version is ready to fetch."""
+
+    version: int
+    publisher_id: str
+    total_bytes: int
+    num_buckets: int
+
+
+@message("manifest_request")
+class ManifestRequest:
+    """Ask for a version's manifest; ``version=None`` means the latest."""
+
+    request_id: str
+    version: int | None = None
+
+
+@message("manifest")
+class Manifest:
+    request_id: str
+    version: int
+    """-1 when the publisher holds no version yet."""
+    publisher_id: str = ""
+    buckets: tuple[BucketInfo, ...] = ()
+    chunk_bytes: int = 4 * 1024 * 1024
+
+
+@message("fetch")
+class Fetch:
+    """Ask for `nbytes` of a bucket from `offset` (one chunk of a window)."""
+
+    request_id: str
+    version: int
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@message("chunk")
+class Chunk:
+    request_id: str
+    version: int
+    bucket: int
+    offset: int
+    data: Blob
+
+
+# --------------------------------------------------------------------------- any
+
+
+@message("error")
+class Error:
+    """The answer to a message that could not be served."""
+
+    code: str
+    message: str
+    request_id: str | None = None
+    ref_type: str | None = None
+    """The type of the message this answers, when it could be read."""

@@ -1,0 +1,53 @@
+"""Fixed sample messages: the golden wire fixtures are their encodings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rollpool import protocol as p
+
+
+def samples() -> dict[str, Any]:
+    ids = np.array([1, 2, 3, 50_000], dtype=np.int32)
+    traj = p.Trajectory(
+        prompt_id="p1",
+        sample_index=1,
+        input_ids=ids,
+        output_ids=np.array([7, 8, 2], dtype=np.int32),
+        output_logprobs=np.array([-0.5, -1.25, -0.125], dtype=np.float32),
+        token_versions=np.array([3, 3, 4], dtype=np.int32),
+        loss_mask=np.array([1, 1, 1], dtype=np.uint8),
+        finish_reason="stop",
+        worker_id="w0",
+        attempt=1,
+        output_text="hi",
+        finished_at=1.5,
+        reward=1.0,
+        metadata={"answer": "42"},
+    )
+    prompt = p.Prompt(
+        prompt_id="p1",
+        input_ids=ids,
+        group_size=2,
+        sampling=p.SamplingParams(max_new_tokens=16, temperature=0.7, top_k=5, stop=("\n",), seed=3),
+        priority=1,
+        metadata={"answer": "42"},
+    )
+    return {
+        "hello": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8,
+                         weight_version=2, apply_modes=("interrupt", "drain"), fingerprint="abc",
+                         inflight=(p.InflightTask(task_id="t1", prompt_id="p1", group_size=2, attempt=1),)),
+        "task": p.Task(task_id="t1", prompt=prompt, attempt=1, deadline_s=60.0),
+        "result": p.Result(task_id="t1", prompt_id="p1", trajectories=(traj,)),
+        "submit": p.Submit(request_id="r1", prompts=(prompt, p.Prompt(prompt_id="p2", text="2+2="))),
+        "batch": p.Batch(request_id="r2", epoch="e1",
+                         groups=(p.GroupResult(prompt_id="p1", state=p.GroupState.DONE, trajectories=(traj,), attempts=1),
+                                 p.GroupResult(prompt_id="p3", state=p.GroupState.FAILED, reason="max_attempts"))),
+        "manifest": p.Manifest(request_id="m1", version=4, publisher_id="pub", buckets=(
+            p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="crc32:0badf00d", tensors=(
+                p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
+        "chunk": p.Chunk(request_id="c1", version=4, bucket=0, offset=0, data=b"\x00\x01\x02\x03"),
+        "error": p.Error(code="protocol", message="bad frame", request_id=None, ref_type="task"),
+    }

@@ -1,0 +1,233 @@
+"""The codec: round trips, golden wire bytes, strict and bounded decoding."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+import random
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollpool import protocol as p
+from rollpool.protocol import Limits, ProtocolError, decode, encode, message_types
+
+from .samples import samples
+from .strategies import any_message, record_strategy
+
+GOLDEN = pathlib.Path(__file__).parents[2] / "fixtures" / "golden_wire.json"
+
+
+def _roundtrip(msg: Any) -> Any:
+    return decode([bytes(memoryview(f)) for f in encode(msg)])
+
+
+@pytest.mark.parametrize("type_name", sorted(message_types()))
+def test_every_message_type_round_trips(type_name: str) -> None:
+    cls = message_types()[type_name]
+
+    @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+    @given(record_strategy(cls))
+    def check(msg: Any) -> None:
+        out = _roundtrip(msg)
+        assert type(out) is cls
+        assert out == msg
+
+    check()
+
+
+def test_every_message_type_is_covered_by_the_strategies() -> None:
+    # A new message type gets a round-trip test automatically; this pins that the registry is not empty.
+    assert {"hello", "task", "result", "submit", "batch", "manifest", "chunk", "error"} <= set(message_types())
+
+
+def test_golden_fixtures_pin_the_wire_format() -> None:
+    golden = json.loads(GOLDEN.read_text())
+    current = samples()
+    assert set(golden) == set(current)
+    for name, msg in current.items():
+        frames = [bytes.fromhex(h) for h in golden[name]]
+        assert [bytes(memoryview(f)) for f in encode(msg)] == frames, f"wire format of {name} changed"
+        assert decode(frames) == msg
+
+
+def test_arrays_travel_as_raw_frames_and_decode_as_views() -> None:
+    msg = samples()["result"]
+    frames = encode(msg)
+    header = msgpack.unpackb(frames[0])
+    assert header[:3] == [p.PROTOCOL_MAJOR, p.PROTOCOL_MINOR, "result"]
+    out = decode([bytes(memoryview(f)) for f in frames])  # as received from a socket
+    t = out.trajectories[0]
+    assert t.output_ids.dtype == np.int32 and t.output_logprobs.dtype == np.float32
+    assert t.loss_mask.dtype == np.uint8
+    assert not t.output_ids.flags.writeable  # a zero-copy view of the received frame
+    assert t.trajectory_id == "p1:1"
+
+
+def test_shared_prompt_array_travels_once() -> None:
+    ids = np.arange(100, dtype=np.int32)
+    trajs = tuple(
+        p.Trajectory(prompt_id="g", sample_index=i, input_ids=ids, output_ids=ids[:3], output_logprobs=np.zeros(3, np.float32),
+                     token_versions=np.zeros(3, np.int32), loss_mask=np.ones(3, np.uint8), finish_reason="stop")
+        for i in range(8)
+    )
+    frames = encode(p.Result(task_id="t", prompt_id="g", trajectories=trajs))
+    # 1 header + 1 shared input_ids + 8 x 4 per-sample arrays (output_ids slices are distinct objects)
+    assert len(frames) == 1 + 1 + 8 * 4
+    assert decode(frames) == p.Result(task_id="t", prompt_id="g", trajectories=trajs)
+
+
+def test_numpy_scalars_and_lists_are_accepted_on_encode() -> None:
+    msg = p.Task(task_id="t", prompt=p.Prompt(prompt_id="x", input_ids=[1, 2, 3], group_size=np.int64(4)))  # type: ignore[arg-type]
+    out = _roundtrip(msg)
+    assert out.prompt.group_size == 4 and out.prompt.input_ids.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        p.Credit(credits="3"),  # type: ignore[arg-type]
+        p.Credit(credits=True),  # bools are not ints
+        p.Nack(task_ids=("a", 1)),  # type: ignore[arg-type]
+        p.Task(task_id="t", prompt=p.Prompt(prompt_id="x", input_ids=[2**40])),  # type: ignore[arg-type]
+        p.Submit(request_id="r", prompts=(object(),)),  # type: ignore[arg-type]
+        p.Reply(request_id="r", data={"x": object()}),
+    ],
+)
+def test_encode_refuses_wrong_types_with_protocol_error(bad: Any) -> None:
+    with pytest.raises(ProtocolError):
+        encode(bad)
+
+
+def test_encode_refuses_unregistered_types() -> None:
+    with pytest.raises(ProtocolError):
+        encode(p.SamplingParams())
+
+
+# --------------------------------------------------------------------------- malformed input
+
+
+def _header(type_name: str, fields: Any, major: int = 1, minor: int = 0) -> bytes:
+    return msgpack.packb([major, minor, type_name, fields], use_bin_type=True)
+
+
+def _code(frames: list[bytes], limits: Limits = p.DEFAULT_LIMITS) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, limits)
+    return info.value.code
+
+
+def test_malformed_input_of_every_kind_raises_protocol_error() -> None:
+    good = [bytes(memoryview(f)) for f in encode(samples()["result"])]
+    assert _code([]) == "truncated"
+    assert _code([good[0][:-5]] + good[1:]) == "malformed"  # truncated header
+    assert _code(good[:-1]) == "frames"  # a referenced frame is missing
+    assert _code(good + [b"extra"]) == "frames"  # a frame nobody refers to
+    assert _code([b"\xc1"]) == "malformed"  # never-used msgpack byte
+    assert _code([msgpack.packb({"t": "x"})]) == "malformed"  # not the header shape
+    assert _code([_header("no_such_type", {})]) == "unknown_type"
+    assert _code([_header("credit", {"credits": 1}, major=2)]) == "version"
+    assert _code([_header("credit", {})]) == "missing_field"
+    assert _code([_header("credit", {"credits": "1"})]) == "type"
+    assert _code([_header("credit", {"credits": 1.5})]) == "type"
+    assert _code([_header("nack", {"task_ids": "abc"})]) == "type"
+    assert _code([_header("reply", {"request_id": "r", "data": {"x": msgpack.ExtType(1, b"x")}})]) == "malformed"
+    assert _code([_header("chunk", {"request_id": "c", "version": 1, "bucket": 0, "offset": 0, "data": 5})]) == "frames"
+    bad_len = [_header("result", {"task_id": "t", "prompt_id": "p", "trajectories": [
+        {"prompt_id": "p", "sample_index": 0, "input_ids": 1, "output_ids": 1, "output_logprobs": 1,
+         "token_versions": 1, "loss_mask": 1, "finish_reason": "stop"}]}), b"abc"]
+    assert _code(bad_len) == "frames"  # 3 bytes is not a whole int32
+    assert _code([b"not bytes" * 0, object()]) in ("malformed", "truncated")  # type: ignore[list-item]
+
+
+def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
+    out = decode([_header("credit", {"credits": 2, "from_the_future": [1, 2]}, minor=7)])
+    assert out == p.Credit(credits=2)
+
+
+def test_limits_refuse_oversize_before_allocating() -> None:
+    small = Limits(max_header_bytes=64, max_frame_bytes=16, max_frames=3, max_str_len=8, max_array_len=4, max_map_len=32, max_depth=2)
+    assert _code([b"\x00" * 65], small) == "oversize"
+    assert _code([_header("chunk", {"request_id": "c", "version": 1, "bucket": 0, "offset": 0, "data": 1}), b"x" * 17], small) == "oversize"
+    assert _code([b"a", b"b", b"c", b"d"], small) == "oversize"
+    assert _code([_header("error", {"code": "x" * 9, "message": ""})], small) == "malformed"  # string too long
+    assert _code([_header("nack", {"task_ids": ["a"] * 5})], small) == "malformed"  # list too long
+    deep: Any = 1
+    for _ in range(4):
+        deep = {"k": deep}
+    assert _code([_header("reply", {"request_id": "r", "data": deep})], Limits(max_depth=2)) == "oversize"
+    assert _code([b"x" * 10, b"y" * 10], Limits(max_message_bytes=15)) in ("oversize",)
+
+
+def test_decode_never_unpickles() -> None:
+    payload = pickle.dumps({"x": 1})
+    assert _code([payload]) in ("malformed",)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+def _mutations(good: list[bytes], rng: random.Random) -> list[bytes]:
+    frames = [bytearray(f) for f in good]
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(5)
+        i = rng.randrange(len(frames))
+        f = frames[i]
+        if op == 0 and f:
+            f[rng.randrange(len(f))] = rng.randrange(256)
+        elif op == 1 and f:
+            del f[rng.randrange(len(f)) :]
+        elif op == 2:
+            f[rng.randrange(len(f) + 1) : 0] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif op == 3:
+            frames.insert(i, bytearray(rng.randbytes(rng.randint(0, 16))))
+        elif op == 4 and len(frames) > 1:
+            del frames[i]
+    return [bytes(f) for f in frames]
+
+
+def test_fuzz_mutated_frames_raise_only_protocol_error() -> None:
+    """10,000 mutated frame lists (seeded) through decode: ProtocolError or a valid message, nothing else."""
+    rng = random.Random(1234)
+    goods = [[bytes(memoryview(f)) for f in encode(m)] for m in samples().values()]
+    counts = {"ok": 0, "protocol_error": 0}
+    for n in range(10_000):
+        frames = _mutations(goods[n % len(goods)], rng)
+        try:
+            decode(frames)
+            counts["ok"] += 1
+        except ProtocolError:
+            counts["protocol_error"] += 1
+    assert sum(counts.values()) == 10_000
+    assert counts["protocol_error"] > 5_000  # the mutations really do break messages
+
+
+@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=6))
+def test_fuzz_random_frame_lists_raise_only_protocol_error(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(any_message(), st.data())
+def test_fuzz_structured_headers_raise_only_protocol_error(msg: Any, data: st.DataObject) -> None:
+    """Valid headers with one field replaced by a random msgpack value."""
+    frames = [bytes(memoryview(f)) for f in encode(msg)]
+    major, minor, t, fields = msgpack.unpackb(frames[0])
+    if fields:
+        key = data.draw(st.sampled_from(sorted(fields)))
+        ints = st.integers(-(2**63), 2**63 - 1)
+        fields[key] = data.draw(st.none() | ints | st.text(max_size=5) | st.lists(ints, max_size=3) | st.binary(max_size=4))
+    frames[0] = msgpack.packb([major, minor, t, fields], use_bin_type=True)
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass

@@ -1,0 +1,99 @@
+"""The import arrows of DESIGN.md, enforced on the source (every import, lazy ones included)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "rollpool"
+
+# subpackage -> the rollpool subpackages it may import
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "broker": {"protocol"},
+    "weights": {"protocol"},
+    "workers": {"protocol", "weights"},
+    "trainer_client": {"protocol", "weights"},
+    "monitor": {"protocol"},
+    "demo": {"protocol", "broker", "weights", "workers", "trainer_client", "monitor", "launch"},
+    "launch": {"protocol", "broker", "weights", "workers", "trainer_client", "monitor"},
+    "chaos": {"protocol", "broker", "weights", "workers", "trainer_client", "monitor", "launch"},
+    "errors": {"protocol"},
+    "__init__": set(),
+}
+HEAVY = {"torch", "sglang", "transformers", "ray", "safetensors"}
+# where each third-party module may be imported (by rollpool subpackage / module path prefix)
+THIRD_PARTY_HOMES: dict[str, tuple[str, ...]] = {
+    "redis": ("monitor", "cli"),
+    "sglang": ("workers/engines/sglang",),
+    "torch": ("workers/engines", "weights", "demo", "trainer_client"),
+    "transformers": ("workers/engines", "demo"),
+    "safetensors": ("workers/engines", "weights", "demo"),
+    "ray": ("launch",),
+}
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    return [(str(p.relative_to(ROOT)), p) for p in ROOT.rglob("*.py")]
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, bool]]:
+    """(imported module, at module top level?) for every import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(n) for n in tree.body}
+    out: list[tuple[str, bool]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in top_level) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, id(node) in top_level))
+    return out
+
+
+def _owner(rel: str) -> str:
+    head = rel.split("/")[0]
+    return head[:-3] if head.endswith(".py") else head
+
+
+@pytest.mark.parametrize("rel,path", _modules(), ids=lambda x: str(x))
+def test_imports_follow_the_arrows(rel: str, path: pathlib.Path) -> None:
+    owner = _owner(rel)
+    for mod, _top in _imports(path):
+        parts = mod.split(".")
+        if parts[0] == "rollpool" and len(parts) > 1 and owner not in ("cli", "__main__", "keys_cli"):
+            target = parts[1]
+            if target in ("errors",):
+                target = "protocol"
+            if target != owner:
+                assert target in ALLOWED.get(owner, set()), f"{rel} imports {mod}: {owner} -> {target} is not an allowed arrow"
+        home = THIRD_PARTY_HOMES.get(parts[0])
+        if home is not None:
+            assert rel.startswith(home), f"{rel} imports {parts[0]}, which may be imported only under {home}"
+
+
+@pytest.mark.parametrize("rel,path", [m for m in _modules() if m[0].startswith(("protocol/", "broker/"))], ids=lambda x: str(x))
+def test_protocol_and_broker_import_nothing_heavy(rel: str, path: pathlib.Path) -> None:
+    for mod, top in _imports(path):
+        root = mod.split(".")[0]
+        assert root not in HEAVY, f"{rel} imports {mod}"
+        if rel.startswith("protocol/") and top:
+            assert root not in ("zmq", "redis"), f"{rel} imports {mod} at module level"
+
+
+def test_import_protocol_works_without_redis_zmq_or_torch() -> None:
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('redis', 'zmq', 'torch', 'sglang', 'transformers'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import rollpool.protocol, rollpool.errors\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
