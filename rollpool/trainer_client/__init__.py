@@ -1,3 +1,22 @@
-"""rollpool.trainer_client: the trainer's client library (imports `protocol` and `weights`)."""
+"""rollpool.trainer_client: the trainer's client library (imports `protocol` and `weights`).
+
+`TrainerClient` (asyncio), `SyncTrainerClient` (blocking, for plain training
+loops) and `RolloutPool` (the generation-engine calls RL frameworks make).
+"""
 
 from __future__ import annotations
+
+from rollpool.trainer_client.client import RolloutBatch, SubmitResult, TrainerClient, TrainerClientConfig, make_prompt, new_prompt_id
+from rollpool.trainer_client.pool import RolloutPool
+from rollpool.trainer_client.sync import SyncTrainerClient
+
+__all__ = [
+    "TrainerClient",
+    "TrainerClientConfig",
+    "SyncTrainerClient",
+    "RolloutPool",
+    "RolloutBatch",
+    "SubmitResult",
+    "make_prompt",
+    "new_prompt_id",
+]
