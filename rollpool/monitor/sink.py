@@ -115,7 +115,7 @@ class RedisMetricsSink:
         self.series_len = series_len
         self.series_interval_s = series_interval_s
         self.series_ttl_s = series_ttl_s
-        self.histogram_bounds = {k: tuple(sorted(v)) for k, v in (histogram_bounds or {}).items()}
+        self.histogram_bounds = {k: tuple(sorted({*v, math.inf})) for k, v in (histogram_bounds or {}).items()}
         self.min_backoff_s = min_backoff_s
         self.max_backoff_s = max_backoff_s
         self.close_timeout_s = close_timeout_s
@@ -136,6 +136,7 @@ class RedisMetricsSink:
         self._batch = _Batch()
         self._series_last: dict[str, float] = {}
         self._obs_acc: dict[str, _SeriesAccumulator] = {}
+        self._hist_seen: set[str] = set()
         self._obs_window_start = time.time()
         self._stats = {
             "enqueued": 0,
@@ -261,6 +262,11 @@ class RedisMetricsSink:
                 return
             bounds = self.histogram_bounds.get(name, DEFAULT_BOUNDS)
             counts = batch.hist.setdefault(name, {})
+            if name not in self._hist_seen:
+                # Every bucket exists from the first write on, so scrapes always see the same bucket set.
+                self._hist_seen.add(name)
+                for bound in bounds:
+                    counts.setdefault(bucket_for(bound, bounds), 0)
             bucket = bucket_for(value, bounds)
             counts[bucket] = counts.get(bucket, 0) + 1
             counts["count"] = counts.get("count", 0) + 1
