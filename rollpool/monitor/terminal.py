@@ -29,19 +29,30 @@ _BROKER_ORDER = (
     ("dropped_stale", "stale"),
     ("workers_alive", "workers"),
 )
+# (header, width, drop order: columns with the highest number go first on a narrow terminal)
 _WORKER_COLUMNS = (
-    ("WORKER", 18),
-    ("HOST", 12),
-    ("ENGINE", 8),
-    ("STATE", 10),
-    ("VER", 5),
-    ("LAG", 4),
-    ("INFL", 5),
-    ("CRED", 5),
-    ("TOK/S", 9),
-    ("TOKENS", 11),
-    ("SEEN", 6),
+    ("WORKER", 18, 0),
+    ("HOST", 12, 4),
+    ("ENGINE", 8, 3),
+    ("STATE", 10, 0),
+    ("VER", 5, 0),
+    ("LAG", 4, 0),
+    ("INFL", 5, 1),
+    ("CRED", 5, 2),
+    ("TOK/S", 9, 0),
+    ("TOKENS", 11, 1),
+    ("SEEN", 6, 0),
 )
+
+
+def _columns_for(width: int) -> list[int]:
+    """Indexes of the worker columns that fit in `width` (dropping the least useful first)."""
+    keep = list(range(len(_WORKER_COLUMNS)))
+    for level in (4, 3, 2, 1):
+        if 2 + sum(_WORKER_COLUMNS[i][1] + 1 for i in keep) <= width:
+            break
+        keep = [i for i in keep if _WORKER_COLUMNS[i][2] != level]
+    return keep
 
 
 def _fmt(value: Any, decimals: int = 0) -> str:
@@ -89,7 +100,8 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
 
     lags = state.worker_version_lag()
     lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
-    lines.append(_cut("  " + " ".join(name.ljust(w) for name, w in _WORKER_COLUMNS).rstrip(), width))
+    shown = _columns_for(width)
+    lines.append(_cut("  " + " ".join(_WORKER_COLUMNS[i][0].ljust(_WORKER_COLUMNS[i][1]) for i in shown).rstrip(), width))
     for wid, f in sorted(state.workers.items()):
         lag = lags.get(wid)
         cells = (
@@ -105,7 +117,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
             _fmt(f.get("tokens_total")),
             _fmt(f.get("age_s"), 1),
         )
-        row = "  " + " ".join(_cut(c, w).ljust(w) for c, (_, w) in zip(cells, _WORKER_COLUMNS, strict=True))
+        row = "  " + " ".join(_cut(cells[i], _WORKER_COLUMNS[i][1]).ljust(_WORKER_COLUMNS[i][1]) for i in shown)
         row = _cut(row.rstrip(), width)
         lines.append(red + row + reset if lag is not None and lag > 0 else row)
     if not state.workers:
@@ -117,8 +129,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
         lines.append(bold + f"STALENESS AT CONSUMPTION (n={hist.count}, mean {hist.sum / hist.count:.2f})" + reset)
         top = max(n for _, n in hist.buckets) or 1
         bar_width = max(10, min(50, width - 24))
-        shown = [(b, n) for b, n in hist.buckets if n]
-        for bound, n in shown:
+        for bound, n in [(b, n) for b, n in hist.buckets if n]:
             bar = "#" * max(1, round(bar_width * n / top))
             label = "<=" + format_bound(bound) if bound != float("inf") else ">" + format_bound(_prev(hist.buckets, bound))
             lines.append(_cut(f"  {label:>6} {bar} {n}", width))
