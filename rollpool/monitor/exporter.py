@@ -88,6 +88,7 @@ class ExporterServer:
     @property
     def url(self) -> str:
         host = self.httpd.server_address[0]
+        host = host.decode() if isinstance(host, bytes) else str(host)
         return f"http://{host}:{self.port}"
 
     def serve_forever(self) -> None:

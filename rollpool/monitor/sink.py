@@ -240,8 +240,8 @@ class RedisMetricsSink:
         batch = self._batch
         if op == _STATE:
             fields, ttl_s = payload
-            if name != "broker" and not PoolKeys.valid_id(key):
-                raise ValueError(f"invalid {name} id {key!r}")
+            if not PoolKeys.valid_id(name) or ":" in name or (name != "broker" and not PoolKeys.valid_id(key)):
+                raise ValueError(f"invalid state kind {name!r} or id {key!r}")
             encoded = {str(k): encode_value(v) for k, v in fields.items()}
             encoded.setdefault("updated_at", encode_value(round(ts, 3)))
             state_key = self.keys.state(name, key)
