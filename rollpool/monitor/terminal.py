@@ -1,0 +1,155 @@
+"""One frame of ``rollpool top`` as text (pure, no I/O).
+
+`render_frame` lays out a `PoolState` in at most `width` columns: a header, the
+broker's counters, a table of alive workers (with each one's version lag), the
+staleness histogram as bars, and the most recent events. With ``color=True`` it
+adds plain ANSI SGR codes (bold headers, red for lagging or stale entries).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rollpool.monitor.keys import format_bound
+from rollpool.monitor.reader import PoolState
+
+__all__ = ["render_frame"]
+
+_BROKER_ORDER = (
+    ("version", "version"),
+    ("queued", "queued"),
+    ("leased", "leased"),
+    ("held", "held"),
+    ("dispatched", "dispatched"),
+    ("completed", "completed"),
+    ("requeued", "requeued"),
+    ("duplicates", "dup"),
+    ("failed", "failed"),
+    ("dropped_stale", "stale"),
+    ("workers_alive", "workers"),
+)
+# (header, width, drop order: columns with the highest number go first on a narrow terminal)
+_WORKER_COLUMNS = (
+    ("WORKER", 18, 0),
+    ("HOST", 12, 4),
+    ("ENGINE", 8, 3),
+    ("STATE", 10, 0),
+    ("VER", 5, 0),
+    ("LAG", 4, 0),
+    ("INFL", 5, 1),
+    ("CRED", 5, 2),
+    ("TOK/S", 9, 0),
+    ("TOKENS", 11, 1),
+    ("SEEN", 6, 0),
+)
+
+
+def _columns_for(width: int) -> list[int]:
+    """Indexes of the worker columns that fit in `width` (dropping the least useful first)."""
+    keep = list(range(len(_WORKER_COLUMNS)))
+    for level in (4, 3, 2, 1):
+        if 2 + sum(_WORKER_COLUMNS[i][1] + 1 for i in keep) <= width:
+            break
+        keep = [i for i in keep if _WORKER_COLUMNS[i][2] != level]
+    return keep
+
+
+def _fmt(value: Any, decimals: int = 0) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float) and decimals:
+        return f"{value:.{decimals}f}"
+    if isinstance(value, float):
+        return f"{value:.0f}"
+    return str(value)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "~"
+
+
+def render_frame(state: PoolState, *, width: int = 100, color: bool = False, events: int = 10) -> str:
+    bold = "\x1b[1m" if color else ""
+    red = "\x1b[31m" if color else ""
+    reset = "\x1b[0m" if color else ""
+    lines: list[str] = []
+    clock = time.strftime("%H:%M:%S", time.localtime(state.time))
+    broker = state.broker
+    header = f"rollpool top  pool {state.pool}  {clock}"
+    if broker:
+        header += f"  broker epoch {broker.get('epoch', '?')}  updated {_fmt(broker.get('age_s'), 1)} s ago"
+    else:
+        header += "  (no broker state)"
+    lines.append(bold + _cut(header, width) + reset)
+    lines.append("")
+
+    lines.append(bold + "BROKER" + reset)
+    if broker:
+        parts = [f"{label} {_fmt(broker.get(name))}" for name, label in _BROKER_ORDER if name in broker]
+        row = "  "
+        for part in parts:
+            if len(row) + len(part) + 2 > width:
+                lines.append(row.rstrip())
+                row = "  "
+            row += part + "  "
+        lines.append(row.rstrip())
+    else:
+        lines.append("  -")
+    lines.append("")
+
+    lags = state.worker_version_lag()
+    lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
+    shown = _columns_for(width)
+    lines.append(_cut("  " + " ".join(_WORKER_COLUMNS[i][0].ljust(_WORKER_COLUMNS[i][1]) for i in shown).rstrip(), width))
+    for wid, f in sorted(state.workers.items()):
+        lag = lags.get(wid)
+        cells = (
+            wid,
+            _fmt(f.get("host")),
+            _fmt(f.get("engine")),
+            _fmt(f.get("state")),
+            _fmt(f.get("weight_version")),
+            _fmt(lag),
+            _fmt(f.get("inflight")),
+            _fmt(f.get("credits")),
+            _fmt(f.get("tokens_per_s"), 1),
+            _fmt(f.get("tokens_total")),
+            _fmt(f.get("age_s"), 1),
+        )
+        row = "  " + " ".join(_cut(cells[i], _WORKER_COLUMNS[i][1]).ljust(_WORKER_COLUMNS[i][1]) for i in shown)
+        row = _cut(row.rstrip(), width)
+        lines.append(red + row + reset if lag is not None and lag > 0 else row)
+    if not state.workers:
+        lines.append("  (none alive)")
+    lines.append("")
+
+    hist = state.histograms.get("staleness")
+    if hist is not None and hist.count:
+        lines.append(bold + f"STALENESS AT CONSUMPTION (n={hist.count}, mean {hist.sum / hist.count:.2f})" + reset)
+        top = max(n for _, n in hist.buckets) or 1
+        bar_width = max(10, min(50, width - 24))
+        for bound, n in [(b, n) for b, n in hist.buckets if n]:
+            bar = "#" * max(1, round(bar_width * n / top))
+            label = "<=" + format_bound(bound) if bound != float("inf") else ">" + format_bound(_prev(hist.buckets, bound))
+            lines.append(_cut(f"  {label:>6} {bar} {n}", width))
+    else:
+        lines.append(bold + "STALENESS AT CONSUMPTION" + reset)
+        lines.append("  (no samples)")
+    lines.append("")
+
+    recent = state.events[-events:] if events > 0 else []
+    lines.append(bold + f"EVENTS (last {len(recent)})" + reset)
+    for ev in reversed(recent):
+        when = time.strftime("%H:%M:%S", time.localtime(ev.ts))
+        detail = " ".join(f"{k}={v}" for k, v in ev.fields.items())
+        row = _cut(f"  {when} {ev.kind:<18} {ev.src:<14} {detail}".rstrip(), width)
+        lines.append(red + row + reset if "error" in ev.kind or "lost" in ev.kind or "failed" in ev.kind else row)
+    if not recent:
+        lines.append("  (none)")
+    return "\n".join(lines) + "\n"
+
+
+def _prev(buckets: list[tuple[float, int]], bound: float) -> float:
+    finite = [b for b, _ in buckets if b < bound]
+    return finite[-1] if finite else 0.0

@@ -1,0 +1,91 @@
+"""Pure parts of monitoring: the key layout, value encoding, Prometheus text and the top frame."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from rollpool.monitor.keys import PoolKeys, bucket_for, decode_hash, encode_value
+from rollpool.monitor.prometheus import render_down, render_prometheus
+from rollpool.monitor.reader import EventRecord, HistogramState, PoolState
+from rollpool.monitor.terminal import render_frame
+from rollpool.protocol.errors import ConfigError
+from tests.unit.monitor.promtext import parse_prometheus, sample_value
+
+
+def _state() -> PoolState:
+    return PoolState(
+        pool="p1",
+        time=1_700_000_000.0,
+        broker={"epoch": "00ff12", "version": 7, "queued": 12, "leased": 4, "held": 1, "requeued": 3,
+                "completed": 99, "workers_alive": 2, "custom_gauge": 1.5, "age_s": 0.4},
+        workers={
+            "w-1": {"host": "h1", "engine": "sim", "model": 'm"x', "state": "generating", "weight_version": 7,
+                    "inflight": 8, "credits": 2, "tokens_total": 12345, "tokens_per_s": 812.5, "age_s": 0.2},
+            "w-2": {"host": "h2", "engine": "sim", "state": "applying", "weight_version": 5, "tokens_per_s": 0.0},
+        },
+        entities={"relay": {"r1": {"subscribers": 4, "version": 7}}},
+        events=[EventRecord(id="1-0", ts=1_700_000_000.0, kind="worker_lost", src="broker", fields={"worker": "w-3"})],
+        histograms={"staleness": HistogramState(buckets=[(0, 5), (1, 3), (2, 0), (math.inf, 1)], count=9, sum=14.0)},
+    )
+
+
+def test_keys_follow_the_documented_layout() -> None:
+    keys = PoolKeys("p1")
+    assert keys.worker("w1") == "rollpool:p1:worker:w1"
+    assert keys.state("broker", "anything") == keys.broker == "rollpool:p1:broker"
+    assert keys.state("relay", "r1") == "rollpool:p1:relay:r1"
+    assert keys.events == "rollpool:p1:events"
+    assert keys.hist("staleness") == "rollpool:p1:hist:staleness"
+    assert keys.series("broker:queued") == "rollpool:p1:series:broker:queued"
+    with pytest.raises(ConfigError, match="pool"):
+        PoolKeys("has space")
+    assert not PoolKeys.valid_id("w*") and PoolKeys.valid_id("host-12:3")
+
+
+def test_values_round_trip_and_string_fields_stay_text() -> None:
+    raw = {k: encode_value(v) for k, v in {"epoch": "1234", "state": "idle", "n": 3, "x": 1.5, "ok": True, "none": None}.items()}
+    assert raw["state"] == "idle" and raw["n"] == "3"
+    assert decode_hash(raw) == {"epoch": "1234", "state": "idle", "n": 3, "x": 1.5, "ok": True, "none": None}
+
+
+def test_bucket_for_picks_the_smallest_bound_at_or_above() -> None:
+    bounds = (0, 1, 2, math.inf)
+    assert [bucket_for(v, bounds) for v in (0, 0.5, 1, 2, 3, 1e9)] == ["le:0", "le:1", "le:1", "le:2", "le:+Inf", "le:+Inf"]
+
+
+def test_prometheus_text_parses_and_carries_broker_and_worker_metrics() -> None:
+    text = render_prometheus(_state())
+    fams = parse_prometheus(text)
+    assert sample_value(fams, "rollpool_queue_depth", pool="p1") == 12
+    assert fams["rollpool_requeued_total"]["type"] == "counter"
+    assert sample_value(fams, "rollpool_worker_tokens_per_second", worker="w-1") == 812.5
+    assert sample_value(fams, "rollpool_worker_version_lag", worker="w-2") == 2
+    assert sample_value(fams, "rollpool_version_lag") == 2
+    assert sample_value(fams, "rollpool_workers_alive") == 2
+    assert sample_value(fams, "rollpool_broker_custom_gauge") == 1.5
+    assert sample_value(fams, "rollpool_relay_subscribers", relay="r1") == 4
+    assert sample_value(fams, "rollpool_worker_info", worker="w-1", model='m"x') == 1
+    assert sample_value(fams, "rollpool_staleness_bucket", le="1") == 8
+    assert sample_value(fams, "rollpool_staleness_bucket", le="+Inf") == 9
+    assert sample_value(fams, "rollpool_staleness_count") == 9
+    assert sample_value(fams, "rollpool_up") == 1
+    assert sample_value(parse_prometheus(render_down("p1")), "rollpool_up") == 0
+
+
+def test_top_frame_shows_every_section_within_the_width() -> None:
+    frame = render_frame(_state(), width=80)
+    for text in ("pool p1", "BROKER", "queued 12", "WORKERS (2 alive)", "w-1", "812.5", "STALENESS", "worker_lost", "w-3"):
+        assert text in frame, text
+    assert all(len(line) <= 80 for line in frame.splitlines())
+    assert "\x1b[" not in frame
+    colored = render_frame(_state(), width=80, color=True)
+    assert "\x1b[1m" in colored and re.sub(r"\x1b\[[0-9;]*m", "", colored) == frame
+
+
+def test_top_frame_of_an_empty_pool() -> None:
+    empty = PoolState(pool="p", time=0.0, broker=None, workers={}, entities={}, events=[], histograms={})
+    frame = render_frame(empty)
+    assert "no broker state" in frame and "(none alive)" in frame and "(no samples)" in frame
