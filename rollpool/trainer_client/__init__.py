@@ -6,7 +6,14 @@ loops) and `RolloutPool` (the generation-engine calls RL frameworks make).
 
 from __future__ import annotations
 
-from rollpool.trainer_client.client import RolloutBatch, SubmitResult, TrainerClient, TrainerClientConfig, make_prompt, new_prompt_id
+from rollpool.trainer_client.client import (
+    RolloutBatch,
+    SubmitResult,
+    TrainerClient,
+    TrainerClientConfig,
+    make_prompt,
+    new_prompt_id,
+)
 from rollpool.trainer_client.pool import RolloutPool
 from rollpool.trainer_client.sync import SyncTrainerClient
 

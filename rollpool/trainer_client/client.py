@@ -342,7 +342,7 @@ class TrainerClient:
             try:
                 await self._send(make(rid))
                 reply = await asyncio.wait_for(fut, timeout)
-            except (TimeoutError, asyncio.TimeoutError) as exc:
+            except TimeoutError as exc:
                 last = exc
                 self._waiters.pop(rid, None)
                 log.warning("broker did not answer within %.1f s (attempt %d/%d)", timeout, attempt + 1, self.config.request_retries)
@@ -415,7 +415,7 @@ class TrainerClient:
         self.counters["rejected"] += len(result.rejected)
         return result
 
-    async def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None) -> RolloutBatch:
+    async def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None) -> RolloutBatch:  # noqa: ASYNC109
         """Wait for n whole DONE groups (and collect other terminal states meanwhile).
 
         Raises `TimeoutError` when `timeout` passes first; groups received so
@@ -439,7 +439,7 @@ class TrainerClient:
                 self._to_ack_stale = self._to_ack_stale[len(stale):]
             acks = tuple(self._to_ack)
             reply = await self._request(
-                lambda rid: Pull(request_id=rid, max_groups=n - len(self._ready), wait_s=wait, ack=acks),
+                lambda rid, w=wait, a=acks: Pull(request_id=rid, max_groups=n - len(self._ready), wait_s=w, ack=a),
                 timeout_s=wait + self.config.request_timeout_s,
             )
             # the broker took the acks with the pull; keep only those added since

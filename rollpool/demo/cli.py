@@ -1,0 +1,23 @@
+"""`rollpool demo`: the main job (see `rollpool.demo.runner`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rollpool.protocol.config import add_config_arguments, load_config
+
+HELP = "run the whole pool on this machine: async GRPO on a tiny model with two CPU workers, then a report"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rollpool.demo.runner import DemoConfig
+
+    add_config_arguments(parser, DemoConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollpool.demo.runner import DemoConfig, run_demo
+
+    cfg = load_config(DemoConfig, args, section="demo")
+    summary = run_demo(cfg)
+    return 0 if summary.get("lost", 1) == 0 and summary.get("duplicated", 1) == 0 else 1

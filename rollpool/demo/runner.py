@@ -1,0 +1,359 @@
+"""`rollpool demo`: the whole pool on one machine, training a tiny model by asynchronous GRPO.
+
+What runs: an embedded Redis (unless ``--redis-url``), a broker process, N
+worker processes with the ``hf`` engine on a tiny model built on the spot and
+the task's reward (``--reward rollpool.demo.task:reward``, scored on the
+workers), and the trainer in this process (`SyncTrainerClient`, torch on the
+CPU). Each step the trainer takes P whole groups, does one GRPO step with
+decoupled-PPO importance weights, and publishes the new weights as the next
+version; the workers fetch and apply it while they keep generating (rolling,
+one at a time). ``--sync`` runs the same job synchronously (eta = 0: nothing
+is generated ahead of the weights that will train on it).
+
+Every child process is started in its own session with a parent-death signal
+and is terminated (then killed) when the demo returns, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpool.protocol import ConfigError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DemoConfig", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    steps: int = field(default=50, metadata={"help": "optimizer steps"})
+    workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
+    max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
+    sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
+    kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
+    prompts_per_step: int = field(default=32, metadata={"help": "groups per optimizer step"})
+    group_size: int = field(default=8, metadata={"help": "samples per prompt (GRPO group)"})
+    lr: float = field(default=3e-3, metadata={"help": "learning rate"})
+    seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
+    out: str = field(default="demo-out", metadata={"help": "folder for demo-report.json and demo-report.png"})
+    json: str | None = field(default=None, metadata={"help": "also write the summary JSON here"})
+    redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of an embedded one"})
+    pool: str = field(default="demo", metadata={"help": "pool name (monitoring keys)"})
+    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "heartbeat interval of broker and workers"})
+    eval_prompts: int = field(default=200, metadata={"help": "held-out prompts scored before and after training"})
+    quiet: bool = field(default=False, metadata={"help": "no per-step progress lines"})
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if not 1 <= self.workers <= 64:
+            raise ConfigError(f"workers must be in 1..64, got {self.workers}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.prompts_per_step < 1 or self.group_size < 2:
+            raise ConfigError("prompts_per_step must be >= 1 and group_size >= 2 (GRPO compares samples of a group)")
+        if self.kill_worker_at is not None and not 1 <= self.kill_worker_at < self.steps:
+            raise ConfigError(f"kill_worker_at must be in 1..{self.steps - 1}, got {self.kill_worker_at}")
+        if not 1 <= self.eval_prompts <= 200:
+            raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
+
+
+def _set_pdeathsig() -> None:
+    """In the child: die with SIGTERM when the demo process dies, whatever the cause."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _Children:
+    """Child processes of the demo: started in their own sessions, always reaped."""
+
+    def __init__(self, log_dir: pathlib.Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[Any] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        logf = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop_all
+        self._logs.append(logf)
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_set_pdeathsig)
+        self.procs[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        for f in self._logs:
+            f.close()
+
+
+def _progress(cfg: DemoConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(msg, flush=True)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the demo; returns the summary (also written to ``cfg.out``)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rollpool.demo import task
+    from rollpool.demo.trainer import GRPOConfig, grpo_step
+    from rollpool.trainer_client import SyncTrainerClient, TrainerClientConfig
+
+    t_start = time.monotonic()
+    out_dir = pathlib.Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="rollpool-demo-"))
+    model_dir = task.build_demo_model(work / "model", seed=cfg.seed)
+    eta = 0 if cfg.sync else cfg.max_staleness
+    batch_samples = cfg.prompts_per_step * cfg.group_size
+    children = _Children(out_dir)
+    redis = None
+    client: SyncTrainerClient | None = None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    worker_ep = f"ipc://{work}/workers"
+    client_ep = f"ipc://{work}/clients"
+    summary: dict[str, Any] = {}
+    try:
+        redis_url = cfg.redis_url
+        if redis_url is None:
+            with contextlib.suppress(Exception):
+                from rollpool.monitor.embedded import EmbeddedRedis
+
+                redis = EmbeddedRedis().start()
+                redis_url = redis.url
+        common = ["--log-level", os.environ.get("ROLLPOOL_LOG_LEVEL", "INFO")]
+        redis_args = ["--redis-url", redis_url] if redis_url else []
+        children.start("broker", [sys.executable, "-m", "rollpool.broker", *common,
+                                  "--worker-endpoint", worker_ep, "--client-endpoint", client_ep,
+                                  "--batch-size", str(batch_samples), "--max-staleness", str(eta),
+                                  "--heartbeat-interval-s", str(cfg.heartbeat_interval_s),
+                                  "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args], env)
+
+        def worker_args(i: int) -> list[str]:
+            return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", "hf",
+                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", "--reward", "rollpool.demo.task:reward",
+                    "--heartbeat-interval-s", str(cfg.heartbeat_interval_s), "--apply-mode", "interrupt",
+                    "--engine-options", f"seed={cfg.seed + i}", "--pool", cfg.pool, *redis_args]
+
+        for i in range(cfg.workers):
+            children.start(f"worker-{i}", worker_args(i), env)
+
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(1)
+        model = LlamaForCausalLM.from_pretrained(model_dir)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        client = SyncTrainerClient(client_ep, config=TrainerClientConfig(broker=client_ep, request_timeout_s=30.0))
+        version = 0
+        client.publish_weights(model, version)
+        sampling = SamplingParams(max_new_tokens=1, temperature=1.0)
+        rng = random.Random(cfg.seed)
+
+        def eval_held_out() -> float:
+            held = task.held_out_set()[: cfg.eval_prompts]
+            prompts = [{"input_ids": ids, "group_size": 1, "sampling": sampling, "metadata": {"answer_id": ans, "eval": True}}
+                       for ids, ans in held]
+            client.submit(prompts)
+            batch = client.get_batch(len(prompts), timeout=300)
+            rewards = [t.reward or 0.0 for t in batch.trajectories]
+            return float(sum(rewards) / len(rewards))
+
+        _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
+                       f"{cfg.steps} steps x {cfg.prompts_per_step} groups x {cfg.group_size} samples; task: largest of four digits")
+        heldout_first = eval_held_out()
+        _progress(cfg, f"held-out reward before training: {heldout_first:.3f}")
+
+        def submit_more(count: int) -> None:
+            prompts = []
+            for _ in range(count):
+                ids, ans = task.training_example(rng)
+                prompts.append({"input_ids": ids, "group_size": cfg.group_size, "sampling": sampling,
+                                "metadata": {"answer_id": ans}})
+            client.submit(prompts)
+
+        submitted_groups = 0
+        lookahead = cfg.prompts_per_step * (eta + 1)
+        submit_more(lookahead)
+        submitted_groups += lookahead
+        steps: list[dict[str, float]] = []
+        lag_hist: Counter[int] = Counter()
+        seen_traj: set[str] = set()
+        duplicated = 0
+        killed_at: float | None = None
+        t_train = time.monotonic()
+        for step in range(1, cfg.steps + 1):
+            if cfg.kill_worker_at is not None and step == cfg.kill_worker_at:
+                children.kill("worker-0")
+                killed_at = time.monotonic()
+                _progress(cfg, f"step {step}: killed worker demo-w0 (SIGKILL)")
+            if cfg.kill_worker_at is not None and step == cfg.kill_worker_at + 2:
+                children.start("worker-0", worker_args(0), env)
+                _progress(cfg, f"step {step}: restarted worker demo-w0")
+            batch = client.get_batch(cfg.prompts_per_step, max_staleness=eta, timeout=300)
+            for t in batch.trajectories:
+                if t.trajectory_id in seen_traj:
+                    duplicated += 1
+                seen_traj.add(t.trajectory_id)
+                if len(t.token_versions):
+                    lag_hist[int(version - int(t.token_versions.min()))] += 1
+            stats = dict(batch.stats)
+            stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID, config=GRPOConfig(lr=cfg.lr)))
+            version += 1
+            client.publish_weights(model, version)
+            # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
+            want = cfg.prompts_per_step * (step + eta + 1) - submitted_groups
+            if step < cfg.steps and want > 0:
+                submit_more(want)
+                submitted_groups += want
+            stats["step"] = float(step)
+            stats["elapsed_s"] = time.monotonic() - t_train
+            steps.append(stats)
+            _progress(cfg, f"step {step:3d}  v{version:<3d} reward {stats['rollout/reward_mean']:.3f}  "
+                           f"lag max {stats['rollout/staleness_max']:.0f}  tokens/s {stats['rollout/tokens_per_s']:7.1f}  "
+                           f"loss {stats['train/loss']:+.4f}  {stats['elapsed_s']:6.1f} s")
+        train_wall = time.monotonic() - t_train
+        # drain what is still in the pool, so the held-out evaluation sees only its own groups
+        leftover = client.pending()
+        while leftover > 0:
+            b = client.get_batch(min(leftover, cfg.prompts_per_step), timeout=300)
+            leftover -= len(b.groups) + len(b.other)
+            leftover = min(leftover, client.pending())
+        heldout_final = eval_held_out()
+        status = client.status()
+        counters = status["counters"]
+        rewards = [s["rollout/reward_mean"] for s in steps]
+        tail = rewards[-min(5, len(rewards)):]
+        summary = {
+            "mode": "sync" if cfg.sync else "async",
+            "max_staleness": eta,
+            "workers": cfg.workers,
+            "steps": cfg.steps,
+            "samples_per_step": batch_samples,
+            "reward_first": rewards[0],
+            "reward_final": float(sum(tail) / len(tail)),
+            "heldout_reward_first": heldout_first,
+            "heldout_reward_final": heldout_final,
+            "wall_s": time.monotonic() - t_start,
+            "train_wall_s": train_wall,
+            "lost": int(client.pending()),
+            "duplicated": duplicated,
+            "max_lag": max(lag_hist) if lag_hist else 0,
+            "lag_histogram": {str(k): v for k, v in sorted(lag_hist.items())},
+            "requeued": int(counters.get("requeued", 0)),
+            "failed": int(counters.get("failed", 0)),
+            "broker_duplicates": int(counters.get("duplicates", 0)),
+            "client": client.counters,
+            "tokens_per_s_mean": float(sum(s["rollout/tokens_per_s"] for s in steps) / len(steps)),
+            "killed_worker_at_step": cfg.kill_worker_at,
+            "reward_per_step": rewards,
+            "tokens_per_s_per_step": [s["rollout/tokens_per_s"] for s in steps],
+            "note": "real hf engine on CPU; on two shared cores the trainer and workers contend for the CPU",
+        }
+        if killed_at is not None:
+            summary["recovered"] = True
+        _write_report(out_dir, summary, steps)
+        if cfg.json:
+            pathlib.Path(cfg.json).write_text(json.dumps(_headline(summary), indent=2) + "\n")
+        _print_summary(summary, out_dir)
+        return summary
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        children.stop_all()
+        if redis is not None:
+            redis.stop()
+        with contextlib.suppress(Exception):
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _headline(summary: dict[str, Any]) -> dict[str, Any]:
+    keys = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
+            "lost", "duplicated", "max_lag", "requeued", "mode")
+    return {k: summary[k] for k in keys}
+
+
+def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
+    rows = [
+        ("mode", f"{s['mode']} (eta={s['max_staleness']})"),
+        ("steps x samples", f"{s['steps']} x {s['samples_per_step']}"),
+        ("reward first step -> last 5 steps", f"{s['reward_first']:.3f} -> {s['reward_final']:.3f}"),
+        ("held-out reward before -> after", f"{s['heldout_reward_first']:.3f} -> {s['heldout_reward_final']:.3f}"),
+        ("wall time", f"{s['wall_s']:.1f} s (training loop {s['train_wall_s']:.1f} s)"),
+        ("tokens/s (mean per step)", f"{s['tokens_per_s_mean']:.1f}"),
+        ("version lag histogram", " ".join(f"{k}:{v}" for k, v in s["lag_histogram"].items())),
+        ("requeued / failed", f"{s['requeued']} / {s['failed']}"),
+        ("lost / duplicated", f"{s['lost']} / {s['duplicated']}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print("\nrollpool demo summary")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    print(f"  report: {out_dir / 'demo-report.json'}, {out_dir / 'demo-report.png'}")
+
+
+def _write_report(out_dir: pathlib.Path, summary: dict[str, Any], steps: list[dict[str, float]]) -> None:
+    (out_dir / "demo-report.json").write_text(json.dumps({"summary": summary, "steps": steps}, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: demo-report.png not written (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    x = list(range(1, len(steps) + 1))
+    axes[0].plot(x, summary["reward_per_step"], marker=".")
+    axes[0].axhline(summary["heldout_reward_final"], color="green", linestyle="--", label="held-out, final")
+    axes[0].axhline(summary["heldout_reward_first"], color="grey", linestyle=":", label="held-out, first")
+    axes[0].set(title="reward per step", xlabel="step", ylim=(0, 1.05))
+    axes[0].legend(loc="lower right")
+    axes[1].plot(x, summary["tokens_per_s_per_step"], marker=".")
+    axes[1].set(title="rollout tokens/s", xlabel="step")
+    lags = summary["lag_histogram"]
+    axes[2].bar(list(lags.keys()), list(lags.values()))
+    axes[2].set(title="version lag at consumption (samples)", xlabel="versions behind")
+    axes[3].bar(["requeued", "failed", "lost", "duplicated"],
+                [summary["requeued"], summary["failed"], summary["lost"], summary["duplicated"]])
+    axes[3].set(title="requeues and losses")
+    fig.suptitle(f"rollpool demo ({summary['mode']}, eta={summary['max_staleness']}, {summary['workers']} hf workers, CPU)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "demo-report.png", dpi=90)
+    plt.close(fig)

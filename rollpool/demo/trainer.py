@@ -1,0 +1,96 @@
+"""GRPO with decoupled-PPO importance weights, on CPU, for the demo.
+
+Advantages are group-relative (reward minus the group mean, over the group's
+standard deviation). The loss corrects for stale samples the way decoupled
+PPO (AReaL) does: with behaviour logprobs ``b`` carried by the trajectories
+(the policy that generated each token, possibly versions ago), proximal
+logprobs ``p`` (the current policy before this update) and current logprobs
+``c``::
+
+    w     = min(exp(p - b), max_importance)          # behaviour -> proximal correction
+    ratio = exp(c - p)
+    loss  = -mean(w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))
+
+so stale samples are reweighted, not ignored; with one optimizer step per
+batch ``ratio`` starts at 1 and the gradient is ``w * A * grad(c)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollpool.protocol import GroupResult
+
+__all__ = ["GRPOConfig", "grpo_step"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    lr: float = 3e-3
+    clip_eps: float = 0.2
+    max_importance: float = 5.0
+    adv_eps: float = 1e-4
+
+
+def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, ...]:
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
+    for g in groups:
+        rewards = np.array([t.reward if t.reward is not None else 0.0 for t in g.trajectories], dtype=np.float64)
+        adv = (rewards - rewards.mean()) / (rewards.std() + GRPOConfig.adv_eps)
+        for t, a in zip(g.trajectories, adv, strict=True):
+            rows.append((np.asarray(t.input_ids), np.asarray(t.output_ids), np.asarray(t.output_logprobs), float(a)))
+    length = max(len(i) + len(o) for i, o, _, _ in rows)
+    n = len(rows)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, length), dtype=torch.long)
+    gen_mask = torch.zeros((n, length), dtype=torch.float32)  # 1 where position t+1 is a generated token
+    behaviour = torch.zeros((n, length), dtype=torch.float32)
+    advantages = torch.zeros(n, dtype=torch.float32)
+    for r, (inp, out, lps, a) in enumerate(rows):
+        p, q = len(inp), len(out)
+        ids[r, :p] = torch.from_numpy(inp.astype(np.int64))
+        ids[r, p : p + q] = torch.from_numpy(out.astype(np.int64))
+        attn[r, : p + q] = 1
+        gen_mask[r, p - 1 : p + q - 1] = 1.0
+        behaviour[r, p - 1 : p + q - 1] = torch.from_numpy(lps.astype(np.float32))
+        advantages[r] = a
+    return ids, attn, gen_mask, behaviour, advantages
+
+
+def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :].float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(lp, (0, 1))  # position t holds log p(token t+1)
+
+
+def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[GroupResult], *, pad_id: int,
+              config: GRPOConfig = GRPOConfig()) -> dict[str, float]:
+    """One optimizer step on a batch of whole groups; returns loss figures."""
+    ids, attn, mask, behaviour, adv = _tensors(groups, pad_id)
+    model.train()
+    with torch.no_grad():
+        proximal = _token_logprobs(model, ids, attn)
+    current = _token_logprobs(model, ids, attn)
+    weight = torch.exp(proximal - behaviour).clamp(max=config.max_importance)
+    ratio = torch.exp(current - proximal)
+    a = adv.unsqueeze(1)
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps) * a)
+    tokens = mask.sum().clamp(min=1.0)
+    loss = -(weight * surrogate * mask).sum() / tokens
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    with torch.no_grad():
+        behaviour_gap = ((proximal - behaviour).abs() * mask).sum() / tokens
+    return {
+        "train/loss": float(loss.item()),
+        "train/importance_mean": float(((weight * mask).sum() / tokens).item()),
+        "train/behaviour_gap": float(behaviour_gap.item()),
+        "train/tokens": float(tokens.item()),
+    }
