@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from rollpool.cli import main
+from rollpool.demo import cli
+from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
 
-sys.exit(main(["demo", *sys.argv[1:]]))
+parser = argparse.ArgumentParser(prog="python -m rollpool.demo", description=cli.HELP)
+add_logging_arguments(parser)
+cli.add_arguments(parser)
+args = parser.parse_args()
+configure_logging_from_args(args)
+sys.exit(cli.run(args))

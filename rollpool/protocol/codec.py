@@ -29,7 +29,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, dataclass_transform, get_args, get_origin
 
 import msgpack
 import numpy as np
@@ -92,11 +92,12 @@ T = TypeVar("T")
 
 
 class _DecodeState:
-    __slots__ = ("frames", "sizes", "used", "limits")
+    __slots__ = ("frames", "sizes", "used", "limits", "arrays")
 
     def __init__(self, frames: list[Any], sizes: list[int], limits: Limits) -> None:
         self.frames = frames
         self.sizes = sizes
+        self.arrays: dict[tuple[int, str], Any] = {}  # one view per (frame, dtype): shared arrays stay shared
         self.used = bytearray(len(frames))
         self.limits = limits
 
@@ -167,6 +168,7 @@ def records_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@dataclass_transform(frozen_default=True)
 def record(cls: type[T]) -> type[T]:
     """Make `cls` a frozen, slotted dataclass that can nest inside messages."""
     dc = dataclasses.dataclass(frozen=True, slots=True, eq=False)(cls)
@@ -176,16 +178,17 @@ def record(cls: type[T]) -> type[T]:
     return dc
 
 
+@dataclass_transform(frozen_default=True)
 def message(type_name: str) -> Callable[[type[T]], type[T]]:
     """Register a top-level message type under its wire `type_name`."""
 
     def wrap(cls: type[T]) -> type[T]:
         if type_name in _MESSAGES:
             raise TypeError(f"message type {type_name!r} registered twice")
-        dc = record(cls)
-        dc.TYPE = type_name  # type: ignore[attr-defined]
+        dc: Any = record(cls)
+        dc.TYPE = type_name
         _MESSAGES[type_name] = dc
-        return dc
+        return cls if dc is cls else dc
 
     return wrap
 
@@ -379,6 +382,7 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
         return enc_blob, dec_blob
 
     itemsize = dtype.itemsize
+    dtype_key = dtype.str
 
     def enc_array(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
         key = (id(v), itemsize)
@@ -396,9 +400,13 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
 
     def dec_array(v: Any, st: _DecodeState) -> Any:
         idx = _frame_index(v, st, path)
-        if st.sizes[idx] % itemsize:
-            raise _fail("frames", path, f"frame of {st.sizes[idx]} bytes is not a whole number of {dtype}")
-        return np.frombuffer(st.frames[idx], dtype=dtype)
+        key = (idx, dtype_key)
+        arr = st.arrays.get(key)
+        if arr is None:
+            if st.sizes[idx] % itemsize:
+                raise _fail("frames", path, f"frame of {st.sizes[idx]} bytes is not a whole number of {dtype}")
+            arr = st.arrays[key] = np.frombuffer(st.frames[idx], dtype=dtype)
+        return arr
 
     return enc_array, dec_array
 
