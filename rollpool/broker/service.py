@@ -190,8 +190,8 @@ class Broker:
         self._c = _sync_socket(self._csock)
         self.worker_endpoint = self._w.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self._c.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._loop.add_reader(self._w.getsockopt(zmq.FD), self._on_readable, "w")
-        self._loop.add_reader(self._c.getsockopt(zmq.FD), self._on_readable, "c")
+        self._loop.add_reader(int(self._w.getsockopt(zmq.FD)), self._on_readable, "w")
+        self._loop.add_reader(int(self._c.getsockopt(zmq.FD)), self._on_readable, "c")
         self.ready.set()
         log.info(
             "broker %s listening: workers %s, clients %s", self.epoch, self.worker_endpoint, self.client_endpoint,
@@ -206,7 +206,7 @@ class Broker:
                 continue
             if loop is not None:
                 try:
-                    loop.remove_reader(sync.getsockopt(zmq.FD))
+                    loop.remove_reader(int(sync.getsockopt(zmq.FD)))
                 except (zmq.ZMQError, ValueError, OSError):
                     pass
             for pull in self._pulls:
@@ -223,7 +223,7 @@ class Broker:
     async def _drain(self) -> None:
         """Intake is stopped: results may still come in and be pulled until the deadline."""
         deadline = self.clock() + self.config.drain_timeout_s
-        while self.clock() < deadline and (self.state.leased or self.state.held):
+        while self.clock() < deadline and (self.state.leased or self.state.held):  # noqa: ASYNC110 (a bounded poll of state, not an event)
             await asyncio.sleep(min(0.05, self.config.heartbeat_interval_s))
         frames = encode(Goodbye(reason="broker_stopping"))
         for w in list(self.state.workers.values()):
@@ -246,7 +246,7 @@ class Broker:
         handle = self._on_worker_frames if which == "w" else self._on_client_frames
         self._now = self.clock()
         burst = self.config.burst_messages
-        backend = super(zmq.Socket, sock)  # the Cython methods, without the sugar layer's per-call overhead
+        backend: Any = super(zmq.Socket, sock)  # the Cython methods, without the sugar layer's per-call overhead
         recv, get = backend.recv, backend.get
         for _ in range(burst):
             try:
@@ -267,14 +267,14 @@ class Broker:
         if loop is None:
             return
         for which, sock in (("w", self._w), ("c", self._c)):
-            if sock is not None and not self._scheduled[which] and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if sock is not None and not self._scheduled[which] and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 self._scheduled[which] = True
                 loop.call_soon(self._on_readable, which)
 
     def _send(self, sock: zmq.Socket[Any] | None, identity: bytes, frames: list[Any]) -> bool:
         if sock is None:
             return False
-        send = super(zmq.Socket, sock).send
+        send = super(zmq.Socket, sock).send  # the Cython method, without the sugar layer's per-call overhead
         try:
             send(identity, _NB_MORE)
             last = len(frames) - 1

@@ -642,11 +642,11 @@ class BrokerState:
         while dl and dl[0][0] <= now:
             _, tid, g = dl.popleft()
             if g.phase == Phase.LEASED and g.task_id == tid:
-                wid = g.worker_id
+                holder = g.worker_id
                 self._end_lease(g, None)
                 self.counters["leases_expired"] += 1
-                if wid is not None:
-                    self.effects.cancels.append((wid, tid, "deadline"))
+                if holder is not None:
+                    self.effects.cancels.append((holder, tid, "deadline"))
                 self._requeue(g, now, reason="deadline passed")
                 requeued.append(g.prompt_id)
         return dead, requeued
