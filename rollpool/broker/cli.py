@@ -1,0 +1,51 @@
+"""`rollpool broker` / `python -m rollpool.broker`: run the broker until SIGTERM or SIGINT (exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from rollpool.broker.config import BrokerConfig
+from rollpool.broker.service import Broker
+from rollpool.protocol.config import add_config_arguments, load_config
+from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.sockets import SocketFactory
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "run the ZeroMQ broker (prompt queue, leases, staleness admission)"
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="TOML file with a [broker] table (env ROLLPOOL_CONFIG)")
+    add_config_arguments(parser, BrokerConfig)
+
+
+async def _serve(config: BrokerConfig) -> None:
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    broker = Broker(config, sockets)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, broker.stop)
+    try:
+        await broker.run()
+    finally:
+        sockets.close()
+        ctx.destroy(linger=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    asyncio.run(_serve(config))
+    return 0

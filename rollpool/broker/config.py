@@ -1,0 +1,84 @@
+"""`BrokerConfig`: every setting of the broker process, frozen and validated.
+
+Loaded with ``rollpool.protocol.config.load_config(BrokerConfig, args, section="broker")``
+from defaults < TOML ``[broker]`` < ``ROLLPOOL_*`` environment < flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollpool.protocol.errors import ConfigError
+
+__all__ = ["BrokerConfig"]
+
+
+def _h(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    worker_endpoint: str = field(default="tcp://127.0.0.1:5555", metadata=_h("ROUTER endpoint workers dial"))
+    client_endpoint: str = field(default="tcp://127.0.0.1:5556", metadata=_h("ROUTER endpoint trainer clients dial"))
+    pool: str = field(default="default", metadata=_h("pool name (monitoring keys rollpool:{pool}:...)"))
+    heartbeat_interval_s: float = field(default=1.0, metadata=_h("heartbeat period, both ways"))
+    missed_heartbeats: int = field(default=3, metadata=_h("a worker silent this many heartbeats is declared dead"))
+    task_timeout_s: float = field(default=600.0, metadata=_h("most seconds one task (a whole group) may take"))
+    max_attempts: int = field(default=3, metadata=_h("dispatches of one group before it is FAILED"))
+    max_queued: int = field(default=100_000, metadata=_h("most groups waiting for a worker (submit beyond: queue_full)"))
+    max_held: int = field(default=100_000, metadata=_h("most groups leased or held for the trainer at once"))
+    max_group_size: int = field(default=1024, metadata=_h("largest accepted group (samples per prompt)"))
+    batch_size: int = field(default=256, metadata=_h("B: samples per optimizer step (staleness admission)"))
+    max_staleness: int | None = field(default=None, metadata=_h("eta: staleness bound in versions (None: off)"))
+    cancel_stale_inflight: bool = field(
+        default=False, metadata=_h("cancel and requeue in-flight groups on workers more than eta versions behind")
+    )
+    max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once"))
+    dedup_window: int = field(default=1_000_000, metadata=_h("forgotten prompt ids remembered to refuse duplicates"))
+    max_worker_credits: int = field(default=65_536, metadata=_h("cap on one worker's outstanding credit (sequences)"))
+    max_pull_groups: int = field(default=4096, metadata=_h("most groups in one Batch"))
+    max_pull_wait_s: float = field(default=60.0, metadata=_h("longest long-poll a Pull may ask for"))
+    control_timeout_s: float = field(default=30.0, metadata=_h("longest wait for workers' control replies"))
+    drain_timeout_s: float = field(default=5.0, metadata=_h("on stop: how long results may still be handed over"))
+    burst_messages: int = field(default=256, metadata=_h("messages read per socket wake-up before yielding the loop"))
+
+    def __post_init__(self) -> None:
+        def positive(name: str, minimum: float = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+                raise ConfigError(f"BrokerConfig.{name} must be >= {minimum}, got {value!r}")
+
+        for name in (
+            "missed_heartbeats",
+            "max_attempts",
+            "max_queued",
+            "max_held",
+            "max_group_size",
+            "batch_size",
+            "max_applying",
+            "dedup_window",
+            "max_worker_credits",
+            "max_pull_groups",
+            "burst_messages",
+        ):
+            positive(name)
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s"):
+            positive(name, 0.001)
+        for name in ("max_pull_wait_s", "drain_timeout_s"):
+            positive(name, 0)
+        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
+            raise ConfigError(f"BrokerConfig.max_staleness must be >= 0 or None, got {self.max_staleness!r}")
+        for name in ("worker_endpoint", "client_endpoint"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or "://" not in value:
+                raise ConfigError(f"BrokerConfig.{name} must be a ZeroMQ endpoint like tcp://127.0.0.1:5555, got {value!r}")
+        if not self.pool:
+            raise ConfigError("BrokerConfig.pool must not be empty")
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence after which a worker is declared dead."""
+        return self.heartbeat_interval_s * self.missed_heartbeats

@@ -1,0 +1,642 @@
+"""The broker service: two ROUTER sockets around `BrokerState`, on one asyncio loop.
+
+The service only moves bytes: it decodes a message, calls the state machine,
+and sends what the state says. It never blocks its loop: every send is
+non-blocking (a peer whose queue is full, or who is gone, makes the send fail
+at once, and the failure is handled, never waited out), and the sockets are
+read by a reader callback that drains a bounded burst of messages per wake-up,
+then dispatches and answers waiting pulls once per burst (which batches sends
+naturally).
+
+ZeroMQ signals readiness on an edge-triggered file descriptor, so after every
+burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
+checked again and a drain is scheduled for any socket with messages waiting.
+
+Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
+WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
+broker sends Task, Cancel, BrokerHeartbeat, Control, ApplyGrant, Goodbye.
+Client port: ClientHello, Submit, Pull (long poll, with acks), Ack,
+SetVersion, StatusRequest, Control (fan-out, replies gathered), CancelPrompts.
+A malformed frame is answered with `Error`, counted and logged once per peer
+per minute; the broker keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from rollpool.broker.config import BrokerConfig
+from rollpool.broker.state import BrokerState, Group, WorkerInfo
+from rollpool.protocol import (
+    PROTOCOL_MAJOR,
+    SUPPORTED_MAJORS,
+    Ack,
+    ApplyDone,
+    ApplyGrant,
+    ApplyRequest,
+    Batch,
+    BrokerHeartbeat,
+    Cancel,
+    CancelPrompts,
+    ClientHello,
+    ClientWelcome,
+    Control,
+    ControlReply,
+    Credit,
+    Error,
+    Goodbye,
+    Hello,
+    Nack,
+    ProtocolError,
+    Pull,
+    Reply,
+    Result,
+    SetVersion,
+    SocketFactory,
+    StatusReply,
+    StatusRequest,
+    Submit,
+    SubmitReply,
+    Task,
+    Welcome,
+    WorkerHeartbeat,
+    decode,
+    encode,
+    negotiate_version,
+    peek_type,
+)
+from rollpool.protocol.logs import RateLimitedLog
+from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
+
+__all__ = ["Broker"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ERROR_TEXT = 300
+# plain ints: pyzmq's flag enums cost an enum operation per frame on the hot path
+_NB = int(zmq.NOBLOCK)
+_NB_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+@dataclass(slots=True)
+class _PendingPull:
+    identity: bytes
+    client_id: str
+    request_id: str
+    max_groups: int
+    handle: asyncio.TimerHandle | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _PendingControl:
+    identity: bytes
+    request_id: str
+    waiting: set[str]
+    results: dict[str, Any] = field(default_factory=dict)
+    handle: asyncio.TimerHandle | None = None
+
+
+def _sync_socket(sock: Any) -> zmq.Socket[Any]:
+    """A plain (blocking-API) view of a socket: asyncio sockets are shadowed, not reopened."""
+    import zmq.asyncio
+
+    if isinstance(sock, zmq.asyncio.Socket):
+        return zmq.Socket.shadow(sock.underlying)
+    return sock  # type: ignore[no-any-return]
+
+
+class Broker:
+    """``Broker(config, sockets, metrics, clock)``; ``await broker.run()``; ``broker.stop()``."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        sockets: SocketFactory,
+        metrics: MetricsSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.sockets = sockets
+        self.metrics: MetricsSink = metrics if metrics is not None else NullMetricsSink()
+        self.clock = clock
+        self.epoch = secrets.token_hex(8)
+        self.state = BrokerState(config)
+        self.protocol_errors = 0
+        self.send_failures = 0
+        self.worker_endpoint = config.worker_endpoint
+        self.client_endpoint = config.client_endpoint
+        self.ready = asyncio.Event()
+        """Set once both sockets are bound (`worker_endpoint`/`client_endpoint` are then the bound addresses)."""
+        self.weight_endpoint: str | None = None
+        self.announce_endpoint: str | None = None
+        self._stop = asyncio.Event()
+        self._stopping = False
+        self._wsock: Any = None
+        self._csock: Any = None
+        self._w: zmq.Socket[Any] | None = None
+        self._c: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._now = clock()
+        self._by_identity: dict[bytes, WorkerInfo] = {}
+        self._clients: dict[bytes, str] = {}
+        self._pulls: deque[_PendingPull] = deque()
+        self._controls: dict[str, _PendingControl] = {}
+        self._control_seq = 0
+        self._scheduled = {"w": False, "c": False}
+        self._rate_log = RateLimitedLog(log)
+        self._outbox: list[tuple[bytes, list[Any]]] = []
+        """Client replies of the current burst, sent back to back at its end (fewer I/O-thread wake-ups)."""
+        self._wall_offset = time.time() - clock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Stop intake now; `run()` drains until `drain_timeout_s`, says goodbye to workers and returns."""
+        self._stopping = True
+        self._stop.set()
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._open()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                loops = [
+                    tg.create_task(self._heartbeat_loop(), name="_heartbeat_loop"),
+                    tg.create_task(self._lease_loop(), name="_lease_loop"),
+                ]
+                await self._stop.wait()
+                await self._drain()
+                for t in loops:
+                    t.cancel()
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        assert self._loop is not None
+        self._wsock = self.sockets.router(self.config.worker_endpoint)
+        self._csock = self.sockets.router(self.config.client_endpoint)
+        self._w = _sync_socket(self._wsock)
+        self._c = _sync_socket(self._csock)
+        self.worker_endpoint = self._w.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.client_endpoint = self._c.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._loop.add_reader(int(self._w.getsockopt(zmq.FD)), self._on_readable, "w")
+        self._loop.add_reader(int(self._c.getsockopt(zmq.FD)), self._on_readable, "c")
+        self.ready.set()
+        log.info(
+            "broker %s listening: workers %s, clients %s", self.epoch, self.worker_endpoint, self.client_endpoint,
+            extra={"pool": self.config.pool},
+        )
+        self._recheck()
+
+    def _close(self) -> None:
+        loop = self._loop
+        for sync, sock in ((self._w, self._wsock), (self._c, self._csock)):
+            if sync is None:
+                continue
+            if loop is not None:
+                try:
+                    loop.remove_reader(int(sync.getsockopt(zmq.FD)))
+                except (zmq.ZMQError, ValueError, OSError):
+                    pass
+            for pull in self._pulls:
+                if pull.handle is not None:
+                    pull.handle.cancel()
+            for ctl in self._controls.values():
+                if ctl.handle is not None:
+                    ctl.handle.cancel()
+            sock.close(linger=0)
+        self._w = self._c = None
+        self._pulls.clear()
+        self._controls.clear()
+
+    async def _drain(self) -> None:
+        """Intake is stopped: results may still come in and be pulled until the deadline."""
+        deadline = self.clock() + self.config.drain_timeout_s
+        while self.clock() < deadline and (self.state.leased or self.state.held):  # noqa: ASYNC110 (a bounded poll of state, not an event)
+            await asyncio.sleep(min(0.05, self.config.heartbeat_interval_s))
+        frames = encode(Goodbye(reason="broker_stopping"))
+        for w in list(self.state.workers.values()):
+            self._send(self._w, w.identity, frames)
+        empty_for = list(self._pulls)
+        self._pulls.clear()
+        for pull in empty_for:
+            if pull.handle is not None:
+                pull.handle.cancel()
+            self._send(self._c, pull.identity, encode(Batch(request_id=pull.request_id, epoch=self.epoch, weight_version=self.state.version)))
+        log.info("broker %s stopped (%d leased, %d held handed back)", self.epoch, self.state.leased, self.state.held)
+
+    # ------------------------------------------------------------------ socket plumbing
+
+    def _on_readable(self, which: str) -> None:
+        self._scheduled[which] = False
+        sock = self._w if which == "w" else self._c
+        if sock is None:
+            return
+        handle = self._on_worker_frames if which == "w" else self._on_client_frames
+        self._now = self.clock()
+        burst = self.config.burst_messages
+        backend: Any = super(zmq.Socket, sock)  # the Cython methods, without the sugar layer's per-call overhead
+        recv, get = backend.recv, backend.get
+        for _ in range(burst):
+            try:
+                frames = [recv(_NB)]
+            except zmq.Again:
+                break
+            while get(_RCVMORE):
+                frames.append(recv(_NB))
+            try:
+                handle(frames)
+            except Exception:  # a bug in one handler must not take the broker down
+                log.exception("broker: error while handling a message")
+        self._after_burst()
+        self._recheck()
+
+    def _recheck(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        for which, sock in (("w", self._w), ("c", self._c)):
+            if sock is not None and not self._scheduled[which] and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._scheduled[which] = True
+                loop.call_soon(self._on_readable, which)
+
+    def _send(self, sock: zmq.Socket[Any] | None, identity: bytes, frames: list[Any]) -> bool:
+        if sock is None:
+            return False
+        send = super(zmq.Socket, sock).send  # the Cython method, without the sugar layer's per-call overhead
+        try:
+            send(identity, _NB_MORE)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _NB if i == last else _NB_MORE)  # copying small frames is cheaper than tracking them
+            return True
+        except zmq.Again:
+            self.send_failures += 1
+            self._rate_log.warning("send:" + identity.hex(), "broker: peer %s is not reading (queue full); message dropped", identity.hex())
+        except zmq.ZMQError as exc:
+            self.send_failures += 1
+            log.debug("broker: cannot send to peer %s: %s", identity.hex(), exc)
+        return False
+
+    def _protocol_error(self, sock: zmq.Socket[Any] | None, identity: bytes, exc: ProtocolError, frames: list[bytes]) -> None:
+        self.protocol_errors += 1
+        self._rate_log.warning("proto:" + identity.hex(), "broker: malformed message from %s: %s", identity.hex(), exc)
+        ref = peek_type(frames[1:]) if len(frames) > 1 else None
+        self._send(sock, identity, encode(Error(code=exc.code, message=str(exc)[:_MAX_ERROR_TEXT], ref_type=ref)))
+
+    def _after_burst(self) -> None:
+        st = self.state
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for identity, frames in out:
+                self._send(self._c, identity, frames)
+        if not self._stopping and st.has_work():
+            self._send_tasks(st.dispatch(self._now))
+        if self._pulls and st.has_results():
+            self._serve_pulls()
+        self._flush_effects()
+
+    def _send_tasks(self, pairs: list[tuple[WorkerInfo, Group]]) -> None:
+        cfg = self.config
+        eta = cfg.max_staleness
+        min_version = self.state.version - eta if (eta is not None and self.state.version >= 0) else -1
+        for w, g in pairs:
+            assert g.prompt is not None
+            frames = encode(
+                Task(
+                    task_id=g.task_id,
+                    prompt=g.prompt,
+                    attempt=g.attempt,
+                    deadline_s=cfg.task_timeout_s,
+                    queued_at=g.queued_at + self._wall_offset,
+                    min_version=min_version,
+                )
+            )
+            if not self._send(self._w, w.identity, frames):
+                # it never left: hand the group straight back (not the worker's fault, no attempt used)
+                self.state.nack(w, [g.task_id], self._now, reason="send failed")
+
+    def _flush_effects(self) -> None:
+        fx = self.state.effects
+        if not (fx.cancels or fx.grants or fx.events or fx.lost_workers):
+            return
+        workers = self.state.workers
+        by_worker: dict[str, list[str]] = {}
+        reasons: dict[str, str] = {}
+        for wid, tid, reason in fx.cancels:
+            by_worker.setdefault(wid, []).append(tid)
+            reasons[wid] = reason
+        for wid, tids in by_worker.items():
+            cw = workers.get(wid)
+            if cw is not None:
+                self._send(self._w, cw.identity, encode(Cancel(task_ids=tuple(tids), reason=reasons[wid])))
+        for wid, version in fx.grants:
+            gw = workers.get(wid)
+            if gw is not None:
+                self._send(self._w, gw.identity, encode(ApplyGrant(version=version)))
+        for wid in fx.lost_workers:
+            for ident in [i for i, x in self._by_identity.items() if x.worker_id == wid and workers.get(wid) is not x]:
+                del self._by_identity[ident]
+            for req, ctl in list(self._controls.items()):
+                if wid in ctl.waiting:
+                    ctl.waiting.discard(wid)
+                    ctl.results[wid] = {"ok": False, "error": "worker_lost"}
+                    if not ctl.waiting:
+                        self._finish_control(req)
+        for kind, fields in fx.events:
+            if kind in ("worker_lost", "task_failed"):
+                log.warning("broker: %s %s", kind, fields, extra={"pool": self.config.pool})
+            try:
+                self.metrics.event(kind, fields)
+            except Exception:  # a sink must never hurt the broker
+                log.debug("metrics sink failed", exc_info=True)
+        fx.clear()
+
+    # ------------------------------------------------------------------ worker port
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError as exc:
+            self._protocol_error(self._w, identity, exc, frames)
+            return
+        w = self._by_identity.get(identity)
+        kind = type(msg)
+        st = self.state
+        now = self._now
+        if kind is Credit:
+            if w is not None:
+                st.credit(w, msg.credits, now)
+                return
+        elif kind is Result:
+            outcome = st.result(
+                w, task_id=msg.task_id, prompt_id=msg.prompt_id, trajectories=msg.trajectories,
+                error=msg.error, retryable=msg.retryable, now=now,
+            )
+            if outcome != "accepted" and outcome != "requeued":
+                log.debug("broker: result for %s from %s: %s", msg.task_id, w.worker_id if w else identity.hex(), outcome)
+            return
+        elif kind is Hello:
+            self._on_hello(identity, msg)
+            return
+        elif kind is Goodbye:
+            if w is not None:
+                st.nack(w, msg.task_ids, now, reason="goodbye")
+                st.remove_worker(w.worker_id, now, reason="goodbye")
+                self._by_identity.pop(identity, None)
+            return
+        if w is None:
+            self._send(self._w, identity, encode(Error(code="hello_required", message="say hello first", ref_type=getattr(kind, "TYPE", None))))
+            return
+        if kind is WorkerHeartbeat:
+            st.heartbeat(w, now, version=msg.weight_version, state=msg.state, tokens_total=msg.tokens_total)
+        elif kind is Nack:
+            st.nack(w, msg.task_ids, now, reason=msg.reason)
+        elif kind is ControlReply:
+            st.touch(w, now)
+            self._on_control_reply(w, msg)
+        elif kind is ApplyRequest:
+            st.touch(w, now)
+            st.apply_request(w, msg.version)
+        elif kind is ApplyDone:
+            st.touch(w, now)
+            st.apply_done(w, msg.version, msg.ok)
+        else:
+            self.protocol_errors += 1
+            self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        proto = negotiate_version(msg.protocol_min, msg.protocol_max)
+        error = None
+        if proto is None:
+            error = ("version", f"no common protocol version: worker speaks {msg.protocol_min}..{msg.protocol_max}, broker {list(SUPPORTED_MAJORS)}")
+        elif not msg.worker_id:
+            error = ("invalid", "worker_id must not be empty")
+        elif msg.capacity < 1:
+            error = ("invalid", f"capacity must be >= 1, got {msg.capacity}")
+        elif msg.pool != self.config.pool:
+            error = ("wrong_pool", f"this broker serves pool {self.config.pool!r}, not {msg.pool!r}")
+        elif self._stopping:
+            error = ("stopping", "the broker is shutting down")
+        if error is not None:
+            self.protocol_errors += error[0] != "stopping"
+            self._send(self._w, identity, encode(Error(code=error[0], message=error[1], ref_type="hello")))
+            return
+        old = self.state.workers.get(msg.worker_id)
+        if old is not None and old.identity != identity:
+            self._by_identity.pop(old.identity, None)
+        adopted, refused = self.state.add_worker(
+            worker_id=msg.worker_id, identity=identity, capacity=msg.capacity, credits=msg.credits,
+            now=self._now, version=msg.weight_version, inflight=msg.inflight, fingerprint=msg.fingerprint,
+            engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid,
+        )
+        self._by_identity[identity] = self.state.workers[msg.worker_id]
+        self._send(
+            self._w,
+            identity,
+            encode(
+                Welcome(
+                    epoch=self.epoch, protocol=proto or PROTOCOL_MAJOR, heartbeat_interval_s=self.config.heartbeat_interval_s,
+                    weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
+                    announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused),
+                )
+            ),
+        )
+        log.info("broker: worker %s joined (capacity %d, version %d, adopted %d)", msg.worker_id, msg.capacity, msg.weight_version, len(adopted), extra={"worker_id": msg.worker_id})
+
+    # ------------------------------------------------------------------ client port
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError as exc:
+            self._protocol_error(self._c, identity, exc, frames)
+            return
+        kind = type(msg)
+        st = self.state
+        if kind is Pull:
+            if msg.ack:
+                st.ack(msg.ack)
+            client_id = self._clients.get(identity) or identity.hex()
+            max_groups = max(1, min(msg.max_groups, self.config.max_pull_groups))
+            pull = _PendingPull(identity, client_id, msg.request_id, max_groups)
+            if (st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping:
+                self._answer_pull(pull)
+            else:
+                assert self._loop is not None
+                wait = min(msg.wait_s, self.config.max_pull_wait_s)
+                pull.handle = self._loop.call_later(wait, self._pull_timeout, pull)
+                self._pulls.append(pull)
+        elif kind is Submit:
+            accepted, rejected = st.submit(msg.prompts, self._now, stopping=self._stopping)
+            self._outbox.append((identity, encode(SubmitReply(request_id=msg.request_id, epoch=self.epoch, accepted=tuple(accepted), rejected=tuple(rejected)))))
+        elif kind is Ack:
+            st.ack(msg.prompt_ids, msg.dropped_stale)
+        elif kind is ClientHello:
+            proto = negotiate_version(msg.protocol_min, msg.protocol_max)
+            if proto is None:
+                self._send(self._c, identity, encode(Error(code="version", message=f"no common protocol version (broker speaks {list(SUPPORTED_MAJORS)})", ref_type="client_hello")))
+                return
+            self._clients[identity] = msg.client_id
+            if msg.fingerprint:
+                st.set_required_fingerprint(msg.fingerprint)
+            redelivered = st.client_reconnected(msg.client_id)
+            self._send(self._c, identity, encode(ClientWelcome(epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered)))
+        elif kind is SetVersion:
+            self._on_set_version(identity, msg)
+        elif kind is StatusRequest:
+            self._send(self._c, identity, encode(StatusReply(request_id=msg.request_id, epoch=self.epoch, counters=self.counters(), workers=self.workers_view())))
+        elif kind is Control:
+            self._on_control(identity, msg)
+        elif kind is CancelPrompts:
+            cancelled, other = st.cancel(msg.prompt_ids, self._now)
+            self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch, data={"cancelled": cancelled, "not_cancelled": other})))
+        else:
+            self.protocol_errors += 1
+            self._send(self._c, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a client message", request_id=getattr(msg, "request_id", None), ref_type=kind.TYPE)))
+
+    def _answer_pull(self, pull: _PendingPull) -> None:
+        pull.done = True
+        if pull.handle is not None:
+            pull.handle.cancel()
+        groups = self.state.pull(pull.client_id, pull.max_groups)
+        frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
+        if not self._send(self._c, pull.identity, frames) and groups:
+            self.state.client_reconnected(pull.client_id)  # not delivered after all: make them ready again
+
+    def _serve_pulls(self) -> None:
+        st = self.state
+        while self._pulls and st.has_results():
+            pull = self._pulls.popleft()
+            if not pull.done:
+                self._answer_pull(pull)
+
+    def _pull_timeout(self, pull: _PendingPull) -> None:
+        if pull.done:
+            return
+        try:
+            self._pulls.remove(pull)
+        except ValueError:
+            pass
+        self._now = self.clock()
+        self._answer_pull(pull)
+        self._recheck()
+
+    def _on_set_version(self, identity: bytes, msg: SetVersion) -> None:
+        if msg.weight_endpoint:
+            self.weight_endpoint = msg.weight_endpoint
+        if msg.announce_endpoint:
+            self.announce_endpoint = msg.announce_endpoint
+        newer = self.state.set_version(msg.version, self._now)
+        if newer:
+            self.state.effects.events.append(("version_announced", {"version": msg.version}))
+            log.info("broker: version %d announced", msg.version, extra={"version": msg.version})
+        self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch, data={"version": self.state.version})))
+        if newer or msg.weight_endpoint or msg.announce_endpoint:
+            self._broadcast_heartbeat()
+
+    def _on_control(self, identity: bytes, msg: Control) -> None:
+        self._control_seq += 1
+        req = f"ctl-{self._control_seq}"
+        workers = list(self.state.workers.values())
+        ctl = _PendingControl(identity=identity, request_id=msg.request_id, waiting={w.worker_id for w in workers})
+        self._controls[req] = ctl
+        frames = encode(Control(request_id=req, op=msg.op, tags=msg.tags, args=msg.args, timeout_s=msg.timeout_s))
+        for w in workers:
+            if not self._send(self._w, w.identity, frames):
+                ctl.waiting.discard(w.worker_id)
+                ctl.results[w.worker_id] = {"ok": False, "error": "unreachable"}
+        if not ctl.waiting:
+            self._finish_control(req)
+            return
+        assert self._loop is not None
+        timeout = min(max(msg.timeout_s, 0.001), self.config.control_timeout_s)
+        ctl.handle = self._loop.call_later(timeout, self._control_timeout, req)
+
+    def _on_control_reply(self, w: WorkerInfo, msg: ControlReply) -> None:
+        ctl = self._controls.get(msg.request_id)
+        if ctl is None or w.worker_id not in ctl.waiting:
+            return
+        ctl.waiting.discard(w.worker_id)
+        ctl.results[w.worker_id] = {"ok": msg.ok, "error": msg.error, **msg.results}
+        if not ctl.waiting:
+            self._finish_control(msg.request_id)
+
+    def _control_timeout(self, req: str) -> None:
+        ctl = self._controls.get(req)
+        if ctl is None:
+            return
+        for wid in ctl.waiting:
+            ctl.results[wid] = {"ok": False, "error": "timeout"}
+        ctl.waiting.clear()
+        self._finish_control(req)
+        self._recheck()
+
+    def _finish_control(self, req: str) -> None:
+        ctl = self._controls.pop(req)
+        if ctl.handle is not None:
+            ctl.handle.cancel()
+        ok = all(r.get("ok") for r in ctl.results.values())
+        failed = sorted(wid for wid, r in ctl.results.items() if not r.get("ok"))
+        error = None if ok else f"{len(failed)} of {len(ctl.results)} workers failed: {', '.join(failed[:8])}"
+        self._send(self._c, ctl.identity, encode(ControlReply(request_id=ctl.request_id, ok=ok, error=error, results=ctl.results, epoch=self.epoch)))
+
+    # ------------------------------------------------------------------ timers
+
+    def _broadcast_heartbeat(self) -> None:
+        frames = encode(
+            BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint, announce_endpoint=self.announce_endpoint)
+        )
+        for w in list(self.state.workers.values()):
+            self._send(self._w, w.identity, frames)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while True:
+            self._broadcast_heartbeat()
+            try:
+                self.metrics.publish_state("broker", "broker", self.counters())
+            except Exception:
+                log.debug("metrics sink failed", exc_info=True)
+            self._recheck()
+            await asyncio.sleep(interval)
+
+    async def _lease_loop(self) -> None:
+        tick = min(self.config.heartbeat_interval_s / 4, 0.25)
+        while True:
+            await asyncio.sleep(tick)
+            self._now = self.clock()
+            dead, requeued = self.state.expire(self._now)
+            for wid in dead:
+                log.warning("broker: worker %s declared dead (silent %.2f s)", wid, self.config.dead_after_s, extra={"worker_id": wid})
+            if requeued:
+                log.info("broker: %d groups requeued", len(requeued))
+            self._after_burst()
+            self._recheck()
+
+    # ------------------------------------------------------------------ status
+
+    def counters(self) -> dict[str, Any]:
+        c = self.state.snapshot()
+        c["epoch"] = self.epoch
+        c["protocol_errors"] = self.protocol_errors
+        c["send_failures"] = self.send_failures
+        c["pending_pulls"] = len(self._pulls)
+        return c
+
+    def workers_view(self) -> dict[str, Any]:
+        now = self.clock()
+        return {wid: w.live_state(now) for wid, w in self.state.workers.items()}

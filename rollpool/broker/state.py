@@ -1,0 +1,850 @@
+"""The broker's state machine and lease bookkeeping: pure, no I/O, an injected clock.
+
+Per prompt group::
+
+    QUEUED --dispatch--> LEASED(worker, deadline, attempt)
+      ^                    |  worker dead / deadline passed / nack / retryable error
+      +----- attempt+1 ----+  (after `max_attempts` dispatches: FAILED)
+    LEASED --result--> DONE          (held until the client acknowledges it)
+    any live state --cancel--> CANCELLED
+    terminal (DONE, FAILED, DROPPED_STALE, CANCELLED) --ack--> forgotten
+
+A forgotten group's id stays in a bounded dedup window, so a late result or a
+resubmission of it is recognised. Every method takes ``now`` from the caller's
+clock (monotonic seconds); nothing here sleeps, reads a clock or touches a socket.
+
+Guarantees this class keeps (and its tests check):
+
+* every accepted prompt reaches exactly one terminal state, which is handed to
+  `pull` exactly once (and again only after `client_reconnected`, until acknowledged);
+* a worker is never given more sequences than its credit, and a group is
+  never split;
+* dispatch order is priority (higher first), then submission order; a group
+  that fits no ready worker's credit is skipped rather than blocking others;
+* with ``max_staleness`` set, ``accepted + running <= (v + eta + 1) * B`` after
+  every dispatch (`rollpool.protocol.StalenessController`), and no group goes to
+  a worker more than eta versions behind the newest announced version;
+* the first complete result of a group wins; any later one is a duplicate.
+
+Side effects the service must carry out (cancels to send, apply grants, metric
+events) accumulate in `effects` and are drained by the caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpool.broker.config import BrokerConfig
+from rollpool.protocol.messages import GroupResult, GroupState, InflightTask, Prompt, Rejection, Trajectory
+from rollpool.protocol.staleness import StalenessController
+
+__all__ = ["Phase", "Group", "WorkerInfo", "Effects", "BrokerState", "ResultOutcome", "task_id_of"]
+
+
+class Phase:
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = GroupState.DONE
+    FAILED = GroupState.FAILED
+    DROPPED_STALE = GroupState.DROPPED_STALE
+    CANCELLED = GroupState.CANCELLED
+    TERMINAL = frozenset(GroupState.ALL)
+
+
+class ResultOutcome:
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    UNKNOWN = "unknown"
+    REQUEUED = "requeued"
+    FAILED = "failed"
+    DROPPED_STALE = "dropped_stale"
+
+
+def task_id_of(prompt_id: str, attempt: int) -> str:
+    return f"{prompt_id}@{attempt}"
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    prompt_id: str
+    prompt: Prompt | None
+    """None for a task adopted from a worker's hello whose prompt was not resubmitted (yet)."""
+    size: int
+    priority: int
+    seq: int
+    queued_at: float
+    phase: str = Phase.QUEUED
+    attempt: int = 0
+    """The attempt number of the current (or next) dispatch; task ids are ``prompt_id@attempt``."""
+    worker_id: str | None = None
+    task_id: str = ""
+    deadline: float = 0.0
+    token: int = 0
+    result: GroupResult | None = None
+    delivered_to: str | None = None
+    acked: bool = False
+    last_worker: str = ""
+    forgiven: int = 0
+    """Attempts that do not count toward `max_attempts` (handed back by a worker, never sent)."""
+
+
+@dataclass(slots=True, eq=False)
+class WorkerInfo:
+    worker_id: str
+    identity: bytes
+    capacity: int
+    credits: int
+    last_seen: float
+    version: int = -1
+    state: str = "ready"
+    fingerprint: str = ""
+    engine: str = ""
+    apply_modes: tuple[str, ...] = ()
+    host: str = ""
+    pid: int = 0
+    tokens_total: int = 0
+    joined_at: float = 0.0
+    leases: dict[str, Group] = field(default_factory=dict)
+    applying: bool = False
+    apply_version: int = -1
+    completed: int = 0
+
+    def live_state(self, now: float) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "state": "applying" if self.applying else self.state,
+            "credits": self.credits,
+            "capacity": self.capacity,
+            "inflight": len(self.leases),
+            "engine": self.engine,
+            "host": self.host,
+            "pid": self.pid,
+            "tokens_total": self.tokens_total,
+            "completed": self.completed,
+            "last_seen_s_ago": round(now - self.last_seen, 3),
+        }
+
+
+@dataclass
+class Effects:
+    """What the service must do after a state change."""
+
+    cancels: list[tuple[str, str, str]] = field(default_factory=list)
+    """(worker_id, task_id, reason)."""
+    grants: list[tuple[str, int]] = field(default_factory=list)
+    """(worker_id, version) apply grants to send."""
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    lost_workers: list[str] = field(default_factory=list)
+    """Workers declared dead or gone (control replies from them will not come)."""
+
+    def clear(self) -> None:
+        self.cancels.clear()
+        self.grants.clear()
+        self.events.clear()
+        self.lost_workers.clear()
+
+
+_COUNTERS = (
+    "dispatched",
+    "completed",
+    "requeued",
+    "duplicates",
+    "failed",
+    "dropped_stale",
+    "cancelled",
+    "submitted",
+    "rejected",
+    "acked",
+    "redelivered",
+    "workers_joined",
+    "workers_lost",
+    "leases_expired",
+    "adopted",
+    "invalid_results",
+    "unknown_results",
+)
+
+
+class BrokerState:
+    """The whole broker state; the asyncio service around it only moves bytes."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.staleness = StalenessController(batch_size=config.batch_size, eta=config.max_staleness)
+        self.version = -1
+        """Newest weight version the trainer announced (-1: none)."""
+        self.groups: dict[str, Group] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.effects = Effects()
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.required_fingerprint = ""
+        # queue: one heap per group size, entries (-priority, seq, token, group)
+        self._queues: dict[int, list[tuple[int, int, int, Group]]] = {}
+        self._sizes: list[int] = []
+        self._seq = 0
+        self.queued = 0
+        self.parked = 0
+        """Adopted groups that lost their lease before their prompt was resubmitted."""
+        self.leased = 0
+        self.held = 0
+        """Terminal groups not yet acknowledged."""
+        self._ready: dict[str, WorkerInfo] = {}
+        """Workers that may take work now (credit, ready, not applying, fingerprint ok)."""
+        self._deadlines: deque[tuple[float, str, Group]] = deque()
+        self._results: deque[Group] = deque()
+        """Terminal groups not yet handed to a client, in completion order."""
+        self._delivered: dict[str, dict[str, Group]] = {}
+        self._forgotten: set[str] = set()
+        self._forgotten_order: deque[str] = deque()
+        self._applying: set[str] = set()
+        self._apply_waiting: deque[tuple[str, int]] = deque()
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(
+        self,
+        *,
+        worker_id: str,
+        identity: bytes,
+        capacity: int,
+        credits: int,
+        now: float,
+        version: int = -1,
+        inflight: Sequence[InflightTask] = (),
+        fingerprint: str = "",
+        engine: str = "",
+        apply_modes: tuple[str, ...] = (),
+        host: str = "",
+        pid: int = 0,
+    ) -> tuple[list[str], list[str]]:
+        """A worker said hello; returns (adopted task ids, refused task ids).
+
+        A known worker id saying hello again (it reconnected, or saw a new
+        epoch) keeps the leases it re-announces; leases it no longer names are
+        requeued. A re-announced task unknown to this broker (a broker restart)
+        is adopted as LEASED to the worker; one whose prompt was resubmitted and
+        is still queued merges with it; one already done or leased elsewhere is refused.
+        """
+        announced = {t.task_id: t for t in inflight}
+        old = self.workers.get(worker_id)
+        if old is not None:
+            for tid, g in list(old.leases.items()):
+                if tid not in announced:
+                    self._end_lease(g, old)
+                    self._requeue(g, now, reason="worker_restarted")
+            self._ready.pop(worker_id, None)
+            self._release_apply(worker_id)
+            w = old
+            w.identity = identity
+            w.capacity = capacity
+        else:
+            w = WorkerInfo(worker_id=worker_id, identity=identity, capacity=capacity, credits=0, last_seen=now, joined_at=now)
+            self.workers[worker_id] = w
+            self.counters["workers_joined"] += 1
+            self.effects.events.append(("worker_joined", {"worker_id": worker_id, "host": host, "engine": engine}))
+        w.credits = max(0, min(credits, capacity, self.config.max_worker_credits))
+        w.last_seen = now
+        w.version = version
+        w.fingerprint = fingerprint
+        w.engine = engine
+        w.apply_modes = apply_modes
+        w.host = host
+        w.pid = pid
+        w.state = "ready"
+        w.applying = False
+        adopted: list[str] = []
+        refused: list[str] = []
+        for t in inflight:
+            if self._adopt(w, t, now):
+                adopted.append(t.task_id)
+            else:
+                refused.append(t.task_id)
+        self._refresh(w)
+        return adopted, refused
+
+    def _adopt(self, w: WorkerInfo, t: InflightTask, now: float) -> bool:
+        g = self.groups.get(t.prompt_id)
+        if g is None:
+            if t.prompt_id in self._forgotten or not 1 <= t.group_size <= self.config.max_group_size:
+                return False
+            g = Group(prompt_id=t.prompt_id, prompt=None, size=t.group_size, priority=0, seq=self._next_seq(), queued_at=now)
+            g.phase = Phase.QUEUED
+            self.groups[t.prompt_id] = g
+            self.parked += 1  # counted as parked until leased below
+            self._lease(g, w, now, attempt=t.attempt, task_id=t.task_id, adopting=True)
+            self.counters["adopted"] += 1
+            return True
+        if g.phase == Phase.LEASED:
+            return g.worker_id == w.worker_id and g.task_id == t.task_id and t.task_id in w.leases
+        if g.phase != Phase.QUEUED or g.size != t.group_size:
+            return False
+        # the prompt was resubmitted and waits in the queue (or is parked): merge
+        if g.prompt is None:
+            self.parked -= 1
+        else:
+            self.queued -= 1
+        self.parked += 1  # _lease takes it from `parked` when adopting
+        self._lease(g, w, now, attempt=max(g.attempt, t.attempt), task_id=t.task_id, adopting=True)
+        self.counters["adopted"] += 1
+        return True
+
+    def remove_worker(self, worker_id: str, now: float, reason: str) -> list[str]:
+        """The worker left (goodbye) or was declared dead; its groups return to the queue."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        self._ready.pop(worker_id, None)
+        requeued: list[str] = []
+        for g in list(w.leases.values()):
+            self._end_lease(g, w)
+            self._requeue(g, now, reason=f"worker {worker_id} {reason}", counted=reason != "goodbye")
+            requeued.append(g.prompt_id)
+        self._release_apply(worker_id)
+        self.effects.lost_workers.append(worker_id)
+        if reason != "goodbye":
+            self.counters["workers_lost"] += 1
+        self.effects.events.append(("worker_lost", {"worker_id": worker_id, "reason": reason, "requeued": len(requeued)}))
+        return requeued
+
+    def touch(self, w: WorkerInfo, now: float) -> None:
+        w.last_seen = now
+
+    def heartbeat(self, w: WorkerInfo, now: float, *, version: int, state: str, tokens_total: int) -> None:
+        w.last_seen = now
+        w.tokens_total = tokens_total
+        if version != w.version or state != w.state:
+            w.version = max(w.version, version)
+            w.state = state
+            self._refresh(w)
+
+    def credit(self, w: WorkerInfo, n: int, now: float) -> None:
+        w.last_seen = now
+        if n > 0:
+            w.credits = min(w.credits + n, w.capacity, self.config.max_worker_credits)
+            if w.credits > 0 and w.worker_id not in self._ready:
+                self._refresh(w)
+
+    def set_required_fingerprint(self, fingerprint: str) -> None:
+        self.required_fingerprint = fingerprint
+        for w in self.workers.values():
+            self._refresh(w)
+
+    def _dispatchable(self, w: WorkerInfo) -> bool:
+        return (
+            w.credits > 0
+            and not w.applying
+            and w.state == "ready"
+            and (not self.required_fingerprint or not w.fingerprint or w.fingerprint == self.required_fingerprint)
+        )
+
+    def _refresh(self, w: WorkerInfo) -> None:
+        if self._dispatchable(w):
+            self._ready[w.worker_id] = w
+        else:
+            self._ready.pop(w.worker_id, None)
+
+    # ------------------------------------------------------------------ submit and queue
+
+    def submit(self, prompts: Iterable[Prompt], now: float, *, stopping: bool = False) -> tuple[list[str], list[Rejection]]:
+        accepted: list[str] = []
+        rejected: list[Rejection] = []
+        cfg = self.config
+        for p in prompts:
+            pid = p.prompt_id
+            reason = detail = ""
+            if stopping:
+                reason, detail = "stopping", "the broker is shutting down"
+            elif not pid or not isinstance(pid, str):
+                reason, detail = "invalid", "prompt_id must be a non-empty string"
+            elif p.group_size < 1:
+                reason, detail = "invalid", f"group_size must be >= 1, got {p.group_size}"
+            elif p.group_size > cfg.max_group_size:
+                reason, detail = "group_too_large", f"group_size {p.group_size} > max_group_size {cfg.max_group_size}"
+            elif p.input_ids is None and p.text is None:
+                reason, detail = "invalid", "a prompt needs input_ids or text"
+            elif pid in self._forgotten:
+                reason, detail = "duplicate", "this prompt id was already delivered"
+            else:
+                g = self.groups.get(pid)
+                if g is not None:
+                    if g.prompt is None and g.size == p.group_size:
+                        self._merge_resubmitted(g, p)
+                        accepted.append(pid)
+                        continue
+                    reason, detail = "duplicate", f"prompt id is live ({g.phase})"
+                elif self.queued + self.parked >= cfg.max_queued:
+                    reason, detail = "queue_full", f"{self.queued} groups queued (max_queued {cfg.max_queued})"
+            if reason:
+                rejected.append(Rejection(prompt_id=pid if isinstance(pid, str) else "", reason=reason, detail=detail))
+                continue
+            g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now)
+            self.groups[pid] = g
+            self.queued += 1
+            self._push(g)
+            accepted.append(pid)
+        self.counters["submitted"] += len(accepted)
+        self.counters["rejected"] += len(rejected)
+        return accepted, rejected
+
+    def _merge_resubmitted(self, g: Group, p: Prompt) -> None:
+        """A resubmitted prompt meets the task a worker re-announced: one group, first result wins."""
+        g.prompt = p
+        g.priority = p.priority
+        if g.phase == Phase.QUEUED:  # parked: its adopted lease ended before the prompt came back
+            self.parked -= 1
+            self.queued += 1
+            self._push(g)
+        elif g.phase in Phase.TERMINAL and g.result is not None and g.delivered_to is None:
+            # finished while waiting for its prompt: becomes deliverable now
+            g.result = _with_metadata(g.result, p)
+            self._results.append(g)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _push(self, g: Group) -> None:
+        g.token += 1
+        heap = self._queues.get(g.size)
+        if heap is None:
+            heap = self._queues[g.size] = []
+            self._sizes = sorted(self._queues)
+        heapq.heappush(heap, (-g.priority, g.seq, g.token, g))
+
+    def _pop_fitting(self, limit: int) -> Group | None:
+        """The first group (priority, then submission order) of at most `limit` samples."""
+        best: list[tuple[int, int, int, Group]] | None = None
+        best_key: tuple[int, int] = (0, 0)
+        for size in self._sizes:
+            if size > limit:
+                break
+            heap = self._queues[size]
+            while heap:
+                _, _, token, g = head = heap[0]
+                if g.phase == Phase.QUEUED and token == g.token:
+                    break
+                heapq.heappop(heap)
+            else:
+                continue
+            key = (head[0], head[1])
+            if best is None or key < best_key:
+                best, best_key = heap, key
+        if best is None:
+            return None
+        return heapq.heappop(best)[3]
+
+    # ------------------------------------------------------------------ dispatch
+
+    def has_work(self) -> bool:
+        return self.queued > 0 and bool(self._ready)
+
+    def dispatch(self, now: float) -> list[tuple[WorkerInfo, Group]]:
+        """Lease queued groups to ready workers; returns (worker, group) pairs to send as tasks.
+
+        Workers with the newest weights are served first; a worker more than
+        eta versions behind gets nothing.
+        """
+        out: list[tuple[WorkerInfo, Group]] = []
+        if not self.queued or not self._ready:
+            return out
+        v = self.version
+        eta = self.config.max_staleness
+        oldest_ok = v - eta if (eta is not None and v >= 0) else None
+        behind: list[WorkerInfo] = []
+        served: list[WorkerInfo] = []
+        for w in self._ready.values():
+            if w.version < v:
+                if oldest_ok is None or w.version >= oldest_ok:
+                    behind.append(w)
+                continue
+            if self._fill(w, now, out):
+                served.append(w)
+            if not self.queued:
+                break
+        if self.queued:
+            for w in behind:
+                if self._fill(w, now, out):
+                    served.append(w)
+                if not self.queued:
+                    break
+        for w in served:
+            # round robin: a served worker goes to the back of the ready order
+            self._ready.pop(w.worker_id, None)
+            if w.credits > 0:
+                self._ready[w.worker_id] = w
+        return out
+
+    def _fill(self, w: WorkerInfo, now: float, out: list[tuple[WorkerInfo, Group]]) -> bool:
+        served = False
+        room = self.config.max_held - self.leased - self.held
+        while w.credits > 0 and self.queued and room > 0:
+            limit = w.credits
+            cap = self.staleness.capacity()
+            if cap is not None and cap < limit:
+                limit = cap
+            g = self._pop_fitting(limit)
+            if g is None:
+                break
+            self.queued -= 1
+            self._lease(g, w, now, attempt=g.attempt, task_id=task_id_of(g.prompt_id, g.attempt))
+            out.append((w, g))
+            served = True
+            room -= 1
+        return served
+
+    def _lease(self, g: Group, w: WorkerInfo, now: float, *, attempt: int, task_id: str, adopting: bool = False) -> None:
+        if adopting:
+            self.parked -= 1
+        else:
+            w.credits -= g.size
+        g.phase = Phase.LEASED
+        g.attempt = attempt
+        g.worker_id = w.worker_id
+        g.last_worker = w.worker_id
+        g.task_id = task_id
+        g.deadline = now + self.config.task_timeout_s
+        w.leases[task_id] = g
+        self.leased += 1
+        self.staleness.on_dispatch(g.size)
+        self._deadlines.append((g.deadline, task_id, g))
+        self.counters["dispatched"] += 1
+
+    def _end_lease(self, g: Group, w: WorkerInfo | None) -> None:
+        if w is None and g.worker_id is not None:
+            w = self.workers.get(g.worker_id)
+        if w is not None:
+            w.leases.pop(g.task_id, None)
+        g.worker_id = None
+        self.leased -= 1
+        self.staleness.on_requeue(g.size)
+
+    def _requeue(self, g: Group, now: float, reason: str, exhausted: str = Phase.FAILED, counted: bool = True) -> None:
+        """A lease ended without a result: back to the queue whole, or FAILED when attempts are used up.
+
+        The attempt number always moves on (task ids stay unique); a hand-back
+        (`counted=False`) does not use up one of the `max_attempts`.
+        """
+        g.attempt += 1
+        if not counted:
+            g.forgiven += 1
+        if g.attempt - g.forgiven >= self.config.max_attempts:
+            self._terminal(g, exhausted, f"{reason}; gave up after {g.attempt} attempts")
+            self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": reason, "attempts": g.attempt}))
+            return
+        g.phase = Phase.QUEUED
+        self.counters["requeued"] += 1
+        self.effects.events.append(("task_requeued", {"prompt_id": g.prompt_id, "reason": reason, "attempt": g.attempt}))
+        if g.prompt is None:
+            self.parked += 1  # adopted, prompt not resubmitted yet: wait for it
+        else:
+            self.queued += 1
+            self._push(g)
+
+    def _terminal(self, g: Group, phase: str, reason: str = "", trajectories: tuple[Trajectory, ...] = ()) -> None:
+        g.phase = phase
+        g.worker_id = None
+        metadata = g.prompt.metadata if g.prompt is not None else {}
+        g.result = GroupResult(
+            prompt_id=g.prompt_id,
+            state=phase,
+            trajectories=trajectories,
+            reason=reason,
+            attempts=g.attempt + (1 if phase == Phase.DONE else 0),
+            worker_id=g.last_worker,
+            metadata=metadata,
+        )
+        self.held += 1
+        self.counters[phase if phase != Phase.DONE else "completed"] += 1
+        if g.prompt is not None:
+            self._results.append(g)
+
+    # ------------------------------------------------------------------ results
+
+    def result(
+        self,
+        w: WorkerInfo | None,
+        *,
+        task_id: str,
+        prompt_id: str,
+        trajectories: tuple[Trajectory, ...],
+        error: str | None,
+        retryable: bool,
+        now: float,
+    ) -> str:
+        """A worker handed in a group (or an error for it). The first complete result wins."""
+        if w is not None:
+            w.last_seen = now
+        g = self.groups.get(prompt_id)
+        if g is None:
+            if prompt_id in self._forgotten:
+                self.counters["duplicates"] += 1
+                return ResultOutcome.DUPLICATE
+            self.counters["unknown_results"] += 1
+            return ResultOutcome.UNKNOWN
+        if g.phase in Phase.TERMINAL:
+            self.counters["duplicates"] += 1
+            return ResultOutcome.DUPLICATE
+        if g.phase != Phase.LEASED or g.task_id != task_id:
+            # an earlier attempt (its worker was declared dead, its deadline passed, or it was
+            # handed back): the group is someone else's now
+            self.counters["duplicates"] += 1
+            return ResultOutcome.DUPLICATE
+        if error is None and not _complete(trajectories, prompt_id, g.size):
+            self.counters["invalid_results"] += 1
+            error, retryable = f"invalid result: expected {g.size} trajectories of {prompt_id}", True
+        self._end_lease(g, w)
+        if error is not None:
+            if retryable:
+                self._requeue(g, now, reason=f"error: {error}")
+                return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.FAILED
+            self._terminal(g, Phase.FAILED, f"error: {error}")
+            self.effects.events.append(("task_failed", {"prompt_id": prompt_id, "reason": error, "attempts": g.attempt + 1}))
+            return ResultOutcome.FAILED
+        eta = self.config.max_staleness
+        if self.config.cancel_stale_inflight and eta is not None and self.version >= 0:
+            oldest = min((int(t.token_versions.min()) for t in trajectories if t.token_versions.size), default=self.version)
+            if oldest < self.version - eta:
+                self._requeue(g, now, reason=f"stale output (version {oldest})", exhausted=Phase.DROPPED_STALE)
+                return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.DROPPED_STALE
+        if w is not None:
+            w.completed += 1
+            g.last_worker = w.worker_id
+        self.staleness.accepted += g.size
+        self._terminal(g, Phase.DONE, trajectories=trajectories)
+        return ResultOutcome.ACCEPTED
+
+    def nack(self, w: WorkerInfo, task_ids: Iterable[str], now: float, reason: str) -> list[str]:
+        """The worker hands tasks back: requeued now, attempt + 1."""
+        w.last_seen = now
+        out: list[str] = []
+        for tid in task_ids:
+            g = w.leases.get(tid)
+            if g is None:
+                continue
+            self._end_lease(g, w)
+            self._requeue(g, now, reason=f"nack: {reason}" if reason else "nack", counted=False)
+            out.append(g.prompt_id)
+        return out
+
+    # ------------------------------------------------------------------ time
+
+    def expire(self, now: float) -> tuple[list[str], list[str]]:
+        """Declare silent workers dead and end overdue leases; returns (dead worker ids, requeued prompt ids)."""
+        dead = [wid for wid, w in self.workers.items() if now - w.last_seen > self.config.dead_after_s]
+        requeued: list[str] = []
+        for wid in dead:
+            requeued += self.remove_worker(wid, now, reason="dead")
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, tid, g = dl.popleft()
+            if g.phase == Phase.LEASED and g.task_id == tid:
+                holder = g.worker_id
+                self._end_lease(g, None)
+                self.counters["leases_expired"] += 1
+                if holder is not None:
+                    self.effects.cancels.append((holder, tid, "deadline"))
+                self._requeue(g, now, reason="deadline passed")
+                requeued.append(g.prompt_id)
+        return dead, requeued
+
+    # ------------------------------------------------------------------ client side
+
+    def pull(self, client_id: str, max_groups: int) -> list[GroupResult]:
+        out: list[GroupResult] = []
+        q = self._results
+        mine = self._delivered.get(client_id)
+        while q and len(out) < max_groups:
+            g = q.popleft()
+            if g.acked or g.delivered_to is not None or g.result is None:
+                continue
+            g.delivered_to = client_id
+            if mine is None:
+                mine = self._delivered[client_id] = {}
+            mine[g.prompt_id] = g
+            out.append(g.result)
+        return out
+
+    def has_results(self) -> bool:
+        return bool(self._results)
+
+    def ack(self, prompt_ids: Iterable[str], dropped_stale: Iterable[str] = ()) -> int:
+        """Forget acknowledged terminal groups (their ids stay in the dedup window)."""
+        n = 0
+        for pid in dropped_stale:
+            g = self.groups.get(pid)
+            if g is not None and g.phase == Phase.DONE and not g.acked:
+                self.staleness.on_drop(g.size)
+        for pid in prompt_ids:
+            g = self.groups.get(pid)
+            if g is None or g.phase not in Phase.TERMINAL or g.acked:
+                continue
+            g.acked = True
+            del self.groups[pid]
+            if g.delivered_to is not None:
+                mine = self._delivered.get(g.delivered_to)
+                if mine is not None:
+                    mine.pop(pid, None)
+            self.held -= 1
+            self._remember(pid)
+            n += 1
+        self.counters["acked"] += n
+        return n
+
+    def client_reconnected(self, client_id: str) -> int:
+        """Groups sent to this client but not acknowledged are made ready again, first in line."""
+        mine = self._delivered.pop(client_id, None)
+        if not mine:
+            return 0
+        groups = sorted(mine.values(), key=lambda g: g.seq, reverse=True)
+        for g in groups:
+            g.delivered_to = None
+            self._results.appendleft(g)
+        self.counters["redelivered"] += len(groups)
+        return len(groups)
+
+    def _remember(self, pid: str) -> None:
+        self._forgotten.add(pid)
+        self._forgotten_order.append(pid)
+        if len(self._forgotten_order) > self.config.dedup_window:
+            self._forgotten.discard(self._forgotten_order.popleft())
+
+    def cancel(self, prompt_ids: Iterable[str], now: float) -> tuple[list[str], list[str]]:
+        """Cancel live groups; returns (cancelled ids, ids unknown or already terminal)."""
+        cancelled: list[str] = []
+        other: list[str] = []
+        for pid in prompt_ids:
+            g = self.groups.get(pid)
+            if g is None or g.phase in Phase.TERMINAL:
+                other.append(pid)
+                continue
+            if g.phase == Phase.LEASED:
+                if g.worker_id is not None:
+                    self.effects.cancels.append((g.worker_id, g.task_id, "cancelled"))
+                self._end_lease(g, None)
+            elif g.prompt is None:
+                self.parked -= 1
+            else:
+                self.queued -= 1
+            self._terminal(g, Phase.CANCELLED, "cancelled by the client")
+            cancelled.append(pid)
+        return cancelled, other
+
+    # ------------------------------------------------------------------ versions and apply slots
+
+    def set_version(self, version: int, now: float) -> bool:
+        """The trainer announced `version`; returns whether it is newer."""
+        if version <= self.version:
+            return False
+        self.version = version
+        self.staleness.set_version(version)
+        eta = self.config.max_staleness
+        if self.config.cancel_stale_inflight and eta is not None:
+            for w in self.workers.values():
+                if w.version < version - eta:
+                    for g in list(w.leases.values()):
+                        self.effects.cancels.append((w.worker_id, g.task_id, "stale"))
+                        self._end_lease(g, w)
+                        self._requeue(g, now, reason=f"worker weights {w.version} too stale", exhausted=Phase.DROPPED_STALE)
+        return True
+
+    def apply_request(self, w: WorkerInfo, version: int) -> None:
+        wid = w.worker_id
+        if wid in self._applying or any(x == wid for x, _ in self._apply_waiting):
+            return
+        self._apply_waiting.append((wid, version))
+        self._grant_apply()
+
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool) -> None:
+        if ok:
+            w.version = max(w.version, version)
+        self._release_apply(w.worker_id)
+        self._refresh(w)
+
+    def _release_apply(self, worker_id: str) -> None:
+        if worker_id in self._applying:
+            self._applying.discard(worker_id)
+            self.effects.events.append(("apply_done", {"worker_id": worker_id}))
+            w = self.workers.get(worker_id)
+            if w is not None:
+                w.applying = False
+        self._apply_waiting = deque((x, v) for x, v in self._apply_waiting if x != worker_id)
+        self._grant_apply()
+
+    def _grant_apply(self) -> None:
+        while self._apply_waiting and len(self._applying) < self.config.max_applying:
+            wid, version = self._apply_waiting.popleft()
+            w = self.workers.get(wid)
+            if w is None:
+                continue
+            self._applying.add(wid)
+            w.applying = True
+            w.apply_version = version
+            self._ready.pop(wid, None)
+            self.effects.grants.append((wid, version))
+            self.effects.events.append(("apply_granted", {"worker_id": wid, "version": version}))
+
+    @property
+    def applying(self) -> frozenset[str]:
+        return frozenset(self._applying)
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(self) -> dict[str, Any]:
+        c: dict[str, Any] = dict(self.counters)
+        c.update(
+            version=self.version,
+            queued=self.queued + self.parked,
+            leased=self.leased,
+            held=self.held,
+            workers_alive=len(self.workers),
+            ready_results=len(self._results),
+            accepted_samples=self.staleness.accepted,
+            running_samples=self.staleness.running,
+            applying=len(self._applying),
+        )
+        return c
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch and compare (for tests)."""
+        phases = [g.phase for g in self.groups.values()]
+        queued = sum(1 for g in self.groups.values() if g.phase == Phase.QUEUED and g.prompt is not None)
+        parked = sum(1 for g in self.groups.values() if g.phase == Phase.QUEUED and g.prompt is None)
+        leased = phases.count(Phase.LEASED)
+        held = sum(1 for p in phases if p in Phase.TERMINAL)
+        assert (queued, parked, leased, held) == (self.queued, self.parked, self.leased, self.held), (
+            (queued, parked, leased, held),
+            (self.queued, self.parked, self.leased, self.held),
+        )
+        running = sum(g.size for g in self.groups.values() if g.phase == Phase.LEASED)
+        assert running == self.staleness.running, (running, self.staleness.running)
+        for w in self.workers.values():
+            assert w.credits >= 0
+            for tid, g in w.leases.items():
+                assert g.phase == Phase.LEASED and g.worker_id == w.worker_id and g.task_id == tid
+
+
+def _complete(trajectories: tuple[Trajectory, ...], prompt_id: str, size: int) -> bool:
+    if len(trajectories) != size:
+        return False
+    seen = set()
+    for t in trajectories:
+        if t.prompt_id != prompt_id or not 0 <= t.sample_index < size:
+            return False
+        seen.add(t.sample_index)
+    return len(seen) == size
+
+
+def _with_metadata(result: GroupResult, p: Prompt) -> GroupResult:
+    return GroupResult(
+        prompt_id=result.prompt_id,
+        state=result.state,
+        trajectories=result.trajectories,
+        reason=result.reason,
+        attempts=result.attempts,
+        worker_id=result.worker_id,
+        metadata=p.metadata,
+    )

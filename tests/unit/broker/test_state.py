@@ -1,0 +1,272 @@
+"""The broker's state machine and leases, driven with an injected clock (no sockets, no sleeping)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollpool.broker.config import BrokerConfig
+from rollpool.broker.state import BrokerState, Phase, WorkerInfo
+from rollpool.protocol import ConfigError, InflightTask, Prompt, Trajectory
+
+
+def prompt(pid: str, n: int = 1, priority: int = 0) -> Prompt:
+    return Prompt(prompt_id=pid, input_ids=np.arange(3, dtype=np.int32), group_size=n, priority=priority)
+
+
+def group(pid: str, n: int, version: int = 0) -> tuple[Trajectory, ...]:
+    z = np.zeros(2, dtype=np.int32)
+    return tuple(
+        Trajectory(
+            prompt_id=pid, sample_index=i, input_ids=z, output_ids=z, output_logprobs=np.zeros(2, np.float32),
+            token_versions=np.full(2, version, np.int32), loss_mask=np.ones(2, np.uint8), finish_reason="stop",
+        )
+        for i in range(n)
+    )
+
+
+def make(**kw: object) -> BrokerState:
+    return BrokerState(BrokerConfig(**{"heartbeat_interval_s": 1.0, "task_timeout_s": 10.0, **kw}))  # type: ignore[arg-type]
+
+
+def join(s: BrokerState, wid: str, capacity: int = 4, now: float = 0.0, version: int = -1) -> WorkerInfo:
+    s.add_worker(worker_id=wid, identity=wid.encode(), capacity=capacity, credits=capacity, now=now, version=version)
+    return s.workers[wid]
+
+
+def finish(s: BrokerState, w: WorkerInfo, task_id: str, now: float = 0.0) -> str:
+    g = w.leases[task_id]
+    return s.result(w, task_id=task_id, prompt_id=g.prompt_id, trajectories=group(g.prompt_id, g.size), error=None, retryable=True, now=now)
+
+
+def test_credits_bound_dispatch_and_groups_stay_whole() -> None:
+    s = make()
+    s.submit([prompt(f"p{i}", 3) for i in range(5)], 0.0)
+    w = join(s, "w", capacity=7)
+    out = s.dispatch(0.0)
+    assert [g.prompt_id for _, g in out] == ["p0", "p1"]  # 6 of 7 credits; a third group of 3 does not fit
+    assert w.credits == 1 and all(x is w for x, _ in out)
+    assert s.dispatch(0.0) == []
+    s.credit(w, 3, 0.0)
+    assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["p2"]
+    s.check_invariants()
+
+
+def test_fifo_with_priority_first() -> None:
+    s = make()
+    s.submit([prompt("a"), prompt("b"), prompt("urgent", priority=5), prompt("c")], 0.0)
+    join(s, "w", capacity=10)
+    assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["urgent", "a", "b", "c"]
+
+
+def test_a_group_no_worker_can_hold_does_not_block_the_queue() -> None:
+    s = make()
+    s.submit([prompt("big", 8), prompt("small1", 1), prompt("small2", 2)], 0.0)
+    join(s, "w", capacity=4)
+    assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["small1", "small2"]
+    assert s.groups["big"].phase == Phase.QUEUED
+    join(s, "large", capacity=8)
+    assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["big"]
+
+
+def test_deadline_requeues_whole_group_then_fails_after_max_attempts() -> None:
+    s = make(max_attempts=2, task_timeout_s=5.0)
+    s.submit([prompt("p", 2)], 0.0)
+    w = join(s, "w")
+    (_, g), = s.dispatch(0.0)
+    assert g.task_id == "p@0"
+    s.heartbeat(w, 2.5, version=-1, state="ready", tokens_total=0)
+    s.expire(4.9)
+    assert g.phase == Phase.LEASED
+    s.heartbeat(w, 5.0, version=-1, state="ready", tokens_total=0)
+    s.expire(5.1)
+    assert g.phase == Phase.QUEUED and g.attempt == 1
+    assert ("w", "p@0", "deadline") in s.effects.cancels
+    s.credit(w, 2, 5.1)
+    (_, g2), = s.dispatch(5.1)
+    assert g2.task_id == "p@1"
+    s.heartbeat(w, 8.0, version=-1, state="ready", tokens_total=0)
+    s.heartbeat(w, 10.0, version=-1, state="ready", tokens_total=0)
+    s.expire(10.2)
+    assert g.phase == Phase.FAILED and s.counters["failed"] == 1
+    assert [r.state for r in s.pull("c", 10)] == ["failed"]
+    s.check_invariants()
+
+
+def test_dead_worker_requeues_and_its_late_result_is_a_duplicate() -> None:
+    s = make()
+    s.submit([prompt("p", 2)], 0.0)
+    dead = join(s, "dead")
+    s.dispatch(0.0)
+    alive = join(s, "alive", now=2.0)
+    s.expire(2.9)
+    assert "dead" in s.workers
+    s.expire(3.1)  # 3 missed heartbeats of 1 s
+    assert "dead" not in s.workers and s.counters["workers_lost"] == 1
+    (w, g), = s.dispatch(3.1)
+    assert w is alive and g.task_id == "p@1"
+    late = s.result(dead, task_id="p@0", prompt_id="p", trajectories=group("p", 2), error=None, retryable=True, now=3.2)
+    assert late == "duplicate"
+    assert finish(s, alive, "p@1", 3.3) == "accepted"
+    assert finish_again(s, alive) == "duplicate"
+    assert [r.prompt_id for r in s.pull("c", 10)] == ["p"]
+    assert s.pull("c", 10) == []
+    s.check_invariants()
+
+
+def finish_again(s: BrokerState, w: WorkerInfo) -> str:
+    return s.result(w, task_id="p@1", prompt_id="p", trajectories=group("p", 2), error=None, retryable=True, now=4.0)
+
+
+def test_ack_forgets_and_dedup_window_refuses_resubmission() -> None:
+    s = make(dedup_window=2)
+    w = join(s, "w", capacity=10)
+    s.submit([prompt("a"), prompt("b"), prompt("c")], 0.0)
+    for _, g in s.dispatch(0.0):
+        finish(s, w, g.task_id)
+    s.pull("c", 10)
+    assert s.ack(["a", "b", "c"]) == 3
+    assert s.held == 0 and not s.groups
+    _, rejected = s.submit([prompt("c"), prompt("a")], 1.0)
+    assert [r.reason for r in rejected] == ["duplicate"]  # "a" fell out of the window of 2
+    s.check_invariants()
+
+
+def test_unacked_results_are_redelivered_on_reconnect() -> None:
+    s = make()
+    w = join(s, "w", capacity=10)
+    s.submit([prompt("a"), prompt("b")], 0.0)
+    for _, g in s.dispatch(0.0):
+        finish(s, w, g.task_id)
+    assert len(s.pull("trainer", 10)) == 2
+    s.ack(["a"])
+    assert s.client_reconnected("trainer") == 1
+    assert [r.prompt_id for r in s.pull("trainer", 10)] == ["b"]
+
+
+def test_full_queue_rejects_and_bounds_memory() -> None:
+    s = make(max_queued=10, max_group_size=4)
+    accepted, rejected = s.submit([prompt(f"p{i}") for i in range(25)] + [prompt("huge", 5)], 0.0)
+    assert len(accepted) == 10
+    assert {r.reason for r in rejected} == {"queue_full", "group_too_large"}
+    assert len(s.groups) == 10
+
+
+def test_adopted_task_merges_with_resubmitted_prompt_first_result_wins() -> None:
+    s = make()
+    adopted, refused = s.add_worker(
+        worker_id="w", identity=b"w", capacity=4, credits=2, now=0.0,
+        inflight=[InflightTask(task_id="p@0", prompt_id="p", group_size=2)],
+    )
+    assert adopted == ["p@0"] and refused == []
+    accepted, _ = s.submit([prompt("p", 2)], 0.1)  # the client resubmits after seeing the new epoch
+    assert accepted == ["p"]
+    assert s.dispatch(0.1) == []  # merged: not dispatched a second time
+    w = s.workers["w"]
+    assert finish(s, w, "p@0") == "accepted"
+    assert [r.prompt_id for r in s.pull("c", 10)] == ["p"]
+    s.check_invariants()
+
+
+def test_version_aware_choice_and_stale_workers_get_nothing() -> None:
+    s = make(max_staleness=1, batch_size=100)
+    old = join(s, "old", version=0)
+    cur = join(s, "cur", version=3)
+    s.set_version(3, 0.0)
+    s.submit([prompt("a"), prompt("b")], 0.0)
+    out = s.dispatch(0.0)
+    assert {w.worker_id for w, _ in out} == {"cur"}
+    assert old.credits == 4 and not old.leases and cur.credits == 2
+
+
+def test_apply_slots_bounded_by_max_applying() -> None:
+    s = make(max_applying=1)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 1)
+    s.apply_request(b, 1)
+    assert s.effects.grants == [("a", 1)]
+    s.submit([prompt("p")], 0.0)
+    assert [w.worker_id for w, _ in s.dispatch(0.0)] == ["b"]  # never to a worker that is applying
+    s.apply_done(a, 1, ok=True)
+    assert s.effects.grants == [("a", 1), ("b", 1)] and a.version == 1
+
+
+def test_cancel_is_terminal_and_told_once() -> None:
+    s = make()
+    w = join(s, "w", capacity=1)
+    s.submit([prompt("x"), prompt("y")], 0.0)
+    s.dispatch(0.0)
+    cancelled, _ = s.cancel(["x", "y"], 0.0)
+    assert cancelled == ["x", "y"] and ("w", "x@0", "cancelled") in s.effects.cancels
+    assert finish_by_id(s, w, "x@0", "x") == "duplicate"
+    assert sorted(r.state for r in s.pull("c", 10)) == ["cancelled", "cancelled"]
+    s.check_invariants()
+
+
+def finish_by_id(s: BrokerState, w: WorkerInfo, tid: str, pid: str) -> str:
+    return s.result(w, task_id=tid, prompt_id=pid, trajectories=group(pid, 1), error=None, retryable=True, now=0.0)
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="max_attempts"):
+        BrokerConfig(max_attempts=0)
+    with pytest.raises(ConfigError, match="max_staleness"):
+        BrokerConfig(max_staleness=-1)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 4)),
+        st.tuples(st.just("dispatch"), st.just(0)),
+        st.tuples(st.just("finish"), st.integers(0, 3)),
+        st.tuples(st.just("nack"), st.integers(0, 3)),
+        st.tuples(st.just("version"), st.integers(0, 2)),
+        st.tuples(st.just("kill"), st.integers(0, 3)),
+        st.tuples(st.just("credit"), st.integers(0, 3)),
+        st.tuples(st.just("drop"), st.integers(0, 3)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, eta=st.integers(0, 2), batch=st.integers(1, 8))
+def test_admission_keeps_the_staleness_rule_at_every_step(ops: list[tuple[str, int]], eta: int, batch: int) -> None:
+    s = make(max_staleness=eta, batch_size=batch, max_attempts=1000)
+    now = 0.0
+    n = 0
+    for i in range(4):
+        join(s, f"w{i}", capacity=6)
+    for op, arg in ops:
+        now += 0.01
+        wid = f"w{arg}"
+        w = s.workers.get(wid)
+        if op == "submit":
+            n += 1
+            s.submit([prompt(f"p{n}", arg)], now)
+        elif op == "dispatch":
+            s.dispatch(now)
+        elif op == "finish" and w is not None and w.leases:
+            tid = next(iter(w.leases))
+            finish(s, w, tid, now)
+            s.credit(w, 6, now)
+        elif op == "nack" and w is not None and w.leases:
+            s.nack(w, [next(iter(w.leases))], now, reason="test")
+        elif op == "version":
+            s.set_version(s.version + arg, now)
+            for x in s.workers.values():
+                s.heartbeat(x, now, version=s.version, state="ready", tokens_total=0)
+        elif op == "kill" and w is not None:
+            s.remove_worker(wid, now, reason="dead")
+            join(s, wid, capacity=6, now=now, version=max(s.version, 0))
+        elif op == "credit" and w is not None:
+            s.credit(w, 6, now)
+        elif op == "drop":
+            got = s.pull("c", 2)
+            s.ack([g.prompt_id for g in got], dropped_stale=[g.prompt_id for g in got][: arg % 2])
+        v = max(s.version, 0)
+        st_ = s.staleness
+        assert st_.accepted + st_.running <= (v + eta + 1) * batch
+        s.check_invariants()
