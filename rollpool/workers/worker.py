@@ -458,9 +458,14 @@ class Worker:
             ts.handed_back, ts.phase = True, "handed_back"
             if ts.runner is not None:
                 ts.runner.cancel()
-        if rest:
-            await self._send(Nack(task_ids=tuple(ts.task.task_id for ts in rest), reason="worker_shutdown"))
-        if self._welcomed.is_set():
+        handed = [ts.task.task_id for ts in rest]
+        while self._outbox:  # results finished while the broker was away: deliver, or hand back
+            result = self._outbox.popleft()
+            if not self._epoch or not await self._send(result):
+                handed.append(result.task_id)
+        if handed:
+            await self._send(Nack(task_ids=tuple(handed), reason="worker_shutdown"))
+        if self._epoch:
             await self._send(Goodbye(reason="shutdown"))
         self.stopped_cleanly = True
         self._state = "stopped"
