@@ -45,8 +45,13 @@ async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
         configs = [dataclasses.replace(config, worker_id=f"{config.worker_id}-{i}", count=1) for i in range(config.count)]
     workers = [Worker(c, sockets, metrics=metrics) for c in configs]
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for w in workers:
+            w.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: [w.stop() for w in workers])
+        loop.add_signal_handler(sig, stop_all)
     try:
         async with asyncio.TaskGroup() as tg:
             for w in workers:

@@ -39,7 +39,7 @@ def load_reward(spec: str) -> RewardFn:
         raise ConfigError(f"reward {spec!r}: cannot import {module_name}: {exc}") from exc
     fn = module
     for part in attr.split("."):
-        fn = getattr(fn, part, None)  # type: ignore[assignment]
+        fn = getattr(fn, part, None)
         if fn is None:
             raise ConfigError(f"reward {spec!r}: {module_name} has no {attr}")
     if not callable(fn):

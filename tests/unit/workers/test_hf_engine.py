@@ -113,7 +113,7 @@ async def test_interrupt_update_has_an_exact_version_boundary(engine: HFEngine, 
     prompt = [20, 21, 22, 23]
     sp = SamplingParams(max_new_tokens=80, temperature=0.8, ignore_eos=True, seed=9)
     task = asyncio.create_task(engine.generate(prompt, 1, sp, "x"))
-    while engine.stats["decode_steps"] < 5:
+    while engine.stats["decode_steps"] < 5:  # noqa: ASYNC110 - a counter of the compute thread
         await asyncio.sleep(0.001)
     await engine.pause("interrupt")
     g = torch.Generator().manual_seed(3)
