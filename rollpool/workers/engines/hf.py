@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import inspect
 import logging
 import pathlib
 import queue
@@ -144,6 +145,7 @@ class HFEngine:
         self._eos_ids: frozenset[int] = frozenset()
         self._fingerprint = ""
         self._max_positions = 1 << 30
+        self._cache_kw = "cache"
         self._cmds: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
@@ -306,6 +308,8 @@ class HFEngine:
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
         self._model = model.to(self.device).eval()
+        # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`
+        self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
         cfg = self._model.config
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else self._tokenizer.eos_token_id
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -482,10 +486,10 @@ class HFEngine:
 
         ctx = unit[0].context()
         ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
-        out = self._model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: DynamicCache()})
         self._count("prefill", 1, len(ctx))
         logits = out.logits[0, -1].float()
-        layers = [(layer.keys, layer.values) for layer in out.cache.layers]
+        layers = [(layer.keys, layer.values) for layer in getattr(out, self._cache_kw).layers]
         joined: list[_Seq] = []
         for seq in unit:
             seq.kv_len = len(ctx)
@@ -520,10 +524,16 @@ class HFEngine:
         ids = torch.tensor([[s.out[-1]] for s in self._running], dtype=torch.long, device=self.device)
         pos = torch.tensor([[s.kv_len] for s in self._running], dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
-        out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(ddp_cache_data=self._kv), use_cache=True)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            **{self._cache_kw: DynamicCache(ddp_cache_data=self._kv)},
+        )
         self._count("decode", rows, 1)
         self.stats["decode_steps"] += 1
-        self._kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+        self._kv = [(layer.keys, layer.values) for layer in getattr(out, self._cache_kw).layers]
         self._mask = mask
         logits = out.logits[:, -1].float()
         for row, seq in enumerate(self._running):
