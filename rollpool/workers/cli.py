@@ -1,0 +1,65 @@
+"""``rollpool worker``: run one rollout worker (or ``--count N`` sim workers in one process).
+
+SIGTERM/SIGINT start the graceful drain (stop intake, finish until
+``--drain-timeout-s``, hand back the rest, Goodbye); the command exits 0 once
+every worker has drained. Monitoring sinks are wired by the top-level CLI;
+this module uses the null sink unless given one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+
+from rollpool.protocol.config import add_config_arguments, load_config
+from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.workers.config import WorkerConfig
+from rollpool.workers.worker import Worker
+
+__all__ = ["HELP", "add_arguments", "run", "run_workers"]
+
+HELP = "run a rollout worker (engines: sim, hf, sglang)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="TOML file with a [worker] table (env ROLLPOOL_CONFIG)")
+    add_config_arguments(parser, WorkerConfig)
+
+
+def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
+    config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+    return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
+
+
+async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    if config.count == 1:
+        configs = [config]
+    else:
+        configs = [dataclasses.replace(config, worker_id=f"{config.worker_id}-{i}", count=1) for i in range(config.count)]
+    workers = [Worker(c, sockets, metrics=metrics) for c in configs]
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for w in workers:
+            w.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_all)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for w in workers:
+                tg.create_task(w.run(), name=f"worker-{w.worker_id}")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        sockets.close()
+        ctx.destroy(linger=0)
+        metrics.close()
+    return 0

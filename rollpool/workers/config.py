@@ -1,0 +1,120 @@
+"""`WorkerConfig`: the frozen configuration of one rollout worker process.
+
+Loaded with ``load_config(WorkerConfig, args, section="worker")`` (flags,
+``ROLLPOOL_*`` environment, ``[worker]`` TOML table). `__post_init__` checks
+every range and names the field; `engine_kwargs()` turns ``engine_options``
+(``key=value,key=value``) plus ``model``/``capacity`` into keyword arguments
+for the engine factory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpool.protocol.errors import ConfigError
+
+__all__ = ["WorkerConfig", "APPLY_MODE_NAMES", "parse_engine_options"]
+
+APPLY_MODE_NAMES = ("interrupt", "in_place", "drain")
+
+
+def _h(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    broker: str = field(default="tcp://127.0.0.1:5555", metadata=_h("the broker's worker endpoint"))
+    engine: str = field(default="sim", metadata=_h("engine name: sim, hf, sglang"))
+    model: str | None = field(default=None, metadata=_h("model directory (hf, sglang)"))
+    worker_id: str = field(default="", metadata=_h("unique id; default host-pid"))
+    capacity: int = field(default=0, metadata=_h("most sequences at once; 0 = the engine's capacity"))
+    apply_mode: str = field(default="interrupt", metadata=_h("weight apply mode: interrupt, in_place, drain"))
+    reward: str | None = field(default=None, metadata=_h("reward function as module:function"))
+    reward_timeout_s: float = field(default=30.0, metadata=_h("most seconds one reward call may take"))
+    heartbeat_interval_s: float = field(default=1.0, metadata=_h("seconds between heartbeats"))
+    missed_heartbeats: int = field(default=3, metadata=_h("broker silent this many intervals -> reconnect"))
+    drain_timeout_s: float = field(default=30.0, metadata=_h("on SIGTERM, finish in-flight work for this long"))
+    reconnect_backoff_s: float = field(default=1.0, metadata=_h("first wait before re-sending hello"))
+    reconnect_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between hellos"))
+    restart_backoff_s: float = field(default=1.0, metadata=_h("first wait before restarting a failed engine"))
+    restart_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between engine restarts"))
+    send_timeout_s: float = field(default=5.0, metadata=_h("most seconds one send to the broker may wait"))
+    apply_grant_timeout_s: float = field(default=30.0, metadata=_h("re-ask for an apply slot after this long"))
+    fetch_timeout_s: float = field(default=60.0, metadata=_h("weight fetch timeout"))
+    window_chunks: int = field(default=4, metadata=_h("weight chunks in flight per fetch"))
+    max_refetch: int = field(default=3, metadata=_h("re-fetches of a bucket that fails verification"))
+    engine_options: str = field(default="", metadata=_h("engine keyword options: key=value,key=value"))
+    count: int = field(default=1, metadata=_h("sim only: independent workers hosted by this process"))
+    pool: str = field(default="default", metadata=_h("pool name (monitoring keys)"))
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
+        if not self.broker:
+            raise ConfigError("WorkerConfig.broker must be an endpoint like tcp://127.0.0.1:5555")
+        if self.capacity < 0:
+            raise ConfigError(f"WorkerConfig.capacity must be >= 0 (0 = the engine's), got {self.capacity}")
+        if self.apply_mode not in APPLY_MODE_NAMES:
+            raise ConfigError(f"WorkerConfig.apply_mode must be one of {APPLY_MODE_NAMES}, got {self.apply_mode!r}")
+        if self.reward is not None and ":" not in self.reward:
+            raise ConfigError(f"WorkerConfig.reward must look like package.module:function, got {self.reward!r}")
+        if self.missed_heartbeats < 1:
+            raise ConfigError(f"WorkerConfig.missed_heartbeats must be >= 1, got {self.missed_heartbeats}")
+        if self.count < 1:
+            raise ConfigError(f"WorkerConfig.count must be >= 1, got {self.count}")
+        if self.count > 1 and self.engine != "sim":
+            raise ConfigError(f"WorkerConfig.count > 1 needs engine sim, got {self.engine!r}")
+        if self.window_chunks < 1 or self.max_refetch < 0:
+            raise ConfigError("WorkerConfig.window_chunks must be >= 1 and max_refetch >= 0")
+        for name in (
+            "reward_timeout_s",
+            "heartbeat_interval_s",
+            "reconnect_backoff_s",
+            "reconnect_backoff_max_s",
+            "restart_backoff_s",
+            "restart_backoff_max_s",
+            "send_timeout_s",
+            "apply_grant_timeout_s",
+            "fetch_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"WorkerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        parse_engine_options(self.engine_options)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs = parse_engine_options(self.engine_options)
+        if self.model is not None:
+            kwargs.setdefault("model", self.model)
+        if self.capacity:
+            kwargs.setdefault("capacity", self.capacity)
+        return kwargs
+
+
+def parse_engine_options(text: str) -> dict[str, Any]:
+    """``"a=1,b=0.5,c=x,d=true"`` -> ``{"a": 1, "b": 0.5, "c": "x", "d": True}``."""
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"WorkerConfig.engine_options: {part!r} is not key=value")
+        value: Any = raw.strip()
+        low = value.lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(value)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip()] = value
+    return out

@@ -1,0 +1,181 @@
+"""The Engine protocol: what a rollout worker needs from an inference engine.
+
+An engine generates `n` samples of one prompt per request and reports, for
+every output token, its id, its logprob (``log_softmax(logits / temperature)``
+of the chosen token before top-k/top-p/min-p truncation, as SGLang reports it;
+temperature 0 means greedy and logprobs at temperature 1) and the weight
+version that produced it. ``output_ids`` include the stop token. A per-sample
+outcome (stop, length, abort) is data on the `SampleOutput`; an exception out
+of an engine method means the engine itself failed (`EngineError`) and the
+worker restarts it, except `ValueError` for a request the engine refuses
+(bad sampling parameters, prompt too long), which fails only that request.
+
+Weight updates: the worker calls ``pause(mode)``, ``update_weights(tensors,
+version)``, ``resume()``. ``pause`` returns once the engine is quiescent in
+that mode:
+
+- ``interrupt``: running sequences stop at a step boundary and are
+  resubmitted on resume as prompt + partial output, so every token sampled
+  after the update carries the new version (and was computed by the new
+  weights only);
+- ``in_place``: running sequences are held with their KV cache and continue
+  on resume (tokens after the update carry the new version, but attend to a
+  cache computed by the old weights);
+- ``drain``: no new sequence starts; ``pause`` returns once the running ones
+  have finished.
+
+`generate` calls made while paused wait and start after `resume`.
+All methods are coroutines except `info` and `free_capacity`; none blocks the
+event loop (compute lives in a thread, a child process or on timers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rollpool.protocol.messages import SamplingParams
+
+__all__ = [
+    "APPLY_MODES",
+    "Engine",
+    "EngineInfo",
+    "GenerateOutput",
+    "SampleOutput",
+    "validate_sampling",
+]
+
+APPLY_MODES: tuple[str, ...] = ("interrupt", "in_place", "drain")
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """One generated sample."""
+
+    index: int
+    output_ids: list[int]
+    """Generated ids, the stop token included."""
+    logprobs: list[float]
+    """One per output id."""
+    token_versions: list[int]
+    """The weight version that produced each output id."""
+    finish_reason: str
+    """`FinishReason`: stop, length, abort or error."""
+    output_text: str | None = None
+    """Decoded output (stop string and stop token trimmed, as SGLang does); None without a tokenizer."""
+    matched_stop: int | str | None = None
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    """Wall-clock seconds since the epoch."""
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """The answer to one `generate` call: `n` samples of one prompt."""
+
+    request_id: str
+    input_ids: list[int]
+    """The prompt as the engine saw it (tokenized when a text prompt was given)."""
+    samples: list[SampleOutput]
+    started_at: float = 0.0
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine says about itself (travels on Hello as ``engine_info``)."""
+
+    name: str
+    model: str
+    capacity: int
+    """Most sequences it runs at once."""
+    apply_modes: tuple[str, ...]
+    weight_version: int
+    fingerprint: str
+    """Digest of the model config and tokenizer."""
+    simulated: bool = False
+    device: str = "cpu"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.model,
+            "capacity": self.capacity,
+            "apply_modes": list(self.apply_modes),
+            "weight_version": self.weight_version,
+            "fingerprint": self.fingerprint,
+            "simulated": self.simulated,
+            "device": self.device,
+            **dict(self.extra),
+        }
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The seam between a worker and its inference engine (see the module docstring)."""
+
+    async def start(self) -> None:
+        """Load the model / start the engine; raises `EngineError` on failure."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int] | None,
+        n: int,
+        sampling: SamplingParams,
+        request_id: str,
+        *,
+        text: str | None = None,
+        apply_chat_template: bool = False,
+    ) -> GenerateOutput:
+        """Generate `n` samples of one prompt (``input_ids``, or ``text`` through the tokenizer)."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Finish the request's unfinished samples with reason ``abort`` (partial output kept); no-op if unknown."""
+
+    async def pause(self, mode: str) -> None:
+        """Quiesce for a weight update in `mode` (one of ``info().apply_modes``)."""
+
+    async def resume(self) -> None:
+        """Continue after `pause`."""
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Load tensors by HF parameter name and tag later tokens with `version`.
+
+        Every name and shape is checked before anything is written; raises
+        `EngineError` (the engine must then be restarted: it may be half-updated).
+        """
+
+    async def release_memory(self, tags: Sequence[str] = ()) -> None:
+        """Free device memory (``weights``, ``kv_cache``); generation waits until `resume_memory`."""
+
+    async def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        """Take back what `release_memory` freed."""
+
+    async def flush_cache(self) -> None:
+        """Drop cached prefixes (no effect on running sequences)."""
+
+    def info(self) -> EngineInfo:
+        """Name, model, capacity, apply modes, version, fingerprint."""
+        ...
+
+    async def stop(self) -> None:
+        """Abort everything and release the engine; idempotent."""
+
+
+def validate_sampling(sampling: SamplingParams, n: int) -> None:
+    """Raise `ValueError` naming the parameter that is out of range."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if sampling.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k == 0 or sampling.top_k < -1:
+        raise ValueError(f"top_k must be -1 or >= 1, got {sampling.top_k}")
+    if not 0 <= sampling.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {sampling.min_p}")

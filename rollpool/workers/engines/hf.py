@@ -1,0 +1,675 @@
+"""The `hf` engine: a real causal LM through torch + transformers, with continuous batching.
+
+Guarantees:
+
+- Compute runs in one dedicated thread; the asyncio side only enqueues
+  commands and awaits futures, so the worker's event loop (heartbeats) never
+  waits on a forward pass.
+- Continuous batching with a KV cache: a new request is prefilled once (its
+  n samples share the prompt's KV) and joins the running batch between decode
+  steps; each decode step feeds exactly one new token per running sequence.
+  The batch is left-padded with an attention mask and explicit position ids.
+- Sampling as SGLang does it: ``temperature`` (0 = greedy), then ``top_k``,
+  ``top_p``, ``min_p`` truncation; the reported logprob is
+  ``log_softmax(logits / temperature)`` of the chosen token before truncation
+  (temperature 1 when greedy). ``output_ids`` include the stop token (eos or
+  ``stop_token_ids``, both ignored with ``ignore_eos``) and the token that
+  completed a stop string; ``output_text`` has them trimmed.
+  ``seed`` makes a request reproducible (sample i uses seed + i).
+- Weight updates by HF parameter name happen between decode steps, every
+  name and shape checked first; pause modes as in `base`. Every output token
+  carries the version current when it was sampled; in ``interrupt`` mode the
+  running sequences are re-prefilled (prompt + partial output) under the new
+  weights, so tokens after the update depend on the new weights only.
+- Any exception inside the compute thread kills the engine: every pending
+  and later call raises `EngineError` (the worker restarts it).
+
+`stats` counts forward calls and the tokens each processed (tests use it to
+check that decoding is incremental).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import inspect
+import logging
+import pathlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollpool.protocol.errors import EngineError
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.engines.base import APPLY_MODES, EngineInfo, GenerateOutput, SampleOutput, validate_sampling
+
+__all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token"]
+
+log = logging.getLogger(__name__)
+
+_GREEDY_EPS = 1e-5
+
+
+def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+    """Pick one token from a 1-D float32 logits row; returns (token, logprob before truncation)."""
+    greedy = sampling.temperature < _GREEDY_EPS
+    temperature = 1.0 if greedy else sampling.temperature
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if greedy or sampling.top_k == 1:
+        tok = int(torch.argmax(logp))
+        return tok, float(logp[tok])
+    probs = logp.exp()
+    if sampling.top_k > 0 and sampling.top_k < probs.numel():
+        kth = torch.topk(probs, sampling.top_k).values[-1]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1) / sorted_probs.sum()
+        drop = (cum - sorted_probs / sorted_probs.sum()) > sampling.top_p
+        sorted_probs = torch.where(drop, torch.zeros_like(sorted_probs), sorted_probs)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    if sampling.min_p > 0.0:
+        probs = torch.where(probs < sampling.min_p * probs.max(), torch.zeros_like(probs), probs)
+    tok = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return tok, float(logp[tok])
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: _Group
+    index: int
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    """Tokens of this sequence held in the KV cache (the last sampled token is not yet)."""
+    finish: str | None = None
+    matched: int | str | None = None
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    def context(self) -> list[int]:
+        return self.group.input_ids + self.out
+
+
+@dataclass(eq=False)
+class _Group:
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    done: Callable[[GenerateOutput | BaseException], None]
+    started_at: float
+    stop_ids: frozenset[int] = frozenset()
+    seqs: list[_Seq] = field(default_factory=list)
+
+
+class HFEngine:
+    """A transformers causal LM served with continuous batching (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        capacity: int = 32,
+        device: str | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        initial_version: int = 0,
+        num_threads: int | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if not model:
+            raise ValueError("the hf engine needs --model (a local directory)")
+        self.model_path = str(model)
+        self.capacity = capacity
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, dtype)
+        self.seed = seed
+        self.version = initial_version
+        self.num_threads = num_threads
+        self.attn_implementation = attn_implementation
+        self.stats: dict[str, int] = {"forward_calls": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
+        self.forward_log: collections.deque[tuple[str, int, int]] = collections.deque(maxlen=10_000)
+        """(kind, batch rows, new tokens per row) of recent forward calls."""
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._eos_ids: frozenset[int] = frozenset()
+        self._fingerprint = ""
+        self._max_positions = 1 << 30
+        self._cache_kw = "cache"
+        self._cmds: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._request_counter = 0
+        # compute-thread state
+        self._waiting: collections.deque[list[_Seq]] = collections.deque()
+        self._running: list[_Seq] = []
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._mask: torch.Tensor | None = None
+        self._groups: dict[str, _Group] = {}
+        self._pause_mode: str | None = None
+        self._drain_waiters: list[Callable[[Any], None]] = []
+        self._released: set[str] = set()
+
+    # -- Engine protocol
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self._load)
+        except Exception as exc:
+            raise EngineError(f"hf engine could not load {self.model_path}: {exc}") from exc
+        self._thread = threading.Thread(target=self._compute_loop, name=f"hf-engine-{id(self):x}", daemon=True)
+        self._thread.start()
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name="hf",
+            model=self.model_path,
+            capacity=self.capacity,
+            apply_modes=APPLY_MODES,
+            weight_version=self.version,
+            fingerprint=self._fingerprint,
+            simulated=False,
+            device=self.device,
+            extra={"dtype": str(self.dtype).removeprefix("torch.")},
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def generate(
+        self,
+        input_ids: Sequence[int] | None,
+        n: int,
+        sampling: SamplingParams,
+        request_id: str,
+        *,
+        text: str | None = None,
+        apply_chat_template: bool = False,
+    ) -> GenerateOutput:
+        self._check()
+        validate_sampling(sampling, n)
+        if n > self.capacity:
+            raise ValueError(f"group size {n} exceeds the engine's capacity {self.capacity}")
+        prompt = self._tokenize(input_ids, text, apply_chat_template)
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self._max_positions:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the model's {self._max_positions} positions")
+        vocab = int(self._model.config.vocab_size)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time()))
+        assert isinstance(result, GenerateOutput)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        if self._dead is None:
+            await self._call("abort", request_id)
+
+    async def pause(self, mode: str) -> None:
+        if mode not in APPLY_MODES:
+            raise ValueError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume", None)
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        await self._call("update", (dict(named_tensors), version))
+
+    async def release_memory(self, tags: Sequence[str] = ()) -> None:
+        await self._call("release", tuple(tags) or ("weights", "kv_cache"))
+
+    async def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        await self._call("resume_memory", tuple(tags) or ("weights", "kv_cache"))
+
+    async def flush_cache(self) -> None:
+        await self._call("flush", None)
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        if thread.is_alive():
+            self._cmds.put(("stop", None, lambda _r: None))
+            await asyncio.to_thread(thread.join, 30.0)
+        self._thread = None
+        if self._dead is None:
+            self._dead = "stopped"
+
+    # -- asyncio side
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineError(f"hf engine is not running: {self._dead}")
+        if self._thread is None:
+            raise EngineError("hf engine not started")
+
+    async def _call(self, kind: str, payload: Any) -> Any:
+        self._check()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, result)
+
+        self._cmds.put((kind, payload, done))
+        try:
+            while not fut.done():
+                # a command queued just as the thread died would never be answered
+                await asyncio.wait({fut}, timeout=1.0)
+                thread = self._thread
+                if not fut.done() and (thread is None or not thread.is_alive()):
+                    raise EngineError(f"hf engine is not running: {self._dead or 'thread gone'}")
+        except asyncio.CancelledError:
+            if kind == "generate" and self._dead is None:
+                self._cmds.put(("abort", payload[0], lambda _r: None))
+            raise
+        return await _unwrap(fut)
+
+    def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
+        if input_ids is not None:
+            return [int(t) for t in input_ids]
+        if text is None:
+            raise ValueError("a prompt needs input_ids or text")
+        tok = self._tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("apply_chat_template asked for, but the tokenizer has no chat template")
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            return list(tok(rendered, add_special_tokens=False)["input_ids"])
+        return list(tok(text)["input_ids"])
+
+    # -- compute thread
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        path = pathlib.Path(self.model_path)
+        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
+        self._model = model.to(self.device).eval()
+        # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`
+        self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
+        cfg = self._model.config
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self._tokenizer.eos_token_id
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
+        digest = hashlib.sha256()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            f = path / name
+            if f.exists():
+                digest.update(name.encode() + b"\0" + f.read_bytes())
+        self._fingerprint = digest.hexdigest()[:16]
+
+    def _compute_loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    busy = self._can_work()
+                    if not self._drain_commands(block=not busy):
+                        break
+                    if self._pause_mode is None and not self._released:
+                        self._admit()
+                    if self._pause_mode in (None, "drain") and not self._released and self._running:
+                        self._decode_step()
+                    self._settle_drain()
+        except BaseException as exc:  # noqa: BLE001 - the engine is dead; everyone must hear of it
+            log.exception("hf engine compute thread died")
+            self._die(f"compute thread died: {exc!r}")
+            return
+        self._die("stopped")
+
+    def _can_work(self) -> bool:
+        if self._released:
+            return False
+        if self._pause_mode is None:
+            return bool(self._running or self._waiting)
+        return self._pause_mode == "drain" and bool(self._running)
+
+    def _drain_commands(self, *, block: bool) -> bool:
+        """Run queued commands; False on stop."""
+        while True:
+            try:
+                kind, payload, done = self._cmds.get(timeout=None) if block else self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                done(None)
+                return False
+            try:
+                result = self._command(kind, payload, done)
+            except EngineError as exc:
+                if kind == "update":
+                    self._dead = str(exc)  # possibly half-applied: refuse further work until restarted
+                done(exc)
+                if kind == "update":
+                    raise
+                continue
+            except (ValueError, TypeError) as exc:
+                done(exc)
+                continue
+            if result is not _DEFERRED:
+                done(result)
+
+    def _command(self, kind: str, payload: Any, done: Callable[[Any], None]) -> Any:
+        if kind == "generate":
+            request_id, prompt, n, sampling, started_at = payload
+            if request_id in self._groups:
+                raise ValueError(f"request id {request_id!r} is already running")
+            stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._eos_ids
+            group = _Group(request_id, prompt, sampling, done, started_at, stop_ids)
+            for i in range(n):
+                gen: torch.Generator | None = None
+                if sampling.temperature >= _GREEDY_EPS:
+                    gen = torch.Generator(device=self.device)
+                    if sampling.seed is not None:
+                        gen.manual_seed(int(sampling.seed) + i)
+                    else:
+                        self._request_counter += 1
+                        gen.manual_seed(self.seed * 1_000_003 + self._request_counter)
+                group.seqs.append(_Seq(group, i, gen))
+            self._groups[request_id] = group
+            self._waiting.append(list(group.seqs))
+            return _DEFERRED
+        if kind == "abort":
+            self._abort(payload)
+            return None
+        if kind == "pause":
+            self._pause(payload)
+            if payload == "drain" and self._running:
+                self._drain_waiters.append(done)
+                return _DEFERRED
+            return None
+        if kind == "resume":
+            self._pause_mode = None
+            return None
+        if kind == "update":
+            named, version = payload
+            self._update(named, version)
+            return None
+        if kind == "flush":
+            return None  # no prefix cache is kept beyond running sequences
+        if kind == "release":
+            self._release(payload)
+            return None
+        if kind == "resume_memory":
+            self._resume_memory(payload)
+            return None
+        raise ValueError(f"unknown engine command {kind!r}")
+
+    def _pause(self, mode: str) -> None:
+        self._pause_mode = mode
+        if mode == "interrupt" and self._running:
+            # resubmit every running sequence as prompt + partial output, ahead of new work
+            for seq in reversed(self._running):
+                seq.kv_len = 0
+                self._waiting.appendleft([seq])
+            self._running = []
+            self._kv = []
+            self._mask = None
+
+    def _settle_drain(self) -> None:
+        if self._drain_waiters and not self._running:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for done in waiters:
+                done(None)
+
+    def _update(self, named: Mapping[str, Any], version: int) -> None:
+        params = dict(self._model.state_dict(keep_vars=True))
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, value in named.items():
+            target = params.get(name)
+            if target is None:
+                raise EngineError(f"update_weights: unknown parameter {name!r}")
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+            plan.append((target, tensor))
+        try:
+            for target, tensor in plan:
+                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        except Exception as exc:
+            raise EngineError(f"update_weights failed part-way: {exc!r}") from exc
+        self.version = version
+
+    def _release(self, tags: tuple[str, ...]) -> None:
+        if "weights" in tags and self.device != "cpu":
+            self._model.to("cpu")
+            torch.cuda.empty_cache()
+        self._released |= set(tags)
+
+    def _resume_memory(self, tags: tuple[str, ...]) -> None:
+        if "weights" in tags and self.device != "cpu":
+            self._model.to(self.device)
+        self._released -= set(tags)
+
+    def _abort(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        now = time.time()
+        for seq in group.seqs:
+            if seq.finish is None:
+                seq.finish, seq.finished_at = FinishReason.ABORT, now
+        self._waiting = collections.deque(unit for unit in self._waiting if unit[0].group is not group)
+        self._drop_finished()
+        self._complete(group)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) + len(self._waiting[0]) <= self.capacity:
+            unit = self._waiting.popleft()
+            self._prefill(unit)
+
+    def _prefill(self, unit: list[_Seq]) -> None:
+        from transformers import DynamicCache
+
+        ctx = unit[0].context()
+        ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
+        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: DynamicCache()})
+        self._count("prefill", 1, len(ctx))
+        logits = out.logits[0, -1].float()
+        layers = [(layer.keys, layer.values) for layer in getattr(out, self._cache_kw).layers]
+        joined: list[_Seq] = []
+        for seq in unit:
+            seq.kv_len = len(ctx)
+            if self._emit(seq, logits):
+                joined.append(seq)
+        if joined:
+            self._join(joined, layers, len(ctx))
+        self._complete_finished_groups(unit)
+
+    def _join(self, seqs: list[_Seq], layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        m = len(seqs)
+        new_kv = [(k.expand(m, -1, -1, -1), v.expand(m, -1, -1, -1)) for k, v in layers]
+        new_mask = torch.ones((m, length), dtype=torch.long, device=self.device)
+        if not self._running:
+            self._kv = [(k.contiguous(), v.contiguous()) for k, v in new_kv]
+            self._mask = new_mask
+        else:
+            assert self._mask is not None
+            width = max(self._mask.shape[1], length)
+            self._kv = [
+                (torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
+                for (k0, v0), (k1, v1) in zip(self._kv, new_kv, strict=True)
+            ]
+            self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(new_mask, width)])
+        self._running.extend(seqs)
+
+    def _decode_step(self) -> None:
+        from transformers import DynamicCache
+
+        assert self._mask is not None
+        rows = len(self._running)
+        ids = torch.tensor([[s.out[-1]] for s in self._running], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[s.kv_len] for s in self._running], dtype=torch.long, device=self.device)
+        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            **{self._cache_kw: DynamicCache(ddp_cache_data=self._kv)},
+        )
+        self._count("decode", rows, 1)
+        self.stats["decode_steps"] += 1
+        self._kv = [(layer.keys, layer.values) for layer in getattr(out, self._cache_kw).layers]
+        self._mask = mask
+        logits = out.logits[:, -1].float()
+        for row, seq in enumerate(self._running):
+            seq.kv_len += 1
+            self._emit(seq, logits[row])
+        finished = [s for s in self._running if s.finish is not None]
+        if finished:
+            self._drop_finished()
+            self._complete_finished_groups(finished)
+
+    def _emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
+        """Sample the next token of `seq`; True while it goes on."""
+        sampling = seq.group.sampling
+        tok, logprob = sample_token(logits, sampling, seq.generator)
+        now = time.time()
+        seq.out.append(tok)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        if not seq.first_token_at:
+            seq.first_token_at = now
+        if tok in seq.group.stop_ids:
+            seq.finish, seq.matched = FinishReason.STOP, tok
+        elif sampling.stop and (hit := self._stop_string(seq)) is not None:
+            seq.finish, seq.matched = FinishReason.STOP, hit
+        elif len(seq.out) >= sampling.max_new_tokens or seq.kv_len + 1 >= self._max_positions:
+            seq.finish = FinishReason.LENGTH
+        if seq.finish is not None:
+            seq.finished_at = now
+            return False
+        return True
+
+    def _stop_string(self, seq: _Seq) -> str | None:
+        longest = max(len(s) for s in seq.group.sampling.stop)
+        tail = self._tokenizer.decode(seq.out[-(longest + 8) :], skip_special_tokens=True)
+        for s in seq.group.sampling.stop:
+            if s and s in tail:
+                return s
+        return None
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if s.finish is None]
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._running, self._kv, self._mask = [], [], None
+            return
+        assert self._mask is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, index)
+        used = torch.nonzero(mask.any(dim=0))
+        start = int(used[0]) if used.numel() else 0
+        self._mask = mask[:, start:]
+        self._kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self._kv]
+        self._running = [self._running[i] for i in keep]
+
+    def _complete_finished_groups(self, seqs: list[_Seq]) -> None:
+        for group in {id(s.group): s.group for s in seqs}.values():
+            if all(s.finish is not None for s in group.seqs):
+                self._complete(group)
+
+    def _complete(self, group: _Group) -> None:
+        if self._groups.pop(group.request_id, None) is None:
+            return
+        samples = [
+            SampleOutput(
+                index=s.index,
+                output_ids=list(s.out),
+                logprobs=list(s.logprobs),
+                token_versions=list(s.versions),
+                finish_reason=s.finish or FinishReason.ABORT,
+                output_text=self._output_text(s),
+                matched_stop=s.matched,
+                first_token_at=s.first_token_at,
+                finished_at=s.finished_at,
+            )
+            for s in group.seqs
+        ]
+        group.done(GenerateOutput(group.request_id, list(group.input_ids), samples, group.started_at, simulated=False))
+
+    def _output_text(self, seq: _Seq) -> str:
+        ids = seq.out[:-1] if seq.finish == FinishReason.STOP and isinstance(seq.matched, int) else seq.out
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(seq.matched, str):
+            cut = text.find(seq.matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def _count(self, kind: str, rows: int, tokens_per_row: int) -> None:
+        self.stats["forward_calls"] += 1
+        self.stats[f"{kind}_tokens"] += rows * tokens_per_row
+        self.forward_log.append((kind, rows, tokens_per_row))
+
+    def _die(self, reason: str) -> None:
+        if self._dead is None or self._dead == "stopped":
+            self._dead = reason
+        err = EngineError(f"hf engine: {reason}")
+        for group in list(self._groups.values()):
+            group.done(err)
+        self._groups.clear()
+        for done in self._drain_waiters:
+            done(err)
+        self._drain_waiters = []
+        while True:
+            try:
+                _kind, _payload, done = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            done(err)
+
+
+_DEFERRED = object()
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim 1 (mask [B, T]) or dim 2 (KV [B, H, T, D]) on the left with zeros to `width`."""
+    dim = 1 if t.dim() == 2 else 2
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+async def _unwrap(fut: Any) -> Any:
+    result = await fut
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def ENGINE_FACTORY(**options: Any) -> HFEngine:  # noqa: N802 (the registry's well-known name)
+    return HFEngine(**options)

@@ -1,0 +1,140 @@
+"""A tiny random-weight causal LM and a matching tokenizer, built locally.
+
+`build_tiny_model(path, ...)` writes a directory that
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
+load (and that SGLang can load): a Llama or Qwen2 config with random weights
+(seeded, so the same arguments give the same model), and a byte-level BPE
+tokenizer trained on a handful of strings with a chat template. Nothing is
+downloaded. The demo and the tests use it; so can ``python -m
+rollpool.workers.engines.tiny_model OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_tiny_model", "main"]
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = (
+    "the quick brown fox jumps over the lazy dog",
+    "What is 12 plus 30? The answer is 42.",
+    "one two three four five six seven eight nine ten",
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) ? ! . ,",
+    "Reinforcement learning of language models with asynchronous rollouts.",
+    "user assistant system: please answer the question step by step",
+)
+
+
+def build_tiny_model(
+    path: str | pathlib.Path,
+    *,
+    arch: str = "llama",
+    vocab: int = 384,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Write a random-weight model and its tokenizer to `path`; returns the path."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if vocab < 256 + len(SPECIAL_TOKENS) + 8:
+        raise ValueError(f"vocab must be >= {256 + len(SPECIAL_TOKENS) + 8} (byte-level BPE), got {vocab}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    real_vocab = max(vocab, len(fast))
+
+    common = dict(
+        vocab_size=real_vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    # random init is tiny; widen the logits a little so sampling is not uniform noise
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # type: ignore[operator]
+    model.save_pretrained(out)  # type: ignore[operator]
+    (out / "rollpool_tiny.json").write_text(
+        json.dumps({"arch": arch, "vocab": real_vocab, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed})
+    )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollpool.workers.engines.tiny_model", description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2"))
+    parser.add_argument("--vocab", type=int, default=384)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    path = build_tiny_model(a.out, arch=a.arch, vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seed=a.seed)
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

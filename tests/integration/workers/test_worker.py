@@ -1,0 +1,380 @@
+"""The worker against a scripted broker: a real ROUTER socket speaking protocol messages."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpool.protocol import SUPPORTED_MAJORS, decode, encode
+from rollpool.protocol.messages import (
+    ApplyDone,
+    ApplyGrant,
+    ApplyRequest,
+    BrokerHeartbeat,
+    Cancel,
+    Credit,
+    FinishReason,
+    Goodbye,
+    Hello,
+    Nack,
+    Prompt,
+    Result,
+    SamplingParams,
+    Task,
+    Trajectory,
+    Welcome,
+    WorkerHeartbeat,
+)
+from rollpool.protocol.metrics import MemoryMetricsSink
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.workers.config import WorkerConfig
+from rollpool.workers.engines.base import Engine
+from rollpool.workers.engines.sim import SimEngine
+from rollpool.workers.worker import Worker
+
+HB = 0.1
+
+
+class ScriptedBroker:
+    """A ROUTER that records what one worker sends and answers only what a test tells it to."""
+
+    def __init__(self, sockets: SocketFactory, endpoint: str) -> None:
+        self.sock = sockets.router(endpoint)
+        self.identity: bytes | None = None
+        self.received: list[tuple[float, Any]] = []
+
+    async def recv(self, timeout_s: float = 10.0) -> Any:
+        frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout_s)
+        self.identity = frames[0]
+        msg = decode(frames[1:])
+        self.received.append((time.monotonic(), msg))
+        return msg
+
+    async def expect(self, kind: type[Any], timeout_s: float = 10.0, skip: tuple[type[Any], ...] = (WorkerHeartbeat, Credit)) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = await self.recv(max(0.01, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg
+            assert isinstance(msg, skip), f"expected {kind.__name__}, got {msg!r}"
+
+    async def send(self, msg: Any) -> None:
+        assert self.identity is not None
+        await self.sock.send_multipart([self.identity, *encode(msg)])
+
+    async def welcome(self, epoch: str = "e1", **kw: Any) -> Hello:
+        hello = await self.expect(Hello)
+        await self.send(Welcome(epoch=epoch, protocol=max(SUPPORTED_MAJORS), heartbeat_interval_s=HB, **kw))
+        return hello
+
+
+def task(i: int, n: int = 2, max_new: int = 8, **sampling: Any) -> Task:
+    sp = SamplingParams(max_new_tokens=max_new, seed=i, **sampling)
+    prompt = Prompt(prompt_id=f"p{i}", input_ids=np.arange(3, 9, dtype=np.int32), group_size=n, sampling=sp, metadata={"answer": i})
+    return Task(task_id=f"p{i}@0", prompt=prompt, attempt=0, queued_at=123.0)
+
+
+FAKE_SUBSCRIBERS: list[FakeWeightSubscriber] = []
+
+
+async def fake_subscriber() -> FakeWeightSubscriber:
+    """The fake the worker made once it handled the welcome."""
+    for _ in range(1000):
+        if FAKE_SUBSCRIBERS:
+            return FAKE_SUBSCRIBERS[-1]
+        await asyncio.sleep(0.005)
+    raise AssertionError("the worker made no weight subscriber")
+
+
+class FakeWeightSubscriber:
+    """Stands in for rollpool.weights.WeightSubscriber (same methods), serving versions from a dict."""
+
+    def __init__(self, sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int) -> None:
+        self.versions: dict[int, dict[str, Any]] = {}
+        self.connected: tuple[str, str | None] | None = None
+        self.noted: list[int] = []
+        self._changed = asyncio.Event()
+        self.closed = False
+        FAKE_SUBSCRIBERS.append(self)
+
+    def connect(self, router_endpoint: str, pub_endpoint: str | None) -> None:
+        self.connected = (router_endpoint, pub_endpoint)
+
+    def latest_known(self) -> int:
+        return max(self.versions, default=-1)
+
+    def note_version(self, v: int) -> None:
+        self.noted.append(v)
+
+    def publish(self, version: int, tensors: dict[str, Any]) -> None:
+        self.versions[version] = tensors
+        self._changed.set()
+
+    async def wait_for_newer(self, than: int) -> int:
+        while self.latest_known() <= than:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.latest_known()
+
+    async def fetch(self, version: int | None = None) -> Any:
+        v = self.latest_known() if version is None else version
+
+        class WeightVersion:
+            pass
+
+        wv = WeightVersion()
+        wv.version, wv.tensors, wv.manifest = v, self.versions[v], None  # type: ignore[attr-defined]
+        return wv
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+async def harness(zmq_ctx: Any, ipc_endpoint: Callable[[str], str]) -> AsyncIterator[Callable[..., Any]]:
+    sockets = SocketFactory(zmq_ctx)
+    FAKE_SUBSCRIBERS.clear()
+    made: list[tuple[Worker, asyncio.Task[None], ScriptedBroker]] = []
+
+    async def make(engine_factory: Callable[[], Engine] | None = None, **cfg: Any) -> tuple[Worker, ScriptedBroker, asyncio.Task[None]]:
+        endpoint = ipc_endpoint("broker")
+        broker = ScriptedBroker(sockets, endpoint)
+        options = dict(broker=endpoint, worker_id="w1", heartbeat_interval_s=HB, reconnect_backoff_s=0.2, restart_backoff_s=0.05, drain_timeout_s=5.0, missed_heartbeats=1000)
+        options.update(cfg)
+        config = WorkerConfig(**options)
+        factory = engine_factory or (lambda: SimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300))
+        worker = Worker(config, sockets, metrics=MemoryMetricsSink(), engine_factory=factory, subscriber_factory=FakeWeightSubscriber)
+        run = asyncio.create_task(worker.run())
+        made.append((worker, run, broker))
+        return worker, broker, run
+
+    yield make
+    for worker, run, broker in made:
+        worker.stop()
+        try:
+            await asyncio.wait_for(run, 10)
+        except Exception:  # noqa: BLE001 - teardown only
+            run.cancel()
+        broker.sock.close(linger=0)
+
+
+def _check_trajectory(t: Trajectory, tk: Task, version: int) -> None:
+    n_out = len(t.output_ids)
+    assert t.prompt_id == tk.prompt.prompt_id and t.trajectory_id == f"{tk.prompt.prompt_id}:{t.sample_index}"
+    assert t.input_ids.tolist() == tk.prompt.input_ids.tolist()  # type: ignore[union-attr]
+    assert len(t.output_logprobs) == len(t.token_versions) == len(t.loss_mask) == n_out > 0
+    assert set(t.token_versions.tolist()) == {version} and t.loss_mask.tolist() == [1] * n_out
+    assert t.finish_reason in FinishReason.ALL and t.worker_id == "w1" and t.attempt == tk.attempt
+    assert t.queued_at == 123.0 and 0 < t.started_at <= t.first_token_at <= t.finished_at
+    assert t.metadata["answer"] == tk.prompt.metadata["answer"]
+
+
+async def test_hello_tasks_results_and_credits(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness()
+    hello = await broker.welcome()
+    assert hello.worker_id == "w1" and hello.capacity == 4 and hello.credits == 4
+    assert hello.protocol_min <= max(SUPPORTED_MAJORS) <= hello.protocol_max
+    assert hello.fingerprint and hello.engine == "sim" and hello.engine_info["simulated"] is True
+    credit = hello.credits
+    inflight: dict[str, Task] = {}
+    sent = 0
+    results: dict[str, Result] = {}
+    while len(results) < 6:
+        while sent < 6 and credit >= 2:
+            tk = task(sent)
+            await broker.send(tk)
+            inflight[tk.task_id] = tk
+            credit -= 2
+            sent += 1
+        msg = await broker.recv()
+        if isinstance(msg, Credit):
+            credit += msg.credits
+        elif isinstance(msg, Result):
+            results[msg.task_id] = msg
+            inflight.pop(msg.task_id)
+        # the broker's view of the credit never exceeds what the engine has free
+        assert 0 <= credit <= 4 - worker._engine_seqs()
+        assert not isinstance(msg, Nack)
+    await asyncio.sleep(0.05)
+    assert credit == 4  # every credit came back, none twice
+    for task_id, res in results.items():
+        tk = task(int(task_id[1:].split("@")[0]))
+        assert res.error is None and len(res.trajectories) == 2
+        assert sorted(t.sample_index for t in res.trajectories) == [0, 1]
+        for t in res.trajectories:
+            _check_trajectory(t, tk, 0)
+            assert t.metadata["simulated"] is True
+    state = worker.metrics.states[("worker", "w1")]  # type: ignore[attr-defined]
+    assert {"host", "pid", "engine", "model", "weight_version", "state", "inflight", "credits", "tokens_total", "tokens_per_s", "last_seen"} <= set(state)
+
+
+async def test_task_beyond_capacity_is_handed_back(harness: Callable[..., Any]) -> None:
+    _worker, broker, _run = await harness()
+    await broker.welcome()
+    await broker.send(task(1, n=4, max_new=200, ignore_eos=True))
+    await broker.send(task(2, n=1))
+    nack = await broker.expect(Nack)
+    assert nack.task_ids == ("p2@0",) and nack.reason == "over_credit"
+
+
+async def test_heartbeats_keep_their_beat_while_the_hf_engine_computes(harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    from rollpool.workers.engines.hf import HFEngine
+
+    _worker, broker, _run = await harness(lambda: HFEngine(model=str(tiny_model_dir), capacity=8, num_threads=1))
+    await broker.welcome()
+    for i in range(3):
+        await broker.send(task(i, n=2, max_new=700, ignore_eos=True, temperature=1.0))
+    beats: list[float] = []
+    results = 0
+    while results < 3:
+        msg = await broker.recv(10)
+        if isinstance(msg, WorkerHeartbeat):
+            beats.append(time.monotonic())
+        elif isinstance(msg, Result):
+            assert msg.error is None and all(len(t.output_ids) == 700 for t in msg.trajectories)
+            assert all(t.output_text is not None for t in msg.trajectories)
+            results += 1
+    gaps = np.diff(beats)
+    assert len(beats) >= 3 and gaps.max() < 3 * HB
+
+
+async def test_new_broker_epoch_brings_a_hello_with_the_inflight_tasks(harness: Callable[..., Any]) -> None:
+    _worker, broker, _run = await harness()
+    await broker.welcome(epoch="e1")
+    await broker.send(task(1, n=2, max_new=300, ignore_eos=True))
+    await asyncio.sleep(0.05)
+    await broker.send(BrokerHeartbeat(epoch="e2"))
+    hello = await broker.expect(Hello, skip=(WorkerHeartbeat, Credit))
+    assert [t.task_id for t in hello.inflight] == ["p1@0"] and hello.inflight[0].group_size == 2
+    assert hello.credits == 2
+    await broker.send(Welcome(epoch="e2", protocol=1, heartbeat_interval_s=HB, adopted=("p1@0",)))
+    result = await broker.expect(Result, timeout_s=10)
+    assert result.task_id == "p1@0" and len(result.trajectories) == 2
+
+
+async def test_cancelled_task_gives_no_result_and_returns_its_credits(harness: Callable[..., Any]) -> None:
+    _worker, broker, _run = await harness()
+    await broker.welcome()
+    await broker.send(task(1, n=2, max_new=5000, ignore_eos=True))
+    await asyncio.sleep(0.05)
+    await broker.send(Cancel(task_ids=("p1@0",)))
+    credit = await broker.expect(Credit, skip=(WorkerHeartbeat,))
+    assert credit.credits == 2
+    await broker.send(task(2, n=1))
+    result = await broker.expect(Result, skip=(WorkerHeartbeat, Credit))
+    assert result.task_id == "p2@0"
+
+
+async def test_engine_crash_hands_back_tasks_and_restarts(harness: Callable[..., Any]) -> None:
+    engines: list[SimEngine] = []
+
+    def factory() -> SimEngine:
+        e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+        engines.append(e)
+        return e
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome()
+    await broker.send(task(1, n=2, max_new=5000, ignore_eos=True))
+    await asyncio.sleep(0.05)
+    engines[0].inject_crash()
+    nack = await broker.expect(Nack)
+    assert nack.task_ids == ("p1@0",)
+    hello = await broker.welcome()
+    assert hello.credits == 4 and hello.inflight == ()
+    assert len(engines) == 2 and worker.engine is engines[1] and worker.restarts == 1
+    await broker.send(task(2, n=2))
+    result = await broker.expect(Result)
+    assert result.task_id == "p2@0" and result.error is None
+
+
+async def test_invalid_prompt_is_a_non_retryable_result(harness: Callable[..., Any]) -> None:
+    _worker, broker, _run = await harness()
+    await broker.welcome()
+    await broker.send(task(1, n=1, top_p=0.0))
+    result = await broker.expect(Result)
+    assert result.error and "top_p" in result.error and result.retryable is False
+
+
+async def test_stop_drains_then_hands_back_the_rest_and_says_goodbye(harness: Callable[..., Any]) -> None:
+    worker, broker, run = await harness(drain_timeout_s=0.5)
+    await broker.welcome()
+    await broker.send(task(1, n=1, max_new=50, ignore_eos=True))  # ~50 ms: finishes within the drain
+    await broker.send(task(2, n=1, max_new=100_000, ignore_eos=True))  # cannot finish
+    await asyncio.sleep(0.02)
+    worker.stop()
+    await broker.send(task(3, n=1))  # arrives while draining
+    seen: dict[type[Any], list[Any]] = {}
+    while Goodbye not in seen:
+        msg = await broker.recv()
+        seen.setdefault(type(msg), []).append(msg)
+    await asyncio.wait_for(run, 5)
+    assert [r.task_id for r in seen[Result]] == ["p1@0"]
+    handed = {tid for n in seen[Nack] for tid in n.task_ids}
+    assert handed == {"p2@0", "p3@0"}
+    assert worker.stopped_cleanly
+
+
+async def test_weight_version_is_fetched_granted_applied_and_tagged(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness()
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber()
+    assert sub.connected == ("tcp://fake:1", "tcp://fake:2")
+    sub.publish(1, {})
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 1 and worker.weight_version == 0  # nothing applied before the grant
+    await broker.send(ApplyGrant(version=1))
+    done = await broker.expect(ApplyDone)
+    assert done.ok and done.version == 1
+    await broker.send(task(1))
+    result = await broker.expect(Result)
+    assert all(set(t.token_versions.tolist()) == {1} for t in result.trajectories)
+    beat = await broker.expect(WorkerHeartbeat, skip=(Credit,))
+    assert beat.weight_version == 1
+
+
+async def test_failed_apply_restarts_the_engine_and_applies_the_whole_version(harness: Callable[..., Any]) -> None:
+    engines: list[SimEngine] = []
+
+    def factory() -> SimEngine:
+        e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+        engines.append(e)
+        return e
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome(weight_endpoint="tcp://fake:1")
+    engines[0].inject_apply_failure()
+    (await fake_subscriber()).publish(3, {"w": np.zeros(4, dtype=np.float32)})
+    await broker.expect(ApplyRequest)
+    await broker.send(ApplyGrant(version=3))
+    done = await broker.expect(ApplyDone)
+    assert not done.ok and done.error
+    hello = await broker.welcome()
+    assert hello.weight_version == 3
+    assert len(engines) == 2 and engines[1].version == 3 and engines[1].applied_bytes == 16
+    assert worker.weight_version == 3
+
+
+async def test_reward_function_scores_and_its_failure_is_data(harness: Callable[..., Any]) -> None:
+    _worker, broker, _run = await harness(reward=f"{__name__}:length_reward")
+    await broker.welcome()
+    await broker.send(task(1, n=2))
+    await broker.send(task(2, n=2))
+    results = [await broker.expect(Result), await broker.expect(Result)]
+    by_id = {r.task_id: r for r in results}
+    for t in by_id["p1@0"].trajectories:
+        assert t.reward == float(len(t.output_ids))
+    for t in by_id["p2@0"].trajectories:
+        assert t.reward is None and "boom" in t.metadata["reward_error"]
+
+
+def length_reward(metadata: Mapping[str, Any], trajectory: Trajectory) -> float:
+    if metadata["answer"] == 2:
+        raise RuntimeError("boom")
+    return float(len(trajectory.output_ids))

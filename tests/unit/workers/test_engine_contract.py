@@ -1,0 +1,169 @@
+"""The Engine contract, run on every engine (parametrised by name, gated by declared apply modes)."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.engines.base import Engine, GenerateOutput
+from rollpool.workers.engines.registry import get_engine
+
+
+@dataclass
+class EngineCase:
+    name: str
+    engine: Engine
+    new_weights: Callable[[], dict[str, Any]]
+    """A full set of different weights (empty for a zero-byte engine)."""
+    progressed: Callable[[], Awaitable[None]]
+    """Returns once a running request has produced a few tokens."""
+    prompt: list[int]
+
+
+async def _sim_case() -> EngineCase:
+    engine = get_engine("sim")(decode_s_per_token=0.002, length="fixed", length_median=40, vocab=300, capacity=16)
+
+    async def progressed() -> None:
+        await asyncio.sleep(0.02)
+
+    return EngineCase("sim", engine, dict, progressed, [5, 6, 7, 8])
+
+
+async def _hf_case(model_dir: pathlib.Path) -> EngineCase:
+    engine = get_engine("hf")(model=str(model_dir), capacity=16, num_threads=1)
+    await engine.start()
+
+    def new_weights() -> dict[str, Any]:
+        import torch
+
+        g = torch.Generator().manual_seed(7)
+        return {k: torch.randn(v.shape, generator=g) * 0.2 for k, v in engine._model.state_dict().items()}  # type: ignore[attr-defined]
+
+    async def progressed() -> None:
+        start = engine.stats["decode_steps"]  # type: ignore[attr-defined]
+        while engine.stats["decode_steps"] < start + 3:  # type: ignore[attr-defined]  # noqa: ASYNC110 - a counter of another thread
+            await asyncio.sleep(0.001)
+
+    return EngineCase("hf", engine, new_weights, progressed, [10, 20, 30, 40, 50])
+
+
+@pytest.fixture(params=["sim", "hf"])
+async def case(request: pytest.FixtureRequest) -> AsyncIterator[EngineCase]:
+    if request.param == "sim":
+        c = await _sim_case()
+    else:
+        c = await _hf_case(request.getfixturevalue("tiny_model_dir"))
+    await c.engine.start()
+    yield c
+    await c.engine.stop()
+
+
+def _check_output(out: GenerateOutput, n: int, max_new: int) -> None:
+    assert len(out.samples) == n
+    assert sorted(s.index for s in out.samples) == list(range(n))
+    for s in out.samples:
+        assert len(s.output_ids) == len(s.logprobs) == len(s.token_versions) >= 1
+        assert len(s.output_ids) <= max_new
+        assert s.finish_reason in FinishReason.ALL
+        assert all(lp <= 1e-6 for lp in s.logprobs)
+        if s.finish_reason == FinishReason.LENGTH:
+            assert len(s.output_ids) == max_new
+        if s.finish_reason == FinishReason.STOP and isinstance(s.matched_stop, int):
+            assert s.output_ids[-1] == s.matched_stop  # the stop token is included
+        assert s.first_token_at <= s.finished_at
+
+
+async def test_generate_returns_n_complete_samples(case: EngineCase) -> None:
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)
+    out = await case.engine.generate(case.prompt, 3, sp, "r1")
+    _check_output(out, 3, 12)
+    assert out.input_ids == case.prompt
+    v = case.engine.info().weight_version
+    assert all(t == v for s in out.samples for t in s.token_versions)
+    assert out.simulated == case.engine.info().simulated
+
+
+async def test_info_declares_capacity_modes_and_fingerprint(case: EngineCase) -> None:
+    info = case.engine.info()
+    assert info.capacity >= 1 and info.fingerprint
+    assert set(info.apply_modes) <= {"interrupt", "in_place", "drain"} and info.apply_modes
+    assert info.as_dict()["simulated"] is (case.name == "sim")
+
+
+async def test_same_seed_same_output(case: EngineCase) -> None:
+    sp = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=123)
+    a = await case.engine.generate(case.prompt, 2, sp, "a")
+    b = await case.engine.generate(case.prompt, 2, sp, "b")
+    assert [s.output_ids for s in a.samples] == [s.output_ids for s in b.samples]
+    assert a.samples[0].output_ids != a.samples[1].output_ids or len(a.samples[0].output_ids) < 3
+
+
+async def test_refuses_bad_sampling(case: EngineCase) -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        await case.engine.generate(case.prompt, 1, SamplingParams(top_p=0.0), "bad")
+    with pytest.raises(ValueError, match="n must be"):
+        await case.engine.generate(case.prompt, 0, SamplingParams(), "bad2")
+
+
+async def test_abort_keeps_partial_output(case: EngineCase) -> None:
+    sp = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=2)
+    task = asyncio.create_task(case.engine.generate(case.prompt, 2, sp, "long"))
+    await case.progressed()
+    await case.engine.abort("long")
+    out = await asyncio.wait_for(task, 30)
+    for s in out.samples:
+        assert s.finish_reason == FinishReason.ABORT
+        assert 0 < len(s.output_ids) < 400
+        assert len(s.output_ids) == len(s.logprobs) == len(s.token_versions)
+
+
+async def test_request_joins_while_another_decodes(case: EngineCase) -> None:
+    long_sp = SamplingParams(max_new_tokens=120, ignore_eos=True, seed=3)
+    first = asyncio.create_task(case.engine.generate(case.prompt, 1, long_sp, "first"))
+    await case.progressed()
+    second = await asyncio.wait_for(case.engine.generate(case.prompt[:2], 2, SamplingParams(max_new_tokens=5, ignore_eos=True, seed=4), "second"), 30)
+    assert not first.done() or case.name == "sim"
+    _check_output(second, 2, 5)
+    assert all(s.finish_reason == FinishReason.LENGTH for s in second.samples)
+    out = await asyncio.wait_for(first, 30)
+    _check_output(out, 1, 120)
+    assert len(out.samples[0].output_ids) == 120
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "in_place", "drain"])
+async def test_apply_mode_tags_later_tokens_with_the_new_version(case: EngineCase, mode: str) -> None:
+    if mode not in case.engine.info().apply_modes:
+        pytest.skip(f"{case.name} does not support {mode}")
+    v0 = case.engine.info().weight_version
+    sp = SamplingParams(max_new_tokens=60, ignore_eos=True, seed=5)
+    task = asyncio.create_task(case.engine.generate(case.prompt, 1, sp, "running"))
+    await case.progressed()
+    await case.engine.pause(mode)
+    await case.engine.update_weights(case.new_weights(), v0 + 1)
+    await case.engine.resume()
+    out = await asyncio.wait_for(task, 30)
+    versions = out.samples[0].token_versions
+    assert versions == sorted(versions) and set(versions) <= {v0, v0 + 1}
+    if mode == "drain":
+        assert set(versions) == {v0}  # pause(drain) returned only after the request finished
+    else:
+        assert versions[0] == v0 and versions[-1] == v0 + 1
+    assert case.engine.info().weight_version == v0 + 1
+    after = await case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=4, ignore_eos=True), "after")
+    assert set(after.samples[0].token_versions) == {v0 + 1}
+
+
+async def test_generate_waits_while_paused(case: EngineCase) -> None:
+    await case.engine.pause("in_place" if "in_place" in case.engine.info().apply_modes else case.engine.info().apply_modes[0])
+    task = asyncio.create_task(case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "held"))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    await case.engine.resume()
+    out = await asyncio.wait_for(task, 30)
+    assert len(out.samples[0].output_ids) == 3

@@ -1,0 +1,64 @@
+"""The sim engine scales on timers; the registry finds engines by name; the config validates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollpool.protocol.errors import ConfigError, EngineError
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.config import WorkerConfig, parse_engine_options
+from rollpool.workers.engines.registry import engine_names, get_engine, register_engine
+from rollpool.workers.engines.sim import SimEngine
+
+
+async def test_hundreds_of_sim_engines_share_one_loop_without_threads() -> None:
+    import threading
+
+    before = threading.active_count()
+    engines = [SimEngine(decode_s_per_token=0.0005, length="lognormal", length_median=20, seed=i) for i in range(300)]
+    for e in engines:
+        await e.start()
+    sp = SamplingParams(max_new_tokens=64)
+    outs = await asyncio.gather(*(e.generate([1, 2, 3], 4, sp, f"r{i}") for i, e in enumerate(engines)))
+    assert threading.active_count() == before
+    lengths = [len(s.output_ids) for o in outs for s in o.samples]
+    assert all(1 <= n <= 64 for n in lengths) and len(set(lengths)) > 10  # a spread, with a capped tail
+    assert any(s.finish_reason == FinishReason.LENGTH for o in outs for s in o.samples)
+    stopped = [s for o in outs for s in o.samples if s.finish_reason == FinishReason.STOP]
+    assert stopped and all(s.output_ids[-1] == 2 for s in stopped)  # eos included
+
+
+async def test_sim_zero_byte_versions_and_crash() -> None:
+    e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=3)
+    await e.start()
+    await e.pause("interrupt")
+    await e.update_weights({}, 5)
+    await e.resume()
+    out = await e.generate(None, 1, SamplingParams(max_new_tokens=8), "t", text="hello")
+    assert out.samples[0].token_versions == [5, 5, 5] and out.simulated
+    e.inject_crash()
+    with pytest.raises(EngineError):
+        await e.generate([1], 1, SamplingParams(), "dead")
+
+
+def test_registry_resolves_builtins_lazily_and_accepts_new_engines() -> None:
+    assert {"sim", "hf", "sglang"} <= set(engine_names())
+    assert get_engine("sim") is get_engine("sim")
+    with pytest.raises(KeyError, match="unknown engine"):
+        get_engine("nope")
+    register_engine("mine", lambda **kw: SimEngine(**kw))
+    assert isinstance(get_engine("mine")(capacity=2), SimEngine)
+
+
+def test_config_validates_and_parses_engine_options() -> None:
+    cfg = WorkerConfig(engine="sim", engine_options="decode_s_per_token=0.01,length=fixed,length_median=5", capacity=8)
+    assert cfg.worker_id and cfg.engine_kwargs() == {"decode_s_per_token": 0.01, "length": "fixed", "length_median": 5, "capacity": 8}
+    assert parse_engine_options("a=true, b=x") == {"a": True, "b": "x"}
+    with pytest.raises(ConfigError, match="apply_mode"):
+        WorkerConfig(apply_mode="sometimes")
+    with pytest.raises(ConfigError, match="reward"):
+        WorkerConfig(reward="no_colon")
+    with pytest.raises(ConfigError, match="count"):
+        WorkerConfig(engine="hf", count=2)
