@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import BucketInfo, TensorInfo
+from rollpool.weights.wire import build
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -196,7 +197,7 @@ class BucketPlanner:
             self._open[dtype] = idx
         b = self.buckets[idx]
         offset = b.nbytes
-        b.tensors.append(TensorInfo(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
+        b.tensors.append(build(TensorInfo, name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
         b.nbytes += nbytes
         if b.nbytes >= self.bucket_bytes:
             closed.append(idx)  # full (or an oversize tensor alone): nothing else goes here
@@ -282,7 +283,7 @@ class BucketPacker:
         if int(buf.numel()) - b.nbytes > max(_MiB, b.nbytes // 4):
             data = data.clone()
         digest = self._sums.pop(idx, Checksummer()).hexdigest()
-        info = BucketInfo(index=idx, dtype=b.dtype, nbytes=b.nbytes, checksum=digest, tensors=tuple(b.tensors))
+        info = build(BucketInfo, index=idx, dtype=b.dtype, nbytes=b.nbytes, checksum=digest, tensors=tuple(b.tensors))
         self._done[idx] = PackedBucket(info=info, data=data)
 
 

@@ -40,6 +40,7 @@ from rollpool.weights.bucketing import (
     tensor_bytes,
 )
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.wire import build
 
 __all__ = ["WeightPublisher"]
 
@@ -57,7 +58,7 @@ class ContiguousSource:
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
-        self._view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+        self._view = data.numpy().data if data.numel() else memoryview(b"")
 
     def read(self, offset: int, nbytes: int) -> Any:
         return self._view[offset : offset + nbytes]
@@ -99,7 +100,7 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class WeightPublisher:
@@ -229,7 +230,7 @@ class WeightPublisher:
             for old in sorted(self._server.versions)[: -self.keep_versions or None]:
                 if old != version:
                     self._server.drop_version(old)
-            manifest = Manifest(request_id="", version=version, publisher_id=self.publisher_id, buckets=served.buckets, chunk_bytes=self.chunk_bytes)
+            manifest = build(Manifest, request_id="", version=version, publisher_id=self.publisher_id, buckets=served.buckets, chunk_bytes=self.chunk_bytes)
             pack_s = time.perf_counter() - t0
             log.info("published weight version %d: %d bytes in %d buckets (packed in %.3f s)", version, served.total_bytes, len(served.buckets), pack_s)
             self.metrics.event("version_published", {"version": version, "bytes": served.total_bytes, "buckets": len(served.buckets), "pack_s": round(pack_s, 6)})
@@ -261,7 +262,7 @@ class WeightPublisher:
             elif nbytes:
                 summer.update(view)
         infos = tuple(
-            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer()).hexdigest(), tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
+            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer()).hexdigest(), tensors=tuple(build(TensorInfo, name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
             for b in planner.buckets
         )
         return ServedVersion(

@@ -51,6 +51,7 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import Checksummer, check_bucket_info, unpack_buckets, verify_checksum
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
+from rollpool.weights.wire import build
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
@@ -278,9 +279,9 @@ class WeightSubscriber:
         for _attempt in range(tries):
             rid = self._request_id()
             fut: asyncio.Future[Any] = loop.create_future()
-            self._routes[rid] = lambda m, f=fut: f.done() or f.set_result(m)
+            self._routes[rid] = _resolver(fut)
             try:
-                self._send(ManifestRequest(request_id=rid, version=version))
+                self._send(build(ManifestRequest, request_id=rid, version=version))
                 reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
             except TimeoutError:
                 continue
@@ -325,6 +326,14 @@ class WeightSubscriber:
             raise ValueError("one buffer per bucket")
         transfer = _Transfer(self, manifest, buffers, sink)
         await transfer.run()
+
+
+def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
+    def resolve(msg: Any) -> None:
+        if not fut.done():
+            fut.set_result(msg)
+
+    return resolve
 
 
 def _checked(manifest: Manifest) -> Manifest:
@@ -394,7 +403,7 @@ class _Transfer:
         self.outstanding[rid] = req
         self.sub._routes[rid] = self.replies.put_nowait
         # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.sub._send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes))
+        self.sub._send(build(Fetch, request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes))
 
     def _requeue_outstanding(self) -> None:
         reqs = sorted(self.outstanding.values())
