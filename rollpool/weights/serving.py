@@ -105,6 +105,8 @@ class WeightServer:
         self.chunks_served = 0
         self.dropped_replies = 0
         self.protocol_errors = 0
+        self.parked_served = 0
+        """Fetches answered only once their bytes arrived (a relay forwarding as it receives)."""
         self.on_served: Callable[[ServedVersion], None] | None = None
         self._parked: dict[int, list[tuple[bytes, Fetch]]] = {}
         self._router: Any = None
@@ -191,6 +193,7 @@ class WeightServer:
             if data is None:
                 still.append((ident, req))
             else:
+                self.parked_served += 1
                 self._send_chunk(ident, v, req, data)
         if still:
             self._parked[version] = still
