@@ -37,6 +37,7 @@ import os
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,7 +102,7 @@ class WeightSubscriber:
         *,
         worker_id: str = "",
         fetch_timeout_s: float = 30.0,
-        window_chunks: int = 8,
+        window_chunks: int = 16,
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
     ) -> None:
@@ -364,6 +365,10 @@ class _Transfer:
         self.summed_to = [0] * len(buffers)
         self.failures = [0] * len(buffers)
         self.replies: asyncio.Queue[Any] = asyncio.Queue()
+        # Copying a chunk into its bucket and folding it into the checksum run in one worker
+        # thread (both release the GIL), in arrival order, while the loop keeps receiving.
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights-absorb")
+        self.pending: deque[tuple[asyncio.Future[None], int, int, int]] = deque()
         for i, b in enumerate(manifest.buckets):
             self.todo.extend(self._chunks_of(i))
             if b.nbytes == 0:
@@ -377,9 +382,13 @@ class _Transfer:
         sub = self.sub
         stalls = 0
         try:
-            while self.todo or self.outstanding:
+            while self.todo or self.outstanding or self.pending:
                 while self.todo and len(self.outstanding) < sub.window_chunks:
                     self._request(self.todo.popleft())
+                if self.pending and (len(self.pending) >= sub.window_chunks or not self.outstanding):
+                    await self.pending[0][0]  # a memcpy and a crc: bounded, no network wait
+                    self._settle()
+                    continue
                 try:
                     msg = await asyncio.wait_for(self.replies.get(), sub.fetch_timeout_s)
                 except TimeoutError:
@@ -393,9 +402,11 @@ class _Transfer:
                     continue
                 if self._handle(msg):
                     stalls = 0
+                self._settle()
         finally:
             for rid in self.outstanding:
                 sub._routes.pop(rid, None)
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _request(self, req: tuple[int, int, int]) -> None:
         rid = self.sub._request_id()
@@ -426,18 +437,28 @@ class _Transfer:
         if not isinstance(msg, Chunk) or (msg.version, msg.bucket, msg.offset) != (self.manifest.version, bucket, offset) or memoryview(msg.data).nbytes != nbytes:
             self._fail_chunk(req, "a reply that does not match its request")
             return True
-        data = msg.data
-        self.views[bucket][offset : offset + nbytes] = np.frombuffer(data, dtype=np.uint8)
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._absorb, bucket, offset, msg.data)
+        self.pending.append((fut, bucket, offset, nbytes))
         self.sub.bytes_received += nbytes
+        return True
+
+    def _absorb(self, bucket: int, offset: int, data: Any) -> None:
+        """Worker thread: copy one chunk into its bucket and fold it into the running checksum."""
+        self.views[bucket][offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         if self.summed_to[bucket] == offset:
             self.sums[bucket].update(data)
-            self.summed_to[bucket] += nbytes
-        self.received[bucket] += nbytes
-        if self.sink is not None:
-            self.sink.on_chunk(bucket, offset, nbytes)
-        if self.received[bucket] == self.manifest.buckets[bucket].nbytes:
-            self._verify(bucket)
-        return True
+            self.summed_to[bucket] += len(data)
+
+    def _settle(self) -> None:
+        """Account for the chunks the worker has finished, in order; verify completed buckets."""
+        while self.pending and self.pending[0][0].done():
+            fut, bucket, offset, nbytes = self.pending.popleft()
+            fut.result()
+            self.received[bucket] += nbytes
+            if self.sink is not None:
+                self.sink.on_chunk(bucket, offset, nbytes)
+            if self.received[bucket] == self.manifest.buckets[bucket].nbytes:
+                self._verify(bucket)
 
     def _verify(self, bucket: int) -> None:
         info = self.manifest.buckets[bucket]
