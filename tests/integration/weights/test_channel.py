@@ -95,6 +95,19 @@ async def test_training_may_change_its_tensors_after_publish(make_publisher: Any
     assert_same((await sub.fetch(1)).tensors, want)
 
 
+async def test_recycled_buffers_are_reused_for_the_next_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint)
+    await pub.publish(model(1), 1)
+    first = await sub.fetch(1)
+    ptrs = sorted(b.data_ptr() for b in first.buffers)
+    sub.recycle(first)
+    await pub.publish(model(2), 2)
+    second = await sub.fetch(2)
+    assert sorted(b.data_ptr() for b in second.buffers) == ptrs
+    assert_same(second.tensors, model(2))
+
+
 async def test_late_joiner_catches_up_without_hearing_an_announce(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher(keep_versions=2)
     for v in (1, 2, 3):
