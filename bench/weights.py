@@ -1,0 +1,305 @@
+"""Weight-channel benchmark: rollpool publish + fetch vs raw pyzmq of the same bytes, and relay fan-out.
+
+1. Throughput, tcp loopback, one subscriber, checksums on: a publisher in a
+   child process serves one version of `--mib` MiB of bf16 tensors; the main
+   process fetches it with a `WeightSubscriber` (windowed Fetch -> Chunk,
+   copy into bucket buffers, crc32 per bucket, unpack to tensor views; the
+   subscriber lives across runs and recycles the previous version's buffers,
+   as a worker does; the first fetch, into fresh memory, is reported apart). The
+   limit of the machine: raw pyzmq PUSH -> PULL of the same bytes in frames of
+   the same chunk size, zero-copy send from a child process, the receiver
+   copying each frame into one buffer (the copy any receiver makes). Runs are
+   interleaved (raw, rollpool, raw, ...); medians and spreads are reported.
+2. Checksum cost: zlib.crc32 over the same bytes, seconds per GB.
+3. Fan-out: 8 subscribers fetching one version directly vs 8 behind one
+   relay, all in one process (only the bytes the publisher serves are the
+   point here; on one machine a relay adds a hop, not bandwidth).
+
+    python bench/weights.py [--mib 256] [--chunk-mib 4] [--reps 3] [--fanout-mib 32] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+_MiB = 1024 * 1024
+
+
+def make_tensors(total_mib: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    per = 8 * _MiB // 2  # 8 MiB bf16 tensors
+    n = max(1, total_mib // 8)
+    return {f"layers.{i}.weight": torch.randn(per, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int) -> None:
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.publisher import WeightPublisher
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = WeightPublisher(SocketFactory(ctx), chunk_bytes=chunk_bytes, bucket_bytes=bucket_mib * _MiB)
+        await pub.start()
+        t0 = time.perf_counter()
+        await pub.publish(make_tensors(mib), 1)
+        conn.send((pub.router_endpoint, pub.pub_endpoint, time.perf_counter() - t0))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, conn.recv)  # until told to stop
+        conn.send(pub.bytes_served)
+        await pub.close()
+        ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def _raw_sender_child(conn: Any, nbytes: int, chunk_bytes: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    buf = np.ones(nbytes, dtype=np.uint8)
+    view = memoryview(buf)
+    conn.send(port)
+    while conn.recv() == "go":
+        for off in range(0, nbytes, chunk_bytes):
+            sock.send(view[off : off + chunk_bytes], copy=False)
+    sock.close(linger=0)
+    ctx.term()
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def raw_once(conn: Any, sock: Any, nbytes: int, dst: np.ndarray[Any, Any]) -> float:
+    conn.send("go")
+    t0 = time.perf_counter()
+    off = 0
+    while off < nbytes:
+        frame = sock.recv(copy=False)
+        n = len(frame.buffer)
+        dst[off : off + n] = np.frombuffer(frame.buffer, dtype=np.uint8)
+        off += n
+    return time.perf_counter() - t0
+
+
+class Fetcher:
+    """One long-lived subscriber, as in a worker: it recycles the previous version's buffers."""
+
+    def __init__(self, router: str, window: int) -> None:
+        self.router, self.window = router, window
+
+    async def __aenter__(self) -> Fetcher:
+        import zmq.asyncio
+
+        from rollpool.protocol.sockets import SocketFactory
+        from rollpool.weights.subscriber import WeightSubscriber
+
+        self.ctx = zmq.asyncio.Context()
+        self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window)
+        self.sub.connect(self.router)
+        await self.sub.fetch_manifest(1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sub.aclose()
+        self.ctx.destroy(linger=0)
+
+    async def once(self, recycle: bool = True) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        got = await self.sub.fetch(1)
+        dt = time.perf_counter() - t0
+        if recycle:
+            self.sub.recycle(got)
+        return dt, got.total_bytes
+
+
+def checksum_s_per_gb(nbytes: int) -> float:
+    buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    zlib.crc32(buf[: 1 << 20])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        zlib.crc32(buf)
+        best = min(best, time.perf_counter() - t0)
+    return best / (nbytes / 1e9)
+
+
+async def fanout(mib: int, n_subs: int, chunk_bytes: int) -> dict[str, Any]:
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.publisher import WeightPublisher
+    from rollpool.weights.relay import Relay
+    from rollpool.weights.subscriber import WeightSubscriber
+
+    out: dict[str, Any] = {}
+    ctx = zmq.asyncio.Context()
+    f = SocketFactory(ctx)
+    tensors = make_tensors(mib)
+    for mode in ("direct", "relay"):
+        pub = WeightPublisher(f, chunk_bytes=chunk_bytes, bucket_bytes=64 * _MiB)
+        await pub.start()
+        relay = None
+        router, announce = pub.router_endpoint, pub.pub_endpoint
+        if mode == "relay":
+            relay = Relay(f, upstream_router=router, upstream_pub=announce, window_chunks=8)
+            await relay.start()
+            relay_task = asyncio.ensure_future(relay.run())
+            router, announce = relay.router_endpoint, relay.pub_endpoint
+        subs = [WeightSubscriber(f, fetch_timeout_s=60, window_chunks=4) for _ in range(n_subs)]
+        for s in subs:
+            s.connect(router, announce)
+        manifest = await pub.publish(tensors, 1)
+        total = sum(b.nbytes for b in manifest.buckets)
+        t0 = time.perf_counter()
+
+        async def one(s: WeightSubscriber) -> None:
+            await s.wait_for_newer(0, timeout_s=60)
+            await s.fetch(1)
+
+        await asyncio.gather(*(one(s) for s in subs))
+        dt = time.perf_counter() - t0
+        out[mode] = {
+            "publisher_bytes_served": pub.bytes_served,
+            "publisher_served_x_version": round(pub.bytes_served / total, 3),
+            "all_verified_s": round(dt, 3),
+        }
+        for s in subs:
+            await s.aclose()
+        if relay is not None:
+            relay.stop()
+            await relay_task
+        await pub.close()
+    out["version_bytes"] = total
+    out["subscribers"] = n_subs
+    ctx.destroy(linger=0)
+    return out
+
+
+def spread(xs: list[float]) -> list[float]:
+    return [round(min(xs), 3), round(max(xs), 3)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fanout-mib", type=int, default=32)
+    ap.add_argument("--fanout-subs", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.mib, args.fanout_mib = 64, 16
+    chunk = args.chunk_mib * _MiB
+    nbytes = args.mib * _MiB
+
+    import zmq
+
+    mpctx = mp.get_context("spawn")
+    pub_conn, child = mpctx.Pipe()
+    pub_proc = mpctx.Process(target=_publisher_child, args=(child, args.mib, chunk, args.bucket_mib), daemon=True)
+    pub_proc.start()
+    router, _announce, publish_s = pub_conn.recv()
+
+    raw_conn, child2 = mpctx.Pipe()
+    raw_proc = mpctx.Process(target=_raw_sender_child, args=(child2, nbytes, chunk), daemon=True)
+    raw_proc.start()
+    port = raw_conn.recv()
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.connect(f"tcp://127.0.0.1:{port}")
+    dst = np.empty(nbytes, dtype=np.uint8)
+
+    raw_gbps: list[float] = []
+    rp_gbps: list[float] = []
+    ratios: list[float] = []
+    loop = asyncio.new_event_loop()
+    fetcher = Fetcher(router, args.window)
+    try:
+        loop.run_until_complete(fetcher.__aenter__())
+        raw_once(raw_conn, pull, nbytes, dst)  # warm-up (and the raw receiver's buffer is faulted in)
+        dt, total = loop.run_until_complete(fetcher.once())  # first fetch: fresh memory
+        first_fetch_gbps = total / dt / 1e9
+        for _ in range(args.reps):
+            r = nbytes / raw_once(raw_conn, pull, nbytes, dst) / 1e9
+            dt, total = loop.run_until_complete(fetcher.once())
+            g = total / dt / 1e9
+            raw_gbps.append(r)
+            rp_gbps.append(g)
+            ratios.append(g / r)
+        loop.run_until_complete(fetcher.__aexit__())
+    finally:
+        raw_conn.send("stop")
+        pub_conn.send("stop")
+        served = pub_conn.recv()
+        raw_proc.join(10)
+        pub_proc.join(10)
+        pull.close(linger=0)
+        zctx.term()
+        loop.close()
+
+    crc = checksum_s_per_gb(min(nbytes, 256 * _MiB))
+    fan = asyncio.run(fanout(args.fanout_mib, args.fanout_subs, chunk))
+
+    result = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
+        "params": {"mib": args.mib, "chunk_mib": args.chunk_mib, "bucket_mib": args.bucket_mib, "window_chunks": args.window, "reps": args.reps, "transport": "tcp loopback", "dtype": "bfloat16"},
+        "raw_zmq_gbps": round(statistics.median(raw_gbps), 3),
+        "raw_zmq_gbps_spread": spread(raw_gbps),
+        "rollpool_gbps": round(statistics.median(rp_gbps), 3),
+        "rollpool_gbps_spread": spread(rp_gbps),
+        "ratio_vs_raw": round(statistics.median(ratios), 3),
+        "ratio_vs_raw_spread": spread(ratios),
+        "rollpool_first_fetch_gbps": round(first_fetch_gbps, 3),
+        "checksum": "crc32",
+        "checksum_s_per_gb": round(crc, 4),
+        "checksum_gbps": round(1 / crc, 2),
+        "publish_snapshot_s": round(publish_s, 3),
+        "publish_snapshot_gbps": round(nbytes / publish_s / 1e9, 3),
+        "publisher_bytes_served_total": served,
+        "fanout": fan,
+    }
+    print(f"{'':34}{'median':>10}{'min..max':>18}")
+    print(f"{'raw pyzmq PUSH/PULL (GB/s)':34}{result['raw_zmq_gbps']:>10}{str(result['raw_zmq_gbps_spread']):>18}")
+    print(f"{'rollpool fetch, crc32 on (GB/s)':34}{result['rollpool_gbps']:>10}{str(result['rollpool_gbps_spread']):>18}")
+    print(f"{'ratio rollpool / raw':34}{result['ratio_vs_raw']:>10}{str(result['ratio_vs_raw_spread']):>18}")
+    print(f"{'rollpool first fetch, fresh memory':34}{result['rollpool_first_fetch_gbps']:>10}")
+    print(f"{'crc32 (s per GB, one core)':34}{result['checksum_s_per_gb']:>10}")
+    print(f"{'publish snapshot (GB/s)':34}{result['publish_snapshot_gbps']:>10}")
+    print(f"fan-out, {fan['subscribers']} subscribers, {fan['version_bytes'] / _MiB:.0f} MiB: publisher served "
+          f"{fan['direct']['publisher_served_x_version']}x the version direct ({fan['direct']['all_verified_s']} s) vs "
+          f"{fan['relay']['publisher_served_x_version']}x behind one relay ({fan['relay']['all_verified_s']} s)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+            fh.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

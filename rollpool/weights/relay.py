@@ -1,0 +1,251 @@
+"""`Relay`: one node's weight server, fed by one upstream fetch per version.
+
+The relay subscribes upstream (a `WeightSubscriber`: announcements, "latest"
+on connect and every `poll_interval_s`), and for each new version allocates
+the buckets, announces the version downstream at once and fetches it from
+upstream exactly once. Local workers fetch from the relay with the same
+protocol (its own ROUTER + PUB): a downstream fetch of bytes that have
+arrived is answered from the relay's buffer (zero-copy), one of bytes still
+on the way is parked and answered as they arrive. So the upstream publisher
+serves each version once per node, not once per worker, and relays chain.
+
+Verification stays end to end: the relay verifies each bucket (refetching a
+bad one) and passes the upstream manifest (checksums and publisher id)
+through unchanged, so every worker verifies what it receives too. A version
+the relay cannot complete is withdrawn: its parked and later fetches answer
+``unavailable``/``gone`` and the worker keeps its old weights.
+
+``python -m rollpool.weights.relay`` runs one (the same flags as ``rollpool relay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from rollpool.protocol.errors import WeightSyncError
+from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.subscriber import WeightSubscriber, _checked
+
+__all__ = ["Relay"]
+
+log = logging.getLogger(__name__)
+
+
+class _FillingSource:
+    """A bucket still arriving: a read is served once every chunk it touches has arrived."""
+
+    __slots__ = ("view", "chunk", "have")
+
+    def __init__(self, data: torch.Tensor, chunk: int) -> None:
+        n = int(data.numel())
+        self.view = data.numpy().data if n else memoryview(b"")
+        self.chunk = chunk
+        self.have = bytearray(-(-n // chunk))
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        first, last = offset // self.chunk, (offset + nbytes - 1) // self.chunk
+        if first == last:
+            if not self.have[first]:
+                return None
+        elif not all(self.have[first : last + 1]):
+            return None
+        return self.view[offset : offset + nbytes]
+
+    def mark(self, offset: int, nbytes: int) -> None:
+        for i in range(offset // self.chunk, -(-(offset + nbytes) // self.chunk)):
+            self.have[i] = 1
+
+    def reset(self) -> None:
+        self.have = bytearray(len(self.have))
+
+
+class _Forwarder:
+    """TransferSink: marks arrived chunks and wakes the parked downstream fetches."""
+
+    def __init__(self, server: WeightServer, version: int, sources: list[_FillingSource]) -> None:
+        self.server = server
+        self.version = version
+        self.sources = sources
+
+    def on_chunk(self, bucket: int, offset: int, nbytes: int) -> None:
+        self.sources[bucket].mark(offset, nbytes)
+        self.server.notify_arrived(self.version)
+
+    def on_bucket_reset(self, bucket: int) -> None:
+        self.sources[bucket].reset()
+
+
+class Relay:
+    """Serves local workers from one upstream fetch per version."""
+
+    def __init__(
+        self,
+        sockets: SocketFactory,
+        *,
+        upstream_router: str,
+        upstream_pub: str | None = None,
+        router_endpoint: str = "tcp://127.0.0.1:*",
+        pub_endpoint: str | None = "tcp://127.0.0.1:*",
+        keep_versions: int = 2,
+        window_chunks: int = 16,
+        fetch_timeout_s: float = 30.0,
+        max_refetch: int = 3,
+        poll_interval_s: float = 5.0,
+        announce_interval_s: float = 1.0,
+        relay_id: str | None = None,
+        metrics: MetricsSink | None = None,
+    ) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        self.relay_id = relay_id or f"relay-{new_server_id()}"
+        self.keep_versions = keep_versions
+        self.poll_interval_s = poll_interval_s
+        self.metrics: MetricsSink = metrics or NullMetricsSink()
+        self.upstream_router = upstream_router
+        self.upstream_pub = upstream_pub
+        self.upstream = WeightSubscriber(
+            sockets,
+            worker_id=self.relay_id,
+            fetch_timeout_s=fetch_timeout_s,
+            window_chunks=window_chunks,
+            max_refetch=max_refetch,
+            metrics=self.metrics,
+        )
+        self._server = WeightServer(
+            sockets,
+            router_endpoint=router_endpoint,
+            pub_endpoint=pub_endpoint,
+            name="relay",
+            announce_interval_s=announce_interval_s,
+            metrics=self.metrics,
+        )
+        self._latest = -1
+        self.versions_fetched = 0
+        self._started = False
+        self._stop = asyncio.Event()
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        await self._server.start()
+        self.upstream.connect(self.upstream_router, self.upstream_pub)
+        self._started = True
+        log.info("relay %s: upstream %s, serving on %s, announcing on %s", self.relay_id, self.upstream_router, self.router_endpoint, self.pub_endpoint)
+
+    async def run(self) -> None:
+        """Start (if not started), follow upstream until `stop()`, then close."""
+        if not self._started:
+            await self.start()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                follow = tg.create_task(self._follow_loop(), name="Relay._follow_loop")
+                await self._stop.wait()
+                follow.cancel()
+        finally:
+            await self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        await self.upstream.aclose()
+        await self._server.close()
+
+    async def __aenter__(self) -> Relay:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def router_endpoint(self) -> str:
+        return self._server.router_endpoint
+
+    @property
+    def pub_endpoint(self) -> str | None:
+        return self._server.pub_endpoint
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version held complete and verified."""
+        return self._latest
+
+    @property
+    def bytes_served(self) -> int:
+        """Bytes served downstream."""
+        return self._server.bytes_served
+
+    @property
+    def upstream_bytes(self) -> int:
+        """Bytes received from upstream."""
+        return self.upstream.bytes_received
+
+    def note_version(self, version: int) -> None:
+        self.upstream.note_version(version)
+
+    # -- following upstream
+
+    async def _follow_loop(self) -> None:
+        while True:
+            try:
+                await self.upstream.wait_for_newer(self._latest, timeout_s=self.poll_interval_s)
+            except WeightSyncError:
+                self.upstream.note_version(self._latest + 1)  # nothing heard: ask for the latest again
+                continue
+            try:
+                await self.follow_latest()
+            except WeightSyncError as exc:
+                log.warning("relay %s: could not relay the latest weight version: %s", self.relay_id, exc)
+                await asyncio.sleep(min(self.poll_interval_s, 1.0))
+
+    async def follow_latest(self) -> int:
+        """Fetch the upstream's latest version if it is new, serving it downstream as it arrives."""
+        manifest = _checked(await self.upstream.fetch_manifest(None))
+        version = manifest.version
+        if version <= self._latest:
+            return self._latest
+        chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        sources = [_FillingSource(b, chunk) for b in buffers]
+        served = ServedVersion(
+            version=version,
+            publisher_id=manifest.publisher_id,
+            buckets=manifest.buckets,
+            sources=list(sources),
+            chunk_bytes=manifest.chunk_bytes,
+        )
+        self._server.add_version(served)
+        try:
+            await self.upstream.fetch_into(manifest, buffers, sink=_Forwarder(self._server, version, sources))
+        except BaseException:
+            self._server.drop_version(version, code="unavailable")
+            raise
+        self._latest = version
+        self.versions_fetched += 1
+        for old in sorted(self._server.versions)[: -self.keep_versions]:
+            self._server.drop_version(old)
+        self.metrics.event("version_relayed", {"relay": self.relay_id, "version": version, "bytes": served.total_bytes})
+        log.info("relay %s: version %d complete (%d bytes)", self.relay_id, version, served.total_bytes)
+        return version
+
+
+def _main() -> int:
+    from rollpool.weights import relay_cli
+
+    return relay_cli.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(_main())

@@ -1,0 +1,332 @@
+"""The serving half shared by `WeightPublisher` and `Relay`: ROUTER (manifests, chunks) + PUB (announces).
+
+Guarantees
+    - Every request gets one answer: a `Manifest`, a `Chunk` or an `Error`
+      (``gone``: the version was evicted; ``unknown_version``; ``bad_range``;
+      ``unavailable``: a relay lost the version it was still receiving;
+      ``busy``: too many parked requests; ``unexpected``: not a weights
+      request; or the `ProtocolError` code of a malformed message). A
+      malformed message is counted, logged once per peer per minute, and the
+      server keeps serving.
+    - The server never blocks on one peer: replies are sent with DONTWAIT on a
+      ROUTER with ROUTER_MANDATORY; a reply that cannot be queued (the peer
+      stopped reading and its high-water mark is reached, or it left) is
+      dropped and counted, and the peer's own timeout makes it ask again. Chunk
+      frames are zero-copy views of the version's buffers, so a slow peer costs
+      references, not memory.
+    - Flow control is the peer's: it keeps a bounded window of `Fetch`
+      requests, each answered by one chunk of at most `max_chunk_bytes`.
+    - A fetch of bytes that have not arrived yet (a relay still receiving the
+      version) is parked and answered as soon as they arrive.
+    - The newest version is re-announced every `announce_interval_s`, so a
+      subscriber whose SUB connected after the first announce still hears it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollpool.protocol.codec import decode, encode, peek_type
+from rollpool.protocol.errors import ProtocolError
+from rollpool.protocol.logs import RateLimitedLog
+from rollpool.protocol.messages import Announce, BucketInfo, Chunk, Error, Fetch, Manifest, ManifestRequest
+from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.wire import build
+
+__all__ = ["BucketSource", "ServedVersion", "WeightServer"]
+
+log = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+MAX_CHUNK_BYTES = 16 * _MiB
+"""The largest chunk a server answers (the manifest's chunk_bytes is the advice)."""
+REQUEST_MAX_BYTES = 64 * 1024
+"""MAXMSGSIZE of the server's ROUTER: requests are small."""
+
+
+class BucketSource(Protocol):
+    """Bytes of one bucket: `read` returns a bytes-like slice, or None if not arrived yet."""
+
+    def read(self, offset: int, nbytes: int) -> Any: ...
+
+
+@dataclass(slots=True)
+class ServedVersion:
+    version: int
+    publisher_id: str
+    buckets: tuple[BucketInfo, ...]
+    sources: list[BucketSource]
+    chunk_bytes: int
+    served_by_peer: dict[bytes, int] = field(default_factory=dict)
+    last_request_s: float = 0.0
+    released: bool = False
+    """The manifest is still answered, but the bytes are gone (keep_versions=0 after release)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+class WeightServer:
+    """ROUTER + PUB around a store of versions (the owner adds and drops versions)."""
+
+    def __init__(
+        self,
+        sockets: SocketFactory,
+        *,
+        router_endpoint: str,
+        pub_endpoint: str | None,
+        name: str = "publisher",
+        announce_interval_s: float = 1.0,
+        send_hwm: int = 256,
+        max_parked: int = 4096,
+        metrics: MetricsSink | None = None,
+    ) -> None:
+        self.sockets = sockets
+        self._router_bind = router_endpoint
+        self._pub_bind = pub_endpoint
+        self.name = name
+        self.announce_interval_s = announce_interval_s
+        self.send_hwm = send_hwm
+        self.max_parked = max_parked
+        self.metrics: MetricsSink = metrics or NullMetricsSink()
+        self.versions: dict[int, ServedVersion] = {}
+        self.highest_dropped = -1
+        self.router_endpoint = ""
+        self.pub_endpoint: str | None = None
+        self.bytes_served = 0
+        self.chunks_served = 0
+        self.dropped_replies = 0
+        self.protocol_errors = 0
+        self.parked_served = 0
+        """Fetches answered only once their bytes arrived (a relay forwarding as it receives)."""
+        self.on_served: Callable[[ServedVersion], None] | None = None
+        self._parked: dict[int, list[tuple[bytes, Fetch]]] = {}
+        self._router: Any = None
+        self._pub: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._errlog = RateLimitedLog(log)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        import zmq
+
+        self._loop = asyncio.get_running_loop()
+        self._router = self.sockets.router(max_msg_bytes=REQUEST_MAX_BYTES)
+        self._router.setsockopt(zmq.SNDHWM, self.send_hwm)
+        try:
+            self._router.bind(self._router_bind)
+            self.router_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            if self._pub_bind:
+                self._pub = self.sockets.pub(self._pub_bind)
+                self.pub_endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._tasks = [
+            asyncio.create_task(self._serve_loop(), name=f"{self.name}._serve_loop"),
+            asyncio.create_task(self._announce_loop(), name=f"{self.name}._announce_loop"),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._router, self._pub):
+            if s is not None:
+                s.close(linger=0)
+        self._router = self._pub = None
+
+    # -- the store
+
+    @property
+    def latest(self) -> ServedVersion | None:
+        return self.versions[max(self.versions)] if self.versions else None
+
+    def add_version(self, v: ServedVersion, *, announce: bool = True) -> None:
+        self.versions[v.version] = v
+        if announce:
+            self.announce(v)
+
+    def drop_version(self, version: int, *, code: str = "gone") -> None:
+        v = self.versions.pop(version, None)
+        if v is None:
+            return
+        self.highest_dropped = max(self.highest_dropped, version)
+        for ident, req in self._parked.pop(version, []):
+            self._send(ident, build(Error, code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
+
+    def announce(self, v: ServedVersion) -> None:
+        if self._pub is None:
+            return
+        import zmq
+
+        msg = build(Announce, version=v.version, publisher_id=v.publisher_id, total_bytes=v.total_bytes, num_buckets=len(v.buckets))
+        send_now(self._pub, encode(msg), flags=zmq.DONTWAIT)
+
+    def notify_arrived(self, version: int) -> None:
+        """Bytes of `version` arrived: answer the parked fetches that can now be served."""
+        parked = self._parked.get(version)
+        if not parked:
+            return
+        v = self.versions.get(version)
+        if v is None:
+            return
+        still: list[tuple[bytes, Fetch]] = []
+        for ident, req in parked:
+            data = v.sources[req.bucket].read(req.offset, req.nbytes)
+            if data is None:
+                still.append((ident, req))
+            else:
+                self.parked_served += 1
+                self._send_chunk(ident, v, req, data)
+        if still:
+            self._parked[version] = still
+        else:
+            del self._parked[version]
+
+    # -- loops
+
+    async def _serve_loop(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) < 2:
+                continue
+            ident, body = frames[0], frames[1:]
+            try:
+                msg = decode(body)
+            except ProtocolError as exc:
+                self.protocol_errors += 1
+                self._errlog.warning(ident.hex(), "%s: malformed message from peer %s: %s", self.name, ident.hex(), exc)
+                self._send(ident, build(Error, code=exc.code, message=exc.message, ref_type=peek_type(body)))
+                continue
+            self._handle(ident, msg)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.announce_interval_s)
+            v = self.latest
+            if v is not None:
+                self.announce(v)
+
+    # -- requests
+
+    def _handle(self, ident: bytes, msg: Any) -> None:
+        if isinstance(msg, Fetch):
+            self._fetch(ident, msg)
+        elif isinstance(msg, ManifestRequest):
+            self._manifest(ident, msg)
+        else:
+            self.protocol_errors += 1
+            rid = getattr(msg, "request_id", None)
+            self._send(ident, build(Error, code="unexpected", message=f"{self.name} serves manifest_request and fetch only", request_id=rid if isinstance(rid, str) else None, ref_type=getattr(msg, "TYPE", None)))
+
+    def _missing(self, version: int, request_id: str, ref_type: str) -> Error:
+        latest = self.latest
+        latest_v = latest.version if latest is not None else -1
+        if version <= max(self.highest_dropped, latest_v):
+            return build(Error, code="gone", message=f"version {version} is no longer served (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
+        return build(Error, code="unknown_version", message=f"version {version} is not published (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
+
+    def _manifest(self, ident: bytes, req: ManifestRequest) -> None:
+        if req.version is None:
+            v = self.latest
+            if v is None:
+                self._send(ident, build(Manifest, request_id=req.request_id, version=-1))
+                return
+        else:
+            found = self.versions.get(req.version)
+            if found is None:
+                self._send(ident, self._missing(req.version, req.request_id, "manifest_request"))
+                return
+            v = found
+        self._send(ident, build(Manifest, request_id=req.request_id, version=v.version, publisher_id=v.publisher_id, buckets=v.buckets, chunk_bytes=v.chunk_bytes))
+
+    def _fetch(self, ident: bytes, req: Fetch) -> None:
+        v = self.versions.get(req.version)
+        if v is None:
+            self._send(ident, self._missing(req.version, req.request_id, "fetch"))
+            return
+        if v.released:
+            self._send(ident, build(Error, code="gone", message=f"version {v.version} was released by its publisher (keep_versions=0)", request_id=req.request_id, ref_type="fetch"))
+            return
+        if not 0 <= req.bucket < len(v.buckets):
+            self._send(ident, build(Error, code="bad_range", message=f"bucket {req.bucket} out of range", request_id=req.request_id, ref_type="fetch"))
+            return
+        size = v.buckets[req.bucket].nbytes
+        if req.nbytes < 1 or req.nbytes > MAX_CHUNK_BYTES or req.offset < 0 or req.offset + req.nbytes > size:
+            self._send(ident, build(Error, code="bad_range", message=f"[{req.offset}, +{req.nbytes}) is not a chunk of bucket {req.bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)", request_id=req.request_id, ref_type="fetch"))
+            return
+        if self._loop is not None:
+            v.last_request_s = self._loop.time()
+        data = v.sources[req.bucket].read(req.offset, req.nbytes)
+        if data is None:
+            parked = self._parked.setdefault(req.version, [])
+            if len(parked) >= self.max_parked:
+                self._send(ident, build(Error, code="busy", message="too many requests waiting for bytes to arrive", request_id=req.request_id, ref_type="fetch"))
+                return
+            parked.append((ident, req))
+            return
+        self._send_chunk(ident, v, req, data)
+
+    def _send_chunk(self, ident: bytes, v: ServedVersion, req: Fetch, data: Any) -> None:
+        msg = build(Chunk, request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data)
+        if self._send(ident, msg, copy=False):
+            self.bytes_served += req.nbytes
+            self.chunks_served += 1
+            v.served_by_peer[ident] = v.served_by_peer.get(ident, 0) + req.nbytes
+            if self.on_served is not None:
+                self.on_served(v)
+
+    def _send(self, ident: bytes, msg: Any, *, copy: bool = True) -> bool:
+        import zmq
+
+        if self._router is None:
+            return False
+        exc = send_now(self._router, [ident, *encode(msg)], flags=zmq.DONTWAIT, copy=copy)
+        if exc is None:
+            return True
+        # Again (the peer's queue is full) or EHOSTUNREACH (the peer left)
+        self.dropped_replies += 1
+        self._errlog.warning("send:" + ident.hex(), "%s: reply to peer %s dropped: %s", self.name, ident.hex(), exc)
+        return False
+
+
+def send_now(sock: Any, frames: list[Any], **kwargs: Any) -> BaseException | None:
+    """Send without waiting on a sync or asyncio socket; the error, if the send failed.
+
+    With DONTWAIT an asyncio socket resolves its future at once (it never
+    has a pending send, since every send here is DONTWAIT); the error is read
+    off the future so that it is never left unretrieved.
+    """
+    import zmq
+
+    try:
+        result = sock.send_multipart(frames, **kwargs)
+    except zmq.ZMQError as exc:
+        return exc
+    if isinstance(result, asyncio.Future):
+        if not result.done():  # cannot happen with DONTWAIT; never leave it dangling
+            result.cancel()
+            return zmq.Again()
+        return result.exception()
+    return None
+
+
+def new_server_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,273 @@
+"""The weight-publish channel over real ZeroMQ sockets (tcp and ipc loopback).
+
+Each test asserts what a worker relies on: a version arrives whole and
+verified or not at all; late joiners catch up; every wait ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+zmq = pytest.importorskip("zmq")
+
+from rollpool.protocol import decode, encode  # noqa: E402
+from rollpool.protocol.errors import WeightSyncError  # noqa: E402
+from rollpool.protocol.messages import Announce, Error, Fetch, Manifest, ManifestRequest  # noqa: E402
+from rollpool.weights import WeightVersionGoneError  # noqa: E402
+from rollpool.weights.wire import build  # noqa: E402
+
+
+def model(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    """About 0.6 MiB in mixed dtypes: several buckets and many chunks at the test sizes."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        out[f"layers.{i}.w"] = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+        out[f"layers.{i}.norm"] = torch.randn(256, generator=g)
+    out["step"] = torch.tensor(seed, dtype=torch.int64)
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+class FaultySource:
+    """Test shim around a bucket source: flips one byte of the first `flips` reads, runs `on_read` hooks."""
+
+    def __init__(self, inner: Any, flips: int = 0, on_read: Callable[[int], None] | None = None) -> None:
+        self.inner, self.flips, self.on_read, self.reads = inner, flips, on_read, 0
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        self.reads += 1
+        if self.on_read is not None:
+            self.on_read(self.reads)
+        data = self.inner.read(offset, nbytes)
+        if data is not None and self.flips > 0:
+            self.flips -= 1
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0x40
+            data = bytes(data)
+        return data
+
+
+def wrap_sources(pub: Any, version: int, **kw: Any) -> list[FaultySource]:
+    served = pub._server.versions[version]
+    served.sources = [FaultySource(s, **kw) for s in served.sources]
+    return served.sources  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_publish_then_fetch_round_trips(transport: str, make_publisher: Any, make_subscriber: Any, ipc_endpoint: Any) -> None:
+    if transport == "tcp":
+        pub = await make_publisher(router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*")
+        assert pub.router_endpoint.startswith("tcp://127.0.0.1:") and not pub.router_endpoint.endswith("*")
+    else:
+        pub = await make_publisher(router_endpoint=ipc_endpoint("r"), pub_endpoint=ipc_endpoint("p"))
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    w = model(1)
+    manifest = await pub.publish(w, 1)
+    assert len(manifest.buckets) > 2
+    assert await sub.wait_for_newer(0, timeout_s=5) == 1
+    got = await sub.fetch()
+    assert got.version == 1 and got.manifest.version == 1
+    assert_same(got.tensors, w)
+    # the tensors are views of the received buckets
+    ptrs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in got.buffers]
+    assert all(any(lo <= t.data_ptr() < hi for lo, hi in ptrs) for t in got.tensors.values() if t.numel())
+
+
+async def test_training_may_change_its_tensors_after_publish(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    w = model(2)
+    want = {k: v.clone() for k, v in w.items()}
+    await pub.publish(w, 1)
+    for t in w.values():
+        t.zero_()
+    sub = make_subscriber(pub.router_endpoint)
+    assert_same((await sub.fetch(1)).tensors, want)
+
+
+async def test_recycled_buffers_are_reused_for_the_next_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint)
+    await pub.publish(model(1), 1)
+    first = await sub.fetch(1)
+    ptrs = sorted(b.data_ptr() for b in first.buffers)
+    sub.recycle(first)
+    await pub.publish(model(2), 2)
+    second = await sub.fetch(2)
+    assert sorted(b.data_ptr() for b in second.buffers) == ptrs
+    assert_same(second.tensors, model(2))
+
+
+async def test_late_joiner_catches_up_without_hearing_an_announce(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(keep_versions=2)
+    for v in (1, 2, 3):
+        await pub.publish(model(v), v)
+    assert pub.versions == [2, 3]
+    sub = make_subscriber(pub.router_endpoint, None)  # no SUB socket: announcements cannot reach it
+    assert await sub.wait_for_newer(-1, timeout_s=5) == 3
+    got = await sub.fetch()
+    assert got.version == 3
+    assert_same(got.tensors, model(3))
+
+
+async def test_note_version_from_a_heartbeat_makes_the_subscriber_ask(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, None)
+    await asyncio.sleep(0.1)  # the catch-up on connect finds nothing yet
+    assert sub.latest_known() == -1
+    await pub.publish(model(4), 4)
+    with pytest.raises(WeightSyncError):
+        await sub.wait_for_newer(-1, timeout_s=0.3)  # nothing tells it
+    sub.note_version(4)  # a broker heartbeat names version 4
+    assert await sub.wait_for_newer(-1, timeout_s=5) == 4
+
+
+async def test_zero_byte_versions(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    with pytest.raises(WeightSyncError, match="no weight version"):
+        await sub.fetch()
+    manifest = await pub.publish({}, 7)
+    assert manifest.buckets == ()
+    got = await sub.fetch()
+    assert got.version == 7 and got.tensors == {} and got.total_bytes == 0
+
+
+async def test_versions_must_increase(make_publisher: Any) -> None:
+    pub = await make_publisher()
+    await pub.publish({}, 3)
+    with pytest.raises(ValueError, match="not newer"):
+        await pub.publish({}, 3)
+
+
+async def test_a_corrupt_chunk_is_detected_and_refetched(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    w = model(5)
+    await pub.publish(w, 1)
+    wrap_sources(pub, 1, flips=1)  # every bucket's first chunk arrives with a flipped bit
+    sub = make_subscriber(pub.router_endpoint, max_refetch=2)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.buckets_refetched == len(got.manifest.buckets)
+
+
+async def test_a_bucket_that_never_verifies_is_never_returned(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    await pub.publish(model(6), 1)
+    sources = wrap_sources(pub, 1)
+    sources[1].flips = 10**9  # bucket 1 is always corrupt
+    sub = make_subscriber(pub.router_endpoint, max_refetch=2)
+    with pytest.raises(WeightSyncError, match="bucket 1 failed its checksum 3 times"):
+        await sub.fetch(1)
+    assert sub.buckets_refetched == 3
+
+
+async def test_eviction_mid_fetch(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(keep_versions=1)
+    await pub.publish(model(1), 1)
+    tasks: list[asyncio.Task[Any]] = []
+
+    def evict_on_third_read(n: int) -> None:
+        if n == 3 and not tasks:
+            tasks.append(asyncio.ensure_future(pub.publish(model(2), 2)))
+
+    wrap_sources(pub, 1, on_read=evict_on_third_read)
+    sub = make_subscriber(pub.router_endpoint, window_chunks=1)
+    with pytest.raises(WeightVersionGoneError, match="version 1 is gone") as info:
+        await sub.fetch(1)  # that version by number: a clear error
+    assert isinstance(info.value, WeightSyncError) and info.value.version == 1
+    await asyncio.gather(*tasks)
+
+    # asking for the latest moves on to the newer version instead
+    tasks.clear()
+    wrap_sources(pub, 2, on_read=lambda n: n == 3 and not tasks and tasks.append(asyncio.ensure_future(pub.publish(model(3), 3))))  # type: ignore[func-returns-value]
+    got = await sub.fetch()
+    await asyncio.gather(*tasks)
+    assert got.version == 3
+    assert_same(got.tensors, model(3))
+
+
+async def test_publisher_dies_mid_transfer_then_returns(make_publisher: Any, make_subscriber: Any, tcp_endpoint: Any) -> None:
+    router, announce = tcp_endpoint(), tcp_endpoint()
+    pub = await make_publisher(router_endpoint=router, pub_endpoint=announce)
+    await pub.publish(model(1), 1)
+    closing: list[asyncio.Task[None]] = []
+    wrap_sources(pub, 1, on_read=lambda n: n == 2 and not closing and closing.append(asyncio.ensure_future(pub.close())))  # type: ignore[func-returns-value]
+    sub = make_subscriber(router, announce, fetch_timeout_s=0.3, max_refetch=1)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(WeightSyncError, match="no reply"):
+        await sub.fetch(1)
+    assert loop.time() - t0 < 5
+    await asyncio.gather(*closing)
+
+    pub2 = await make_publisher(router_endpoint=router, pub_endpoint=announce)
+    await pub2.publish(model(1), 1)
+    sub.fetch_timeout_s = 2.0
+    got = await sub.fetch(1)
+    assert_same(got.tensors, model(1))
+
+
+async def test_keep_versions_zero_serves_the_callers_tensors(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(keep_versions=0, release_idle_s=5.0)
+    w = model(9)
+    w["layers.0.w"] = w["layers.0.w"].t()  # non-contiguous: copied once, still served
+    subs = [make_subscriber(pub.router_endpoint, pub.pub_endpoint) for _ in range(2)]
+    publishing = asyncio.ensure_future(pub.publish(w, 1, expected_fetchers=2))
+    await subs[0].wait_for_newer(0, timeout_s=5)
+    got = await asyncio.gather(*(s.fetch(1) for s in subs))
+    for g in got:
+        assert_same(g.tensors, w)
+    manifest = await asyncio.wait_for(publishing, 5)  # released once both fetched everything
+    assert manifest.version == 1
+    late = make_subscriber(pub.router_endpoint)
+    assert (await late.fetch_manifest()).version == 1  # the number is still known...
+    with pytest.raises(WeightVersionGoneError):
+        await late.fetch(1)  # ...but the bytes went back to the trainer
+
+
+async def test_malformed_frames_get_an_error_and_the_publisher_keeps_serving(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    pub = await make_publisher()
+    await pub.publish(model(1), 1)
+    rogue = sockets.dealer(pub.router_endpoint, identity=b"rogue")
+    try:
+        bad_requests: list[list[bytes]] = [
+            [b"\xc1not msgpack"],
+            [b"\x94\x01\x00\xa5hello\x80"],  # [1, 0, "hello", {}]: not a weights request
+            encode(build(Announce, version=1, publisher_id="x", total_bytes=0, num_buckets=0)),
+            encode(build(Fetch, request_id="r1", version=1, bucket=0, offset=0, nbytes=1 << 30)),
+            encode(build(Fetch, request_id="r2", version=1, bucket=99, offset=0, nbytes=10)),
+            encode(build(Fetch, request_id="r3", version=5, bucket=0, offset=0, nbytes=10)),
+            encode(build(ManifestRequest, request_id="r4", version=0)),
+        ]
+        codes = []
+        for frames in bad_requests:
+            await rogue.send_multipart(frames)
+            reply = decode(await asyncio.wait_for(rogue.recv_multipart(), 5))
+            assert isinstance(reply, Error)
+            codes.append(reply.code)
+        assert codes == ["malformed", "missing_field", "unexpected", "bad_range", "bad_range", "unknown_version", "gone"]
+        assert pub.stats["protocol_errors"] >= 3
+        await rogue.send_multipart(encode(build(ManifestRequest, request_id="ok")))
+        reply = decode(await asyncio.wait_for(rogue.recv_multipart(), 5))
+        assert isinstance(reply, Manifest) and reply.version == 1
+    finally:
+        rogue.close(linger=0)
+    sub = make_subscriber(pub.router_endpoint)
+    assert_same((await sub.fetch()).tensors, model(1))
+
+
+async def test_fetch_times_out_when_nobody_serves(make_subscriber: Any, tcp_endpoint: Any) -> None:
+    sub = make_subscriber(tcp_endpoint(), fetch_timeout_s=0.2, max_refetch=1)
+    with pytest.raises(WeightSyncError, match="no manifest"):
+        await sub.fetch()
