@@ -21,6 +21,9 @@ from rollpool.protocol.logs import add_logging_arguments, configure_logging_from
 
 __all__ = ["main", "SUBCOMMANDS", "build_parser"]
 
+# services that report to Redis: the CLI adds --redis-url and hands them a MetricsSink
+_MONITORED = ("broker", "worker", "relay")
+
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("demo", "rollpool.demo.cli"),
     ("broker", "rollpool.broker.cli"),
@@ -59,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         add_logging_arguments(p)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if name in _MONITORED:
+            from rollpool.monitor.sink import add_redis_arguments
+
+            add_redis_arguments(p, pool=False)
+        p.set_defaults(_run=module.run, _monitored=name in _MONITORED)
     return parser
 
 
@@ -71,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging_from_args(args)
     try:
+        if args._monitored:
+            from rollpool.monitor.sink import sink_from_args
+
+            return int(args._run(args, metrics=sink_from_args(args)) or 0)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -1,22 +1,10 @@
-"""``python -m rollpool.broker``: the same as ``rollpool broker``."""
+"""``python -m rollpool.broker`` is ``rollpool broker`` (with its monitoring flags)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from rollpool.broker import cli
-from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollpool.broker", description=cli.HELP)
-    add_logging_arguments(parser)
-    cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    configure_logging_from_args(args)
-    return cli.run(args)
-
+from rollpool.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["broker", *sys.argv[1:]]))

@@ -11,6 +11,7 @@ from rollpool.broker.config import BrokerConfig
 from rollpool.broker.service import Broker
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -25,12 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, BrokerConfig)
 
 
-async def _serve(config: BrokerConfig) -> None:
+async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> None:
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
-    broker = Broker(config, sockets)
+    broker = Broker(config, sockets, metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, broker.stop)
@@ -39,13 +40,15 @@ async def _serve(config: BrokerConfig) -> None:
     finally:
         sockets.close()
         ctx.destroy(linger=0)
+        if metrics is not None:
+            metrics.close()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     try:
         config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    asyncio.run(_serve(config))
+    asyncio.run(_serve(config, metrics))
     return 0

@@ -324,19 +324,20 @@ class TrainerClient:
             except ProtocolError as exc:
                 log.warning("undecodable reply from the broker: %s", exc)
                 continue
-            rid = getattr(msg, "request_id", None)
+            # ClientWelcome carries no request id: it answers the one outstanding hello
+            rid = "hello" if isinstance(msg, ClientWelcome) else getattr(msg, "request_id", None)
             fut = self._waiters.pop(rid, None) if rid is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             elif isinstance(msg, Error):
                 log.warning("broker error: %s %s", msg.code, msg.message)
 
-    async def _request(self, make: Any, timeout_s: float | None = None) -> Any:
+    async def _request(self, make: Any, timeout_s: float | None = None, key: str | None = None) -> Any:
         """Send `make(request_id)` and await the reply, retrying with backoff; epoch changes are handled here."""
         timeout = timeout_s if timeout_s is not None else self.config.request_timeout_s
         last: BaseException | None = None
         for attempt in range(self.config.request_retries):
-            rid = self._rid()
+            rid = key or self._rid()
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._waiters[rid] = fut
             try:
@@ -364,7 +365,8 @@ class TrainerClient:
     async def _hello(self) -> ClientWelcome:
         reply = await self._request(
             lambda rid: ClientHello(client_id=self.client_id, protocol_min=min(SUPPORTED_MAJORS),
-                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint)
+                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint),
+            key="hello",
         )
         if not isinstance(reply, ClientWelcome):
             raise ProtocolError("unexpected", f"expected client_welcome, got {type(reply).__name__}")

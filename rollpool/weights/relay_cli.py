@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
 
 __all__ = ["HELP", "RelayConfig", "add_arguments", "run", "main", "default_pub_endpoint"]
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, RelayConfig)
 
 
-async def _serve(config: RelayConfig) -> None:
+async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> None:
     import zmq.asyncio
 
     from rollpool.weights.relay import Relay
@@ -86,6 +87,7 @@ async def _serve(config: RelayConfig) -> None:
         fetch_timeout_s=config.fetch_timeout_s,
         max_refetch=config.max_refetch,
         poll_interval_s=config.poll_interval_s,
+        metrics=metrics,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -97,11 +99,13 @@ async def _serve(config: RelayConfig) -> None:
             loop.remove_signal_handler(sig)
         sockets.close()
         ctx.destroy(linger=0)
+        if metrics is not None:
+            metrics.close()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     config = load_config(RelayConfig, args, toml_path=getattr(args, "config", None), section="relay")
-    asyncio.run(_serve(config))
+    asyncio.run(_serve(config, metrics))
     return 0
 
 

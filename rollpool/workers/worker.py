@@ -32,6 +32,7 @@ Guarantees (see docs/workers.md and docs/contracts.md):
 from __future__ import annotations
 
 import asyncio
+import importlib
 import dataclasses
 import logging
 import os
@@ -170,6 +171,10 @@ class Worker:
 
     async def run(self) -> None:
         try:
+            if self._subscriber_factory is None:
+                # importing the weight channel imports torch (seconds): do it off the loop, before the
+                # first hello, so that a later weight update never stalls heartbeats
+                await asyncio.to_thread(importlib.import_module, "rollpool.weights.subscriber")
             await self._start_engine()
             self._connect()
             async with asyncio.TaskGroup() as tg:
