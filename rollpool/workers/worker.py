@@ -32,8 +32,8 @@ Guarantees (see docs/workers.md and docs/contracts.md):
 from __future__ import annotations
 
 import asyncio
-import importlib
 import dataclasses
+import importlib
 import logging
 import os
 import socket
