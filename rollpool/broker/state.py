@@ -90,6 +90,8 @@ class Group:
     last_worker: str = ""
     forgiven: int = 0
     """Attempts that do not count toward `max_attempts` (handed back by a worker, never sent)."""
+    exempt: bool = False
+    """Outside staleness admission and accounting (`Prompt.exempt_from_staleness`, e.g. evaluation)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -185,6 +187,8 @@ class BrokerState:
         # queue: one heap per group size, entries (-priority, seq, token, group)
         self._queues: dict[int, list[tuple[int, int, int, Group]]] = {}
         self._sizes: list[int] = []
+        self._exempt_queues: dict[int, list[tuple[int, int, int, Group]]] = {}
+        self._exempt_sizes: list[int] = []
         self._seq = 0
         self.queued = 0
         self.parked = 0
@@ -381,7 +385,8 @@ class BrokerState:
             if reason:
                 rejected.append(Rejection(prompt_id=pid if isinstance(pid, str) else "", reason=reason, detail=detail))
                 continue
-            g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now)
+            g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now,
+                      exempt=p.exempt_from_staleness)
             self.groups[pid] = g
             self.queued += 1
             self._push(g)
@@ -409,30 +414,39 @@ class BrokerState:
 
     def _push(self, g: Group) -> None:
         g.token += 1
-        heap = self._queues.get(g.size)
+        queues = self._exempt_queues if g.exempt else self._queues
+        heap = queues.get(g.size)
         if heap is None:
-            heap = self._queues[g.size] = []
-            self._sizes = sorted(self._queues)
+            heap = queues[g.size] = []
+            if g.exempt:
+                self._exempt_sizes = sorted(queues)
+            else:
+                self._sizes = sorted(queues)
         heapq.heappush(heap, (-g.priority, g.seq, g.token, g))
 
-    def _pop_fitting(self, limit: int) -> Group | None:
-        """The first group (priority, then submission order) of at most `limit` samples."""
+    def _pop_fitting(self, limit: int, exempt_limit: int | None = None) -> Group | None:
+        """The first group (priority, then submission order) of at most `limit` samples.
+
+        Groups exempt from staleness admission only need to fit `exempt_limit` (the worker's credit).
+        """
         best: list[tuple[int, int, int, Group]] | None = None
         best_key: tuple[int, int] = (0, 0)
-        for size in self._sizes:
-            if size > limit:
-                break
-            heap = self._queues[size]
-            while heap:
-                _, _, token, g = head = heap[0]
-                if g.phase == Phase.QUEUED and token == g.token:
+        lanes = ((self._queues, self._sizes, limit), (self._exempt_queues, self._exempt_sizes, limit if exempt_limit is None else exempt_limit))
+        for queues, sizes, lane_limit in lanes:
+            for size in sizes:
+                if size > lane_limit:
                     break
-                heapq.heappop(heap)
-            else:
-                continue
-            key = (head[0], head[1])
-            if best is None or key < best_key:
-                best, best_key = heap, key
+                heap = queues[size]
+                while heap:
+                    _, _, token, g = head = heap[0]
+                    if g.phase == Phase.QUEUED and token == g.token:
+                        break
+                    heapq.heappop(heap)
+                else:
+                    continue
+                key = (head[0], head[1])
+                if best is None or key < best_key:
+                    best, best_key = heap, key
         if best is None:
             return None
         return heapq.heappop(best)[3]
@@ -486,7 +500,7 @@ class BrokerState:
             cap = self.staleness.capacity()
             if cap is not None and cap < limit:
                 limit = cap
-            g = self._pop_fitting(limit)
+            g = self._pop_fitting(limit, w.credits)
             if g is None:
                 break
             self.queued -= 1
@@ -509,7 +523,8 @@ class BrokerState:
         g.deadline = now + self.config.task_timeout_s
         w.leases[task_id] = g
         self.leased += 1
-        self.staleness.on_dispatch(g.size)
+        if not g.exempt:
+            self.staleness.on_dispatch(g.size)
         self._deadlines.append((g.deadline, task_id, g))
         self.counters["dispatched"] += 1
 
@@ -520,7 +535,8 @@ class BrokerState:
             w.leases.pop(g.task_id, None)
         g.worker_id = None
         self.leased -= 1
-        self.staleness.on_requeue(g.size)
+        if not g.exempt:
+            self.staleness.on_requeue(g.size)
 
     def _requeue(self, g: Group, now: float, reason: str, exhausted: str = Phase.FAILED, counted: bool = True) -> None:
         """A lease ended without a result: back to the queue whole, or FAILED when attempts are used up.
@@ -605,7 +621,7 @@ class BrokerState:
             self.effects.events.append(("task_failed", {"prompt_id": prompt_id, "reason": error, "attempts": g.attempt + 1}))
             return ResultOutcome.FAILED
         eta = self.config.max_staleness
-        if self.config.cancel_stale_inflight and eta is not None and self.version >= 0:
+        if self.config.cancel_stale_inflight and eta is not None and self.version >= 0 and not g.exempt:
             oldest = min((int(t.token_versions.min()) for t in trajectories if t.token_versions.size), default=self.version)
             if oldest < self.version - eta:
                 self._requeue(g, now, reason=f"stale output (version {oldest})", exhausted=Phase.DROPPED_STALE)
@@ -613,7 +629,8 @@ class BrokerState:
         if w is not None:
             w.completed += 1
             g.last_worker = w.worker_id
-        self.staleness.accepted += g.size
+        if not g.exempt:
+            self.staleness.accepted += g.size
         self._terminal(g, Phase.DONE, trajectories=trajectories)
         return ResultOutcome.ACCEPTED
 
@@ -676,7 +693,7 @@ class BrokerState:
         n = 0
         for pid in dropped_stale:
             g = self.groups.get(pid)
-            if g is not None and g.phase == Phase.DONE and not g.acked:
+            if g is not None and g.phase == Phase.DONE and not g.acked and not g.exempt:
                 self.staleness.on_drop(g.size)
         for pid in prompt_ids:
             g = self.groups.get(pid)
@@ -819,7 +836,7 @@ class BrokerState:
             (queued, parked, leased, held),
             (self.queued, self.parked, self.leased, self.held),
         )
-        running = sum(g.size for g in self.groups.values() if g.phase == Phase.LEASED)
+        running = sum(g.size for g in self.groups.values() if g.phase == Phase.LEASED and not g.exempt)
         assert running == self.staleness.running, (running, self.staleness.running)
         for w in self.workers.values():
             assert w.credits >= 0

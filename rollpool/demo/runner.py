@@ -185,8 +185,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         def eval_held_out() -> float:
             held = task.held_out_set()[: cfg.eval_prompts]
-            prompts = [{"input_ids": ids, "group_size": 1, "sampling": sampling, "metadata": {"answer_id": ans, "eval": True}}
-                       for ids, ans in held]
+            # evaluation rollouts are not training samples: outside staleness admission
+            prompts = [{"input_ids": ids, "group_size": 1, "sampling": sampling, "metadata": {"answer_id": ans, "eval": True},
+                        "exempt_from_staleness": True} for ids, ans in held]
             client.submit(prompts)
             batch = client.get_batch(len(prompts), timeout=300)
             rewards = [t.reward or 0.0 for t in batch.trajectories]

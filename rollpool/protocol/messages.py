@@ -136,6 +136,9 @@ class Prompt:
     """Higher is dispatched first; equal priorities keep submission order."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Small map echoed back on every trajectory (e.g. the reference answer)."""
+    exempt_from_staleness: bool = False
+    """True for rollouts that are not training samples (evaluation): the broker dispatches them
+    outside the staleness admission rule and does not count them as accepted or running."""
 
 
 @record

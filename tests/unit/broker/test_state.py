@@ -270,3 +270,21 @@ def test_admission_keeps_the_staleness_rule_at_every_step(ops: list[tuple[str, i
         st_ = s.staleness
         assert st_.accepted + st_.running <= (v + eta + 1) * batch
         s.check_invariants()
+
+
+def test_evaluation_prompts_bypass_staleness_admission_and_use_no_capacity() -> None:
+    s = make(max_staleness=0, batch_size=2)  # capacity (0 + 0 + 1) * 2 = 2 samples
+    w = join(s, "w", capacity=8, version=0)
+    s.set_version(0, 0.0)
+    s.submit([prompt("t1", 2), prompt("t2", 2)], 0.0)
+    evals = [Prompt(prompt_id=f"e{i}", input_ids=np.arange(3, dtype=np.int32), exempt_from_staleness=True) for i in range(3)]
+    s.submit(evals, 0.0)
+    out = [g.prompt_id for _, g in s.dispatch(0.0)]
+    assert out == ["t1", "e0", "e1", "e2"]  # t2 waits for the next version; evaluation does not
+    for tid in ["t1@0", "e0@0", "e1@0", "e2@0"]:
+        finish(s, w, tid)
+    assert s.staleness.accepted == 2 and s.staleness.running == 0  # only the training group counts
+    s.check_invariants()
+    s.set_version(1, 0.0)
+    w.version = 1  # the worker applied version 1 (eta = 0: nothing goes to a worker behind)
+    assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["t2"]
