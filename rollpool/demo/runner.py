@@ -41,7 +41,7 @@ __all__ = ["DemoConfig", "run_demo"]
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = field(default=50, metadata={"help": "optimizer steps"})
+    steps: int = field(default=80, metadata={"help": "optimizer steps"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})

@@ -116,6 +116,7 @@ class RolloutPool:
                 "token_versions": t.token_versions.tolist(),
                 "worker_id": t.worker_id,
                 "reward": t.reward,
+                "finished_at": t.finished_at,
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
