@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,15 +170,19 @@ class RayLauncher:
     def stop(self) -> None:
         self._stop.set()
 
-    def run(self) -> int:
+    def run(self, on_ready: Callable[[], None] | None = None) -> int:
+        """Place and keep the workers until `stop()`; ``on_ready`` runs once Ray is up (install signal handlers there)."""
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
         except ImportError as exc:
             raise ConfigError("rollpool launch ray needs Ray: pip install 'rollpool[ray]'") from exc
         cfg = self.config
-        if not ray.is_initialized():
+        started_ray = not ray.is_initialized()
+        if started_ray:
             ray.init(address=cfg.ray_address, log_to_driver=True)
+        if on_ready is not None:
+            on_ready()  # after ray.init, which installs signal handlers of its own
         bundle: dict[str, float] = {}
         if cfg.cpus_per_worker:
             bundle["CPU"] = cfg.cpus_per_worker
@@ -208,6 +213,8 @@ class RayLauncher:
             self._stop_all()
             remove_placement_group(self._pg)
             self._write_state()
+            if started_ray:
+                ray.shutdown()  # a local cluster started here goes with us; a remote one only loses this driver
         return 1 if failed else 0
 
     # internals
@@ -307,6 +314,10 @@ class _suppress_all:
 def run_ray(config: RayLaunchConfig, *, redis_url: str | None = None, log_level: str | None = None) -> int:
     """Run the Ray launcher in the foreground until SIGTERM/SIGINT."""
     launcher = RayLauncher(config, redis_url=redis_url, log_level=log_level)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: launcher.stop())
-    return launcher.run()
+
+    def install_handlers() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: launcher.stop())
+
+    install_handlers()
+    return launcher.run(on_ready=install_handlers)
