@@ -1,0 +1,69 @@
+"""Restart backoff and queue-depth autoscaling: pure decisions, an injected clock, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpool.launch.local import LocalLaunchConfig, local_process_specs
+from rollpool.launch.policy import Autoscaler, RestartPolicy, RestartTracker, desired_replicas
+from rollpool.protocol.errors import ConfigError
+
+
+def test_backoff_doubles_caps_and_gives_up_after_max_quick_failures() -> None:
+    tracker = RestartTracker(RestartPolicy(backoff_s=1, backoff_max_s=5, max_restarts=4, stable_after_s=60))
+    assert [tracker.on_exit(0.5) for _ in range(4)] == [1, 2, 4, 5]
+    assert tracker.on_exit(0.5) is None  # the 5th quick failure in a row: given up
+
+
+def test_a_stable_run_resets_the_backoff() -> None:
+    tracker = RestartTracker(RestartPolicy(backoff_s=1, backoff_max_s=30, max_restarts=3, stable_after_s=10))
+    assert [tracker.on_exit(1), tracker.on_exit(1), tracker.on_exit(100), tracker.on_exit(1)] == [1, 2, 1, 2]
+    assert tracker.restarts == 4
+
+
+@pytest.mark.parametrize(("queued", "inflight", "want"), [(0, 0, 1), (64, 0, 1), (65, 0, 2), (200, 56, 4), (10_000, 0, 8)])
+def test_desired_replicas_follows_queue_depth_within_bounds(queued: int, inflight: int, want: int) -> None:
+    assert desired_replicas(queued, inflight, capacity_per_worker=64, min_replicas=1, max_replicas=8) == want
+
+
+def test_desired_replicas_rejects_nonsense() -> None:
+    with pytest.raises(ConfigError, match="capacity_per_worker"):
+        desired_replicas(1, 0, 0, 1, 2)
+    with pytest.raises(ConfigError, match="min_replicas"):
+        desired_replicas(1, 0, 8, 3, 2)
+
+
+def test_autoscaler_scales_up_at_once_and_down_only_after_a_quiet_window() -> None:
+    a = Autoscaler(capacity_per_worker=10, min_replicas=1, max_replicas=10, scale_down_cooldown_s=60, max_scale_down_step=2)
+    assert a.decide(now=0, current=1, queued_samples=55, inflight_samples=0) == 6  # backlog: up at once
+    assert a.decide(now=10, current=6, queued_samples=0, inflight_samples=0) == 6  # quiet for 0 s: hold
+    assert a.decide(now=50, current=6, queued_samples=0, inflight_samples=0) == 6  # 40 s: still hold
+    assert a.decide(now=71, current=6, queued_samples=0, inflight_samples=0) == 4  # a whole quiet window: down, 2 at most
+    assert a.decide(now=80, current=4, queued_samples=0, inflight_samples=0) == 4  # next step down waits a window
+    assert a.decide(now=132, current=4, queued_samples=0, inflight_samples=0) == 2
+    assert a.decide(now=133, current=2, queued_samples=95, inflight_samples=0) == 10  # a burst: up at once, capped
+
+
+def test_autoscaler_does_not_drop_below_a_recent_peak() -> None:
+    a = Autoscaler(capacity_per_worker=10, min_replicas=1, max_replicas=10, scale_down_cooldown_s=60, max_scale_down_step=5)
+    a.decide(now=0, current=5, queued_samples=50, inflight_samples=0)
+    a.decide(now=30, current=5, queued_samples=30, inflight_samples=0)  # recommends 3
+    # at 61 the 50-sample peak (t=0) has left the window, the 30-sample one (t=30) has not: down to 3, not 1
+    assert a.decide(now=61, current=5, queued_samples=0, inflight_samples=0) == 3
+
+
+def test_local_specs_are_the_plain_service_clis_with_stable_worker_ids() -> None:
+    cfg = LocalLaunchConfig(workers=2, relay=True, weights_upstream="tcp://trainer:6000", pool="p",
+                            worker_args="--capacity 8")
+    specs = local_process_specs(cfg, python="py", redis_url="redis://r:6379/0")
+    assert [s.name for s in specs] == ["broker", "relay", "worker-0", "worker-1"]
+    assert specs[0].argv[:4] == ("py", "-m", "rollpool", "broker") and specs[0].critical
+    assert specs[2].argv[:4] == ("py", "-m", "rollpool", "worker")
+    assert "p-w1" in specs[3].argv and specs[3].argv[-2:] == ("--capacity", "8")
+    assert all("redis://r:6379/0" in s.argv for s in specs)
+    assert [s.stop_stage for s in specs] == [2, 1, 0, 0]  # workers drain first, the broker goes last
+
+
+def test_relay_needs_an_upstream() -> None:
+    with pytest.raises(ConfigError, match="weights-upstream"):
+        LocalLaunchConfig(relay=True)

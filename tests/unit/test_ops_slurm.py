@@ -1,0 +1,47 @@
+"""ops/slurm/rollpool.sbatch: valid bash, and a dry run that prints the commands it would run."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+SBATCH = pathlib.Path(__file__).resolve().parents[2] / "ops" / "slurm" / "rollpool.sbatch"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def test_sbatch_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+
+
+def _dry_run(**env: str) -> list[list[str]]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ROLLPOOL_"))}
+    out = subprocess.run(["bash", str(SBATCH)], env={**base, "ROLLPOOL_DRY_RUN": "1", "PATH": "/usr/bin:/bin", **env},
+                         check=True, capture_output=True, text=True, timeout=30).stdout
+    return [shlex.split(line) for line in out.splitlines() if line and not line.startswith("#")]
+
+
+def test_dry_run_places_broker_on_the_first_node_a_relay_per_node_and_a_worker_per_gpu() -> None:
+    steps = _dry_run(SLURM_JOB_NODELIST="gpu-a,gpu-b,gpu-c", SLURM_JOB_ID="42", ROLLPOOL_GPUS_PER_NODE="8",
+                     ROLLPOOL_WEIGHTS_UPSTREAM="tcp://trainer:6000", ROLLPOOL_MODEL="/models/q",
+                     ROLLPOOL_REDIS_URL="redis://mon:6379/0")
+    broker, relay, workers = steps
+    assert broker[0] == "srun" and "--nodelist=gpu-a" in broker and "--nodes=1" in broker
+    assert broker[broker.index("-m") + 1 : broker.index("-m") + 3] == ["rollpool", "broker"]
+    assert "--nodes=3" in relay and "--ntasks-per-node=1" in relay and "tcp://trainer:6000" in relay
+    assert "--nodes=3" in workers and "--ntasks-per-node=8" in workers and "--gpus-per-task=1" in workers
+    assert workers[workers.index("--broker") + 1] == "tcp://gpu-a:5555"
+    assert workers[workers.index("--model") + 1] == "/models/q"
+    assert all("redis://mon:6379/0" in s and "slurm-42" in s for s in steps)
+    assert "$SLURM_PROCID" in " ".join(workers)  # one worker id per task
+
+
+def test_dry_run_without_upstream_runs_no_relay() -> None:
+    steps = _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="2", ROLLPOOL_ENGINE="sim")
+    assert len(steps) == 2
+    assert not any("relay" in s for s in steps)
