@@ -242,7 +242,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     broker.restarts += 1
                     broker.start()
                     rec["detect_s"] = await wait_until(lambda old=old: observed.epoch not in ("", old), 30)
-                    rec["recover_s"] = await wait_until(lambda t0=t0: delivered_since(t0 + 0.001) and observed.epoch != old, 60)
+                    rec["recover_s"] = await wait_until(lambda t0=t0, old=old: delivered_since(t0 + 0.001) and observed.epoch != old, 60)
                 elif kind == "kill_relay":
                     relay.kill()
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
