@@ -185,7 +185,7 @@ class SocketFactory:
                 # The ZAP handler must live in the servers' own context (ZAP is an inproc
                 # endpoint of that context); its thread needs blocking sockets, so an
                 # asyncio context is shadowed by a plain one over the same C context.
-                zap_ctx = zmq.Context.shadow(self.context.underlying)
+                zap_ctx: zmq.Context[zmq.Socket[Any]] = zmq.Context.shadow(self.context.underlying)
                 auth = ThreadAuthenticator(zap_ctx)
                 auth.start()
                 auth.configure_curve(domain="*", location=sec.allowed_clients_dir)

@@ -270,3 +270,19 @@ def test_admission_keeps_the_staleness_rule_at_every_step(ops: list[tuple[str, i
         st_ = s.staleness
         assert st_.accepted + st_.running <= (v + eta + 1) * batch
         s.check_invariants()
+
+
+def test_lease_deadlines_do_not_keep_finished_groups_alive() -> None:
+    """Soak finding: every dispatched group stayed referenced until its deadline (task_timeout_s), acked or not."""
+    s = make(task_timeout_s=600.0, dedup_window=100)
+    w = join(s, "w", capacity=4)
+    for i in range(5000):
+        s.submit([prompt(f"p{i}", 2)], 0.0)
+        for _, g in s.dispatch(0.0):
+            assert finish(s, w, g.task_id) == "accepted"
+            s.credit(w, 2, 0.0)
+        for g in s.pull("trainer", 10):
+            s.ack([g.prompt_id])
+    assert s.counters["acked"] == 5000 and s.leased == 0 and not s.groups
+    assert len(s._deadlines) <= 2 * s.leased + 1024 + 1
+    s.check_invariants()
