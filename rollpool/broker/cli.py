@@ -12,7 +12,7 @@ from rollpool.broker.service import Broker
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink
-from rollpool.protocol.sockets import SocketFactory
+from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -30,7 +30,7 @@ async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> No
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx)
+    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir))
     broker = Broker(config, sockets, metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,6 +42,7 @@ class BrokerConfig:
     control_timeout_s: float = field(default=30.0, metadata=_h("longest wait for workers' control replies"))
     drain_timeout_s: float = field(default=5.0, metadata=_h("on stop: how long results may still be handed over"))
     burst_messages: int = field(default=256, metadata=_h("messages read per socket wake-up before yielding the loop"))
+    curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: float = 1) -> None:

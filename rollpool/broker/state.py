@@ -526,6 +526,11 @@ class BrokerState:
         if not g.exempt:
             self.staleness.on_dispatch(g.size)
         self._deadlines.append((g.deadline, task_id, g))
+        if len(self._deadlines) > 2 * self.leased + 1024:
+            # Entries of leases that already ended would otherwise keep their groups (results
+            # included) alive until task_timeout_s passes: memory would grow with rate x timeout.
+            # Rebuilding once at least half are dead keeps the deque O(leased), amortized O(1).
+            self._deadlines = deque(e for e in self._deadlines if e[2].phase == Phase.LEASED and e[2].task_id == e[1])
         self.counters["dispatched"] += 1
 
     def _end_lease(self, g: Group, w: WorkerInfo | None) -> None:

@@ -20,6 +20,13 @@ from rollpool.protocol.errors import ConfigError
 
 __all__ = ["SocketOptions", "SecurityConfig", "SocketFactory"]
 
+# the layout `rollpool keys gen DIR` writes and `SecurityConfig.from_dir` reads
+SERVER_PUBLIC_FILE = "server.key"
+SERVER_SECRET_FILE = "server.key_secret"
+CLIENT_PUBLIC_FILE = "client.key"
+CLIENT_SECRET_FILE = "client.key_secret"
+ALLOWED_CLIENTS_DIR = "allowed_clients"
+
 
 @dataclass(frozen=True, slots=True)
 class SocketOptions:
@@ -58,6 +65,28 @@ class SecurityConfig:
     @property
     def enabled(self) -> bool:
         return any((self.server_key_file, self.allowed_clients_dir, self.client_key_file, self.server_public_file))
+
+    @classmethod
+    def from_dir(cls, curve_dir: str | None) -> SecurityConfig | None:
+        """The four paths inside a directory written by ``rollpool keys gen DIR`` (None: CURVE off).
+
+        Layout: ``server.key`` (public), ``server.key_secret``, ``client.key_secret``
+        and ``allowed_clients/`` (public client certificates). A process that
+        both binds and connects (relay, trainer client hosting a publisher)
+        uses both halves.
+        """
+        if not curve_dir:
+            return None
+        import os
+
+        if not os.path.isdir(curve_dir):
+            raise ConfigError(f"CURVE: {curve_dir!r} is not a directory (make one with `rollpool keys gen DIR`)")
+        return cls(
+            server_key_file=os.path.join(curve_dir, SERVER_SECRET_FILE),
+            allowed_clients_dir=os.path.join(curve_dir, ALLOWED_CLIENTS_DIR),
+            client_key_file=os.path.join(curve_dir, CLIENT_SECRET_FILE),
+            server_public_file=os.path.join(curve_dir, SERVER_PUBLIC_FILE),
+        )
 
 
 class SocketFactory:
@@ -153,7 +182,11 @@ class SocketFactory:
             if self._authenticator is None:
                 from zmq.auth.thread import ThreadAuthenticator
 
-                auth = ThreadAuthenticator(self.context if isinstance(self.context, zmq.Context) else zmq.Context.instance())
+                # The ZAP handler must live in the servers' own context (ZAP is an inproc
+                # endpoint of that context); its thread needs blocking sockets, so an
+                # asyncio context is shadowed by a plain one over the same C context.
+                zap_ctx: zmq.Context[zmq.Socket[Any]] = zmq.Context.shadow(self.context.underlying)
+                auth = ThreadAuthenticator(zap_ctx)
                 auth.start()
                 auth.configure_curve(domain="*", location=sec.allowed_clients_dir)
                 self._authenticator = auth

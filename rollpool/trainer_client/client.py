@@ -61,6 +61,7 @@ from rollpool.protocol import (
     RejectedError,
     Reply,
     SamplingParams,
+    SecurityConfig,
     SetVersion,
     SocketFactory,
     StatusReply,
@@ -92,6 +93,7 @@ class TrainerClientConfig:
     weight_pub_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher announces versions"})
     keep_versions: int = field(default=2, metadata={"help": "weight versions the publisher keeps (0: serve the trainer's tensors while publish waits)"})
     bucket_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "weight bucket size"})
+    curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0:
@@ -228,7 +230,7 @@ class TrainerClient:
         if sockets is None:
             import zmq.asyncio
 
-            sockets = SocketFactory(zmq.asyncio.Context())
+            sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
         self._sock: Any = None

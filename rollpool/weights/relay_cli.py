@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink
-from rollpool.protocol.sockets import SocketFactory
+from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 
 __all__ = ["HELP", "RelayConfig", "add_arguments", "run", "main", "default_pub_endpoint"]
 
@@ -50,6 +50,7 @@ class RelayConfig:
     max_refetch: int = field(default=3, metadata={"help": "re-asks of a silent upstream / refetches of a bad bucket"})
     poll_interval_s: float = field(default=5.0, metadata={"help": "how often to ask upstream for its latest version"})
     pool: str = field(default="default", metadata={"help": "pool name (monitoring keys)"})
+    curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
 
     def __post_init__(self) -> None:
         if not self.upstream:
@@ -75,7 +76,7 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
     from rollpool.weights.relay import Relay
 
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx)
+    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir))
     relay = Relay(
         sockets,
         upstream_router=config.upstream,

@@ -15,7 +15,7 @@ import signal
 
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
-from rollpool.protocol.sockets import SocketFactory
+from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.worker import Worker
 
@@ -38,7 +38,7 @@ async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx)
+    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir))
     if config.count == 1:
         configs = [config]
     else:

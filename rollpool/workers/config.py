@@ -50,6 +50,9 @@ class WorkerConfig:
     engine_options: str = field(default="", metadata=_h("engine keyword options: key=value,key=value"))
     count: int = field(default=1, metadata=_h("sim only: independent workers hosted by this process"))
     pool: str = field(default="default", metadata=_h("pool name (monitoring keys)"))
+    curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
+    weight_endpoint: str | None = field(default=None, metadata=_h("fetch weights here (a relay on this node) instead of where the broker says"))
+    weight_announce_endpoint: str | None = field(default=None, metadata=_h("announcements from here (with --weight-endpoint)"))
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -546,6 +546,8 @@ class Worker:
         self._note_weights(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint)
 
     def _note_weights(self, version: int, endpoint: str | None, announce: str | None) -> None:
+        if self.config.weight_endpoint:  # a node-local relay overrides what the broker names
+            endpoint, announce = self.config.weight_endpoint, self.config.weight_announce_endpoint
         if endpoint and self._subscriber is None:
             factory = self._subscriber_factory
             if factory is None:

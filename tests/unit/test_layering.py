@@ -30,7 +30,7 @@ HEAVY = {"torch", "sglang", "transformers", "ray", "safetensors"}
 THIRD_PARTY_HOMES: dict[str, tuple[str, ...]] = {
     "redis": ("monitor", "cli"),
     "sglang": ("workers/engines/sglang",),
-    "torch": ("workers/engines", "weights", "demo", "trainer_client"),
+    "torch": ("workers/engines", "weights", "demo", "trainer_client", "chaos"),  # chaos: an application like demo (publishes real tensors)
     "transformers": ("workers/engines", "demo"),
     "safetensors": ("workers/engines", "weights", "demo"),
     "ray": ("launch",),

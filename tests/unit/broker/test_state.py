@@ -288,3 +288,17 @@ def test_evaluation_prompts_bypass_staleness_admission_and_use_no_capacity() -> 
     s.set_version(1, 0.0)
     w.version = 1  # the worker applied version 1 (eta = 0: nothing goes to a worker behind)
     assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["t2"]
+def test_lease_deadlines_do_not_keep_finished_groups_alive() -> None:
+    """Soak finding: every dispatched group stayed referenced until its deadline (task_timeout_s), acked or not."""
+    s = make(task_timeout_s=600.0, dedup_window=100)
+    w = join(s, "w", capacity=4)
+    for i in range(5000):
+        s.submit([prompt(f"p{i}", 2)], 0.0)
+        for _, g in s.dispatch(0.0):
+            assert finish(s, w, g.task_id) == "accepted"
+            s.credit(w, 2, 0.0)
+        for g in s.pull("trainer", 10):
+            s.ack([g.prompt_id])
+    assert s.counters["acked"] == 5000 and s.leased == 0 and not s.groups
+    assert len(s._deadlines) <= 2 * s.leased + 1024 + 1
+    s.check_invariants()

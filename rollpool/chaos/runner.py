@@ -1,0 +1,380 @@
+"""The chaos run: a whole pool on loopback under seeded random faults, checked end to end.
+
+Processes (each a real ``python -m rollpool.cli ...`` child): a Redis-compatible
+server, the broker, a weight relay and four sim workers; in this process: the
+trainer client (``TrainerClient``, hosting the weight publisher through
+``publish_weights``) and the link-fault proxy between the workers and the
+broker's worker port (`rollpool.chaos.proxy`; netem is not available here).
+
+Faults, one at a time, chosen by a seeded RNG: SIGKILL of a worker (restarted),
+SIGSTOP/SIGCONT of a worker (sometimes past the broker's dead-after), SIGKILL
+of the broker (restarted on the same endpoints; the client resubmits), SIGKILL
+of the relay while workers fetch through it (restarted), Redis stop and start,
+and link delay and loss windows on the worker links.
+
+What is checked (the trainer's view): every accepted prompt reaches a terminal
+state (`lost` counts those that do not), no trajectory id is handed to the
+trainer twice (`duplicated`), and every trajectory the trainer consumes is
+within the staleness bound eta (`staleness_violations`; a group over the bound
+is dropped by the trainer's hard check and counted in `dropped_stale`, a
+terminal state). The result also records, per fault, the detection and
+recovery times seen from the trainer's side (a status poller every
+``poll_interval_s``, so times have that resolution).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ChaosConfig", "run_chaos"]
+
+log = logging.getLogger(__name__)
+
+FAULT_KINDS = ("kill_worker", "stop_worker", "kill_broker", "kill_relay", "redis_outage", "link_delay", "link_loss")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    prompts: int = 2000
+    seed: int = 0
+    workers: int = 4
+    group_size: int = 2
+    batch_size: int = 64
+    """B: samples per trainer step; the trainer publishes a new version every B consumed samples."""
+    max_staleness: int = 2
+    fault_interval_s: float = 1.5
+    heartbeat_interval_s: float = 0.25
+    task_timeout_s: float = 5.0
+    window_prompts: int = 48
+    """Most prompts submitted and not yet terminal."""
+    weight_bytes: int = 1 << 20
+    decode_s_per_token: float = 0.05
+    length_median: int = 8
+    poll_interval_s: float = 0.1
+    deadline_s: float = 600.0
+    faults: tuple[str, ...] = FAULT_KINDS
+    workdir: str | None = None
+
+
+@dataclass
+class _Proc:
+    name: str
+    argv: list[str]
+    log_path: str
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Observed:
+    """What the status poller saw: per worker id, the last time it was listed; the broker epoch."""
+
+    alive: dict[str, bool] = field(default_factory=dict)
+    epoch: str = ""
+    delivered_at: list[float] = field(default_factory=list)
+
+
+async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driver, read top to bottom)
+    import zmq.asyncio
+
+    from rollpool.chaos.proxy import MessageProxy
+    from rollpool.monitor.embedded import EmbeddedRedis
+    from rollpool.protocol import GroupState, SocketFactory, trajectory_staleness
+    from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
+
+    rng = random.Random(cfg.seed)
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="rollpool-chaos-")
+    os.makedirs(workdir, exist_ok=True)
+    py = [sys.executable, "-m", "rollpool.cli", "--log-level", "WARNING"]
+    ports = {k: _free_port() for k in ("bw", "bc", "proxy", "pub_r", "pub_p", "relay_r", "relay_p", "redis")}
+    ep = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
+    hb = cfg.heartbeat_interval_s
+
+    redis = EmbeddedRedis(port=ports["redis"]).start()
+    redis_url = redis.url
+    broker = _Proc("broker", [*py, "broker", "--worker-endpoint", ep["bw"], "--client-endpoint", ep["bc"],
+                              "--heartbeat-interval-s", str(hb), "--task-timeout-s", str(cfg.task_timeout_s),
+                              "--max-attempts", "50", "--batch-size", str(cfg.batch_size),
+                              "--max-staleness", str(cfg.max_staleness), "--max-applying", str(cfg.workers),
+                              "--drain-timeout-s", "0", "--redis-url", redis_url], os.path.join(workdir, "broker.log"))
+    relay = _Proc("relay", [*py, "relay", "--upstream", ep["pub_r"], "--upstream-pub", ep["pub_p"], "--bind", ep["relay_r"],
+                            "--bind-pub", ep["relay_p"], "--fetch-timeout-s", "2", "--poll-interval-s", "0.5",
+                            "--redis-url", redis_url], os.path.join(workdir, "relay.log"))
+    workers = [
+        _Proc(f"w{i}", [*py, "worker", "--engine", "sim", "--broker", ep["proxy"], "--worker-id", f"chaos-w{i}",
+                        "--heartbeat-interval-s", str(hb), "--reconnect-backoff-s", "0.1", "--reconnect-backoff-max-s", "1",
+                        "--fetch-timeout-s", "2", "--drain-timeout-s", "1",
+                        "--weight-endpoint", ep["relay_r"], "--weight-announce-endpoint", ep["relay_p"],
+                        "--engine-options", f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}",
+                        "--redis-url", redis_url], os.path.join(workdir, f"w{i}.log"))
+        for i in range(cfg.workers)
+    ]
+    procs = [broker, relay, *workers]
+
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    proxy = MessageProxy(sockets, frontend=ep["proxy"], backend=ep["bw"], seed=cfg.seed)
+    client_cfg = TrainerClientConfig(
+        broker=ep["bc"], client_id="chaos-trainer", request_timeout_s=1.0, request_retries=60, pull_wait_s=0.2,
+        weight_router_endpoint=ep["pub_r"], weight_pub_endpoint=ep["pub_p"], bucket_bytes=max(cfg.weight_bytes, 1 << 20),
+    )
+    client: TrainerClient | None = None
+    fault_log: list[dict[str, Any]] = []
+    observed = _Observed()
+    accepted: set[str] = set()
+    terminal: dict[str, str] = {}
+    traj_seen: Counter[str] = Counter()
+    staleness_hist: Counter[int] = Counter()
+    violations = 0
+    dropped_stale = 0
+    done = asyncio.Event()
+    t_start = time.monotonic()
+
+    try:
+        for p in procs:
+            p.start()
+        await proxy.start()
+        client = TrainerClient(config=client_cfg, sockets=sockets)
+        await client.connect()
+        version = 0
+        weights = {"w": np.zeros(cfg.weight_bytes // 4, dtype=np.float32)}
+        import torch
+
+        tensors = {"w": torch.from_numpy(weights["w"])}
+        await client.publish_weights(tensors, version)
+
+        async def poll_loop() -> None:
+            assert client is not None
+            while not done.is_set():
+                with contextlib.suppress(Exception):
+                    st = await client.status()
+                    observed.epoch = str(st["epoch"])
+                    observed.alive = {w: True for w in st["workers"]}
+                await asyncio.sleep(cfg.poll_interval_s)
+
+        async def wait_until(pred: Any, timeout_s: float) -> float | None:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < timeout_s:
+                if pred():
+                    return time.monotonic() - t0
+                await asyncio.sleep(cfg.poll_interval_s / 2)
+            return None
+
+        def delivered_since(t: float) -> bool:
+            return bool(observed.delivered_at) and observed.delivered_at[-1] > t
+
+        async def fault_loop() -> None:
+            while not done.is_set():
+                await asyncio.sleep(cfg.fault_interval_s * rng.uniform(0.5, 1.5))
+                if done.is_set():
+                    return
+                kind = rng.choice(cfg.faults)
+                rec: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t_start, 3)}
+                t0 = time.monotonic()
+                if kind in ("kill_worker", "stop_worker"):
+                    w = rng.choice(workers)
+                    wid = "chaos-" + w.name
+                    rec["target"] = wid
+                    if kind == "kill_worker":
+                        w.kill()
+                        rec["detect_s"] = await wait_until(lambda wid=wid: wid not in observed.alive, 10)
+                        await asyncio.sleep(rng.uniform(0.0, 1.0))
+                        w.restarts += 1
+                        w.start()
+                    else:
+                        pause = rng.choice((0.3, 0.5, 1.5, 2.5))  # dead-after is 3 heartbeats = 0.75 s
+                        rec["pause_s"] = pause
+                        w.signal(signal.SIGSTOP)
+                        rec["detect_s"] = await wait_until(lambda wid=wid: wid not in observed.alive, pause)
+                        await asyncio.sleep(max(0.0, pause - (time.monotonic() - t0)))
+                        w.signal(signal.SIGCONT)
+                    rec["recover_s"] = await wait_until(lambda wid=wid: wid in observed.alive, 20)
+                elif kind == "kill_broker":
+                    old = observed.epoch
+                    broker.kill()
+                    await asyncio.sleep(rng.uniform(0.2, 1.0))
+                    broker.restarts += 1
+                    broker.start()
+                    rec["detect_s"] = await wait_until(lambda old=old: observed.epoch not in ("", old), 30)
+                    rec["recover_s"] = await wait_until(lambda t0=t0, old=old: delivered_since(t0 + 0.001) and observed.epoch != old, 60)
+                elif kind == "kill_relay":
+                    relay.kill()
+                    await asyncio.sleep(rng.uniform(0.2, 1.0))
+                    relay.restarts += 1
+                    relay.start()
+                    rec["recover_s"] = await wait_until(lambda t0=t0: delivered_since(t0), 30)
+                elif kind == "redis_outage":
+                    redis.stop()
+                    n0 = len(observed.delivered_at)
+                    await asyncio.sleep(rng.uniform(0.5, 1.5))
+                    rec["groups_during_outage"] = len(observed.delivered_at) - n0
+                    redis.start()
+                else:
+                    if kind == "link_delay":
+                        proxy.faults.delay_s = rng.choice((0.01, 0.05, 0.1))
+                        rec["delay_s"] = proxy.faults.delay_s
+                    else:
+                        proxy.faults.loss = rng.choice((0.01, 0.05, 0.1))
+                        rec["loss"] = proxy.faults.loss
+                    n0 = len(observed.delivered_at)
+                    await asyncio.sleep(rng.uniform(1.0, 2.0))
+                    rec["groups_during_window"] = len(observed.delivered_at) - n0
+                    proxy.faults.delay_s, proxy.faults.loss = 0.0, 0.0
+                rec["took_s"] = round(time.monotonic() - t0, 3)
+                for k in ("detect_s", "recover_s"):
+                    if isinstance(rec.get(k), float):
+                        rec[k] = round(rec[k], 3)
+                fault_log.append(rec)
+                log.info("chaos: %s", rec)
+
+        bg = [asyncio.create_task(poll_loop(), name="chaos.poll_loop"), asyncio.create_task(fault_loop(), name="chaos.fault_loop")]
+        submitted = 0
+        consumed_samples = 0
+        prompt_rng = np.random.default_rng(cfg.seed)
+        while len(terminal) < cfg.prompts or len(terminal) < len(accepted):
+            if time.monotonic() - t_start > cfg.deadline_s:
+                log.error("chaos: deadline passed with %d of %d terminal", len(terminal), len(accepted))
+                break
+            open_prompts = len(accepted) - len(terminal)
+            if submitted < cfg.prompts and open_prompts < cfg.window_prompts:
+                n = min(cfg.window_prompts - open_prompts, cfg.prompts - submitted, 128)
+                items = [
+                    {"prompt_id": f"c{cfg.seed}-{submitted + i}", "input_ids": prompt_rng.integers(1, 1000, 8).tolist()}
+                    for i in range(n)
+                ]
+                res = await client.submit(items, group_size=cfg.group_size, sampling={"max_new_tokens": 32})
+                accepted.update(res.accepted)
+                submitted += n
+                if res.rejected:
+                    log.warning("chaos: %d prompts rejected: %s", len(res.rejected), list(res.rejected.items())[:3])
+            try:
+                batch = await client.get_batch(max(1, min(8, len(accepted) - len(terminal))), timeout=1.0)
+            except TimeoutError:
+                continue
+            now = time.monotonic()
+            for g in batch.groups:
+                observed.delivered_at.append(now)
+                worst = max(trajectory_staleness(client.version, t.token_versions) for t in g.trajectories)
+                staleness_hist[worst] += 1
+                for t in g.trajectories:
+                    traj_seen[t.trajectory_id] += 1
+                if g.prompt_id in terminal:
+                    traj_seen["group:" + g.prompt_id] += 1  # a whole group handed over twice
+                if worst > cfg.max_staleness:
+                    dropped_stale += 1  # the trainer's hard bound: not trained on
+                    terminal[g.prompt_id] = GroupState.DROPPED_STALE
+                    continue
+                terminal[g.prompt_id] = GroupState.DONE
+                consumed_samples += len(g.trajectories)
+            for g in batch.other:
+                terminal.setdefault(g.prompt_id, g.state)
+            if consumed_samples >= cfg.batch_size:
+                consumed_samples -= cfg.batch_size
+                version += 1
+                await client.publish_weights(tensors, version)
+        done.set()
+        for t in bg:
+            t.cancel()
+        for t in bg:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        # consumed staleness must be within the bound (the trainer never trains past eta)
+        violations = sum(c for s, c in staleness_hist.items() if s > cfg.max_staleness) - dropped_stale
+        elapsed = time.monotonic() - t_start
+        counters = dict(client.counters)
+        with contextlib.suppress(Exception):
+            status = await asyncio.wait_for(client.status(), 5)
+            counters["broker"] = status["counters"]
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 10)
+        await proxy.close()
+        for p in procs:
+            p.stop()
+        redis.stop()
+        sockets.close()
+        ctx.destroy(linger=0)
+
+    lost = sorted(accepted - set(terminal))
+    duplicated = sum(c - 1 for c in traj_seen.values() if c > 1)
+    states = Counter(terminal.values())
+    by_kind: dict[str, dict[str, Any]] = {}
+    for kind in FAULT_KINDS:
+        recs = [r for r in fault_log if r["kind"] == kind]
+        if not recs:
+            continue
+        entry: dict[str, Any] = {"count": len(recs)}
+        for k in ("detect_s", "recover_s"):
+            vals = [r[k] for r in recs if isinstance(r.get(k), float)]
+            if vals:
+                entry[k] = {"median": round(statistics.median(vals), 3), "max": round(max(vals), 3), "n": len(vals)}
+        by_kind[kind] = entry
+    return {
+        "config": asdict(cfg),
+        "prompts_submitted": len(accepted),
+        "terminal": dict(states),
+        "lost": len(lost),
+        "lost_ids": lost[:20],
+        "duplicated": duplicated,
+        "staleness_bound": cfg.max_staleness,
+        "staleness_histogram": {str(k): v for k, v in sorted(staleness_hist.items())},
+        "staleness_violations": violations,
+        "dropped_stale": dropped_stale,
+        "versions_published": version,
+        "elapsed_s": round(elapsed, 2),
+        "faults_injected": len(fault_log),
+        "faults_by_kind": by_kind,
+        "fault_log": fault_log,
+        "restarts": {p.name: p.restarts for p in procs if p.restarts},
+        "proxy": {"forwarded": proxy.forwarded, "held_by_loss": proxy.held, "undeliverable": proxy.undeliverable},
+        "client_counters": counters,
+        "link_faults": "message-level proxy (tc netem unavailable: no netem qdisc in this kernel)",
+        "workdir": workdir,
+    }
