@@ -185,7 +185,7 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)}
     fh = open(log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
     return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
 
@@ -200,7 +200,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path) -> RunResult:
+async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
+                   worker_procs: int = 1) -> RunResult:
     sync = mode == "sync"
     gen, train = (gpus, gpus) if sync else split(w, gpus)
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -214,11 +215,15 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
     )
     opts = (f"decode_s_per_token={decode_s!r},length=lognormal,length_median={w.length_median},"
             f"length_sigma={w.length_sigma},capacity={w.capacity},seed={gpus * 100 + eta}")
-    workers = _spawn(
-        ["rollpool.workers", "--broker", wep, "--engine", "sim", "--count", str(gen), "--worker-id", f"sim{gpus}",
-         "--engine-options", opts, "--heartbeat-interval-s", "0.5", "--missed-heartbeats", "20", "--log-level", "WARNING"],
-        log_dir / f"workers-{mode}-{gpus}-{eta}.log",
-    )
+    shares = [gen // worker_procs + (1 if i < gen % worker_procs else 0) for i in range(worker_procs)]
+    workers = [
+        _spawn(
+            ["rollpool.workers", "--broker", wep, "--engine", "sim", "--count", str(n), "--worker-id", f"sim{gpus}p{i}",
+             "--engine-options", f"{opts}{i}", "--heartbeat-interval-s", "0.5", "--missed-heartbeats", "20", "--log-level", "WARNING"],
+            log_dir / f"workers-{mode}-{gpus}-{eta}-{i}.log",
+        )
+        for i, n in enumerate(shares) if n > 0
+    ]
     cfg = TrainerClientConfig(broker=cep, pull_wait_s=0.5, request_timeout_s=30.0, keep_versions=2)
     client = TrainerClient(config=cfg)
     try:
@@ -246,7 +251,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         hist: dict[int, int] = {}
         slot_s = 0.0
         step_done_at: list[float] = []
-        cpu0 = _proc_cpu_s(broker.pid) + _proc_cpu_s(workers.pid)
+        cpu0 = sum(_proc_cpu_s(x.pid) for x in [broker, *workers])
         t0 = time.monotonic()
         wall0 = time.time()
         if not sync:  # keep the queue ahead of the admission window for the whole run
@@ -271,7 +276,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
             await client.publish_weights({}, version)
             step_done_at.append(time.monotonic())
         real = step_done_at[-1] - t0
-        cpu = _proc_cpu_s(broker.pid) + _proc_cpu_s(workers.pid) - cpu0
+        cpu = sum(_proc_cpu_s(x.pid) for x in [broker, *workers]) - cpu0
         half = steps // 2
         steady_real = step_done_at[-1] - step_done_at[half - 1] if half >= 1 else real
         samples = steps * w.batch_size
@@ -287,7 +292,8 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 10)
-        _stop(workers)
+        for x in workers:
+            _stop(x)
         _stop(broker)
 
 
@@ -307,6 +313,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--token-budget", type=float, default=250_000.0, help="simulated tokens per real second a run may produce")
     ap.add_argument("--max-scale", type=float, default=200.0)
+    ap.add_argument("--worker-procs", type=int, default=1, help="processes the sim workers are spread over")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
@@ -323,11 +330,13 @@ def main() -> int:
 
     print("SIMULATED: sim engines stand in for GPUs, a sleep for the optimizer; broker, workers and trainer client are real.")
     print(f"workload: {w.describe()}{' (SMOKE: not the issue workload)' if args.smoke else ''}")
-    print(f"GPUs {gpu_list}, eta {etas}, {steps} steps x {w.batch_size} samples per run; host {platform.node()} ({os.cpu_count()} cores)")
+    print(f"GPUs {gpu_list}, eta {etas}, {steps} steps x {w.batch_size} samples per run; host {platform.node()} ({os.cpu_count()} cores); "
+          f"sim workers in {args.worker_procs} process(es); token budget {args.token_budget:g}/s")
     out: dict[str, Any] = {
         "simulated": True,
         "workload": {**asdict(w), "description": w.describe(), "smoke": args.smoke},
         "steps": steps,
+        "host": {"node": platform.node(), "cpus": os.cpu_count(), "worker_procs": args.worker_procs, "token_budget": args.token_budget},
         "areal_speedup": AREAL_SPEEDUP,
         "runs": {},
         "speedup": {},
@@ -342,7 +351,7 @@ def main() -> int:
               f"sync step {model['sync_mean_generate_s']:.1f} s generate + {model['sync_train_s']:.2f} s train, "
               f"async train step {model['async_train_s']:.2f} s")
         scale = pick_scale(model["sync_samples_per_s"], model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
-        sync = asyncio.run(run_pool(w, "sync", gpus, 0, steps, scale, log_dir))
+        sync = asyncio.run(run_pool(w, "sync", gpus, 0, steps, scale, log_dir, args.worker_procs))
         out["runs"][str(gpus)]["sync"] = asdict(sync)
         rows = [("sync", sync, model["sync_samples_per_s"])]
         sp: dict[str, float] = {}
@@ -351,7 +360,7 @@ def main() -> int:
         for eta in etas:
             bound = model["async_bound"][eta]["samples_per_s"]
             scale = pick_scale(bound, model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
-            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir))
+            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs))
             out["runs"][str(gpus)][f"async_eta{eta}"] = asdict(r)
             rows.append((f"async eta={eta}", r, bound))
             sp[str(eta)] = r.samples_per_s / sync.samples_per_s
