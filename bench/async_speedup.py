@@ -275,6 +275,8 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
             version += 1
             await client.publish_weights({}, version)
             step_done_at.append(time.monotonic())
+            print(f"     [{mode} {gpus} GPUs eta {eta}] step {version}/{steps} at {(step_done_at[-1] - t0) * time_scale:.0f} simulated s",
+                  file=sys.stderr, flush=True)
         real = step_done_at[-1] - t0
         cpu = sum(_proc_cpu_s(x.pid) for x in [broker, *workers]) - cpu0
         half = steps // 2
