@@ -254,12 +254,13 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         cpu0 = sum(_proc_cpu_s(x.pid) for x in [broker, *workers])
         t0 = time.monotonic()
         wall0 = time.time()
-        if not sync:  # keep the queue ahead of the admission window for the whole run
-            await submit((steps + eta + 1) * groups_per_step)
+        ahead = (eta + 2) * groups_per_step  # keep the queue ahead of the admission window
         version = 0
         for _ in range(steps):
             if sync:
                 await submit(groups_per_step)
+            elif client.pending() < ahead:  # tops up what was trained and what the hard bound dropped
+                await submit(ahead - client.pending())
             batch = await client.get_batch(groups_per_step, max_staleness=0 if sync else eta, timeout=3600)
             tokens = 0
             for g in batch.groups:
@@ -373,11 +374,11 @@ def main() -> int:
         out["max_staleness_seen"][str(gpus)] = ms
         out["runs"][str(gpus)]["sync_fraction_of_bound"] = sync.steady_samples_per_s / model["sync_samples_per_s"]
         print(f"   {'run':<13}{'scale':>6}{'samples/s':>11}{'2nd half':>10}{'bound':>8}{'of bound':>9}{'speedup':>9}"
-              f"{'gen util':>9}{'max stale':>10}  staleness histogram")
+              f"{'gen util':>9}{'max stale':>10}{'dropped':>8}  staleness histogram")
         for name, r, bound in rows:
             print(f"   {name:<13}{r.time_scale:>6.1f}{r.samples_per_s:>11.2f}{r.steady_samples_per_s:>10.2f}{bound:>8.2f}"
                   f"{r.steady_samples_per_s / bound:>9.2f}{r.samples_per_s / sync.samples_per_s:>8.2f}x"
-                  f"{r.gen_utilisation:>9.2f}{r.max_staleness_seen:>10}  {r.staleness_hist}")
+                  f"{r.gen_utilisation:>9.2f}{r.max_staleness_seen:>10}{r.dropped_stale:>8}  {r.staleness_hist}")
         print(f"   (AReaL reports {AREAL_SPEEDUP}x at equal GPUs; all figures above are simulated seconds)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
