@@ -1,0 +1,395 @@
+"""Async vs sync RL through the pool, with simulated GPUs (issue 11). SIMULATED.
+
+Every figure this writes is simulated: `sim` engines stand in for GPUs and a
+sleep stands in for the optimizer step. The pool itself is real: the broker
+(``python -m rollpool.broker``) and the sim workers (``python -m
+rollpool.workers --engine sim --count N``, all N in one process) are child
+processes, and the trainer is a `TrainerClient` in this process that submits
+prompts, pulls whole groups, "trains" and publishes zero-byte weight versions
+through the real weight publisher (workers fetch and apply every version).
+
+Fixed workload (the issue's):
+
+* 64 and 256 GPUs; one sim worker per generation GPU, 64 concurrent
+  sequences per worker, 25 ms per decode step whatever the concurrency
+  (the sim engine's model), prefill 0;
+* output lengths lognormal, median 2,048 tokens, sigma 0.9, capped at 16,384
+  (``max_new_tokens``); group size 8; B = 512 samples (64 groups) per step;
+* trainer time per step = tokens in the batch x 0.05 ms / training GPUs;
+* sync (AReaL's baseline): all GPUs generate one batch, then all GPUs train
+  on it (eta = 0, one batch per version);
+* async: 7/8 of the GPUs generate (sim workers), 1/8 train (the sleep), with
+  the broker's staleness admission at eta = 1, 2, 4, 8 and the trainer's hard
+  bound ``get_batch(max_staleness=eta)``. Why 7:1: at 1/8 of the GPUs a
+  training step takes 9.8 s (64 GPUs) or 2.5 s (256 GPUs), well under the time
+  the generation side needs to produce a batch at any eta, so training is never
+  the bottleneck and every other GPU generates.
+
+Both modes train the same number of samples (``--steps`` x B). Time is
+compressed: the decode step and the training sleep are divided by a time scale
+and measured wall time is multiplied back, so all reported seconds are
+simulated seconds. The scale is chosen per run so the token rate stays within
+``--token-budget`` tokens per real second (two shared cores); the sim engine
+makes tokens lazily, so compression costs nothing else.
+
+Reported per run: trained samples per simulated second (end to end and over
+the second half of the steps), speedup over sync (end to end), generation-side
+utilisation (share of the generation GPUs' sequence slots holding a sequence,
+from the trained groups' start/finish times), the staleness histogram, and
+the analytic bound: the best throughput perfect overlap allows,
+``min((eta+1) B, G x 64) / E[group time]`` (Little's law on the admission
+window and on the slots; a group holds its 8 slots until its longest sample
+ends) and ``B / t_train`` (the trainer). The sync bound is
+``B / (E[longest of 512 samples] x 25 ms + t_train(all GPUs))``.
+``fraction_of_bound`` is the second-half throughput over the bound.
+
+    python bench/async_speedup.py [--quick | --smoke] [--gpus 64,256] [--etas 1,2,4,8]
+        [--steps 12] [--token-budget 250000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollpool.trainer_client import TrainerClient, TrainerClientConfig  # noqa: E402
+
+AREAL_SPEEDUP = 2.77
+
+
+@dataclass(frozen=True)
+class Workload:
+    length_median: int = 2048
+    length_sigma: float = 0.9
+    length_cap: int = 16_384
+    decode_s_per_step: float = 0.025
+    capacity: int = 64
+    group_size: int = 8
+    batch_size: int = 512
+    train_s_per_token_gpu: float = 0.05e-3
+    train_fraction: float = 1 / 8
+
+    def describe(self) -> str:
+        return (
+            f"lengths lognormal(median {self.length_median}, sigma {self.length_sigma}) capped at {self.length_cap}; "
+            f"decode {self.decode_s_per_step * 1e3:g} ms/step for up to {self.capacity} sequences per worker; prefill 0; "
+            f"group size {self.group_size}; B = {self.batch_size} samples/step; "
+            f"train {self.train_s_per_token_gpu * 1e3:g} ms per token per training GPU; "
+            f"async split: {1 - self.train_fraction:.3g} generate / {self.train_fraction:.3g} train"
+        )
+
+
+SMOKE = Workload(length_median=32, length_cap=256, decode_s_per_step=0.025, capacity=16, batch_size=32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- analytic model
+
+
+def draw_lengths(w: Workload, size: int | tuple[int, ...], seed: int = 1) -> np.ndarray:
+    """The sim engine's lognormal draw (round(exp(ln median + sigma z)), at least 1), capped."""
+    rng = np.random.default_rng(seed)
+    raw = np.maximum(1, np.rint(np.exp(math.log(w.length_median) + w.length_sigma * rng.standard_normal(size))))
+    return np.minimum(raw, w.length_cap)
+
+
+def split(w: Workload, gpus: int) -> tuple[int, int]:
+    train = max(1, round(gpus * w.train_fraction))
+    return gpus - train, train
+
+
+def analytic(w: Workload, gpus: int, etas: list[int]) -> dict[str, Any]:
+    per_sample = draw_lengths(w, 400_000)
+    mean_tokens = float(per_sample.mean())
+    groups = draw_lengths(w, (100_000, w.group_size), seed=2).max(axis=1)
+    group_s = float(groups.mean()) * w.decode_s_per_step
+    batches = draw_lengths(w, (2_000, w.batch_size), seed=3).max(axis=1)
+    sync_gen_s = float(batches.mean()) * w.decode_s_per_step
+    batch_tokens = mean_tokens * w.batch_size
+    sync_train_s = batch_tokens * w.train_s_per_token_gpu / gpus
+    sync_rate = w.batch_size / (sync_gen_s + sync_train_s)
+    gen, train = split(w, gpus)
+    train_s = batch_tokens * w.train_s_per_token_gpu / train
+    bounds = {}
+    for eta in etas:
+        window = (eta + 1) * w.batch_size / group_s
+        slots = gen * w.capacity / group_s
+        trainer = w.batch_size / train_s
+        bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer}
+    return {
+        "mean_tokens_per_sample": mean_tokens,
+        "mean_group_s": group_s,
+        "sync_mean_generate_s": sync_gen_s,
+        "sync_train_s": sync_train_s,
+        "sync_samples_per_s": sync_rate,
+        "async_gen_gpus": gen,
+        "async_train_gpus": train,
+        "async_train_s": train_s,
+        "async_bound": bounds,
+    }
+
+
+# --------------------------------------------------------------------------- one run through the real pool
+
+
+@dataclass
+class RunResult:
+    mode: str
+    gpus: int
+    eta: int
+    gen_gpus: int
+    train_gpus: int
+    time_scale: float
+    steps: int
+    samples: int
+    sim_seconds: float
+    samples_per_s: float
+    steady_samples_per_s: float
+    gen_utilisation: float
+    staleness_hist: dict[int, int]
+    max_staleness_seen: int
+    dropped_stale: int
+    real_seconds: float
+    cpu_seconds_children: float
+
+
+def _proc_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)}
+    fh = open(log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
+                   worker_procs: int = 1) -> RunResult:
+    sync = mode == "sync"
+    gen, train = (gpus, gpus) if sync else split(w, gpus)
+    wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    groups_per_step = w.batch_size // w.group_size
+    decode_s = w.decode_s_per_step / time_scale
+    broker = _spawn(
+        ["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--batch-size", str(w.batch_size),
+         "--max-staleness", str(0 if sync else eta), "--max-applying", str(gen), "--heartbeat-interval-s", "0.5",
+         "--missed-heartbeats", "20", "--task-timeout-s", "3600", "--log-level", "WARNING"],
+        log_dir / f"broker-{mode}-{gpus}-{eta}.log",
+    )
+    opts = (f"decode_s_per_token={decode_s!r},length=lognormal,length_median={w.length_median},"
+            f"length_sigma={w.length_sigma},capacity={w.capacity},seed={gpus * 100 + eta}")
+    shares = [gen // worker_procs + (1 if i < gen % worker_procs else 0) for i in range(worker_procs)]
+    workers = [
+        _spawn(
+            ["rollpool.workers", "--broker", wep, "--engine", "sim", "--count", str(n), "--worker-id", f"sim{gpus}p{i}",
+             "--engine-options", f"{opts}{i}", "--heartbeat-interval-s", "0.5", "--missed-heartbeats", "20", "--log-level", "WARNING"],
+            log_dir / f"workers-{mode}-{gpus}-{eta}-{i}.log",
+        )
+        for i, n in enumerate(shares) if n > 0
+    ]
+    cfg = TrainerClientConfig(broker=cep, pull_wait_s=0.5, request_timeout_s=30.0, keep_versions=2)
+    client = TrainerClient(config=cfg)
+    try:
+        await client.connect()
+        await client.publish_weights({}, 0)  # starts the publisher; workers subscribe via the heartbeat
+        for _ in range(600):
+            st = await client.status()
+            if st["counters"].get("workers_alive", 0) >= gen:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"only {st['counters'].get('workers_alive')} of {gen} workers joined")
+        await asyncio.sleep(1.5)  # three heartbeats: every worker has the publisher's endpoints
+        sampling = {"max_new_tokens": w.length_cap, "temperature": 1.0}
+        prompt_no = 0
+
+        async def submit(n_groups: int) -> None:
+            nonlocal prompt_no
+            prompts = [{"input_ids": [1 + (prompt_no + i) % 1000, 7, 9], "metadata": {"i": prompt_no + i}} for i in range(n_groups)]
+            prompt_no += n_groups
+            res = await client.submit(prompts, group_size=w.group_size, sampling=sampling)
+            if res.rejected:
+                raise RuntimeError(f"submit rejected: {list(res.rejected.values())[:3]}")
+
+        hist: dict[int, int] = {}
+        slot_s = 0.0
+        step_done_at: list[float] = []
+        cpu0 = sum(_proc_cpu_s(x.pid) for x in [broker, *workers])
+        t0 = time.monotonic()
+        wall0 = time.time()
+        ahead = (eta + 2) * groups_per_step  # keep the queue ahead of the admission window
+        version = 0
+        for _ in range(steps):
+            if sync:
+                await submit(groups_per_step)
+            elif client.pending() < ahead:  # tops up what was trained and what the hard bound dropped
+                await submit(ahead - client.pending())
+            batch = await client.get_batch(groups_per_step, max_staleness=0 if sync else eta, timeout=3600)
+            tokens = 0
+            for g in batch.groups:
+                starts = [t.started_at for t in g.trajectories if t.started_at > 0]
+                ends = [t.finished_at for t in g.trajectories if t.finished_at > 0]
+                if starts and ends:
+                    slot_s += len(g.trajectories) * (max(ends) - max(min(starts), wall0))
+                for t in g.trajectories:
+                    tokens += len(t.output_ids)
+                    s = int(version - int(np.min(t.token_versions))) if len(t.token_versions) else 0
+                    hist[s] = hist.get(s, 0) + 1
+            await asyncio.sleep(tokens * w.train_s_per_token_gpu / train / time_scale)
+            version += 1
+            await client.publish_weights({}, version)
+            step_done_at.append(time.monotonic())
+            print(f"     [{mode} {gpus} GPUs eta {eta}] step {version}/{steps} at {(step_done_at[-1] - t0) * time_scale:.0f} simulated s",
+                  file=sys.stderr, flush=True)
+        real = step_done_at[-1] - t0
+        cpu = sum(_proc_cpu_s(x.pid) for x in [broker, *workers]) - cpu0
+        half = steps // 2
+        steady_real = step_done_at[-1] - step_done_at[half - 1] if half >= 1 else real
+        samples = steps * w.batch_size
+        return RunResult(
+            mode=mode, gpus=gpus, eta=0 if sync else eta, gen_gpus=gen, train_gpus=train, time_scale=time_scale,
+            steps=steps, samples=samples, sim_seconds=real * time_scale,
+            samples_per_s=samples / (real * time_scale),
+            steady_samples_per_s=(steps - half) * w.batch_size / (steady_real * time_scale),
+            gen_utilisation=slot_s / (gen * w.capacity * real),
+            staleness_hist=dict(sorted(hist.items())), max_staleness_seen=max(hist) if hist else 0,
+            dropped_stale=int(client.counters.get("dropped_stale", 0)), real_seconds=real, cpu_seconds_children=cpu,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), 10)
+        for x in workers:
+            _stop(x)
+        _stop(broker)
+
+
+def pick_scale(rate_samples_per_s: float, mean_tokens: float, token_budget: float, max_scale: float) -> float:
+    return float(max(1.0, min(max_scale, token_budget / (rate_samples_per_s * mean_tokens))))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="64 GPUs only, 6 steps (under five minutes)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
+    ap.add_argument("--gpus", default="64,256")
+    ap.add_argument("--etas", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--token-budget", type=float, default=250_000.0, help="simulated tokens per real second a run may produce")
+    ap.add_argument("--max-scale", type=float, default=200.0)
+    ap.add_argument("--worker-procs", type=int, default=1, help="processes the sim workers are spread over")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--log-dir", default=None)
+    args = ap.parse_args()
+    w = Workload()
+    gpu_list = [int(x) for x in args.gpus.split(",")]
+    etas = [int(x) for x in args.etas.split(",")]
+    steps = args.steps
+    if args.quick:
+        gpu_list, steps = [64], min(steps, 6)
+    if args.smoke:
+        w, gpu_list, etas, steps = SMOKE, [8], [2], 3
+    log_dir = Path(args.log_dir or f"/tmp/rollpool-async-speedup-{os.getpid()}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    print("SIMULATED: sim engines stand in for GPUs, a sleep for the optimizer; broker, workers and trainer client are real.")
+    print(f"workload: {w.describe()}{' (SMOKE: not the issue workload)' if args.smoke else ''}")
+    print(f"GPUs {gpu_list}, eta {etas}, {steps} steps x {w.batch_size} samples per run; host {platform.node()} ({os.cpu_count()} cores); "
+          f"sim workers in {args.worker_procs} process(es); token budget {args.token_budget:g}/s")
+    out: dict[str, Any] = {
+        "simulated": True,
+        "workload": {**asdict(w), "description": w.describe(), "smoke": args.smoke},
+        "steps": steps,
+        "host": {"node": platform.node(), "cpus": os.cpu_count(), "worker_procs": args.worker_procs, "token_budget": args.token_budget},
+        "areal_speedup": AREAL_SPEEDUP,
+        "runs": {},
+        "speedup": {},
+        "fraction_of_bound": {},
+        "max_staleness_seen": {},
+    }
+    for gpus in gpu_list:
+        model = analytic(w, gpus, etas)
+        out["runs"][str(gpus)] = {"analytic": {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}}
+        print(f"\n== {gpus} GPUs: sync = {gpus} GPUs alternating; async = {model['async_gen_gpus']} generate + {model['async_train_gpus']} train")
+        print(f"   analytic: E[tokens/sample] {model['mean_tokens_per_sample']:.0f}, E[group time] {model['mean_group_s']:.1f} s, "
+              f"sync step {model['sync_mean_generate_s']:.1f} s generate + {model['sync_train_s']:.2f} s train, "
+              f"async train step {model['async_train_s']:.2f} s")
+        scale = pick_scale(model["sync_samples_per_s"], model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
+        sync = asyncio.run(run_pool(w, "sync", gpus, 0, steps, scale, log_dir, args.worker_procs))
+        out["runs"][str(gpus)]["sync"] = asdict(sync)
+        rows = [("sync", sync, model["sync_samples_per_s"])]
+        sp: dict[str, float] = {}
+        fb: dict[str, float] = {}
+        ms: dict[str, int] = {}
+        for eta in etas:
+            bound = model["async_bound"][eta]["samples_per_s"]
+            scale = pick_scale(bound, model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
+            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs))
+            out["runs"][str(gpus)][f"async_eta{eta}"] = asdict(r)
+            rows.append((f"async eta={eta}", r, bound))
+            sp[str(eta)] = r.samples_per_s / sync.samples_per_s
+            fb[str(eta)] = r.steady_samples_per_s / bound
+            ms[str(eta)] = r.max_staleness_seen
+        out["speedup"][str(gpus)] = sp
+        out["fraction_of_bound"][str(gpus)] = fb
+        out["max_staleness_seen"][str(gpus)] = ms
+        out["runs"][str(gpus)]["sync_fraction_of_bound"] = sync.steady_samples_per_s / model["sync_samples_per_s"]
+        print(f"   {'run':<13}{'scale':>6}{'samples/s':>11}{'2nd half':>10}{'bound':>8}{'of bound':>9}{'speedup':>9}"
+              f"{'gen util':>9}{'max stale':>10}{'dropped':>8}  staleness histogram")
+        for name, r, bound in rows:
+            print(f"   {name:<13}{r.time_scale:>6.1f}{r.samples_per_s:>11.2f}{r.steady_samples_per_s:>10.2f}{bound:>8.2f}"
+                  f"{r.steady_samples_per_s / bound:>9.2f}{r.samples_per_s / sync.samples_per_s:>8.2f}x"
+                  f"{r.gen_utilisation:>9.2f}{r.max_staleness_seen:>10}{r.dropped_stale:>8}  {r.staleness_hist}")
+        print(f"   (AReaL reports {AREAL_SPEEDUP}x at equal GPUs; all figures above are simulated seconds)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+    bad = [(g, e) for g, m in out["max_staleness_seen"].items() for e, s in m.items() if s > int(e)]
+    if bad:
+        print(f"STALENESS ABOVE ETA in {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
