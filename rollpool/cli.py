@@ -35,6 +35,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("launch", "rollpool.launch.cli"),
     ("chaos", "rollpool.chaos.cli"),
     ("keys", "rollpool.keys_cli"),
+    ("make-tiny-model", "rollpool.workers.tiny_model_cli"),
 )
 
 
