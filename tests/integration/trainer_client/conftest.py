@@ -44,10 +44,11 @@ class Pool:
                                 "--log-level", "INFO"])
 
     def stop(self) -> None:
-        for proc in self.procs.values():
+        # workers first (they say goodbye to a live broker), then the broker
+        for name in sorted(self.procs, key=lambda n: n == "broker"):
+            proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -90,7 +90,7 @@ def test_rolloutpool_generate_async_yields_each_index_once_as_groups_complete(po
         got = asyncio.run(collect())
         indices = [i for i, _, _ in got]
         assert sorted(indices) == list(range(24))  # 12 prompts x n=2, prompt-major, each once
-        for i, res, _ in got:
+        for _, res, _ in got:
             meta = res["meta_info"]
             assert len(meta["output_token_logprobs"]) == len(res["output_ids"]) == meta["completion_tokens"]
         # streamed as groups complete: the first result arrives before the slowest group has even finished
