@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,14 +42,15 @@ __all__ = ["DemoConfig", "run_demo"]
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = field(default=80, metadata={"help": "optimizer steps"})
+    steps: int = field(default=150, metadata={"help": "optimizer steps"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int = field(default=32, metadata={"help": "groups per optimizer step"})
     group_size: int = field(default=8, metadata={"help": "samples per prompt (GRPO group)"})
-    lr: float = field(default=3e-3, metadata={"help": "learning rate"})
+    lr: float = field(default=3e-3, metadata={"help": "learning rate (constant for half the steps, then decayed)"})
+    lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
     out: str = field(default="demo-out", metadata={"help": "folder for demo-report.json and demo-report.png"})
     json: str | None = field(default=None, metadata={"help": "also write the summary JSON here"})
@@ -134,6 +136,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from rollpool.trainer_client import SyncTrainerClient, TrainerClientConfig
 
     t_start = time.monotonic()
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)  # SIGTERM cleans up like Ctrl-C: children stopped, nothing left
     out_dir = pathlib.Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="rollpool-demo-"))
@@ -177,7 +185,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         torch.set_num_threads(1)
         model = LlamaForCausalLM.from_pretrained(model_dir)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        client = SyncTrainerClient(client_ep, config=TrainerClientConfig(broker=client_ep, request_timeout_s=30.0))
+        # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
+        half = max(1, cfg.steps // 2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: 1.0 if s < half else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
+        from rollpool.monitor.sink import sink_from_url
+
+        metrics = sink_from_url(redis_url, cfg.pool, source="trainer")
+        client = SyncTrainerClient(client_ep, config=TrainerClientConfig(broker=client_ep, request_timeout_s=30.0),
+                                   metrics=metrics)
         version = 0
         client.publish_weights(model, version)
         sampling = SamplingParams(max_new_tokens=1, temperature=1.0)
@@ -193,6 +209,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             rewards = [t.reward or 0.0 for t in batch.trajectories]
             return float(sum(rewards) / len(rewards))
 
+        if redis_url:
+            _progress(cfg, f"live view: rollpool top --redis-url {redis_url} --pool {cfg.pool}")
         _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
                        f"{cfg.steps} steps x {cfg.prompts_per_step} groups x {cfg.group_size} samples; task: largest of four digits")
         heldout_first = eval_held_out()
@@ -233,6 +251,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                     lag_hist[int(version - int(t.token_versions.min()))] += 1
             stats = dict(batch.stats)
             stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID, config=GRPOConfig(lr=cfg.lr)))
+            scheduler.step()
             version += 1
             client.publish_weights(model, version)
             # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
@@ -295,6 +314,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+            with contextlib.suppress(Exception):
+                client.client.metrics.close()
         children.stop_all()
         if redis is not None:
             redis.stop()
