@@ -734,6 +734,13 @@ class Worker:
                 self.stop()
             elif msg.op == "resume":
                 pass
+            elif msg.op == "update_weights_from_disk":
+                path, version = str(msg.args["path"]), int(msg.args["version"])
+                from rollpool.workers.engines.checkpoint import load_checkpoint_tensors
+
+                tensors = await asyncio.to_thread(load_checkpoint_tensors, path)
+                if not await self.apply_version(tensors, version):
+                    raise RuntimeError(f"version {version} from {path} was not applied")
             else:
                 raise ValueError(f"unknown control op {msg.op!r}")
         except asyncio.CancelledError:

@@ -43,6 +43,10 @@ class Pool:
                                 "--worker-id", "sim", "--heartbeat-interval-s", "0.2", "--engine-options", options,
                                 "--log-level", "INFO"])
 
+    def start_hf_worker(self, model: str, worker_id: str = "hf0") -> None:
+        self._start(worker_id, ["rollpool.workers", "--broker", self.worker_ep, "--engine", "hf", "--model", model,
+                                "--worker-id", worker_id, "--heartbeat-interval-s", "0.2", "--log-level", "INFO"])
+
     def stop(self) -> None:
         # workers first (they say goodbye to a live broker), then the broker
         for name in sorted(self.procs, key=lambda n: n == "broker"):

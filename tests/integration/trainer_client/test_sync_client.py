@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rollpool.protocol import GroupState, SamplingParams
@@ -99,5 +100,39 @@ def test_rolloutpool_generate_async_yields_each_index_once_as_groups_complete(po
         # plain generate returns SGLang-shaped results in input order
         res = rp.generate(input_ids=[[5, 6], [7, 8]], sampling_params={"max_new_tokens": 3})
         assert [len(r["output_ids"]) > 0 for r in res] == [True, True]
+    finally:
+        rp.shutdown()
+
+
+def test_update_weights_from_disk_reaches_every_worker(pool_factory: Any, tmp_path: Any) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from rollpool.workers.engines.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", hidden=32, layers=1, heads=2, kv_heads=1)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tensors = load_file(str(model / "model.safetensors"))
+    save_file({k: torch.zeros_like(v) if "lm_head" in k else v for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
+    pool = pool_factory()
+    pool.start_broker()
+    pool.start_hf_worker(str(model))
+    rp = RolloutPool(pool.client_ep, config=TrainerClientConfig(broker=pool.client_ep, request_timeout_s=5.0, request_retries=10),
+                     timeout_s=60)
+    try:
+        deadline = time.monotonic() + 60
+        while not rp.worker_urls():
+            assert time.monotonic() < deadline, pool.logs()
+            time.sleep(0.2)
+        version = rp.update_weights_from_disk(str(ckpt))
+        assert version == 1
+        res = rp.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "temperature": 1.0}, return_logprob=True)
+        # a zero lm_head gives uniform logits: every logprob is -log(vocab)
+        lps = [lp for lp, _, _ in res[0]["meta_info"]["output_token_logprobs"]]
+        vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None
+        assert vocab is not None
+        assert all(abs(lp + float(np.log(vocab))) < 1e-3 for lp in lps), lps
+        assert res[0]["meta_info"]["token_versions"] == [1] * len(lps)
     finally:
         rp.shutdown()
