@@ -17,7 +17,6 @@ and is terminated (then killed) when the demo returns, also on Ctrl-C.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpool.launch.supervisor import set_parent_death_signal
 from rollpool.protocol import ConfigError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,6 @@ class DemoConfig:
             raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
 
 
-def _set_pdeathsig() -> None:
-    """In the child: die with SIGTERM when the demo process dies, whatever the cause."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class _Children:
     """Child processes of the demo: started in their own sessions, always reaped."""
 
@@ -94,7 +87,7 @@ class _Children:
         logf = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop_all
         self._logs.append(logf)
         proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_set_pdeathsig)
+                                preexec_fn=set_parent_death_signal)
         self.procs[name] = proc
         return proc
 
