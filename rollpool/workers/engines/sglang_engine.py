@@ -1,0 +1,932 @@
+"""The `sglang` engine: real SGLang 0.5.14 behind the Engine protocol.
+
+SGLang runs as ``python -m sglang.launch_server`` in a child process of the
+worker, in its own process group, spoken to over HTTP on loopback (or, with
+``url=``, a server someone else started). Why HTTP rather than an
+``sglang.Engine`` hosted in a child: see docs/sglang.md.
+
+Guarantees:
+
+- A crash inside SGLang (its scheduler SIGKILLs its whole process tree, API
+  notes fact 6) kills only the child's tree: every pending call raises
+  `EngineError`, so the worker hands its tasks back and restarts the engine.
+  This module never imports sglang; it needs torch only for weight updates.
+- Each sample is its own request with a fixed-width rid (`sglang_wire`); abort
+  hits exactly the samples of one request.
+- Apply modes ``interrupt`` and ``drain`` (``in_place`` is refused: on 0.5.14
+  pausing in place and then updating crashes the scheduler, API notes fact 7).
+  ``interrupt``: stop sending, abort every running sample, wait until each has
+  returned its partial output, ``pause_generation(abort)``, update, continue,
+  resubmit prompt + partial output. ``drain``: stop sending, wait for running
+  samples to finish, update (SGLang is idle, nothing to pause).
+  In both modes no sample is in SGLang while weights change, so the version of
+  every token is exact: an attempt's tokens carry the ``weight_version`` SGLang
+  reports for it (set to ``str(version)`` with each update), checked against
+  the version current when the attempt was sent.
+- Weights: every name and shape is checked against the checkpoint before
+  anything is sent (a misspelt name is only a warning in SGLang, a wrong shape
+  kills its scheduler); tensors are copied to the GPU here, one flat buffer per
+  dtype, and reach SGLang as CUDA tensors (CUDA IPC handles, same host). The
+  update is confirmed with ``get_weights_by_name`` (Llama) and a mismatch
+  raises `EngineError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import pathlib
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpool.protocol.errors import EngineError
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, validate_sampling
+from rollpool.workers.engines.sglang_wire import (
+    ParsedSample,
+    generate_body,
+    parse_generate_response,
+    parse_weight_version,
+    pick_verify_names,
+    read_safetensors_index,
+    sample_rid,
+)
+
+__all__ = ["SGLangEngine", "ENGINE_FACTORY", "HttpClient", "HttpError"]
+
+log = logging.getLogger(__name__)
+
+SGLANG_APPLY_MODES: tuple[str, ...] = ("interrupt", "drain")
+_IN_PLACE_REFUSED = (
+    "apply mode in_place is refused on SGLang 0.5.14: pause_generation(in_place) followed by a weight update "
+    "with flush_cache crashes the scheduler (sglang-kit API-NOTES fact 7); use interrupt or drain"
+)
+
+
+# --------------------------------------------------------------------------- a small HTTP/1.1 client
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]!r}")
+        self.status = status
+        self.body = body
+
+
+class HttpClient:
+    """Keep-alive HTTP/1.1 JSON client on asyncio streams (one connection per concurrent request)."""
+
+    def __init__(self, host: str, port: int, *, max_idle: int = 512) -> None:
+        self.host, self.port, self.max_idle = host, port, max_idle
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        return await asyncio.wait_for(self._request(method, path, data), timeout_s) if timeout_s else await self._request(method, path, data)
+
+    async def _request(self, method: str, path: str, data: bytes) -> Any:
+        for attempt in range(2):
+            conn = self._idle.pop() if self._idle else None
+            fresh = conn is None
+            if conn is None:
+                conn = await asyncio.open_connection(self.host, self.port, limit=1 << 26)
+            reader, writer = conn
+            head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n").encode()
+            try:
+                writer.write(head + data)
+                await writer.drain()
+                status, keep, payload = await self._read_response(reader)
+            except (ConnectionError, asyncio.IncompleteReadError, OSError):
+                writer.close()
+                if fresh or attempt:
+                    raise
+                continue  # a stale keep-alive connection: retry once on a new one
+            except BaseException:
+                writer.close()
+                raise
+            if keep and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+            else:
+                writer.close()
+            if status >= 300:
+                raise HttpError(status, payload)
+            if not payload:
+                return None
+            try:
+                return json.loads(payload)
+            except ValueError:
+                return payload.decode(errors="replace")
+        raise ConnectionError("unreachable")
+
+    @staticmethod
+    async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
+        line = await reader.readuntil(b"\r\n")
+        parts = line.split(None, 2)
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        while True:
+            h = await reader.readuntil(b"\r\n")
+            if h == b"\r\n":
+                break
+            k, _, v = h.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        keep = headers.get("connection", "").lower() != "close"
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                chunk = await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                chunks.append(chunk[:-2])
+            return status, keep, b"".join(chunks)
+        if "content-length" in headers:
+            return status, keep, await reader.readexactly(int(headers["content-length"]))
+        return status, False, await reader.read()
+
+    def close(self) -> None:
+        for _r, w in self._idle:
+            w.close()
+        self._idle.clear()
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass(eq=False)
+class _Sample:
+    index: int
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    finish: str | None = None
+    matched: int | str | None = None
+    attempt: int = 0
+    rid: str | None = None
+    """The rid now in SGLang (None between attempts)."""
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    number: int
+    input_ids: list[int]
+    sampling: SamplingParams
+    samples: list[_Sample]
+    aborted: bool = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SGLangEngine:
+    """SGLang's HTTP server in a child process (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        capacity: int = 256,
+        url: str | None = None,
+        port: int = 0,
+        device: str | None = None,
+        dtype: str = "bfloat16",
+        mem_fraction_static: float = 0.6,
+        context_length: int = 0,
+        seed: int = 0,
+        initial_version: int = 0,
+        cuda_graph_max_bs: int = 0,
+        server_args: str = "",
+        server_cmd: str = "",
+        python: str = "",
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        verify_updates: bool = True,
+        log_dir: str = "",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if not model:
+            raise ValueError("the sglang engine needs --model (a local directory)")
+        self.model_path = str(model)
+        self.capacity = int(capacity)
+        self.url = url or None
+        self.port = int(port)
+        self.device = device
+        self.dtype = dtype
+        self.mem_fraction_static = float(mem_fraction_static)
+        self.context_length = int(context_length)
+        self.seed = int(seed)
+        self.version = int(initial_version)
+        self.cuda_graph_max_bs = int(cuda_graph_max_bs)
+        self.server_args = str(server_args)
+        self.server_cmd = str(server_cmd)
+        self.python = python or sys.executable
+        self.start_timeout_s = float(start_timeout_s)
+        self.request_timeout_s = float(request_timeout_s)
+        self.verify_updates = verify_updates if isinstance(verify_updates, bool) else str(verify_updates).lower() in ("1", "true", "yes")
+        self.log_dir = log_dir
+        self.last_update: dict[str, float] = {}
+        """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s."""
+        self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "version_mismatches": 0}
+        self._tag = secrets.token_hex(4)
+        self._http: HttpClient | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log_path: pathlib.Path | None = None
+        self._log_fh: Any = None
+        self._watch: asyncio.Task[None] | None = None
+        self._died: asyncio.Future[str] | None = None
+        self._dead: str | None = None
+        self._started = False
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._mode: str | None = None
+        self._sglang_paused = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_sglang = 0
+        self._requests: dict[str, _Request] = {}
+        self._counter = 0
+        self._params: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._fingerprint = ""
+        self._tokenizer: Any = None
+        self._released: set[str] = set()
+        self._pause_started = 0.0
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        path = pathlib.Path(self.model_path)
+        try:
+            self._params = read_safetensors_index(path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise EngineError(f"sglang engine: cannot read the checkpoint of {path}: {exc}") from exc
+        digest = hashlib.sha256()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            f = path / name
+            if f.exists():
+                digest.update(name.encode() + b"\0" + f.read_bytes())
+        self._fingerprint = digest.hexdigest()[:16]
+        if self.device is None:
+            self.device = "cuda" if _cuda_available() else "cpu"
+        self._died = asyncio.get_running_loop().create_future()
+        if self.url is None:
+            await self._launch()
+        else:
+            host, _, port = self.url.removeprefix("http://").rstrip("/").partition(":")
+            self._http = HttpClient(host, int(port or 80))
+        try:
+            await self._wait_ready()
+            if self.device.startswith("cuda"):
+                await asyncio.to_thread(_init_cuda, self.device)  # so the first update does not pay for CUDA init
+            await self._post("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
+        except BaseException:
+            await self.stop()
+            raise
+        self._started = True
+
+    def _command(self) -> list[str]:
+        if self.server_cmd:
+            cmd = self.server_cmd.split()
+        else:
+            kw: dict[str, Any] = {"dtype": self.dtype, "mem_fraction_static": self.mem_fraction_static,
+                                  "max_running_requests": self.capacity, "random_seed": self.seed}
+            if self.context_length:
+                kw["context_length"] = self.context_length
+            if self.cuda_graph_max_bs:
+                kw["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs
+            if self.server_args:
+                kw.update(json.loads(self.server_args))
+            cmd = [self.python, "-m", "rollpool.workers.engines.sglang_engine", "--engine-kwargs", json.dumps(kw)]
+        return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    async def _launch(self) -> None:
+        if not self.port:
+            self.port = _free_port()
+        log_dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="rollpool-sglang-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = log_dir / f"sglang-{self.port}.log"
+        self._log_fh = self._log_path.open("ab")
+        cmd = self._command()
+        log.info("starting SGLang: %s (log %s)", " ".join(cmd), self._log_path)
+        # own session: a scheduler crash kills this tree only, and stop() can end the whole tree
+        self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=self._log_fh, stderr=asyncio.subprocess.STDOUT,
+                                                          stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        self._http = HttpClient("127.0.0.1", self.port)
+        self._watch = asyncio.create_task(self._watch_loop(), name="sglang-watch")
+
+    async def _watch_loop(self) -> None:
+        assert self._proc is not None
+        rc = await self._proc.wait()
+        self._mark_dead(f"SGLang server exited with code {rc}{self._log_tail()}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+            log.error("sglang engine dead: %s", reason)
+        if self._died is not None and not self._died.done():
+            self._died.set_result(reason)
+        self._gate.set()  # wake waiters so they see the death
+
+    def _log_tail(self, n: int = 2000) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        data = self._log_path.read_bytes()[-n:].decode(errors="replace")
+        return f"; log tail ({self._log_path}):\n{data}"
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self._http is not None
+        while True:
+            self._check()
+            try:
+                await self._http.request("GET", "/health_generate", timeout_s=30)
+                return
+            except (TimeoutError, OSError, HttpError, asyncio.IncompleteReadError):
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"SGLang did not become healthy within {self.start_timeout_s:.0f}s{self._log_tail()}")
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        self._mark_dead(self._dead or "stopped")
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        if proc is not None:
+            # the scheduler and detokenizer share the group; make sure none outlives the server
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+            self._watch = None
+        if self._http is not None:
+            self._http.close()
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        self._started = False
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name="sglang",
+            model=self.model_path,
+            capacity=self.capacity,
+            apply_modes=SGLANG_APPLY_MODES,
+            weight_version=self.version,
+            fingerprint=self._fingerprint,
+            simulated=False,
+            device=self.device or "cuda",
+            extra={"dtype": self.dtype, "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else "")},
+        )
+
+    # -- I/O helpers
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineError(f"sglang engine is not running: {self._dead}")
+
+    async def _post(self, path: str, body: Any = None, *, method: str = "POST", timeout_s: float | None = 120.0) -> Any:
+        """One HTTP call that fails with `EngineError` as soon as the server dies."""
+        self._check()
+        assert self._http is not None and self._died is not None
+        call = asyncio.ensure_future(self._http.request(method, path, body, timeout_s=timeout_s))
+        try:
+            await asyncio.wait({call, self._died}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        if not call.done():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await call
+            self._check()
+        try:
+            return call.result()
+        except HttpError:
+            raise
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            if self._proc is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait({self._died}, timeout=1.0)
+            self._check()
+            raise EngineError(f"sglang engine: {path} failed: {exc!r}") from exc
+
+    # -- generation
+
+    async def generate(
+        self,
+        input_ids: Sequence[int] | None,
+        n: int,
+        sampling: SamplingParams,
+        request_id: str,
+        *,
+        text: str | None = None,
+        apply_chat_template: bool = False,
+    ) -> GenerateOutput:
+        self._check()
+        if not self._started:
+            raise EngineError("sglang engine not started")
+        validate_sampling(sampling, n)
+        if n > self.capacity:
+            raise ValueError(f"group size {n} exceeds the engine's capacity {self.capacity}")
+        prompt = await self._tokenize(input_ids, text, apply_chat_template)
+        if not prompt:
+            raise ValueError("empty prompt")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._counter += 1
+        req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)])
+        self._requests[request_id] = req
+        started = time.time()
+        try:
+            await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
+        except BaseException:
+            req.aborted = True
+            with contextlib.suppress(Exception):
+                await self._abort_rids([s.rid for s in req.samples if s.rid])
+            raise
+        finally:
+            self._requests.pop(request_id, None)
+        samples = [
+            SampleOutput(index=s.index, output_ids=s.out, logprobs=s.logprobs, token_versions=s.versions,
+                         finish_reason=s.finish or FinishReason.ABORT, output_text="".join(s.texts) if s.texts else None,
+                         matched_stop=s.matched, first_token_at=s.first_token_at or started,
+                         finished_at=max(s.finished_at, s.first_token_at or started))
+            for s in req.samples
+        ]
+        return GenerateOutput(request_id, list(prompt), samples, started, simulated=False)
+
+    async def _run_sample(self, req: _Request, s: _Sample) -> None:
+        sp = req.sampling
+        while True:
+            while not self._gate.is_set():
+                await self._gate.wait()
+            self._check()
+            remaining = sp.max_new_tokens - len(s.out)
+            if req.aborted or remaining <= 0:
+                s.finish = s.finish or (FinishReason.ABORT if req.aborted else FinishReason.LENGTH)
+                s.finished_at = time.time()
+                return
+            s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
+            s.attempt += 1
+            body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining)
+            version_at_send = self.version
+            self._in_sglang += 1
+            self._idle.clear()
+            self.stats["attempts"] += 1
+            sent_at = time.time()
+            try:
+                resp = await self._post("/generate", body, timeout_s=self.request_timeout_s)
+            except HttpError as exc:
+                if exc.status == 400:
+                    raise ValueError(f"SGLang refused the request: {exc.body[:300]!r}") from exc
+                raise EngineError(f"sglang engine: /generate: {exc}") from exc
+            finally:
+                s.rid = None
+                self._in_sglang -= 1
+                if self._in_sglang == 0:
+                    self._idle.set()
+            parsed = parse_generate_response(resp)
+            self._append(s, parsed, version_at_send, sent_at)
+            if parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted:
+                self.stats["resubmits"] += 1
+                continue  # interrupted by a weight update (or by someone else's abort_all): go on from here
+            s.finish, s.matched, s.finished_at = parsed.finish_reason, parsed.matched_stop, time.time()
+            return
+
+    def _append(self, s: _Sample, p: ParsedSample, version_at_send: int, sent_at: float) -> None:
+        version = parse_weight_version(p.weight_version)
+        if version is None:
+            version = version_at_send
+        elif version != version_at_send and p.output_ids:
+            # an attempt sent just before a pause can wait inside SGLang and run after the update: SGLang's label wins
+            self.stats["version_mismatches"] += 1
+            log.debug("sample %s: sent at version %d, SGLang says %d", p.rid, version_at_send, version)
+        if p.output_ids and not s.first_token_at:
+            s.first_token_at = sent_at
+        s.out.extend(p.output_ids)
+        s.logprobs.extend(p.logprobs)
+        s.versions.extend([version] * len(p.output_ids))
+        if p.text:
+            s.texts.append(p.text)
+
+    async def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
+        if input_ids is not None:
+            return [int(t) for t in input_ids]
+        if text is None:
+            raise ValueError("a prompt needs input_ids or text")
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
+        tok = self._tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("apply_chat_template asked for, but the tokenizer has no chat template")
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            return list(tok(rendered, add_special_tokens=False)["input_ids"])
+        return list(tok(text)["input_ids"])
+
+    async def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or self._dead is not None:
+            return
+        req.aborted = True
+        # a rid SGLang has not registered yet ignores the abort: repeat until every sample has come back
+        for _ in range(100):
+            rids = [s.rid for s in req.samples if s.rid]
+            if not rids or self._dead is not None:
+                return
+            await self._abort_rids(rids)
+            await asyncio.sleep(0.05)
+
+    async def _abort_rids(self, rids: Sequence[str]) -> None:
+        await asyncio.gather(*(self._post("/abort_request", {"rid": r, "abort_all": False}, timeout_s=30) for r in rids))
+
+    # -- weight updates
+
+    async def pause(self, mode: str) -> None:
+        if mode == "in_place":
+            raise ValueError(_IN_PLACE_REFUSED)
+        if mode not in SGLANG_APPLY_MODES:
+            raise ValueError(f"apply mode must be one of {SGLANG_APPLY_MODES}, got {mode!r}")
+        self._check()
+        self._pause_started = time.time()
+        self._gate.clear()
+        self._mode = mode
+        if mode == "interrupt":
+            # our own abort_all + wait: pause_generation(abort) alone polls once a second
+            deadline = time.monotonic() + 120
+            while not self._idle.is_set():
+                await self._post("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), 0.5)
+                self._check()
+                if time.monotonic() > deadline:
+                    raise EngineError("sglang engine: running samples did not return within 120 s of abort_all")
+            await self._post("/pause_generation", {"mode": "abort"})
+            self._sglang_paused = True
+        else:
+            while not self._idle.is_set():
+                await asyncio.wait({asyncio.ensure_future(self._idle.wait()), self._died}, return_when=asyncio.FIRST_COMPLETED)
+                self._check()
+        self.last_update = {"pause_s": time.time() - self._pause_started}
+
+    async def resume(self) -> None:
+        t0 = time.time()
+        if self._sglang_paused:
+            await self._post("/continue_generation", {"torch_empty_cache": False})
+            self._sglang_paused = False
+        self._mode = None
+        self._gate.set()
+        self.last_update["resume_s"] = time.time() - t0
+        self.last_update["applied_at"] = time.time()
+        if "update_started_at" in self.last_update:
+            log.info("sglang apply %s", json.dumps({"version": self.version, **self.last_update}))
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        self._check()
+        if not self._idle.is_set():
+            raise EngineError("sglang engine: update_weights while samples run in SGLang; call pause() first")
+        t0 = time.time()
+        names = list(named_tensors)
+        for name in names:
+            known = self._params.get(name)
+            if known is None:
+                raise EngineError(f"update_weights: unknown parameter {name!r} (SGLang would only warn and change nothing)")
+            shape = tuple(int(x) for x in named_tensors[name].shape)
+            if shape != known[1]:
+                raise EngineError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
+        if not names:
+            self.version = version
+            await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            return
+        device = self.device or "cpu"
+        payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, device)
+        t1 = time.time()
+        try:
+            res = await self._post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
+                "abort_all_requests": False, "weight_version": str(version),
+            }, timeout_s=600)
+        except HttpError as exc:
+            raise EngineError(f"update_weights: SGLang refused the update: {exc}") from exc
+        finally:
+            t2 = time.time()
+        if not isinstance(res, Mapping) or not res.get("success"):
+            raise EngineError(f"update_weights: SGLang reports failure: {res!r}")
+        verify_s = 0.0
+        if self.verify_updates:
+            t3 = time.time()
+            await self._verify(on_device, names)
+            verify_s = time.time() - t3
+        del on_device
+        self.version = version
+        self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
+                                 "sglang_update_s": t2 - t1, "verify_s": verify_s,
+                                 "bytes": float(sum(_nbytes(t) for t in named_tensors.values()))})
+
+    async def _verify(self, sent: Mapping[str, Any], names: Sequence[str]) -> None:
+        shapes = {n: self._params[n][1] for n in names}
+        picks = pick_verify_names(names, shapes)
+        if not picks:
+            raise EngineError("update_weights: none of the updated names can be checked with get_weights_by_name; "
+                              "pass verify_updates=false to accept unconfirmed updates")
+        for name in picks:
+            try:
+                got = await self._post("/get_weights_by_name", {"name": name, "truncate_size": 1})
+            except HttpError as exc:
+                raise EngineError(f"update_weights: cannot confirm {name} landed: {exc}") from exc
+            want = _first_row(sent[name])
+            row = got[0] if isinstance(got, list) and got and isinstance(got[0], list) else got
+            if not isinstance(row, list) or len(row) != len(want):
+                raise EngineError(f"update_weights: get_weights_by_name({name}) gave {str(got)[:200]}; cannot confirm the update")
+            bad = sum(1 for a, b in zip(row, want, strict=True) if abs(float(a) - b) > 1e-2 * max(1.0, abs(b)))
+            if bad:
+                raise EngineError(f"update_weights: {name} did not land in SGLang ({bad} of {len(want)} values of row 0 differ)")
+
+    # -- memory and cache
+
+    async def release_memory(self, tags: Sequence[str] = ()) -> None:
+        wanted = tuple(tags) or ("weights", "kv_cache", "cuda_graph")
+        # SGLang asserts it is idle on release (a crash otherwise): stop intake and let running samples finish
+        self._gate.clear()
+        await self._idle.wait()
+        await self._post("/release_memory_occupation", {"tags": list(wanted)})
+        self._released |= set(wanted)
+
+    async def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        wanted = [t for t in (tuple(tags) or ("weights", "kv_cache", "cuda_graph")) if t in self._released]
+        if wanted:  # resuming a tag that was not released is a KeyError inside SGLang's scheduler
+            await self._post("/resume_memory_occupation", {"tags": wanted})
+            self._released -= set(wanted)
+        if not self._released and self._mode is None:
+            self._gate.set()
+
+    async def flush_cache(self) -> None:
+        with contextlib.suppress(HttpError):  # refused while busy: not an error (SGLang flushes only when idle)
+            await self._post("/flush_cache", method="GET")
+
+
+# --------------------------------------------------------------------------- tensors (torch imported lazily)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _init_cuda(device: str) -> None:
+    import torch
+
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size()) if hasattr(t, "element_size") else 0
+
+
+def _first_row(t: Any) -> list[float]:
+    return [float(x) for x in t[0].float().cpu().tolist()]
+
+
+def _serialize_update(named: Mapping[str, Any], device: str) -> tuple[str, dict[str, Any], float]:
+    """Copy the tensors to `device` (one flat buffer per dtype) and pickle them for SGLang.
+
+    On CUDA the pickle carries CUDA IPC handles (SGLang maps the memory, no
+    copy through the host); the returned tensors must stay alive until SGLang
+    has answered. On CPU (the fake server of the tests only) tensors are
+    pickled by value.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # noqa: F401 - registers the CUDA/CPU tensor reductions
+
+    t0 = time.time()
+    by_dtype: dict[Any, list[tuple[str, Any]]] = {}
+    for name, value in named.items():
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    placed: dict[str, Any] = {}
+    for dtype, items in by_dtype.items():
+        total = sum(t.numel() for _, t in items)
+        flat = torch.empty(total, dtype=dtype, device=device)
+        off = 0
+        for name, t in items:
+            n = t.numel()
+            view = flat[off : off + n]
+            view.copy_(t.reshape(-1), non_blocking=False)
+            placed[name] = view.view(t.shape)
+            off += n
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    h2d_s = time.time() - t0
+    items_out = [(name, placed[name]) for name in named]
+    if device.startswith("cuda"):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(items_out)
+        data = buf.getvalue()
+    else:
+        buf = io.BytesIO()
+        torch.save(items_out, buf)
+        data = b"TORCHSAVE" + buf.getvalue()
+    return base64.b64encode(data).decode(), placed, h2d_s
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+class _HttpFront:
+    """A minimal HTTP/1.1 JSON server: ``routes[(method, path)](body) -> (status, json)``; keep-alive."""
+
+    def __init__(self, routes: Mapping[str, Any]) -> None:
+        self.routes = routes
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                method, target, _ = line.decode("latin-1").split(" ", 2)
+                length = 0
+                while True:
+                    h = await reader.readuntil(b"\r\n")
+                    if h == b"\r\n":
+                        break
+                    k, _, v = h.decode("latin-1").partition(":")
+                    if k.strip().lower() == "content-length":
+                        length = int(v.strip())
+                raw = await reader.readexactly(length) if length else b""
+                path = target.split("?", 1)[0]
+                route = self.routes.get(path)
+                if route is None:
+                    status, payload = 404, {"error": {"message": f"no route {path}"}}
+                else:
+                    try:
+                        status, payload = await route(json.loads(raw) if raw else {})
+                    except (ValueError, TypeError, KeyError) as exc:
+                        status, payload = 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+                data = json.dumps(payload, default=_json_default).encode()
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, tuple | set):
+        return list(o)
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def sglang_routes(engine: Any) -> dict[str, Any]:
+    """SGLang's HTTP routes (the subset rollpool uses, same bodies and answers) on an in-process ``sglang.Engine``."""
+    from sglang.srt.managers import io_struct as io
+
+    tm = engine.tokenizer_manager
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        out = await engine.async_generate(input_ids=b["input_ids"], sampling_params=b.get("sampling_params"),
+                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"))
+        return 200, out
+
+    async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
+        tm.abort_request(rid=b.get("rid", ""), abort_all=bool(b.get("abort_all", False)))
+        return 200, None
+
+    async def pause_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.pause_generation(io.PauseGenerationReqInput(mode=b.get("mode", "abort")))
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.continue_generation(io.ContinueGenerationReqInput(torch_empty_cache=bool(b.get("torch_empty_cache", False))))
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
+        obj = io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=b["serialized_named_tensors"], load_format=b.get("load_format"),
+            flush_cache=bool(b.get("flush_cache", True)), abort_all_requests=bool(b.get("abort_all_requests", False)),
+            weight_version=b.get("weight_version"))
+        ok, msg = await tm.update_weights_from_tensor(obj, None)
+        return (200 if ok else 400), {"success": bool(ok), "message": str(msg)}
+
+    async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
+        got = await tm.get_weights_by_name(io.GetWeightsByNameReqInput(name=b["name"], truncate_size=int(b.get("truncate_size", 100))), None)
+        return (200 if got is not None else 400), got
+
+    async def update_weight_version(b: dict[str, Any]) -> tuple[int, Any]:
+        if b.get("abort_all_requests", True):
+            tm.abort_request(abort_all=True)
+        tm.server_args.weight_version = str(b["new_version"])
+        return 200, {"success": True, "message": "ok", "new_version": str(b["new_version"])}
+
+    async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version}
+
+    async def health(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, None
+
+    async def flush_cache(b: dict[str, Any]) -> tuple[int, Any]:
+        r = await tm.flush_cache()
+        return (200 if getattr(r, "success", True) else 400), {"success": bool(getattr(r, "success", True))}
+
+    async def release(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags=b.get("tags")), None)
+        return 200, None
+
+    async def resume(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags=b.get("tags")), None)
+        return 200, None
+
+    return {"/generate": generate, "/abort_request": abort_request, "/pause_generation": pause_generation,
+            "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
+            "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
+            "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
+            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rollpool.workers.engines.sglang_engine --model-path M --port P --engine-kwargs JSON``.
+
+    The child process: an ``sglang.Engine`` (its scheduler and detokenizer are
+    this process's children) behind `sglang_routes` on loopback HTTP.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--engine-kwargs", default="{}")
+    a = ap.parse_args(argv)
+    import sglang
+
+    # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; no xgrammar in the kit; prefill
+    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay)
+    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
+              "cuda_graph_backend_prefill": "disabled", **json.loads(a.engine_kwargs)}
+    engine = sglang.Engine(model_path=a.model_path, **kwargs)
+    front = _HttpFront(sglang_routes(engine))
+
+    async def run() -> None:
+        server = await asyncio.start_server(front.handle, a.host, a.port, backlog=4096, limit=1 << 26)
+        async with server:
+            await server.serve_forever()
+
+    engine.loop.run_until_complete(run())
+    return 0
+
+
+def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # noqa: N802 (the registry's well-known name)
+    for key in ("capacity", "port", "seed", "initial_version", "cuda_graph_max_bs", "context_length"):
+        if key in options and options[key] is not None:
+            options[key] = int(options[key])
+    for key in ("mem_fraction_static", "start_timeout_s", "request_timeout_s"):
+        if key in options and options[key] is not None:
+            options[key] = float(options[key])
+    return SGLangEngine(**options)
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,209 @@
+"""SGLang 0.5.14 HTTP wire format: request bodies and response parsing, no I/O.
+
+Pure functions the `sglang` engine uses to talk to ``sglang.launch_server``;
+tested on CPU against responses recorded from real SGLang (tests/fixtures/sglang).
+
+Guarantees (the traps of ../shared/sglang-kit/API-NOTES.md):
+
+- One HTTP request per sample, never ``n > 1`` (SGLang replaces the rids of
+  parallel samples with fresh uuids). Sample rids have a fixed width
+  (`sample_rid`), so SGLang's abort-by-prefix can never hit another sample.
+- ``max_new_tokens`` is always sent (SGLang's default is 128); only keys
+  SGLang knows are sent (an unknown key is a ``TypeError`` in the server).
+- `parse_generate_response` keeps ``output_ids`` with the stop token (as SGLang
+  returns them) and one logprob per output id; an abort from the waiting queue
+  (no ``prompt_tokens``, maybe no logprobs) parses to what reached the client.
+- Nothing here imports sglang or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollpool.protocol.messages import FinishReason, SamplingParams
+
+__all__ = [
+    "ParsedSample",
+    "RID_WIDTH",
+    "sample_rid",
+    "generate_body",
+    "parse_generate_response",
+    "parse_weight_version",
+    "read_safetensors_index",
+    "pick_verify_names",
+]
+
+RID_WIDTH = 31
+"""Every sample rid is exactly this many characters."""
+
+_ABORT_MESSAGES = ("Aborted", "Abort in waiting queue", "Abort before prefill")
+
+
+def sample_rid(engine_tag: str, request_no: int, index: int, attempt: int) -> str:
+    """``<tag:8>-<request:10>-<sample:5>-<attempt:5>``: fixed width, so no rid is a prefix of another."""
+    if not (len(engine_tag) == 8 and engine_tag.isalnum()):
+        raise ValueError(f"engine_tag must be 8 alphanumeric characters, got {engine_tag!r}")
+    if not (0 <= request_no < 10**10 and 0 <= index < 10**5 and 0 <= attempt < 10**5):
+        raise ValueError(f"rid fields out of range: request {request_no}, sample {index}, attempt {attempt}")
+    rid = f"{engine_tag}-{request_no:010d}-{index:05d}-{attempt:05d}"
+    assert len(rid) == RID_WIDTH
+    return rid
+
+
+def generate_body(
+    input_ids: Sequence[int],
+    sampling: SamplingParams,
+    *,
+    rid: str,
+    index: int,
+    max_new_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does)."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k),
+        "min_p": float(sampling.min_p),
+        "ignore_eos": bool(sampling.ignore_eos),
+    }
+    if sampling.stop_token_ids:
+        sp["stop_token_ids"] = [int(t) for t in sampling.stop_token_ids]
+    if sampling.stop:
+        sp["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        sp["sampling_seed"] = int(sampling.seed) + index
+    return {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": sp,
+        "return_logprob": True,
+        "rid": rid,
+        "stream": False,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedSample:
+    """One ``/generate`` answer in rollpool's terms."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """stop, length, abort or error."""
+    matched_stop: int | str | None
+    text: str | None
+    weight_version: str | None
+    abort_message: str | None = None
+    """SGLang's abort message; ``Aborted`` and ``Abort in waiting queue`` are ordinary aborts."""
+
+    @property
+    def aborted_by_request(self) -> bool:
+        """An abort asked for by abort_request/pause, not a refusal by the server."""
+        return self.finish_reason == FinishReason.ABORT and (self.abort_message or "Aborted") in _ABORT_MESSAGES
+
+
+def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
+    """Parse one non-streaming ``/generate`` dict (``ValueError`` if it is not one)."""
+    meta = resp.get("meta_info")
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"not a /generate response (no meta_info): {str(resp)[:200]}")
+    lp_entries = meta.get("output_token_logprobs") or []
+    ids = resp.get("output_ids")
+    if ids is None:
+        ids = [int(e[1]) for e in lp_entries]
+    ids = [int(t) for t in ids]
+    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in lp_entries]
+    if len(logprobs) != len(ids):
+        if len(logprobs) > len(ids):
+            logprobs = logprobs[: len(ids)]
+        else:
+            # an abort from the waiting queue can carry ids without their logprobs; keep what is aligned
+            ids = ids[: len(logprobs)]
+    fr = meta.get("finish_reason")
+    matched: int | str | None = None
+    abort_message: str | None = None
+    if fr is None:
+        reason = FinishReason.ABORT
+    else:
+        kind = fr.get("type") if isinstance(fr, Mapping) else str(fr)
+        if kind == "stop":
+            reason = FinishReason.STOP
+            m = fr.get("matched") if isinstance(fr, Mapping) else None
+            matched = int(m) if isinstance(m, int) and not isinstance(m, bool) else m
+            if m == "NaN happened":
+                reason = FinishReason.ERROR
+        elif kind == "length":
+            reason = FinishReason.LENGTH
+        elif kind == "abort":
+            abort_message = str(fr.get("message") or "Aborted") if isinstance(fr, Mapping) else "Aborted"
+            status = fr.get("status_code") if isinstance(fr, Mapping) else None
+            reason = FinishReason.ERROR if status not in (None, 200) else FinishReason.ABORT
+        else:
+            reason = FinishReason.ERROR
+    version = meta.get("weight_version")
+    return ParsedSample(
+        rid=str(meta.get("id", "")),
+        output_ids=ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        matched_stop=matched,
+        text=resp.get("text") if isinstance(resp.get("text"), str) else None,
+        weight_version=None if version is None else str(version),
+        abort_message=abort_message,
+    )
+
+
+def parse_weight_version(value: str | None) -> int | None:
+    """rollpool sets SGLang's weight_version to ``str(int)``; anything else (``default``) is None."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+              "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF parameter name -> (torch dtype name, shape), from the checkpoint headers only (no tensor read)."""
+    d = Path(model_dir)
+    files: list[Path]
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            out[name] = (_ST_DTYPES.get(entry["dtype"], entry["dtype"].lower()), tuple(int(x) for x in entry["shape"]))
+    return out
+
+
+_VERIFIABLE_SUFFIXES = ("lm_head.weight", "o_proj.weight", "down_proj.weight", "embed_tokens.weight")
+
+
+def pick_verify_names(names: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """Up to two 2-D names whose first row SGLang's Llama ``get_weights_by_name`` returns unsharded.
+
+    Stacked parameters (q/k/v, gate/up) are fused in SGLang and answered per
+    shard, so they are never picked.
+    """
+    ok = [n for n in names if n.endswith(_VERIFIABLE_SUFFIXES) and len(shapes.get(n, ())) == 2]
+    if not ok:
+        return []
+    return [ok[0]] if len(ok) == 1 else [ok[0], ok[-1]]
