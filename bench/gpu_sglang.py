@@ -244,7 +244,7 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         # versions: publish three versions while a long batch generates
         sd = load_file(str(big / "model.safetensors"))
         long_sampling = {"max_new_tokens": args.long_tokens, "temperature": 1.0, "ignore_eos": True}
-        res = await client.submit([{"input_ids": p} for p in prompts], group_size=1, sampling=long_sampling)
+        await client.submit([{"input_ids": p} for p in prompts], group_size=1, sampling=long_sampling)
         await asyncio.sleep(1.0)
         pubs = []
         for v in (1, 2, 3):

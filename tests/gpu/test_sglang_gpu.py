@@ -144,6 +144,6 @@ async def test_live_responses_parse_and_record(sglang_server: tuple[str, str]) -
     golden["model_info"] = await http.request("GET", "/model_info")
     out = os.environ.get("ROLLPOOL_SGLANG_GOLDEN_DIR")
     if out:
-        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - test output
         (pathlib.Path(out) / "golden.json").write_text(json.dumps(golden, indent=1))
     http.close()

@@ -326,7 +326,7 @@ class SGLangEngine:
         if not self.port:
             self.port = _free_port()
         log_dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="rollpool-sglang-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at engine start
         self._log_path = log_dir / f"sglang-{self.port}.log"
         self._log_fh = self._log_path.open("ab")
         cmd = self._command()
