@@ -179,7 +179,7 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
     opts = f"port={sg_port},capacity={args.capacity},mem_fraction_static=0.6,log_dir={OUT},context_length=2048"
     worker_log = OUT / "worker.log"
     worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(big), "--worker-id", "sg0",
-                     "--engine-options", opts, "--apply-mode", "interrupt", "--log-level", "INFO"], worker_log)
+                     "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log)
     cfg = TrainerClientConfig(broker=cep, pull_wait_s=0.5, request_timeout_s=60.0, keep_versions=2)
     client = TrainerClient(config=cfg)
     stage: dict[str, Any] = {}
@@ -244,7 +244,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         # versions: publish three versions while a long batch generates
         sd = load_file(str(big / "model.safetensors"))
         long_sampling = {"max_new_tokens": args.long_tokens, "temperature": 1.0, "ignore_eos": True}
-        await client.submit([{"input_ids": p} for p in prompts], group_size=1, sampling=long_sampling)
+        long_prompts = prompts * 4  # enough work to span all three updates
+        await client.submit([{"input_ids": p} for p in long_prompts], group_size=1, sampling=long_sampling)
         await asyncio.sleep(1.0)
         pubs = []
         for v in (1, 2, 3):
@@ -271,8 +272,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
             note(f"version {v}: {pubs[-1]}")
             stage["publishes"] = pubs
             save()
-            await asyncio.sleep(1.5)
-        batch = await client.get_batch(len(prompts), max_staleness=1000, timeout=600)
+            await asyncio.sleep(0.5)
+        batch = await client.get_batch(len(long_prompts), max_staleness=1000, timeout=600)
         bad, mixed, seen = [], 0, set()
         for tr in batch.trajectories:
             tv = [int(x) for x in tr.token_versions]
@@ -283,7 +284,7 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
                 mixed += 1
         stage["versions"] = {"trajectories": len(batch.trajectories), "bad": len(bad), "mixed_version_trajectories": mixed,
                              "versions_seen": sorted(seen)}
-        RESULT["versions_ok"] = not bad and len(batch.trajectories) == len(prompts) and 3 in seen and mixed > 0
+        RESULT["versions_ok"] = not bad and len(batch.trajectories) == len(long_prompts) and 3 in seen and mixed > 0
         RESULT["model_bytes"] = model_bytes
         best = min(pubs, key=lambda p: p["publish_to_applied_s"])
         RESULT["publish_to_applied_s"] = statistics.median(p["publish_to_applied_s"] for p in pubs)
@@ -309,7 +310,7 @@ def main() -> int:
     ap.add_argument("--pytest-timeout-s", type=int, default=300)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--out-tokens", type=int, default=256)
-    ap.add_argument("--long-tokens", type=int, default=1024)
+    ap.add_argument("--long-tokens", type=int, default=1800)
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=3)
     args = ap.parse_args()

@@ -206,4 +206,14 @@ def pick_verify_names(names: Sequence[str], shapes: Mapping[str, Sequence[int]])
     ok = [n for n in names if n.endswith(_VERIFIABLE_SUFFIXES) and len(shapes.get(n, ())) == 2]
     if not ok:
         return []
-    return [ok[0]] if len(ok) == 1 else [ok[0], ok[-1]]
+    # SGLang 0.5.14 turns the whole parameter into a list before truncating: pick the smallest ones
+    # (one from each half of the model), never the embedding or lm_head (seconds each at 32k x 2k)
+    def numel(n: str) -> int:
+        a, b = shapes[n]
+        return int(a) * int(b)
+
+    half = max(1, len(ok) // 2)
+    picks = [min(ok[:half], key=numel)]
+    if ok[half:]:
+        picks.append(min(ok[half:], key=numel))
+    return picks
