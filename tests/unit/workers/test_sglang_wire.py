@@ -1,0 +1,82 @@
+"""SGLang request building and response parsing, on CPU, against responses recorded from real SGLang.
+
+tests/fixtures/sglang/golden.json was written by tests/gpu/test_sglang_gpu.py on an H200
+(SGLang 0.5.14, bench/gpu_sglang.py, 2026-11-29): a length-limited sample, a sample
+stopped by a stop token, and a sample aborted mid-decode.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from rollpool.protocol import FinishReason, SamplingParams
+from rollpool.workers.engines.sglang_wire import (
+    RID_WIDTH,
+    generate_body,
+    parse_generate_response,
+    parse_weight_version,
+    pick_verify_names,
+    sample_rid,
+)
+
+GOLDEN: dict[str, Any] = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" / "sglang" / "golden.json").read_text())
+
+
+def test_length_finish_keeps_every_token_with_its_logprob() -> None:
+    s = parse_generate_response(GOLDEN["length"])
+    assert s.finish_reason == FinishReason.LENGTH
+    assert len(s.output_ids) == len(s.logprobs) == GOLDEN["length"]["meta_info"]["completion_tokens"] == 8
+    assert s.output_ids == GOLDEN["length"]["output_ids"]
+    assert all(lp <= 0.0 for lp in s.logprobs)
+    assert parse_weight_version(s.weight_version) == 0
+
+
+def test_stop_token_is_included_and_reported_as_matched() -> None:
+    s = parse_generate_response(GOLDEN["stop_token"])
+    assert s.finish_reason == FinishReason.STOP
+    assert s.matched_stop == s.output_ids[-1] == 79  # SGLang keeps the stop token in output_ids
+    assert len(s.output_ids) == len(s.logprobs)
+    # the same prompt and seed as the length case: the stop cut the same sequence short
+    assert s.output_ids == GOLDEN["length"]["output_ids"][: len(s.output_ids)]
+
+
+def test_abort_keeps_the_partial_output() -> None:
+    s = parse_generate_response(GOLDEN["abort"])
+    assert s.finish_reason == FinishReason.ABORT and s.aborted_by_request
+    assert 0 < len(s.output_ids) == len(s.logprobs)
+
+
+def test_malformed_responses_are_refused() -> None:
+    with pytest.raises(ValueError, match="meta_info"):
+        parse_generate_response({"text": "x"})
+    error = parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 400, "message": "bad"}}})
+    assert error.finish_reason == FinishReason.ERROR
+
+
+def test_rids_are_fixed_width_so_no_rid_is_a_prefix_of_another() -> None:
+    a, b = sample_rid("abcd1234", 1, 0, 0), sample_rid("abcd1234", 12, 0, 0)
+    assert len(a) == len(b) == RID_WIDTH and not b.startswith(a) and not a.startswith(b)
+    with pytest.raises(ValueError):
+        sample_rid("short", 1, 0, 0)
+
+
+def test_generate_body_uses_sglang_names_and_one_request_per_sample() -> None:
+    sp = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, stop_token_ids=(2,),
+                        stop=("\n",), ignore_eos=True, seed=10)
+    body = generate_body([1, 2, 3], sp, rid=sample_rid("abcd1234", 3, 1, 0), index=1)
+    assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True and body["stream"] is False
+    assert body["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+                                       "ignore_eos": True, "stop_token_ids": [2], "stop": ["\n"], "sampling_seed": 11}
+    assert "n" not in body["sampling_params"]  # n > 1 would make SGLang replace our rids
+
+
+def test_verification_avoids_the_huge_embedding_tensors() -> None:
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"]
+    shapes = {n: (32000, 2048) if ("embed" in n or "lm_head" in n) else (2048, 2048) for n in names}
+    picks = pick_verify_names(names, shapes)
+    assert picks and not any("embed" in n or "lm_head" in n for n in picks)
