@@ -82,7 +82,7 @@ async def make_case(url: str, model: str) -> EngineCase:
                 for k, (_dt, shape) in engine._params.items()}
 
     async def progressed() -> None:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.05)
 
     return EngineCase("sglang", engine, new_weights, progressed, [10, 20, 30, 40, 50])
 
