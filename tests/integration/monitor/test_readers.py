@@ -160,6 +160,33 @@ def test_exporter_metrics_parse_and_carry_broker_and_worker_figures(populated: R
     assert sample_value(fams, "rollpool_staleness_count") == 5
 
 
+def test_exporter_metrics_parse_with_prometheus_client(populated: RedisMetricsSink, exporter: ExporterServer,
+                                                      pool: str) -> None:
+    """The reference parser (prometheus_client's) reads the whole exposition and finds the same figures."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    _, _, body = _get(exporter.url + "/metrics")
+    families = list(parser.text_string_to_metric_families(body))
+    types = {f.name: f.type for f in families}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+    def value(name: str, **labels: str) -> float:
+        hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+        assert len(hits) == 1, (name, labels, hits)
+        return hits[0]
+
+    assert types["rollpool_up"] == "gauge" and types["rollpool_staleness"] == "histogram"
+    assert types["rollpool_requeued"] == "counter"  # the parser strips _total from a counter's family name
+    assert value("rollpool_up", pool=pool) == 1
+    assert value("rollpool_queue_depth", pool=pool) == 17
+    assert value("rollpool_requeued_total") == 3
+    assert value("rollpool_workers_alive") == 2
+    assert value("rollpool_worker_tokens_per_second", worker="w1") == 250.0
+    assert value("rollpool_worker_tokens_per_second", worker="w2") == 500.0
+    assert value("rollpool_worker_version_lag", worker="w2") == 1
+    assert value("rollpool_staleness_bucket", le="1") == 3
+    assert value("rollpool_staleness_count") == 5
+
+
 def test_exporter_serves_the_dashboard_and_its_local_chart_code(populated: RedisMetricsSink,
                                                                 exporter: ExporterServer) -> None:
     status, ctype, page = _get(exporter.url + "/")
