@@ -13,4 +13,7 @@ add_logging_arguments(parser)
 cli.add_arguments(parser)
 args = parser.parse_args()
 configure_logging_from_args(args)
-sys.exit(cli.run(args))
+try:
+    sys.exit(cli.run(args))
+except KeyboardInterrupt:  # Ctrl-C or SIGTERM: children are already stopped by the runner
+    sys.exit(130)
