@@ -307,7 +307,7 @@ class HFEngine:
         path = pathlib.Path(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
-        self._model = model.to(self.device).train(False)  # inference mode (same as .eval())
+        self._model = model.to(self.device).train(False)  # inference mode
         # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
         cfg = self._model.config
