@@ -16,7 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from rollpool.demo.runner import DemoConfig, run_demo
+    from rollpool.protocol.logs import configure_logging
+
+    if getattr(args, "log_level", None) is None and not os.environ.get("ROLLPOOL_LOG_LEVEL"):
+        # the live progress lines are the demo's output; the services' INFO logs go to their log files
+        configure_logging("WARNING", getattr(args, "log_json", False))
 
     cfg = load_config(DemoConfig, args, section="demo")
     summary = run_demo(cfg)

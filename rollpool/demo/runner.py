@@ -138,6 +138,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     out_dir = pathlib.Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="rollpool-demo-"))
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the demo's own progress lines are the output
     model_dir = task.build_demo_model(work / "model", seed=cfg.seed)
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = cfg.prompts_per_step * cfg.group_size
