@@ -26,6 +26,7 @@ class BrokerConfig:
     missed_heartbeats: int = field(default=3, metadata=_h("a worker silent this many heartbeats is declared dead"))
     task_timeout_s: float = field(default=600.0, metadata=_h("most seconds one task (a whole group) may take"))
     max_attempts: int = field(default=3, metadata=_h("dispatches of one group before it is FAILED"))
+    max_handbacks: int = field(default=20, metadata=_h("hand-backs (nack, goodbye) of one group before it is FAILED"))
     max_queued: int = field(default=100_000, metadata=_h("most groups waiting for a worker (submit beyond: queue_full)"))
     max_held: int = field(default=100_000, metadata=_h("most groups leased or held for the trainer at once"))
     max_group_size: int = field(default=1024, metadata=_h("largest accepted group (samples per prompt)"))
@@ -53,6 +54,7 @@ class BrokerConfig:
         for name in (
             "missed_heartbeats",
             "max_attempts",
+            "max_handbacks",
             "max_queued",
             "max_held",
             "max_group_size",

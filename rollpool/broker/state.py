@@ -552,6 +552,11 @@ class BrokerState:
         g.attempt += 1
         if not counted:
             g.forgiven += 1
+            if g.forgiven > self.config.max_handbacks:  # a worker that keeps handing one group back must not loop forever
+                reason = f"{reason}; handed back {g.forgiven} times"
+                self._terminal(g, exhausted, reason)
+                self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": reason, "attempts": g.attempt}))
+                return
         if g.attempt - g.forgiven >= self.config.max_attempts:
             self._terminal(g, exhausted, f"{reason}; gave up after {g.attempt} attempts")
             self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": reason, "attempts": g.attempt}))

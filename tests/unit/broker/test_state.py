@@ -302,3 +302,16 @@ def test_lease_deadlines_do_not_keep_finished_groups_alive() -> None:
     assert s.counters["acked"] == 5000 and s.leased == 0 and not s.groups
     assert len(s._deadlines) <= 2 * s.leased + 1024 + 1
     s.check_invariants()
+
+
+def test_a_group_handed_back_without_end_fails_instead_of_looping() -> None:
+    s = make(max_attempts=2, max_handbacks=3)
+    s.submit([prompt("p")], 0.0)
+    w = join(s, "w")
+    for i in range(4):
+        (_, g), = s.dispatch(float(i))
+        s.nack(w, [g.task_id], float(i), reason="engine restarting")
+        s.credit(w, 1, float(i))
+    assert s.groups["p"].phase == Phase.FAILED and "handed back 4 times" in (s.groups["p"].result.reason if s.groups["p"].result else "")
+    assert s.dispatch(10.0) == []
+    s.check_invariants()
