@@ -11,11 +11,20 @@
    copying each frame into one buffer (the copy any receiver makes). Runs are
    interleaved (raw, rollpool, raw, ...); medians and spreads are reported.
 2. Checksum cost: zlib.crc32 over the same bytes, seconds per GB.
-3. Fan-out: 8 subscribers fetching one version directly vs 8 behind one
+3. Peer, 4 receivers, interleaved with 1.: torch.distributed gloo broadcast
+   of the same bf16 tensors from one sender process to 4 receiver processes
+   (tcp loopback, receivers reuse preallocated tensors; barrier, broadcast every
+   tensor, barrier; a warm-up run first) vs rollpool with 4 subscriber
+   processes fetching the same version directly from the publisher child (each
+   a long-lived subscriber recycling its buffers; time from the go until the
+   last subscriber holds the verified version). `vs_gloo` = gloo_4_s /
+   rollpool_4_s (> 1: rollpool faster). Only the direct path is timed across
+   processes; the relay appears in 4. (in-process), where it only adds a hop.
+4. Fan-out: 8 subscribers fetching one version directly vs 8 behind one
    relay, all in one process (only the bytes the publisher serves are the
    point here; on one machine a relay adds a hop, not bandwidth).
 
-    python bench/weights.py [--mib 256] [--chunk-mib 4] [--reps 3] [--fanout-mib 32] [--json PATH] [--quick]
+    python bench/weights.py [--mib 256] [--chunk-mib 4] [--reps 3] [--fanout-mib 32] [--peers 4] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -85,6 +94,56 @@ def _raw_sender_child(conn: Any, nbytes: int, chunk_bytes: int) -> None:
             sock.send(view[off : off + chunk_bytes], copy=False)
     sock.close(linger=0)
     ctx.term()
+
+
+def _gloo_child(rank: int, world: int, port: int, mib: int, conn: Any) -> None:
+    """Rank 0 sends make_tensors(mib); ranks 1.. receive into preallocated tensors. Rank 0 takes commands."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if rank == 0:
+        tensors = list(make_tensors(mib).values())
+    else:
+        n, per = max(1, mib // 8), 8 * _MiB // 2
+        tensors = [torch.empty(per, dtype=torch.bfloat16) for _ in range(n)]
+    ctl = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        conn.send("ready")
+    while True:
+        if rank == 0:
+            ctl[0] = 1 if conn.recv() == "go" else 0
+        dist.broadcast(ctl, 0)
+        if not int(ctl[0]):
+            break
+        dist.barrier()
+        t0 = time.perf_counter()
+        for t in tensors:
+            dist.broadcast(t, 0)
+        dist.barrier()  # every receiver holds every tensor
+        dt = time.perf_counter() - t0
+        # check, outside the timing: crc32 of the last tensor on every rank equals the sender's
+        crc = torch.tensor([zlib.crc32(tensors[-1].view(torch.uint8).numpy())], dtype=torch.int64)
+        crcs = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(crcs, crc)
+        if rank == 0:
+            conn.send((dt, all(int(c[0]) == int(crc[0]) for c in crcs)))
+    dist.destroy_process_group()
+
+
+def _subscriber_child(conn: Any, router: str, window: int) -> None:
+    """One long-lived subscriber process (a worker): fetch version 1 on each 'go', report when it holds it verified."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with Fetcher(router, window) as f:
+            conn.send("ready")
+            while await loop.run_in_executor(None, conn.recv) == "go":
+                _dt, total = await f.once()
+                conn.send((time.perf_counter(), total))
+
+    asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- measurements
@@ -209,11 +268,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fanout-mib", type=int, default=32)
     ap.add_argument("--fanout-subs", type=int, default=8)
-    ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB")
+    ap.add_argument("--peers", type=int, default=4, help="receivers for the gloo vs rollpool comparison")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB (--mib given explicitly wins)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
-        args.mib, args.fanout_mib = 64, 16
+        if "--mib" not in sys.argv:
+            args.mib = 64
+        args.fanout_mib = 16
     chunk = args.chunk_mib * _MiB
     nbytes = args.mib * _MiB
 
@@ -235,6 +297,48 @@ def main() -> int:
     pull.connect(f"tcp://127.0.0.1:{port}")
     dst = np.empty(nbytes, dtype=np.uint8)
 
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        gport = so.getsockname()[1]
+    gloo_conn, gchild = mpctx.Pipe()
+    gloo_procs = [
+        mpctx.Process(target=_gloo_child, args=(r, args.peers + 1, gport, args.mib, gchild if r == 0 else None), daemon=True)
+        for r in range(args.peers + 1)
+    ]
+    for p in gloo_procs:
+        p.start()
+    sub_conns, sub_procs = [], []
+    for _ in range(args.peers):
+        a, b = mpctx.Pipe()
+        sp = mpctx.Process(target=_subscriber_child, args=(b, router, args.window), daemon=True)
+        sp.start()
+        sub_conns.append(a)
+        sub_procs.append(sp)
+    assert gloo_conn.recv() == "ready"
+    for c in sub_conns:
+        assert c.recv() == "ready"
+
+    def gloo_once() -> float:
+        gloo_conn.send("go")
+        dt, ok = gloo_conn.recv()
+        if not ok:
+            raise RuntimeError("gloo receivers' bytes differ from the sender's")
+        return float(dt)
+
+    def rollpool_peers_once() -> float:
+        t0 = time.perf_counter()
+        for c in sub_conns:
+            c.send("go")
+        got = [c.recv() for c in sub_conns]
+        if any(total != nbytes for _t, total in got):
+            raise RuntimeError(f"subscriber got {[t for _, t in got]} bytes, expected {nbytes}")
+        return max(t for t, _ in got) - t0
+
+    gloo_s: list[float] = []
+    rp4_s: list[float] = []
+    vs_gloo: list[float] = []
     raw_gbps: list[float] = []
     rp_gbps: list[float] = []
     ratios: list[float] = []
@@ -245,6 +349,8 @@ def main() -> int:
         raw_once(raw_conn, pull, nbytes, dst)  # warm-up (and the raw receiver's buffer is faulted in)
         dt, total = loop.run_until_complete(fetcher.once())  # first fetch: fresh memory
         first_fetch_gbps = total / dt / 1e9
+        gloo_first_s = gloo_once()  # warm-up: receivers' tensors faulted in
+        rp4_first_s = rollpool_peers_once()  # warm-up: subscribers' first fetch into fresh memory
         for _ in range(args.reps):
             r = nbytes / raw_once(raw_conn, pull, nbytes, dst) / 1e9
             dt, total = loop.run_until_complete(fetcher.once())
@@ -252,8 +358,18 @@ def main() -> int:
             raw_gbps.append(r)
             rp_gbps.append(g)
             ratios.append(g / r)
+            gs = gloo_once()
+            rs = rollpool_peers_once()
+            gloo_s.append(gs)
+            rp4_s.append(rs)
+            vs_gloo.append(gs / rs)
         loop.run_until_complete(fetcher.__aexit__())
     finally:
+        gloo_conn.send("stop")
+        for c in sub_conns:
+            c.send("stop")
+        for p in gloo_procs + sub_procs:
+            p.join(20)
         raw_conn.send("stop")
         pub_conn.send("stop")
         served = pub_conn.recv()
@@ -268,7 +384,7 @@ def main() -> int:
 
     result = {
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
-        "params": {"mib": args.mib, "chunk_mib": args.chunk_mib, "bucket_mib": args.bucket_mib, "window_chunks": args.window, "reps": args.reps, "transport": "tcp loopback", "dtype": "bfloat16"},
+        "params": {"peers": args.peers, "mib": args.mib, "chunk_mib": args.chunk_mib, "bucket_mib": args.bucket_mib, "window_chunks": args.window, "reps": args.reps, "transport": "tcp loopback", "dtype": "bfloat16"},
         "raw_zmq_gbps": round(statistics.median(raw_gbps), 3),
         "raw_zmq_gbps_spread": spread(raw_gbps),
         "rollpool_gbps": round(statistics.median(rp_gbps), 3),
@@ -276,6 +392,17 @@ def main() -> int:
         "ratio_vs_raw": round(statistics.median(ratios), 3),
         "ratio_vs_raw_spread": spread(ratios),
         "rollpool_first_fetch_gbps": round(first_fetch_gbps, 3),
+        "gloo_4_s": round(statistics.median(gloo_s), 3),
+        "gloo_4_s_spread": spread(gloo_s),
+        "rollpool_4_s": round(statistics.median(rp4_s), 3),
+        "rollpool_4_s_spread": spread(rp4_s),
+        "rollpool_4_mode": "direct",
+        "vs_gloo": round(statistics.median(vs_gloo), 3),
+        "vs_gloo_spread": spread(vs_gloo),
+        "gloo_4_gbps_per_receiver": round(nbytes / statistics.median(gloo_s) / 1e9, 3),
+        "rollpool_4_gbps_per_subscriber": round(nbytes / statistics.median(rp4_s) / 1e9, 3),
+        "gloo_4_first_s": round(gloo_first_s, 3),
+        "rollpool_4_first_s": round(rp4_first_s, 3),
         "checksum": "crc32",
         "checksum_s_per_gb": round(crc, 4),
         "checksum_gbps": round(1 / crc, 2),
@@ -289,6 +416,9 @@ def main() -> int:
     print(f"{'rollpool fetch, crc32 on (GB/s)':34}{result['rollpool_gbps']:>10}{str(result['rollpool_gbps_spread']):>18}")
     print(f"{'ratio rollpool / raw':34}{result['ratio_vs_raw']:>10}{str(result['ratio_vs_raw_spread']):>18}")
     print(f"{'rollpool first fetch, fresh memory':34}{result['rollpool_first_fetch_gbps']:>10}")
+    print(f"{f'gloo broadcast to {args.peers} (s)':34}{result['gloo_4_s']:>10}{str(result['gloo_4_s_spread']):>18}")
+    print(f"{f'rollpool {args.peers} subs direct (s)':34}{result['rollpool_4_s']:>10}{str(result['rollpool_4_s_spread']):>18}")
+    print(f"{'vs_gloo (gloo_s / rollpool_s)':34}{result['vs_gloo']:>10}{str(result['vs_gloo_spread']):>18}")
     print(f"{'crc32 (s per GB, one core)':34}{result['checksum_s_per_gb']:>10}")
     print(f"{'publish snapshot (GB/s)':34}{result['publish_snapshot_gbps']:>10}")
     print(f"fan-out, {fan['subscribers']} subscribers, {fan['version_bytes'] / _MiB:.0f} MiB: publisher served "
