@@ -23,8 +23,12 @@ Guarantees (see docs/workers.md and docs/contracts.md):
   the whole version is applied to the new engine before it takes work.
 - Weights: a `WeightSubscriber` (from `rollpool.weights`, or the injected
   `subscriber_factory`) fetches a newer version completely while generation
-  goes on; then ApplyRequest -> ApplyGrant -> pause(mode), update_weights,
-  resume -> ApplyDone. `apply_version()` runs the same flow on given tensors.
+  goes on; an engine with `stage_weights` copies it to its device while it
+  still generates; then ApplyRequest -> ApplyGrant -> pause(mode),
+  update_weights, resume -> ApplyDone. `apply_version()` runs the same flow on
+  given tensors. The worker holds at most two versions in host memory (the
+  applied one, kept to re-apply after an engine restart, and the one being
+  fetched, which reuses the buffers of the one before).
 - `stop()` (SIGTERM): stop intake, let in-flight work finish until
   ``drain_timeout_s``, hand back the rest (Nack), say Goodbye, return.
 """
@@ -132,6 +136,8 @@ class Worker:
         self._capacity = 0
         self._version = -1
         self._current_weights: tuple[Mapping[str, Any], int] | None = None
+        self._fetched: Any = None
+        """The `WeightVersion` whose tensors are `_current_weights` (recycled once a newer one is applied)."""
         self._weight_endpoints: tuple[str, str | None] | None = None
         self._subscriber: Any = None
         self._subscriber_ready = asyncio.Event()
@@ -449,7 +455,26 @@ class Worker:
                 backoff = min(backoff * 2, self.config.reconnect_backoff_max_s)
                 continue
             backoff = self.config.reconnect_backoff_s
-            await self.apply_version(wv.tensors, int(wv.version))
+            await self._stage(wv.tensors, int(wv.version))
+            if await self.apply_version(wv.tensors, int(wv.version)):
+                # the engine copied the previous version: its buffers take the next fetch (no fresh pages)
+                previous, self._fetched = self._fetched, wv
+                if previous is not None and hasattr(sub, "recycle"):
+                    sub.recycle(previous)
+
+    async def _stage(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Let an engine that can (`stage_weights`) copy the version to its device while it still generates."""
+        engine = self._engine
+        stage = getattr(engine, "stage_weights", None)
+        if stage is None or not self._engine_ok.is_set():
+            return
+        try:
+            await stage(named_tensors, version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - staging is an optimisation; the apply checks again and fails loudly
+            log.warning("staging weight version %d failed (%s); it is copied during the pause instead", version, exc,
+                        extra={"worker": self.worker_id})
 
     async def _drain_loop(self) -> None:
         await self._stop_requested.wait()

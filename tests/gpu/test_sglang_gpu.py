@@ -82,8 +82,12 @@ async def make_case(url: str, model: str) -> EngineCase:
                 for k, (_dt, shape) in engine._params.items()}
 
     async def progressed() -> None:
+        # no token counts come back before a non-streaming request ends: 50 ms is ~25 decode steps of the small model
         await asyncio.sleep(0.05)
 
+    # warm up: the first request after a (re)start can wait in SGLang's queue well past 50 ms, and an abort that
+    # finds a request still queued returns no tokens ("Abort in waiting queue", API-NOTES 4.4)
+    await engine.generate([10, 20, 30, 40, 50], 2, SamplingParams(max_new_tokens=16, ignore_eos=True), "warmup")
     return EngineCase("sglang", engine, new_weights, progressed, [10, 20, 30, 40, 50])
 
 

@@ -146,6 +146,13 @@ class Engine(Protocol):
 
         Every name and shape is checked before anything is written; raises
         `EngineError` (the engine must then be restarted: it may be half-updated).
+        The engine must not keep references to the tensors once it returns:
+        the worker reuses their memory for a later version.
+
+        Optional: an engine may also define ``async stage_weights(named_tensors,
+        version)``, which the worker calls after the fetch and before the pause,
+        so the copy to the device overlaps generation; `update_weights` with the
+        same version then only swaps the staged copy in.
         """
 
     async def release_memory(self, tags: Sequence[str] = ()) -> None:

@@ -183,6 +183,19 @@ class _Sample:
     finished_at: float = 0.0
 
 
+@dataclass(frozen=True, eq=False)
+class _Staged:
+    """A version copied onto the GPU ahead of its update (`stage_weights`)."""
+
+    version: int
+    names: tuple[str, ...]
+    payload: str
+    on_device: dict[str, Any]
+    started_at: float
+    h2d_s: float
+    stage_s: float
+
+
 @dataclass(eq=False)
 class _Request:
     request_id: str
@@ -272,6 +285,7 @@ class SGLangEngine:
         self._tokenizer: Any = None
         self._released: set[str] = set()
         self._pause_started = 0.0
+        self._staged: _Staged | None = None
 
     # -- lifecycle
 
@@ -592,7 +606,8 @@ class SGLangEngine:
             while not self._idle.is_set():
                 await self._post("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._idle.wait(), 0.5)
+                    # a request still on its way into SGLang misses an abort_all: ask again soon
+                    await asyncio.wait_for(self._idle.wait(), 0.05)
                 self._check()
                 if time.monotonic() > deadline:
                     raise EngineError("sglang engine: running samples did not return within 120 s of abort_all")
@@ -616,11 +631,7 @@ class SGLangEngine:
         if "update_started_at" in self.last_update:
             log.info("sglang apply %s", json.dumps({"version": self.version, **self.last_update}))
 
-    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        self._check()
-        if not self._idle.is_set():
-            raise EngineError("sglang engine: update_weights while samples run in SGLang; call pause() first")
-        t0 = time.time()
+    def _check_names(self, named_tensors: Mapping[str, Any]) -> list[str]:
         names = list(named_tensors)
         for name in names:
             known = self._params.get(name)
@@ -629,12 +640,43 @@ class SGLangEngine:
             shape = tuple(int(x) for x in named_tensors[name].shape)
             if shape != known[1]:
                 raise EngineError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
+        return names
+
+    async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Copy a fetched version onto the GPU while generation goes on, so the pause only swaps it in.
+
+        Holds one extra copy of the weights in GPU memory (outside SGLang's
+        `mem_fraction_static`) until `update_weights(..., version)` consumes
+        it or another version is staged. Names and shapes are checked here
+        too, so a bad version fails before anything pauses.
+        """
+        self._check()
+        names = self._check_names(named_tensors)
+        self._staged = None
+        if not names:
+            return
+        t0 = time.time()
+        payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+        self._staged = _Staged(version, tuple(names), payload, on_device, t0, h2d_s, time.time() - t0)
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        self._check()
+        if not self._idle.is_set():
+            raise EngineError("sglang engine: update_weights while samples run in SGLang; call pause() first")
+        t0 = time.time()
+        names = self._check_names(named_tensors)
+        staged, self._staged = self._staged, None
         if not names:
             self.version = version
             await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             return
-        device = self.device or "cpu"
-        payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, device)
+        if staged is not None and staged.version == version and staged.names == tuple(names):
+            payload, on_device, h2d_s = staged.payload, staged.on_device, 0.0
+            self.last_update.update({"staged": 1.0, "stage_started_at": staged.started_at, "stage_h2d_s": staged.h2d_s,
+                                     "stage_s": staged.stage_s})
+        else:
+            payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+            self.last_update["staged"] = 0.0
         t1 = time.time()
         try:
             res = await self._post("/update_weights_from_tensor", {
@@ -665,17 +707,30 @@ class SGLangEngine:
             raise EngineError("update_weights: none of the updated names can be checked with get_weights_by_name; "
                               "pass verify_updates=false to accept unconfirmed updates")
         for name in picks:
-            try:
-                got = await self._post("/get_weights_by_name", {"name": name, "truncate_size": 1})
-            except HttpError as exc:
-                raise EngineError(f"update_weights: cannot confirm {name} landed: {exc}") from exc
-            want = _first_row(sent[name])
-            row = got[0] if isinstance(got, list) and got and isinstance(got[0], list) else got
-            if not isinstance(row, list) or len(row) != len(want):
-                raise EngineError(f"update_weights: get_weights_by_name({name}) gave {str(got)[:200]}; cannot confirm the update")
+            row = await self._leading_values(name)
+            if row is None and len(shapes[name]) == 1:
+                # a norm weight SGLang does not answer: fall back to the (slower) 2-D projections
+                two_d = pick_verify_names([n for n in names if len(shapes[n]) == 2], shapes)
+                if two_d:
+                    await self._verify(sent, two_d)
+                    return
+            want = _leading(sent[name])
+            if row is None or len(row) != len(want):
+                raise EngineError(f"update_weights: get_weights_by_name({name}) gave {row!s:.200}; cannot confirm the update")
             bad = sum(1 for a, b in zip(row, want, strict=True) if abs(float(a) - b) > 1e-2 * max(1.0, abs(b)))
             if bad:
-                raise EngineError(f"update_weights: {name} did not land in SGLang ({bad} of {len(want)} values of row 0 differ)")
+                raise EngineError(f"update_weights: {name} did not land in SGLang ({bad} of {len(want)} leading values differ)")
+
+    async def _leading_values(self, name: str) -> list[Any] | None:
+        """SGLang's first row (2-D) or first element (1-D) of `name`, or None when the answer is not a list of numbers."""
+        try:
+            got = await self._post("/get_weights_by_name", {"name": name, "truncate_size": 1})
+        except HttpError as exc:
+            raise EngineError(f"update_weights: cannot confirm {name} landed: {exc}") from exc
+        row = got[0] if isinstance(got, list) and got and isinstance(got[0], list) else got
+        if not isinstance(row, list) or not all(isinstance(x, (int, float)) for x in row):
+            return None
+        return row
 
     # -- memory and cache
 
@@ -722,8 +777,10 @@ def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size()) if hasattr(t, "element_size") else 0
 
 
-def _first_row(t: Any) -> list[float]:
-    return [float(x) for x in t[0].float().cpu().tolist()]
+def _leading(t: Any) -> list[float]:
+    """What ``get_weights_by_name(truncate_size=1)`` answers: the first row of a 2-D tensor, the first element of a 1-D one."""
+    head = t[0:1] if t.dim() == 1 else t[0]
+    return [float(x) for x in head.float().cpu().tolist()]
 
 
 def _serialize_update(named: Mapping[str, Any], device: str) -> tuple[str, dict[str, Any], float]:
@@ -752,7 +809,7 @@ def _serialize_update(named: Mapping[str, Any], device: str) -> tuple[str, dict[
         for name, t in items:
             n = t.numel()
             view = flat[off : off + n]
-            view.copy_(t.reshape(-1), non_blocking=False)
+            view.copy_(t.reshape(-1), non_blocking=True)  # pinned sources copy asynchronously; one sync below
             placed[name] = view.view(t.shape)
             off += n
     if device.startswith("cuda"):

@@ -195,19 +195,28 @@ def read_safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[
 
 
 _VERIFIABLE_SUFFIXES = ("lm_head.weight", "o_proj.weight", "down_proj.weight", "embed_tokens.weight")
+_VERIFIABLE_1D_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
 
 
 def pick_verify_names(names: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> list[str]:
-    """Up to two 2-D names whose first row SGLang's Llama ``get_weights_by_name`` returns unsharded.
+    """Names whose leading values SGLang's Llama ``get_weights_by_name`` returns unsharded, cheapest first.
 
-    Stacked parameters (q/k/v, gate/up) are fused in SGLang and answered per
-    shard, so they are never picked.
+    SGLang 0.5.14 turns the whole parameter into a Python list before
+    truncating (``tensor.float().tolist()[:truncate_size]``), so a 2048 x 2048
+    projection costs about 0.25 s per call and a norm weight (one row of 2048)
+    almost nothing. Picks: one norm weight from the second half of the model
+    when there is one (a 1-D answer is its first element), else the smallest
+    2-D projection from each half. Stacked parameters (q/k/v, gate/up) are
+    fused in SGLang and answered per shard, so they are never picked; neither
+    are the embedding or lm_head (seconds each at 32k x 2k).
     """
+    norms = [n for n in names if n.endswith(_VERIFIABLE_1D_SUFFIXES) and len(shapes.get(n, ())) == 1]
+    if norms:
+        return [norms[len(norms) // 2]]
     ok = [n for n in names if n.endswith(_VERIFIABLE_SUFFIXES) and len(shapes.get(n, ())) == 2]
     if not ok:
         return []
-    # SGLang 0.5.14 turns the whole parameter into a list before truncating: pick the smallest ones
-    # (one from each half of the model), never the embedding or lm_head (seconds each at 32k x 2k)
+
     def numel(n: str) -> int:
         a, b = shapes[n]
         return int(a) * int(b)

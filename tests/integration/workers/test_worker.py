@@ -101,6 +101,7 @@ class FakeWeightSubscriber:
         self.noted: list[int] = []
         self._changed = asyncio.Event()
         self.closed = False
+        self.recycled: list[int] = []
         FAKE_SUBSCRIBERS.append(self)
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None) -> None:
@@ -131,6 +132,9 @@ class FakeWeightSubscriber:
         wv = WeightVersion()
         wv.version, wv.tensors, wv.manifest = v, self.versions[v], None  # type: ignore[attr-defined]
         return wv
+
+    def recycle(self, old: Any) -> None:
+        self.recycled.append(old.version)
 
     def close(self) -> None:
         self.closed = True
@@ -378,3 +382,38 @@ def length_reward(metadata: Mapping[str, Any], trajectory: Trajectory) -> float:
     if metadata["answer"] == 2:
         raise RuntimeError("boom")
     return float(len(trajectory.output_ids))
+
+
+class StagingSimEngine(SimEngine):
+    """A sim engine that also stages versions (like the sglang engine), recording the order of calls."""
+
+    def __init__(self, events: list[tuple[str, int]], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.events = events
+
+    async def stage_weights(self, named_tensors: Any, version: int) -> None:
+        self.events.append(("stage", version))
+
+    async def pause(self, mode: str) -> None:
+        self.events.append(("pause", self.version))
+        await super().pause(mode)
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        self.events.append(("update", version))
+        await super().update_weights(named_tensors, version)
+
+
+async def test_versions_are_staged_before_the_pause_and_old_buffers_recycled(harness: Callable[..., Any]) -> None:
+    events: list[tuple[str, int]] = []
+    worker, broker, _run = await harness(lambda: StagingSimEngine(events, decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300))
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber()
+    for v in (1, 2):
+        sub.publish(v, {"w": np.full(4, v, dtype=np.float32)})
+        req = await broker.expect(ApplyRequest)
+        assert req.version == v and ("stage", v) in events  # staged while still generating, before any grant
+        await broker.send(ApplyGrant(version=v))
+        assert (await broker.expect(ApplyDone)).ok
+    assert events == [("stage", 1), ("pause", 0), ("update", 1), ("stage", 2), ("pause", 1), ("update", 2)]
+    assert sub.recycled == [1]  # version 2 is applied: version 1's buffers go back, version 2's are kept for restarts
+    assert worker.weight_version == 2

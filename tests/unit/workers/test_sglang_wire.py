@@ -80,3 +80,11 @@ def test_verification_avoids_the_huge_embedding_tensors() -> None:
     shapes = {n: (32000, 2048) if ("embed" in n or "lm_head" in n) else (2048, 2048) for n in names}
     picks = pick_verify_names(names, shapes)
     assert picks and not any("embed" in n or "lm_head" in n for n in picks)
+
+
+def test_verification_prefers_one_cheap_norm_weight() -> None:
+    names = [f"model.layers.{i}.{part}" for i in range(4) for part in ("input_layernorm.weight", "self_attn.o_proj.weight")]
+    shapes = {n: (2048,) if "norm" in n else (2048, 2048) for n in names}
+    assert pick_verify_names(names, shapes) == ["model.layers.2.input_layernorm.weight"]
+    assert pick_verify_names([n for n in names if "norm" not in n], shapes) == [
+        "model.layers.0.self_attn.o_proj.weight", "model.layers.2.self_attn.o_proj.weight"]
