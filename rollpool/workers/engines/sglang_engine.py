@@ -127,7 +127,7 @@ class HttpClient:
             if not payload:
                 return None
             try:
-                return json.loads(payload)
+                return _loads(payload)
             except ValueError:
                 return payload.decode(errors="replace")
         raise ConnectionError("unreachable")
@@ -859,14 +859,35 @@ class _HttpFront:
                     status, payload = 404, {"error": {"message": f"no route {path}"}}
                 else:
                     try:
-                        status, payload = await route(json.loads(raw) if raw else {})
+                        status, payload = await route(_loads(raw) if raw else {})
                     except (ValueError, TypeError, KeyError) as exc:
                         status, payload = 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
-                data = json.dumps(payload, default=_json_default).encode()
+                data = _dumps(payload)
                 writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
                 await writer.drain()
         finally:
             writer.close()
+
+
+def _dumps(payload: Any) -> bytes:
+    """JSON bytes; orjson where it is installed (SGLang depends on it): aborting a full batch sends
+    every partial output back at once, and the stdlib encoder made that a visible part of the pause."""
+    try:
+        import orjson
+    except ImportError:
+        return json.dumps(payload, default=_json_default).encode()
+    return orjson.dumps(payload, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        import orjson
+    except ImportError:
+        return json.loads(data)
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)  # NaN / Infinity, which only the stdlib encoder writes
 
 
 def _json_default(o: Any) -> Any:

@@ -88,3 +88,22 @@ def test_verification_prefers_one_cheap_norm_weight() -> None:
     assert pick_verify_names(names, shapes) == ["model.layers.2.input_layernorm.weight"]
     assert pick_verify_names([n for n in names if "norm" not in n], shapes) == [
         "model.layers.0.self_attn.o_proj.weight", "model.layers.2.self_attn.o_proj.weight"]
+
+
+def test_shim_json_round_trips_a_recorded_response_with_or_without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from rollpool.workers.engines.sglang_engine import _dumps, _loads
+
+    golden = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" / "sglang" / "golden.json").read_text())
+    assert _loads(_dumps(golden["abort"])) == golden["abort"]
+    assert _loads(b'{"lp": -Infinity}') == {"lp": float("-inf")}  # what the stdlib encoder writes for -inf
+    real_import = builtins.__import__
+
+    def no_orjson(name: str, *args: object, **kw: object) -> object:
+        if name == "orjson":
+            raise ImportError(name)
+        return real_import(name, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_orjson)
+    assert _loads(_dumps({"t": (1, 2), "x": None})) == {"t": [1, 2], "x": None}
