@@ -186,6 +186,14 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         weights_ep = {"weight_router_endpoint": f"ipc://{wdir}/router", "weight_pub_endpoint": f"ipc://{wdir}/pub"}
     else:
         weights_ep = {}
+    hs_port, hs = port(), None
+    if args.compare_http_server:
+        # SGLang's own HTTP server on the same model, same backends, for the child-vs-server measurement
+        hs = _spawn(["sglang.launch_server", "--model-path", str(big), "--host", "127.0.0.1", "--port", str(hs_port),
+                     "--dtype", "bfloat16", "--mem-fraction-static", "0.25", "--max-running-requests", str(args.capacity),
+                     "--random-seed", "0", "--context-length", "2048", "--attention-backend", "triton",
+                     "--sampling-backend", "pytorch", "--grammar-backend", "none", "--cuda-graph-backend-prefill", "disabled",
+                     "--log-level", "warning"], OUT / "http_server.log")
     cfg = TrainerClientConfig(broker=cep, pull_wait_s=0.5, request_timeout_s=60.0, keep_versions=2, **weights_ep)
     client = TrainerClient(config=cfg)
     stage: dict[str, Any] = {}
@@ -215,9 +223,9 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         sp = SamplingParams(max_new_tokens=args.out_tokens, temperature=1.0, ignore_eos=True)
         counter = iter(range(10**9))
 
-        async def direct() -> float:
+        async def direct(target: HttpClient | None = None) -> float:
             t = time.perf_counter()
-            outs = await asyncio.gather(*(http.request("POST", "/generate", generate_body(p, sp, rid=sample_rid("directxx", next(counter), 0, 0), index=0))
+            outs = await asyncio.gather(*((target or http).request("POST", "/generate", generate_body(p, sp, rid=sample_rid("directxx", next(counter), 0, 0), index=0))
                                           for p in prompts))
             dt = time.perf_counter() - t
             return sum(len(parse_generate_response(o).output_ids) for o in outs) / dt
@@ -231,14 +239,38 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
             dt = time.perf_counter() - t
             return sum(len(tr.output_ids) for tr in batch.trajectories) / dt
 
+        hs_http = None
+        if hs is not None:
+            hs_http = HttpClient("127.0.0.1", hs_port)
+            for _ in range(1200):
+                if hs.poll() is not None:
+                    stage["http_server_error"] = f"exited {hs.returncode}: " + (OUT / "http_server.log").read_text(errors="replace")[-1500:]
+                    hs_http = None
+                    break
+                try:
+                    await hs_http.request("GET", "/health_generate", timeout_s=30)
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    await asyncio.sleep(0.5)
+            note(f"SGLang HTTP server: {'up' if hs_http else stage.get('http_server_error', 'not up')[:300]}")
+            save()
         await direct()  # warm-up (CUDA graphs, radix cache of nothing: prompts differ per run anyway)
-        d_runs, p_runs = [], []
+        if hs_http is not None:
+            await direct(hs_http)
+        d_runs, p_runs, h_runs = [], [], []
         for i in range(args.pairs):
             d_runs.append(await direct())
             p_runs.append(await pool())
-            note(f"pair {i}: direct {d_runs[-1]:.0f} tok/s, pool {p_runs[-1]:.0f} tok/s")
-            stage.update(direct_runs=d_runs, pool_runs=p_runs)
+            if hs_http is not None:
+                h_runs.append(await direct(hs_http))
+            note(f"pair {i}: direct {d_runs[-1]:.0f} tok/s, pool {p_runs[-1]:.0f} tok/s, http server {h_runs[-1] if h_runs else 0:.0f} tok/s")
+            stage.update(direct_runs=d_runs, pool_runs=p_runs, http_server_runs=h_runs)
             save()
+        if h_runs:
+            RESULT["http_server_tokens_per_s"] = round(statistics.median(h_runs), 1)
+            RESULT["child_engine_vs_http_server"] = round(statistics.median(d / h for d, h in zip(d_runs, h_runs, strict=True)), 4)
+        if hs is not None:
+            _stop(hs)
         RESULT["direct_tokens_per_s"] = round(statistics.median(d_runs), 1)
         RESULT["pool_tokens_per_s"] = round(statistics.median(p_runs), 1)
         RESULT["pool_vs_direct"] = round(statistics.median(p_runs) / statistics.median(d_runs), 4)
@@ -329,6 +361,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
             await asyncio.wait_for(client.close(), 10)
         _stop(worker)
         _stop(broker)
+        if hs is not None:
+            _stop(hs)
 
 
 def main() -> int:
@@ -343,6 +377,8 @@ def main() -> int:
     ap.add_argument("--out-tokens", type=int, default=1024, help="per prompt in the throughput pairs (~4 s of generation per run)")
     ap.add_argument("--versions", type=int, default=6, help="weight versions published during the long batch (second half from CUDA tensors)")
     ap.add_argument("--weights-transport", choices=("ipc", "tcp"), default="ipc")
+    ap.add_argument("--compare-http-server", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time SGLang's own HTTP server (python -m sglang.launch_server) on the same prompts")
     ap.add_argument("--long-tokens", type=int, default=1800)
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=3)
