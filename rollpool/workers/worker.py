@@ -579,12 +579,17 @@ class Worker:
                 from rollpool.weights import WeightSubscriber  # type: ignore[attr-defined]
 
                 factory = WeightSubscriber
+            extra: dict[str, Any] = {}
+            if self._engine is not None and str(self._engine.info().device or "").startswith("cuda"):
+                # page-locked buckets: the copy to the GPU (staging) runs at full PCIe speed, asynchronously
+                extra["pin_memory"] = True
             self._subscriber = factory(
                 self.sockets,
                 worker_id=self.worker_id,
                 fetch_timeout_s=self.config.fetch_timeout_s,
                 window_chunks=self.config.window_chunks,
                 max_refetch=self.config.max_refetch,
+                **extra,
             )
             self._subscriber.connect(endpoint, announce)
             self._weight_endpoints = (endpoint, announce)
