@@ -36,6 +36,10 @@ class BrokerConfig:
         default=False, metadata=_h("cancel and requeue in-flight groups on workers more than eta versions behind")
     )
     max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once"))
+    orphan_ttl_s: float = field(
+        default=600.0,
+        metadata=_h("how long a task adopted after a broker restart waits for its prompt to be resubmitted before it is forgotten"),
+    )
     dedup_window: int = field(default=1_000_000, metadata=_h("forgotten prompt ids remembered to refuse duplicates"))
     max_worker_credits: int = field(default=65_536, metadata=_h("cap on one worker's outstanding credit (sequences)"))
     max_pull_groups: int = field(default=4096, metadata=_h("most groups in one Batch"))
@@ -68,7 +72,7 @@ class BrokerConfig:
             positive(name)
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s"):
+        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s"):
             positive(name, 0.001)
         for name in ("max_pull_wait_s", "drain_timeout_s"):
             positive(name, 0)

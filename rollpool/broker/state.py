@@ -166,6 +166,7 @@ _COUNTERS = (
     "workers_lost",
     "leases_expired",
     "adopted",
+    "orphans_dropped",
     "invalid_results",
     "unknown_results",
 )
@@ -203,6 +204,8 @@ class BrokerState:
         """Terminal groups not yet handed to a client, in completion order."""
         self._delivered: dict[str, dict[str, Group]] = {}
         self._forgotten: set[str] = set()
+        self._orphans: dict[str, float] = {}
+        """Groups adopted from a worker's hello whose prompt was not resubmitted yet: prompt id -> adopted at."""
         self._forgotten_order: deque[str] = deque()
         self._applying: set[str] = set()
         self._apply_waiting: deque[tuple[str, int]] = deque()
@@ -278,6 +281,7 @@ class BrokerState:
             g = Group(prompt_id=t.prompt_id, prompt=None, size=t.group_size, priority=0, seq=self._next_seq(), queued_at=now)
             g.phase = Phase.QUEUED
             self.groups[t.prompt_id] = g
+            self._orphans[t.prompt_id] = now
             self.parked += 1  # counted as parked until leased below
             self._lease(g, w, now, attempt=t.attempt, task_id=t.task_id, adopting=True)
             self.counters["adopted"] += 1
@@ -397,6 +401,7 @@ class BrokerState:
 
     def _merge_resubmitted(self, g: Group, p: Prompt) -> None:
         """A resubmitted prompt meets the task a worker re-announced: one group, first result wins."""
+        self._orphans.pop(g.prompt_id, None)
         g.prompt = p
         g.priority = p.priority
         if g.phase == Phase.QUEUED:  # parked: its adopted lease ended before the prompt came back
@@ -676,7 +681,39 @@ class BrokerState:
                     self.effects.cancels.append((holder, tid, "deadline"))
                 self._requeue(g, now, reason="deadline passed")
                 requeued.append(g.prompt_id)
+        self._expire_orphans(now)
         return dead, requeued
+
+    def _expire_orphans(self, now: float) -> None:
+        """Forget adopted groups whose prompt never came back within `orphan_ttl_s` (the trainer that sent it is gone).
+
+        A group still leased is left to its worker (its result, if the prompt
+        never comes, is held until the next look); a parked one, or a finished
+        one held for its prompt, is dropped: its id joins the dedup window, so
+        a late result or resubmission of it is a duplicate, and the capacity it
+        held is released.
+        """
+        ttl = self.config.orphan_ttl_s
+        for pid, since in list(self._orphans.items()):
+            if now - since < ttl:
+                continue
+            g = self.groups.get(pid)
+            if g is None or g.prompt is not None:
+                self._orphans.pop(pid, None)
+                continue
+            if g.phase == Phase.LEASED:
+                continue
+            del self._orphans[pid]
+            if g.phase == Phase.QUEUED:
+                self.parked -= 1
+            else:  # terminal, held for its prompt
+                self.held -= 1
+                if g.phase == Phase.DONE and not g.exempt:
+                    self.staleness.on_drop(g.size)
+            del self.groups[pid]
+            self._remember(pid)
+            self.counters["orphans_dropped"] += 1
+            self.effects.events.append(("orphan_dropped", {"prompt_id": pid, "adopted_s_ago": round(now - since, 1)}))
 
     # ------------------------------------------------------------------ client side
 

@@ -170,6 +170,38 @@ def test_adopted_task_merges_with_resubmitted_prompt_first_result_wins() -> None
     s.check_invariants()
 
 
+def test_adopted_tasks_whose_prompt_never_returns_are_forgotten_after_the_ttl() -> None:
+    s = make(orphan_ttl_s=60.0, task_timeout_s=1000.0, heartbeat_interval_s=100.0)
+    tasks = [InflightTask(task_id=f"{p}@0", prompt_id=p, group_size=2) for p in ("parked", "held", "running")]
+    adopted, _ = s.add_worker(worker_id="w", identity=b"w", capacity=8, credits=0, now=0.0, inflight=tasks)
+    assert len(adopted) == 3
+    w = s.workers["w"]
+    s.nack(w, ["parked@0"], 1.0, reason="engine restart")  # its lease ends: parked, waiting for the prompt
+    assert finish(s, w, "held@0", now=2.0) == "accepted"  # finished: held until the prompt comes back
+    assert s.staleness.accepted == 2
+    s.expire(59.0)
+    assert set(s.groups) == {"parked", "held", "running"} and s.counters["orphans_dropped"] == 0
+    s.expire(61.0)
+    assert set(s.groups) == {"running"} and s.counters["orphans_dropped"] == 2  # the leased one stays with its worker
+    assert s.staleness.accepted == 0  # the capacity the dropped result held is released
+    s.check_invariants()
+    assert s.submit([prompt("held", 2)], 62.0)[1][0].reason == "duplicate"  # forgotten, not silently regenerated
+    assert finish(s, w, "running@0", now=63.0) == "accepted"
+    s.expire(64.0)
+    assert "running" not in s.groups and s.counters["orphans_dropped"] == 3
+    s.check_invariants()
+
+
+def test_adopted_task_whose_prompt_returns_is_not_an_orphan() -> None:
+    s = make(orphan_ttl_s=60.0)
+    s.add_worker(worker_id="w", identity=b"w", capacity=4, credits=0, now=0.0,
+                 inflight=[InflightTask(task_id="p@0", prompt_id="p", group_size=2)])
+    s.submit([prompt("p", 2)], 1.0)
+    s.expire(100.0)
+    assert "p" in s.groups and s.counters["orphans_dropped"] == 0
+    s.check_invariants()
+
+
 def test_version_aware_choice_and_stale_workers_get_nothing() -> None:
     s = make(max_staleness=1, batch_size=100)
     old = join(s, "old", version=0)
