@@ -105,6 +105,7 @@ class WeightSubscriber:
         window_chunks: int = 16,
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
@@ -135,6 +136,8 @@ class WeightSubscriber:
         self._prefix = uuid.uuid4().hex[:8]
         self._errlog = RateLimitedLog(log)
         self._free: dict[int, list[torch.Tensor]] = {}
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        """Bucket buffers are page-locked (asked for, and CUDA present): fast asynchronous copies to the GPU."""
 
     # -- connection
 
@@ -342,7 +345,7 @@ class WeightSubscriber:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None) -> None:
         """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets and verify each one."""
