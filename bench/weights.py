@@ -3,14 +3,14 @@
 1. Throughput, tcp loopback, one subscriber, checksums on: a publisher in a
    child process serves one version of `--mib` MiB of bf16 tensors; the main
    process fetches it with a `WeightSubscriber` (windowed Fetch -> Chunk,
-   copy into bucket buffers, crc32 per bucket, unpack to tensor views; the
+   copy into bucket buffers, xxh3_64 (crc32 without xxhash) per bucket, unpack to tensor views; the
    subscriber lives across runs and recycles the previous version's buffers,
    as a worker does; the first fetch, into fresh memory, is reported apart). The
    limit of the machine: raw pyzmq PUSH -> PULL of the same bytes in frames of
    the same chunk size, zero-copy send from a child process, the receiver
    copying each frame into one buffer (the copy any receiver makes). Runs are
    interleaved (raw, rollpool, raw, ...); medians and spreads are reported.
-2. Checksum cost: zlib.crc32 over the same bytes, seconds per GB.
+2. Checksum cost: xxh3_64 and zlib.crc32 over the same bytes, seconds per GB.
 3. Peer, 4 receivers, interleaved with 1.: torch.distributed gloo broadcast
    of the same bf16 tensors from one sender process to 4 receiver processes
    (tcp loopback, receivers reuse preallocated tensors; barrier, broadcast every
@@ -192,13 +192,15 @@ class Fetcher:
         return dt, got.total_bytes
 
 
-def checksum_s_per_gb(nbytes: int) -> float:
+def checksum_s_per_gb(nbytes: int, algorithm: str) -> float:
+    from rollpool.weights.bucketing import checksum
+
     buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    zlib.crc32(buf[: 1 << 20])
+    checksum(buf[: 1 << 20], algorithm)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        zlib.crc32(buf)
+        checksum(buf, algorithm)
         best = min(best, time.perf_counter() - t0)
     return best / (nbytes / 1e9)
 
@@ -379,7 +381,11 @@ def main() -> int:
         zctx.term()
         loop.close()
 
-    crc = checksum_s_per_gb(min(nbytes, 256 * _MiB))
+    from rollpool.weights.bucketing import checksum_supported, default_checksum_algorithm
+
+    algo = default_checksum_algorithm()
+    sums_s_per_gb = {a: round(checksum_s_per_gb(min(nbytes, 256 * _MiB), a), 4) for a in ("xxh3_64", "crc32") if checksum_supported(a)}
+    crc = sums_s_per_gb[algo]
     fan = asyncio.run(fanout(args.fanout_mib, args.fanout_subs, chunk))
 
     result = {
@@ -403,9 +409,10 @@ def main() -> int:
         "rollpool_4_gbps_per_subscriber": round(nbytes / statistics.median(rp4_s) / 1e9, 3),
         "gloo_4_first_s": round(gloo_first_s, 3),
         "rollpool_4_first_s": round(rp4_first_s, 3),
-        "checksum": "crc32",
+        "checksum": algo,
         "checksum_s_per_gb": round(crc, 4),
         "checksum_gbps": round(1 / crc, 2),
+        "checksum_s_per_gb_by_algorithm": sums_s_per_gb,
         "publish_snapshot_s": round(publish_s, 3),
         "publish_snapshot_gbps": round(nbytes / publish_s / 1e9, 3),
         "publisher_bytes_served_total": served,
@@ -413,13 +420,14 @@ def main() -> int:
     }
     print(f"{'':34}{'median':>10}{'min..max':>18}")
     print(f"{'raw pyzmq PUSH/PULL (GB/s)':34}{result['raw_zmq_gbps']:>10}{str(result['raw_zmq_gbps_spread']):>18}")
-    print(f"{'rollpool fetch, crc32 on (GB/s)':34}{result['rollpool_gbps']:>10}{str(result['rollpool_gbps_spread']):>18}")
+    print(f"{f'rollpool fetch, {algo} on (GB/s)':34}{result['rollpool_gbps']:>10}{str(result['rollpool_gbps_spread']):>18}")
     print(f"{'ratio rollpool / raw':34}{result['ratio_vs_raw']:>10}{str(result['ratio_vs_raw_spread']):>18}")
     print(f"{'rollpool first fetch, fresh memory':34}{result['rollpool_first_fetch_gbps']:>10}")
     print(f"{f'gloo broadcast to {args.peers} (s)':34}{result['gloo_4_s']:>10}{str(result['gloo_4_s_spread']):>18}")
     print(f"{f'rollpool {args.peers} subs direct (s)':34}{result['rollpool_4_s']:>10}{str(result['rollpool_4_s_spread']):>18}")
     print(f"{'vs_gloo (gloo_s / rollpool_s)':34}{result['vs_gloo']:>10}{str(result['vs_gloo_spread']):>18}")
-    print(f"{'crc32 (s per GB, one core)':34}{result['checksum_s_per_gb']:>10}")
+    for a, spg in sums_s_per_gb.items():
+        print(f"{f'{a} (s per GB, one core)':34}{spg:>10}")
     print(f"{'publish snapshot (GB/s)':34}{result['publish_snapshot_gbps']:>10}")
     print(f"fan-out, {fan['subscribers']} subscribers, {fan['version_bytes'] / _MiB:.0f} MiB: publisher served "
           f"{fan['direct']['publisher_served_x_version']}x the version direct ({fan['direct']['all_verified_s']} s) vs "

@@ -35,6 +35,8 @@ from rollpool.weights.bucketing import (
     BucketPlanner,
     Checksummer,
     PackedBucket,
+    checksum_supported,
+    default_checksum_algorithm,
     dtype_name,
     named_tensors_of,
     tensor_bytes,
@@ -120,6 +122,7 @@ class WeightPublisher:
         announce_interval_s: float = 1.0,
         release_idle_s: float = 10.0,
         max_hold_s: float = 600.0,
+        checksum_algorithm: str | None = None,
     ) -> None:
         if keep_versions < 0:
             raise ValueError(f"keep_versions must be >= 0, got {keep_versions}")
@@ -129,6 +132,9 @@ class WeightPublisher:
             raise ValueError(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         if release_idle_s <= 0 or max_hold_s <= 0:
             raise ValueError("release_idle_s and max_hold_s must be > 0")
+        self.checksum_algorithm = checksum_algorithm or default_checksum_algorithm()
+        if not checksum_supported(self.checksum_algorithm):
+            raise ValueError(f"checksum_algorithm {self.checksum_algorithm!r} is not available here (xxh3_64 needs the xxhash package; crc32 always works)")
         self.keep_versions = keep_versions
         self.bucket_bytes = bucket_bytes
         self.chunk_bytes = chunk_bytes
@@ -239,7 +245,7 @@ class WeightPublisher:
             return manifest
 
     async def _snapshot(self, named_tensors: Any) -> list[PackedBucket]:
-        packer = BucketPacker(self.bucket_bytes)
+        packer = BucketPacker(self.bucket_bytes, checksum_algorithm=self.checksum_algorithm)
         for name, tensor in named_tensors_of(named_tensors):
             if tensor_bytes(tensor) >= _THREAD_COPY_BYTES:
                 await asyncio.to_thread(packer.add, name, tensor)
@@ -256,13 +262,13 @@ class WeightPublisher:
             idx, offset, _closed = planner.place(name, dtype_name(tensor.dtype), tuple(int(s) for s in tensor.shape), nbytes)
             view = _cpu_bytes(tensor)
             pieces.setdefault(idx, []).append((offset, view))
-            summer = sums.setdefault(idx, Checksummer())
+            summer = sums.setdefault(idx, Checksummer(self.checksum_algorithm))
             if nbytes >= _THREAD_COPY_BYTES:
                 await asyncio.to_thread(summer.update, view)
             elif nbytes:
                 summer.update(view)
         infos = tuple(
-            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer()).hexdigest(), tensors=tuple(build(TensorInfo, name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
+            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer(self.checksum_algorithm)).hexdigest(), tensors=tuple(build(TensorInfo, name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
             for b in planner.buckets
         )
         return ServedVersion(

@@ -50,7 +50,13 @@ from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Announce, Chunk, Error, Fetch, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import Checksummer, check_bucket_info, unpack_buckets, verify_checksum
+from rollpool.weights.bucketing import (
+    Checksummer,
+    check_bucket_info,
+    checksum_supported,
+    unpack_buckets,
+    verify_checksum,
+)
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
 from rollpool.weights.wire import build
 
@@ -367,6 +373,9 @@ def _checked(manifest: Manifest) -> Manifest:
             if b.index != i:
                 raise ValueError(f"bucket {i} has index {b.index}")
             check_bucket_info(b)
+            algo = b.checksum.partition(":")[0]
+            if not checksum_supported(algo):
+                raise ValueError(f"bucket {i}: checksum algorithm {algo!r} cannot be verified here (xxh3_64 needs the xxhash package)")
     except ValueError as exc:
         raise WeightSyncError(f"manifest of version {manifest.version} is invalid: {exc}") from exc
     return manifest
@@ -385,7 +394,7 @@ class _Transfer:
         self.todo: deque[tuple[int, int, int]] = deque()
         self.outstanding: dict[str, tuple[int, int, int]] = {}
         self.received = [0] * len(buffers)
-        self.sums = [Checksummer() for _ in buffers]
+        self.sums = [Checksummer.for_digest(b.checksum) for b in manifest.buckets]
         self.summed_to = [0] * len(buffers)
         self.failures = [0] * len(buffers)
         self.replies: asyncio.Queue[Any] = asyncio.Queue()
@@ -498,7 +507,7 @@ class _Transfer:
         if self.failures[bucket] > self.sub.max_refetch:
             raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
         self.received[bucket] = 0
-        self.sums[bucket] = Checksummer()
+        self.sums[bucket] = Checksummer.for_digest(info.checksum)
         self.summed_to[bucket] = 0
         if self.sink is not None:
             self.sink.on_bucket_reset(bucket)
