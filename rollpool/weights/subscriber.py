@@ -111,6 +111,7 @@ class WeightSubscriber:
         window_chunks: int = 16,
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
@@ -123,6 +124,8 @@ class WeightSubscriber:
         self.fetch_timeout_s = fetch_timeout_s
         self.window_chunks = window_chunks
         self.max_refetch = max_refetch
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        """Bucket buffers in page-locked memory, for fast copies to a GPU (False without CUDA)."""
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
@@ -348,7 +351,7 @@ class WeightSubscriber:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None) -> None:
         """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets and verify each one."""
