@@ -64,6 +64,7 @@ __all__ = [
     "unpack_bucket",
     "unpack_buckets",
     "tensor_bytes",
+    "flat_bytes",
 ]
 
 _MiB = 1024 * 1024
@@ -263,7 +264,7 @@ class PackedBucket:
     """1-D uint8 CPU tensor of exactly ``info.nbytes`` bytes."""
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a 1-D uint8 view (contiguous tensors) or copy."""
     t = tensor.detach()
     if not t.is_contiguous():
@@ -299,7 +300,7 @@ class BucketPacker:
         if nbytes:
             buf = self._reserve(idx, offset, offset + nbytes)
             dst = buf[offset : offset + nbytes]
-            src = _flat_bytes(tensor)
+            src = flat_bytes(tensor)
             dst.copy_(src, non_blocking=False)
             self._sums.setdefault(idx, Checksummer(self.checksum_algorithm)).update(dst.numpy())
         for c in closed:

@@ -314,3 +314,20 @@ async def test_fetch_times_out_when_nobody_serves(make_subscriber: Any, tcp_endp
     sub = make_subscriber(tcp_endpoint(), fetch_timeout_s=0.2, max_refetch=1)
     with pytest.raises(WeightSyncError, match="no manifest"):
         await sub.fetch()
+
+
+async def test_evicted_buffers_are_reused_but_never_under_a_chunk_in_flight(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(keep_versions=2)
+    await pub.publish(model(1), 1)
+    await pub.publish(model(2), 2)
+    old = pub._server.versions[1].sources
+    held = old[0].read(0, 4096)  # a chunk of version 1 still queued for a slow peer
+    held_bytes = bytes(held)
+    await pub.publish(model(3), 3)  # evicts version 1
+    new_ptrs = {s.data.data_ptr() for s in pub._server.versions[3].sources}
+    assert old[0].data.data_ptr() not in new_ptrs  # in flight: not reused
+    assert bytes(held) == held_bytes
+    assert {s.data.data_ptr() for s in old[1:]} <= new_ptrs  # the others were reused
+    sub = make_subscriber(pub.router_endpoint)
+    assert_same((await sub.fetch(3)).tensors, model(3))
+    assert_same((await sub.fetch(2)).tensors, model(2))
