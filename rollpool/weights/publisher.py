@@ -1,11 +1,22 @@
 """`WeightPublisher`: the trainer's side of the weight-publish channel.
 
 ``await publish(named_tensors, version)`` snapshots the tensors into the
-publisher's own CPU buckets (one copy per byte, done in a worker thread so the
+publisher's own CPU buckets (one copy per byte, done in worker threads so the
 event loop keeps serving; training may change its tensors as soon as publish
 returns), computes each bucket's checksum, keeps the newest `keep_versions`
 versions, announces the new one on PUB and serves manifests and chunks on
 ROUTER (see `serving.py` for the serving guarantees).
+
+Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
+once at its final size and tensors are copied by parallel threads, each bucket
+checksummed as soon as its last copy lands. Buffers of evicted versions are
+reused (fresh memory costs page faults, several times the copy itself), but
+never one of which a chunk is still queued for a peer. With ``keep_versions``
+>= 2 the versions this publish evicts are evicted before the snapshot (a newer
+complete version stays served), so memory peaks at K versions; with K = 1 the
+old version is served until the new one is ready and its buffers wait as
+spares for the next publish. An iterator (a sharded trainer streaming layer by
+layer) is copied as it comes, into buckets that grow as needed.
 
 ``keep_versions=0`` is for models too big to copy: nothing is snapshotted;
 ``publish`` serves the caller's own tensors and returns only when the version

@@ -20,11 +20,18 @@ What it promises
       `max_refetch` times).
     - The tensors handed back are views of the received bucket buffers (one
       copy per byte, from the socket's frame into the bucket buffer).
+      ``pin_memory=True`` allocates those buffers page-locked when CUDA is
+      available (fast host-to-device copies); without CUDA it is ignored.
 
-Bytes a byte makes on the way (snapshot mode): trainer tensor -> publisher
-bucket (1 copy, in `publish`), kernel socket buffers (tcp; none extra in
-Python), received frame -> subscriber bucket (1 copy), then the engine's own
-copy onto its device.
+Copies a byte makes from the trainer's tensor to the engine's (snapshot mode):
+trainer tensor -> publisher bucket (1, in `publish`, before the version is
+announced), kernel send (1, tcp or ipc), kernel receive into a ZeroMQ frame (1),
+frame -> subscriber bucket (1, in a worker thread, beside the checksum pass),
+then the engine's own copy onto its device (1). ``keep_versions=0`` drops the
+first. Receiving straight into the bucket (``Socket.recv_into``) was tried: it
+saves no copy, because libzmq's ``zmq_recv`` itself copies out of its frame,
+and it moves that copy onto the event loop, which measured slower (see
+docs/weights.md).
 """
 
 from __future__ import annotations
