@@ -1,30 +1,30 @@
-"""Weight-channel benchmark: rollpool publish + fetch vs raw pyzmq of the same bytes, and relay fan-out.
+"""Weight-channel benchmark: rollpool publish + fetch vs raw pyzmq and gloo, per version size and transport.
 
-1. Throughput, tcp loopback, one subscriber, checksums on: a publisher in a
-   child process serves one version of `--mib` MiB of bf16 tensors; the main
-   process fetches it with a `WeightSubscriber` (windowed Fetch -> Chunk,
-   copy into bucket buffers, xxh3_64 (crc32 without xxhash) per bucket, unpack to tensor views; the
-   subscriber lives across runs and recycles the previous version's buffers,
-   as a worker does; the first fetch, into fresh memory, is reported apart). The
-   limit of the machine: raw pyzmq PUSH -> PULL of the same bytes in frames of
-   the same chunk size, zero-copy send from a child process, the receiver
-   copying each frame into one buffer (the copy any receiver makes). Runs are
-   interleaved (raw, rollpool, raw, ...); medians and spreads are reported.
-2. Checksum cost: xxh3_64 and zlib.crc32 over the same bytes, seconds per GB.
-3. Peer, 4 receivers, interleaved with 1.: torch.distributed gloo broadcast
-   of the same bf16 tensors from one sender process to 4 receiver processes
-   (tcp loopback, receivers reuse preallocated tensors; barrier, broadcast every
-   tensor, barrier; a warm-up run first) vs rollpool with 4 subscriber
-   processes fetching the same version directly from the publisher child (each
-   a long-lived subscriber recycling its buffers; time from the go until the
-   last subscriber holds the verified version). `vs_gloo` = gloo_4_s /
-   rollpool_4_s (> 1: rollpool faster). Only the direct path is timed across
-   processes; the relay appears in 4. (in-process), where it only adds a hop.
-4. Fan-out: 8 subscribers fetching one version directly vs 8 behind one
-   relay, all in one process (only the bytes the publisher serves are the
-   point here; on one machine a relay adds a hop, not bandwidth).
+For each size (``--mib``, default 256 and 1024) and transport (``--transports``, tcp loopback and ipc),
+a fresh set of processes, runs interleaved (medians and min..max of ``--reps``; a warm-up of each first):
 
-    python bench/weights.py [--mib 256] [--chunk-mib 4] [--reps 3] [--fanout-mib 32] [--peers 4] [--json PATH] [--quick]
+1. Throughput, one subscriber, checksums on (xxh3_64; crc32 without xxhash): a publisher child
+   publishes versions 1..3 of the bf16 tensors (keep 1, so version 3's snapshot reuses version 1's
+   buffers: snapshot GB/s fresh and reused are both reported); the main process fetches version 3
+   with a long-lived `WeightSubscriber` that recycles its buffers, as a worker does (the first
+   fetch, into fresh memory, is reported apart). The limit: raw pyzmq PUSH -> PULL of the same
+   bytes in frames of the chunk size, zero-copy send from a child, the receiver copying each frame
+   into one buffer. `ratio_vs_raw` = rollpool / raw.
+2. Peer, 4 receivers: torch.distributed gloo broadcast of the same tensors from one sender process
+   to 4 receiver processes (tcp: gloo has no ipc; receivers reuse preallocated tensors; checked by
+   crc32 of a tensor outside the timing) vs 4 rollpool subscriber processes fetching direct from
+   the publisher, then (second phase, so 1 GiB x 8 subscribers never share the memory) 4 behind
+   one relay process that already holds the version (its upstream fetch is reported apart). Time
+   until the last subscriber holds the verified version. `vs_gloo` = gloo_4_s / rollpool_4_s,
+   best of direct and relay.
+3. Checksum cost (xxh3_64 and crc32, one core, s per GB) and in-process fan-out: 8 subscribers
+   direct vs behind one relay (publisher bytes served).
+
+The top-level keys (raw_zmq_gbps, rollpool_gbps, ratio_vs_raw, gloo_4_s, rollpool_4_s, vs_gloo)
+are the largest size on tcp; every set is under "rows".
+
+    python bench/weights.py [--mib 256,1024] [--transports tcp,ipc] [--reps 3] [--chunk-mib 4] [--window 16]
+                            [--peers 4] [--no-gloo] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
