@@ -1,30 +1,30 @@
-"""Weight-channel benchmark: rollpool publish + fetch vs raw pyzmq of the same bytes, and relay fan-out.
+"""Weight-channel benchmark: rollpool publish + fetch vs raw pyzmq and gloo, per version size and transport.
 
-1. Throughput, tcp loopback, one subscriber, checksums on: a publisher in a
-   child process serves one version of `--mib` MiB of bf16 tensors; the main
-   process fetches it with a `WeightSubscriber` (windowed Fetch -> Chunk,
-   copy into bucket buffers, crc32 per bucket, unpack to tensor views; the
-   subscriber lives across runs and recycles the previous version's buffers,
-   as a worker does; the first fetch, into fresh memory, is reported apart). The
-   limit of the machine: raw pyzmq PUSH -> PULL of the same bytes in frames of
-   the same chunk size, zero-copy send from a child process, the receiver
-   copying each frame into one buffer (the copy any receiver makes). Runs are
-   interleaved (raw, rollpool, raw, ...); medians and spreads are reported.
-2. Checksum cost: zlib.crc32 over the same bytes, seconds per GB.
-3. Peer, 4 receivers, interleaved with 1.: torch.distributed gloo broadcast
-   of the same bf16 tensors from one sender process to 4 receiver processes
-   (tcp loopback, receivers reuse preallocated tensors; barrier, broadcast every
-   tensor, barrier; a warm-up run first) vs rollpool with 4 subscriber
-   processes fetching the same version directly from the publisher child (each
-   a long-lived subscriber recycling its buffers; time from the go until the
-   last subscriber holds the verified version). `vs_gloo` = gloo_4_s /
-   rollpool_4_s (> 1: rollpool faster). Only the direct path is timed across
-   processes; the relay appears in 4. (in-process), where it only adds a hop.
-4. Fan-out: 8 subscribers fetching one version directly vs 8 behind one
-   relay, all in one process (only the bytes the publisher serves are the
-   point here; on one machine a relay adds a hop, not bandwidth).
+For each size (``--mib``, default 256 and 1024) and transport (``--transports``, tcp loopback and ipc),
+a fresh set of processes, runs interleaved (medians and min..max of ``--reps``; a warm-up of each first):
 
-    python bench/weights.py [--mib 256] [--chunk-mib 4] [--reps 3] [--fanout-mib 32] [--peers 4] [--json PATH] [--quick]
+1. Throughput, one subscriber, checksums on (xxh3_64; crc32 without xxhash): a publisher child
+   publishes versions 1..3 of the bf16 tensors (keep 1, so version 3's snapshot reuses version 1's
+   buffers: snapshot GB/s fresh and reused are both reported); the main process fetches version 3
+   with a long-lived `WeightSubscriber` that recycles its buffers, as a worker does (the first
+   fetch, into fresh memory, is reported apart). The limit: raw pyzmq PUSH -> PULL of the same
+   bytes in frames of the chunk size, zero-copy send from a child, the receiver copying each frame
+   into one buffer. `ratio_vs_raw` = rollpool / raw.
+2. Peer, 4 receivers: torch.distributed gloo broadcast of the same tensors from one sender process
+   to 4 receiver processes (tcp: gloo has no ipc; receivers reuse preallocated tensors; checked by
+   crc32 of a tensor outside the timing) vs 4 rollpool subscriber processes fetching direct from
+   the publisher, then (second phase, so 1 GiB x 8 subscribers never share the memory) 4 behind
+   one relay process that already holds the version (its upstream fetch is reported apart). Time
+   until the last subscriber holds the verified version. `vs_gloo` = gloo_4_s / rollpool_4_s,
+   best of direct and relay.
+3. Checksum cost (xxh3_64 and crc32, one core, s per GB) and in-process fan-out: 8 subscribers
+   direct vs behind one relay (publisher bytes served).
+
+The top-level keys (raw_zmq_gbps, rollpool_gbps, ratio_vs_raw, gloo_4_s, rollpool_4_s, vs_gloo)
+are the largest size on tcp; every set is under "rows".
+
+    python bench/weights.py [--mib 256,1024] [--transports tcp,ipc] [--reps 3] [--chunk-mib 4] [--window 16]
+                            [--peers 4] [--no-gloo] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -57,7 +57,15 @@ def make_tensors(total_mib: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- child processes
 
 
-def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int) -> None:
+VERSION = 3
+"""The version every fetch asks for: the publisher publishes 1, 2, 3 (keep 1, so memory stays at 2 versions), so 3 reuses 1's buffers."""
+
+
+def _endpoint(transport: str, name: str, tmpdir: str) -> str:
+    return "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/{name}"
+
+
+def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int, transport: str = "tcp", tmpdir: str = "") -> None:
     import zmq.asyncio
 
     from rollpool.protocol.sockets import SocketFactory
@@ -65,11 +73,18 @@ def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int) -> 
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        pub = WeightPublisher(SocketFactory(ctx), chunk_bytes=chunk_bytes, bucket_bytes=bucket_mib * _MiB)
+        pub = WeightPublisher(
+            SocketFactory(ctx), chunk_bytes=chunk_bytes, bucket_bytes=bucket_mib * _MiB, keep_versions=1,
+            router_endpoint=_endpoint(transport, "pub", tmpdir), pub_endpoint=_endpoint(transport, "pub-announce", tmpdir),
+        )
         await pub.start()
-        t0 = time.perf_counter()
-        await pub.publish(make_tensors(mib), 1)
-        conn.send((pub.router_endpoint, pub.pub_endpoint, time.perf_counter() - t0))
+        tensors = make_tensors(mib)
+        snap_s = []
+        for v in range(1, VERSION + 1):
+            t0 = time.perf_counter()
+            await pub.publish(tensors, v)
+            snap_s.append(time.perf_counter() - t0)
+        conn.send((pub.router_endpoint, pub.pub_endpoint, snap_s))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)  # until told to stop
         conn.send(pub.bytes_served)
@@ -79,13 +94,14 @@ def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int) -> 
     asyncio.run(main())
 
 
-def _raw_sender_child(conn: Any, nbytes: int, chunk_bytes: int) -> None:
+def _raw_sender_child(conn: Any, nbytes: int, chunk_bytes: int, transport: str = "tcp", tmpdir: str = "") -> None:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.bind(_endpoint(transport, "raw", tmpdir))
+    port = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     buf = np.ones(nbytes, dtype=np.uint8)
     view = memoryview(buf)
     conn.send(port)
@@ -132,8 +148,35 @@ def _gloo_child(rank: int, world: int, port: int, mib: int, conn: Any) -> None:
     dist.destroy_process_group()
 
 
+def _relay_child(conn: Any, upstream_router: str, upstream_pub: str | None, transport: str, tmpdir: str, window: int) -> None:
+    """A relay process: fetches the version once from the publisher, then serves it to the subscribers."""
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.relay import Relay
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        relay = Relay(
+            SocketFactory(ctx), upstream_router=upstream_router, upstream_pub=upstream_pub, window_chunks=window,
+            router_endpoint=_endpoint(transport, "relay", tmpdir), pub_endpoint=_endpoint(transport, "relay-announce", tmpdir),
+        )
+        await relay.start()
+        task = asyncio.ensure_future(relay.run())
+        t0 = time.perf_counter()
+        while relay.latest_version < VERSION:  # noqa: ASYNC110 (a bench: the relay exposes no event for it)
+            await asyncio.sleep(0.005)
+        conn.send((relay.router_endpoint, time.perf_counter() - t0))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+        relay.stop()
+        await task
+        ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
 def _subscriber_child(conn: Any, router: str, window: int) -> None:
-    """One long-lived subscriber process (a worker): fetch version 1 on each 'go', report when it holds it verified."""
+    """One long-lived subscriber process (a worker): fetch the version on each 'go', report when it holds it verified."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -176,7 +219,7 @@ class Fetcher:
         self.ctx = zmq.asyncio.Context()
         self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window)
         self.sub.connect(self.router)
-        await self.sub.fetch_manifest(1)
+        await self.sub.fetch_manifest(VERSION)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -185,20 +228,22 @@ class Fetcher:
 
     async def once(self, recycle: bool = True) -> tuple[float, int]:
         t0 = time.perf_counter()
-        got = await self.sub.fetch(1)
+        got = await self.sub.fetch(VERSION)
         dt = time.perf_counter() - t0
         if recycle:
             self.sub.recycle(got)
         return dt, got.total_bytes
 
 
-def checksum_s_per_gb(nbytes: int) -> float:
+def checksum_s_per_gb(nbytes: int, algorithm: str) -> float:
+    from rollpool.weights.bucketing import checksum
+
     buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    zlib.crc32(buf[: 1 << 20])
+    checksum(buf[: 1 << 20], algorithm)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        zlib.crc32(buf)
+        checksum(buf, algorithm)
         best = min(best, time.perf_counter() - t0)
     return best / (nbytes / 1e9)
 
@@ -259,89 +304,78 @@ def spread(xs: list[float]) -> list[float]:
     return [round(min(xs), 3), round(max(xs), 3)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=256)
-    ap.add_argument("--chunk-mib", type=int, default=4)
-    ap.add_argument("--bucket-mib", type=int, default=512)
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--fanout-mib", type=int, default=32)
-    ap.add_argument("--fanout-subs", type=int, default=8)
-    ap.add_argument("--peers", type=int, default=4, help="receivers for the gloo vs rollpool comparison")
-    ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB (--mib given explicitly wins)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.quick:
-        if "--mib" not in sys.argv:
-            args.mib = 64
-        args.fanout_mib = 16
-    chunk = args.chunk_mib * _MiB
-    nbytes = args.mib * _MiB
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3)
 
+
+def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
+    """One size on one transport: raw, rollpool x1, gloo x peers, rollpool x peers direct and via a relay, interleaved."""
     import zmq
 
+    chunk = args.chunk_mib * _MiB
+    nbytes = mib * _MiB
     mpctx = mp.get_context("spawn")
-    pub_conn, child = mpctx.Pipe()
-    pub_proc = mpctx.Process(target=_publisher_child, args=(child, args.mib, chunk, args.bucket_mib), daemon=True)
-    pub_proc.start()
-    router, _announce, publish_s = pub_conn.recv()
+    procs: list[Any] = []
 
-    raw_conn, child2 = mpctx.Pipe()
-    raw_proc = mpctx.Process(target=_raw_sender_child, args=(child2, nbytes, chunk), daemon=True)
-    raw_proc.start()
-    port = raw_conn.recv()
+    def start(target: Any, *a: Any) -> Any:
+        parent, child = mpctx.Pipe()
+        p = mpctx.Process(target=target, args=(child, *a), daemon=True)
+        p.start()
+        procs.append(p)
+        return parent
+
+    pub_conn = start(_publisher_child, mib, chunk, args.bucket_mib, transport, tmpdir)
+    router, announce, snap_s = pub_conn.recv()
+    raw_conn = start(_raw_sender_child, nbytes, chunk, transport, tmpdir)
+    raw_ep = raw_conn.recv()
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    pull.connect(f"tcp://127.0.0.1:{port}")
+    pull.connect(raw_ep)
     dst = np.empty(nbytes, dtype=np.uint8)
+    relay_conn = start(_relay_child, router, announce, transport, tmpdir, args.window)
+    relay_router, relay_first_s = relay_conn.recv()
 
-    import socket
+    gloo_conn = None
+    gloo_procs: list[Any] = []
+    if not args.no_gloo:
+        import socket
 
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        gport = so.getsockname()[1]
-    gloo_conn, gchild = mpctx.Pipe()
-    gloo_procs = [
-        mpctx.Process(target=_gloo_child, args=(r, args.peers + 1, gport, args.mib, gchild if r == 0 else None), daemon=True)
-        for r in range(args.peers + 1)
-    ]
-    for p in gloo_procs:
-        p.start()
-    sub_conns, sub_procs = [], []
-    for _ in range(args.peers):
-        a, b = mpctx.Pipe()
-        sp = mpctx.Process(target=_subscriber_child, args=(b, router, args.window), daemon=True)
-        sp.start()
-        sub_conns.append(a)
-        sub_procs.append(sp)
-    assert gloo_conn.recv() == "ready"
-    for c in sub_conns:
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            gport = so.getsockname()[1]
+        gloo_conn, gchild = mpctx.Pipe()
+        gloo_procs = [
+            mpctx.Process(target=_gloo_child, args=(r, args.peers + 1, gport, mib, gchild if r == 0 else None), daemon=True)
+            for r in range(args.peers + 1)
+        ]
+        for p in gloo_procs:
+            p.start()
+    direct = [start(_subscriber_child, router, args.window) for _ in range(args.peers)]
+    via_relay: list[Any] = []
+    if gloo_conn is not None:
+        assert gloo_conn.recv() == "ready"
+    for c in direct:
         assert c.recv() == "ready"
 
     def gloo_once() -> float:
+        assert gloo_conn is not None
         gloo_conn.send("go")
         dt, ok = gloo_conn.recv()
         if not ok:
             raise RuntimeError("gloo receivers' bytes differ from the sender's")
         return float(dt)
 
-    def rollpool_peers_once() -> float:
+    def peers_once(conns: list[Any]) -> float:
         t0 = time.perf_counter()
-        for c in sub_conns:
+        for c in conns:
             c.send("go")
-        got = [c.recv() for c in sub_conns]
+        got = [c.recv() for c in conns]
         if any(total != nbytes for _t, total in got):
             raise RuntimeError(f"subscriber got {[t for _, t in got]} bytes, expected {nbytes}")
         return max(t for t, _ in got) - t0
 
-    gloo_s: list[float] = []
-    rp4_s: list[float] = []
-    vs_gloo: list[float] = []
-    raw_gbps: list[float] = []
-    rp_gbps: list[float] = []
-    ratios: list[float] = []
+    m: dict[str, list[float]] = {k: [] for k in ("raw", "rp", "ratio", "gloo", "direct", "relay", "vs_gloo_direct", "vs_gloo_relay", "vs_gloo")}
     loop = asyncio.new_event_loop()
     fetcher = Fetcher(router, args.window)
     try:
@@ -349,79 +383,150 @@ def main() -> int:
         raw_once(raw_conn, pull, nbytes, dst)  # warm-up (and the raw receiver's buffer is faulted in)
         dt, total = loop.run_until_complete(fetcher.once())  # first fetch: fresh memory
         first_fetch_gbps = total / dt / 1e9
-        gloo_first_s = gloo_once()  # warm-up: receivers' tensors faulted in
-        rp4_first_s = rollpool_peers_once()  # warm-up: subscribers' first fetch into fresh memory
+        gloo_first_s = gloo_once() if gloo_conn is not None else float("nan")
+        direct_first_s = peers_once(direct)
         for _ in range(args.reps):
             r = nbytes / raw_once(raw_conn, pull, nbytes, dst) / 1e9
             dt, total = loop.run_until_complete(fetcher.once())
             g = total / dt / 1e9
-            raw_gbps.append(r)
-            rp_gbps.append(g)
-            ratios.append(g / r)
-            gs = gloo_once()
-            rs = rollpool_peers_once()
-            gloo_s.append(gs)
-            rp4_s.append(rs)
-            vs_gloo.append(gs / rs)
+            m["raw"].append(r)
+            m["rp"].append(g)
+            m["ratio"].append(g / r)
+            gs = gloo_once() if gloo_conn is not None else float("nan")
+            ds = peers_once(direct)
+            m["gloo"].append(gs)
+            m["direct"].append(ds)
+            m["vs_gloo_direct"].append(gs / ds)
         loop.run_until_complete(fetcher.__aexit__())
-    finally:
-        gloo_conn.send("stop")
-        for c in sub_conns:
+        # phase 2: the direct subscribers leave, 4 behind the relay take their place (interleaved with gloo again)
+        for c in direct:
             c.send("stop")
-        for p in gloo_procs + sub_procs:
-            p.join(20)
+        direct = []
+        via_relay = [start(_subscriber_child, relay_router, args.window) for _ in range(args.peers)]
+        for c in via_relay:
+            assert c.recv() == "ready"
+        relay_first4_s = peers_once(via_relay)
+        for i in range(args.reps):
+            gs = gloo_once() if gloo_conn is not None else float("nan")
+            rs = peers_once(via_relay)
+            m["gloo"].append(gs)
+            m["relay"].append(rs)
+            m["vs_gloo_relay"].append(gs / rs)
+            m["vs_gloo"].append(max(m["vs_gloo_direct"][i], gs / rs))
+    finally:
+        if gloo_conn is not None:
+            gloo_conn.send("stop")
+        for c in direct + via_relay:
+            c.send("stop")
+        relay_conn.send("stop")
         raw_conn.send("stop")
         pub_conn.send("stop")
         served = pub_conn.recv()
-        raw_proc.join(10)
-        pub_proc.join(10)
+        for p in gloo_procs + procs:
+            p.join(20)
         pull.close(linger=0)
         zctx.term()
         loop.close()
+    row: dict[str, Any] = {"mib": mib, "transport": transport}
+    for key, name in (("raw", "raw_zmq_gbps"), ("rp", "rollpool_gbps"), ("ratio", "ratio_vs_raw"), ("gloo", "gloo_4_s"), ("direct", "rollpool_4_direct_s"),
+                      ("relay", "rollpool_4_relay_s"), ("vs_gloo_direct", "vs_gloo_direct"), ("vs_gloo_relay", "vs_gloo_relay"), ("vs_gloo", "vs_gloo")):
+        if not args.no_gloo or key in ("raw", "rp", "ratio", "direct", "relay"):
+            row[name] = median(m[key])
+            row[name + "_spread"] = spread(m[key])
+    best = "direct" if statistics.median(m["direct"]) <= statistics.median(m["relay"]) else "relay"
+    row["rollpool_4_s"] = median(m[best])
+    row["rollpool_4_s_spread"] = spread(m[best])
+    row["rollpool_4_mode"] = best
+    row["rollpool_4_gbps_per_subscriber"] = round(nbytes / statistics.median(m[best]) / 1e9, 3)
+    if not args.no_gloo:
+        row["gloo_4_gbps_per_receiver"] = round(nbytes / statistics.median(m["gloo"]) / 1e9, 3)
+        row["gloo_4_first_s"] = round(gloo_first_s, 3)
+    row["rollpool_first_fetch_gbps"] = round(first_fetch_gbps, 3)
+    row["rollpool_4_direct_first_s"] = round(direct_first_s, 3)
+    row["rollpool_4_relay_first_s"] = round(relay_first4_s, 3)
+    row["relay_upstream_fetch_s"] = round(relay_first_s, 3)
+    row["publish_snapshot_s"] = round(snap_s[0], 3)
+    row["publish_snapshot_gbps"] = round(nbytes / snap_s[0] / 1e9, 3)
+    row["publish_snapshot_reused_s"] = round(snap_s[-1], 3)
+    row["publish_snapshot_reused_gbps"] = round(nbytes / snap_s[-1] / 1e9, 3)
+    row["publisher_bytes_served_total"] = served
+    return row
 
-    crc = checksum_s_per_gb(min(nbytes, 256 * _MiB))
-    fan = asyncio.run(fanout(args.fanout_mib, args.fanout_subs, chunk))
 
-    result = {
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", default="256,1024", help="version sizes in MiB, comma-separated (the headline keys are the largest, tcp)")
+    ap.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp (loopback), ipc")
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fanout-mib", type=int, default=32)
+    ap.add_argument("--fanout-subs", type=int, default=8)
+    ap.add_argument("--peers", type=int, default=4, help="receivers for the gloo vs rollpool comparison")
+    ap.add_argument("--no-gloo", action="store_true", help="skip the gloo peer (no torch.distributed)")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB (--mib given explicitly wins)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        if "--mib" not in sys.argv:
+            args.mib = "64"
+        args.fanout_mib = 16
+    sizes = [int(x) for x in str(args.mib).split(",")]
+    transports = [t.strip() for t in args.transports.split(",")]
+    if any(t not in ("tcp", "ipc") for t in transports):
+        ap.error("--transports takes tcp and/or ipc")
+
+    import tempfile
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="rollpool-bench-") as tmpdir:
+        for mib in sizes:
+            for transport in transports:
+                t0 = time.perf_counter()
+                rows.append(run_set(mib, transport, args, tmpdir))
+                print(f"  [{mib} MiB {transport}: {time.perf_counter() - t0:.0f} s] {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+
+    from rollpool.weights.bucketing import checksum_supported, default_checksum_algorithm
+
+    algo = default_checksum_algorithm()
+    sums_s_per_gb = {a: round(checksum_s_per_gb(256 * _MiB, a), 4) for a in ("xxh3_64", "crc32") if checksum_supported(a)}
+    fan = asyncio.run(fanout(args.fanout_mib, args.fanout_subs, args.chunk_mib * _MiB))
+
+    tcp_rows = [r for r in rows if r["transport"] == "tcp"] or rows
+    head = max(tcp_rows, key=lambda r: r["mib"])
+    headline_keys = ("raw_zmq_gbps", "rollpool_gbps", "ratio_vs_raw", "gloo_4_s", "rollpool_4_s", "rollpool_4_mode", "vs_gloo",
+                     "publish_snapshot_gbps", "publish_snapshot_reused_gbps", "rollpool_first_fetch_gbps")
+    result: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
-        "params": {"peers": args.peers, "mib": args.mib, "chunk_mib": args.chunk_mib, "bucket_mib": args.bucket_mib, "window_chunks": args.window, "reps": args.reps, "transport": "tcp loopback", "dtype": "bfloat16"},
-        "raw_zmq_gbps": round(statistics.median(raw_gbps), 3),
-        "raw_zmq_gbps_spread": spread(raw_gbps),
-        "rollpool_gbps": round(statistics.median(rp_gbps), 3),
-        "rollpool_gbps_spread": spread(rp_gbps),
-        "ratio_vs_raw": round(statistics.median(ratios), 3),
-        "ratio_vs_raw_spread": spread(ratios),
-        "rollpool_first_fetch_gbps": round(first_fetch_gbps, 3),
-        "gloo_4_s": round(statistics.median(gloo_s), 3),
-        "gloo_4_s_spread": spread(gloo_s),
-        "rollpool_4_s": round(statistics.median(rp4_s), 3),
-        "rollpool_4_s_spread": spread(rp4_s),
-        "rollpool_4_mode": "direct",
-        "vs_gloo": round(statistics.median(vs_gloo), 3),
-        "vs_gloo_spread": spread(vs_gloo),
-        "gloo_4_gbps_per_receiver": round(nbytes / statistics.median(gloo_s) / 1e9, 3),
-        "rollpool_4_gbps_per_subscriber": round(nbytes / statistics.median(rp4_s) / 1e9, 3),
-        "gloo_4_first_s": round(gloo_first_s, 3),
-        "rollpool_4_first_s": round(rp4_first_s, 3),
-        "checksum": "crc32",
-        "checksum_s_per_gb": round(crc, 4),
-        "checksum_gbps": round(1 / crc, 2),
-        "publish_snapshot_s": round(publish_s, 3),
-        "publish_snapshot_gbps": round(nbytes / publish_s / 1e9, 3),
-        "publisher_bytes_served_total": served,
-        "fanout": fan,
+        "params": {"peers": args.peers, "mib": sizes, "transports": transports, "chunk_mib": args.chunk_mib, "bucket_mib": args.bucket_mib,
+                   "window_chunks": args.window, "reps": args.reps, "dtype": "bfloat16", "headline": f"{head['mib']} MiB {head['transport']}"},
     }
-    print(f"{'':34}{'median':>10}{'min..max':>18}")
-    print(f"{'raw pyzmq PUSH/PULL (GB/s)':34}{result['raw_zmq_gbps']:>10}{str(result['raw_zmq_gbps_spread']):>18}")
-    print(f"{'rollpool fetch, crc32 on (GB/s)':34}{result['rollpool_gbps']:>10}{str(result['rollpool_gbps_spread']):>18}")
-    print(f"{'ratio rollpool / raw':34}{result['ratio_vs_raw']:>10}{str(result['ratio_vs_raw_spread']):>18}")
-    print(f"{'rollpool first fetch, fresh memory':34}{result['rollpool_first_fetch_gbps']:>10}")
-    print(f"{f'gloo broadcast to {args.peers} (s)':34}{result['gloo_4_s']:>10}{str(result['gloo_4_s_spread']):>18}")
-    print(f"{f'rollpool {args.peers} subs direct (s)':34}{result['rollpool_4_s']:>10}{str(result['rollpool_4_s_spread']):>18}")
-    print(f"{'vs_gloo (gloo_s / rollpool_s)':34}{result['vs_gloo']:>10}{str(result['vs_gloo_spread']):>18}")
-    print(f"{'crc32 (s per GB, one core)':34}{result['checksum_s_per_gb']:>10}")
-    print(f"{'publish snapshot (GB/s)':34}{result['publish_snapshot_gbps']:>10}")
-    print(f"fan-out, {fan['subscribers']} subscribers, {fan['version_bytes'] / _MiB:.0f} MiB: publisher served "
+    for k in headline_keys:
+        if k in head:
+            result[k] = head[k]
+            if k + "_spread" in head:
+                result[k + "_spread"] = head[k + "_spread"]
+    result.update({
+        "checksum": algo,
+        "checksum_s_per_gb": sums_s_per_gb[algo],
+        "checksum_gbps": round(1 / sums_s_per_gb[algo], 2),
+        "checksum_s_per_gb_by_algorithm": sums_s_per_gb,
+        "rows": rows,
+        "fanout": fan,
+    })
+    cols = ("raw_zmq_gbps", "rollpool_gbps", "ratio_vs_raw", "gloo_4_s", "rollpool_4_direct_s", "rollpool_4_relay_s", "vs_gloo", "publish_snapshot_gbps", "publish_snapshot_reused_gbps")
+    print(f"{'':14}" + "".join(f"{c[:22]:>24}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            sp = r.get(c + "_spread")
+            cells.append("-" if v is None else (f"{v} {sp[0]}..{sp[1]}" if sp else f"{v}"))
+        print(f"{str(r['mib']) + ' MiB ' + r['transport']:14}" + "".join(f"{x:>24}" for x in cells))
+    for a, spg in sums_s_per_gb.items():
+        print(f"{a}: {spg} s per GB, one core")
+    print(f"fan-out, {fan['subscribers']} subscribers, {fan['version_bytes'] / _MiB:.0f} MiB, one process: publisher served "
           f"{fan['direct']['publisher_served_x_version']}x the version direct ({fan['direct']['all_verified_s']} s) vs "
           f"{fan['relay']['publisher_served_x_version']}x behind one relay ({fan['relay']['all_verified_s']} s)")
     if args.json:

@@ -17,10 +17,15 @@ Rules
       every dtype torch has round-trips bit-exactly, bfloat16 and fp8
       included (numpy has neither). Non-contiguous tensors are copied in
       contiguous order; 0-d tensors keep their empty shape.
-    - Each bucket carries a checksum ``"crc32:<8 hex>"`` (zlib.crc32; about
-      3.9 GB/s on one core of the development machine, see docs/weights.md).
-      CRC32 detects corruption on the way, not tampering: tampering is kept
-      out by the CURVE-authenticated channel the manifest travels on.
+    - Each bucket carries a checksum ``"<algorithm>:<hex>"``. The default is
+      ``"xxh3_64:<16 hex>"`` (the `xxhash` package; about 27 GB/s on one core
+      of the development machine, 0.04 s per GB, and it releases the GIL);
+      where `xxhash` is not importable the publisher falls back to
+      ``"crc32:<8 hex>"`` (zlib; about 4 GB/s, 0.24 s per GB). A subscriber
+      verifies both, so old publishers keep working. Both detect corruption
+      on the way, not tampering: tampering is kept out by the
+      CURVE-authenticated channel the manifest travels on. `xxhash` is
+      imported on first use, so rollpool imports without it.
 
 Unpacking (`unpack_bucket`) returns tensors that are views of the received
 buffer: no extra copy.
@@ -28,6 +33,7 @@ buffer: no extra copy.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +47,9 @@ from rollpool.weights.wire import build
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_CHUNK_BYTES",
-    "CHECKSUM_ALGORITHM",
+    "CHECKSUM_ALGORITHMS",
+    "default_checksum_algorithm",
+    "checksum_supported",
     "dtype_name",
     "dtype_from_name",
     "named_tensors_of",
@@ -56,12 +64,14 @@ __all__ = [
     "unpack_bucket",
     "unpack_buckets",
     "tensor_bytes",
+    "flat_bytes",
 ]
 
 _MiB = 1024 * 1024
 DEFAULT_BUCKET_BYTES = 512 * _MiB
 DEFAULT_CHUNK_BYTES = 4 * _MiB
-CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_ALGORITHMS = ("xxh3_64", "crc32")
+"""Algorithms a manifest may name, preferred first."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -122,36 +132,75 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 # --------------------------------------------------------------------------- checksums
 
 
-def checksum(data: Any) -> str:
-    """``"crc32:<8 hex>"`` of a bytes-like object."""
-    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+@functools.cache
+def _xxhash() -> Any:
+    """The `xxhash` module, or None where it is not installed (imported once, on first use)."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash
+
+
+def checksum_supported(algorithm: str) -> bool:
+    """Whether this process can compute (and so verify) `algorithm`."""
+    if algorithm == "crc32":
+        return True
+    return algorithm == "xxh3_64" and _xxhash() is not None
+
+
+def default_checksum_algorithm() -> str:
+    """``"xxh3_64"`` where `xxhash` is importable, else ``"crc32"``."""
+    return "xxh3_64" if _xxhash() is not None else "crc32"
+
+
+def checksum(data: Any, algorithm: str | None = None) -> str:
+    """``"<algorithm>:<hex>"`` of a bytes-like object (default: `default_checksum_algorithm`)."""
+    summer = Checksummer(algorithm)
+    summer.update(data)
+    return summer.hexdigest()
 
 
 class Checksummer:
-    """A running checksum over bytes fed in order."""
+    """A running checksum over bytes fed in order (``update`` releases the GIL for both algorithms)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("algorithm", "_crc", "_xxh")
 
-    def __init__(self) -> None:
-        self.value = 0
+    def __init__(self, algorithm: str | None = None) -> None:
+        self.algorithm = algorithm or default_checksum_algorithm()
+        if not checksum_supported(self.algorithm):
+            raise ValueError(f"checksum algorithm {self.algorithm!r} is not available here (known: {CHECKSUM_ALGORITHMS}; xxh3_64 needs the xxhash package)")
+        self._crc = 0
+        self._xxh: Any = _xxhash().xxh3_64() if self.algorithm == "xxh3_64" else None
+
+    @classmethod
+    def for_digest(cls, expected: str) -> Checksummer:
+        """A running checksum of the algorithm that `expected` (``"<algorithm>:<hex>"``) names."""
+        return cls(expected.partition(":")[0])
 
     def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
 
     def hexdigest(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self.value & 0xFFFFFFFF:08x}"
+        if self._xxh is not None:
+            return f"xxh3_64:{self._xxh.intdigest():016x}"
+        return f"crc32:{self._crc & 0xFFFFFFFF:08x}"
 
 
 def verify_checksum(expected: str, data: Any = None, *, running: Checksummer | None = None) -> bool:
     """Whether `data` (or a finished running checksum) matches `expected`.
 
-    An unknown algorithm is a failure, never a pass.
+    An unknown or unavailable algorithm is a failure, never a pass.
     """
     algo, _, _digest = expected.partition(":")
-    if algo != CHECKSUM_ALGORITHM:
+    if not checksum_supported(algo):
         return False
-    got = running.hexdigest() if running is not None else checksum(data)
-    return got == expected
+    if running is not None:
+        return running.algorithm == algo and running.hexdigest() == expected
+    return checksum(data, algo) == expected
 
 
 # --------------------------------------------------------------------------- planning
@@ -215,7 +264,7 @@ class PackedBucket:
     """1-D uint8 CPU tensor of exactly ``info.nbytes`` bytes."""
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a 1-D uint8 view (contiguous tensors) or copy."""
     t = tensor.detach()
     if not t.is_contiguous():
@@ -235,9 +284,11 @@ class BucketPacker:
 
     _FIRST_CAPACITY = 16 * _MiB
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, pin_memory: bool = False) -> None:
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, pin_memory: bool = False, checksum_algorithm: str | None = None) -> None:
         self.planner = BucketPlanner(bucket_bytes)
         self.pin_memory = pin_memory
+        self.checksum_algorithm = checksum_algorithm or default_checksum_algorithm()
+        Checksummer(self.checksum_algorithm)  # fail early on an unavailable algorithm
         self._buffers: dict[int, torch.Tensor] = {}
         self._sums: dict[int, Checksummer] = {}
         self._done: dict[int, PackedBucket] = {}
@@ -249,9 +300,9 @@ class BucketPacker:
         if nbytes:
             buf = self._reserve(idx, offset, offset + nbytes)
             dst = buf[offset : offset + nbytes]
-            src = _flat_bytes(tensor)
+            src = flat_bytes(tensor)
             dst.copy_(src, non_blocking=False)
-            self._sums.setdefault(idx, Checksummer()).update(dst.numpy())
+            self._sums.setdefault(idx, Checksummer(self.checksum_algorithm)).update(dst.numpy())
         for c in closed:
             self._close(c)
 
@@ -282,14 +333,15 @@ class BucketPacker:
         data = buf[: b.nbytes]
         if int(buf.numel()) - b.nbytes > max(_MiB, b.nbytes // 4):
             data = data.clone()
-        digest = self._sums.pop(idx, Checksummer()).hexdigest()
+        summer = self._sums.pop(idx, None) or Checksummer(self.checksum_algorithm)
+        digest = summer.hexdigest()
         info = build(BucketInfo, index=idx, dtype=b.dtype, nbytes=b.nbytes, checksum=digest, tensors=tuple(b.tensors))
         self._done[idx] = PackedBucket(info=info, data=data)
 
 
-def pack_tensors(source: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[PackedBucket]:
+def pack_tensors(source: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, checksum_algorithm: str | None = None) -> list[PackedBucket]:
     """Snapshot a dict, a module or an iterable of (name, tensor) into packed buckets."""
-    packer = BucketPacker(bucket_bytes)
+    packer = BucketPacker(bucket_bytes, checksum_algorithm=checksum_algorithm)
     for name, tensor in named_tensors_of(source):
         packer.add(name, tensor)
     return packer.finish()

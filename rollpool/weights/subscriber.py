@@ -20,11 +20,18 @@ What it promises
       `max_refetch` times).
     - The tensors handed back are views of the received bucket buffers (one
       copy per byte, from the socket's frame into the bucket buffer).
+      ``pin_memory=True`` allocates those buffers page-locked when CUDA is
+      available (fast host-to-device copies); without CUDA it is ignored.
 
-Bytes a byte makes on the way (snapshot mode): trainer tensor -> publisher
-bucket (1 copy, in `publish`), kernel socket buffers (tcp; none extra in
-Python), received frame -> subscriber bucket (1 copy), then the engine's own
-copy onto its device.
+Copies a byte makes from the trainer's tensor to the engine's (snapshot mode):
+trainer tensor -> publisher bucket (1, in `publish`, before the version is
+announced), kernel send (1, tcp or ipc), kernel receive into a ZeroMQ frame (1),
+frame -> subscriber bucket (1, in a worker thread, beside the checksum pass),
+then the engine's own copy onto its device (1). ``keep_versions=0`` drops the
+first. Receiving straight into the bucket (``Socket.recv_into``) was tried: it
+saves no copy, because libzmq's ``zmq_recv`` itself copies out of its frame,
+and it moves that copy onto the event loop, which measured slower (see
+docs/weights.md).
 """
 
 from __future__ import annotations
@@ -50,7 +57,13 @@ from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Announce, Chunk, Error, Fetch, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import Checksummer, check_bucket_info, unpack_buckets, verify_checksum
+from rollpool.weights.bucketing import (
+    Checksummer,
+    check_bucket_info,
+    checksum_supported,
+    unpack_buckets,
+    verify_checksum,
+)
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
 from rollpool.weights.wire import build
 
@@ -118,6 +131,8 @@ class WeightSubscriber:
         self.fetch_timeout_s = fetch_timeout_s
         self.window_chunks = window_chunks
         self.max_refetch = max_refetch
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        """Bucket buffers in page-locked memory, for fast copies to a GPU (False without CUDA)."""
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
@@ -370,6 +385,9 @@ def _checked(manifest: Manifest) -> Manifest:
             if b.index != i:
                 raise ValueError(f"bucket {i} has index {b.index}")
             check_bucket_info(b)
+            algo = b.checksum.partition(":")[0]
+            if not checksum_supported(algo):
+                raise ValueError(f"bucket {i}: checksum algorithm {algo!r} cannot be verified here (xxh3_64 needs the xxhash package)")
     except ValueError as exc:
         raise WeightSyncError(f"manifest of version {manifest.version} is invalid: {exc}") from exc
     return manifest
@@ -388,7 +406,7 @@ class _Transfer:
         self.todo: deque[tuple[int, int, int]] = deque()
         self.outstanding: dict[str, tuple[int, int, int]] = {}
         self.received = [0] * len(buffers)
-        self.sums = [Checksummer() for _ in buffers]
+        self.sums = [Checksummer.for_digest(b.checksum) for b in manifest.buckets]
         self.summed_to = [0] * len(buffers)
         self.failures = [0] * len(buffers)
         self.replies: asyncio.Queue[Any] = asyncio.Queue()
@@ -501,7 +519,7 @@ class _Transfer:
         if self.failures[bucket] > self.sub.max_refetch:
             raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
         self.received[bucket] = 0
-        self.sums[bucket] = Checksummer()
+        self.sums[bucket] = Checksummer.for_digest(info.checksum)
         self.summed_to[bucket] = 0
         if self.sink is not None:
             self.sink.on_bucket_reset(bucket)

@@ -150,15 +150,58 @@ async def test_versions_must_increase(make_publisher: Any) -> None:
         await pub.publish({}, 3)
 
 
-async def test_a_corrupt_chunk_is_detected_and_refetched(make_publisher: Any, make_subscriber: Any) -> None:
-    pub = await make_publisher()
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+async def test_a_corrupt_chunk_is_detected_and_refetched(algorithm: str, make_publisher: Any, make_subscriber: Any) -> None:
+    """Both checksum algorithms catch it: xxh3_64 (the default) and crc32 (older publishers, no xxhash)."""
+    pub = await make_publisher(checksum_algorithm=algorithm)
     w = model(5)
-    await pub.publish(w, 1)
+    manifest = await pub.publish(w, 1)
+    assert all(b.checksum.startswith(algorithm + ":") for b in manifest.buckets)
     wrap_sources(pub, 1, flips=1)  # every bucket's first chunk arrives with a flipped bit
     sub = make_subscriber(pub.router_endpoint, max_refetch=2)
     got = await sub.fetch(1)
     assert_same(got.tensors, w)
     assert sub.buckets_refetched == len(got.manifest.buckets)
+
+
+class ResizingSource:
+    """Test shim: the first `bad` reads answer a chunk of the wrong size (alternately too long and too short)."""
+
+    def __init__(self, inner: Any, bad: int) -> None:
+        self.inner, self.bad, self.reads = inner, bad, 0
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        self.reads += 1
+        data = self.inner.read(offset, nbytes)
+        if data is None or self.bad <= 0:
+            return data
+        self.bad -= 1
+        if self.bad % 2:
+            return bytes(data) + b"\xff" * 8  # the right bytes, then garbage past the chunk's end
+        return bytes(data)[:-1]
+
+
+async def test_a_reply_of_the_wrong_size_never_lands_and_is_fetched_again(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    w = model(8)
+    await pub.publish(w, 1)
+    served = pub._server.versions[1]
+    served.sources = [ResizingSource(s, bad=2) for s in served.sources]
+    sub = make_subscriber(pub.router_endpoint, max_refetch=2)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)  # bit-exact: no stray byte of a wrong-size reply stayed in a bucket
+    assert sub.buckets_refetched == 0  # caught per chunk, before the bucket's checksum
+    assert all(s.bad == 0 for s in served.sources)
+
+
+async def test_pin_memory_is_ignored_without_cuda(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    await pub.publish(model(9), 1)
+    sub = make_subscriber(pub.router_endpoint, pin_memory=True)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, model(9))
+    assert sub.pin_memory == torch.cuda.is_available()
+    assert all(b.is_pinned() == torch.cuda.is_available() for b in got.buffers)
 
 
 async def test_a_bucket_that_never_verifies_is_never_returned(make_publisher: Any, make_subscriber: Any) -> None:
@@ -271,3 +314,20 @@ async def test_fetch_times_out_when_nobody_serves(make_subscriber: Any, tcp_endp
     sub = make_subscriber(tcp_endpoint(), fetch_timeout_s=0.2, max_refetch=1)
     with pytest.raises(WeightSyncError, match="no manifest"):
         await sub.fetch()
+
+
+async def test_evicted_buffers_are_reused_but_never_under_a_chunk_in_flight(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(keep_versions=2)
+    await pub.publish(model(1), 1)
+    await pub.publish(model(2), 2)
+    old = pub._server.versions[1].sources
+    held = old[0].read(0, 4096)  # a chunk of version 1 still queued for a slow peer
+    held_bytes = bytes(held)
+    await pub.publish(model(3), 3)  # evicts version 1
+    new_ptrs = {s.data.data_ptr() for s in pub._server.versions[3].sources}
+    assert old[0].data.data_ptr() not in new_ptrs  # in flight: not reused
+    assert bytes(held) == held_bytes
+    assert {s.data.data_ptr() for s in old[1:]} <= new_ptrs  # the others were reused
+    sub = make_subscriber(pub.router_endpoint)
+    assert_same((await sub.fetch(3)).tensors, model(3))
+    assert_same((await sub.fetch(2)).tensors, model(2))

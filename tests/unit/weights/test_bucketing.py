@@ -12,8 +12,10 @@ from hypothesis import strategies as st  # noqa: E402
 from rollpool.protocol.messages import BucketInfo, TensorInfo  # noqa: E402
 from rollpool.weights.bucketing import (  # noqa: E402
     BucketPlanner,
+    Checksummer,
     check_bucket_info,
     checksum,
+    checksum_supported,
     dtype_name,
     pack_tensors,
     unpack_bucket,
@@ -128,9 +130,40 @@ def test_checksum_detects_a_flipped_byte() -> None:
     assert verify_checksum(b.info.checksum, b.data.numpy())
     b.data[123] ^= 0x01
     assert not verify_checksum(b.info.checksum, b.data.numpy())
-    assert b.info.checksum.startswith("crc32:")
+    assert b.info.checksum.startswith("xxh3_64:") and len(b.info.checksum) == len("xxh3_64:") + 16
     assert not verify_checksum("sha999:00", b"")  # an unknown algorithm never passes
-    assert checksum(b"") == "crc32:00000000"
+    assert checksum(b"", "crc32") == "crc32:00000000"
+    assert checksum(b"", "xxh3_64") == "xxh3_64:2d06800538d394c2"  # XXH3_64bits of nothing, seed 0
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_both_checksum_algorithms_verify_and_catch_a_flipped_byte(algorithm: str) -> None:
+    """crc32 manifests (older publishers, or no xxhash) verify as well as the xxh3_64 default."""
+    (b,) = pack_tensors({"w": torch.randn(300_000)}, checksum_algorithm=algorithm)
+    assert b.info.checksum.startswith(algorithm + ":")
+    data = b.data.numpy()
+    assert verify_checksum(b.info.checksum, data)
+    running = Checksummer.for_digest(b.info.checksum)
+    for off in range(0, len(data), 65536):  # fed in chunks, as a subscriber does
+        running.update(data[off : off + 65536])
+    assert verify_checksum(b.info.checksum, running=running)
+    other = "crc32" if algorithm == "xxh3_64" else "xxh3_64"
+    assert not verify_checksum(b.info.checksum, running=Checksummer(other))  # a running sum of the wrong algorithm never passes
+    data[len(data) // 3] ^= 0x01
+    assert not verify_checksum(b.info.checksum, data)
+
+
+def test_without_xxhash_the_default_falls_back_to_crc32(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollpool.weights import bucketing
+
+    monkeypatch.setattr(bucketing, "_xxhash", lambda: None)
+    assert bucketing.default_checksum_algorithm() == "crc32"
+    (b,) = pack_tensors({"w": torch.randn(10)})
+    assert b.info.checksum.startswith("crc32:") and verify_checksum(b.info.checksum, b.data.numpy())
+    assert not checksum_supported("xxh3_64")
+    assert not verify_checksum(checksum(b"x", "crc32").replace("crc32", "xxh3_64"), b"x")  # cannot verify: fails, never passes
+    with pytest.raises(ValueError, match="xxhash"):
+        Checksummer("xxh3_64")
 
 
 def test_manifests_that_do_not_fit_their_buffer_are_refused() -> None:
