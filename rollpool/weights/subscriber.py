@@ -151,8 +151,6 @@ class WeightSubscriber:
         self._prefix = uuid.uuid4().hex[:8]
         self._errlog = RateLimitedLog(log)
         self._free: dict[int, list[torch.Tensor]] = {}
-        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
-        """Bucket buffers are page-locked (asked for, and CUDA present): fast asynchronous copies to the GPU."""
 
     # -- connection
 
