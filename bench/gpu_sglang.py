@@ -186,7 +186,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         weights_ep = {"weight_router_endpoint": f"ipc://{wdir}/router", "weight_pub_endpoint": f"ipc://{wdir}/pub"}
     else:
         weights_ep = {}
-    hs_port, hs = port(), None
+    # launch_server derives more ports from this one (its gRPC port is 10,000 above): keep it low
+    hs_port, hs = 31000 + os.getpid() % 2000, None
     if args.compare_http_server:
         # SGLang's own HTTP server on the same model, same backends, for the child-vs-server measurement
         hs = _spawn(["sglang.launch_server", "--model-path", str(big), "--host", "127.0.0.1", "--port", str(hs_port),
@@ -381,7 +382,7 @@ def main() -> int:
                     help="also time SGLang's own HTTP server (python -m sglang.launch_server) on the same prompts")
     ap.add_argument("--long-tokens", type=int, default=1800)
     ap.add_argument("--capacity", type=int, default=256)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5)
     args = ap.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
