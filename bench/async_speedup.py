@@ -74,7 +74,7 @@ generated groups at every eta in the zero-latency model, which then trains
 (messaging, weight apply, time compression); ``fraction_of_bound`` is the
 honest figure against perfect overlap. Cancelling a doomed group as soon as
 it cannot meet the bound (freeing its slots and window early) would raise the
-model's rate by only 6-8%; fixing the loss needs a design change (trainer
+model's rate by only 5-8% (``ideal_pool_cancel_doomed_samples_per_s``); fixing the loss needs a design change (trainer
 waits for old groups, or a staleness measure that partial rollouts can reset).
 
 Steady state: the run fills the admission window at version 0, and the age
@@ -179,7 +179,7 @@ def fluid_window_bound(w: Workload, eta: int, group_s: float, train_s: float) ->
 
 
 def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
-               hard_bound: bool = True, warmup_s: float = 0.0) -> dict[str, float]:
+               hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False) -> dict[str, float]:
     """The pool's rules with every latency zero: a discrete-event model, for reference only.
 
     Same rules as the real run: AReaL admission ``accepted + running + n <= (v + eta + 1) B`` over
@@ -187,7 +187,9 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     groups taken in completion order, the trainer's hard bound dropping a group whose version lag
     exceeds eta when it is taken (its samples leave ``accepted``), training ``tokens x 0.05 ms /
     train`` GPUs, then the version moves on. Returns the trained samples/s after `warmup_s` and the
-    share of generated groups dropped.
+    share of generated groups dropped. ``cancel_doomed`` models a broker that cancels a running
+    group as soon as the version moves more than eta past its dispatch version (not implemented in
+    the pool: an option this model prices).
     """
     n, per_step = w.group_size, w.batch_size // w.group_size
     draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
@@ -228,7 +230,11 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
             version += 1
             training = False
             step_at.append(now)
-        else:
+            if cancel_doomed:
+                for doomed in [k for k, g in live.items() if g[0] < version - eta]:
+                    del live[doomed]  # its completion event finds nothing
+                    running -= n
+        elif gid in live:
             g = live.pop(gid)
             running -= n
             accepted += n
@@ -265,8 +271,10 @@ def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float) -> dict[s
         slots = gen * w.capacity / group_s
         trainer = w.batch_size / train_s
         ideal = ideal_pool(w, gen, train, eta, warmup_s=warmup_s)
+        cancel = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, cancel_doomed=True)
         bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer,
-                       "ideal_pool_samples_per_s": ideal["samples_per_s"], "ideal_pool_dropped_share": ideal["dropped_share"]}
+                       "ideal_pool_samples_per_s": ideal["samples_per_s"], "ideal_pool_dropped_share": ideal["dropped_share"],
+                       "ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"]}
     return {
         "mean_tokens_per_sample": mean_tokens,
         "mean_group_s": group_s,

@@ -46,6 +46,8 @@ def test_hard_bound_drops_cost_a_share_at_every_eta() -> None:
         assert 0.1 < ideal["dropped_share"] < 0.3
         assert free["dropped_share"] == 0
         assert ideal["samples_per_s"] < 0.9 * free["samples_per_s"]
+        cancel = bench.ideal_pool(W, gen, train, eta, steps=300, warmup_s=600.0, cancel_doomed=True)
+        assert ideal["samples_per_s"] < cancel["samples_per_s"] < free["samples_per_s"]
 
 
 def test_slots_bind_at_64_gpus_eta_8() -> None:
