@@ -179,7 +179,8 @@ def fluid_window_bound(w: Workload, eta: int, group_s: float, train_s: float) ->
 
 
 def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
-               hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False) -> dict[str, float]:
+               hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False,
+    start_behind_at_bump: bool = False) -> dict[str, float]:
     """The pool's rules with every latency zero: a discrete-event model, for reference only.
 
     Same rules as the real run: AReaL admission ``accepted + running + n <= (v + eta + 1) B`` over
@@ -189,7 +190,9 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     train`` GPUs, then the version moves on. Returns the trained samples/s after `warmup_s` and the
     share of generated groups dropped. ``cancel_doomed`` models a broker that cancels a running
     group as soon as the version moves more than eta past its dispatch version (not implemented in
-    the pool: an option this model prices).
+    the pool: an option this model prices). ``start_behind_at_bump`` models what the real pool
+    does: the capacity a version bump opens is dispatched at once, before any worker has applied
+    the new version, so those groups start one version behind.
     """
     n, per_step = w.group_size, w.batch_size // w.group_size
     draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
@@ -204,12 +207,13 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     step_at: list[float] = []
     next_id = dropped = generated = 0
 
-    def admit() -> None:
+    def admit(bump: bool = False) -> None:
         nonlocal running, next_id
+        start = version - 1 if bump and start_behind_at_bump else version
         while len(live) < slots and accepted + running + n <= (version + eta + 1) * w.batch_size:
             lengths = draws[next_id % len(draws)]
             next_id += 1
-            live[next_id] = (version, float(lengths.sum()))
+            live[next_id] = (start, float(lengths.sum()))
             running += n
             heapq.heappush(events, (now + float(lengths.max()) * w.decode_s_per_step, next_id))
 
@@ -226,7 +230,8 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     admit()
     while len(step_at) < steps:
         now, gid = heapq.heappop(events)
-        if gid < 0:
+        bump = gid < 0
+        if bump:
             version += 1
             training = False
             step_at.append(now)
@@ -246,7 +251,7 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
                 batch, ready[:] = ready[:per_step], ready[per_step:]
                 training = True
                 heapq.heappush(events, (now + sum(t for _, t in batch) * w.train_s_per_token_gpu / train, -1))
-        admit()
+        admit(bump)
     t = np.asarray(step_at)
     first = int(np.searchsorted(t, warmup_s))
     return {"samples_per_s": float((len(t) - 1 - first) * w.batch_size / (t[-1] - t[first])),
@@ -272,9 +277,12 @@ def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float) -> dict[s
         trainer = w.batch_size / train_s
         ideal = ideal_pool(w, gen, train, eta, warmup_s=warmup_s)
         cancel = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, cancel_doomed=True)
+        behind = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, start_behind_at_bump=True)
         bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer,
                        "ideal_pool_samples_per_s": ideal["samples_per_s"], "ideal_pool_dropped_share": ideal["dropped_share"],
-                       "ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"]}
+                       "ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"],
+                       "ideal_pool_start_behind_samples_per_s": behind["samples_per_s"],
+                       "ideal_pool_start_behind_dropped_share": behind["dropped_share"]}
     return {
         "mean_tokens_per_sample": mean_tokens,
         "mean_group_s": group_s,
@@ -522,8 +530,19 @@ def main() -> int:
     ap.add_argument("--worker-procs", type=int, default=1, help="processes the sim workers are spread over")
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true", help="add these runs to the ones already in --json (same workload and steps)")
+    ap.add_argument("--reanalyse", action="store_true", help="recompute the analytic side and tables of --json; run nothing")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
+    if args.reanalyse:
+        stored = json.loads(Path(args.json).read_text())
+        for gpus, runs in stored["runs"].items():
+            ran = sorted(int(k[9:]) for k in runs if k.startswith("async_eta"))
+            model = analytic(Workload(), int(gpus), ran, stored["warmup_s"])
+            runs["analytic"] = {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}
+            print_table(gpus, runs)
+        summarise(stored)
+        Path(args.json).write_text(json.dumps(stored, indent=1) + "\n")
+        return 0
     w = Workload()
     gpu_list = [int(x) for x in args.gpus.split(",")]
     etas = [int(x) for x in args.etas.split(",")]

@@ -63,3 +63,14 @@ def test_steady_rate_skips_the_warm_up() -> None:
     assert rate == pytest.approx(4 * 512 / 40.0)
     rate, start, k = bench.steady_rate([100.0, 700.0, 710.0], 512, warmup_s=600.0)  # too few after: second half
     assert (start, k) == (100.0, 2)
+
+
+def test_starting_a_version_behind_at_each_bump_costs_most_at_small_eta() -> None:
+    gen, train = bench.split(W, 64)
+    loss = {}
+    for eta in (1, 8):
+        ideal = bench.ideal_pool(W, gen, train, eta, steps=300, warmup_s=600.0)
+        behind = bench.ideal_pool(W, gen, train, eta, steps=300, warmup_s=600.0, start_behind_at_bump=True)
+        assert behind["dropped_share"] >= ideal["dropped_share"]
+        loss[eta] = 1 - behind["samples_per_s"] / ideal["samples_per_s"]
+    assert loss[1] > 0.1 > loss[8]
