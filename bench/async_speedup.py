@@ -547,6 +547,7 @@ def main() -> int:
             runs["analytic"] = {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}
             print_table(gpus, runs)
         summarise(stored)
+        stored["commands"] = [*stored.get("commands", []), " ".join(["python", "bench/async_speedup.py", *sys.argv[1:]])]
         Path(args.json).write_text(json.dumps(stored, indent=1) + "\n")
         return 0
     w = Workload()
