@@ -21,30 +21,85 @@ Fixed workload (the issue's):
 * async: 7/8 of the GPUs generate (sim workers), 1/8 train (the sleep), with
   the broker's staleness admission at eta = 1, 2, 4, 8 and the trainer's hard
   bound ``get_batch(max_staleness=eta)``. Why 7:1: at 1/8 of the GPUs a
-  training step takes 9.8 s (64 GPUs) or 2.5 s (256 GPUs), well under the time
-  the generation side needs to produce a batch at any eta, so training is never
-  the bottleneck and every other GPU generates.
+  training step takes 9.6 s (64 GPUs) or 2.4 s (256 GPUs), so the trainer
+  alone could take 54 or 214 samples/s, while the generation side gives at
+  most 18 (64 GPUs, slot-bound) or 21 (256 GPUs, eta 8, window-bound): training
+  is never the bottleneck, and every GPU moved from generation to training would
+  only lower the slot bound (at 64 GPUs, eta 8 is slot-bound).
 
-Both modes train the same number of samples (``--steps`` x B). Time is
-compressed: the decode step and the training sleep are divided by a time scale
-and measured wall time is multiplied back, so all reported seconds are
-simulated seconds. The scale is chosen per run so the token rate stays within
-``--token-budget`` tokens per real second (two shared cores); the sim engine
-makes tokens lazily, so compression costs nothing else.
+Both modes train the same number of samples (``--steps`` x B).
 
-Reported per run: trained samples per simulated second (end to end and over
-the second half of the steps), speedup over sync (end to end), generation-side
-utilisation (share of the generation GPUs' sequence slots holding a sequence,
-from the trained groups' start/finish times), the staleness histogram, and
-the analytic bound: the best throughput perfect overlap allows,
-``min((eta+1) B, G x 64) / E[group time]`` (Little's law on the admission
-window and on the slots; a group holds its 8 slots until its longest sample
-ends) and ``B / t_train`` (the trainer). The sync bound is
-``B / (E[longest of 512 samples] x 25 ms + t_train(all GPUs))``.
-``fraction_of_bound`` is the second-half throughput over the bound.
+Time is compressed: the decode step and the training sleep are divided by a
+time scale and measured wall time is multiplied back, so all reported seconds
+are simulated seconds. The scale is chosen per run so the simulated token rate
+stays within ``--token-budget`` tokens per real second (the sim engine makes
+every token in Python, about 2 us each) and at most ``--max-scale``; each run
+reports the CPU its broker, workers and trainer used per real second
+(``cpu_seconds_*`` / ``real_seconds``) so one can see the pool was not
+CPU-bound. What the scale does distort: fixed real-time latencies (publish,
+apply, pull) are multiplied by it. They sit on sync's critical path once per
+step (sync reaches about 0.95 of its bound) and are overlapped in async.
 
-    python bench/async_speedup.py [--quick | --smoke] [--gpus 64,256] [--etas 1,2,4,8]
-        [--steps 12] [--token-budget 250000] [--json PATH]
+The analytic bound (what perfect overlap gives, nothing wasted), derived for
+this workload and checked against a zero-latency model of the same rules
+(`ideal_pool`, agreement within 2%):
+
+* A group holds its n = 8 sequence slots, and its 8 samples of the broker's
+  ``running``, until its longest sample ends: the sim engine returns a request
+  when all n samples end and the worker returns the credits of the whole group
+  then. E[group time] D = E[max of 8 lengths] x 25 ms = 202.8 s.
+* Slots (Little's law): ``gen x 64 / E[D]`` samples/s (17.7 at 56 generation
+  GPUs, 70.7 at 224).
+* Trainer: ``B / t_train``.
+* Admission window. The rule is ``accepted + running + n <= (v + eta + 1) B``,
+  and ``accepted`` counts every sample delivered and not dropped, including
+  those not yet turned into a published version: the batch being trained and
+  the results buffered for the next one (``buffered = accepted - v B``). So
+  ``running <= (eta + 1) B - buffered``, not (eta + 1) B. With results
+  arriving at rate X, ``buffered`` climbs from X t_train to B while the
+  trainer waits, then grows from B to B + X t_train while it trains; its time
+  average is ``B (1/2 + X t_train / B)``. Little's law (``running = X E[D]``)
+  then gives ``X = (eta + 1/2) B / (E[D] + t_train)``. The old figure,
+  ``(eta + 1) B / E[D]``, was 10-35% too high.
+* bound = min(window, slots, trainer).
+
+What the rules cost beyond that. The admission rule bounds how many samples
+are in flight, not how old they are; the trainer's hard bound drops a group
+whose oldest token is more than eta versions behind. With a step every
+T = B / X = E[D] / (eta + 1/2) seconds, a group is dropped when it runs longer
+than about (eta + 1) T, i.e. about 1.1-1.3 E[D], whatever eta is: 18-22% of the
+generated groups at every eta in the zero-latency model, which then trains
+0.80-0.86 of the bound. ``ideal_pool_samples_per_s`` is that model's rate, and
+``fraction_of_ideal_pool`` shows what the real pool loses on top. Measured,
+that loss is almost all one effect: the capacity a version bump opens is
+dispatched at once, before any worker has applied the new version, so those
+groups start one version behind; the model with that one change
+(``ideal_pool_start_behind_samples_per_s``) matches the measured rates within
+3% (fix, not made here: hold that capacity for workers applying the new
+version). ``fraction_of_bound`` is the honest figure against perfect overlap.
+Cancelling a doomed group as soon as it cannot meet the bound (freeing its
+slots and window early) would raise the model's rate by only 5-8%
+(``ideal_pool_cancel_doomed_samples_per_s``); removing the drops needs a
+design change (the trainer waits for old groups, or a staleness measure that
+partial rollouts can reset).
+
+Steady state: the run fills the admission window at version 0, and the age
+mix of groups in flight settles only after about one longest group (410 s);
+the steady rate counts the steps that end after ``--warmup-s`` (600 simulated
+s; the last 4 steps at least, else the second half). The speedup over sync is
+steady async / steady sync (sync has no warm-up); the end-to-end ratio, which
+includes the async fill, is reported as ``speedup_end_to_end``, and
+``speedup_vs_sync_bound`` divides by sync's analytic bound instead of its
+measured rate (so the time scale's cost to sync cannot flatter async).
+
+Reported per run: trained samples per simulated second (end to end and
+steady), speedup over sync, generation-side utilisation (share of the
+generation GPUs' sequence slots holding a group that was trained, from the
+trained groups' start/finish times; dropped groups' slot time is not counted),
+the staleness histogram, groups dropped by the hard bound, and the bounds.
+
+    python bench/async_speedup.py [--quick | --smoke] [--gpus 64,256] [--etas 1,2,4,8] [--no-sync]
+        [--steps 40] [--token-budget 400000] [--max-scale 100] [--json PATH [--merge]]
 """
 
 from __future__ import annotations
@@ -52,6 +107,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
 import math
 import os
@@ -60,6 +116,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +129,8 @@ sys.path.insert(0, str(ROOT))
 from rollpool.trainer_client import TrainerClient, TrainerClientConfig  # noqa: E402
 
 AREAL_SPEEDUP = 2.77
+WARMUP_S = 600.0
+"""Simulated seconds left out of the steady-state rate: 1.5x the longest possible group (410 s)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +179,92 @@ def split(w: Workload, gpus: int) -> tuple[int, int]:
     return gpus - train, train
 
 
-def analytic(w: Workload, gpus: int, etas: list[int]) -> dict[str, Any]:
+def fluid_window_bound(w: Workload, eta: int, group_s: float, train_s: float) -> float:
+    """Trained samples/s the admission window allows when nothing is wasted (derivation in the module docstring)."""
+    return (eta + 0.5) * w.batch_size / (group_s + train_s)
+
+
+def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
+               hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False,
+    start_behind_at_bump: bool = False) -> dict[str, float]:
+    """The pool's rules with every latency zero: a discrete-event model, for reference only.
+
+    Same rules as the real run: AReaL admission ``accepted + running + n <= (v + eta + 1) B`` over
+    ``gen x capacity / n`` group slots (a group holds its slots until its longest sample ends),
+    groups taken in completion order, the trainer's hard bound dropping a group whose version lag
+    exceeds eta when it is taken (its samples leave ``accepted``), training ``tokens x 0.05 ms /
+    train`` GPUs, then the version moves on. Returns the trained samples/s after `warmup_s` and the
+    share of generated groups dropped. ``cancel_doomed`` models a broker that cancels a running
+    group as soon as the version moves more than eta past its dispatch version (not implemented in
+    the pool: an option this model prices). ``start_behind_at_bump`` models what the real pool
+    does: the capacity a version bump opens is dispatched at once, before any worker has applied
+    the new version, so those groups start one version behind.
+    """
+    n, per_step = w.group_size, w.batch_size // w.group_size
+    draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
+    slots = gen * w.capacity // n
+    version = accepted = running = 0
+    now = 0.0
+    events: list[tuple[float, int]] = []  # (time, group id); id -1: the training step ends
+    live: dict[int, tuple[int, float]] = {}  # group id -> (version at dispatch, tokens)
+    done: deque[tuple[int, float]] = deque()
+    ready: list[tuple[int, float]] = []
+    training = False
+    step_at: list[float] = []
+    next_id = dropped = generated = 0
+
+    def admit(bump: bool = False) -> None:
+        nonlocal running, next_id
+        start = version - 1 if bump and start_behind_at_bump else version
+        while len(live) < slots and accepted + running + n <= (version + eta + 1) * w.batch_size:
+            lengths = draws[next_id % len(draws)]
+            next_id += 1
+            live[next_id] = (start, float(lengths.sum()))
+            running += n
+            heapq.heappush(events, (now + float(lengths.max()) * w.decode_s_per_step, next_id))
+
+    def take() -> None:
+        nonlocal accepted, dropped
+        while done and len(ready) < per_step:
+            g = done.popleft()
+            if hard_bound and version - g[0] > eta:
+                dropped += 1
+                accepted -= n
+            else:
+                ready.append(g)
+
+    admit()
+    while len(step_at) < steps:
+        now, gid = heapq.heappop(events)
+        bump = gid < 0
+        if bump:
+            version += 1
+            training = False
+            step_at.append(now)
+            if cancel_doomed:
+                for doomed in [k for k, g in live.items() if g[0] < version - eta]:
+                    del live[doomed]  # its completion event finds nothing
+                    running -= n
+        elif gid in live:
+            g = live.pop(gid)
+            running -= n
+            accepted += n
+            generated += 1
+            done.append(g)
+        if not training:
+            take()
+            if len(ready) >= per_step:
+                batch, ready[:] = ready[:per_step], ready[per_step:]
+                training = True
+                heapq.heappush(events, (now + sum(t for _, t in batch) * w.train_s_per_token_gpu / train, -1))
+        admit(bump)
+    t = np.asarray(step_at)
+    first = int(np.searchsorted(t, warmup_s))
+    return {"samples_per_s": float((len(t) - 1 - first) * w.batch_size / (t[-1] - t[first])),
+            "dropped_share": dropped / max(1, generated)}
+
+
+def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float) -> dict[str, Any]:
     per_sample = draw_lengths(w, 400_000)
     mean_tokens = float(per_sample.mean())
     groups = draw_lengths(w, (100_000, w.group_size), seed=2).max(axis=1)
@@ -134,10 +278,17 @@ def analytic(w: Workload, gpus: int, etas: list[int]) -> dict[str, Any]:
     train_s = batch_tokens * w.train_s_per_token_gpu / train
     bounds = {}
     for eta in etas:
-        window = (eta + 1) * w.batch_size / group_s
+        window = fluid_window_bound(w, eta, group_s, train_s)
         slots = gen * w.capacity / group_s
         trainer = w.batch_size / train_s
-        bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer}
+        ideal = ideal_pool(w, gen, train, eta, warmup_s=warmup_s)
+        cancel = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, cancel_doomed=True)
+        behind = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, start_behind_at_bump=True)
+        bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer,
+                       "ideal_pool_samples_per_s": ideal["samples_per_s"], "ideal_pool_dropped_share": ideal["dropped_share"],
+                       "ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"],
+                       "ideal_pool_start_behind_samples_per_s": behind["samples_per_s"],
+                       "ideal_pool_start_behind_dropped_share": behind["dropped_share"]}
     return {
         "mean_tokens_per_sample": mean_tokens,
         "mean_group_s": group_s,
@@ -167,12 +318,29 @@ class RunResult:
     sim_seconds: float
     samples_per_s: float
     steady_samples_per_s: float
+    steady_from_s: float
+    steady_steps: int
     gen_utilisation: float
     staleness_hist: dict[int, int]
     max_staleness_seen: int
     dropped_stale: int
     real_seconds: float
     cpu_seconds_children: float
+    cpu_seconds_trainer: float
+    step_at_s: list[float]
+
+
+def steady_rate(step_at_s: list[float], batch_size: int, warmup_s: float) -> tuple[float, float, int]:
+    """Trained samples per simulated second over the steps after `warmup_s` (rate, from, steps).
+
+    With fewer than 4 steps after the warm-up it falls back to the second half of the steps.
+    """
+    t = [0.0, *step_at_s]
+    first = next((i for i, x in enumerate(t) if x >= warmup_s), len(t))
+    if len(t) - 1 - first < 4:
+        first = (len(t) - 1) // 2
+    k = len(t) - 1 - first
+    return k * batch_size / (t[-1] - t[first]), t[first], k
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -201,7 +369,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
-                   worker_procs: int = 1) -> RunResult:
+                   worker_procs: int = 1, warmup_s: float = 600.0) -> RunResult:
     sync = mode == "sync"
     gen, train = (gpus, gpus) if sync else split(w, gpus)
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -252,6 +420,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         slot_s = 0.0
         step_done_at: list[float] = []
         cpu0 = sum(_proc_cpu_s(x.pid) for x in [broker, *workers])
+        own0 = time.process_time()
         t0 = time.monotonic()
         wall0 = time.time()
         ahead = (eta + 2) * groups_per_step  # keep the queue ahead of the admission window
@@ -280,17 +449,19 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
                   file=sys.stderr, flush=True)
         real = step_done_at[-1] - t0
         cpu = sum(_proc_cpu_s(x.pid) for x in [broker, *workers]) - cpu0
-        half = steps // 2
-        steady_real = step_done_at[-1] - step_done_at[half - 1] if half >= 1 else real
+        own = time.process_time() - own0
+        step_at_s = [(x - t0) * time_scale for x in step_done_at]
+        steady, steady_from, steady_steps = steady_rate(step_at_s, w.batch_size, warmup_s)
         samples = steps * w.batch_size
         return RunResult(
             mode=mode, gpus=gpus, eta=0 if sync else eta, gen_gpus=gen, train_gpus=train, time_scale=time_scale,
             steps=steps, samples=samples, sim_seconds=real * time_scale,
             samples_per_s=samples / (real * time_scale),
-            steady_samples_per_s=(steps - half) * w.batch_size / (steady_real * time_scale),
+            steady_samples_per_s=steady, steady_from_s=steady_from, steady_steps=steady_steps,
             gen_utilisation=slot_s / (gen * w.capacity * real),
             staleness_hist=dict(sorted(hist.items())), max_staleness_seen=max(hist) if hist else 0,
             dropped_stale=int(client.counters.get("dropped_stale", 0)), real_seconds=real, cpu_seconds_children=cpu,
+            cpu_seconds_trainer=own, step_at_s=step_at_s,
         )
     finally:
         with contextlib.suppress(Exception):
@@ -307,79 +478,132 @@ def pick_scale(rate_samples_per_s: float, mean_tokens: float, token_budget: floa
 # --------------------------------------------------------------------------- main
 
 
+def summarise(out: dict[str, Any]) -> None:
+    """Recompute the per-eta tables (`speedup`, `fraction_of_bound`, ...) from every stored run."""
+    for key in ("speedup", "speedup_end_to_end", "speedup_vs_sync_bound", "fraction_of_bound", "fraction_of_ideal_pool", "max_staleness_seen"):
+        out[key] = {}
+    for gpus, runs in out["runs"].items():
+        sync = runs.get("sync")
+        model = runs["analytic"]
+        if sync is not None:
+            runs["sync_fraction_of_bound"] = sync["steady_samples_per_s"] / model["sync_samples_per_s"]
+        for name, r in runs.items():
+            if not name.startswith("async_eta"):
+                continue
+            eta = str(r["eta"])
+            b = model["async_bound"][eta]
+            if sync is not None:
+                out["speedup"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / sync["steady_samples_per_s"]
+                out["speedup_end_to_end"].setdefault(gpus, {})[eta] = r["samples_per_s"] / sync["samples_per_s"]
+            out["speedup_vs_sync_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / model["sync_samples_per_s"]
+            out["fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
+            out["fraction_of_ideal_pool"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["ideal_pool_samples_per_s"]
+            out["max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
+
+
+def print_table(gpus: str, runs: dict[str, Any]) -> None:
+    model = runs["analytic"]
+    sync = runs.get("sync")
+    print(f"   {'run':<13}{'scale':>6}{'steps':>6}{'samples/s':>10}{'steady':>8}{'bound':>7}{'of bound':>9}{'ideal':>7}{'of ideal':>9}"
+          f"{'speedup':>8}{'util':>6}{'max st':>7}{'dropped':>8}{'cpu/real':>9}  staleness histogram")
+    names = (["sync"] if sync else []) + sorted((k for k in runs if k.startswith("async_eta")), key=lambda k: int(k[9:]))
+    for name in names:
+        r = runs[name]
+        if name == "sync":
+            bound, ideal = model["sync_samples_per_s"], model["sync_samples_per_s"]
+        else:
+            b = model["async_bound"][str(r["eta"])]
+            bound, ideal = b["samples_per_s"], b["ideal_pool_samples_per_s"]
+        speed = f"{r['steady_samples_per_s'] / sync['steady_samples_per_s']:>7.2f}x" if sync else f"{'-':>8}"
+        cpu = (r["cpu_seconds_children"] + r["cpu_seconds_trainer"]) / r["real_seconds"]
+        label = "sync" if name == "sync" else f"async eta={r['eta']}"
+        print(f"   {label:<13}{r['time_scale']:>6.1f}{r['steps']:>6}{r['samples_per_s']:>10.2f}{r['steady_samples_per_s']:>8.2f}{bound:>7.2f}"
+              f"{r['steady_samples_per_s'] / bound:>9.2f}{ideal:>7.2f}{r['steady_samples_per_s'] / ideal:>9.2f}{speed}"
+              f"{r['gen_utilisation']:>6.2f}{r['max_staleness_seen']:>7}{r['dropped_stale']:>8}{cpu:>9.2f}  {r['staleness_hist']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="64 GPUs only, 6 steps (under five minutes)")
+    ap.add_argument("--quick", action="store_true", help="64 GPUs, sync and eta 4, 16 steps (under five minutes)")
     ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
     ap.add_argument("--gpus", default="64,256")
     ap.add_argument("--etas", default="1,2,4,8")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--token-budget", type=float, default=250_000.0, help="simulated tokens per real second a run may produce")
-    ap.add_argument("--max-scale", type=float, default=200.0)
+    ap.add_argument("--no-sync", action="store_true", help="skip the sync baseline (with --merge: keep the stored one)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="simulated seconds left out of the steady-state rate")
+    ap.add_argument("--token-budget", type=float, default=400_000.0, help="simulated tokens per real second a run may produce")
+    ap.add_argument("--max-scale", type=float, default=100.0)
     ap.add_argument("--worker-procs", type=int, default=1, help="processes the sim workers are spread over")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", action="store_true", help="add these runs to the ones already in --json (same workload and steps)")
+    ap.add_argument("--reanalyse", action="store_true", help="recompute the analytic side and tables of --json; run nothing")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
+    if args.reanalyse:
+        stored = json.loads(Path(args.json).read_text())
+        for gpus, runs in stored["runs"].items():
+            ran = sorted(int(k[9:]) for k in runs if k.startswith("async_eta"))
+            model = analytic(Workload(), int(gpus), ran, stored["warmup_s"])
+            runs["analytic"] = {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}
+            print_table(gpus, runs)
+        summarise(stored)
+        stored["commands"] = [*stored.get("commands", []), " ".join(["python", "bench/async_speedup.py", *sys.argv[1:]])]
+        Path(args.json).write_text(json.dumps(stored, indent=1) + "\n")
+        return 0
     w = Workload()
     gpu_list = [int(x) for x in args.gpus.split(",")]
     etas = [int(x) for x in args.etas.split(",")]
-    steps = args.steps
+    steps, warmup_s = args.steps, args.warmup_s
     if args.quick:
-        gpu_list, steps = [64], min(steps, 6)
+        gpu_list, etas, steps = [64], [4], 16
     if args.smoke:
-        w, gpu_list, etas, steps = SMOKE, [8], [2], 3
+        w, gpu_list, etas, steps, warmup_s = SMOKE, [8], [2], 3, 0.0
     log_dir = Path(args.log_dir or f"/tmp/rollpool-async-speedup-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
 
     print("SIMULATED: sim engines stand in for GPUs, a sleep for the optimizer; broker, workers and trainer client are real.")
     print(f"workload: {w.describe()}{' (SMOKE: not the issue workload)' if args.smoke else ''}")
-    print(f"GPUs {gpu_list}, eta {etas}, {steps} steps x {w.batch_size} samples per run; host {platform.node()} ({os.cpu_count()} cores); "
-          f"sim workers in {args.worker_procs} process(es); token budget {args.token_budget:g}/s")
+    print(f"GPUs {gpu_list}, eta {etas}, {steps} steps x {w.batch_size} samples per run, steady state after {warmup_s:g} simulated s; "
+          f"host {platform.node()} ({os.cpu_count()} cores); sim workers in {args.worker_procs} process(es); "
+          f"token budget {args.token_budget:g}/s, max scale {args.max_scale:g}")
+    command = " ".join(["python", "bench/async_speedup.py", *sys.argv[1:]])
     out: dict[str, Any] = {
         "simulated": True,
         "workload": {**asdict(w), "description": w.describe(), "smoke": args.smoke},
         "steps": steps,
+        "warmup_s": warmup_s,
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "worker_procs": args.worker_procs, "token_budget": args.token_budget},
         "areal_speedup": AREAL_SPEEDUP,
+        "commands": [command],
         "runs": {},
-        "speedup": {},
-        "fraction_of_bound": {},
-        "max_staleness_seen": {},
     }
+    if args.merge and args.json and Path(args.json).exists():
+        old = json.loads(Path(args.json).read_text())
+        if old.get("workload", {}).get("description") != out["workload"]["description"] or old.get("steps") != steps:
+            raise SystemExit(f"--merge: {args.json} holds another workload or step count")
+        out["runs"] = old.get("runs", {})
+        out["commands"] = [*old.get("commands", []), command]
     for gpus in gpu_list:
-        model = analytic(w, gpus, etas)
-        out["runs"][str(gpus)] = {"analytic": {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}}
+        model = analytic(w, gpus, etas, warmup_s)
+        runs = out["runs"].setdefault(str(gpus), {})
+        old_bounds = runs.get("analytic", {}).get("async_bound", {})
+        runs["analytic"] = {**model, "async_bound": {**old_bounds, **{str(k): v for k, v in model["async_bound"].items()}}}
         print(f"\n== {gpus} GPUs: sync = {gpus} GPUs alternating; async = {model['async_gen_gpus']} generate + {model['async_train_gpus']} train")
         print(f"   analytic: E[tokens/sample] {model['mean_tokens_per_sample']:.0f}, E[group time] {model['mean_group_s']:.1f} s, "
               f"sync step {model['sync_mean_generate_s']:.1f} s generate + {model['sync_train_s']:.2f} s train, "
               f"async train step {model['async_train_s']:.2f} s")
-        scale = pick_scale(model["sync_samples_per_s"], model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
-        sync = asyncio.run(run_pool(w, "sync", gpus, 0, steps, scale, log_dir, args.worker_procs))
-        out["runs"][str(gpus)]["sync"] = asdict(sync)
-        rows = [("sync", sync, model["sync_samples_per_s"])]
-        sp: dict[str, float] = {}
-        fb: dict[str, float] = {}
-        ms: dict[str, int] = {}
+        if not args.no_sync:
+            scale = pick_scale(model["sync_samples_per_s"], model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
+            runs["sync"] = asdict(asyncio.run(run_pool(w, "sync", gpus, 0, steps, scale, log_dir, args.worker_procs, warmup_s)))
         for eta in etas:
             bound = model["async_bound"][eta]["samples_per_s"]
             scale = pick_scale(bound, model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
-            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs))
-            out["runs"][str(gpus)][f"async_eta{eta}"] = asdict(r)
-            rows.append((f"async eta={eta}", r, bound))
-            sp[str(eta)] = r.samples_per_s / sync.samples_per_s
-            fb[str(eta)] = r.steady_samples_per_s / bound
-            ms[str(eta)] = r.max_staleness_seen
-        out["speedup"][str(gpus)] = sp
-        out["fraction_of_bound"][str(gpus)] = fb
-        out["max_staleness_seen"][str(gpus)] = ms
-        out["runs"][str(gpus)]["sync_fraction_of_bound"] = sync.steady_samples_per_s / model["sync_samples_per_s"]
-        print(f"   {'run':<13}{'scale':>6}{'samples/s':>11}{'2nd half':>10}{'bound':>8}{'of bound':>9}{'speedup':>9}"
-              f"{'gen util':>9}{'max stale':>10}{'dropped':>8}  staleness histogram")
-        for name, r, bound in rows:
-            print(f"   {name:<13}{r.time_scale:>6.1f}{r.samples_per_s:>11.2f}{r.steady_samples_per_s:>10.2f}{bound:>8.2f}"
-                  f"{r.steady_samples_per_s / bound:>9.2f}{r.samples_per_s / sync.samples_per_s:>8.2f}x"
-                  f"{r.gen_utilisation:>9.2f}{r.max_staleness_seen:>10}{r.dropped_stale:>8}  {r.staleness_hist}")
-        print(f"   (AReaL reports {AREAL_SPEEDUP}x at equal GPUs; all figures above are simulated seconds)")
+            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs, warmup_s))
+            runs[f"async_eta{eta}"] = asdict(r)
+        summarise(out)
+        print_table(str(gpus), runs)
+        print(f"   (AReaL reports {AREAL_SPEEDUP}x at equal GPUs; all figures above are simulated seconds; speedup = steady async / steady sync)")
+    summarise(out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
