@@ -10,7 +10,7 @@ loopback (not limited, as on a real host).
 
 One version of ``--mib`` MiB of bf16 tensors is published with the real
 `WeightPublisher`; every subscriber is a real `WeightSubscriber` that fetches
-and verifies the whole version (crc32 per bucket) and reports when it holds
+and verifies the whole version (a checksum per bucket: xxh3_64, or crc32 without xxhash) and reports when it holds
 it; relays are real `Relay`s. Measured: seconds from the announce to the last
 verified copy, (a) every subscriber straight from the publisher, (b) through
 one relay per node. The bound the links set: the publisher's link carries
@@ -288,7 +288,7 @@ def main() -> int:
     hosts = ["pub"] + [f"node{n}" for n in range(args.nodes)]
     workers = args.nodes * args.workers_per_node
     print(f"fan-out: 1 publisher host + {args.nodes} nodes x {args.workers_per_node} workers, every host link {args.link_gbit:g} Gbit/s "
-          f"each way (tc tbf on veth), one version of {args.mib} MiB bf16, crc32-verified by every worker")
+          f"each way (tc tbf on veth), one version of {args.mib} MiB bf16, checksum-verified by every worker")
     setup(hosts, args.link_gbit)
     try:
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "relay": []}
