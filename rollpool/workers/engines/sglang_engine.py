@@ -642,6 +642,9 @@ class SGLangEngine:
                 raise EngineError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
         return names
 
+    async def _to_device(self, named_tensors: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
+        return await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Copy a fetched version onto the GPU while generation goes on, so the pause only swaps it in.
 
@@ -656,7 +659,7 @@ class SGLangEngine:
         if not names:
             return
         t0 = time.time()
-        payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+        payload, on_device, h2d_s = await self._to_device(named_tensors)
         self._staged = _Staged(version, tuple(names), payload, on_device, t0, h2d_s, time.time() - t0)
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
@@ -675,7 +678,7 @@ class SGLangEngine:
             self.last_update.update({"staged": 1.0, "stage_started_at": staged.started_at, "stage_h2d_s": staged.h2d_s,
                                      "stage_s": staged.stage_s})
         else:
-            payload, on_device, h2d_s = await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+            payload, on_device, h2d_s = await self._to_device(named_tensors)
             self.last_update["staged"] = 0.0
         t1 = time.time()
         try:
@@ -710,8 +713,8 @@ class SGLangEngine:
             row = await self._leading_values(name)
             if row is None and len(shapes[name]) == 1:
                 # a norm weight SGLang does not answer: fall back to the (slower) 2-D projections
-                two_d = pick_verify_names([n for n in names if len(shapes[n]) == 2], shapes)
-                if two_d:
+                two_d = [n for n in names if len(shapes[n]) == 2]
+                if pick_verify_names(two_d, shapes):
                     await self._verify(sent, two_d)
                     return
             want = _leading(sent[name])
