@@ -8,6 +8,7 @@ from rollpool.protocol.errors import (
     EngineError,
     ProtocolError,
     RejectedError,
+    RequestRefusedError,
     RollpoolError,
     WeightSyncError,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigError",
     "ProtocolError",
     "EngineError",
+    "RequestRefusedError",
     "WeightSyncError",
     "BrokerUnavailableError",
     "RejectedError",

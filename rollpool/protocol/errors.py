@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "ProtocolError",
     "EngineError",
+    "RequestRefusedError",
     "WeightSyncError",
     "BrokerUnavailableError",
     "RejectedError",
@@ -43,6 +44,14 @@ class ProtocolError(RollpoolError):
 
 class EngineError(RollpoolError):
     """An inference engine failed (start, generate, apply, ...)."""
+
+
+class RequestRefusedError(EngineError):
+    """An engine refused one request after an explicit check (bad sampling, prompt too long, ...).
+
+    Only the request checks raise it; it fails that request alone (not retried), while any
+    other exception out of an engine means the engine failed and is restarted.
+    """
 
 
 class WeightSyncError(RollpoolError):

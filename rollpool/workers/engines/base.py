@@ -43,6 +43,7 @@ __all__ = [
     "EngineInfo",
     "GenerateOutput",
     "SampleOutput",
+    "StagingEngine",
     "validate_sampling",
 ]
 
@@ -170,6 +171,18 @@ class Engine(Protocol):
 
     async def stop(self) -> None:
         """Abort everything and release the engine; idempotent."""
+
+
+@runtime_checkable
+class StagingEngine(Engine, Protocol):
+    """An engine that can copy a version to its device before the pause (overlapping generation).
+
+    The worker calls `stage_weights` after the fetch and before the pause; `update_weights`
+    with the same version then only swaps the staged copy in.
+    """
+
+    async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Copy `named_tensors` to the device for `version`; raises `EngineError` on failure."""
 
 
 def validate_sampling(sampling: SamplingParams, n: int) -> None:
