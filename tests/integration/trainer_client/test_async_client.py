@@ -106,6 +106,7 @@ async def test_a_broker_restart_resubmits_every_undelivered_prompt_whole(inproc_
     client = await inproc_pool.client()
     prompts = [Prompt(prompt_id=f"r{i}", input_ids=np.array([i, 1], np.int32), group_size=2, sampling=SAMPLING,
                       priority=i, metadata={"i": i}) for i in range(3)]
+    await client.set_version(3)
     await client.submit(prompts)
     await inproc_pool.wait_for(lambda: len(lost.inflight) == 3)
     first_epoch = client.epoch
@@ -116,6 +117,7 @@ async def test_a_broker_restart_resubmits_every_undelivered_prompt_whole(inproc_
     batch = await client.get_batch(3, timeout=15)
     assert client.epoch != first_epoch and client.counters["broker_restarts"] == 1
     assert client.counters["resubmitted"] == 3
+    assert inproc_pool.broker.state.version == 3  # the trainer's version was announced to the new broker
     assert sorted(g.prompt_id for g in batch.groups) == ["r0", "r1", "r2"]
     assert len({t.trajectory_id for t in batch.trajectories}) == 6
     sent = {t.prompt.prompt_id: t.prompt for t in fresh.tasks}
