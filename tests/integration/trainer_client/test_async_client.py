@@ -171,3 +171,17 @@ async def test_an_absent_broker_raises_broker_unavailable(zmq_ctx: Any, ipc_endp
             await client.connect()
     finally:
         await client.close()
+
+
+async def test_publish_weights_hosts_the_publisher_and_names_it_to_the_broker(inproc_pool: Any) -> None:
+    torch = pytest.importorskip("torch")
+    client = await inproc_pool.client()
+    manifest = await client.publish_weights({"w": torch.arange(4, dtype=torch.float32)}, version=1)
+    assert manifest.version == 1 and client.version == 1
+    broker = inproc_pool.broker
+    assert broker.state.version == 1 and broker.weight_endpoint and broker.weight_endpoint.startswith("tcp://127.0.0.1:")
+    # a new broker epoch learns the version and the publisher's endpoints again from the client
+    await inproc_pool.stop_broker()
+    fresh = await inproc_pool.start_broker()
+    await client.status()
+    assert fresh.state.version == 1 and fresh.weight_endpoint == broker.weight_endpoint
