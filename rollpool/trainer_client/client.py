@@ -21,22 +21,27 @@ Guarantees the trainer relies on:
   counted (or resubmitted under a fresh id with ``regenerate_stale=True``).
 * Every request has a timeout and a bounded number of retries; a broker that
   does not answer raises `BrokerUnavailableError`.
+
+The bookkeeping behind these (pending prompts, dedup windows, acks, stale
+verdicts, what to regenerate, counters) is the pure `ClientLedger` in
+`ledger.py`; this module is the I/O around it: requests, retries, epochs, the
+hosted weight publisher and metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import socket
 import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -51,8 +56,6 @@ from rollpool.protocol import (
     Control,
     ControlReply,
     Error,
-    GroupResult,
-    GroupState,
     MetricsSink,
     NullMetricsSink,
     Prompt,
@@ -68,15 +71,19 @@ from rollpool.protocol import (
     StatusRequest,
     Submit,
     SubmitReply,
-    Trajectory,
     decode,
     encode,
-    trajectory_staleness,
 )
+from rollpool.trainer_client.ledger import ClientLedger, RolloutBatch, SubmitResult
+
+if TYPE_CHECKING:
+    from rollpool.weights import WeightPublisher
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -106,29 +113,6 @@ class TrainerClientConfig:
             raise ConfigError(f"submit_chunk must be >= 1, got {self.submit_chunk}")
         if self.dedup_window < 1:
             raise ConfigError(f"dedup_window must be >= 1, got {self.dedup_window}")
-
-
-@dataclass
-class SubmitResult:
-    accepted: list[str]
-    rejected: dict[str, str]
-    """prompt_id -> reason (``duplicate``, ``invalid``, ``group_too_large``, ``queue_full``, ...)."""
-
-
-@dataclass
-class RolloutBatch:
-    """What `get_batch` returns."""
-
-    groups: list[GroupResult]
-    """n whole DONE groups (each with all its trajectories)."""
-    other: list[GroupResult]
-    """Groups that ended otherwise (FAILED, CANCELLED, DROPPED_STALE) since the last batch."""
-    stats: dict[str, float]
-    """Lag, staleness and throughput figures, ready for wandb or TensorBoard."""
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        return [t for g in self.groups for t in g.trajectories]
 
 
 def make_prompt(item: Prompt | Mapping[str, Any] | str | Sequence[int], *, group_size: int = 1,
@@ -166,8 +150,6 @@ def new_prompt_id() -> str:
 
 
 def _with_id(p: Prompt) -> Prompt:
-    import dataclasses
-
     return dataclasses.replace(p, prompt_id=new_prompt_id())
 
 
@@ -186,26 +168,6 @@ def _sampling(s: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-class _Dedup:
-    """A bounded set that forgets the oldest ids first."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def add(self, key: str) -> bool:
-        """True when `key` is new."""
-        if key in self._ids:
-            return False
-        self._ids[key] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-        return True
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._ids
-
-
 class TrainerClient:
     """The asyncio trainer client. Use ``async with TrainerClient(...) as c:`` or `connect()`/`close()`."""
 
@@ -220,8 +182,6 @@ class TrainerClient:
     ) -> None:
         cfg = config or TrainerClientConfig()
         if broker is not None:
-            import dataclasses
-
             cfg = dataclasses.replace(cfg, broker=broker)
         self.config = cfg
         self.client_id = cfg.client_id or f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -233,36 +193,26 @@ class TrainerClient:
             sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
-        self._sock: Any = None
+        self.ledger = ClientLedger(dedup_window=cfg.dedup_window, regenerate_stale=cfg.regenerate_stale,
+                                   new_prompt_id=new_prompt_id)
+        self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._recv_task: asyncio.Task[None] | None = None
-        self._waiters: dict[str, asyncio.Future[Any]] = {}
+        self._waiters: dict[str, asyncio.Future[object]] = {}
         self._req_counter = itertools.count()
         self.epoch: str | None = None
-        self.version = 0
-        self._pending: dict[str, Prompt] = {}  # accepted, not yet delivered
-        self._to_ack: list[str] = []
-        self._to_ack_stale: list[str] = []
-        self._delivered = _Dedup(cfg.dedup_window)
-        self._traj_seen = _Dedup(cfg.dedup_window)
-        self._ready: deque[GroupResult] = deque()
-        self._other: list[GroupResult] = []
         self._epoch_lock = asyncio.Lock()
-        self._publisher: Any = None
+        self._publisher: WeightPublisher | None = None
         self._closed = False
-        self.counters: dict[str, int] = {
-            "submitted": 0,
-            "rejected": 0,
-            "resubmitted": 0,
-            "groups_delivered": 0,
-            "trajectories_delivered": 0,
-            "duplicates_dropped": 0,
-            "dropped_stale": 0,
-            "regenerated_stale": 0,
-            "failed": 0,
-            "cancelled": 0,
-            "broker_restarts": 0,
-        }
-        self._last_batch_at: float | None = None
+
+    @property
+    def version(self) -> int:
+        """The trainer's version as far as this client knows (set, published, or reported by the broker)."""
+        return self.ledger.version
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The client's own counters (live; copy them to keep a snapshot)."""
+        return self.ledger.counters
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -286,11 +236,11 @@ class TrainerClient:
             return
         self._closed = True
         try:
-            if self._sock is not None and (self._to_ack or self._to_ack_stale):
+            ack = self.ledger.final_ack()
+            if self._sock is not None and ack is not None:
                 with contextlib.suppress(Exception):
-                    stale = tuple(self._to_ack_stale)
-                    await self._send(Ack(prompt_ids=tuple(self._to_ack) + stale, dropped_stale=stale))
-                    self._to_ack, self._to_ack_stale = [], []
+                    await self._send(ack)
+                    self.ledger.acks_sent(ack.prompt_ids, ack.dropped_stale)
             if self._publisher is not None:
                 with contextlib.suppress(Exception):
                     await self._publisher.close()
@@ -334,13 +284,13 @@ class TrainerClient:
             elif isinstance(msg, Error):
                 log.warning("broker error: %s %s", msg.code, msg.message)
 
-    async def _request(self, make: Any, timeout_s: float | None = None, key: str | None = None) -> Any:
+    async def _request(self, make: Callable[[str], object], timeout_s: float | None = None, key: str | None = None) -> object:
         """Send `make(request_id)` and await the reply, retrying with backoff; epoch changes are handled here."""
         timeout = timeout_s if timeout_s is not None else self.config.request_timeout_s
         last: BaseException | None = None
         for attempt in range(self.config.request_retries):
             rid = key or self._rid()
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
             self._waiters[rid] = fut
             try:
                 await self._send(make(rid))
@@ -370,54 +320,48 @@ class TrainerClient:
                                     protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint),
             key="hello",
         )
-        if not isinstance(reply, ClientWelcome):
-            raise ProtocolError("unexpected", f"expected client_welcome, got {type(reply).__name__}")
-        self.epoch = reply.epoch
-        return reply
+        welcome = _expect(reply, ClientWelcome, "client_welcome")
+        self.epoch = welcome.epoch
+        return welcome
 
     async def _on_new_epoch(self, epoch: str) -> None:
         """The broker restarted: hello again, re-announce the version, resubmit what was not delivered."""
         async with self._epoch_lock:
             if epoch == self.epoch:
                 return
-            log.warning("broker restarted (epoch %s -> %s): resubmitting %d undelivered prompts", self.epoch, epoch, len(self._pending))
-            self.counters["broker_restarts"] += 1
+            prompts = self.ledger.to_resubmit()
+            log.warning("broker restarted (epoch %s -> %s): resubmitting %d undelivered prompts", self.epoch, epoch, len(prompts))
+            self.ledger.broker_restarted()
             self.epoch = epoch
             self.metrics.event("broker_restart_seen", {"client_id": self.client_id, "epoch": epoch})
             await self._hello()
             if self.version or self._publisher is not None:
                 await self._set_version_request(self.version)
-            prompts = list(self._pending.values())
             for i in range(0, len(prompts), self.config.submit_chunk):
-                chunk = tuple(prompts[i : i + self.config.submit_chunk])
-                reply = await self._request(lambda rid, c=chunk: Submit(request_id=rid, prompts=c))
-                self.counters["resubmitted"] += len(reply.accepted)
+                self.ledger.resubmitted(await self._submit_chunk(tuple(prompts[i : i + self.config.submit_chunk])))
 
     # ------------------------------------------------------------------ public API
 
     async def submit(self, prompts: Iterable[Prompt | Mapping[str, Any] | str | Sequence[int]], *, group_size: int = 1,
                      sampling: SamplingParams | Mapping[str, Any] | None = None) -> SubmitResult:
         """Submit prompts; returns the accepted ids and the rejected ones with reasons (nothing is silently lost)."""
-        items = [make_prompt(p, group_size=group_size, sampling=sampling) for p in prompts]
+        return await self._submit([make_prompt(p, group_size=group_size, sampling=sampling) for p in prompts])
+
+    async def _submit(self, items: Sequence[Prompt]) -> SubmitResult:
         result = SubmitResult(accepted=[], rejected={})
         for i in range(0, len(items), self.config.submit_chunk):
             chunk = tuple(items[i : i + self.config.submit_chunk])
-            reply = await self._request(lambda rid, c=chunk: Submit(request_id=rid, prompts=c))
-            if not isinstance(reply, SubmitReply):
-                raise ProtocolError("unexpected", f"expected submit_reply, got {type(reply).__name__}")
-            by_id = {p.prompt_id: p for p in chunk}
-            for pid in reply.accepted:
-                if pid in by_id:
-                    self._pending[pid] = by_id[pid]
-                    result.accepted.append(pid)
-            for rej in reply.rejected:
-                if rej.reason == "duplicate" and rej.prompt_id in self._pending:
-                    result.accepted.append(rej.prompt_id)  # a retried submit the broker already had
-                    continue
-                result.rejected[rej.prompt_id] = rej.reason
-        self.counters["submitted"] += len(result.accepted)
-        self.counters["rejected"] += len(result.rejected)
+            self.ledger.submitted(chunk, await self._submit_chunk(chunk), result)
         return result
+
+    async def _submit_chunk(self, chunk: tuple[Prompt, ...]) -> SubmitReply:
+        reply = await self._request(lambda rid: Submit(request_id=rid, prompts=chunk))
+        return _expect(reply, SubmitReply, "submit_reply")
+
+    async def _pull(self, max_groups: int, wait_s: float, acks: tuple[str, ...]) -> Batch:
+        reply = await self._request(lambda rid: Pull(request_id=rid, max_groups=max_groups, wait_s=wait_s, ack=acks),
+                                    timeout_s=wait_s + self.config.request_timeout_s)
+        return _expect(reply, Batch, "batch")
 
     async def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None) -> RolloutBatch:  # noqa: ASYNC109
         """Wait for n whole DONE groups (and collect other terminal states meanwhile).
@@ -429,118 +373,39 @@ class TrainerClient:
             raise ValueError(f"n must be >= 1, got {n}")
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
-        dropped_before = self.counters["dropped_stale"]
-        while len(self._ready) < n:
+        dropped_before = self.ledger.counters["dropped_stale"]
+        while self.ledger.ready < n:
             wait = self.config.pull_wait_s
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"get_batch({n}) got {len(self._ready)} groups within {timeout} s")
+                    raise TimeoutError(f"get_batch({n}) got {self.ledger.ready} groups within {timeout} s")
                 wait = min(wait, left)
-            if self._to_ack_stale:
-                stale = tuple(self._to_ack_stale)
+            stale = self.ledger.stale_acks()
+            if stale:
                 await self._send(Ack(prompt_ids=stale, dropped_stale=stale))
-                self._to_ack_stale = self._to_ack_stale[len(stale):]
-            acks = tuple(self._to_ack)
-            reply = await self._request(
-                lambda rid, w=wait, a=acks: Pull(request_id=rid, max_groups=n - len(self._ready), wait_s=w, ack=a),
-                timeout_s=wait + self.config.request_timeout_s,
-            )
-            # the broker took the acks with the pull; keep only those added since
-            self._to_ack = self._to_ack[len(acks):]
-            if not isinstance(reply, Batch):
-                raise ProtocolError("unexpected", f"expected batch, got {type(reply).__name__}")
-            if reply.weight_version > self.version:
-                self.version = reply.weight_version
-            for g in reply.groups:
-                await self._take(g, max_staleness)
-        groups = [self._ready.popleft() for _ in range(n)]
-        other, self._other = self._other, []
-        for g in groups:
-            self._to_ack.append(g.prompt_id)
-        for g in other:
-            self._to_ack.append(g.prompt_id)
-        return RolloutBatch(groups=groups, other=other, stats=self._batch_stats(groups, t0, dropped_before))
-
-    async def _take(self, g: GroupResult, max_staleness: int | None) -> None:
-        if g.prompt_id in self._delivered:
-            self.counters["duplicates_dropped"] += 1
-            self._to_ack.append(g.prompt_id)  # the broker redelivered something we already returned
-            return
-        self._pending.pop(g.prompt_id, None)
-        if g.state != GroupState.DONE:
-            self._delivered.add(g.prompt_id)
-            self._other.append(g)
-            if g.state == GroupState.FAILED:
-                self.counters["failed"] += 1
-            elif g.state == GroupState.CANCELLED:
-                self.counters["cancelled"] += 1
-            elif g.state == GroupState.DROPPED_STALE:
-                self.counters["dropped_stale"] += 1
-            return
-        fresh = [t for t in g.trajectories if self._traj_seen.add(t.trajectory_id)]
-        if len(fresh) != len(g.trajectories):
-            self.counters["duplicates_dropped"] += len(g.trajectories) - len(fresh)
-        if max_staleness is not None and fresh:
-            staleness = max(trajectory_staleness(self.version, t.token_versions) for t in fresh)
-            if staleness > max_staleness:
-                self._delivered.add(g.prompt_id)
-                self.counters["dropped_stale"] += 1
-                self._to_ack_stale.append(g.prompt_id)
-                self.metrics.event("dropped_stale", {"prompt_id": g.prompt_id, "staleness": staleness})
-                if self.config.regenerate_stale:
-                    import dataclasses
-
-                    original = self._prompt_for(g)
-                    if original is not None:
-                        await self.submit([dataclasses.replace(original, prompt_id=new_prompt_id())])
-                        self.counters["regenerated_stale"] += 1
-                return
-        self._delivered.add(g.prompt_id)
-        if not fresh:
-            return
-        if len(fresh) != len(g.trajectories):
-            import dataclasses
-
-            g = dataclasses.replace(g, trajectories=tuple(fresh))
-        self._ready.append(g)
-
-    def _prompt_for(self, g: GroupResult) -> Prompt | None:
-        t = g.trajectories[0] if g.trajectories else None
-        if t is None:
-            return None
-        return Prompt(prompt_id=g.prompt_id, input_ids=np.array(t.input_ids, dtype=np.int32),
-                      group_size=len(g.trajectories), metadata=dict(t.metadata))
-
-    def _batch_stats(self, groups: list[GroupResult], t0: float, dropped_before: int) -> dict[str, float]:
-        now = time.monotonic()
-        trajs = [t for g in groups for t in g.trajectories]
-        tokens = sum(len(t.output_ids) for t in trajs)
-        lags = [trajectory_staleness(self.version, t.token_versions) for t in trajs if len(t.token_versions)]
+                self.ledger.acks_sent(stale=stale)
+            acks = self.ledger.pull_acks()
+            batch = await self._pull(n - self.ledger.ready, wait, acks)
+            self.ledger.acks_sent(acks)  # the broker took them with the pull
+            self.ledger.observe_version(batch.weight_version)
+            taken = self.ledger.take(batch.groups, max_staleness)
+            for pid, staleness in taken.dropped_stale:
+                self.metrics.event("dropped_stale", {"prompt_id": pid, "staleness": staleness})
+            if taken.not_regenerated:
+                log.warning("regenerate_stale: %d stale groups were submitted before this client started "
+                            "(their prompts are unknown here), dropped without regeneration: %s",
+                            len(taken.not_regenerated), taken.not_regenerated[:5])
+            if taken.regenerate:
+                self.ledger.regenerated(await self._submit(taken.regenerate))
+        out, lags = self.ledger.deliver(n, started_at=t0, now=time.monotonic(), dropped_before=dropped_before)
         for lag in lags:
             self.metrics.observe("staleness", float(lag))
-        interval = now - self._last_batch_at if self._last_batch_at is not None else now - t0
-        self._last_batch_at = now
-        self.counters["groups_delivered"] += len(groups)
-        self.counters["trajectories_delivered"] += len(trajs)
-        rewards = [t.reward for t in trajs if t.reward is not None]
-        return {
-            "rollout/version": float(self.version),
-            "rollout/groups": float(len(groups)),
-            "rollout/samples": float(len(trajs)),
-            "rollout/tokens": float(tokens),
-            "rollout/wait_s": now - t0,
-            "rollout/tokens_per_s": tokens / interval if interval > 0 else 0.0,
-            "rollout/staleness_mean": float(np.mean(lags)) if lags else 0.0,
-            "rollout/staleness_max": float(max(lags)) if lags else 0.0,
-            "rollout/dropped_stale": float(self.counters["dropped_stale"] - dropped_before),
-            "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
-            "rollout/pending_prompts": float(len(self._pending)),
-        }
+        return out
 
     async def set_version(self, version: int) -> None:
         """Tell the broker the trainer's version (admission control counts from it)."""
-        self.version = max(self.version, version)
+        self.ledger.observe_version(version)
         await self._set_version_request(version)
 
     async def _set_version_request(self, version: int) -> None:
@@ -571,9 +436,7 @@ class TrainerClient:
         return manifest
 
     async def status(self) -> dict[str, Any]:
-        reply = await self._request(lambda rid: StatusRequest(request_id=rid))
-        if not isinstance(reply, StatusReply):
-            raise ProtocolError("unexpected", f"expected status_reply, got {type(reply).__name__}")
+        reply = _expect(await self._request(lambda rid: StatusRequest(request_id=rid)), StatusReply, "status_reply")
         return {"epoch": reply.epoch, "counters": dict(reply.counters), "workers": dict(reply.workers),
                 "client": dict(self.counters)}
 
@@ -603,4 +466,10 @@ class TrainerClient:
 
     def pending(self) -> int:
         """Prompts accepted and not yet delivered."""
-        return len(self._pending)
+        return len(self.ledger.pending)
+
+
+def _expect(reply: object, kind: type[_R], name: str) -> _R:
+    if not isinstance(reply, kind):
+        raise ProtocolError("unexpected", f"expected {name}, got {type(reply).__name__}")
+    return reply

@@ -55,7 +55,8 @@ class RolloutPool:
             raise ValueError("generate needs prompt or input_ids")
         params = dict(sampling_params or {})
         n = int(params.pop("n", 1))
-        sampling = SamplingParams(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()})
+        fields: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
+        sampling = SamplingParams(**fields)
         prompts = [make_prompt(p, group_size=n, sampling=sampling) for p in items]
         result = self._client.submit(prompts)
         if result.rejected:

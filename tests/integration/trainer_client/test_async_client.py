@@ -1,0 +1,187 @@
+"""The asyncio `TrainerClient` against a real broker on real ipc sockets (in process) and scripted workers.
+
+These reach the client's own paths (acknowledgement after return, the stale bound and regeneration,
+a broker restart seen as a new epoch, timeouts, an absent broker) while the test can look at both
+ends: what the broker holds and what a worker was sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpool import protocol as p
+from rollpool.protocol import BrokerUnavailableError, GroupState, Prompt, SamplingParams
+from rollpool.trainer_client import TrainerClient, TrainerClientConfig
+from tests.integration.broker.peers import FakeWorker, make_group
+
+SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.3, top_p=0.9, top_k=5, stop=("\n",), seed=11)
+
+
+def differing_fields(a: Prompt, b: Prompt) -> list[str]:
+    """The fields other than prompt_id in which two prompts differ."""
+    out = []
+    for f in dataclasses.fields(Prompt):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        same = np.array_equal(x, y) if isinstance(x, np.ndarray) or isinstance(y, np.ndarray) else x == y
+        if f.name != "prompt_id" and not same:
+            out.append(f.name)
+    return out
+
+
+class TaggingWorker(FakeWorker):
+    """A scripted worker whose trajectories carry keys of its own in their metadata, as real workers add them."""
+
+    async def complete(self, task_id: str, *, version: int | None = None, credit: bool = True) -> None:
+        task = self.inflight.pop(task_id)
+        group = make_group(task, self.worker_id, self.version if version is None else version)
+        tagged = tuple(dataclasses.replace(t, metadata={**task.prompt.metadata, "simulated": True, "reward_error": "x"}) for t in group)
+        await self._send(p.Result(task_id=task_id, prompt_id=task.prompt.prompt_id, trajectories=tagged))
+        if credit:
+            await self._send(p.Credit(credits=task.prompt.group_size))
+
+
+async def test_groups_come_back_whole_once_and_are_acknowledged_only_after_return(inproc_pool: Any) -> None:
+    await inproc_pool.worker(capacity=8)
+    client = await inproc_pool.client()
+    broker = inproc_pool.broker
+    result = await client.submit([[1, 2, i] for i in range(6)], group_size=3, sampling=SAMPLING)
+    assert len(result.accepted) == 6 and not result.rejected and client.pending() == 6
+    seen: list[str] = []
+    first = await client.get_batch(4, timeout=10)
+    assert all(g.state == GroupState.DONE and len(g.trajectories) == 3 for g in first.groups)
+    seen += [t.trajectory_id for t in first.trajectories]
+    assert broker.state.counters["acked"] == 0  # returned, not yet acknowledged: a crash now gets them redelivered
+    second = await client.get_batch(2, timeout=10)
+    seen += [t.trajectory_id for t in second.trajectories]
+    assert broker.state.counters["acked"] == 4  # the first batch went with the next pull
+    assert len(seen) == 18 and len(set(seen)) == 18 and client.pending() == 0
+    assert client.counters["groups_delivered"] == 6 and second.stats["rollout/groups"] == 2.0
+    await client.close()  # the last batch is acknowledged at close
+    await inproc_pool.wait_for(lambda: broker.state.counters["acked"] == 6 and broker.state.held == 0)
+
+
+async def test_regenerate_stale_resubmits_the_original_prompt(inproc_pool: Any) -> None:
+    """F3: the resubmission was rebuilt from a trajectory (default sampling, no priority, no text or
+    chat-template flag, no evaluation flag, the worker's metadata keys leaking in)."""
+    originals = {
+        q.prompt_id: q
+        for q in (
+            Prompt(prompt_id="by-ids", input_ids=np.array([4, 5, 6], np.int32), group_size=2, sampling=SAMPLING, priority=3,
+                   metadata={"answer": "42"}, exempt_from_staleness=True),
+            Prompt(prompt_id="by-text", text="2+2?", apply_chat_template=True, group_size=2, sampling=SAMPLING,
+                   metadata={"answer": "4"}),
+        )
+    }
+    again: list[p.Task] = []
+
+    def on_task(task: p.Task) -> None:
+        if task.prompt.prompt_id not in originals:
+            again.append(task)
+            worker.version = 5  # the regenerated groups come back fresh
+
+    worker = await inproc_pool.worker(kind=TaggingWorker, capacity=8, on_task=on_task)
+    client = await inproc_pool.client(regenerate_stale=True)
+    await client.set_version(5)  # the worker is at version 0: the first results are 5 versions old
+    assert (await client.submit(list(originals.values()))).accepted == list(originals)
+    batch = await client.get_batch(2, max_staleness=2, timeout=10)
+    assert client.counters["dropped_stale"] == 2 and client.counters["regenerated_stale"] == 2
+    assert sorted(g.prompt_id for g in batch.groups) == sorted(t.prompt.prompt_id for t in again)
+    assert len(again) == 2
+    by_answer = {q.metadata["answer"]: q for q in originals.values()}
+    for task in again:
+        original = by_answer[task.prompt.metadata["answer"]]
+        assert differing_fields(original, task.prompt) == [], (original, task.prompt)
+    assert client.pending() == 0
+    # the stale originals were released as dropped_stale; of the regenerated groups only the one that is not an
+    # evaluation prompt (exempt_from_staleness) uses admission capacity, as its original did
+    await inproc_pool.wait_for(lambda: inproc_pool.broker.state.staleness.accepted == 2)
+
+
+async def test_a_broker_restart_resubmits_every_undelivered_prompt_whole(inproc_pool: Any) -> None:
+    lost = await inproc_pool.worker("lost", auto_complete=False, capacity=8)
+    client = await inproc_pool.client()
+    prompts = [Prompt(prompt_id=f"r{i}", input_ids=np.array([i, 1], np.int32), group_size=2, sampling=SAMPLING,
+                      priority=i, metadata={"i": i}) for i in range(3)]
+    await client.set_version(3)
+    await client.submit(prompts)
+    await inproc_pool.wait_for(lambda: len(lost.inflight) == 3)
+    first_epoch = client.epoch
+    await lost.vanish()  # the worker and everything the broker held are gone
+    await inproc_pool.stop_broker()
+    await inproc_pool.start_broker()  # same endpoints, a new epoch
+    fresh = await inproc_pool.worker("fresh", capacity=8)
+    batch = await client.get_batch(3, timeout=15)
+    assert client.epoch != first_epoch and client.counters["broker_restarts"] == 1
+    assert client.counters["resubmitted"] == 3
+    assert inproc_pool.broker.state.version == 3  # the trainer's version was announced to the new broker
+    assert sorted(g.prompt_id for g in batch.groups) == ["r0", "r1", "r2"]
+    assert len({t.trajectory_id for t in batch.trajectories}) == 6
+    sent = {t.prompt.prompt_id: t.prompt for t in fresh.tasks}
+    for q in prompts:
+        assert differing_fields(q, sent[q.prompt_id]) == []
+
+
+async def test_a_get_batch_timeout_loses_nothing(inproc_pool: Any) -> None:
+    worker = await inproc_pool.worker(auto_complete=False, capacity=8)
+    client = await inproc_pool.client()
+    await client.submit([[1], [2]], group_size=1)
+    await inproc_pool.wait_for(lambda: len(worker.inflight) == 2)
+    first, second = list(worker.inflight)
+    await worker.complete(first)
+    with pytest.raises(TimeoutError):
+        await client.get_batch(2, timeout=0.3)
+    await worker.complete(second)
+    batch = await client.get_batch(2, timeout=10)
+    assert len(batch.groups) == 2 and client.pending() == 0
+
+
+async def test_failed_groups_come_back_beside_the_next_batch(inproc_pool: Any) -> None:
+    worker = await inproc_pool.worker(auto_complete=False, capacity=8)
+    client = await inproc_pool.client()
+    result = await client.submit([[1], [2]], group_size=1)
+    await inproc_pool.wait_for(lambda: len(worker.inflight) == 2)
+    by_prompt = {t.prompt.prompt_id: tid for tid, t in worker.inflight.items()}
+    bad, good = result.accepted
+    await worker.fail(by_prompt[bad], error="refused: too long", retryable=False)
+    await worker.complete(by_prompt[good])
+    batch = await client.get_batch(1, timeout=10)
+    assert [g.prompt_id for g in batch.groups] == [good]
+    assert [(g.prompt_id, g.state) for g in batch.other] == [(bad, GroupState.FAILED)] and "too long" in batch.other[0].reason
+    assert client.counters["failed"] == 1 and client.pending() == 0
+
+
+async def test_status_and_control_reach_the_workers(inproc_pool: Any) -> None:
+    await inproc_pool.worker("w0")
+    client = await inproc_pool.client()
+    status = await client.status()
+    assert status["epoch"] == inproc_pool.broker.epoch and "w0" in status["workers"] and status["client"]["submitted"] == 0
+    replies = await client.sleep()
+    assert replies["w0"]["ok"] is True and replies["w0"]["op"] == "sleep"
+
+
+async def test_an_absent_broker_raises_broker_unavailable(zmq_ctx: Any, ipc_endpoint: Any) -> None:
+    client = TrainerClient(config=TrainerClientConfig(broker=ipc_endpoint("nobody"), request_timeout_s=0.05, request_retries=2),
+                           sockets=p.SocketFactory(zmq_ctx))
+    try:
+        with pytest.raises(BrokerUnavailableError, match="did not answer after 2 attempts"):
+            await client.connect()
+    finally:
+        await client.close()
+
+
+async def test_publish_weights_hosts_the_publisher_and_names_it_to_the_broker(inproc_pool: Any) -> None:
+    torch = pytest.importorskip("torch")
+    client = await inproc_pool.client()
+    manifest = await client.publish_weights({"w": torch.arange(4, dtype=torch.float32)}, version=1)
+    assert manifest.version == 1 and client.version == 1
+    broker = inproc_pool.broker
+    assert broker.state.version == 1 and broker.weight_endpoint and broker.weight_endpoint.startswith("tcp://127.0.0.1:")
+    # a new broker epoch learns the version and the publisher's endpoints again from the client
+    await inproc_pool.stop_broker()
+    fresh = await inproc_pool.start_broker()
+    await client.status()
+    assert fresh.state.version == 1 and fresh.weight_endpoint == broker.weight_endpoint
