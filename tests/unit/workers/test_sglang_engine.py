@@ -210,3 +210,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_only_the_child_module_imports_sglang() -> None:
+    import ast
+
+    root = pathlib.Path(__file__).parents[3] / "rollpool"
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"workers/engines/sglang/server.py"}

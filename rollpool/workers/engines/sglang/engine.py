@@ -286,7 +286,10 @@ class SGLangEngine:
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
             self._dead = reason
-            log.error("sglang engine dead: %s", reason)
+            if reason == "stopped":
+                log.debug("sglang engine stopped")
+            else:
+                log.error("sglang engine dead: %s", reason)
         if self._died is not None and not self._died.done():
             self._died.set_result(reason)
         self._gate.set()  # wake waiters so they see the death
