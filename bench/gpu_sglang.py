@@ -37,8 +37,11 @@ def note(msg: str) -> None:
     print(f"[gpu_sglang {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+RESULT_NAME = "h200-sglang.json"
+
+
 def save() -> None:
-    (OUT / "h200-sglang.json").write_text(json.dumps(RESULT, indent=1, default=str))
+    (OUT / RESULT_NAME).write_text(json.dumps(RESULT, indent=1, default=str))
 
 
 def setup_env() -> None:
@@ -74,7 +77,7 @@ async def run_contract(small: Path) -> dict[str, Any]:
     import inspect
     import traceback
 
-    from rollpool.workers.engines.sglang_engine import SGLangEngine
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
     from tests.gpu import test_sglang_gpu as T
 
     os.environ["ROLLPOOL_SGLANG_GOLDEN_DIR"] = str(OUT / "golden")
@@ -90,13 +93,13 @@ async def run_contract(small: Path) -> dict[str, Any]:
             variants = [{"mode": m} for m in ("interrupt", "in_place", "drain")] if "mode" in params else [{}]
             for extra in variants:
                 label = name + (f"[{extra['mode']}]" if extra else "")
-                case = await T.make_case(url, str(small)) if "case" in params else None
+                case = await T.make_case(url, str(small), server.token) if "case" in params else None
                 try:
                     kw: dict[str, Any] = dict(extra)
                     if case is not None:
                         kw["case"] = case
                     if "sglang_server" in params:
-                        kw["sglang_server"] = (url, str(small))
+                        kw["sglang_server"] = (url, str(small), server.token)
                     await asyncio.wait_for(fn(**kw), 120)
                     results[label] = "passed"
                 except BaseException as exc:  # noqa: BLE001 - pytest.skip raises a BaseException
@@ -162,8 +165,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
 
     from rollpool.protocol.messages import SamplingParams
     from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
-    from rollpool.workers.engines.sglang_engine import HttpClient
-    from rollpool.workers.engines.sglang_wire import generate_body, parse_generate_response, sample_rid
+    from rollpool.workers.engines.sglang.http import HttpClient
+    from rollpool.workers.engines.sglang.wire import generate_body, parse_generate_response, sample_rid
 
     def port() -> int:
         import socket
@@ -220,7 +223,8 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         rng = random.Random(0)
         prompts = [[rng.randrange(10, 31000) for _ in range(128)] for _ in range(args.prompts)]
         sampling = {"max_new_tokens": args.out_tokens, "temperature": 1.0, "ignore_eos": True}
-        http = HttpClient("127.0.0.1", sg_port)
+        # the worker's SGLang child takes requests with its per-launch token only (the engine writes it, 0600, beside its log)
+        http = HttpClient("127.0.0.1", sg_port, token=(OUT / f"sglang-{sg_port}.token").read_text())
         sp = SamplingParams(max_new_tokens=args.out_tokens, temperature=1.0, ignore_eos=True)
         counter = iter(range(10**9))
 
@@ -356,7 +360,9 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
         RESULT["publish_to_applied_best"] = best
         RESULT["applied_gb_per_s"] = round(model_bytes / RESULT["publish_to_applied_s"] / 1e9, 3)
         save()
-        http.close()
+        await http.close()
+        if hs_http is not None:
+            await hs_http.close()
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 10)
@@ -367,7 +373,7 @@ async def pool_stage(big: Path, model_bytes: int, args: argparse.Namespace) -> N
 
 
 def main() -> int:
-    global OUT
+    global OUT, RESULT_NAME
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--work", default="/tmp/gpu_sglang")
@@ -378,13 +384,15 @@ def main() -> int:
     ap.add_argument("--out-tokens", type=int, default=1024, help="per prompt in the throughput pairs (~4 s of generation per run)")
     ap.add_argument("--versions", type=int, default=6, help="weight versions published during the long batch (second half from CUDA tensors)")
     ap.add_argument("--weights-transport", choices=("ipc", "tcp"), default="ipc")
-    ap.add_argument("--compare-http-server", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time SGLang's own HTTP server (python -m sglang.launch_server) on the same prompts")
+    ap.add_argument("--compare-http-server", action=argparse.BooleanOptionalAction, default=False,
+                    help="also time SGLang's own HTTP server (python -m sglang.launch_server; not startable from the kit, see docs/sglang.md)")
     ap.add_argument("--long-tokens", type=int, default=1800)
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--result-name", default="h200-sglang.json")
     args = ap.parse_args()
     OUT = Path(args.out)
+    RESULT_NAME = args.result_name
     OUT.mkdir(parents=True, exist_ok=True)
     setup_env()
     import torch
@@ -395,6 +403,12 @@ def main() -> int:
         import sglang
 
         RESULT["sglang"] = sglang.__version__
+    with contextlib.suppress(Exception):
+        import aiohttp
+
+        RESULT["http"] = f"aiohttp {aiohttp.__version__} (client in the worker, server in the child)"
+    with contextlib.suppress(Exception):
+        RESULT["commit"] = (ROOT / ".commit").read_text().strip()
     save()
     t = time.time()
     small, big, model_bytes = build_models(Path(args.work))

@@ -2,9 +2,11 @@
 
 Loaded with ``load_config(WorkerConfig, args, section="worker")`` (flags,
 ``ROLLPOOL_*`` environment, ``[worker]`` TOML table). `__post_init__` checks
-every range and names the field; `engine_kwargs()` turns ``engine_options``
-(``key=value,key=value``) plus ``model``/``capacity`` into keyword arguments
-for the engine factory.
+every range and names the field. ``engine_options`` (``key=value,key=value``)
+is parsed by the chosen engine's options dataclass (`SimOptions`, `HFOptions`,
+`SGLangOptions` in engines/options.py: typed by field, validated, errors name
+the field) here, before any engine loads; `engine_kwargs()` gives the typed
+values plus ``model``/``capacity`` as keyword arguments for the engine factory.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import ConfigError
+from rollpool.workers.engines.options import OPTIONS_BY_ENGINE, parse_options, split_options
 
 __all__ = ["WorkerConfig", "APPLY_MODE_NAMES", "parse_engine_options"]
 
@@ -88,19 +91,31 @@ class WorkerConfig:
                 raise ConfigError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"WorkerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        parse_engine_options(self.engine_options)
+        self.engine_kwargs()  # validates engine_options against the engine's options dataclass
 
     def engine_kwargs(self) -> dict[str, Any]:
-        kwargs = parse_engine_options(self.engine_options)
+        """The engine options given (typed by the engine's options dataclass, validated), plus model and capacity."""
+        kwargs: dict[str, Any] = dict(split_options(self.engine_options))
         if self.model is not None:
             kwargs.setdefault("model", self.model)
         if self.capacity:
             kwargs.setdefault("capacity", self.capacity)
-        return kwargs
+        cls = OPTIONS_BY_ENGINE.get(self.engine)
+        if cls is None:  # an engine registered at run time: values typed by guess
+            return parse_engine_options(self.engine_options) | {k: v for k, v in kwargs.items() if k in ("model", "capacity")}
+        try:
+            opts = parse_options(cls, kwargs)
+        except ConfigError as exc:
+            raise ConfigError(f"WorkerConfig.engine_options: {exc}") from None
+        return {k: getattr(opts, k) for k in kwargs}
 
 
 def parse_engine_options(text: str) -> dict[str, Any]:
-    """``"a=1,b=0.5,c=x,d=true"`` -> ``{"a": 1, "b": 0.5, "c": "x", "d": True}``."""
+    """``"a=1,b=0.5,c=x,d=true"`` -> ``{"a": 1, "b": 0.5, "c": "x", "d": True}``, typed by guess.
+
+    Only for an engine registered at run time (`register_engine`), whose options
+    have no dataclass here; the built-in engines are parsed by their dataclass.
+    """
     out: dict[str, Any] = {}
     for part in (p.strip() for p in text.split(",")):
         if not part:

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from rollpool.protocol import SUPPORTED_MAJORS, decode, encode
-from rollpool.protocol.errors import ProtocolError, WeightSyncError
+from rollpool.protocol.errors import ProtocolError, RequestRefusedError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import (
     ApplyDone,
@@ -649,7 +649,7 @@ class Worker:
             )
         except asyncio.CancelledError:
             raise
-        except ValueError as exc:
+        except RequestRefusedError as exc:
             self._finish_generation(ts)
             log.warning("task %s refused by the engine: %s", task.task_id, exc, extra={"worker": self.worker_id})
             await self._deliver(Result(task_id=task.task_id, prompt_id=prompt.prompt_id, error=f"invalid: {exc}", retryable=False))

@@ -1,8 +1,10 @@
 """The engine contract and the wire format on real SGLang (H200; marked gpu + sglang, skipped elsewhere).
 
-One SGLang server for the module (started once: ~1 min); each test attaches a
-fresh `SGLangEngine` to it with ``url=``. The worker-owned child-process path
-runs in bench/gpu_sglang.py. With ``ROLLPOOL_SGLANG_GOLDEN_DIR`` set, the raw
+One SGLang server for the module (started once: ~1 min, with a per-launch token
+in its environment as the engine starts it); each test attaches a fresh
+`SGLangEngine` to it with ``url=`` and that token. The worker-owned
+child-process path runs in bench/gpu_sglang.py (which also runs these tests
+directly, as the H200 has no pytest-asyncio). With ``ROLLPOOL_SGLANG_GOLDEN_DIR`` set, the raw
 ``/generate`` answers are written there (tests/fixtures/sglang is made from them).
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import json
 import os
 import pathlib
+import secrets
 import subprocess
 import time
 import urllib.request
@@ -20,9 +23,11 @@ from typing import Any
 
 import pytest
 
+from rollpool.protocol.errors import EngineError
 from rollpool.protocol.messages import FinishReason, SamplingParams
-from rollpool.workers.engines.sglang_engine import HttpClient, SGLangEngine
-from rollpool.workers.engines.sglang_wire import generate_body, parse_generate_response, sample_rid
+from rollpool.workers.engines.sglang.engine import SGLangEngine
+from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient
+from rollpool.workers.engines.sglang.wire import generate_body, parse_generate_response, sample_rid
 from tests.unit.workers.test_engine_contract import (  # noqa: F401 - the contract suite, collected here again
     EngineCase,
     test_abort_keeps_partial_output,
@@ -30,7 +35,7 @@ from tests.unit.workers.test_engine_contract import (  # noqa: F401 - the contra
     test_generate_returns_n_complete_samples,
     test_generate_waits_while_paused,
     test_info_declares_capacity_modes_and_fingerprint,
-    test_refuses_bad_sampling,
+    test_refuses_bad_requests_with_request_refused_error,
     test_request_joins_while_another_decodes,
 )
 
@@ -38,7 +43,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
 
 @pytest.fixture(scope="module")
-def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     model = os.environ.get("ROLLPOOL_SGLANG_TEST_MODEL")
     if not model:
         from rollpool.workers.engines.tiny_model import build_tiny_model
@@ -47,8 +52,10 @@ def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     port = 30000 + os.getpid() % 1000
     eng = SGLangEngine(model=model, port=port, capacity=64, mem_fraction_static=0.15, cuda_graph_max_bs=16)
     log_path = pathlib.Path(os.environ.get("ROLLPOOL_SGLANG_LOG_DIR", str(tmp_path_factory.mktemp("log")))) / "sglang-test-server.log"
+    token = secrets.token_urlsafe(32)
     with log_path.open("ab") as fh:
-        proc = subprocess.Popen(eng._command(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(eng.command(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, TOKEN_ENV: token})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
@@ -56,7 +63,8 @@ def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
             if proc.poll() is not None:
                 raise RuntimeError(f"SGLang exited {proc.returncode}: {log_path.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
+                req = urllib.request.Request(url + "/health_generate", headers={"Authorization": f"Bearer {token}"})
+                with urllib.request.urlopen(req, timeout=30) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -64,14 +72,14 @@ def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
             if time.monotonic() > deadline:
                 raise RuntimeError("SGLang did not start")
             time.sleep(1)
-        yield url, model
+        yield url, model, token
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
 
 
-async def make_case(url: str, model: str) -> EngineCase:
-    engine = SGLangEngine(model=model, url=url, capacity=64)
+async def make_case(url: str, model: str, token: str) -> EngineCase:
+    engine = SGLangEngine(model=model, url=url, api_key=token, capacity=64)
     await engine.start()
 
     def new_weights() -> dict[str, Any]:
@@ -92,7 +100,7 @@ async def make_case(url: str, model: str) -> EngineCase:
 
 
 @pytest.fixture
-async def case(sglang_server: tuple[str, str]) -> AsyncIterator[EngineCase]:
+async def case(sglang_server: tuple[str, str, str]) -> AsyncIterator[EngineCase]:
     c = await make_case(*sglang_server)
     yield c
     await c.engine.stop()
@@ -104,23 +112,21 @@ async def test_same_seed_same_output() -> None:
 
 
 async def test_in_place_is_refused_clearly(case: EngineCase) -> None:
-    with pytest.raises(ValueError, match="in_place is refused on SGLang 0.5.14"):
+    with pytest.raises(EngineError, match="in_place is refused on SGLang 0.5.14"):
         await case.engine.pause("in_place")
 
 
 async def test_misspelt_weight_name_fails_loudly(case: EngineCase) -> None:
     import torch
 
-    from rollpool.protocol.errors import EngineError
-
     with pytest.raises(EngineError, match="unknown parameter"):
         await case.engine.update_weights({"model.layers.0.self_attn.q_projj.weight": torch.zeros(2, 2)}, 99)
 
 
-async def test_live_responses_parse_and_record(sglang_server: tuple[str, str]) -> None:
-    url, _model = sglang_server
+async def test_live_responses_parse_and_record(sglang_server: tuple[str, str, str]) -> None:
+    url, _model, token = sglang_server
     host, port = url.removeprefix("http://").split(":")
-    http = HttpClient(host, int(port))
+    http = HttpClient(host, int(port), token=token)
     golden: dict[str, Any] = {}
     prompt = [10, 20, 30, 40, 50, 60]
     rid = iter(range(1000))
@@ -154,4 +160,18 @@ async def test_live_responses_parse_and_record(sglang_server: tuple[str, str]) -
     if out:
         pathlib.Path(out).mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - test output
         (pathlib.Path(out) / "golden.json").write_text(json.dumps(golden, indent=1))
-    http.close()
+    await http.close()
+
+
+async def test_the_server_refuses_a_request_without_the_token(sglang_server: tuple[str, str, str]) -> None:
+    from rollpool.workers.engines.sglang.http import HttpError
+
+    url, _model, _token = sglang_server
+    host, port = url.removeprefix("http://").split(":")
+    http = HttpClient(host, int(port))
+    try:
+        with pytest.raises(HttpError) as info:
+            await http.request("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
+        assert info.value.status == 401
+    finally:
+        await http.close()

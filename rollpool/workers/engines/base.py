@@ -6,9 +6,14 @@ of the chosen token before top-k/top-p/min-p truncation, as SGLang reports it;
 temperature 0 means greedy and logprobs at temperature 1) and the weight
 version that produced it. ``output_ids`` include the stop token. A per-sample
 outcome (stop, length, abort) is data on the `SampleOutput`; an exception out
-of an engine method means the engine itself failed (`EngineError`) and the
-worker restarts it, except `ValueError` for a request the engine refuses
-(bad sampling parameters, prompt too long), which fails only that request.
+of an engine method means the engine itself failed and the worker restarts
+it, except `RequestRefusedError`, which only the explicit request checks
+below raise (`check_request` before the prompt is tokenized, `check_prompt`
+after; bad sampling parameters, a group larger than the engine, an empty or
+too long prompt, ids outside the vocabulary, a request id already running):
+it fails only that request. Every engine runs these same checks, so a request
+is refused or accepted alike on every engine, and a `ValueError` from a bug
+inside an engine restarts the engine instead of failing a prompt as invalid.
 
 Weight updates: the worker calls ``pause(mode)``, ``update_weights(tensors,
 version)``, ``resume()``. ``pause`` returns once the engine is quiescent in
@@ -25,16 +30,18 @@ that mode:
   have finished.
 
 `generate` calls made while paused wait and start after `resume`.
-All methods are coroutines except `info` and `free_capacity`; none blocks the
-event loop (compute lives in a thread, a child process or on timers).
+All methods are coroutines except `info`; none blocks the event loop (compute
+lives in a thread, a child process or on timers). An engine that can copy a
+version to its device before the pause declares `StagingEngine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from rollpool.protocol.errors import RequestRefusedError
 from rollpool.protocol.messages import SamplingParams
 
 __all__ = [
@@ -44,6 +51,8 @@ __all__ = [
     "GenerateOutput",
     "SampleOutput",
     "StagingEngine",
+    "check_prompt",
+    "check_request",
     "validate_sampling",
 ]
 
@@ -148,12 +157,8 @@ class Engine(Protocol):
         Every name and shape is checked before anything is written; raises
         `EngineError` (the engine must then be restarted: it may be half-updated).
         The engine must not keep references to the tensors once it returns:
-        the worker reuses their memory for a later version.
-
-        Optional: an engine may also define ``async stage_weights(named_tensors,
-        version)``, which the worker calls after the fetch and before the pause,
-        so the copy to the device overlaps generation; `update_weights` with the
-        same version then only swaps the staged copy in.
+        the worker reuses their memory for a later version. (`StagingEngine`
+        adds a copy to the device ahead of the pause.)
         """
 
     async def release_memory(self, tags: Sequence[str] = ()) -> None:
@@ -186,16 +191,63 @@ class StagingEngine(Engine, Protocol):
 
 
 def validate_sampling(sampling: SamplingParams, n: int) -> None:
-    """Raise `ValueError` naming the parameter that is out of range."""
+    """Raise `RequestRefusedError` naming the parameter that is out of range."""
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise RequestRefusedError(f"n must be >= 1, got {n}")
     if sampling.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        raise RequestRefusedError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
     if sampling.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        raise RequestRefusedError(f"temperature must be >= 0, got {sampling.temperature}")
     if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        raise RequestRefusedError(f"top_p must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k == 0 or sampling.top_k < -1:
-        raise ValueError(f"top_k must be -1 or >= 1, got {sampling.top_k}")
+        raise RequestRefusedError(f"top_k must be -1 or >= 1, got {sampling.top_k}")
     if not 0 <= sampling.min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {sampling.min_p}")
+        raise RequestRefusedError(f"min_p must be in [0, 1], got {sampling.min_p}")
+
+
+def check_request(
+    n: int,
+    sampling: SamplingParams,
+    request_id: str,
+    *,
+    capacity: int,
+    running: Container[str],
+    input_ids: Sequence[int] | None,
+    text: str | None,
+) -> None:
+    """The checks every engine makes before it tokenizes or queues a request (`RequestRefusedError`)."""
+    validate_sampling(sampling, n)
+    if n > capacity:
+        raise RequestRefusedError(f"group size {n} exceeds the engine's capacity {capacity}")
+    if input_ids is None and text is None:
+        raise RequestRefusedError("a prompt needs input_ids or text")
+    if request_id in running:
+        raise RequestRefusedError(f"request id {request_id!r} is already running")
+
+
+def check_prompt(
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    *,
+    vocab: int | None = None,
+    max_prompt_tokens: int | None = None,
+    context_tokens: int | None = None,
+) -> None:
+    """The checks every engine makes on the token ids it is about to run (`RequestRefusedError`).
+
+    `max_prompt_tokens`: the prompt must be shorter (the hf engine: its positions; a sample
+    that reaches the end finishes with ``length``). `context_tokens`: prompt plus
+    ``max_new_tokens`` must stay below it (SGLang refuses such a request, API notes 1.1).
+    `vocab`: every id in ``[0, vocab)`` (SGLang's scheduler would crash on one outside).
+    """
+    if not prompt:
+        raise RequestRefusedError("empty prompt")
+    if max_prompt_tokens is not None and len(prompt) >= max_prompt_tokens:
+        raise RequestRefusedError(f"prompt of {len(prompt)} tokens does not fit the model's {max_prompt_tokens} positions")
+    if context_tokens is not None and len(prompt) + sampling.max_new_tokens >= context_tokens:
+        raise RequestRefusedError(
+            f"prompt of {len(prompt)} tokens plus max_new_tokens {sampling.max_new_tokens} does not fit the "
+            f"context of {context_tokens} tokens")
+    if vocab is not None and (min(prompt) < 0 or max(prompt) >= vocab):
+        raise RequestRefusedError(f"prompt token ids must be in [0, {vocab})")

@@ -45,9 +45,17 @@ from typing import Any
 
 import torch
 
-from rollpool.protocol.errors import EngineError
+from rollpool.protocol.errors import EngineError, RequestRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
-from rollpool.workers.engines.base import APPLY_MODES, EngineInfo, GenerateOutput, SampleOutput, validate_sampling
+from rollpool.workers.engines.base import (
+    APPLY_MODES,
+    EngineInfo,
+    GenerateOutput,
+    SampleOutput,
+    check_prompt,
+    check_request,
+)
+from rollpool.workers.engines.options import HFOptions, options_from
 
 __all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token"]
 
@@ -113,30 +121,18 @@ class _Group:
 class HFEngine:
     """A transformers causal LM served with continuous batching (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        capacity: int = 32,
-        device: str | None = None,
-        dtype: str = "float32",
-        seed: int = 0,
-        initial_version: int = 0,
-        num_threads: int | None = None,
-        attn_implementation: str = "sdpa",
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if not model:
-            raise ValueError("the hf engine needs --model (a local directory)")
-        self.model_path = str(model)
-        self.capacity = capacity
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = getattr(torch, dtype)
-        self.seed = seed
-        self.version = initial_version
-        self.num_threads = num_threads
-        self.attn_implementation = attn_implementation
+    def __init__(self, options: HFOptions | None = None, /, **kwargs: Any) -> None:
+        """`HFOptions` (or its fields as keywords: ``HFEngine(model=..., capacity=...)``)."""
+        opts = options if options is not None else options_from(HFOptions, kwargs)
+        self.options = opts
+        self.model_path = str(opts.model)
+        self.capacity = opts.capacity
+        self.device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, opts.dtype)
+        self.seed = opts.seed
+        self.version = opts.initial_version
+        self.num_threads = opts.num_threads
+        self.attn_implementation = opts.attn_implementation
         self.stats: dict[str, int] = {"forward_calls": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
         self.forward_log: collections.deque[tuple[str, int, int]] = collections.deque(maxlen=10_000)
         """(kind, batch rows, new tokens per row) of recent forward calls."""
@@ -202,17 +198,9 @@ class HFEngine:
         apply_chat_template: bool = False,
     ) -> GenerateOutput:
         self._check()
-        validate_sampling(sampling, n)
-        if n > self.capacity:
-            raise ValueError(f"group size {n} exceeds the engine's capacity {self.capacity}")
+        check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=text)
         prompt = self._tokenize(input_ids, text, apply_chat_template)
-        if not prompt:
-            raise ValueError("empty prompt")
-        if len(prompt) >= self._max_positions:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the model's {self._max_positions} positions")
-        vocab = int(self._model.config.vocab_size)
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
         result = await self._call("generate", (request_id, prompt, n, sampling, time.time()))
         assert isinstance(result, GenerateOutput)
         return result
@@ -223,7 +211,7 @@ class HFEngine:
 
     async def pause(self, mode: str) -> None:
         if mode not in APPLY_MODES:
-            raise ValueError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
+            raise EngineError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
         await self._call("pause", mode)
 
     async def resume(self) -> None:
@@ -286,11 +274,11 @@ class HFEngine:
         if input_ids is not None:
             return [int(t) for t in input_ids]
         if text is None:
-            raise ValueError("a prompt needs input_ids or text")
+            raise RequestRefusedError("a prompt needs input_ids or text")
         tok = self._tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise ValueError("apply_chat_template asked for, but the tokenizer has no chat template")
+                raise RequestRefusedError("apply_chat_template asked for, but the tokenizer has no chat template")
             rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
         return list(tok(text)["input_ids"])
@@ -375,8 +363,8 @@ class HFEngine:
     def _command(self, kind: str, payload: Any, done: Callable[[Any], None]) -> Any:
         if kind == "generate":
             request_id, prompt, n, sampling, started_at = payload
-            if request_id in self._groups:
-                raise ValueError(f"request id {request_id!r} is already running")
+            if request_id in self._groups:  # checked before the call too; two calls may race here
+                raise RequestRefusedError(f"request id {request_id!r} is already running")
             stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._eos_ids
             group = _Group(request_id, prompt, sampling, done, started_at, stop_ids)
             for i in range(n):
@@ -672,4 +660,4 @@ async def _unwrap(fut: Any) -> Any:
 
 
 def ENGINE_FACTORY(**options: Any) -> HFEngine:  # noqa: N802 (the registry's well-known name)
-    return HFEngine(**options)
+    return HFEngine(options_from(HFOptions, options))

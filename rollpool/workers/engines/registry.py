@@ -3,7 +3,7 @@
 Built-in engines are registered lazily by module path, so importing the
 registry imports neither torch nor sglang; an engine's module is imported the
 first time its name is asked for. A new engine plugs in either by a line in
-`_BUILTIN` (``sglang`` -> ``rollpool.workers.engines.sglang_engine``, whose
+`_BUILTIN` (``sglang`` -> ``rollpool.workers.engines.sglang.engine``, whose
 module defines ``ENGINE_FACTORY``) or at run time with `register_engine`.
 """
 
@@ -22,7 +22,7 @@ EngineFactory = Callable[..., Engine]
 _BUILTIN: dict[str, str] = {
     "sim": "rollpool.workers.engines.sim",
     "hf": "rollpool.workers.engines.hf",
-    "sglang": "rollpool.workers.engines.sglang_engine",
+    "sglang": "rollpool.workers.engines.sglang.engine",
 }
 _FACTORIES: dict[str, EngineFactory] = {}
 

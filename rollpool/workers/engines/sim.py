@@ -33,13 +33,20 @@ from typing import Any
 
 from rollpool.protocol.errors import EngineError
 from rollpool.protocol.messages import FinishReason, SamplingParams
-from rollpool.workers.engines.base import APPLY_MODES, EngineInfo, GenerateOutput, SampleOutput, validate_sampling
+from rollpool.workers.engines.base import (
+    APPLY_MODES,
+    EngineInfo,
+    GenerateOutput,
+    SampleOutput,
+    check_prompt,
+    check_request,
+)
+from rollpool.workers.engines.options import SIM_LENGTHS, SimOptions, options_from
 
-__all__ = ["SimEngine", "ENGINE_FACTORY"]
+__all__ = ["SimEngine", "SimOptions", "ENGINE_FACTORY"]
 
 log = logging.getLogger(__name__)
 
-_LENGTHS = ("fixed", "uniform", "lognormal")
 
 
 class _SimSample:
@@ -121,46 +128,25 @@ class _SimRequest:
 class SimEngine:
     """A simulated engine (see the module docstring). Options are keyword-only."""
 
-    def __init__(
-        self,
-        *,
-        model: str | None = None,
-        capacity: int = 64,
-        vocab: int = 32_000,
-        eos_id: int = 2,
-        prefill_s_per_token: float = 0.0,
-        decode_s_per_token: float = 0.002,
-        jitter: float = 0.0,
-        length: str = "lognormal",
-        length_median: int = 64,
-        length_sigma: float = 0.8,
-        length_min: int = 1,
-        seed: int = 0,
-        apply_s: float = 0.0,
-        initial_version: int = 0,
-    ) -> None:
-        if length not in _LENGTHS:
-            raise ValueError(f"length must be one of {_LENGTHS}, got {length!r}")
-        if decode_s_per_token <= 0:
-            raise ValueError(f"decode_s_per_token must be > 0, got {decode_s_per_token}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if vocab < 4 or not 0 <= eos_id < vocab:
-            raise ValueError(f"vocab must be >= 4 and eos_id in [0, vocab), got vocab={vocab} eos_id={eos_id}")
-        self.model = model or "sim"
-        self.capacity = capacity
-        self.vocab = vocab
-        self.eos_id = eos_id
-        self.prefill_s_per_token = prefill_s_per_token
-        self.decode_s_per_token = decode_s_per_token
-        self.jitter = jitter
-        self.length = length
-        self.length_median = max(1, length_median)
-        self.length_sigma = length_sigma
-        self.length_min = max(1, length_min)
-        self.seed = seed
-        self.apply_s = apply_s
-        self.version = initial_version
+    def __init__(self, options: SimOptions | None = None, /, **kwargs: Any) -> None:
+        """`SimOptions` (or its fields as keywords: ``SimEngine(decode_s_per_token=0.01, ...)``)."""
+        opts = options if options is not None else options_from(SimOptions, kwargs)
+        assert opts.length in SIM_LENGTHS
+        self.options = opts
+        self.model = opts.model or "sim"
+        self.capacity = opts.capacity
+        self.vocab = opts.vocab
+        self.eos_id = opts.eos_id
+        self.prefill_s_per_token = opts.prefill_s_per_token
+        self.decode_s_per_token = opts.decode_s_per_token
+        self.jitter = opts.jitter
+        self.length = opts.length
+        self.length_median = max(1, opts.length_median)
+        self.length_sigma = opts.length_sigma
+        self.length_min = max(1, opts.length_min)
+        self.seed = opts.seed
+        self.apply_s = opts.apply_s
+        self.version = opts.initial_version
         self._requests: dict[str, _SimRequest] = {}
         self._waiters: set[asyncio.Future[None]] = set()
         self._pause_mode: str | None = None
@@ -212,16 +198,12 @@ class SimEngine:
         apply_chat_template: bool = False,
     ) -> GenerateOutput:
         self._check()
-        validate_sampling(sampling, n)
+        check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
         if input_ids is None:
-            if text is None:
-                raise ValueError("a prompt needs input_ids or text")
+            assert text is not None
             input_ids = [b % self.vocab for b in text.encode()]
         prompt = [int(t) for t in input_ids]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running")
+        check_prompt(prompt, sampling, vocab=self.vocab)
         started_at = time.time()
         while self._pause_mode is not None or self._released:  # intake stopped
             await self._sleep(None)
@@ -281,6 +263,10 @@ class SimEngine:
             if self._pause_mode == "drain":
                 self._wake()  # pause("drain") waits for the last request
 
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests now generating (the sglang engine's CPU backend aborts them all at once)."""
+        return list(self._requests)
+
     async def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None:
@@ -290,7 +276,7 @@ class SimEngine:
     async def pause(self, mode: str) -> None:
         self._check()
         if mode not in APPLY_MODES:
-            raise ValueError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
+            raise EngineError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
         loop = asyncio.get_running_loop()
         if mode in ("interrupt", "in_place"):
             now = loop.time()
@@ -401,4 +387,4 @@ def _set_done(fut: asyncio.Future[None]) -> None:
 
 
 def ENGINE_FACTORY(**options: Any) -> SimEngine:  # noqa: N802 (the registry's well-known name)
-    return SimEngine(**options)
+    return SimEngine(options_from(SimOptions, options))

@@ -1,4 +1,10 @@
-"""The Engine contract, run on every engine (parametrised by name, gated by declared apply modes)."""
+"""The Engine contract, run on every engine (parametrised by name, gated by declared apply modes).
+
+``sglang`` here is the real `SGLangEngine` (HTTP client, interrupt-and-resubmit, per-attempt
+versions, weight payloads and their verification) against its real child process, whose front
+serves the sim engine with SGLang-shaped answers on a CPU (conftest: `sglang_sim_child`). The same
+tests run on real SGLang on the H200 (tests/gpu/test_sglang_gpu.py).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from rollpool.protocol.errors import RequestRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.base import Engine, GenerateOutput
 from rollpool.workers.engines.registry import get_engine
@@ -24,6 +31,7 @@ class EngineCase:
     progressed: Callable[[], Awaitable[None]]
     """Returns once a running request has produced a few tokens."""
     prompt: list[int]
+    simulated: bool = False
 
 
 async def _sim_case() -> EngineCase:
@@ -32,7 +40,7 @@ async def _sim_case() -> EngineCase:
     async def progressed() -> None:
         await asyncio.sleep(0.02)
 
-    return EngineCase("sim", engine, dict, progressed, [5, 6, 7, 8])
+    return EngineCase("sim", engine, dict, progressed, [5, 6, 7, 8], simulated=True)
 
 
 async def _hf_case(model_dir: pathlib.Path) -> EngineCase:
@@ -53,10 +61,28 @@ async def _hf_case(model_dir: pathlib.Path) -> EngineCase:
     return EngineCase("hf", engine, new_weights, progressed, [10, 20, 30, 40, 50])
 
 
-@pytest.fixture(params=["sim", "hf"])
+async def _sglang_sim_case(child: Any) -> EngineCase:
+    engine = get_engine("sglang")(model=child.model, url=child.url, api_key=child.token, capacity=16, device="cpu", backend="sim")
+
+    def new_weights() -> dict[str, Any]:
+        import torch
+
+        g = torch.Generator().manual_seed(7)
+        return {k: torch.randn(shape, generator=g) * 0.2 for k, (_dt, shape) in engine._params.items()}  # type: ignore[attr-defined]
+
+    async def progressed() -> None:
+        await asyncio.sleep(0.05)  # answers are not streamed: ~25 decode steps of the child's sim engine
+
+    return EngineCase("sglang", engine, new_weights, progressed, [10, 20, 30, 40, 50], simulated=True)
+
+
+# the id is not "sglang": that keyword is the marker that skips a test where sglang is not installed
+@pytest.fixture(params=["sim", "hf", pytest.param("sglang", id="sglang-cpu-child")])
 async def case(request: pytest.FixtureRequest) -> AsyncIterator[EngineCase]:
     if request.param == "sim":
         c = await _sim_case()
+    elif request.param == "sglang":
+        c = await _sglang_sim_case(request.getfixturevalue("sglang_sim_child"))
     else:
         c = await _hf_case(request.getfixturevalue("tiny_model_dir"))
     await c.engine.start()
@@ -93,7 +119,7 @@ async def test_info_declares_capacity_modes_and_fingerprint(case: EngineCase) ->
     info = case.engine.info()
     assert info.capacity >= 1 and info.fingerprint
     assert set(info.apply_modes) <= {"interrupt", "in_place", "drain"} and info.apply_modes
-    assert info.as_dict()["simulated"] is (case.name == "sim")
+    assert info.as_dict()["simulated"] is case.simulated
 
 
 async def test_same_seed_same_output(case: EngineCase) -> None:
@@ -104,11 +130,20 @@ async def test_same_seed_same_output(case: EngineCase) -> None:
     assert a.samples[0].output_ids != a.samples[1].output_ids or len(a.samples[0].output_ids) < 3
 
 
-async def test_refuses_bad_sampling(case: EngineCase) -> None:
-    with pytest.raises(ValueError, match="top_p"):
+async def test_refuses_bad_requests_with_request_refused_error(case: EngineCase) -> None:
+    with pytest.raises(RequestRefusedError, match="top_p"):
         await case.engine.generate(case.prompt, 1, SamplingParams(top_p=0.0), "bad")
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(RequestRefusedError, match="n must be"):
         await case.engine.generate(case.prompt, 0, SamplingParams(), "bad2")
+    with pytest.raises(RequestRefusedError, match="capacity"):
+        await case.engine.generate(case.prompt, case.engine.info().capacity + 1, SamplingParams(), "bad3")
+    with pytest.raises(RequestRefusedError, match="empty prompt"):
+        await case.engine.generate([], 1, SamplingParams(), "bad4")
+    with pytest.raises(RequestRefusedError, match="token ids"):
+        await case.engine.generate([10**6], 1, SamplingParams(), "bad5")
+    # still serving after the refusals
+    out = await case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "good")
+    assert len(out.samples[0].output_ids) == 3
 
 
 async def test_abort_keeps_partial_output(case: EngineCase) -> None:
@@ -154,6 +189,8 @@ async def test_apply_mode_tags_later_tokens_with_the_new_version(case: EngineCas
         assert set(versions) == {v0}  # pause(drain) returned only after the request finished
     else:
         assert versions[0] == v0 and versions[-1] == v0 + 1
+        if case.name == "sglang":
+            assert case.engine.stats["resubmits"] >= 1  # type: ignore[attr-defined]  # resubmitted as prompt + partial output
     assert case.engine.info().weight_version == v0 + 1
     after = await case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=4, ignore_eos=True), "after")
     assert set(after.samples[0].token_versions) == {v0 + 1}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rollpool.protocol import FinishReason, SamplingParams
-from rollpool.workers.engines.sglang_wire import (
+from rollpool.workers.engines.sglang.wire import (
     RID_WIDTH,
     generate_body,
     parse_generate_response,
@@ -93,7 +93,8 @@ def test_verification_prefers_one_cheap_norm_weight() -> None:
 def test_shim_json_round_trips_a_recorded_response_with_or_without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    from rollpool.workers.engines.sglang_engine import _dumps, _loads
+    from rollpool.workers.engines.sglang.http import dumps as _dumps
+    from rollpool.workers.engines.sglang.http import loads as _loads
 
     golden = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" / "sglang" / "golden.json").read_text())
     assert _loads(_dumps(golden["abort"])) == golden["abort"]

@@ -1,18 +1,27 @@
-"""The `sglang` engine: real SGLang 0.5.14 behind the Engine protocol.
+"""The `sglang` engine, worker side: SGLang 0.5.14 in a child process, behind the Engine protocol.
 
-SGLang runs as ``python -m sglang.launch_server`` in a child process of the
-worker, in its own process group, spoken to over HTTP on loopback (or, with
-``url=``, a server someone else started). Why HTTP rather than an
-``sglang.Engine`` hosted in a child: see docs/sglang.md.
+The child is ``python -m rollpool.workers.engines.sglang.server`` (an
+``sglang.Engine`` behind SGLang's HTTP routes, see `server`), started in its
+own session and spoken to over HTTP on loopback (`http`: aiohttp), or, with
+``url=``, a server someone else started. This module never imports sglang,
+and imports torch only through `tensors`, for weight updates. Why a child
+rather than SGLang's own HTTP server: docs/sglang.md.
 
 Guarantees:
 
 - A crash inside SGLang (its scheduler SIGKILLs its whole process tree, API
   notes fact 6) kills only the child's tree: every pending call raises
   `EngineError`, so the worker hands its tasks back and restarts the engine.
-  This module never imports sglang; it needs torch only for weight updates.
-- Each sample is its own request with a fixed-width rid (`sglang_wire`); abort
-  hits exactly the samples of one request.
+- The child's port takes pickled CUDA-IPC tensors, so it is guarded by a token
+  made fresh for each launch (``secrets.token_urlsafe``), handed to the child
+  in its environment (never in argv) and written to ``<log_dir>/sglang-<port>.token``
+  (mode 0600) for tools of the same user; a request without it gets 401.
+- Requests are refused (`RequestRefusedError`) only by the explicit checks of
+  engines/base.py (`check_request`, `check_prompt`: vocabulary and context
+  length from the checkpoint's config.json) before anything is sent; any
+  other failure, a 4xx or 5xx from the server included, is an `EngineError`.
+- Each sample is its own request with a fixed-width rid (`wire`); abort hits
+  exactly the samples of one request.
 - Apply modes ``interrupt`` and ``drain`` (``in_place`` is refused: on 0.5.14
   pausing in place and then updating crashes the scheduler, API notes fact 7).
   ``interrupt``: stop sending, abort every running sample, wait until each has
@@ -23,21 +32,19 @@ Guarantees:
   every token is exact: an attempt's tokens carry the ``weight_version`` SGLang
   reports for it (set to ``str(version)`` with each update), checked against
   the version current when the attempt was sent.
-- Weights: every name and shape is checked against the checkpoint before
-  anything is sent (a misspelt name is only a warning in SGLang, a wrong shape
-  kills its scheduler); tensors are copied to the GPU here, one flat buffer per
-  dtype, and reach SGLang as CUDA tensors (CUDA IPC handles, same host). The
-  update is confirmed with ``get_weights_by_name`` (Llama) and a mismatch
-  raises `EngineError`.
+- Weights (`StagingEngine`): every name and shape is checked against the
+  checkpoint before anything is sent (a misspelt name is only a warning in
+  SGLang, a wrong shape kills its scheduler); `stage_weights` copies a version
+  to the GPU while generation goes on (`tensors`), and it reaches SGLang as
+  CUDA tensors (CUDA IPC handles, same host). The update is confirmed with
+  ``get_weights_by_name`` (Llama) and a mismatch raises `EngineError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
@@ -52,10 +59,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol.errors import EngineError
+from rollpool.protocol.errors import EngineError, RequestRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
-from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, validate_sampling
-from rollpool.workers.engines.sglang_wire import (
+from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
+from rollpool.workers.engines.options import SGLangOptions, options_from
+from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
+from rollpool.workers.engines.sglang.tensors import cuda_available, init_cuda, leading, nbytes, serialize_update
+from rollpool.workers.engines.sglang.wire import (
     ParsedSample,
     generate_body,
     parse_generate_response,
@@ -65,7 +75,7 @@ from rollpool.workers.engines.sglang_wire import (
     sample_rid,
 )
 
-__all__ = ["SGLangEngine", "ENGINE_FACTORY", "HttpClient", "HttpError"]
+__all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -74,94 +84,6 @@ _IN_PLACE_REFUSED = (
     "apply mode in_place is refused on SGLang 0.5.14: pause_generation(in_place) followed by a weight update "
     "with flush_cache crashes the scheduler (sglang-kit API-NOTES fact 7); use interrupt or drain"
 )
-
-
-# --------------------------------------------------------------------------- a small HTTP/1.1 client
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"HTTP {status}: {body[:300]!r}")
-        self.status = status
-        self.body = body
-
-
-class HttpClient:
-    """Keep-alive HTTP/1.1 JSON client on asyncio streams (one connection per concurrent request)."""
-
-    def __init__(self, host: str, port: int, *, max_idle: int = 512) -> None:
-        self.host, self.port, self.max_idle = host, port, max_idle
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-
-    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
-        return await asyncio.wait_for(self._request(method, path, data), timeout_s) if timeout_s else await self._request(method, path, data)
-
-    async def _request(self, method: str, path: str, data: bytes) -> Any:
-        for attempt in range(2):
-            conn = self._idle.pop() if self._idle else None
-            fresh = conn is None
-            if conn is None:
-                conn = await asyncio.open_connection(self.host, self.port, limit=1 << 26)
-            reader, writer = conn
-            head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n").encode()
-            try:
-                writer.write(head + data)
-                await writer.drain()
-                status, keep, payload = await self._read_response(reader)
-            except (ConnectionError, asyncio.IncompleteReadError, OSError):
-                writer.close()
-                if fresh or attempt:
-                    raise
-                continue  # a stale keep-alive connection: retry once on a new one
-            except BaseException:
-                writer.close()
-                raise
-            if keep and len(self._idle) < self.max_idle:
-                self._idle.append(conn)
-            else:
-                writer.close()
-            if status >= 300:
-                raise HttpError(status, payload)
-            if not payload:
-                return None
-            try:
-                return _loads(payload)
-            except ValueError:
-                return payload.decode(errors="replace")
-        raise ConnectionError("unreachable")
-
-    @staticmethod
-    async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
-        line = await reader.readuntil(b"\r\n")
-        parts = line.split(None, 2)
-        status = int(parts[1])
-        headers: dict[str, str] = {}
-        while True:
-            h = await reader.readuntil(b"\r\n")
-            if h == b"\r\n":
-                break
-            k, _, v = h.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        keep = headers.get("connection", "").lower() != "close"
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                chunk = await reader.readexactly(size + 2)
-                if size == 0:
-                    break
-                chunks.append(chunk[:-2])
-            return status, keep, b"".join(chunks)
-        if "content-length" in headers:
-            return status, keep, await reader.readexactly(int(headers["content-length"]))
-        return status, False, await reader.read()
-
-    def close(self) -> None:
-        for _r, w in self._idle:
-            w.close()
-        self._idle.clear()
 
 
 # --------------------------------------------------------------------------- engine
@@ -215,50 +137,22 @@ def _free_port() -> int:
 class SGLangEngine:
     """SGLang's HTTP server in a child process (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        capacity: int = 256,
-        url: str | None = None,
-        port: int = 0,
-        device: str | None = None,
-        dtype: str = "bfloat16",
-        mem_fraction_static: float = 0.6,
-        context_length: int = 0,
-        seed: int = 0,
-        initial_version: int = 0,
-        cuda_graph_max_bs: int = 0,
-        server_args: str = "",
-        server_cmd: str = "",
-        python: str = "",
-        start_timeout_s: float = 600.0,
-        request_timeout_s: float = 3600.0,
-        verify_updates: bool = True,
-        log_dir: str = "",
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if not model:
-            raise ValueError("the sglang engine needs --model (a local directory)")
-        self.model_path = str(model)
-        self.capacity = int(capacity)
-        self.url = url or None
-        self.port = int(port)
-        self.device = device
-        self.dtype = dtype
-        self.mem_fraction_static = float(mem_fraction_static)
-        self.context_length = int(context_length)
-        self.seed = int(seed)
-        self.version = int(initial_version)
-        self.cuda_graph_max_bs = int(cuda_graph_max_bs)
-        self.server_args = str(server_args)
-        self.server_cmd = str(server_cmd)
-        self.python = python or sys.executable
-        self.start_timeout_s = float(start_timeout_s)
-        self.request_timeout_s = float(request_timeout_s)
-        self.verify_updates = verify_updates if isinstance(verify_updates, bool) else str(verify_updates).lower() in ("1", "true", "yes")
-        self.log_dir = log_dir
+    def __init__(self, options: SGLangOptions | None = None, /, **kwargs: Any) -> None:
+        """`SGLangOptions` (or its fields as keywords: ``SGLangEngine(model=..., url=...)``)."""
+        opts = options if options is not None else options_from(SGLangOptions, kwargs)
+        self.options = opts
+        self.model_path = opts.model
+        self.capacity = opts.capacity
+        self.url = opts.url
+        self.port = opts.port
+        self.device = opts.device
+        self.dtype = opts.dtype
+        self.version = opts.initial_version
+        self.python = opts.python or sys.executable
+        self.verify_updates = opts.verify_updates
+        self.token = opts.api_key if opts.url else ""
+        """The bearer token of the server: `api_key` for ``url=``, fresh for each launch otherwise."""
+        self.token_path: pathlib.Path | None = None
         self.last_update: dict[str, float] = {}
         """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s."""
         self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "version_mismatches": 0}
@@ -282,6 +176,8 @@ class SGLangEngine:
         self._counter = 0
         self._params: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._fingerprint = ""
+        self._vocab: int | None = None
+        self._context_tokens: int | None = None
         self._tokenizer: Any = None
         self._released: set[str] = set()
         self._pause_started = 0.0
@@ -303,52 +199,83 @@ class SGLangEngine:
             if f.exists():
                 digest.update(name.encode() + b"\0" + f.read_bytes())
         self._fingerprint = digest.hexdigest()[:16]
+        self._read_limits(path)
         if self.device is None:
-            self.device = "cuda" if _cuda_available() else "cpu"
+            self.device = "cuda" if cuda_available() else "cpu"
         self._died = asyncio.get_running_loop().create_future()
+        self._dead = None
         if self.url is None:
             await self._launch()
         else:
             host, _, port = self.url.removeprefix("http://").rstrip("/").partition(":")
-            self._http = HttpClient(host, int(port or 80))
+            self._http = HttpClient(host, int(port or 80), token=self.token)
         try:
             await self._wait_ready()
             if self.device.startswith("cuda"):
-                await asyncio.to_thread(_init_cuda, self.device)  # so the first update does not pay for CUDA init
+                await asyncio.to_thread(init_cuda, self.device)  # so the first update does not pay for CUDA init
             await self._post("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
         except BaseException:
             await self.stop()
             raise
         self._started = True
 
-    def _command(self) -> list[str]:
-        if self.server_cmd:
-            cmd = self.server_cmd.split()
+    def _read_limits(self, path: pathlib.Path) -> None:
+        """Vocabulary and context length for the request checks, from the checkpoint's config.json."""
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        vocab = cfg.get("vocab_size")
+        self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+        positions = cfg.get("max_position_embeddings")
+        ctx = self.options.context_length or (int(positions) if isinstance(positions, int) and positions > 0 else 0)
+        self._context_tokens = ctx or None
+
+    def command(self) -> list[str]:
+        """The child's command line (the token travels in its environment, `http.TOKEN_ENV`)."""
+        o = self.options
+        if o.server_cmd:
+            cmd = o.server_cmd.split()
         else:
-            kw: dict[str, Any] = {"dtype": self.dtype, "mem_fraction_static": self.mem_fraction_static,
-                                  "max_running_requests": self.capacity, "random_seed": self.seed}
-            if self.context_length:
-                kw["context_length"] = self.context_length
-            if self.cuda_graph_max_bs:
-                kw["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs
-            if self.server_args:
-                kw.update(json.loads(self.server_args))
-            cmd = [self.python, "-m", "rollpool.workers.engines.sglang_engine", "--engine-kwargs", json.dumps(kw)]
+            kw: dict[str, Any]
+            if o.backend == "sim":
+                kw = {"capacity": self.capacity, "seed": o.seed}
+            else:
+                kw = {"dtype": self.dtype, "mem_fraction_static": o.mem_fraction_static,
+                      "max_running_requests": self.capacity, "random_seed": o.seed}
+                if o.context_length:
+                    kw["context_length"] = o.context_length
+                if o.cuda_graph_max_bs:
+                    kw["cuda_graph_max_bs_decode"] = o.cuda_graph_max_bs
+            kw.update(o.server_kwargs())
+            cmd = [self.python, "-m", "rollpool.workers.engines.sglang.server", "--backend", o.backend,
+                   "--engine-kwargs", json.dumps(kw)]
         return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def new_token(self) -> str:
+        """A fresh token for the next launch, written to the token file (0600) beside the log."""
+        self.token = secrets.token_urlsafe(32)
+        assert self._log_path is not None
+        self.token_path = self._log_path.with_suffix(".token")
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.token)
+        return self.token
 
     async def _launch(self) -> None:
         if not self.port:
             self.port = _free_port()
-        log_dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="rollpool-sglang-"))
+        log_dir = pathlib.Path(self.options.log_dir or tempfile.mkdtemp(prefix="rollpool-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at engine start
         self._log_path = log_dir / f"sglang-{self.port}.log"
         self._log_fh = self._log_path.open("ab")
-        cmd = self._command()
+        env = {**os.environ, TOKEN_ENV: self.new_token()}
+        cmd = self.command()
         log.info("starting SGLang: %s (log %s)", " ".join(cmd), self._log_path)
         # own session: a scheduler crash kills this tree only, and stop() can end the whole tree
         self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=self._log_fh, stderr=asyncio.subprocess.STDOUT,
-                                                          stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-        self._http = HttpClient("127.0.0.1", self.port)
+                                                          stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env)
+        self._http = HttpClient("127.0.0.1", self.port, token=self.token)
         self._watch = asyncio.create_task(self._watch_loop(), name="sglang-watch")
 
     async def _watch_loop(self) -> None:
@@ -359,7 +286,10 @@ class SGLangEngine:
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
             self._dead = reason
-            log.error("sglang engine dead: %s", reason)
+            if reason == "stopped":
+                log.debug("sglang engine stopped")
+            else:
+                log.error("sglang engine dead: %s", reason)
         if self._died is not None and not self._died.done():
             self._died.set_result(reason)
         self._gate.set()  # wake waiters so they see the death
@@ -371,17 +301,18 @@ class SGLangEngine:
         return f"; log tail ({self._log_path}):\n{data}"
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + self.options.start_timeout_s
         assert self._http is not None
         while True:
             self._check()
             try:
                 await self._http.request("GET", "/health_generate", timeout_s=30)
                 return
-            except (TimeoutError, OSError, HttpError, asyncio.IncompleteReadError):
-                pass
+            except (TimeoutError, OSError, HttpError) as exc:
+                if isinstance(exc, HttpError) and exc.status == 401:
+                    raise EngineError(f"the SGLang server at {self.url or self.port} refused our token (api_key)") from exc
             if time.monotonic() > deadline:
-                raise EngineError(f"SGLang did not become healthy within {self.start_timeout_s:.0f}s{self._log_tail()}")
+                raise EngineError(f"SGLang did not become healthy within {self.options.start_timeout_s:.0f}s{self._log_tail()}")
             await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
@@ -406,7 +337,12 @@ class SGLangEngine:
                 await self._watch
             self._watch = None
         if self._http is not None:
-            self._http.close()
+            await self._http.close()
+            self._http = None
+        if self.token_path is not None:
+            with contextlib.suppress(OSError):
+                self.token_path.unlink()  # noqa: ASYNC240 - one small file at stop
+            self.token_path = None
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
@@ -420,9 +356,10 @@ class SGLangEngine:
             apply_modes=SGLANG_APPLY_MODES,
             weight_version=self.version,
             fingerprint=self._fingerprint,
-            simulated=False,
+            simulated=self.options.backend == "sim",
             device=self.device or "cuda",
-            extra={"dtype": self.dtype, "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else "")},
+            extra={"dtype": self.dtype, "backend": self.options.backend,
+                   "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else "")},
         )
 
     # -- I/O helpers
@@ -472,14 +409,11 @@ class SGLangEngine:
         self._check()
         if not self._started:
             raise EngineError("sglang engine not started")
-        validate_sampling(sampling, n)
-        if n > self.capacity:
-            raise ValueError(f"group size {n} exceeds the engine's capacity {self.capacity}")
+        check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
         prompt = await self._tokenize(input_ids, text, apply_chat_template)
-        if not prompt:
-            raise ValueError("empty prompt")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running")
+        check_prompt(prompt, sampling, vocab=self._vocab, context_tokens=self._context_tokens)
+        if request_id in self._requests:  # the tokenizer awaited: check again
+            raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1
         req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)])
         self._requests[request_id] = req
@@ -500,7 +434,7 @@ class SGLangEngine:
                          finished_at=max(s.finished_at, s.first_token_at or started))
             for s in req.samples
         ]
-        return GenerateOutput(request_id, list(prompt), samples, started, simulated=False)
+        return GenerateOutput(request_id, list(prompt), samples, started, simulated=self.options.backend == "sim")
 
     async def _run_sample(self, req: _Request, s: _Sample) -> None:
         sp = req.sampling
@@ -522,11 +456,10 @@ class SGLangEngine:
             self.stats["attempts"] += 1
             sent_at = time.time()
             try:
-                resp = await self._post("/generate", body, timeout_s=self.request_timeout_s)
+                resp = await self._post("/generate", body, timeout_s=self.options.request_timeout_s)
             except HttpError as exc:
-                if exc.status == 400:
-                    raise ValueError(f"SGLang refused the request: {exc.body[:300]!r}") from exc
-                raise EngineError(f"sglang engine: /generate: {exc}") from exc
+                # the request passed rollpool's checks: a refusal now is the engine's fault, not the prompt's
+                raise EngineError(f"sglang engine: /generate failed on a request that passed the checks: {exc}") from exc
             finally:
                 s.rid = None
                 self._in_sglang -= 1
@@ -559,8 +492,7 @@ class SGLangEngine:
     async def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
         if input_ids is not None:
             return [int(t) for t in input_ids]
-        if text is None:
-            raise ValueError("a prompt needs input_ids or text")
+        assert text is not None  # check_request saw to it
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -568,7 +500,7 @@ class SGLangEngine:
         tok = self._tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise ValueError("apply_chat_template asked for, but the tokenizer has no chat template")
+                raise RequestRefusedError("apply_chat_template asked for, but the tokenizer has no chat template")
             rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
         return list(tok(text)["input_ids"])
@@ -593,9 +525,9 @@ class SGLangEngine:
 
     async def pause(self, mode: str) -> None:
         if mode == "in_place":
-            raise ValueError(_IN_PLACE_REFUSED)
+            raise EngineError(_IN_PLACE_REFUSED)
         if mode not in SGLANG_APPLY_MODES:
-            raise ValueError(f"apply mode must be one of {SGLANG_APPLY_MODES}, got {mode!r}")
+            raise EngineError(f"apply mode must be one of {SGLANG_APPLY_MODES}, got {mode!r}")
         self._check()
         self._pause_started = time.time()
         self._gate.clear()
@@ -614,8 +546,14 @@ class SGLangEngine:
             await self._post("/pause_generation", {"mode": "abort"})
             self._sglang_paused = True
         else:
+            assert self._died is not None
             while not self._idle.is_set():
-                await asyncio.wait({asyncio.ensure_future(self._idle.wait()), self._died}, return_when=asyncio.FIRST_COMPLETED)
+                idle: asyncio.Future[Any] = asyncio.ensure_future(self._idle.wait())
+                died: asyncio.Future[Any] = self._died
+                try:
+                    await asyncio.wait({idle, died}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    idle.cancel()
                 self._check()
         self.last_update = {"pause_s": time.time() - self._pause_started}
 
@@ -643,7 +581,7 @@ class SGLangEngine:
         return names
 
     async def _to_device(self, named_tensors: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
-        return await asyncio.to_thread(_serialize_update, named_tensors, self.device or "cpu")
+        return await asyncio.to_thread(serialize_update, named_tensors, self.device or "cpu")
 
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Copy a fetched version onto the GPU while generation goes on, so the pause only swaps it in.
@@ -701,7 +639,7 @@ class SGLangEngine:
         self.version = version
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
                                  "sglang_update_s": t2 - t1, "verify_s": verify_s,
-                                 "bytes": float(sum(_nbytes(t) for t in named_tensors.values()))})
+                                 "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
 
     async def _verify(self, sent: Mapping[str, Any], names: Sequence[str]) -> None:
         shapes = {n: self._params[n][1] for n in names}
@@ -717,7 +655,7 @@ class SGLangEngine:
                 if pick_verify_names(two_d, shapes):
                     await self._verify(sent, two_d)
                     return
-            want = _leading(sent[name])
+            want = leading(sent[name])
             if row is None or len(row) != len(want):
                 raise EngineError(f"update_weights: get_weights_by_name({name}) gave {row!s:.200}; cannot confirm the update")
             bad = sum(1 for a, b in zip(row, want, strict=True) if abs(float(a) - b) > 1e-2 * max(1.0, abs(b)))
@@ -758,256 +696,5 @@ class SGLangEngine:
             await self._post("/flush_cache", method="GET")
 
 
-# --------------------------------------------------------------------------- tensors (torch imported lazily)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def _init_cuda(device: str) -> None:
-    import torch
-
-    torch.zeros(1, device=device)
-    torch.cuda.synchronize(device)
-
-
-def _nbytes(t: Any) -> int:
-    return int(t.numel()) * int(t.element_size()) if hasattr(t, "element_size") else 0
-
-
-def _leading(t: Any) -> list[float]:
-    """What ``get_weights_by_name(truncate_size=1)`` answers: the first row of a 2-D tensor, the first element of a 1-D one."""
-    head = t[0:1] if t.dim() == 1 else t[0]
-    return [float(x) for x in head.float().cpu().tolist()]
-
-
-def _serialize_update(named: Mapping[str, Any], device: str) -> tuple[str, dict[str, Any], float]:
-    """Copy the tensors to `device` (one flat buffer per dtype) and pickle them for SGLang.
-
-    On CUDA the pickle carries CUDA IPC handles (SGLang maps the memory, no
-    copy through the host); the returned tensors must stay alive until SGLang
-    has answered. On CPU (the fake server of the tests only) tensors are
-    pickled by value.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch
-    import torch.multiprocessing  # noqa: F401 - registers the CUDA/CPU tensor reductions
-
-    t0 = time.time()
-    by_dtype: dict[Any, list[tuple[str, Any]]] = {}
-    for name, value in named.items():
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    placed: dict[str, Any] = {}
-    for dtype, items in by_dtype.items():
-        total = sum(t.numel() for _, t in items)
-        flat = torch.empty(total, dtype=dtype, device=device)
-        off = 0
-        for name, t in items:
-            n = t.numel()
-            view = flat[off : off + n]
-            view.copy_(t.reshape(-1), non_blocking=True)  # pinned sources copy asynchronously; one sync below
-            placed[name] = view.view(t.shape)
-            off += n
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    h2d_s = time.time() - t0
-    items_out = [(name, placed[name]) for name in named]
-    if device.startswith("cuda"):
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(items_out)
-        data = buf.getvalue()
-    else:
-        buf = io.BytesIO()
-        torch.save(items_out, buf)
-        data = b"TORCHSAVE" + buf.getvalue()
-    return base64.b64encode(data).decode(), placed, h2d_s
-
-
-# --------------------------------------------------------------------------- the child process
-
-
-class _HttpFront:
-    """A minimal HTTP/1.1 JSON server: ``routes[(method, path)](body) -> (status, json)``; keep-alive."""
-
-    def __init__(self, routes: Mapping[str, Any]) -> None:
-        self.routes = routes
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    line = await reader.readuntil(b"\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                method, target, _ = line.decode("latin-1").split(" ", 2)
-                length = 0
-                while True:
-                    h = await reader.readuntil(b"\r\n")
-                    if h == b"\r\n":
-                        break
-                    k, _, v = h.decode("latin-1").partition(":")
-                    if k.strip().lower() == "content-length":
-                        length = int(v.strip())
-                raw = await reader.readexactly(length) if length else b""
-                path = target.split("?", 1)[0]
-                route = self.routes.get(path)
-                if route is None:
-                    status, payload = 404, {"error": {"message": f"no route {path}"}}
-                else:
-                    try:
-                        status, payload = await route(_loads(raw) if raw else {})
-                    except (ValueError, TypeError, KeyError) as exc:
-                        status, payload = 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
-                data = _dumps(payload)
-                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-                await writer.drain()
-        finally:
-            writer.close()
-
-
-def _dumps(payload: Any) -> bytes:
-    """JSON bytes; orjson where it is installed (SGLang depends on it): aborting a full batch sends
-    every partial output back at once, and the stdlib encoder made that a visible part of the pause."""
-    try:
-        import orjson
-    except ImportError:
-        return json.dumps(payload, default=_json_default).encode()
-    return orjson.dumps(payload, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def _loads(data: bytes) -> Any:
-    try:
-        import orjson
-    except ImportError:
-        return json.loads(data)
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)  # NaN / Infinity, which only the stdlib encoder writes
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, tuple | set):
-        return list(o)
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
-
-
-def sglang_routes(engine: Any) -> dict[str, Any]:
-    """SGLang's HTTP routes (the subset rollpool uses, same bodies and answers) on an in-process ``sglang.Engine``."""
-    from sglang.srt.managers import io_struct as io
-
-    tm = engine.tokenizer_manager
-
-    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
-        out = await engine.async_generate(input_ids=b["input_ids"], sampling_params=b.get("sampling_params"),
-                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"))
-        return 200, out
-
-    async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
-        tm.abort_request(rid=b.get("rid", ""), abort_all=bool(b.get("abort_all", False)))
-        return 200, None
-
-    async def pause_generation(b: dict[str, Any]) -> tuple[int, Any]:
-        await tm.pause_generation(io.PauseGenerationReqInput(mode=b.get("mode", "abort")))
-        return 200, {"message": "Generation paused successfully.", "status": "ok"}
-
-    async def continue_generation(b: dict[str, Any]) -> tuple[int, Any]:
-        await tm.continue_generation(io.ContinueGenerationReqInput(torch_empty_cache=bool(b.get("torch_empty_cache", False))))
-        return 200, {"message": "Generation continued successfully.", "status": "ok"}
-
-    async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
-        obj = io.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=b["serialized_named_tensors"], load_format=b.get("load_format"),
-            flush_cache=bool(b.get("flush_cache", True)), abort_all_requests=bool(b.get("abort_all_requests", False)),
-            weight_version=b.get("weight_version"))
-        ok, msg = await tm.update_weights_from_tensor(obj, None)
-        return (200 if ok else 400), {"success": bool(ok), "message": str(msg)}
-
-    async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
-        got = await tm.get_weights_by_name(io.GetWeightsByNameReqInput(name=b["name"], truncate_size=int(b.get("truncate_size", 100))), None)
-        return (200 if got is not None else 400), got
-
-    async def update_weight_version(b: dict[str, Any]) -> tuple[int, Any]:
-        if b.get("abort_all_requests", True):
-            tm.abort_request(abort_all=True)
-        tm.server_args.weight_version = str(b["new_version"])
-        return 200, {"success": True, "message": "ok", "new_version": str(b["new_version"])}
-
-    async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
-        return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version}
-
-    async def health(b: dict[str, Any]) -> tuple[int, Any]:
-        return 200, None
-
-    async def flush_cache(b: dict[str, Any]) -> tuple[int, Any]:
-        r = await tm.flush_cache()
-        return (200 if getattr(r, "success", True) else 400), {"success": bool(getattr(r, "success", True))}
-
-    async def release(b: dict[str, Any]) -> tuple[int, Any]:
-        await tm.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags=b.get("tags")), None)
-        return 200, None
-
-    async def resume(b: dict[str, Any]) -> tuple[int, Any]:
-        await tm.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags=b.get("tags")), None)
-        return 200, None
-
-    return {"/generate": generate, "/abort_request": abort_request, "/pause_generation": pause_generation,
-            "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
-            "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
-            "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
-            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
-
-
-def serve_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rollpool.workers.engines.sglang_engine --model-path M --port P --engine-kwargs JSON``.
-
-    The child process: an ``sglang.Engine`` (its scheduler and detokenizer are
-    this process's children) behind `sglang_routes` on loopback HTTP.
-    """
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--engine-kwargs", default="{}")
-    a = ap.parse_args(argv)
-    import sglang
-
-    # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; no xgrammar in the kit; prefill
-    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay)
-    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
-              "cuda_graph_backend_prefill": "disabled", **json.loads(a.engine_kwargs)}
-    engine = sglang.Engine(model_path=a.model_path, **kwargs)
-    front = _HttpFront(sglang_routes(engine))
-
-    async def run() -> None:
-        server = await asyncio.start_server(front.handle, a.host, a.port, backlog=4096, limit=1 << 26)
-        async with server:
-            await server.serve_forever()
-
-    engine.loop.run_until_complete(run())
-    return 0
-
-
 def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # noqa: N802 (the registry's well-known name)
-    for key in ("capacity", "port", "seed", "initial_version", "cuda_graph_max_bs", "context_length"):
-        if key in options and options[key] is not None:
-            options[key] = int(options[key])
-    for key in ("mem_fraction_static", "start_timeout_s", "request_timeout_s"):
-        if key in options and options[key] is not None:
-            options[key] = float(options[key])
-    return SGLangEngine(**options)
-
-
-if __name__ == "__main__":
-    sys.exit(serve_main())
+    return SGLangEngine(options_from(SGLangOptions, options))

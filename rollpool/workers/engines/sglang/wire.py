@@ -1,6 +1,6 @@
 """SGLang 0.5.14 HTTP wire format: request bodies and response parsing, no I/O.
 
-Pure functions the `sglang` engine uses to talk to ``sglang.launch_server``;
+Pure functions the `sglang` engine uses to talk to its child (`server`), which serves SGLang's routes;
 tested on CPU against responses recorded from real SGLang (tests/fixtures/sglang).
 
 Guarantees (the traps of ../shared/sglang-kit/API-NOTES.md):

@@ -1,0 +1,288 @@
+"""The child process of the `sglang` engine: SGLang's HTTP routes on loopback, over an engine-shaped backend.
+
+``python -m rollpool.workers.engines.sglang.server --model-path M --port P [--backend sglang|sim] --engine-kwargs JSON``,
+with the per-launch token in ``ROLLPOOL_SGLANG_TOKEN`` (`http.TOKEN_ENV`).
+
+This is the only module of rollpool that imports sglang, and only for the
+``sglang`` backend. Both backends serve the same routes with SGLang 0.5.14's
+names, bodies and answers (the subset rollpool uses):
+
+- ``sglang``: an in-process ``sglang.Engine`` (its scheduler and detokenizer
+  are this process's children, so a scheduler crash, which SIGKILLs the whole
+  tree, takes only this child down; API notes fact 6). The routes call the
+  Engine's tokenizer manager the way SGLang's own HTTP server does.
+- ``sim``: the `sim` engine, with answers shaped like SGLang's (the keys and
+  types of tests/fixtures/sglang, recorded on the H200; a test compares them).
+  Weights sent by value from a CPU worker are kept, so ``get_weights_by_name``
+  answers with what was sent. It lets the real `SGLangEngine` code (launch,
+  HTTP, interrupt-and-resubmit, per-attempt versions, death detection) run the
+  engine contract on a CPU.
+
+A route answers 400 only for a request body that fails an explicit check
+(`BadRequest`); anything else raised is a 500 (see `http`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, serve_routes
+
+__all__ = ["sglang_routes", "sim_routes", "serve_main"]
+
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed"}
+
+
+def _need(body: dict[str, Any], key: str) -> Any:
+    if key not in body:
+        raise BadRequest(f"missing field {key!r}")
+    return body[key]
+
+
+# --------------------------------------------------------------------------- the real SGLang
+
+
+def sglang_routes(engine: Any) -> dict[str, Route]:
+    """SGLang's HTTP routes on an in-process ``sglang.Engine``."""
+    from sglang.srt.managers import io_struct as io
+
+    tm = engine.tokenizer_manager
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        out = await engine.async_generate(input_ids=_need(b, "input_ids"), sampling_params=b.get("sampling_params"),
+                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"))
+        return 200, out
+
+    async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
+        tm.abort_request(rid=b.get("rid", ""), abort_all=bool(b.get("abort_all", False)))
+        return 200, None
+
+    async def pause_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.pause_generation(io.PauseGenerationReqInput(mode=b.get("mode", "abort")))
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.continue_generation(io.ContinueGenerationReqInput(torch_empty_cache=bool(b.get("torch_empty_cache", False))))
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
+        obj = io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=_need(b, "serialized_named_tensors"), load_format=b.get("load_format"),
+            flush_cache=bool(b.get("flush_cache", True)), abort_all_requests=bool(b.get("abort_all_requests", False)),
+            weight_version=b.get("weight_version"))
+        ok, msg = await tm.update_weights_from_tensor(obj, None)
+        return (200 if ok else 400), {"success": bool(ok), "message": str(msg)}
+
+    async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
+        got = await tm.get_weights_by_name(io.GetWeightsByNameReqInput(name=_need(b, "name"), truncate_size=int(b.get("truncate_size", 100))), None)
+        return (200 if got is not None else 400), got
+
+    async def update_weight_version(b: dict[str, Any]) -> tuple[int, Any]:
+        if b.get("abort_all_requests", True):
+            tm.abort_request(abort_all=True)
+        tm.server_args.weight_version = str(_need(b, "new_version"))
+        return 200, {"success": True, "message": "ok", "new_version": str(b["new_version"])}
+
+    async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version,
+                     "context_length": getattr(tm, "context_len", None)}
+
+    async def health(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, None
+
+    async def flush_cache(b: dict[str, Any]) -> tuple[int, Any]:
+        r = await tm.flush_cache()
+        return (200 if getattr(r, "success", True) else 400), {"success": bool(getattr(r, "success", True))}
+
+    async def release(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags=b.get("tags")), None)
+        return 200, None
+
+    async def resume(b: dict[str, Any]) -> tuple[int, Any]:
+        await tm.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags=b.get("tags")), None)
+        return 200, None
+
+    return {"/generate": generate, "/abort_request": abort_request, "/pause_generation": pause_generation,
+            "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
+            "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
+            "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
+            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
+
+
+# --------------------------------------------------------------------------- the sim engine, answering like SGLang
+
+
+def _sim_sampling(sp: dict[str, Any]) -> SamplingParams:
+    unknown = set(sp) - _SAMPLING_KEYS
+    if unknown:  # SGLang raises TypeError for an unknown sampling key
+        raise BadRequest(f"unknown sampling_params {sorted(unknown)}")
+    return SamplingParams(
+        max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=float(sp.get("temperature", 1.0)),
+        top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)), min_p=float(sp.get("min_p", 0.0)),
+        ignore_eos=bool(sp.get("ignore_eos", False)), stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
+        stop=tuple(sp.get("stop") or ()), seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]))
+
+
+def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
+    """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
+    weights: dict[str, Any] = {}
+    paused = False
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        ids = _need(b, "input_ids")
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids must be a non-empty list of ints")
+        rid = str(b.get("rid") or os.urandom(8).hex())
+        sp = _sim_sampling(dict(b.get("sampling_params") or {}))
+        t0 = time.time()
+        out = await sim.generate(ids, 1, sp, rid)
+        s = out.samples[0]
+        if s.finish_reason == FinishReason.STOP:
+            finish: dict[str, Any] = {"type": "stop", "matched": s.matched_stop}
+        elif s.finish_reason == FinishReason.LENGTH:
+            finish = {"type": "length", "length": len(s.output_ids)}
+        else:
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        version = s.token_versions[-1] if s.token_versions else sim.version
+        meta = {
+            "id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": str(version),
+            "num_retractions": 0, "input_token_logprobs": [],
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(s.logprobs, s.output_ids, strict=True)],
+            "output_token_logprobs_length": len(s.output_ids), "reasoning_tokens": 0,
+            "completion_tokens": len(s.output_ids), "cached_tokens": 0, "cached_tokens_details": {"device": 0, "host": 0},
+            "dp_rank": None, "e2e_latency": time.time() - t0, "response_sent_to_client_ts": time.time(),
+        }
+        return 200, {"text": "", "output_ids": list(s.output_ids), "meta_info": meta}
+
+    async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
+        rids = sim.running_request_ids() if b.get("abort_all") else [str(b.get("rid", ""))]
+        for rid in rids:
+            await sim.abort(rid)
+        return 200, None
+
+    async def pause_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        nonlocal paused
+        if b.get("mode", "abort") != "abort":
+            raise BadRequest("the sim backend pauses in mode abort only (what rollpool sends)")
+        for rid in sim.running_request_ids():
+            await sim.abort(rid)
+        await sim.pause("drain")  # returns once the aborted requests are out; new ones wait for continue
+        paused = True
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation(b: dict[str, Any]) -> tuple[int, Any]:
+        nonlocal paused
+        if paused:
+            await sim.resume()
+            paused = False
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
+        from rollpool.workers.engines.sglang.tensors import load_cpu_payload
+
+        payloads = _need(b, "serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise BadRequest("serialized_named_tensors must hold one payload (tp_size 1)")
+        try:
+            named = load_cpu_payload(payloads[0])
+        except ValueError as exc:
+            return 400, {"success": False, "message": str(exc)}
+        version = b.get("weight_version")
+        await sim.update_weights(dict(named), int(version) if version is not None else sim.version)
+        weights.update({name: t.clone() for name, t in named})
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+
+    async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
+        t = weights.get(str(_need(b, "name")))
+        if t is None:
+            return 400, None
+        n = int(b.get("truncate_size", 100))
+        return 200, t.float().tolist()[:n]
+
+    async def update_weight_version(b: dict[str, Any]) -> tuple[int, Any]:
+        new = str(_need(b, "new_version"))
+        if b.get("abort_all_requests", True):
+            for rid in sim.running_request_ids():
+                await sim.abort(rid)
+        await sim.update_weights({}, int(new))
+        return 200, {"success": True, "message": "ok", "new_version": new}
+
+    async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"model_path": model_path, "weight_version": str(sim.version)}
+
+    async def health(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, None
+
+    async def flush_cache(b: dict[str, Any]) -> tuple[int, Any]:
+        await sim.flush_cache()
+        return 200, {"success": True}
+
+    async def release(b: dict[str, Any]) -> tuple[int, Any]:
+        await sim.release_memory(tuple(b.get("tags") or ()))
+        return 200, None
+
+    async def resume(b: dict[str, Any]) -> tuple[int, Any]:
+        await sim.resume_memory(tuple(b.get("tags") or ()))
+        return 200, None
+
+    return {"/generate": generate, "/abort_request": abort_request, "/pause_generation": pause_generation,
+            "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
+            "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
+            "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
+            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: str) -> None:
+    runner = await serve_routes(routes, host, port, token)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rollpool.workers.engines.sglang.server")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--backend", choices=("sglang", "sim"), default="sglang")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON: keyword arguments of sglang.Engine, or SimOptions")
+    a = ap.parse_args(argv)
+    token = os.environ.pop(TOKEN_ENV, "")  # out of the environment, so SGLang's own children do not inherit it
+    kwargs = json.loads(a.engine_kwargs)
+    if a.backend == "sim":
+        from rollpool.workers.engines.options import SimOptions, parse_options
+        from rollpool.workers.engines.sim import SimEngine
+
+        sim = SimEngine(parse_options(SimOptions, kwargs))
+
+        async def run_sim() -> None:
+            await sim.start()
+            await _serve_forever(sim_routes(sim, a.model_path), a.host, a.port, token)
+
+        asyncio.run(run_sim())
+        return 0
+    import sglang
+
+    # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; no xgrammar in the kit; prefill
+    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay)
+    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
+              "cuda_graph_backend_prefill": "disabled", **kwargs}
+    engine = sglang.Engine(model_path=a.model_path, **kwargs)
+    engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,225 @@
+"""The sglang engine on a CPU: its child's answers against SGLang's, the per-launch token, death, refusals, options.
+
+The child here is the engine's real child process with the sim backend (conftest:
+`sglang_sim_child`, or launched by the engine itself); the one fake is `_fake_sglang`, an
+HTTP server at the process edge that answers like a misbehaving SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import stat
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from rollpool.protocol.errors import ConfigError, EngineError, RequestRefusedError
+from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.config import WorkerConfig
+from rollpool.workers.engines.base import StagingEngine
+from rollpool.workers.engines.options import HFOptions, SGLangOptions, SimOptions, parse_options
+from rollpool.workers.engines.sglang.engine import SGLangEngine
+from rollpool.workers.engines.sglang.http import HttpClient, HttpError, serve_routes
+from rollpool.workers.engines.sglang.wire import generate_body, parse_generate_response, sample_rid
+from rollpool.workers.engines.sim import SimEngine
+
+from .conftest import SIM_SERVER_ARGS, SimChild
+
+GOLDEN: dict[str, Any] = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" / "sglang" / "golden.json").read_text())
+
+
+def _client(child: SimChild, token: str | None = None) -> HttpClient:
+    host, port = child.url.removeprefix("http://").split(":")
+    return HttpClient(host, int(port), token=child.token if token is None else token)
+
+
+def _shape(value: Any) -> Any:
+    """Keys and value types, recursively (lists by their first element): what a parser relies on."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    if isinstance(value, int | float):
+        return "number"
+    return type(value).__name__
+
+
+async def test_the_childs_answers_have_sglangs_shape(sglang_sim_child: SimChild) -> None:
+    http = _client(sglang_sim_child)
+    prompt = [10, 20, 30, 40, 50, 60]
+    counter = iter(range(100))
+
+    def body(sp: SamplingParams) -> dict[str, Any]:
+        return generate_body(prompt, sp, rid=sample_rid("shapetst", next(counter), 0, 0), index=0)
+
+    try:
+        got: dict[str, Any] = {}
+        got["length"] = await http.request("POST", "/generate", body(SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)))
+        stop_tok = got["length"]["output_ids"][3]
+        got["stop_token"] = await http.request("POST", "/generate", body(SamplingParams(max_new_tokens=60, seed=1, stop_token_ids=(stop_tok,))))
+        long_body = body(SamplingParams(max_new_tokens=1500, ignore_eos=True))
+        task = asyncio.ensure_future(http.request("POST", "/generate", long_body))
+        await asyncio.sleep(0.05)
+        await http.request("POST", "/abort_request", {"rid": long_body["rid"], "abort_all": False})
+        got["abort"] = await asyncio.wait_for(task, 10)
+        got["model_info"] = await http.request("GET", "/model_info")
+    finally:
+        await http.close()
+    for kind in ("length", "stop_token", "abort"):
+        want, have = GOLDEN[kind], got[kind]
+        assert set(have) == set(want), kind
+        assert set(have["meta_info"]) == set(want["meta_info"]), kind
+        assert _shape(have["meta_info"]["finish_reason"]) == _shape(want["meta_info"]["finish_reason"]), kind
+        for key in ("id", "prompt_tokens", "weight_version", "output_token_logprobs", "completion_tokens"):
+            assert _shape(have["meta_info"][key]) == _shape(want["meta_info"][key]), (kind, key)
+        assert _shape(have["output_ids"]) == _shape(want["output_ids"])
+        a, b = parse_generate_response(have), parse_generate_response(want)
+        assert a.finish_reason == b.finish_reason and a.aborted_by_request == b.aborted_by_request, kind
+    assert set(GOLDEN["model_info"]) <= set(got["model_info"])
+    s = parse_generate_response(got["stop_token"])
+    assert s.finish_reason == FinishReason.STOP and s.matched_stop == s.output_ids[-1]
+    assert 0 < len(parse_generate_response(got["abort"]).output_ids) < 1500
+
+
+async def test_the_child_refuses_requests_without_the_launch_token(sglang_sim_child: SimChild) -> None:
+    for token in ("", "not-the-token"):
+        http = _client(sglang_sim_child, token=token)
+        try:
+            for path in ("/health_generate", "/update_weights_from_tensor", "/generate"):
+                with pytest.raises(HttpError) as info:
+                    await http.request("POST", path, {"serialized_named_tensors": ["x"]})
+                assert info.value.status == 401
+        finally:
+            await http.close()
+    engine = SGLangEngine(model=sglang_sim_child.model, url=sglang_sim_child.url, api_key="wrong", device="cpu", start_timeout_s=5)
+    with pytest.raises(EngineError, match="refused our token"):
+        await engine.start()
+
+
+async def test_a_refused_or_failed_generate_is_an_engine_error_not_a_refusal(tiny_model_dir: pathlib.Path) -> None:
+    """F5: a 4xx/5xx after rollpool's own checks passed means the engine is broken: restart, don't blame the prompt."""
+    answers = iter([(400, {"error": {"message": "ValueError: something inside"}}), (500, {"error": {"message": "KeyError"}})])
+
+    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"success": True}
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        return next(answers)
+
+    port = _free_port()
+    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
+    engine = SGLangEngine(model=str(tiny_model_dir), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
+    try:
+        await engine.start()
+        for rid in ("a", "b"):
+            with pytest.raises(EngineError) as info:
+                await engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=4), rid)
+            assert not isinstance(info.value, RequestRefusedError), info.value
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+
+
+async def test_request_checks_use_the_checkpoints_limits(sglang_sim_child: SimChild) -> None:
+    engine = SGLangEngine(model=sglang_sim_child.model, url=sglang_sim_child.url, api_key=sglang_sim_child.token, device="cpu")
+    await engine.start()
+    try:
+        with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
+            await engine.generate([5, 320], 1, SamplingParams(), "vocab")
+        with pytest.raises(RequestRefusedError, match="context of 2048"):
+            await engine.generate([5] * 100, 1, SamplingParams(max_new_tokens=1948), "ctx")
+        with pytest.raises(EngineError, match="in_place is refused"):
+            await engine.pause("in_place")
+    finally:
+        await engine.stop()
+
+
+@pytest.fixture
+async def owned(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> AsyncIterator[SGLangEngine]:
+    """An engine that launches its own child (the worker's path), sim backend."""
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=8, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          server_args=json.dumps({**SIM_SERVER_ARGS, "decode_s_per_token": 0.01}), start_timeout_s=60)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def test_the_launch_token_is_fresh_private_and_gone_after_stop(owned: SGLangEngine) -> None:
+    assert owned.token_path is not None and owned.token_path.read_text() == owned.token and len(owned.token) >= 32
+    assert stat.S_IMODE(owned.token_path.stat().st_mode) == 0o600
+    assert owned.token not in " ".join(owned.command())  # argv is readable by every local user
+    path = owned.token_path
+    out = await owned.generate([1, 2, 3], 2, SamplingParams(max_new_tokens=5, ignore_eos=True), "r")
+    assert [len(s.output_ids) for s in out.samples] == [5, 5] and out.simulated and owned.info().simulated
+    await owned.stop()
+    assert not path.exists()
+
+
+async def test_a_dead_child_fails_running_and_later_calls_at_once(owned: SGLangEngine) -> None:
+    task = asyncio.create_task(owned.generate([1, 2, 3], 2, SamplingParams(max_new_tokens=1000, ignore_eos=True), "long"))
+    await asyncio.sleep(0.1)
+    assert owned._proc is not None
+    os.killpg(owned._proc.pid, signal.SIGKILL)  # what a crashing SGLang scheduler does to its tree
+    with pytest.raises(EngineError, match="exited"):
+        await asyncio.wait_for(task, 10)
+    with pytest.raises(EngineError, match="not running"):
+        await owned.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=2), "after")
+
+
+def test_the_sglang_engine_declares_staging() -> None:
+    assert isinstance(SGLangEngine(model="m"), StagingEngine)
+    assert not isinstance(SimEngine(), StagingEngine)
+
+
+def test_options_are_typed_by_field_and_errors_name_the_field() -> None:
+    o = parse_options(SGLangOptions, "model=/m,capacity=8,verify_updates=false,server_cmd=1,url=none,mem_fraction_static=0.3")
+    assert (o.capacity, o.verify_updates, o.server_cmd, o.url, o.mem_fraction_static) == (8, False, "1", None, 0.3)
+    assert parse_options(HFOptions, "model=/m,num_threads=2").num_threads == 2
+    assert parse_options(SimOptions, "length=fixed,decode_s_per_token=0.01").decode_s_per_token == 0.01
+    cases = [
+        ("sglang", "capacity=0", "SGLangOptions.capacity must be >= 1"),
+        ("sglang", "port=abc", "SGLangOptions.port must be an integer"),
+        ("sglang", "prot=1", "SGLangOptions has no option 'prot'"),
+        ("sglang", "server_args=[1]", "SGLangOptions.server_args must be a JSON object"),
+        ("sglang", "backend=vllm", "SGLangOptions.backend must be one of"),
+        ("sglang", "verify_updates=maybe", "SGLangOptions.verify_updates must be true or false"),
+        ("sim", "length=weird", "SimOptions.length must be one of"),
+        ("hf", "dtype=float8", "HFOptions.dtype must be one of"),
+    ]
+    for engine, text, message in cases:
+        with pytest.raises(ConfigError, match=f"^WorkerConfig.engine_options: {message}"):
+            WorkerConfig(engine=engine, model="/m", engine_options=text)
+    cfg = WorkerConfig(engine="sglang", model="/m", capacity=4, engine_options="port=31000,verify_updates=no")
+    assert cfg.engine_kwargs() == {"port": 31000, "verify_updates": False, "model": "/m", "capacity": 4}
+    with pytest.raises(ConfigError, match="HFOptions.model is needed"):
+        WorkerConfig(engine="hf")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_only_the_child_module_imports_sglang() -> None:
+    import ast
+
+    root = pathlib.Path(__file__).parents[3] / "rollpool"
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"workers/engines/sglang/server.py"}
