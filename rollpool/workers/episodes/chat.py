@@ -215,7 +215,10 @@ def after_reply(tokenizer: ChatTokenizer, before: list[dict[str, Any]], reply: d
     """
     messages = [*before, reply]
     tkey = tools_key(tools)
-    full = render(tokenizer, messages, tools, add_generation_prompt=False)
+    try:
+        full = render(tokenizer, messages, tools, add_generation_prompt=False)
+    except EndpointError:  # the template cannot render our own reply: the next turn starts a new segment
+        return ChatView(messages, tkey, None, "")
     if not full.startswith(prompt_text):
         return ChatView(messages, tkey, None, "")
     turn = full[len(prompt_text):]

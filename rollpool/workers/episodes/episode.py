@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -515,7 +516,7 @@ class EpisodeContext:
         """Run a tool: a coroutine function is awaited, a plain function runs in a thread; counted as a tool call."""
         self._episode.tool_calls += 1
         self._episode.stats.tool_calls += 1
-        if asyncio.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn):
             result: T = await fn(*args, **kwargs)
             return result
         loop = asyncio.get_running_loop()

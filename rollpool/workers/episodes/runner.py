@@ -147,11 +147,12 @@ class EpisodeRunner:
         self.server = EpisodeServer(self.config.host, self.config.port)
         self._slots = asyncio.Semaphore(self.config.max_episodes)
         # sync episode functions and tools: a pool of our own, so they never wait on the default one
-        self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
+        self._threads = ThreadPoolExecutor(max_workers=1)
         self._started = False
 
     async def start(self) -> None:
         if not self._started:
+            self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
             if self.config.serve_openai:
                 await self.server.start()
             self._started = True
@@ -205,17 +206,22 @@ class EpisodeRunner:
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1
             self.stats.started += 1
+            scope = asyncio.timeout(self.config.episode_timeout_s)
             finish: str | None = None
             error: str | None = None
             value: Any = None
             try:
                 if fn is None:
                     raise ConfigError(f"the prompt names episode function {name!r}; this worker has {sorted(self.functions)}")
-                async with asyncio.timeout(self.config.episode_timeout_s):
+                async with scope:
                     value = await self._call(fn, ctx, prompt)
-            except TimeoutError:
-                finish, error = FinishReason.ABORT, f"the episode timed out after {self.config.episode_timeout_s}s"
-                self.stats.timed_out += 1
+            except TimeoutError as exc:
+                if scope.expired():
+                    finish, error = FinishReason.ABORT, f"the episode timed out after {self.config.episode_timeout_s}s"
+                    self.stats.timed_out += 1
+                else:  # a timeout inside the episode's own code is its error, not ours
+                    finish, error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+                    self.stats.failed += 1
             except ContextLengthExceededError as exc:
                 finish, error = FinishReason.LENGTH, str(exc)
             except asyncio.CancelledError:
@@ -243,6 +249,8 @@ class EpisodeRunner:
             texts = None
             if self.tokenizer is not None:
                 texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in episode.recording.segments]
+            if not episode.recording.segments and prompt.input_ids is not None:
+                episode.recording.begin(prompt.input_ids.tolist())  # recorded nothing: the prompt, no output
             return episode.recording.trajectories(finish_reason=finish, worker_id=self.worker_id, attempt=attempt,
                                                   queued_at=queued_at, reward=reward, metadata=metadata, output_text=texts)
 

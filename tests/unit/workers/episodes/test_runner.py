@@ -242,3 +242,14 @@ def test_episode_config_checks_its_ranges() -> None:
         EpisodeConfig(tool_call_parser="x")
     with pytest.raises(ConfigError, match="loopback"):
         EpisodeRunner(ScriptedEngine(), lambda c, p: None, EpisodeConfig(host="0.0.0.0"))
+
+
+async def test_a_timeout_inside_the_episodes_own_code_is_its_error_not_the_episode_timeout() -> None:
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> None:
+        raise TimeoutError("the environment did not answer")
+
+    async with _runner(ScriptedEngine(eos_id=EOS), episode, episode_timeout_s=60) as runner:
+        (t,) = await runner.run_group(_prompt())
+    assert t.finish_reason == "error" and t.metadata["episode_error"] == "TimeoutError: the environment did not answer"
+    assert t.input_ids.tolist() == [1, 2, 3] and t.output_ids.tolist() == []  # recorded nothing: the prompt, no output
+    assert runner.stats.timed_out == 0
