@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import time
@@ -127,7 +128,7 @@ class Episode:
 
     def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
-                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop) -> None:
+                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.sample_index = sample_index
@@ -138,6 +139,7 @@ class Episode:
         self.request_prefix = request_prefix
         self.stats = stats
         self.loop = loop
+        self.tokenizer_executor = tokenizer_executor
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
@@ -282,6 +284,41 @@ class Episode:
             ids = ids[:-1]
         return ids
 
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop."""
+        if self.tokenizer_executor is None:
+            return fn(*args)
+        return await self.loop.run_in_executor(self.tokenizer_executor, functools.partial(fn, *args))
+
+    def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, int | None]:
+        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None, end-of-turn id)."""
+        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
+        delta = chat.extension(view, tok, messages, tools, prompt_text)
+        if delta is not None:
+            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, self._end_of_turn_id(messages, tools)
+        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), self._end_of_turn_id(messages, tools)
+
+    def _chat_reply(self, tok: Any, s: SampleOutput, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+                    prompt_text: str, eot_id: int | None, stop_ids: set[int],
+                    parse: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
+        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text."""
+        content_ids = self._content_ids(s, stop_ids)
+        calls: list[ToolCall] = []
+        raw = ""
+        if parse:
+            raw, calls = self.parser.parse(tok.decode(content_ids, skip_special_tokens=False))
+        if calls:
+            content: str | None = self._strip_specials(raw).strip() or None
+        else:
+            content = s.output_text if s.output_text is not None else tok.decode(content_ids, skip_special_tokens=True)
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [c.as_openai() for c in calls]
+        view = chat.after_reply(tok, messages, reply, tools, prompt_text, tok.decode(s.output_ids, skip_special_tokens=False),
+                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
+        return reply, calls, view, [tok.decode([t], skip_special_tokens=False) for t in s.output_ids]
+
     async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict."""
         tok = self._require_tokenizer()
@@ -296,21 +333,21 @@ class Episode:
         if body.get("top_logprobs"):
             raise EndpointError(400, "top_logprobs is not supported: the engine reports the sampled token's logprob only", param="top_logprobs")
         sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
+        parse = bool(tools) and tool_choice != "none"
         async with self._lock:
             self._check_open()
-            prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
             seg = self.recording.current
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
-            delta = chat.extension(view, tok, messages, tools, prompt_text)
-            if seg is not None and delta is not None:
-                ids = list(tok.encode(delta, add_special_tokens=False))
-                self._fits(len(seg) + len(ids) + 1)
+            prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
+            self._check_open()
+            if seg is not None and delta_ids is not None:
+                self._fits(len(seg) + len(delta_ids) + 1)
                 reused = len(seg)
-                seg.insert(ids)
+                seg.insert(delta_ids)
             else:
-                seg = self._begin(tok.encode(prompt_text, add_special_tokens=False))
+                assert prompt_ids is not None
+                seg = self._begin(prompt_ids)
                 reused = 0
-            eot_id = self._end_of_turn_id(messages, tools)
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
             prompt_len = len(seg)
@@ -318,30 +355,20 @@ class Episode:
             self.stats.prompt_tokens += prompt_len
             self.stats.reused_prefix_tokens += reused
             s = await self._sample(seg, sampling)
-            content_ids = self._content_ids(s, stop_ids)
-            calls: list[ToolCall] = []
-            if tools and tool_choice != "none":
-                raw, calls = self.parser.parse(tok.decode(content_ids, skip_special_tokens=False))
+            reply, calls, seg_view, token_texts = await self._off_loop(
+                self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
+            self._check_open()
+            seg.chat = seg_view
             if calls:
-                content: str | None = self._strip_specials(raw).strip() or None
-            else:
-                content = s.output_text if s.output_text is not None else tok.decode(content_ids, skip_special_tokens=True)
-            reply: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                reply["tool_calls"] = [c.as_openai() for c in calls]
                 self.tool_calls += len(calls)
                 self.stats.tool_calls += len(calls)
-            seg.chat = chat.after_reply(tok, messages, reply, tools, prompt_text,
-                                        tok.decode(s.output_ids, skip_special_tokens=False),
-                                        bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
         finish = "tool_calls" if calls else s.finish_reason
         choice: dict[str, Any] = {"index": 0, "message": {**reply, "refusal": None}, "finish_reason": finish,
                                   "logprobs": None}
         if want_logprobs:
             choice["logprobs"] = {"content": [
-                {"token": tok.decode([t], skip_special_tokens=False), "logprob": float(lp),
-                 "bytes": list(tok.decode([t], skip_special_tokens=False).encode()), "top_logprobs": []}
-                for t, lp in zip(s.output_ids, s.logprobs, strict=True)]}
+                {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
+                for text, lp in zip(token_texts, s.logprobs, strict=True)]}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -387,12 +414,17 @@ class Episode:
                 assert isinstance(prompt, str)
                 view = seg.chat if seg is not None and isinstance(seg.chat, _TextView) else None
                 if seg is not None and view is not None and prompt.startswith(view.text):
-                    ids = list(tok.encode(prompt[len(view.text):], add_special_tokens=False))
+                    rest = prompt[len(view.text):]
+                    ids = await self._off_loop(lambda: list(tok.encode(rest, add_special_tokens=False)))
+                    self._check_open()
                     self._fits(len(seg) + len(ids) + 1)
                     reused = len(seg)
                     seg.insert(ids)
                 else:
-                    seg = self._begin(tok.encode(prompt))
+                    text_prompt = prompt
+                    ids = await self._off_loop(lambda: list(tok.encode(text_prompt)))
+                    self._check_open()
+                    seg = self._begin(ids)
                 text_before = prompt
             prompt_len = len(seg)
             self.recording.count_turn(prompt_len, reused)
@@ -402,7 +434,8 @@ class Episode:
             if s.output_text is not None:
                 text = s.output_text
             elif tok is not None:
-                text = tok.decode(self._content_ids(s, set(self._stop_ids())), skip_special_tokens=True)
+                content_ids = self._content_ids(s, set(self._stop_ids()))
+                text = await self._off_loop(lambda: str(tok.decode(content_ids, skip_special_tokens=True)))
             else:
                 text = ""
             seg.chat = _TextView(text_before + text) if text_before is not None else None

@@ -148,11 +148,13 @@ class EpisodeRunner:
         self._slots = asyncio.Semaphore(self.config.max_episodes)
         # sync episode functions and tools: a pool of our own, so they never wait on the default one
         self._threads = ThreadPoolExecutor(max_workers=1)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
         self._started = False
 
     async def start(self) -> None:
         if not self._started:
             self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
+            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
             if self.config.serve_openai:
                 await self.server.start()
             self._started = True
@@ -160,6 +162,7 @@ class EpisodeRunner:
     async def close(self) -> None:
         await self.server.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self._started = False
 
     async def __aenter__(self) -> EpisodeRunner:
@@ -201,7 +204,8 @@ class EpisodeRunner:
                 engine=self.engine, prompt=prompt, sample_index=index, start_version=self.engine.info().weight_version,
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
                 model_name=self._model_name(), max_context_tokens=self.config.max_context_tokens,
-                request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop())
+                request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
+                tokenizer_executor=self._tokenizer_thread)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1
