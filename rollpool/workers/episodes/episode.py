@@ -197,6 +197,8 @@ class Episode:
 
     def append(self, token_ids: Sequence[int]) -> None:
         self._check_open()
+        if self._running_request is not None:
+            raise RuntimeError("append while a turn of this episode is being sampled: await the turn first")
         ids = [int(t) for t in token_ids]
         seg = self._segment()
         self._fits(len(seg) + len(ids))
@@ -236,16 +238,22 @@ class Episode:
     async def generate(self, input_ids: Sequence[int] | None, sampling: SamplingParams) -> SampleOutput:
         async with self._lock:
             self._check_open()
+            reused = 0
             if input_ids is None:
+                had = self.recording.current
                 seg = self._segment()
+                reused = len(seg) if had is not None else 0
             else:
                 before = len(self.recording.segments)
+                had_len = len(self.recording.current) if self.recording.current is not None else 0
                 self._fits(len(input_ids) + 1)
-                seg, _new = self.recording.continue_with(input_ids, now=time.time())
+                seg, new = self.recording.continue_with(input_ids, now=time.time())
                 self.stats.segments += len(self.recording.segments) - before
+                reused = 0 if new else had_len
             seg.chat = None
-            self.recording.count_turn(len(seg), 0)
+            self.recording.count_turn(len(seg), reused)
             self.stats.prompt_tokens += len(seg)
+            self.stats.reused_prefix_tokens += reused
             return await self._sample(seg, sampling)
 
     # -- the OpenAI endpoint

@@ -253,3 +253,36 @@ async def test_a_timeout_inside_the_episodes_own_code_is_its_error_not_the_episo
     assert t.finish_reason == "error" and t.metadata["episode_error"] == "TimeoutError: the environment did not answer"
     assert t.input_ids.tolist() == [1, 2, 3] and t.output_ids.tolist() == []  # recorded nothing: the prompt, no output
     assert runner.stats.timed_out == 0
+
+
+async def test_token_level_input_ids_extend_the_sequence_or_start_a_new_segment() -> None:
+    engine = ScriptedEngine([[10, EOS], [11, EOS], [12, EOS]], eos_id=EOS)
+
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> None:
+        await ctx.generate()
+        await ctx.generate(input_ids=[*ctx.token_ids, 7])  # extends: 7 inserted, mask 0
+        assert ctx.segment_index == 0
+        await ctx.generate(input_ids=[1, 2, 8])  # does not: a new segment
+        assert ctx.segment_index == 1
+
+    async with _runner(engine, episode) as runner:
+        a, b = await runner.run_group(_prompt())
+    assert (a.trajectory_id, b.trajectory_id) == ("p:0", "p:0:1")
+    assert a.output_ids.tolist() == [10, EOS, 7, 11, EOS] and a.loss_mask.tolist() == [1, 1, 0, 1, 1]
+    assert b.input_ids.tolist() == [1, 2, 8] and b.output_ids.tolist() == [12, EOS]
+    assert runner.stats.segments == 2 and runner.stats.reused_prefix_tokens == 5  # the second turn's prompt was in the sequence
+
+
+async def test_append_while_a_turn_is_sampled_is_refused() -> None:
+    engine = ScriptedEngine([[10, EOS]], eos_id=EOS, delay_s=0.2)
+
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> None:
+        turn = asyncio.create_task(ctx.generate())
+        await engine.wait_running(1)
+        with pytest.raises(RuntimeError, match="being sampled"):
+            ctx.append([5])
+        await turn
+
+    async with _runner(engine, episode) as runner:
+        (t,) = await runner.run_group(_prompt())
+    assert t.output_ids.tolist() == [10, EOS] and "episode_error" not in t.metadata
