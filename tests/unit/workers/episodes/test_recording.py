@@ -97,3 +97,20 @@ def test_segment_index_travels_on_the_wire_and_defaults_to_zero() -> None:
                          output_logprobs=t1.output_logprobs, token_versions=t1.token_versions, loss_mask=t1.loss_mask,
                          finish_reason="stop")
     assert plain.segment_index == 0 and plain.trajectory_id == "q:4"
+
+
+def test_a_trajectory_from_a_peer_without_segment_index_decodes_as_segment_0() -> None:
+    import msgpack
+
+    rec = EpisodeRecording("p", 3, start_version=0)
+    rec.continue_with([1])
+    rec.continue_with([2])
+    frames = codec.encode(m.Result(task_id="t", prompt_id="p", trajectories=tuple(rec.trajectories())))
+    major, minor, kind, fields = msgpack.unpackb(frames[0])
+    assert "segment_index" not in fields["trajectories"][0]  # the default is not written: segment 0 is the old format
+    assert fields["trajectories"][1]["segment_index"] == 1
+    del fields["trajectories"][1]["segment_index"]  # what a peer of the previous minor version sends
+    old = [msgpack.packb([major, minor, kind, fields], use_bin_type=True), *frames[1:]]
+    back = codec.decode(old)
+    assert [t.segment_index for t in back.trajectories] == [0, 0]
+    assert [t.trajectory_id for t in back.trajectories] == ["p:3", "p:3"]
