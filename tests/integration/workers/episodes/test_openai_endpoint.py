@@ -78,6 +78,8 @@ async def test_an_agent_sending_its_history_back_unchanged_gives_one_segment(tin
 
     out, engine, runner = await _run(tok, [CALL, "It is 42.<|im_end|>", "2 is the answer<|im_end|>", "You are welcome.<|im_end|>"], agent)
     (t,) = out  # ONE segment for four turns
+    first_prompt = tok.decode(engine.prompts[0], skip_special_tokens=False)
+    assert "Tools:\n" in first_prompt and '"description": "add two integers"' in first_prompt  # tools rendered by the template
     assert t.trajectory_id == "p:0" and t.segment_index == 0 and t.reward == 1.0
     assert sum(int(t.loss_mask.sum()) for t in out) == sum(u.completion_tokens for u in usages)
     assert [u.prompt_tokens for u in usages] == [len(p) for p in engine.prompts]
@@ -225,6 +227,8 @@ async def test_a_malformed_request_gets_a_4xx_and_the_episode_goes_on(tiny_token
 
 async def test_a_wrong_key_gets_401_and_records_nothing(tiny_tokenizer: Any) -> None:
     async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as good:
+            assert [m.id for m in (await good.models.list()).data] == [ctx.model] == ["scripted"]
         client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key="rp-wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
             await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}])
