@@ -65,7 +65,8 @@ class EpisodeConfig:
     tool_call_parser: str = "hermes"
     """The endpoint's tool-call parser, by name (see `toolcalls`)."""
     max_context_tokens: int = 0
-    """The engine's context in tokens; 0: the engine's own check only."""
+    """The engine's context in tokens; 0: ``engine.info().extra["max_context_tokens"]`` when the engine states it,
+    else the engine's own check only."""
     host: str = "127.0.0.1"
     port: int = 0
     """The endpoint's port; 0 picks a free one."""
@@ -178,6 +179,16 @@ class EpisodeRunner:
         except Exception:  # noqa: BLE001 - a name for the endpoint only
             return "rollpool"
 
+    def _max_context_tokens(self) -> int:
+        """The configured context, else what the engine states (``info().extra["max_context_tokens"]``), else 0."""
+        if self.config.max_context_tokens:
+            return self.config.max_context_tokens
+        try:
+            value = self.engine.info().extra.get("max_context_tokens", 0)
+        except Exception:  # noqa: BLE001 - optional information
+            return 0
+        return value if isinstance(value, int) and value > 0 else 0
+
     async def run_group(self, prompt: Prompt, n: int | None = None, *, attempt: int = 0, queued_at: float = 0.0,
                         request_prefix: str | None = None) -> list[Trajectory]:
         """Run `n` (default ``prompt.group_size``) episodes of `prompt` concurrently; every segment's trajectory."""
@@ -203,7 +214,7 @@ class EpisodeRunner:
             episode = Episode(
                 engine=self.engine, prompt=prompt, sample_index=index, start_version=self.engine.info().weight_version,
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
-                model_name=self._model_name(), max_context_tokens=self.config.max_context_tokens,
+                model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
                 tokenizer_executor=self._tokenizer_thread)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
