@@ -189,9 +189,12 @@ class Episode:
         self.stats.segments += 1
         return seg
 
-    def _fits(self, length: int) -> None:
+    def _fits(self, length: int, seg: Segment | None = None) -> None:
+        """Raise `ContextLengthExceededError` past the context; `seg`, the segment that would overflow, then ends with ``length``."""
         if self.max_context_tokens and length > self.max_context_tokens:
             self.recording.context_exceeded = True
+            if seg is not None:
+                seg.finish_reason = FinishReason.LENGTH
             raise ContextLengthExceededError(
                 f"the episode's sequence would be {length} tokens, past the context of {self.max_context_tokens}")
 
@@ -201,7 +204,7 @@ class Episode:
             raise RuntimeError("append while a turn of this episode is being sampled: await the turn first")
         ids = [int(t) for t in token_ids]
         seg = self._segment()
-        self._fits(len(seg) + len(ids))
+        self._fits(len(seg) + len(ids), seg)
         seg.insert(ids)
         seg.chat = None  # the token sequence moved past what the endpoint rendered
 
@@ -212,6 +215,7 @@ class Episode:
             room = self.max_context_tokens - len(prompt)
             if room < 1:
                 self.recording.context_exceeded = True
+                seg.finish_reason = FinishReason.LENGTH
                 raise ContextLengthExceededError(f"no room left in the context of {self.max_context_tokens} tokens")
             if sampling.max_new_tokens > room:
                 sampling = dataclasses.replace(sampling, max_new_tokens=room)
@@ -349,7 +353,7 @@ class Episode:
             prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
             self._check_open()
             if seg is not None and delta_ids is not None:
-                self._fits(len(seg) + len(delta_ids) + 1)
+                self._fits(len(seg) + len(delta_ids) + 1, seg)
                 reused = len(seg)
                 seg.insert(delta_ids)
             else:
@@ -425,7 +429,7 @@ class Episode:
                     rest = prompt[len(view.text):]
                     ids = await self._off_loop(lambda: list(tok.encode(rest, add_special_tokens=False)))
                     self._check_open()
-                    self._fits(len(seg) + len(ids) + 1)
+                    self._fits(len(seg) + len(ids) + 1, seg)
                     reused = len(seg)
                     seg.insert(ids)
                 else:

@@ -111,7 +111,8 @@ class EpisodeRecording:
         self.start_version = start_version
         self.segments: list[Segment] = []
         self.context_exceeded = False
-        """Set when the episode tried to go past the engine's context (its finish reason becomes ``length``)."""
+        """Set when the episode tried to go past the engine's context (the segment that would overflow ends with
+        ``length``, and so does the episode if it then fails)."""
         self.reused_prefix_tokens = 0
         """Prompt tokens of later turns that were already in the sequence (what a prefix cache can serve)."""
         self.prompt_tokens = 0
@@ -157,7 +158,7 @@ class EpisodeRecording:
         """One `Trajectory` per segment (an episode that recorded nothing gives one empty segment).
 
         `finish_reason` overrides the last segment's (an episode that raised: ``error``; one that timed
-        out or went past the context: ``length`` / ``abort``); earlier segments keep their own.
+        out: ``abort``; one that failed after going past the context: ``length``); earlier segments keep their own.
         Every segment carries the episode's reward and metadata.
         """
         segments = self.segments or [Segment(index=0, input_ids=[], start_version=self.start_version)]
@@ -165,8 +166,6 @@ class EpisodeRecording:
         for seg in segments:
             last = seg is segments[-1]
             reason = seg.finish_reason
-            if last and self.context_exceeded:
-                reason = FinishReason.LENGTH
             if last and finish_reason is not None:
                 reason = finish_reason
             text = output_text[seg.index] if output_text is not None and seg.index < len(output_text) else None

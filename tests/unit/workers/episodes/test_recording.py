@@ -69,12 +69,12 @@ def test_an_episode_that_recorded_nothing_gives_one_empty_trajectory_with_its_re
     assert t.output_ids.tolist() == [] and t.finish_reason == "error" and t.metadata["episode_error"] == "boom"
 
 
-def test_context_exceeded_ends_the_last_segment_with_length() -> None:
+def test_a_finish_reason_given_overrides_the_last_segment_only() -> None:
     rec = EpisodeRecording("p", 0, start_version=0)
     seg, _ = rec.continue_with([1])
     seg.sample([2], [-1.0], [0], "stop")
-    rec.context_exceeded = True
-    assert rec.trajectories()[0].finish_reason == "length"
+    rec.continue_with([3])
+    assert [t.finish_reason for t in rec.trajectories(finish_reason="length")] == ["stop", "length"]
 
 
 def test_a_sampled_turn_needs_aligned_arrays() -> None:

@@ -13,6 +13,7 @@ from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import Prompt, SamplingParams
 from rollpool.workers import EpisodeContext
 from rollpool.workers.episodes import (
+    ContextLengthExceededError,
     EpisodeClosedError,
     EpisodeConfig,
     EpisodeRunner,
@@ -286,3 +287,18 @@ async def test_append_while_a_turn_is_sampled_is_refused() -> None:
     async with _runner(engine, episode) as runner:
         (t,) = await runner.run_group(_prompt())
     assert t.output_ids.tolist() == [10, EOS] and "episode_error" not in t.metadata
+
+
+async def test_an_agent_that_recovers_from_the_context_in_a_new_segment_keeps_length_on_the_overflowed_one() -> None:
+    engine = ScriptedEngine([[10, 11, 12, 13, EOS], [20, EOS]], eos_id=EOS)
+
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> float:
+        await ctx.generate()
+        with pytest.raises(ContextLengthExceededError):
+            ctx.append([1, 2, 3])  # 8 + 3 > 10
+        await ctx.generate(input_ids=[1, 2])  # summarised: a new segment
+        return 1.0
+
+    async with _runner(engine, episode, max_context_tokens=10) as runner:
+        a, b = await runner.run_group(_prompt())
+    assert (a.finish_reason, b.finish_reason) == ("length", "stop") and a.reward == b.reward == 1.0
