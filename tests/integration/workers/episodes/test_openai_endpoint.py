@@ -285,3 +285,19 @@ async def test_context_exceeded_answers_400_and_ends_the_episode_with_length(tin
 
     (t,), _, _ = await _run(tiny_tokenizer, ["y<|im_end|>"], agent, max_context_tokens=40)
     assert t.finish_reason == "length" and "BadRequestError" in t.metadata["episode_error"]
+
+
+async def test_a_request_after_the_episode_ended_gets_410_and_records_nothing(tiny_tokenizer: Any) -> None:
+    kept: list[EpisodeContext] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        kept.append(ctx)
+        return 1.0
+
+    engine = ScriptedEngine(["late<|im_end|>"], tokenizer=tiny_tokenizer)
+    async with EpisodeRunner(engine, agent, EpisodeConfig(), tokenizer=tiny_tokenizer) as runner:
+        (t,) = await runner.run_group(_prompt())
+        async with _client(kept[0]) as client:  # e.g. a tool thread that outlived its episode
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 410 and engine.prompts == [] and t.output_ids.tolist() == []
