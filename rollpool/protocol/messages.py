@@ -167,10 +167,15 @@ class Trajectory:
     """Wall-clock timestamps (seconds since the epoch)."""
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    segment_index: int = 0
+    """Episodes: the segment of sample `sample_index` this trajectory holds (a history rewrite starts a
+    new one); 0 for a plain generate call."""
 
     @property
     def trajectory_id(self) -> str:
-        """The dedup key: ``f"{prompt_id}:{sample_index}"``."""
+        """The dedup key: ``f"{prompt_id}:{sample_index}"``, or ``f"{prompt_id}:{sample_index}:{segment_index}"`` for a later segment."""
+        if self.segment_index:
+            return f"{self.prompt_id}:{self.sample_index}:{self.segment_index}"
         return f"{self.prompt_id}:{self.sample_index}"
 
 

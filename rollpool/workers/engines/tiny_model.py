@@ -24,13 +24,33 @@ EOS = "<|eos|>"
 PAD = "<|pad|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)
+TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END)
 
+# ChatML with tools: the tool list is rendered into the system turn, an assistant's tool calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> (the call markers are special tokens, the
+# format of the `hermes` tool-call parser), a tool result as a `tool` turn.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ messages[0]['content'] + '\\n' }}{%- set ns.first = 1 -%}{%- endif -%}"
+    "{{ 'Tools:\\n' }}{%- for tool in tools -%}{{ tool | tojson + '\\n' }}{%- endfor -%}"
+    "{{ 'Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.first:] -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
+    "{{ '}</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
 _CORPUS = (
@@ -85,7 +105,7 @@ def build_tiny_model(
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=[IM_START, IM_END, TOOL_CALL, TOOL_CALL_END],
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)

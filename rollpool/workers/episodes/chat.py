@@ -1,0 +1,233 @@
+"""Chat rendering with token in, token out (pure: a tokenizer object in, token ids out, no I/O).
+
+The endpoint keeps, per segment, a `ChatView`: the messages whose tokens are in the segment (the
+assistant ones exactly as the endpoint returned them), the chat template's text for them, and the
+template text still owed after the last sampled turn (its end-of-turn tokens, which the model may
+not have sampled: a turn cut by ``max_tokens`` or ended by a stop string). A new request
+
+- whose messages start with the view's messages (compared by `message_key`: an assistant message
+  sent back unchanged, ``content: null`` with ``tool_calls`` included, matches), with the same tools,
+  and whose rendering starts with the view's text, *extends* the segment: only the owed text and the
+  new messages (plus the generation prompt) are tokenized and inserted, loss mask 0; the sampled
+  tokens are reused exactly;
+- otherwise (a message edited or dropped, other tools, a template that re-renders history) starts a
+  new segment whose prompt is the whole rendered conversation.
+
+`ChatTokenizer` is the part of a Hugging Face tokenizer this module uses; it is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = [
+    "ChatTokenizer",
+    "ChatView",
+    "EndpointError",
+    "end_of_turn",
+    "message_key",
+    "render",
+    "render_message",
+    "validate_messages",
+]
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SENTINEL = "\x00rollpool-sentinel\x00"
+
+
+class ChatTokenizer(Protocol):
+    chat_template: Any
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses, answered as an OpenAI-style error body with `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None) -> EndpointError:
+    return EndpointError(400, message, param=param)
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{i}]: only text parts are supported", f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+            raise _bad(f"{where}.tool_calls[{j}] needs function.name and function.arguments (a JSON string)", f"{where}.tool_calls")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
+    return out
+
+
+def validate_messages(raw: Any) -> list[dict[str, Any]]:
+    """The request's messages in a canonical shape (role, content, tool_calls, tool_call_id, name); 400 if malformed."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise _bad(f"{where} must be an object", "messages")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+        clean: dict[str, Any] = {"role": role, "content": _content_text(msg.get("content"), where)}
+        if role == "assistant":
+            calls = _tool_calls(msg.get("tool_calls"), where)
+            if calls:
+                clean["tool_calls"] = calls
+        elif clean["content"] is None:
+            raise _bad(f"{where}.content is required for role {role}", f"{where}.content")
+        if role == "tool":
+            clean["tool_call_id"] = str(msg.get("tool_call_id") or "")
+        if isinstance(msg.get("name"), str) and msg["name"]:
+            clean["name"] = msg["name"]
+        out.append(clean)
+    return out
+
+
+def message_key(msg: Mapping[str, Any]) -> str:
+    """What two messages must share to be the same message (null and empty content are the same)."""
+    key = dict(msg)
+    key["content"] = key.get("content") or ""
+    return json.dumps(key, sort_keys=True, ensure_ascii=False)
+
+
+def render_message(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """The message as chat templates expect it: content a string, tool-call arguments a mapping when they are JSON objects."""
+    out = dict(msg)
+    out["content"] = out.get("content") or ""
+    if "tool_calls" in out:
+        calls = []
+        for call in out["tool_calls"]:
+            fn = dict(call["function"])
+            try:
+                args = json.loads(fn["arguments"]) if fn["arguments"] else {}
+            except ValueError:
+                args = fn["arguments"]
+            fn["arguments"] = args
+            calls.append({**call, "function": fn})
+        out["tool_calls"] = calls
+    return out
+
+
+def render(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
+           *, add_generation_prompt: bool) -> str:
+    """The chat template's text for `messages` (400 when the model has no chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise _bad("this model has no chat template: use /v1/completions, or give the model a chat template", "messages")
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = list(tools)
+    try:
+        text = tokenizer.apply_chat_template([render_message(m) for m in messages], **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the template refused these messages: the request's fault
+        raise _bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", "messages") from exc
+    return str(text)
+
+
+def end_of_turn(tokenizer: ChatTokenizer, before: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None) -> str:
+    """The text the template puts after an assistant message's content (e.g. ``<|im_end|>\\n``); "" if unknown."""
+    probe = [*before, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = render(tokenizer, probe, tools, add_generation_prompt=False)
+    except EndpointError:
+        return ""
+    at = text.rfind(_SENTINEL)
+    return "" if at < 0 else text[at + len(_SENTINEL):]
+
+
+@dataclass(slots=True)
+class ChatView:
+    """The endpoint's view of one segment (see the module docstring)."""
+
+    messages: list[dict[str, Any]]
+    tools_key: str
+    text: str | None
+    """render(messages) without a generation prompt; None when the template cannot be extended."""
+    owed: str
+    """Template text after the last sampled token that is not yet in the sequence."""
+
+    def keys(self) -> list[str]:
+        return [message_key(m) for m in self.messages]
+
+
+def tools_key(tools: Sequence[Any] | None) -> str:
+    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+
+
+def extension(view: ChatView | None, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+              prompt_text: str) -> str | None:
+    """The text to insert when `messages` extends `view` (rendered as `prompt_text`), else None (a new segment)."""
+    if view is None or view.text is None or view.tools_key != tools_key(tools):
+        return None
+    k = len(view.messages)
+    if len(messages) < k or [message_key(m) for m in messages[:k]] != view.keys():
+        return None
+    if not prompt_text.startswith(view.text):
+        return None
+    return view.owed + prompt_text[len(view.text):]
+
+
+def after_reply(tokenizer: ChatTokenizer, before: list[dict[str, Any]], reply: dict[str, Any], tools: Sequence[Any] | None,
+                prompt_text: str, sampled_text: str, finished_on_end_of_turn: bool) -> ChatView:
+    """The view after sampling `reply` for `before` (whose rendered prompt was `prompt_text`).
+
+    `sampled_text` is the sampled tokens decoded with special tokens; `finished_on_end_of_turn` is
+    True when the last sampled token is the template's end-of-turn token.
+    """
+    messages = [*before, reply]
+    tkey = tools_key(tools)
+    try:
+        full = render(tokenizer, messages, tools, add_generation_prompt=False)
+    except EndpointError:  # the template cannot render our own reply: the next turn starts a new segment
+        return ChatView(messages, tkey, None, "")
+    if not full.startswith(prompt_text):
+        return ChatView(messages, tkey, None, "")
+    turn = full[len(prompt_text):]
+    if turn.startswith(sampled_text):
+        return ChatView(messages, tkey, full, turn[len(sampled_text):])
+    # the template renders the turn otherwise (e.g. tool-call JSON re-formatted): the sampled tokens
+    # stand for the turn up to its end-of-turn marker, and what the template puts after that is owed
+    eot = end_of_turn(tokenizer, before, tools)
+    marker = eot.rstrip()
+    if finished_on_end_of_turn and marker and eot.startswith(marker):
+        return ChatView(messages, tkey, full, eot[len(marker):])
+    return ChatView(messages, tkey, full, eot)

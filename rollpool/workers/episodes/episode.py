@@ -1,0 +1,568 @@
+"""One running episode: its recording, its turns on the engine, and the `EpisodeContext` its code sees.
+
+Both ways in record into the same `EpisodeRecording`:
+
+- token level: `EpisodeContext.generate` samples one turn on the current sequence (or on the
+  given ``input_ids``, by the prefix rule of `recording`), `EpisodeContext.append` inserts tokens;
+- OpenAI level: the endpoint calls `Episode.chat` / `Episode.completion` with the request body.
+
+An episode runs one turn at a time (a lock): requests of one episode are served in order. Once the
+runner closes the episode (it returned, raised, timed out or was cancelled) its running turn is
+aborted and every later call is refused (HTTP 410 at the endpoint, `EpisodeClosedError` at the
+token level), so a thread that outlives its episode cannot change what was recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rollpool.protocol.errors import RollpoolError
+from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
+from rollpool.workers.engines.base import Engine, SampleOutput
+from rollpool.workers.episodes import chat
+from rollpool.workers.episodes.chat import EndpointError
+from rollpool.workers.episodes.recording import EpisodeRecording, Segment
+from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
+
+__all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats"]
+
+T = TypeVar("T")
+
+
+class EpisodeClosedError(RollpoolError):
+    """The episode is over (returned, failed, timed out or cancelled): nothing more is recorded."""
+
+
+class ContextLengthExceededError(RollpoolError):
+    """The episode's sequence would not fit the engine's context; the episode ends with ``length``."""
+
+
+@dataclass(slots=True)
+class EpisodeStats:
+    """Counters of a runner's episodes (what monitoring reports)."""
+
+    in_flight: int = 0
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    turns: int = 0
+    turns_in_flight: int = 0
+    tool_calls: int = 0
+    segments: int = 0
+    prompt_tokens: int = 0
+    reused_prefix_tokens: int = 0
+    """Prompt tokens of turns that were already in the episode's sequence (a prefix cache can serve them)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)
+        out["reused_prefix_share"] = self.reused_prefix_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return out
+
+
+@dataclass(slots=True)
+class _TextView:
+    """A `/v1/completions` segment: the text the agent holds (its prompts plus the completions returned)."""
+
+    text: str
+
+
+def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_request: bool) -> SamplingParams:
+    def number(name: str, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
+        value = body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+            raise EndpointError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise EndpointError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+        return kind(value)
+
+    changes: dict[str, Any] = {}
+    names = ("max_completion_tokens", "max_tokens") if chat_request else ("max_tokens",)
+    for name in names:
+        value = number(name, int, 1)
+        if value is not None:
+            changes["max_new_tokens"] = value
+            break
+    if (t := number("temperature", float, 0.0, 2.0)) is not None:
+        changes["temperature"] = t
+    if (p := number("top_p", float, 0.0, 1.0)) is not None:
+        if p == 0:
+            raise EndpointError(400, "top_p must be > 0", param="top_p")
+        changes["top_p"] = p
+    if (seed := number("seed", int)) is not None:
+        changes["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise EndpointError(400, "stop must be a non-empty string or a list of at most 4 of them", param="stop")
+        changes["stop"] = tuple(stop)
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise EndpointError(400, f"n must be 1 here: each sample of a group is its own episode (got n={n!r})", param="n")
+    return dataclasses.replace(base, **changes)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, reused: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": reused}}
+
+
+class Episode:
+    """State and turns of one episode (see the module docstring)."""
+
+    def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
+                 parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
+                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.sample_index = sample_index
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.model_name = model_name
+        self.max_context_tokens = max_context_tokens
+        self.request_prefix = request_prefix
+        self.stats = stats
+        self.loop = loop
+        self.tokenizer_executor = tokenizer_executor
+        self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
+        self.closed = False
+        self.tool_calls = 0
+        self._lock = asyncio.Lock()
+        self._turn = 0
+        self._running_request: str | None = None
+
+    # -- lifecycle
+
+    async def close(self) -> None:
+        """Refuse every later call and abort the turn in flight (its tokens are not recorded)."""
+        self.closed = True
+        rid = self._running_request
+        if rid is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EpisodeClosedError(f"episode {self.recording.prompt_id}:{self.sample_index} is over")
+
+    # -- the sequence
+
+    def _prompt_ids(self) -> list[int]:
+        p = self.prompt
+        if p.input_ids is not None:
+            return [int(t) for t in p.input_ids.tolist()]
+        if p.text is None:
+            raise RollpoolError(f"prompt {p.prompt_id} has neither input_ids nor text")
+        tok = self.tokenizer
+        if tok is None:
+            raise RollpoolError(f"prompt {p.prompt_id} is text, and this engine gives the episode no tokenizer")
+        if p.apply_chat_template:
+            text = chat.render(tok, [{"role": "user", "content": p.text}], None, add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(p.text))
+
+    def _segment(self) -> Segment:
+        seg = self.recording.current
+        if seg is None:
+            seg = self._begin(self._prompt_ids())
+        return seg
+
+    def _begin(self, ids: Sequence[int]) -> Segment:
+        self._fits(len(ids) + 1)
+        seg = self.recording.begin(ids, now=time.time())
+        self.stats.segments += 1
+        return seg
+
+    def _fits(self, length: int, seg: Segment | None = None) -> None:
+        """Raise `ContextLengthExceededError` past the context; `seg`, the segment that would overflow, then ends with ``length``."""
+        if self.max_context_tokens and length > self.max_context_tokens:
+            self.recording.context_exceeded = True
+            if seg is not None:
+                seg.finish_reason = FinishReason.LENGTH
+            raise ContextLengthExceededError(
+                f"the episode's sequence would be {length} tokens, past the context of {self.max_context_tokens}")
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self._check_open()
+        if self._running_request is not None:
+            raise RuntimeError("append while a turn of this episode is being sampled: await the turn first")
+        ids = [int(t) for t in token_ids]
+        seg = self._segment()
+        self._fits(len(seg) + len(ids), seg)
+        seg.insert(ids)
+        seg.chat = None  # the token sequence moved past what the endpoint rendered
+
+    async def _sample(self, seg: Segment, sampling: SamplingParams) -> SampleOutput:
+        """One engine turn on the segment's whole sequence; records the sampled tokens."""
+        prompt = seg.tokens
+        if self.max_context_tokens:
+            room = self.max_context_tokens - len(prompt)
+            if room < 1:
+                self.recording.context_exceeded = True
+                seg.finish_reason = FinishReason.LENGTH
+                raise ContextLengthExceededError(f"no room left in the context of {self.max_context_tokens} tokens")
+            if sampling.max_new_tokens > room:
+                sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        self._turn += 1
+        rid = f"{self.request_prefix}:{self.sample_index}:t{self._turn}"
+        self._running_request = rid
+        self.stats.turns_in_flight += 1
+        try:
+            out = await self.engine.generate(prompt, 1, sampling, rid)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.engine.abort(rid))
+            raise
+        finally:
+            self.stats.turns_in_flight -= 1
+            self._running_request = None
+        self._check_open()  # closed while sampling: the turn is not recorded
+        s = out.samples[0]
+        seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
+                   first_token_at=s.first_token_at, finished_at=s.finished_at or time.time())
+        self.stats.turns += 1
+        return s
+
+    async def generate(self, input_ids: Sequence[int] | None, sampling: SamplingParams) -> SampleOutput:
+        async with self._lock:
+            self._check_open()
+            reused = 0
+            if input_ids is None:
+                had = self.recording.current
+                seg = self._segment()
+                reused = len(seg) if had is not None else 0
+            else:
+                before = len(self.recording.segments)
+                had_len = len(self.recording.current) if self.recording.current is not None else 0
+                self._fits(len(input_ids) + 1)
+                seg, new = self.recording.continue_with(input_ids, now=time.time())
+                self.stats.segments += len(self.recording.segments) - before
+                reused = 0 if new else had_len
+            seg.chat = None
+            self.recording.count_turn(len(seg), reused)
+            self.stats.prompt_tokens += len(seg)
+            self.stats.reused_prefix_tokens += reused
+            return await self._sample(seg, sampling)
+
+    # -- the OpenAI endpoint
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise EndpointError(400, "this engine gives the episode no tokenizer: text requests cannot be served")
+        return self.tokenizer
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for name in ("eos_token_id",):
+            v = getattr(self.tokenizer, name, None)
+            if isinstance(v, int):
+                ids.add(v)
+        return tuple(sorted(ids))
+
+    def _end_of_turn_id(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> int | None:
+        """The template's end-of-turn token (e.g. ``<|im_end|>``) when it is one special token."""
+        tok = self.tokenizer
+        eot = chat.end_of_turn(tok, messages, tools).strip()
+        if not eot:
+            return None
+        ids = tok.encode(eot, add_special_tokens=False)
+        return int(ids[0]) if len(ids) == 1 else None
+
+    def _strip_specials(self, text: str) -> str:
+        for special in getattr(self.tokenizer, "all_special_tokens", ()) or ():
+            if special:
+                text = text.replace(special, "")
+        return text
+
+    def _content_ids(self, s: SampleOutput, stop_ids: set[int]) -> list[int]:
+        ids = list(s.output_ids)
+        if ids and s.finish_reason == FinishReason.STOP and (s.matched_stop == ids[-1] or ids[-1] in stop_ids):
+            ids = ids[:-1]
+        return ids
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop."""
+        if self.tokenizer_executor is None:
+            return fn(*args)
+        return await self.loop.run_in_executor(self.tokenizer_executor, functools.partial(fn, *args))
+
+    def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, int | None]:
+        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None, end-of-turn id)."""
+        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
+        delta = chat.extension(view, tok, messages, tools, prompt_text)
+        if delta is not None:
+            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, self._end_of_turn_id(messages, tools)
+        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), self._end_of_turn_id(messages, tools)
+
+    def _chat_reply(self, tok: Any, s: SampleOutput, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+                    prompt_text: str, eot_id: int | None, stop_ids: set[int],
+                    parse: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
+        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text."""
+        content_ids = self._content_ids(s, stop_ids)
+        calls: list[ToolCall] = []
+        raw = ""
+        if parse:
+            raw, calls = self.parser.parse(tok.decode(content_ids, skip_special_tokens=False))
+        if calls:
+            content: str | None = self._strip_specials(raw).strip() or None
+        else:
+            content = s.output_text if s.output_text is not None else tok.decode(content_ids, skip_special_tokens=True)
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [c.as_openai() for c in calls]
+        view = chat.after_reply(tok, messages, reply, tools, prompt_text, tok.decode(s.output_ids, skip_special_tokens=False),
+                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
+        return reply, calls, view, [tok.decode([t], skip_special_tokens=False) for t in s.output_ids]
+
+    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict."""
+        tok = self._require_tokenizer()
+        messages = chat.validate_messages(body.get("messages"))
+        tools = body.get("tools") or None
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+            raise EndpointError(400, "tools must be a list of objects", param="tools")
+        tool_choice = body.get("tool_choice", "auto")
+        if tool_choice not in (None, "auto", "none"):
+            raise EndpointError(400, f"tool_choice {json.dumps(tool_choice)} is not supported (use auto or none)", param="tool_choice")
+        want_logprobs = bool(body.get("logprobs"))
+        if body.get("top_logprobs"):
+            raise EndpointError(400, "top_logprobs is not supported: the engine reports the sampled token's logprob only", param="top_logprobs")
+        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
+        parse = bool(tools) and tool_choice != "none"
+        async with self._lock:
+            self._check_open()
+            seg = self.recording.current
+            view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
+            prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
+            self._check_open()
+            if seg is not None and delta_ids is not None:
+                self._fits(len(seg) + len(delta_ids) + 1, seg)
+                reused = len(seg)
+                seg.insert(delta_ids)
+            else:
+                assert prompt_ids is not None
+                seg = self._begin(prompt_ids)
+                reused = 0
+            stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
+            prompt_len = len(seg)
+            self.recording.count_turn(prompt_len, reused)
+            self.stats.prompt_tokens += prompt_len
+            self.stats.reused_prefix_tokens += reused
+            s = await self._sample(seg, sampling)
+            reply, calls, seg_view, token_texts = await self._off_loop(
+                self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
+            self._check_open()
+            seg.chat = seg_view
+            if calls:
+                self.tool_calls += len(calls)
+                self.stats.tool_calls += len(calls)
+        finish = "tool_calls" if calls else s.finish_reason
+        choice: dict[str, Any] = {"index": 0, "message": {**reply, "refusal": None}, "finish_reason": finish,
+                                  "logprobs": None}
+        if want_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
+                for text, lp in zip(token_texts, s.logprobs, strict=True)]}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(prompt_len, len(s.output_ids), reused),
+        }
+
+    async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve one ``/v1/completions`` body (not streamed); the response as a dict."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        token_prompt = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not token_prompt and not (isinstance(prompt, str) and prompt):
+            raise EndpointError(400, "prompt must be a non-empty string or a list of token ids (one prompt: batches are not served)", param="prompt")
+        if body.get("echo"):
+            raise EndpointError(400, "echo is not supported", param="echo")
+        if body.get("best_of") not in (None, 1):
+            raise EndpointError(400, "best_of must be 1", param="best_of")
+        want = body.get("logprobs")
+        if want is not None and (isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= 5):
+            raise EndpointError(400, "logprobs must be an integer in [0, 5]", param="logprobs")
+        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=False)
+        tok = self.tokenizer
+        if not token_prompt:
+            tok = self._require_tokenizer()
+        async with self._lock:
+            self._check_open()
+            seg = self.recording.current
+            reused = 0
+            if token_prompt:
+                assert isinstance(prompt, list)
+                before = len(self.recording.segments)
+                had = 0 if seg is None else len(seg)
+                self._fits(len(prompt) + 1)
+                seg, new = self.recording.continue_with(prompt, now=time.time())
+                self.stats.segments += len(self.recording.segments) - before
+                reused = 0 if new else had
+                text_before = None
+            else:
+                assert isinstance(prompt, str)
+                view = seg.chat if seg is not None and isinstance(seg.chat, _TextView) else None
+                if seg is not None and view is not None and prompt.startswith(view.text):
+                    rest = prompt[len(view.text):]
+                    ids = await self._off_loop(lambda: list(tok.encode(rest, add_special_tokens=False)))
+                    self._check_open()
+                    self._fits(len(seg) + len(ids) + 1, seg)
+                    reused = len(seg)
+                    seg.insert(ids)
+                else:
+                    text_prompt = prompt
+                    ids = await self._off_loop(lambda: list(tok.encode(text_prompt)))
+                    self._check_open()
+                    seg = self._begin(ids)
+                text_before = prompt
+            prompt_len = len(seg)
+            self.recording.count_turn(prompt_len, reused)
+            self.stats.prompt_tokens += prompt_len
+            self.stats.reused_prefix_tokens += reused
+            s = await self._sample(seg, sampling)
+            if s.output_text is not None:
+                text = s.output_text
+            elif tok is not None:
+                content_ids = self._content_ids(s, set(self._stop_ids()))
+                text = await self._off_loop(lambda: str(tok.decode(content_ids, skip_special_tokens=True)))
+            else:
+                text = ""
+            seg.chat = _TextView(text_before + text) if text_before is not None else None
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": s.finish_reason, "logprobs": None}
+        if want is not None:
+            pieces = [tok.decode([t], skip_special_tokens=False) if tok is not None else str(t) for t in s.output_ids]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            choice["logprobs"] = {"tokens": pieces, "token_logprobs": [float(x) for x in s.logprobs],
+                                  "top_logprobs": None, "text_offset": offsets}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(prompt_len, len(s.output_ids), reused),
+        }
+
+
+class EpisodeContext:
+    """What an episode function is given (public as ``rollpool.workers.EpisodeContext``).
+
+    - `openai_base_url`, `api_key`, `model`: an OpenAI-compatible endpoint bound to this episode
+      (``openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)``); every request
+      records into this episode;
+    - `metadata`: a dict, the prompt's metadata to start with, echoed on the trajectories;
+    - ``await generate(...)``: sample one turn at the token level, returns the `SampleOutput`;
+    - ``append(token_ids)``: insert tokens the model did not sample (loss mask 0);
+    - `segment_index`: the segment the next turn records into (0 until the history is rewritten);
+    - ``await tool(fn, *args)``: run a (sync) tool in a thread and count it as a tool call.
+
+    From a synchronous episode function (which runs in a thread), `generate` is ``generate_sync``;
+    `append` and `tool` work from either side.
+    """
+
+    def __init__(self, episode: Episode, *, openai_base_url: str, api_key: str, executor: Executor | None = None) -> None:
+        self._episode = episode
+        self.openai_base_url = openai_base_url
+        self.api_key = api_key
+        self.model = episode.model_name
+        self.prompt = episode.prompt
+        self.sample_index = episode.sample_index
+        self.metadata: dict[str, Any] = dict(episode.prompt.metadata)
+        self._executor = executor
+
+    @property
+    def segment_index(self) -> int:
+        seg = self._episode.recording.current
+        return 0 if seg is None else seg.index
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The current segment's whole sequence (prompt and outputs); empty before the first turn."""
+        seg = self._episode.recording.current
+        return [] if seg is None else seg.tokens
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._episode.loop
+        except RuntimeError:
+            return False
+
+    def _from_thread(self, coro: Awaitable[T]) -> T:
+        if self._on_loop():
+            raise RuntimeError("called on the event loop: use the async form")
+        return asyncio.run_coroutine_threadsafe(coro, self._episode.loop).result()  # type: ignore[arg-type]
+
+    async def generate(self, input_ids: Sequence[int] | None = None, *, max_new_tokens: int | None = None,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                       seed: int | None = None) -> SampleOutput:
+        """Sample one turn: on the current sequence (the prompt's tokens to start with), or on `input_ids`.
+
+        `input_ids` that extend the current sequence insert the rest (mask 0); any other `input_ids`
+        start a new segment. Unset parameters come from the prompt's `sampling`. Raises
+        `ContextLengthExceededError` when no token fits (the episode then ends with ``length``).
+        """
+        changes: dict[str, Any] = {}
+        for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
+                            ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                changes[name] = value
+        if stop is not None:
+            changes["stop"] = tuple(stop)
+        if stop_token_ids is not None:
+            changes["stop_token_ids"] = tuple(int(t) for t in stop_token_ids)
+        sampling = dataclasses.replace(self._episode.prompt.sampling, **changes)
+        return await self._episode.generate(None if input_ids is None else list(input_ids), sampling)
+
+    def generate_sync(self, input_ids: Sequence[int] | None = None, **sampling: Any) -> SampleOutput:
+        """`generate` for a synchronous episode function (call it from its thread, not from the loop)."""
+        if self._on_loop():
+            raise RuntimeError("generate_sync called on the event loop: await ctx.generate(...) instead")
+        return self._from_thread(self.generate(input_ids, **sampling))
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Insert tokens the model did not sample (tool output, observations): loss mask 0."""
+        if self._on_loop():
+            self._episode.append(token_ids)
+            return
+
+        async def _append() -> None:
+            self._episode.append(token_ids)
+
+        self._from_thread(_append())
+
+    async def tool(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a tool: a coroutine function is awaited, a plain function runs in a thread; counted as a tool call."""
+        self._episode.tool_calls += 1
+        self._episode.stats.tool_calls += 1
+        if inspect.iscoroutinefunction(fn):
+            result: T = await fn(*args, **kwargs)
+            return result
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))

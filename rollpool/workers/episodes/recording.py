@@ -1,0 +1,192 @@
+"""The recording of one episode: its token sequence, split into segments (pure, no I/O).
+
+An episode is sample ``i`` of a prompt group. Its recording holds one or more *segments*; each
+segment becomes one `Trajectory`: ``input_ids`` (the first prompt of the segment), then
+``output_ids`` (every token after it, sampled or inserted) with, per output token,
+
+- ``loss_mask``: 1 for a token the engine sampled, 0 for one the episode inserted (tool output,
+  observations, rendered messages, the chat template's own tokens);
+- ``logprobs``: the engine's logprob for a sampled token, 0.0 for an inserted one;
+- ``versions``: the weight version that sampled the token; an inserted token takes the version of
+  the last sampled token before it in the segment, or the episode's start version when there is none.
+
+Token in, token out: sampled tokens are stored exactly as the engine returned them and are never
+re-derived from text. A new turn whose full prompt (as token ids) extends the current segment's
+sequence appends only the missing tokens (mask 0); a prompt that does not (the history was rewritten)
+opens a new segment whose ``input_ids`` are that prompt. Segment 0 has the trajectory id
+``f"{prompt_id}:{i}"``, segment ``s > 0`` ``f"{prompt_id}:{i}:{s}"`` (see `segment_id`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollpool.protocol.messages import FinishReason, Trajectory
+
+__all__ = ["EpisodeRecording", "Segment", "segment_id"]
+
+
+def segment_id(prompt_id: str, sample_index: int, segment_index: int) -> str:
+    """The trajectory id of a segment: ``f"{prompt_id}:{i}"`` for segment 0, ``f"{prompt_id}:{i}:{s}"`` after."""
+    if segment_index < 0:
+        raise ValueError(f"segment_index must be >= 0, got {segment_index}")
+    if segment_index == 0:
+        return f"{prompt_id}:{sample_index}"
+    return f"{prompt_id}:{sample_index}:{segment_index}"
+
+
+@dataclass(slots=True)
+class Segment:
+    """One contiguous token sequence of an episode (one trajectory)."""
+
+    index: int
+    input_ids: list[int]
+    start_version: int
+    output_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = FinishReason.STOP
+    """The finish reason of the last sampled turn (``stop`` until one is sampled)."""
+    turns: int = 0
+    """Sampled turns (engine calls) recorded in this segment."""
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    last_sampled_version: int | None = None
+    chat: Any = None
+    """The endpoint's view of this segment (messages, rendered text); opaque here."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole sequence: prompt then outputs (what the engine is given for the next turn)."""
+        return self.input_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def insert(self, token_ids: Sequence[int]) -> None:
+        """Append tokens the model did not sample (loss mask 0, logprob 0)."""
+        ids = [int(t) for t in token_ids]
+        version = self.start_version if self.last_sampled_version is None else self.last_sampled_version
+        self.output_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+
+    def sample(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], finish_reason: str,
+               *, first_token_at: float = 0.0, finished_at: float = 0.0) -> None:
+        """Append one sampled turn exactly as the engine returned it (loss mask 1)."""
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"a sampled turn needs one logprob and one version per token: {len(token_ids)} ids, "
+                             f"{len(logprobs)} logprobs, {len(versions)} versions")
+        self.output_ids += [int(t) for t in token_ids]
+        self.loss_mask += [1] * len(token_ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(v) for v in versions]
+        if len(versions):
+            self.last_sampled_version = int(versions[-1])
+        self.finish_reason = finish_reason
+        self.turns += 1
+        if first_token_at and not self.first_token_at:
+            self.first_token_at = first_token_at
+        if finished_at:
+            self.finished_at = finished_at
+
+
+class EpisodeRecording:
+    """Every segment of one episode, in order; the current segment is the last one."""
+
+    def __init__(self, prompt_id: str, sample_index: int, start_version: int) -> None:
+        self.prompt_id = prompt_id
+        self.sample_index = sample_index
+        self.start_version = start_version
+        self.segments: list[Segment] = []
+        self.context_exceeded = False
+        """Set when the episode tried to go past the engine's context (the segment that would overflow ends with
+        ``length``, and so does the episode if it then fails)."""
+        self.reused_prefix_tokens = 0
+        """Prompt tokens of later turns that were already in the sequence (what a prefix cache can serve)."""
+        self.prompt_tokens = 0
+        """Prompt tokens of every sampled turn, the reused ones included."""
+
+    @property
+    def current(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+    def begin(self, input_ids: Sequence[int], *, now: float = 0.0) -> Segment:
+        """Open a new segment whose prompt is `input_ids`."""
+        seg = Segment(index=len(self.segments), input_ids=[int(t) for t in input_ids],
+                      start_version=self.start_version, started_at=now)
+        self.segments.append(seg)
+        return seg
+
+    def continue_with(self, prompt_ids: Sequence[int], *, now: float = 0.0) -> tuple[Segment, bool]:
+        """Make the current segment's sequence equal `prompt_ids`: (segment, True if a new one was opened).
+
+        If `prompt_ids` starts with the current sequence, only the rest is inserted (mask 0); otherwise
+        (no segment yet, or the history was rewritten) a new segment begins with `prompt_ids` as its prompt.
+        """
+        ids = [int(t) for t in prompt_ids]
+        seg = self.current
+        if seg is not None:
+            have = seg.tokens
+            if len(ids) >= len(have) and ids[: len(have)] == have:
+                seg.insert(ids[len(have):])
+                return seg, False
+        return self.begin(ids, now=now), True
+
+    def count_turn(self, prompt_len: int, reused: int) -> None:
+        self.prompt_tokens += prompt_len
+        self.reused_prefix_tokens += reused
+
+    @property
+    def turns(self) -> int:
+        return sum(s.turns for s in self.segments)
+
+    def trajectories(self, *, finish_reason: str | None = None, worker_id: str = "", attempt: int = 0,
+                     queued_at: float = 0.0, reward: float | None = None, metadata: Mapping[str, Any] | None = None,
+                     output_text: Sequence[str | None] | None = None) -> list[Trajectory]:
+        """One `Trajectory` per segment (an episode that recorded nothing gives one empty segment).
+
+        `finish_reason` overrides the last segment's (an episode that raised: ``error``; one that timed
+        out: ``abort``; one that failed after going past the context: ``length``); earlier segments keep their own.
+        Every segment carries the episode's reward and metadata.
+        """
+        segments = self.segments or [Segment(index=0, input_ids=[], start_version=self.start_version)]
+        out: list[Trajectory] = []
+        for seg in segments:
+            last = seg is segments[-1]
+            reason = seg.finish_reason
+            if last and finish_reason is not None:
+                reason = finish_reason
+            text = output_text[seg.index] if output_text is not None and seg.index < len(output_text) else None
+            out.append(Trajectory(
+                prompt_id=self.prompt_id,
+                sample_index=self.sample_index,
+                segment_index=seg.index,
+                input_ids=np.asarray(seg.input_ids, dtype=np.int32),
+                output_ids=np.asarray(seg.output_ids, dtype=np.int32),
+                output_logprobs=np.asarray(seg.logprobs, dtype=np.float32),
+                token_versions=np.asarray(seg.versions, dtype=np.int32),
+                loss_mask=np.asarray(seg.loss_mask, dtype=np.uint8),
+                finish_reason=reason,
+                worker_id=worker_id,
+                attempt=attempt,
+                output_text=text,
+                queued_at=queued_at,
+                started_at=seg.started_at,
+                first_token_at=seg.first_token_at,
+                finished_at=seg.finished_at,
+                reward=reward,
+                metadata=dict(metadata or {}),
+            ))
+        return out

@@ -1,0 +1,279 @@
+"""The episode runner: n episodes of a prompt group, side by side on one engine.
+
+The seam a worker calls (one runner per worker, beside its engine)::
+
+    runner = EpisodeRunner(engine, load_episode_functions(["pkg.mod:solve"]), EpisodeConfig(...),
+                           tokenizer=tokenizer, worker_id=worker_id)
+    await runner.start()                       # the loopback HTTP endpoint
+    trajectories = await runner.run_group(task.prompt, task.prompt.group_size,
+                                          attempt=task.attempt, queued_at=task.queued_at,
+                                          request_prefix=task.task_id)
+    ...
+    await runner.close()
+
+`run_group` returns when every episode of the group has ended, with one `Trajectory` per segment of
+every episode (``sample_index`` the episode, ``segment_index`` the segment), in episode order. A
+per-episode outcome is data: an exception in the episode function gives that episode
+``finish_reason`` ``error`` and the message in ``metadata["episode_error"]``; an episode past
+`EpisodeConfig.episode_timeout_s` is cut (``abort``, its partial recording kept); one that went past
+the context ends with ``length``. `run_group` raises only `asyncio.CancelledError` (the worker
+cancelled the group: drain deadline, broker cancel, engine restart), after closing every episode
+of the group; the worker then hands the group back, to be re-run from the start.
+
+The episode function is ``fn(ctx, prompt)``, async or sync (a sync one runs in the runner's own
+thread pool, never on the event loop), and returns the reward (a number) or None. At most
+`EpisodeConfig.max_episodes` episodes run at once per runner; the engine's own capacity bounds the
+turns sampled at once. Which function runs: ``prompt.metadata["episode"]`` names one of the loaded
+functions, else the default (the first given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.messages import FinishReason, Prompt, Trajectory
+from rollpool.workers.engines.base import Engine
+from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeContext, EpisodeStats
+from rollpool.workers.episodes.server import EpisodeServer
+from rollpool.workers.episodes.toolcalls import get_tool_call_parser
+
+__all__ = ["DEFAULT_EPISODE", "EpisodeConfig", "EpisodeFn", "EpisodeRunner", "load_episode_function", "load_episode_functions"]
+
+log = logging.getLogger(__name__)
+
+EpisodeFn = Callable[[EpisodeContext, Prompt], Any]
+DEFAULT_EPISODE = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeConfig:
+    """How a worker runs episodes."""
+
+    max_episodes: int = 64
+    """Most episodes running at once on this worker."""
+    episode_timeout_s: float = 600.0
+    """Most seconds one episode may run; then it is cut (``abort``)."""
+    tool_call_parser: str = "hermes"
+    """The endpoint's tool-call parser, by name (see `toolcalls`)."""
+    max_context_tokens: int = 0
+    """The engine's context in tokens; 0: ``engine.info().extra["max_context_tokens"]`` when the engine states it,
+    else the engine's own check only."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """The endpoint's port; 0 picks a free one."""
+    serve_openai: bool = True
+    """False: no HTTP endpoint (token-level episodes only; ``ctx.openai_base_url`` is "")."""
+
+    def __post_init__(self) -> None:
+        if self.max_episodes < 1:
+            raise ConfigError(f"EpisodeConfig.max_episodes must be >= 1, got {self.max_episodes}")
+        if not self.episode_timeout_s > 0:
+            raise ConfigError(f"EpisodeConfig.episode_timeout_s must be > 0, got {self.episode_timeout_s}")
+        if self.max_context_tokens < 0:
+            raise ConfigError(f"EpisodeConfig.max_context_tokens must be >= 0, got {self.max_context_tokens}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"EpisodeConfig.port must be in [0, 65535], got {self.port}")
+        get_tool_call_parser(self.tool_call_parser)
+
+
+def load_episode_function(path: str) -> EpisodeFn:
+    """Import ``package.module:function``; `ConfigError` names the path and what was not found."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--episode must look like package.module:function (or name=package.module:function), got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure is the path's fault
+        raise ConfigError(f"--episode {path!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from exc
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"--episode {path!r}: {module_name} has no {attr}")
+    if not callable(fn):
+        raise ConfigError(f"--episode {path!r}: {attr} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def load_episode_functions(specs: Sequence[str]) -> dict[str, EpisodeFn]:
+    """``["pkg.mod:fn", "name=pkg.mod:other"]`` -> ``{"default": fn, "name": other}`` (the first is also the default)."""
+    out: dict[str, EpisodeFn] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = DEFAULT_EPISODE, spec
+        name = name.strip()
+        if not name:
+            raise ConfigError(f"--episode {spec!r}: the name before '=' is empty")
+        if name in out:
+            raise ConfigError(f"--episode {spec!r}: the name {name!r} is given twice")
+        out[name] = load_episode_function(path.strip())
+    if out and DEFAULT_EPISODE not in out:
+        out[DEFAULT_EPISODE] = next(iter(out.values()))
+    return out
+
+
+def _reward(value: Any) -> tuple[float | None, str | None]:
+    if value is None:
+        return None, None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
+        return None, f"the episode returned {value!r}, not a finite number or None"
+    return float(value), None
+
+
+class EpisodeRunner:
+    """Runs episodes on one engine and serves their endpoint (see the module docstring)."""
+
+    def __init__(self, engine: Engine, functions: Mapping[str, EpisodeFn] | EpisodeFn, config: EpisodeConfig | None = None,
+                 *, tokenizer: Any = None, worker_id: str = "") -> None:
+        self.engine = engine
+        self.functions: dict[str, EpisodeFn] = (
+            {DEFAULT_EPISODE: functions} if callable(functions) else dict(functions))
+        if not self.functions:
+            raise ConfigError("an episode runner needs at least one episode function")
+        self.functions.setdefault(DEFAULT_EPISODE, next(iter(self.functions.values())))
+        self.config = config or EpisodeConfig()
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        self.worker_id = worker_id
+        self.stats = EpisodeStats()
+        self.server = EpisodeServer(self.config.host, self.config.port)
+        self._slots = asyncio.Semaphore(self.config.max_episodes)
+        # sync episode functions and tools: a pool of our own, so they never wait on the default one
+        self._threads = ThreadPoolExecutor(max_workers=1)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:
+            self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
+            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
+            if self.config.serve_openai:
+                await self.server.start()
+            self._started = True
+
+    async def close(self) -> None:
+        await self.server.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._started = False
+
+    async def __aenter__(self) -> EpisodeRunner:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _model_name(self) -> str:
+        try:
+            return str(self.engine.info().model) or "rollpool"
+        except Exception:  # noqa: BLE001 - a name for the endpoint only
+            return "rollpool"
+
+    def _max_context_tokens(self) -> int:
+        """The configured context, else what the engine states (``info().extra["max_context_tokens"]``), else 0."""
+        if self.config.max_context_tokens:
+            return self.config.max_context_tokens
+        try:
+            value = self.engine.info().extra.get("max_context_tokens", 0)
+        except Exception:  # noqa: BLE001 - optional information
+            return 0
+        return value if isinstance(value, int) and value > 0 else 0
+
+    async def run_group(self, prompt: Prompt, n: int | None = None, *, attempt: int = 0, queued_at: float = 0.0,
+                        request_prefix: str | None = None) -> list[Trajectory]:
+        """Run `n` (default ``prompt.group_size``) episodes of `prompt` concurrently; every segment's trajectory."""
+        if not self._started:
+            await self.start()
+        count = prompt.group_size if n is None else n
+        prefix = request_prefix or f"{prompt.prompt_id}@{attempt}"
+        tasks = [asyncio.create_task(self._run_episode(prompt, i, attempt, queued_at, prefix), name=f"episode-{prompt.prompt_id}:{i}")
+                 for i in range(count)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [t for r in results for t in r]
+
+    async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str) -> list[Trajectory]:
+        async with self._slots:
+            name = prompt.metadata.get("episode", DEFAULT_EPISODE) if isinstance(prompt.metadata, Mapping) else DEFAULT_EPISODE
+            fn = self.functions.get(str(name))
+            episode = Episode(
+                engine=self.engine, prompt=prompt, sample_index=index, start_version=self.engine.info().weight_version,
+                tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
+                model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
+                request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
+                tokenizer_executor=self._tokenizer_thread)
+            base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
+            ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
+            self.stats.in_flight += 1
+            self.stats.started += 1
+            scope = asyncio.timeout(self.config.episode_timeout_s)
+            finish: str | None = None
+            error: str | None = None
+            value: Any = None
+            try:
+                if fn is None:
+                    raise ConfigError(f"the prompt names episode function {name!r}; this worker has {sorted(self.functions)}")
+                async with scope:
+                    value = await self._call(fn, ctx, prompt)
+            except TimeoutError as exc:
+                if scope.expired():
+                    finish, error = FinishReason.ABORT, f"the episode timed out after {self.config.episode_timeout_s}s"
+                    self.stats.timed_out += 1
+                else:  # a timeout inside the episode's own code is its error, not ours
+                    finish, error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+                    self.stats.failed += 1
+            except ContextLengthExceededError as exc:
+                finish, error = FinishReason.LENGTH, str(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failing episode is a per-sample outcome
+                if episode.recording.context_exceeded:
+                    finish = FinishReason.LENGTH
+                else:
+                    finish = FinishReason.ERROR
+                    self.stats.failed += 1
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                await episode.close()
+                if base_url:
+                    self.server.unregister(base_url)
+                self.stats.in_flight -= 1
+            self.stats.finished += 1
+            reward, reward_error = _reward(value) if finish is None else (None, None)
+            metadata = dict(ctx.metadata)
+            if error is not None:
+                metadata["episode_error"] = error
+                log.warning("episode %s:%d: %s", prompt.prompt_id, index, error)
+            if reward_error is not None:
+                metadata["reward_error"] = reward_error
+            texts = None
+            if self.tokenizer is not None:
+                texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in episode.recording.segments]
+            if not episode.recording.segments and prompt.input_ids is not None:
+                episode.recording.begin(prompt.input_ids.tolist())  # recorded nothing: the prompt, no output
+            return episode.recording.trajectories(finish_reason=finish, worker_id=self.worker_id, attempt=attempt,
+                                                  queued_at=queued_at, reward=reward, metadata=metadata, output_text=texts)
+
+    async def _call(self, fn: EpisodeFn, ctx: EpisodeContext, prompt: Prompt) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(ctx, prompt)
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(self._threads, fn, ctx, prompt)
+        if inspect.isawaitable(value):
+            value = await value
+        return value

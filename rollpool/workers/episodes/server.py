@@ -1,0 +1,207 @@
+"""The OpenAI-compatible HTTP endpoint: one aiohttp server per worker, a path and a key per episode.
+
+Routes, under ``/episodes/{token}/v1`` (``token`` names one running episode):
+
+- ``POST /chat/completions`` and ``POST /completions``, streamed (server-sent events, as the
+  OpenAI API sends them) or not; the engine returns a turn whole, so a stream carries it in one
+  content chunk, then the finish chunk, the usage chunk when ``stream_options.include_usage`` is
+  set, and ``[DONE]``;
+- ``GET /models``: the one model.
+
+Every request needs ``Authorization: Bearer <the episode's key>``: a wrong or missing key gets 401
+and records nothing; an unknown or finished episode gets 404 / 410. A malformed request gets an
+OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, and
+the episode goes on. The server binds loopback only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rollpool.protocol.errors import ConfigError
+from rollpool.workers.episodes.chat import EndpointError
+from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeClosedError
+
+__all__ = ["EpisodeServer"]
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+def _web() -> Any:
+    try:
+        from aiohttp import web
+    except ImportError as exc:
+        raise ImportError("the episode endpoint needs aiohttp: pip install 'rollpool[episodes]'") from exc
+    return web
+
+
+def _json(body: Any, status: int = 200) -> Any:
+    return _web().json_response(body, status=status)
+
+
+def _error(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+           code: str | None = None) -> Any:
+    return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status=status)
+
+
+class EpisodeServer:
+    """Serves every running episode of one worker (see the module docstring)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(f"the episode endpoint binds loopback only, got host {host!r}")
+        self.host = host
+        self.port = port
+        self._episodes: dict[str, tuple[Episode, str]] = {}
+        self._finished: set[str] = set()
+        self._runner: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        web = _web()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        app.router.add_post("/episodes/{token}/v1/completions", self._completions)
+        app.router.add_get("/episodes/{token}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - the bound port when port=0
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.info("episode endpoint on %s", self.base_url)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def register(self, episode: Episode) -> tuple[str, str]:
+        """Serve `episode`: returns (its base url, its api key)."""
+        token = secrets.token_urlsafe(12)
+        key = f"rp-{secrets.token_urlsafe(24)}"
+        self._episodes[token] = (episode, key)
+        return f"{self.base_url}/episodes/{token}/v1", key
+
+    def unregister(self, base_url: str) -> None:
+        token = base_url.rstrip("/").split("/")[-2]
+        if self._episodes.pop(token, None) is not None:
+            self._finished.add(token)
+            if len(self._finished) > 100_000:
+                self._finished.clear()
+
+    # -- handlers
+
+    def _episode(self, request: Any) -> Episode | Any:
+        token = request.match_info["token"]
+        entry = self._episodes.get(token)
+        if entry is None:
+            if token in self._finished:
+                return _error(410, "this episode is over", code="episode_over")
+            return _error(404, "no such episode", code="not_found")
+        episode, key = entry
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            return _error(401, "invalid api key for this episode", type="authentication_error", code="invalid_api_key")
+        return episode
+
+    async def _body(self, request: Any) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except ValueError as exc:
+            raise EndpointError(400, f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise EndpointError(400, "the request body must be a JSON object")
+        return body
+
+    async def _serve(self, request: Any, call: Callable[[Episode, dict[str, Any]], Awaitable[dict[str, Any]]],
+                     stream_chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]]) -> Any:
+        found = self._episode(request)
+        if not isinstance(found, Episode):
+            return found
+        episode = found
+        try:
+            body = await self._body(request)
+            stream = bool(body.get("stream"))
+            opts = body.get("stream_options") or {}
+            include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+            result = await call(episode, body)
+        except EndpointError as exc:
+            return _json(exc.body(), status=exc.status)
+        except ContextLengthExceededError as exc:
+            return _error(400, str(exc), param="messages", code="context_length_exceeded")
+        except EpisodeClosedError as exc:
+            return _error(410, str(exc), code="episode_over")
+        except ValueError as exc:  # the engine refused the request (its own checks)
+            return _error(400, f"the engine refused the request: {exc}")
+        except Exception as exc:
+            log.exception("episode endpoint failed on %s", request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}", type="server_error")
+        if not stream:
+            return _json(result)
+        response = _web().StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in stream_chunks(result, include_usage):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.chat(b), _chat_chunks)
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.completion(b), _completion_chunks)
+
+    async def _models(self, request: Any) -> Any:
+        found = self._episode(request)
+        if not isinstance(found, Episode):
+            return found
+        return _json({"object": "list", "data": [{"id": found.model_name, "object": "model", "owned_by": "rollpool"}]})
+
+
+def _chat_chunks(result: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    head = {k: result[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    choice = result["choices"][0]
+    msg = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+    if msg.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(msg["tool_calls"])]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]},
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": result["usage"]})
+    return chunks
+
+
+def _completion_chunks(result: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    head = {k: result[k] for k in ("id", "created", "model")}
+    head["object"] = "text_completion"
+    choice = result["choices"][0]
+    chunks = [
+        {**head, "choices": [{"index": 0, "text": choice["text"], "logprobs": choice.get("logprobs"), "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}]},
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": result["usage"]})
+    return chunks

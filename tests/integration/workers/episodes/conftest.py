@@ -1,0 +1,18 @@
+"""Fixtures for the episode endpoint tests: the tiny model's tokenizer (its real chat template)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from tests.unit.workers.conftest import tiny_model_dir
+
+__all__ = ["tiny_model_dir", "tiny_tokenizer"]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: pathlib.Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -1,0 +1,107 @@
+"""Chat rendering, message matching and tool-call parsing (pure; the tiny model's real template)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from rollpool.protocol.errors import ConfigError
+from rollpool.workers.episodes import chat, toolcalls
+from rollpool.workers.episodes.chat import EndpointError
+from rollpool.workers.episodes.toolcalls import get_tool_call_parser, register_tool_call_parser
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: pathlib.Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_the_tiny_models_template_renders_tools_calls_and_results_with_special_call_markers(tok: Any) -> None:
+    messages = [{"role": "user", "content": "add 1 and 2"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "3"}]
+    text = chat.render(tok, chat.validate_messages(messages), TOOLS, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nTools:\n") and '"name": "add"' in text
+    assert '<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>\n' in text
+    assert text.endswith("<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n")
+    for marker in ("<tool_call>", "</tool_call>"):
+        assert marker in tok.all_special_tokens and len(tok.encode(marker, add_special_tokens=False)) == 1
+    assert chat.end_of_turn(tok, [{"role": "user", "content": "x"}], None) == "<|im_end|>\n"
+
+
+def test_malformed_messages_are_refused_with_a_400_naming_what(tok: Any) -> None:
+    cases = {
+        "messages must be a non-empty list": [],
+        "messages[0] must be an object": ["hi"],
+        "messages[0].role must be one of": [{"role": "robot", "content": "x"}],
+        "messages[1].content is required for role user": [{"role": "system", "content": "s"}, {"role": "user"}],
+        "only text parts": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "tool_calls[0] needs function.name": [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
+    }
+    for message, raw in cases.items():
+        with pytest.raises(EndpointError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+            chat.validate_messages(raw)
+        assert info.value.status == 400 and info.value.body()["error"]["type"] == "invalid_request_error"
+    # text parts are joined
+    assert chat.validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])[0]["content"] == "ab"
+
+
+def test_a_message_sent_back_matches_whatever_null_fields_the_sdk_adds() -> None:
+    ours = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    back = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None, "annotations": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    (a,), (b,) = chat.validate_messages([ours]), chat.validate_messages([back])
+    assert chat.message_key(a) == chat.message_key(b)
+    edited = {**back, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    assert chat.message_key(chat.validate_messages([edited])[0]) != chat.message_key(a)
+    assert chat.message_key({"role": "assistant", "content": ""}) == chat.message_key({"role": "assistant", "content": None})
+
+
+def test_extension_needs_the_same_messages_tools_and_rendered_prefix(tok: Any) -> None:
+    before = chat.validate_messages([{"role": "user", "content": "hi"}])
+    prompt_text = chat.render(tok, before, None, add_generation_prompt=True)
+    reply = {"role": "assistant", "content": "yo"}
+    view = chat.after_reply(tok, before, reply, None, prompt_text, "yo<|im_end|>", True)
+    assert view.owed == "\n"
+    nxt = [*before, reply, {"role": "user", "content": "again"}]
+    text = chat.render(tok, nxt, None, add_generation_prompt=True)
+    assert chat.extension(view, tok, nxt, None, text) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.extension(view, tok, nxt, TOOLS, chat.render(tok, nxt, TOOLS, add_generation_prompt=True)) is None  # other tools
+    edited = [{"role": "user", "content": "hey"}, reply, nxt[2]]
+    assert chat.extension(view, tok, edited, None, chat.render(tok, edited, None, add_generation_prompt=True)) is None
+    # a turn cut by max_tokens owes the whole end-of-turn
+    cut = chat.after_reply(tok, before, {"role": "assistant", "content": "y"}, None, prompt_text, "y", False)
+    assert cut.owed == "<|im_end|>\n"
+
+
+def test_the_hermes_parser_finds_calls_and_leaves_the_rest_as_content() -> None:
+    p = get_tool_call_parser("hermes")
+    content, calls = p.parse('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                             '<tool_call>{"name": "mul", "arguments": "{\\"b\\": 2}"}</tool_call>')
+    assert content == "Let me add. " and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1}'), ("mul", '{"b": 2}')]
+    assert calls[0].id != calls[1].id and calls[0].as_openai()["type"] == "function"
+    for junk in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{\"name\": \"x\""):
+        assert p.parse(junk) == (junk, [])
+
+
+def test_parsers_are_chosen_by_name() -> None:
+    class Nothing:
+        name = "nothing"
+
+        def parse(self, text: str) -> tuple[str, list[Any]]:
+            return text, []
+
+    register_tool_call_parser("nothing", Nothing)
+    try:
+        assert get_tool_call_parser("nothing").parse("x") == ("x", [])
+    finally:
+        toolcalls._PARSERS.pop("nothing")
+    with pytest.raises(ConfigError, match="unknown tool-call parser 'nope'; known: .*hermes"):
+        get_tool_call_parser("nope")
