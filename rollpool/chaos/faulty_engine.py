@@ -11,23 +11,22 @@ result it makes is simulated and labelled so) plus:
   forever), as a wedged device copy would. The arming is process-wide, so
   every engine the process makes (a restarted one too) sees it once.
 
-Run a worker with it: ``python -m rollpool.chaos.faulty_engine worker
---engine sim-chaos --engine-options hang_apply_s=10,... [worker flags]`` (the
-module registers the engine and hands its arguments to ``rollpool.cli``).
+Run a worker with it: ``python -m rollpool.chaos worker --engine sim-chaos
+--engine-options hang_apply_s=10,... [worker flags]`` (`rollpool.chaos.__main__`
+calls `install()`, then hands its arguments to ``rollpool.cli``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 from rollpool.protocol.errors import EngineError
 from rollpool.workers.engines.sim import SimEngine
 
-__all__ = ["POISON_NAME", "ChaosSimEngine", "arm_hang", "main"]
+__all__ = ["POISON_NAME", "ChaosSimEngine", "arm_hang", "install"]
 
 POISON_NAME = "chaos.poison.not_a_parameter"
 
@@ -64,14 +63,9 @@ class ChaosSimEngine(SimEngine):
         await super().update_weights(named_tensors, version)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rollpool.cli import main as cli_main
+def install() -> None:
+    """Register ``sim-chaos`` and make SIGUSR1 arm a hung apply (in a worker process, before it starts)."""
     from rollpool.workers.engines.registry import register_engine
 
     register_engine("sim-chaos", ChaosSimEngine)
     signal.signal(signal.SIGUSR1, arm_hang)
-    return cli_main(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,8 @@ trainer client (``TrainerClient``, hosting the weight publisher through
 ``publish_weights``) and the link-fault proxy between the workers and the
 broker's worker port (`rollpool.chaos.proxy`; netem is not available here).
 
-Faults, one at a time, chosen by a seeded RNG: SIGKILL of a worker (restarted),
+Faults, one at a time, chosen by a seeded RNG (each kind once, in a shuffled
+order, before any kind repeats): SIGKILL of a worker (restarted),
 SIGSTOP/SIGCONT of a worker (sometimes past the broker's dead-after), SIGKILL
 of the broker (restarted on the same endpoints; the client resubmits), SIGKILL
 of the relay while workers fetch through it (restarted), Redis stop and start,
@@ -104,6 +105,8 @@ class ChaosConfig:
     """Per-message probability of the fault during one msg_* window (one value chosen per window)."""
     broker_stop_s: tuple[float, float] = (3.0, 30.0)
     """SIGSTOP of the broker lasts uniformly this long (CI: 3-5 s)."""
+    min_faults: int = 0
+    """Keep running (pulling, injecting) until at least this many faults were injected."""
     hung_apply_s: float = 10.0
     """How long a hung apply (SIGUSR1 to a worker on the sim-chaos engine) waits before it proceeds."""
 
@@ -227,7 +230,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     relay = _Proc("relay", relay_argv(upstream_router, upstream_pub), os.path.join(workdir, "relay.log"))
     # the apply faults need the fake engine at the worker's edge (rollpool.chaos.faulty_engine: sim + poison + hang)
     chaos_engine = bool(faults & {"poison_version", "hung_apply"})
-    worker_py = [sys.executable, "-m", "rollpool.chaos.faulty_engine", "--log-level", "WARNING"] if chaos_engine else py
+    worker_py = [sys.executable, "-m", "rollpool.chaos", "--log-level", "WARNING"] if chaos_engine else py
     engine = "sim-chaos" if chaos_engine else "sim"
     hang = f",hang_apply_s={cfg.hung_apply_s}" if chaos_engine else ""
     # with publisher restarts, every other worker fetches from where the broker says the publisher is (no relay)
@@ -327,12 +330,16 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         def delivered_since(t: float) -> bool:
             return bool(observed.delivered_at) and observed.delivered_at[-1] > t
 
+        deck: list[str] = []
+
         async def fault_loop() -> None:
             while not done.is_set():
                 await asyncio.sleep(cfg.fault_interval_s * rng.uniform(0.5, 1.5))
                 if done.is_set():
                     return
-                kind = rng.choice(cfg.faults)
+                if not deck:  # every kind once, in a seeded order, before any repeats
+                    deck.extend(rng.sample(cfg.faults, len(cfg.faults)))
+                kind = deck.pop()
                 rec: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t_start, 3)}
                 t0 = time.monotonic()
                 if kind in ("kill_worker", "stop_worker"):
@@ -394,7 +401,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     await asyncio.sleep(pause)
                     broker.signal(signal.SIGCONT)
                     t1 = time.monotonic()
-                    rec["recover_s"] = await wait_until(lambda t1=t1: delivered_since(t1), 60)
+                    rec["recover_s"] = await wait_until(lambda t1=t1: delivered_since(t1), 20)
                 elif kind == "cancel_call":
                     window = rng.uniform(1.0, 2.0)
                     c0 = cancelled_calls[0]
@@ -429,7 +436,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         submitted = 0
         consumed_samples = 0
         prompt_rng = np.random.default_rng(cfg.seed)
-        while len(terminal) < cfg.prompts or len(terminal) < len(accepted):
+        while len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults:
             if time.monotonic() - t_start > cfg.deadline_s:
                 log.error("chaos: deadline passed with %d of %d terminal", len(terminal), len(accepted))
                 break

@@ -12,7 +12,7 @@ dials the real endpoint. Bytes are parsed as ZMTP 3.x with the NULL mechanism
 (RFC 23/37: a 64-byte greeting each way, then frames of a flags byte, a 1- or
 8-byte size and a body; a message is a run of frames ending in one without
 MORE). Commands (READY, PING, PONG, SUBSCRIBE) pass unchanged; every message
-whose first frame is a rollpool header (`rollpool.protocol.peek_type`) is a
+whose first frame is a rollpool header (``[major, minor, type, fields]``) is a
 candidate for a fault, in either direction:
 
 - ``up`` is from the connecting peer (DEALER, SUB) to the binding one
@@ -52,7 +52,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol import peek_type
+import msgpack
 
 __all__ = ["ACTIONS", "FaultRule", "FaultyZmtpProxy", "MessageFaults"]
 
@@ -286,7 +286,7 @@ class FaultyZmtpProxy:
                 if flags & _MORE:
                     continue
                 data = b"".join(parts)
-                kind = peek_type([first_body]) or "other"
+                kind = _message_type(first_body)
                 parts, first_body = [], None
                 await self._forward(data, kind, direction, writer, held)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -353,6 +353,25 @@ class FaultyZmtpProxy:
             count[direction, h.kind, "reordered"] += 1
             count[direction, h.kind, "forwarded"] += 1
         await writer.drain()
+
+
+def _message_type(header: bytes) -> str:
+    """The type of a rollpool message from its header frame ``[major, minor, type, fields]``, read lazily.
+
+    Only the first three items are unpacked (`peek_type` limits nested sizes and
+    gives up on a large Submit); anything that is not a rollpool header is ``other``.
+    """
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(header) + 1)
+        unpacker.feed(header)
+        if unpacker.read_array_header() != 4:
+            return "other"
+        unpacker.skip()
+        unpacker.skip()
+        kind = unpacker.unpack()
+        return kind if type(kind) is str and len(kind) <= 64 else "other"
+    except Exception:
+        return "other"
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
