@@ -12,7 +12,7 @@ import asyncio
 import json
 import sys
 
-from rollpool.chaos.runner import FAULT_KINDS, ChaosConfig, run_chaos
+from rollpool.chaos.runner import CLASSIC_FAULTS, FAULT_KINDS, ISSUE20_FAULTS, ChaosConfig, run_chaos
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -28,14 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="B: samples per trainer step (a version per step)")
     parser.add_argument("--max-staleness", type=int, default=d.max_staleness, help="eta")
     parser.add_argument("--fault-interval-s", type=float, default=d.fault_interval_s, help="mean seconds between faults")
-    parser.add_argument("--faults", default=",".join(FAULT_KINDS), help="comma-separated subset of " + ",".join(FAULT_KINDS))
+    parser.add_argument("--faults", default=",".join(CLASSIC_FAULTS),
+                        help="comma-separated subset of " + ",".join(FAULT_KINDS) + "; 'all' for every kind, 'issue20' for "
+                        + ",".join(ISSUE20_FAULTS) + " (default: the classic kinds the pool survives today)")
+    parser.add_argument("--broker-stop-s", default=f"{d.broker_stop_s[0]},{d.broker_stop_s[1]}",
+                        help="broker_stop: SIGSTOP lasts uniformly LOW,HIGH seconds")
+    parser.add_argument("--hung-apply-s", type=float, default=d.hung_apply_s, help="hung_apply: how long the apply hangs")
     parser.add_argument("--deadline-s", type=float, default=d.deadline_s, help="give up (and report lost) after this long")
     parser.add_argument("--workdir", default=None, help="where process logs go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the result JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
-    faults = tuple(f for f in args.faults.split(",") if f)
+    aliases = {"all": FAULT_KINDS, "issue20": ISSUE20_FAULTS, "classic": CLASSIC_FAULTS}
+    faults = tuple(k for f in args.faults.split(",") if f for k in aliases.get(f, (f,)))
     unknown = set(faults) - set(FAULT_KINDS)
     if unknown:
         print(f"unknown fault kinds: {sorted(unknown)}", file=sys.stderr)
@@ -44,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         prompts=args.prompts, seed=args.seed, workers=args.workers, group_size=args.group_size,
         batch_size=args.batch_size, max_staleness=args.max_staleness, fault_interval_s=args.fault_interval_s,
         faults=faults, deadline_s=args.deadline_s, workdir=args.workdir,
+        broker_stop_s=tuple(float(x) for x in args.broker_stop_s.split(",")),  # type: ignore[arg-type]
+        hung_apply_s=args.hung_apply_s,
     )
     result = asyncio.run(run_chaos(cfg))
     text = json.dumps(result, indent=2, sort_keys=True)
@@ -51,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     summary = {k: result[k] for k in ("prompts_submitted", "lost", "duplicated", "staleness_violations", "dropped_stale",
-                                      "faults_injected", "elapsed_s")}
+                                      "faults_injected", "elapsed_s", "message_fault_totals", "cancelled_calls", "terminal_s")}
     print(json.dumps(summary))
     print(json.dumps(result["faults_by_kind"], indent=1))
     ok = result["lost"] == 0 and result["duplicated"] == 0 and result["staleness_violations"] == 0

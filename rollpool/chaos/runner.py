@@ -6,11 +6,35 @@ trainer client (``TrainerClient``, hosting the weight publisher through
 ``publish_weights``) and the link-fault proxy between the workers and the
 broker's worker port (`rollpool.chaos.proxy`; netem is not available here).
 
-Faults, one at a time, chosen by a seeded RNG: SIGKILL of a worker (restarted),
+Faults, one at a time, chosen by a seeded RNG (each kind once, in a shuffled
+order, before any kind repeats): SIGKILL of a worker (restarted),
 SIGSTOP/SIGCONT of a worker (sometimes past the broker's dead-after), SIGKILL
 of the broker (restarted on the same endpoints; the client resubmits), SIGKILL
 of the relay while workers fetch through it (restarted), Redis stop and start,
-and link delay and loss windows on the worker links.
+and link delay and loss windows on the worker links (`CLASSIC_FAULTS`, the
+default). The faults of issue 20 (`ISSUE20_FAULTS`, opt-in with ``faults``):
+
+- ``msg_drop``, ``msg_duplicate``, ``msg_delay``, ``msg_reorder``: for 1-2 s,
+  every rollpool message on every port (broker worker and client ports,
+  publisher and relay router and PUB), in both directions, meets that fault
+  with one of ``message_fault_rates``; ``conn_reset``: every live connection
+  of one port is aborted with an RST. Both through a `FaultyZmtpProxy` (a
+  fake link at the edge, `rollpool.chaos.zmtp_proxy`) in front of each port;
+- ``broker_stop``: SIGSTOP of the broker for ``broker_stop_s`` (3-30 s), then SIGCONT;
+- ``cancel_call``: for 1-2 s the trainer cancels its ``get_batch`` calls
+  after 5-300 ms (``asyncio.wait_for``), as a trainer with its own deadline would;
+- ``publisher_restart``: at the next step the trainer's publisher comes back
+  on new ports; the relay's upstream is pointed at it, and every other worker
+  fetches directly from wherever the broker says the publisher is;
+- ``poison_version``: the next version names a parameter no worker's model has;
+- ``hung_apply``: one worker's next apply hangs ``hung_apply_s`` seconds.
+  Both need the fake engine at the worker's edge (`rollpool.chaos.faulty_engine`,
+  ``--engine sim-chaos``), which the run then starts its workers with.
+
+The result reports per fault kind its count, per port, direction and message
+type the messages dropped, duplicated, delayed and reordered
+(``message_faults``), the calls cancelled, and submit-to-terminal times
+(``terminal_s``: median, p99, worst).
 
 What is checked (the trainer's view): every accepted prompt reaches a terminal
 state (`lost` counts those that do not), no trajectory id is handed to the
@@ -26,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -46,7 +71,13 @@ __all__ = ["ChaosConfig", "run_chaos"]
 
 log = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill_worker", "stop_worker", "kill_broker", "kill_relay", "redis_outage", "link_delay", "link_loss")
+CLASSIC_FAULTS = ("kill_worker", "stop_worker", "kill_broker", "kill_relay", "redis_outage", "link_delay", "link_loss")
+"""The faults the pool survives today (the default, and the CI run)."""
+MESSAGE_FAULTS = ("msg_drop", "msg_duplicate", "msg_delay", "msg_reorder", "conn_reset")
+"""Per-message faults and connection resets on live connections, every port, both directions (`FaultyZmtpProxy`)."""
+ISSUE20_FAULTS = (*MESSAGE_FAULTS, "broker_stop", "cancel_call", "publisher_restart", "poison_version", "hung_apply")
+"""The faults of issue 20: until its fixes land a run with them loses or strands prompts (that is the finding)."""
+FAULT_KINDS = (*CLASSIC_FAULTS, *ISSUE20_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -68,8 +99,26 @@ class ChaosConfig:
     length_median: int = 8
     poll_interval_s: float = 0.1
     deadline_s: float = 600.0
-    faults: tuple[str, ...] = FAULT_KINDS
+    faults: tuple[str, ...] = CLASSIC_FAULTS
     workdir: str | None = None
+    message_fault_rates: tuple[float, ...] = (0.01, 0.05, 0.1)
+    """Per-message probability of the fault during one msg_* window (one value chosen per window)."""
+    broker_stop_s: tuple[float, float] = (3.0, 30.0)
+    """SIGSTOP of the broker lasts uniformly this long (CI: 3-5 s)."""
+    min_faults: int = 0
+    """Keep running (pulling, injecting) until at least this many faults were injected."""
+    hung_apply_s: float = 10.0
+    """How long a hung apply (SIGUSR1 to a worker on the sim-chaos engine) waits before it proceeds."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.faults) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"ChaosConfig.faults: unknown fault kinds {sorted(unknown)}; known: {', '.join(FAULT_KINDS)}")
+        lo, hi = self.broker_stop_s
+        if not 0 < lo <= hi:
+            raise ValueError(f"ChaosConfig.broker_stop_s must be (low, high) with 0 < low <= high, got {self.broker_stop_s}")
+        if not self.message_fault_rates or not all(0 < r <= 1 for r in self.message_fault_rates):
+            raise ValueError(f"ChaosConfig.message_fault_rates must be probabilities in (0, 1], got {self.message_fault_rates}")
 
 
 @dataclass
@@ -105,6 +154,18 @@ class _Proc:
             self.kill()
 
 
+_MESSAGE_ACTIONS = {"msg_drop": "drop", "msg_duplicate": "duplicate", "msg_delay": "delay", "msg_reorder": "reorder"}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """Median, p99 and worst of submit-to-terminal seconds, as the trainer saw them."""
+    if not values:
+        return {}
+    v = sorted(values)
+    return {"median": round(v[len(v) // 2], 3), "p99": round(v[min(len(v) - 1, int(len(v) * 0.99))], 3),
+            "max": round(v[-1], 3), "n": len(v)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,7 +184,9 @@ class _Observed:
 async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driver, read top to bottom)
     import zmq.asyncio
 
+    from rollpool.chaos.faulty_engine import POISON_NAME
     from rollpool.chaos.proxy import MessageProxy
+    from rollpool.chaos.zmtp_proxy import ACTIONS, FaultyZmtpProxy, MessageFaults
     from rollpool.monitor.embedded import EmbeddedRedis
     from rollpool.protocol import GroupState, SocketFactory, trajectory_staleness
     from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
@@ -135,6 +198,22 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     ports = {k: _free_port() for k in ("bw", "bc", "proxy", "pub_r", "pub_p", "relay_r", "relay_p", "redis")}
     ep = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
     hb = cfg.heartbeat_interval_s
+    faults = set(cfg.faults)
+
+    # message faults: a FaultyZmtpProxy in front of every port (the workers' link keeps the MessageProxy behind it)
+    zproxies: dict[str, FaultyZmtpProxy] = {}
+
+    def via(port_name: str, key: str) -> str:
+        if not faults & set(MESSAGE_FAULTS):
+            return ep[key]
+        px = FaultyZmtpProxy(port_name, ep[key], listen_port=_free_port(), seed=rng.randrange(1 << 30))
+        zproxies[port_name] = px
+        return f"tcp://127.0.0.1:{px.listen[1]}"
+
+    worker_port = via("broker:worker", "proxy")
+    client_port = via("broker:client", "bc")
+    upstream_router, upstream_pub = via("publisher:router", "pub_r"), via("publisher:pub", "pub_p")
+    relay_router, relay_pub = via("relay:router", "relay_r"), via("relay:pub", "relay_p")
 
     redis = EmbeddedRedis(port=ports["redis"]).start()
     redis_url = redis.url
@@ -143,15 +222,26 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                               "--max-attempts", "50", "--batch-size", str(cfg.batch_size),
                               "--max-staleness", str(cfg.max_staleness), "--max-applying", str(cfg.workers),
                               "--drain-timeout-s", "0", "--redis-url", redis_url], os.path.join(workdir, "broker.log"))
-    relay = _Proc("relay", [*py, "relay", "--upstream", ep["pub_r"], "--upstream-pub", ep["pub_p"], "--bind", ep["relay_r"],
-                            "--bind-pub", ep["relay_p"], "--fetch-timeout-s", "2", "--poll-interval-s", "0.5",
-                            "--redis-url", redis_url], os.path.join(workdir, "relay.log"))
+
+    def relay_argv(up_router: str, up_pub: str) -> list[str]:
+        return [*py, "relay", "--upstream", up_router, "--upstream-pub", up_pub, "--bind", ep["relay_r"],
+                "--bind-pub", ep["relay_p"], "--fetch-timeout-s", "2", "--poll-interval-s", "0.5", "--redis-url", redis_url]
+
+    relay = _Proc("relay", relay_argv(upstream_router, upstream_pub), os.path.join(workdir, "relay.log"))
+    # the apply faults need the fake engine at the worker's edge (rollpool.chaos.faulty_engine: sim + poison + hang)
+    chaos_engine = bool(faults & {"poison_version", "hung_apply"})
+    worker_py = [sys.executable, "-m", "rollpool.chaos", "--log-level", "WARNING"] if chaos_engine else py
+    engine = "sim-chaos" if chaos_engine else "sim"
+    hang = f",hang_apply_s={cfg.hung_apply_s}" if chaos_engine else ""
+    # with publisher restarts, every other worker fetches from where the broker says the publisher is (no relay)
+    direct = {i for i in range(cfg.workers) if "publisher_restart" in faults and i % 2 == 1}
     workers = [
-        _Proc(f"w{i}", [*py, "worker", "--engine", "sim", "--broker", ep["proxy"], "--worker-id", f"chaos-w{i}",
+        _Proc(f"w{i}", [*worker_py, "worker", "--engine", engine, "--broker", worker_port, "--worker-id", f"chaos-w{i}",
                         "--heartbeat-interval-s", str(hb), "--reconnect-backoff-s", "0.1", "--reconnect-backoff-max-s", "1",
-                        "--fetch-timeout-s", "2", "--drain-timeout-s", "1",
-                        "--weight-endpoint", ep["relay_r"], "--weight-announce-endpoint", ep["relay_p"],
-                        "--engine-options", f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}",
+                        "--fetch-timeout-s", "2", "--drain-timeout-s", "1", "--apply-grant-timeout-s", "2",
+                        *(() if i in direct else ("--weight-endpoint", relay_router, "--weight-announce-endpoint", relay_pub)),
+                        "--engine-options",
+                        f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}{hang}",
                         "--redis-url", redis_url], os.path.join(workdir, f"w{i}.log"))
         for i in range(cfg.workers)
     ]
@@ -161,7 +251,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     sockets = SocketFactory(ctx)
     proxy = MessageProxy(sockets, frontend=ep["proxy"], backend=ep["bw"], seed=cfg.seed)
     client_cfg = TrainerClientConfig(
-        broker=ep["bc"], client_id="chaos-trainer", request_timeout_s=1.0, request_retries=60, pull_wait_s=0.2,
+        broker=client_port, client_id="chaos-trainer", request_timeout_s=1.0, request_retries=60, pull_wait_s=0.2,
         weight_router_endpoint=ep["pub_r"], weight_pub_endpoint=ep["pub_p"], bucket_bytes=max(cfg.weight_bytes, 1 << 20),
     )
     client: TrainerClient | None = None
@@ -175,8 +265,16 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     dropped_stale = 0
     done = asyncio.Event()
     t_start = time.monotonic()
+    submitted_at: dict[str, float] = {}
+    terminal_s: list[float] = []
+    publish_faults: list[dict[str, Any]] = []
+    """publisher_restart / poison_version records the trainer loop carries out at its next publish."""
+    cancel_until = [0.0]
+    cancelled_calls = [0]
 
     try:
+        for px in zproxies.values():
+            await px.start()
         for p in procs:
             p.start()
         await proxy.start()
@@ -206,15 +304,42 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 await asyncio.sleep(cfg.poll_interval_s / 2)
             return None
 
+        async def restart_publisher() -> dict[str, Any]:
+            """The trainer's publisher comes back on new ports; the relay's upstream follows it, workers must."""
+            assert client is not None
+            # TrainerClient has no public way to restart its publisher: close it and let publish_weights make a new one
+            old = client._publisher
+            if old is not None:
+                await old.close()
+            client._publisher = None
+            new_r, new_p = _free_port(), _free_port()
+            client.config = dataclasses.replace(client.config, weight_router_endpoint=f"tcp://127.0.0.1:{new_r}",
+                                                weight_pub_endpoint=f"tcp://127.0.0.1:{new_p}")
+            if "publisher:router" in zproxies:  # the relay dials the proxies: point them at the new ports
+                zproxies["publisher:router"].upstream = ("127.0.0.1", new_r)
+                zproxies["publisher:pub"].upstream = ("127.0.0.1", new_p)
+                zproxies["publisher:router"].reset(count=False)
+                zproxies["publisher:pub"].reset(count=False)
+            else:  # the relay is told its new upstream, as an operator would
+                relay.kill()
+                relay.argv = relay_argv(f"tcp://127.0.0.1:{new_r}", f"tcp://127.0.0.1:{new_p}")
+                relay.restarts += 1
+                relay.start()
+            return {"router_port": new_r, "pub_port": new_p}
+
         def delivered_since(t: float) -> bool:
             return bool(observed.delivered_at) and observed.delivered_at[-1] > t
+
+        deck: list[str] = []
 
         async def fault_loop() -> None:
             while not done.is_set():
                 await asyncio.sleep(cfg.fault_interval_s * rng.uniform(0.5, 1.5))
                 if done.is_set():
                     return
-                kind = rng.choice(cfg.faults)
+                if not deck:  # every kind once, in a seeded order, before any repeats
+                    deck.extend(rng.sample(cfg.faults, len(cfg.faults)))
+                kind = deck.pop()
                 rec: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t_start, 3)}
                 t0 = time.monotonic()
                 if kind in ("kill_worker", "stop_worker"):
@@ -255,6 +380,40 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     await asyncio.sleep(rng.uniform(0.5, 1.5))
                     rec["groups_during_outage"] = len(observed.delivered_at) - n0
                     redis.start()
+                elif kind in _MESSAGE_ACTIONS:
+                    rate = rng.choice(cfg.message_fault_rates)
+                    window = rng.uniform(1.0, 2.0)
+                    rec.update(rate=rate, window_s=round(window, 3), ports=sorted(zproxies))
+                    for px in zproxies.values():
+                        px.faults = MessageFaults(**{_MESSAGE_ACTIONS[kind]: rate}, delay_s=0.05)
+                    n0 = len(observed.delivered_at)
+                    await asyncio.sleep(window)
+                    for px in zproxies.values():
+                        px.faults = MessageFaults()
+                    rec["groups_during_window"] = len(observed.delivered_at) - n0
+                elif kind == "conn_reset":
+                    name = rng.choice(sorted(zproxies))
+                    rec.update(port=name, connections=zproxies[name].reset())
+                elif kind == "broker_stop":
+                    pause = rng.uniform(*cfg.broker_stop_s)
+                    rec["pause_s"] = round(pause, 3)
+                    broker.signal(signal.SIGSTOP)
+                    await asyncio.sleep(pause)
+                    broker.signal(signal.SIGCONT)
+                    t1 = time.monotonic()
+                    rec["recover_s"] = await wait_until(lambda t1=t1: delivered_since(t1), 20)
+                elif kind == "cancel_call":
+                    window = rng.uniform(1.0, 2.0)
+                    c0 = cancelled_calls[0]
+                    cancel_until[0] = time.monotonic() + window
+                    await asyncio.sleep(window)
+                    rec.update(window_s=round(window, 3), cancelled=cancelled_calls[0] - c0)
+                elif kind in ("publisher_restart", "poison_version"):
+                    publish_faults.append(rec)  # the trainer loop carries it out at its next publish
+                elif kind == "hung_apply":
+                    w = rng.choice(workers)
+                    rec.update(target="chaos-" + w.name, hang_s=cfg.hung_apply_s)
+                    w.signal(signal.SIGUSR1)  # rollpool.chaos.faulty_engine: the next apply hangs
                 else:
                     if kind == "link_delay":
                         proxy.faults.delay_s = rng.choice((0.01, 0.05, 0.1))
@@ -277,7 +436,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         submitted = 0
         consumed_samples = 0
         prompt_rng = np.random.default_rng(cfg.seed)
-        while len(terminal) < cfg.prompts or len(terminal) < len(accepted):
+        while len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults:
             if time.monotonic() - t_start > cfg.deadline_s:
                 log.error("chaos: deadline passed with %d of %d terminal", len(terminal), len(accepted))
                 break
@@ -290,11 +449,22 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 ]
                 res = await client.submit(items, group_size=cfg.group_size, sampling={"max_new_tokens": 32})
                 accepted.update(res.accepted)
+                t_sub = time.monotonic()
+                for pid in res.accepted:
+                    submitted_at.setdefault(pid, t_sub)
                 submitted += n
                 if res.rejected:
                     log.warning("chaos: %d prompts rejected: %s", len(res.rejected), list(res.rejected.items())[:3])
+            want = max(1, min(8, len(accepted) - len(terminal)))
             try:
-                batch = await client.get_batch(max(1, min(8, len(accepted) - len(terminal))), timeout=1.0)
+                if time.monotonic() < cancel_until[0]:  # cancel_call: the trainer gives up on calls at random
+                    try:
+                        batch = await asyncio.wait_for(client.get_batch(want, timeout=1.0), rng.uniform(0.005, 0.3))
+                    except TimeoutError:
+                        cancelled_calls[0] += 1
+                        continue
+                else:
+                    batch = await client.get_batch(want, timeout=1.0)
             except TimeoutError:
                 continue
             now = time.monotonic()
@@ -306,6 +476,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     traj_seen[t.trajectory_id] += 1
                 if g.prompt_id in terminal:
                     traj_seen["group:" + g.prompt_id] += 1  # a whole group handed over twice
+                if g.prompt_id not in terminal and g.prompt_id in submitted_at:
+                    terminal_s.append(now - submitted_at[g.prompt_id])
                 if worst > cfg.max_staleness:
                     dropped_stale += 1  # the trainer's hard bound: not trained on
                     terminal[g.prompt_id] = GroupState.DROPPED_STALE
@@ -313,11 +485,21 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 terminal[g.prompt_id] = GroupState.DONE
                 consumed_samples += len(g.trajectories)
             for g in batch.other:
+                if g.prompt_id not in terminal and g.prompt_id in submitted_at:
+                    terminal_s.append(now - submitted_at[g.prompt_id])
                 terminal.setdefault(g.prompt_id, g.state)
             if consumed_samples >= cfg.batch_size:
                 consumed_samples -= cfg.batch_size
                 version += 1
-                await client.publish_weights(tensors, version)
+                payload: dict[str, Any] = tensors
+                while publish_faults:
+                    rec = publish_faults.pop(0)
+                    rec["version"] = version
+                    if rec["kind"] == "publisher_restart":
+                        rec.update(await restart_publisher())
+                    else:
+                        payload = {**tensors, POISON_NAME: torch.zeros(4)}  # a name no worker's model has
+                await client.publish_weights(payload, version)
         done.set()
         for t in bg:
             t.cancel()
@@ -336,6 +518,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 10)
         await proxy.close()
+        for px in zproxies.values():
+            await px.close()
         for p in procs:
             p.stop()
         redis.stop()
@@ -374,6 +558,11 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         "fault_log": fault_log,
         "restarts": {p.name: p.restarts for p in procs if p.restarts},
         "proxy": {"forwarded": proxy.forwarded, "held_by_loss": proxy.held, "undeliverable": proxy.undeliverable},
+        "message_faults": {name: px.report() for name, px in sorted(zproxies.items())},
+        "message_fault_totals": {a: sum(px.total(a) for px in zproxies.values()) for a in ACTIONS if a != "forwarded"},
+        "connection_resets": sum(px.resets for px in zproxies.values()),
+        "cancelled_calls": cancelled_calls[0],
+        "terminal_s": _spread(terminal_s),
         "client_counters": counters,
         "link_faults": "message-level proxy (tc netem unavailable: no netem qdisc in this kernel)",
         "workdir": workdir,
