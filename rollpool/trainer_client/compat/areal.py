@@ -49,8 +49,9 @@ def _gconfig(g: Any) -> dict[str, Any]:
     """GenerationHyperparameters (or a mapping, or AReaL's unfilled dataclasses.field default) -> its fields."""
     if g is None or isinstance(g, dataclasses.Field):
         return dict(_GCONFIG_DEFAULTS)
-    get = g.get if isinstance(g, Mapping) else (lambda k, d: getattr(g, k, d))
-    return {k: get(k, d) for k, d in _GCONFIG_DEFAULTS.items()}
+    if isinstance(g, Mapping):
+        return {k: g.get(k, d) for k, d in _GCONFIG_DEFAULTS.items()}
+    return {k: getattr(g, k, d) for k, d in _GCONFIG_DEFAULTS.items()}
 
 
 class SGLangGenerationEngine:
