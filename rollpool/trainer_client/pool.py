@@ -458,6 +458,8 @@ class RolloutPool:
         """Close this client (the pool keeps serving other trainers); True once closed."""
         if not self._closed:
             self._closed = True
+            if self._staged:
+                log.warning("shutdown with %d staged tensors never published (no generate or commit_weights after them)", len(self._staged))
             self._client.close()
         return True
 

@@ -103,12 +103,11 @@ def tp_group(served: Served) -> Iterator[Any]:
 def test_lightrft_code_blocks_run_as_documented(served: Served, tp_group: Any) -> None:
     from rollpool.trainer_client.compat.lightrft import RLGenerationEngine  # the import line
 
-    tp_group_ = tp_group
-    # >>> engine = RLGenerationEngine(tp_group_cpu=tp_group, num_gpu_per_node=8, model="llama2-7b")
+    # the page's constructor, model name included (not a local directory: the pool warns it cannot check it)
     engine = RLGenerationEngine(
-        tp_group_cpu=tp_group_,
+        tp_group_cpu=tp_group,
         num_gpu_per_node=8,
-        model=str(served.model),
+        model="llama2-7b",
         broker=served.pool.client_ep,
     )
     try:
@@ -176,6 +175,10 @@ def test_lightrft_mismatched_shape_fails_fast_and_publishes_nothing(served: Serv
             engine.update_weights_from_tensor("lm_head.weight", torch.zeros(1), load_format="flattened_bucket")
         res = engine.generate("Hello", sampling_params={"max_new_tokens": 2})  # nothing was staged: served as before
         assert isinstance(res, dict) and res["output_ids"]
+        # per-prompt return_logprob, as SGLang's GenerateReqInput allows
+        pair = engine.generate(prompt=["a", "b"], sampling_params={"max_new_tokens": 2}, return_logprob=[True, False])
+        assert isinstance(pair, list) and "output_token_logprobs" in pair[0]["meta_info"]
+        assert "output_token_logprobs" not in pair[1]["meta_info"]
         assert engine.pool.status()["counters"]["version"] == broker_version
     finally:
         engine.shutdown()
