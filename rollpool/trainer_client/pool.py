@@ -219,6 +219,8 @@ class RolloutPool:
         self._flush_after_commit = False
         self._done: dict[str, GroupResult] = {}
         self._slept_with_weights: bool | None = None
+        self._released: set[str] = set()
+        """Memory tags this object released on the workers and has not resumed."""
         self._closed = False
 
     # ------------------------------------------------------------------ generation
@@ -226,6 +228,9 @@ class RolloutPool:
     def _submit(self, prompt: Any, input_ids: Any, sampling_params: Any, return_logprob: Any,
                 image_data: Any = None, lora_path: Any = None, custom_logit_processor: Any = None,
                 logprob_start_len: Any = None, top_logprobs_num: Any = None, stream: bool = False) -> tuple[_Call, bool]:
+        if self._released:
+            raise RuntimeError(f"generate while the workers' {sorted(self._released)} are released: call wake_up() "
+                               "(or prepare_for_generation()) first")
         items, single = _normalise_inputs(prompt, input_ids)
         _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
         sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
@@ -409,6 +414,7 @@ class RolloutPool:
             chosen += ("weights",)
         self._client.sleep(chosen)
         self._slept_with_weights = "weights" in chosen
+        self._released |= set(chosen)
 
     def wake_up(self, tags: Sequence[str] | None = None, release_weights: bool = False) -> None:
         """Resume what `sleep` released; `release_weights` must match the value given to `sleep`."""
@@ -419,6 +425,7 @@ class RolloutPool:
             chosen += ("weights",)
         self._client.wake(chosen)
         self._slept_with_weights = None
+        self._released -= set(chosen)
 
     def prepare_for_generation(self, tags: Sequence[str] | None = None) -> bool:
         """Resume the workers' memory (all of it, or the given tags); True when every worker did.
@@ -429,11 +436,18 @@ class RolloutPool:
         chosen = tuple(tags) if tags else ALL_MEMORY_TAGS
         if "kv_cache" in chosen and "cuda_graph" not in chosen:
             chosen += ("cuda_graph",)
-        return self._fan_out("wake", chosen)
+        ok = self._fan_out("wake", chosen)
+        if ok:
+            self._released -= set(chosen)
+        return ok
 
     def finish_generation(self, tags: Sequence[str] | None = None) -> bool:
         """Release the workers' memory (all of it, or the given tags); True when every worker did."""
-        return self._fan_out("sleep", tuple(tags) if tags else ALL_MEMORY_TAGS)
+        chosen = tuple(tags) if tags else ALL_MEMORY_TAGS
+        ok = self._fan_out("sleep", chosen)
+        if ok:
+            self._released |= set(chosen)
+        return ok
 
     def invalidate_kv_cache(self) -> bool:
         """Flush the KV (prefix) cache on every worker; True when every worker did."""

@@ -133,6 +133,8 @@ def test_lightrft_code_blocks_run_as_documented(served: Served, tp_group: Any) -
 
         # >>> engine.sleep(); ...; engine.wake_up(); result = engine.generate("Hello world")
         engine.sleep()
+        with pytest.raises(RuntimeError, match="call wake_up"):  # not part of the page: generate before wake_up fails at once
+            engine.generate("Hello world")
         engine.wake_up()
         result = engine.generate("Hello world")
         assert isinstance(result, dict) and result["output_ids"]
@@ -339,6 +341,8 @@ def test_nemo_rl_servers_memory_and_cache_calls_return_what_nemo_returns(served:
         while saver.pool.status()["workers"]["hf0"]["state"] != "sleeping":
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        with pytest.raises(RuntimeError, match="call wake_up\\(\\) \\(or prepare_for_generation\\(\\)\\) first"):
+            saver.generate(_batched([[5, 6]]))  # fails at once instead of waiting for a sleeping pool
         assert saver.prepare_for_generation(tags=["weights"]) is True
         assert saver.prepare_for_generation(tags=["kv_cache"]) is True
         with pytest.raises(UnsupportedParameterError, match="only tags= is honoured"):
