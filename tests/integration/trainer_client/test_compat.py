@@ -162,10 +162,13 @@ def test_lightrft_code_blocks_run_as_documented(served: Served, tp_group: Any) -
 
 
 def test_lightrft_mismatched_shape_fails_fast_and_publishes_nothing(served: Served) -> None:
+    from rollpool.trainer_client.compat._model import model_fingerprint
     from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
 
     engine = RLGenerationEngine(tp_group_cpu=None, model=str(served.model), broker=served.pool.client_ep)
     try:
+        # the local model directory is the workers' model: the same fingerprint, and its shapes are known
+        assert engine.pool.status()["workers"]["hf0"]["fingerprint"] == model_fingerprint(served.model)
         broker_version = engine.pool.status()["counters"]["version"]
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"q_proj.weight has shape \(64, 64\), the pool's model has \(768, 768\)"):
