@@ -24,6 +24,9 @@ Guarantees this class keeps (and its tests check):
 * with ``max_staleness`` set, ``accepted + running <= (v + eta + 1) * B`` after
   every dispatch (`rollpool.protocol.StalenessController`), and no group goes to
   a worker more than eta versions behind the newest announced version;
+* a group whose prompt names a `min_weight_version` goes only to a worker whose
+  reported weight version is at least that; other workers skip it (it keeps its
+  place in the queue and does not block the groups behind it);
 * the first complete result of a group wins; any later one is a duplicate.
 
 Side effects the service must carry out (cancels to send, apply grants, metric
@@ -64,6 +67,10 @@ class ResultOutcome:
     DROPPED_STALE = "dropped_stale"
 
 
+_MAX_SKIPPED_PER_FILL = 64
+"""Groups too new for a worker that one fill looks past before giving up on that worker this round."""
+
+
 def task_id_of(prompt_id: str, attempt: int) -> str:
     return f"{prompt_id}@{attempt}"
 
@@ -92,6 +99,8 @@ class Group:
     """Attempts that do not count toward `max_attempts` (handed back by a worker, never sent)."""
     exempt: bool = False
     """Outside staleness admission and accounting (`Prompt.exempt_from_staleness`, e.g. evaluation)."""
+    min_version: int = -1
+    """`Prompt.min_weight_version`: only a worker at this weight version or newer may take the group."""
 
 
 @dataclass(slots=True, eq=False)
@@ -127,6 +136,7 @@ class WorkerInfo:
             "pid": self.pid,
             "tokens_total": self.tokens_total,
             "completed": self.completed,
+            "fingerprint": self.fingerprint,
             "last_seen_s_ago": round(now - self.last_seen, 3),
         }
 
@@ -390,7 +400,7 @@ class BrokerState:
                 rejected.append(Rejection(prompt_id=pid if isinstance(pid, str) else "", reason=reason, detail=detail))
                 continue
             g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now,
-                      exempt=p.exempt_from_staleness)
+                      exempt=p.exempt_from_staleness, min_version=p.min_weight_version)
             self.groups[pid] = g
             self.queued += 1
             self._push(g)
@@ -404,6 +414,7 @@ class BrokerState:
         self._orphans.pop(g.prompt_id, None)
         g.prompt = p
         g.priority = p.priority
+        g.min_version = p.min_weight_version
         if g.phase == Phase.QUEUED:  # parked: its adopted lease ended before the prompt came back
             self.parked -= 1
             self.queued += 1
@@ -500,6 +511,7 @@ class BrokerState:
     def _fill(self, w: WorkerInfo, now: float, out: list[tuple[WorkerInfo, Group]]) -> bool:
         served = False
         room = self.config.max_held - self.leased - self.held
+        too_new: list[Group] = []
         while w.credits > 0 and self.queued and room > 0:
             limit = w.credits
             cap = self.staleness.capacity()
@@ -508,11 +520,19 @@ class BrokerState:
             g = self._pop_fitting(limit, w.credits)
             if g is None:
                 break
+            if g.min_version > w.version:
+                # asks for newer weights than this worker has: skipped for it, not blocking the queue
+                too_new.append(g)
+                if len(too_new) >= _MAX_SKIPPED_PER_FILL:
+                    break
+                continue
             self.queued -= 1
             self._lease(g, w, now, attempt=g.attempt, task_id=task_id_of(g.prompt_id, g.attempt))
             out.append((w, g))
             served = True
             room -= 1
+        for g in too_new:
+            self._push(g)  # same priority and sequence number: its place in the queue is kept
         return served
 
     def _lease(self, g: Group, w: WorkerInfo, now: float, *, attempt: int, task_id: str, adopting: bool = False) -> None:

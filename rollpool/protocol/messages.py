@@ -139,6 +139,10 @@ class Prompt:
     exempt_from_staleness: bool = False
     """True for rollouts that are not training samples (evaluation): the broker dispatches them
     outside the staleness admission rule and does not count them as accepted or running."""
+    min_weight_version: int = -1
+    """Dispatch only to a worker whose applied weight version is at least this (-1: any worker).
+    Synchronous callers set it to the version they just published, so the next generation is
+    served at that version or newer (added in protocol 1.1; older brokers ignore it)."""
 
 
 @record

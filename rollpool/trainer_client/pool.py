@@ -1,119 +1,340 @@
 """`RolloutPool`: the calls RL frameworks make on their generation engines, served by the pool.
 
-Code written against an SGLang-style engine object (LightRFT's
-`RLGenerationEngine`, NeMo-RL's `SGLangGeneration`, AReaL's SGLang backend)
-ports by swapping the object: `generate` returns SGLang-shaped dicts
-(``text``, ``output_ids``, ``meta_info`` with ``output_token_logprobs``,
-``finish_reason``, ``weight_version``), `n > 1` in the sampling params expands
-prompt-major as SGLang does, and weight updates become published versions.
-docs/porting.md maps each call and lists the semantic differences.
+It is the common core of the seed adapters in `rollpool.trainer_client.compat`
+(LightRFT's `RLGenerationEngine`, NeMo-RL's `SGLangGeneration`, AReaL's SGLang
+backend), and usable directly. `generate` takes SGLang's `Engine.generate`
+arguments and returns SGLang-shaped dicts (``text``, ``output_ids``,
+``meta_info`` with ``output_token_logprobs``, ``finish_reason``,
+``weight_version``): one dict for one prompt with ``n == 1``, a list otherwise
+(prompt-major for ``n > 1``). `sampling_params` and `return_logprob` may be one
+value or one per prompt. docs/porting.md maps each call.
+
+Guarantees:
+
+* Every parameter is honoured or refused: an argument or sampling key the pool
+  cannot honour raises `UnsupportedParameterError` naming it (images, LoRA,
+  custom logit processors, prompt logprobs, top-k logprobs, streaming, and any
+  sampling key other than the neutral value of one SGLang knows).
+* A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
+  never generated from its key names.
+* Staged tensors (`update_weights_from_tensor`) are published as one new
+  version by the next `generate` or by `commit_weights()`, never half a model.
+  With `param_shapes` known, a tensor of an unknown name or another shape is
+  refused at the call, before anything is published.
+* ``synchronous=True``: after a weight update through this object, every prompt
+  it submits carries ``min_weight_version`` = that version, so the broker gives
+  it only to a worker that applied it; a generation not served within
+  `weight_timeout_s` raises `WeightSyncError` naming the workers' versions, and
+  a result below the version (a broker older than protocol 1.1) raises too.
+  ``synchronous=False`` (the default of this class) keeps rollpool's
+  asynchronous behaviour: every token's version is on the result.
 
 The pool owns one `SyncTrainerClient`; every group it pulls belongs to its own
-requests. Staged tensors (`update_weights_from_tensor`) are published as one
-new version by the next `generate` or by `commit_weights()`.
+requests (groups of another in-flight call are kept for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rollpool.protocol import GroupResult, GroupState, MetricsSink, SamplingParams, Trajectory
+from rollpool.protocol import (
+    GroupResult,
+    GroupState,
+    MetricsSink,
+    RejectedError,
+    SamplingParams,
+    Trajectory,
+    WeightSyncError,
+)
 from rollpool.trainer_client.client import TrainerClientConfig, make_prompt
 from rollpool.trainer_client.sync import SyncTrainerClient
 
-__all__ = ["RolloutPool"]
+__all__ = ["RolloutPool", "UnsupportedParameterError", "sampling_from_sglang", "SLEEP_TAGS", "ALL_MEMORY_TAGS"]
+
+log = logging.getLogger(__name__)
 
 PromptLike = str | Sequence[int]
+
+SLEEP_TAGS: tuple[str, ...] = ("kv_cache", "cuda_graph")
+"""What `sleep()` releases by default (LightRFT's default: the weights stay)."""
+ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+class UnsupportedParameterError(ValueError):
+    """A parameter the pool cannot honour; `parameter` names it, the message says what the pool lacks."""
+
+    def __init__(self, parameter: str, message: str) -> None:
+        super().__init__(f"{parameter}: {message}")
+        self.parameter = parameter
+
+
+# SGLang sampling keys the pool accepts only at their neutral value (they change nothing there).
+_NEUTRAL_SAMPLING: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+}
+# SGLang sampling keys with no equivalent on the pool at any value but None.
+_UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "custom_params", "stop_regex")
+_DIRECT_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "ignore_eos")
+
+
+def sampling_from_sglang(params: Mapping[str, Any] | None) -> tuple[SamplingParams, int]:
+    """SGLang's sampling-params dict -> (`SamplingParams`, n); refuses what the pool cannot honour."""
+    if params is None:
+        return SamplingParams(), 1
+    if not isinstance(params, Mapping):
+        raise TypeError(f"sampling_params must be a dict (or a list of dicts, one per prompt), got {type(params).__name__}")
+    fields: dict[str, Any] = {}
+    n = 1
+    max_new = max_tok = None
+    for key, value in params.items():
+        if value is None:
+            continue  # SGLang reads None as "the default"
+        if key == "n":
+            n = int(value)
+            if n < 1:
+                raise ValueError(f"sampling_params['n'] must be >= 1, got {n}")
+        elif key == "max_new_tokens":
+            max_new = int(value)
+        elif key == "max_tokens":  # the OpenAI name, used by LightRFT's own example
+            max_tok = int(value)
+        elif key in _DIRECT_SAMPLING:
+            fields[key] = value
+        elif key == "stop":
+            fields["stop"] = (value,) if isinstance(value, str) else tuple(str(s) for s in value)
+        elif key == "stop_token_ids":
+            fields["stop_token_ids"] = (int(value),) if isinstance(value, int) else tuple(int(t) for t in value)
+        elif key in ("seed", "sampling_seed"):
+            fields["seed"] = int(value)
+        elif key in _NEUTRAL_SAMPLING:
+            if value != _NEUTRAL_SAMPLING[key]:
+                raise UnsupportedParameterError(f"sampling_params[{key!r}]", f"the pool's engines do not implement it (only {_NEUTRAL_SAMPLING[key]!r} is accepted)")
+        elif key in _UNSUPPORTED_SAMPLING:
+            if value not in ({}, "", ()):
+                raise UnsupportedParameterError(f"sampling_params[{key!r}]", "constrained decoding and logit biases are not implemented by the pool's engines")
+        else:
+            raise UnsupportedParameterError(f"sampling_params[{key!r}]", "not a sampling parameter the pool knows")
+    if max_new is not None and max_tok is not None and max_new != max_tok:
+        raise ValueError(f"sampling_params gives max_new_tokens={max_new} and max_tokens={max_tok}; give one")
+    length = max_new if max_new is not None else max_tok
+    if length is not None:
+        fields["max_new_tokens"] = length
+    try:
+        return SamplingParams(**fields), n
+    except TypeError as exc:  # a wrongly typed value
+        raise ValueError(f"sampling_params: {exc}") from exc
+
+
+def _per_prompt(name: str, value: Any, count: int) -> list[Any]:
+    """One value for every prompt, or a list with one per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{name} is a list of {len(value)} for {count} prompts; give one value or one per prompt")
+        return list(value)
+    return [value] * count
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _normalise_inputs(prompt: Any, input_ids: Any) -> tuple[list[PromptLike], bool]:
+    """-> (one text or token list per prompt, whether a single prompt was given)."""
+    if prompt is not None and input_ids is not None:
+        raise ValueError("generate takes prompt or input_ids, not both")
+    if isinstance(prompt, Mapping) or isinstance(input_ids, Mapping):
+        data = prompt if isinstance(prompt, Mapping) else input_ids
+        raise TypeError(f"generate got a mapping (keys {sorted(map(str, data))[:6]}) where text or token ids are expected; "
+                        "NeMo-RL's batched data goes to rollpool.trainer_client.compat.nemo_rl.SGLangGeneration.generate(data)")
+    if input_ids is not None:
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
+        if _is_token_list(ids) and len(ids) > 0:
+            return [list(ids)], True
+        if isinstance(ids, Sequence) and len(ids) > 0 and all(_is_token_list(x) and len(x) > 0 for x in ids):
+            return [list(x) for x in ids], False
+        raise TypeError("input_ids must be a non-empty list of token ids or a non-empty list of such lists")
+    if isinstance(prompt, str):
+        return [prompt], True
+    if isinstance(prompt, Sequence) and len(prompt) > 0 and all(isinstance(p, str) for p in prompt):
+        return list(prompt), False
+    if prompt is None:
+        raise ValueError("generate needs prompt or input_ids")
+    raise TypeError(f"prompt must be a text or a non-empty list of texts, got {type(prompt).__name__}"
+                    + (" (token ids go in input_ids=)" if _is_token_list(prompt) else ""))
+
+
+def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: Any, logprob_start_len: Any,
+                       top_logprobs_num: Any, stream: bool, count: int) -> None:
+    def given(v: Any) -> bool:
+        return v is not None and not (isinstance(v, list) and all(x is None for x in v))
+
+    if given(image_data):
+        raise UnsupportedParameterError("image_data", "the pool's engines take text and token ids only")
+    if given(lora_path):
+        raise UnsupportedParameterError("lora_path", "the pool serves one set of weights per version (no LoRA adapters)")
+    if given(custom_logit_processor):
+        raise UnsupportedParameterError("custom_logit_processor", "the pool's engines run no custom logit processors")
+    for start in _per_prompt("logprob_start_len", logprob_start_len, count):
+        if start is not None and start != -1:
+            raise UnsupportedParameterError("logprob_start_len", "the pool reports logprobs of output tokens only (-1), not of prompt tokens")
+    for k in _per_prompt("top_logprobs_num", top_logprobs_num, count):
+        if k:
+            raise UnsupportedParameterError("top_logprobs_num", "trajectories carry the sampled token's logprob only (0)")
+    if stream:
+        raise UnsupportedParameterError("stream", "the pool returns whole samples; use generate_async for results as they finish")
+
+
+@dataclass
+class _Call:
+    prompt_ids: list[str]
+    sizes: list[int]
+    logprobs: list[bool]
+    min_version: int
 
 
 class RolloutPool:
     def __init__(self, broker: str | None = None, *, config: TrainerClientConfig | None = None,
-                 metrics: MetricsSink | None = None, initial_version: int = 0, timeout_s: float | None = 600.0) -> None:
-        self._client = SyncTrainerClient(broker, config=config, metrics=metrics)
+                 metrics: MetricsSink | None = None, initial_version: int = 0, timeout_s: float | None = 600.0,
+                 synchronous: bool = False, weight_timeout_s: float | None = None, fingerprint: str = "",
+                 param_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        self._client = SyncTrainerClient(broker, config=config, metrics=metrics, fingerprint=fingerprint)
         self.version = max(initial_version, self._client.version)
         self.timeout_s = timeout_s
+        self.synchronous = synchronous
+        self.weight_timeout_s = weight_timeout_s if weight_timeout_s is not None else timeout_s
+        self.param_shapes = dict(param_shapes) if param_shapes is not None else None
+        self._required = -1
+        """The version the next prompts must be served at (synchronous mode; -1: any)."""
         self._staged: dict[str, Any] = {}
+        self._flush_after_commit = False
         self._done: dict[str, GroupResult] = {}
+        self._slept_with_weights: bool | None = None
+        self._released: set[str] = set()
+        """Memory tags this object released on the workers and has not resumed."""
+        self._closed = False
 
     # ------------------------------------------------------------------ generation
 
-    def _submit(self, prompt: PromptLike | Sequence[PromptLike] | None, input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
-                sampling_params: Mapping[str, Any] | None) -> tuple[list[str], int]:
+    def _submit(self, prompt: Any, input_ids: Any, sampling_params: Any, return_logprob: Any,
+                image_data: Any = None, lora_path: Any = None, custom_logit_processor: Any = None,
+                logprob_start_len: Any = None, top_logprobs_num: Any = None, stream: bool = False) -> tuple[_Call, bool]:
+        if self._released:
+            raise RuntimeError(f"generate while the workers' {sorted(self._released)} are released: call wake_up() "
+                               "(or prepare_for_generation()) first")
+        items, single = _normalise_inputs(prompt, input_ids)
+        _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
+        sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
+        logprobs = [bool(x) for x in _per_prompt("return_logprob", return_logprob, len(items))]
         if self._staged:
             self.commit_weights()
-        items: list[PromptLike]
-        if input_ids is not None:
-            first = input_ids[0] if len(input_ids) else None
-            items = [list(x) for x in input_ids] if isinstance(first, Sequence) else [list(input_ids)]  # type: ignore[arg-type]
-        elif isinstance(prompt, str):
-            items = [prompt]
-        elif prompt is not None:
-            items = list(prompt)  # type: ignore[arg-type]
-        else:
-            raise ValueError("generate needs prompt or input_ids")
-        params = dict(sampling_params or {})
-        n = int(params.pop("n", 1))
-        fields: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
-        sampling = SamplingParams(**fields)
-        prompts = [make_prompt(p, group_size=n, sampling=sampling) for p in items]
+        required = self._required if self.synchronous else -1
+        prompts = []
+        for item, (sp, n) in zip(items, sampling, strict=True):
+            p = make_prompt(item, group_size=n, sampling=sp)
+            prompts.append(replace(p, min_weight_version=required) if required >= 0 else p)
         result = self._client.submit(prompts)
         if result.rejected:
-            from rollpool.protocol import RejectedError
-
             pid, reason = next(iter(result.rejected.items()))
             raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
-        return [p.prompt_id for p in prompts], n
+        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required), single and sampling[0][1] == 1
 
-    def _collect(self, wanted: set[str]) -> None:
+    def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
+        wait = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+        try:
+            batch = self._client.get_batch(1, timeout=wait)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                self._raise_timeout(call)
+            return []
+        return batch.groups + batch.other
+
+    def _raise_timeout(self, call: _Call) -> None:
+        missing = [pid for pid in call.prompt_ids if pid not in self._done]
+        if call.min_version >= 0:
+            workers = self._client.status()["workers"]
+            at = {w: (s.get("version"), s.get("state")) for w, s in workers.items()}
+            if not any(isinstance(v, int) and v >= call.min_version for v, _ in at.values()):
+                raise WeightSyncError(f"no worker served weight version {call.min_version} within {self.weight_timeout_s} s "
+                                      f"({len(missing)} prompts wait for it); workers (version, state): {at or 'none connected'}")
+        raise TimeoutError(f"{len(missing)} of {len(call.prompt_ids)} prompts not done within {self.timeout_s} s")
+
+    def _deadline(self, call: _Call) -> float | None:
+        limit = self.weight_timeout_s if call.min_version >= 0 else self.timeout_s
+        return None if limit is None else time.monotonic() + limit
+
+    def _collect(self, call: _Call) -> None:
+        deadline = self._deadline(call)
+        wanted = set(call.prompt_ids)
         while not wanted <= self._done.keys():
-            batch = self._client.get_batch(1, timeout=self.timeout_s)
-            for g in batch.groups + batch.other:
+            for g in self._take_batch(deadline, call):
                 self._done[g.prompt_id] = g
 
-    def generate(self, prompt: PromptLike | Sequence[PromptLike] | None = None, sampling_params: Mapping[str, Any] | None = None,
-                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, return_logprob: bool = False,
-                 **_ignored: Any) -> list[dict[str, Any]]:
-        """Generate for one prompt or a batch; a list of SGLang-shaped dicts (prompt-major for n > 1)."""
-        ids, n = self._submit(prompt, input_ids, sampling_params)
-        self._collect(set(ids))
+    def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, image_data: Any = None,
+                 return_logprob: bool | Sequence[bool] = False, logprob_start_len: int | Sequence[int] | None = None,
+                 top_logprobs_num: int | Sequence[int] | None = None, lora_path: Any = None,
+                 custom_logit_processor: Any = None, stream: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `Engine.generate`: one dict for one prompt with n == 1, else a list (prompt-major for n > 1)."""
+        call, single = self._submit(prompt, input_ids, sampling_params, return_logprob, image_data, lora_path,
+                                    custom_logit_processor, logprob_start_len, top_logprobs_num, stream)
+        self._collect(call)
         out: list[dict[str, Any]] = []
-        for pid in ids:
-            out.extend(self._to_sglang(self._done.pop(pid), n, return_logprob))
-        return out
+        for pid, n, lp in zip(call.prompt_ids, call.sizes, call.logprobs, strict=True):
+            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version))
+        return out[0] if single else out
 
-    async def generate_async(self, prompt: PromptLike | Sequence[PromptLike] | None = None,
-                             sampling_params: Mapping[str, Any] | None = None,
+    async def generate_async(self, prompt: str | Sequence[str] | None = None,
+                             sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                              input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                             return_logprob: bool = False, **_ignored: Any) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+                             return_logprob: bool | Sequence[bool] = False, **kwargs: Any) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield ``(index, result)`` as each group finishes (index in the prompt-major expanded order)."""
-        ids, n = await asyncio.to_thread(self._submit, prompt, input_ids, sampling_params)
-        index_of = {pid: i for i, pid in enumerate(ids)}
-        left = set(ids)
+        call, _ = await asyncio.to_thread(self._submit, prompt, input_ids, sampling_params, return_logprob, **kwargs)
+        offsets: dict[str, int] = {}
+        at = 0
+        for pid, n in zip(call.prompt_ids, call.sizes, strict=True):
+            offsets[pid] = at
+            at += n
+        sizes = dict(zip(call.prompt_ids, call.sizes, strict=True))
+        logprobs = dict(zip(call.prompt_ids, call.logprobs, strict=True))
+        deadline = self._deadline(call)
+        left = set(call.prompt_ids)
         while left:
-            batch = await asyncio.to_thread(self._client.get_batch, 1, None, self.timeout_s)
-            for g in batch.groups + batch.other:
-                if g.prompt_id not in left:
-                    self._done[g.prompt_id] = g
-                    continue
-                left.discard(g.prompt_id)
-                for j, res in enumerate(self._to_sglang(g, n, return_logprob)):
-                    yield index_of[g.prompt_id] * n + j, res
+            for pid in [p for p in left if p in self._done]:  # taken by a concurrent call's pull
+                left.discard(pid)
+                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version)):
+                    yield offsets[pid] + j, res
+            if not left:
+                break
+            for g in await asyncio.to_thread(self._take_batch, deadline, call):
+                self._done[g.prompt_id] = g
 
     @staticmethod
-    def _to_sglang(g: GroupResult, n: int, return_logprob: bool) -> list[dict[str, Any]]:
+    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1) -> list[dict[str, Any]]:
         if g.state != GroupState.DONE:
             return [{"text": "", "output_ids": [], "meta_info": {"id": f"{g.prompt_id}:{i}", "finish_reason": {"type": "abort", "message": f"{g.state}: {g.reason}"}}} for i in range(n)]
         trajs: list[Trajectory] = sorted(g.trajectories, key=lambda t: t.sample_index)
         out = []
         for t in trajs:
+            oldest = int(t.token_versions.min()) if len(t.token_versions) else None
+            if oldest is not None and oldest < min_version:
+                raise WeightSyncError(f"{t.trajectory_id} was served at weight version {oldest}, below the required {min_version}: "
+                                      "the broker does not dispatch by min_weight_version (protocol older than 1.1?)")
             meta: dict[str, Any] = {
                 "id": t.trajectory_id,
                 "finish_reason": {"type": t.finish_reason},
                 "prompt_tokens": int(len(t.input_ids)),
                 "completion_tokens": int(len(t.output_ids)),
-                "weight_version": str(int(t.token_versions.min())) if len(t.token_versions) else "",
+                "weight_version": "" if oldest is None else str(oldest),
                 "token_versions": t.token_versions.tolist(),
                 "worker_id": t.worker_id,
                 "reward": t.reward,
@@ -126,44 +347,119 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights_from_tensor(self, name: str, tensor: Any) -> None:
+    def _check_tensor(self, name: str, tensor: Any) -> None:
+        if self.param_shapes is None:
+            return
+        shape = self.param_shapes.get(name)
+        if shape is None:
+            raise WeightSyncError(f"{name!r} is not a parameter of the pool's model ({len(self.param_shapes)} parameters); nothing was published")
+        got = tuple(int(d) for d in getattr(tensor, "shape", ()))
+        if got != tuple(shape):
+            raise WeightSyncError(f"{name} has shape {got}, the pool's model has {tuple(shape)}; nothing was published")
+
+    def update_weights_from_tensor(self, name: str, tensor: Any, flush_cache: bool = False, load_format: str | None = None) -> None:
         """Stage one tensor; the next generate (or commit_weights) publishes all staged tensors as a new version."""
+        if load_format not in (None, "direct"):
+            raise UnsupportedParameterError("load_format", f"{load_format!r}: the pool takes plain named tensors (None or 'direct')")
+        self._check_tensor(name, tensor)
         self._staged[name] = tensor
+        self._flush_after_commit = self._flush_after_commit or flush_cache
 
     def commit_weights(self) -> int:
         """Publish the staged tensors as one new version; returns it."""
         staged, self._staged = self._staged, {}
-        return self.update_weights(staged)
+        flush, self._flush_after_commit = self._flush_after_commit, False
+        version = self.update_weights(staged)
+        if flush:
+            self._client.flush_cache()
+        return version
 
     def update_weights(self, named_tensors: Mapping[str, Any] | Any) -> int:
         """Publish a new weight version (a dict, a module or an iterator of (name, tensor))."""
-        self.version += 1
-        self._client.publish_weights(named_tensors, self.version)
-        return self.version
+        if isinstance(named_tensors, Mapping):
+            for name, tensor in named_tensors.items():
+                self._check_tensor(str(name), tensor)
+        version = self._next_version()
+        self._client.publish_weights(named_tensors, version)
+        self.version = version
+        self._required = version
+        return version
 
     def update_weights_from_disk(self, path: str) -> int:
         """Workers load an HF checkpoint directory from a path they share with the trainer; a new version."""
-        self.version += 1
-        self._client.control("update_weights_from_disk", path=path, version=self.version)
-        self._client.set_version(self.version)
-        return self.version
+        version = self._next_version()
+        self._client.control("update_weights_from_disk", path=path, version=version)
+        self._client.set_version(version)
+        self.version = version
+        self._required = version
+        return version
+
+    def _next_version(self) -> int:
+        """One above every version this client, and the broker (another trainer may have published), has seen."""
+        announced = self._client.status()["counters"].get("version", -1)
+        return max(self.version, self._client.version, int(announced) if isinstance(announced, int) else -1) + 1
+
+    def require_version(self, version: int) -> None:
+        """Serve the next prompts only at `version` or newer (e.g. weights another process published); synchronous mode."""
+        if not self.synchronous:
+            raise ValueError("require_version needs RolloutPool(synchronous=True)")
+        self._required = max(self._required, version)
 
     # ------------------------------------------------------------------ memory and lifecycle
 
-    def sleep(self, tags: Sequence[str] = ()) -> None:
-        self._client.sleep(tags)
+    def sleep(self, tags: Sequence[str] | None = None, release_weights: bool = False) -> None:
+        """Release memory on every worker: KV cache and CUDA graphs (LightRFT's default), weights too when asked."""
+        chosen = tuple(tags) if tags is not None else SLEEP_TAGS
+        if release_weights and "weights" not in chosen:
+            chosen += ("weights",)
+        self._client.sleep(chosen)
+        self._slept_with_weights = "weights" in chosen
+        self._released |= set(chosen)
 
-    def wake_up(self, tags: Sequence[str] = ()) -> None:
-        self._client.wake(tags)
+    def wake_up(self, tags: Sequence[str] | None = None, release_weights: bool = False) -> None:
+        """Resume what `sleep` released; `release_weights` must match the value given to `sleep`."""
+        if tags is None and self._slept_with_weights is not None and release_weights != self._slept_with_weights:
+            raise ValueError(f"wake_up(release_weights={release_weights}) after sleep(release_weights={self._slept_with_weights}): they must match")
+        chosen = tuple(tags) if tags is not None else SLEEP_TAGS
+        if release_weights and "weights" not in chosen:
+            chosen += ("weights",)
+        self._client.wake(chosen)
+        self._slept_with_weights = None
+        self._released -= set(chosen)
 
-    def prepare_for_generation(self, tags: Sequence[str] = ()) -> None:
-        self.wake_up(tags)
+    def prepare_for_generation(self, tags: Sequence[str] | None = None) -> bool:
+        """Resume the workers' memory (all of it, or the given tags); True when every worker did.
 
-    def finish_generation(self, tags: Sequence[str] = ()) -> None:
-        self.sleep(tags)
+        Resuming ``kv_cache`` resumes ``cuda_graph`` with it (graphs are captured over the cache), so
+        NeMo-RL's two-step resume (``["weights"]``, then ``["kv_cache"]``) leaves nothing released.
+        """
+        chosen = tuple(tags) if tags else ALL_MEMORY_TAGS
+        if "kv_cache" in chosen and "cuda_graph" not in chosen:
+            chosen += ("cuda_graph",)
+        ok = self._fan_out("wake", chosen)
+        if ok:
+            self._released -= set(chosen)
+        return ok
 
-    def invalidate_kv_cache(self) -> None:
-        self._client.flush_cache()
+    def finish_generation(self, tags: Sequence[str] | None = None) -> bool:
+        """Release the workers' memory (all of it, or the given tags); True when every worker did."""
+        chosen = tuple(tags) if tags else ALL_MEMORY_TAGS
+        ok = self._fan_out("sleep", chosen)
+        if ok:
+            self._released |= set(chosen)
+        return ok
+
+    def invalidate_kv_cache(self) -> bool:
+        """Flush the KV (prefix) cache on every worker; True when every worker did."""
+        return self._fan_out("flush_cache", ())
+
+    def _fan_out(self, op: str, tags: tuple[str, ...]) -> bool:
+        try:
+            self._client.control(op, tags)
+        except RejectedError as exc:
+            log.warning("%s failed on some workers: %s", op, exc)
+            return False
+        return True
 
     def worker_urls(self) -> list[str]:
         """The ids of the live workers (a worker dials out, so it has no URL of its own)."""
@@ -172,11 +468,18 @@ class RolloutPool:
     def status(self) -> dict[str, Any]:
         return self._client.status()
 
-    def shutdown(self) -> None:
-        self._client.close()
+    def shutdown(self) -> bool:
+        """Close this client (the pool keeps serving other trainers); True once closed."""
+        if not self._closed:
+            self._closed = True
+            if self._staged:
+                log.warning("shutdown with %d staged tensors never published (no generate or commit_weights after them)", len(self._staged))
+            self._client.close()
+        return True
 
     def __enter__(self) -> RolloutPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+

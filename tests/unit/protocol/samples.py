@@ -34,6 +34,7 @@ def samples() -> dict[str, Any]:
         sampling=p.SamplingParams(max_new_tokens=16, temperature=0.7, top_k=5, stop=("\n",), seed=3),
         priority=1,
         metadata={"answer": "42"},
+        min_weight_version=3,
     )
     return {
         "hello": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8,
