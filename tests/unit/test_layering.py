@@ -34,7 +34,7 @@ THIRD_PARTY_HOMES: dict[str, tuple[str, ...]] = {
     "transformers": ("workers/engines", "demo"),
     "safetensors": ("workers/engines", "weights", "demo"),
     "ray": ("launch",),
-    "aiohttp": ("workers/episodes",),  # the episode endpoint (extra: episodes)
+    "aiohttp": ("workers/episodes", "workers/engines/sglang"),  # the episode endpoint (extra: episodes); the sglang engine and its child
 }
 
 
