@@ -166,10 +166,19 @@ def _spread(values: list[float]) -> dict[str, float]:
             "max": round(v[-1], 3), "n": len(v)}
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port not handed out before in this process (the OS may offer a closed one twice)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh loopback port after 100 tries")
 
 
 @dataclass
