@@ -208,6 +208,7 @@ class WeightSync:
                 return True
             # the engine is being replaced and given the whole version; wait for it (or for the fallback)
             await self.supervisor.ok.wait()
+            self._reapply_target = None  # a restart already under way when the apply failed did not see it
             return self.version >= version
 
     async def _apply(self, target: _Version, *, engine: Engine | None) -> bool:
@@ -262,7 +263,7 @@ class WeightSync:
         """The supervisor's hook: give a fresh engine the version to serve, through `_apply`."""
         target = self._reapply_target
         self._reapply_target = None  # tried once on a fresh engine; then the last good version
-        if target is not None:
+        if target is not None and target.version > self.version:
             try:
                 await self._apply(target, engine=engine)
                 return

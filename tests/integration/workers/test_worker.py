@@ -451,3 +451,47 @@ async def test_versions_are_staged_before_the_pause_and_old_buffers_recycled(har
     assert events == [("stage", 1), ("pause", 0), ("update", 1), ("stage", 2), ("pause", 1), ("update", 2)]
     assert sub.recycled == [1]  # version 2 is applied: version 1's buffers go back, version 2's are kept for restarts
     assert worker.weight_version == 2
+
+
+async def test_a_version_whose_grant_never_comes_is_skipped_after_bounded_asks(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(apply_grant_timeout_s=0.05, weight_retries=2)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.publish(1, {})
+    asks = [await broker.expect(ApplyRequest), await broker.expect(ApplyRequest)]
+    assert [a.version for a in asks] == [1, 1]
+    sub.publish(2, {})  # the worker gives up on 1 (no third ask) and follows the next version
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 2 and worker.weights.skipped == 1 and worker.weight_version == 0
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone)).ok and worker.weight_version == 2
+
+
+async def test_a_version_that_fails_on_a_restarted_engine_too_is_skipped_and_the_last_good_one_kept(harness: Callable[..., Any]) -> None:
+    engines: list[SimEngine] = []
+
+    def factory() -> SimEngine:
+        e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+        if len(engines) == 1:
+            e.inject_apply_failure()  # the first restarted engine cannot take the new version either
+        engines.append(e)
+        return e
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.publish(1, {"w": np.ones(4, dtype=np.float32)})
+    await broker.expect(ApplyRequest)
+    await broker.send(ApplyGrant(version=1))
+    assert (await broker.expect(ApplyDone)).ok
+    engines[0].inject_apply_failure()
+    sub.publish(2, {"w": np.full(4, 2, dtype=np.float32)})
+    await broker.expect(ApplyRequest)
+    await broker.send(ApplyGrant(version=2))
+    assert not (await broker.expect(ApplyDone)).ok
+    hello = await broker.welcome()
+    assert hello.weight_version == 1 and worker.weight_version == 1 and worker.weights.skipped == 2
+    assert len(engines) == 3 and engines[2].version == 1  # the third engine took the last good version
+    await broker.send(task(1))
+    result = await broker.expect(Result)
+    assert all(set(t.token_versions.tolist()) == {1} for t in result.trajectories)
