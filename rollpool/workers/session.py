@@ -272,10 +272,6 @@ class WorkerSession:
         if version is not None:
             self.version = version
 
-    def weights_applied(self, now: float, version: int) -> None:
-        """A restarted engine was given `version` again."""
-        self.version = version
-
     def set_sleeping(self, now: float, sleeping: bool) -> None:
         self.sleeping = sleeping
 
