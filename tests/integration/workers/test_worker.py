@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rollpool.protocol import SUPPORTED_MAJORS, decode, encode
-from rollpool.protocol.errors import RequestRefusedError
+from rollpool.protocol.errors import RequestRefusedError, WeightSyncError
 from rollpool.protocol.messages import (
     ApplyDone,
     ApplyGrant,
@@ -107,6 +107,9 @@ class FakeWeightSubscriber:
         self._changed = asyncio.Event()
         self.closed = False
         self.recycled: list[int] = []
+        self.fetches: list[int] = []
+        self.broken: set[int] = set()
+        self.fetched = asyncio.Event()
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None) -> None:
         self.connected = (router_endpoint, pub_endpoint)
@@ -129,6 +132,10 @@ class FakeWeightSubscriber:
 
     async def fetch(self, version: int | None = None) -> Any:
         v = self.latest_known() if version is None else version
+        self.fetches.append(v)
+        self.fetched.set()
+        if v in self.broken:
+            raise WeightSyncError(f"bucket 0 of version {v} failed verification")
 
         class WeightVersion:
             pass
@@ -495,3 +502,20 @@ async def test_a_version_that_fails_on_a_restarted_engine_too_is_skipped_and_the
     await broker.send(task(1))
     result = await broker.expect(Result)
     assert all(set(t.token_versions.tolist()) == {1} for t in result.trajectories)
+
+
+async def test_a_version_that_cannot_be_fetched_is_skipped_after_bounded_retries(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(weight_retries=3, reconnect_backoff_s=0.01)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.broken.add(1)
+    sub.publish(1, {})
+    while len(sub.fetches) < 3:
+        sub.fetched.clear()
+        await asyncio.wait_for(sub.fetched.wait(), 10)
+    assert worker.weights.skipped == 1 and sub.fetches == [1, 1, 1]  # weight_retries fetches, then it gives up
+    sub.publish(2, {})
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 2
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone)).ok and worker.weight_version == 2 and sub.fetches == [1, 1, 1, 2]
