@@ -45,8 +45,10 @@ class WorkerConfig:
     reconnect_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between hellos"))
     restart_backoff_s: float = field(default=1.0, metadata=_h("first wait before restarting a failed engine"))
     restart_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between engine restarts"))
+    max_restarts: int = field(default=10, metadata=_h("engine restarts in a row (an engine up restart_backoff_max_s ends a row) before the worker gives up"))
     send_timeout_s: float = field(default=5.0, metadata=_h("most seconds one send to the broker may wait"))
-    apply_grant_timeout_s: float = field(default=30.0, metadata=_h("re-ask for an apply slot after this long"))
+    apply_grant_timeout_s: float = field(default=30.0, metadata=_h("re-ask for an apply slot after this long (doubling, up to 4x)"))
+    weight_retries: int = field(default=5, metadata=_h("fetches or apply-grant asks of one weight version before it is skipped"))
     fetch_timeout_s: float = field(default=60.0, metadata=_h("weight fetch timeout"))
     window_chunks: int = field(default=4, metadata=_h("weight chunks in flight per fetch"))
     max_refetch: int = field(default=3, metadata=_h("re-fetches of a bucket that fails verification"))
@@ -74,6 +76,8 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.count must be >= 1, got {self.count}")
         if self.count > 1 and self.engine != "sim":
             raise ConfigError(f"WorkerConfig.count > 1 needs engine sim, got {self.engine!r}")
+        if self.max_restarts < 1 or self.weight_retries < 1:
+            raise ConfigError(f"WorkerConfig.max_restarts and weight_retries must be >= 1, got {self.max_restarts} and {self.weight_retries}")
         if self.window_chunks < 1 or self.max_refetch < 0:
             raise ConfigError("WorkerConfig.window_chunks must be >= 1 and max_refetch >= 0")
         for name in (
@@ -104,7 +108,7 @@ class WorkerConfig:
         if cls is None:  # an engine registered at run time: values typed by guess
             return parse_engine_options(self.engine_options) | {k: v for k, v in kwargs.items() if k in ("model", "capacity")}
         try:
-            opts = parse_options(cls, kwargs)
+            opts: object = parse_options(cls, kwargs)
         except ConfigError as exc:
             raise ConfigError(f"WorkerConfig.engine_options: {exc}") from None
         return {k: getattr(opts, k) for k in kwargs}

@@ -37,14 +37,15 @@ def load_reward(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"reward {spec!r}: cannot import {module_name}: {exc}") from exc
-    fn = module
+    fn: object = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
             raise ConfigError(f"reward {spec!r}: {module_name} has no {attr}")
     if not callable(fn):
         raise ConfigError(f"reward {spec!r} is not callable")
-    return fn  # type: ignore[return-value]
+    reward: RewardFn = fn
+    return reward
 
 
 async def score(fn: RewardFn, metadata: Mapping[str, Any], trajectory: Trajectory, timeout_s: float) -> tuple[float | None, str | None]:

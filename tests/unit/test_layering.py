@@ -78,6 +78,59 @@ def test_imports_follow_the_arrows(rel: str, path: pathlib.Path) -> None:
             assert rel.startswith(home), f"{rel} imports {parts[0]}, which may be imported only under {home}"
 
 
+# inside rollpool/workers: module -> the workers modules it may import (one way; review 2026-12, section 5).
+# session and link depend only on protocol; the engines are one node (the Engine seam and its implementations).
+WORKER_MODULES: dict[str, set[str]] = {
+    "session": set(),
+    "link": set(),
+    "config": set(),
+    "reward": set(),
+    "engines": {"config"},
+    "trajectories": {"engines", "reward"},
+    "engine_supervisor": {"engines", "link", "config"},
+    "weight_sync": {"engine_supervisor", "link", "engines", "config"},
+    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories"},
+    "cli": {"worker", "config"},
+    "tiny_model_cli": {"engines"},
+    "__init__": set(),
+    "__main__": set(),
+}
+
+
+def _worker_module(rel: str) -> str:
+    """``workers/engines/sim.py`` -> ``engines``; ``workers/session.py`` -> ``session``."""
+    head = rel.split("/")[1]
+    return head[:-3] if head.endswith(".py") else head
+
+
+def test_the_worker_module_order_is_acyclic() -> None:
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"cycle: {' -> '.join((*path, node))}"
+        if node in done:
+            return
+        for dep in WORKER_MODULES[node]:
+            visit(dep, (*path, node))
+        done.add(node)
+
+    for node in WORKER_MODULES:
+        visit(node, ())
+
+
+@pytest.mark.parametrize("rel,path", [m for m in _modules() if m[0].startswith("workers/")], ids=lambda x: str(x))
+def test_worker_modules_import_one_way(rel: str, path: pathlib.Path) -> None:
+    me = _worker_module(rel)
+    assert me in WORKER_MODULES, f"{rel}: add its place in the order to WORKER_MODULES"
+    for mod, _top in _imports(path):
+        parts = mod.split(".")
+        if parts[:2] != ["rollpool", "workers"] or len(parts) < 3:
+            continue
+        target = parts[2]
+        if target != me:
+            assert target in WORKER_MODULES[me], f"{rel} imports {mod}: workers.{me} -> workers.{target} is not in the order"
+
+
 @pytest.mark.parametrize("rel,path", [m for m in _modules() if m[0].startswith(("protocol/", "broker/"))], ids=lambda x: str(x))
 def test_protocol_and_broker_import_nothing_heavy(rel: str, path: pathlib.Path) -> None:
     for mod, top in _imports(path):

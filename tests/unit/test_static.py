@@ -1,4 +1,4 @@
-"""Lint and strict typing stay green (ruff on everything; mypy strict on protocol, broker, weights)."""
+"""Lint and strict typing stay green (ruff on everything; mypy strict on protocol, broker, weights, workers, monitor)."""
 
 from __future__ import annotations
 

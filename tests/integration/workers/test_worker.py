@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rollpool.protocol import SUPPORTED_MAJORS, decode, encode
+from rollpool.protocol.errors import RequestRefusedError, WeightSyncError
 from rollpool.protocol.messages import (
     ApplyDone,
     ApplyGrant,
@@ -64,6 +65,14 @@ class ScriptedBroker:
                 return msg
             assert isinstance(msg, skip), f"expected {kind.__name__}, got {msg!r}"
 
+    async def until_inflight(self, *task_ids: str, timeout_s: float = 10.0, skip: tuple[type[Any], ...] = (Credit,)) -> WorkerHeartbeat:
+        """The first heartbeat that lists every one of `task_ids` in flight (so their runners have started)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = await self.expect(WorkerHeartbeat, max(0.01, deadline - time.monotonic()), skip=skip)
+            if set(task_ids) <= set(msg.inflight_task_ids):
+                return msg  # type: ignore[no-any-return]
+
     async def send(self, msg: Any) -> None:
         assert self.identity is not None
         await self.sock.send_multipart([self.identity, *encode(msg)])
@@ -80,16 +89,12 @@ def task(i: int, n: int = 2, max_new: int = 8, **sampling: Any) -> Task:
     return Task(task_id=f"p{i}@0", prompt=prompt, attempt=0, queued_at=123.0)
 
 
-FAKE_SUBSCRIBERS: list[FakeWeightSubscriber] = []
-
-
-async def fake_subscriber() -> FakeWeightSubscriber:
-    """The fake the worker made once it handled the welcome."""
-    for _ in range(1000):
-        if FAKE_SUBSCRIBERS:
-            return FAKE_SUBSCRIBERS[-1]
-        await asyncio.sleep(0.005)
-    raise AssertionError("the worker made no weight subscriber")
+async def fake_subscriber(worker: Worker, broker: ScriptedBroker) -> FakeWeightSubscriber:
+    """The fake the worker made when it handled the welcome (a heartbeat of the new epoch comes after that)."""
+    await broker.expect(WorkerHeartbeat, skip=(Credit,))
+    sub = worker.weights.subscriber
+    assert isinstance(sub, FakeWeightSubscriber), "the worker made no weight subscriber"
+    return sub
 
 
 class FakeWeightSubscriber:
@@ -102,7 +107,9 @@ class FakeWeightSubscriber:
         self._changed = asyncio.Event()
         self.closed = False
         self.recycled: list[int] = []
-        FAKE_SUBSCRIBERS.append(self)
+        self.fetches: list[int] = []
+        self.broken: set[int] = set()
+        self.fetched = asyncio.Event()
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None) -> None:
         self.connected = (router_endpoint, pub_endpoint)
@@ -125,6 +132,10 @@ class FakeWeightSubscriber:
 
     async def fetch(self, version: int | None = None) -> Any:
         v = self.latest_known() if version is None else version
+        self.fetches.append(v)
+        self.fetched.set()
+        if v in self.broken:
+            raise WeightSyncError(f"bucket 0 of version {v} failed verification")
 
         class WeightVersion:
             pass
@@ -143,7 +154,6 @@ class FakeWeightSubscriber:
 @pytest.fixture
 async def harness(zmq_ctx: Any, ipc_endpoint: Callable[[str], str]) -> AsyncIterator[Callable[..., Any]]:
     sockets = SocketFactory(zmq_ctx)
-    FAKE_SUBSCRIBERS.clear()
     made: list[tuple[Worker, asyncio.Task[None], ScriptedBroker]] = []
 
     async def make(engine_factory: Callable[[], Engine] | None = None, **cfg: Any) -> tuple[Worker, ScriptedBroker, asyncio.Task[None]]:
@@ -203,10 +213,9 @@ async def test_hello_tasks_results_and_credits(harness: Callable[..., Any]) -> N
             results[msg.task_id] = msg
             inflight.pop(msg.task_id)
         # the broker's view of the credit never exceeds what the engine has free
-        assert 0 <= credit <= 4 - worker._engine_seqs()
+        assert 0 <= credit <= 4 - worker.session.engine_seqs()
         assert not isinstance(msg, Nack)
-    await asyncio.sleep(0.05)
-    assert credit == 4  # every credit came back, none twice
+    assert credit == 4  # every credit came back (each before its result), none twice
     for task_id, res in results.items():
         tk = task(int(task_id[1:].split("@")[0]))
         assert res.error is None and len(res.trajectories) == 2
@@ -252,7 +261,7 @@ async def test_new_broker_epoch_brings_a_hello_with_the_inflight_tasks(harness: 
     _worker, broker, _run = await harness()
     await broker.welcome(epoch="e1")
     await broker.send(task(1, n=2, max_new=300, ignore_eos=True))
-    await asyncio.sleep(0.05)
+    await broker.until_inflight("p1@0")
     await broker.send(BrokerHeartbeat(epoch="e2"))
     hello = await broker.expect(Hello, skip=(WorkerHeartbeat, Credit))
     assert [t.task_id for t in hello.inflight] == ["p1@0"] and hello.inflight[0].group_size == 2
@@ -262,11 +271,14 @@ async def test_new_broker_epoch_brings_a_hello_with_the_inflight_tasks(harness: 
     assert result.task_id == "p1@0" and len(result.trajectories) == 2
 
 
-async def test_cancelled_task_gives_no_result_and_returns_its_credits(harness: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("started", [True, False], ids=["generating", "just-received"])
+async def test_cancelled_task_gives_no_result_and_returns_its_credits(harness: Callable[..., Any], started: bool) -> None:
+    """A cancel right behind its task (before the runner reached the engine) must stop it too: 100 s of generation otherwise."""
     _worker, broker, _run = await harness()
     await broker.welcome()
-    await broker.send(task(1, n=2, max_new=5000, ignore_eos=True))
-    await asyncio.sleep(0.05)
+    await broker.send(task(1, n=2, max_new=100_000, ignore_eos=True))
+    if started:
+        await broker.until_inflight("p1@0")
     await broker.send(Cancel(task_ids=("p1@0",)))
     credit = await broker.expect(Credit, skip=(WorkerHeartbeat,))
     assert credit.credits == 2
@@ -286,7 +298,7 @@ async def test_engine_crash_hands_back_tasks_and_restarts(harness: Callable[...,
     worker, broker, _run = await harness(factory)
     await broker.welcome()
     await broker.send(task(1, n=2, max_new=5000, ignore_eos=True))
-    await asyncio.sleep(0.05)
+    await broker.until_inflight("p1@0")
     engines[0].inject_crash()
     nack = await broker.expect(Nack)
     assert nack.task_ids == ("p1@0",)
@@ -298,12 +310,41 @@ async def test_engine_crash_hands_back_tasks_and_restarts(harness: Callable[...,
     assert result.task_id == "p2@0" and result.error is None
 
 
-async def test_invalid_prompt_is_a_non_retryable_result(harness: Callable[..., Any]) -> None:
-    _worker, broker, _run = await harness()
+class RefusingSimEngine(SimEngine):
+    """A sim engine whose request check refuses ``top_p == 0`` with `RequestRefusedError` (the engine seam's
+    refusal), and whose other failures are an engine bug: ``top_p == 0.5`` raises a plain ValueError."""
+
+    async def generate(self, input_ids: Any, n: int, sampling: SamplingParams, request_id: str, **kw: Any) -> Any:
+        if sampling.top_p == 0.0:
+            raise RequestRefusedError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_p == 0.5:
+            raise ValueError("a bug inside the engine")
+        return await super().generate(input_ids, n, sampling, request_id, **kw)
+
+
+def _refusing() -> SimEngine:
+    return RefusingSimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+
+
+async def test_refused_prompt_is_a_non_retryable_result(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(_refusing)
     await broker.welcome()
     await broker.send(task(1, n=1, top_p=0.0))
+    credit = await broker.expect(Credit)
     result = await broker.expect(Result)
+    assert credit.credits == 1
     assert result.error and "top_p" in result.error and result.retryable is False
+    assert worker.restarts == 0
+
+
+async def test_any_other_engine_exception_is_an_engine_failure_not_a_refusal(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(_refusing)
+    await broker.welcome()
+    await broker.send(task(1, n=1, top_p=0.5))
+    nack = await broker.expect(Nack)
+    assert nack.task_ids == ("p1@0",) and nack.reason.startswith("engine_failed: ValueError")
+    hello = await broker.welcome()
+    assert worker.restarts == 1 and hello.credits == 4
 
 
 async def test_stop_drains_then_hands_back_the_rest_and_says_goodbye(harness: Callable[..., Any]) -> None:
@@ -311,14 +352,14 @@ async def test_stop_drains_then_hands_back_the_rest_and_says_goodbye(harness: Ca
     await broker.welcome()
     await broker.send(task(1, n=1, max_new=50, ignore_eos=True))  # ~50 ms: finishes within the drain
     await broker.send(task(2, n=1, max_new=100_000, ignore_eos=True))  # cannot finish
-    await asyncio.sleep(0.02)
+    await broker.until_inflight("p2@0", skip=(Credit, Result))  # p1 was sent first: both runners started
     worker.stop()
     await broker.send(task(3, n=1))  # arrives while draining
-    seen: dict[type[Any], list[Any]] = {}
-    while Goodbye not in seen:
-        msg = await broker.recv()
-        seen.setdefault(type(msg), []).append(msg)
+    await broker.expect(Goodbye, skip=(WorkerHeartbeat, Credit, Result, Nack))
     await asyncio.wait_for(run, 5)
+    seen: dict[type[Any], list[Any]] = {}
+    for _t, msg in broker.received:
+        seen.setdefault(type(msg), []).append(msg)
     assert [r.task_id for r in seen[Result]] == ["p1@0"]
     handed = {tid for n in seen[Nack] for tid in n.task_ids}
     assert handed == {"p2@0", "p3@0"}
@@ -328,7 +369,7 @@ async def test_stop_drains_then_hands_back_the_rest_and_says_goodbye(harness: Ca
 async def test_weight_version_is_fetched_granted_applied_and_tagged(harness: Callable[..., Any]) -> None:
     worker, broker, _run = await harness()
     await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
-    sub = await fake_subscriber()
+    sub = await fake_subscriber(worker, broker)
     assert sub.connected == ("tcp://fake:1", "tcp://fake:2")
     sub.publish(1, {})
     req = await broker.expect(ApplyRequest)
@@ -354,7 +395,7 @@ async def test_failed_apply_restarts_the_engine_and_applies_the_whole_version(ha
     worker, broker, _run = await harness(factory)
     await broker.welcome(weight_endpoint="tcp://fake:1")
     engines[0].inject_apply_failure()
-    (await fake_subscriber()).publish(3, {"w": np.zeros(4, dtype=np.float32)})
+    (await fake_subscriber(worker, broker)).publish(3, {"w": np.zeros(4, dtype=np.float32)})
     await broker.expect(ApplyRequest)
     await broker.send(ApplyGrant(version=3))
     done = await broker.expect(ApplyDone)
@@ -407,7 +448,7 @@ async def test_versions_are_staged_before_the_pause_and_old_buffers_recycled(har
     events: list[tuple[str, int]] = []
     worker, broker, _run = await harness(lambda: StagingSimEngine(events, decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300))
     await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
-    sub = await fake_subscriber()
+    sub = await fake_subscriber(worker, broker)
     for v in (1, 2):
         sub.publish(v, {"w": np.full(4, v, dtype=np.float32)})
         req = await broker.expect(ApplyRequest)
@@ -417,3 +458,64 @@ async def test_versions_are_staged_before_the_pause_and_old_buffers_recycled(har
     assert events == [("stage", 1), ("pause", 0), ("update", 1), ("stage", 2), ("pause", 1), ("update", 2)]
     assert sub.recycled == [1]  # version 2 is applied: version 1's buffers go back, version 2's are kept for restarts
     assert worker.weight_version == 2
+
+
+async def test_a_version_whose_grant_never_comes_is_skipped_after_bounded_asks(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(apply_grant_timeout_s=0.05, weight_retries=2)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.publish(1, {})
+    asks = [await broker.expect(ApplyRequest), await broker.expect(ApplyRequest)]
+    assert [a.version for a in asks] == [1, 1]
+    sub.publish(2, {})  # the worker gives up on 1 (no third ask) and follows the next version
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 2 and worker.weights.skipped == 1 and worker.weight_version == 0
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone)).ok and worker.weight_version == 2
+
+
+async def test_a_version_that_fails_on_a_restarted_engine_too_is_skipped_and_the_last_good_one_kept(harness: Callable[..., Any]) -> None:
+    engines: list[SimEngine] = []
+
+    def factory() -> SimEngine:
+        e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+        if len(engines) == 1:
+            e.inject_apply_failure()  # the first restarted engine cannot take the new version either
+        engines.append(e)
+        return e
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.publish(1, {"w": np.ones(4, dtype=np.float32)})
+    await broker.expect(ApplyRequest)
+    await broker.send(ApplyGrant(version=1))
+    assert (await broker.expect(ApplyDone)).ok
+    engines[0].inject_apply_failure()
+    sub.publish(2, {"w": np.full(4, 2, dtype=np.float32)})
+    await broker.expect(ApplyRequest)
+    await broker.send(ApplyGrant(version=2))
+    assert not (await broker.expect(ApplyDone)).ok
+    hello = await broker.welcome()
+    assert hello.weight_version == 1 and worker.weight_version == 1 and worker.weights.skipped == 2
+    assert len(engines) == 3 and engines[2].version == 1  # the third engine took the last good version
+    await broker.send(task(1))
+    result = await broker.expect(Result)
+    assert all(set(t.token_versions.tolist()) == {1} for t in result.trajectories)
+
+
+async def test_a_version_that_cannot_be_fetched_is_skipped_after_bounded_retries(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness(weight_retries=3, reconnect_backoff_s=0.01)
+    await broker.welcome(weight_endpoint="tcp://fake:1", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.broken.add(1)
+    sub.publish(1, {})
+    while len(sub.fetches) < 3:
+        sub.fetched.clear()
+        await asyncio.wait_for(sub.fetched.wait(), 10)
+    assert worker.weights.skipped == 1 and sub.fetches == [1, 1, 1]  # weight_retries fetches, then it gives up
+    sub.publish(2, {})
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 2
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone)).ok and worker.weight_version == 2 and sub.fetches == [1, 1, 1, 2]

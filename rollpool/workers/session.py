@@ -1,0 +1,531 @@
+"""The worker's session with the broker: pure state, no I/O, an injected clock.
+
+`WorkerSession` is to the worker what `rollpool.broker.state.BrokerState` is to the
+broker. It holds the task ledger (each task's phase), the credits, the outbox of
+results the broker has not received, the epoch and the hello schedule. Every method
+takes ``now`` (monotonic seconds) from the caller and returns an `Effects`: the
+messages to send, in order, and what to do to engine requests. Nothing here sleeps,
+reads a clock, touches a socket or calls the engine; it imports only `rollpool.protocol`.
+
+Rules this class keeps (and tests/unit/workers/test_session.py checks):
+
+* credits: the broker is never told it may send more sequences than the engine has
+  free. A task that would exceed them is handed back (``over_credit``). Credits come
+  back (`Credit`) when generation ends, not when scoring ends. They come back only
+  once the worker has been welcomed, and not while draining or restarting (the next
+  hello states them afresh);
+* each task yields exactly one message: a `Result`, a `Result` with ``error`` for a
+  refused request, a `Nack`, or nothing when the broker cancelled it;
+* engine failure: every generating task is handed back at once in one `Nack`. No
+  credit is given while restarting. After the restart a hello announces the tasks
+  still held (scoring ones, undelivered results);
+* the outbox: a result finished while the worker is not welcomed waits, is announced
+  in flight on the next hello and goes out after the welcome. A result the link could
+  not send (`unsent`) goes back to the outbox and a hello is needed;
+* hello: a new epoch, ``hello_required``, a Goodbye, a restarted engine or a broker
+  silent for ``missed_heartbeats`` intervals each need one. It is sent at once, then
+  again after a backoff that doubles up to ``reconnect_backoff_max_s`` until a
+  Welcome answers;
+* drain: after `stop` new tasks are handed back (``worker_draining``) and no credit
+  is given. `hand_back_rest` ends what is left. `goodbye` hands back what could not
+  be delivered and says Goodbye.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpool.protocol import SUPPORTED_MAJORS
+from rollpool.protocol.messages import (
+    BrokerHeartbeat,
+    Cancel,
+    Credit,
+    Error,
+    Goodbye,
+    Hello,
+    InflightTask,
+    Nack,
+    Result,
+    Task,
+    Trajectory,
+    Welcome,
+    WorkerHeartbeat,
+)
+
+__all__ = ["Effects", "EngineFacts", "Outgoing", "Phase", "SessionConfig", "TaskEntry", "WorkerSession", "WorkerState"]
+
+log = logging.getLogger(__name__)
+
+Outgoing = Hello | WorkerHeartbeat | Credit | Nack | Result | Goodbye
+"""What the session sends to the broker."""
+
+
+class Phase:
+    """A held task's phase. A task leaves the ledger when its message is decided."""
+
+    GENERATING = "generating"
+    """The engine runs it; its sequences use up credits."""
+    SCORING = "scoring"
+    """Generation ended (credits given back); trajectories are being built and scored."""
+
+
+class WorkerState:
+    """The worker states that travel on `WorkerHeartbeat.state` (the broker dispatches to ``ready`` only)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    APPLYING = "applying"
+    RESTARTING = "restarting"
+    DRAINING = "draining"
+    SLEEPING = "sleeping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """The part of `WorkerConfig` the session needs (the session does not import the worker's modules)."""
+
+    worker_id: str
+    pool: str = "default"
+    capacity_limit: int = 0
+    """Most sequences at once; 0 = the engine's capacity."""
+    heartbeat_interval_s: float = 1.0
+    missed_heartbeats: int = 3
+    reconnect_backoff_s: float = 1.0
+    reconnect_backoff_max_s: float = 30.0
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the session needs to know about a started engine (from `EngineInfo`)."""
+
+    name: str
+    capacity: int
+    apply_modes: tuple[str, ...] = ()
+    fingerprint: str = ""
+    weight_version: int = -1
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class TaskEntry:
+    task: Task
+    received_at: float
+    phase: str = Phase.GENERATING
+    cancelled: bool = False
+
+    @property
+    def seqs(self) -> int:
+        return self.task.prompt.group_size
+
+
+@dataclass
+class Effects:
+    """What the worker must do after a session call, in this order."""
+
+    send: list[Outgoing] = field(default_factory=list)
+    """Messages for the broker, in order."""
+    start: list[Task] = field(default_factory=list)
+    """Tasks to run on the engine."""
+    abort: list[str] = field(default_factory=list)
+    """Engine requests (task ids) to abort; their generation then ends early."""
+    stop_runners: list[str] = field(default_factory=list)
+    """Task runners to cancel (handed back, or cancelled while scoring)."""
+    weights: tuple[int, str | None, str | None] | None = None
+    """(version, weight endpoint, announce endpoint) the broker named."""
+
+    def __bool__(self) -> bool:
+        return bool(self.send or self.start or self.abort or self.stop_runners or self.weights is not None)
+
+    def merge(self, other: Effects) -> Effects:
+        self.send += other.send
+        self.start += other.start
+        self.abort += other.abort
+        self.stop_runners += other.stop_runners
+        if other.weights is not None:
+            self.weights = other.weights
+        return self
+
+
+class WorkerSession:
+    """The worker's whole session state; the worker around it only moves bytes and runs the engine."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.tasks: dict[str, TaskEntry] = {}
+        self.outbox: deque[Result] = deque()
+        self.epoch = ""
+        """The broker epoch of the last Welcome ("" before the first)."""
+        self.welcomed = False
+        """A Welcome answered the last hello, and nothing since asked for a new one."""
+        self.version = -1
+        """The weight version the engine serves."""
+        self.capacity = 0
+        self.engine: EngineFacts | None = None
+        self.restarting = False
+        self.applying = False
+        self.sleeping = False
+        self.stopping = False
+        self.stopped = False
+        self.hellos_sent = 0
+        self.tokens_total = 0
+        self._token_window: deque[tuple[float, int]] = deque(maxlen=256)
+        self._last_broker_msg_at = 0.0
+        self._next_hello_at = 0.0
+        self._hello_backoff_s = config.reconnect_backoff_s
+        self._handed_at_shutdown: list[str] = []
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def state(self) -> str:
+        if self.stopped:
+            return WorkerState.STOPPED
+        if self.restarting:
+            return WorkerState.RESTARTING
+        if self.engine is None:
+            return WorkerState.STARTING
+        if self.applying:
+            return WorkerState.APPLYING
+        if self.stopping:
+            return WorkerState.DRAINING
+        if self.sleeping:
+            return WorkerState.SLEEPING
+        return WorkerState.READY
+
+    def engine_seqs(self) -> int:
+        """Sequences the engine runs for held tasks."""
+        return sum(e.seqs for e in self.tasks.values() if e.phase == Phase.GENERATING)
+
+    def free_credits(self) -> int:
+        if self.stopping or self.restarting or self.stopped or self.engine is None:
+            return 0
+        return max(0, self.capacity - self.engine_seqs())
+
+    def inflight_task_ids(self) -> tuple[str, ...]:
+        return tuple(self.tasks)
+
+    def wants_result(self, task_id: str) -> bool:
+        """The task is held and not cancelled: its trajectories are worth building."""
+        entry = self.tasks.get(task_id)
+        return entry is not None and not entry.cancelled
+
+    def tokens_per_s(self, now: float, window_s: float = 10.0) -> float:
+        recent = [(t, n) for t, n in self._token_window if now - t <= window_s]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], self.config.heartbeat_interval_s)
+        return sum(n for _, n in recent) / span
+
+    @property
+    def next_poll_at(self) -> float:
+        """When `poll` has something to decide next (a hello retry, or the silence check)."""
+        if self.stopped:
+            return math.inf
+        if not self.welcomed:
+            return self._next_hello_at if self._can_hello() else math.inf
+        return self._last_broker_msg_at + self._silence_limit_s()
+
+    # ------------------------------------------------------------------ engine
+
+    def engine_started(self, now: float, facts: EngineFacts) -> Effects:
+        """The engine (first or restarted) serves: a hello, sent now (a new engine, new capacity and credits)."""
+        self.engine = facts
+        limit = self.config.capacity_limit
+        self.capacity = min(limit, facts.capacity) if limit else facts.capacity
+        if self.version < 0:
+            self.version = facts.weight_version
+        self.restarting = False
+        self.welcomed = False
+        self._hello_backoff_s = self.config.reconnect_backoff_s
+        self._next_hello_at = now
+        return self.poll(now)
+
+    def engine_failed(self, now: float, reason: str) -> Effects:
+        """Hand back every generating task at once (one Nack); no credits until the restart's hello."""
+        eff = Effects()
+        if self.restarting:
+            return eff
+        self.restarting = True
+        handed = [tid for tid, e in self.tasks.items() if e.phase == Phase.GENERATING]
+        for tid in handed:
+            del self.tasks[tid]
+        if handed:
+            eff.send.append(Nack(task_ids=tuple(handed), reason=f"engine_failed: {reason}"))
+            eff.stop_runners += handed
+        return eff
+
+    def apply_started(self, now: float) -> None:
+        self.applying = True
+
+    def apply_finished(self, now: float, version: int | None) -> None:
+        """An apply ended; `version` is the one now served (None: it failed)."""
+        self.applying = False
+        if version is not None:
+            self.version = version
+
+    def set_sleeping(self, now: float, sleeping: bool) -> None:
+        self.sleeping = sleeping
+
+    # ------------------------------------------------------------------ broker messages
+
+    def handle(self, now: float, msg: object) -> Effects | None:
+        """One message from the broker; None when it is not the session's (ApplyGrant, Control)."""
+        self._last_broker_msg_at = now
+        if isinstance(msg, Task):
+            return self.on_task(now, msg)
+        if isinstance(msg, Welcome):
+            return self.on_welcome(now, msg)
+        if isinstance(msg, BrokerHeartbeat):
+            return self.on_broker_heartbeat(now, msg)
+        if isinstance(msg, Cancel):
+            return self.on_cancel(now, msg.task_ids)
+        if isinstance(msg, Error):
+            log.warning("broker error %s: %s", msg.code, msg.message, extra={"worker": self.worker_id})
+            return self._need_hello(now) if msg.code == "hello_required" else Effects()
+        if isinstance(msg, Goodbye):
+            log.warning("broker said goodbye (%s)", msg.reason, extra={"worker": self.worker_id})
+            return self._need_hello(now)
+        return None
+
+    def on_welcome(self, now: float, msg: Welcome) -> Effects:
+        if self.epoch and msg.epoch != self.epoch:
+            log.warning("broker epoch changed %s -> %s", self.epoch, msg.epoch, extra={"worker": self.worker_id})
+        self.epoch = msg.epoch
+        self.welcomed = True
+        self._hello_backoff_s = self.config.reconnect_backoff_s
+        eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))
+        refused = set(msg.refused)
+        for tid in msg.refused:
+            entry = self.tasks.pop(tid, None)
+            if entry is not None and entry.phase == Phase.GENERATING:
+                eff.abort.append(tid)
+            elif entry is not None:
+                eff.stop_runners.append(tid)
+        kept = [r for r in self.outbox if r.task_id not in refused]
+        self.outbox.clear()
+        eff.send += kept
+        return eff
+
+    def on_task(self, now: float, task: Task) -> Effects:
+        eff = Effects()
+        if task.task_id in self.tasks:
+            return eff  # already held (re-sent after a re-hello)
+        reason = None
+        if self.stopping or self.stopped:
+            reason = "worker_draining"
+        elif self.restarting or self.engine is None:
+            reason = "engine_restarting"
+        elif self.engine_seqs() + task.prompt.group_size > self.capacity:
+            reason = "over_credit"
+        if reason is not None:
+            log.info("handing back task %s: %s", task.task_id, reason, extra={"worker": self.worker_id})
+            eff.send.append(Nack(task_ids=(task.task_id,), reason=reason))
+            return eff
+        self.tasks[task.task_id] = TaskEntry(task, now)
+        eff.start.append(task)
+        return eff
+
+    def on_broker_heartbeat(self, now: float, msg: BrokerHeartbeat) -> Effects:
+        eff = Effects()
+        if self.welcomed and msg.epoch != self.epoch:
+            log.warning("broker heartbeat from new epoch %s; saying hello again", msg.epoch, extra={"worker": self.worker_id})
+            eff = self._need_hello(now)
+        eff.weights = (msg.weight_version, msg.weight_endpoint, msg.announce_endpoint)
+        return eff
+
+    def on_cancel(self, now: float, task_ids: Iterable[str]) -> Effects:
+        """Cancelled tasks give no result. A generating one is aborted (its credits come back when it ends);
+        a scoring one is dropped now; an undelivered result is dropped from the outbox."""
+        eff = Effects()
+        gone: set[str] = set()
+        for tid in task_ids:
+            entry = self.tasks.get(tid)
+            if entry is None:
+                gone.add(tid)
+                continue
+            entry.cancelled = True
+            if entry.phase == Phase.GENERATING:
+                eff.abort.append(tid)
+            else:
+                del self.tasks[tid]
+                eff.stop_runners.append(tid)
+        if gone and self.outbox:
+            self.outbox = deque(r for r in self.outbox if r.task_id not in gone)
+        return eff
+
+    # ------------------------------------------------------------------ task lifecycle
+
+    def generation_finished(self, now: float, task_id: str) -> Effects:
+        """The engine returned the task's samples: its credits come back."""
+        eff = Effects()
+        entry = self.tasks.get(task_id)
+        if entry is None or entry.phase != Phase.GENERATING:
+            return eff
+        entry.phase = Phase.SCORING
+        eff.send += self._credit(entry.seqs)
+        if entry.cancelled:
+            del self.tasks[task_id]
+        return eff
+
+    def task_refused(self, now: float, task_id: str, reason: str) -> Effects:
+        """The engine refused the request: a non-retryable error result, and its credits back."""
+        entry = self.tasks.get(task_id)
+        if entry is None:
+            return Effects()
+        eff = self.generation_finished(now, task_id)
+        self.tasks.pop(task_id, None)
+        if entry.cancelled:
+            return eff
+        prompt_id = entry.task.prompt.prompt_id
+        return eff.merge(self._deliver(Result(task_id=task_id, prompt_id=prompt_id, error=f"invalid: {reason}", retryable=False)))
+
+    def task_finished(self, now: float, task_id: str, trajectories: Sequence[Trajectory]) -> Effects:
+        """The task's trajectories are built and scored: one Result (now, or from the outbox later)."""
+        entry = self.tasks.pop(task_id, None)
+        if entry is None or entry.cancelled:
+            return Effects()
+        n_out = sum(len(t.output_ids) for t in trajectories)
+        self.tokens_total += n_out
+        self._token_window.append((now, n_out))
+        result = Result(task_id=task_id, prompt_id=entry.task.prompt.prompt_id, trajectories=tuple(trajectories))
+        return self._deliver(result)
+
+    def unsent(self, now: float, results: Iterable[Result]) -> Effects:
+        """The link could not send these results: back to the outbox, and a hello is needed."""
+        for r in reversed(list(results)):
+            self.outbox.appendleft(r)
+        if self.welcomed:
+            self.welcomed = False
+            self._hello_backoff_s = self.config.reconnect_backoff_s
+            self._next_hello_at = now + self._hello_backoff_s
+        return Effects()
+
+    # ------------------------------------------------------------------ timers
+
+    def poll(self, now: float) -> Effects:
+        """A hello when one is due (retry with backoff), or when the broker fell silent."""
+        if self.stopped:
+            return Effects()
+        if self.welcomed and now - self._last_broker_msg_at > self._silence_limit_s():
+            log.warning("broker silent for %.1fs; saying hello again", now - self._last_broker_msg_at, extra={"worker": self.worker_id})
+            return self._need_hello(now)
+        if not self.welcomed and self._can_hello() and now >= self._next_hello_at:
+            return Effects(send=[self._hello(now)])
+        return Effects()
+
+    def heartbeat(self, now: float) -> WorkerHeartbeat | None:
+        """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive."""
+        if not self.epoch or self.stopped:
+            return None
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            inflight_task_ids=self.inflight_task_ids(),
+            weight_version=self.version,
+            state=self.state,
+            tokens_total=self.tokens_total,
+            epoch=self.epoch,
+        )
+
+    # ------------------------------------------------------------------ drain
+
+    def stop(self, now: float) -> None:
+        """Stop intake: new tasks are handed back, no more credits."""
+        self.stopping = True
+
+    def hand_back_rest(self, now: float) -> Effects:
+        """The drain deadline passed: end every held task, deliver the outbox if there is a broker."""
+        eff = Effects()
+        rest = list(self.tasks)
+        self.tasks.clear()
+        eff.stop_runners += rest
+        self._handed_at_shutdown = rest
+        if self.epoch:
+            eff.send += self.outbox
+            self.outbox.clear()
+        return eff
+
+    def goodbye(self, now: float) -> Effects:
+        """Hand back what was not delivered (one Nack) and say Goodbye to a broker that welcomed us."""
+        eff = Effects()
+        handed = self._handed_at_shutdown + [r.task_id for r in self.outbox]
+        self._handed_at_shutdown = []
+        self.outbox.clear()
+        if handed:
+            eff.send.append(Nack(task_ids=tuple(handed), reason="worker_shutdown"))
+        if self.epoch:
+            eff.send.append(Goodbye(reason="shutdown"))
+        self.stopped = True
+        return eff
+
+    # ------------------------------------------------------------------ internals
+
+    def _silence_limit_s(self) -> float:
+        return self.config.missed_heartbeats * self.config.heartbeat_interval_s
+
+    def _can_hello(self) -> bool:
+        return self.engine is not None and not self.restarting and not self.stopped
+
+    def _need_hello(self, now: float) -> Effects:
+        """Something asks for a new hello: send one now, unless one is already pending (its backoff goes on)."""
+        if not self.welcomed:
+            return Effects()
+        self.welcomed = False
+        self._hello_backoff_s = self.config.reconnect_backoff_s
+        self._next_hello_at = now
+        return self.poll(now)
+
+    def _hello(self, now: float) -> Hello:
+        facts = self.engine
+        assert facts is not None
+        self.hellos_sent += 1
+        self._next_hello_at = now + self._hello_backoff_s
+        self._hello_backoff_s = min(self._hello_backoff_s * 2, self.config.reconnect_backoff_max_s)
+        inflight = [
+            InflightTask(task_id=tid, prompt_id=e.task.prompt.prompt_id, group_size=e.seqs, attempt=e.task.attempt)
+            for tid, e in self.tasks.items()
+        ]
+        inflight += [
+            InflightTask(
+                task_id=r.task_id,
+                prompt_id=r.prompt_id,
+                group_size=len(r.trajectories),
+                attempt=r.trajectories[0].attempt if r.trajectories else 0,
+            )
+            for r in self.outbox
+        ]
+        return Hello(
+            worker_id=self.worker_id,
+            protocol_min=min(SUPPORTED_MAJORS),
+            protocol_max=max(SUPPORTED_MAJORS),
+            engine=facts.name,
+            capacity=self.capacity,
+            credits=self.free_credits(),
+            weight_version=self.version,
+            apply_modes=facts.apply_modes,
+            fingerprint=facts.fingerprint,
+            inflight=tuple(inflight),
+            engine_info=dict(facts.info),
+            host=self.config.host,
+            pid=self.config.pid,
+            pool=self.config.pool,
+        )
+
+    def _credit(self, seqs: int) -> list[Outgoing]:
+        if self.stopping or self.restarting or not self.epoch:
+            return []  # no more work wanted, or the next hello states the credits afresh
+        return [Credit(credits=seqs)]
+
+    def _deliver(self, result: Result) -> Effects:
+        if self.welcomed:
+            return Effects(send=[result])
+        self.outbox.append(result)
+        return Effects()

@@ -1,0 +1,349 @@
+"""`WeightSync`: the worker's one weight apply path.
+
+    fetch -> stage -> ApplyRequest / ApplyGrant -> pause(mode), update_weights, resume -> ApplyDone
+
+- Fetch: a `WeightSubscriber` (from `rollpool.weights`, or the injected factory) fetches
+  a newer version whole and verified while generation goes on. The broker names its
+  endpoint (or ``weight_endpoint`` names a node-local relay). Each welcome and broker
+  heartbeat names the newest version (`note_weights`).
+- Stage: an engine that can (`StagingEngine`) copies the version to its device before
+  the pause. A staging failure is logged; the apply copies during the pause instead.
+- Grant: the broker grants apply slots, so only a bounded number of workers pause at
+  once. The ask is repeated after ``apply_grant_timeout_s``, the wait doubling up to
+  4x that, at most ``weight_retries`` times. A version whose grant never comes is skipped.
+- Apply and done: pause in the configured mode (or the engine's first mode), update,
+  resume, then `ApplyDone` with the outcome.
+- A failed apply takes the engine out of service (`EngineSupervisor.fail`). The restart
+  gives the fresh engine the whole version through this same path, without grant and
+  done, since that engine serves nothing yet. If that fails too, the next attempt gives
+  it the last good version, and the bad version is skipped: reported, never retried
+  forever. The worker then follows the next version.
+- A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
+  ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
+- Memory: at most two versions are held, the one served (kept to re-apply after a
+  restart) and the one being fetched. Once a newer version is served, the previous
+  one's buffers go back to the subscriber for the next fetch.
+
+Imports `engine_supervisor`, `link`, `engines` (the seam) and `config`; never the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rollpool.protocol.errors import EngineError, WeightSyncError
+from rollpool.protocol.messages import ApplyDone, ApplyRequest
+from rollpool.protocol.metrics import MetricsSink
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.workers.config import WorkerConfig
+from rollpool.workers.engine_supervisor import EngineSupervisor
+from rollpool.workers.engines.base import Engine, StagingEngine
+from rollpool.workers.link import BrokerLink
+
+__all__ = ["FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
+
+log = logging.getLogger(__name__)
+
+
+class FetchedVersion(Protocol):
+    """A complete, verified version (`rollpool.weights.WeightVersion`)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...
+
+
+class Subscriber(Protocol):
+    """What the worker uses of `rollpool.weights.WeightSubscriber`."""
+
+    def connect(self, router_endpoint: str, pub_endpoint: str | None = None) -> None: ...
+
+    def note_version(self, version: int) -> None: ...
+
+    async def wait_for_newer(self, than: int) -> int: ...
+
+    async def fetch(self, version: int | None = None) -> FetchedVersion: ...
+
+    def recycle(self, old: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+SubscriberFactory = Callable[..., Subscriber]
+"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=])``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Version:
+    tensors: Mapping[str, Any]
+    version: int
+    fetched: FetchedVersion | None = None
+    """The subscriber's version object holding the buffers (None for tensors given directly)."""
+
+
+async def _import_subscriber_module() -> None:
+    # importing the weight channel imports torch (seconds): off the loop, so heartbeats keep their beat
+    await asyncio.to_thread(importlib.import_module, "rollpool.weights.subscriber")
+
+
+class WeightSync:
+    """Follows the newest weight version and applies it (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        sockets: SocketFactory,
+        link: BrokerLink,
+        supervisor: EngineSupervisor,
+        metrics: MetricsSink,
+        *,
+        subscriber_factory: SubscriberFactory | None = None,
+        on_apply_started: Callable[[], None] = lambda: None,
+        on_apply_finished: Callable[[int | None], None] = lambda version: None,
+    ) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.sockets = sockets
+        self.link = link
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self.on_apply_started = on_apply_started
+        self.on_apply_finished = on_apply_finished
+        """Told the version served after each apply (None: the apply failed)."""
+        self.version = -1
+        """The version the engine serves."""
+        self.skipped = -1
+        """The newest version given up on (its fetch, grant or apply kept failing)."""
+        self.subscriber: Subscriber | None = None
+        self._subscriber_factory = subscriber_factory
+        self._subscriber_ready = asyncio.Event()
+        self._served: _Version | None = None
+        self._reapply_target: _Version | None = None
+        self._lock = asyncio.Lock()
+        self._grants: dict[int, asyncio.Future[None]] = {}
+        supervisor.reapply = self._reapply
+
+    async def prepare(self) -> None:
+        """Import the real subscriber's module (torch) off the event loop, before the first hello."""
+        if self._subscriber_factory is None:
+            await _import_subscriber_module()
+
+    # ------------------------------------------------------------------ broker side
+
+    def note_weights(self, version: int, endpoint: str | None, announce: str | None) -> None:
+        """The broker named the newest version and the publisher's endpoints (welcome, heartbeat)."""
+        if self.config.weight_endpoint:  # a node-local relay overrides what the broker names
+            endpoint, announce = self.config.weight_endpoint, self.config.weight_announce_endpoint
+        if endpoint and self.subscriber is None:
+            self.subscriber = self._make_subscriber()
+            self.subscriber.connect(endpoint, announce)
+            self._subscriber_ready.set()
+        if self.subscriber is not None and version >= 0:
+            self.subscriber.note_version(version)
+
+    def on_grant(self, version: int) -> None:
+        fut = self._grants.get(version)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Fetch every newer version and apply it; bounded retries, then the version is skipped."""
+        await self._subscriber_ready.wait()
+        sub = self.subscriber
+        assert sub is not None
+        failures = 0
+        while True:
+            target = await sub.wait_for_newer(max(self.version, self.skipped))
+            if target <= max(self.version, self.skipped):
+                continue
+            try:
+                fetched = await sub.fetch(target)
+            except WeightSyncError as exc:
+                failures += 1
+                if failures >= self.config.weight_retries:
+                    self._skip(target, f"fetch failed {failures} times: {exc}")
+                    failures = 0
+                    continue
+                delay = self.fetch_backoff_s(failures)
+                log.warning("weight version %d not fetched (%s); retrying in %.1fs", target, exc, delay, extra={"worker": self.worker_id})
+                await asyncio.sleep(delay)
+                continue
+            failures = 0
+            try:
+                await self.apply(fetched.tensors, int(fetched.version), fetched=fetched)
+            except WeightSyncError as exc:
+                self._skip(int(fetched.version), str(exc))
+
+    def fetch_backoff_s(self, failures: int) -> float:
+        return float(min(self.config.reconnect_backoff_s * 2 ** (failures - 1), self.config.reconnect_backoff_max_s))
+
+    def grant_wait_s(self, ask: int) -> float:
+        """How long ask `ask` (1-based) waits for its grant before asking again."""
+        t = self.config.apply_grant_timeout_s
+        return float(min(t * 2 ** (ask - 1), 4 * t))
+
+    # ------------------------------------------------------------------ the one apply path
+
+    async def apply(self, named_tensors: Mapping[str, Any], version: int, *, fetched: FetchedVersion | None = None) -> bool:
+        """Apply a whole version through the rolling-update flow; True when the engine serves it.
+
+        Raises `WeightSyncError` when no grant came after ``weight_retries`` asks.
+        """
+        async with self._lock:
+            if version <= self.version:
+                return True
+            await self.supervisor.ok.wait()
+            applied = await self._apply(_Version(named_tensors, version, fetched), engine=None)
+            if applied:
+                return True
+            # the engine is being replaced and given the whole version; wait for it (or for the fallback)
+            await self.supervisor.ok.wait()
+            self._reapply_target = None  # a restart already under way when the apply failed did not see it
+            return self.version >= version
+
+    async def _apply(self, target: _Version, *, engine: Engine | None) -> bool:
+        """stage -> grant -> pause/update/resume -> done, on the serving engine (engine None) or a fresh one.
+
+        A fresh engine (a restart) takes no grant and sends no ApplyDone, and a failure
+        raises `EngineError` for the supervisor to retry. On the serving engine a failure
+        takes the engine out of service and returns False.
+        """
+        fresh = engine is not None
+        version = target.version
+        if engine is None:
+            engine = self.supervisor.engine
+            assert engine is not None
+        await self._stage(engine, target)
+        if not fresh:
+            await self._wait_grant(version)
+            await self.supervisor.ok.wait()  # a restart while waiting: apply to its engine
+            engine = self.supervisor.engine
+            assert engine is not None
+        self.on_apply_started()
+        t0 = time.monotonic()
+        error: str | None = None
+        try:
+            await engine.pause(self._apply_mode(engine))
+            await engine.update_weights(target.tensors, version)
+            await engine.resume()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure here means a restart
+            error = f"{type(exc).__name__}: {exc}"
+        duration_s = time.monotonic() - t0
+        if not fresh:
+            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=error))
+        if error is None:
+            self._served_now(target)
+            self.on_apply_finished(version)
+            self.metrics.event("version_applied", {"worker_id": self.worker_id, "version": version, "duration_s": duration_s})
+            log.info("applied weight version %d in %.3fs%s", version, duration_s, " (restarted engine)" if fresh else "",
+                     extra={"worker": self.worker_id})
+            return True
+        self.on_apply_finished(None)
+        self.metrics.event("apply_failed", {"worker_id": self.worker_id, "version": version, "error": error})
+        if fresh:
+            raise EngineError(f"applying version {version} to the restarted engine failed: {error}")
+        log.error("apply of version %d failed (%s); restarting the engine", version, error, extra={"worker": self.worker_id})
+        self._reapply_target = target
+        await self.supervisor.fail(f"apply failed: {error}")
+        return False
+
+    async def _reapply(self, engine: Engine) -> None:
+        """The supervisor's hook: give a fresh engine the version to serve, through `_apply`."""
+        target = self._reapply_target
+        self._reapply_target = None  # tried once on a fresh engine; then the last good version
+        if target is not None and target.version > self.version:
+            try:
+                await self._apply(target, engine=engine)
+                return
+            except EngineError:
+                self._skip(target.version, "it failed to apply on the serving engine and on a restarted one")
+                raise
+        if self._served is not None:
+            await self._apply(self._served, engine=engine)
+
+    def _served_now(self, target: _Version) -> None:
+        self.version = target.version
+        previous, self._served = self._served, target
+        if previous is not None and previous.fetched is not None and previous.fetched is not target.fetched and self.subscriber is not None:
+            # the engine copied the previous version: its buffers take the next fetch (no fresh pages)
+            self.subscriber.recycle(previous.fetched)
+
+    async def _stage(self, engine: Engine, target: _Version) -> None:
+        if not isinstance(engine, StagingEngine):
+            return
+        try:
+            await engine.stage_weights(target.tensors, target.version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - staging is an optimisation; the apply checks again and fails loudly
+            log.warning("staging weight version %d failed (%s); it is copied during the pause instead", target.version, exc,
+                        extra={"worker": self.worker_id})
+
+    async def _wait_grant(self, version: int) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._grants[version] = fut
+        try:
+            for ask in range(1, self.config.weight_retries + 1):
+                await self.link.send(ApplyRequest(version=version))
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), self.grant_wait_s(ask))
+                    return
+                except TimeoutError:
+                    log.warning("no apply grant for version %d after ask %d of %d", version, ask, self.config.weight_retries,
+                                extra={"worker": self.worker_id})
+            raise WeightSyncError(f"no apply grant for version {version} after {self.config.weight_retries} asks")
+        finally:
+            self._grants.pop(version, None)
+            fut.cancel()
+
+    def _apply_mode(self, engine: Engine) -> str:
+        modes = engine.info().apply_modes
+        if self.config.apply_mode in modes:
+            return self.config.apply_mode
+        log.warning("engine does not support apply mode %s; using %s", self.config.apply_mode, modes[0], extra={"worker": self.worker_id})
+        return modes[0]
+
+    def _skip(self, version: int, why: str) -> None:
+        self.skipped = max(self.skipped, version)
+        log.error("weight version %d skipped: %s; keeping version %d and following the next one", version, why, self.version,
+                  extra={"worker": self.worker_id})
+        self.metrics.event("version_skipped", {"worker_id": self.worker_id, "version": version, "reason": why})
+
+    def _make_subscriber(self) -> Subscriber:
+        factory = self._subscriber_factory
+        if factory is None:
+            from rollpool.weights import WeightSubscriber
+
+            factory = WeightSubscriber
+        extra: dict[str, Any] = {}
+        engine = self.supervisor.engine
+        if engine is not None and str(engine.info().device or "").startswith("cuda"):
+            # page-locked buckets: the copy to the GPU (staging) runs at full PCIe speed, asynchronously
+            extra["pin_memory"] = True
+        return factory(
+            self.sockets,
+            worker_id=self.worker_id,
+            fetch_timeout_s=self.config.fetch_timeout_s,
+            window_chunks=self.config.window_chunks,
+            max_refetch=self.config.max_refetch,
+            **extra,
+        )
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            try:
+                self.subscriber.close()
+            except Exception:  # noqa: BLE001 - closing anyway
+                log.warning("weight subscriber close raised", exc_info=True)
