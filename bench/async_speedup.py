@@ -98,8 +98,27 @@ generation GPUs' sequence slots holding a group that was trained, from the
 trained groups' start/finish times; dropped groups' slot time is not counted),
 the staleness histogram, groups dropped by the hard bound, and the bounds.
 
+Issue 24, staleness without wasted generation. `ideal_pool` also models the new rule sets with
+options only (version-aware dispatch ``fresh_dispatch_hold_s``, early cancellation ``cancel_doomed``,
+``stale_policy="keep"`` with ``max_staleness_keep``) and reports wasted tokens by reason and the
+share of trained samples older than eta; `analytic` stores, per eta, ``model_today`` (today's
+broker), ``model_new_drop`` and ``model_new_keep`` (2 x eta), all MODEL figures. The pool runs
+each eta under the trainer's ``--policies`` (``drop``: ``async_eta{eta}``; ``keep``, a client-side
+policy that today's broker already serves: ``keep_eta{eta}``), all MEASURED with today's broker
+(simulated GPUs); the broker rules do not exist yet, so the new-drop figures are model only.
+`summarise` writes the maps ``keep_fraction_of_bound``, ``keep_wasted_share``,
+``keep_older_than_eta_share``, ``keep_max_staleness_seen``, ``drop_wasted_share``,
+``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured) and
+``drop_model_wasted_share`` plus ``model_*`` (model). A measured wasted share counts the tokens
+the trainer client received and did not train on (today's broker cancels nothing here).
+
+The full table in invocations of under 15 minutes each (``--merge`` adds runs to the JSON; each
+(policy, eta) run at 40 steps takes 200-220 s here): ``--gpus 64 --etas 1,2 --no-sync --policies
+keep --merge --json J``, then ``--etas 4,8``, then the same for 256; ``--reanalyse`` recomputes
+the model side of a stored JSON without running the pool.
+
     python bench/async_speedup.py [--quick | --smoke] [--gpus 64,256] [--etas 1,2,4,8] [--no-sync]
-        [--steps 40] [--token-budget 400000] [--max-scale 100] [--json PATH [--merge]]
+        [--policies drop,keep] [--steps 40] [--token-budget 400000] [--max-scale 100] [--json PATH [--merge]]
 """
 
 from __future__ import annotations
