@@ -432,3 +432,15 @@ def test_every_prompt_taken_is_reported_exactly_once_under_every_policy(policy: 
     assert sorted(reports) == sorted(seen)  # each prompt told of exactly once
     # each acknowledged (a redelivery is acknowledged again), and never both plainly and as stale
     assert set(plain) | set(stale) == seen and not set(plain) & set(stale)
+
+
+def test_a_stale_dropped_group_redelivered_is_acknowledged_as_stale_again() -> None:
+    """Bug (before issue 24): the redelivery of a group dropped as stale (its dropped_stale ack lost) was
+    acknowledged plainly, so the broker kept counting its samples as accepted and its capacity was never freed."""
+    led = make()
+    led.observe_version(5)
+    led.take([done("old", version=0)], max_staleness=1)
+    led.acks_sent(stale=led.stale_acks())  # sent, and lost on the way
+    led.take([done("old", version=0)], max_staleness=1)  # the broker redelivers it
+    assert led.counters["duplicates_dropped"] == 1 and led.ready == 0
+    assert led.stale_acks() == ("old",) and led.pull_acks() == ()
