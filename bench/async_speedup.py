@@ -98,8 +98,27 @@ generation GPUs' sequence slots holding a group that was trained, from the
 trained groups' start/finish times; dropped groups' slot time is not counted),
 the staleness histogram, groups dropped by the hard bound, and the bounds.
 
+Issue 24, staleness without wasted generation. `ideal_pool` also models the new rule sets with
+options only (version-aware dispatch ``fresh_dispatch_hold_s``, early cancellation ``cancel_doomed``,
+``stale_policy="keep"`` with ``max_staleness_keep``) and reports wasted tokens by reason and the
+share of trained samples older than eta; `analytic` stores, per eta, ``model_today`` (today's
+broker), ``model_new_drop`` and ``model_new_keep`` (2 x eta), all MODEL figures. The pool runs
+each eta under the trainer's ``--policies`` (``drop``: ``async_eta{eta}``; ``keep``, a client-side
+policy that today's broker already serves: ``keep_eta{eta}``), all MEASURED with today's broker
+(simulated GPUs); the broker rules do not exist yet, so the new-drop figures are model only.
+`summarise` writes the maps ``keep_fraction_of_bound``, ``keep_wasted_share``,
+``keep_older_than_eta_share``, ``keep_max_staleness_seen``, ``drop_wasted_share``,
+``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured) and
+``drop_model_wasted_share`` plus ``model_*`` (model). A measured wasted share counts the tokens
+the trainer client received and did not train on (today's broker cancels nothing here).
+
+The full table in invocations of under 15 minutes each (``--merge`` adds runs to the JSON; each
+(policy, eta) run at 40 steps takes 200-220 s here): ``--gpus 64 --etas 1,2 --no-sync --policies
+keep --merge --json J``, then ``--etas 4,8``, then the same for 256; ``--reanalyse`` recomputes
+the model side of a stored JSON without running the pool.
+
     python bench/async_speedup.py [--quick | --smoke] [--gpus 64,256] [--etas 1,2,4,8] [--no-sync]
-        [--steps 40] [--token-budget 400000] [--max-scale 100] [--json PATH [--merge]]
+        [--policies drop,keep] [--steps 40] [--token-budget 400000] [--max-scale 100] [--json PATH [--merge]]
 """
 
 from __future__ import annotations
@@ -129,6 +148,11 @@ sys.path.insert(0, str(ROOT))
 from rollpool.trainer_client import TrainerClient, TrainerClientConfig  # noqa: E402
 
 AREAL_SPEEDUP = 2.77
+HOLD_S = 5.0
+"""The model's ``fresh_dispatch_hold_s`` for the new rules (issue 24)."""
+APPLY_S = 1.0
+"""The model's weight-apply latency for the rule sets that need one (simulated seconds): with it, today's
+broker starts the groups a bump opens one version behind; the new rules hold them for at most HOLD_S."""
 WARMUP_S = 600.0
 """Simulated seconds left out of the steady-state rate: 1.5x the longest possible group (410 s)."""
 
@@ -186,85 +210,148 @@ def fluid_window_bound(w: Workload, eta: int, group_s: float, train_s: float) ->
 
 def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
                hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False,
-    start_behind_at_bump: bool = False) -> dict[str, float]:
+               start_behind_at_bump: bool = False, fresh_dispatch_hold_s: float | None = None, apply_s: float = 0.0,
+               stale_policy: str = "drop", max_staleness_keep: int | None = None) -> dict[str, Any]:
     """The pool's rules with every latency zero: a discrete-event model, for reference only.
 
     Same rules as the real run: AReaL admission ``accepted + running + n <= (v + eta + 1) B`` over
     ``gen x capacity / n`` group slots (a group holds its slots until its longest sample ends),
-    groups taken in completion order, the trainer's hard bound dropping a group whose version lag
-    exceeds eta when it is taken (its samples leave ``accepted``), training ``tokens x 0.05 ms /
-    train`` GPUs, then the version moves on. Returns the trained samples/s after `warmup_s` and the
-    share of generated groups dropped. ``cancel_doomed`` models a broker that cancels a running
-    group as soon as the version moves more than eta past its dispatch version (not implemented in
-    the pool: an option this model prices). ``start_behind_at_bump`` models what the real pool
-    does: the capacity a version bump opens is dispatched at once, before any worker has applied
-    the new version, so those groups start one version behind.
+    groups taken in completion order, the trainer's hard bound judging a group's version lag when it
+    is taken, training ``tokens x 0.05 ms / train`` GPUs, then the version moves on.
+
+    Rule options (each a rule set of issue 24 this model prices):
+
+    * ``start_behind_at_bump``: today's broker. The capacity a version bump opens is dispatched at
+      once, before any worker has applied the new version, so those groups start one version behind.
+    * ``fresh_dispatch_hold_s``: version-aware dispatch. The capacity a bump opens is held for
+      workers that hold or are applying the new version, for at most the hold: with workers that
+      need ``apply_s`` to apply, it goes out at the new version after ``apply_s`` when
+      ``apply_s <= hold``, else after the hold, one version behind (the pool never idles longer).
+    * ``cancel_doomed``: early cancellation. A running group is cancelled as soon as it can no longer
+      be consumed within the bound (the version is more than the bound past its start version; the
+      version only grows, so that is certain); its tokens so far are wasted, its slots and window
+      released at once.
+    * ``stale_policy``: ``drop`` (the hard bound drops above eta; its samples leave ``accepted``) or
+      ``keep`` (delivered and trained up to ``max_staleness_keep``, default 2 x eta; dropped above).
+      Under ``keep`` cancellation uses ``max_staleness_keep`` as its bound.
+
+    Returns (steady state, after `warmup_s`): ``samples_per_s``; ``dropped_share`` and
+    ``cancelled_share`` of the groups that ended; ``wasted_share`` (generated tokens never trained,
+    over all generated tokens) and ``wasted_share_by_reason`` (stale_drop, cancel, failure,
+    duplicate: the last two are zero here, nothing fails or repeats in this model);
+    ``older_than_eta_share`` of the trained samples; ``max_staleness_seen`` among them.
     """
+    if stale_policy not in ("drop", "keep"):
+        raise ValueError(f"stale_policy must be drop or keep, got {stale_policy!r}")
+    if fresh_dispatch_hold_s is not None and fresh_dispatch_hold_s < 0:
+        raise ValueError(f"fresh_dispatch_hold_s must be >= 0, got {fresh_dispatch_hold_s}")
+    bound = eta if stale_policy == "drop" else (2 * eta if max_staleness_keep is None else max_staleness_keep)
     n, per_step = w.group_size, w.batch_size // w.group_size
     draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
     slots = gen * w.capacity // n
     version = accepted = running = 0
     now = 0.0
-    events: list[tuple[float, int]] = []  # (time, group id); id -1: the training step ends
-    live: dict[int, tuple[int, float]] = {}  # group id -> (version at dispatch, tokens)
+    events: list[tuple[float, int]] = []  # (time, group id); -1: the training step ends; -2: a dispatch hold ends
+    live: dict[int, tuple[int, float, float, int]] = {}  # group id -> (version at start, tokens, start time, draw index)
     done: deque[tuple[int, float]] = deque()
     ready: list[tuple[int, float]] = []
     training = False
     step_at: list[float] = []
-    next_id = dropped = generated = 0
+    next_id = 0
+    ended = {"done": 0, "dropped": 0, "cancelled": 0}
+    tokens = {"generated": 0.0, "stale_drop": 0.0, "cancel": 0.0}
+    trained_lags: list[int] = []
+    hold_until = -1.0
+    hold_start = 0  # the version groups dispatched when a hold ends start at
 
-    def admit(bump: bool = False) -> None:
+    def admit(start: int) -> None:
         nonlocal running, next_id
-        start = version - 1 if bump and start_behind_at_bump else version
         while len(live) < slots and accepted + running + n <= (version + eta + 1) * w.batch_size:
-            lengths = draws[next_id % len(draws)]
+            k = next_id % len(draws)
+            lengths = draws[k]
             next_id += 1
-            live[next_id] = (start, float(lengths.sum()))
+            live[next_id] = (start, float(lengths.sum()), now, k)
             running += n
             heapq.heappush(events, (now + float(lengths.max()) * w.decode_s_per_step, next_id))
 
+    def counted() -> bool:
+        return now >= warmup_s
+
     def take() -> None:
-        nonlocal accepted, dropped
+        nonlocal accepted
         while done and len(ready) < per_step:
             g = done.popleft()
-            if hard_bound and version - g[0] > eta:
-                dropped += 1
+            if hard_bound and version - g[0] > bound:
                 accepted -= n
+                if counted():
+                    ended["dropped"] += 1
+                    tokens["stale_drop"] += g[1]
             else:
                 ready.append(g)
 
-    admit()
+    admit(version)
     while len(step_at) < steps:
         now, gid = heapq.heappop(events)
-        bump = gid < 0
+        bump = gid == -1
         if bump:
             version += 1
             training = False
             step_at.append(now)
             if cancel_doomed:
-                for doomed in [k for k, g in live.items() if g[0] < version - eta]:
-                    del live[doomed]  # its completion event finds nothing
+                for doomed in [k for k, g in live.items() if g[0] < version - bound]:
+                    start_v, _, t0, k = live.pop(doomed)  # its completion event finds nothing
                     running -= n
+                    if counted():
+                        ended["cancelled"] += 1
+                        made = float(np.minimum(draws[k], (now - t0) / w.decode_s_per_step).sum())
+                        tokens["cancel"] += made
+                        tokens["generated"] += made
+        elif gid == -2:
+            pass
         elif gid in live:
             g = live.pop(gid)
             running -= n
             accepted += n
-            generated += 1
-            done.append(g)
+            if counted():
+                ended["done"] += 1
+                tokens["generated"] += g[1]
+            done.append((g[0], g[1]))
         if not training:
             take()
             if len(ready) >= per_step:
                 batch, ready[:] = ready[:per_step], ready[per_step:]
                 training = True
+                if now >= warmup_s:
+                    trained_lags.extend([version - v for v, _ in batch])
                 heapq.heappush(events, (now + sum(t for _, t in batch) * w.train_s_per_token_gpu / train, -1))
-        admit(bump)
+        if bump and fresh_dispatch_hold_s is not None and apply_s > 0:
+            delay = min(apply_s, fresh_dispatch_hold_s)
+            hold_until, hold_start = now + delay, version if apply_s <= fresh_dispatch_hold_s else version - 1
+            heapq.heappush(events, (hold_until, -2))
+        if now < hold_until:
+            continue  # the capacity this bump opened waits for workers on the new version
+        if gid == -2:
+            admit(hold_start)
+        else:
+            admit(version - 1 if bump and start_behind_at_bump and fresh_dispatch_hold_s is None else version)
     t = np.asarray(step_at)
     first = int(np.searchsorted(t, warmup_s))
+    completed = max(1, ended["done"])  # every group that ran to its end (dropped ones too)
+    wasted = tokens["stale_drop"] + tokens["cancel"]
+    gen_tokens = max(1.0, tokens["generated"])
+    lags = np.asarray(trained_lags or [0])
     return {"samples_per_s": float((len(t) - 1 - first) * w.batch_size / (t[-1] - t[first])),
-            "dropped_share": dropped / max(1, generated)}
+            "dropped_share": ended["dropped"] / completed,
+            "cancelled_share": ended["cancelled"] / max(1, ended["done"] + ended["cancelled"]),
+            "wasted_share": wasted / gen_tokens,
+            "wasted_share_by_reason": {"stale_drop": tokens["stale_drop"] / gen_tokens, "cancel": tokens["cancel"] / gen_tokens,
+                                       "failure": 0.0, "duplicate": 0.0},
+            "older_than_eta_share": float((lags > eta).mean()),
+            "max_staleness_seen": int(lags.max())}
 
 
-def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float) -> dict[str, Any]:
+def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float, rule_models: bool = True) -> dict[str, Any]:
+    """The bounds and the zero-latency models at each eta (`rule_models`: also the issue-24 rule sets)."""
     per_sample = draw_lengths(w, 400_000)
     mean_tokens = float(per_sample.mean())
     groups = draw_lengths(w, (100_000, w.group_size), seed=2).max(axis=1)
@@ -276,19 +363,26 @@ def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float) -> dict[s
     sync_rate = w.batch_size / (sync_gen_s + sync_train_s)
     gen, train = split(w, gpus)
     train_s = batch_tokens * w.train_s_per_token_gpu / train
-    bounds = {}
+    bounds: dict[int, dict[str, Any]] = {}
     for eta in etas:
         window = fluid_window_bound(w, eta, group_s, train_s)
         slots = gen * w.capacity / group_s
         trainer = w.batch_size / train_s
         ideal = ideal_pool(w, gen, train, eta, warmup_s=warmup_s)
-        cancel = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, cancel_doomed=True)
         behind = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, start_behind_at_bump=True)
         bounds[eta] = {"samples_per_s": min(window, slots, trainer), "window": window, "slots": slots, "trainer": trainer,
                        "ideal_pool_samples_per_s": ideal["samples_per_s"], "ideal_pool_dropped_share": ideal["dropped_share"],
-                       "ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"],
                        "ideal_pool_start_behind_samples_per_s": behind["samples_per_s"],
                        "ideal_pool_start_behind_dropped_share": behind["dropped_share"]}
+        if not rule_models:
+            continue
+        cancel = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, cancel_doomed=True)
+        new_drop = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, start_behind_at_bump=True, fresh_dispatch_hold_s=HOLD_S,
+                              apply_s=APPLY_S, cancel_doomed=True)
+        new_keep = ideal_pool(w, gen, train, eta, warmup_s=warmup_s, start_behind_at_bump=True, fresh_dispatch_hold_s=HOLD_S,
+                              apply_s=APPLY_S, cancel_doomed=True, stale_policy="keep", max_staleness_keep=2 * eta)
+        bounds[eta].update({"ideal_pool_cancel_doomed_samples_per_s": cancel["samples_per_s"],
+                            "model_today": behind, "model_new_drop": new_drop, "model_new_keep": new_keep})
     return {
         "mean_tokens_per_sample": mean_tokens,
         "mean_group_s": group_s,
@@ -328,6 +422,15 @@ class RunResult:
     cpu_seconds_children: float
     cpu_seconds_trainer: float
     step_at_s: list[float]
+    stale_policy: str = "drop"
+    max_staleness_keep: int | None = None
+    tokens_delivered: int = 0
+    wasted_tokens_stale: int = 0
+    wasted_share: float = 0.0
+    """Tokens the trainer client received and did not train on (stale drops, duplicates), over all it received.
+    Today's broker cancels nothing in this bench (cancel_stale_inflight off), so nothing else is generated and lost."""
+    kept_stale: int = 0
+    older_than_eta_share: float = 0.0
 
 
 def steady_rate(step_at_s: list[float], batch_size: int, warmup_s: float) -> tuple[float, float, int]:
@@ -369,7 +472,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
-                   worker_procs: int = 1, warmup_s: float = 600.0) -> RunResult:
+                   worker_procs: int = 1, warmup_s: float = 600.0, stale_policy: str = "drop") -> RunResult:
     sync = mode == "sync"
     gen, train = (gpus, gpus) if sync else split(w, gpus)
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -379,7 +482,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         ["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--batch-size", str(w.batch_size),
          "--max-staleness", str(0 if sync else eta), "--max-applying", str(gen), "--heartbeat-interval-s", "0.5",
          "--missed-heartbeats", "20", "--task-timeout-s", "3600", "--log-level", "WARNING"],
-        log_dir / f"broker-{mode}-{gpus}-{eta}.log",
+        log_dir / f"broker-{mode}-{stale_policy}-{gpus}-{eta}.log",
     )
     opts = (f"decode_s_per_token={decode_s!r},length=lognormal,length_median={w.length_median},"
             f"length_sigma={w.length_sigma},capacity={w.capacity},seed={gpus * 100 + eta}")
@@ -388,7 +491,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         _spawn(
             ["rollpool.workers", "--broker", wep, "--engine", "sim", "--count", str(n), "--worker-id", f"sim{gpus}p{i}",
              "--engine-options", f"{opts}{i}", "--heartbeat-interval-s", "0.5", "--missed-heartbeats", "20", "--log-level", "WARNING"],
-            log_dir / f"workers-{mode}-{gpus}-{eta}-{i}.log",
+            log_dir / f"workers-{mode}-{stale_policy}-{gpus}-{eta}-{i}.log",
         )
         for i, n in enumerate(shares) if n > 0
     ]
@@ -416,6 +519,7 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
             if res.rejected:
                 raise RuntimeError(f"submit rejected: {list(res.rejected.values())[:3]}")
 
+        keep_limit = 2 * eta if stale_policy == "keep" else None
         hist: dict[int, int] = {}
         slot_s = 0.0
         step_done_at: list[float] = []
@@ -430,7 +534,8 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
                 await submit(groups_per_step)
             elif client.pending() < ahead:  # tops up what was trained and what the hard bound dropped
                 await submit(ahead - client.pending())
-            batch = await client.get_batch(groups_per_step, max_staleness=0 if sync else eta, timeout=3600)
+            batch = await client.get_batch(groups_per_step, max_staleness=0 if sync else eta, timeout=3600,
+                                           stale_policy=stale_policy, max_staleness_keep=keep_limit)
             tokens = 0
             for g in batch.groups:
                 starts = [t.started_at for t in g.trajectories if t.started_at > 0]
@@ -453,6 +558,9 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         step_at_s = [(x - t0) * time_scale for x in step_done_at]
         steady, steady_from, steady_steps = steady_rate(step_at_s, w.batch_size, warmup_s)
         samples = steps * w.batch_size
+        c = client.counters
+        seen_tokens = c["tokens_delivered"] + c["wasted_tokens_stale"] + c["wasted_tokens_duplicate"]
+        older = sum(k for s_, k in hist.items() if s_ > eta)
         return RunResult(
             mode=mode, gpus=gpus, eta=0 if sync else eta, gen_gpus=gen, train_gpus=train, time_scale=time_scale,
             steps=steps, samples=samples, sim_seconds=real * time_scale,
@@ -461,7 +569,10 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
             gen_utilisation=slot_s / (gen * w.capacity * real),
             staleness_hist=dict(sorted(hist.items())), max_staleness_seen=max(hist) if hist else 0,
             dropped_stale=int(client.counters.get("dropped_stale", 0)), real_seconds=real, cpu_seconds_children=cpu,
-            cpu_seconds_trainer=own, step_at_s=step_at_s,
+            cpu_seconds_trainer=own, step_at_s=step_at_s, stale_policy=stale_policy, max_staleness_keep=keep_limit,
+            tokens_delivered=int(c["tokens_delivered"]), wasted_tokens_stale=int(c["wasted_tokens_stale"]),
+            wasted_share=(c["wasted_tokens_stale"] + c["wasted_tokens_duplicate"]) / max(1, seen_tokens),
+            kept_stale=int(c["kept_stale"]), older_than_eta_share=older / max(1, sum(hist.values())),
         )
     finally:
         with contextlib.suppress(Exception):
@@ -480,7 +591,8 @@ def pick_scale(rate_samples_per_s: float, mean_tokens: float, token_budget: floa
 
 def summarise(out: dict[str, Any]) -> None:
     """Recompute the per-eta tables (`speedup`, `fraction_of_bound`, ...) from every stored run."""
-    for key in ("speedup", "speedup_end_to_end", "speedup_vs_sync_bound", "fraction_of_bound", "fraction_of_ideal_pool", "max_staleness_seen"):
+    for key in ("speedup", "speedup_end_to_end", "speedup_vs_sync_bound", "fraction_of_bound", "fraction_of_ideal_pool", "max_staleness_seen",
+                *ISSUE24_KEYS, *MODEL_KEYS):
         out[key] = {}
     for gpus, runs in out["runs"].items():
         sync = runs.get("sync")
@@ -499,6 +611,59 @@ def summarise(out: dict[str, Any]) -> None:
             out["fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
             out["fraction_of_ideal_pool"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["ideal_pool_samples_per_s"]
             out["max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
+            if "wasted_share" in r:
+                out["drop_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
+            if "model_new_drop" in b:
+                out["drop_fraction_of_model"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["model_new_drop"]["samples_per_s"]
+        for eta, b in model["async_bound"].items():
+            if "model_new_drop" not in b:
+                continue
+            nd, nk, today = b["model_new_drop"], b["model_new_keep"], b["model_today"]
+            out["drop_model_wasted_share"].setdefault(gpus, {})[eta] = nd["wasted_share"]
+            for key, value in (("model_today_wasted_share", today["wasted_share"]),
+                               ("model_today_fraction_of_bound", today["samples_per_s"] / b["samples_per_s"]),
+                               ("model_drop_fraction_of_bound", nd["samples_per_s"] / b["samples_per_s"]),
+                               ("model_drop_wasted_share_of_today", nd["wasted_share"] / max(1e-9, today["wasted_share"])),
+                               ("model_drop_max_staleness_seen", nd["max_staleness_seen"]),
+                               ("model_keep_fraction_of_bound", nk["samples_per_s"] / b["samples_per_s"]),
+                               ("model_keep_wasted_share", nk["wasted_share"]),
+                               ("model_keep_older_than_eta_share", nk["older_than_eta_share"]),
+                               ("model_keep_max_staleness_seen", nk["max_staleness_seen"])):
+                out[key].setdefault(gpus, {})[eta] = value
+        for name, r in runs.items():
+            if not name.startswith("keep_eta"):
+                continue
+            eta = str(r["eta"])
+            b = model["async_bound"][eta]
+            out["keep_fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
+            out["keep_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
+            out["keep_older_than_eta_share"].setdefault(gpus, {})[eta] = r["older_than_eta_share"]
+            out["keep_max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
+
+
+ISSUE24_KEYS = ("keep_fraction_of_bound", "keep_wasted_share", "keep_older_than_eta_share", "drop_wasted_share",
+                "drop_model_wasted_share", "drop_fraction_of_model", "keep_max_staleness_seen")
+"""The issue-24 figures (with ``max_staleness_seen``): keep_* and drop_wasted_share, drop_fraction_of_model and the
+staleness maxima are MEASURED through the real pool with today's broker (the client's stale_policy; the new broker
+rules do not exist yet); drop_model_wasted_share is the MODEL (ideal_pool) of the new drop rules."""
+MODEL_KEYS = ("model_today_wasted_share", "model_today_fraction_of_bound", "model_drop_fraction_of_bound",
+              "model_drop_wasted_share_of_today", "model_drop_max_staleness_seen", "model_keep_fraction_of_bound",
+              "model_keep_wasted_share", "model_keep_older_than_eta_share", "model_keep_max_staleness_seen")
+"""The zero-latency model (ideal_pool) of each rule set: today's broker, new drop rules, new rules with keep (2 x eta)."""
+
+
+def print_model_table(gpus: str, model: dict[str, Any]) -> None:
+    """The rule sets side by side in the zero-latency model (MODEL, not measured)."""
+    print(f"   MODEL (ideal_pool, apply {APPLY_S:g} s, hold {HOLD_S:g} s): {'eta':>4}{'bound':>7}"
+          f"{'today':>7}{'waste':>7}{'new drop':>9}{'waste':>7}{'/today':>7}{'keep 2eta':>10}{'waste':>7}{'>eta':>6}{'max':>5}")
+    for eta, b in sorted(model["async_bound"].items(), key=lambda kv: int(kv[0])):
+        if "model_new_drop" not in b:
+            continue
+        t, d, k = b["model_today"], b["model_new_drop"], b["model_new_keep"]
+        bound = b["samples_per_s"]
+        print(f"   {'':<44}{eta:>4}{bound:>7.2f}{t['samples_per_s'] / bound:>7.2f}{t['wasted_share']:>7.3f}"
+              f"{d['samples_per_s'] / bound:>9.2f}{d['wasted_share']:>7.3f}{d['wasted_share'] / max(1e-9, t['wasted_share']):>7.2f}"
+              f"{k['samples_per_s'] / bound:>10.2f}{k['wasted_share']:>7.3f}{k['older_than_eta_share']:>6.2f}{k['max_staleness_seen']:>5}")
 
 
 def print_table(gpus: str, runs: dict[str, Any]) -> None:
@@ -506,7 +671,8 @@ def print_table(gpus: str, runs: dict[str, Any]) -> None:
     sync = runs.get("sync")
     print(f"   {'run':<13}{'scale':>6}{'steps':>6}{'samples/s':>10}{'steady':>8}{'bound':>7}{'of bound':>9}{'ideal':>7}{'of ideal':>9}"
           f"{'speedup':>8}{'util':>6}{'max st':>7}{'dropped':>8}{'cpu/real':>9}  staleness histogram")
-    names = (["sync"] if sync else []) + sorted((k for k in runs if k.startswith("async_eta")), key=lambda k: int(k[9:]))
+    names = (["sync"] if sync else []) + sorted((k for k in runs if k.startswith(("async_eta", "keep_eta"))),
+                                                key=lambda k: (int(k.split("eta")[1]), k))
     for name in names:
         r = runs[name]
         if name == "sync":
@@ -516,7 +682,7 @@ def print_table(gpus: str, runs: dict[str, Any]) -> None:
             bound, ideal = b["samples_per_s"], b["ideal_pool_samples_per_s"]
         speed = f"{r['steady_samples_per_s'] / sync['steady_samples_per_s']:>7.2f}x" if sync else f"{'-':>8}"
         cpu = (r["cpu_seconds_children"] + r["cpu_seconds_trainer"]) / r["real_seconds"]
-        label = "sync" if name == "sync" else f"async eta={r['eta']}"
+        label = "sync" if name == "sync" else f"{'keep' if name.startswith('keep') else 'async'} eta={r['eta']}"
         print(f"   {label:<13}{r['time_scale']:>6.1f}{r['steps']:>6}{r['samples_per_s']:>10.2f}{r['steady_samples_per_s']:>8.2f}{bound:>7.2f}"
               f"{r['steady_samples_per_s'] / bound:>9.2f}{ideal:>7.2f}{r['steady_samples_per_s'] / ideal:>9.2f}{speed}"
               f"{r['gen_utilisation']:>6.2f}{r['max_staleness_seen']:>7}{r['dropped_stale']:>8}{cpu:>9.2f}  {r['staleness_hist']}")
@@ -524,7 +690,8 @@ def print_table(gpus: str, runs: dict[str, Any]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="64 GPUs, sync and eta 4, 16 steps (under five minutes)")
+    ap.add_argument("--quick", action="store_true", help="64 GPUs, sync and eta 4 (drop and keep), 16 steps (under nine minutes)")
+    ap.add_argument("--policies", default="drop,keep", help="trainer stale policies run through the pool at each eta")
     ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
     ap.add_argument("--gpus", default="64,256")
     ap.add_argument("--etas", default="1,2,4,8")
@@ -546,6 +713,7 @@ def main() -> int:
             model = analytic(Workload(), int(gpus), ran, stored["warmup_s"])
             runs["analytic"] = {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}
             print_table(gpus, runs)
+            print_model_table(gpus, runs["analytic"])
         summarise(stored)
         stored["commands"] = [*stored.get("commands", []), " ".join(["python", "bench/async_speedup.py", *sys.argv[1:]])]
         Path(args.json).write_text(json.dumps(stored, indent=1) + "\n")
@@ -554,8 +722,11 @@ def main() -> int:
     gpu_list = [int(x) for x in args.gpus.split(",")]
     etas = [int(x) for x in args.etas.split(",")]
     steps, warmup_s = args.steps, args.warmup_s
+    policies = [x for x in args.policies.split(",") if x]
+    if not set(policies) <= {"drop", "keep"}:
+        raise SystemExit(f"--policies: drop and/or keep, got {args.policies}")
     if args.quick:
-        gpu_list, etas, steps = [64], [4], 16
+        gpu_list, etas, steps, policies = [64], [4], 16, ["drop", "keep"]
     if args.smoke:
         w, gpu_list, etas, steps, warmup_s = SMOKE, [8], [2], 3, 0.0
     log_dir = Path(args.log_dir or f"/tmp/rollpool-async-speedup-{os.getpid()}")
@@ -598,10 +769,12 @@ def main() -> int:
         for eta in etas:
             bound = model["async_bound"][eta]["samples_per_s"]
             scale = pick_scale(bound, model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
-            r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs, warmup_s))
-            runs[f"async_eta{eta}"] = asdict(r)
+            for policy in policies:
+                r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs, warmup_s, policy))
+                runs[f"{'async' if policy == 'drop' else 'keep'}_eta{eta}"] = asdict(r)
         summarise(out)
         print_table(str(gpus), runs)
+        print_model_table(str(gpus), runs["analytic"])
         print(f"   (AReaL reports {AREAL_SPEEDUP}x at equal GPUs; all figures above are simulated seconds; speedup = steady async / steady sync)")
     summarise(out)
     if args.json:
@@ -609,6 +782,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     bad = [(g, e) for g, m in out["max_staleness_seen"].items() for e, s in m.items() if s > int(e)]
+    bad += [(g, f"keep {e}") for g, m in out["keep_max_staleness_seen"].items() for e, s in m.items() if s > 2 * int(e)]
     if bad:
         print(f"STALENESS ABOVE ETA in {bad}")
         return 1

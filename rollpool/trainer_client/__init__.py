@@ -14,6 +14,7 @@ from rollpool.trainer_client.client import (
     make_prompt,
     new_prompt_id,
 )
+from rollpool.trainer_client.ledger import STALE_POLICIES, PromptReport, TrainSample
 from rollpool.trainer_client.pool import RolloutPool
 from rollpool.trainer_client.sync import SyncTrainerClient
 
@@ -24,6 +25,9 @@ __all__ = [
     "RolloutPool",
     "RolloutBatch",
     "SubmitResult",
+    "PromptReport",
+    "TrainSample",
+    "STALE_POLICIES",
     "make_prompt",
     "new_prompt_id",
 ]

@@ -16,9 +16,14 @@ Guarantees the trainer relies on:
 * A broker restart is noticed by its new epoch: the client says hello again
   and resubmits every prompt not yet delivered; the broker merges a
   resubmission with a task a worker re-announced, and the first result wins.
-* The hard staleness bound: a group whose oldest token is more than
-  `max_staleness` versions behind the trainer's version is dropped and
-  counted (or resubmitted under a fresh id with ``regenerate_stale=True``).
+* The hard staleness bound: what happens to a group whose oldest sampled token
+  is more than `max_staleness` versions behind the trainer's version is the
+  ``stale_policy`` (per client in the config, or per `get_batch`): ``drop``
+  (counted and released), ``regenerate`` (its original prompt resubmitted under
+  a fresh id, the old one reported DROPPED_STALE with ``regenerated_as``) or
+  ``keep`` (delivered with its staleness stated, up to ``max_staleness_keep``,
+  for importance-weight correction; see `RolloutBatch.samples`). Every group
+  the bound drops is reported in `RolloutBatch.other` / `RolloutBatch.reports`.
 * Every request has a timeout and a bounded number of retries; a broker that
   does not answer raises `BrokerUnavailableError`.
 
@@ -39,6 +44,7 @@ import os
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -74,7 +80,7 @@ from rollpool.protocol import (
     decode,
     encode,
 )
-from rollpool.trainer_client.ledger import ClientLedger, RolloutBatch, SubmitResult
+from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
@@ -95,7 +101,9 @@ class TrainerClientConfig:
     pull_wait_s: float = field(default=1.0, metadata={"help": "long-poll wait of one pull"})
     submit_chunk: int = field(default=512, metadata={"help": "prompts per submit message"})
     dedup_window: int = field(default=1_000_000, metadata={"help": "trajectory ids remembered for deduplication"})
-    regenerate_stale: bool = field(default=False, metadata={"help": "resubmit groups dropped by max_staleness instead of only counting them"})
+    stale_policy: str = field(default="drop", metadata={"help": "groups staler than max_staleness: drop, regenerate (resubmit the original prompt under a fresh id) or keep (deliver with staleness stated, up to max_staleness_keep)"})
+    max_staleness_keep: int | None = field(default=None, metadata={"help": "stale_policy keep: most staleness delivered (None: 2 x max_staleness)"})
+    regenerate_stale: bool = field(default=False, metadata={"help": "deprecated: stale_policy='regenerate'"})
     weight_router_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher serves buckets"})
     weight_pub_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher announces versions"})
     keep_versions: int = field(default=2, metadata={"help": "weight versions the publisher keeps (0: serve the trainer's tensors while publish waits)"})
@@ -113,6 +121,16 @@ class TrainerClientConfig:
             raise ConfigError(f"submit_chunk must be >= 1, got {self.submit_chunk}")
         if self.dedup_window < 1:
             raise ConfigError(f"dedup_window must be >= 1, got {self.dedup_window}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.max_staleness_keep is not None and self.max_staleness_keep < 0:
+            raise ConfigError(f"max_staleness_keep must be >= 0, got {self.max_staleness_keep}")
+        if self.regenerate_stale:
+            if self.stale_policy not in ("drop", "regenerate"):
+                raise ConfigError(f"regenerate_stale=True contradicts stale_policy={self.stale_policy!r}")
+            warnings.warn("TrainerClientConfig(regenerate_stale=True) is deprecated: use stale_policy='regenerate'",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "stale_policy", "regenerate")
 
 
 def make_prompt(item: Prompt | Mapping[str, Any] | str | Sequence[int], *, group_size: int = 1,
@@ -193,8 +211,8 @@ class TrainerClient:
             sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
-        self.ledger = ClientLedger(dedup_window=cfg.dedup_window, regenerate_stale=cfg.regenerate_stale,
-                                   new_prompt_id=new_prompt_id)
+        self.ledger = ClientLedger(dedup_window=cfg.dedup_window, stale_policy=cfg.stale_policy,
+                                   max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
@@ -363,14 +381,21 @@ class TrainerClient:
                                     timeout_s=wait_s + self.config.request_timeout_s)
         return _expect(reply, Batch, "batch")
 
-    async def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None) -> RolloutBatch:  # noqa: ASYNC109
+    async def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None,  # noqa: ASYNC109
+                        stale_policy: str | None = None, max_staleness_keep: int | None = None) -> RolloutBatch:
         """Wait for n whole DONE groups (and collect other terminal states meanwhile).
 
-        Raises `TimeoutError` when `timeout` passes first; groups received so
-        far stay buffered for the next call (nothing is lost).
+        `stale_policy` / `max_staleness_keep` override the client's config for the
+        groups this call takes (see the module docstring). Raises `TimeoutError`
+        when `timeout` passes first; groups received so far stay buffered for the
+        next call (nothing is lost).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if stale_policy is not None and stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        if max_staleness_keep is not None and max_staleness_keep < 0:
+            raise ValueError(f"max_staleness_keep must be >= 0, got {max_staleness_keep}")
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         dropped_before = self.ledger.counters["dropped_stale"]
@@ -389,11 +414,11 @@ class TrainerClient:
             batch = await self._pull(n - self.ledger.ready, wait, acks)
             self.ledger.acks_sent(acks)  # the broker took them with the pull
             self.ledger.observe_version(batch.weight_version)
-            taken = self.ledger.take(batch.groups, max_staleness)
+            taken = self.ledger.take(batch.groups, max_staleness, stale_policy, max_staleness_keep)
             for pid, staleness in taken.dropped_stale:
                 self.metrics.event("dropped_stale", {"prompt_id": pid, "staleness": staleness})
             if taken.not_regenerated:
-                log.warning("regenerate_stale: %d stale groups were submitted before this client started "
+                log.warning("stale_policy regenerate: %d stale groups were submitted before this client started "
                             "(their prompts are unknown here), dropped without regeneration: %s",
                             len(taken.not_regenerated), taken.not_regenerated[:5])
             if taken.regenerate:

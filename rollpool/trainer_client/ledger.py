@@ -20,8 +20,20 @@ Guarantees this class keeps:
   or already delivered through `pull_acks`, groups dropped as stale through
   `stale_acks` (so the broker releases their capacity); an ack leaves the ledger
   only when the caller says it was sent (`acks_sent`);
-* the other terminal states (FAILED, CANCELLED, DROPPED_STALE from the broker) are
-  handed out once, beside the next batch.
+* the other terminal states (FAILED, CANCELLED, DROPPED_STALE from the broker, and
+  the groups this ledger drops by the stale bound) are handed out once, beside the
+  next batch, each with its prompt id and reason (`RolloutBatch.other`,
+  `RolloutBatch.reports`): every prompt taken is told of exactly once, a
+  regenerated one as DROPPED_STALE with ``regenerated_as`` naming its successor.
+
+The stale policy (per ledger, or per `take`): a DONE group whose staleness
+(``version - min(token_versions)`` over sampled tokens) is above ``max_staleness``
+is ``drop``-ped (acknowledged as dropped_stale so the broker frees its capacity),
+``regenerate``-d (dropped as above, and the ORIGINAL prompt comes back in
+`TakeOutcome.regenerate` under a fresh id), or under ``keep`` delivered with its
+staleness stated while it is at most ``max_staleness_keep`` (above that it is
+dropped). Generated tokens that never reach the trainer are counted per reason
+(``wasted_tokens_stale``, ``wasted_tokens_duplicate``) beside ``tokens_delivered``.
 """
 
 from __future__ import annotations
@@ -43,7 +55,11 @@ from rollpool.protocol import (
     trajectory_staleness,
 )
 
-__all__ = ["ClientLedger", "Dedup", "RolloutBatch", "SubmitResult", "TakeOutcome", "COUNTERS"]
+__all__ = ["ClientLedger", "Dedup", "PromptReport", "RolloutBatch", "STALE_POLICIES", "SubmitResult", "TakeOutcome",
+           "TrainSample", "COUNTERS", "check_stale_policy", "sampled_staleness"]
+
+STALE_POLICIES = ("drop", "regenerate", "keep")
+"""What happens to a DONE group staler than ``max_staleness`` (see the module docstring)."""
 
 COUNTERS = (
     "submitted",
@@ -58,7 +74,78 @@ COUNTERS = (
     "failed",
     "cancelled",
     "broker_restarts",
+    "kept_stale",
+    "tokens_delivered",
+    "wasted_tokens_stale",
+    "wasted_tokens_duplicate",
 )
+
+
+def check_stale_policy(policy: str, max_staleness_keep: int | None) -> None:
+    """Raise ValueError naming the argument when `policy` or `max_staleness_keep` is not allowed."""
+    if policy not in STALE_POLICIES:
+        raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {policy!r}")
+    if max_staleness_keep is not None and max_staleness_keep < 0:
+        raise ValueError(f"max_staleness_keep must be >= 0, got {max_staleness_keep}")
+
+
+def sampled_staleness(v_consume: int, t: Trajectory) -> int:
+    """``v_consume - min(token_versions)`` over the sampled tokens (loss mask 1); all tokens when the
+    mask is absent or masks everything; 0 for a trajectory without output tokens."""
+    versions = t.token_versions
+    if len(t.loss_mask) == len(versions) and len(versions):
+        sampled = versions[np.asarray(t.loss_mask) != 0]
+        if sampled.size:
+            versions = sampled
+    return trajectory_staleness(v_consume, versions)
+
+
+@dataclass(frozen=True)
+class PromptReport:
+    """How one prompt taken in this batch ended, as `get_batch` reports it."""
+
+    prompt_id: str
+    state: str
+    """`GroupState.DONE`, FAILED, CANCELLED or DROPPED_STALE."""
+    reason: str = ""
+    staleness: int | None = None
+    """The group's staleness when the trainer took it (DONE, and groups dropped by the stale bound)."""
+    regenerated_as: str | None = None
+    """The fresh prompt id its original prompt was resubmitted under (``stale_policy="regenerate"``)."""
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One trajectory with what a decoupled-PPO trainer needs beside it (AReaL-style off-policy correction).
+
+    ``behaviour_logprobs`` are the logprobs of the policy that sampled each token (the
+    trajectory's ``output_logprobs``); ``token_versions`` the version that produced each
+    token; ``token_staleness`` = consumption version - token version, per token;
+    ``staleness`` the trajectory's (oldest sampled token). The proximal policy of
+    decoupled PPO is the trainer's own; the importance weight per token is
+    ``exp(logp_proximal - behaviour_logprobs)``.
+    """
+
+    trajectory: Trajectory
+    version: int
+    """The trainer's version when the batch was handed out (v_consume)."""
+    staleness: int
+
+    @property
+    def behaviour_logprobs(self) -> np.ndarray:
+        return self.trajectory.output_logprobs
+
+    @property
+    def token_versions(self) -> np.ndarray:
+        return self.trajectory.token_versions
+
+    @property
+    def token_staleness(self) -> np.ndarray:
+        return (self.version - np.asarray(self.trajectory.token_versions, dtype=np.int64)).astype(np.int32)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self.trajectory.loss_mask
 
 
 @dataclass
@@ -75,13 +162,31 @@ class RolloutBatch:
     groups: list[GroupResult]
     """n whole DONE groups (each with all its trajectories)."""
     other: list[GroupResult]
-    """Groups that ended otherwise (FAILED, CANCELLED, DROPPED_STALE) since the last batch."""
+    """Groups that ended otherwise since the last batch: FAILED, CANCELLED and DROPPED_STALE from the
+    broker, and the groups the stale bound dropped here (state DROPPED_STALE, no trajectories, the
+    reason and ``metadata["staleness"]`` / ``metadata["regenerated_as"]`` set)."""
     stats: dict[str, float]
     """Lag, staleness and throughput figures, ready for wandb or TensorBoard."""
+    version: int = 0
+    """The trainer's version when this batch was handed out (staleness counts from it)."""
+    reports: list[PromptReport] = field(default_factory=list)
+    """One per prompt in `groups` and `other`, in that order: prompt id, state, reason, staleness."""
+    staleness: dict[str, int] = field(default_factory=dict)
+    """trajectory_id -> staleness at `version`, for every trajectory in `groups`."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
+
+    def samples(self) -> list[TrainSample]:
+        """Every trajectory of `groups` with its behaviour logprobs, per-token versions and staleness."""
+        return [TrainSample(t, self.version, self.staleness.get(t.trajectory_id, sampled_staleness(self.version, t)))
+                for t in self.trajectories]
+
+    @property
+    def kept_stale(self) -> int:
+        """Trajectories delivered staler than the bound (``stale_policy="keep"``)."""
+        return int(self.stats.get("rollout/kept_stale", 0.0))
 
 
 @dataclass
@@ -125,8 +230,14 @@ class Dedup:
 class ClientLedger:
     """The trainer client's whole state apart from the connection (see the module docstring)."""
 
-    def __init__(self, *, dedup_window: int, regenerate_stale: bool, new_prompt_id: Callable[[], str]) -> None:
-        self.regenerate_stale = regenerate_stale
+    def __init__(self, *, dedup_window: int, new_prompt_id: Callable[[], str], stale_policy: str = "drop",
+                 max_staleness_keep: int | None = None, regenerate_stale: bool = False) -> None:
+        if regenerate_stale:  # the deprecated spelling of stale_policy="regenerate"
+            stale_policy = "regenerate"
+        check_stale_policy(stale_policy, max_staleness_keep)
+        self.stale_policy = stale_policy
+        self.max_staleness_keep = max_staleness_keep
+        """Under ``keep``: the most staleness delivered (None: twice ``max_staleness``)."""
         self._new_prompt_id = new_prompt_id
         self.version = 0
         """The trainer's weight version as far as this client knows (its own or the broker's, the newer)."""
@@ -136,10 +247,23 @@ class ClientLedger:
         self._to_ack: list[str] = []
         self._to_ack_stale: list[str] = []
         self._delivered = Dedup(dedup_window)
+        self._stale_ids = Dedup(dedup_window)
+        """Groups dropped here as too stale (their redeliveries are acknowledged as stale again)."""
         self._traj_seen = Dedup(dedup_window)
         self._ready: deque[GroupResult] = deque()
         self._other: list[GroupResult] = []
+        self._staleness: dict[str, int] = {}
+        """prompt_id -> staleness of each ready group (judged when taken)."""
+        self._dropped_here: set[str] = set()
+        """Groups in `_other` that the stale bound dropped here (acknowledged as stale, not again)."""
+        self._kept_stale: dict[str, int] = {}
+        """prompt_id -> trajectories delivered above the bound, for ready groups."""
         self._last_batch_at: float | None = None
+
+    @property
+    def regenerate_stale(self) -> bool:
+        """Deprecated: ``stale_policy == "regenerate"``."""
+        return self.stale_policy == "regenerate"
 
     # ------------------------------------------------------------------ submissions
 
@@ -190,17 +314,29 @@ class ClientLedger:
         """DONE groups taken and not yet handed out."""
         return len(self._ready)
 
-    def take(self, groups: Iterable[GroupResult], max_staleness: int | None) -> TakeOutcome:
-        """File the groups of one pull: deduplicate, judge staleness, queue for delivery."""
+    def take(self, groups: Iterable[GroupResult], max_staleness: int | None, stale_policy: str | None = None,
+             max_staleness_keep: int | None = None) -> TakeOutcome:
+        """File the groups of one pull: deduplicate, judge staleness, queue for delivery.
+
+        `stale_policy` and `max_staleness_keep` override the ledger's own for these groups.
+        """
+        policy = self.stale_policy if stale_policy is None else stale_policy
+        keep_limit = self.max_staleness_keep if max_staleness_keep is None else max_staleness_keep
+        check_stale_policy(policy, keep_limit)
+        if policy == "keep" and keep_limit is None and max_staleness is not None:
+            keep_limit = 2 * max_staleness
         out = TakeOutcome()
         for g in groups:
-            self._take_one(g, max_staleness, out)
+            self._take_one(g, max_staleness, policy, keep_limit, out)
         return out
 
-    def _take_one(self, g: GroupResult, max_staleness: int | None, out: TakeOutcome) -> None:
+    def _take_one(self, g: GroupResult, max_staleness: int | None, policy: str, keep_limit: int | None,
+                  out: TakeOutcome) -> None:
         if g.prompt_id in self._delivered:
             self.counters["duplicates_dropped"] += 1
-            self._to_ack.append(g.prompt_id)  # the broker redelivered something we already returned
+            # the broker redelivered something we already returned or dropped (our ack was lost): acknowledge it
+            # again the same way, so a group dropped as stale still releases its capacity
+            (self._to_ack_stale if g.prompt_id in self._stale_ids else self._to_ack).append(g.prompt_id)
             return
         original = self.pending.pop(g.prompt_id, None)  # the group is terminal from here on
         if g.state != GroupState.DONE:
@@ -216,19 +352,17 @@ class ClientLedger:
         fresh = [t for t in g.trajectories if self._traj_seen.add(t.trajectory_id)]
         if len(fresh) != len(g.trajectories):
             self.counters["duplicates_dropped"] += len(g.trajectories) - len(fresh)
-        if max_staleness is not None and fresh:
-            staleness = max(trajectory_staleness(self.version, t.token_versions) for t in fresh)
-            if staleness > max_staleness:
-                self._delivered.add(g.prompt_id)
-                self.counters["dropped_stale"] += 1
-                self._to_ack_stale.append(g.prompt_id)
-                out.dropped_stale.append((g.prompt_id, staleness))
-                if self.regenerate_stale:
-                    if original is not None:
-                        out.regenerate.append(dataclasses.replace(original, prompt_id=self._new_prompt_id()))
-                    else:
-                        self.counters["regenerate_skipped"] += 1
-                        out.not_regenerated.append(g.prompt_id)
+            self.counters["wasted_tokens_duplicate"] += sum(len(t.output_ids) for t in g.trajectories) - sum(
+                len(t.output_ids) for t in fresh)
+        lags = [sampled_staleness(self.version, t) for t in fresh]
+        staleness = max(lags, default=0)
+        kept = 0
+        if max_staleness is not None and staleness > max_staleness:
+            if policy == "keep" and keep_limit is not None and staleness <= keep_limit:
+                kept = sum(1 for lag in lags if lag > max_staleness)
+            else:
+                self._drop_stale(g, original, staleness, max_staleness, keep_limit if policy == "keep" else None,
+                                 policy, fresh, out)
                 return
         self._delivered.add(g.prompt_id)
         if not fresh:
@@ -236,7 +370,35 @@ class ClientLedger:
             return
         if len(fresh) != len(g.trajectories):
             g = dataclasses.replace(g, trajectories=tuple(fresh))
+        self._staleness[g.prompt_id] = staleness
+        if kept:
+            self._kept_stale[g.prompt_id] = kept
         self._ready.append(g)
+
+    def _drop_stale(self, g: GroupResult, original: Prompt | None, staleness: int, max_staleness: int,
+                    keep_limit: int | None, policy: str, fresh: Sequence[Trajectory], out: TakeOutcome) -> None:
+        self._delivered.add(g.prompt_id)
+        self._stale_ids.add(g.prompt_id)
+        self.counters["dropped_stale"] += 1
+        self.counters["wasted_tokens_stale"] += sum(len(t.output_ids) for t in fresh)
+        self._to_ack_stale.append(g.prompt_id)
+        out.dropped_stale.append((g.prompt_id, staleness))
+        bound = max_staleness if keep_limit is None else keep_limit
+        meta: dict[str, object] = {"staleness": staleness}
+        reason = f"staleness {staleness} > {bound}" + (" (max_staleness_keep)" if keep_limit is not None else "")
+        if policy == "regenerate":
+            if original is not None:
+                again = dataclasses.replace(original, prompt_id=self._new_prompt_id())
+                out.regenerate.append(again)
+                meta["regenerated_as"] = again.prompt_id
+                reason += f", regenerated as {again.prompt_id}"
+            else:
+                self.counters["regenerate_skipped"] += 1
+                out.not_regenerated.append(g.prompt_id)
+                reason += ", not regenerated (prompt unknown to this client)"
+        self._dropped_here.add(g.prompt_id)
+        self._other.append(GroupResult(prompt_id=g.prompt_id, state=GroupState.DROPPED_STALE, reason=reason,
+                                       attempts=g.attempts, worker_id=g.worker_id, metadata=meta))
 
     def deliver(self, n: int, *, started_at: float, now: float, dropped_before: int) -> tuple[RolloutBatch, list[int]]:
         """Hand out n ready groups and the other terminal states; they are acknowledged with the next pull.
@@ -250,14 +412,23 @@ class ClientLedger:
         groups = [self._ready.popleft() for _ in range(n)]
         other, self._other = self._other, []
         self._to_ack.extend(g.prompt_id for g in groups)
-        self._to_ack.extend(g.prompt_id for g in other)
+        # groups dropped here by the stale bound are acknowledged as dropped_stale (stale_acks), not again
+        self._to_ack.extend(g.prompt_id for g in other if g.prompt_id not in self._dropped_here)
+        self._dropped_here.difference_update(g.prompt_id for g in other)
         trajs = [t for g in groups for t in g.trajectories]
         tokens = sum(len(t.output_ids) for t in trajs)
-        lags = [trajectory_staleness(self.version, t.token_versions) for t in trajs if len(t.token_versions)]
+        per_traj = {t.trajectory_id: sampled_staleness(self.version, t) for t in trajs}
+        lags = [per_traj[t.trajectory_id] for t in trajs if len(t.token_versions)]
+        kept = sum(self._kept_stale.pop(g.prompt_id, 0) for g in groups)
+        reports = [PromptReport(g.prompt_id, g.state, g.reason, self._staleness.pop(g.prompt_id, None)) for g in groups]
+        reports += [PromptReport(g.prompt_id, g.state, g.reason, _int_or_none(g.metadata.get("staleness")),
+                                 _str_or_none(g.metadata.get("regenerated_as"))) for g in other]
         interval = now - self._last_batch_at if self._last_batch_at is not None else now - started_at
         self._last_batch_at = now
         self.counters["groups_delivered"] += len(groups)
         self.counters["trajectories_delivered"] += len(trajs)
+        self.counters["tokens_delivered"] += tokens
+        self.counters["kept_stale"] += kept
         rewards = [t.reward for t in trajs if t.reward is not None]
         stats = {
             "rollout/version": float(self.version),
@@ -271,8 +442,24 @@ class ClientLedger:
             "rollout/dropped_stale": float(self.counters["dropped_stale"] - dropped_before),
             "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
             "rollout/pending_prompts": float(len(self.pending)),
+            "rollout/kept_stale": float(kept),
+            "rollout/other_groups": float(len(other)),
         }
-        return RolloutBatch(groups=groups, other=other, stats=stats), lags
+        batch = RolloutBatch(groups=groups, other=other, stats=stats, version=self.version, reports=reports,
+                             staleness=per_traj)
+        return batch, lags
+
+    def wasted_token_shares(self) -> dict[str, float]:
+        """Generated tokens this client saw that never reached the trainer, as shares of all it saw, per reason.
+
+        Only what reaches the client: tokens of groups the broker cancelled or failed never
+        arrive (the broker counts those).
+        """
+        seen = self.counters["tokens_delivered"] + self.counters["wasted_tokens_stale"] + self.counters["wasted_tokens_duplicate"]
+        if seen == 0:
+            return {"stale_drop": 0.0, "duplicate": 0.0}
+        return {"stale_drop": self.counters["wasted_tokens_stale"] / seen,
+                "duplicate": self.counters["wasted_tokens_duplicate"] / seen}
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -299,6 +486,14 @@ class ClientLedger:
             return None
         stale = tuple(self._to_ack_stale)
         return Ack(prompt_ids=tuple(self._to_ack) + stale, dropped_stale=stale)
+
+
+def _int_or_none(x: object) -> int | None:
+    return int(x) if isinstance(x, int) else None
+
+
+def _str_or_none(x: object) -> str | None:
+    return x if isinstance(x, str) else None
 
 
 def _without(owed: list[str], sent: Sequence[str]) -> list[str]:

@@ -70,8 +70,10 @@ class SyncTrainerClient:
         items = list(prompts)
         return self._call(lambda: self.client.submit(items, group_size=group_size, sampling=sampling))
 
-    def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None) -> RolloutBatch:
-        return self._call(lambda: self.client.get_batch(n, max_staleness=max_staleness, timeout=timeout))
+    def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None,
+                  stale_policy: str | None = None, max_staleness_keep: int | None = None) -> RolloutBatch:
+        return self._call(lambda: self.client.get_batch(n, max_staleness=max_staleness, timeout=timeout,
+                                                        stale_policy=stale_policy, max_staleness_keep=max_staleness_keep))
 
     def publish_weights(self, model_or_named_tensors: Any, version: int) -> Any:
         return self._call(lambda: self.client.publish_weights(model_or_named_tensors, version))

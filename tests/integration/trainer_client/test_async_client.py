@@ -84,7 +84,7 @@ async def test_regenerate_stale_resubmits_the_original_prompt(inproc_pool: Any) 
             worker.version = 5  # the regenerated groups come back fresh
 
     worker = await inproc_pool.worker(kind=TaggingWorker, capacity=8, on_task=on_task)
-    client = await inproc_pool.client(regenerate_stale=True)
+    client = await inproc_pool.client(stale_policy="regenerate")
     await client.set_version(5)  # the worker is at version 0: the first results are 5 versions old
     assert (await client.submit(list(originals.values()))).accepted == list(originals)
     batch = await client.get_batch(2, max_staleness=2, timeout=10)
@@ -96,9 +96,34 @@ async def test_regenerate_stale_resubmits_the_original_prompt(inproc_pool: Any) 
         original = by_answer[task.prompt.metadata["answer"]]
         assert differing_fields(original, task.prompt) == [], (original, task.prompt)
     assert client.pending() == 0
+    # every prompt is told of once: the stale originals beside the batch, each naming its successor
+    regenerated_as = {r.prompt_id: r.regenerated_as for r in batch.reports if r.state == "dropped_stale"}
+    assert sorted(regenerated_as) == sorted(originals) and sorted(regenerated_as.values()) == sorted(g.prompt_id for g in batch.groups)
     # the stale originals were released as dropped_stale; of the regenerated groups only the one that is not an
     # evaluation prompt (exempt_from_staleness) uses admission capacity, as its original did
     await inproc_pool.wait_for(lambda: inproc_pool.broker.state.staleness.accepted == 2)
+
+
+async def test_keep_delivers_stale_groups_with_their_staleness_and_they_keep_their_capacity(inproc_pool: Any) -> None:
+    await inproc_pool.worker(kind=TaggingWorker, capacity=8)  # at version 0
+    client = await inproc_pool.client(stale_policy="keep", max_staleness_keep=4)
+    await client.set_version(3)
+    await client.submit([Prompt(prompt_id=f"k{i}", input_ids=np.array([i, 1], np.int32), group_size=2, sampling=SAMPLING)
+                         for i in range(2)])
+    batch = await client.get_batch(2, max_staleness=1, timeout=10)
+    assert sorted(g.prompt_id for g in batch.groups) == ["k0", "k1"] and batch.other == []
+    assert batch.kept_stale == 4 and client.counters["kept_stale"] == 4 and client.counters["dropped_stale"] == 0
+    assert [s.staleness for s in batch.samples()] == [3, 3, 3, 3] and batch.version == 3
+    assert [r.staleness for r in batch.reports] == [3, 3]
+    # per call, drop overrides keep: a later group this stale is dropped and reported
+    await client.submit([Prompt(prompt_id="d0", input_ids=np.array([9, 1], np.int32), group_size=2, sampling=SAMPLING),
+                         Prompt(prompt_id="d1", input_ids=np.array([8, 1], np.int32), group_size=2, sampling=SAMPLING)])
+    with pytest.raises(TimeoutError):
+        await client.get_batch(1, max_staleness=1, timeout=1.0, stale_policy="drop")
+    assert client.counters["dropped_stale"] == 2
+    await client.close()
+    # kept groups were trained on: acknowledged plainly, their samples stay in the broker's accepted count
+    await inproc_pool.wait_for(lambda: inproc_pool.broker.state.staleness.accepted == 4)
 
 
 async def test_a_broker_restart_resubmits_every_undelivered_prompt_whole(inproc_pool: Any) -> None:

@@ -28,7 +28,7 @@ W = bench.Workload()
 
 @pytest.mark.parametrize(("gpus", "eta"), [(64, 1), (64, 4), (256, 2), (256, 8)])
 def test_window_bound_matches_the_zero_latency_model_without_drops(gpus: int, eta: int) -> None:
-    model = bench.analytic(W, gpus, [eta], warmup_s=600.0)
+    model = bench.analytic(W, gpus, [eta], warmup_s=600.0, rule_models=False)
     gen, train = bench.split(W, gpus)
     free = bench.ideal_pool(W, gen, train, eta, steps=300, hard_bound=False, warmup_s=600.0)["samples_per_s"]
     bound = model["async_bound"][eta]
@@ -51,7 +51,7 @@ def test_hard_bound_drops_cost_a_share_at_every_eta() -> None:
 
 
 def test_slots_bind_at_64_gpus_eta_8() -> None:
-    b = bench.analytic(W, 64, [8], warmup_s=600.0)["async_bound"][8]
+    b = bench.analytic(W, 64, [8], warmup_s=600.0, rule_models=False)["async_bound"][8]
     assert b["slots"] < b["window"]
     assert b["samples_per_s"] == b["slots"] == pytest.approx(56 * 64 / 202.8, rel=0.01)
 
@@ -74,3 +74,73 @@ def test_starting_a_version_behind_at_each_bump_costs_most_at_small_eta() -> Non
         assert behind["dropped_share"] >= ideal["dropped_share"]
         loss[eta] = 1 - behind["samples_per_s"] / ideal["samples_per_s"]
     assert loss[1] > 0.1 > loss[8]
+
+
+# ---------------------------------------------------------------------- the rule sets of issue 24 (MODEL)
+
+TODAY = {"start_behind_at_bump": True}
+NEW = {"start_behind_at_bump": True, "fresh_dispatch_hold_s": 5.0, "apply_s": 1.0, "cancel_doomed": True}
+
+
+def test_version_aware_dispatch_recovers_the_start_behind_loss_when_the_hold_covers_the_apply() -> None:
+    gen, train = bench.split(W, 64)
+    ideal = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0)
+    today = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0, **TODAY)
+    held = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0, start_behind_at_bump=True,
+                            fresh_dispatch_hold_s=5.0, apply_s=1.0)
+    short = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0, start_behind_at_bump=True,
+                             fresh_dispatch_hold_s=0.5, apply_s=1.0)  # the hold ends first: dispatched behind anyway
+    assert held["samples_per_s"] == pytest.approx(ideal["samples_per_s"], rel=0.03)  # 1 s of idle capacity per step
+    assert held["dropped_share"] == pytest.approx(ideal["dropped_share"], abs=0.02)
+    assert held["dropped_share"] < today["dropped_share"] - 0.1
+    assert short["samples_per_s"] < 0.9 * held["samples_per_s"]
+    with pytest.raises(ValueError, match="fresh_dispatch_hold_s"):
+        bench.ideal_pool(W, gen, train, 1, steps=10, fresh_dispatch_hold_s=-1.0)
+
+
+def test_early_cancellation_turns_stale_drops_into_cheaper_cancels_and_the_shares_add_up() -> None:
+    gen, train = bench.split(W, 64)
+    today = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0, **TODAY)
+    new = bench.ideal_pool(W, gen, train, 1, steps=300, warmup_s=600.0, **NEW)
+    assert today["cancelled_share"] == 0 and today["wasted_share_by_reason"]["cancel"] == 0
+    assert new["cancelled_share"] > 0.1 and new["dropped_share"] < 0.05
+    for r in (today, new):
+        assert sum(r["wasted_share_by_reason"].values()) == pytest.approx(r["wasted_share"])
+        assert r["max_staleness_seen"] <= 1 and r["older_than_eta_share"] == 0  # drop never trains above eta
+    # the issue's figure: at eta 1 the new drop rules waste about half of what today's do, and train more
+    assert 0.4 < new["wasted_share"] / today["wasted_share"] < 0.7
+    assert new["samples_per_s"] > 1.15 * today["samples_per_s"]
+
+
+@pytest.mark.parametrize("gpus", [64, 256])
+def test_keep_with_twice_eta_reaches_the_bound_with_little_waste_and_states_its_staleness(gpus: int) -> None:
+    gen, train = bench.split(W, gpus)
+    b = bench.analytic(W, gpus, [], warmup_s=600.0)  # the bound's inputs only
+    bound = min(bench.fluid_window_bound(W, 4, b["mean_group_s"], b["async_train_s"]), gen * W.capacity / b["mean_group_s"])
+    keep = bench.ideal_pool(W, gen, train, 4, steps=300, warmup_s=600.0, stale_policy="keep", **NEW)
+    drop = bench.ideal_pool(W, gen, train, 4, steps=300, warmup_s=600.0, **NEW)
+    assert keep["samples_per_s"] >= 0.95 * bound > drop["samples_per_s"]
+    assert keep["wasted_share"] <= 0.04 < drop["wasted_share"]
+    assert 0 < keep["older_than_eta_share"] < 0.5 and 4 < keep["max_staleness_seen"] <= 8
+    tight = bench.ideal_pool(W, gen, train, 4, steps=300, warmup_s=600.0, stale_policy="keep", max_staleness_keep=5, **NEW)
+    assert tight["max_staleness_seen"] <= 5 and tight["wasted_share"] > keep["wasted_share"]
+    with pytest.raises(ValueError, match="stale_policy"):
+        bench.ideal_pool(W, gen, train, 4, steps=10, stale_policy="regenerate")
+
+
+def test_summarise_writes_the_issue_24_maps_from_the_model_and_the_runs() -> None:
+    model = bench.analytic(W, 64, [4], warmup_s=600.0)
+    model["async_bound"] = {str(k): v for k, v in model["async_bound"].items()}
+    bound = model["async_bound"]["4"]["samples_per_s"]
+    run = {"eta": 4, "steady_samples_per_s": 0.5 * bound, "samples_per_s": 0.5 * bound, "max_staleness_seen": 4,
+           "wasted_share": 0.3, "older_than_eta_share": 0.0}
+    keep = {**run, "steady_samples_per_s": 0.9 * bound, "max_staleness_seen": 7, "wasted_share": 0.01, "older_than_eta_share": 0.2}
+    out: dict = {"runs": {"64": {"analytic": model, "async_eta4": run, "keep_eta4": keep}}}
+    bench.summarise(out)
+    assert out["keep_fraction_of_bound"] == {"64": {"4": pytest.approx(0.9)}}
+    assert out["keep_wasted_share"]["64"]["4"] == 0.01 and out["keep_older_than_eta_share"]["64"]["4"] == 0.2
+    assert out["keep_max_staleness_seen"]["64"]["4"] == 7 and out["max_staleness_seen"]["64"]["4"] == 4
+    assert out["drop_wasted_share"]["64"]["4"] == 0.3
+    new_drop = model["async_bound"]["4"]["model_new_drop"]
+    assert out["drop_model_wasted_share"]["64"]["4"] == new_drop["wasted_share"]
+    assert out["drop_fraction_of_model"]["64"]["4"] == pytest.approx(0.5 * bound / new_drop["samples_per_s"])

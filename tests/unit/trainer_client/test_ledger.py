@@ -18,9 +18,9 @@ from rollpool.protocol import GroupResult, GroupState, Prompt, Rejection, Sampli
 from rollpool.trainer_client.ledger import ClientLedger, Dedup, SubmitResult
 
 
-def make(*, regenerate_stale: bool = False, dedup_window: int = 1000) -> ClientLedger:
+def make(*, regenerate_stale: bool = False, dedup_window: int = 1000, **kw: Any) -> ClientLedger:
     ids = itertools.count()
-    return ClientLedger(dedup_window=dedup_window, regenerate_stale=regenerate_stale, new_prompt_id=lambda: f"fresh-{next(ids)}")
+    return ClientLedger(dedup_window=dedup_window, regenerate_stale=regenerate_stale, new_prompt_id=lambda: f"fresh-{next(ids)}", **kw)
 
 
 def prompt(pid: str, n: int = 2, **kw: Any) -> Prompt:
@@ -302,3 +302,145 @@ def test_the_ledger_is_pure() -> None:
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"asyncio", "zmq", "time", "socket", "threading", "os", "uuid", "random", "logging"}, imported
     assert {"rollpool", "numpy"} >= imported - {"__future__", "collections", "dataclasses"}, imported
+
+
+# ---------------------------------------------------------------------- stale_policy (issue 24)
+
+
+def test_keep_delivers_stale_groups_up_to_max_staleness_keep_with_their_staleness_stated() -> None:
+    led = make()
+    accept(led, *(prompt(p) for p in ("fresh", "kept", "too-old")))
+    led.observe_version(6)
+    out = led.take([done("fresh", version=6), done("kept", version=2), done("too-old", version=1)], max_staleness=2,
+                   stale_policy="keep")  # max_staleness_keep defaults to 2 x max_staleness = 4
+    assert out.dropped_stale == [("too-old", 5)] and out.regenerate == []
+    batch, lags = led.deliver(2, started_at=0.0, now=0.0, dropped_before=0)
+    assert [g.prompt_id for g in batch.groups] == ["fresh", "kept"] and lags == [0, 0, 4, 4]
+    assert batch.kept_stale == 2 and led.counters["kept_stale"] == 2 and led.counters["dropped_stale"] == 1
+    assert [(r.prompt_id, r.state, r.staleness) for r in batch.reports] == [
+        ("fresh", GroupState.DONE, 0), ("kept", GroupState.DONE, 4), ("too-old", GroupState.DROPPED_STALE, 5)]
+    assert "staleness 5 > 4" in batch.reports[2].reason
+    # kept groups were trained on: acknowledged plainly; the one above the keep limit is released as stale
+    assert led.pull_acks() == ("fresh", "kept") and led.stale_acks() == ("too-old",)
+    led.take([done("k2", version=0)], max_staleness=2, stale_policy="keep", max_staleness_keep=6)  # explicit limit
+    assert led.ready == 1
+
+
+def test_regenerate_reports_the_old_prompt_once_as_dropped_stale_naming_its_successor_and_acks_it_once() -> None:
+    led = make(stale_policy="regenerate")
+    accept(led, prompt("old"), prompt("ok"))
+    led.observe_version(4)
+    out = led.take([done("old", version=0), done("ok", version=4)], max_staleness=1)
+    assert [p.prompt_id for p in out.regenerate] == ["fresh-0"]
+    led.acks_sent(stale=led.stale_acks())  # get_batch sends the stale ack before the next pull
+    batch, _ = led.deliver(1, started_at=0.0, now=0.0, dropped_before=0)
+    assert [(g.prompt_id, g.state, g.metadata["regenerated_as"]) for g in batch.other] == [("old", GroupState.DROPPED_STALE, "fresh-0")]
+    assert [(r.prompt_id, r.regenerated_as) for r in batch.reports] == [("ok", None), ("old", "fresh-0")]
+    # acknowledged once, as dropped_stale, never again as a plain ack (that would count it twice at the broker)
+    assert led.pull_acks() == ("ok",) and led.stale_acks() == ()
+    led.acks_sent(led.pull_acks())
+    assert led.final_ack() is None
+
+
+def test_the_policy_can_be_chosen_per_take_and_bad_ones_are_refused() -> None:
+    led = make(stale_policy="keep", max_staleness_keep=10)
+    accept(led, prompt("a"), prompt("b"))
+    led.observe_version(5)
+    out = led.take([done("a", version=0)], max_staleness=1, stale_policy="drop")
+    assert out.dropped_stale == [("a", 5)]
+    led.take([done("b", version=0)], max_staleness=1)  # the ledger's own: keep up to 10
+    assert led.ready == 1
+    with pytest.raises(ValueError, match="stale_policy must be one of"):
+        led.take([], max_staleness=1, stale_policy="ignore")
+    with pytest.raises(ValueError, match="max_staleness_keep must be >= 0"):
+        make(stale_policy="keep", max_staleness_keep=-1)
+    assert make(regenerate_stale=True).stale_policy == "regenerate"  # the deprecated spelling
+
+
+def test_the_client_config_checks_the_policy_and_warns_on_the_deprecated_alias() -> None:
+    from rollpool.protocol import ConfigError
+    from rollpool.trainer_client import TrainerClientConfig
+
+    with pytest.raises(ConfigError, match="stale_policy"):
+        TrainerClientConfig(stale_policy="sometimes")
+    with pytest.raises(ConfigError, match="max_staleness_keep"):
+        TrainerClientConfig(max_staleness_keep=-2)
+    with pytest.raises(ConfigError, match="contradicts"):
+        TrainerClientConfig(regenerate_stale=True, stale_policy="keep")
+    with pytest.warns(DeprecationWarning, match="stale_policy='regenerate'"):
+        cfg = TrainerClientConfig(regenerate_stale=True)
+    assert cfg.stale_policy == "regenerate"
+
+
+def test_samples_expose_what_decoupled_ppo_needs_and_staleness_counts_sampled_tokens_only() -> None:
+    led = make()
+    led.observe_version(7)
+    t = Trajectory(prompt_id="e", sample_index=0, input_ids=np.zeros(2, np.int32), output_ids=np.arange(4, dtype=np.int32),
+                   output_logprobs=np.array([-0.1, 0.0, -0.3, -0.4], np.float32),
+                   token_versions=np.array([6, 3, 6, 7], np.int32),  # the version-3 token was inserted (tool output)
+                   loss_mask=np.array([1, 0, 1, 1], np.uint8), finish_reason="stop")
+    led.take([GroupResult(prompt_id="e", state=GroupState.DONE, trajectories=(t,))], max_staleness=1)
+    batch, lags = led.deliver(1, started_at=0.0, now=0.0, dropped_before=0)
+    assert lags == [1]  # not 4: inserted tokens do not count
+    (s,) = batch.samples()
+    assert s.staleness == 1 and s.version == 7 and batch.staleness == {"e:0": 1}
+    assert s.token_staleness.tolist() == [1, 4, 1, 0] and s.token_versions.tolist() == [6, 3, 6, 7]
+    assert s.behaviour_logprobs is t.output_logprobs and s.loss_mask.tolist() == [1, 0, 1, 1]
+
+
+def test_wasted_tokens_are_counted_per_reason() -> None:
+    led = make()
+    led.observe_version(3)
+    led.take([done("ok", version=3, out=5), done("stale", version=0, out=7)], max_staleness=1)
+    led.deliver(1, started_at=0.0, now=0.0, dropped_before=0)
+    mixed = GroupResult(prompt_id="q", state=GroupState.DONE, trajectories=(trajs("ok", 1, 3, out=5)[0], trajs("q", 1, 3, out=3)[0]))
+    led.take([mixed], max_staleness=1)  # one trajectory already delivered
+    led.deliver(1, started_at=0.0, now=0.0, dropped_before=0)
+    c = led.counters
+    assert (c["tokens_delivered"], c["wasted_tokens_stale"], c["wasted_tokens_duplicate"]) == (13, 14, 5)
+    assert led.wasted_token_shares() == pytest.approx({"stale_drop": 14 / 32, "duplicate": 5 / 32})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["drop", "regenerate", "keep"]),
+       st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["done", "failed", "stale", "very_stale"])), min_size=1, max_size=30))
+def test_every_prompt_taken_is_reported_exactly_once_under_every_policy(policy: str, events: list[tuple[int, str]]) -> None:
+    led = make(stale_policy=policy)
+    led.observe_version(6)
+    accept(led, *(prompt(f"p{i}") for i in range(6)))
+    reports: list[str] = []
+    plain: list[str] = []
+    stale: list[str] = []
+
+    def hand_out() -> None:
+        stale.extend(led.stale_acks())
+        led.acks_sent(stale=led.stale_acks())
+        batch, _ = led.deliver(led.ready, started_at=0.0, now=0.0, dropped_before=0)
+        reports.extend(r.prompt_id for r in batch.reports)
+        plain.extend(led.pull_acks())
+        led.acks_sent(led.pull_acks())
+
+    for i, kind in events:
+        pid = f"p{i}"
+        g = {"done": done(pid, version=6), "failed": GroupResult(prompt_id=pid, state=GroupState.FAILED),
+             "stale": done(pid, version=3), "very_stale": done(pid, version=0)}[kind]
+        led.take([g], max_staleness=1, max_staleness_keep=3)
+        if led.ready:
+            hand_out()
+    hand_out()
+    seen = {f"p{i}" for i, _ in events}
+    assert sorted(reports) == sorted(seen)  # each prompt told of exactly once
+    # each acknowledged (a redelivery is acknowledged again), and never both plainly and as stale
+    assert set(plain) | set(stale) == seen and not set(plain) & set(stale)
+
+
+def test_a_stale_dropped_group_redelivered_is_acknowledged_as_stale_again() -> None:
+    """Bug (before issue 24): the redelivery of a group dropped as stale (its dropped_stale ack lost) was
+    acknowledged plainly, so the broker kept counting its samples as accepted and its capacity was never freed."""
+    led = make()
+    led.observe_version(5)
+    led.take([done("old", version=0)], max_staleness=1)
+    led.acks_sent(stale=led.stale_acks())  # sent, and lost on the way
+    led.take([done("old", version=0)], max_staleness=1)  # the broker redelivers it
+    assert led.counters["duplicates_dropped"] == 1 and led.ready == 0
+    assert led.stale_acks() == ("old",) and led.pull_acks() == ()
