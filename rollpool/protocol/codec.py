@@ -623,7 +623,7 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
     if cls is None:
         raise ProtocolError("unknown_type", f"unknown message type {type_name[:64]!r}")
     if accept is not None and type_name not in accept:
-        raise ProtocolError("unexpected_type", f"{type_name} is not accepted on this socket", limit="role")
+        raise ProtocolError("unexpected_type", f"{type_name} is not accepted on this socket", limit="message_type")
     st = _DecodeState(views, sizes, limits)
     msg = _decode_record(_SPECS[cls], fields, st, type_name)
     if n > 1 and st.used.count(1) != n - 1:

@@ -230,7 +230,7 @@ class TrainerClient:
         if sockets is None:
             import zmq.asyncio
 
-            sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir))
+            sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir, role="trainer"))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
         self._sock: Any = None
