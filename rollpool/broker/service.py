@@ -74,6 +74,8 @@ from rollpool.protocol import (
     negotiate_version,
     peek_type,
 )
+from rollpool.protocol.codec import check_size
+from rollpool.protocol.errors import MessageTooLargeError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 
@@ -152,6 +154,8 @@ class Broker:
         self._clients: guard.BoundedMap[bytes, str] = guard.BoundedMap()
         self._pulls = guard.PendingPulls()
         self.refusals = guard.Refusals()
+        self._peer_limits: guard.BoundedMap[str | bytes, tuple[int, int]] = guard.BoundedMap(65_536)
+        """What each peer said it accepts (max_msg_bytes, max_header_bytes): worker id or client identity."""
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
         self._scheduled = {"w": False, "c": False}
@@ -327,9 +331,25 @@ class Broker:
                     min_version=min_version,
                 )
             )
+            if self._refuse_oversize(w.worker_id, frames, "task", g):
+                continue
             if not self._send(self._w, w.identity, frames):
                 # it never left: hand the group straight back (not the worker's fault, no attempt used)
                 self.state.nack(w, [g.task_id], self._now, reason="send failed")
+
+    def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
+        """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
+        try:
+            max_msg, max_header = self._peer_limits.get(peer) or (0, 0)
+            check_size(frames, max_msg, what, max_header)
+            return False
+        except MessageTooLargeError as exc:
+            self.refusals.count(exc.limit)
+            self._rate_log.warning("oversize:" + what, "broker: %s", exc)
+            if g is not None:
+                w = self.state.workers.get(peer) if isinstance(peer, str) else None
+                self.state.result(w, task_id=g.task_id, prompt_id=g.prompt_id, trajectories=(), error=str(exc), retryable=False, now=self._now)
+            return True
 
     def _flush_effects(self) -> None:
         fx = self.state.effects
@@ -438,6 +458,7 @@ class Broker:
             self.protocol_errors += error[0] != "stopping"
             self._send(self._w, identity, encode(Error(code=error[0], message=error[1], ref_type="hello")))
             return
+        self._peer_limits[msg.worker_id] = (msg.max_msg_bytes, msg.max_header_bytes)
         old = self.state.workers.get(msg.worker_id)
         if old is not None and old.identity != identity:
             self._by_identity.pop(old.identity, None)
@@ -458,6 +479,7 @@ class Broker:
                     epoch=self.epoch, protocol=proto or PROTOCOL_MAJOR, heartbeat_interval_s=self.config.heartbeat_interval_s,
                     weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
                     announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
+                    max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
                 )
             ),
         )
@@ -501,10 +523,13 @@ class Broker:
                 self._send(self._c, identity, encode(Error(code="version", message=f"no common protocol version (broker speaks {list(SUPPORTED_MAJORS)})", ref_type="client_hello")))
                 return
             self._clients[identity] = msg.client_id
+            self._peer_limits[identity] = (msg.max_msg_bytes, msg.max_header_bytes)
             if msg.fingerprint:
                 st.set_required_fingerprint(msg.fingerprint)
             redelivered = st.client_reconnected(msg.client_id)
-            self._send(self._c, identity, encode(ClientWelcome(epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered)))
+            self._send(self._c, identity, encode(ClientWelcome(
+                epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered,
+                max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes)))
         elif kind is SetVersion:
             self._on_set_version(identity, msg)
         elif kind is StatusRequest:
@@ -524,6 +549,10 @@ class Broker:
             pull.handle.cancel()
         groups = self.state.pull(pull.client_id, pull.max_groups)
         frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
+        if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
+            frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))
+            self.state.client_reconnected(pull.client_id)  # not delivered: ready again for a smaller pull
+            groups = []
         if not self._send(self._c, pull.identity, frames) and groups:
             self.state.client_reconnected(pull.client_id)  # not delivered after all: make them ready again
 

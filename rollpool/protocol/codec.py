@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rollpool.protocol.errors import MessageTooLargeError, ProtocolError
-from rollpool.protocol.limits import DEFAULT_LIMITS, Limits
+from rollpool.protocol.limits import DEFAULT_LIMITS, DEFAULT_PEER_MAX_MSG_BYTES, Limits
 
 __all__ = [
     "PROTOCOL_MAJOR",
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 
@@ -533,16 +533,24 @@ def message_bytes(frames: Sequence[Frame]) -> int:
     return max((f.nbytes if isinstance(f, np.ndarray) else memoryview(f).nbytes) for f in frames) if frames else 0
 
 
-def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str) -> None:
-    """Refuse (`MessageTooLargeError`, naming the limit) a message the peer's MAXMSGSIZE would cut.
+def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_header_bytes: int = 0) -> None:
+    """Refuse (`MessageTooLargeError`, naming the limit) a message the peer would drop or refuse.
 
     ZeroMQ applies MAXMSGSIZE to each message part; a part over it makes the
-    receiving libzmq close the connection, silently, with the message lost.
+    receiving libzmq close the connection, silently, with the message lost. The
+    limits are those the peer announced in its hello or welcome; 0 (an older
+    peer that did not say) means the defaults every rollpool peer has used.
     """
-    if max_msg_bytes > 0:
-        largest = message_bytes(frames)
-        if largest > max_msg_bytes:
-            raise MessageTooLargeError(what, largest, max_msg_bytes)
+    if not frames:
+        return
+    limit = max_msg_bytes or DEFAULT_PEER_MAX_MSG_BYTES
+    largest = message_bytes(frames)
+    if largest > limit:
+        raise MessageTooLargeError(what, largest, limit)
+    header_limit = max_header_bytes or DEFAULT_LIMITS.max_header_bytes
+    header = memoryview(frames[0]).nbytes
+    if header > header_limit:
+        raise MessageTooLargeError(f"{what} header", header, header_limit, limit="max_header_bytes")
 
 
 def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:

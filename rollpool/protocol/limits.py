@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["Limits", "DEFAULT_LIMITS"]
+__all__ = ["Limits", "DEFAULT_LIMITS", "DEFAULT_PEER_MAX_MSG_BYTES"]
 
 _MiB = 1024 * 1024
 
@@ -66,3 +66,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+DEFAULT_PEER_MAX_MSG_BYTES = 64 * _MiB
+"""The MAXMSGSIZE a peer that announced none is assumed to have (`SocketOptions.max_msg_bytes`'s default)."""

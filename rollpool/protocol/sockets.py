@@ -207,7 +207,7 @@ class _Monitor:
     def __init__(self, context: Any) -> None:
         import zmq
 
-        self._ctx = zmq.Context.shadow(context.underlying)
+        self._ctx: Any = zmq.Context.shadow(context.underlying)
         self._pairs: dict[Any, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

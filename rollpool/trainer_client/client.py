@@ -73,6 +73,9 @@ from rollpool.protocol import (
     encode,
     trajectory_staleness,
 )
+from rollpool.protocol.codec import check_size  # roles hook (issue 21)
+from rollpool.protocol.errors import MessageTooLargeError  # roles hook (issue 21)
+from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
 
@@ -234,6 +237,8 @@ class TrainerClient:
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
         self._sock: Any = None
+        self._broker_limits: tuple[int, int] = (0, 0)
+        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[Any]] = {}
         self._req_counter = itertools.count()
@@ -316,7 +321,10 @@ class TrainerClient:
         return f"{self.client_id}:{next(self._req_counter)}"
 
     async def _send(self, msg: Any) -> None:
-        await self._sock.send_multipart(encode(msg), copy=False)
+        frames = encode(msg)
+        # roles hook (issue 21): refuse what the broker said it would drop, naming the limit
+        check_size(frames, self._broker_limits[0], msg.TYPE, self._broker_limits[1])
+        await self._sock.send_multipart(frames, copy=False)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -345,6 +353,9 @@ class TrainerClient:
             try:
                 await self._send(make(rid))
                 reply = await asyncio.wait_for(fut, timeout)
+            except MessageTooLargeError:  # roles hook (issue 21): retrying cannot help
+                self._waiters.pop(rid, None)
+                raise
             except TimeoutError as exc:
                 last = exc
                 self._waiters.pop(rid, None)
@@ -367,12 +378,15 @@ class TrainerClient:
     async def _hello(self) -> ClientWelcome:
         reply = await self._request(
             lambda rid: ClientHello(client_id=self.client_id, protocol_min=min(SUPPORTED_MAJORS),
-                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint),
+                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint,
+                                    max_msg_bytes=self.sockets.options.max_msg_bytes,
+                                    max_header_bytes=DEFAULT_LIMITS.max_header_bytes),
             key="hello",
         )
         if not isinstance(reply, ClientWelcome):
             raise ProtocolError("unexpected", f"expected client_welcome, got {type(reply).__name__}")
         self.epoch = reply.epoch
+        self._broker_limits = (reply.max_msg_bytes, reply.max_header_bytes)  # roles hook (issue 21)
         return reply
 
     async def _on_new_epoch(self, epoch: str) -> None:
