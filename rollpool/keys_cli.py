@@ -10,6 +10,9 @@ Secret files are written mode 0600. It prints what each kind of host needs:
 ship only that (a worker host gets ``server.key`` and its worker pair, never a
 secret of another role or the server secret).
 
+``rollpool keys export DIR HOST DEST`` copies exactly those files for one
+kind of host (``broker``, ``trainer``, ``worker``, ``relay``).
+
 ``rollpool keys migrate DIR`` turns a directory from before roles (one
 ``client`` pair, ``allowed_clients/``) into the role layout without a flag
 day: the server pair is kept (clients keep pinning the same ``server.key``),
@@ -29,7 +32,7 @@ import shutil
 
 from rollpool.protocol.roles import HOST_FILES, ROLES, KeyLayout
 
-__all__ = ["HELP", "add_arguments", "run", "generate", "migrate", "finish_migration", "add_key"]
+__all__ = ["HELP", "add_arguments", "run", "generate", "migrate", "finish_migration", "add_key", "export"]
 
 HELP = "CURVE certificates: one key set per role (gen, migrate)"
 
@@ -43,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--add", action="append", default=None, metavar="ROLE:NAME",
                      help="one more pair of ROLE, written as ROLE-NAME.key[_secret] and allowed (repeatable)")
     gen.add_argument("--force", action="store_true", help="overwrite existing pairs (every peer needs the new keys)")
+    exp = sub.add_parser("export", help="copy what one kind of host needs (broker, trainer, worker, relay) into DEST")
+    exp.add_argument("dir")
+    exp.add_argument("host", choices=sorted(HOST_FILES))
+    exp.add_argument("dest")
     mig = sub.add_parser("migrate", help="give a pre-roles key directory (allowed_clients/) per-role keys")
     mig.add_argument("dir")
     mig.add_argument("--finish", action="store_true", help="stop admitting the pre-roles client keys")
@@ -135,6 +142,27 @@ def finish_migration(directory: str) -> list[str]:
     return removed
 
 
+def export(directory: str, host: str, dest: str) -> list[str]:
+    """Copy only the files `host` needs (`roles.HOST_FILES`) into `dest` (secrets stay mode 0600)."""
+    if host not in HOST_FILES:
+        raise ValueError(f"unknown host kind {host!r} (one of {', '.join(HOST_FILES)})")
+    os.makedirs(dest, exist_ok=True)
+    os.chmod(dest, 0o700)
+    copied: list[str] = []
+    for item in HOST_FILES[host]:
+        src = os.path.join(directory, item)
+        if item.endswith("/"):
+            if not os.path.isdir(src):
+                raise ValueError(f"{src} is missing (run `rollpool keys gen {directory}` first)")
+            shutil.copytree(src, os.path.join(dest, item), dirs_exist_ok=True)
+        else:
+            if not os.path.exists(src):
+                raise ValueError(f"{src} is missing (run `rollpool keys gen {directory}` first)")
+            shutil.copy2(src, os.path.join(dest, item))
+        copied.append(os.path.join(dest, item))
+    return copied
+
+
 def _ship_list(directory: str) -> str:
     lines = ["ship to each host only what it needs (from " + directory + "):"]
     for host, files in HOST_FILES.items():
@@ -159,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{what}: {path}")
             print(_ship_list(args.dir))
             return 0
+        if cmd == "export":
+            for path in export(args.dir, args.host, args.dest):
+                print(f"copied: {path}")
+            return 0
         if cmd == "migrate":
             if args.finish:
                 for path in finish_migration(args.dir):
@@ -174,5 +206,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rollpool keys: {exc}")
         return 2
-    print("usage: rollpool keys gen DIR [--add ROLE:NAME ...] | rollpool keys migrate DIR [--finish]")
+    print("usage: rollpool keys gen DIR [--add ROLE:NAME ...] | export DIR HOST DEST | migrate DIR [--finish]")
     return 2
