@@ -59,3 +59,19 @@ def test_bound_inflight_dedups_and_caps_at_capacity() -> None:
           InflightTask(task_id="t4", prompt_id="p4", group_size=1)]
     keep, refused = bound_inflight(ts, capacity=4)
     assert [t.task_id for t in keep] == ["t1", "t3"] and refused == ["t1", "t2", "t4"]
+
+
+def test_per_client_delivery_maps_do_not_outlive_their_groups() -> None:
+    """1,000 client ids each given a group and acknowledging it leave no per-client entry behind."""
+    from tests.unit.broker.test_state import finish, join, make, prompt
+
+    s = make()
+    w = join(s, "w", capacity=1)
+    for i in range(1_000):
+        s.submit([prompt(f"p{i}")], 0.0)
+        ((_, g),) = s.dispatch(0.0)
+        finish(s, w, g.task_id)
+        s.credit(w, 1, 0.0)
+        (got,) = s.pull(f"client-{i}", 1)
+        s.ack([got.prompt_id])
+    assert s._delivered == {}
