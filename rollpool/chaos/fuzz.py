@@ -283,16 +283,18 @@ def _rss_kib(pid: int, field_name: str) -> int:
     return 0
 
 
-def _start_broker(wdir: str, worker_ep: str, client_ep: str) -> subprocess.Popen[bytes]:
+def _start_broker(wdir: str, worker_ep: str, client_ep: str, heartbeat_interval_s: float) -> subprocess.Popen[bytes]:
     with open(os.path.join(wdir, "broker.log"), "ab") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "rollpool.broker", "--worker-endpoint", worker_ep, "--client-endpoint", client_ep,
-             "--heartbeat-interval-s", "0.2", "--log-level", "WARNING"],
+             "--heartbeat-interval-s", str(heartbeat_interval_s), "--log-level", "WARNING"],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
 
-async def fuzz_broker_process(inputs: int, *, seed: int = 0, probe_every: int = 250, workdir: str | None = None) -> dict[str, Any]:
+async def fuzz_broker_process(
+    inputs: int, *, seed: int = 0, probe_every: int = 250, workdir: str | None = None, heartbeat_interval_s: float = 0.5
+) -> dict[str, Any]:
     """Fuzz a broker process's two ports (hostile inputs included) while good peers are served; report its peak memory.
 
     Returns a JSON-able dict: inputs per port, probes answered, the good
@@ -307,12 +309,12 @@ async def fuzz_broker_process(inputs: int, *, seed: int = 0, probe_every: int = 
 
     wdir = workdir or tempfile.mkdtemp(prefix="rollpool-fuzz-")
     bw, bc = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
-    proc = _start_broker(wdir, bw, bc)
+    proc = _start_broker(wdir, bw, bc, heartbeat_interval_s)
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
     client = sockets.dealer(bc, identity=b"good-client")
     worker = sockets.dealer(bw, identity=b"good-worker")
-    out: dict[str, Any] = {"inputs": inputs, "seed": seed}
+    out: dict[str, Any] = {"inputs": inputs, "seed": seed, "heartbeat_interval_s": heartbeat_interval_s}
     stop = asyncio.Event()
     beats = {"sent": 0, "welcomes": 0}
 

@@ -120,7 +120,7 @@ async def test_broker_process_under_hostile_fuzzing_keeps_serving_with_bounded_m
     """10,000 inputs (4 MiB header bombs, unknown-field floods, long-poll floods among them) to a broker process.
 
     A good client is answered every 250 inputs, a good worker heartbeats every
-    50 ms throughout and is never declared dead, and the broker's peak memory
+    50 ms throughout and is never declared dead (broker heartbeat 0.5 s: dead after 1.5 s), and the broker's peak memory
     (VmHWM) is reported and bounded.
     """
     import json
