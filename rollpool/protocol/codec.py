@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 
