@@ -39,6 +39,7 @@ import zmq
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.state import BrokerState, Group, WorkerInfo
 from rollpool.protocol import (
+    FEATURES,
     PROTOCOL_MAJOR,
     SUPPORTED_MAJORS,
     Ack,
@@ -54,7 +55,6 @@ from rollpool.protocol import (
     Control,
     ControlReply,
     Credit,
-    FEATURES,
     Error,
     Feature,
     Goodbye,
