@@ -92,6 +92,8 @@ _MAX_ERROR_TEXT = 300
 _NB = int(zmq.NOBLOCK)
 _NB_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass(slots=True)
@@ -273,7 +275,8 @@ class Broker:
         if loop is None:
             return
         for which, sock in (("w", self._w), ("c", self._c)):
-            if sock is not None and not self._scheduled[which] and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # the Cython getter with plain ints: the sugar layer's enum conversions cost as much as the call
+            if sock is not None and not self._scheduled[which] and super(zmq.Socket, sock).get(_EVENTS) & _POLLIN:
                 self._scheduled[which] = True
                 loop.call_soon(self._on_readable, which)
 
