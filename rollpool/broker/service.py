@@ -276,7 +276,7 @@ class Broker:
             return
         for which, sock in (("w", self._w), ("c", self._c)):
             # the Cython getter with plain ints: the sugar layer's enum conversions cost as much as the call
-            if sock is not None and not self._scheduled[which] and super(zmq.Socket, sock).get(_EVENTS) & _POLLIN:
+            if sock is not None and not self._scheduled[which] and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN:
                 self._scheduled[which] = True
                 loop.call_soon(self._on_readable, which)
 
