@@ -1,11 +1,33 @@
-"""Broker benchmark: rollpool's broker vs Redis Streams consumer groups vs a trivial asyncio ROUTER broker.
+"""Broker benchmark: what the broker costs, measured by the broker, beside Redis Streams and a trivial broker.
 
-One load generator (this process) runs scripted zero-latency workers and one
-client against each system in turn, on loopback:
+NEW METHOD (issue 19; `p99_ms` and `broker_cpu_us_per_rt` of the JSON come from it)
+
+* Load from separate processes: zero-latency simulated workers hosted many per process
+  (`--hosts`, one DEALER each, epoll on their FDs) and open-loop clients (`--clients`) that
+  submit at a fixed offered rate whatever the broker does (one prompt per Submit, the worst case
+  for the broker), each prompt stamped with its scheduled submit time.
+* Latency from the broker's own timestamps (`rollpool.broker.latency`): queued (Submit read),
+  dispatched (Task sent), result in, delivered (Batch sent); p50/p99 of delivered - queued, and
+  the stages. The clients' submit-to-batch latency is reported beside it (it also sees time spent
+  in ZeroMQ queues before the broker reads, and the generators' own lateness).
+* Saturation first (closed loop, 256 prompts in flight, median of `--sat-reps`), then open loop at
+  25, 50 and 90% of that rate; the headline is 50% with 16 workers.
+* CPU of the broker process alone (/proc utime + stime over the measured window, split into its
+  main thread and the rest, i.e. ZeroMQ's I/O thread) per delivered round trip.
+* Heartbeats alone at 1,000 and 10,000 workers, each holding `--hold` tasks: the broker's CPU per
+  heartbeat with the minor-0 shape (the whole in-flight list every beat) and the minor-1 shape
+  (count + digest), and false dead-worker detections (heartbeat 1 s, dead after 3 missed).
+* Every run records how busy the whole machine was over its window (/proc/stat) and how much of
+  that was this run's own processes: on a shared machine the difference is other people's work.
+
+OLD METHOD (kept for `ratio` and `vs_trivial`, comparable with earlier rounds)
+
+One load generator process runs scripted zero-latency workers and one client against each
+system in turn, on loopback, closed loop (`max(64, workers)` prompts in flight):
 
 * ``rollpool``: the real `rollpool.broker.Broker` in a child process. The client
   submits one prompt per `Submit`, long-polls `Pull` with the previous batch's
-  acks piggybacked; workers answer each `Task` with a `Result` and a `Credit`.
+  acks piggybacked; workers answer each `Task` with a `Result` and a `Credit` (minor-0 shapes).
 * ``redis``: the same dispatch-and-acknowledge job with Redis Streams consumer
   groups against a real redis-server: the client XADDs one entry per prompt to a
   task stream; each of the N consumers XREADGROUPs (BLOCK), XADDs the result
@@ -13,17 +35,13 @@ client against each system in turn, on loopback:
 * ``trivial``: a deque of tasks and a deque of credits on two asyncio ROUTER
   sockets, the same messages and codec, no leases, no acks, no bookkeeping.
 
-A round trip is submit -> dispatch -> result -> batch -> ack. Reported per system and worker
-count (1, 16, 256): round trips per second, p50/p99 latency seen by the client
-(submit to batch; the workers add zero time, so it is all broker and transport),
-and the broker process's CPU time per round trip (utime + stime from /proc).
-Runs are interleaved (every system once per repetition) and the medians of
-``--reps`` (>= 3) repetitions are reported.
+Reported per system and worker count: round trips per second, p50/p99 seen by the client, and
+the broker process's CPU per round trip; runs interleaved, medians of ``--reps``.
 
-Scale mode: 1,000 connected workers heartbeating every second while 2,000
-prompts/s flow; it reports p99 latency and false dead-worker detections.
+A/B: ``--base DIR`` adds ``rollpool@base``, the broker of another checkout (DIR holds its
+``rollpool/``), to both methods, with the same load generators.
 
-    python bench/broker.py [--quick] [--reps 3] [--seconds 2] [--json PATH]
+    python bench/broker.py [--quick] [--base DIR] [--json PATH]
 """
 
 from __future__ import annotations
