@@ -78,6 +78,13 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_user_system_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
 def proc_threads_cpu_s(pid: int) -> tuple[float, float]:
     """(main thread, every other thread) CPU seconds of a process: the broker's Python loop vs ZeroMQ's I/O thread."""
     main = other = 0.0
@@ -482,6 +489,19 @@ def _sleep_until(t: float) -> None:
         time.sleep(min(d, 0.05))
 
 
+def _wait_go(args: argparse.Namespace, serve: Any = None) -> None:
+    """Say ready (a file), then wait for the driver's go file with the run's times (serving meanwhile)."""
+    Path(args.ready).touch()
+    go = Path(args.go)
+    while not go.exists():
+        if serve is not None:
+            serve(0.01)
+        else:
+            time.sleep(0.01)
+    times = json.loads(go.read_text())
+    args.t_start, args.t_measure, args.t_end = times["t_start"], times["t_measure"], times["t_end"]
+
+
 def gen_workers_main(args: argparse.Namespace) -> None:
     """One process hosting many zero-latency simulated workers (one DEALER each), driven by epoll on their FDs.
 
@@ -607,6 +627,7 @@ def gen_workers_main(args: argparse.Namespace) -> None:
         next_hb.append(_mono() + hb * (0.2 + 0.8 * ((i * 7919) % n) / n) if hb > 0 else 0.0)
         if i % 100 == 99:
             serve(0)
+    _wait_go(args, serve)
     cpu0 = None
     while _mono() < args.t_end:
         serve(0.01)
@@ -630,6 +651,7 @@ def gen_client_main(args: argparse.Namespace) -> None:
     cid = args.prefix
     c = f.dealer(args.client_endpoint, identity=cid.encode())
     c.send_multipart(p.encode(p.ClientHello(client_id=cid, protocol_min=1, protocol_max=1)))
+    _wait_go(args)
     rate, window, per_submit = args.rate, args.window, max(1, args.per_submit)
     ids = np.arange(8, dtype=np.int32)
     lat: list[float] = []
@@ -641,6 +663,7 @@ def gen_client_main(args: argparse.Namespace) -> None:
     seq = 0
     _sleep_until(args.t_start)
     next_submit = args.t_start
+    pending: list[p.Prompt] = []
     cpu0 = None
     while True:
         now = _mono()
@@ -648,13 +671,15 @@ def gen_client_main(args: argparse.Namespace) -> None:
             break
         if cpu0 is None and now >= args.t_measure:
             cpu0 = time.process_time()
-        batch: list[p.Prompt] = []
         if rate > 0:
             while next_submit <= now:
                 seq += 1
-                batch.append(p.Prompt(prompt_id=f"{cid}-{seq}", input_ids=ids, metadata={"t": next_submit, "c": cid}))
+                pending.append(p.Prompt(prompt_id=f"{cid}-{seq}", input_ids=ids, metadata={"t": next_submit, "c": cid}))
                 next_submit += 1.0 / rate
+            # a trainer-shaped client (per_submit > 1) waits until a whole Submit's worth is due
+            batch, pending = (pending, []) if len(pending) >= per_submit else ([], pending)
         else:
+            batch = []
             while mine_in_flight + len(batch) < window:
                 seq += 1
                 batch.append(p.Prompt(prompt_id=f"{cid}-{seq}", input_ids=ids, metadata={"t": now, "c": cid}))
@@ -746,12 +771,13 @@ def open_loop_run(
     proc, wep, cep = start_server(system, heartbeat_s=heartbeat_s, latency_out=str(lat_path), base=base)
     gens: list[subprocess.Popen[bytes]] = []
     try:
-        time.sleep(0.4)
-        connect_s = 1.0 + n_workers / 2500
-        t_start = _mono() + connect_s
-        t_measure = t_start + warmup_s + (n_workers * hold / 20_000 if hold else 0.0)
-        t_end = t_measure + seconds
-        common = ["--t-start", repr(t_start), "--t-measure", repr(t_measure), "--t-end", repr(t_end)]
+        time.sleep(0.3)
+        go = tmp / "go.json"
+        ready: list[Path] = []
+
+        def common(name: str) -> list[str]:
+            ready.append(tmp / f"ready-{name}")
+            return ["--go", str(go), "--ready", str(ready[-1])]
         per_host = -(-n_workers // hosts)
         capacity = max(1, -(-window // n_workers)) if not hold else hold
         for h in range(hosts):
@@ -761,21 +787,41 @@ def open_loop_run(
                 break
             gens.append(_spawn(["--gen-workers", "--worker-endpoint", wep, "--prefix", "bw", "--first", str(first), "--count", str(count),
                                 "--capacity", str(capacity), "--hold", str(hold), "--heartbeat-s", str(heartbeat_s), "--wire", wire,
-                                "--out", str(tmp / f"w{h}.json"), *common]))
+                                "--out", str(tmp / f"w{h}.json"), *common(f"w{h}")]))
         n_clients = 1 if rate <= 0 else clients
         for k in range(n_clients):
             gens.append(_spawn(["--gen-client", "--client-endpoint", cep, "--prefix", f"c{k}", "--rate", repr(rate / n_clients if rate > 0 else rate),
-                                "--window", str(window), "--per-submit", str(per_submit), "--out", str(tmp / f"c{k}.json"), *common]))
+                                "--window", str(window), "--per-submit", str(per_submit), "--out", str(tmp / f"c{k}.json"), *common(f"c{k}")]))
+        # every generator connected (and, for the real broker, every worker's hello handled) before the clock starts
+        deadline = _mono() + 60 + n_workers / 100
+        while not all(x.exists() for x in ready):
+            if _mono() > deadline or any(g.poll() is not None for g in gens):
+                raise RuntimeError("a load generator did not start")
+            time.sleep(0.02)
+        if system != "trivial":
+            while int(_status(cep).get("workers_alive", 0)) < n_workers:
+                if _mono() > deadline:
+                    raise RuntimeError("not every simulated worker was welcomed")
+                time.sleep(0.05)
+        else:
+            time.sleep(0.3)
+        t_start = _mono() + 0.2
+        t_measure = t_start + warmup_s + (n_workers * hold / 20_000 if hold else 0.0)
+        t_end = t_measure + seconds
+        go.with_suffix(".tmp").write_text(json.dumps({"t_start": t_start, "t_measure": t_measure, "t_end": t_end}))
+        go.with_suffix(".tmp").rename(go)
         if preload:
             _preload(cep, preload, t_start)
         _sleep_until(t_measure)
         c0 = proc_cpu_s(proc.pid)
         t0m, t0o = proc_threads_cpu_s(proc.pid)
+        us0 = proc_user_system_s(proc.pid)
         m0 = _machine_jiffies()
         la0 = os.getloadavg()[0]
         _sleep_until(t_end)
         c1 = proc_cpu_s(proc.pid)
         t1m, t1o = proc_threads_cpu_s(proc.pid)
+        us1 = proc_user_system_s(proc.pid)
         m1 = _machine_jiffies()
         counters = _status(cep) if system != "trivial" else {}
         for g in gens:
@@ -800,6 +846,8 @@ def open_loop_run(
         "broker_cpu_s": c1 - c0,
         "broker_main_thread_cpu_s": t1m - t0m,
         "broker_other_threads_cpu_s": t1o - t0o,
+        "broker_user_cpu_s": round(us1[0] - us0[0], 3),
+        "broker_system_cpu_s": round(us1[1] - us0[1], 3),
         "client_p50_ms": pct(client_lat, 50),
         "client_p99_ms": pct(client_lat, 99),
         "heartbeats_sent": sum(w["heartbeats"] for w in wstats),
@@ -812,9 +860,12 @@ def open_loop_run(
     }
     if lat_path.exists():
         rows = np.load(lat_path)
-        sel = rows[(rows[:, 3] >= t_measure) & (rows[:, 3] <= t_end)]
+        delivered = rows[(rows[:, 3] >= t_measure) & (rows[:, 3] <= t_end)]  # throughput: deliveries in the window
+        sel = rows[(rows[:, 0] >= t_measure) & (rows[:, 3] <= t_end)]  # latency: groups queued in the window
         e2e = list(sel[:, 3] - sel[:, 0])
-        rt = len(sel)
+        rt = len(delivered)
+        sent_in_window = sum(c["sent_in_window"] for c in cstats)
+        out["queued_in_window_not_delivered_by_end"] = max(0, sent_in_window - len(sel)) if rate > 0 else None
         out.update(
             rt_per_s=rt / window_s,
             p50_ms=pct(e2e, 50),
@@ -977,18 +1028,28 @@ def new_method(args: argparse.Namespace, systems: list[str], n_workers: int, sec
         b = base if system == "rollpool@base" else None
         sats = []
         for _ in range(args.sat_reps):
-            sat = open_loop_run(kind, n_workers, rate=0.0, seconds=seconds, hosts=args.hosts, window=256, base=b)
+            sat = open_loop_run(kind, n_workers, rate=0.0, seconds=seconds, hosts=args.hosts, window=256, base=b,
+                                warmup_s=args.warmup_s)
             sat["system"] = system
             _log("  new method saturation " + _fmt_run(sat))
             sats.append(sat)
         sat = sorted(sats, key=lambda r: r["rt_per_s"])[len(sats) // 2]
         rows = {"saturation": {k: _r(v) for k, v in sat.items()}}
         for frac in (0.25, 0.5, 0.9):
-            r = open_loop_run(kind, n_workers, rate=frac * sat["rt_per_s"], seconds=seconds, hosts=args.hosts, clients=args.clients, base=b)
+            r = open_loop_run(kind, n_workers, rate=frac * sat["rt_per_s"], seconds=seconds, hosts=args.hosts, clients=args.clients, base=b,
+                              warmup_s=args.warmup_s)
             r["system"] = system
             r["fraction_of_saturation"] = frac
             _log("  new method open loop  " + _fmt_run(r))
             rows[f"{int(frac * 100)}%"] = {k: _r(v) for k, v in r.items()}
+        # the same 50% load shaped like a trainer's step: prompts submitted 32 per Submit (the client's own choice)
+        r = open_loop_run(kind, n_workers, rate=0.5 * sat["rt_per_s"], seconds=seconds, hosts=args.hosts, clients=args.clients, base=b,
+                          warmup_s=args.warmup_s, per_submit=32)
+        r["system"] = system
+        r["fraction_of_saturation"] = 0.5
+        r["prompts_per_submit"] = 32
+        _log("  new method open loop  " + _fmt_run(r) + "  (32 per submit)")
+        rows["50%, 32 per submit"] = {k: _r(v) for k, v in r.items()}
         out["runs"][system] = rows
     print(f"\nNEW METHOD ({n_workers} zero-latency workers in {args.hosts} generator processes, open-loop clients in {args.clients} processes; "
           "latency from the broker's own timestamps where it has them: queued -> delivered)")
@@ -1011,7 +1072,7 @@ def heartbeat_runs(args: argparse.Namespace, counts: list[int], seconds: float) 
         for wire in ("old", "new"):
             hosts = max(2, min(8, n // 1500 + 1))
             r = open_loop_run("rollpool", n, rate=-1.0, seconds=seconds, hosts=hosts, hold=args.hold, preload=n * args.hold, wire=wire,
-                              heartbeat_s=1.0, warmup_s=2.0)
+                              heartbeat_s=1.0, warmup_s=max(2.0, args.warmup_s))
             hbs = r.get("broker_heartbeats") or 0
             row = {
                 "workers": n,
@@ -1050,12 +1111,15 @@ def main() -> int:
     ap.add_argument("--workers", default=None, help="worker counts of the old method (default 1,16,256; --quick: 16)")
     ap.add_argument("--systems", default="rollpool,redis,trivial")
     ap.add_argument("--base", default=None, help="another checkout's root: add `rollpool@base` (its broker) to both methods, for A/B")
+    ap.add_argument("--new-workers", type=int, default=16, help="workers of the new method's runs (the headline: 16)")
     ap.add_argument("--hosts", type=int, default=2, help="generator processes hosting the simulated workers")
     ap.add_argument("--clients", type=int, default=2, help="open-loop client processes")
     ap.add_argument("--sat-reps", type=int, default=None, help="saturation runs per system (the median is used)")
     ap.add_argument("--hold", type=int, default=4, help="tasks each worker holds in the heartbeat runs")
     ap.add_argument("--heartbeat-workers", default=None, help="worker counts of the heartbeat runs (default 1000,10000; --quick: 1000)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: old,new,heartbeats,scale")
+    ap.add_argument("--warmup-s", type=float, default=0.7, help="unmeasured seconds at the start of each new-method run")
+    ap.add_argument("--hb-seconds", type=float, default=None, help="measured seconds of each heartbeat run (default 10; --quick: 4)")
     ap.add_argument("--json", default=None)
     # roles of the child processes
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
@@ -1074,6 +1138,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--per-submit", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ready", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t-start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--t-measure", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--t-end", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -1100,6 +1166,7 @@ def main() -> int:
         return 0
     if args.gen_client:
         if args.rate < 0:  # the heartbeat runs: no prompt flow beyond the preload
+            _wait_go(args)
             _sleep_until(args.t_end)
             Path(args.out).write_text(json.dumps({"sent": 0, "sent_in_window": 0, "received": 0, "lat": []}))
             return 0
@@ -1120,8 +1187,8 @@ def main() -> int:
     la0 = os.getloadavg()
     out: dict[str, Any] = {"bench": "broker"}
     old = old_method(args, systems, worker_counts, reps, seconds, args.base) if "old" not in skip else {}
-    new = new_method(args, [s for s in systems if s != "redis"], 16, seconds * 1.5, args.base) if "new" not in skip else {}
-    hbs = heartbeat_runs(args, hb_counts, 4.0 if args.quick else 10.0) if "heartbeats" not in skip else {}
+    new = new_method(args, [s for s in systems if s != "redis"], args.new_workers, seconds * 1.5, args.base) if "new" not in skip else {}
+    hbs = heartbeat_runs(args, hb_counts, args.hb_seconds or (4.0 if args.quick else 10.0)) if "heartbeats" not in skip else {}
     scale: dict[str, Any] = {}
     if "scale" not in skip:
         r = open_loop_run("rollpool", 1000, rate=2000.0, seconds=4.0 if args.quick else 10.0, hosts=4, clients=args.clients, heartbeat_s=1.0)
