@@ -123,7 +123,7 @@ def serve_rollpool(wep: str, cep: str, heartbeat_s: float, latency_out: str | No
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        ctx.setsockopt(zmq.MAX_SOCKETS, 65536)
+        ctx.set(zmq.MAX_SOCKETS, 65536)  # a context option (`setsockopt` would set a default socket option)
         cfg = BrokerConfig(worker_endpoint=wep, client_endpoint=cep, heartbeat_interval_s=heartbeat_s, drain_timeout_s=0.0)
         if "latency_samples" in {f.name for f in dataclasses.fields(cfg)}:
             cfg = dataclasses.replace(cfg, latency_samples=1 << 20)
@@ -273,7 +273,7 @@ def run_zmq_load(
 ) -> dict[str, Any]:
     """Drive a broker: returns round trips/s, latencies (s) and, optionally, the broker's status counters."""
     ctx = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, 8192)
+    ctx.set(zmq.MAX_SOCKETS, 8192)  # a context option (`setsockopt` would set a default socket option)
     f = p.SocketFactory(ctx, p.SocketOptions(send_hwm=100_000, recv_hwm=100_000))
     capacity = max(1, -(-window // n_workers))
     workers = []
@@ -515,7 +515,7 @@ def gen_workers_main(args: argparse.Namespace) -> None:
     ids = [f"{args.prefix}{i}" for i in range(args.first, args.first + args.count)]
     new_wire = args.wire == "new"
     ctx = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, 65536)
+    ctx.set(zmq.MAX_SOCKETS, 65536)  # a context option (`setsockopt` would set a default socket option)
     f = p.SocketFactory(ctx, p.SocketOptions(send_hwm=100_000, recv_hwm=100_000))
     socks: list[Any] = []
     sel = selectors.DefaultSelector()
@@ -627,6 +627,9 @@ def gen_workers_main(args: argparse.Namespace) -> None:
         next_hb.append(_mono() + hb * (0.2 + 0.8 * ((i * 7919) % n) / n) if hb > 0 else 0.0)
         if i % 100 == 99:
             serve(0)
+    welcome_by = _mono() + 120
+    while not all(epoch) and _mono() < welcome_by:  # ready = every worker welcomed (heartbeating meanwhile)
+        serve(0.01)
     _wait_go(args, serve)
     cpu0 = None
     while _mono() < args.t_end:
@@ -799,10 +802,10 @@ def open_loop_run(
                 raise RuntimeError("a load generator did not start")
             time.sleep(0.02)
         if system != "trivial":
-            while int(_status(cep).get("workers_alive", 0)) < n_workers:
+            while int(_status(cep).get("workers_alive", 0)) < n_workers:  # a StatusReply grows with workers: ask rarely
                 if _mono() > deadline:
                     raise RuntimeError("not every simulated worker was welcomed")
-                time.sleep(0.05)
+                time.sleep(0.05 + n_workers / 20_000)
         else:
             time.sleep(0.3)
         t_start = _mono() + 0.2
@@ -1023,6 +1026,7 @@ def old_method(args: argparse.Namespace, systems: list[str], worker_counts: list
 def new_method(args: argparse.Namespace, systems: list[str], n_workers: int, seconds: float, base: str | None) -> dict[str, Any]:
     """Saturation (closed loop, 256 in flight), then open loop at 25/50/90% of each system's own saturation rate."""
     out: dict[str, Any] = {"workers": n_workers, "hosts": args.hosts, "clients": args.clients, "seconds_per_run": seconds, "runs": {}}
+    sat_rate: dict[str, float] = {}
     for system in systems:
         kind = "rollpool" if system.startswith("rollpool") else system
         b = base if system == "rollpool@base" else None
@@ -1034,23 +1038,32 @@ def new_method(args: argparse.Namespace, systems: list[str], n_workers: int, sec
             _log("  new method saturation " + _fmt_run(sat))
             sats.append(sat)
         sat = sorted(sats, key=lambda r: r["rt_per_s"])[len(sats) // 2]
-        rows = {"saturation": {k: _r(v) for k, v in sat.items()}}
-        for frac in (0.25, 0.5, 0.9):
-            r = open_loop_run(kind, n_workers, rate=frac * sat["rt_per_s"], seconds=seconds, hosts=args.hosts, clients=args.clients, base=b,
-                              warmup_s=args.warmup_s)
-            r["system"] = system
-            r["fraction_of_saturation"] = frac
-            _log("  new method open loop  " + _fmt_run(r))
-            rows[f"{int(frac * 100)}%"] = {k: _r(v) for k, v in r.items()}
-        # the same 50% load shaped like a trainer's step: prompts submitted 32 per Submit (the client's own choice)
-        r = open_loop_run(kind, n_workers, rate=0.5 * sat["rt_per_s"], seconds=seconds, hosts=args.hosts, clients=args.clients, base=b,
-                          warmup_s=args.warmup_s, per_submit=32)
-        r["system"] = system
-        r["fraction_of_saturation"] = 0.5
-        r["prompts_per_submit"] = 32
-        _log("  new method open loop  " + _fmt_run(r) + "  (32 per submit)")
-        rows["50%, 32 per submit"] = {k: _r(v) for k, v in r.items()}
-        out["runs"][system] = rows
+        sat_rate[system] = sat["rt_per_s"]
+        out["runs"][system] = {"saturation": {k: _r(v) for k, v in sat.items()}}
+    # (fraction of saturation, prompts per Submit): the last is the same 50% load shaped like a trainer's step
+    loads = [(0.25, 1), (0.5, 1), (0.9, 1), (0.5, 32)]
+    got: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for rep in range(args.load_reps):  # interleaved: every system once per repetition, alternating order
+        for system in (systems if rep % 2 == 0 else systems[::-1]):
+            kind = "rollpool" if system.startswith("rollpool") else system
+            b = base if system == "rollpool@base" else None
+            for i, (frac, per_submit) in enumerate(loads):
+                r = open_loop_run(kind, n_workers, rate=frac * sat_rate[system], seconds=seconds, hosts=args.hosts, clients=args.clients,
+                                  base=b, warmup_s=args.warmup_s, per_submit=per_submit)
+                r["system"] = system
+                r["fraction_of_saturation"] = frac
+                r["prompts_per_submit"] = per_submit
+                _log("  new method open loop  " + _fmt_run(r) + (f"  ({per_submit} per submit)" if per_submit > 1 else ""))
+                got.setdefault((system, i), []).append(r)
+    for (system, i), rs in got.items():
+        frac, per_submit = loads[i]
+        name = f"{int(frac * 100)}%" + (f", {per_submit} per submit" if per_submit > 1 else "")
+        med = sorted(rs, key=lambda r: r["p99_ms"])[len(rs) // 2]  # the repetition with the median p99
+        row = {k: _r(v) for k, v in med.items()}
+        row["p99_ms_all_reps"] = [_r(r["p99_ms"]) for r in rs]
+        row["cpu_us_per_rt_all_reps"] = [_r(r["cpu_us_per_rt"], 1) for r in rs]
+        row["machine_busy_all_reps"] = [r["machine_busy_frac"] for r in rs]
+        out["runs"][system][name] = row
     print(f"\nNEW METHOD ({n_workers} zero-latency workers in {args.hosts} generator processes, open-loop clients in {args.clients} processes; "
           "latency from the broker's own timestamps where it has them: queued -> delivered)")
     header = (f"{'system':<13} | {'load':>10} | {'offered/s':>9} | {'rt/s':>7} | {'p50 ms':>7} | {'p99 ms':>7} | {'client p99':>10} | "
@@ -1115,6 +1128,7 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=2, help="generator processes hosting the simulated workers")
     ap.add_argument("--clients", type=int, default=2, help="open-loop client processes")
     ap.add_argument("--sat-reps", type=int, default=None, help="saturation runs per system (the median is used)")
+    ap.add_argument("--load-reps", type=int, default=None, help="repetitions of every open-loop point (median p99; default 3, --quick 1)")
     ap.add_argument("--hold", type=int, default=4, help="tasks each worker holds in the heartbeat runs")
     ap.add_argument("--heartbeat-workers", default=None, help="worker counts of the heartbeat runs (default 1000,10000; --quick: 1000)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: old,new,heartbeats,scale")
@@ -1176,6 +1190,7 @@ def main() -> int:
     reps = args.reps or 3
     seconds = args.seconds or (1.5 if args.quick else 4.0)
     args.sat_reps = args.sat_reps or (1 if args.quick else 3)
+    args.load_reps = args.load_reps or (1 if args.quick else 3)
     worker_counts = [int(x) for x in (args.workers or ("16" if args.quick else "1,16,256")).split(",")]
     hb_counts = [int(x) for x in (args.heartbeat_workers or ("1000" if args.quick else "1000,10000")).split(",")]
     systems = args.systems.split(",")
