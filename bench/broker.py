@@ -1085,7 +1085,7 @@ def heartbeat_runs(args: argparse.Namespace, counts: list[int], seconds: float) 
         for wire in ("old", "new"):
             hosts = max(2, min(8, n // 1500 + 1))
             r = open_loop_run("rollpool", n, rate=-1.0, seconds=seconds, hosts=hosts, hold=args.hold, preload=n * args.hold, wire=wire,
-                              heartbeat_s=1.0, warmup_s=max(2.0, args.warmup_s))
+                              heartbeat_s=1.0, warmup_s=args.hb_warmup_s)
             hbs = r.get("broker_heartbeats") or 0
             row = {
                 "workers": n,
@@ -1133,6 +1133,7 @@ def main() -> int:
     ap.add_argument("--heartbeat-workers", default=None, help="worker counts of the heartbeat runs (default 1000,10000; --quick: 1000)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: old,new,heartbeats,scale")
     ap.add_argument("--warmup-s", type=float, default=0.7, help="unmeasured seconds at the start of each new-method run")
+    ap.add_argument("--hb-warmup-s", type=float, default=2.0, help="unmeasured seconds at the start of each heartbeat run")
     ap.add_argument("--hb-seconds", type=float, default=None, help="measured seconds of each heartbeat run (default 10; --quick: 4)")
     ap.add_argument("--json", default=None)
     # roles of the child processes

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_broker_bench_measures_with_the_brokers_own_timestamps(tmp_path: Path) -> None:
     out = tmp_path / "broker.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "broker.py"), "--systems", "rollpool", "--workers", "4", "--reps", "1", "--seconds", "0.4",
+        [sys.executable, str(ROOT / "bench" / "broker.py"), "--systems", "rollpool", "--workers", "4", "--reps", "1", "--seconds", "0.3",
          "--sat-reps", "1", "--load-reps", "1", "--new-workers", "4", "--hosts", "1", "--clients", "1", "--heartbeat-workers", "60", "--hold", "2",
-         "--hb-seconds", "1.0", "--warmup-s", "0.3", "--skip", "scale", "--json", str(out)],
+         "--hb-seconds", "0.6", "--hb-warmup-s", "0.5", "--warmup-s", "0.3", "--skip", "scale", "--json", str(out)],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
