@@ -734,13 +734,16 @@ def _machine_jiffies() -> tuple[int, int]:
 
 
 def _status(cep: str) -> dict[str, Any]:
+    import dataclasses
+
     ctx = zmq.Context()
     f = p.SocketFactory(ctx, p.SocketOptions())
     c = f.dealer(cep, identity=b"bench-status")
     try:
         c.send_multipart(p.encode(p.StatusRequest(request_id="status")))
         if c.poll(10_000):
-            m = p.decode(c.recv_multipart())
+            # a StatusReply maps every worker: past 4,096 workers it exceeds the default decode limits (max_map_len)
+            m = p.decode(c.recv_multipart(), dataclasses.replace(p.DEFAULT_LIMITS, max_map_len=1 << 20))
             if type(m) is p.StatusReply:
                 return dict(m.counters)
         return {}
