@@ -26,6 +26,7 @@ per minute; the broker keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -39,6 +40,7 @@ import zmq
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.state import BrokerState, Group, WorkerInfo
 from rollpool.protocol import (
+    DEFAULT_LIMITS,
     FEATURES,
     PROTOCOL_MAJOR,
     SUPPORTED_MAJORS,
@@ -88,6 +90,8 @@ __all__ = ["Broker"]
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_TEXT = 300
+_MAX_STATUS_WORKERS = DEFAULT_LIMITS.max_map_len - 96
+"""Workers named in one StatusReply (the map must stay decodable under the default limits)."""
 # plain ints: pyzmq's flag enums cost an enum operation per frame on the hot path
 _NB = int(zmq.NOBLOCK)
 _NB_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
@@ -689,8 +693,15 @@ class Broker:
         c["protocol_errors"] = self.protocol_errors
         c["send_failures"] = self.send_failures
         c["pending_pulls"] = len(self._pulls)
+        c["workers_listed"] = min(len(self.state.workers), _MAX_STATUS_WORKERS)
         return c
 
     def workers_view(self) -> dict[str, Any]:
+        """Live state per worker, for `StatusReply.workers`: at most `_MAX_STATUS_WORKERS` of them.
+
+        A peer decodes maps of at most `DEFAULT_LIMITS.max_map_len` entries, so a reply naming every
+        worker of a 10,000-worker pool could not be read by any client; the counters still say
+        `workers_alive`, and `workers_listed` says how many the map holds.
+        """
         now = self.clock()
-        return {wid: w.live_state(now) for wid, w in self.state.workers.items()}
+        return {wid: w.live_state(now) for wid, w in itertools.islice(self.state.workers.items(), _MAX_STATUS_WORKERS)}

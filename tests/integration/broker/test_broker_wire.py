@@ -116,3 +116,16 @@ async def test_a_minor1_worker_gets_task_batches_returns_result_batches_and_is_a
         assert status["latency_e2e_p99_ms"] > 0
     finally:
         w.close()
+
+
+async def test_a_status_reply_stays_decodable_with_more_workers_than_a_map_may_hold(start_broker) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await start_broker()
+    broker = h.broker
+    for i in range(p.DEFAULT_LIMITS.max_map_len + 10):  # bookkeeping only: no sockets needed for the view
+        broker.state.add_worker(worker_id=f"w{i}", identity=f"w{i}".encode(), capacity=1, credits=1, now=broker.clock())
+    reply = p.StatusReply(request_id="s", epoch=broker.epoch, counters=broker.counters(), workers=broker.workers_view())
+    decoded = p.decode(p.encode(reply))
+    assert decoded.counters["workers_alive"] == p.DEFAULT_LIMITS.max_map_len + 10
+    assert len(decoded.workers) == decoded.counters["workers_listed"] < p.DEFAULT_LIMITS.max_map_len
+    for i in range(p.DEFAULT_LIMITS.max_map_len + 10):  # leave no ghost workers for the teardown's goodbyes
+        broker.state.remove_worker(f"w{i}", broker.clock(), reason="goodbye")
