@@ -52,6 +52,7 @@ def _message(type_name: str) -> Any:
         "hello": m.Hello(worker_id="matrix", protocol_min=1, protocol_max=1, engine="sim", capacity=1, credits=0),
         "credit": m.Credit(credits=0),
         "result": s["result"],
+        "result_batch": m.ResultBatch(results=(s["result"],)),
         "worker_heartbeat": m.WorkerHeartbeat(worker_id="matrix"),
         "nack": m.Nack(task_ids=("t-none",)),
         "goodbye": m.Goodbye(reason="matrix"),
