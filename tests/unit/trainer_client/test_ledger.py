@@ -445,6 +445,7 @@ def test_a_stale_dropped_group_redelivered_is_acknowledged_as_stale_again() -> N
     assert led.counters["duplicates_dropped"] == 1 and led.ready == 0
     assert led.stale_acks() == ("old",) and led.pull_acks() == ()
 
+
 def test_segments_of_one_sample_are_distinct_trajectories_and_a_redelivery_drops_each_once() -> None:
     led = make()
     accept(led, prompt("p", 2))
