@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
@@ -228,8 +228,6 @@ class Worker:
 
     async def _engine_up(self, info: EngineInfo) -> None:
         """The supervisor's ``on_up``: a restarted engine serves; say hello again."""
-        if self.episodes is not None and self.supervisor.engine is not None:
-            self.episodes.engine = self.supervisor.engine  # episodes of the next tasks run on the new engine
         await self._do(self.session.engine_started(self._now(), _facts(info)))
 
     # -- one task
@@ -311,7 +309,8 @@ class Worker:
             tool_call_parser=self.config.tool_call_parser,
             max_context_tokens=self.config.max_context_tokens,
         )
-        self.episodes = EpisodeRunner(engine, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id)
+        watched = cast(Engine, _SupervisedEngine(self.supervisor))
+        self.episodes = EpisodeRunner(watched, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id)
         await self.episodes.start()
 
     # -- loops
@@ -465,3 +464,36 @@ class Worker:
         self.link.close(linger_ms=200 if self.stopped_cleanly else 0)
         self.metrics.publish_state("worker", self.worker_id, self._state_fields(WorkerState.STOPPED), ttl_s=3 * self.config.heartbeat_interval_s)
 
+
+
+class _SupervisedEngine:
+    """The engine as the episodes see it: always the supervisor's current one, and a failure of its
+    ``generate`` (anything but `RequestRefusedError`) is an engine failure, as for a plain task: the
+    supervisor hands back every task (their episodes are cancelled) and restarts the engine. The
+    episode that saw it gets the exception too, but its group is re-run elsewhere, not reported."""
+
+    def __init__(self, supervisor: EngineSupervisor) -> None:
+        self._supervisor = supervisor
+
+    def _engine(self) -> Engine:
+        engine = self._supervisor.engine
+        if engine is None:
+            raise EngineError("the engine is restarting")
+        return engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine(), name)
+
+    def info(self) -> EngineInfo:
+        return self._engine().info()
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._engine()
+        try:
+            return await engine.generate(*args, **kwargs)
+        except (asyncio.CancelledError, RequestRefusedError):
+            raise
+        except Exception as exc:
+            if self._supervisor.engine is engine:
+                await self._supervisor.fail(f"{type(exc).__name__}: {exc}")
+            raise

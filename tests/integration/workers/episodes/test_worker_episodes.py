@@ -247,3 +247,25 @@ async def test_an_unmodified_openai_sdk_agent_through_the_worker_on_the_tiny_mod
         assert t.reward == 1.0 and len(t.loss_mask) == len(t.output_ids)
         assert 0 < int(t.loss_mask.sum()) <= 8  # two turns of at most 4 sampled tokens
         assert (t.loss_mask == 0).any()  # the user turn between them, inserted, not trained
+
+
+async def test_an_engine_failure_inside_an_episode_restarts_the_engine_and_reruns_the_group(pool: Pool) -> None:
+    """Not an episode error: the engine failed, so the group is handed back and re-run whole."""
+    await pool.start_broker()
+    made: list[Any] = []
+
+    def factory() -> Any:
+        engine = sim_engine()
+        if not made:
+            async def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("CUDA error: device lost")
+            engine.generate = broken  # type: ignore[method-assign]
+        made.append(engine)
+        return engine
+
+    w, _ = start_worker(pool, "w", {"default": fast_agent}, engine_factory=factory, restart_backoff_s=0.05, restart_backoff_max_s=0.2)
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([sim_prompt("p")])
+    (group,) = (await client.get_batch(1, timeout=20)).groups
+    assert w.restarts == 1 and len(made) == 2 and group.attempts >= 2  # handed back (a task that came in while restarting is too)
+    assert {t.finish_reason for t in group.trajectories} != {FinishReason.ERROR} and {t.reward for t in group.trajectories} == {1.0}
