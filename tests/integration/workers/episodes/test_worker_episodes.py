@@ -269,3 +269,20 @@ async def test_an_engine_failure_inside_an_episode_restarts_the_engine_and_rerun
     (group,) = (await client.get_batch(1, timeout=20)).groups
     assert w.restarts == 1 and len(made) == 2 and group.attempts >= 2  # handed back (a task that came in while restarting is too)
     assert {t.finish_reason for t in group.trajectories} != {FinishReason.ERROR} and {t.reward for t in group.trajectories} == {1.0}
+
+
+async def test_a_history_rewrite_delivers_both_segments_of_the_episode_through_the_broker(pool: Pool) -> None:
+    await pool.start_broker()
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        await ctx.generate()
+        if ctx.sample_index == 0:
+            await ctx.generate([11, 12, 13])  # not an extension of the sequence: a rewrite, a new segment
+        return 1.0
+
+    start_worker(pool, "w", {"default": agent})
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([sim_prompt("p")])
+    (group,) = (await client.get_batch(1, timeout=20)).groups
+    assert sorted(t.trajectory_id for t in group.trajectories) == ["p:0", "p:0:1", "p:1"] and group.attempts == 1
+    assert broker_counters(pool).get("invalid_results", 0) == 0
