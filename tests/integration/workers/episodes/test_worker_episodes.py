@@ -68,8 +68,11 @@ def broker_counters(p: Pool) -> dict[str, int]:
 
 
 async def test_a_sync_episode_with_a_five_second_tool_keeps_its_heartbeat(pool: Pool) -> None:
-    """The tool sleeps 5 s in the episode's thread; heartbeats go on, so the broker never declares the worker dead."""
-    await pool.start_broker()
+    """The tool sleeps 5 s in the episode's thread; heartbeats go on, so the broker never declares the worker dead.
+
+    Heartbeats every 0.5 s, dead after 1.5 s of silence: a loop blocked by the 5 s tool would be declared dead,
+    and the margin holds on a loaded 2-core machine (0.1 s / 0.3 s did not)."""
+    await pool.start_broker(heartbeat_interval_s=0.5)
     calls: list[float] = []
 
     def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
@@ -81,7 +84,7 @@ async def test_a_sync_episode_with_a_five_second_tool_keeps_its_heartbeat(pool: 
         return 1.0
 
     metrics = MemoryMetricsSink()
-    start_worker(pool, "w", {"default": agent}, metrics=metrics)
+    start_worker(pool, "w", {"default": agent}, metrics=metrics, heartbeat_interval_s=0.5)
     client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
     await client.submit([sim_prompt("p")])
     batch = await client.get_batch(1, timeout=30)
@@ -196,25 +199,32 @@ async def test_sigterm_drains_then_cancels_running_episodes_and_their_tools_and_
             cancelled.append(i)
             raise
 
+    stopping = asyncio.Event()
+
     async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
         await ctx.generate()
         if prompt.prompt_id == "slow":
             await slow_tool(ctx.sample_index)
+        await stopping.wait()  # "quick" ends during the drain
+        await asyncio.sleep(0.05)
         return 1.0
 
-    w, task = start_worker(pool, "w", {"default": agent}, drain_timeout_s=0.5)
+    w, task = start_worker(pool, "w", {"default": agent}, drain_timeout_s=1.0)
     client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
-    await client.submit([sim_prompt("slow")])
-    assert await wait_until(lambda: w.episodes is not None and w.episodes.stats.turns == 2, 10)
+    await client.submit([sim_prompt("slow"), sim_prompt("quick")])
+    assert await wait_until(lambda: w.episodes is not None and w.episodes.stats.turns == 4, 10)
     w.stop()  # what SIGTERM does
+    stopping.set()
     await asyncio.wait_for(task, 10)
     assert sorted(cancelled) == [0, 1] and w.stopped_cleanly
+    (quick,) = (await client.get_batch(1, timeout=5)).groups  # finished within the drain deadline: delivered
+    assert quick.prompt_id == "quick" and quick.worker_id == "w" and quick.attempts == 1
     assert w.episodes is not None and w.episodes.stats.in_flight == 0
     c = broker_counters(pool)
     assert c.get("workers_lost", 0) == 0 and c["requeued"] == 1  # handed back, not lost
     start_worker(pool, "next", {"default": fast_agent})
     (group,) = (await client.get_batch(1, timeout=20)).groups
-    assert group.worker_id == "next" and group.attempts == 2 and len(group.trajectories) == 2
+    assert group.prompt_id == "slow" and group.worker_id == "next" and group.attempts == 2 and len(group.trajectories) == 2
 
 
 async def fast_agent(ctx: EpisodeContext, prompt: Prompt) -> float:
