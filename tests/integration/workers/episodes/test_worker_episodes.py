@@ -296,3 +296,15 @@ async def test_a_history_rewrite_delivers_both_segments_of_the_episode_through_t
     (group,) = (await client.get_batch(1, timeout=20)).groups
     assert sorted(t.trajectory_id for t in group.trajectories) == ["p:0", "p:0:1", "p:1"] and group.attempts == 1
     assert broker_counters(pool).get("invalid_results", 0) == 0
+
+
+async def test_an_engine_without_a_tokenizer_gets_the_model_directory_s(pool: Pool, tiny_model_dir: pathlib.Path) -> None:
+    """As for sglang (its tokenizer lives in its child): the worker loads the model directory's for the endpoint."""
+    pytest.importorskip("transformers")
+    await pool.start_broker()
+    engine = sim_engine()
+    assert getattr(engine, "tokenizer", None) is None
+    w, _ = start_worker(pool, "w", {"default": fast_agent}, model=str(tiny_model_dir), engine_factory=lambda: engine)
+    assert await wait_until(lambda: w.episodes is not None, 10)
+    assert w.episodes is not None and w.episodes.tokenizer is not None
+    assert w.episodes.tokenizer.name_or_path == str(tiny_model_dir)
