@@ -1064,14 +1064,18 @@ class BrokerState:
 
 
 def _complete(trajectories: tuple[Trajectory, ...], prompt_id: str, size: int) -> bool:
-    if len(trajectories) != size:
-        return False
-    seen = set()
+    """Every sample of the group, each ``(sample_index, segment_index)`` once (an episode's rewrite adds segments)."""
+    samples: set[int] = set()
+    segments: set[tuple[int, int]] = set()
     for t in trajectories:
         if t.prompt_id != prompt_id or not 0 <= t.sample_index < size:
             return False
-        seen.add(t.sample_index)
-    return len(seen) == size
+        key = (t.sample_index, t.segment_index)
+        if key in segments:
+            return False
+        segments.add(key)
+        samples.add(t.sample_index)
+    return len(samples) == size
 
 
 def _with_metadata(result: GroupResult, p: Prompt) -> GroupResult:

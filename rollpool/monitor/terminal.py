@@ -46,6 +46,17 @@ _WORKER_COLUMNS = (
 )
 
 
+_EPISODE_ORDER = (
+    ("in_flight", "in flight"),
+    ("finished", "done"),
+    ("failed", "failed"),
+    ("timed_out", "timed out"),
+    ("turns", "turns"),
+    ("tool_calls", "tool calls"),
+    ("segments", "segments"),
+    ("reused_prefix_share", "cached-prefix share"),
+)
+
 def _columns_for(width: int) -> list[int]:
     """Indexes of the worker columns that fit in `width` (dropping the least useful first)."""
     keep = list(range(len(_WORKER_COLUMNS)))
@@ -125,6 +136,14 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     if not state.workers:
         lines.append("  (none alive)")
     lines.append("")
+
+    episodic = {wid: f for wid, f in sorted(state.workers.items()) if "episodes_in_flight" in f}
+    if episodic:  # workers that run episode functions (--episode): the runner's stats
+        lines.append(bold + "EPISODES" + reset)
+        for wid, f in episodic.items():
+            parts = [f"{label} {_fmt(f.get('episodes_' + name), 2 if name.endswith('share') else 0)}" for name, label in _EPISODE_ORDER]
+            lines.append(_cut("  " + wid + "  " + "  ".join(parts), width))
+        lines.append("")
 
     hist = state.histograms.get("staleness")
     if hist is not None and hist.count:

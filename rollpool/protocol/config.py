@@ -89,6 +89,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type[Any], *, exc
         base, _ = _base_type(hints[f.name])
         if base is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(base) in (tuple, list):  # repeatable; each value may also be a comma list
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=argparse.SUPPRESS,
+                action="extend",
+                type=_parser_for(hints[f.name], f.name),
+                help=f"{help_text} (repeatable)".strip(),
+                metavar=f.name.upper(),
+            )
         else:
             parser.add_argument(
                 flag,
@@ -139,6 +149,8 @@ def load_config(
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     for name, value in given.items():
         if name in names:
+            if isinstance(value, list) and typing.get_origin(_base_type(hints[name])[0]) is tuple:
+                value = tuple(value)
             values[name] = value
     values.update({k: v for k, v in overrides.items() if k in names})
     try:

@@ -1,6 +1,7 @@
 """``rollpool worker``: run one rollout worker (or ``--count N`` sim workers in one process).
 
-SIGTERM/SIGINT start the graceful drain (stop intake, finish until
+A bad configuration (a flag, or an ``--episode`` path that does not import) exits 2 with the
+reason on stderr. SIGTERM/SIGINT start the graceful drain (stop intake, finish until
 ``--drain-timeout-s``, hand back the rest, Goodbye); the command exits 0 once
 every worker has drained. Monitoring sinks are wired by the top-level CLI;
 this module uses the null sink unless given one.
@@ -12,11 +13,14 @@ import argparse
 import asyncio
 import dataclasses
 import signal
+import sys
 
 from rollpool.protocol.config import add_config_arguments, load_config
+from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 from rollpool.workers.config import WorkerConfig
+from rollpool.workers.episodes.runner import load_episode_functions
 from rollpool.workers.worker import Worker
 
 __all__ = ["HELP", "add_arguments", "run", "run_workers"]
@@ -30,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
-    config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+    try:
+        config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+        load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
+    except ConfigError as exc:
+        print(f"rollpool worker: error: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
 
 

@@ -38,6 +38,11 @@ class WorkerConfig:
     apply_mode: str = field(default="interrupt", metadata=_h("weight apply mode: interrupt, in_place, drain"))
     reward: str | None = field(default=None, metadata=_h("reward function as module:function"))
     reward_timeout_s: float = field(default=30.0, metadata=_h("most seconds one reward call may take"))
+    episode: tuple[str, ...] = field(default=(), metadata=_h("episode function as package.module:function or name=package.module:function; a prompt picks by metadata['episode'], else the first"))
+    max_episodes: int = field(default=64, metadata=_h("most episodes running at once on this worker (beside the engine's capacity)"))
+    episode_timeout_s: float = field(default=600.0, metadata=_h("most seconds one episode may run; then it ends with finish_reason abort"))
+    tool_call_parser: str = field(default="hermes", metadata=_h("the episode endpoint's tool-call parser, by name"))
+    max_context_tokens: int = field(default=0, metadata=_h("episodes: the context in tokens; 0 = what the engine states"))
     heartbeat_interval_s: float = field(default=1.0, metadata=_h("seconds between heartbeats"))
     missed_heartbeats: int = field(default=3, metadata=_h("broker silent this many intervals -> reconnect"))
     drain_timeout_s: float = field(default=30.0, metadata=_h("on SIGTERM, finish in-flight work for this long"))
@@ -70,6 +75,14 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.apply_mode must be one of {APPLY_MODE_NAMES}, got {self.apply_mode!r}")
         if self.reward is not None and ":" not in self.reward:
             raise ConfigError(f"WorkerConfig.reward must look like package.module:function, got {self.reward!r}")
+        for spec in self.episode:
+            path = spec.partition("=")[2] if "=" in spec else spec
+            if ":" not in path:
+                raise ConfigError(f"WorkerConfig.episode must look like package.module:function or name=package.module:function, got {spec!r}")
+        if self.max_episodes < 1:
+            raise ConfigError(f"WorkerConfig.max_episodes must be >= 1, got {self.max_episodes}")
+        if self.max_context_tokens < 0:
+            raise ConfigError(f"WorkerConfig.max_context_tokens must be >= 0, got {self.max_context_tokens}")
         if self.missed_heartbeats < 1:
             raise ConfigError(f"WorkerConfig.missed_heartbeats must be >= 1, got {self.missed_heartbeats}")
         if self.count < 1:
@@ -82,6 +95,7 @@ class WorkerConfig:
             raise ConfigError("WorkerConfig.window_chunks must be >= 1 and max_refetch >= 0")
         for name in (
             "reward_timeout_s",
+            "episode_timeout_s",
             "heartbeat_interval_s",
             "reconnect_backoff_s",
             "reconnect_backoff_max_s",

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
@@ -47,6 +47,8 @@ from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.engine_supervisor import EngineFactory, EngineSupervisor
 from rollpool.workers.engines.base import Engine, EngineInfo
+from rollpool.workers.engines.tokenizer import load_tokenizer
+from rollpool.workers.episodes.runner import EpisodeConfig, EpisodeFn, EpisodeRunner, load_episode_functions
 from rollpool.workers.link import BrokerLink
 from rollpool.workers.reward import RewardFn, load_reward
 from rollpool.workers.session import Effects, EngineFacts, SessionConfig, WorkerSession, WorkerState
@@ -75,6 +77,8 @@ class Worker:
         engine_factory: EngineFactory | None = None,
         subscriber_factory: SubscriberFactory | None = None,
         reward_fn: RewardFn | None = None,
+        episodes: Mapping[str, EpisodeFn] | None = None,
+        tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -109,6 +113,10 @@ class Worker:
             on_apply_finished=lambda version: self.session.apply_finished(self._now(), version),
         )
         self._reward_fn = reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
+        # episodes: the functions load here, so a bad --episode path fails before anything starts (ConfigError)
+        self._episode_fns: dict[str, EpisodeFn] = dict(episodes) if episodes is not None else load_episode_functions(config.episode)
+        self._tokenizer = tokenizer
+        self.episodes: EpisodeRunner | None = None
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._controls: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -160,6 +168,7 @@ class Worker:
             await self.weights.prepare()
             info = await self.supervisor.start()
             self.weights.version = info.weight_version
+            await self._start_episodes()
             self.link.connect()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -232,6 +241,9 @@ class Worker:
                 # cancelled before its runner reached the engine (an abort then finds no request): end it here
                 await self._do(self.session.generation_finished(self._now(), task_id))
                 return
+            if self.episodes is not None:
+                await self._run_episodes(task)
+                return
             try:
                 out = await engine.generate(
                     None if prompt.input_ids is None else prompt.input_ids.tolist(),
@@ -262,6 +274,44 @@ class Worker:
         finally:
             if self._runners.get(task_id) is asyncio.current_task():
                 del self._runners[task_id]
+
+    async def _run_episodes(self, task: Task) -> None:
+        """The task's group as n episodes (n credits, as n samples). A cancel (drain deadline, broker cancel,
+        engine failure) cancels every episode and its awaited tools; the session hands the group back."""
+        assert self.episodes is not None
+        trajectories = await self.episodes.run_group(
+            task.prompt, task.prompt.group_size, attempt=task.attempt, queued_at=task.queued_at, request_prefix=task.task_id
+        )
+        await self._do(self.session.generation_finished(self._now(), task.task_id))
+        if not self.session.wants_result(task.task_id):
+            return
+        if self._reward_fn is not None:
+            # the episode's return value wins; --reward scores only the trajectories it left unscored
+            unscored = [t for t in trajectories if t.reward is None and "episode_error" not in t.metadata]
+            if unscored:
+                scored = {id(t): s for t, s in zip(unscored, await score_trajectories(
+                    self._reward_fn, task, unscored, self.config.reward_timeout_s), strict=True)}
+                trajectories = [scored.get(id(t), t) for t in trajectories]
+        await self._do(self.session.task_finished(self._now(), task.task_id, trajectories))
+
+    async def _start_episodes(self) -> None:
+        if not self._episode_fns:
+            return
+        engine = self.supervisor.engine
+        assert engine is not None
+        tokenizer = self._tokenizer if self._tokenizer is not None else getattr(engine, "tokenizer", None)
+        if tokenizer is None and self.config.model:
+            # an engine without a public tokenizer (sglang): the model directory's own
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+        cfg = EpisodeConfig(
+            max_episodes=self.config.max_episodes,
+            episode_timeout_s=self.config.episode_timeout_s,
+            tool_call_parser=self.config.tool_call_parser,
+            max_context_tokens=self.config.max_context_tokens,
+        )
+        watched = cast(Engine, _SupervisedEngine(self.supervisor))
+        self.episodes = EpisodeRunner(watched, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id)
+        await self.episodes.start()
 
     # -- loops
 
@@ -400,13 +450,50 @@ class Worker:
             "last_seen": time.time(),
             "simulated": bool(info.simulated) if info else False,
             "restarts": self.supervisor.restarts,
+            **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
         }
 
     async def _close(self) -> None:
         for runner in list(self._runners.values()):
             runner.cancel()
+        if self.episodes is not None:
+            await self.episodes.close()
         await self.supervisor.stop()
         self.weights.close()
         # a clean drain gives the Goodbye a moment on the wire; otherwise linger 0
         self.link.close(linger_ms=200 if self.stopped_cleanly else 0)
         self.metrics.publish_state("worker", self.worker_id, self._state_fields(WorkerState.STOPPED), ttl_s=3 * self.config.heartbeat_interval_s)
+
+
+
+class _SupervisedEngine:
+    """The engine as the episodes see it: always the supervisor's current one, and a failure of its
+    ``generate`` (anything but `RequestRefusedError`) is an engine failure, as for a plain task: the
+    supervisor hands back every task (their episodes are cancelled) and restarts the engine. The
+    episode that saw it gets the exception too, but its group is re-run elsewhere, not reported."""
+
+    def __init__(self, supervisor: EngineSupervisor) -> None:
+        self._supervisor = supervisor
+
+    def _engine(self) -> Engine:
+        engine = self._supervisor.engine
+        if engine is None:
+            raise EngineError("the engine is restarting")
+        return engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine(), name)
+
+    def info(self) -> EngineInfo:
+        return self._engine().info()
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._engine()
+        try:
+            return await engine.generate(*args, **kwargs)
+        except (asyncio.CancelledError, RequestRefusedError):
+            raise
+        except Exception as exc:
+            if self._supervisor.engine is engine:
+                await self._supervisor.fail(f"{type(exc).__name__}: {exc}")
+            raise

@@ -90,8 +90,8 @@ WORKER_MODULES: dict[str, set[str]] = {
     "trajectories": {"engines", "reward"},
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},
-    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories"},
-    "cli": {"worker", "config"},
+    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes"},
+    "cli": {"worker", "config", "episodes"},
     "tiny_model_cli": {"engines"},
     "__init__": {"episodes"},  # the lazy EpisodeContext export
     "__main__": set(),

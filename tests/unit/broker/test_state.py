@@ -347,3 +347,36 @@ def test_a_group_handed_back_without_end_fails_instead_of_looping() -> None:
     assert s.groups["p"].phase == Phase.FAILED and "handed back 4 times" in (s.groups["p"].result.reason if s.groups["p"].result else "")
     assert s.dispatch(10.0) == []
     s.check_invariants()
+
+
+def test_a_group_with_extra_segments_completes_by_distinct_sample_index() -> None:
+    """An episode with a history rewrite delivers two segments of one sample: the group is whole, not invalid."""
+    import dataclasses
+
+    s = make()
+    s.submit([prompt("p", 2)], 0.0)
+    w = join(s, "w")
+    s.dispatch(0.0)
+    task_id = next(iter(w.leases))
+    base = group("p", 2)
+    segmented = (*base, dataclasses.replace(base[1], segment_index=1))
+    s.result(w, task_id=task_id, prompt_id="p", trajectories=segmented, error=None, retryable=True, now=0.0)
+    assert s.groups["p"].phase == Phase.DONE and s.counters["invalid_results"] == 0
+    assert s.groups["p"].result is not None and len(s.groups["p"].result.trajectories) == 3
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["missing_sample", "duplicate_segment"])
+def test_a_group_missing_a_sample_or_repeating_a_segment_is_invalid(case: str) -> None:
+    import dataclasses
+
+    s = make(max_attempts=5)
+    s.submit([prompt("p", 2)], 0.0)
+    w = join(s, "w")
+    s.dispatch(0.0)
+    task_id = next(iter(w.leases))
+    base = group("p", 2)
+    bad = (base[0], dataclasses.replace(base[0], segment_index=1)) if case == "missing_sample" else (*base, base[1])
+    s.result(w, task_id=task_id, prompt_id="p", trajectories=bad, error=None, retryable=True, now=0.0)
+    assert s.counters["invalid_results"] == 1 and s.groups["p"].phase == Phase.QUEUED
+    s.check_invariants()

@@ -104,3 +104,26 @@ def test_top_shows_refusals_by_limit_and_by_role() -> None:
     assert "REFUSALS" not in render_frame(_state(), width=100)  # nothing refused: no section
     fams = parse_prometheus(render_prometheus(state))  # the exporter keeps them as valid metric names
     assert any("refused_limit_pulls_per_peer" in name for name in fams)
+
+
+def test_top_shows_the_episode_stats_of_workers_that_run_episodes() -> None:
+    state = _state()
+    assert "EPISODES" not in render_frame(state, width=100)  # no worker runs episodes
+    state.workers["w-1"].update({"episodes_in_flight": 3, "episodes_finished": 40, "episodes_failed": 1, "episodes_timed_out": 0,
+                                 "episodes_turns": 120, "episodes_tool_calls": 77, "episodes_segments": 41,
+                                 "episodes_reused_prefix_share": 0.9625})
+    frame = render_frame(state, width=120)
+    (line,) = [x for x in frame.splitlines() if x.startswith("  w-1  in flight")]
+    assert "in flight 3" in line and "tool calls 77" in line and "segments 41" in line and "cached-prefix share 0.96" in line
+    assert "EPISODES" in frame and not any(x.startswith("  w-2  in flight") for x in frame.splitlines())
+    assert all(len(x) <= 80 for x in render_frame(state, width=80).splitlines())
+
+
+def test_prometheus_carries_the_episode_stats() -> None:
+    state = _state()
+    state.workers["w-1"].update({"episodes_in_flight": 3, "episodes_tool_calls": 77, "episodes_reused_prefix_share": 0.5})
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_worker_episodes_in_flight", worker="w-1") == 3
+    assert sample_value(fams, "rollpool_worker_episode_tool_calls_total", worker="w-1") == 77
+    assert fams["rollpool_worker_episode_tool_calls_total"]["type"] == "counter"
+    assert sample_value(fams, "rollpool_worker_episode_reused_prefix_share", worker="w-1") == 0.5

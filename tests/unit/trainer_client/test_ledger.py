@@ -444,3 +444,18 @@ def test_a_stale_dropped_group_redelivered_is_acknowledged_as_stale_again() -> N
     led.take([done("old", version=0)], max_staleness=1)  # the broker redelivers it
     assert led.counters["duplicates_dropped"] == 1 and led.ready == 0
     assert led.stale_acks() == ("old",) and led.pull_acks() == ()
+
+
+def test_segments_of_one_sample_are_distinct_trajectories_and_a_redelivery_drops_each_once() -> None:
+    led = make()
+    accept(led, prompt("p", 2))
+    base = trajs("p", 2)
+    seg = dataclasses.replace(base[1], segment_index=1)
+    g = GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(*base, seg))
+    led.take([g], None)
+    batch, _ = led.deliver(1, started_at=0.0, now=0.0, dropped_before=0)
+    assert [t.trajectory_id for t in batch.trajectories] == ["p:0", "p:1", "p:1:1"]
+    # the same three inside another group (a re-run delivered twice): every one dropped, none returned again
+    again = GroupResult(prompt_id="q", state=GroupState.DONE, trajectories=(*base, seg))
+    led.take([again], None)
+    assert led.ready == 0 and led.counters["duplicates_dropped"] == 3

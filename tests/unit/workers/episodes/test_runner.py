@@ -302,3 +302,27 @@ async def test_an_agent_that_recovers_from_the_context_in_a_new_segment_keeps_le
     async with _runner(engine, episode, max_context_tokens=10) as runner:
         a, b = await runner.run_group(_prompt())
     assert (a.finish_reason, b.finish_reason) == ("length", "stop") and a.reward == b.reward == 1.0
+
+
+def test_the_worker_command_exits_2_naming_an_episode_path_that_does_not_import(capsys: pytest.CaptureFixture[str]) -> None:
+    from rollpool.cli import main
+
+    assert main(["worker", "--episode", "no_such_pkg.mod:fn"]) == 2
+    assert "no_such_pkg.mod:fn" in capsys.readouterr().err
+    assert main(["worker", "--episode", "tests.unit.workers.episodes.episode_fns:solve",
+                 "--episode", "other=tests.unit.workers.episodes.episode_fns:missing"]) == 2
+    assert "has no missing" in capsys.readouterr().err
+
+
+def test_episode_flags_repeat_into_the_worker_config() -> None:
+    import argparse
+
+    from rollpool.protocol.config import load_config
+    from rollpool.workers.cli import add_arguments
+    from rollpool.workers.config import WorkerConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--episode", "a.b:c", "--episode", "x=d.e:f", "--max-episodes", "8", "--episode-timeout-s", "5"])
+    cfg = load_config(WorkerConfig, args, environ={})
+    assert cfg.episode == ("a.b:c", "x=d.e:f") and cfg.max_episodes == 8 and cfg.episode_timeout_s == 5.0
