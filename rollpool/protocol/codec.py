@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
+"""1: streamed weight publish (pending checksums, Chunk.checksum) and the shared-memory path fields."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

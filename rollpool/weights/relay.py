@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -81,6 +82,10 @@ class _Forwarder:
 
     def on_bucket_reset(self, bucket: int) -> None:
         self.sources[bucket].reset()
+
+    def on_checksum(self, bucket: int, checksum: str) -> None:
+        # a streamed upstream manifest's checksum: downstream chunks carry it from now on
+        self.server.complete_bucket(self.version, bucket, checksum)
 
 
 class Relay:
@@ -221,7 +226,8 @@ class Relay:
         served = ServedVersion(
             version=version,
             publisher_id=manifest.publisher_id,
-            buckets=manifest.buckets,
+            # checksums and publisher id pass through; the publisher's segments do not (we serve from our memory)
+            buckets=tuple(replace(b, shm_segment="") for b in manifest.buckets),
             sources=list(sources),
             chunk_bytes=manifest.chunk_bytes,
         )
