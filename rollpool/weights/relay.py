@@ -107,6 +107,8 @@ class Relay:
         announce_interval_s: float = 1.0,
         relay_id: str | None = None,
         metrics: MetricsSink | None = None,
+        path: str = "auto",
+        streams: int | None = None,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
@@ -125,6 +127,8 @@ class Relay:
             window_chunks=window_chunks,
             max_refetch=max_refetch,
             metrics=self.metrics,
+            path=path,
+            streams=streams,
         )
         self._server = WeightServer(
             sockets,
