@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -393,14 +393,14 @@ class WeightSubscriber:
                 path = "network"
                 if use_shm:
                     try:
-                        await self._fetch_shm(manifest, buffers, on_bucket)
+                        manifest = await self._fetch_shm(manifest, buffers, on_bucket)
                         path = "shm"
                     except _ShmFallback as exc:
                         self._fallback(manifest.version, str(exc))
                 elif why:
                     self._fallback(manifest.version, why)
                 if path == "network":
-                    await self.fetch_into(manifest, buffers, on_bucket=on_bucket)
+                    manifest = await self.fetch_into(manifest, buffers, on_bucket=on_bucket)
             except WeightVersionGoneError:
                 self._pool.give([slab])
                 if version is not None or moves >= self.max_refetch:
@@ -504,8 +504,10 @@ class WeightSubscriber:
         if self.path == "shm":
             raise WeightSyncError(f"weight path 'shm': {why}")
 
-    async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> None:
-        """Copy each bucket out of the publisher's segment into our buffer, checksumming our copy (what the engine loads)."""
+    async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> Manifest:
+        """Copy each bucket out of the publisher's segment into our buffer, checksumming our copy (what the engine loads).
+
+        Returns the manifest with every checksum."""
         if not all(b.checksum for b in manifest.buckets):
             # a streamed publish still checksumming: wait for the manifest with every checksum (small, on the socket)
             manifest = _checked(await self.fetch_manifest(manifest.version, streamed=False))
@@ -550,15 +552,19 @@ class WeightSubscriber:
         finally:
             for r in readers:
                 r.close()
+        return manifest
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
-                         on_bucket: BucketCallback | None = None) -> None:
-        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one."""
+                         on_bucket: BucketCallback | None = None) -> Manifest:
+        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one.
+
+        Returns the manifest with the checksums it verified (a streamed one's pending checksums filled in)."""
         _checked(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
         transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
         await transfer.run()
+        return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
 
 
 class _ShmFallback(Exception):
