@@ -300,7 +300,8 @@ def _cuda_register(t: torch.Tensor) -> bool:
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            t.data_ptr(), t.numel(), 0)
     except Exception:  # noqa: BLE001 - an optimisation: pageable memory still works
         return False
     return int(rc) == 0 if not hasattr(rc, "value") else int(rc.value) == 0
@@ -308,7 +309,7 @@ def _cuda_register(t: torch.Tensor) -> bool:
 
 def _cuda_unregister(t: torch.Tensor) -> None:
     with contextlib.suppress(Exception):
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
 
 
 # --------------------------------------------------------------------------- the pool

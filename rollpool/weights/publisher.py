@@ -202,7 +202,7 @@ class _Snapshot:
                     stream = streams.get(tensor.device)
                     if stream is None:
                         # the side stream first waits for the trainer's work on this device: the copy sees the latest values
-                        stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
+                        stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
                         stream.wait_stream(torch.cuda.current_stream(tensor.device))
                 jobs.append((idx, offset, tensor, stream))
         for _extra in it:
@@ -228,7 +228,7 @@ class _Snapshot:
         if stream is not None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=dst.is_pinned())
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             done.synchronize()
         else:

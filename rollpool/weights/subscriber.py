@@ -544,9 +544,8 @@ class WeightSubscriber:
 
             results = await asyncio.gather(*(one(i) for i in range(len(readers))), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
-            for exc in errors:
-                if not isinstance(exc, _ShmFallback):
-                    raise exc
+            # a real failure (checksum, gone) wins over a reason to fall back to the network
+            errors.sort(key=lambda e: isinstance(e, _ShmFallback))
             if errors:
                 raise errors[0]
         finally:

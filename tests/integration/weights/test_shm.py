@@ -42,6 +42,10 @@ def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
 
 
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, name))
+
+
 def corrupt(segment: str, offset: int = 100) -> tuple[str, int]:
     """Flip one byte of a publisher's segment (its bucket bytes, after the header); (path, position) to restore it."""
     path = os.path.join(SHM_DIR, segment)
@@ -84,7 +88,7 @@ async def test_same_host_versions_travel_through_shared_memory(make_publisher: A
         assert same(got.tensors, w) and sub.last_path == "shm"
     segments = {b.shm_segment for b in manifest.buckets}
     await pub.close()
-    assert not any(os.path.exists(os.path.join(SHM_DIR, s)) for s in segments)  # unlinked on close
+    assert not any(segment_exists(s) for s in segments)  # unlinked on close
 
 
 async def test_a_corrupt_segment_is_refetched_and_then_verified(make_publisher: Any, make_subscriber: Any) -> None:
