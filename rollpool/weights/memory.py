@@ -264,18 +264,28 @@ class ShmReader:
         except OSError as exc:
             raise ShmUnavailableError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, inode = st.st_size, st.st_ino
             if size != SHM_HEADER_BYTES + nbytes:
                 raise ShmUnavailableError(errno.EINVAL, f"{path} holds {size} bytes, the manifest says {SHM_HEADER_BYTES + nbytes}")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self.name = name
+        self.nbytes = nbytes
+        self._inode = inode
         self.view = memoryview(self._mmap)
         magic, _v, _g = _HEADER.unpack_from(self.view, 0)
         if magic != _MAGIC:
             self.close()
             raise ShmUnavailableError(errno.EINVAL, f"{path} is not a rollpool weight segment")
+
+    def alive(self) -> bool:
+        """Whether the name still names this mapping's segment (not unlinked and made again)."""
+        try:
+            return os.stat(os.path.join(SHM_DIR, self.name)).st_ino == self._inode
+        except OSError:
+            return False
 
     def state(self) -> tuple[int, int]:
         """(the version it holds, -1 while written; its write generation)."""

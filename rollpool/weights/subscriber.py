@@ -186,6 +186,7 @@ class WeightSubscriber:
         self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
         self._reserved_versions = 0
         self._copy_exec: ThreadPoolExecutor | None = None
+        self._readers: dict[str, ShmReader] = {}
         if path == "cuda_ipc":
             log.warning("weight path 'cuda_ipc' is not built yet (docs/weights.md, design); fetching as 'auto'")
 
@@ -216,6 +217,9 @@ class WeightSubscriber:
     def close(self) -> None:
         self._close_sockets()
         self._pool.close()
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
         if self._copy_exec is not None:
             self._copy_exec.shutdown(wait=False, cancel_futures=True)
             self._copy_exec = None
@@ -515,7 +519,7 @@ class WeightSubscriber:
         try:
             for b in manifest.buckets:
                 try:
-                    readers.append(ShmReader(b.shm_segment, b.nbytes))
+                    readers.append(self._reader(b.shm_segment, b.nbytes))
                 except ShmUnavailableError as exc:
                     raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
             loop = asyncio.get_running_loop()
@@ -549,9 +553,20 @@ class WeightSubscriber:
             if errors:
                 raise errors[0]
         finally:
-            for r in readers:
-                r.close()
+            # the publisher reuses its segments across versions: keep this version's mapped (no page-table faults next time)
+            keep = {r.name for r in readers}
+            for name in [n for n in self._readers if n not in keep]:
+                self._readers.pop(name).close()
         return manifest
+
+    def _reader(self, name: str, nbytes: int) -> ShmReader:
+        r = self._readers.get(name)
+        if r is not None and r.nbytes == nbytes and r.alive():
+            return r
+        if r is not None:
+            self._readers.pop(name).close()
+        r = self._readers[name] = ShmReader(name, nbytes)
+        return r
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
                          on_bucket: BucketCallback | None = None) -> Manifest:
