@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -342,15 +343,18 @@ class WeightPublisher:
         release_idle_s: float = 10.0,
         max_hold_s: float = 600.0,
         checksum_algorithm: str | None = None,
-        path: str = "auto",
+        path: str | None = None,
         pool: str = "default",
         pinned_budget_bytes: int | None = None,
         copy_threads: int | None = None,
         checksum_threads: int | None = None,
         reserve: Any = None,
     ) -> None:
+        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"  # unset: from the environment
         if path not in WEIGHT_PATHS:
             raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
+        if pinned_budget_bytes is None and os.environ.get("ROLLPOOL_PINNED_BUDGET_BYTES", "").strip():
+            pinned_budget_bytes = int(os.environ["ROLLPOOL_PINNED_BUDGET_BYTES"])
         if keep_versions < 0:
             raise ValueError(f"keep_versions must be >= 0, got {keep_versions}")
         if bucket_bytes < 1:
@@ -493,9 +497,23 @@ class WeightPublisher:
                  self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
         return total
 
+    def set_path(self, path: str) -> None:
+        """Change the path for the next versions: ``network`` buffers them in ordinary memory (no segments offered),
+        ``auto``/``shm`` in shared memory (where the publisher was not made with ``network``)."""
+        if path not in WEIGHT_PATHS:
+            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
+        if path != "network" and self._shm_pool is None:
+            raise ValueError("this publisher was made with path='network' and has no shared-memory pool")
+        self.path = path
+
+    def manifest_of(self, version: int) -> Manifest | None:
+        """The manifest of a served version as it stands (checksums still pending show ``""``)."""
+        v = self._server.versions.get(version)
+        return v.manifest("") if v is not None else None
+
     def _pool_for(self, fresh_bytes: int) -> BufferPool:
         """The shared-memory pool where the path allows and /dev/shm has room for `fresh_bytes` more, else host memory."""
-        if self._shm_pool is None:
+        if self._shm_pool is None or self.path == "network":
             return self._host_pool
         if fresh_bytes <= 0 or shm_free_bytes() >= fresh_bytes + _SHM_HEADROOM_BYTES:
             return self._shm_pool

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -131,11 +132,18 @@ class WeightSubscriber:
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
         pin_memory: bool = False,
-        path: str = "auto",
+        path: str | None = None,
         streams: int | None = None,
         pinned_budget_bytes: int | None = None,
         copy_threads: int | None = None,
+        reserve_bytes: int | None = None,
     ) -> None:
+        # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
+        # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
+        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"
+        streams = streams or _env_int("ROLLPOOL_WEIGHT_STREAMS")
+        pinned_budget_bytes = pinned_budget_bytes if pinned_budget_bytes is not None else _env_int("ROLLPOOL_PINNED_BUDGET_BYTES")
+        reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_int("ROLLPOOL_WEIGHT_RESERVE_BYTES")
         if path not in WEIGHT_PATHS:
             raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
         if streams is not None and not 1 <= streams <= 16:
@@ -189,6 +197,9 @@ class WeightSubscriber:
         self._readers: dict[str, ShmReader] = {}
         if path == "cuda_ipc":
             log.warning("weight path 'cuda_ipc' is not built yet (docs/weights.md, design); fetching as 'auto'")
+        self._reserving: threading.Thread | None = None
+        if reserve_bytes:
+            self.reserve_in_background(reserve_bytes)
 
     # -- connection
 
@@ -391,6 +402,7 @@ class WeightSubscriber:
             manifest = _checked(await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
+            await self._reserved()
             slab, buffers = self._buffers_for(manifest)
             try:
                 use_shm, why = self._shm_choice(manifest)
@@ -445,6 +457,20 @@ class WeightSubscriber:
         self._pool.reserve([total_bytes] * versions)
         self._reserved_versions = max(self._reserved_versions, versions)
         return total_bytes * versions
+
+    def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
+        """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on);
+        the next fetch waits for it to finish before it takes a buffer."""
+        if self._reserving is not None:
+            self._reserving.join()
+        self._reserving = threading.Thread(target=self.reserve, kwargs={"total_bytes": total_bytes, "versions": versions},
+                                           name="weights-reserve", daemon=True)
+        self._reserving.start()
+
+    async def _reserved(self) -> None:
+        if self._reserving is not None:
+            await asyncio.to_thread(self._reserving.join)
+            self._reserving = None
 
     @property
     def buffers_allocated(self) -> int:
@@ -607,6 +633,16 @@ def _copy_verified(reader: ShmReader, version: int, expected: str, dst: torch.Te
     if (v1, g1) != (v0, g0):
         return "torn"
     return "ok" if verify_checksum(expected, running=summer) else "bad"
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
 
 
 def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:

@@ -225,3 +225,15 @@ async def test_a_reused_segment_under_a_reader_is_a_torn_read(make_publisher: An
     got = await sub.fetch(None)
     assert got.version == 3 and same(got.tensors, model(8))
     await asyncio.sleep(0)
+
+
+async def test_set_path_network_offers_no_segments(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    pub.set_path("network")
+    m = await pub.publish(model(9), 1, wait_ready=True)
+    assert not any(b.shm_segment for b in m.buckets) and pub.shm_fallbacks == 0
+    pub.set_path("auto")
+    m = await pub.publish(model(10), 2, wait_ready=True)
+    assert all(b.shm_segment for b in m.buckets)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    assert same((await sub.fetch(2)).tensors, model(10)) and sub.last_path == "shm"

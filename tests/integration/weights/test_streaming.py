@@ -173,3 +173,18 @@ async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publ
     assert all(torch.equal(got.tensors[k], t) for k, t in w.items())
     await asyncio.wait_for(publish, 10)  # released by one complete fetch over three sockets
     assert sub.bytes_received == 6 * _MiB
+
+
+async def test_the_environment_tells_a_worker_to_reserve_before_its_first_fetch(make_publisher: Any, make_subscriber: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose config predates these fields: ROLLPOOL_WEIGHT_* reach the subscriber it makes."""
+    w = big_model(5)
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_RESERVE_BYTES", str(4 * _MiB))
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "2")
+    pub = await make_publisher(bucket_bytes=1 * _MiB)
+    await pub.publish(w, 1)
+    sub = make_subscriber(pub.router_endpoint)  # reserves in a thread while the loop goes on
+    assert sub.streams == 2
+    got = await sub.fetch(1)
+    assert all(torch.equal(got.tensors[k], t) for k, t in w.items())
+    assert sub.buffers_allocated == 2  # the two reserved, nothing fresh for the first version
