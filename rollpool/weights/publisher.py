@@ -504,6 +504,10 @@ class WeightPublisher:
             raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
         if path != "network" and self._shm_pool is None:
             raise ValueError("this publisher was made with path='network' and has no shared-memory pool")
+        if path != self.path:
+            # the other kind's idle buffers are freed now (served versions keep theirs until evicted)
+            self._trim_spares(0)
+            (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
         self.path = path
 
     def manifest_of(self, version: int) -> Manifest | None:

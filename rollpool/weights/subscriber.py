@@ -39,9 +39,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -428,6 +430,9 @@ class WeightSubscriber:
                 self._pool.give([slab])
                 raise
             self.last_path = path
+            log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, "bytes": sum(b.nbytes for b in manifest.buckets),
+                                                       "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
+                                                       "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
             tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
             self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version,
                                                    "bytes": sum(b.nbytes for b in manifest.buckets), "path": path})
