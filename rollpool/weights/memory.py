@@ -381,6 +381,9 @@ class BufferPool:
         for b in bufs:
             self._free.setdefault(int(b.numel()), []).append(b)
 
+    def free_sizes(self) -> list[int]:
+        return [n for n, v in self._free.items() for _ in v]
+
     def free_bytes(self) -> int:
         return sum(n * len(v) for n, v in self._free.items())
 

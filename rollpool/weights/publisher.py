@@ -146,7 +146,8 @@ class _Snapshot:
     """One streamed snapshot: copies in threads (CUDA on a side stream), each bucket checksummed when its last copy lands,
     then made readable and its checksum published (`WeightServer.complete_bucket`) on the loop."""
 
-    def __init__(self, pub: WeightPublisher, version: int, places: list[tuple[int, int, str, tuple[int, ...]]], planner: BucketPlanner, buffers: list[torch.Tensor]) -> None:
+    def __init__(self, pub: WeightPublisher, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner,
+                 buffers: list[torch.Tensor]) -> None:
         self.pub = pub
         self.version = version
         self.places = places
@@ -161,6 +162,7 @@ class _Snapshot:
         shm = bool(infos) and all(seg is not None for seg in self.segments)
         if not shm:
             infos = tuple(replace(i, shm_segment="") for i in infos)
+        self.planned = list(planner.buckets)
         self.sources = [GatedSource(b) for b in buffers]
         self.served = ServedVersion(version=version, publisher_id=pub.publisher_id, buckets=infos, sources=list(self.sources),
                                     chunk_bytes=pub.chunk_bytes, host_key=pub.host_key if shm else "", pool=pub.pool)
@@ -179,25 +181,32 @@ class _Snapshot:
             self.checksummed.cancel()
 
     async def copy(self, items: Any) -> None:
-        """Copy every tensor into its place; return when the caller's tensors may change (all copies landed)."""
+        """Copy every tensor into its place; return when the caller's tensors may change (all copies landed).
+
+        Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
+        copies are outstanding, so at most that many of its tensors are alive at once)."""
         pub = self.pub
-        jobs: list[tuple[int, int, torch.Tensor, Any]] = []
         streams: dict[Any, Any] = {}
         it = iter(items)
         inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
-        window = asyncio.Semaphore(4 * max(1, pub.copy_threads))  # a streamed iterator is copied as it comes, not gathered whole
+        window = asyncio.Semaphore(4 * max(1, pub.copy_threads))
         futures: list[asyncio.Future[None]] = []
-        count = 0
-        for idx, offset, name, shape in self.places:
-            try:
-                got_name, tensor = next(it)
-            except StopIteration:
-                raise ValueError(f"the tensors ended before {name!r}; the reserved layout has {len(self.places)}") from None
-            if got_name != name or tuple(int(x) for x in tensor.shape) != shape:
-                raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)}, the layout has {name!r} {shape}")
-            count += 1
-            if tensor_bytes(tensor):
-                self.left[idx] += 1
+        # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
+        for b in self.planned:
+            self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
+        for idx in range(len(self.buffers)):
+            if self.left[idx] == 0:
+                self._sum_later(idx)
+        try:
+            for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
+                try:
+                    got_name, tensor = next(it)
+                except StopIteration:
+                    raise ValueError(f"the tensors ended before {name!r}; the reserved layout has {len(self.places)}") from None
+                if got_name != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+                    raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
+                if not nbytes:
+                    continue
                 stream = None
                 if tensor.device.type == "cuda":
                     stream = streams.get(tensor.device)
@@ -205,22 +214,20 @@ class _Snapshot:
                         # the side stream first waits for the trainer's work on this device: the copy sees the latest values
                         stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
                         stream.wait_stream(torch.cuda.current_stream(tensor.device))
-                jobs.append((idx, offset, tensor, stream))
-        for _extra in it:
-            raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
-        for idx in range(len(self.buffers)):
-            if self.left[idx] == 0:
-                self._sum_later(idx)
-        if inline:
-            for job in jobs:
-                self._copy(*job)
-            return
-        for job in jobs:
-            await window.acquire()
-            fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, *job))
-            fut.add_done_callback(lambda _f: window.release())
-            futures.append(fut)
-        await asyncio.gather(*futures)
+                if inline:
+                    self._copy(idx, offset, tensor, stream)
+                    continue
+                await window.acquire()
+                fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream))
+                fut.add_done_callback(lambda _f: window.release())
+                futures.append(fut)
+                del tensor  # only the copy job holds it now
+            for _extra in it:
+                raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
+            await asyncio.gather(*futures)
+        except BaseException:
+            await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
+            raise
 
     def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any) -> None:
         """Copy thread: one tensor into its bucket; the bucket's last copy queues its checksum."""
@@ -584,6 +591,7 @@ class WeightPublisher:
                 self._server.drop_version(version, code="unavailable")
                 self._latest = previous
                 snap.abandon()
+                self._spare.extend(snap.sources)  # its buffers serve the next publish
                 raise
             copied = time.perf_counter()
             self._finishing[version] = asyncio.ensure_future(self._finish(snap, t0, copied))
@@ -621,8 +629,8 @@ class WeightPublisher:
                                                  "pack_s": round(now - t0, 6), "blocked_s": round(copied - t0, 6),
                                                  "memory": "shm" if any(b.shm_segment for b in served.buckets) else "host"})
 
-    def _plan(self, named_tensors: Any) -> tuple[Any, list[tuple[int, int, str, tuple[int, ...]]] | None, BucketPlanner]:
-        """(the tensors, where each goes: (bucket, offset, name, shape) in order, the planner).
+    def _plan(self, named_tensors: Any) -> tuple[Any, list[tuple[int, int, str, tuple[int, ...], str, int]] | None, BucketPlanner]:
+        """(the tensors, where each goes: (bucket, offset, name, shape, dtype, nbytes) in order, the planner).
 
         A dict or a module is planned from its sizes; an iterator is planned from
         the reserved layout (`reserve`) and checked against it as it streams; an
@@ -639,12 +647,21 @@ class WeightPublisher:
         places = []
         for name, dtype, shape, nbytes in layout:
             idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
-            places.append((idx, offset, name, shape))
+            places.append((idx, offset, name, shape, dtype, nbytes))
         return items, places, planner
 
-    def _begin(self, version: int, places: list[tuple[int, int, str, tuple[int, ...]]], planner: BucketPlanner) -> _Snapshot:
+    def _begin(self, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner) -> _Snapshot:
         sizes = [b.nbytes for b in planner.buckets]
-        fresh = sum(n for n in sizes if not any(int(s.data.numel()) == n for s in self._spare))
+        spare = [int(s.data.numel()) for s in self._spare]
+        reserved = self._shm_pool.free_sizes() if self._shm_pool is not None else []
+        fresh = 0
+        for n in sizes:  # what this version needs beyond its spares and the reserved segments (their room is taken already)
+            if n in spare:
+                spare.remove(n)
+            elif n in reserved:
+                reserved.remove(n)
+            else:
+                fresh += n
         pool = self._pool_for(fresh)
         buffers = [self._buffer(n, pool) for n in sizes]
         self._trim_spares(sum(sizes))  # after a layout change, what no version reuses is freed

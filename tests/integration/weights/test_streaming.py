@@ -162,6 +162,34 @@ async def test_a_sharded_trainer_streams_layer_by_layer_into_the_reserved_layout
     assert pub.latest_version == 1 and 2 not in pub.versions  # a failed snapshot is never served
 
 
+async def test_a_streamed_iterator_is_never_gathered_whole(make_publisher: Any, make_subscriber: Any) -> None:
+    """Rank 0's memory: at most the copy window's worth of gathered layers is alive at once, not the model."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(9)
+    w = {f"layers.{i}.w": torch.randn(256, 256, generator=g) for i in range(40)}  # 40 x 256 KiB
+    pub = await make_publisher(bucket_bytes=1 * _MiB, copy_threads=1)
+    pub.reserve(w)
+    alive: weakref.WeakSet[Any] = weakref.WeakSet()
+    peak = 0
+
+    def layers() -> Any:
+        nonlocal peak
+        for k, t in w.items():
+            gc.collect()
+            peak = max(peak, len(alive))
+            gathered = t.clone()  # what an all-gather of one layer hands rank 0
+            alive.add(gathered)
+            yield k, gathered
+            del gathered
+
+    await pub.publish(layers(), 1)
+    assert peak <= 4 + 1, peak  # the window (4 x copy_threads) plus the one being handed over, not 40
+    got = await make_subscriber(pub.router_endpoint).fetch(1)
+    assert all(torch.equal(got.tensors[k], t) for k, t in w.items())
+
+
 async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publisher: Any, make_subscriber: Any) -> None:
     w = big_model(4, n=6)
     pub = await make_publisher(bucket_bytes=1 * _MiB, chunk_bytes=128 * 1024, keep_versions=0, release_idle_s=30)
