@@ -114,7 +114,7 @@ async def role_publisher(mib: int) -> None:
 
     ctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(ctx), router_endpoint=f"tcp://0.0.0.0:{PUB_PORT}", pub_endpoint=f"tcp://0.0.0.0:{ANN_PORT}",
-                          keep_versions=1, bucket_bytes=64 * _MiB)
+                          keep_versions=1, bucket_bytes=64 * _MiB, path="network")  # network namespaces share /dev/shm: the hosts are simulated
     await pub.start()
     per = 16 * _MiB // 2
     g = torch.Generator().manual_seed(0)
@@ -139,7 +139,7 @@ async def role_relay(upstream_ip: str) -> None:
 
     ctx = zmq.asyncio.Context()
     relay = Relay(SocketFactory(ctx), upstream_router=f"tcp://{upstream_ip}:{PUB_PORT}", upstream_pub=f"tcp://{upstream_ip}:{ANN_PORT}",
-                  router_endpoint=f"tcp://127.0.0.1:{RELAY_PORT}", pub_endpoint=f"tcp://127.0.0.1:{RELAY_ANN_PORT}")
+                  router_endpoint=f"tcp://127.0.0.1:{RELAY_PORT}", pub_endpoint=f"tcp://127.0.0.1:{RELAY_ANN_PORT}", path="network")
     await relay.start()
     task = asyncio.ensure_future(relay.run())
     _line({"ready": True})
@@ -157,7 +157,7 @@ async def role_subscribers(count: int, router: str, announce: str) -> None:
 
     ctx = zmq.asyncio.Context()
     f = SocketFactory(ctx)
-    subs = [WeightSubscriber(f, worker_id=f"{os.getpid()}-{i}", fetch_timeout_s=120, window_chunks=4) for i in range(count)]
+    subs = [WeightSubscriber(f, worker_id=f"{os.getpid()}-{i}", fetch_timeout_s=120, window_chunks=4, path="network") for i in range(count)]
     for s in subs:
         s.connect(router, announce)
     _line({"ready": True})

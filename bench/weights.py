@@ -20,6 +20,10 @@ a fresh set of processes, runs interleaved (medians and min..max of ``--reps``; 
 3. Checksum cost (xxh3_64 and crc32, one core, s per GB) and in-process fan-out: 8 subscribers
    direct vs behind one relay (publisher bytes served).
 
+Transport ``shm`` is the same-host path: manifests over ipc, bucket bytes copied out of the publisher's
+shared-memory segments (raw pyzmq and the relay's downstream stay on ipc, gloo on tcp); the tcp and ipc
+rows pin the subscribers to the network path.
+
 The top-level keys (raw_zmq_gbps, rollpool_gbps, ratio_vs_raw, gloo_4_s, rollpool_4_s, vs_gloo)
 are the largest size on tcp; every set is under "rows".
 
@@ -62,7 +66,22 @@ VERSION = 3
 
 
 def _endpoint(transport: str, name: str, tmpdir: str) -> str:
+    # the shm row's control messages (manifests) travel over ipc; its bucket bytes through shared memory
     return "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/{name}"
+
+
+def _path(transport: str) -> str:
+    """The subscribers' weight path: the tcp and ipc rows measure the network path, the shm row the same-host one."""
+    return "auto" if transport == "shm" else "network"
+
+
+def _subscriber_kwargs(transport: str) -> dict[str, Any]:
+    import inspect
+
+    from rollpool.weights.subscriber import WeightSubscriber
+
+    # the branch point's subscriber has no `path` (its A/B runs this same script against it)
+    return {"path": _path(transport)} if "path" in inspect.signature(WeightSubscriber).parameters else {}
 
 
 def _publisher_child(conn: Any, mib: int, chunk_bytes: int, bucket_mib: int, transport: str = "tcp", tmpdir: str = "") -> None:
@@ -160,6 +179,7 @@ def _relay_child(conn: Any, upstream_router: str, upstream_pub: str | None, tran
         relay = Relay(
             SocketFactory(ctx), upstream_router=upstream_router, upstream_pub=upstream_pub, window_chunks=window,
             router_endpoint=_endpoint(transport, "relay", tmpdir), pub_endpoint=_endpoint(transport, "relay-announce", tmpdir),
+            **_subscriber_kwargs(transport),
         )
         await relay.start()
         task = asyncio.ensure_future(relay.run())
@@ -175,12 +195,12 @@ def _relay_child(conn: Any, upstream_router: str, upstream_pub: str | None, tran
     asyncio.run(main())
 
 
-def _subscriber_child(conn: Any, router: str, window: int) -> None:
+def _subscriber_child(conn: Any, router: str, window: int, transport: str = "tcp") -> None:
     """One long-lived subscriber process (a worker): fetch the version on each 'go', report when it holds it verified."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        async with Fetcher(router, window) as f:
+        async with Fetcher(router, window, transport) as f:
             conn.send("ready")
             while await loop.run_in_executor(None, conn.recv) == "go":
                 _dt, total = await f.once()
@@ -207,8 +227,8 @@ def raw_once(conn: Any, sock: Any, nbytes: int, dst: np.ndarray[Any, Any]) -> fl
 class Fetcher:
     """One long-lived subscriber, as in a worker: it recycles the previous version's buffers."""
 
-    def __init__(self, router: str, window: int) -> None:
-        self.router, self.window = router, window
+    def __init__(self, router: str, window: int, transport: str = "tcp") -> None:
+        self.router, self.window, self.transport = router, window, transport
 
     async def __aenter__(self) -> Fetcher:
         import zmq.asyncio
@@ -217,7 +237,7 @@ class Fetcher:
         from rollpool.weights.subscriber import WeightSubscriber
 
         self.ctx = zmq.asyncio.Context()
-        self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window)
+        self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window, **_subscriber_kwargs(self.transport))
         self.sub.connect(self.router)
         await self.sub.fetch_manifest(VERSION)
         return self
@@ -266,11 +286,11 @@ async def fanout(mib: int, n_subs: int, chunk_bytes: int) -> dict[str, Any]:
         relay = None
         router, announce = pub.router_endpoint, pub.pub_endpoint
         if mode == "relay":
-            relay = Relay(f, upstream_router=router, upstream_pub=announce, window_chunks=8)
+            relay = Relay(f, upstream_router=router, upstream_pub=announce, window_chunks=8, **_subscriber_kwargs("tcp"))
             await relay.start()
             relay_task = asyncio.ensure_future(relay.run())
             router, announce = relay.router_endpoint, relay.pub_endpoint
-        subs = [WeightSubscriber(f, fetch_timeout_s=60, window_chunks=4) for _ in range(n_subs)]
+        subs = [WeightSubscriber(f, fetch_timeout_s=60, window_chunks=4, **_subscriber_kwargs("tcp")) for _ in range(n_subs)]  # fan-out of the network path
         for s in subs:
             s.connect(router, announce)
         manifest = await pub.publish(tensors, 1)
@@ -351,7 +371,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
         ]
         for p in gloo_procs:
             p.start()
-    direct = [start(_subscriber_child, router, args.window) for _ in range(args.peers)]
+    direct = [start(_subscriber_child, router, args.window, transport) for _ in range(args.peers)]
     via_relay: list[Any] = []
     if gloo_conn is not None:
         assert gloo_conn.recv() == "ready"
@@ -377,7 +397,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
 
     m: dict[str, list[float]] = {k: [] for k in ("raw", "rp", "ratio", "gloo", "direct", "relay", "vs_gloo_direct", "vs_gloo_relay", "vs_gloo")}
     loop = asyncio.new_event_loop()
-    fetcher = Fetcher(router, args.window)
+    fetcher = Fetcher(router, args.window, transport)
     try:
         loop.run_until_complete(fetcher.__aenter__())
         raw_once(raw_conn, pull, nbytes, dst)  # warm-up (and the raw receiver's buffer is faulted in)
@@ -402,7 +422,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
         for c in direct:
             c.send("stop")
         direct = []
-        via_relay = [start(_subscriber_child, relay_router, args.window) for _ in range(args.peers)]
+        via_relay = [start(_subscriber_child, relay_router, args.window, transport) for _ in range(args.peers)]
         for c in via_relay:
             assert c.recv() == "ready"
         relay_first4_s = peers_once(via_relay)
@@ -456,7 +476,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", default="256,1024", help="version sizes in MiB, comma-separated (the headline keys are the largest, tcp)")
-    ap.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp (loopback), ipc")
+    ap.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp (loopback), ipc, shm (same-host shared memory; raw and gloo as ipc/tcp)")
     ap.add_argument("--chunk-mib", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--window", type=int, default=16)
@@ -474,8 +494,8 @@ def main() -> int:
         args.fanout_mib = 16
     sizes = [int(x) for x in str(args.mib).split(",")]
     transports = [t.strip() for t in args.transports.split(",")]
-    if any(t not in ("tcp", "ipc") for t in transports):
-        ap.error("--transports takes tcp and/or ipc")
+    if any(t not in ("tcp", "ipc", "shm") for t in transports):
+        ap.error("--transports takes tcp, ipc and/or shm")
 
     import tempfile
 

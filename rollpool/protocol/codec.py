@@ -68,7 +68,9 @@ PROTOCOL_MAJOR = 1
 #   1.2  Hello/Welcome/ClientHello/ClientWelcome max_msg_bytes, max_header_bytes; Trajectory.segment_index
 #   1.3  Task.seq, TaskBatch, ResultBatch, Result.credits, Hello/Welcome features, constant-size worker
 #        heartbeats (dispatch_seq, free_capacity, held_count, held_digest, held_full; BrokerHeartbeat.send_held)
-PROTOCOL_MINOR = 3
+#   1.4  streamed weight manifests: ManifestRequest.streamed, host_key; Manifest.host_key, pool;
+#        BucketInfo.shm_segment; Chunk.checksum
+PROTOCOL_MINOR = 4
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -298,8 +298,11 @@ class BucketInfo:
     dtype: str
     nbytes: int
     checksum: str
-    """``"<algorithm>:<hex digest>"`` of the bucket's bytes."""
+    """``"<algorithm>:<hex digest>"`` of the bucket's bytes; ``""`` while a streamed publish is still
+    checksumming it (the bucket's chunks then carry it, `Chunk.checksum`)."""
     tensors: tuple[TensorInfo, ...] = ()
+    shm_segment: str = ""
+    """Same-host path: the POSIX shared-memory segment holding the bucket (``""``: none); see `Manifest.host_key`."""
 
 
 # --------------------------------------------------------------------------- worker flow
@@ -663,6 +666,11 @@ class ManifestRequest:
 
     request_id: str
     version: int | None = None
+    streamed: bool = False
+    """The asker accepts a manifest whose checksums are still pending (minor 1). Without it the answer
+    waits until every bucket's checksum exists, so a subscriber of minor 0 gets the manifest it knows."""
+    host_key: str = ""
+    """The asker's host identity (its "hello" for the same-host paths; informational for the publisher)."""
 
 
 @message("manifest")
@@ -673,6 +681,10 @@ class Manifest:
     publisher_id: str = ""
     buckets: tuple[BucketInfo, ...] = ()
     chunk_bytes: int = 4 * 1024 * 1024
+    host_key: str = ""
+    """The publisher's host identity; a subscriber with the same key may map `BucketInfo.shm_segment`."""
+    pool: str = ""
+    """The pool the publisher serves (segment names carry it)."""
 
 
 @message("fetch")
@@ -693,6 +705,8 @@ class Chunk:
     bucket: int
     offset: int
     data: Blob
+    checksum: str = ""
+    """The bucket's checksum when the manifest was sent before it existed (streamed publish, minor 1)."""
 
 
 # --------------------------------------------------------------------------- any

@@ -30,6 +30,7 @@ CPU tensors are served in place; others are copied once (to CPU, contiguous).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -37,10 +38,13 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from rollpool.protocol.errors import WeightSyncError
+from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import BucketInfo, Manifest, TensorInfo
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
@@ -50,24 +54,25 @@ from rollpool.weights.bucketing import (
     BucketPacker,
     BucketPlanner,
     Checksummer,
-    PackedBucket,
     checksum_supported,
     default_checksum_algorithm,
+    dtype_from_name,
     dtype_name,
     flat_bytes,
     named_tensors_of,
     tensor_bytes,
 )
+from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
+from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.wire import build
 
-__all__ = ["WeightPublisher"]
+__all__ = ["WeightPublisher", "layout_of"]
 
 log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
-_COPY_THREADS = min(4, os.cpu_count() or 1)
-"""Threads that copy tensors into a snapshot's buckets."""
+_SHM_HEADROOM_BYTES = 64 * _MiB
 _THREAD_COPY_BYTES = 1 * _MiB
 """Tensors at least this large are copied in a worker thread (smaller ones inline: a thread hop costs more)."""
 
@@ -93,6 +98,199 @@ class ContiguousSource:
     def in_flight(self) -> bool:
         # the attribute and getrefcount's own argument; anything more is a chunk still held
         return sys.getrefcount(self.array) > 2
+
+
+class GatedSource(ContiguousSource):
+    """A streamed bucket: unreadable (fetches park) until it is copied and checksummed."""
+
+    __slots__ = ("ready",)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__(data)
+        self.ready = False
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        if not self.ready:
+            return None
+        return self.array[offset : offset + nbytes].data
+
+
+def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``(name, dtype name, shape, nbytes)`` per tensor, in order, of tensors (meta ones too) or ``(name, (shape, dtype))`` pairs."""
+    items: Any
+    if isinstance(named_shapes, torch.nn.Module):
+        items = named_shapes.state_dict(keep_vars=False).items()
+    elif isinstance(named_shapes, Mapping):
+        items = named_shapes.items()
+    else:
+        items = named_shapes
+    out: list[tuple[str, str, tuple[int, ...], int]] = []
+    for name, spec in items:
+        if isinstance(spec, torch.Tensor):
+            shape, dtype = tuple(int(x) for x in spec.shape), spec.dtype
+        else:
+            try:
+                shape_any, dtype_any = spec
+            except (TypeError, ValueError):
+                raise TypeError(f"{name!r}: expected a tensor or (shape, dtype), got {type(spec).__name__}") from None
+            shape = tuple(int(x) for x in shape_any)
+            dtype = dtype_any if isinstance(dtype_any, torch.dtype) else dtype_from_name(str(dtype_any))
+        numel = 1
+        for x in shape:
+            numel *= x
+        out.append((str(name), dtype_name(dtype), shape, numel * torch.empty(0, dtype=dtype).element_size()))
+    return out
+
+
+class _Snapshot:
+    """One streamed snapshot: copies in threads (CUDA on a side stream), each bucket checksummed when its last copy lands,
+    then made readable and its checksum published (`WeightServer.complete_bucket`) on the loop."""
+
+    def __init__(self, pub: WeightPublisher, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner,
+                 buffers: list[torch.Tensor]) -> None:
+        self.pub = pub
+        self.version = version
+        self.places = places
+        self.buffers = buffers
+        self.loop = asyncio.get_running_loop()
+        self.segments = [pub.segment_of(b) for b in buffers]
+        infos = tuple(
+            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors),
+                  shm_segment=seg.name if seg is not None else "")
+            for b, seg in zip(planner.buckets, self.segments, strict=True)
+        )
+        shm = bool(infos) and all(seg is not None for seg in self.segments)
+        if not shm:
+            infos = tuple(replace(i, shm_segment="") for i in infos)
+        self.planned = list(planner.buckets)
+        self.sources = [GatedSource(b) for b in buffers]
+        self.served = ServedVersion(version=version, publisher_id=pub.publisher_id, buckets=infos, sources=list(self.sources),
+                                    chunk_bytes=pub.chunk_bytes, host_key=pub.host_key if shm else "", pool=pub.pool)
+        self.left = [0] * len(buffers)
+        self.pending = len(buffers)
+        self.checksummed: asyncio.Future[None] = self.loop.create_future()
+        if not buffers:
+            self.checksummed.set_result(None)
+        self._lock = threading.Lock()
+        for seg in self.segments:
+            if seg is not None:
+                seg.begin_write()
+
+    def abandon(self) -> None:
+        if not self.checksummed.done():
+            self.checksummed.cancel()
+
+    async def copy(self, items: Any) -> None:
+        """Copy every tensor into its place; return when the caller's tensors may change (all copies landed).
+
+        Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
+        copies are outstanding, so at most that many of its tensors are alive at once)."""
+        pub = self.pub
+        streams: dict[Any, Any] = {}
+        it = iter(items)
+        inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
+        window = asyncio.Semaphore(4 * max(1, pub.copy_threads))
+        futures: list[asyncio.Future[None]] = []
+        # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
+        for b in self.planned:
+            self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
+        for idx in range(len(self.buffers)):
+            if self.left[idx] == 0:
+                self._sum_later(idx)
+        try:
+            for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
+                try:
+                    got_name, tensor = next(it)
+                except StopIteration:
+                    raise ValueError(f"the tensors ended before {name!r}; the reserved layout has {len(self.places)}") from None
+                if got_name != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+                    raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
+                if not nbytes:
+                    continue
+                stream = None
+                if tensor.device.type == "cuda":
+                    stream = streams.get(tensor.device)
+                    if stream is None:
+                        # the side stream first waits for the trainer's work on this device: the copy sees the latest values
+                        stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
+                        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+                if inline:
+                    self._copy(idx, offset, tensor, stream)
+                    continue
+                await window.acquire()
+                fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream))
+                fut.add_done_callback(lambda _f: window.release())
+                futures.append(fut)
+                del tensor  # only the copy job holds it now
+            for _extra in it:
+                raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
+            await asyncio.gather(*futures)
+        except BaseException:
+            await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
+            raise
+
+    def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any) -> None:
+        """Copy thread: one tensor into its bucket; the bucket's last copy queues its checksum."""
+        src = flat_bytes(tensor)
+        dst = self.buffers[idx][offset : offset + int(src.numel())]
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=dst.is_pinned())
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            done.synchronize()
+        else:
+            dst.copy_(src)
+        with self._lock:
+            self.left[idx] -= 1
+            last = self.left[idx] == 0
+        if last:
+            self._sum_later(idx)
+
+    def _sum_later(self, idx: int) -> None:
+        if self.buffers[idx].numel() < _THREAD_COPY_BYTES:
+            self._checksum(idx)
+        else:
+            self.pub._sum_pool.submit(self._checksum, idx)
+
+    def _checksum(self, idx: int) -> None:
+        """Checksum thread (xxh3 releases the GIL, so buckets are summed in parallel)."""
+        try:
+            summer = Checksummer(self.pub.checksum_algorithm)
+            if self.buffers[idx].numel():
+                summer.update(self.buffers[idx].numpy())
+            digest = summer.hexdigest()
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+            self._call(self._failed, exc)
+            return
+        self._call(self._ready, idx, digest)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # a worker thread
+            on_loop = False
+        if on_loop:
+            fn(*args)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self.checksummed.done():
+            self.checksummed.set_exception(exc)
+
+    def _ready(self, idx: int, digest: str) -> None:
+        if self.checksummed.done():
+            return  # withdrawn or evicted meanwhile
+        self.sources[idx].ready = True
+        seg = self.segments[idx]
+        if seg is not None:
+            seg.end_write(self.version)
+        self.pub._server.complete_bucket(self.version, idx, digest)
+        self.pending -= 1
+        if self.pending == 0:
+            self.checksummed.set_result(None)
 
 
 class PiecesSource:
@@ -152,7 +350,18 @@ class WeightPublisher:
         release_idle_s: float = 10.0,
         max_hold_s: float = 600.0,
         checksum_algorithm: str | None = None,
+        path: str | None = None,
+        pool: str = "default",
+        pinned_budget_bytes: int | None = None,
+        copy_threads: int | None = None,
+        checksum_threads: int | None = None,
+        reserve: Any = None,
     ) -> None:
+        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"  # unset: from the environment
+        if path not in WEIGHT_PATHS:
+            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
+        if pinned_budget_bytes is None and os.environ.get("ROLLPOOL_PINNED_BUDGET_BYTES", "").strip():
+            pinned_budget_bytes = int(os.environ["ROLLPOOL_PINNED_BUDGET_BYTES"])
         if keep_versions < 0:
             raise ValueError(f"keep_versions must be >= 0, got {keep_versions}")
         if bucket_bytes < 1:
@@ -171,6 +380,26 @@ class WeightPublisher:
         self.release_idle_s = release_idle_s
         self.max_hold_s = max_hold_s
         self.metrics: MetricsSink = metrics or NullMetricsSink()
+        self.path = path
+        self.pool = pool
+        self.host_key = host_key()
+        self.copy_threads = copy_threads or default_copy_threads()
+        self.checksum_threads = checksum_threads or default_copy_threads()
+        self.shm_fallbacks = 0
+        """Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm)."""
+        self._fallback_log = RateLimitedLog(log)
+        if path == "cuda_ipc":
+            log.warning("weight path 'cuda_ipc' is not built yet (docs/weights.md, design); serving as 'auto' (shared memory, then network)")
+        pin = torch.cuda.is_available()  # page-locked buckets: device-to-host copies at full speed
+        self._host_pool = BufferPool(kind="host", pin=pin, pinned_budget_bytes=pinned_budget_bytes)
+        self._shm_pool: BufferPool | None = None
+        if path != "network" and keep_versions > 0:
+            sweep_stale_segments(pool)
+            self._shm_pool = BufferPool(kind="shm", pin=pin, pinned_budget_bytes=pinned_budget_bytes, pool=pool, owner_id=self.publisher_id)
+        self._copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
+        self._sum_pool = ThreadPoolExecutor(self.checksum_threads, thread_name_prefix="weights-checksum")
+        self._finishing: dict[int, asyncio.Future[None]] = {}
+        self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._server = WeightServer(
             sockets,
             router_endpoint=router_endpoint,
@@ -186,6 +415,8 @@ class WeightPublisher:
         self._lock = asyncio.Lock()
         self._served_event = asyncio.Event()
         self._server.on_served = lambda v: self._served_event.set()
+        if reserve is not None:
+            self.reserve(reserve)
 
     # -- lifecycle
 
@@ -194,7 +425,15 @@ class WeightPublisher:
         log.info("weight publisher %s serving on %s, announcing on %s", self.publisher_id, self.router_endpoint, self.pub_endpoint)
 
     async def close(self) -> None:
+        for fut in list(self._finishing.values()):
+            fut.cancel()
         await self._server.close()
+        self._copy_pool.shutdown(wait=True, cancel_futures=True)
+        self._sum_pool.shutdown(wait=True, cancel_futures=True)
+        self._spare = []
+        self._host_pool.close()
+        if self._shm_pool is not None:
+            self._shm_pool.close()  # segments unlinked; mappings go with the last view
 
     async def __aenter__(self) -> WeightPublisher:
         await self.start()
@@ -233,17 +472,84 @@ class WeightPublisher:
             "chunks_served": s.chunks_served,
             "dropped_replies": s.dropped_replies,
             "protocol_errors": s.protocol_errors,
+            "shm_fallbacks": self.shm_fallbacks,
+            "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
+            "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
         }
+
+    # -- memory
+
+    def reserve(self, named_shapes: Any) -> int:
+        """Allocate (and touch) the buckets of this layout for `keep_versions` versions, before the first one.
+
+        `named_shapes`: what `publish` will get (a dict or module of tensors, meta
+        tensors included), or pairs ``(name, (shape, dtype))``. Buffers are
+        page-locked where CUDA is available (within `pinned_budget_bytes`) and
+        shared-memory segments on the ``auto``/``shm`` paths where /dev/shm has
+        room. The layout is also the plan an iterator publish is copied by
+        (a sharded trainer's rank 0 streaming layer by layer). Returns the bytes
+        reserved.
+        """
+        layout = layout_of(named_shapes)
+        planner = BucketPlanner(self.bucket_bytes)
+        for name, dtype, shape, nbytes in layout:
+            planner.place(name, dtype, shape, nbytes)
+        self._layout = layout
+        sizes = [b.nbytes for b in planner.buckets]
+        copies = max(1, self.keep_versions)
+        pool = self._pool_for(sum(sizes) * copies)
+        pool.reserve([n for _ in range(copies) for n in sizes])
+        total = sum(sizes) * copies
+        log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
+                 self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        return total
+
+    def set_path(self, path: str) -> None:
+        """Change the path for the next versions: ``network`` buffers them in ordinary memory (no segments offered),
+        ``auto``/``shm`` in shared memory (where the publisher was not made with ``network``)."""
+        if path not in WEIGHT_PATHS:
+            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
+        if path != "network" and self._shm_pool is None:
+            raise ValueError("this publisher was made with path='network' and has no shared-memory pool")
+        if path != self.path:
+            # the other kind's idle buffers are freed now (served versions keep theirs until evicted)
+            self._trim_spares(0)
+            (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
+        self.path = path
+
+    def manifest_of(self, version: int) -> Manifest | None:
+        """The manifest of a served version as it stands (checksums still pending show ``""``)."""
+        v = self._server.versions.get(version)
+        return v.manifest("") if v is not None else None
+
+    def _pool_for(self, fresh_bytes: int) -> BufferPool:
+        """The shared-memory pool where the path allows and /dev/shm has room for `fresh_bytes` more, else host memory."""
+        if self._shm_pool is None or self.path == "network":
+            return self._host_pool
+        if fresh_bytes <= 0 or shm_free_bytes() >= fresh_bytes + _SHM_HEADROOM_BYTES:
+            return self._shm_pool
+        self.shm_fallbacks += 1
+        self._fallback_log.warning("shm-room", "weight publisher %s: /dev/shm has %d bytes free, a version needs %d more: "
+                                   "buffering in ordinary memory (network path; give /dev/shm room, see docs/weights.md)",
+                                   self.publisher_id, shm_free_bytes(), fresh_bytes)
+        if self.path == "shm":
+            raise WeightSyncError(f"path 'shm': /dev/shm has {shm_free_bytes()} bytes free, a version needs {fresh_bytes}")
+        return self._host_pool
 
     # -- publishing
 
-    async def publish(self, named_tensors: Any, version: int, *, expected_fetchers: int | None = None) -> Manifest:
+    async def publish(self, named_tensors: Any, version: int, *, expected_fetchers: int | None = None, wait_ready: bool = False) -> Manifest:
         """Publish `named_tensors` (a dict, an nn.Module or an iterator of (name, tensor)) as `version`.
 
-        Versions must increase. Returns the manifest once the version is
-        announced (and, with ``keep_versions=0``, once it is released; see the
-        module docstring; `expected_fetchers` is how many complete fetches
-        release it early).
+        Versions must increase. Returns once the caller may change its tensors:
+        the snapshot is copied (CUDA tensors on a side stream into page-locked
+        buffers, the wait included), while checksums may still be computed in
+        threads; each bucket is served as soon as it is copied and checksummed,
+        and the version is announced before its first bucket is ready. The
+        manifest returned names the checksums known then (`wait_ready=True`
+        waits for all of them). With ``keep_versions=0`` it returns once the
+        version is released (see the module docstring; `expected_fetchers` is
+        how many complete fetches release it early).
         """
         if self._server.router_endpoint == "":
             raise RuntimeError("WeightPublisher.start() must be awaited before publish()")
@@ -253,108 +559,154 @@ class WeightPublisher:
             t0 = time.perf_counter()
             if self.keep_versions == 0:
                 served = await self._reference(named_tensors, version)
-            else:
-                if self.keep_versions >= 2:
-                    # evict first what this version evicts anyway (a complete newer one stays served):
-                    # its buffers are reused (no page faults of fresh memory) and memory peaks at K
-                    # versions, not K + 1. With K = 1 the old version is served until the new one is
-                    # ready and its buffers are kept as spares for the next publish.
-                    for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
+                self._latest = version
+                self._server.add_version(served)
+                self._after_publish(served, t0, t0)
+                manifest = served.manifest("")
+                await self._hold(served, expected_fetchers)
+                return manifest
+            if self.keep_versions >= 2:
+                # evict first what this version evicts anyway (a complete newer one stays served):
+                # its buffers are reused (no page faults of fresh memory) and memory peaks at K
+                # versions, not K + 1. With K = 1 the old version is served until the new one is
+                # ready and its buffers are kept as spares for the next publish.
+                for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
+                    self._evict(old)
+            items, places, planner = self._plan(named_tensors)
+            if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
+                served = await self._pack_unplanned(items, version)
+                self._latest = version
+                self._server.add_version(served)
+                self._after_publish(served, t0, time.perf_counter())
+                for old in sorted(self._server.versions)[: -self.keep_versions or None]:
+                    if old != version:
                         self._evict(old)
-                try:
-                    buckets = await self._snapshot(named_tensors)
-                finally:
-                    self._spare = []
-                served = ServedVersion(
-                    version=version,
-                    publisher_id=self.publisher_id,
-                    buckets=tuple(b.info for b in buckets),
-                    sources=[ContiguousSource(b.data) for b in buckets],
-                    chunk_bytes=self.chunk_bytes,
-                )
-            self._latest = version
-            self._server.add_version(served)
+                return served.manifest("")
+            snap = self._begin(version, places, planner)
+            previous, self._latest = self._latest, version
+            self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
+            try:
+                await snap.copy(items)
+            except BaseException:
+                self._server.drop_version(version, code="unavailable")
+                self._latest = previous
+                snap.abandon()
+                self._spare.extend(snap.sources)  # its buffers serve the next publish
+                raise
+            copied = time.perf_counter()
+            self._finishing[version] = asyncio.ensure_future(self._finish(snap, t0, copied))
             for old in sorted(self._server.versions)[: -self.keep_versions or None]:
                 if old != version:
                     self._evict(old)
-            manifest = build(Manifest, request_id="", version=version, publisher_id=self.publisher_id, buckets=served.buckets, chunk_bytes=self.chunk_bytes)
-            pack_s = time.perf_counter() - t0
-            log.info("published weight version %d: %d bytes in %d buckets (packed in %.3f s)", version, served.total_bytes, len(served.buckets), pack_s)
-            self.metrics.event("version_published", {"version": version, "bytes": served.total_bytes, "buckets": len(served.buckets), "pack_s": round(pack_s, 6)})
-            if self.keep_versions == 0:
-                await self._hold(served, expected_fetchers)
-            return manifest
+            if wait_ready:
+                await self.wait_ready(version)
+            return snap.served.manifest("")
+
+    async def wait_ready(self, version: int | None = None) -> None:
+        """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""
+        v = self._latest if version is None else version
+        fut = self._finishing.get(v)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    async def _finish(self, snap: _Snapshot, t0: float, copied: float) -> None:
+        try:
+            await snap.checksummed
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("weight version %d: checksumming failed (%s); withdrawn", snap.version, exc)
+            self._server.drop_version(snap.version, code="unavailable")
+            raise
+        finally:
+            self._finishing.pop(snap.version, None)
+        self._after_publish(snap.served, t0, copied)
+
+    def _after_publish(self, served: ServedVersion, t0: float, copied: float) -> None:
+        now = time.perf_counter()
+        log.info("published weight version %d: %d bytes in %d buckets (caller free after %.3f s, checksummed after %.3f s)",
+                 served.version, served.total_bytes, len(served.buckets), copied - t0, now - t0)
+        self.metrics.event("version_published", {"version": served.version, "bytes": served.total_bytes, "buckets": len(served.buckets),
+                                                 "pack_s": round(now - t0, 6), "blocked_s": round(copied - t0, 6),
+                                                 "memory": "shm" if any(b.shm_segment for b in served.buckets) else "host"})
+
+    def _plan(self, named_tensors: Any) -> tuple[Any, list[tuple[int, int, str, tuple[int, ...], str, int]] | None, BucketPlanner]:
+        """(the tensors, where each goes: (bucket, offset, name, shape, dtype, nbytes) in order, the planner).
+
+        A dict or a module is planned from its sizes; an iterator is planned from
+        the reserved layout (`reserve`) and checked against it as it streams; an
+        iterator without one is planned as it comes (`places` None).
+        """
+        planner = BucketPlanner(self.bucket_bytes)
+        if isinstance(named_tensors, (Mapping, torch.nn.Module)):
+            items: Any = list(named_tensors_of(named_tensors))
+            layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
+        elif self._layout is not None:
+            items, layout = named_tensors_of(named_tensors), self._layout
+        else:
+            return named_tensors_of(named_tensors), None, planner
+        places = []
+        for name, dtype, shape, nbytes in layout:
+            idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
+            places.append((idx, offset, name, shape, dtype, nbytes))
+        return items, places, planner
+
+    def _begin(self, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner) -> _Snapshot:
+        sizes = [b.nbytes for b in planner.buckets]
+        spare = [int(s.data.numel()) for s in self._spare]
+        reserved = self._shm_pool.free_sizes() if self._shm_pool is not None else []
+        fresh = 0
+        for n in sizes:  # what this version needs beyond its spares and the reserved segments (their room is taken already)
+            if n in spare:
+                spare.remove(n)
+            elif n in reserved:
+                reserved.remove(n)
+            else:
+                fresh += n
+        pool = self._pool_for(fresh)
+        buffers = [self._buffer(n, pool) for n in sizes]
+        self._trim_spares(sum(sizes))  # after a layout change, what no version reuses is freed
+        return _Snapshot(self, version, places, planner, buffers)
 
     def _evict(self, version: int) -> None:
         served = self._server.versions.get(version)
         self._server.drop_version(version)
+        fut = self._finishing.pop(version, None)
+        if fut is not None:
+            fut.cancel()
         if served is not None:
             self._spare.extend(s for s in served.sources if isinstance(s, ContiguousSource))
 
-    def _buffer(self, nbytes: int, *, pinned: bool = False) -> torch.Tensor:
-        """A bucket buffer: an evicted version's of the same size that nothing still reads, else fresh memory
-        (page-locked when the tensors come from a GPU: the device-to-host copy then runs at full speed)."""
+    def _trim_spares(self, keep_bytes: int) -> None:
+        held = sum(int(s.data.numel()) for s in self._spare)
+        while self._spare and held > keep_bytes:
+            src = self._spare.pop(0)
+            held -= int(src.data.numel())
+            for pool in (self._host_pool, self._shm_pool):
+                if pool is not None:
+                    pool._drop(src.data)
+
+    def _buffer(self, nbytes: int, pool: BufferPool) -> torch.Tensor:
+        """A bucket buffer: an evicted version's of the same size and kind that nothing still reads, else one of the
+        pool's (reserved, or fresh: page-locked when CUDA is available, within the budget)."""
         for i, src in enumerate(self._spare):
-            if int(src.data.numel()) == nbytes and not src.in_flight() and (not pinned or src.data.is_pinned()):
+            if int(src.data.numel()) == nbytes and not src.in_flight() and (pool.segment_of(src.data) is not None) == (pool.kind == "shm"):
                 del self._spare[i]
                 return src.data
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return pool.take(nbytes)
 
-    async def _snapshot(self, named_tensors: Any) -> list[PackedBucket]:
-        if isinstance(named_tensors, (Mapping, torch.nn.Module)):
-            items = list(named_tensors_of(named_tensors))
-            if sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES:
-                return self._snapshot_planned(items, threads=0)  # a thread hop costs more
-            return await asyncio.to_thread(self._snapshot_planned, items, threads=_COPY_THREADS)
-        # an iterator (a sharded trainer gathering layer by layer): copy as the tensors come
+    def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
+        return self._shm_pool.segment_of(buf) if self._shm_pool is not None else None
+
+    async def _pack_unplanned(self, items: Any, version: int) -> ServedVersion:
         packer = BucketPacker(self.bucket_bytes, checksum_algorithm=self.checksum_algorithm)
-        for name, tensor in named_tensors_of(named_tensors):
+        for name, tensor in items:
             if tensor_bytes(tensor) >= _THREAD_COPY_BYTES:
                 await asyncio.to_thread(packer.add, name, tensor)
             else:
                 packer.add(name, tensor)
-        return await asyncio.to_thread(packer.finish)
-
-    def _snapshot_planned(self, items: list[tuple[str, torch.Tensor]], *, threads: int) -> list[PackedBucket]:
-        """Worker thread: all sizes known, so each bucket is allocated (or reused) once at its final size,
-        tensors are copied by parallel threads (torch's copy releases the GIL), and each bucket is
-        checksummed by the thread that finishes its last copy."""
-        planner = BucketPlanner(self.bucket_bytes)
-        places: list[tuple[int, int, torch.Tensor]] = []
-        for name, tensor in items:
-            idx, offset, _closed = planner.place(name, dtype_name(tensor.dtype), tuple(int(x) for x in tensor.shape), tensor_bytes(tensor))
-            places.append((idx, offset, tensor))
-        pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in items)
-        buffers = [self._buffer(b.nbytes, pinned=pinned) for b in planner.buckets]
-        digests = [Checksummer(self.checksum_algorithm).hexdigest()] * len(buffers)  # of no bytes
-        left = [0] * len(buffers)
-        for idx, _offset, tensor in places:
-            left[idx] += 1 if tensor_bytes(tensor) else 0
-        lock = threading.Lock()
-
-        def copy(idx: int, offset: int, tensor: torch.Tensor) -> None:
-            src = flat_bytes(tensor)
-            buffers[idx][offset : offset + int(src.numel())].copy_(src)
-            with lock:
-                left[idx] -= 1
-                last = left[idx] == 0
-            if last:
-                summer = Checksummer(self.checksum_algorithm)
-                summer.update(buffers[idx].numpy())
-                digests[idx] = summer.hexdigest()
-
-        jobs = [(idx, offset, t) for idx, offset, t in places if tensor_bytes(t)]
-        if threads < 2:
-            for job in jobs:
-                copy(*job)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="weights-snapshot") as pool:
-                for f in [pool.submit(copy, *job) for job in jobs]:
-                    f.result()
-        return [
-            PackedBucket(info=build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=digests[b.index], tensors=tuple(b.tensors)), data=buffers[b.index])
-            for b in planner.buckets
-        ]
+        buckets = await asyncio.to_thread(packer.finish)
+        return ServedVersion(version=version, publisher_id=self.publisher_id, buckets=tuple(b.info for b in buckets),
+                             sources=[ContiguousSource(b.data) for b in buckets], chunk_bytes=self.chunk_bytes, pool=self.pool)
 
     async def _reference(self, named_tensors: Any, version: int) -> ServedVersion:
         planner = BucketPlanner(self.bucket_bytes)

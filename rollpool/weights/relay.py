@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -82,6 +83,10 @@ class _Forwarder:
     def on_bucket_reset(self, bucket: int) -> None:
         self.sources[bucket].reset()
 
+    def on_checksum(self, bucket: int, checksum: str) -> None:
+        # a streamed upstream manifest's checksum: downstream chunks carry it from now on
+        self.server.complete_bucket(self.version, bucket, checksum)
+
 
 class Relay:
     """Serves local workers from one upstream fetch per version."""
@@ -102,6 +107,8 @@ class Relay:
         announce_interval_s: float = 1.0,
         relay_id: str | None = None,
         metrics: MetricsSink | None = None,
+        path: str = "auto",
+        streams: int | None = None,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
@@ -120,6 +127,8 @@ class Relay:
             window_chunks=window_chunks,
             max_refetch=max_refetch,
             metrics=self.metrics,
+            path=path,
+            streams=streams,
         )
         self._server = WeightServer(
             sockets,
@@ -221,7 +230,8 @@ class Relay:
         served = ServedVersion(
             version=version,
             publisher_id=manifest.publisher_id,
-            buckets=manifest.buckets,
+            # checksums and publisher id pass through; the publisher's segments do not (we serve from our memory)
+            buckets=tuple(replace(b, shm_segment="") for b in manifest.buckets),
             sources=list(sources),
             chunk_bytes=manifest.chunk_bytes,
         )

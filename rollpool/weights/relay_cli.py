@@ -19,6 +19,7 @@ from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SecurityConfig, SocketFactory
+from rollpool.weights.config import WeightPathConfig
 
 __all__ = ["HELP", "RelayConfig", "add_arguments", "run", "main", "default_pub_endpoint"]
 
@@ -39,7 +40,9 @@ def default_pub_endpoint(router_endpoint: str) -> str:
 
 
 @dataclass(frozen=True)
-class RelayConfig:
+class RelayConfig(WeightPathConfig):
+    """The relay's flags; `weight_path` and `weight_streams` apply to its upstream fetch (--weight-path, --weight-streams)."""
+
     upstream: str = field(default="", metadata={"help": "the upstream publisher's (or relay's) ROUTER endpoint"})
     upstream_pub: str | None = field(default=None, metadata={"help": "the upstream PUB endpoint (announcements)"})
     bind: str = field(default="tcp://127.0.0.1:6100", metadata={"help": "the ROUTER endpoint local workers fetch from"})
@@ -53,6 +56,7 @@ class RelayConfig:
     curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.upstream:
             raise ConfigError("RelayConfig.upstream is required (--upstream ENDPOINT)")
         if self.keep_versions < 1:
@@ -89,6 +93,8 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
         max_refetch=config.max_refetch,
         poll_interval_s=config.poll_interval_s,
         metrics=metrics,
+        path=config.weight_path,
+        streams=config.streams,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

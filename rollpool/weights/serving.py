@@ -20,6 +20,14 @@ Guarantees
       version) is parked and answered as soon as they arrive.
     - The newest version is re-announced every `announce_interval_s`, so a
       subscriber whose SUB connected after the first announce still hears it.
+    - Streamed versions (protocol minor 1): a version may be served while its
+      buckets are still being snapshotted and checksummed. Its manifest then
+      names ``""`` for each pending checksum; a bucket's bytes become readable
+      only once its checksum exists, and every chunk carries its bucket's
+      checksum (`Chunk.checksum`). A manifest request that does not say
+      ``streamed`` (a subscriber of minor 0) is answered with the newest
+      *complete* version, or parked until the version completes, so older
+      peers only ever see manifests whose checksums all exist.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from rollpool.protocol.codec import decode, encode, peek_type
@@ -41,7 +49,7 @@ from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.wire import build
 
-__all__ = ["BucketSource", "ServedVersion", "WeightServer"]
+__all__ = ["BucketSource", "ServedVersion", "WeightServer", "peer_of"]
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +74,35 @@ class ServedVersion:
     sources: list[BucketSource]
     chunk_bytes: int
     served_by_peer: dict[bytes, int] = field(default_factory=dict)
+    """Bytes served per subscriber (its stream sockets counted together)."""
     last_request_s: float = 0.0
     released: bool = False
     """The manifest is still answered, but the bytes are gone (keep_versions=0 after release)."""
+    host_key: str = ""
+    pool: str = ""
+    waiting_manifests: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
+    """Manifest requests of minor-0 peers parked until every checksum exists."""
 
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def complete(self) -> bool:
+        """Every bucket's checksum exists."""
+        return all(b.checksum for b in self.buckets)
+
+    def set_checksum(self, bucket: int, checksum: str) -> None:
+        self.buckets = tuple(replace(b, checksum=checksum) if b.index == bucket else b for b in self.buckets)
+
+    def manifest(self, request_id: str) -> Manifest:
+        return build(Manifest, request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
+                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool)
+
+
+def peer_of(ident: bytes) -> bytes:
+    """The subscriber an identity belongs to: its stream sockets are ``<id>#<n>``."""
+    return ident.split(b"#", 1)[0]
 
 
 class WeightServer:
@@ -172,6 +202,21 @@ class WeightServer:
         self.highest_dropped = max(self.highest_dropped, version)
         for ident, req in self._parked.pop(version, []):
             self._send(ident, build(Error, code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
+        for ident, mreq in v.waiting_manifests:
+            self._send(ident, build(Error, code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
+        v.waiting_manifests = []
+
+    def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
+        """A streamed version's bucket is snapshotted and checksummed: serve it, and the manifest once all are."""
+        v = self.versions.get(version)
+        if v is None:
+            return
+        v.set_checksum(bucket, checksum)
+        self.notify_arrived(version)
+        if v.complete and v.waiting_manifests:
+            waiting, v.waiting_manifests = v.waiting_manifests, []
+            for ident, req in waiting:
+                self._send(ident, v.manifest(req.request_id))
 
     def announce(self, v: ServedVersion) -> None:
         if self._pub is None:
@@ -248,6 +293,10 @@ class WeightServer:
     def _manifest(self, ident: bytes, req: ManifestRequest) -> None:
         if req.version is None:
             v = self.latest
+            if v is not None and not v.complete and not req.streamed:
+                # a minor-0 peer: the newest complete version, else wait for this one
+                done = [x for x in self.versions.values() if x.complete]
+                v = max(done, key=lambda x: x.version) if done else v
             if v is None:
                 self._send(ident, build(Manifest, request_id=req.request_id, version=-1))
                 return
@@ -257,7 +306,13 @@ class WeightServer:
                 self._send(ident, self._missing(req.version, req.request_id, "manifest_request"))
                 return
             v = found
-        self._send(ident, build(Manifest, request_id=req.request_id, version=v.version, publisher_id=v.publisher_id, buckets=v.buckets, chunk_bytes=v.chunk_bytes))
+        if not v.complete and not req.streamed:
+            if len(v.waiting_manifests) >= self.max_parked:
+                self._send(ident, build(Error, code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
+                return
+            v.waiting_manifests.append((ident, req))
+            return
+        self._send(ident, v.manifest(req.request_id))
 
     def _fetch(self, ident: bytes, req: Fetch) -> None:
         v = self.versions.get(req.version)
@@ -287,11 +342,13 @@ class WeightServer:
         self._send_chunk(ident, v, req, data)
 
     def _send_chunk(self, ident: bytes, v: ServedVersion, req: Fetch, data: Any) -> None:
-        msg = build(Chunk, request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data)
+        msg = build(Chunk, request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data,
+                    checksum=v.buckets[req.bucket].checksum)
         if self._send(ident, msg, copy=False):
             self.bytes_served += req.nbytes
             self.chunks_served += 1
-            v.served_by_peer[ident] = v.served_by_peer.get(ident, 0) + req.nbytes
+            peer = peer_of(ident)
+            v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + req.nbytes
             if self.on_served is not None:
                 self.on_served(v)
 

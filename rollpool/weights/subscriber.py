@@ -39,13 +39,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
+import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -61,9 +64,12 @@ from rollpool.weights.bucketing import (
     Checksummer,
     check_bucket_info,
     checksum_supported,
+    unpack_bucket,
     unpack_buckets,
     verify_checksum,
 )
+from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, default_streams
+from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
 from rollpool.weights.wire import build
 
@@ -84,6 +90,8 @@ class WeightVersion:
     manifest: Manifest
     buffers: tuple[torch.Tensor, ...] = ()
     """The verified buckets as 1-D uint8 tensors, in manifest order (e.g. for SGLang's flattened buckets)."""
+    slab: torch.Tensor | None = None
+    """The one buffer `buffers` are views of (what `WeightSubscriber.recycle` hands back)."""
 
     @property
     def total_bytes(self) -> int:
@@ -105,6 +113,13 @@ class TransferSink(Protocol):
 
     def on_bucket_reset(self, bucket: int) -> None: ...
 
+    def on_checksum(self, bucket: int, checksum: str) -> None:
+        """A streamed manifest's pending checksum arrived on the bucket's first chunk."""
+
+
+BucketCallback = Callable[[int, dict[str, torch.Tensor]], Any]
+"""``on_bucket(index, tensors)``: a bucket verified (its tensors are final views; the version is not whole yet)."""
+
 
 class WeightSubscriber:
     """SUB (announcements) + DEALER (manifests, chunks) to one publisher or relay."""
@@ -119,7 +134,22 @@ class WeightSubscriber:
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
         pin_memory: bool = False,
+        path: str | None = None,
+        streams: int | None = None,
+        pinned_budget_bytes: int | None = None,
+        copy_threads: int | None = None,
+        reserve_bytes: int | None = None,
     ) -> None:
+        # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
+        # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
+        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"
+        streams = streams or _env_int("ROLLPOOL_WEIGHT_STREAMS")
+        pinned_budget_bytes = pinned_budget_bytes if pinned_budget_bytes is not None else _env_int("ROLLPOOL_PINNED_BUDGET_BYTES")
+        reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_int("ROLLPOOL_WEIGHT_RESERVE_BYTES")
+        if path not in WEIGHT_PATHS:
+            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
+        if streams is not None and not 1 <= streams <= 16:
+            raise ValueError(f"streams must be in [1, 16], got {streams}")
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
         if not 1 <= window_chunks <= 1024:
@@ -134,15 +164,28 @@ class WeightSubscriber:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         """Bucket buffers in page-locked memory, for fast copies to a GPU (False without CUDA)."""
         self.metrics: MetricsSink = metrics or NullMetricsSink()
+        self.path = "auto" if path == "cuda_ipc" else path
+        self.streams = streams or default_streams()
+        self.copy_threads = copy_threads or default_copy_threads()
+        self.host_key = host_key()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
         self.bytes_received = 0
+        """Bucket bytes received over ZeroMQ (the network path)."""
+        self.shm_bytes = 0
+        """Bucket bytes copied from a publisher's shared-memory segments."""
         self.buckets_refetched = 0
         self.protocol_errors = 0
+        self.fallbacks: dict[str, int] = {}
+        """Versions fetched over the network although `path` allowed shared memory, by reason."""
+        self.last_path = ""
+        """The path of the last completed fetch: ``shm`` or ``network``."""
         self._latest = -1
         self._hint = -1
         self._changed = asyncio.Event()
         self._dealer: Any = None
+        self._dealers: list[Any] = []
+        self._next_stream = 0
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_up: asyncio.Task[None] | None = None
@@ -150,7 +193,15 @@ class WeightSubscriber:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._errlog = RateLimitedLog(log)
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
+        self._reserved_versions = 0
+        self._copy_exec: ThreadPoolExecutor | None = None
+        self._readers: dict[str, ShmReader] = {}
+        if path == "cuda_ipc":
+            log.warning("weight path 'cuda_ipc' is not built yet (docs/weights.md, design); fetching as 'auto'")
+        self._reserving: threading.Thread | None = None
+        if reserve_bytes:
+            self.reserve_in_background(reserve_bytes)
 
     # -- connection
 
@@ -160,9 +211,13 @@ class WeightSubscriber:
             return
         self._close_sockets()
         self.router_endpoint, self.pub_endpoint = router_endpoint, pub_endpoint
-        identity = f"{self.worker_id}/{self._prefix}".encode()[:255]
-        self._dealer = self.sockets.dealer(router_endpoint, identity=identity)
-        self._spawn(self._recv_loop(self._dealer), "_recv_loop")
+        for i in range(self.streams):
+            # one subscriber, several connections: the server counts them as one peer (the part before '#')
+            identity = f"{self.worker_id}/{self._prefix}"[:250].encode() + f"#{i}".encode()
+            dealer = self.sockets.dealer(router_endpoint, identity=identity)
+            self._dealers.append(dealer)
+            self._spawn(self._recv_loop(dealer), f"_recv_loop[{i}]")
+        self._dealer = self._dealers[0]
         if pub_endpoint:
             self._sub = self.sockets.sub(pub_endpoint)
             self._spawn(self._announce_loop(self._sub), "_announce_loop")
@@ -174,7 +229,13 @@ class WeightSubscriber:
 
     def close(self) -> None:
         self._close_sockets()
-        self._free = {}
+        self._pool.close()
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
+        if self._copy_exec is not None:
+            self._copy_exec.shutdown(wait=False, cancel_futures=True)
+            self._copy_exec = None
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)
@@ -195,9 +256,10 @@ class WeightSubscriber:
         self._tasks.clear()
         self._catch_up = None
         self._routes.clear()
-        for s in (self._dealer, self._sub):
+        for s in (*self._dealers, self._sub):
             if s is not None:
                 s.close(linger=0)
+        self._dealers = []
         self._dealer = self._sub = None
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
@@ -284,15 +346,24 @@ class WeightSubscriber:
     def _request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    def _send(self, msg: Any) -> bool:
+    def _send(self, msg: Any, *, spread: bool = False) -> bool:
+        """Send on the first stream, or (`spread`: chunk requests) on the streams in turn."""
         import zmq
 
         if self._dealer is None:
             raise WeightSyncError("the weight subscriber is not connected")
-        return send_now(self._dealer, encode(msg), flags=zmq.DONTWAIT) is None
+        dealer = self._dealer
+        if spread and len(self._dealers) > 1:
+            self._next_stream = (self._next_stream + 1) % len(self._dealers)
+            dealer = self._dealers[self._next_stream]
+        return send_now(dealer, encode(msg), flags=zmq.DONTWAIT) is None
 
-    async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None) -> Manifest:
-        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times."""
+    async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True) -> Manifest:
+        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times.
+
+        `streamed`: accept pending checksums (``""``, each following on its
+        bucket's chunks); False waits for a manifest whose checksums all exist.
+        """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         loop = asyncio.get_running_loop()
         for _attempt in range(tries):
@@ -300,7 +371,7 @@ class WeightSubscriber:
             fut: asyncio.Future[Any] = loop.create_future()
             self._routes[rid] = _resolver(fut)
             try:
-                self._send(build(ManifestRequest, request_id=rid, version=version))
+                self._send(build(ManifestRequest, request_id=rid, version=version, streamed=streamed, host_key=self.host_key))
                 reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
             except TimeoutError:
                 continue
@@ -318,55 +389,265 @@ class WeightSubscriber:
         what = "latest" if version is None else str(version)
         raise WeightSyncError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {self.fetch_timeout_s} s")
 
-    async def fetch(self, version: int | None = None) -> WeightVersion:
-        """Fetch and verify a whole version (None: the latest). Raises `WeightSyncError`; never returns part of one."""
+    async def fetch(self, version: int | None = None, *, on_bucket: BucketCallback | None = None) -> WeightVersion:
+        """Fetch and verify a whole version (None: the latest). Raises `WeightSyncError`; never returns part of one.
+
+        The path is chosen per version from the manifest: shared memory when the
+        publisher offers segments on this host (``auto``/``shm``), else the
+        network (a fallback that is logged and counted in `fallbacks`).
+        `on_bucket(index, tensors)` is called as each bucket verifies, so an
+        engine can stage it onto its device while the next one arrives; the
+        version is still only complete (and applicable) when `fetch` returns.
+        """
         moves = 0
         while True:
-            manifest = await self.fetch_manifest(version)
+            manifest = _checked(await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
-            buffers = [self._buffer(b.nbytes) for b in _checked(manifest).buckets]
+            await self._reserved()
+            slab, buffers = self._buffers_for(manifest)
             try:
-                await self.fetch_into(manifest, buffers)
+                use_shm, why = self._shm_choice(manifest)
+                path = "network"
+                if use_shm:
+                    try:
+                        manifest = await self._fetch_shm(manifest, buffers, on_bucket)
+                        path = "shm"
+                    except _ShmFallback as exc:
+                        self._fallback(manifest.version, str(exc))
+                elif why:
+                    self._fallback(manifest.version, why)
+                if path == "network":
+                    manifest = await self.fetch_into(manifest, buffers, on_bucket=on_bucket)
             except WeightVersionGoneError:
-                self._recycle_buffers(buffers)
+                self._pool.give([slab])
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
                 continue
+            except BaseException:
+                self._pool.give([slab])
+                raise
+            self.last_path = path
+            log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, "bytes": sum(b.nbytes for b in manifest.buckets),
+                                                       "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
+                                                       "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
             tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-            self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": sum(b.nbytes for b in manifest.buckets)})
-            return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers))
+            self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version,
+                                                   "bytes": sum(b.nbytes for b in manifest.buckets), "path": path})
+            return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+
+    # -- memory
+
+    def reserve(self, named_shapes: Any = None, *, total_bytes: int | None = None, versions: int = 2) -> int:
+        """Allocate (and touch) host buffers for `versions` versions before the first one; returns the bytes.
+
+        `named_shapes`: the engine's own parameters (tensors, meta tensors, or
+        ``(name, (shape, dtype))`` pairs), or give `total_bytes`. A version's
+        buckets are carved from one buffer of its total size, so neither the
+        tensor order nor the publisher's bucket size has to match. Two versions
+        by default: the one the engine serves (kept for a re-apply after a
+        restart) and the one being fetched. Page-locked when the subscriber was
+        made with ``pin_memory`` on a CUDA host, within `pinned_budget_bytes`.
+        """
+        if versions < 1:
+            raise ValueError(f"versions must be >= 1, got {versions}")
+        if total_bytes is None:
+            if named_shapes is None:
+                raise ValueError("reserve needs named_shapes or total_bytes")
+            from rollpool.weights.publisher import layout_of
+
+            total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
+        self._pool.reserve([total_bytes] * versions)
+        self._reserved_versions = max(self._reserved_versions, versions)
+        return total_bytes * versions
+
+    def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
+        """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on);
+        the next fetch waits for it to finish before it takes a buffer."""
+        if self._reserving is not None:
+            self._reserving.join()
+        self._reserving = threading.Thread(target=self.reserve, kwargs={"total_bytes": total_bytes, "versions": versions},
+                                           name="weights-reserve", daemon=True)
+        self._reserving.start()
+
+    async def _reserved(self) -> None:
+        if self._reserving is not None:
+            await asyncio.to_thread(self._reserving.join)
+            self._reserving = None
+
+    @property
+    def buffers_allocated(self) -> int:
+        """Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version)."""
+        return self._pool.allocations
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pool.pinned_bytes
 
     def recycle(self, old: WeightVersion) -> None:
         """Hand back a version the caller no longer uses (its tensors were copied into the engine).
 
-        The next fetch reuses its bucket buffers where the sizes match (they do
-        when every version has the same layout), which spares the page faults
-        of fresh memory: about 5x the cost of the copy itself on first touch.
-        The caller must not use `old`'s tensors afterwards.
+        The next fetch reuses its buffer (one per version; a version's buckets
+        are views of it), which spares the page faults of fresh memory: about 5x
+        the cost of the copy itself on first touch. The caller must not use
+        `old`'s tensors afterwards.
         """
-        self._recycle_buffers(list(old.buffers))
+        if old.slab is not None:
+            self._recycle_buffers([old.slab])
+        else:
+            self._recycle_buffers(list(old.buffers))
 
     def _recycle_buffers(self, buffers: list[torch.Tensor]) -> None:
-        self._free = {}  # hold at most one version's worth
-        for b in buffers:
-            self._free.setdefault(int(b.numel()), []).append(b)
+        self._pool.give(buffers)
+        self._pool.trim(max(self._reserved_versions, 1) * max((int(b.numel()) for b in buffers), default=0))
+
+    def _buffers_for(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(one buffer of the version's total size, the bucket views carved from it in order)."""
+        total = sum(b.nbytes for b in manifest.buckets)
+        slab = self._pool.take_at_least(total)
+        views: list[torch.Tensor] = []
+        pos = 0
+        for b in manifest.buckets:
+            views.append(slab[pos : pos + b.nbytes])
+            pos += b.nbytes
+        return slab, views
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        return self._pool.take(nbytes)
 
-    async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None) -> None:
-        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets and verify each one."""
+    # -- the shared-memory path
+
+    def _shm_choice(self, manifest: Manifest) -> tuple[bool, str]:
+        """(use shared memory, else why not: "" when there is nothing to explain)."""
+        if self.path == "network" or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
+            return False, ""
+        why = ""
+        if not manifest.host_key or not all(b.shm_segment for b in manifest.buckets):
+            why = "the publisher offers no shared memory for this version"
+        elif manifest.host_key != self.host_key:
+            why = "the publisher is on another host (or another /dev/shm)"
+        if why and self.path == "shm":
+            raise WeightSyncError(f"weight path 'shm': {why}")
+        return not why, why
+
+    def _fallback(self, version: int, why: str) -> None:
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        self._errlog.warning("fallback:" + why, "weight version %d over the network path: %s (counted in fallbacks)", version, why)
+        self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why})
+        if self.path == "shm":
+            raise WeightSyncError(f"weight path 'shm': {why}")
+
+    async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> Manifest:
+        """Copy each bucket out of the publisher's segment into our buffer, checksumming our copy (what the engine loads).
+
+        Returns the manifest with every checksum."""
+        if not all(b.checksum for b in manifest.buckets):
+            # a streamed publish still checksumming: wait for the manifest with every checksum (small, on the socket)
+            manifest = _checked(await self.fetch_manifest(manifest.version, streamed=False))
+        readers: list[ShmReader] = []
+        try:
+            for b in manifest.buckets:
+                try:
+                    readers.append(self._reader(b.shm_segment, b.nbytes))
+                except ShmUnavailableError as exc:
+                    raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
+            loop = asyncio.get_running_loop()
+            if self._copy_exec is None:
+                self._copy_exec = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-shm")
+            exec_ = self._copy_exec
+            failures = [0] * len(readers)
+
+            async def one(i: int) -> None:
+                info = manifest.buckets[i]
+                while True:
+                    outcome = await loop.run_in_executor(exec_, _copy_verified, readers[i], manifest.version, info.checksum, buffers[i])
+                    if outcome == "torn":
+                        raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
+                    if outcome == "ok":
+                        self.shm_bytes += info.nbytes
+                        if on_bucket is not None:
+                            on_bucket(i, unpack_bucket(info, buffers[i]))
+                        return
+                    failures[i] += 1
+                    self.buckets_refetched += 1
+                    log.warning("weight version %d: bucket %d from shared memory failed its checksum (attempt %d)", manifest.version, i, failures[i])
+                    self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "shm"})
+                    if failures[i] > self.max_refetch:
+                        raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (shared memory)")
+
+            results = await asyncio.gather(*(one(i) for i in range(len(readers))), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            # a real failure (checksum, gone) wins over a reason to fall back to the network
+            errors.sort(key=lambda e: isinstance(e, _ShmFallback))
+            if errors:
+                raise errors[0]
+        finally:
+            # the publisher reuses its segments across versions: keep this version's mapped (no page-table faults next time)
+            keep = {r.name for r in readers}
+            for name in [n for n in self._readers if n not in keep]:
+                self._readers.pop(name).close()
+        return manifest
+
+    def _reader(self, name: str, nbytes: int) -> ShmReader:
+        r = self._readers.get(name)
+        if r is not None and r.nbytes == nbytes and r.alive():
+            return r
+        if r is not None:
+            self._readers.pop(name).close()
+        r = self._readers[name] = ShmReader(name, nbytes)
+        return r
+
+    async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
+                         on_bucket: BucketCallback | None = None) -> Manifest:
+        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one.
+
+        Returns the manifest with the checksums it verified (a streamed one's pending checksums filled in)."""
         _checked(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
-        transfer = _Transfer(self, manifest, buffers, sink)
+        transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
         await transfer.run()
+        return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
+
+
+class _ShmFallback(Exception):
+    """The shared-memory path cannot serve this version: take the network path."""
+
+
+_SHM_PIECE_BYTES = 4 * 1024 * 1024
+
+
+def _copy_verified(reader: ShmReader, version: int, expected: str, dst: torch.Tensor) -> str:
+    """Worker thread: copy a bucket out of shared memory, checksumming the copy piece by piece while it is in cache.
+
+    ``"ok"``, ``"bad"`` (checksum) or ``"torn"`` (the segment does not hold `version`, or was rewritten meanwhile).
+    """
+    v0, g0 = reader.state()
+    if v0 != version:
+        return "torn"
+    n = int(dst.numel())
+    out = dst.numpy()
+    summer = Checksummer.for_digest(expected)
+    for off in range(0, n, _SHM_PIECE_BYTES):
+        end = min(n, off + _SHM_PIECE_BYTES)
+        out[off:end] = np.frombuffer(reader.bytes(off, end - off), dtype=np.uint8)
+        summer.update(out[off:end])
+    v1, g1 = reader.state()
+    if (v1, g1) != (v0, g0):
+        return "torn"
+    return "ok" if verify_checksum(expected, running=summer) else "bad"
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
 
 
 def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
@@ -383,6 +664,8 @@ def _checked(manifest: Manifest) -> Manifest:
             if b.index != i:
                 raise ValueError(f"bucket {i} has index {b.index}")
             check_bucket_info(b)
+            if not b.checksum:
+                continue  # a streamed publish: the checksum follows on the bucket's chunks
             algo = b.checksum.partition(":")[0]
             if not checksum_supported(algo):
                 raise ValueError(f"bucket {i}: checksum algorithm {algo!r} cannot be verified here (xxh3_64 needs the xxhash package)")
@@ -392,28 +675,45 @@ def _checked(manifest: Manifest) -> Manifest:
 
 
 class _Transfer:
-    """One windowed, verified transfer of a manifest's buckets into buffers."""
+    """One windowed, verified transfer of a manifest's buckets into buffers (the network path).
 
-    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None) -> None:
+    The window is `window_chunks` per stream, requests spread over the
+    subscriber's streams. Chunks are copied into their buckets by `lanes`
+    single-thread executors (one lane per bucket, so a bucket's running
+    checksum is fed in offset order; chunks that arrive early are folded in
+    when the gap before them closes); with several lanes the requests
+    interleave that many buckets so every lane has work.
+    """
+
+    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
+                 on_bucket: BucketCallback | None = None) -> None:
         self.sub = sub
         self.manifest = manifest
         self.buffers = buffers
         self.views = [b.numpy() for b in buffers]
         self.sink = sink
+        self.on_bucket = on_bucket
+        self.window = sub.window_chunks * max(1, len(sub._dealers))
         self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         self.todo: deque[tuple[int, int, int]] = deque()
         self.outstanding: dict[str, tuple[int, int, int]] = {}
         self.received = [0] * len(buffers)
-        self.sums = [Checksummer.for_digest(b.checksum) for b in manifest.buckets]
+        self.expected = [b.checksum for b in manifest.buckets]
+        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
         self.summed_to = [0] * len(buffers)
+        self.early: list[dict[int, int]] = [{} for _ in buffers]
         self.failures = [0] * len(buffers)
         self.replies: asyncio.Queue[Any] = asyncio.Queue()
-        # Copying a chunk into its bucket and folding it into the checksum run in one worker
-        # thread (both release the GIL), in arrival order, while the loop keeps receiving.
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights-absorb")
+        # Copying a chunk into its bucket and folding it into the checksum run in worker threads
+        # (both release the GIL) while the loop keeps receiving.
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix="weights-absorb") for _ in range(max(1, min(len(sub._dealers), sub.copy_threads, len(buffers) or 1)))]
         self.pending: deque[tuple[asyncio.Future[None], int, int, int]] = deque()
+        n = len(self.lanes)
+        for first in range(0, len(buffers), n):
+            group = [self._chunks_of(i) for i in range(first, min(first + n, len(buffers)))]
+            for k in range(max((len(g) for g in group), default=0)):
+                self.todo.extend(g[k] for g in group if k < len(g))
         for i, b in enumerate(manifest.buckets):
-            self.todo.extend(self._chunks_of(i))
             if b.nbytes == 0:
                 self._verify(i)
 
@@ -426,10 +726,10 @@ class _Transfer:
         stalls = 0
         try:
             while self.todo or self.outstanding or self.pending:
-                while self.todo and len(self.outstanding) < sub.window_chunks:
+                while self.todo and len(self.outstanding) < self.window:
                     self._request(self.todo.popleft())
-                if self.pending and (len(self.pending) >= sub.window_chunks or not self.outstanding):
-                    await self.pending[0][0]  # a memcpy and a crc: bounded, no network wait
+                if self.pending and (len(self.pending) >= self.window or not self.outstanding):
+                    await self.pending[0][0]  # a memcpy and a checksum: bounded, no network wait
                     self._settle()
                     continue
                 try:
@@ -449,7 +749,8 @@ class _Transfer:
         finally:
             for rid in self.outstanding:
                 sub._routes.pop(rid, None)
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            for lane in self.lanes:
+                lane.shutdown(wait=True, cancel_futures=True)
 
     def _request(self, req: tuple[int, int, int]) -> None:
         rid = self.sub._request_id()
@@ -457,7 +758,7 @@ class _Transfer:
         self.outstanding[rid] = req
         self.sub._routes[rid] = self.replies.put_nowait
         # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.sub._send(build(Fetch, request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes))
+        self.sub._send(build(Fetch, request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
 
     def _requeue_outstanding(self) -> None:
         reqs = sorted(self.outstanding.values())
@@ -480,20 +781,43 @@ class _Transfer:
         if not isinstance(msg, Chunk) or (msg.version, msg.bucket, msg.offset) != (self.manifest.version, bucket, offset) or memoryview(msg.data).nbytes != nbytes:
             self._fail_chunk(req, "a reply that does not match its request")
             return True
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._absorb, bucket, offset, msg.data)
+        if msg.checksum and msg.checksum != self.expected[bucket]:
+            if self.expected[bucket] or not checksum_supported(msg.checksum.partition(":")[0]):
+                self._fail_chunk(req, f"a chunk naming checksum {msg.checksum!r}, not the bucket's {self.expected[bucket]!r}")
+                return True
+            # a streamed manifest's pending checksum: the bucket's chunks carry it
+            self.expected[bucket] = msg.checksum
+            self.sums[bucket] = Checksummer.for_digest(msg.checksum)
+            if self.sink is not None:
+                self.sink.on_checksum(bucket, msg.checksum)
+        lane = self.lanes[bucket % len(self.lanes)]
+        fut = asyncio.get_running_loop().run_in_executor(lane, self._absorb, bucket, offset, msg.data)
         self.pending.append((fut, bucket, offset, nbytes))
         self.sub.bytes_received += nbytes
         return True
 
     def _absorb(self, bucket: int, offset: int, data: Any) -> None:
-        """Worker thread: copy one chunk into its bucket and fold it into the running checksum."""
-        self.views[bucket][offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        if self.summed_to[bucket] == offset:
-            self.sums[bucket].update(data)
-            self.summed_to[bucket] += len(data)
+        """Lane thread: copy one chunk into its bucket and fold what is now contiguous into the running checksum."""
+        n = len(data)
+        view = self.views[bucket]
+        view[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
+        summer = self.sums[bucket]
+        if summer is None:
+            return
+        if self.summed_to[bucket] != offset:
+            self.early[bucket][offset] = n  # folded in once the chunks before it are
+            return
+        summer.update(data)
+        pos = offset + n
+        early = self.early[bucket]
+        while pos in early:
+            m = early.pop(pos)
+            summer.update(view[pos : pos + m])
+            pos += m
+        self.summed_to[bucket] = pos
 
     def _settle(self) -> None:
-        """Account for the chunks the worker has finished, in order; verify completed buckets."""
+        """Account for the chunks the lanes have finished, in order; verify completed buckets."""
         while self.pending and self.pending[0][0].done():
             fut, bucket, offset, nbytes = self.pending.popleft()
             fut.result()
@@ -505,20 +829,30 @@ class _Transfer:
 
     def _verify(self, bucket: int) -> None:
         info = self.manifest.buckets[bucket]
-        if self.summed_to[bucket] == info.nbytes:
-            ok = verify_checksum(info.checksum, running=self.sums[bucket])
-        else:  # chunks arrived out of order: checksum the assembled buffer
-            ok = verify_checksum(info.checksum, self.views[bucket])
+        expected = self.expected[bucket]
+        summer = self.sums[bucket]
+        if info.nbytes == 0:
+            ok = not expected or verify_checksum(expected, b"")
+        elif not expected or summer is None:
+            ok = False  # no chunk named the pending checksum: nothing to verify against
+        elif self.summed_to[bucket] == info.nbytes:
+            ok = verify_checksum(expected, running=summer)
+        else:  # cannot happen (every chunk is folded in order); verify the assembled buffer
+            ok = verify_checksum(expected, self.views[bucket])
         if ok:
+            if self.on_bucket is not None:
+                self.on_bucket(bucket, unpack_bucket(info, self.buffers[bucket]))
             return
         self.failures[bucket] += 1
         self.sub.buckets_refetched += 1
         log.warning("weight version %d: bucket %d failed its checksum (attempt %d)", self.manifest.version, bucket, self.failures[bucket])
+        self.sub.metrics.event("bucket_refetched", {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
         if self.failures[bucket] > self.sub.max_refetch:
             raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
         self.received[bucket] = 0
-        self.sums[bucket] = Checksummer.for_digest(info.checksum)
+        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
         self.summed_to[bucket] = 0
+        self.early[bucket] = {}
         if self.sink is not None:
             self.sink.on_bucket_reset(bucket)
         self.todo.extendleft(reversed(self._chunks_of(bucket)))

@@ -45,6 +45,7 @@ async def make_subscriber(sockets: SocketFactory) -> AsyncIterator[Callable[...,
     def make(router: str | None = None, pub: str | None = None, **kw: Any) -> WeightSubscriber:
         kw.setdefault("fetch_timeout_s", 2.0)
         kw.setdefault("window_chunks", 4)
+        kw.setdefault("path", "network")  # the same-host tests (test_shm.py) ask for "auto"/"shm" themselves
         sub = WeightSubscriber(sockets, **kw)
         if router is not None:
             sub.connect(router, pub)

@@ -50,6 +50,12 @@ def samples() -> dict[str, Any]:
             p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="crc32:0badf00d", tensors=(
                 p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
         "chunk": p.Chunk(request_id="c1", version=4, bucket=0, offset=0, data=b"\x00\x01\x02\x03"),
+        # minor 1: a streamed manifest (a pending checksum, a shared-memory segment) and a chunk carrying the checksum
+        "manifest_request_streamed": p.ManifestRequest(request_id="m2", version=None, streamed=True, host_key="boot/1.2"),
+        "manifest_streamed": p.Manifest(request_id="m2", version=5, publisher_id="pub", host_key="boot/1.2", pool="default", buckets=(
+            p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", shm_segment="rollpool-default-pub-7-1", tensors=(
+                p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
+        "chunk_streamed": p.Chunk(request_id="c2", version=5, bucket=0, offset=0, data=b"\x00\x01", checksum="xxh3_64:0123456789abcdef"),
         "error": p.Error(code="protocol", message="bad frame", request_id=None, ref_type="task"),
         # minor 1: dispatch sequence numbers, batched tasks and results, constant-size heartbeats
         "task_seq": p.Task(task_id="t2", prompt=prompt, attempt=0, seq=7),

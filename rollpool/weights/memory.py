@@ -1,0 +1,438 @@
+"""Host memory for weight buckets: reusable buffers, page-locked within a budget, and shared-memory segments.
+
+Guarantees
+    - `BufferPool` hands out 1-D uint8 CPU tensors by exact size and takes them
+      back; `reserve` allocates (and touches, so no page fault is left for the
+      first version) a whole layout's buffers ahead of time. Page-locked
+      buffers are made only while CUDA is available and the pool's
+      `pinned_budget_bytes` allows; beyond it buffers are pageable (counted).
+    - Shared-memory buffers (`ShmBuffer`) are POSIX segments in ``/dev/shm``
+      named ``rollpool-<pool>-<publisher id>-<pid>-<n>``, created ``O_EXCL``
+      with mode 0600 (only the same user maps them), their blocks reserved with
+      ``posix_fallocate`` (a full ``/dev/shm`` fails at allocation with ENOSPC,
+      never later with SIGBUS), unlinked on `close`, at exit, by a reaper child
+      when the owner dies in any way (SIGKILL included: the child sees its pipe
+      close), and by `sweep_stale_segments` for owners whose pid is gone.
+    - Each segment starts with a 4 KiB header: magic, the version whose bytes
+      it holds (-1 while being written) and a write generation. A reader takes
+      the generation before and after copying: a change means the publisher
+      reused the buffer under it (a torn read), caught before the checksum.
+
+Nothing here talks to a socket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SHM_DIR",
+    "SHM_HEADER_BYTES",
+    "BufferPool",
+    "ShmBuffer",
+    "ShmReader",
+    "ShmUnavailableError",
+    "host_key",
+    "shm_free_bytes",
+    "sweep_stale_segments",
+    "segment_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_HEADER_BYTES = 4096
+"""The header page before a segment's bucket bytes (keeps the bytes page-aligned)."""
+_MAGIC = b"RPWSHM01"
+_HEADER = struct.Struct("<8sqq")  # magic, version, generation
+_NAME_OK = re.compile(r"[^A-Za-z0-9_.]")
+_SHM_HEADROOM_BYTES = 64 * 1024 * 1024
+"""Left free in /dev/shm beyond what a reservation needs (other users of the host)."""
+
+
+class ShmUnavailableError(OSError):
+    """A shared-memory segment cannot be made or mapped here (no room, no /dev/shm, another user's)."""
+
+
+def host_key() -> str:
+    """This host's identity for the same-host paths: boot id and the /dev/shm mount seen from here.
+
+    Two processes with the same key see the same /dev/shm (same machine, same
+    boot, same tmpfs, so also containers that share one); the subscriber still
+    proves it by mapping the segment and checking its header.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = os.uname().nodename
+    try:
+        st = os.stat(SHM_DIR)
+        shm = f"{st.st_dev:x}.{st.st_ino:x}"
+    except OSError:
+        shm = "none"
+    return f"{boot}/{shm}"
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in /dev/shm (0 where there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def segment_prefix(pool: str, publisher_id: str) -> str:
+    return f"rollpool-{_NAME_OK.sub('_', pool)}-{_NAME_OK.sub('_', publisher_id)}-"
+
+
+def _pid_of(name: str) -> int | None:
+    # rollpool-<pool>-<publisher id>-<pid>-<n>
+    parts = name.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def sweep_stale_segments(pool: str | None = None) -> list[str]:
+    """Unlink this user's rollpool segments (of `pool`, or all) whose owning pid no longer runs; their names."""
+    removed: list[str] = []
+    prefix = "rollpool-" if pool is None else f"rollpool-{_NAME_OK.sub('_', pool)}-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        pid = _pid_of(name)
+        try:
+            if os.stat(path).st_uid != uid or pid is None:
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale shared-memory weight segments of dead publishers", len(removed))
+    return removed
+
+
+# --------------------------------------------------------------------------- the reaper
+
+_REAPER_CODE = r"""
+import os, sys
+SHM_DIR = sys.argv[1]
+names = set()
+for line in sys.stdin:
+    op, _, name = line.strip().partition(" ")
+    if op == "+":
+        names.add(name)
+    elif op == "-":
+        names.discard(name)
+for name in names:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+"""
+
+
+class _Reaper:
+    """A child that unlinks the segments this process still holds once its pipe closes (this process died)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def _pipe(self) -> Any:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _REAPER_CODE, SHM_DIR], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True,
+            )
+        return self._proc.stdin
+
+    def track(self, name: str, add: bool) -> None:
+        with self._lock:
+            try:
+                pipe = self._pipe()
+                pipe.write(f"{'+' if add else '-'} {name}\n".encode())
+                pipe.flush()
+            except OSError:
+                log.warning("shared-memory reaper unavailable; %s is unlinked only by close() or the next sweep", name)
+
+
+_reaper = _Reaper()
+_live: dict[str, ShmBuffer] = {}
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for buf in list(_live.values()):
+        buf.close()
+
+
+# --------------------------------------------------------------------------- segments
+
+
+class ShmBuffer:
+    """One bucket buffer in a shared-memory segment owned by this process (see the module docstring)."""
+
+    def __init__(self, name: str, nbytes: int, *, pin: bool = False) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.path = os.path.join(SHM_DIR, name)
+        size = SHM_HEADER_BYTES + nbytes
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ShmUnavailableError(exc.errno, f"cannot create {self.path}: {exc.strerror}") from exc
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise ShmUnavailableError(exc.errno or errno.ENOSPC, f"/dev/shm has no room for {size} bytes ({exc.strerror})") from exc
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        os.close(fd)
+        _live[name] = self
+        _reaper.track(name, True)
+        self._header = memoryview(self._mmap)[:SHM_HEADER_BYTES]
+        self._generation = 0
+        self._write_header(-1)
+        self.data = torch.frombuffer(self._mmap, dtype=torch.uint8, offset=SHM_HEADER_BYTES, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            self.pinned = _cuda_register(self.data)
+
+    def _write_header(self, version: int) -> None:
+        _HEADER.pack_into(self._header, 0, _MAGIC, version, self._generation)
+
+    def begin_write(self) -> None:
+        """The bytes are about to change: readers of the old version will see a new generation."""
+        self._generation += 1
+        self._write_header(-1)
+
+    def end_write(self, version: int) -> None:
+        self._write_header(version)
+
+    def close(self) -> None:
+        if _live.pop(self.name, None) is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        _reaper.track(self.name, False)
+        if self.pinned:
+            _cuda_unregister(self.data)
+        # the mapping itself goes with the last tensor view of it (torch keeps the buffer alive)
+
+
+class ShmReader:
+    """A subscriber's read-only mapping of a publisher's segment."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        if "/" in name or not name.startswith("rollpool-"):
+            raise ShmUnavailableError(errno.EINVAL, f"not a rollpool segment name: {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise ShmUnavailableError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            size, inode = st.st_size, st.st_ino
+            if size != SHM_HEADER_BYTES + nbytes:
+                raise ShmUnavailableError(errno.EINVAL, f"{path} holds {size} bytes, the manifest says {SHM_HEADER_BYTES + nbytes}")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.nbytes = nbytes
+        self._inode = inode
+        self.view = memoryview(self._mmap)
+        magic, _v, _g = _HEADER.unpack_from(self.view, 0)
+        if magic != _MAGIC:
+            self.close()
+            raise ShmUnavailableError(errno.EINVAL, f"{path} is not a rollpool weight segment")
+
+    def alive(self) -> bool:
+        """Whether the name still names this mapping's segment (not unlinked and made again)."""
+        try:
+            return os.stat(os.path.join(SHM_DIR, self.name)).st_ino == self._inode
+        except OSError:
+            return False
+
+    def state(self) -> tuple[int, int]:
+        """(the version it holds, -1 while written; its write generation)."""
+        _m, version, generation = _HEADER.unpack_from(self.view, 0)
+        return int(version), int(generation)
+
+    def bytes(self, offset: int, nbytes: int) -> memoryview:
+        start = SHM_HEADER_BYTES + offset
+        return self.view[start : start + nbytes]
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.view.release()
+            self._mmap.close()
+
+
+# --------------------------------------------------------------------------- CUDA registration (GPU only)
+
+
+def _cuda_register(t: torch.Tensor) -> bool:
+    """Page-lock existing host memory (a shared segment) for full-speed device copies; False where it cannot."""
+    if not torch.cuda.is_available() or t.numel() == 0:
+        return False
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            t.data_ptr(), t.numel(), 0)
+    except Exception:  # noqa: BLE001 - an optimisation: pageable memory still works
+        return False
+    return int(rc) == 0 if not hasattr(rc, "value") else int(rc.value) == 0
+
+
+def _cuda_unregister(t: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+class BufferPool:
+    """Reusable bucket buffers: plain, page-locked (within a budget) or shared-memory segments.
+
+    `kind` is ``"host"`` (ordinary memory) or ``"shm"`` (segments named with
+    `pool` and `owner_id`). `pin` asks for page-locked memory while CUDA is
+    available; `pinned_budget_bytes` bounds it (None: no bound).
+    """
+
+    def __init__(self, *, kind: str = "host", pin: bool = False, pinned_budget_bytes: int | None = None,
+                 pool: str = "default", owner_id: str = "") -> None:
+        if kind not in ("host", "shm"):
+            raise ValueError(f"buffer kind must be 'host' or 'shm', got {kind!r}")
+        if pinned_budget_bytes is not None and pinned_budget_bytes < 0:
+            raise ValueError(f"pinned_budget_bytes must be >= 0, got {pinned_budget_bytes}")
+        self.kind = kind
+        self.pin = pin
+        self.pinned_budget_bytes = pinned_budget_bytes
+        self.prefix = segment_prefix(pool, owner_id)
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._segments: dict[int, ShmBuffer] = {}  # data_ptr -> segment
+        self._counter = 0
+        self.pinned_bytes = 0
+        self.allocated_bytes = 0
+        self.allocations = 0
+        """Buffers made fresh (a warm pool makes none)."""
+        self.unpinned_over_budget = 0
+
+    def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
+        return self._segments.get(buf.data_ptr()) if buf.numel() else None
+
+    def take(self, nbytes: int, *, ok: Any = None) -> torch.Tensor:
+        """A buffer of exactly `nbytes`: a free one (for which `ok(buf)` holds), else a fresh one."""
+        free = self._free.get(nbytes)
+        if free:
+            for i in range(len(free) - 1, -1, -1):
+                if ok is None or ok(free[i]):
+                    return free.pop(i)
+        return self._new(nbytes)
+
+    def take_at_least(self, nbytes: int) -> torch.Tensor:
+        """The smallest free buffer of at least `nbytes` (a view of its first `nbytes`), else a fresh one of exactly `nbytes`."""
+        best: int | None = None
+        for size, bufs in self._free.items():
+            if size >= nbytes and bufs and (best is None or size < best):
+                best = size
+        if best is None:
+            return self._new(nbytes)
+        buf = self._free[best].pop()
+        if not self._free[best]:
+            del self._free[best]
+        return buf
+
+    def give(self, bufs: Iterable[torch.Tensor]) -> None:
+        for b in bufs:
+            self._free.setdefault(int(b.numel()), []).append(b)
+
+    def free_sizes(self) -> list[int]:
+        return [n for n, v in self._free.items() for _ in v]
+
+    def free_bytes(self) -> int:
+        return sum(n * len(v) for n, v in self._free.items())
+
+    def trim(self, keep_bytes: int) -> None:
+        """Drop free buffers (oldest first) until at most `keep_bytes` are held free."""
+        while self.free_bytes() > keep_bytes:
+            size = max(self._free, key=lambda n: n * len(self._free[n]))
+            buf = self._free[size].pop(0)
+            if not self._free[size]:
+                del self._free[size]
+            self._drop(buf)
+
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Allocate (and touch) one buffer per size into the free list, ahead of the first version."""
+        made = [self._new(n) for n in sizes]
+        for b in made:
+            if b.numel() and not b.is_pinned():
+                b.zero_()  # fault the pages in now, not during the first version
+        self.give(made)
+
+    def close(self) -> None:
+        for seg in list(self._segments.values()):
+            seg.close()
+        self._segments.clear()
+        self._free.clear()
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        want_pin = self.pin and torch.cuda.is_available() and nbytes > 0
+        if want_pin and self.pinned_budget_bytes is not None and self.pinned_bytes + nbytes > self.pinned_budget_bytes:
+            want_pin = False
+            self.unpinned_over_budget += 1
+        if self.kind == "shm":
+            self._counter += 1
+            seg = ShmBuffer(f"{self.prefix}{os.getpid()}-{self._counter}", nbytes, pin=want_pin)
+            if seg.pinned:
+                self.pinned_bytes += nbytes
+            if nbytes:
+                self._segments[seg.data.data_ptr()] = seg
+            return seg.data
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=want_pin)
+        if want_pin:
+            self.pinned_bytes += nbytes
+        return buf
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
+        if seg is not None:
+            seg.close()
+        if buf.is_pinned():
+            self.pinned_bytes -= int(buf.numel())

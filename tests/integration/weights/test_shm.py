@@ -1,0 +1,239 @@
+"""The same-host shared-memory path (CPU): chosen from the manifest, no bucket byte on a ZeroMQ socket,
+the checksum over the subscriber's own copy, the network path as the counted fallback, and segments
+that never outlive their publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollpool.protocol.errors import WeightSyncError  # noqa: E402
+from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
+from rollpool.weights import memory  # noqa: E402
+from rollpool.weights.memory import SHM_DIR, SHM_HEADER_BYTES, sweep_stale_segments  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+_MiB = 1024 * 1024
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def model(seed: int, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.w": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(n)}
+    out["norm"] = torch.randn(1024, generator=g)
+    return out
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def corrupt(segment: str, offset: int = 100) -> tuple[str, int]:
+    """Flip one byte of a publisher's segment (its bucket bytes, after the header); (path, position) to restore it."""
+    path = os.path.join(SHM_DIR, segment)
+    pos = SHM_HEADER_BYTES + offset
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+    return path, pos
+
+
+def flip_back(path: str, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+async def test_same_host_versions_travel_through_shared_memory(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(pool="tpool", publisher_id="pubshm1")
+    w = model(1)
+    manifest = await pub.publish(w, 1, wait_ready=True)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    got = await sub.fetch(1)
+    assert same(got.tensors, w)
+    assert sub.last_path == "shm" and sub.fallbacks == {}
+    total = sum(b.nbytes for b in manifest.buckets)
+    assert sub.shm_bytes == total and sub.bytes_received == 0 and pub.bytes_served == 0  # no bucket byte on a socket
+    for b in manifest.buckets:
+        assert b.shm_segment.startswith("rollpool-tpool-pubshm1-")
+        st = os.stat(os.path.join(SHM_DIR, b.shm_segment))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    # the next versions reuse the same segments
+    for v in (2, 3):
+        w = model(v)
+        await pub.publish(w, v, wait_ready=True)
+        got = await sub.fetch(v)
+        assert same(got.tensors, w) and sub.last_path == "shm"
+    segments = {b.shm_segment for b in manifest.buckets}
+    await pub.close()
+    assert not any(segment_exists(s) for s in segments)  # unlinked on close
+
+
+async def test_a_corrupt_segment_is_refetched_and_then_verified(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    w = model(2)
+    manifest = await pub.publish(w, 1, wait_ready=True)
+    path, pos = corrupt(manifest.buckets[0].shm_segment)
+
+    class RestoreOnRefetch(MemoryMetricsSink):
+        """Fake sink: the first refetch of bucket 0 restores the byte (a transient fault in the shared memory)."""
+
+        def event(self, name: str, fields: dict[str, Any]) -> None:
+            super().event(name, fields)
+            if name == "bucket_refetched" and fields["bucket"] == 0 and fields["path"] == "shm":
+                flip_back(path, pos)
+
+    sub = make_subscriber(pub.router_endpoint, path="auto", metrics=RestoreOnRefetch())
+    got = await sub.fetch(1)
+    assert sub.buckets_refetched == 1 and sub.last_path == "shm"
+    assert same(got.tensors, w)  # the bytes handed to the engine are the good ones
+
+
+async def test_a_segment_that_stays_corrupt_is_never_returned(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    manifest = await pub.publish(model(3), 1, wait_ready=True)
+    corrupt(manifest.buckets[-1].shm_segment, offset=8)
+    sub = make_subscriber(pub.router_endpoint, path="auto", max_refetch=2)
+    with pytest.raises(WeightSyncError, match="checksum"):
+        await sub.fetch(1)
+    assert sub.buckets_refetched == 3  # first try + 2 refetches, then the version is refused whole
+
+
+async def test_another_host_takes_the_network_path_logged_and_counted(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    w = model(4)
+    await pub.publish(w, 1, wait_ready=True)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    sub.host_key = "another-boot/another-shm"
+    got = await sub.fetch(1)
+    assert same(got.tensors, w) and sub.last_path == "network"
+    assert sub.fallbacks == {"the publisher is on another host (or another /dev/shm)": 1}
+    assert sub.bytes_received == pub.bytes_served > 0 and sub.shm_bytes == 0
+    strict = make_subscriber(pub.router_endpoint, path="shm")
+    strict.host_key = "another-boot/another-shm"
+    with pytest.raises(WeightSyncError, match="path 'shm'"):
+        await strict.fetch(1)
+
+
+async def test_a_full_dev_shm_falls_back_to_ordinary_memory(make_publisher: Any, make_subscriber: Any, monkeypatch: Any) -> None:
+    import rollpool.weights.publisher as publisher
+
+    monkeypatch.setattr(publisher, "shm_free_bytes", lambda: 1 * _MiB)  # a /dev/shm too small for a version
+    pub = await make_publisher()
+    w = model(5)
+    manifest = await pub.publish(w, 1, wait_ready=True)
+    assert pub.shm_fallbacks == 1 and not any(b.shm_segment for b in manifest.buckets)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    got = await sub.fetch(1)
+    assert same(got.tensors, w) and sub.last_path == "network"
+    assert sub.fallbacks == {"the publisher offers no shared memory for this version": 1}
+    strict = await make_publisher(path="shm")
+    with pytest.raises(WeightSyncError, match="/dev/shm"):
+        await strict.publish(w, 1)
+
+
+def test_segments_of_a_killed_publisher_are_unlinked(tmp_path: Path) -> None:
+    """SIGKILL leaves no atexit handler to run: the reaper child sees its pipe close and unlinks."""
+    script = textwrap.dedent(
+        """
+        import asyncio, sys, torch, zmq.asyncio
+        from rollpool.protocol.sockets import SocketFactory
+        from rollpool.weights.publisher import WeightPublisher
+
+        async def main():
+            pub = WeightPublisher(SocketFactory(zmq.asyncio.Context()), pool="killed", bucket_bytes=1 << 20)
+            await pub.start()
+            m = await pub.publish({"w": torch.ones(1 << 19, dtype=torch.bfloat16)}, 1, wait_ready=True)
+            print(" ".join(b.shm_segment for b in m.buckets), flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        names = proc.stdout.readline().split()
+        assert names and all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_a_sweep_unlinks_segments_whose_owner_is_gone() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    name = f"rollpool-sweeptest-p0-{int(dead.stdout)}-1"
+    live = f"rollpool-sweeptest-p0-{os.getpid()}-1"
+    for n in (name, live):
+        Path(SHM_DIR, n).write_bytes(b"x")
+    try:
+        assert sweep_stale_segments("sweeptest") == [name]
+        assert not Path(SHM_DIR, name).exists() and Path(SHM_DIR, live).exists()
+    finally:
+        for n in (name, live):
+            Path(SHM_DIR, n).unlink(missing_ok=True)
+
+
+async def test_a_reused_segment_under_a_reader_is_a_torn_read(make_publisher: Any, make_subscriber: Any) -> None:
+    """The publisher rewrites a buffer only after evicting its version; a reader that raced it sees the generation change."""
+    pub = await make_publisher(keep_versions=1)
+    await pub.publish(model(6), 1, wait_ready=True)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    m1 = await sub.fetch_manifest(1)
+    reader = memory.ShmReader(m1.buckets[0].shm_segment, m1.buckets[0].nbytes)
+    before = reader.state()
+    assert before[0] == 1
+    await pub.publish(model(7), 2, wait_ready=True)
+    await pub.publish(model(8), 3, wait_ready=True)  # version 1's spare buffers are reused by now
+    after = reader.state()
+    reader.close()
+    assert after != before
+    with pytest.raises(WeightSyncError):
+        await sub.fetch(1)  # gone: never a mix of two versions
+    got = await sub.fetch(None)
+    assert got.version == 3 and same(got.tensors, model(8))
+    await asyncio.sleep(0)
+
+
+async def test_set_path_network_offers_no_segments(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    pub.set_path("network")
+    m = await pub.publish(model(9), 1, wait_ready=True)
+    assert not any(b.shm_segment for b in m.buckets) and pub.shm_fallbacks == 0
+    pub.set_path("auto")
+    m = await pub.publish(model(10), 2, wait_ready=True)
+    assert all(b.shm_segment for b in m.buckets)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    assert same((await sub.fetch(2)).tensors, model(10)) and sub.last_path == "shm"

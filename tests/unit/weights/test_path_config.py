@@ -1,0 +1,34 @@
+"""`WeightPathConfig` and the relay's flags: the path, the stream count and the page-locked budget, validated by name."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from rollpool.protocol.config import load_config
+from rollpool.protocol.errors import ConfigError
+from rollpool.weights.config import WeightPathConfig, default_streams
+from rollpool.weights.relay_cli import RelayConfig, add_arguments
+
+
+def parse(*argv: str) -> RelayConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return load_config(RelayConfig, p.parse_args(list(argv)), section="relay")
+
+
+def test_flags_and_environment_set_the_weight_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = parse("--upstream", "tcp://t:1", "--weight-path", "network", "--weight-streams", "3", "--pinned-budget-bytes", "1024")
+    assert (c.weight_path, c.streams, c.pinned_budget_bytes) == ("network", 3, 1024)
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_PATH", "shm")
+    c = parse("--upstream", "tcp://t:1")
+    assert c.weight_path == "shm" and c.streams == default_streams() and c.pinned_budget_bytes is None
+    assert c.subscriber_kwargs() == {"path": "shm", "streams": default_streams(), "pinned_budget_bytes": None}
+
+
+@pytest.mark.parametrize(("kw", "field"), [({"weight_path": "nfs"}, "weight_path"), ({"weight_streams": 17}, "weight_streams"),
+                                           ({"pinned_budget_bytes": -1}, "pinned_budget_bytes")])
+def test_bad_values_name_their_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        WeightPathConfig(**kw)  # type: ignore[arg-type]
