@@ -140,14 +140,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=None, args=args, train_dataset=dataset,
                                    processing_class=tokenizer, callbacks=[Record()],
                                    rollout_worker=worker, weight_transfer=transfer)
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # the Record lines above are the progress output
         t_train = time.monotonic()
         trainer.train()
         train_wall = time.monotonic() - t_train
-        # drain the pool: what is still in flight reaches a terminal state (counted), so lost is exact
-        deadline = time.monotonic() + 120
-        while client.pending() > 0 and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                client.get_batch(1, timeout=5)
+        # TRL's train() ended with worker.stop(): it cancelled the groups still in flight and waited until
+        # each was reported, so what is pending now is lost (an accepted group with no terminal state)
         counters = client.status()["counters"]
         rewards = [r["reward"] for r in logged]
         tail = rewards[-min(5, len(rewards)):] or [float("nan")]
@@ -185,7 +185,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (TRL max_steps)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps (TRL max_steps)")
     p.add_argument("--workers", type=int, default=2, help="hf worker processes")
     p.add_argument("--groups-per-step", type=int, default=16, help="prompt groups per optimizer step")
     p.add_argument("--group-size", type=int, default=8, help="TRL num_generations")

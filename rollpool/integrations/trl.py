@@ -84,7 +84,7 @@ class TRLRolloutConfig:
     put_timeout_s: float = field(default=1.0, metadata={"help": "longest wait of one put into a full rollout_buffer (then retried until stop)"})
     no_workers_timeout_s: float = field(default=120.0, metadata={"help": "the pool with no live worker this long is an error raised by check_health"})
     status_interval_s: float = field(default=5.0, metadata={"help": "how often the loop asks the broker for live workers and its counters"})
-    stop_timeout_s: float = field(default=30.0, metadata={"help": "how long stop() waits for the loop thread"})
+    stop_timeout_s: float = field(default=30.0, metadata={"help": "how long stop() waits for the loop thread, and then for its cancelled groups to be reported"})
     max_inflight_samples: int | None = field(default=None, metadata={"help": "samples submitted and not yet delivered (None: TRL's max_inflight_tasks)"})
     submit_chunk_groups: int = field(default=64, metadata={"help": "most prompt groups submitted per request"})
     metadata_columns: tuple[str, ...] | None = field(default=None, metadata={"help": "dataset columns sent to the workers as prompt metadata (None: every column but the prompt whose value is a number, string or bool)"})
@@ -277,7 +277,7 @@ class RollpoolRolloutWorker:
         self.counters: dict[str, int] = {k: 0 for k in (
             "groups_submitted", "groups_rejected", "groups_delivered", "samples_delivered", "groups_failed",
             "groups_cancelled", "groups_dropped_stale", "reward_errors", "rows_without_prompt", "unknown_groups",
-            "samples_without_sampled_tokens", "samples_not_put_at_stop", "duplicated")}
+            "samples_without_sampled_tokens", "samples_not_put_at_stop", "groups_done_after_stop", "duplicated")}
         self._pending: dict[str, _Pending] = {}
         # exactly-once check at the boundary: trajectory ids put into rollout_buffer (bounded window)
         self._seen: dict[str, None] = {}
@@ -350,12 +350,44 @@ class RollpoolRolloutWorker:
             return
         self._stopped = True
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.config.stop_timeout_s)
-            if self._thread.is_alive():
-                log.error("rollpool TRL rollout thread did not stop within %.0f s", self.config.stop_timeout_s)
-        log.info("rollpool TRL rollout worker stopped: %s", self.counters)
-        self._shared.release()
+        try:
+            if self._thread is not None:
+                self._thread.join(self.config.stop_timeout_s)
+                if self._thread.is_alive():
+                    log.error("rollpool TRL rollout thread did not stop within %.0f s", self.config.stop_timeout_s)
+                else:
+                    self._cancel_pending()
+            log.info("rollpool TRL rollout worker stopped: %s", self.counters)
+        finally:
+            self._shared.release()
+
+    def _cancel_pending(self) -> None:
+        """Training is over: cancel this worker's groups still in the pool and wait (bounded) until each is reported.
+
+        Every accepted group so reaches a terminal state the trainer side is told of (CANCELLED, or DONE
+        when it finished first: then it is counted in ``groups_done_after_stop``, not put in the buffer).
+        """
+        ids = [pid for pid in self.client.pending_ids() if pid in self._pending]
+        if not ids:
+            return
+        try:
+            self.client.cancel(ids)
+            deadline = time.monotonic() + self.config.stop_timeout_s
+            while any(pid in self._pending for pid in self.client.pending_ids()) and time.monotonic() < deadline:
+                try:
+                    batch = self.client.get_batch(1, timeout=min(self.config.pull_timeout_s, max(0.1, deadline - time.monotonic())))
+                except TimeoutError:
+                    continue
+                for g in batch.groups:
+                    if self._pending.pop(g.prompt_id, None) is not None:
+                        self.counters["groups_done_after_stop"] += 1
+                for g in batch.other:
+                    self._other(g, quiet=True)
+        except Exception as exc:  # the broker gone at the end of a run: its groups are its own to report
+            log.warning("cancelling %d in-flight groups at stop failed: %s", len(ids), exc)
+        left = sum(1 for pid in self.client.pending_ids() if pid in self._pending)
+        if left:
+            log.warning("%d groups still in flight in the pool after stop (not reported within %.0f s)", left, self.config.stop_timeout_s)
 
     def update_model_version(self, model_version: int) -> None:
         """TRL's policy version: forwarded to the broker (admission counts from it) when it is not there yet."""
@@ -435,7 +467,9 @@ class RollpoolRolloutWorker:
         return [int(x) for x in ids]
 
     def _top_up(self) -> None:
-        room = self._max_inflight() - len(self._pending) * self.group_size
+        # samples in flight in the pool and samples waiting in rollout_buffer both count: the pipeline
+        # stays about max_staleness steps deep, so what TRL consumes is rarely too stale to train on
+        room = self._max_inflight() - len(self._pending) * self.group_size - self.rollout_buffer.qsize()
         groups = min(room // self.group_size, self.config.submit_chunk_groups)
         if groups <= 0:
             return
@@ -472,13 +506,14 @@ class RollpoolRolloutWorker:
             self.counters["groups_rejected"] += len(result.rejected)
             log.info("broker rejected %d prompt groups (first: %s)", len(result.rejected), next(iter(result.rejected.values())))
 
-    def _other(self, g: GroupResult) -> None:
+    def _other(self, g: GroupResult, *, quiet: bool = False) -> None:
         self._pending.pop(g.prompt_id, None)
         key = {GroupState.FAILED: "groups_failed", GroupState.CANCELLED: "groups_cancelled",
                GroupState.DROPPED_STALE: "groups_dropped_stale"}.get(g.state, "groups_failed")
         self.counters[key] += 1
         self._push({f"rollpool/{key}_total": 1.0})
-        log.warning("prompt group %s ended %s: %s (skipped)", g.prompt_id, g.state, g.reason)
+        if not quiet:
+            log.warning("prompt group %s ended %s: %s (skipped)", g.prompt_id, g.state, g.reason)
 
     def _deliver(self, g: GroupResult, stats: Mapping[str, float]) -> None:
         info = self._pending.pop(g.prompt_id, None)
