@@ -385,7 +385,13 @@ class RollpoolRolloutWorker:
                     self._other(g, quiet=True)
         except Exception as exc:  # the broker gone at the end of a run: its groups are its own to report
             log.warning("cancelling %d in-flight groups at stop failed: %s", len(ids), exc)
-        left = sum(1 for pid in self.client.pending_ids() if pid in self._pending)
+        # a get_batch that times out keeps the terminal groups it saw for its next return; the client has
+        # them (no longer pending), so each cancelled group that left the pending set is reported
+        still = set(self.client.pending_ids())
+        for pid in [pid for pid in self._pending if pid not in still]:
+            del self._pending[pid]
+            self.counters["groups_cancelled"] += 1
+        left = sum(1 for pid in still if pid in self._pending)
         if left:
             log.warning("%d groups still in flight in the pool after stop (not reported within %.0f s)", left, self.config.stop_timeout_s)
 
