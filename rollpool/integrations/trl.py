@@ -197,13 +197,11 @@ def group_to_samples(
     rewards[unscored] = np.nan
     advantages = np.zeros(n)
     scored = ~np.isnan(rewards)
+    reward_std = float("nan")
     if scored.any():
         vals = rewards[scored]
         advantages[scored] = (vals - vals.mean()) / (vals.std() + 1e-8)
-        reward_mean, reward_std = float(vals.mean()), float(vals.std())
-    else:
-        reward_mean = reward_std = float("nan")
-    del reward_mean
+        reward_std = float(vals.std())
     now = time.time()
     out: list[Any] = []
     for col, i in enumerate(order):
