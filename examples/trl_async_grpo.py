@@ -13,7 +13,7 @@ cannot reach a model hub. ``--reward-on trainer`` scores with a TRL reward funct
 
 The report (``--json``): reward_first / reward_final (TRL's logged ``reward`` at the first step and
 the mean over the last five), steps, lost (accepted prompt groups with no terminal state after the
-pool is drained), duplicated (trajectories delivered twice), wall_s.
+adapter cancelled what was in flight at stop), duplicated (trajectories put into TRL's buffer twice), wall_s.
 """
 
 from __future__ import annotations
@@ -156,7 +156,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "reward_final": float(sum(tail) / len(tail)),
             "steps": int(trainer.state.global_step),
             "lost": int(client.pending()),
-            "duplicated": int(worker.counters["duplicated"]) + int(counters.get("duplicates", 0)),
+            # trajectories the trainer side got twice (the adapter checks every trajectory id it puts in the buffer)
+            "duplicated": int(worker.counters["duplicated"]),
+            # results the broker dropped because their group had already ended (e.g. a cancelled task finishing): not deliveries
+            "broker_dropped_duplicate_results": int(counters.get("duplicates", 0)),
             "wall_s": round(time.monotonic() - t0, 1),
             "train_wall_s": round(train_wall, 1),
             "samples_per_step": samples_per_step,
