@@ -56,6 +56,7 @@ from rollpool.protocol import (
     Ack,
     Batch,
     BrokerUnavailableError,
+    CancelPrompts,
     ClientHello,
     ClientWelcome,
     ConfigError,
@@ -502,6 +503,24 @@ class TrainerClient:
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self.control("flush_cache")
+
+    async def cancel(self, prompt_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Cancel live prompt groups: each reaches CANCELLED, reported once by a later `get_batch` in `other`.
+
+        Returns ``{"cancelled": [...], "not_cancelled": [...]}`` (unknown or already terminal ids).
+        """
+        ids = tuple(prompt_ids)
+        if not ids:
+            return {"cancelled": [], "not_cancelled": []}
+        reply = await self._request(lambda rid: CancelPrompts(request_id=rid, prompt_ids=ids))
+        if not isinstance(reply, Reply) or not reply.ok:
+            raise RejectedError("cancel_prompts", getattr(reply, "error", None) or "refused")
+        data = dict(reply.data)
+        return {"cancelled": list(data.get("cancelled", [])), "not_cancelled": list(data.get("not_cancelled", []))}
+
+    def pending_ids(self) -> list[str]:
+        """Ids of the prompts accepted and not yet delivered."""
+        return list(self.ledger.pending)
 
     def pending(self) -> int:
         """Prompts accepted and not yet delivered."""

@@ -96,8 +96,15 @@ class SyncTrainerClient:
     def flush_cache(self) -> dict[str, Any]:
         return self._call(self.client.flush_cache)
 
+    def cancel(self, prompt_ids: Sequence[str]) -> dict[str, list[str]]:
+        ids = list(prompt_ids)
+        return self._call(lambda: self.client.cancel(ids))
+
     def pending(self) -> int:
         return self.client.pending()
+
+    def pending_ids(self) -> list[str]:
+        return self.client.pending_ids()
 
     def close(self) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "weights": {"protocol"},
     "workers": {"protocol", "weights"},
     "trainer_client": {"protocol", "weights"},
+    "integrations": {"trainer_client", "protocol"},  # adapters for other trainers (protocol: the pure message types)
     "monitor": {"protocol"},
     "demo": {"protocol", "broker", "weights", "workers", "trainer_client", "monitor", "launch"},
     "launch": {"protocol", "broker", "weights", "workers", "trainer_client", "monitor"},
@@ -35,6 +36,7 @@ THIRD_PARTY_HOMES: dict[str, tuple[str, ...]] = {
     "safetensors": ("workers/engines", "weights", "demo"),
     "ray": ("launch",),
     "aiohttp": ("workers/episodes", "workers/engines/sglang"),  # the episode endpoint (extra: episodes); the sglang engine and its child
+    "trl": ("integrations/trl.py",),  # TRL's async GRPO trainer (extra: trl), imported lazily
 }
 
 

@@ -210,3 +210,20 @@ async def test_publish_weights_hosts_the_publisher_and_names_it_to_the_broker(in
     fresh = await inproc_pool.start_broker()
     await client.status()
     assert fresh.state.version == 1 and fresh.weight_endpoint == broker.weight_endpoint
+
+
+async def test_cancel_ends_live_groups_cancelled_reported_once_beside_a_later_batch(inproc_pool: Any) -> None:
+    client = await inproc_pool.client()
+    result = await client.submit([[1, 2, i] for i in range(3)], group_size=2, sampling=SAMPLING)
+    ids = result.accepted
+    out = await client.cancel(ids[:2] + ["never-submitted"])
+    assert sorted(out["cancelled"]) == sorted(ids[:2]) and out["not_cancelled"] == ["never-submitted"]
+    with pytest.raises(TimeoutError):
+        await client.get_batch(1, timeout=0.5)  # no worker: nothing DONE, but the cancellations arrive
+    assert client.pending_ids() == [ids[2]] and client.counters["cancelled"] == 2
+    await inproc_pool.worker(capacity=8)
+    batch = await client.get_batch(1, timeout=10)
+    assert [g.prompt_id for g in batch.groups] == [ids[2]]
+    assert sorted(g.prompt_id for g in batch.other) == sorted(ids[:2]) and {g.state for g in batch.other} == {GroupState.CANCELLED}
+    assert client.pending() == 0
+    await client.close()
