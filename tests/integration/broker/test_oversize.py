@@ -21,6 +21,7 @@ import zmq.asyncio
 from rollpool import protocol as p
 from rollpool.broker import Broker, BrokerConfig
 from rollpool.protocol import ProtocolError, SocketFactory
+from rollpool.protocol.sockets import SocketOptions
 from rollpool.trainer_client import TrainerClient, TrainerClientConfig
 
 MiB = 1024 * 1024
@@ -29,7 +30,7 @@ MiB = 1024 * 1024
 @pytest.fixture
 async def broker() -> AsyncIterator[Broker]:
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx)
+    sockets = SocketFactory(ctx, SocketOptions(monitor_disconnects=True))
     b = Broker(BrokerConfig(worker_endpoint="tcp://127.0.0.1:*", client_endpoint="tcp://127.0.0.1:*", heartbeat_interval_s=0.2), sockets)
     task = asyncio.create_task(b.run())
     await asyncio.wait_for(b.ready.wait(), 5)
