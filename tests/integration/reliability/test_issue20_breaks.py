@@ -189,7 +189,6 @@ class StrictNamesEngine(SimEngine):
         await super().update_weights(named_tensors, version)
 
 
-@issue20(6, "a version that cannot be applied is re-applied forever; the next good version is never applied")
 async def test_break6_a_poison_version_is_skipped_and_the_next_one_applied(pool: Pool) -> None:
     torch = pytest.importorskip("torch")
     StrictNamesEngine.refused = []
@@ -214,7 +213,6 @@ async def test_break6_a_poison_version_is_skipped_and_the_next_one_applied(pool:
 # ---------------------------------------------------------------------------------------------- break 7
 
 
-@issue20(7, "the hard staleness bound is skipped for groups left from a timed-out get_batch and for empty token_versions")
 @pytest.mark.parametrize("case", ["left_from_timed_out_get_batch", "empty_token_versions"])
 async def test_break7_the_hard_bound_holds_for_every_group_get_batch_returns(pool: Pool, case: str) -> None:
     broker = await pool.start_broker()
