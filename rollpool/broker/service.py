@@ -409,10 +409,10 @@ class Broker:
             self._on_control_reply(w, msg)
         elif kind is ApplyRequest:
             st.touch(w, now)
-            st.apply_request(w, msg.version)
+            st.apply_request(w, msg.version, now)
         elif kind is ApplyDone:
             st.touch(w, now)
-            st.apply_done(w, msg.version, msg.ok)
+            st.apply_done(w, msg.version, msg.ok, msg.error)
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))

@@ -179,6 +179,9 @@ _COUNTERS = (
     "orphans_dropped",
     "invalid_results",
     "unknown_results",
+    "apply_slots_expired",
+    "grants_resent",
+    "versions_failed",
 )
 
 
@@ -218,6 +221,10 @@ class BrokerState:
         """Groups adopted from a worker's hello whose prompt was not resubmitted yet: prompt id -> adopted at."""
         self._forgotten_order: deque[str] = deque()
         self._applying: set[str] = set()
+        self._apply_since: dict[str, float] = {}
+        """worker_id -> when its apply slot was granted (`apply_slot_deadline_s` counts from it)."""
+        self._now = 0.0
+        """The newest time a caller passed in (apply slots granted without a time of their own take it)."""
         self._apply_waiting: deque[tuple[str, int]] = deque()
 
     # ------------------------------------------------------------------ workers
@@ -312,6 +319,7 @@ class BrokerState:
 
     def remove_worker(self, worker_id: str, now: float, reason: str) -> list[str]:
         """The worker left (goodbye) or was declared dead; its groups return to the queue."""
+        self._now = max(self._now, now)
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
@@ -702,6 +710,7 @@ class BrokerState:
                 self._requeue(g, now, reason="deadline passed")
                 requeued.append(g.prompt_id)
         self._expire_orphans(now)
+        self._expire_apply_slots(now)
         return dead, requeued
 
     def _expire_orphans(self, now: float) -> None:
@@ -835,20 +844,46 @@ class BrokerState:
                         self._requeue(g, now, reason=f"worker weights {w.version} too stale", exhausted=Phase.DROPPED_STALE)
         return True
 
-    def apply_request(self, w: WorkerInfo, version: int) -> None:
+    def apply_request(self, w: WorkerInfo, version: int, now: float = 0.0) -> None:
+        """A worker asks for an apply slot. A repeated ask from the slot's holder is answered with the
+        grant again (the first may have been lost); a repeated ask while waiting changes nothing."""
         wid = w.worker_id
-        if wid in self._applying or any(x == wid for x, _ in self._apply_waiting):
+        self._now = max(self._now, now)
+        if wid in self._applying:
+            self.counters["grants_resent"] += 1
+            w.apply_version = version
+            self.effects.grants.append((wid, version))
+            return
+        if any(x == wid for x, _ in self._apply_waiting):
             return
         self._apply_waiting.append((wid, version))
         self._grant_apply()
 
-    def apply_done(self, w: WorkerInfo, version: int, ok: bool) -> None:
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
         if ok:
             w.version = max(w.version, version)
+        else:
+            self.counters["versions_failed"] += 1
+            self.effects.events.append(("version_failed", {"worker_id": w.worker_id, "version": version, "error": error or ""}))
         self._release_apply(w.worker_id)
         self._refresh(w)
 
+    def _expire_apply_slots(self, now: float) -> None:
+        """Free the slots held past `apply_slot_deadline_s` (a hung apply); the next worker waiting gets one."""
+        self._now = max(self._now, now)
+        limit = self.config.apply_slot_deadline_s
+        for wid, since in list(self._apply_since.items()):
+            if now - since <= limit:
+                continue
+            self.counters["apply_slots_expired"] += 1
+            self.effects.events.append(("apply_slot_expired", {"worker_id": wid, "held_s": round(now - since, 3)}))
+            self._release_apply(wid)
+            w = self.workers.get(wid)
+            if w is not None:
+                self._refresh(w)
+
     def _release_apply(self, worker_id: str) -> None:
+        self._apply_since.pop(worker_id, None)
         if worker_id in self._applying:
             self._applying.discard(worker_id)
             self.effects.events.append(("apply_done", {"worker_id": worker_id}))
@@ -865,6 +900,7 @@ class BrokerState:
             if w is None:
                 continue
             self._applying.add(wid)
+            self._apply_since[wid] = self._now
             w.applying = True
             w.apply_version = version
             self._ready.pop(wid, None)

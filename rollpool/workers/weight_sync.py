@@ -18,6 +18,9 @@
   done, since that engine serves nothing yet. If that fails too, the next attempt gives
   it the last good version, and the bad version is skipped: reported, never retried
   forever. The worker then follows the next version.
+- An apply (pause, update, resume) longer than ``apply_timeout_s`` counts as failed (the
+  engine is restarted); the broker frees a slot held past its ``apply_slot_deadline_s``
+  anyway, and answers a repeated ApplyRequest from the slot's holder with the grant again.
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
@@ -233,9 +236,9 @@ class WeightSync:
         t0 = time.monotonic()
         error: str | None = None
         try:
-            await engine.pause(self._apply_mode(engine))
-            await engine.update_weights(target.tensors, version)
-            await engine.resume()
+            await asyncio.wait_for(self._pause_update_resume(engine, target), self.config.apply_timeout_s)
+        except TimeoutError:  # a wedged update (a hung device copy): the engine is restarted like any failed apply
+            error = f"apply timed out after {self.config.apply_timeout_s:g}s"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means a restart
@@ -259,6 +262,11 @@ class WeightSync:
         await self.supervisor.fail(f"apply failed: {error}")
         return False
 
+    async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
+        await engine.pause(self._apply_mode(engine))
+        await engine.update_weights(target.tensors, target.version)
+        await engine.resume()
+
     async def _reapply(self, engine: Engine) -> None:
         """The supervisor's hook: give a fresh engine the version to serve, through `_apply`."""
         target = self._reapply_target
@@ -267,8 +275,8 @@ class WeightSync:
             try:
                 await self._apply(target, engine=engine)
                 return
-            except EngineError:
-                self._skip(target.version, "it failed to apply on the serving engine and on a restarted one")
+            except EngineError as exc:
+                self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
         if self._served is not None:
             await self._apply(self._served, engine=engine)

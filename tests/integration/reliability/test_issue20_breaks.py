@@ -153,7 +153,6 @@ class HangingApplyEngine(SimEngine):
         await asyncio.Event().wait()
 
 
-@issue20(5, "a hung apply holds the apply slot forever, and a lost ApplyGrant is never sent again")
 @pytest.mark.parametrize("how", ["hung_apply", "grant_lost"])
 async def test_break5_apply_slots_have_a_deadline_and_grants_are_answered_again(pool: Pool, how: str) -> None:
     torch = pytest.importorskip("torch")
@@ -242,3 +241,19 @@ async def test_break7_the_hard_bound_holds_for_every_group_get_batch_returns(poo
         for t in g.trajectories:
             assert len(t.token_versions) == len(t.output_ids), "a trajectory whose staleness cannot be checked was returned"
             assert trajectory_staleness(client.version, t.token_versions) <= 1, f"staleness {trajectory_staleness(client.version, t.token_versions)}"
+
+
+async def test_break5_a_hung_apply_is_bounded_on_the_worker_too(pool: Pool) -> None:
+    """The worker side of break 5: a hung update_weights ends after apply_timeout_s, is reported as a
+    failed apply (the slot comes back long before the broker's deadline) and the engine is restarted."""
+    torch = pytest.importorskip("torch")
+    broker = await pool.start_broker(max_applying=1, apply_slot_deadline_s=60.0)
+    trainer = await pool.fake_client(broker.client_endpoint)
+    pub = await pool.publisher()
+    await pub.publish(_tensors(torch, 1.0), 1)
+    await trainer.set_version(1, pub.router_endpoint, pub.pub_endpoint)
+    await pool.worker(broker.worker_endpoint, "hung", apply_timeout_s=0.5,
+                      engine_factory=lambda: HangingApplyEngine(decode_s_per_token=0.002))
+    assert await wait_until(lambda: broker.state.counters["versions_failed"] >= 1, 10)
+    assert broker.state.counters["apply_slots_expired"] == 0  # the worker gave the slot back itself
+    assert await wait_until(lambda: not broker.state.applying, 5)

@@ -347,3 +347,44 @@ def test_a_group_handed_back_without_end_fails_instead_of_looping() -> None:
     assert s.groups["p"].phase == Phase.FAILED and "handed back 4 times" in (s.groups["p"].result.reason if s.groups["p"].result else "")
     assert s.dispatch(10.0) == []
     s.check_invariants()
+
+
+def test_an_apply_slot_held_past_its_deadline_goes_to_the_next_worker() -> None:
+    # issue 20 break 5: a hung apply held the slot forever
+    s = make(max_applying=1, apply_slot_deadline_s=2.0)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 1, now=10.0)
+    s.apply_request(b, 1, now=10.5)
+    assert s.effects.grants == [("a", 1)]
+    a.last_seen = b.last_seen = 12.0  # both keep heartbeating
+    s.expire(11.9)
+    assert s.applying == {"a"}
+    s.expire(12.1)
+    assert s.applying == {"b"} and s.effects.grants == [("a", 1), ("b", 1)] and not a.applying
+    assert s.counters["apply_slots_expired"] == 1
+    assert ("apply_slot_expired", {"worker_id": "a", "held_s": 2.1}) in s.effects.events
+    s.apply_done(a, 1, ok=True)  # the late outcome of the expired slot frees nothing of b's
+    assert s.applying == {"b"} and a.version == 1
+    s.expire(14.0)  # b's slot counts from its own grant (at 12.1), not from its ask
+    assert s.applying == {"b"}
+    s.check_invariants()
+
+
+def test_a_repeated_apply_request_from_the_slot_holder_is_granted_again() -> None:
+    s = make(max_applying=1)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 1, now=0.0)
+    s.apply_request(b, 1, now=0.0)
+    s.apply_request(a, 1, now=0.5)  # its grant was lost
+    s.apply_request(b, 1, now=0.5)  # still waiting: nothing new
+    assert s.effects.grants == [("a", 1), ("a", 1)]
+    assert s.counters["grants_resent"] == 1
+
+
+def test_a_failed_apply_is_counted_with_its_error() -> None:
+    s = make()
+    a = join(s, "a")
+    s.apply_request(a, 2, now=0.0)
+    s.apply_done(a, 2, ok=False, error="EngineError: unknown parameter names ['x']")
+    assert s.counters["versions_failed"] == 1 and a.version < 2
+    assert ("version_failed", {"worker_id": "a", "version": 2, "error": "EngineError: unknown parameter names ['x']"}) in s.effects.events
