@@ -21,6 +21,9 @@
 - An apply (pause, update, resume) longer than ``apply_timeout_s`` counts as failed (the
   engine is restarted); the broker frees a slot held past its ``apply_slot_deadline_s``
   anyway, and answers a repeated ApplyRequest from the slot's holder with the grant again.
+- The subscriber follows the publisher: when a welcome or heartbeat names other
+  endpoints than it is connected to (a trainer restarted its publisher on new ports),
+  it reconnects there.
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
@@ -128,6 +131,8 @@ class WeightSync:
         self.subscriber: Subscriber | None = None
         self._subscriber_factory = subscriber_factory
         self._subscriber_ready = asyncio.Event()
+        self._endpoints: tuple[str | None, str | None] = (None, None)
+        """(weight endpoint, announce endpoint) the subscriber is connected to."""
         self._served: _Version | None = None
         self._reapply_target: _Version | None = None
         self._lock = asyncio.Lock()
@@ -148,7 +153,15 @@ class WeightSync:
         if endpoint and self.subscriber is None:
             self.subscriber = self._make_subscriber()
             self.subscriber.connect(endpoint, announce)
+            self._endpoints = (endpoint, announce)
             self._subscriber_ready.set()
+        elif endpoint and self.subscriber is not None and (endpoint, announce) != self._endpoints:
+            # the publisher came back elsewhere (a trainer restart): follow the endpoint the broker names now
+            log.warning("weight publisher moved %s -> %s; reconnecting the subscriber", self._endpoints[0], endpoint,
+                        extra={"worker": self.worker_id})
+            self.metrics.event("weight_publisher_moved", {"worker_id": self.worker_id, "from": self._endpoints[0], "to": endpoint})
+            self._endpoints = (endpoint, announce)
+            self.subscriber.connect(endpoint, announce)
         if self.subscriber is not None and version >= 0:
             self.subscriber.note_version(version)
 

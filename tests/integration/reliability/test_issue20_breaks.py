@@ -85,7 +85,6 @@ async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Po
 # ---------------------------------------------------------------------------------------------- break 3
 
 
-@issue20(3, "a publisher restarted on a new endpoint is never followed: workers keep their first subscriber")
 async def test_break3_workers_follow_the_publisher_to_its_new_endpoint(pool: Pool) -> None:
     torch = pytest.importorskip("torch")
     broker = await pool.start_broker()
