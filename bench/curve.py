@@ -30,7 +30,7 @@ def one_run(security: SecurityConfig | None, frame_bytes: int, count: int) -> fl
     """Seconds to move `count` frames of `frame_bytes` from a DEALER to a ROUTER (after the handshake)."""
     ctx = zmq.Context()
     factory = SocketFactory(ctx, SocketOptions(max_msg_bytes=frame_bytes + 1024, send_hwm=1000, recv_hwm=1000), security)
-    server = factory.router("tcp://127.0.0.1:*")
+    server = factory.router("tcp://127.0.0.1:*", serves="broker.worker")
     endpoint = server.getsockopt_string(zmq.LAST_ENDPOINT)
     client = factory.dealer(endpoint, identity=b"bench")
     payload = b"x" * frame_bytes
@@ -67,7 +67,7 @@ def main() -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     keys = tempfile.mkdtemp(prefix="rollpool-curve-")
     generate(keys)
-    curve = SecurityConfig.from_dir(keys)
+    curve = SecurityConfig.from_dir(keys, role="worker")
     cases = {
         "control (200 B msgs)": (200, 20_000 if args.quick else 100_000),
         "weights (4 MiB chunks)": (4 << 20, 32 if args.quick else 128),

@@ -1,4 +1,7 @@
-"""`rollpool broker` / `python -m rollpool.broker`: run the broker until SIGTERM or SIGINT (exit 0)."""
+"""`rollpool broker` / `python -m rollpool.broker`: run the broker until SIGTERM or SIGINT (exit 0).
+
+SIGHUP reads the CURVE allowed-keys directories again (keys added or revoked without a restart).
+"""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, broker.stop)
+    loop.add_signal_handler(signal.SIGHUP, sockets.reload_keys)  # CURVE key rotation without a restart
     try:
         await broker.run()
     finally:

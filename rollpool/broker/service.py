@@ -27,13 +27,13 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from rollpool.broker import guard
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.state import BrokerState, Group, WorkerInfo
 from rollpool.protocol import (
@@ -74,6 +74,8 @@ from rollpool.protocol import (
     negotiate_version,
     peek_type,
 )
+from rollpool.protocol.codec import check_size
+from rollpool.protocol.errors import MessageTooLargeError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 
@@ -149,8 +151,11 @@ class Broker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._now = clock()
         self._by_identity: dict[bytes, WorkerInfo] = {}
-        self._clients: dict[bytes, str] = {}
-        self._pulls: deque[_PendingPull] = deque()
+        self._clients: guard.BoundedMap[bytes, str] = guard.BoundedMap()
+        self._pulls = guard.PendingPulls()
+        self.refusals = guard.Refusals()
+        self._peer_limits: guard.BoundedMap[str | bytes, tuple[int, int]] = guard.BoundedMap(65_536)
+        """What each peer said it accepts (max_msg_bytes, max_header_bytes): worker id or client identity."""
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
         self._scheduled = {"w": False, "c": False}
@@ -184,10 +189,12 @@ class Broker:
 
     def _open(self) -> None:
         assert self._loop is not None
-        self._wsock = self.sockets.router(self.config.worker_endpoint)
-        self._csock = self.sockets.router(self.config.client_endpoint)
+        self._wsock = self.sockets.router(self.config.worker_endpoint, serves="broker.worker")
+        self._csock = self.sockets.router(self.config.client_endpoint, serves="broker.client")
         self._w = _sync_socket(self._wsock)
         self._c = _sync_socket(self._csock)
+        self.sockets.watch(self._wsock, "broker.worker")
+        self.sockets.watch(self._csock, "broker.client")
         self.worker_endpoint = self._w.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self._c.getsockopt_string(zmq.LAST_ENDPOINT)
         self._loop.add_reader(int(self._w.getsockopt(zmq.FD)), self._on_readable, "w")
@@ -291,6 +298,7 @@ class Broker:
 
     def _protocol_error(self, sock: zmq.Socket[Any] | None, identity: bytes, exc: ProtocolError, frames: list[bytes]) -> None:
         self.protocol_errors += 1
+        self.refusals.count(exc.limit)
         self._rate_log.warning("proto:" + identity.hex(), "broker: malformed message from %s: %s", identity.hex(), exc)
         ref = peek_type(frames[1:]) if len(frames) > 1 else None
         self._send(sock, identity, encode(Error(code=exc.code, message=str(exc)[:_MAX_ERROR_TEXT], ref_type=ref)))
@@ -323,9 +331,25 @@ class Broker:
                     min_version=min_version,
                 )
             )
+            if self._refuse_oversize(w.worker_id, frames, "task", g):
+                continue
             if not self._send(self._w, w.identity, frames):
                 # it never left: hand the group straight back (not the worker's fault, no attempt used)
                 self.state.nack(w, [g.task_id], self._now, reason="send failed")
+
+    def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
+        """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
+        try:
+            max_msg, max_header = self._peer_limits.get(peer) or (0, 0)
+            check_size(frames, max_msg, what, max_header)
+            return False
+        except MessageTooLargeError as exc:
+            self.refusals.count(exc.limit)
+            self._rate_log.warning("oversize:" + what, "broker: %s", exc)
+            if g is not None:
+                w = self.state.workers.get(peer) if isinstance(peer, str) else None
+                self.state.result(w, task_id=g.task_id, prompt_id=g.prompt_id, trajectories=(), error=str(exc), retryable=False, now=self._now)
+            return True
 
     def _flush_effects(self) -> None:
         fx = self.state.effects
@@ -368,7 +392,7 @@ class Broker:
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.WORKER_PORT_TYPES)
         except ProtocolError as exc:
             self._protocol_error(self._w, identity, exc, frames)
             return
@@ -434,12 +458,16 @@ class Broker:
             self.protocol_errors += error[0] != "stopping"
             self._send(self._w, identity, encode(Error(code=error[0], message=error[1], ref_type="hello")))
             return
+        self._peer_limits[msg.worker_id] = (msg.max_msg_bytes, msg.max_header_bytes)
         old = self.state.workers.get(msg.worker_id)
         if old is not None and old.identity != identity:
             self._by_identity.pop(old.identity, None)
+        inflight, over = guard.bound_inflight(msg.inflight, min(msg.capacity, self.config.max_worker_credits))
+        if over:
+            self.refusals.count("inflight_per_hello")
         adopted, refused = self.state.add_worker(
             worker_id=msg.worker_id, identity=identity, capacity=msg.capacity, credits=msg.credits,
-            now=self._now, version=msg.weight_version, inflight=msg.inflight, fingerprint=msg.fingerprint,
+            now=self._now, version=msg.weight_version, inflight=inflight, fingerprint=msg.fingerprint,
             engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid,
         )
         self._by_identity[identity] = self.state.workers[msg.worker_id]
@@ -450,7 +478,8 @@ class Broker:
                 Welcome(
                     epoch=self.epoch, protocol=proto or PROTOCOL_MAJOR, heartbeat_interval_s=self.config.heartbeat_interval_s,
                     weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
-                    announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused),
+                    announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
+                    max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
                 )
             ),
         )
@@ -461,7 +490,7 @@ class Broker:
     def _on_client_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.CLIENT_PORT_TYPES)
         except ProtocolError as exc:
             self._protocol_error(self._c, identity, exc, frames)
             return
@@ -475,6 +504,9 @@ class Broker:
             pull = _PendingPull(identity, client_id, msg.request_id, max_groups)
             if (st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping:
                 self._answer_pull(pull)
+            elif self._pulls.full(identity):
+                self.refusals.count("pulls_per_peer")
+                self._send(self._c, identity, encode(Error(code="limit", message=f"{self._pulls.per_peer} pulls are already waiting for this peer (limit pulls_per_peer)", request_id=msg.request_id, ref_type="pull")))
             else:
                 assert self._loop is not None
                 wait = min(msg.wait_s, self.config.max_pull_wait_s)
@@ -491,10 +523,13 @@ class Broker:
                 self._send(self._c, identity, encode(Error(code="version", message=f"no common protocol version (broker speaks {list(SUPPORTED_MAJORS)})", ref_type="client_hello")))
                 return
             self._clients[identity] = msg.client_id
+            self._peer_limits[identity] = (msg.max_msg_bytes, msg.max_header_bytes)
             if msg.fingerprint:
                 st.set_required_fingerprint(msg.fingerprint)
             redelivered = st.client_reconnected(msg.client_id)
-            self._send(self._c, identity, encode(ClientWelcome(epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered)))
+            self._send(self._c, identity, encode(ClientWelcome(
+                epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered,
+                max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes)))
         elif kind is SetVersion:
             self._on_set_version(identity, msg)
         elif kind is StatusRequest:
@@ -514,6 +549,10 @@ class Broker:
             pull.handle.cancel()
         groups = self.state.pull(pull.client_id, pull.max_groups)
         frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
+        if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
+            frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))
+            self.state.client_reconnected(pull.client_id)  # not delivered: ready again for a smaller pull
+            groups = []
         if not self._send(self._c, pull.identity, frames) and groups:
             self.state.client_reconnected(pull.client_id)  # not delivered after all: make them ready again
 
@@ -635,6 +674,8 @@ class Broker:
         c["protocol_errors"] = self.protocol_errors
         c["send_failures"] = self.send_failures
         c["pending_pulls"] = len(self._pulls)
+        c.update(self.refusals.counters())
+        c.update(self.sockets.counters())
         return c
 
     def workers_view(self) -> dict[str, Any]:

@@ -781,6 +781,8 @@ class BrokerState:
                 mine = self._delivered.get(g.delivered_to)
                 if mine is not None:
                     mine.pop(pid, None)
+                    if not mine:  # bounded per-client state (issue 21): no empty map per client id ever served
+                        del self._delivered[g.delivered_to]
             self.held -= 1
             self._remember(pid)
             n += 1

@@ -60,7 +60,7 @@ class MessageProxy:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._front = self.sockets.router(self.frontend_endpoint)
+        self._front = self.sockets.router(self.frontend_endpoint, serves="broker.worker")
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         loop = asyncio.get_running_loop()
         self._tasks = [

@@ -1,8 +1,9 @@
 """One frame of ``rollpool top`` as text (pure, no I/O).
 
 `render_frame` lays out a `PoolState` in at most `width` columns: a header, the
-broker's counters, a table of alive workers (with each one's version lag), the
-staleness histogram as bars, and the most recent events. With ``color=True`` it
+broker's counters, the refusals by limit and by role (when there were any), a
+table of alive workers (with each one's version lag), the staleness histogram as
+bars, and the most recent events. With ``color=True`` it
 adds plain ANSI SGR codes (bold headers, red for lagging or stale entries).
 """
 
@@ -97,6 +98,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     else:
         lines.append("  -")
     lines.append("")
+    lines.extend(_refusal_lines(broker or {}, width, bold, red, reset))
 
     lags = state.worker_version_lag()
     lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
@@ -148,6 +150,34 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     if not recent:
         lines.append("  (none)")
     return "\n".join(lines) + "\n"
+
+
+_REFUSAL_PREFIXES = (
+    ("refused.limit.", "by limit"),
+    ("refused.role.", "by role"),
+    ("disconnects.", "disconnects"),
+    ("handshake_refused.", "handshakes refused"),
+)
+
+
+def _refusal_lines(broker: dict[str, Any], width: int, bold: str, red: str, reset: str) -> list[str]:
+    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops.
+
+    ``refused.role.worker@broker.client`` reads "a worker key refused on the client
+    port"; ``disconnects.SOCKET`` includes the connections libzmq dropped for a
+    message over MAXMSGSIZE (it reports no reason).
+    """
+    rows: list[str] = []
+    for prefix, label in _REFUSAL_PREFIXES:
+        items = sorted((k[len(prefix):], v) for k, v in broker.items() if k.startswith(prefix))
+        if not items:
+            continue
+        body = "  ".join(f"{name} {_fmt(v)}" for name, v in items)
+        row = _cut(f"  {label:<19}{body}", width)
+        rows.append(red + row + reset if prefix.startswith("refused") else row)
+    if not rows:
+        return []
+    return [bold + "REFUSALS" + reset, *rows, ""]
 
 
 def _prev(buckets: list[tuple[float, int]], bound: float) -> float:

@@ -16,10 +16,15 @@ array object referenced twice in one message (the prompt shared by the n
 trajectories of a group) travels once.
 
 Decoding is strict and bounded: an unsupported major version, an unknown type,
-a missing required field, a value of the wrong type, an oversize header or
+a type the receiving socket does not accept (`decode(..., accept=...)`), a
+missing required field, a value of the wrong type, an oversize header or
 frame, too many frames, a frame no field refers to, or a reference to a frame
 that is not there all raise `ProtocolError` before anything large is
-allocated. Unknown fields are ignored (new optional fields are additive).
+allocated. The header is unpacked under msgpack's own per-container limits
+and under a budget of values (`Limits.max_header_objects`) that stops msgpack
+as it builds, so a header's memory is bounded by the limits, not by how well
+it compresses into small objects. Unknown fields are ignored (new optional
+fields are additive), up to `Limits.max_unknown_fields` per record.
 Nothing is ever unpickled or evaluated: msgpack ext types are refused.
 """
 
@@ -28,15 +33,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Annotated, Any, TypeVar, Union, dataclass_transform, get_args, get_origin
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rollpool.protocol.errors import ProtocolError
-from rollpool.protocol.limits import DEFAULT_LIMITS, Limits
+from rollpool.protocol.errors import MessageTooLargeError, ProtocolError
+from rollpool.protocol.limits import DEFAULT_LIMITS, DEFAULT_PEER_MAX_MSG_BYTES, Limits
 
 __all__ = [
     "PROTOCOL_MAJOR",
@@ -53,10 +58,15 @@ __all__ = [
     "decode",
     "message_types",
     "records_equal",
+    "check_size",
+    "message_bytes",
 ]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+# Minor history (each addition optional with a default; older peers ignore it):
+#   1.1  Prompt.min_weight_version (dispatch by a prompt's minimum weight version)
+#   1.2  Hello/Welcome/ClientHello/ClientWelcome max_msg_bytes, max_header_bytes; Trajectory.segment_index
+PROTOCOL_MINOR = 2
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 
@@ -440,10 +450,16 @@ def _decode_record(spec: _RecordSpec, raw: Any, st: _DecodeState, path: str) -> 
         raise _fail("type", path, f"expected a map for {spec.cls.__name__}, got {type(raw).__name__}")
     kwargs = spec.static_defaults.copy()
     decoders = spec.decoders
+    unknown_left = st.limits.max_unknown_fields
+    if len(raw) > len(decoders) + unknown_left:
+        raise _unknown_fields(spec, raw, unknown_left, path)
     for name, v in raw.items():
         entry = decoders.get(name)
         if entry is None:
-            continue  # a field from a newer minor version: ignored
+            unknown_left -= 1  # a field from a newer minor version: ignored, up to a bound
+            if unknown_left < 0:
+                raise _unknown_fields(spec, raw, st.limits.max_unknown_fields, path)
+            continue
         inline, dec = entry
         if inline is not None and type(v) is inline:
             kwargs[name] = v
@@ -457,6 +473,38 @@ def _decode_record(spec: _RecordSpec, raw: Any, st: _DecodeState, path: str) -> 
             if name not in kwargs:
                 kwargs[name] = factory()
     return spec.cls(**kwargs)
+
+
+def _unknown_fields(spec: _RecordSpec, raw: dict[Any, Any], bound: int, path: str) -> ProtocolError:
+    unknown = sum(1 for k in raw if k not in spec.decoders)
+    return ProtocolError(
+        "oversize", f"{path}: {unknown} unknown fields in {spec.cls.__name__}, limit {bound}", limit="max_unknown_fields"
+    )
+
+
+class _BudgetExceeded(Exception):
+    pass
+
+
+class _Budget:
+    """Counts values as msgpack builds containers; raising stops the unpacker before it builds more."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def on_list(self, v: list[Any]) -> list[Any]:
+        self.left -= len(v) + 1
+        if self.left < 0:
+            raise _BudgetExceeded
+        return v
+
+    def on_map(self, v: dict[Any, Any]) -> dict[Any, Any]:
+        self.left -= 2 * len(v) + 1
+        if self.left < 0:
+            raise _BudgetExceeded
+        return v
 
 
 # --------------------------------------------------------------------------- public API
@@ -483,8 +531,37 @@ def encode(msg: Any) -> list[Any]:
     return frames
 
 
-def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Decode frames into a message object; raises `ProtocolError` and nothing else."""
+def message_bytes(frames: Sequence[Frame]) -> int:
+    """Bytes of the largest part of an encoded message (what a receiver's MAXMSGSIZE is checked against)."""
+    return max((f.nbytes if isinstance(f, np.ndarray) else memoryview(f).nbytes) for f in frames) if frames else 0
+
+
+def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_header_bytes: int = 0) -> None:
+    """Refuse (`MessageTooLargeError`, naming the limit) a message the peer would drop or refuse.
+
+    ZeroMQ applies MAXMSGSIZE to each message part; a part over it makes the
+    receiving libzmq close the connection, silently, with the message lost. The
+    limits are those the peer announced in its hello or welcome; 0 (an older
+    peer that did not say) means the defaults every rollpool peer has used.
+    """
+    if not frames:
+        return
+    limit = max_msg_bytes or DEFAULT_PEER_MAX_MSG_BYTES
+    largest = message_bytes(frames)
+    if largest > limit:
+        raise MessageTooLargeError(what, largest, limit)
+    header_limit = max_header_bytes or DEFAULT_LIMITS.max_header_bytes
+    header = memoryview(frames[0]).nbytes
+    if header > header_limit:
+        raise MessageTooLargeError(f"{what} header", header, header_limit, limit="max_header_bytes")
+
+
+def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:
+    """Decode frames into a message object; raises `ProtocolError` and nothing else.
+
+    `accept`: the message types the receiving socket serves; any other type is
+    refused (``unexpected_type``) before its fields are decoded.
+    """
     try:
         n = len(frames)
     except TypeError as exc:
@@ -492,7 +569,7 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
     if n == 0:
         raise ProtocolError("truncated", "no frames")
     if n > limits.max_frames:
-        raise ProtocolError("oversize", f"{n} frames, limit {limits.max_frames}")
+        raise ProtocolError("oversize", f"{n} frames, limit {limits.max_frames}", limit="max_frames")
     views: list[Any] = list(frames)
     sizes: list[int] = [0] * n
     total = 0
@@ -508,13 +585,19 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
             views[i] = mv
         if i == 0:
             if size > limits.max_header_bytes:
-                raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}")
+                raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}", limit="max_header_bytes")
         elif size > limits.max_frame_bytes:
-            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {limits.max_frame_bytes}")
+            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {limits.max_frame_bytes}", limit="max_frame_bytes")
         sizes[i] = size
         total += size
     if total > limits.max_message_bytes:
-        raise ProtocolError("oversize", f"message of {total} bytes, limit {limits.max_message_bytes}")
+        raise ProtocolError("oversize", f"message of {total} bytes, limit {limits.max_message_bytes}", limit="max_message_bytes")
+    # every msgpack value takes at least one byte, so a header no longer than the budget cannot exceed
+    # it: only longer ones pay for counting (a Python call per container)
+    hooks: dict[str, Any] = {}
+    if sizes[0] > limits.max_header_objects:
+        budget = _Budget(limits.max_header_objects)
+        hooks = {"list_hook": budget.on_list, "object_hook": budget.on_map}
     try:
         header = msgpack.unpackb(
             views[0],
@@ -526,7 +609,16 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
             max_array_len=limits.max_array_len,
             max_map_len=limits.max_map_len,
             max_ext_len=0,
+            **hooks,
         )
+    except _BudgetExceeded:
+        raise ProtocolError(
+            "oversize", f"header holds more than {limits.max_header_objects} values", limit="max_header_objects"
+        ) from None
+    except ValueError as exc:  # msgpack reports its own size limits as ValueError
+        if "exceeds max_" in str(exc) and "max_ext_len" not in str(exc):  # ext types are refused as malformed
+            raise ProtocolError("oversize", f"header: {exc}", limit="msgpack") from exc
+        raise ProtocolError("malformed", f"header is not valid msgpack: {type(exc).__name__}") from exc
     except Exception as exc:  # msgpack raises many types; all mean "bad header"
         raise ProtocolError("malformed", f"header is not valid msgpack: {type(exc).__name__}") from exc
     if type(header) is not list or len(header) != 4:
@@ -541,6 +633,8 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
     cls = _MESSAGES.get(type_name)
     if cls is None:
         raise ProtocolError("unknown_type", f"unknown message type {type_name[:64]!r}")
+    if accept is not None and type_name not in accept:
+        raise ProtocolError("unexpected_type", f"{type_name} is not accepted on this socket", limit="message_type")
     st = _DecodeState(views, sizes, limits)
     msg = _decode_record(_SPECS[cls], fields, st, type_name)
     if n > 1 and st.used.count(1) != n - 1:
@@ -550,10 +644,19 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
 
 
 def peek_type(frames: Sequence[Frame]) -> str | None:
-    """The type string of a message without decoding it fully (None if unreadable)."""
+    """The type string of a message without decoding it fully (None if unreadable).
+
+    Streams the header: the version ints are skipped and the fields are never
+    read, so a hostile header costs no more here than its own bytes.
+    """
     try:
-        header = msgpack.unpackb(frames[0], raw=False, max_str_len=256, max_array_len=4, max_map_len=4096, max_ext_len=0)
-        t = header[2]
+        unpacker = msgpack.Unpacker(raw=False, max_str_len=256, max_bin_len=256, max_array_len=4, max_map_len=0, max_ext_len=0)
+        unpacker.feed(frames[0])
+        if unpacker.read_array_header() != 4:
+            return None
+        unpacker.skip()
+        unpacker.skip()
+        t = unpacker.unpack()
         return t if type(t) is str else None
     except Exception:
         return None

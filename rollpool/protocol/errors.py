@@ -17,6 +17,7 @@ __all__ = [
     "WeightSyncError",
     "BrokerUnavailableError",
     "RejectedError",
+    "MessageTooLargeError",
 ]
 
 
@@ -33,13 +34,16 @@ class ProtocolError(RollpoolError):
 
     `code` is a short machine-readable reason (``truncated``, ``oversize``,
     ``unknown_type``, ``version``, ``missing_field``, ``type``, ``frames``,
-    ``malformed``, ``encode``); the message is for humans.
+    ``malformed``, ``encode``, ``unexpected_type``); the message is for humans. `limit`
+    names the bound that refused the input (a `Limits` field, ``max_msg_bytes``,
+    ``pending_pulls_per_peer``, ...) when a limit did.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, limit: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.limit = limit
 
 
 class EngineError(RollpoolError):
@@ -68,3 +72,21 @@ class RejectedError(RollpoolError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+class MessageTooLargeError(ProtocolError):
+    """The sender refused to send a message larger than the peer said it accepts.
+
+    libzmq drops a message over the receiver's MAXMSGSIZE together with the
+    connection and tells nobody why, so the sender checks first, against the
+    limit the peer announced in its hello (or the default it has always used).
+    """
+
+    def __init__(self, what: str, nbytes: int, limit_bytes: int, limit: str = "max_msg_bytes") -> None:
+        super().__init__(
+            "oversize",
+            f"{what} of {nbytes} bytes is over the peer's {limit} of {limit_bytes} bytes (split it, or raise {limit} on both sides)",
+            limit=limit,
+        )
+        self.nbytes = nbytes
+        self.limit_bytes = limit_bytes

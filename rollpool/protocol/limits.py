@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["Limits", "DEFAULT_LIMITS"]
+__all__ = ["Limits", "DEFAULT_LIMITS", "DEFAULT_PEER_MAX_MSG_BYTES"]
 
 _MiB = 1024 * 1024
 
@@ -36,6 +36,12 @@ class Limits:
     """Most keys in one map of a header."""
     max_depth: int = 16
     """Deepest nesting of free-form maps (metadata)."""
+    max_header_objects: int = 1 << 20
+    """Most values in one header, counted as msgpack builds it (every element of every list, every key
+    and value of every map): the decoder stops when the count is passed, so a small header cannot
+    expand into many small objects (4 MiB of empty maps is 4 million dicts, about 290 MiB)."""
+    max_unknown_fields: int = 16
+    """Most fields one record map may carry beyond the ones this build knows (newer optional fields)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,12 +54,18 @@ class Limits:
             "max_array_len",
             "max_map_len",
             "max_depth",
+            "max_header_objects",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"Limits.{name} must be a positive int, got {value!r}")
         if self.max_frames < 1:
             raise ConfigError("Limits.max_frames must be >= 1")
+        if not isinstance(self.max_unknown_fields, int) or self.max_unknown_fields < 0:
+            raise ConfigError(f"Limits.max_unknown_fields must be an int >= 0, got {self.max_unknown_fields!r}")
 
 
 DEFAULT_LIMITS = Limits()
+
+DEFAULT_PEER_MAX_MSG_BYTES = 64 * _MiB
+"""The MAXMSGSIZE a peer that announced none is assumed to have (`SocketOptions.max_msg_bytes`'s default)."""

@@ -266,6 +266,11 @@ class Hello:
     host: str = ""
     pid: int = 0
     pool: str = "default"
+    max_msg_bytes: int = 0
+    """The largest message part this peer's socket accepts (its MAXMSGSIZE; 0: not said, 64 MiB assumed).
+    Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
+    max_header_bytes: int = 0
+    """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
 
 
 @message("welcome")
@@ -285,6 +290,11 @@ class Welcome:
     """In-flight task ids the broker took over from the hello."""
     refused: tuple[str, ...] = ()
     """In-flight task ids the worker should drop (already done elsewhere)."""
+    max_msg_bytes: int = 0
+    """The largest message part this peer's socket accepts (its MAXMSGSIZE; 0: not said, 64 MiB assumed).
+    Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
+    max_header_bytes: int = 0
+    """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
 
 
 @message("credit")
@@ -415,6 +425,11 @@ class ClientHello:
     protocol_max: int
     fingerprint: str = ""
     """When set, the broker refuses to dispatch to workers with another fingerprint."""
+    max_msg_bytes: int = 0
+    """The largest message part this peer's socket accepts (its MAXMSGSIZE; 0: not said, 64 MiB assumed).
+    Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
+    max_header_bytes: int = 0
+    """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
 
 
 @message("client_welcome")
@@ -424,6 +439,11 @@ class ClientWelcome:
     weight_version: int = -1
     redelivered: int = 0
     """Groups this client had been sent but not acknowledged, made ready again."""
+    max_msg_bytes: int = 0
+    """The largest message part this peer's socket accepts (its MAXMSGSIZE; 0: not said, 64 MiB assumed).
+    Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
+    max_header_bytes: int = 0
+    """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
 
 
 @message("submit")

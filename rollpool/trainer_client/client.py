@@ -84,6 +84,9 @@ from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, Rollout
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
+from rollpool.protocol.codec import check_size  # roles hook (issue 21)
+from rollpool.protocol.errors import MessageTooLargeError  # roles hook (issue 21)
+from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
 
@@ -208,12 +211,14 @@ class TrainerClient:
         if sockets is None:
             import zmq.asyncio
 
-            sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir))
+            sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir, role="trainer"))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
         self.ledger = ClientLedger(dedup_window=cfg.dedup_window, stale_policy=cfg.stale_policy,
                                    max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
+        self._broker_limits: tuple[int, int] = (0, 0)
+        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
         self._req_counter = itertools.count()
@@ -284,7 +289,10 @@ class TrainerClient:
         return f"{self.client_id}:{next(self._req_counter)}"
 
     async def _send(self, msg: Any) -> None:
-        await self._sock.send_multipart(encode(msg), copy=False)
+        frames = encode(msg)
+        # roles hook (issue 21): refuse what the broker said it would drop, naming the limit
+        check_size(frames, self._broker_limits[0], msg.TYPE, self._broker_limits[1])
+        await self._sock.send_multipart(frames, copy=False)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -313,6 +321,9 @@ class TrainerClient:
             try:
                 await self._send(make(rid))
                 reply = await asyncio.wait_for(fut, timeout)
+            except MessageTooLargeError:  # roles hook (issue 21): retrying cannot help
+                self._waiters.pop(rid, None)
+                raise
             except TimeoutError as exc:
                 last = exc
                 self._waiters.pop(rid, None)
@@ -335,11 +346,14 @@ class TrainerClient:
     async def _hello(self) -> ClientWelcome:
         reply = await self._request(
             lambda rid: ClientHello(client_id=self.client_id, protocol_min=min(SUPPORTED_MAJORS),
-                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint),
+                                    protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint,
+                                    max_msg_bytes=self.sockets.options.max_msg_bytes,
+                                    max_header_bytes=DEFAULT_LIMITS.max_header_bytes),
             key="hello",
         )
         welcome = _expect(reply, ClientWelcome, "client_welcome")
         self.epoch = welcome.epoch
+        self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # roles hook (issue 21)
         return welcome
 
     async def _on_new_epoch(self, epoch: str) -> None:

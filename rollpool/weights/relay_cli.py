@@ -76,7 +76,7 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
     from rollpool.weights.relay import Relay
 
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir))
+    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir, role="relay"))
     relay = Relay(
         sockets,
         upstream_router=config.upstream,
@@ -93,10 +93,11 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, relay.stop)
+    loop.add_signal_handler(signal.SIGHUP, sockets.reload_keys)  # CURVE key rotation without a restart
     try:
         await relay.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         sockets.close()
         ctx.destroy(linger=0)

@@ -37,6 +37,7 @@ from rollpool.protocol.errors import ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Announce, BucketInfo, Chunk, Error, Fetch, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
+from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.wire import build
 
@@ -93,6 +94,7 @@ class WeightServer:
         self._router_bind = router_endpoint
         self._pub_bind = pub_endpoint
         self.name = name
+        self._accepts = server_socket(f"{name}.router").accepts  # the types this ROUTER serves (rollpool.protocol.roles)
         self.announce_interval_s = announce_interval_s
         self.send_hwm = send_hwm
         self.max_parked = max_parked
@@ -121,13 +123,13 @@ class WeightServer:
         import zmq
 
         self._loop = asyncio.get_running_loop()
-        self._router = self.sockets.router(max_msg_bytes=REQUEST_MAX_BYTES)
+        self._router = self.sockets.router(max_msg_bytes=REQUEST_MAX_BYTES, serves=f"{self.name}.router")
         self._router.setsockopt(zmq.SNDHWM, self.send_hwm)
         try:
             self._router.bind(self._router_bind)
             self.router_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             if self._pub_bind:
-                self._pub = self.sockets.pub(self._pub_bind)
+                self._pub = self.sockets.pub(self._pub_bind, serves=f"{self.name}.pub")
                 self.pub_endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:
             self._close_sockets()
@@ -209,7 +211,7 @@ class WeightServer:
                 continue
             ident, body = frames[0], frames[1:]
             try:
-                msg = decode(body)
+                msg = decode(body, accept=self._accepts)
             except ProtocolError as exc:
                 self.protocol_errors += 1
                 self._errlog.warning(ident.hex(), "%s: malformed message from peer %s: %s", self.name, ident.hex(), exc)

@@ -38,7 +38,7 @@ async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir))
+    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir, role="worker"))
     if config.count == 1:
         configs = [config]
     else:

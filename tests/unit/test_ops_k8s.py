@@ -62,3 +62,49 @@ def test_workers_request_a_gpu_and_dial_the_broker_service() -> None:
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "tcp://rollpool-broker:5555" in worker["args"]
     assert ("Service", "rollpool-broker") in docs and ("DaemonSet", "relay") in docs
+
+
+def test_curve_component_mounts_only_each_roles_key_files(tmp_path: pathlib.Path) -> None:
+    """`components: [curve]` renders (kubectl kustomize, offline) one Secret per role, mounted in the keys layout."""
+    import base64
+    import os
+
+    from rollpool.keys_cli import generate
+    from rollpool.protocol.roles import HOST_FILES
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (for kustomize)")
+    base = tmp_path / "k8s"
+    shutil.copytree(K8S, base, ignore=shutil.ignore_patterns("keys"))
+    generate(str(base / "curve" / "keys"))
+    with open(base / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - curve\n")
+    out = subprocess.run([kubectl, "kustomize", str(base)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    for kind, name, host in (("Deployment", "broker", "broker"), ("Deployment", "worker", "worker"), ("DaemonSet", "relay", "relay")):
+        (w,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+        pod = w["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "curve-keys"]
+        secret = secrets[vol["secret"]["secretName"]]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["ROLLPOOL_CURVE_DIR"] == "/etc/rollpool/keys"
+        # materialize the mount and compare it with what `rollpool keys gen` says to ship to this host
+        mount = tmp_path / f"mount-{name}"
+        for item in vol["secret"]["items"]:
+            path = mount / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(base64.b64decode(secret["data"][item["key"]]))
+        expected = set()
+        for entry in HOST_FILES[host]:
+            src = base / "curve" / "keys" / entry
+            expected |= {str(p.relative_to(base / "curve" / "keys")) for p in src.rglob("*.key")} if entry.endswith("/") else {entry}
+        got = {str(p.relative_to(mount)) for p in mount.rglob("*") if p.is_file()}
+        assert got == expected, (name, got ^ expected)
+        for rel in got:
+            assert (mount / rel).read_bytes() == (base / "curve" / "keys" / rel).read_bytes()
+        assert ("server.key_secret" in got) == (host != "worker")
+        assert not any(rel.endswith("key_secret") and not rel.startswith((host, "server")) for rel in got)
+        assert os.path.isdir(mount / "allowed") == (host != "worker")

@@ -45,3 +45,13 @@ def test_dry_run_without_upstream_runs_no_relay() -> None:
     steps = _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="2", ROLLPOOL_ENGINE="sim")
     assert len(steps) == 2
     assert not any("relay" in s for s in steps)
+
+
+def test_dry_run_gives_each_kind_of_process_only_its_own_key_directory() -> None:
+    steps = _dry_run(SLURM_JOB_NODELIST="gpu-a,gpu-b", ROLLPOOL_GPUS_PER_NODE="2", ROLLPOOL_CURVE_DIR="/secure/keys",
+                     ROLLPOOL_WEIGHTS_UPSTREAM="tcp://trainer:6000")
+    broker, relay, workers = steps
+    assert broker[broker.index("--curve-dir") + 1] == "/secure/keys/broker"
+    assert relay[relay.index("--curve-dir") + 1] == "/secure/keys/relay"
+    assert workers[workers.index("--curve-dir") + 1] == "/secure/keys/worker"
+    assert not any("--curve-dir" in s for s in _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="1"))

@@ -19,7 +19,9 @@ import zmq.asyncio
 from rollpool.broker import Broker, BrokerConfig
 from rollpool.keys_cli import generate
 from rollpool.protocol import ClientHello, ClientWelcome, SecurityConfig, SocketFactory, decode, encode
-from rollpool.protocol.sockets import CLIENT_SECRET_FILE, SERVER_PUBLIC_FILE
+from rollpool.protocol.sockets import SERVER_PUBLIC_FILE
+
+TRAINER_SECRET_FILE = "trainer.key_secret"
 
 pytestmark = pytest.mark.chaos
 
@@ -56,17 +58,17 @@ async def test_broker_refuses_missing_and_unknown_keys(keys: Path) -> None:
     try:
         await asyncio.wait_for(broker.ready.wait(), 5)
         ep = broker.client_endpoint
-        good = SecurityConfig.from_dir(str(keys / "pool"))
+        good = SecurityConfig.from_dir(str(keys / "pool"), role="trainer")
         assert isinstance(await _ask(client_ctx, good, ep, 5.0), ClientWelcome)
 
         assert await _ask(client_ctx, None, ep, 1.0) is None  # plaintext client: refused
         unknown = SecurityConfig(
-            client_key_file=str(keys / "rogue" / CLIENT_SECRET_FILE),
+            client_key_file=str(keys / "rogue" / TRAINER_SECRET_FILE),
             server_public_file=str(keys / "pool" / SERVER_PUBLIC_FILE),
         )
         assert await _ask(client_ctx, unknown, ep, 1.0) is None  # valid key, not allowed: refused
         wrong_server = SecurityConfig(
-            client_key_file=str(keys / "pool" / CLIENT_SECRET_FILE),
+            client_key_file=str(keys / "pool" / TRAINER_SECRET_FILE),
             server_public_file=str(keys / "rogue" / SERVER_PUBLIC_FILE),
         )
         assert await _ask(client_ctx, wrong_server, ep, 1.0) is None  # pinned the wrong server: no session
@@ -89,10 +91,10 @@ async def test_weights_over_curve_publisher_and_relay(keys: Path) -> None:
     from rollpool.weights.relay import Relay
 
     torch = pytest.importorskip("torch")
-    sec = SecurityConfig.from_dir(str(keys / "pool"))
     pub_ctx, relay_ctx, sub_ctx, plain_ctx = (zmq.asyncio.Context() for _ in range(4))
-    pub_sockets = SocketFactory(pub_ctx, security=sec)
-    relay_sockets = SocketFactory(relay_ctx, security=sec)
+    pub_sockets = SocketFactory(pub_ctx, security=SecurityConfig.from_dir(str(keys / "pool"), role="trainer"))
+    relay_sockets = SocketFactory(relay_ctx, security=SecurityConfig.from_dir(str(keys / "pool"), role="relay"))
+    sec = SecurityConfig.from_dir(str(keys / "pool"), role="worker")
     publisher = WeightPublisher(pub_sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*",
                                 chunk_bytes=1 << 20)
     await publisher.start()

@@ -114,3 +114,26 @@ async def test_live_services_survive_fuzzing_and_keep_serving() -> None:
         await publisher.close()
         sockets.close()
         ctx.destroy(linger=0)
+
+
+async def test_broker_process_under_hostile_fuzzing_keeps_serving_with_bounded_memory(tmp_path: Any) -> None:
+    """10,000 inputs (4 MiB header bombs, unknown-field floods, long-poll floods among them) to a broker process.
+
+    A good client is answered every 250 inputs, a good worker heartbeats every
+    50 ms throughout and is never declared dead (broker heartbeat 0.5 s: dead after 1.5 s), and the broker's peak memory
+    (VmHWM) is reported and bounded.
+    """
+    import json
+
+    from rollpool.chaos.fuzz import fuzz_broker_process
+
+    out = await fuzz_broker_process(INPUTS, seed=11, probe_every=250, workdir=str(tmp_path))
+    print(json.dumps(out, indent=1, sort_keys=True))
+    assert out["total_inputs"] >= INPUTS and out["broker_alive"]
+    assert out["probes_ok"] == out["probes"] > 0, out["reports"]
+    assert out["good_worker_alive"] and out["workers_lost"] == 0
+    hostile = {k: sum(r["hostile"][k] for r in out["reports"].values()) for k in ("bomb", "unknown_fields", "long_pull")}
+    assert all(hostile.values()), hostile
+    assert out["refusals"].get("refused.limit.max_header_objects", 0) >= 1
+    assert out["refusals"].get("refused.limit.max_unknown_fields", 0) >= 1
+    assert out["rss_peak_kib"] < 200 * 1024, f"broker peak RSS {out['rss_peak_kib'] / 1024:.0f} MiB"

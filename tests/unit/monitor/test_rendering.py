@@ -89,3 +89,18 @@ def test_top_frame_of_an_empty_pool() -> None:
     empty = PoolState(pool="p", time=0.0, broker=None, workers={}, entities={}, events=[], histograms={})
     frame = render_frame(empty)
     assert "no broker state" in frame and "(none alive)" in frame and "(no samples)" in frame
+
+
+def test_top_shows_refusals_by_limit_and_by_role() -> None:
+    state = _state()
+    assert state.broker is not None
+    state.broker.update({"refused.limit.pulls_per_peer": 2936, "refused.limit.max_header_objects": 3,
+                         "refused.role.worker@broker.client": 5, "disconnects.broker.client": 1})
+    frame = render_frame(state, width=100)
+    assert "REFUSALS" in frame
+    assert "pulls_per_peer 2936" in frame and "max_header_objects 3" in frame
+    assert "worker@broker.client 5" in frame and "broker.client 1" in frame
+    assert all(len(line) <= 100 for line in frame.splitlines())
+    assert "REFUSALS" not in render_frame(_state(), width=100)  # nothing refused: no section
+    fams = parse_prometheus(render_prometheus(state))  # the exporter keeps them as valid metric names
+    assert any("refused_limit_pulls_per_peer" in name for name in fams)

@@ -155,8 +155,8 @@ def test_limits_refuse_oversize_before_allocating() -> None:
     assert _code([b"\x00" * 65], small) == "oversize"
     assert _code([_header("chunk", {"request_id": "c", "version": 1, "bucket": 0, "offset": 0, "data": 1}), b"x" * 17], small) == "oversize"
     assert _code([b"a", b"b", b"c", b"d"], small) == "oversize"
-    assert _code([_header("error", {"code": "x" * 9, "message": ""})], small) == "malformed"  # string too long
-    assert _code([_header("nack", {"task_ids": ["a"] * 5})], small) == "malformed"  # list too long
+    assert _code([_header("error", {"code": "x" * 9, "message": ""})], small) == "oversize"  # string too long (msgpack's own limit)
+    assert _code([_header("nack", {"task_ids": ["a"] * 5})], small) == "oversize"  # list too long (msgpack's own limit)
     deep: Any = 1
     for _ in range(4):
         deep = {"k": deep}

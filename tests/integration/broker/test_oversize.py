@@ -1,0 +1,83 @@
+"""Oversize messages (issue 21, break 4): the sender refuses with an error naming the limit; the receiver counts the drops.
+
+A real broker, the real asyncio `TrainerClient`, tcp loopback. libzmq drops a
+message part over the receiver's MAXMSGSIZE together with the connection and
+reports nothing, so today a 68 MiB Submit ends in `BrokerUnavailableError`
+after its retries and nobody logs why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq.asyncio
+
+from rollpool import protocol as p
+from rollpool.broker import Broker, BrokerConfig
+from rollpool.protocol import ProtocolError, SocketFactory
+from rollpool.trainer_client import TrainerClient, TrainerClientConfig
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    b = Broker(BrokerConfig(worker_endpoint="tcp://127.0.0.1:*", client_endpoint="tcp://127.0.0.1:*", heartbeat_interval_s=0.2), sockets)
+    task = asyncio.create_task(b.run())
+    await asyncio.wait_for(b.ready.wait(), 5)
+    try:
+        yield b
+    finally:
+        b.stop()
+        await asyncio.wait_for(task, 10)
+        sockets.close()
+        ctx.destroy(linger=0)
+
+
+async def test_a_68_mib_submit_is_refused_by_the_sender_naming_the_limit(broker: Broker) -> None:
+    cfg = TrainerClientConfig(broker=broker.client_endpoint, request_timeout_s=1.0, request_retries=2)
+    huge = p.Prompt(prompt_id="huge", input_ids=np.zeros(17 * MiB, np.int32), group_size=1)  # 68 MiB of token ids
+    async with TrainerClient(config=cfg) as client:
+        with pytest.raises(ProtocolError) as info:
+            await client.submit([huge])
+        assert info.value.code == "oversize" and info.value.limit == "max_msg_bytes", repr(info.value)
+        assert "max_msg_bytes of 67108864 bytes" in str(info.value)
+        ok = await client.submit(["a small prompt"])  # the client and the broker are fine afterwards
+        assert len(ok.accepted) == 1
+
+
+async def test_the_receiver_counts_the_disconnects_maxmsgsize_causes(broker: Broker) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = SocketFactory(ctx).dealer(broker.client_endpoint, identity=b"raw")
+    try:
+        await sock.send_multipart([msgpack.packb([1, 0, "status_request", {"request_id": "a"}]), b"\x00" * (65 * MiB)])
+        deadline = time.monotonic() + 10
+        while broker.counters().get("disconnects.broker.client", 0) < 1:
+            assert time.monotonic() < deadline, f"no disconnect counted: {broker.counters()}"
+            await asyncio.sleep(0.05)
+    finally:
+        sock.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def test_a_previous_minor_client_gets_the_limits_and_is_served(broker: Broker) -> None:
+    """A minor-0 peer (no limit fields in its hello) against this broker: served, the new fields ignored."""
+    ctx = zmq.asyncio.Context()
+    sock: Any = SocketFactory(ctx).dealer(broker.client_endpoint, identity=b"old")
+    try:
+        await sock.send_multipart([msgpack.packb([1, 0, "client_hello", {"client_id": "old", "protocol_min": 1, "protocol_max": 1}])])
+        welcome = p.decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+        assert isinstance(welcome, p.ClientWelcome) and welcome.max_msg_bytes == 64 * MiB
+        header = msgpack.unpackb(p.encode(welcome)[0])
+        assert header[1] == p.PROTOCOL_MINOR >= 1
+    finally:
+        sock.close(linger=0)
+        ctx.destroy(linger=0)
