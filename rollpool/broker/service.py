@@ -502,7 +502,8 @@ class Broker:
             client_id = self._clients.get(identity) or identity.hex()
             max_groups = max(1, min(msg.max_groups, self.config.max_pull_groups))
             pull = _PendingPull(identity, client_id, msg.request_id, max_groups)
-            if (st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping:
+            if ((st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping
+                    or st.resend_due(client_id, self._now)):
                 self._answer_pull(pull)
             elif self._pulls.full(identity):
                 self.refusals.count("pulls_per_peer")
@@ -547,7 +548,7 @@ class Broker:
         pull.done = True
         if pull.handle is not None:
             pull.handle.cancel()
-        groups = self.state.pull(pull.client_id, pull.max_groups)
+        groups = self.state.pull(pull.client_id, pull.max_groups, self._now)
         frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
         if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
             frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))

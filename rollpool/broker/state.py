@@ -93,6 +93,8 @@ class Group:
     token: int = 0
     result: GroupResult | None = None
     delivered_to: str | None = None
+    delivered_at: float = 0.0
+    """When it was last sent to `delivered_to` (it is sent again `result_resend_s` later, until acknowledged)."""
     acked: bool = False
     last_worker: str = ""
     forgiven: int = 0
@@ -179,6 +181,7 @@ _COUNTERS = (
     "orphans_dropped",
     "invalid_results",
     "unknown_results",
+    "results_resent",
     "apply_slots_expired",
     "grants_resent",
     "versions_failed",
@@ -746,20 +749,49 @@ class BrokerState:
 
     # ------------------------------------------------------------------ client side
 
-    def pull(self, client_id: str, max_groups: int) -> list[GroupResult]:
+    def pull(self, client_id: str, max_groups: int, now: float | None = None) -> list[GroupResult]:
+        """Up to `max_groups` ready groups for this client; with `now`, also (on top, at most
+        `max_groups`) those sent to it `result_resend_s` ago and not acknowledged (a lost Batch)."""
         out: list[GroupResult] = []
         q = self._results
         mine = self._delivered.get(client_id)
-        while q and len(out) < max_groups:
+        if now is not None and mine:
+            out += self._resend_due(mine, max_groups, now)
+        fresh = 0
+        while q and fresh < max_groups:
             g = q.popleft()
             if g.acked or g.delivered_to is not None or g.result is None:
                 continue
             g.delivered_to = client_id
+            g.delivered_at = self._now if now is None else now
             if mine is None:
                 mine = self._delivered[client_id] = {}
             mine[g.prompt_id] = g
             out.append(g.result)
+            fresh += 1
         return out
+
+    def resend_due(self, client_id: str, now: float) -> bool:
+        """Whether a pull from this client now would carry a group sent again."""
+        mine = self._delivered.get(client_id)
+        if not mine:
+            return False
+        first = next(iter(mine.values()))
+        return now - first.delivered_at >= self.config.result_resend_s
+
+    def _resend_due(self, mine: dict[str, Group], limit: int, now: float) -> list[GroupResult]:
+        # `mine` is in the order of sending: the groups due are at its front; each one sent moves to the back
+        due: list[Group] = []
+        for g in mine.values():
+            if len(due) >= limit or now - g.delivered_at < self.config.result_resend_s:
+                break
+            due.append(g)
+        for g in due:
+            del mine[g.prompt_id]
+            g.delivered_at = now
+            mine[g.prompt_id] = g
+        self.counters["results_resent"] += len(due)
+        return [g.result for g in due if g.result is not None]
 
     def has_results(self) -> bool:
         return bool(self._results)

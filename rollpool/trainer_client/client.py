@@ -307,6 +307,12 @@ class TrainerClient:
             fut = self._waiters.pop(rid, None) if rid is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            elif isinstance(msg, Batch):
+                # its pull was given up on (timed out, cancelled): the broker counts these groups as sent, keep them
+                self.ledger.observe_version(msg.weight_version)
+                self.ledger.adopt(msg.groups)
+                if msg.groups:
+                    log.info("kept %d groups of a Batch whose pull was given up on", len(msg.groups))
             elif isinstance(msg, Error):
                 log.warning("broker error: %s %s", msg.code, msg.message)
 

@@ -18,6 +18,9 @@ Guarantees this class keeps:
   and bound of that call (`recheck`), also one left buffered by an earlier call;
   a trajectory whose ``token_versions`` are shorter than its ``output_ids`` fails
   any bound (its staleness is unknown);
+* a Batch that reaches no waiting request is kept (`adopt`), and a group the broker
+  sends again while it is held here unreturned is dropped quietly (`resent_held`):
+  it is acknowledged once, when returned;
 * a group is delivered at most once (by `prompt_id`) and a trajectory at most once
   (by `trajectory_id`), each within a bounded window of ``dedup_window`` ids;
 * every group taken is acknowledged exactly once to the broker: groups returned
@@ -72,6 +75,8 @@ COUNTERS = (
     "groups_delivered",
     "trajectories_delivered",
     "duplicates_dropped",
+    "resent_held",
+    "batches_adopted",
     "dropped_stale",
     "regenerated_stale",
     "regenerate_skipped",
@@ -334,6 +339,11 @@ class ClientLedger:
 
     def _take_one(self, g: GroupResult, max_staleness: int | None, policy: str, keep_limit: int | None,
                   out: TakeOutcome) -> None:
+        if g.prompt_id in self._originals:
+            # sent again by the broker (it resends what is not acknowledged) while still held here, not yet
+            # returned: it is acknowledged once, when returned
+            self.counters["resent_held"] += 1
+            return
         if g.prompt_id in self._delivered:
             self.counters["duplicates_dropped"] += 1
             # the broker redelivered something we already returned or dropped (our ack was lost): acknowledge it
@@ -366,6 +376,12 @@ class ClientLedger:
             self._delivered.add(g.prompt_id)
             self._originals[g.prompt_id] = original
             self._ready.append(g)
+
+    def adopt(self, groups: Iterable[GroupResult]) -> TakeOutcome:
+        """File the groups of a Batch that reached no waiting request (a pull given up on, a cancelled
+        `get_batch`): kept, not discarded; the bound is judged when a `get_batch` returns them (`recheck`)."""
+        self.counters["batches_adopted"] += 1
+        return self.take(groups, None)
 
     def _judge(self, g: GroupResult, original: Prompt | None, max_staleness: int | None, policy: str,
                keep_limit: int | None, out: TakeOutcome) -> bool:

@@ -388,3 +388,23 @@ def test_a_failed_apply_is_counted_with_its_error() -> None:
     s.apply_done(a, 2, ok=False, error="EngineError: unknown parameter names ['x']")
     assert s.counters["versions_failed"] == 1 and a.version < 2
     assert ("version_failed", {"worker_id": "a", "version": 2, "error": "EngineError: unknown parameter names ['x']"}) in s.effects.events
+
+
+def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_until_acknowledged() -> None:
+    # issue 20 break 1: a lost Batch left its groups counted as delivered until a new ClientHello
+    s = make(result_resend_s=2.0)
+    w = join(s, "w", capacity=4)
+    s.submit([prompt("a"), prompt("b")], 0.0)
+    for _, g in s.dispatch(0.0):
+        finish(s, w, g.task_id, now=0.5)
+    assert [r.prompt_id for r in s.pull("c", 1, now=1.0)] == ["a"]  # this Batch is lost
+    assert not s.resend_due("c", 2.9)
+    assert [r.prompt_id for r in s.pull("c", 1, now=2.9)] == ["b"]
+    assert s.resend_due("c", 3.0)
+    assert [r.prompt_id for r in s.pull("c", 1, now=3.0)] == ["a"]  # sent again, on top of nothing new
+    assert s.pull("c", 5, now=4.0) == []  # a is not due again before 5.0, b before 4.9
+    assert [r.prompt_id for r in s.pull("c", 5, now=5.0)] == ["b", "a"]
+    s.ack(["a", "b"])
+    assert not s.resend_due("c", 100.0) and s.pull("c", 5, now=100.0) == []
+    assert s.counters["results_resent"] == 3
+    s.check_invariants()

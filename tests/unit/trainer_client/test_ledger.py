@@ -477,3 +477,17 @@ def test_a_trajectory_with_fewer_token_versions_than_tokens_fails_any_bound() ->
     assert led.ready == 1  # without a bound there is nothing to check
     assert led.recheck(max_staleness=1).dropped_stale[0][0] == "b"
     assert led.stale_acks() == ("a", "b")
+
+
+def test_a_batch_for_an_abandoned_pull_is_kept_and_a_resend_of_a_held_group_is_acked_once() -> None:
+    # issue 20 break 1 (client side): a Batch reaching no waiting request was discarded
+    led = make()
+    accept(led, prompt("a"))
+    led.adopt([done("a", version=0)])
+    assert led.ready == 1 and led.pull_acks() == () and led.counters["batches_adopted"] == 1
+    led.take([done("a", version=0)], max_staleness=None)  # the broker sends it again: still held here
+    assert led.ready == 1 and led.pull_acks() == () and led.counters["resent_held"] == 1
+    batch, _ = led.deliver(1, started_at=0.0, now=1.0, dropped_before=0)
+    assert [g.prompt_id for g in batch.groups] == ["a"] and led.pull_acks() == ("a",)
+    led.take([done("a", version=0)], max_staleness=None)  # after it was returned: a duplicate, acked again
+    assert led.ready == 0 and led.counters["duplicates_dropped"] == 1
