@@ -182,6 +182,9 @@ _COUNTERS = (
     "invalid_results",
     "unknown_results",
     "results_resent",
+    "broker_stalls",
+    "broker_stall_ms_total",
+    "broker_stall_ms_max",
     "apply_slots_expired",
     "grants_resent",
     "versions_failed",
@@ -694,6 +697,30 @@ class BrokerState:
         return out
 
     # ------------------------------------------------------------------ time
+
+    def note_stall(self, stall_s: float, now: float) -> None:
+        """The broker read nothing for `stall_s` (GC, SIGSTOP, a slow disk): that time is not worker silence.
+
+        Every worker's silence, every lease deadline and every apply slot's age is moved
+        on by the stall, so the stall alone declares nobody dead, requeues nothing and
+        burns no attempt; liveness is judged on heartbeats read, not on time passed
+        while not reading.
+        """
+        if stall_s <= 0:
+            return
+        for w in self.workers.values():
+            w.last_seen = min(now, w.last_seen + stall_s)
+        for g in self.groups.values():
+            if g.phase == Phase.LEASED:
+                g.deadline += stall_s
+        self._deadlines = deque((d + stall_s, tid, g) for d, tid, g in self._deadlines)
+        for wid in self._apply_since:
+            self._apply_since[wid] += stall_s
+        ms = int(stall_s * 1000)
+        self.counters["broker_stalls"] += 1
+        self.counters["broker_stall_ms_total"] += ms
+        self.counters["broker_stall_ms_max"] = max(self.counters["broker_stall_ms_max"], ms)
+        self.effects.events.append(("broker_stall", {"stall_s": round(stall_s, 3)}))
 
     def expire(self, now: float) -> tuple[list[str], list[str]]:
         """Declare silent workers dead and end overdue leases; returns (dead worker ids, requeued prompt ids)."""

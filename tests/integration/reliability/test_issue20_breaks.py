@@ -106,7 +106,6 @@ async def test_break3_workers_follow_the_publisher_to_its_new_endpoint(pool: Poo
 # ---------------------------------------------------------------------------------------------- break 4
 
 
-@issue20(4, "a broker stall longer than dead-after declares every worker dead when it resumes")
 async def test_break4_a_broker_stall_is_not_worker_silence(pool: Pool) -> None:
     hb = 0.25  # dead after 3 x 0.25 = 0.75 s; each stall below is 1.5 s
     bp = pool.broker_process("--heartbeat-interval-s", str(hb), "--task-timeout-s", "60", "--drain-timeout-s", "0")

@@ -408,3 +408,21 @@ def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_u
     assert not s.resend_due("c", 100.0) and s.pull("c", 5, now=100.0) == []
     assert s.counters["results_resent"] == 3
     s.check_invariants()
+
+
+def test_a_broker_stall_is_not_worker_silence_and_burns_no_attempt() -> None:
+    # issue 20 break 4: after a stall longer than dead-after every worker was declared dead
+    s = make(task_timeout_s=10.0, apply_slot_deadline_s=5.0)  # dead after 3 x 1 s
+    join(s, "w", capacity=4, now=0.0)
+    v = join(s, "v", capacity=4, now=0.0)
+    s.submit([prompt("p")], 0.0)
+    ((_, g),) = s.dispatch(0.0)
+    s.apply_request(v, 1, now=0.0)
+    s.note_stall(20.0, now=20.5)  # the broker read nothing from 0.5 to 20.5
+    assert s.expire(20.5) == ([], [])  # 0.5 s of silence read, not 20.5
+    assert s.applying == {"v"} and g.phase == "leased" and g.attempt == 0 and s.counters["requeued"] == 0
+    assert s.counters["broker_stalls"] == 1 and s.counters["broker_stall_ms_max"] == 20000
+    assert ("broker_stall", {"stall_s": 20.0}) in s.effects.events
+    dead, _ = s.expire(23.6)  # real silence still counts: 3.6 s after the stall, both are dead
+    assert sorted(dead) == ["v", "w"] and s.counters["requeued"] == 1
+    s.check_invariants()
