@@ -55,6 +55,7 @@ class BrokerConfig:
     control_timeout_s: float = field(default=30.0, metadata=_h("longest wait for workers' control replies"))
     drain_timeout_s: float = field(default=5.0, metadata=_h("on stop: how long results may still be handed over"))
     burst_messages: int = field(default=256, metadata=_h("messages read per socket wake-up before yielding the loop"))
+    latency_samples: int = field(default=65_536, metadata=_h("delivered groups whose broker-side timestamps are kept (a ring)"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 
     def __post_init__(self) -> None:
@@ -76,6 +77,7 @@ class BrokerConfig:
             "max_worker_credits",
             "max_pull_groups",
             "burst_messages",
+            "latency_samples",
         ):
             positive(name)
             if not isinstance(getattr(self, name), int):

@@ -13,8 +13,10 @@ burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
 checked again and a drain is scheduled for any socket with messages waiting.
 
 Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
-WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
-broker sends Task, Cancel, BrokerHeartbeat, Control, ApplyGrant, Goodbye.
+ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
+broker sends Task (TaskBatch to a worker that lists it: one message per worker
+per burst), Cancel, BrokerHeartbeat, Control, ApplyGrant, Goodbye. Fewer, larger
+messages are the main saving: each send costs a wake-up of ZeroMQ's I/O thread.
 Client port: ClientHello, Submit, Pull (long poll, with acks), Ack,
 SetVersion, StatusRequest, Control (fan-out, replies gathered), CancelPrompts.
 A malformed frame is answered with `Error`, counted and logged once per peer
@@ -24,6 +26,7 @@ per minute; the broker keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -37,6 +40,8 @@ from rollpool.broker import guard
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.state import BrokerState, Group, WorkerInfo
 from rollpool.protocol import (
+    DEFAULT_LIMITS,
+    FEATURES,
     PROTOCOL_MAJOR,
     SUPPORTED_MAJORS,
     Ack,
@@ -53,6 +58,7 @@ from rollpool.protocol import (
     ControlReply,
     Credit,
     Error,
+    Feature,
     Goodbye,
     Hello,
     Nack,
@@ -60,6 +66,7 @@ from rollpool.protocol import (
     Pull,
     Reply,
     Result,
+    ResultBatch,
     SetVersion,
     SocketFactory,
     StatusReply,
@@ -67,6 +74,7 @@ from rollpool.protocol import (
     Submit,
     SubmitReply,
     Task,
+    TaskBatch,
     Welcome,
     WorkerHeartbeat,
     decode,
@@ -84,10 +92,14 @@ __all__ = ["Broker"]
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_TEXT = 300
+_MAX_STATUS_WORKERS = DEFAULT_LIMITS.max_map_len - 96
+"""Workers named in one StatusReply (the map must stay decodable under the default limits)."""
 # plain ints: pyzmq's flag enums cost an enum operation per frame on the hot path
 _NB = int(zmq.NOBLOCK)
 _NB_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass(slots=True)
@@ -282,7 +294,8 @@ class Broker:
         if loop is None:
             return
         for which, sock in (("w", self._w), ("c", self._c)):
-            if sock is not None and not self._scheduled[which] and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # the Cython getter with plain ints: the sugar layer's enum conversions cost as much as the call
+            if sock is not None and not self._scheduled[which] and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN:
                 self._scheduled[which] = True
                 loop.call_soon(self._on_readable, which)
 
@@ -324,26 +337,48 @@ class Broker:
         self._flush_effects()
 
     def _send_tasks(self, pairs: list[tuple[WorkerInfo, Group]]) -> None:
+        if not pairs:
+            return
         cfg = self.config
         eta = cfg.max_staleness
         min_version = self.state.version - eta if (eta is not None and self.state.version >= 0) else -1
+        by_worker: dict[str, tuple[WorkerInfo, list[Group]]] = {}
         for w, g in pairs:
-            assert g.prompt is not None
-            frames = encode(
+            entry = by_worker.get(w.worker_id)
+            if entry is None:
+                by_worker[w.worker_id] = (w, [g])
+            else:
+                entry[1].append(g)
+        for w, groups in by_worker.values():
+            tasks = [
                 Task(
                     task_id=g.task_id,
-                    prompt=g.prompt,
+                    prompt=g.prompt,  # type: ignore[arg-type]  # dispatch leases only groups with a prompt
                     attempt=g.attempt,
                     deadline_s=cfg.task_timeout_s,
                     queued_at=g.queued_at + self._wall_offset,
                     min_version=min_version,
+                    seq=g.dispatch_seq,
                 )
-            )
-            if self._refuse_oversize(w.worker_id, frames, "task", g):
-                continue
-            if not self._send(self._w, w.identity, frames):
-                # it never left: hand the group straight back (not the worker's fault, no attempt used)
-                self.state.nack(w, [g.task_id], self._now, reason="send failed")
+                for g in groups
+            ]
+            frames = [encode(t) for t in tasks]
+            keep = [i for i, (g, f) in enumerate(zip(groups, frames, strict=True))
+                    if not self._refuse_oversize(w.worker_id, f, "task", g)]  # roles: failed with the reason, counted
+            groups, tasks, frames = [groups[i] for i in keep], [tasks[i] for i in keep], [frames[i] for i in keep]
+            if len(tasks) > 1 and Feature.TASK_BATCH in w.features:
+                batch = encode(TaskBatch(tasks=tuple(tasks)))
+                sent = self._refuse_oversize(w.worker_id, batch, "task_batch") is False and self._send(self._w, w.identity, batch)
+                # a batch over the worker's limit goes out task by task instead
+                failed = [] if sent else [g for g, f in zip(groups, frames, strict=True) if not self._send(self._w, w.identity, f)]
+            else:
+                failed = [g for g, f in zip(groups, frames, strict=True) if not self._send(self._w, w.identity, f)]
+            if failed:
+                # it never left: hand the groups straight back (not the worker's fault, no attempt used)
+                self.state.nack(w, [g.task_id for g in failed], self._now, reason="send failed")
+        t_sent = self.clock()
+        for _w, g in pairs:
+            g.dispatched_at = t_sent
 
     def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
         """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
@@ -361,7 +396,7 @@ class Broker:
 
     def _flush_effects(self) -> None:
         fx = self.state.effects
-        if not (fx.cancels or fx.grants or fx.events or fx.lost_workers):
+        if not fx:
             return
         workers = self.state.workers
         by_worker: dict[str, list[str]] = {}
@@ -377,8 +412,17 @@ class Broker:
             gw = workers.get(wid)
             if gw is not None:
                 self._send(self._w, gw.identity, encode(ApplyGrant(version=version)))
-        for wid in fx.lost_workers:
-            for ident in [i for i, x in self._by_identity.items() if x.worker_id == wid and workers.get(wid) is not x]:
+        for wid in fx.held_requests:
+            hw = workers.get(wid)
+            if hw is not None:
+                self._send(
+                    self._w, hw.identity,
+                    encode(BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
+                                           announce_endpoint=self.announce_endpoint, send_held=True, dispatch_seq=hw.dispatch_seq)),
+                )
+        for wid, ident in fx.lost_workers:
+            x = self._by_identity.get(ident)
+            if x is not None and x.worker_id == wid and workers.get(wid) is not x:
                 del self._by_identity[ident]
             for req, ctl in list(self._controls.items()):
                 if wid in ctl.waiting:
@@ -413,12 +457,17 @@ class Broker:
                 st.credit(w, msg.credits, now)
                 return
         elif kind is Result:
-            outcome = st.result(
-                w, task_id=msg.task_id, prompt_id=msg.prompt_id, trajectories=msg.trajectories,
-                error=msg.error, retryable=msg.retryable, now=now,
-            )
-            if outcome != "accepted" and outcome != "requeued":
-                log.debug("broker: result for %s from %s: %s", msg.task_id, w.worker_id if w else identity.hex(), outcome)
+            self._on_result(w, identity, msg)
+            if msg.credits and w is not None:
+                st.credit(w, msg.credits, now)
+            return
+        elif kind is ResultBatch:
+            for r in msg.results:
+                self._on_result(w, identity, r)
+                if r.credits and w is not None:
+                    st.credit(w, r.credits, now)
+            if msg.credits and w is not None:
+                st.credit(w, msg.credits, now)
             return
         elif kind is Hello:
             self._on_hello(identity, msg)
@@ -433,7 +482,11 @@ class Broker:
             self._send(self._w, identity, encode(Error(code="hello_required", message="say hello first", ref_type=getattr(kind, "TYPE", None))))
             return
         if kind is WorkerHeartbeat:
-            st.heartbeat(w, now, version=msg.weight_version, state=msg.state, tokens_total=msg.tokens_total)
+            st.heartbeat(
+                w, now, version=msg.weight_version, state=msg.state, tokens_total=msg.tokens_total,
+                dispatch_seq=msg.dispatch_seq, free_capacity=msg.free_capacity, held_count=msg.held_count,
+                held_digest=msg.held_digest, held=msg.inflight_task_ids if msg.held_full else None,
+            )
         elif kind is Nack:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
         elif kind is ControlReply:
@@ -448,6 +501,14 @@ class Broker:
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
+
+    def _on_result(self, w: WorkerInfo | None, identity: bytes, msg: Result) -> None:
+        outcome = self.state.result(
+            w, task_id=msg.task_id, prompt_id=msg.prompt_id, trajectories=msg.trajectories,
+            error=msg.error, retryable=msg.retryable, now=self._now,
+        )
+        if outcome != "accepted" and outcome != "requeued":
+            log.debug("broker: result for %s from %s: %s", msg.task_id, w.worker_id if w else identity.hex(), outcome)
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         proto = negotiate_version(msg.protocol_min, msg.protocol_max)
@@ -476,7 +537,7 @@ class Broker:
         adopted, refused = self.state.add_worker(
             worker_id=msg.worker_id, identity=identity, capacity=msg.capacity, credits=msg.credits,
             now=self._now, version=msg.weight_version, inflight=inflight, fingerprint=msg.fingerprint,
-            engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid,
+            engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid, features=msg.features,
         )
         self._by_identity[identity] = self.state.workers[msg.worker_id]
         self._send(
@@ -488,6 +549,7 @@ class Broker:
                     weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
                     announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
                     max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
+                    features=FEATURES,
                 )
             ),
         )
@@ -556,7 +618,7 @@ class Broker:
         pull.done = True
         if pull.handle is not None:
             pull.handle.cancel()
-        groups = self.state.pull(pull.client_id, pull.max_groups, self._now)
+        groups = self.state.pull(pull.client_id, pull.max_groups, now=self.clock())
         frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
         if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
             frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))
@@ -694,8 +756,15 @@ class Broker:
         c["pending_pulls"] = len(self._pulls)
         c.update(self.refusals.counters())
         c.update(self.sockets.counters())
+        c["workers_listed"] = min(len(self.state.workers), _MAX_STATUS_WORKERS)
         return c
 
     def workers_view(self) -> dict[str, Any]:
+        """Live state per worker, for `StatusReply.workers`: at most `_MAX_STATUS_WORKERS` of them.
+
+        A peer decodes maps of at most `DEFAULT_LIMITS.max_map_len` entries, so a reply naming every
+        worker of a 10,000-worker pool could not be read by any client; the counters still say
+        `workers_alive`, and `workers_listed` says how many the map holds.
+        """
         now = self.clock()
-        return {wid: w.live_state(now) for wid, w in self.state.workers.items()}
+        return {wid: w.live_state(now) for wid, w in itertools.islice(self.state.workers.items(), _MAX_STATUS_WORKERS)}

@@ -31,6 +31,21 @@ Guarantees this class keeps (and its tests check):
 
 Side effects the service must carry out (cancels to send, apply grants, metric
 events) accumulate in `effects` and are drained by the caller.
+
+Cost per message is O(1) in the number of workers and leases (dispatch is
+O(groups leased) plus O(ready workers visited), the apply queue is a dict, the
+held-task digest is kept incrementally); only timers (`expire`, once per tick)
+and version bumps walk every worker.
+
+Reconciliation groundwork (protocol minor 1): every lease carries a per-worker
+dispatch sequence number (`Task.seq`) and, for workers that list
+`Feature.HELD_DIGEST`, the XOR digest of its worker's leased task ids is kept
+incrementally. `heartbeat` compares the worker's reported (count, digest) with
+the leases at or below the sequence number it echoes, and asks for the full
+list on a mismatch (`Effects.held_requests`); a full list is compared and the
+differences are counted (`leases_unreported`, `held_unknown`) and kept on the
+`WorkerInfo`. Acting on them (requeue at once, credit from absolute capacity)
+is the reliability issue's (20), not this class's yet.
 """
 
 from __future__ import annotations
@@ -42,7 +57,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.broker.config import BrokerConfig
-from rollpool.protocol.messages import GroupResult, GroupState, InflightTask, Prompt, Rejection, Trajectory
+from rollpool.broker.latency import LatencyLog
+from rollpool.protocol.messages import (
+    Feature,
+    GroupResult,
+    GroupState,
+    InflightTask,
+    Prompt,
+    Rejection,
+    Trajectory,
+    held_digest,
+    task_digest,
+)
 from rollpool.protocol.staleness import StalenessController
 
 __all__ = ["Phase", "Group", "WorkerInfo", "Effects", "BrokerState", "ResultOutcome", "task_id_of"]
@@ -103,6 +129,10 @@ class Group:
     """Outside staleness admission and accounting (`Prompt.exempt_from_staleness`, e.g. evaluation)."""
     min_version: int = -1
     """`Prompt.min_weight_version`: only a worker at this weight version or newer may take the group."""
+    dispatch_seq: int = 0
+    """`Task.seq` of the current lease (0: adopted from a hello, not numbered)."""
+    dispatched_at: float = 0.0
+    result_at: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -125,6 +155,19 @@ class WorkerInfo:
     applying: bool = False
     apply_version: int = -1
     completed: int = 0
+    features: frozenset[str] = frozenset()
+    dispatch_seq: int = 0
+    """The last `Task.seq` sent to this worker (numbers go on across its re-hellos within one epoch)."""
+    digest: int = 0
+    """XOR of `task_digest` over `leases` (kept only when the worker lists `Feature.HELD_DIGEST`)."""
+    reported_seq: int = -1
+    """From its last heartbeat: the highest `Task.seq` it had received (-1: never reported)."""
+    reported_free: int = -1
+    """From its last heartbeat: free capacity, absolute (-1: never reported)."""
+    reported_held: int = -1
+    held_mismatches: int = 0
+    unreported: tuple[str, ...] = ()
+    """Leases at or below `reported_seq` missing from its last full held list (issue 20 requeues them)."""
 
     def live_state(self, now: float) -> dict[str, Any]:
         return {
@@ -152,14 +195,20 @@ class Effects:
     grants: list[tuple[str, int]] = field(default_factory=list)
     """(worker_id, version) apply grants to send."""
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    lost_workers: list[str] = field(default_factory=list)
-    """Workers declared dead or gone (control replies from them will not come)."""
+    lost_workers: list[tuple[str, bytes]] = field(default_factory=list)
+    """(worker_id, identity) of workers declared dead or gone (control replies from them will not come)."""
+    held_requests: list[str] = field(default_factory=list)
+    """Workers whose held digest disagreed: ask each for its full held list (`BrokerHeartbeat.send_held`)."""
 
     def clear(self) -> None:
         self.cancels.clear()
         self.grants.clear()
         self.events.clear()
         self.lost_workers.clear()
+        self.held_requests.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self.cancels or self.grants or self.events or self.lost_workers or self.held_requests)
 
 
 _COUNTERS = (
@@ -181,6 +230,12 @@ _COUNTERS = (
     "orphans_dropped",
     "invalid_results",
     "unknown_results",
+    "heartbeats",
+    "held_checks",
+    "held_mismatches",
+    "held_lists",
+    "leases_unreported",
+    "held_unknown",
     "results_resent",
     "broker_stalls",
     "broker_stall_ms_total",
@@ -217,7 +272,11 @@ class BrokerState:
         self.held = 0
         """Terminal groups not yet acknowledged."""
         self._ready: dict[str, WorkerInfo] = {}
-        """Workers that may take work now (credit, ready, not applying, fingerprint ok)."""
+        """Workers that may take work now (credit, ready, not applying, fingerprint ok) on the newest version."""
+        self._ready_behind: dict[str, WorkerInfo] = {}
+        """Likewise, but behind the newest version and within eta of it (served after `_ready`)."""
+        self.latency = LatencyLog(config.latency_samples)
+        """Broker-side timestamps of the groups delivered (queued, dispatched, result in, delivered)."""
         self._deadlines: deque[tuple[float, str, Group]] = deque()
         self._results: deque[Group] = deque()
         """Terminal groups not yet handed to a client, in completion order."""
@@ -231,7 +290,8 @@ class BrokerState:
         """worker_id -> when its apply slot was granted (`apply_slot_deadline_s` counts from it)."""
         self._now = 0.0
         """The newest time a caller passed in (apply slots granted without a time of their own take it)."""
-        self._apply_waiting: deque[tuple[str, int]] = deque()
+        self._apply_waiting: dict[str, int] = {}
+        """Workers waiting for an apply slot -> version, in request order."""
 
     # ------------------------------------------------------------------ workers
 
@@ -250,6 +310,7 @@ class BrokerState:
         apply_modes: tuple[str, ...] = (),
         host: str = "",
         pid: int = 0,
+        features: Iterable[str] = (),
     ) -> tuple[list[str], list[str]]:
         """A worker said hello; returns (adopted task ids, refused task ids).
 
@@ -266,7 +327,7 @@ class BrokerState:
                 if tid not in announced:
                     self._end_lease(g, old)
                     self._requeue(g, now, reason="worker_restarted")
-            self._ready.pop(worker_id, None)
+            self._unready(worker_id)
             self._release_apply(worker_id)
             w = old
             w.identity = identity
@@ -286,6 +347,12 @@ class BrokerState:
         w.pid = pid
         w.state = "ready"
         w.applying = False
+        w.features = frozenset(features)
+        w.digest = 0
+        if Feature.HELD_DIGEST in w.features:
+            for tid in w.leases:
+                w.digest ^= task_digest(tid)
+        w.reported_seq = w.reported_free = w.reported_held = -1
         adopted: list[str] = []
         refused: list[str] = []
         for t in inflight:
@@ -329,14 +396,14 @@ class BrokerState:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
-        self._ready.pop(worker_id, None)
+        self._unready(worker_id)
         requeued: list[str] = []
         for g in list(w.leases.values()):
             self._end_lease(g, w)
             self._requeue(g, now, reason=f"worker {worker_id} {reason}", counted=reason != "goodbye")
             requeued.append(g.prompt_id)
         self._release_apply(worker_id)
-        self.effects.lost_workers.append(worker_id)
+        self.effects.lost_workers.append((worker_id, w.identity))
         if reason != "goodbye":
             self.counters["workers_lost"] += 1
         self.effects.events.append(("worker_lost", {"worker_id": worker_id, "reason": reason, "requeued": len(requeued)}))
@@ -345,19 +412,70 @@ class BrokerState:
     def touch(self, w: WorkerInfo, now: float) -> None:
         w.last_seen = now
 
-    def heartbeat(self, w: WorkerInfo, now: float, *, version: int, state: str, tokens_total: int) -> None:
+    def heartbeat(
+        self,
+        w: WorkerInfo,
+        now: float,
+        *,
+        version: int,
+        state: str,
+        tokens_total: int,
+        dispatch_seq: int = -1,
+        free_capacity: int = -1,
+        held_count: int = -1,
+        held_digest: int = 0,
+        held: Sequence[str] | None = None,
+    ) -> None:
+        """A heartbeat: liveness, version and state; with minor-1 fields, what the worker holds.
+
+        `held` is the worker's complete held list (`WorkerHeartbeat.held_full`), else None.
+        Only leases at or below the echoed `dispatch_seq` are compared: a task sent after it
+        may still be on its way, so a heartbeat that crosses a dispatch is never a mismatch.
+        """
         w.last_seen = now
         w.tokens_total = tokens_total
+        self.counters["heartbeats"] += 1
         if version != w.version or state != w.state:
             w.version = max(w.version, version)
             w.state = state
             self._refresh(w)
+        if dispatch_seq < 0:
+            return
+        w.reported_seq = dispatch_seq
+        w.reported_free = free_capacity
+        w.reported_held = held_count
+        if held is not None:
+            self._compare_held(w, dispatch_seq, held)
+        elif held_count >= 0 and Feature.HELD_DIGEST in w.features:
+            self.counters["held_checks"] += 1
+            count, digest = len(w.leases), w.digest
+            for tid, g in reversed(w.leases.items()):  # newest first: the ones sent after the echo
+                if g.dispatch_seq <= dispatch_seq:
+                    break
+                count -= 1
+                digest ^= task_digest(tid)
+            if (count, digest) != (held_count, held_digest):
+                w.held_mismatches += 1
+                self.counters["held_mismatches"] += 1
+                self.effects.held_requests.append(w.worker_id)
+
+    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str]) -> None:
+        self.counters["held_lists"] += 1
+        listed = set(held)
+        w.unreported = tuple(tid for tid, g in w.leases.items() if g.dispatch_seq <= dispatch_seq and tid not in listed)
+        unknown = sum(1 for tid in listed if tid not in w.leases)
+        self.counters["leases_unreported"] += len(w.unreported)
+        self.counters["held_unknown"] += unknown
+        if w.unreported or unknown:
+            self.effects.events.append(
+                ("held_disagrees", {"worker_id": w.worker_id, "unreported": len(w.unreported), "unknown": unknown, "dispatch_seq": dispatch_seq})
+            )
 
     def credit(self, w: WorkerInfo, n: int, now: float) -> None:
         w.last_seen = now
         if n > 0:
             w.credits = min(w.credits + n, w.capacity, self.config.max_worker_credits)
-            if w.credits > 0 and w.worker_id not in self._ready:
+            if w.credits > 0 and w.worker_id not in self._ready and w.worker_id not in self._ready_behind:
                 self._refresh(w)
 
     def set_required_fingerprint(self, fingerprint: str) -> None:
@@ -374,10 +492,27 @@ class BrokerState:
         )
 
     def _refresh(self, w: WorkerInfo) -> None:
-        if self._dispatchable(w):
-            self._ready[w.worker_id] = w
+        wid = w.worker_id
+        if not self._dispatchable(w):
+            self._unready(wid)
+            return
+        v = self.version
+        if w.version >= v:
+            self._ready_behind.pop(wid, None)
+            if wid not in self._ready:
+                self._ready[wid] = w
+            return
+        self._ready.pop(wid, None)
+        eta = self.config.max_staleness
+        if eta is None or w.version >= v - eta:
+            if wid not in self._ready_behind:
+                self._ready_behind[wid] = w
         else:
-            self._ready.pop(w.worker_id, None)
+            self._ready_behind.pop(wid, None)  # more than eta behind: gets nothing
+
+    def _unready(self, worker_id: str) -> None:
+        self._ready.pop(worker_id, None)
+        self._ready_behind.pop(worker_id, None)
 
     # ------------------------------------------------------------------ submit and queue
 
@@ -484,42 +619,36 @@ class BrokerState:
     # ------------------------------------------------------------------ dispatch
 
     def has_work(self) -> bool:
-        return self.queued > 0 and bool(self._ready)
+        return self.queued > 0 and bool(self._ready or self._ready_behind)
 
     def dispatch(self, now: float) -> list[tuple[WorkerInfo, Group]]:
         """Lease queued groups to ready workers; returns (worker, group) pairs to send as tasks.
 
         Workers with the newest weights are served first; a worker more than
-        eta versions behind gets nothing.
+        eta versions behind gets nothing. When the admission window is closed to
+        every queued group, nothing is visited (no scan of all ready workers per
+        message while the staleness bound holds dispatch back).
         """
         out: list[tuple[WorkerInfo, Group]] = []
-        if not self.queued or not self._ready:
+        if not self.queued or not (self._ready or self._ready_behind):
             return out
-        v = self.version
-        eta = self.config.max_staleness
-        oldest_ok = v - eta if (eta is not None and v >= 0) else None
-        behind: list[WorkerInfo] = []
-        served: list[WorkerInfo] = []
-        for w in self._ready.values():
-            if w.version < v:
-                if oldest_ok is None or w.version >= oldest_ok:
-                    behind.append(w)
-                continue
-            if self._fill(w, now, out):
-                served.append(w)
-            if not self.queued:
-                break
-        if self.queued:
-            for w in behind:
+        cap = self.staleness.capacity()
+        if cap is not None and not self._exempt_sizes and (not self._sizes or cap < self._sizes[0]):
+            return out
+        for ready in (self._ready, self._ready_behind):
+            served: list[WorkerInfo] = []
+            for w in ready.values():
                 if self._fill(w, now, out):
                     served.append(w)
                 if not self.queued:
                     break
-        for w in served:
-            # round robin: a served worker goes to the back of the ready order
-            self._ready.pop(w.worker_id, None)
-            if w.credits > 0:
-                self._ready[w.worker_id] = w
+            for w in served:
+                # round robin: a served worker goes to the back of the ready order
+                ready.pop(w.worker_id, None)
+                if w.credits > 0:
+                    ready[w.worker_id] = w
+            if not self.queued:
+                break
         return out
 
     def _fill(self, w: WorkerInfo, now: float, out: list[tuple[WorkerInfo, Group]]) -> bool:
@@ -560,7 +689,15 @@ class BrokerState:
         g.last_worker = w.worker_id
         g.task_id = task_id
         g.deadline = now + self.config.task_timeout_s
+        if adopting:
+            g.dispatch_seq = 0
+        else:
+            w.dispatch_seq += 1
+            g.dispatch_seq = w.dispatch_seq
+        g.dispatched_at = now
         w.leases[task_id] = g
+        if Feature.HELD_DIGEST in w.features:
+            w.digest ^= task_digest(task_id)
         self.leased += 1
         if not g.exempt:
             self.staleness.on_dispatch(g.size)
@@ -575,8 +712,8 @@ class BrokerState:
     def _end_lease(self, g: Group, w: WorkerInfo | None) -> None:
         if w is None and g.worker_id is not None:
             w = self.workers.get(g.worker_id)
-        if w is not None:
-            w.leases.pop(g.task_id, None)
+        if w is not None and w.leases.pop(g.task_id, None) is not None and Feature.HELD_DIGEST in w.features:
+            w.digest ^= task_digest(g.task_id)
         g.worker_id = None
         self.leased -= 1
         if not g.exempt:
@@ -658,6 +795,7 @@ class BrokerState:
             # handed back): the group is someone else's now
             self.counters["duplicates"] += 1
             return ResultOutcome.DUPLICATE
+        g.result_at = now
         if error is None and not _complete(trajectories, prompt_id, g.size):
             self.counters["invalid_results"] += 1
             error, retryable = f"invalid result: expected {g.size} trajectories of {prompt_id}", True
@@ -777,11 +915,13 @@ class BrokerState:
     # ------------------------------------------------------------------ client side
 
     def pull(self, client_id: str, max_groups: int, now: float | None = None) -> list[GroupResult]:
-        """Up to `max_groups` ready groups for this client; with `now`, also (on top, at most
-        `max_groups`) those sent to it `result_resend_s` ago and not acknowledged (a lost Batch)."""
+        """Up to `max_groups` terminal groups for `client_id`; with `now`, each DONE one's timestamps go to
+        `latency`, and (on top, at most `max_groups`) the groups sent to it `result_resend_s` ago and not
+        acknowledged are sent again (a lost Batch)."""
         out: list[GroupResult] = []
         q = self._results
         mine = self._delivered.get(client_id)
+        record = self.latency.record if now is not None else None
         if now is not None and mine:
             out += self._resend_due(mine, max_groups, now)
         fresh = 0
@@ -795,6 +935,8 @@ class BrokerState:
                 mine = self._delivered[client_id] = {}
             mine[g.prompt_id] = g
             out.append(g.result)
+            if record is not None and g.phase == Phase.DONE:
+                record(g.queued_at, g.dispatched_at, g.result_at, now)  # type: ignore[arg-type]
             fresh += 1
         return out
 
@@ -895,6 +1037,8 @@ class BrokerState:
             return False
         self.version = version
         self.staleness.set_version(version)
+        for w in self.workers.values():  # once per version: who is current, behind, too far behind
+            self._refresh(w)
         eta = self.config.max_staleness
         if self.config.cancel_stale_inflight and eta is not None:
             for w in self.workers.values():
@@ -915,9 +1059,9 @@ class BrokerState:
             w.apply_version = version
             self.effects.grants.append((wid, version))
             return
-        if any(x == wid for x, _ in self._apply_waiting):
+        if wid in self._apply_waiting:
             return
-        self._apply_waiting.append((wid, version))
+        self._apply_waiting[wid] = version
         self._grant_apply()
 
     def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
@@ -951,12 +1095,13 @@ class BrokerState:
             w = self.workers.get(worker_id)
             if w is not None:
                 w.applying = False
-        self._apply_waiting = deque((x, v) for x, v in self._apply_waiting if x != worker_id)
+        self._apply_waiting.pop(worker_id, None)
         self._grant_apply()
 
     def _grant_apply(self) -> None:
         while self._apply_waiting and len(self._applying) < self.config.max_applying:
-            wid, version = self._apply_waiting.popleft()
+            wid = next(iter(self._apply_waiting))
+            version = self._apply_waiting.pop(wid)
             w = self.workers.get(wid)
             if w is None:
                 continue
@@ -964,7 +1109,7 @@ class BrokerState:
             self._apply_since[wid] = self._now
             w.applying = True
             w.apply_version = version
-            self._ready.pop(wid, None)
+            self._unready(wid)
             self.effects.grants.append((wid, version))
             self.effects.events.append(("apply_granted", {"worker_id": wid, "version": version}))
 
@@ -987,6 +1132,7 @@ class BrokerState:
             running_samples=self.staleness.running,
             applying=len(self._applying),
         )
+        c.update(self.latency.summary())
         return c
 
     def check_invariants(self) -> None:
@@ -1006,6 +1152,10 @@ class BrokerState:
             assert w.credits >= 0
             for tid, g in w.leases.items():
                 assert g.phase == Phase.LEASED and g.worker_id == w.worker_id and g.task_id == tid
+            if Feature.HELD_DIGEST in w.features:
+                assert w.digest == held_digest(w.leases), (w.worker_id, w.digest)
+            assert self._ready.get(w.worker_id, w) is w and self._ready_behind.get(w.worker_id, w) is w
+            assert not (w.worker_id in self._ready and w.worker_id in self._ready_behind)
 
 
 def _complete(trajectories: tuple[Trajectory, ...], prompt_id: str, size: int) -> bool:

@@ -66,7 +66,9 @@ PROTOCOL_MAJOR = 1
 # Minor history (each addition optional with a default; older peers ignore it):
 #   1.1  Prompt.min_weight_version (dispatch by a prompt's minimum weight version)
 #   1.2  Hello/Welcome/ClientHello/ClientWelcome max_msg_bytes, max_header_bytes; Trajectory.segment_index
-PROTOCOL_MINOR = 2
+#   1.3  Task.seq, TaskBatch, ResultBatch, Result.credits, Hello/Welcome features, constant-size worker
+#        heartbeats (dispatch_seq, free_capacity, held_count, held_digest, held_full; BrokerHeartbeat.send_held)
+PROTOCOL_MINOR = 3
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -3,9 +3,9 @@
 Three flows share one codec (see `codec.py`):
 
 worker <-> broker (worker DEALER, broker ROUTER "worker" port)
-    Hello -> Welcome; Credit; Task; Result; WorkerHeartbeat / BrokerHeartbeat;
-    Nack; Goodbye; Cancel; Control -> ControlReply; ApplyRequest -> ApplyGrant
-    -> ApplyDone (rolling weight updates).
+    Hello -> Welcome; Credit; Task / TaskBatch; Result / ResultBatch;
+    WorkerHeartbeat / BrokerHeartbeat; Nack; Goodbye; Cancel; Control ->
+    ControlReply; ApplyRequest -> ApplyGrant -> ApplyDone (rolling weight updates).
 client <-> broker (client DEALER, broker ROUTER "client" port)
     ClientHello -> ClientWelcome; Submit -> SubmitReply; Pull -> Batch; Ack;
     SetVersion -> Reply; StatusRequest -> StatusReply; Control -> ControlReply;
@@ -18,17 +18,34 @@ any
 Requests carry a `request_id` that the reply echoes. Every broker reply and
 heartbeat carries the broker's `epoch`, so peers notice a restart. Fields with
 defaults are optional on the wire; a later minor version adds fields only with
-defaults, so older peers keep decoding newer messages.
+defaults, so older peers keep decoding newer messages. A new message type is
+sent only to a peer that said it speaks it (`Hello.features`, `Welcome.features`).
+
+Minor 1 (broker at scale, reconciliation groundwork): per-worker dispatch
+sequence numbers (`Task.seq`); heartbeats that echo the highest one received,
+the worker's absolute free capacity and a constant-size digest of the tasks it
+holds (`held_count`, `held_digest`), the full list only when asked
+(`BrokerHeartbeat.send_held`) or when the worker chooses (`held_full`); several
+tasks or results per message (`TaskBatch`, `ResultBatch`) and credit returned
+with a result (`Result.credits`), each used only when both sides list the
+feature (`FEATURES`).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
 from rollpool.protocol.codec import Blob, Float32Array, Int32Array, UInt8Array, message, record
 
 __all__ = [
+    # features and the held-task digest
+    "FEATURES",
+    "Feature",
+    "task_digest",
+    "held_digest",
     # records
     "SamplingParams",
     "Prompt",
@@ -46,7 +63,9 @@ __all__ = [
     "Welcome",
     "Credit",
     "Task",
+    "TaskBatch",
     "Result",
+    "ResultBatch",
     "WorkerHeartbeat",
     "BrokerHeartbeat",
     "Nack",
@@ -99,6 +118,47 @@ class FinishReason:
     ABORT = "abort"
     ERROR = "error"
     ALL = (STOP, LENGTH, ABORT, ERROR)
+
+
+class Feature:
+    """Optional wire features a peer lists in `Hello.features` / `Welcome.features` (minor 1).
+
+    A sender uses one only when the receiver listed it: an older peer lists none and
+    keeps getting (and sending) the minor-0 shapes.
+    """
+
+    TASK_BATCH = "task_batch"
+    """The worker decodes `TaskBatch` (several tasks in one message)."""
+    RESULT_BATCH = "result_batch"
+    """The broker decodes `ResultBatch` (several results, and credit, in one message)."""
+    RESULT_CREDITS = "result_credits"
+    """The broker reads `Result.credits` (credit returned with the result, no separate Credit)."""
+    HELD_DIGEST = "held_digest"
+    """The broker checks `WorkerHeartbeat.held_digest` and may ask for the full list (`BrokerHeartbeat.send_held`)."""
+
+
+FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST)
+"""Every feature this build speaks."""
+
+_DIGEST_MASK = (1 << 63) - 1
+
+
+def task_digest(task_id: str) -> int:
+    """A 63-bit hash of one task id (the same in every process: blake2b, not Python's salted hash)."""
+    return int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "little") & _DIGEST_MASK
+
+
+def held_digest(task_ids: Iterable[str]) -> int:
+    """The digest of a set of held task ids: the XOR of their `task_digest`s.
+
+    XOR makes it incremental (add or remove one id: XOR its digest in or out) and
+    independent of order; blake2b (not a CRC, which is linear) keeps two different
+    small sets from colliding except by chance (2^-63).
+    """
+    d = 0
+    for tid in task_ids:
+        d ^= task_digest(tid)
+    return d
 
 
 # --------------------------------------------------------------------------- records
@@ -271,6 +331,8 @@ class Hello:
     Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
     max_header_bytes: int = 0
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
+    features: tuple[str, ...] = ()
+    """Optional wire features the worker speaks (`Feature`, minor 1)."""
 
 
 @message("welcome")
@@ -295,6 +357,8 @@ class Welcome:
     Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
     max_header_bytes: int = 0
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
+    features: tuple[str, ...] = ()
+    """Optional wire features the broker speaks (`Feature`, minor 1)."""
 
 
 @message("credit")
@@ -316,6 +380,19 @@ class Task:
     queued_at: float = 0.0
     min_version: int = -1
     """The oldest weight version the broker accepts output from."""
+    seq: int = 0
+    """Per-worker dispatch sequence number (1, 2, ... within one broker epoch; 0: not numbered).
+    The worker echoes the highest it has received in `WorkerHeartbeat.dispatch_seq`."""
+
+
+@message("task_batch")
+class TaskBatch:
+    """Broker -> worker: several tasks in one message (only to a worker listing `Feature.TASK_BATCH`).
+
+    Exactly the same as the tasks sent one by one, in this order.
+    """
+
+    tasks: tuple[Task, ...]
 
 
 @message("result")
@@ -328,10 +405,35 @@ class Result:
     error: str | None = None
     """Set when the worker could not produce the group; the broker may retry."""
     retryable: bool = True
+    credits: int = 0
+    """Sequences freed with this result, as if a `Credit(credits)` followed it; only to a
+    broker listing `Feature.RESULT_CREDITS` (an older one would ignore it and the credit
+    would be lost)."""
+
+
+@message("result_batch")
+class ResultBatch:
+    """Worker -> broker: several results, then `credits` (only to a broker listing `Feature.RESULT_BATCH`).
+
+    The same as the results sent one by one in this order followed by `Credit(credits)`.
+    """
+
+    results: tuple[Result, ...]
+    credits: int = 0
 
 
 @message("worker_heartbeat")
 class WorkerHeartbeat:
+    """Worker -> broker every `heartbeat_interval_s`: liveness, and (minor 1) what the worker holds.
+
+    Its size does not grow with what the worker holds: the held tasks travel as a
+    count and a digest (`held_digest`); the full list (`inflight_task_ids` with
+    `held_full`) only when the broker asks (`BrokerHeartbeat.send_held`) or the
+    worker chooses (a minor-0 worker always sends the list and no digest).
+    Everything describes the worker after it handled every task up to `dispatch_seq`
+    and sent every result before this heartbeat (one connection keeps order).
+    """
+
     worker_id: str
     inflight_task_ids: tuple[str, ...] = ()
     weight_version: int = -1
@@ -340,6 +442,16 @@ class WorkerHeartbeat:
     tokens_total: int = 0
     epoch: str = ""
     """The broker epoch the worker believes in ("" before its first welcome)."""
+    dispatch_seq: int = -1
+    """The highest `Task.seq` received in this epoch (-1: not reported, 0: none yet)."""
+    free_capacity: int = -1
+    """Sequences the worker could take now, absolute, not a delta (-1: not reported)."""
+    held_count: int = -1
+    """How many tasks the worker holds (generating or result not yet sent; -1: not reported)."""
+    held_digest: int = 0
+    """`held_digest` of the held task ids (meaningful when `held_count` >= 0)."""
+    held_full: bool = False
+    """`inflight_task_ids` is the complete list of held tasks (else it may be empty or partial)."""
 
 
 @message("broker_heartbeat")
@@ -348,6 +460,11 @@ class BrokerHeartbeat:
     weight_version: int = -1
     weight_endpoint: str | None = None
     announce_endpoint: str | None = None
+    send_held: bool = False
+    """Sent to one worker whose held digest disagreed with the broker's leases: put the full
+    list in the next heartbeat (`WorkerHeartbeat.held_full`)."""
+    dispatch_seq: int = -1
+    """With `send_held`: the highest `Task.seq` the broker had sent this worker (-1: not stated)."""
 
 
 @message("nack")

@@ -318,7 +318,7 @@ def test_evaluation_prompts_bypass_staleness_admission_and_use_no_capacity() -> 
     assert s.staleness.accepted == 2 and s.staleness.running == 0  # only the training group counts
     s.check_invariants()
     s.set_version(1, 0.0)
-    w.version = 1  # the worker applied version 1 (eta = 0: nothing goes to a worker behind)
+    s.apply_done(w, 1, ok=True)  # the worker applied version 1 (eta = 0: nothing goes to a worker behind)
     assert [g.prompt_id for _, g in s.dispatch(0.0)] == ["t2"]
 def test_lease_deadlines_do_not_keep_finished_groups_alive() -> None:
     """Soak finding: every dispatched group stayed referenced until its deadline (task_timeout_s), acked or not."""

@@ -51,4 +51,15 @@ def samples() -> dict[str, Any]:
                 p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
         "chunk": p.Chunk(request_id="c1", version=4, bucket=0, offset=0, data=b"\x00\x01\x02\x03"),
         "error": p.Error(code="protocol", message="bad frame", request_id=None, ref_type="task"),
+        # minor 1: dispatch sequence numbers, batched tasks and results, constant-size heartbeats
+        "task_seq": p.Task(task_id="t2", prompt=prompt, attempt=0, seq=7),
+        "task_batch": p.TaskBatch(tasks=(p.Task(task_id="t2", prompt=prompt, seq=7), p.Task(task_id="t3", prompt=prompt, seq=8))),
+        "result_batch": p.ResultBatch(results=(p.Result(task_id="t1", prompt_id="p1", trajectories=(traj,)),
+                                               p.Result(task_id="t4", prompt_id="p4", error="boom", retryable=False)), credits=3),
+        "worker_heartbeat": p.WorkerHeartbeat(worker_id="w0", weight_version=2, tokens_total=99, epoch="e1", dispatch_seq=8,
+                                              free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"])),
+        "worker_heartbeat_full": p.WorkerHeartbeat(worker_id="w0", inflight_task_ids=("t2", "t3"), epoch="e1", dispatch_seq=8,
+                                                   free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
+        "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
+        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
     }

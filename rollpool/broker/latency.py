@@ -1,0 +1,75 @@
+"""Broker-side latency of every delivered group, from the broker's own clock: pure, bounded.
+
+For each group handed to a client the broker keeps four timestamps (seconds of
+its monotonic clock): ``queued`` (the Submit was read), ``dispatched`` (its Task
+left the broker), ``result_in`` (the worker's Result was read) and ``delivered``
+(the Batch that carries it left the broker). Queue wait is ``dispatched -
+queued``, the worker's share ``result_in - dispatched``, hand-over ``delivered -
+result_in``. Only the last `capacity` deliveries are kept (a ring), so memory is
+fixed whatever the rate.
+
+What these timestamps cannot see: time a message waits in the kernel or in
+ZeroMQ's queues before the broker reads it (a broker that falls behind shows
+its backlog there first), which is why the benchmark reports the load
+generator's own submit-to-batch latency beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LatencyLog", "STAGES"]
+
+STAGES = ("queued", "dispatched", "result_in", "delivered")
+
+
+class LatencyLog:
+    """A ring of (queued, dispatched, result_in, delivered) rows."""
+
+    __slots__ = ("capacity", "_rows", "_n")
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._rows = np.zeros((capacity, 4), dtype=np.float64)
+        self._n = 0
+
+    def record(self, queued: float, dispatched: float, result_in: float, delivered: float) -> None:
+        row = self._rows[self._n % self.capacity]
+        row[0] = queued
+        row[1] = dispatched
+        row[2] = result_in
+        row[3] = delivered
+        self._n += 1
+
+    @property
+    def count(self) -> int:
+        """Deliveries recorded since start (also those the ring no longer holds)."""
+        return self._n
+
+    def rows(self, last: int | None = None) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """The kept rows, oldest first (at most `last` of the newest)."""
+        n = min(self._n, self.capacity)
+        if last is not None:
+            n = min(n, last)
+        if n == 0:
+            return np.zeros((0, 4), dtype=np.float64)
+        end = self._n % self.capacity
+        idx = (np.arange(end - n, end)) % self.capacity
+        return self._rows[idx]
+
+    def summary(self, last: int = 4096) -> dict[str, float]:
+        """p50/p99 in ms of the newest `last` deliveries: end to end, queue wait, worker, hand-over."""
+        r = self.rows(last)
+        if not len(r):
+            return {}
+        out: dict[str, float] = {}
+        for name, a, b in (("e2e", 0, 3), ("queue", 0, 1), ("worker", 1, 2), ("handover", 2, 3)):
+            d = (r[:, b] - r[:, a]) * 1000.0
+            p50, p99 = np.percentile(d, (50, 99))
+            out[f"latency_{name}_p50_ms"] = round(float(p50), 3)
+            out[f"latency_{name}_p99_ms"] = round(float(p99), 3)
+        return out
