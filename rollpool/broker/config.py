@@ -36,6 +36,14 @@ class BrokerConfig:
         default=False, metadata=_h("cancel and requeue in-flight groups on workers more than eta versions behind")
     )
     max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once"))
+    result_resend_s: float = field(
+        default=10.0,
+        metadata=_h("a group sent to a client and not acknowledged this long is sent again with its next pull (a lost Batch)"),
+    )
+    apply_slot_deadline_s: float = field(
+        default=120.0,
+        metadata=_h("longest a worker may hold an apply slot: past it the slot is freed for the next worker (a hung apply)"),
+    )
     orphan_ttl_s: float = field(
         default=600.0,
         metadata=_h("how long a task adopted after a broker restart waits for its prompt to be resubmitted before it is forgotten"),
@@ -74,7 +82,7 @@ class BrokerConfig:
             positive(name)
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s"):
+        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s", "apply_slot_deadline_s", "result_resend_s"):
             positive(name, 0.001)
         for name in ("max_pull_wait_s", "drain_timeout_s"):
             positive(name, 0)

@@ -281,6 +281,14 @@ class Broker:
         self._after_burst()
         self._recheck()
 
+    def _drain_workers(self, max_bursts: int = 64) -> None:
+        """Read what the worker socket queued up (after a stall), before leases are judged."""
+        for _ in range(max_bursts):
+            sock = self._w
+            if sock is None or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                break
+            self._on_readable("w")
+
     def _recheck(self) -> None:
         loop = self._loop
         if loop is None:
@@ -486,10 +494,10 @@ class Broker:
             self._on_control_reply(w, msg)
         elif kind is ApplyRequest:
             st.touch(w, now)
-            st.apply_request(w, msg.version)
+            st.apply_request(w, msg.version, now)
         elif kind is ApplyDone:
             st.touch(w, now)
-            st.apply_done(w, msg.version, msg.ok)
+            st.apply_done(w, msg.version, msg.ok, msg.error)
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
@@ -564,7 +572,8 @@ class Broker:
             client_id = self._clients.get(identity) or identity.hex()
             max_groups = max(1, min(msg.max_groups, self.config.max_pull_groups))
             pull = _PendingPull(identity, client_id, msg.request_id, max_groups)
-            if (st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping:
+            if ((st.has_results() and not self._pulls) or msg.wait_s <= 0 or self._stopping
+                    or st.resend_due(client_id, self._now)):
                 self._answer_pull(pull)
             elif self._pulls.full(identity):
                 self.refusals.count("pulls_per_peer")
@@ -717,9 +726,18 @@ class Broker:
 
     async def _lease_loop(self) -> None:
         tick = min(self.config.heartbeat_interval_s / 4, 0.25)
+        last = self.clock()
         while True:
             await asyncio.sleep(tick)
             self._now = self.clock()
+            # a tick far later than asked means the broker read nothing meanwhile (GC, SIGSTOP, slow disk):
+            # that time is not worker silence; read what queued up before judging anyone
+            late = self._now - last - tick
+            last = self._now
+            if late > max(tick, 0.1):
+                log.warning("broker: stalled %.2f s (not reading); not counted as worker silence", late)
+                self.state.note_stall(late, self._now)
+                self._drain_workers()
             dead, requeued = self.state.expire(self._now)
             for wid in dead:
                 log.warning("broker: worker %s declared dead (silent %.2f s)", wid, self.config.dead_after_s, extra={"worker_id": wid})

@@ -119,6 +119,8 @@ class Group:
     token: int = 0
     result: GroupResult | None = None
     delivered_to: str | None = None
+    delivered_at: float = 0.0
+    """When it was last sent to `delivered_to` (it is sent again `result_resend_s` later, until acknowledged)."""
     acked: bool = False
     last_worker: str = ""
     forgiven: int = 0
@@ -234,6 +236,13 @@ _COUNTERS = (
     "held_lists",
     "leases_unreported",
     "held_unknown",
+    "results_resent",
+    "broker_stalls",
+    "broker_stall_ms_total",
+    "broker_stall_ms_max",
+    "apply_slots_expired",
+    "grants_resent",
+    "versions_failed",
 )
 
 
@@ -277,6 +286,10 @@ class BrokerState:
         """Groups adopted from a worker's hello whose prompt was not resubmitted yet: prompt id -> adopted at."""
         self._forgotten_order: deque[str] = deque()
         self._applying: set[str] = set()
+        self._apply_since: dict[str, float] = {}
+        """worker_id -> when its apply slot was granted (`apply_slot_deadline_s` counts from it)."""
+        self._now = 0.0
+        """The newest time a caller passed in (apply slots granted without a time of their own take it)."""
         self._apply_waiting: dict[str, int] = {}
         """Workers waiting for an apply slot -> version, in request order."""
 
@@ -379,6 +392,7 @@ class BrokerState:
 
     def remove_worker(self, worker_id: str, now: float, reason: str) -> list[str]:
         """The worker left (goodbye) or was declared dead; its groups return to the queue."""
+        self._now = max(self._now, now)
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
@@ -822,6 +836,30 @@ class BrokerState:
 
     # ------------------------------------------------------------------ time
 
+    def note_stall(self, stall_s: float, now: float) -> None:
+        """The broker read nothing for `stall_s` (GC, SIGSTOP, a slow disk): that time is not worker silence.
+
+        Every worker's silence, every lease deadline and every apply slot's age is moved
+        on by the stall, so the stall alone declares nobody dead, requeues nothing and
+        burns no attempt; liveness is judged on heartbeats read, not on time passed
+        while not reading.
+        """
+        if stall_s <= 0:
+            return
+        for w in self.workers.values():
+            w.last_seen = min(now, w.last_seen + stall_s)
+        for g in self.groups.values():
+            if g.phase == Phase.LEASED:
+                g.deadline += stall_s
+        self._deadlines = deque((d + stall_s, tid, g) for d, tid, g in self._deadlines)
+        for wid in self._apply_since:
+            self._apply_since[wid] += stall_s
+        ms = int(stall_s * 1000)
+        self.counters["broker_stalls"] += 1
+        self.counters["broker_stall_ms_total"] += ms
+        self.counters["broker_stall_ms_max"] = max(self.counters["broker_stall_ms_max"], ms)
+        self.effects.events.append(("broker_stall", {"stall_s": round(stall_s, 3)}))
+
     def expire(self, now: float) -> tuple[list[str], list[str]]:
         """Declare silent workers dead and end overdue leases; returns (dead worker ids, requeued prompt ids)."""
         dead = [wid for wid, w in self.workers.items() if now - w.last_seen > self.config.dead_after_s]
@@ -840,6 +878,7 @@ class BrokerState:
                 self._requeue(g, now, reason="deadline passed")
                 requeued.append(g.prompt_id)
         self._expire_orphans(now)
+        self._expire_apply_slots(now)
         return dead, requeued
 
     def _expire_orphans(self, now: float) -> None:
@@ -876,23 +915,52 @@ class BrokerState:
     # ------------------------------------------------------------------ client side
 
     def pull(self, client_id: str, max_groups: int, now: float | None = None) -> list[GroupResult]:
-        """Up to `max_groups` terminal groups for `client_id`; with `now`, each DONE one's timestamps go to `latency`."""
+        """Up to `max_groups` terminal groups for `client_id`; with `now`, each DONE one's timestamps go to
+        `latency`, and (on top, at most `max_groups`) the groups sent to it `result_resend_s` ago and not
+        acknowledged are sent again (a lost Batch)."""
         out: list[GroupResult] = []
         q = self._results
         mine = self._delivered.get(client_id)
         record = self.latency.record if now is not None else None
-        while q and len(out) < max_groups:
+        if now is not None and mine:
+            out += self._resend_due(mine, max_groups, now)
+        fresh = 0
+        while q and fresh < max_groups:
             g = q.popleft()
             if g.acked or g.delivered_to is not None or g.result is None:
                 continue
             g.delivered_to = client_id
+            g.delivered_at = self._now if now is None else now
             if mine is None:
                 mine = self._delivered[client_id] = {}
             mine[g.prompt_id] = g
             out.append(g.result)
             if record is not None and g.phase == Phase.DONE:
                 record(g.queued_at, g.dispatched_at, g.result_at, now)  # type: ignore[arg-type]
+            fresh += 1
         return out
+
+    def resend_due(self, client_id: str, now: float) -> bool:
+        """Whether a pull from this client now would carry a group sent again."""
+        mine = self._delivered.get(client_id)
+        if not mine:
+            return False
+        first = next(iter(mine.values()))
+        return now - first.delivered_at >= self.config.result_resend_s
+
+    def _resend_due(self, mine: dict[str, Group], limit: int, now: float) -> list[GroupResult]:
+        # `mine` is in the order of sending: the groups due are at its front; each one sent moves to the back
+        due: list[Group] = []
+        for g in mine.values():
+            if len(due) >= limit or now - g.delivered_at < self.config.result_resend_s:
+                break
+            due.append(g)
+        for g in due:
+            del mine[g.prompt_id]
+            g.delivered_at = now
+            mine[g.prompt_id] = g
+        self.counters["results_resent"] += len(due)
+        return [g.result for g in due if g.result is not None]
 
     def has_results(self) -> bool:
         return bool(self._results)
@@ -981,20 +1049,46 @@ class BrokerState:
                         self._requeue(g, now, reason=f"worker weights {w.version} too stale", exhausted=Phase.DROPPED_STALE)
         return True
 
-    def apply_request(self, w: WorkerInfo, version: int) -> None:
+    def apply_request(self, w: WorkerInfo, version: int, now: float = 0.0) -> None:
+        """A worker asks for an apply slot. A repeated ask from the slot's holder is answered with the
+        grant again (the first may have been lost); a repeated ask while waiting changes nothing."""
         wid = w.worker_id
-        if wid in self._applying or wid in self._apply_waiting:
+        self._now = max(self._now, now)
+        if wid in self._applying:
+            self.counters["grants_resent"] += 1
+            w.apply_version = version
+            self.effects.grants.append((wid, version))
+            return
+        if wid in self._apply_waiting:
             return
         self._apply_waiting[wid] = version
         self._grant_apply()
 
-    def apply_done(self, w: WorkerInfo, version: int, ok: bool) -> None:
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
         if ok:
             w.version = max(w.version, version)
+        else:
+            self.counters["versions_failed"] += 1
+            self.effects.events.append(("version_failed", {"worker_id": w.worker_id, "version": version, "error": error or ""}))
         self._release_apply(w.worker_id)
         self._refresh(w)
 
+    def _expire_apply_slots(self, now: float) -> None:
+        """Free the slots held past `apply_slot_deadline_s` (a hung apply); the next worker waiting gets one."""
+        self._now = max(self._now, now)
+        limit = self.config.apply_slot_deadline_s
+        for wid, since in list(self._apply_since.items()):
+            if now - since <= limit:
+                continue
+            self.counters["apply_slots_expired"] += 1
+            self.effects.events.append(("apply_slot_expired", {"worker_id": wid, "held_s": round(now - since, 3)}))
+            self._release_apply(wid)
+            w = self.workers.get(wid)
+            if w is not None:
+                self._refresh(w)
+
     def _release_apply(self, worker_id: str) -> None:
+        self._apply_since.pop(worker_id, None)
         if worker_id in self._applying:
             self._applying.discard(worker_id)
             self.effects.events.append(("apply_done", {"worker_id": worker_id}))
@@ -1012,6 +1106,7 @@ class BrokerState:
             if w is None:
                 continue
             self._applying.add(wid)
+            self._apply_since[wid] = self._now
             w.applying = True
             w.apply_version = version
             self._unready(wid)

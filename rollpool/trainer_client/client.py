@@ -81,7 +81,7 @@ from rollpool.protocol import (
     decode,
     encode,
 )
-from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult
+from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult, TakeOutcome
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
@@ -308,6 +308,12 @@ class TrainerClient:
             fut = self._waiters.pop(rid, None) if rid is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            elif isinstance(msg, Batch):
+                # its pull was given up on (timed out, cancelled): the broker counts these groups as sent, keep them
+                self.ledger.observe_version(msg.weight_version)
+                self.ledger.adopt(msg.groups)
+                if msg.groups:
+                    log.info("kept %d groups of a Batch whose pull was given up on", len(msg.groups))
             elif isinstance(msg, Error):
                 log.warning("broker error: %s %s", msg.code, msg.message)
 
@@ -414,7 +420,11 @@ class TrainerClient:
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         dropped_before = self.ledger.counters["dropped_stale"]
-        while self.ledger.ready < n:
+        while True:
+            # every buffered group is judged again at today's version and this call's bound
+            await self._taken(self.ledger.recheck(max_staleness, stale_policy, max_staleness_keep))
+            if self.ledger.ready >= n:
+                break
             wait = self.config.pull_wait_s
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -429,19 +439,22 @@ class TrainerClient:
             batch = await self._pull(n - self.ledger.ready, wait, acks)
             self.ledger.acks_sent(acks)  # the broker took them with the pull
             self.ledger.observe_version(batch.weight_version)
-            taken = self.ledger.take(batch.groups, max_staleness, stale_policy, max_staleness_keep)
-            for pid, staleness in taken.dropped_stale:
-                self.metrics.event("dropped_stale", {"prompt_id": pid, "staleness": staleness})
-            if taken.not_regenerated:
-                log.warning("stale_policy regenerate: %d stale groups were submitted before this client started "
-                            "(their prompts are unknown here), dropped without regeneration: %s",
-                            len(taken.not_regenerated), taken.not_regenerated[:5])
-            if taken.regenerate:
-                self.ledger.regenerated(await self._submit(taken.regenerate))
+            await self._taken(self.ledger.take(batch.groups, max_staleness, stale_policy, max_staleness_keep))
         out, lags = self.ledger.deliver(n, started_at=t0, now=time.monotonic(), dropped_before=dropped_before)
         for lag in lags:
             self.metrics.observe("staleness", float(lag))
         return out
+
+    async def _taken(self, taken: TakeOutcome) -> None:
+        """Report the groups one take or recheck dropped as stale, and submit their regenerations."""
+        for pid, staleness in taken.dropped_stale:
+            self.metrics.event("dropped_stale", {"prompt_id": pid, "staleness": staleness})
+        if taken.not_regenerated:
+            log.warning("stale_policy regenerate: %d stale groups were submitted before this client started "
+                        "(their prompts are unknown here), dropped without regeneration: %s",
+                        len(taken.not_regenerated), taken.not_regenerated[:5])
+        if taken.regenerate:
+            self.ledger.regenerated(await self._submit(taken.regenerate))
 
     async def set_version(self, version: int) -> None:
         """Tell the broker the trainer's version (admission control counts from it)."""

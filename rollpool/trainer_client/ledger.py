@@ -14,6 +14,13 @@ Guarantees this class keeps:
   was given, and a regeneration resubmits the ORIGINAL prompt (sampling,
   priority, text and chat-template flag, evaluation flag and the trainer's own
   metadata) under a fresh id, never one rebuilt from a trajectory;
+* every group `get_batch` returns is judged against the hard bound at the version
+  and bound of that call (`recheck`), also one left buffered by an earlier call;
+  a trajectory whose ``token_versions`` are shorter than its ``output_ids`` fails
+  any bound (its staleness is unknown);
+* a Batch that reaches no waiting request is kept (`adopt`), and a group the broker
+  sends again while it is held here unreturned is dropped quietly (`resent_held`):
+  it is acknowledged once, when returned;
 * a group is delivered at most once (by `prompt_id`) and a trajectory at most once
   (by `trajectory_id`), each within a bounded window of ``dedup_window`` ids;
 * every group taken is acknowledged exactly once to the broker: groups returned
@@ -68,6 +75,8 @@ COUNTERS = (
     "groups_delivered",
     "trajectories_delivered",
     "duplicates_dropped",
+    "resent_held",
+    "batches_adopted",
     "dropped_stale",
     "regenerated_stale",
     "regenerate_skipped",
@@ -257,6 +266,8 @@ class ClientLedger:
         self._dropped_here: set[str] = set()
         """Groups in `_other` that the stale bound dropped here (acknowledged as stale, not again)."""
         self._kept_stale: dict[str, int] = {}
+        self._originals: dict[str, Prompt | None] = {}
+        """prompt_id -> the original prompt of each ready group (for a regeneration when `recheck` drops it)."""
         """prompt_id -> trajectories delivered above the bound, for ready groups."""
         self._last_batch_at: float | None = None
 
@@ -320,11 +331,7 @@ class ClientLedger:
 
         `stale_policy` and `max_staleness_keep` override the ledger's own for these groups.
         """
-        policy = self.stale_policy if stale_policy is None else stale_policy
-        keep_limit = self.max_staleness_keep if max_staleness_keep is None else max_staleness_keep
-        check_stale_policy(policy, keep_limit)
-        if policy == "keep" and keep_limit is None and max_staleness is not None:
-            keep_limit = 2 * max_staleness
+        policy, keep_limit = self._policy(stale_policy, max_staleness_keep, max_staleness)
         out = TakeOutcome()
         for g in groups:
             self._take_one(g, max_staleness, policy, keep_limit, out)
@@ -332,6 +339,11 @@ class ClientLedger:
 
     def _take_one(self, g: GroupResult, max_staleness: int | None, policy: str, keep_limit: int | None,
                   out: TakeOutcome) -> None:
+        if g.prompt_id in self._originals:
+            # sent again by the broker (it resends what is not acknowledged) while still held here, not yet
+            # returned: it is acknowledged once, when returned
+            self.counters["resent_held"] += 1
+            return
         if g.prompt_id in self._delivered:
             self.counters["duplicates_dropped"] += 1
             # the broker redelivered something we already returned or dropped (our ack was lost): acknowledge it
@@ -354,29 +366,80 @@ class ClientLedger:
             self.counters["duplicates_dropped"] += len(g.trajectories) - len(fresh)
             self.counters["wasted_tokens_duplicate"] += sum(len(t.output_ids) for t in g.trajectories) - sum(
                 len(t.output_ids) for t in fresh)
-        lags = [sampled_staleness(self.version, t) for t in fresh]
-        staleness = max(lags, default=0)
-        kept = 0
-        if max_staleness is not None and staleness > max_staleness:
-            if policy == "keep" and keep_limit is not None and staleness <= keep_limit:
-                kept = sum(1 for lag in lags if lag > max_staleness)
-            else:
-                self._drop_stale(g, original, staleness, max_staleness, keep_limit if policy == "keep" else None,
-                                 policy, fresh, out)
-                return
-        self._delivered.add(g.prompt_id)
         if not fresh:
+            self._delivered.add(g.prompt_id)
             self._to_ack.append(g.prompt_id)  # nothing new in it: release it at once
             return
         if len(fresh) != len(g.trajectories):
             g = dataclasses.replace(g, trajectories=tuple(fresh))
+        if self._judge(g, original, max_staleness, policy, keep_limit, out):
+            self._delivered.add(g.prompt_id)
+            self._originals[g.prompt_id] = original
+            self._ready.append(g)
+
+    def adopt(self, groups: Iterable[GroupResult]) -> TakeOutcome:
+        """File the groups of a Batch that reached no waiting request (a pull given up on, a cancelled
+        `get_batch`): kept, not discarded; the bound is judged when a `get_batch` returns them (`recheck`)."""
+        self.counters["batches_adopted"] += 1
+        return self.take(groups, None)
+
+    def _judge(self, g: GroupResult, original: Prompt | None, max_staleness: int | None, policy: str,
+               keep_limit: int | None, out: TakeOutcome) -> bool:
+        """Judge one DONE group against the hard bound at the current version: True to keep it ready.
+
+        A trajectory whose ``token_versions`` do not cover its ``output_ids`` has an
+        unknown staleness: under a bound it fails it (whatever the policy).
+        """
+        lags = [sampled_staleness(self.version, t) for t in g.trajectories]
+        staleness = max(lags, default=0)
+        unknown = sum(1 for t in g.trajectories if len(t.token_versions) < len(t.output_ids))
+        kept = 0
+        if max_staleness is not None and (unknown or staleness > max_staleness):
+            if not unknown and policy == "keep" and keep_limit is not None and staleness <= keep_limit:
+                kept = sum(1 for lag in lags if lag > max_staleness)
+            else:
+                self._drop_stale(g, original, staleness, max_staleness, keep_limit if policy == "keep" else None,
+                                 policy, g.trajectories, out, unknown=unknown)
+                return False
         self._staleness[g.prompt_id] = staleness
+        self._kept_stale.pop(g.prompt_id, None)
         if kept:
             self._kept_stale[g.prompt_id] = kept
-        self._ready.append(g)
+        return True
+
+    def recheck(self, max_staleness: int | None, stale_policy: str | None = None,
+                max_staleness_keep: int | None = None) -> TakeOutcome:
+        """Judge every ready group again at the current version and this call's bound (before delivering).
+
+        Groups taken by an earlier (timed-out) `get_batch` were judged at the version
+        and bound of that call; the version may have moved since. Those now over
+        the bound are dropped (or regenerated) exactly as in `take`.
+        """
+        policy, keep_limit = self._policy(stale_policy, max_staleness_keep, max_staleness)
+        out = TakeOutcome()
+        ready, self._ready = self._ready, deque()
+        for g in ready:
+            original = self._originals.get(g.prompt_id)
+            if self._judge(g, original, max_staleness, policy, keep_limit, out):
+                self._ready.append(g)
+            else:
+                self._originals.pop(g.prompt_id, None)
+                self._staleness.pop(g.prompt_id, None)
+                self._kept_stale.pop(g.prompt_id, None)
+        return out
+
+    def _policy(self, stale_policy: str | None, max_staleness_keep: int | None,
+                max_staleness: int | None) -> tuple[str, int | None]:
+        policy = self.stale_policy if stale_policy is None else stale_policy
+        keep_limit = self.max_staleness_keep if max_staleness_keep is None else max_staleness_keep
+        check_stale_policy(policy, keep_limit)
+        if policy == "keep" and keep_limit is None and max_staleness is not None:
+            keep_limit = 2 * max_staleness
+        return policy, keep_limit
 
     def _drop_stale(self, g: GroupResult, original: Prompt | None, staleness: int, max_staleness: int,
-                    keep_limit: int | None, policy: str, fresh: Sequence[Trajectory], out: TakeOutcome) -> None:
+                    keep_limit: int | None, policy: str, fresh: Sequence[Trajectory], out: TakeOutcome,
+                    unknown: int = 0) -> None:
         self._delivered.add(g.prompt_id)
         self._stale_ids.add(g.prompt_id)
         self.counters["dropped_stale"] += 1
@@ -385,7 +448,12 @@ class ClientLedger:
         out.dropped_stale.append((g.prompt_id, staleness))
         bound = max_staleness if keep_limit is None else keep_limit
         meta: dict[str, object] = {"staleness": staleness}
-        reason = f"staleness {staleness} > {bound}" + (" (max_staleness_keep)" if keep_limit is not None else "")
+        if unknown:
+            reason = (f"staleness unknown: {unknown} trajectories have fewer token_versions than output tokens "
+                      f"(bound {max_staleness})")
+            meta["staleness_unknown"] = unknown
+        else:
+            reason = f"staleness {staleness} > {bound}" + (" (max_staleness_keep)" if keep_limit is not None else "")
         if policy == "regenerate":
             if original is not None:
                 again = dataclasses.replace(original, prompt_id=self._new_prompt_id())
@@ -410,6 +478,8 @@ class ClientLedger:
         if n > len(self._ready):
             raise ValueError(f"deliver({n}) with only {len(self._ready)} groups ready")
         groups = [self._ready.popleft() for _ in range(n)]
+        for g in groups:
+            self._originals.pop(g.prompt_id, None)
         other, self._other = self._other, []
         self._to_ack.extend(g.prompt_id for g in groups)
         # groups dropped here by the stale bound are acknowledged as dropped_stale (stale_acks), not again

@@ -53,6 +53,11 @@ class WorkerConfig:
     max_restarts: int = field(default=10, metadata=_h("engine restarts in a row (an engine up restart_backoff_max_s ends a row) before the worker gives up"))
     send_timeout_s: float = field(default=5.0, metadata=_h("most seconds one send to the broker may wait"))
     apply_grant_timeout_s: float = field(default=30.0, metadata=_h("re-ask for an apply slot after this long (doubling, up to 4x)"))
+    apply_timeout_s: float = field(
+        default=90.0,
+        metadata=_h("most seconds one weight apply (pause, update, resume) may take before the engine is restarted "
+                    "(keep it below the broker's apply_slot_deadline_s)"),
+    )
     weight_retries: int = field(default=5, metadata=_h("fetches or apply-grant asks of one weight version before it is skipped"))
     fetch_timeout_s: float = field(default=60.0, metadata=_h("weight fetch timeout"))
     window_chunks: int = field(default=4, metadata=_h("weight chunks in flight per fetch"))
@@ -103,6 +108,7 @@ class WorkerConfig:
             "restart_backoff_max_s",
             "send_timeout_s",
             "apply_grant_timeout_s",
+            "apply_timeout_s",
             "fetch_timeout_s",
         ):
             if getattr(self, name) <= 0:

@@ -18,6 +18,12 @@
   done, since that engine serves nothing yet. If that fails too, the next attempt gives
   it the last good version, and the bad version is skipped: reported, never retried
   forever. The worker then follows the next version.
+- An apply (pause, update, resume) longer than ``apply_timeout_s`` counts as failed (the
+  engine is restarted); the broker frees a slot held past its ``apply_slot_deadline_s``
+  anyway, and answers a repeated ApplyRequest from the slot's holder with the grant again.
+- The subscriber follows the publisher: when a welcome or heartbeat names other
+  endpoints than it is connected to (a trainer restarted its publisher on new ports),
+  it reconnects there.
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
@@ -125,6 +131,8 @@ class WeightSync:
         self.subscriber: Subscriber | None = None
         self._subscriber_factory = subscriber_factory
         self._subscriber_ready = asyncio.Event()
+        self._endpoints: tuple[str | None, str | None] = (None, None)
+        """(weight endpoint, announce endpoint) the subscriber is connected to."""
         self._served: _Version | None = None
         self._reapply_target: _Version | None = None
         self._lock = asyncio.Lock()
@@ -145,7 +153,15 @@ class WeightSync:
         if endpoint and self.subscriber is None:
             self.subscriber = self._make_subscriber()
             self.subscriber.connect(endpoint, announce)
+            self._endpoints = (endpoint, announce)
             self._subscriber_ready.set()
+        elif endpoint and self.subscriber is not None and (endpoint, announce) != self._endpoints:
+            # the publisher came back elsewhere (a trainer restart): follow the endpoint the broker names now
+            log.warning("weight publisher moved %s -> %s; reconnecting the subscriber", self._endpoints[0], endpoint,
+                        extra={"worker": self.worker_id})
+            self.metrics.event("weight_publisher_moved", {"worker_id": self.worker_id, "from": self._endpoints[0], "to": endpoint})
+            self._endpoints = (endpoint, announce)
+            self.subscriber.connect(endpoint, announce)
         if self.subscriber is not None and version >= 0:
             self.subscriber.note_version(version)
 
@@ -233,9 +249,9 @@ class WeightSync:
         t0 = time.monotonic()
         error: str | None = None
         try:
-            await engine.pause(self._apply_mode(engine))
-            await engine.update_weights(target.tensors, version)
-            await engine.resume()
+            await asyncio.wait_for(self._pause_update_resume(engine, target), self.config.apply_timeout_s)
+        except TimeoutError:  # a wedged update (a hung device copy): the engine is restarted like any failed apply
+            error = f"apply timed out after {self.config.apply_timeout_s:g}s"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means a restart
@@ -259,6 +275,11 @@ class WeightSync:
         await self.supervisor.fail(f"apply failed: {error}")
         return False
 
+    async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
+        await engine.pause(self._apply_mode(engine))
+        await engine.update_weights(target.tensors, target.version)
+        await engine.resume()
+
     async def _reapply(self, engine: Engine) -> None:
         """The supervisor's hook: give a fresh engine the version to serve, through `_apply`."""
         target = self._reapply_target
@@ -267,8 +288,8 @@ class WeightSync:
             try:
                 await self._apply(target, engine=engine)
                 return
-            except EngineError:
-                self._skip(target.version, "it failed to apply on the serving engine and on a restarted one")
+            except EngineError as exc:
+                self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
         if self._served is not None:
             await self._apply(self._served, engine=engine)

@@ -379,4 +379,82 @@ def test_a_group_missing_a_sample_or_repeating_a_segment_is_invalid(case: str) -
     bad = (base[0], dataclasses.replace(base[0], segment_index=1)) if case == "missing_sample" else (*base, base[1])
     s.result(w, task_id=task_id, prompt_id="p", trajectories=bad, error=None, retryable=True, now=0.0)
     assert s.counters["invalid_results"] == 1 and s.groups["p"].phase == Phase.QUEUED
+
+
+def test_an_apply_slot_held_past_its_deadline_goes_to_the_next_worker() -> None:
+    # issue 20 break 5: a hung apply held the slot forever
+    s = make(max_applying=1, apply_slot_deadline_s=2.0)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 1, now=10.0)
+    s.apply_request(b, 1, now=10.5)
+    assert s.effects.grants == [("a", 1)]
+    a.last_seen = b.last_seen = 12.0  # both keep heartbeating
+    s.expire(11.9)
+    assert s.applying == {"a"}
+    s.expire(12.1)
+    assert s.applying == {"b"} and s.effects.grants == [("a", 1), ("b", 1)] and not a.applying
+    assert s.counters["apply_slots_expired"] == 1
+    assert ("apply_slot_expired", {"worker_id": "a", "held_s": 2.1}) in s.effects.events
+    s.apply_done(a, 1, ok=True)  # the late outcome of the expired slot frees nothing of b's
+    assert s.applying == {"b"} and a.version == 1
+    s.expire(14.0)  # b's slot counts from its own grant (at 12.1), not from its ask
+    assert s.applying == {"b"}
+    s.check_invariants()
+
+
+def test_a_repeated_apply_request_from_the_slot_holder_is_granted_again() -> None:
+    s = make(max_applying=1)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 1, now=0.0)
+    s.apply_request(b, 1, now=0.0)
+    s.apply_request(a, 1, now=0.5)  # its grant was lost
+    s.apply_request(b, 1, now=0.5)  # still waiting: nothing new
+    assert s.effects.grants == [("a", 1), ("a", 1)]
+    assert s.counters["grants_resent"] == 1
+
+
+def test_a_failed_apply_is_counted_with_its_error() -> None:
+    s = make()
+    a = join(s, "a")
+    s.apply_request(a, 2, now=0.0)
+    s.apply_done(a, 2, ok=False, error="EngineError: unknown parameter names ['x']")
+    assert s.counters["versions_failed"] == 1 and a.version < 2
+    assert ("version_failed", {"worker_id": "a", "version": 2, "error": "EngineError: unknown parameter names ['x']"}) in s.effects.events
+
+
+def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_until_acknowledged() -> None:
+    # issue 20 break 1: a lost Batch left its groups counted as delivered until a new ClientHello
+    s = make(result_resend_s=2.0)
+    w = join(s, "w", capacity=4)
+    s.submit([prompt("a"), prompt("b")], 0.0)
+    for _, g in s.dispatch(0.0):
+        finish(s, w, g.task_id, now=0.5)
+    assert [r.prompt_id for r in s.pull("c", 1, now=1.0)] == ["a"]  # this Batch is lost
+    assert not s.resend_due("c", 2.9)
+    assert [r.prompt_id for r in s.pull("c", 1, now=2.9)] == ["b"]
+    assert s.resend_due("c", 3.0)
+    assert [r.prompt_id for r in s.pull("c", 1, now=3.0)] == ["a"]  # sent again, on top of nothing new
+    assert s.pull("c", 5, now=4.0) == []  # a is not due again before 5.0, b before 4.9
+    assert [r.prompt_id for r in s.pull("c", 5, now=5.0)] == ["b", "a"]
+    s.ack(["a", "b"])
+    assert not s.resend_due("c", 100.0) and s.pull("c", 5, now=100.0) == []
+    assert s.counters["results_resent"] == 3
+    s.check_invariants()
+
+
+def test_a_broker_stall_is_not_worker_silence_and_burns_no_attempt() -> None:
+    # issue 20 break 4: after a stall longer than dead-after every worker was declared dead
+    s = make(task_timeout_s=10.0, apply_slot_deadline_s=5.0)  # dead after 3 x 1 s
+    join(s, "w", capacity=4, now=0.0)
+    v = join(s, "v", capacity=4, now=0.0)
+    s.submit([prompt("p")], 0.0)
+    ((_, g),) = s.dispatch(0.0)
+    s.apply_request(v, 1, now=0.0)
+    s.note_stall(20.0, now=20.5)  # the broker read nothing from 0.5 to 20.5
+    assert s.expire(20.5) == ([], [])  # 0.5 s of silence read, not 20.5
+    assert s.applying == {"v"} and g.phase == "leased" and g.attempt == 0 and s.counters["requeued"] == 0
+    assert s.counters["broker_stalls"] == 1 and s.counters["broker_stall_ms_max"] == 20000
+    assert ("broker_stall", {"stall_s": 20.0}) in s.effects.events
+    dead, _ = s.expire(23.6)  # real silence still counts: 3.6 s after the stall, both are dead
+    assert sorted(dead) == ["v", "w"] and s.counters["requeued"] == 1
     s.check_invariants()
