@@ -79,9 +79,11 @@ class SGLangGenerationEngine:
         """A placeholder, as in AReaL."""
         return self
 
-    def eval(self) -> SGLangGenerationEngine:
-        """A placeholder, as in AReaL."""
+    def _eval_mode(self) -> SGLangGenerationEngine:
+        """A placeholder, as in AReaL: its public mode switch, bound below under AReaL's name."""
         return self
+
+    eval = _eval_mode  # AReaL's public name; a mode switch, not Python's eval
 
     def wait_server(self) -> None:
         """Wait until the pool has at least one live worker (up to SGLANG_INIT_TIMEOUT s); TimeoutError if none came."""
