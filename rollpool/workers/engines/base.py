@@ -78,6 +78,8 @@ class SampleOutput:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     """Wall-clock seconds since the epoch."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (first attempt); None where the engine does not say."""
 
 
 @dataclass(slots=True)
