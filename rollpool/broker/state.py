@@ -237,6 +237,8 @@ _COUNTERS = (
     "leases_unreported",
     "held_unknown",
     "results_resent",
+    "leases_reconciled",
+    "credit_corrections",
     "broker_stalls",
     "broker_stall_ms_total",
     "broker_stall_ms_max",
@@ -445,7 +447,7 @@ class BrokerState:
         w.reported_free = free_capacity
         w.reported_held = held_count
         if held is not None:
-            self._compare_held(w, dispatch_seq, held)
+            self._compare_held(w, dispatch_seq, held, now)
         elif held_count >= 0 and Feature.HELD_DIGEST in w.features:
             self.counters["held_checks"] += 1
             count, digest = len(w.leases), w.digest
@@ -458,8 +460,10 @@ class BrokerState:
                 w.held_mismatches += 1
                 self.counters["held_mismatches"] += 1
                 self.effects.held_requests.append(w.worker_id)
+        if free_capacity >= 0:
+            self._correct_credit(w, dispatch_seq, free_capacity)
 
-    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str]) -> None:
+    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str], now: float) -> None:
         self.counters["held_lists"] += 1
         listed = set(held)
         w.unreported = tuple(tid for tid, g in w.leases.items() if g.dispatch_seq <= dispatch_seq and tid not in listed)
@@ -470,6 +474,24 @@ class BrokerState:
             self.effects.events.append(
                 ("held_disagrees", {"worker_id": w.worker_id, "unreported": len(w.unreported), "unknown": unknown, "dispatch_seq": dispatch_seq})
             )
+        # issue 20: a lease at or below the echo that the worker does not hold was lost on the wire (or by the
+        # worker): requeued at once, burning no attempt (the loss was not the group's fault)
+        for tid in w.unreported:
+            g = w.leases.get(tid)
+            if g is None:
+                continue
+            self._end_lease(g, w)
+            self._requeue(g, now, reason="lease not held by the worker (reconciled)", counted=False)
+            self.counters["leases_reconciled"] += 1
+
+    def _correct_credit(self, w: WorkerInfo, dispatch_seq: int, free_capacity: int) -> None:
+        """Credit is absolute: the free capacity the worker reports less what was dispatched after its echo."""
+        after = sum(g.size for g in w.leases.values() if g.dispatch_seq > dispatch_seq)
+        credits = max(0, min(free_capacity - after, w.capacity, self.config.max_worker_credits))
+        if credits != w.credits:
+            self.counters["credit_corrections"] += 1
+            w.credits = credits
+            self._refresh(w)
 
     def credit(self, w: WorkerInfo, n: int, now: float) -> None:
         w.last_seen = now

@@ -16,7 +16,8 @@ things differently; then adjust this file, keeping the scenarios):
   inflight_task_ids, free_capacity)`` reconciles, counting
   ``leases_reconciled`` and ``credit_corrections``.
 
-Strict xfail until the fix lands (today `heartbeat` takes none of these).
+The fix names the heartbeat fields as the broker-scale wire has them: ``dispatch_seq``
+(the echo), ``held`` (the worker's full held list) and ``free_capacity``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pytest
 
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.state import BrokerState, Phase, WorkerInfo
 from rollpool.protocol import Prompt
-
-pytestmark = pytest.mark.xfail(strict=True, reason="issue 20 break 2: heartbeats are not reconciled against dispatches")
 
 
 def _state() -> tuple[BrokerState, WorkerInfo]:
@@ -44,8 +42,8 @@ def _submit(s: BrokerState, *pids: str) -> None:
 
 
 def _beat(s: BrokerState, w: WorkerInfo, now: float, seen: int, inflight: tuple[str, ...], free: int) -> None:
-    kw: dict[str, Any] = dict(version=-1, state="ready", tokens_total=0, seen_dispatch_seq=seen,
-                              inflight_task_ids=inflight, free_capacity=free)
+    kw: dict[str, Any] = dict(version=-1, state="ready", tokens_total=0, dispatch_seq=seen,
+                              held=inflight, free_capacity=free)
     s.heartbeat(w, now, **kw)
 
 
