@@ -355,6 +355,11 @@ class BrokerState:
             for tid in w.leases:
                 w.digest ^= task_digest(tid)
         w.reported_seq = w.reported_free = w.reported_held = -1
+        # the worker numbers what it receives afresh from its welcome on: leases from before the hello
+        # are judged by its full held list, not by the echo (issue 20 reconciliation)
+        w.dispatch_seq = 0
+        for g in w.leases.values():
+            g.dispatch_seq = 0
         adopted: list[str] = []
         refused: list[str] = []
         for t in inflight:
@@ -460,8 +465,26 @@ class BrokerState:
                 w.held_mismatches += 1
                 self.counters["held_mismatches"] += 1
                 self.effects.held_requests.append(w.worker_id)
+        self._reconcile_unechoed(w, dispatch_seq, now)
         if free_capacity >= 0:
             self._correct_credit(w, dispatch_seq, free_capacity)
+
+    def _reconcile_unechoed(self, w: WorkerInfo, dispatch_seq: int, now: float) -> None:
+        """A task above the echo dispatched more than two heartbeat intervals before this heartbeat was
+        read never reached the worker (one connection keeps order: a heartbeat written after the task
+        arrived would echo it): requeued at once, burning no attempt."""
+        grace = 2 * self.config.heartbeat_interval_s
+        lost = []
+        for tid, g in reversed(w.leases.items()):  # newest first: the ones above the echo
+            if g.dispatch_seq <= dispatch_seq:
+                break
+            if now - g.dispatched_at > grace:
+                lost.append((tid, g))
+        for tid, g in lost:
+            self._end_lease(g, w)
+            self._requeue(g, now, reason="task never reached the worker (reconciled)", counted=False)
+            self.counters["leases_reconciled"] += 1
+            self.effects.events.append(("lease_reconciled", {"worker_id": w.worker_id, "task_id": tid, "why": "not echoed"}))
 
     def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str], now: float) -> None:
         self.counters["held_lists"] += 1

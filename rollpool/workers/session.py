@@ -166,6 +166,8 @@ class WorkerSession:
         """The broker epoch of the last Welcome ("" before the first)."""
         self.welcomed = False
         """A Welcome answered the last hello, and nothing since asked for a new one."""
+        self.seen_seq = 0
+        """The highest `Task.seq` received since the last welcome (echoed in every heartbeat)."""
         self.version = -1
         """The weight version the engine serves."""
         self.capacity = 0
@@ -301,6 +303,7 @@ class WorkerSession:
             log.warning("broker epoch changed %s -> %s", self.epoch, msg.epoch, extra={"worker": self.worker_id})
         self.epoch = msg.epoch
         self.welcomed = True
+        self.seen_seq = 0  # the broker numbers this worker's tasks afresh after every welcome
         self._hello_backoff_s = self.config.reconnect_backoff_s
         eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))
         refused = set(msg.refused)
@@ -317,6 +320,7 @@ class WorkerSession:
 
     def on_task(self, now: float, task: Task) -> Effects:
         eff = Effects()
+        self.seen_seq = max(self.seen_seq, task.seq)
         if task.task_id in self.tasks:
             return eff  # already held (re-sent after a re-hello)
         reason = None
@@ -426,13 +430,20 @@ class WorkerSession:
         """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive."""
         if not self.epoch or self.stopped:
             return None
+        held = self.inflight_task_ids() + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
+        # issue 20 reconciliation: the echo of the highest Task.seq received, the whole held list and the free
+        # capacity (absolute), so a lost Task or Credit is repaired by the next heartbeat
         return WorkerHeartbeat(
             worker_id=self.worker_id,
-            inflight_task_ids=self.inflight_task_ids(),
+            inflight_task_ids=held,
             weight_version=self.version,
             state=self.state,
             tokens_total=self.tokens_total,
             epoch=self.epoch,
+            dispatch_seq=self.seen_seq,
+            free_capacity=self.free_credits(),
+            held_count=len(held),
+            held_full=True,
         )
 
     # ------------------------------------------------------------------ drain

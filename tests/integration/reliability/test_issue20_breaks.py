@@ -66,7 +66,6 @@ async def test_break1_a_batch_for_an_abandoned_pull_still_reaches_the_trainer(po
 # ---------------------------------------------------------------------------------------------- break 2
 
 
-@issue20(2, "a Task or Credit lost on a live worker link is lost until task_timeout_s; heartbeat in-flight lists are never read")
 @pytest.mark.parametrize("lost", ["task", "credit"])
 async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Pool, lost: str) -> None:
     broker = await pool.start_broker()  # task_timeout_s stays at its default (600 s)
