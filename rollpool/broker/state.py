@@ -44,8 +44,11 @@ incrementally. `heartbeat` compares the worker's reported (count, digest) with
 the leases at or below the sequence number it echoes, and asks for the full
 list on a mismatch (`Effects.held_requests`); a full list is compared and the
 differences are counted (`leases_unreported`, `held_unknown`) and kept on the
-`WorkerInfo`. Acting on them (requeue at once, credit from absolute capacity)
-is the reliability issue's (20), not this class's yet.
+`WorkerInfo`. A worker that lists `Feature.RECONCILE` has them acted on
+(issue 20): such a lease is requeued at once burning no attempt, so is one
+above the echo not echoed two heartbeat intervals after dispatch, and credit is
+set from the absolute free capacity less what was sent after the echo
+(`leases_reconciled`, `credit_corrections`); an older worker's are recorded only.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class Group:
     dispatch_seq: int = 0
     """`Task.seq` of the current lease (0: adopted from a hello, not numbered)."""
     dispatched_at: float = 0.0
+    echo_due: float = 0.0
+    """A `Feature.RECONCILE` worker's heartbeat read after this that does not echo the lease's `dispatch_seq`
+    means the Task was lost: `2 x heartbeat_interval_s` after dispatch, moved on by broker stalls."""
     result_at: float = 0.0
 
 
@@ -355,11 +361,6 @@ class BrokerState:
             for tid in w.leases:
                 w.digest ^= task_digest(tid)
         w.reported_seq = w.reported_free = w.reported_held = -1
-        # the worker numbers what it receives afresh from its welcome on: leases from before the hello
-        # are judged by its full held list, not by the echo (issue 20 reconciliation)
-        w.dispatch_seq = 0
-        for g in w.leases.values():
-            g.dispatch_seq = 0
         adopted: list[str] = []
         refused: list[str] = []
         for t in inflight:
@@ -451,8 +452,9 @@ class BrokerState:
         w.reported_seq = dispatch_seq
         w.reported_free = free_capacity
         w.reported_held = held_count
+        reconcile = Feature.RECONCILE in w.features
         if held is not None:
-            self._compare_held(w, dispatch_seq, held, now)
+            self._compare_held(w, dispatch_seq, held, now, act=reconcile)
         elif held_count >= 0 and Feature.HELD_DIGEST in w.features:
             self.counters["held_checks"] += 1
             count, digest = len(w.leases), w.digest
@@ -465,28 +467,34 @@ class BrokerState:
                 w.held_mismatches += 1
                 self.counters["held_mismatches"] += 1
                 self.effects.held_requests.append(w.worker_id)
+        if not reconcile:
+            return  # an older worker's heartbeat is recorded, not acted on (its fields may be partial)
         self._reconcile_unechoed(w, dispatch_seq, now)
         if free_capacity >= 0:
             self._correct_credit(w, dispatch_seq, free_capacity)
 
     def _reconcile_unechoed(self, w: WorkerInfo, dispatch_seq: int, now: float) -> None:
-        """A task above the echo dispatched more than two heartbeat intervals before this heartbeat was
-        read never reached the worker (one connection keeps order: a heartbeat written after the task
-        arrived would echo it): requeued at once, burning no attempt."""
-        grace = 2 * self.config.heartbeat_interval_s
+        """A task above the echo still not echoed `2 x heartbeat_interval_s` after dispatch never reached the
+        worker (one connection keeps order: a heartbeat written after the task arrived echoes it): requeued
+        at once, burning no attempt. The due time moves on with a broker stall (`note_stall`): heartbeats
+        that queued up while the broker was not reading may predate the task's arrival."""
         lost = []
-        for tid, g in reversed(w.leases.items()):  # newest first: the ones above the echo
+        for g in reversed(w.leases.values()):  # newest first: the ones above the echo
             if g.dispatch_seq <= dispatch_seq:
                 break
-            if now - g.dispatched_at > grace:
-                lost.append((tid, g))
-        for tid, g in lost:
-            self._end_lease(g, w)
-            self._requeue(g, now, reason="task never reached the worker (reconciled)", counted=False)
-            self.counters["leases_reconciled"] += 1
-            self.effects.events.append(("lease_reconciled", {"worker_id": w.worker_id, "task_id": tid, "why": "not echoed"}))
+            if now > g.echo_due:
+                lost.append(g)
+        for g in lost:
+            self._reconciled(w, g, now, why="not echoed")
 
-    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str], now: float) -> None:
+    def _reconciled(self, w: WorkerInfo, g: Group, now: float, why: str) -> None:
+        tid = g.task_id
+        self._end_lease(g, w)
+        self._requeue(g, now, reason=f"lease reconciled: {why}", counted=False)
+        self.counters["leases_reconciled"] += 1
+        self.effects.events.append(("lease_reconciled", {"worker_id": w.worker_id, "task_id": tid, "why": why}))
+
+    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str], now: float, act: bool) -> None:
         self.counters["held_lists"] += 1
         listed = set(held)
         w.unreported = tuple(tid for tid, g in w.leases.items() if g.dispatch_seq <= dispatch_seq and tid not in listed)
@@ -497,19 +505,22 @@ class BrokerState:
             self.effects.events.append(
                 ("held_disagrees", {"worker_id": w.worker_id, "unreported": len(w.unreported), "unknown": unknown, "dispatch_seq": dispatch_seq})
             )
-        # issue 20: a lease at or below the echo that the worker does not hold was lost on the wire (or by the
-        # worker): requeued at once, burning no attempt (the loss was not the group's fault)
+        if not act:
+            return  # recorded only (a worker without Feature.RECONCILE)
+        # issue 20: a lease at or below the echo that the worker does not hold was lost on the wire (the Task,
+        # or its Result): requeued at once, burning no attempt (the loss was not the group's fault)
         for tid in w.unreported:
             g = w.leases.get(tid)
-            if g is None:
-                continue
-            self._end_lease(g, w)
-            self._requeue(g, now, reason="lease not held by the worker (reconciled)", counted=False)
-            self.counters["leases_reconciled"] += 1
+            if g is not None:
+                self._reconciled(w, g, now, why="not held")
 
     def _correct_credit(self, w: WorkerInfo, dispatch_seq: int, free_capacity: int) -> None:
         """Credit is absolute: the free capacity the worker reports less what was dispatched after its echo."""
-        after = sum(g.size for g in w.leases.values() if g.dispatch_seq > dispatch_seq)
+        after = 0
+        for g in reversed(w.leases.values()):  # newest first: the ones sent after the echo
+            if g.dispatch_seq <= dispatch_seq:
+                break
+            after += g.size
         credits = max(0, min(free_capacity - after, w.capacity, self.config.max_worker_credits))
         if credits != w.credits:
             self.counters["credit_corrections"] += 1
@@ -740,6 +751,7 @@ class BrokerState:
             w.dispatch_seq += 1
             g.dispatch_seq = w.dispatch_seq
         g.dispatched_at = now
+        g.echo_due = now + 2 * self.config.heartbeat_interval_s
         w.leases[task_id] = g
         if Feature.HELD_DIGEST in w.features:
             w.digest ^= task_digest(task_id)
@@ -896,6 +908,7 @@ class BrokerState:
         for g in self.groups.values():
             if g.phase == Phase.LEASED:
                 g.deadline += stall_s
+                g.echo_due += stall_s
         self._deadlines = deque((d + stall_s, tid, g) for d, tid, g in self._deadlines)
         for wid in self._apply_since:
             self._apply_since[wid] += stall_s

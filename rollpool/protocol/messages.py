@@ -135,9 +135,15 @@ class Feature:
     """The broker reads `Result.credits` (credit returned with the result, no separate Credit)."""
     HELD_DIGEST = "held_digest"
     """The broker checks `WorkerHeartbeat.held_digest` and may ask for the full list (`BrokerHeartbeat.send_held`)."""
+    RECONCILE = "reconcile"
+    """(minor 5) Once welcomed, the worker's heartbeats are whole: `dispatch_seq` echoes the highest `Task.seq`
+    received since `Welcome.dispatch_seq`, `free_capacity` is absolute and the held list is complete. The broker
+    acts on them: a lease at or below the echo the worker does not hold (or one above it not echoed two heartbeat
+    intervals after dispatch) is requeued burning no attempt, and credit is set from the free capacity. A worker
+    without it only has its heartbeats recorded (issue 20)."""
 
 
-FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST)
+FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
@@ -362,6 +368,9 @@ class Welcome:
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
     features: tuple[str, ...] = ()
     """Optional wire features the broker speaks (`Feature`, minor 1)."""
+    dispatch_seq: int = 0
+    """(minor 5) The last `Task.seq` sent to this worker before this welcome: a `Feature.RECONCILE` worker's
+    echo starts from it (numbers go on across re-hellos; a worker the broker did not know starts at 0)."""
 
 
 @message("credit")

@@ -46,6 +46,7 @@ from rollpool.protocol.messages import (
     Cancel,
     Credit,
     Error,
+    Feature,
     Goodbye,
     Hello,
     InflightTask,
@@ -167,7 +168,7 @@ class WorkerSession:
         self.welcomed = False
         """A Welcome answered the last hello, and nothing since asked for a new one."""
         self.seen_seq = 0
-        """The highest `Task.seq` received since the last welcome (echoed in every heartbeat)."""
+        """The highest `Task.seq` received since the last welcome, from its `dispatch_seq` on (echoed in heartbeats)."""
         self.version = -1
         """The weight version the engine serves."""
         self.capacity = 0
@@ -303,7 +304,7 @@ class WorkerSession:
             log.warning("broker epoch changed %s -> %s", self.epoch, msg.epoch, extra={"worker": self.worker_id})
         self.epoch = msg.epoch
         self.welcomed = True
-        self.seen_seq = 0  # the broker numbers this worker's tasks afresh after every welcome
+        self.seen_seq = msg.dispatch_seq  # where the broker's numbering of this worker's tasks stands
         self._hello_backoff_s = self.config.reconnect_backoff_s
         eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))
         refused = set(msg.refused)
@@ -430,9 +431,14 @@ class WorkerSession:
         """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive."""
         if not self.epoch or self.stopped:
             return None
+        if not self.welcomed:
+            # a hello is pending: liveness only. What this worker holds is described against the numbering
+            # of the welcome to come (a heartbeat written now may be read after the broker took the hello)
+            return WorkerHeartbeat(worker_id=self.worker_id, inflight_task_ids=self.inflight_task_ids(), weight_version=self.version,
+                                   state=self.state, tokens_total=self.tokens_total, epoch=self.epoch)
         held = self.inflight_task_ids() + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
-        # issue 20 reconciliation: the echo of the highest Task.seq received, the whole held list and the free
-        # capacity (absolute), so a lost Task or Credit is repaired by the next heartbeat
+        # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, the whole held
+        # list and the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             inflight_task_ids=held,
@@ -528,6 +534,7 @@ class WorkerSession:
             host=self.config.host,
             pid=self.config.pid,
             pool=self.config.pool,
+            features=(Feature.RECONCILE,),
         )
 
     def _credit(self, seqs: int) -> list[Outgoing]:

@@ -67,5 +67,5 @@ def samples() -> dict[str, Any]:
         "worker_heartbeat_full": p.WorkerHeartbeat(worker_id="w0", inflight_task_ids=("t2", "t3"), epoch="e1", dispatch_seq=8,
                                                    free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
-        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
+        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, dispatch_seq=7),
     }
