@@ -428,7 +428,8 @@ class Broker:
                 self._send(
                     self._w, hw.identity,
                     encode(BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
-                                           announce_endpoint=self.announce_endpoint, send_held=True, dispatch_seq=hw.dispatch_seq)),
+                                           announce_endpoint=self.announce_endpoint, send_held=True, dispatch_seq=hw.dispatch_seq,
+                                           version_epoch=self.state.version_epoch, rebase_version=self._rebase_version())),
                 )
         for wid, ident in fx.lost_workers:
             x = self._by_identity.get(ident)
@@ -499,6 +500,7 @@ class Broker:
                 w, now, version=msg.weight_version, state=msg.state, tokens_total=msg.tokens_total,
                 dispatch_seq=msg.dispatch_seq if here else -1, free_capacity=msg.free_capacity, held_count=msg.held_count,
                 held_digest=msg.held_digest, held=msg.inflight_task_ids if msg.held_full else None,
+                version_epoch=msg.version_epoch,
             )
         elif kind is Nack:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
@@ -551,6 +553,7 @@ class Broker:
             worker_id=msg.worker_id, identity=identity, capacity=msg.capacity, credits=msg.credits,
             now=self._now, version=msg.weight_version, inflight=inflight, fingerprint=msg.fingerprint,
             engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid, features=msg.features,
+            version_epoch=msg.version_epoch,
         )
         self._by_identity[identity] = self.state.workers[msg.worker_id]
         self._send(
@@ -563,6 +566,7 @@ class Broker:
                     announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
                     max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
                     features=FEATURES, dispatch_seq=self.state.workers[msg.worker_id].dispatch_seq,
+                    version_epoch=self.state.version_epoch, rebase_version=self.state.rebase_floor(msg.version_epoch),
                 )
             ),
         )
@@ -659,15 +663,34 @@ class Broker:
         self._recheck()
 
     def _on_set_version(self, identity: bytes, msg: SetVersion) -> None:
+        st = self.state
+        if msg.rebase:
+            if msg.version < 0:
+                self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=False, epoch=self.epoch,
+                                                           error=f"a rebase needs a version >= 0, got {msg.version}")))
+                return
+            info = st.rebase(msg.version, int(time.time() * 1000), self._now)
+            log.warning("broker: version rebased %d -> %d (version epoch %d, %d in-flight tasks cancelled)", info["from"], info["to"],
+                        info["version_epoch"], info["cancelled"], extra={"version": msg.version})
+            newer = True
+        elif msg.version < st.version:
+            # versions only move forward: a trainer that resumed from an older checkpoint must say so
+            self._send(self._c, identity, encode(Reply(
+                request_id=msg.request_id, ok=False, epoch=self.epoch, data={"version": st.version},
+                error=(f"version {msg.version} is older than the pool's version {st.version}; a trainer resuming from a "
+                       f"checkpoint rebases the pool first (TrainerClient.rebase_version({msg.version}))"))))
+            return
+        else:
+            newer = st.set_version(msg.version, self._now)
         if msg.weight_endpoint:
             self.weight_endpoint = msg.weight_endpoint
         if msg.announce_endpoint:
             self.announce_endpoint = msg.announce_endpoint
-        newer = self.state.set_version(msg.version, self._now)
-        if newer:
-            self.state.effects.events.append(("version_announced", {"version": msg.version}))
+        if newer and not msg.rebase:
+            st.effects.events.append(("version_announced", {"version": msg.version}))
             log.info("broker: version %d announced", msg.version, extra={"version": msg.version})
-        self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch, data={"version": self.state.version})))
+        self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch,
+                                                   data={"version": st.version, "version_epoch": st.version_epoch})))
         if newer or msg.weight_endpoint or msg.announce_endpoint:
             self._broadcast_heartbeat()
 
@@ -719,9 +742,15 @@ class Broker:
 
     # ------------------------------------------------------------------ timers
 
+    def _rebase_version(self) -> int:
+        """For heartbeats: the version the last rebase went back to (-1: never rebased)."""
+        st = self.state
+        return st.rebase_floor(st.version_epoch - 1) if st.version_epoch else -1
+
     def _broadcast_heartbeat(self) -> None:
         frames = encode(
-            BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint, announce_endpoint=self.announce_endpoint)
+            BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint, announce_endpoint=self.announce_endpoint,
+                            version_epoch=self.state.version_epoch, rebase_version=self._rebase_version())
         )
         for w in list(self.state.workers.values()):
             self._send(self._w, w.identity, frames)

@@ -174,6 +174,8 @@ class WorkerInfo:
     held_mismatches: int = 0
     unreported: tuple[str, ...] = ()
     """Leases at or below `reported_seq` missing from its last full held list (issue 20 requeues them)."""
+    version_epoch: int = 0
+    """The version epoch its reported `version` belongs to (`rebase`)."""
 
     def live_state(self, now: float) -> dict[str, Any]:
         return {
@@ -245,6 +247,7 @@ _COUNTERS = (
     "results_resent",
     "leases_reconciled",
     "credit_corrections",
+    "rebases",
     "broker_stalls",
     "broker_stall_ms_total",
     "broker_stall_ms_max",
@@ -262,6 +265,10 @@ class BrokerState:
         self.staleness = StalenessController(batch_size=config.batch_size, eta=config.max_staleness)
         self.version = -1
         """Newest weight version the trainer announced (-1: none)."""
+        self.version_epoch = 0
+        """Moves on at each rebase (`rebase`; 0: never rebased)."""
+        self._rebases: deque[tuple[int, int]] = deque(maxlen=64)
+        """(version_epoch, version) of the recent rebases, oldest first."""
         self.groups: dict[str, Group] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.effects = Effects()
@@ -319,6 +326,7 @@ class BrokerState:
         host: str = "",
         pid: int = 0,
         features: Iterable[str] = (),
+        version_epoch: int = 0,
     ) -> tuple[list[str], list[str]]:
         """A worker said hello; returns (adopted task ids, refused task ids).
 
@@ -347,7 +355,8 @@ class BrokerState:
             self.effects.events.append(("worker_joined", {"worker_id": worker_id, "host": host, "engine": engine}))
         w.credits = max(0, min(credits, capacity, self.config.max_worker_credits))
         w.last_seen = now
-        w.version = version
+        w.version = self._valid_version(version, version_epoch)
+        w.version_epoch = version_epoch
         w.fingerprint = fingerprint
         w.engine = engine
         w.apply_modes = apply_modes
@@ -433,6 +442,7 @@ class BrokerState:
         held_count: int = -1,
         held_digest: int = 0,
         held: Sequence[str] | None = None,
+        version_epoch: int = 0,
     ) -> None:
         """A heartbeat: liveness, version and state; with minor-1 fields, what the worker holds.
 
@@ -443,8 +453,14 @@ class BrokerState:
         w.last_seen = now
         w.tokens_total = tokens_total
         self.counters["heartbeats"] += 1
-        if version != w.version or state != w.state:
-            w.version = max(w.version, version)
+        if self.version_epoch and version_epoch != w.version_epoch:
+            # the pool was rebased: versions are compared within one version epoch only
+            w.version_epoch = version_epoch
+            w.version = self._valid_version(version, version_epoch)
+            w.state = state
+            self._refresh(w)
+        elif version != w.version or state != w.state:
+            w.version = max(w.version, self._valid_version(version, version_epoch) if self.version_epoch else version)
             w.state = state
             self._refresh(w)
         if dispatch_seq < 0:
@@ -1089,8 +1105,64 @@ class BrokerState:
 
     # ------------------------------------------------------------------ versions and apply slots
 
+    def _valid_version(self, version: int, epoch: int) -> int:
+        """`version` as reported by a worker in version epoch `epoch`: itself, or -1 when a rebase since that
+        epoch went back below it (the worker serves weights of an abandoned run)."""
+        if epoch >= self.version_epoch:
+            return version
+        floor = self.rebase_floor(epoch)
+        return version if version <= floor else -1
+
+    def rebase_floor(self, since_epoch: int) -> int:
+        """The lowest version a rebase after `since_epoch` went back to (-1: none since, nothing to forget)."""
+        floors = [v for e, v in self._rebases if e > since_epoch]
+        if not floors:
+            return -1
+        if len(floors) == len(self._rebases) and self._rebases.maxlen == len(self._rebases):
+            return -2  # older than the rebases remembered: forget whatever it serves (-2 is below every version)
+        return min(floors)
+
+    def rebase(self, version: int, epoch_id: int, now: float) -> dict[str, int]:
+        """The trainer resumed from a checkpoint at `version` (`SetVersion.rebase`): the pool's version becomes
+        `version` even if lower, and admission restarts from it.
+
+        A new version epoch begins (`epoch_id`, or the next number if that is not larger). The staleness
+        account is rebuilt as if the run had reached `version` in order: ``accepted`` is the ``version x B``
+        samples the trainer consumed to get there plus what is held for it now; ``running`` stays. Workers
+        serving a version above `version` serve an abandoned run: they count as version -1 (behind
+        everything) until they apply a version of the new epoch, and their in-flight tasks are cancelled and
+        requeued, burning no attempt. Results already made are delivered as they are (their
+        ``token_versions`` say which weights made them).
+        """
+        if version < 0:
+            raise ValueError(f"a rebase needs a version >= 0, got {version}")
+        self._now = max(self._now, now)
+        old = self.version
+        self.version_epoch = max(self.version_epoch + 1, epoch_id)
+        self._rebases.append((self.version_epoch, version))
+        self.version = version
+        st = self.staleness
+        st.version = version
+        held = sum(g.size for g in self.groups.values() if g.phase == Phase.DONE and not g.exempt)
+        st.accepted = version * st.batch_size + held
+        cancelled = 0
+        for w in self.workers.values():
+            if w.version > version:
+                w.version = -1
+                for g in list(w.leases.values()):
+                    self.effects.cancels.append((w.worker_id, g.task_id, "rebased"))
+                    self._end_lease(g, w)
+                    self._requeue(g, now, reason=f"worker weights of an abandoned run (rebased to {version})", counted=False)
+                    cancelled += 1
+            self._refresh(w)
+        self.counters["rebases"] += 1
+        info = {"from": old, "to": version, "version_epoch": self.version_epoch, "cancelled": cancelled}
+        self.effects.events.append(("version_rebased", dict(info)))
+        return info
+
     def set_version(self, version: int, now: float) -> bool:
-        """The trainer announced `version`; returns whether it is newer."""
+        """The trainer announced `version`; returns whether it is newer (a lower one changes nothing:
+        the service refuses it, see `rebase`)."""
         if version <= self.version:
             return False
         self.version = version
@@ -1124,7 +1196,7 @@ class BrokerState:
 
     def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
         if ok:
-            w.version = max(w.version, version)
+            w.version = max(w.version, self._valid_version(version, w.version_epoch) if self.version_epoch else version)
         else:
             self.counters["versions_failed"] += 1
             self.effects.events.append(("version_failed", {"worker_id": w.worker_id, "version": version, "error": error or ""}))
@@ -1181,6 +1253,7 @@ class BrokerState:
         c: dict[str, Any] = dict(self.counters)
         c.update(
             version=self.version,
+            version_epoch=self.version_epoch,
             queued=self.queued + self.parked,
             leased=self.leased,
             held=self.held,

@@ -72,7 +72,9 @@ PROTOCOL_MAJOR = 1
 #        BucketInfo.shm_segment; Chunk.checksum
 #   1.5  Feature.RECONCILE (whole worker heartbeats acted on: leases reconciled, credit absolute);
 #        Welcome.dispatch_seq (where the worker's echo starts)
-PROTOCOL_MINOR = 5
+#   1.6  SetVersion.rebase (checkpoint resume); version_epoch on Hello, Welcome, WorkerHeartbeat and
+#        BrokerHeartbeat, rebase_version on Welcome and BrokerHeartbeat
+PROTOCOL_MINOR = 6
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -135,6 +135,8 @@ class WeightSync:
         """(weight endpoint, announce endpoint) the subscriber is connected to."""
         self._served: _Version | None = None
         self._reapply_target: _Version | None = None
+        self._served_abandoned = False
+        """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
         self._lock = asyncio.Lock()
         self._grants: dict[int, asyncio.Future[None]] = {}
         supervisor.reapply = self._reapply
@@ -164,6 +166,23 @@ class WeightSync:
             self.subscriber.connect(endpoint, announce)
         if self.subscriber is not None and version >= 0:
             self.subscriber.note_version(version)
+
+    def rebase(self, version: int) -> None:
+        """The pool was rebased to `version` (a trainer resumed from a checkpoint): a version above it, served,
+        skipped or known to the subscriber, is of an abandoned run. Forgotten, so the next version the publisher
+        offers is applied whatever its number; the engine serves the old weights until then (the broker gives
+        this worker nothing meanwhile when a staleness bound is set)."""
+        if self.version > version or version < -1:
+            self.version = -1
+        if self.skipped > version or version < -1:
+            self.skipped = -1
+        if self._reapply_target is not None and (self._reapply_target.version > version or version < -1):
+            self._reapply_target = None
+        if self._served is not None and (self._served.version > version or version < -1):
+            self._served_abandoned = True  # a fresh engine still gets these weights, but not their number
+        forget = getattr(self.subscriber, "forget_newer", None)  # optional in the Subscriber protocol
+        if forget is not None:
+            forget(version)
 
     def on_grant(self, version: int) -> None:
         fut = self._grants.get(version)
@@ -292,10 +311,16 @@ class WeightSync:
                 self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
         if self._served is not None:
+            abandoned = self._served_abandoned
             await self._apply(self._served, engine=engine)
+            if abandoned:
+                self.version = -1
+                self._served_abandoned = True
+                self.on_apply_finished(-1)
 
     def _served_now(self, target: _Version) -> None:
         self.version = target.version
+        self._served_abandoned = False
         previous, self._served = self._served, target
         if previous is not None and previous.fetched is not None and previous.fetched is not target.fetched and self.subscriber is not None:
             # the engine copied the previous version: its buffers take the next fetch (no fresh pages)
