@@ -13,7 +13,11 @@
   4x that, at most ``weight_retries`` times. A version whose grant never comes is skipped.
 - Apply and done: pause in the configured mode (or the engine's first mode), update,
   resume, then `ApplyDone` with the outcome.
-- A failed apply takes the engine out of service (`EngineSupervisor.fail`). The restart
+- A version the engine refuses after checking it, before writing anything
+  (`WeightsRefusedError`: an unknown parameter name, a shape mismatch) is reported
+  (`ApplyDone` with the error), skipped and never retried; the engine is resumed and
+  keeps serving its version, no restart.
+- Any other failed apply takes the engine out of service (`EngineSupervisor.fail`). The restart
   gives the fresh engine the whole version through this same path, without grant and
   done, since that engine serves nothing yet. If that fails too, the next attempt gives
   it the last good version, and the bad version is skipped: reported, never retried
@@ -43,7 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollpool.protocol.errors import EngineError, WeightSyncError
+from rollpool.protocol.errors import EngineError, WeightsRefusedError, WeightSyncError
 from rollpool.protocol.messages import ApplyDone, ApplyRequest
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
@@ -241,6 +245,8 @@ class WeightSync:
             applied = await self._apply(_Version(named_tensors, version, fetched), engine=None)
             if applied:
                 return True
+            if self.skipped >= version:
+                return False  # refused and skipped (no restart under way)
             # the engine is being replaced and given the whole version; wait for it (or for the fallback)
             await self.supervisor.ok.wait()
             self._reapply_target = None  # a restart already under way when the apply failed did not see it
@@ -267,8 +273,17 @@ class WeightSync:
         self.on_apply_started()
         t0 = time.monotonic()
         error: str | None = None
+        refused = False
         try:
             await asyncio.wait_for(self._pause_update_resume(engine, target), self.config.apply_timeout_s)
+        except WeightsRefusedError as exc:  # checked before anything was written: the engine serves its version intact
+            error, refused = f"{type(exc).__name__}: {exc}", True
+            try:
+                await engine.resume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as rexc:  # noqa: BLE001 - an engine that cannot resume is failed after all
+                error, refused = f"{error}; then resume failed: {rexc}", False
         except TimeoutError:  # a wedged update (a hung device copy): the engine is restarted like any failed apply
             error = f"apply timed out after {self.config.apply_timeout_s:g}s"
         except asyncio.CancelledError:
@@ -287,6 +302,13 @@ class WeightSync:
             return True
         self.on_apply_finished(None)
         self.metrics.event("apply_failed", {"worker_id": self.worker_id, "version": version, "error": error})
+        if refused:
+            # a version the engine refuses (a poison version): reported (ApplyDone above), skipped, never retried;
+            # the engine keeps serving the last good version and no restart is needed
+            self._skip(version, error)
+            if fresh:
+                raise WeightsRefusedError(f"version {version} refused by the restarted engine: {error}")
+            return False
         if fresh:
             raise EngineError(f"applying version {version} to the restarted engine failed: {error}")
         log.error("apply of version %d failed (%s); restarting the engine", version, error, extra={"worker": self.worker_id})
@@ -307,6 +329,8 @@ class WeightSync:
             try:
                 await self._apply(target, engine=engine)
                 return
+            except WeightsRefusedError:
+                pass  # skipped; the fresh engine is intact: it gets the last good version below
             except EngineError as exc:
                 self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
