@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from rollpool.protocol import RejectedError
-from rollpool.trainer_client import TrainerClient
-from tests.integration.reliability.conftest import Pool, wait_until
+from rollpool.trainer_client import SyncTrainerClient, TrainerClient
+from tests.integration.reliability.conftest import BrokerProcess, Pool, wait_until
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -68,3 +68,19 @@ async def test_a_trainer_resuming_from_an_older_checkpoint_rebases_the_pool(pool
     assert await _consume(second, 2, "resumed, version 2") == [2]
     counters = (await second.status())["counters"]
     assert counters["version"] == 2 and counters["rebases"] == 1 and counters["duplicates"] == 0
+
+
+def test_the_sync_client_rebases_too_and_a_lower_version_without_it_is_refused(tmp_path: Any) -> None:
+    bp = BrokerProcess(["--heartbeat-interval-s", "0.2"], str(tmp_path / "broker.log"))
+    try:
+        with SyncTrainerClient(bp.client_endpoint, connect_timeout_s=30) as client:
+            client.set_version(5)
+            with pytest.raises(RejectedError, match=r"version 2 is older than the pool's version 5"):
+                client.set_version(2)
+            client.rebase_version(2)
+            counters = client.status()["counters"]
+            assert counters["version"] == 2 and counters["rebases"] == 1 and counters["version_epoch"] > 0
+            client.set_version(3)  # and forward from there as usual
+            assert client.status()["counters"]["version"] == 3
+    finally:
+        bp.stop()
