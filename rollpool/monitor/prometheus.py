@@ -26,6 +26,8 @@ BROKER_GAUGES: dict[str, tuple[str, str]] = {
     "held": ("rollpool_held_results", "Finished trajectories held for the trainer."),
     "version": ("rollpool_version", "Newest weight version announced to the pool."),
     "workers_alive": ("rollpool_broker_workers_alive", "Workers the broker considers alive."),
+    "broker_stall_ms_max": ("rollpool_broker_stall_max_seconds", "Longest broker stall seen."),
+    "version_epoch": ("rollpool_version_epoch", "The pool's version epoch (moves on at each rebase; 0: never rebased)."),
 }
 BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "dispatched": ("rollpool_dispatched_total", "Tasks dispatched to workers."),
@@ -36,7 +38,19 @@ BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "dropped_stale": ("rollpool_dropped_stale_total", "Results dropped for exceeding the staleness bound."),
     "cancelled": ("rollpool_cancelled_total", "Tasks cancelled."),
     "protocol_errors": ("rollpool_protocol_errors_total", "Malformed frames received by the broker."),
+    # reconciliation (issue 20)
+    "results_resent": ("rollpool_results_resent_total", "Result groups sent to a client again, unacknowledged after result_resend_s."),
+    "leases_reconciled": ("rollpool_leases_reconciled_total", "Leases requeued because the worker's heartbeat did not hold them (a lost Task or Result)."),
+    "credit_corrections": ("rollpool_credit_corrections_total", "Times a worker's credit was reset from the free capacity its heartbeat reported."),
+    "broker_stalls": ("rollpool_broker_stalls_total", "Times the broker read nothing for longer than its tick (GC, SIGSTOP, slow disk)."),
+    "broker_stall_ms_total": ("rollpool_broker_stall_seconds_total", "Seconds the broker spent stalled, summed."),
+    "versions_failed": ("rollpool_versions_failed_total", "Weight versions a worker could not apply (reported and skipped)."),
+    "apply_slots_expired": ("rollpool_apply_slots_expired_total", "Apply slots freed at apply_slot_deadline_s (a hung apply)."),
+    "grants_resent": ("rollpool_apply_grants_resent_total", "Apply grants sent again to a worker that asked again."),
+    "rebases": ("rollpool_rebases_total", "Times the trainer rebased the pool's version (a checkpoint resume)."),
 }
+BROKER_SCALED: dict[str, float] = {"broker_stall_ms_total": 1e-3, "broker_stall_ms_max": 1e-3}
+"""Broker fields kept in milliseconds, exported in seconds."""
 WORKER_GAUGES: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("rollpool_worker_tokens_per_second", "Tokens generated per second by a worker."),
     "inflight": ("rollpool_worker_inflight", "Samples in flight on a worker."),
@@ -110,6 +124,7 @@ def render_prometheus(state: PoolState) -> str:
     for fname, value in sorted(broker.items()):
         if not _is_number(value) or fname in _SKIP_FIELDS:
             continue
+        value = value * BROKER_SCALED.get(fname, 1)
         if fname in BROKER_GAUGES:
             name, help_text = BROKER_GAUGES[fname]
             w.sample(name, "gauge", help_text, value)

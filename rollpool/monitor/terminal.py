@@ -1,7 +1,9 @@
 """One frame of ``rollpool top`` as text (pure, no I/O).
 
 `render_frame` lays out a `PoolState` in at most `width` columns: a header, the
-broker's counters, the refusals by limit and by role (when there were any), a
+broker's counters, its reconciliation counters (results re-sent, leases
+reconciled, credit corrections, broker stalls with their length, failed versions
+with the last error, rebases), the refusals by limit and by role (when there were any), a
 table of alive workers (with each one's version lag), the staleness histogram as
 bars, and the most recent events. With ``color=True`` it
 adds plain ANSI SGR codes (bold headers, red for lagging or stale entries).
@@ -109,6 +111,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     else:
         lines.append("  -")
     lines.append("")
+    lines.extend(_reconcile_lines(state, width, bold, red, reset))
     lines.extend(_refusal_lines(broker or {}, width, bold, red, reset))
 
     lags = state.worker_version_lag()
@@ -169,6 +172,38 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     if not recent:
         lines.append("  (none)")
     return "\n".join(lines) + "\n"
+
+
+def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
+    """RECONCILIATION (issue 20): what the broker repaired, how long it stalled, which versions failed."""
+    broker = state.broker or {}
+    if "leases_reconciled" not in broker and "results_resent" not in broker:
+        return []  # a broker from before these counters
+    stall = f"{_fmt(broker.get('broker_stalls', 0))}"
+    if broker.get("broker_stalls"):
+        stall += f" ({_fmt(broker.get('broker_stall_ms_total', 0) / 1000, 1)} s, longest {_fmt(broker.get('broker_stall_ms_max', 0) / 1000, 1)} s)"
+    parts = [
+        f"results re-sent {_fmt(broker.get('results_resent', 0))}",
+        f"leases reconciled {_fmt(broker.get('leases_reconciled', 0))}",
+        f"credit corrections {_fmt(broker.get('credit_corrections', 0))}",
+        f"broker stalls {stall}",
+        f"versions failed {_fmt(broker.get('versions_failed', 0))}",
+        f"apply slots expired {_fmt(broker.get('apply_slots_expired', 0))}",
+        f"rebases {_fmt(broker.get('rebases', 0))}",
+    ]
+    rows: list[str] = []
+    row = "  "
+    for part in parts:
+        if len(row) + len(part) + 2 > width and row.strip():
+            rows.append(_cut(row.rstrip(), width))
+            row = "  "
+        row += part + "  "
+    rows.append(_cut(row.rstrip(), width))
+    failed = [ev for ev in state.events if ev.kind == "version_failed"]
+    if failed:
+        f = failed[-1].fields
+        rows.append(red + _cut(f"  last failed version {f.get('version', '?')} on {f.get('worker_id', '?')}: {f.get('error', '')}", width) + reset)
+    return [bold + "RECONCILIATION" + reset, *rows, ""]
 
 
 _REFUSAL_PREFIXES = (

@@ -70,7 +70,11 @@ PROTOCOL_MAJOR = 1
 #        heartbeats (dispatch_seq, free_capacity, held_count, held_digest, held_full; BrokerHeartbeat.send_held)
 #   1.4  streamed weight manifests: ManifestRequest.streamed, host_key; Manifest.host_key, pool;
 #        BucketInfo.shm_segment; Chunk.checksum
-PROTOCOL_MINOR = 4
+#   1.5  Feature.RECONCILE (whole worker heartbeats acted on: leases reconciled, credit absolute);
+#        Welcome.dispatch_seq (where the worker's echo starts)
+#   1.6  SetVersion.rebase (checkpoint resume); version_epoch on Hello, Welcome, WorkerHeartbeat and
+#        BrokerHeartbeat, rebase_version on Welcome and BrokerHeartbeat
+PROTOCOL_MINOR = 6
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -209,6 +209,8 @@ class Worker:
                     await engine.abort(task_id)
                 except Exception:  # noqa: BLE001 - a failing engine is noticed by its task
                     log.debug("abort of %s raised", task_id, exc_info=True)
+        if eff.rebase is not None:
+            self.weights.rebase(eff.rebase)
         if eff.weights is not None:
             self.weights.note_weights(*eff.weights)
         for i, msg in enumerate(eff.send):

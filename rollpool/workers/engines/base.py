@@ -156,8 +156,10 @@ class Engine(Protocol):
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Load tensors by HF parameter name and tag later tokens with `version`.
 
-        Every name and shape is checked before anything is written; raises
-        `EngineError` (the engine must then be restarted: it may be half-updated).
+        Every name and shape is checked before anything is written: a version that
+        fails the check raises `WeightsRefusedError` and leaves the engine serving
+        its previous version, intact. Any other failure raises `EngineError` (the
+        engine must then be restarted: it may be half-updated).
         The engine must not keep references to the tensors once it returns:
         the worker reuses their memory for a later version. (`StagingEngine`
         adds a copy to the device ahead of the pause.)

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
@@ -347,6 +347,9 @@ class HFEngine:
                 return False
             try:
                 result = self._command(kind, payload, done)
+            except WeightsRefusedError as exc:  # checked before anything was written: still the old version, intact
+                done(exc)
+                continue
             except EngineError as exc:
                 if kind == "update":
                     self._dead = str(exc)  # possibly half-applied: refuse further work until restarted
@@ -429,10 +432,10 @@ class HFEngine:
         for name, value in named.items():
             target = params.get(name)
             if target is None:
-                raise EngineError(f"update_weights: unknown parameter {name!r}")
+                raise WeightsRefusedError(f"update_weights: unknown parameter {name!r}")
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             if tuple(tensor.shape) != tuple(target.shape):
-                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+                raise WeightsRefusedError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
             plan.append((target, tensor))
         try:
             for target, tensor in plan:

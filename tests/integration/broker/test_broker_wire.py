@@ -5,6 +5,7 @@ when its heartbeat's digest disagrees with the broker's leases."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -13,6 +14,9 @@ import zmq
 from rollpool import protocol as p
 from tests.integration.broker.conftest import Harness
 from tests.integration.broker.peers import make_group, make_prompt
+
+MINOR4_FEATURES = tuple(f for f in p.FEATURES if f != p.Feature.RECONCILE)
+"""What a worker of protocol 1.3/1.4 lists: its heartbeats are recorded, not acted on."""
 
 
 class RawWorker:
@@ -84,7 +88,7 @@ async def test_a_minor0_worker_gets_single_tasks_and_its_result_credit_and_heart
 async def test_a_minor1_worker_gets_task_batches_returns_result_batches_and_is_asked_for_its_list(start_broker) -> None:  # type: ignore[no-untyped-def]
     h: Harness = await start_broker(heartbeat_interval_s=0.2)
     c = await h.client()
-    w = RawWorker(h, "new", minor=1, capacity=4, features=p.FEATURES)
+    w = RawWorker(h, "new", minor=1, capacity=4, features=MINOR4_FEATURES)
     try:
         welcome = await w.hello()
         await c.submit([make_prompt(f"q{i}") for i in range(4)])
@@ -114,6 +118,56 @@ async def test_a_minor1_worker_gets_task_batches_returns_result_batches_and_is_a
         status = (await c.status()).counters
         assert status["held_mismatches"] == 1 and status["held_lists"] == 1 and status["leases_unreported"] == 1
         assert status["latency_e2e_p99_ms"] > 0
+    finally:
+        w.close()
+
+
+async def test_a_minor5_worker_that_leaves_a_task_out_of_its_heartbeat_gets_it_again_with_its_credit(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Feature.RECONCILE: a lease at or below the echo the worker does not hold is requeued at once (no attempt burned)
+    and sent again; the credit the lost task held comes back from the absolute free capacity, with no Credit."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    w = RawWorker(h, "rec", minor=p.PROTOCOL_MINOR, capacity=2, features=(p.Feature.RECONCILE,))
+    try:
+        welcome = await w.hello()
+        assert welcome.dispatch_seq == 0 and p.Feature.RECONCILE in welcome.features
+        await c.submit([make_prompt("q0"), make_prompt("q1")])
+        t1, t2 = await w.recv(p.Task), await w.recv(p.Task)
+        assert (t1.seq, t2.seq) == (1, 2)
+        # task 2 "was lost": the worker saw up to 2 and holds task 1 only, one sequence free
+        await w.send(p.WorkerHeartbeat(worker_id="rec", epoch=welcome.epoch, dispatch_seq=2, free_capacity=1, held_count=1,
+                                       inflight_task_ids=(t1.task_id,), held_full=True))
+        again = await w.recv(p.Task)
+        assert again.prompt.prompt_id == t2.prompt.prompt_id and again.seq == 3 and again.task_id != t2.task_id
+        for t in (t1, again):
+            await w.send(p.Result(task_id=t.task_id, prompt_id=t.prompt.prompt_id, trajectories=make_group(t, "rec")))
+        got = await c.collect(2)
+        assert sorted(g.prompt_id for g in got) == ["q0", "q1"] and all(g.state == "done" for g in got)
+        status = (await c.status()).counters
+        assert status["leases_reconciled"] == 1 and status["credit_corrections"] >= 1 and status["requeued"] == 1
+    finally:
+        w.close()
+
+
+async def test_a_heartbeat_that_queued_up_during_a_broker_stall_reconciles_nothing(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """A heartbeat written before the task arrived, read only after the broker stalled past the echo grace
+    (2 x heartbeat_interval_s), is a heartbeat that crossed a dispatch: the stall is noted before it is read."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    w = RawWorker(h, "st", minor=p.PROTOCOL_MINOR, capacity=1, features=(p.Feature.RECONCILE,))
+    try:
+        welcome = await w.hello()
+        await c.submit([make_prompt("q0")])
+        task = await w.recv(p.Task)
+        await w.send(p.WorkerHeartbeat(worker_id="st", epoch=welcome.epoch, dispatch_seq=0, free_capacity=1, held_count=0, held_full=True))
+        time.sleep(1.0)  # noqa: ASYNC251 - on purpose: the whole loop, the broker's included, stops reading (a GC pause)
+        await w.send(p.WorkerHeartbeat(worker_id="st", epoch=welcome.epoch, dispatch_seq=1, free_capacity=0, held_count=1,
+                                       inflight_task_ids=(task.task_id,), held_full=True))
+        await w.send(p.Result(task_id=task.task_id, prompt_id="q0", trajectories=make_group(task, "st")))
+        (got,) = await c.collect(1)
+        assert got.state == "done" and got.attempts == 1
+        status = (await c.status()).counters
+        assert status["broker_stalls"] >= 1 and status["leases_reconciled"] == 0 and status["requeued"] == 0
     finally:
         w.close()
 

@@ -67,5 +67,9 @@ def samples() -> dict[str, Any]:
         "worker_heartbeat_full": p.WorkerHeartbeat(worker_id="w0", inflight_task_ids=("t2", "t3"), epoch="e1", dispatch_seq=8,
                                                    free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
-        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
+        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, dispatch_seq=7),
+        # minor 6: a rebase (checkpoint resume) and the version epoch it starts
+        "set_version_rebase": p.SetVersion(request_id="v1", version=3, rebase=True),
+        "broker_heartbeat_rebased": p.BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=1767225600000, rebase_version=3),
+        "worker_heartbeat_epoch": p.WorkerHeartbeat(worker_id="w0", weight_version=3, epoch="e1", version_epoch=1767225600000),
     }

@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
@@ -578,10 +578,10 @@ class SGLangEngine:
         for name in names:
             known = self._params.get(name)
             if known is None:
-                raise EngineError(f"update_weights: unknown parameter {name!r} (SGLang would only warn and change nothing)")
+                raise WeightsRefusedError(f"update_weights: unknown parameter {name!r} (SGLang would only warn and change nothing)")
             shape = tuple(int(x) for x in named_tensors[name].shape)
             if shape != known[1]:
-                raise EngineError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
+                raise WeightsRefusedError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
         return names
 
     async def _to_device(self, named_tensors: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
