@@ -533,6 +533,9 @@ class ApplyDone:
     ok: bool
     duration_s: float = 0.0
     error: str | None = None
+    skipped: bool = False
+    """The worker gave this version up for good (its fetch, grant or apply kept failing, a restarted engine
+    included); `error` says why. It keeps its last good version and follows the next one (protocol 1.5)."""
 
 
 # --------------------------------------------------------------------------- client flow

@@ -25,7 +25,13 @@ Guarantees:
   it submits carries ``min_weight_version`` = that version, so the broker gives
   it only to a worker that applied it; a generation not served within
   `weight_timeout_s` raises `WeightSyncError` naming the workers' versions, and
-  a result below the version (a broker older than protocol 1.1) raises too.
+  a result below the version (a broker older than protocol 1.1) raises too. A
+  version every live worker gave up on (it failed to apply, a restarted engine
+  included: the broker shows it as the worker's ``skipped_version``, protocol
+  1.5) fails the wait at once, within `SYNC_POLL_S`, with `WeightSyncError`
+  naming the version and each worker's error text. A call that fails (a
+  timeout, a version no worker can apply) cancels its prompts still live; their
+  late results are dropped, not kept.
   ``synchronous=False`` (the default of this class) keeps rollpool's
   asynchronous behaviour: every token's version is on the result.
 
@@ -40,7 +46,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from rollpool.protocol import (
     GroupResult,
@@ -63,6 +69,8 @@ PromptLike = str | Sequence[int]
 SLEEP_TAGS: tuple[str, ...] = ("kv_cache", "cuda_graph")
 """What `sleep()` releases by default (LightRFT's default: the weights stay)."""
 ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+SYNC_POLL_S = 0.5
+"""While prompts wait for a weight version, how often the pool asks the broker whether every worker gave it up."""
 
 
 class UnsupportedParameterError(ValueError):
@@ -218,6 +226,8 @@ class RolloutPool:
         self._staged: dict[str, Any] = {}
         self._flush_after_commit = False
         self._done: dict[str, GroupResult] = {}
+        self._abandoned: set[str] = set()
+        """Prompts of a failed call: cancelled at the broker; their results are dropped when they arrive."""
         self._slept_with_weights: bool | None = None
         self._released: set[str] = set()
         """Memory tags this object released on the workers and has not resumed."""
@@ -249,24 +259,67 @@ class RolloutPool:
         return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required), single and sampling[0][1] == 1
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
-        wait = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+        poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
+        wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
         try:
             batch = self._client.get_batch(1, timeout=wait)
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
-                self._raise_timeout(call)
+                self._fail(call, self._timeout_error(call))
+            if call.min_version >= 0:
+                self._check_version_reachable(call)
             return []
-        return batch.groups + batch.other
+        groups = []
+        for g in batch.groups + batch.other:
+            if g.prompt_id in self._abandoned:
+                self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
+            else:
+                groups.append(g)
+        return groups
 
-    def _raise_timeout(self, call: _Call) -> None:
+    def _check_version_reachable(self, call: _Call) -> None:
+        """Fail the call at once when every live worker gave up the version it waits for and nothing newer is out."""
+        status = self._client.status()
+        workers: dict[str, Any] = status["workers"]
+        if not workers:
+            return  # a worker may still join and apply it
+        latest = status["counters"].get("version", -1)
+        latest = latest if isinstance(latest, int) else -1
+        errors: dict[str, str] = {}
+        for wid, s in workers.items():
+            version, skipped = s.get("version"), s.get("skipped_version")
+            if isinstance(version, int) and version >= call.min_version:
+                return  # someone serves it: the prompts will be dispatched
+            if not (isinstance(skipped, int) and skipped >= call.min_version and skipped >= latest):
+                return  # still fetching or applying it (or a broker older than protocol 1.5: the timeout decides)
+            errors[wid] = str(s.get("skipped_error") or "no reason given")
+        missing = sum(1 for pid in call.prompt_ids if pid not in self._done)
+        detail = "; ".join(f"{w} (at version {workers[w].get('version')}): {e}" for w, e in sorted(errors.items()))
+        self._fail(call, WeightSyncError(f"weight version {call.min_version} cannot be applied: every worker gave it up "
+                                         f"({missing} prompts waited for it): {detail}"))
+
+    def _timeout_error(self, call: _Call) -> Exception:
         missing = [pid for pid in call.prompt_ids if pid not in self._done]
         if call.min_version >= 0:
             workers = self._client.status()["workers"]
             at = {w: (s.get("version"), s.get("state")) for w, s in workers.items()}
             if not any(isinstance(v, int) and v >= call.min_version for v, _ in at.values()):
-                raise WeightSyncError(f"no worker served weight version {call.min_version} within {self.weight_timeout_s} s "
-                                      f"({len(missing)} prompts wait for it); workers (version, state): {at or 'none connected'}")
-        raise TimeoutError(f"{len(missing)} of {len(call.prompt_ids)} prompts not done within {self.timeout_s} s")
+                return WeightSyncError(f"no worker served weight version {call.min_version} within {self.weight_timeout_s} s "
+                                       f"({len(missing)} prompts wait for it); workers (version, state): {at or 'none connected'}")
+        return TimeoutError(f"{len(missing)} of {len(call.prompt_ids)} prompts not done within {self.timeout_s} s")
+
+    def _fail(self, call: _Call, error: Exception) -> NoReturn:
+        """Cancel the call's prompts still live, drop what was done of it, raise `error`."""
+        live = [pid for pid in call.prompt_ids if pid not in self._done]
+        for pid in call.prompt_ids:
+            self._done.pop(pid, None)
+        if live:
+            self._abandoned.update(live)
+            try:
+                self._client.cancel(live)
+            except Exception as exc:  # noqa: BLE001 - the error below is the one to report
+                log.warning("cancelling %d prompts of a failed generate failed: %s", len(live), exc)
+        raise error
 
     def _deadline(self, call: _Call) -> float | None:
         limit = self.weight_timeout_s if call.min_version >= 0 else self.timeout_s

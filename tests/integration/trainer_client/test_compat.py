@@ -218,6 +218,32 @@ def test_a_version_no_worker_reaches_fails_the_wait_with_the_workers_versions(se
         engine.shutdown()
 
 
+def test_a_version_the_workers_cannot_apply_fails_the_wait_at_once_with_the_workers_error(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    # a hub name: the pool cannot read the model's shapes, so a wrong shape reaches the worker, which gives the version up
+    # (its serving engine and a restarted one both refuse it). The wait must end on that report, not at its timeout.
+    engine = RLGenerationEngine(tp_group_cpu=None, model="llama2-7b", broker=served.pool.client_ep, weight_timeout_s=60.0)
+    try:
+        engine.update_weights_from_tensor("model.layers.0.self_attn.q_proj.weight", torch.randn(64, 64))
+        with pytest.raises(WeightSyncError) as err:
+            engine.generate("Hello", sampling_params={"max_new_tokens": 2})
+        bad = engine.pool.version
+        message = str(err.value)
+        assert f"weight version {bad} cannot be applied" in message, message
+        assert "hf0" in message and r"q_proj.weight has shape (64, 64), the model has (768, 768)" in message, message
+        status = engine.pool.status()
+        assert status["workers"]["hf0"]["skipped_version"] == bad and status["counters"]["versions_skipped"] >= 1
+        # the failed call's prompt was cancelled, not left waiting for a version nobody serves
+        assert status["counters"]["queued"] == 0
+        # the worker kept its last good version; a good update afterwards is served as usual
+        engine.update_weights_from_tensor("model.layers.0.self_attn.q_proj.weight", torch.randn(768, 768))
+        res = engine.generate("Hello", sampling_params={"max_new_tokens": 2})
+        assert isinstance(res, dict) and res["meta_info"]["weight_version"] == str(engine.pool.version) and engine.pool.version > bad
+    finally:
+        engine.shutdown()
+
+
 # --------------------------------------------------------------------------- NeMo-RL
 
 

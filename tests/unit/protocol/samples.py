@@ -68,4 +68,5 @@ def samples() -> dict[str, Any]:
                                                    free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
         "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
+        "apply_done_skipped": p.ApplyDone(version=3, ok=False, error="EngineError: q has shape (2,)", skipped=True),
     }
