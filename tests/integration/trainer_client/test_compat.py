@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import pathlib
 import shutil
 import tempfile
@@ -56,12 +55,8 @@ def served() -> Iterator[Served]:
     pool = Pool(dir=str(tmp), worker_ep=f"ipc://{tmp}/w", client_ep=f"ipc://{tmp}/c")
     pool.start_broker()
     pool.start_hf_worker(str(model))
-    # Every adapter of this module hosts its own weight publisher; they share one pair of endpoints (set as a
-    # deployment would, through the environment), because a worker keeps the first publisher endpoint it
-    # was told of and does not follow a new one (a worker-side limitation, reported).
-    env = {"ROLLPOOL_WEIGHT_ROUTER_ENDPOINT": f"ipc://{tmp}/weights", "ROLLPOOL_WEIGHT_PUB_ENDPOINT": f"ipc://{tmp}/announce"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    # Every adapter of this module hosts its own weight publisher on ports of its own (the default, as a porting user
+    # gets it): the broker names each new publisher to the worker, which follows it (issue 20 break 3).
     try:
         from rollpool.trainer_client import SyncTrainerClient
 
@@ -72,11 +67,6 @@ def served() -> Iterator[Served]:
                 time.sleep(0.2)
         yield Served(pool=pool, model=model, zero_head_ckpt=ckpt, vocab=int(tensors["lm_head.weight"].shape[0]), tmp=tmp)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         pool.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -156,8 +146,10 @@ def test_lightrft_code_blocks_run_as_documented(served: Served, tp_group: Any) -
         assert engine.pool.version > before
         assert after["meta_info"]["weight_version"] == str(engine.pool.version)
         assert set(after["meta_info"]["token_versions"]) == {engine.pool.version}
+        # >>> try: results = engine.generate("Hello") finally: engine.shutdown()
+        results = engine.generate("Hello")
+        assert isinstance(results, dict) and isinstance(results["text"], str)
     finally:
-        # >>> finally: engine.shutdown()
         engine.shutdown()
 
 
@@ -263,9 +255,9 @@ def _batched(rows: list[list[int]], pad: int = 0) -> dict[str, Any]:
 
 
 def test_nemo_rl_generate_takes_the_batched_dict_and_returns_its_output_spec(served: Served) -> None:
-    from rollpool.trainer_client.compat.nemo_rl import TOP_K_THRESHOLD, TOP_P_THRESHOLD, SGLangGeneration
+    from rollpool.trainer_client.compat.nemo_rl import TOP_K_THRESHOLD, TOP_P_THRESHOLD, SGLangGeneration, logger
 
-    assert (TOP_K_THRESHOLD, TOP_P_THRESHOLD) == (8000, 0.99)
+    assert (TOP_K_THRESHOLD, TOP_P_THRESHOLD) == (8000, 0.99) and isinstance(logger, logging.Logger)  # the module's Data
     gen = SGLangGeneration(object(), _nemo_config(served), name_prefix="sglang_policy", workers_per_node=None,
                            broker=served.pool.client_ep)
     try:
