@@ -259,7 +259,7 @@ class WeightSync:
             error = f"{type(exc).__name__}: {exc}"
         duration_s = time.monotonic() - t0
         if not fresh:
-            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=error))
+            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=_short(error)))
         if error is None:
             self._served_now(target)
             self.on_apply_finished(version)
@@ -343,7 +343,7 @@ class WeightSync:
         log.error("weight version %d skipped: %s; keeping version %d and following the next one", version, why, self.version,
                   extra={"worker": self.worker_id})
         self.metrics.event("version_skipped", {"worker_id": self.worker_id, "version": version, "reason": why})
-        await self.link.send(ApplyDone(version=version, ok=False, error=why, skipped=True))
+        await self.link.send(ApplyDone(version=version, ok=False, error=_short(why), skipped=True))
 
     def _make_subscriber(self) -> Subscriber:
         factory = self._subscriber_factory
@@ -371,3 +371,13 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # noqa: BLE001 - closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
+
+
+_MAX_ERROR_CHARS = 2000
+
+
+def _short(error: str | None) -> str | None:
+    """An error text for `ApplyDone`: an exception's text can be long, and the message must stay small."""
+    if error is None or len(error) <= _MAX_ERROR_CHARS:
+        return error
+    return error[: _MAX_ERROR_CHARS - 15] + " ... (truncated)"

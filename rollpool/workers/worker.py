@@ -39,9 +39,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightSyncError
+from rollpool.protocol.errors import EngineError, MessageTooLargeError, RequestRefusedError, WeightSyncError
+from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Result, Task
+from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Result, Task, Welcome
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
@@ -96,6 +97,8 @@ class Worker:
                 reconnect_backoff_max_s=config.reconnect_backoff_max_s,
                 host=socket.gethostname(),
                 pid=os.getpid(),
+                max_msg_bytes=sockets.options.max_msg_bytes,
+                max_header_bytes=DEFAULT_LIMITS.max_header_bytes,
             )
         )
         self.link = BrokerLink(sockets, config.broker, config.worker_id, config.send_timeout_s)
@@ -211,10 +214,23 @@ class Worker:
                     log.debug("abort of %s raised", task_id, exc_info=True)
         if eff.weights is not None:
             self.weights.note_weights(*eff.weights)
-        for i, msg in enumerate(eff.send):
-            if not await self.link.send(msg):
+        pending = list(eff.send)
+        for i, msg in enumerate(pending):
+            try:
+                sent = await self.link.send(msg)
+            except MessageTooLargeError as exc:
+                if not isinstance(msg, Result) or msg.error is not None:
+                    continue  # logged and counted by the link; nothing of a task's is lost with it
+                # the broker would drop it with the connection: the task fails, with the limit named
+                log.error("result of task %s (%d trajectories) not sent: %s", msg.task_id, len(msg.trajectories), exc,
+                          extra={"worker": self.worker_id})
+                self.metrics.event("result_refused", {"worker_id": self.worker_id, "task_id": msg.task_id,
+                                                      "limit": exc.limit, "bytes": exc.nbytes, "limit_bytes": exc.limit_bytes})
+                msg = pending[i] = Result(task_id=msg.task_id, prompt_id=msg.prompt_id, error=f"oversize: {exc}", retryable=False)
+                sent = await self.link.send(msg)
+            if not sent:
                 # the broker is unreachable: results wait in the outbox (a hello follows); the rest is dropped
-                self.session.unsent(self._now(), [m for m in eff.send[i:] if isinstance(m, Result)])
+                self.session.unsent(self._now(), [m for m in pending[i:] if isinstance(m, Result)])
                 break
         for task in eff.start:
             assert self._tg is not None
@@ -320,6 +336,8 @@ class Worker:
             msg = await self.link.recv()
             if msg is None:
                 continue
+            if isinstance(msg, Welcome):  # what the broker accepts: every message from now on is checked against it
+                self.link.peer_limits = (msg.max_msg_bytes, msg.max_header_bytes)
             eff = self.session.handle(self._now(), msg)
             if eff is not None:
                 await self._do(eff)
@@ -450,6 +468,7 @@ class Worker:
             "last_seen": time.time(),
             "simulated": bool(info.simulated) if info else False,
             "restarts": self.supervisor.restarts,
+            **{f"refused.limit.{k}": v for k, v in self.link.refused.items()},
             **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
         }
 
