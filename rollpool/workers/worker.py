@@ -219,15 +219,18 @@ class Worker:
             try:
                 sent = await self.link.send(msg)
             except MessageTooLargeError as exc:
-                if not isinstance(msg, Result) or msg.error is not None:
-                    continue  # logged and counted by the link; nothing of a task's is lost with it
+                if not isinstance(msg, Result):
+                    continue  # logged and counted by the link (a control message; a task's lease covers what it said)
                 # the broker would drop it with the connection: the task fails, with the limit named
                 log.error("result of task %s (%d trajectories) not sent: %s", msg.task_id, len(msg.trajectories), exc,
                           extra={"worker": self.worker_id})
                 self.metrics.event("result_refused", {"worker_id": self.worker_id, "task_id": msg.task_id,
                                                       "limit": exc.limit, "bytes": exc.nbytes, "limit_bytes": exc.limit_bytes})
                 msg = pending[i] = Result(task_id=msg.task_id, prompt_id=msg.prompt_id, error=f"oversize: {exc}", retryable=False)
-                sent = await self.link.send(msg)
+                try:
+                    sent = await self.link.send(msg)
+                except MessageTooLargeError:  # a limit too small for an error result: the lease deadline ends the task
+                    continue
             if not sent:
                 # the broker is unreachable: results wait in the outbox (a hello follows); the rest is dropped
                 self.session.unsent(self._now(), [m for m in pending[i:] if isinstance(m, Result)])
