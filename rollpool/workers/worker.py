@@ -226,7 +226,7 @@ class Worker:
                           extra={"worker": self.worker_id})
                 self.metrics.event("result_refused", {"worker_id": self.worker_id, "task_id": msg.task_id,
                                                       "limit": exc.limit, "bytes": exc.nbytes, "limit_bytes": exc.limit_bytes})
-                msg = pending[i] = Result(task_id=msg.task_id, prompt_id=msg.prompt_id, error=f"oversize: {exc}", retryable=False)
+                msg = pending[i] = Result(task_id=msg.task_id, prompt_id=msg.prompt_id, error=f"the worker could not send its result: {exc}", retryable=False)
                 try:
                     sent = await self.link.send(msg)
                 except MessageTooLargeError:  # a limit too small for an error result: the lease deadline ends the task

@@ -88,3 +88,62 @@ async def test_a_result_over_the_brokers_limit_is_refused_by_the_worker_and_fail
         await client.close()
         worker.stop()
         await asyncio.wait_for(run, 10)
+
+
+@pytest.mark.redis
+async def test_rollpool_top_shows_the_workers_and_the_brokers_refusals_by_limit(
+    redis_server: str, zmq_ctx: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uuid
+
+    import msgpack
+
+    from rollpool.cli import build_parser
+    from rollpool.monitor.sink import RedisMetricsSink
+
+    pool = "t" + uuid.uuid4().hex[:10]
+    broker_sink = RedisMetricsSink(redis_server, pool, flush_interval_s=0.05)
+    worker_sink = RedisMetricsSink(redis_server, pool, flush_interval_s=0.05)
+    ctx = zmq.asyncio.Context()
+    broker_sockets = SocketFactory(ctx, SocketOptions(max_msg_bytes=LIMIT))
+    broker = Broker(BrokerConfig(worker_endpoint="tcp://127.0.0.1:*", client_endpoint="tcp://127.0.0.1:*", heartbeat_interval_s=HB,
+                                 drain_timeout_s=0.0, pool=pool), broker_sockets, metrics=broker_sink)
+    broker_task = asyncio.create_task(broker.run())
+    await asyncio.wait_for(broker.ready.wait(), 5)
+    sockets = SocketFactory(zmq_ctx)
+    worker = Worker(WorkerConfig(broker=broker.worker_endpoint, worker_id="w0", heartbeat_interval_s=HB, drain_timeout_s=0.2, pool=pool),
+                    sockets, metrics=worker_sink,
+                    engine_factory=lambda: SimEngine(decode_s_per_token=1e-6, length="fixed", length_median=12_000, capacity=8, vocab=300))
+    run = asyncio.create_task(worker.run())
+    client = TrainerClient(config=TrainerClientConfig(broker=broker.client_endpoint, request_timeout_s=1.0, pull_wait_s=0.2), sockets=sockets)
+    raw = sockets.dealer(broker.worker_endpoint, identity=b"raw")
+    try:
+        await client.connect()
+        await client.submit([p.Prompt(prompt_id="big", text="x", sampling=p.SamplingParams(max_new_tokens=12_000))])
+        # a client message on the worker port: the broker refuses it by its type (refused.limit.message_type)
+        await raw.send_multipart([msgpack.packb([1, 0, "status_request", {"request_id": "r"}])])
+        for _ in range(200):
+            if worker.link.refused and broker.counters().get("refused.limit.message_type"):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(4 * HB)  # a heartbeat or two publishes both states
+        assert broker_sink.flush() and worker_sink.flush()
+        args = build_parser().parse_args(["top", "--once", "--redis-url", redis_server, "--pool", pool])
+        assert int(await asyncio.to_thread(args._run, args)) == 0
+        frame = capsys.readouterr().out
+        assert "REFUSALS" in frame, frame
+        workers_row = next(line for line in frame.splitlines() if "workers, by limit" in line)
+        assert "max_msg_bytes 1" in workers_row, frame
+        broker_row = next(line for line in frame.splitlines() if line.strip().startswith("by limit"))
+        assert "message_type 1" in broker_row, frame
+    finally:
+        raw.close(linger=0)
+        await client.close()
+        worker.stop()
+        await asyncio.wait_for(run, 10)
+        broker.stop()
+        await asyncio.wait_for(broker_task, 10)
+        broker_sockets.close()
+        ctx.destroy(linger=0)
+        broker_sink.close()
+        worker_sink.close()
