@@ -339,6 +339,8 @@ class BrokerState:
             w = old
             w.identity = identity
             w.capacity = capacity
+            if (old.host, old.pid) != (host, pid):  # another process under this id: it will try every version afresh
+                w.skipped_version, w.skipped_error = -1, ""
         else:
             w = WorkerInfo(worker_id=worker_id, identity=identity, capacity=capacity, credits=0, last_seen=now, joined_at=now)
             self.workers[worker_id] = w

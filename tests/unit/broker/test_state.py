@@ -439,6 +439,10 @@ def test_a_version_a_worker_gave_up_is_shown_on_it_and_frees_only_its_wait_for_a
     assert s.counters["versions_skipped"] == 3 and s.counters["versions_failed"] == 1
     s.apply_done(a, 1, ok=False, error="old", skipped=True)  # an older report does not hide the newer one
     assert a.skipped_version == 3 and a.skipped_error.endswith("(restarted engine)")
+    s.add_worker(worker_id="a", identity=b"a", capacity=4, credits=4, now=1.0, version=2)  # a re-hello of the same process
+    assert s.workers["a"].skipped_version == 3
+    s.add_worker(worker_id="a", identity=b"a2", capacity=4, credits=4, now=2.0, version=2, pid=4242)  # a new process: it tries again
+    assert s.workers["a"].skipped_version == -1 and s.workers["a"].skipped_error == ""
 
 
 def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_until_acknowledged() -> None:
