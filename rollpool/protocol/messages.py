@@ -179,6 +179,9 @@ class SamplingParams:
     """Stop strings."""
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs_num: int = 0
+    """Report the logprobs of the k most likely tokens at every output position (0: none; SGLang's name).
+    A worker whose engine cannot refuses the task (an error result naming it); protocol 1.5."""
 
 
 @record
@@ -234,6 +237,11 @@ class Trajectory:
     segment_index: int = 0
     """Episodes: the segment of sample `sample_index` this trajectory holds (a history rewrite starts a
     new one); 0 for a plain generate call."""
+    output_top_ids: Int32Array | None = None
+    """With `SamplingParams.top_logprobs_num` k: the k most likely token ids at every output position,
+    row-major (len(output_ids) * k), most likely first; None otherwise (protocol 1.5)."""
+    output_top_logprobs: Float32Array | None = None
+    """Their logprobs (the same log_softmax(logits / temperature) as `output_logprobs`), same layout."""
 
     @property
     def trajectory_id(self) -> str:

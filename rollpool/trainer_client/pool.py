@@ -13,8 +13,11 @@ Guarantees:
 
 * Every parameter is honoured or refused: an argument or sampling key the pool
   cannot honour raises `UnsupportedParameterError` naming it (images, LoRA,
-  custom logit processors, prompt logprobs, top-k logprobs, streaming, and any
-  sampling key other than the neutral value of one SGLang knows).
+  custom logit processors, prompt logprobs, streaming, and any sampling key
+  other than the neutral value of one SGLang knows). ``top_logprobs_num`` (0 to
+  `MAX_TOP_LOGPROBS`, with ``return_logprob``) is honoured by engines that report
+  top logprobs (hf) as ``meta_info["output_top_logprobs"]``; a worker whose
+  engine cannot fails the group with an error naming it.
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
@@ -69,6 +72,8 @@ PromptLike = str | Sequence[int]
 SLEEP_TAGS: tuple[str, ...] = ("kv_cache", "cuda_graph")
 """What `sleep()` releases by default (LightRFT's default: the weights stay)."""
 ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+MAX_TOP_LOGPROBS = 64
+"""The most top logprobs per output token a generate call may ask for (they travel on every trajectory)."""
 SYNC_POLL_S = 0.5
 """While prompts wait for a weight version, how often the pool asks the broker whether every worker gave it up."""
 
@@ -196,8 +201,8 @@ def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: 
         if start is not None and start != -1:
             raise UnsupportedParameterError("logprob_start_len", "the pool reports logprobs of output tokens only (-1), not of prompt tokens")
     for k in _per_prompt("top_logprobs_num", top_logprobs_num, count):
-        if k:
-            raise UnsupportedParameterError("top_logprobs_num", "trajectories carry the sampled token's logprob only (0)")
+        if k is not None and not 0 <= int(k) <= MAX_TOP_LOGPROBS:
+            raise UnsupportedParameterError("top_logprobs_num", f"{k}: the pool reports 0 to {MAX_TOP_LOGPROBS} top logprobs per token")
     if stream:
         raise UnsupportedParameterError("stream", "the pool returns whole samples; use generate_async for results as they finish")
 
@@ -208,6 +213,8 @@ class _Call:
     sizes: list[int]
     logprobs: list[bool]
     min_version: int
+    tops: list[int]
+    """top_logprobs_num asked for, per prompt (0: none)."""
 
 
 class RolloutPool:
@@ -245,6 +252,9 @@ class RolloutPool:
         _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
         sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
         logprobs = [bool(x) for x in _per_prompt("return_logprob", return_logprob, len(items))]
+        # SGLang reports top logprobs with return_logprob only; they are asked of the workers only then
+        tops = [int(k or 0) if lp else 0 for k, lp in zip(_per_prompt("top_logprobs_num", top_logprobs_num, len(items)), logprobs, strict=True)]
+        sampling = [(replace(sp, top_logprobs_num=k) if k else sp, n) for (sp, n), k in zip(sampling, tops, strict=True)]
         if self._staged:
             self.commit_weights()
         required = self._required if self.synchronous else -1
@@ -256,7 +266,7 @@ class RolloutPool:
         if result.rejected:
             pid, reason = next(iter(result.rejected.items()))
             raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
-        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required), single and sampling[0][1] == 1
+        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops), single and sampling[0][1] == 1
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
         poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
@@ -342,8 +352,8 @@ class RolloutPool:
                                     custom_logit_processor, logprob_start_len, top_logprobs_num, stream)
         self._collect(call)
         out: list[dict[str, Any]] = []
-        for pid, n, lp in zip(call.prompt_ids, call.sizes, call.logprobs, strict=True):
-            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version))
+        for pid, n, lp, k in zip(call.prompt_ids, call.sizes, call.logprobs, call.tops, strict=True):
+            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version, k))
         return out[0] if single else out
 
     async def generate_async(self, prompt: str | Sequence[str] | None = None,
@@ -359,12 +369,13 @@ class RolloutPool:
             at += n
         sizes = dict(zip(call.prompt_ids, call.sizes, strict=True))
         logprobs = dict(zip(call.prompt_ids, call.logprobs, strict=True))
+        tops = dict(zip(call.prompt_ids, call.tops, strict=True))
         deadline = self._deadline(call)
         left = set(call.prompt_ids)
         while left:
             for pid in [p for p in left if p in self._done]:  # taken by a concurrent call's pull
                 left.discard(pid)
-                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version)):
+                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version, tops[pid])):
                     yield offsets[pid] + j, res
             if not left:
                 break
@@ -372,7 +383,7 @@ class RolloutPool:
                 self._done[g.prompt_id] = g
 
     @staticmethod
-    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1) -> list[dict[str, Any]]:
+    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1, top_k: int = 0) -> list[dict[str, Any]]:
         if g.state != GroupState.DONE:
             return [{"text": "", "output_ids": [], "meta_info": {"id": f"{g.prompt_id}:{i}", "finish_reason": {"type": "abort", "message": f"{g.state}: {g.reason}"}}} for i in range(n)]
         trajs: list[Trajectory] = sorted(g.trajectories, key=lambda t: t.sample_index)
@@ -395,6 +406,17 @@ class RolloutPool:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
+            if top_k > 0:
+                if t.output_top_ids is None or t.output_top_logprobs is None:
+                    raise UnsupportedParameterError("top_logprobs_num", f"{t.trajectory_id} came without top logprobs: worker "
+                                                    f"{t.worker_id!r} ignored the request (protocol older than 1.5?)")
+                want = len(t.output_ids) * top_k
+                if len(t.output_top_ids) != want or len(t.output_top_logprobs) != want:
+                    raise ValueError(f"{t.trajectory_id}: {len(t.output_top_ids)} top ids and {len(t.output_top_logprobs)} top logprobs "
+                                     f"for {len(t.output_ids)} tokens x {top_k} (worker {t.worker_id!r})")
+                ids, lps = t.output_top_ids.reshape(-1, top_k), t.output_top_logprobs.reshape(-1, top_k)
+                meta["output_top_logprobs"] = [[(float(lp), int(tok), None) for lp, tok in zip(lr, ir, strict=True)]
+                                               for lr, ir in zip(lps, ids, strict=True)]
             out.append({"text": t.output_text or "", "output_ids": t.output_ids.tolist(), "meta_info": meta})
         return out
 

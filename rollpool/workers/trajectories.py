@@ -52,6 +52,8 @@ def build_trajectories(task: Task, out: GenerateOutput, worker_id: str) -> list[
                 finished_at=s.finished_at,
                 reward=None,
                 metadata=dict(base_meta),
+                output_top_ids=None if s.top_ids is None else np.asarray(s.top_ids, dtype=np.int32).reshape(-1),
+                output_top_logprobs=None if s.top_logprobs is None else np.asarray(s.top_logprobs, dtype=np.float32).reshape(-1),
             )
         )
     return trajectories

@@ -260,6 +260,13 @@ class Worker:
                 # cancelled before its runner reached the engine (an abort then finds no request): end it here
                 await self._do(self.session.generation_finished(self._now(), task_id))
                 return
+            if prompt.sampling.top_logprobs_num > 0 and (self.episodes is not None or not engine.info().top_logprobs):
+                # honoured or refused, never ignored: the trainer gets an error result naming it
+                what = "the episode runner" if self.episodes is not None else f"the {engine.info().name} engine"
+                reason = f"top_logprobs_num={prompt.sampling.top_logprobs_num}: {what} does not report top logprobs"
+                log.warning("task %s refused: %s", task_id, reason, extra={"worker": self.worker_id})
+                await self._do(self.session.task_refused(self._now(), task_id, reason))
+                return
             if self.episodes is not None:
                 await self._run_episodes(task)
                 return

@@ -78,6 +78,11 @@ class SampleOutput:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     """Wall-clock seconds since the epoch."""
+    top_ids: list[list[int]] | None = None
+    """With ``sampling.top_logprobs_num`` k (engines with `EngineInfo.top_logprobs`): per output id, the
+    k most likely token ids, most likely first."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs, the same layout."""
 
 
 @dataclass(slots=True)
@@ -107,6 +112,9 @@ class EngineInfo:
     simulated: bool = False
     device: str = "cpu"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    top_logprobs: bool = False
+    """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
+    worker refuses such a task for an engine that does not."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +126,7 @@ class EngineInfo:
             "fingerprint": self.fingerprint,
             "simulated": self.simulated,
             "device": self.device,
+            "top_logprobs": self.top_logprobs,
             **dict(self.extra),
         }
 

@@ -16,6 +16,8 @@ Guarantees:
   ``stop_token_ids``, both ignored with ``ignore_eos``) and the token that
   completed a stop string; ``output_text`` has them trimmed.
   ``seed`` makes a request reproducible (sample i uses seed + i).
+  ``top_logprobs_num`` k > 0 also reports the k most likely tokens and their
+  logprobs (the same log_softmax) at every output position.
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -57,11 +59,20 @@ from rollpool.workers.engines.base import (
 )
 from rollpool.workers.engines.options import HFOptions, options_from
 
-__all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token"]
+__all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token", "top_logprobs"]
 
 log = logging.getLogger(__name__)
 
 _GREEDY_EPS = 1e-5
+
+
+def top_logprobs(logits: torch.Tensor, sampling: SamplingParams, k: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens of a 1-D logits row and their logprobs, as `sample_token` reports logprobs
+    (log_softmax(logits / temperature) before truncation; temperature 1 when greedy), most likely first."""
+    temperature = 1.0 if sampling.temperature < _GREEDY_EPS else sampling.temperature
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    values, ids = torch.topk(logp, min(k, logp.numel()))
+    return [int(i) for i in ids], [float(v) for v in values]
 
 
 def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
@@ -96,6 +107,9 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    """With ``sampling.top_logprobs_num``: per output token, the k most likely ids and their logprobs."""
     kv_len: int = 0
     """Tokens of this sequence held in the KV cache (the last sampled token is not yet)."""
     finish: str | None = None
@@ -181,6 +195,7 @@ class HFEngine:
             simulated=False,
             device=self.device,
             extra={"dtype": str(self.dtype).removeprefix("torch.")},
+            top_logprobs=True,
         )
 
     @property
@@ -539,6 +554,10 @@ class HFEngine:
         now = time.time()
         seq.out.append(tok)
         seq.logprobs.append(logprob)
+        if sampling.top_logprobs_num > 0:
+            ids, lps = top_logprobs(logits, sampling, sampling.top_logprobs_num)
+            seq.top_ids.append(ids)
+            seq.top_logprobs.append(lps)
         seq.versions.append(self.version)
         if not seq.first_token_at:
             seq.first_token_at = now
@@ -596,6 +615,8 @@ class HFEngine:
                 matched_stop=s.matched,
                 first_token_at=s.first_token_at,
                 finished_at=s.finished_at,
+                top_ids=[list(r) for r in s.top_ids] if group.sampling.top_logprobs_num > 0 else None,
+                top_logprobs=[list(r) for r in s.top_logprobs] if group.sampling.top_logprobs_num > 0 else None,
             )
             for s in group.seqs
         ]

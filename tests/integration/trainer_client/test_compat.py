@@ -181,6 +181,35 @@ def test_lightrft_mismatched_shape_fails_fast_and_publishes_nothing(served: Serv
         engine.shutdown()
 
 
+def test_top_logprobs_num_is_honoured_by_the_hf_workers(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    engine = RLGenerationEngine(tp_group_cpu=None, broker=served.pool.client_ep)
+    try:
+        greedy = engine.generate(prompt=["Hello", "Goodbye"], sampling_params={"temperature": 0.0, "max_new_tokens": 5},
+                                 return_logprob=True, top_logprobs_num=[3, 1])
+        assert isinstance(greedy, list)
+        for r, k in zip(greedy, (3, 1), strict=True):
+            tops, chosen = r["meta_info"]["output_top_logprobs"], r["meta_info"]["output_token_logprobs"]
+            assert len(tops) == len(chosen) == len(r["output_ids"]) >= 1
+            for row, (lp, tok, _) in zip(tops, chosen, strict=True):
+                assert len(row) == k and [x[0] for x in row] == sorted((x[0] for x in row), reverse=True)
+                assert row[0][1] == tok and abs(row[0][0] - lp) < 1e-5  # greedy: the chosen token is the most likely
+        sampled = engine.generate("Hello", sampling_params={"temperature": 1.0, "max_new_tokens": 6}, return_logprob=True,
+                                  top_logprobs_num=4)
+        assert isinstance(sampled, dict)
+        for row, (lp, tok, _) in zip(sampled["meta_info"]["output_top_logprobs"], sampled["meta_info"]["output_token_logprobs"], strict=True):
+            assert row[0][0] >= lp - 1e-6  # nothing sampled is more likely than the top one
+            if tok in [t for _, t, _ in row]:
+                assert abs(dict((t, v) for v, t, _ in row)[tok] - lp) < 1e-5  # the same logprob, both ways
+        plain = engine.generate("Hello", sampling_params={"max_new_tokens": 2}, top_logprobs_num=3)  # without return_logprob
+        assert isinstance(plain, dict) and "output_top_logprobs" not in plain["meta_info"]
+        with pytest.raises(UnsupportedParameterError, match="top_logprobs_num"):
+            engine.generate("Hello", return_logprob=True, top_logprobs_num=1000)
+    finally:
+        engine.shutdown()
+
+
 def test_lightrft_model_that_is_not_the_pools_is_refused_and_a_hub_name_is_warned_about(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:

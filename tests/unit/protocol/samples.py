@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -69,4 +70,7 @@ def samples() -> dict[str, Any]:
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
         "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
         "apply_done_skipped": p.ApplyDone(version=3, ok=False, error="EngineError: q has shape (2,)", skipped=True),
+        "result_top_logprobs": p.Result(task_id="t4", prompt_id="p1", trajectories=(dataclasses.replace(
+            traj, output_top_ids=np.array([7, 9, 8, 7, 2, 5], dtype=np.int32),
+            output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32)),)),
     }
