@@ -71,7 +71,8 @@ PROTOCOL_MAJOR = 1
 #   1.4  streamed weight manifests: ManifestRequest.streamed, host_key; Manifest.host_key, pool;
 #        BucketInfo.shm_segment; Chunk.checksum
 #   1.5  ApplyDone.skipped (a worker reports a weight version it gave up on, with the reason);
-#        SamplingParams.top_logprobs_num, Trajectory.output_top_ids / output_top_logprobs
+#        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
+#        input_logprobs
 PROTOCOL_MINOR = 5
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""

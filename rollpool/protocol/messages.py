@@ -182,6 +182,9 @@ class SamplingParams:
     top_logprobs_num: int = 0
     """Report the logprobs of the k most likely tokens at every output position (0: none; SGLang's name).
     A worker whose engine cannot refuses the task (an error result naming it); protocol 1.5."""
+    logprob_start_len: int = -1
+    """Report the logprobs of the prompt's tokens from this position on (-1: none; SGLang's name). A worker
+    whose engine cannot refuses the task; protocol 1.5."""
 
 
 @record
@@ -242,6 +245,9 @@ class Trajectory:
     row-major (len(output_ids) * k), most likely first; None otherwise (protocol 1.5)."""
     output_top_logprobs: Float32Array | None = None
     """Their logprobs (the same log_softmax(logits / temperature) as `output_logprobs`), same layout."""
+    input_logprobs: Float32Array | None = None
+    """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
+    (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.5."""
 
     @property
     def trajectory_id(self) -> str:

@@ -17,7 +17,9 @@ Guarantees:
   other than the neutral value of one SGLang knows). ``top_logprobs_num`` (0 to
   `MAX_TOP_LOGPROBS`, with ``return_logprob``) is honoured by engines that report
   top logprobs (hf) as ``meta_info["output_top_logprobs"]``; a worker whose
-  engine cannot fails the group with an error naming it.
+  engine cannot fails the group with an error naming it. ``logprob_start_len``
+  s >= 0 (with ``return_logprob``) likewise gives ``meta_info["input_token_logprobs"]``
+  for the prompt's tokens from position s (``None`` for position 0).
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -198,8 +201,8 @@ def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: 
     if given(custom_logit_processor):
         raise UnsupportedParameterError("custom_logit_processor", "the pool's engines run no custom logit processors")
     for start in _per_prompt("logprob_start_len", logprob_start_len, count):
-        if start is not None and start != -1:
-            raise UnsupportedParameterError("logprob_start_len", "the pool reports logprobs of output tokens only (-1), not of prompt tokens")
+        if start is not None and int(start) < -1:
+            raise UnsupportedParameterError("logprob_start_len", f"{start}: a prompt position (>= 0) or -1 (no prompt logprobs)")
     for k in _per_prompt("top_logprobs_num", top_logprobs_num, count):
         if k is not None and not 0 <= int(k) <= MAX_TOP_LOGPROBS:
             raise UnsupportedParameterError("top_logprobs_num", f"{k}: the pool reports 0 to {MAX_TOP_LOGPROBS} top logprobs per token")
@@ -215,6 +218,8 @@ class _Call:
     min_version: int
     tops: list[int]
     """top_logprobs_num asked for, per prompt (0: none)."""
+    starts: list[int]
+    """logprob_start_len asked for, per prompt (-1: none)."""
 
 
 class RolloutPool:
@@ -255,6 +260,8 @@ class RolloutPool:
         # SGLang reports top logprobs with return_logprob only; they are asked of the workers only then
         tops = [int(k or 0) if lp else 0 for k, lp in zip(_per_prompt("top_logprobs_num", top_logprobs_num, len(items)), logprobs, strict=True)]
         sampling = [(replace(sp, top_logprobs_num=k) if k else sp, n) for (sp, n), k in zip(sampling, tops, strict=True)]
+        starts = [int(s) if lp and s is not None else -1 for s, lp in zip(_per_prompt("logprob_start_len", logprob_start_len, len(items)), logprobs, strict=True)]
+        sampling = [(replace(sp, logprob_start_len=s) if s >= 0 else sp, n) for (sp, n), s in zip(sampling, starts, strict=True)]
         if self._staged:
             self.commit_weights()
         required = self._required if self.synchronous else -1
@@ -266,7 +273,7 @@ class RolloutPool:
         if result.rejected:
             pid, reason = next(iter(result.rejected.items()))
             raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
-        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops), single and sampling[0][1] == 1
+        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops, starts), single and sampling[0][1] == 1
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
         poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
@@ -352,8 +359,8 @@ class RolloutPool:
                                     custom_logit_processor, logprob_start_len, top_logprobs_num, stream)
         self._collect(call)
         out: list[dict[str, Any]] = []
-        for pid, n, lp, k in zip(call.prompt_ids, call.sizes, call.logprobs, call.tops, strict=True):
-            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version, k))
+        for pid, n, lp, k, s in zip(call.prompt_ids, call.sizes, call.logprobs, call.tops, call.starts, strict=True):
+            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version, k, s))
         return out[0] if single else out
 
     async def generate_async(self, prompt: str | Sequence[str] | None = None,
@@ -370,12 +377,13 @@ class RolloutPool:
         sizes = dict(zip(call.prompt_ids, call.sizes, strict=True))
         logprobs = dict(zip(call.prompt_ids, call.logprobs, strict=True))
         tops = dict(zip(call.prompt_ids, call.tops, strict=True))
+        starts = dict(zip(call.prompt_ids, call.starts, strict=True))
         deadline = self._deadline(call)
         left = set(call.prompt_ids)
         while left:
             for pid in [p for p in left if p in self._done]:  # taken by a concurrent call's pull
                 left.discard(pid)
-                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version, tops[pid])):
+                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version, tops[pid], starts[pid])):
                     yield offsets[pid] + j, res
             if not left:
                 break
@@ -383,7 +391,8 @@ class RolloutPool:
                 self._done[g.prompt_id] = g
 
     @staticmethod
-    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1, top_k: int = 0) -> list[dict[str, Any]]:
+    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1, top_k: int = 0,
+                   logprob_start: int = -1) -> list[dict[str, Any]]:
         if g.state != GroupState.DONE:
             return [{"text": "", "output_ids": [], "meta_info": {"id": f"{g.prompt_id}:{i}", "finish_reason": {"type": "abort", "message": f"{g.state}: {g.reason}"}}} for i in range(n)]
         trajs: list[Trajectory] = sorted(g.trajectories, key=lambda t: t.sample_index)
@@ -406,6 +415,16 @@ class RolloutPool:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
+            if logprob_start >= 0:
+                if t.input_logprobs is None:
+                    raise UnsupportedParameterError("logprob_start_len", f"{t.trajectory_id} came without prompt logprobs: worker "
+                                                    f"{t.worker_id!r} ignored the request (protocol older than 1.5?)")
+                first = len(t.input_ids) - len(t.input_logprobs)
+                if first < 0:
+                    raise ValueError(f"{t.trajectory_id}: {len(t.input_logprobs)} prompt logprobs for {len(t.input_ids)} prompt tokens "
+                                     f"(worker {t.worker_id!r})")
+                meta["input_token_logprobs"] = [(None if math.isnan(lp) else float(lp), int(tok), None)
+                                                for lp, tok in zip(t.input_logprobs, t.input_ids[first:], strict=True)]
             if top_k > 0:
                 if t.output_top_ids is None or t.output_top_logprobs is None:
                     raise UnsupportedParameterError("top_logprobs_num", f"{t.trajectory_id} came without top logprobs: worker "

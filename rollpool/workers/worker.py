@@ -260,12 +260,10 @@ class Worker:
                 # cancelled before its runner reached the engine (an abort then finds no request): end it here
                 await self._do(self.session.generation_finished(self._now(), task_id))
                 return
-            if prompt.sampling.top_logprobs_num > 0 and (self.episodes is not None or not engine.info().top_logprobs):
-                # honoured or refused, never ignored: the trainer gets an error result naming it
-                what = "the episode runner" if self.episodes is not None else f"the {engine.info().name} engine"
-                reason = f"top_logprobs_num={prompt.sampling.top_logprobs_num}: {what} does not report top logprobs"
-                log.warning("task %s refused: %s", task_id, reason, extra={"worker": self.worker_id})
-                await self._do(self.session.task_refused(self._now(), task_id, reason))
+            unsupported = self._unsupported(task, engine)
+            if unsupported is not None:  # honoured or refused, never ignored: the trainer gets an error result naming it
+                log.warning("task %s refused: %s", task_id, unsupported, extra={"worker": self.worker_id})
+                await self._do(self.session.task_refused(self._now(), task_id, unsupported))
                 return
             if self.episodes is not None:
                 await self._run_episodes(task)
@@ -300,6 +298,16 @@ class Worker:
         finally:
             if self._runners.get(task_id) is asyncio.current_task():
                 del self._runners[task_id]
+
+    def _unsupported(self, task: Task, engine: Engine) -> str | None:
+        """Why this worker cannot honour the task's sampling (top or prompt logprobs), or None."""
+        sp, info = task.prompt.sampling, engine.info()
+        what = "the episode runner" if self.episodes is not None else f"the {info.name} engine"
+        if sp.top_logprobs_num > 0 and (self.episodes is not None or not info.top_logprobs):
+            return f"top_logprobs_num={sp.top_logprobs_num}: {what} does not report top logprobs"
+        if sp.logprob_start_len >= 0 and (self.episodes is not None or not info.prompt_logprobs):
+            return f"logprob_start_len={sp.logprob_start_len}: {what} does not report prompt logprobs"
+        return None
 
     async def _run_episodes(self, task: Task) -> None:
         """The task's group as n episodes (n credits, as n samples). A cancel (drain deadline, broker cancel,

@@ -95,6 +95,9 @@ class GenerateOutput:
     samples: list[SampleOutput]
     started_at: float = 0.0
     simulated: bool = False
+    input_logprobs: list[float] | None = None
+    """With ``sampling.logprob_start_len`` s >= 0 (engines with `EngineInfo.prompt_logprobs`): the logprob of
+    each prompt token from position s on, NaN for position 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,8 @@ class EngineInfo:
     top_logprobs: bool = False
     """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
     worker refuses such a task for an engine that does not."""
+    prompt_logprobs: bool = False
+    """It honours `SamplingParams.logprob_start_len` (fills `GenerateOutput.input_logprobs`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +132,7 @@ class EngineInfo:
             "simulated": self.simulated,
             "device": self.device,
             "top_logprobs": self.top_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             **dict(self.extra),
         }
 

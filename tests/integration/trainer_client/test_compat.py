@@ -210,6 +210,31 @@ def test_top_logprobs_num_is_honoured_by_the_hf_workers(served: Served) -> None:
         engine.shutdown()
 
 
+def test_logprob_start_len_gives_the_prompts_logprobs_and_they_agree_with_the_sampled_ones(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    engine = RLGenerationEngine(tp_group_cpu=None, broker=served.pool.client_ep)
+    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    try:
+        prompt = [5, 6, 7, 8, 9]
+        first = engine.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True, logprob_start_len=0)
+        assert isinstance(first, dict)
+        inputs = first["meta_info"]["input_token_logprobs"]
+        assert [tok for _, tok, _ in inputs] == prompt and inputs[0][0] is None and all(lp <= 0.0 for lp, _, _ in inputs[1:])
+        # the generated tokens fed back as a prompt: their prompt logprobs are the logprobs they were sampled with
+        again = engine.generate(input_ids=prompt + first["output_ids"], sampling_params=greedy, return_logprob=True,
+                                logprob_start_len=len(prompt))
+        assert isinstance(again, dict)
+        fed = again["meta_info"]["input_token_logprobs"]
+        assert [tok for _, tok, _ in fed] == first["output_ids"]
+        sampled = [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]]
+        assert all(abs(a - b) < 1e-3 for (a, _, _), b in zip(fed, sampled, strict=True)), (fed, sampled)
+        plain = engine.generate(input_ids=prompt, sampling_params=greedy, logprob_start_len=0)  # without return_logprob
+        assert isinstance(plain, dict) and "input_token_logprobs" not in plain["meta_info"]
+    finally:
+        engine.shutdown()
+
+
 def test_lightrft_model_that_is_not_the_pools_is_refused_and_a_hub_name_is_warned_about(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:

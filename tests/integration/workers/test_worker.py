@@ -337,7 +337,7 @@ async def test_refused_prompt_is_a_non_retryable_result(harness: Callable[..., A
     assert worker.restarts == 0
 
 
-async def test_top_logprobs_on_an_engine_that_does_not_report_them_is_refused_not_ignored(harness: Callable[..., Any]) -> None:
+async def test_top_or_prompt_logprobs_on_an_engine_that_does_not_report_them_are_refused_not_ignored(harness: Callable[..., Any]) -> None:
     worker, broker, _run = await harness()  # the sim engine: no top logprobs
     await broker.welcome()
     await broker.send(task(1, n=2, top_logprobs_num=3))
@@ -345,7 +345,10 @@ async def test_top_logprobs_on_an_engine_that_does_not_report_them_is_refused_no
     result = await broker.expect(Result)
     assert credit.credits == 2 and not result.trajectories and result.retryable is False
     assert result.error and "top_logprobs_num=3" in result.error and "sim engine" in result.error
-    await broker.send(task(2, n=1))  # and it keeps serving
+    await broker.send(task(2, n=1, logprob_start_len=0))
+    refused = await broker.expect(Result)
+    assert refused.error and "logprob_start_len=0" in refused.error and "prompt logprobs" in refused.error
+    await broker.send(task(3, n=1))  # and it keeps serving
     assert (await broker.expect(Result)).trajectories
 
 

@@ -72,5 +72,6 @@ def samples() -> dict[str, Any]:
         "apply_done_skipped": p.ApplyDone(version=3, ok=False, error="EngineError: q has shape (2,)", skipped=True),
         "result_top_logprobs": p.Result(task_id="t4", prompt_id="p1", trajectories=(dataclasses.replace(
             traj, output_top_ids=np.array([7, 9, 8, 7, 2, 5], dtype=np.int32),
-            output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32)),)),
+            output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32),
+            input_logprobs=np.array([-4.0, -2.5, -0.75], dtype=np.float32)),)),  # from position 1 (no NaN: it never equals itself)
     }
