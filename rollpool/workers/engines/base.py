@@ -83,6 +83,8 @@ class SampleOutput:
     k most likely token ids, most likely first."""
     top_logprobs: list[list[float]] | None = None
     """Their logprobs, the same layout."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (first attempt); None where the engine does not say."""
 
 
 @dataclass(slots=True)
