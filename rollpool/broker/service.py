@@ -512,7 +512,7 @@ class Broker:
             st.apply_request(w, msg.version, now)
         elif kind is ApplyDone:
             st.touch(w, now)
-            st.apply_done(w, msg.version, msg.ok, msg.error)
+            st.apply_done(w, msg.version, msg.ok, msg.error, skipped=msg.skipped)
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))

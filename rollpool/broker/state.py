@@ -176,6 +176,10 @@ class WorkerInfo:
     """Leases at or below `reported_seq` missing from its last full held list (issue 20 requeues them)."""
     version_epoch: int = 0
     """The version epoch its reported `version` belongs to (`rebase`)."""
+    skipped_version: int = -1
+    """The newest weight version this worker gave up on for good (`ApplyDone.skipped`; -1: none)."""
+    skipped_error: str = ""
+    """Why, in the worker's words."""
 
     def live_state(self, now: float) -> dict[str, Any]:
         return {
@@ -191,6 +195,8 @@ class WorkerInfo:
             "completed": self.completed,
             "fingerprint": self.fingerprint,
             "last_seen_s_ago": round(now - self.last_seen, 3),
+            "skipped_version": self.skipped_version,
+            "skipped_error": self.skipped_error,
         }
 
 
@@ -254,6 +260,7 @@ _COUNTERS = (
     "apply_slots_expired",
     "grants_resent",
     "versions_failed",
+    "versions_skipped",
 )
 
 
@@ -348,6 +355,8 @@ class BrokerState:
             w = old
             w.identity = identity
             w.capacity = capacity
+            if (old.host, old.pid) != (host, pid):  # another process under this id: it will try every version afresh
+                w.skipped_version, w.skipped_error = -1, ""
         else:
             w = WorkerInfo(worker_id=worker_id, identity=identity, capacity=capacity, credits=0, last_seen=now, joined_at=now)
             self.workers[worker_id] = w
@@ -1194,7 +1203,19 @@ class BrokerState:
         self._apply_waiting[wid] = version
         self._grant_apply()
 
-    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None, skipped: bool = False) -> None:
+        """The outcome of a worker's apply. ``skipped``: the worker gave `version` up for good (after its own
+        retries, a restarted engine included); recorded on the worker (`live_state`) so a trainer waiting for
+        that version can fail at once, and no apply slot it holds for another version is touched."""
+        if skipped:
+            self.counters["versions_skipped"] += 1
+            # no event here: the worker's own `version_skipped` event carries the reason to the events stream
+            if version > w.skipped_version:
+                w.skipped_version, w.skipped_error = version, (error or "")[:2000]
+            if self._apply_waiting.get(w.worker_id, version + 1) <= version:  # it gave up waiting for a grant
+                self._apply_waiting.pop(w.worker_id)
+                self._grant_apply()
+            return
         if ok:
             w.version = max(w.version, self._valid_version(version, w.version_epoch) if self.version_epoch else version)
         else:

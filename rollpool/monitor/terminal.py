@@ -3,7 +3,8 @@
 `render_frame` lays out a `PoolState` in at most `width` columns: a header, the
 broker's counters, its reconciliation counters (results re-sent, leases
 reconciled, credit corrections, broker stalls with their length, failed versions
-with the last error, rebases), the refusals by limit and by role (when there were any), a
+with the last error, rebases), the refusals by limit and by role (the broker's, and what workers
+refused to send; when there were any), a
 table of alive workers (with each one's version lag), the staleness histogram as
 bars, and the most recent events. With ``color=True`` it
 adds plain ANSI SGR codes (bold headers, red for lagging or stale entries).
@@ -112,7 +113,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
         lines.append("  -")
     lines.append("")
     lines.extend(_reconcile_lines(state, width, bold, red, reset))
-    lines.extend(_refusal_lines(broker or {}, width, bold, red, reset))
+    lines.extend(_refusal_lines(broker or {}, state.workers, width, bold, red, reset))
 
     lags = state.worker_version_lag()
     lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
@@ -214,16 +215,25 @@ _REFUSAL_PREFIXES = (
 )
 
 
-def _refusal_lines(broker: dict[str, Any], width: int, bold: str, red: str, reset: str) -> list[str]:
-    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops.
+def _refusal_lines(broker: dict[str, Any], workers: dict[str, dict[str, Any]], width: int, bold: str, red: str,
+                   reset: str) -> list[str]:
+    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops, and
+    what the workers refused to send (``refused.limit.*`` in their states, summed over the alive workers).
 
     ``refused.role.worker@broker.client`` reads "a worker key refused on the client
     port"; ``disconnects.SOCKET`` includes the connections libzmq dropped for a
     message over MAXMSGSIZE (it reports no reason).
     """
     rows: list[str] = []
-    for prefix, label in _REFUSAL_PREFIXES:
-        items = sorted((k[len(prefix):], v) for k, v in broker.items() if k.startswith(prefix))
+    worker_sums: dict[str, Any] = {}
+    for fields in workers.values():
+        for k, v in fields.items():
+            if k.startswith("refused.limit.") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                worker_sums[k] = worker_sums.get(k, 0) + v
+    sources = [(prefix, label, broker) for prefix, label in _REFUSAL_PREFIXES]
+    sources.insert(1, ("refused.limit.", "workers, by limit", worker_sums))
+    for prefix, label, counters in sources:
+        items = sorted((k[len(prefix):], v) for k, v in counters.items() if k.startswith(prefix))
         if not items:
             continue
         body = "  ".join(f"{name} {_fmt(v)}" for name, v in items)

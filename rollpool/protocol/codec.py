@@ -74,7 +74,10 @@ PROTOCOL_MAJOR = 1
 #        Welcome.dispatch_seq (where the worker's echo starts)
 #   1.6  SetVersion.rebase (checkpoint resume); version_epoch on Hello, Welcome, WorkerHeartbeat and
 #        BrokerHeartbeat, rebase_version on Welcome and BrokerHeartbeat
-PROTOCOL_MINOR = 6
+#   1.7  ApplyDone.skipped (a worker reports a weight version it gave up on, with the reason);
+#        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
+#        input_logprobs
+PROTOCOL_MINOR = 7
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -185,6 +185,12 @@ class SamplingParams:
     """Stop strings."""
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs_num: int = 0
+    """Report the logprobs of the k most likely tokens at every output position (0: none; SGLang's name).
+    A worker whose engine cannot refuses the task (an error result naming it); protocol 1.7."""
+    logprob_start_len: int = -1
+    """Report the logprobs of the prompt's tokens from this position on (-1: none; SGLang's name). A worker
+    whose engine cannot refuses the task; protocol 1.7."""
 
 
 @record
@@ -240,6 +246,14 @@ class Trajectory:
     segment_index: int = 0
     """Episodes: the segment of sample `sample_index` this trajectory holds (a history rewrite starts a
     new one); 0 for a plain generate call."""
+    output_top_ids: Int32Array | None = None
+    """With `SamplingParams.top_logprobs_num` k: the k most likely token ids at every output position,
+    row-major (len(output_ids) * k), most likely first; None otherwise (protocol 1.7)."""
+    output_top_logprobs: Float32Array | None = None
+    """Their logprobs (the same log_softmax(logits / temperature) as `output_logprobs`), same layout."""
+    input_logprobs: Float32Array | None = None
+    """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
+    (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.7."""
 
     @property
     def trajectory_id(self) -> str:
@@ -557,6 +571,9 @@ class ApplyDone:
     ok: bool
     duration_s: float = 0.0
     error: str | None = None
+    skipped: bool = False
+    """The worker gave this version up for good (its fetch, grant or apply kept failing, a restarted engine
+    included); `error` says why. It keeps its last good version and follows the next one (protocol 1.7)."""
 
 
 # --------------------------------------------------------------------------- client flow

@@ -101,6 +101,10 @@ class SessionConfig:
     reconnect_backoff_max_s: float = 30.0
     host: str = ""
     pid: int = 0
+    max_msg_bytes: int = 0
+    """This worker's MAXMSGSIZE, announced in its hello (the broker refuses larger tasks for it); 0: not said."""
+    max_header_bytes: int = 0
+    """The largest header this worker decodes, announced in its hello; 0: not said."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +563,8 @@ class WorkerSession:
             pool=self.config.pool,
             features=(Feature.RECONCILE,),
             version_epoch=self.version_epoch,
+            max_msg_bytes=self.config.max_msg_bytes,
+            max_header_bytes=self.config.max_header_bytes,
         )
 
     def _credit(self, seqs: int) -> list[Outgoing]:

@@ -21,7 +21,8 @@
   gives the fresh engine the whole version through this same path, without grant and
   done, since that engine serves nothing yet. If that fails too, the next attempt gives
   it the last good version, and the bad version is skipped: reported, never retried
-  forever. The worker then follows the next version.
+  forever: the broker is told (`ApplyDone(skipped=True)` with the reason). The worker then follows
+  the next version.
 - An apply (pause, update, resume) longer than ``apply_timeout_s`` counts as failed (the
   engine is restarted); the broker frees a slot held past its ``apply_slot_deadline_s``
   anyway, and answers a repeated ApplyRequest from the slot's holder with the grant again.
@@ -210,7 +211,7 @@ class WeightSync:
             except WeightSyncError as exc:
                 failures += 1
                 if failures >= self.config.weight_retries:
-                    self._skip(target, f"fetch failed {failures} times: {exc}")
+                    await self._skip(target, f"fetch failed {failures} times: {exc}")
                     failures = 0
                     continue
                 delay = self.fetch_backoff_s(failures)
@@ -221,7 +222,7 @@ class WeightSync:
             try:
                 await self.apply(fetched.tensors, int(fetched.version), fetched=fetched)
             except WeightSyncError as exc:
-                self._skip(int(fetched.version), str(exc))
+                await self._skip(int(fetched.version), str(exc))
 
     def fetch_backoff_s(self, failures: int) -> float:
         return float(min(self.config.reconnect_backoff_s * 2 ** (failures - 1), self.config.reconnect_backoff_max_s))
@@ -292,7 +293,7 @@ class WeightSync:
             error = f"{type(exc).__name__}: {exc}"
         duration_s = time.monotonic() - t0
         if not fresh:
-            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=error))
+            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=_short(error)))
         if error is None:
             self._served_now(target)
             self.on_apply_finished(version)
@@ -332,7 +333,7 @@ class WeightSync:
             except WeightsRefusedError:
                 pass  # skipped; the fresh engine is intact: it gets the last good version below
             except EngineError as exc:
-                self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
+                await self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
         if self._served is not None:
             abandoned = self._served_abandoned
@@ -385,11 +386,13 @@ class WeightSync:
         log.warning("engine does not support apply mode %s; using %s", self.config.apply_mode, modes[0], extra={"worker": self.worker_id})
         return modes[0]
 
-    def _skip(self, version: int, why: str) -> None:
+    async def _skip(self, version: int, why: str) -> None:
+        """Give `version` up for good, and tell the broker (a synchronous trainer waiting for it fails at once)."""
         self.skipped = max(self.skipped, version)
         log.error("weight version %d skipped: %s; keeping version %d and following the next one", version, why, self.version,
                   extra={"worker": self.worker_id})
         self.metrics.event("version_skipped", {"worker_id": self.worker_id, "version": version, "reason": why})
+        await self.link.send(ApplyDone(version=version, ok=False, error=_short(why), skipped=True))
 
     def _make_subscriber(self) -> Subscriber:
         factory = self._subscriber_factory
@@ -417,3 +420,13 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # noqa: BLE001 - closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
+
+
+_MAX_ERROR_CHARS = 2000
+
+
+def _short(error: str | None) -> str | None:
+    """An error text for `ApplyDone`: an exception's text can be long, and the message must stay small."""
+    if error is None or len(error) <= _MAX_ERROR_CHARS:
+        return error
+    return error[: _MAX_ERROR_CHARS - 15] + " ... (truncated)"

@@ -78,6 +78,11 @@ class SampleOutput:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     """Wall-clock seconds since the epoch."""
+    top_ids: list[list[int]] | None = None
+    """With ``sampling.top_logprobs_num`` k (engines with `EngineInfo.top_logprobs`): per output id, the
+    k most likely token ids, most likely first."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs, the same layout."""
     cached_tokens: int | None = None
     """Prompt tokens the engine served from its prefix cache (first attempt); None where the engine does not say."""
 
@@ -92,6 +97,9 @@ class GenerateOutput:
     samples: list[SampleOutput]
     started_at: float = 0.0
     simulated: bool = False
+    input_logprobs: list[float] | None = None
+    """With ``sampling.logprob_start_len`` s >= 0 (engines with `EngineInfo.prompt_logprobs`): the logprob of
+    each prompt token from position s on, NaN for position 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,11 @@ class EngineInfo:
     simulated: bool = False
     device: str = "cpu"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    top_logprobs: bool = False
+    """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
+    worker refuses such a task for an engine that does not."""
+    prompt_logprobs: bool = False
+    """It honours `SamplingParams.logprob_start_len` (fills `GenerateOutput.input_logprobs`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +133,8 @@ class EngineInfo:
             "fingerprint": self.fingerprint,
             "simulated": self.simulated,
             "device": self.device,
+            "top_logprobs": self.top_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             **dict(self.extra),
         }
 

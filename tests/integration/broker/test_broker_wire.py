@@ -183,3 +183,27 @@ async def test_a_status_reply_stays_decodable_with_more_workers_than_a_map_may_h
     assert len(decoded.workers) == decoded.counters["workers_listed"] < p.DEFAULT_LIMITS.max_map_len
     for i in range(p.DEFAULT_LIMITS.max_map_len + 10):  # leave no ghost workers for the teardown's goodbyes
         broker.state.remove_worker(f"w{i}", broker.clock(), reason="goodbye")
+
+
+async def test_a_minor6_workers_failed_apply_is_not_taken_for_a_skip_and_a_minor7_skip_is_shown(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure (no such field) stays an ordinary failure."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    old, new = RawWorker(h, "old", minor=6, capacity=1), RawWorker(h, "new", minor=7, capacity=1)
+    try:
+        await old.hello()
+        await new.hello()
+        await old.send(p.ApplyDone(version=3, ok=False, error="EngineError: shape"))
+        await new.send(p.ApplyDone(version=3, ok=False, error="EngineError: shape (restarted engine)", skipped=True))
+        for _ in range(100):
+            workers = (await c.status()).workers
+            if workers["new"]["skipped_version"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert workers["new"]["skipped_version"] == 3 and workers["new"]["skipped_error"] == "EngineError: shape (restarted engine)"
+        assert workers["old"]["skipped_version"] == -1  # it may still apply it on a restarted engine: a waiting trainer keeps waiting
+        counters = (await c.status()).counters
+        assert counters["versions_failed"] == 1 and counters["versions_skipped"] == 1 and counters["protocol_errors"] == 0
+    finally:
+        old.close()
+        new.close()

@@ -106,6 +106,18 @@ def test_top_shows_refusals_by_limit_and_by_role() -> None:
     assert any("refused_limit_pulls_per_peer" in name for name in fams)
 
 
+def test_top_shows_what_workers_refused_to_send_by_limit_summed_over_workers() -> None:
+    state = _state()
+    state.workers["w-1"]["refused.limit.max_msg_bytes"] = 2
+    state.workers["w-2"]["refused.limit.max_msg_bytes"] = 1
+    state.workers["w-2"]["refused.limit.max_header_bytes"] = 4
+    frame = render_frame(state, width=100)
+    row = next(line for line in frame.splitlines() if "workers, by limit" in line)
+    assert "max_msg_bytes 3" in row and "max_header_bytes 4" in row
+    fams = parse_prometheus(render_prometheus(state))
+    assert "rollpool_worker_refused_total" in fams or "rollpool_worker_refused" in fams, sorted(fams)
+
+
 def test_top_shows_the_episode_stats_of_workers_that_run_episodes() -> None:
     state = _state()
     assert "EPISODES" not in render_frame(state, width=100)  # no worker runs episodes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -72,4 +73,10 @@ def samples() -> dict[str, Any]:
         "set_version_rebase": p.SetVersion(request_id="v1", version=3, rebase=True),
         "broker_heartbeat_rebased": p.BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=1767225600000, rebase_version=3),
         "worker_heartbeat_epoch": p.WorkerHeartbeat(worker_id="w0", weight_version=3, epoch="e1", version_epoch=1767225600000),
+        # minor 7: a skipped version; top logprobs and input logprobs
+        "apply_done_skipped": p.ApplyDone(version=3, ok=False, error="EngineError: q has shape (2,)", skipped=True),
+        "result_top_logprobs": p.Result(task_id="t4", prompt_id="p1", trajectories=(dataclasses.replace(
+            traj, output_top_ids=np.array([7, 9, 8, 7, 2, 5], dtype=np.int32),
+            output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32),
+            input_logprobs=np.array([-4.0, -2.5, -0.75], dtype=np.float32)),)),  # from position 1 (no NaN: it never equals itself)
     }
