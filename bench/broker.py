@@ -905,7 +905,8 @@ def open_loop_run(
 
 
 def _spawn(extra: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, __file__, *extra], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    path = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    return subprocess.Popen([sys.executable, __file__, *extra], env={**os.environ, "PYTHONPATH": path})
 
 
 def _preload(cep: str, n: int, t_start: float) -> None:
