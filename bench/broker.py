@@ -218,7 +218,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     extra = ["--latency-out", latency_out] if latency_out else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     if base:
         env["ROLLPOOL_BENCH_BASE"] = base
     proc = subprocess.Popen(
