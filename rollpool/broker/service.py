@@ -487,6 +487,7 @@ class Broker:
                 dispatch_seq=msg.dispatch_seq, free_capacity=msg.free_capacity, held_count=msg.held_count,
                 held_digest=msg.held_digest, held=msg.inflight_task_ids if msg.held_full else None,
             )
+            st.note_tokens_cancelled(w, msg.tokens_cancelled)
         elif kind is Nack:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
         elif kind is ControlReply:
@@ -650,6 +651,7 @@ class Broker:
             self.weight_endpoint = msg.weight_endpoint
         if msg.announce_endpoint:
             self.announce_endpoint = msg.announce_endpoint
+        self.state.set_trainer_bound(msg.stale_bound)  # before the bump: its cancellations judge by it
         newer = self.state.set_version(msg.version, self._now)
         if newer:
             self.state.effects.events.append(("version_announced", {"version": msg.version}))

@@ -70,7 +70,8 @@ PROTOCOL_MAJOR = 1
 #        heartbeats (dispatch_seq, free_capacity, held_count, held_digest, held_full; BrokerHeartbeat.send_held)
 #   1.4  streamed weight manifests: ManifestRequest.streamed, host_key; Manifest.host_key, pool;
 #        BucketInfo.shm_segment; Chunk.checksum
-PROTOCOL_MINOR = 4
+#   1.5  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
+PROTOCOL_MINOR = 5
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -455,6 +455,9 @@ class WorkerHeartbeat:
     """`held_digest` of the held task ids (meaningful when `held_count` >= 0)."""
     held_full: bool = False
     """`inflight_task_ids` is the complete list of held tasks (else it may be empty or partial)."""
+    tokens_cancelled: int = -1
+    """(minor 5) Tokens generated, since the worker started, for tasks the broker cancelled before their
+    result (never delivered: wasted, reason cancel); cumulative (-1: not reported)."""
 
 
 @message("broker_heartbeat")
@@ -614,6 +617,10 @@ class SetVersion:
     version: int
     weight_endpoint: str | None = None
     announce_endpoint: str | None = None
+    stale_bound: int = -1
+    """(minor 5) The staleness above which the trainer will not train a group (its stale_policy's bound:
+    max_staleness under drop and regenerate, max_staleness_keep under keep; -1: not stated). The broker's
+    early cancellation and result-time drop judge by it instead of its eta."""
 
 
 @message("status_request")

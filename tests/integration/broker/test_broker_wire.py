@@ -129,3 +129,33 @@ async def test_a_status_reply_stays_decodable_with_more_workers_than_a_map_may_h
     assert len(decoded.workers) == decoded.counters["workers_listed"] < p.DEFAULT_LIMITS.max_map_len
     for i in range(p.DEFAULT_LIMITS.max_map_len + 10):  # leave no ghost workers for the teardown's goodbyes
         broker.state.remove_worker(f"w{i}", broker.clock(), reason="goodbye")
+
+
+async def test_minor4_peers_without_the_minor5_fields_work_unchanged(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Protocol minor 5 (issue 24) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-4
+    client and worker, whose messages lack them, are served as before (eta bounds the cancellation, nothing counted)."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2, max_staleness=1, cancel_stale_inflight=True)
+    w = RawWorker(h, "m4", minor=4, capacity=2)
+
+    def minor4(msg: Any, drop: str) -> list[bytes]:
+        frames = p.encode(msg)
+        major, _minor, kind, fields = msgpack.unpackb(frames[0])
+        fields.pop(drop, None)
+        frames[0] = msgpack.packb([major, 4, kind, fields], use_bin_type=True)
+        return frames
+
+    client = h.sockets.dealer(h.broker.client_endpoint, identity=b"m4-client")
+    try:
+        welcome = await w.hello()
+        await client.send_multipart(minor4(p.ClientHello(client_id="m4", protocol_min=1, protocol_max=1), "max_msg_bytes"))
+        assert type(p.decode(await asyncio.wait_for(client.recv_multipart(), 5))) is p.ClientWelcome
+        await client.send_multipart(minor4(p.SetVersion(request_id="v", version=3), "stale_bound"))
+        reply = p.decode(await asyncio.wait_for(client.recv_multipart(), 5))
+        assert type(reply) is p.Reply and reply.ok and h.broker.state.version == 3 and h.broker.state.trainer_bound == -1
+        await w.sock.send_multipart(minor4(p.WorkerHeartbeat(worker_id="m4", weight_version=3, epoch=welcome.epoch), "tokens_cancelled"))
+        await asyncio.sleep(0.3)
+        st = h.broker.state
+        assert st.workers["m4"].version == 3 and st.counters["wasted_tokens_cancel"] == 0 and h.broker.protocol_errors == 0
+    finally:
+        client.close(linger=0)
+        w.close()

@@ -68,4 +68,7 @@ def samples() -> dict[str, Any]:
                                                    free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
         "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
+        # minor 5: the trainer's staleness bound, the worker's cancelled tokens (issue 24)
+        "set_version_bound": p.SetVersion(request_id="r3", version=5, stale_bound=8),
+        "worker_heartbeat_cancelled": p.WorkerHeartbeat(worker_id="w0", weight_version=2, epoch="e1", tokens_cancelled=640),
     }

@@ -403,3 +403,13 @@ def test_every_task_ends_in_exactly_one_message_and_credits_stay_within_capacity
     assert all(c == 1 for c in ends.values()), ends  # never two messages for one task
     for tid in received:
         assert ends.get(tid, 0) == 1 or tid in cancelled, (tid, ends)  # exactly one unless the broker cancelled it
+
+
+def test_a_cancelled_task_s_discarded_tokens_travel_on_the_heartbeat() -> None:
+    s = started()
+    s.handle(0.0, task(1))
+    s.on_cancel(0.0, ["p1@0"])
+    s.generation_finished(0.1, "p1@0")
+    s.output_discarded(7)
+    hb = s.heartbeat(0.2)
+    assert hb is not None and hb.tokens_cancelled == 7
