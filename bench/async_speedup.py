@@ -481,7 +481,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
                    worker_procs: int = 1, warmup_s: float = 600.0, stale_policy: str = "drop", rules: str = "new",
-                   hold_s: float = 1.0) -> RunResult:
+                   hold_s: float = 3.0) -> RunResult:
     sync = mode == "sync"
     gen, train = (gpus, gpus) if sync else split(w, gpus)
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -727,7 +727,7 @@ def main() -> int:
     ap.add_argument("--policies", default="drop,keep", help="trainer stale policies run through the pool at each eta")
     ap.add_argument("--rules", default="new", choices=("new", "today"),
                     help="broker rules: new (issue 24: fresh dispatch hold and early cancellation) or today's")
-    ap.add_argument("--hold-s", type=float, default=1.0,
+    ap.add_argument("--hold-s", type=float, default=3.0,
                     help="the broker's fresh_dispatch_hold_s under --rules new, REAL seconds (it must cover a real apply)")
     ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
     ap.add_argument("--gpus", default="64,256")

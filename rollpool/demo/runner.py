@@ -353,7 +353,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
             "lost", "duplicated", "max_lag", "requeued", "mode")
-    return {k: summary[k] for k in keys}
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # issue 24
+    return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 
 def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
