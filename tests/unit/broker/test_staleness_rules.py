@@ -5,9 +5,12 @@ each lease's start version against the trainer's bound) and wasted tokens by rea
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollpool.broker.state import BrokerState, Phase, WorkerInfo
 from tests.unit.broker.test_state import finish, group, join, make, prompt
+from tests.unit.broker.test_state import ops as random_ops
 
 B = 4  # samples per step; groups of 1 sample, so capacity counts groups
 
@@ -229,3 +232,56 @@ def test_a_restarted_worker_counts_its_cancelled_tokens_from_zero() -> None:
     s.note_tokens_cancelled(w, 3)  # the process restarted: 3 new tokens, not -7
     s.note_tokens_cancelled(w, -1)  # not reported (an older worker): nothing
     assert s.counters["wasted_tokens_cancel"] == 13
+
+
+# ------------------------------------------------------------------ every rule at once, random schedules
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=random_ops, eta=st.integers(0, 2), batch=st.integers(1, 8), keep=st.booleans())
+def test_admission_and_the_bound_hold_with_the_hold_and_the_cancellation_on(ops: list[tuple[str, int]], eta: int, batch: int,
+                                                                           keep: bool) -> None:
+    s = make(max_staleness=eta, batch_size=batch, max_attempts=1000, max_handbacks=1000, cancel_stale_inflight=True,
+             fresh_dispatch_hold_s=0.05)
+    if keep:
+        s.set_trainer_bound(2 * eta)
+    bound = 2 * eta if keep else eta
+    now = 0.0
+    n = 0
+    for i in range(4):
+        join(s, f"w{i}", capacity=6)
+    for op, arg in ops:
+        now += 0.01
+        wid = f"w{arg}"
+        w = s.workers.get(wid)
+        if op == "submit":
+            n += 1
+            s.submit([prompt(f"p{n}", arg)], now)
+        elif op == "dispatch":
+            s.dispatch(now)
+        elif op == "finish" and w is not None and w.leases:
+            tid = next(iter(w.leases))
+            finish(s, w, tid, now)
+            s.credit(w, 6, now)
+        elif op == "nack" and w is not None and w.leases:
+            s.nack(w, [next(iter(w.leases))], now, reason="test")
+        elif op == "version":
+            s.set_version(s.version + arg, now)
+            for x in list(s.workers.values())[: arg + 1]:  # only some workers catch up
+                s.heartbeat(x, now, version=s.version, state="ready", tokens_total=0)
+            # nothing left running that can no longer be consumed within the bound
+            assert all(g.start_version >= s.version - bound for x in s.workers.values() for g in x.leases.values())
+        elif op == "kill" and w is not None:
+            s.remove_worker(wid, now, reason="dead")
+            join(s, wid, capacity=6, now=now, version=max(s.version, 0))
+        elif op == "credit" and w is not None:
+            s.credit(w, 6, now)
+        elif op == "drop":
+            got = s.pull("c", 2)
+            s.ack([g.prompt_id for g in got], dropped_stale=[g.prompt_id for g in got][: arg % 2])
+        v = max(s.version, 0)
+        assert s.staleness.accepted + s.staleness.running <= (v + eta + 1) * batch
+        assert 0 <= s.held_for_fresh
+        s.check_invariants()
+    s.dispatch(now + 1.0)  # past every hold: nothing is reserved any more
+    assert s.held_for_fresh == 0
