@@ -103,14 +103,19 @@ options only (version-aware dispatch ``fresh_dispatch_hold_s``, early cancellati
 ``stale_policy="keep"`` with ``max_staleness_keep``) and reports wasted tokens by reason and the
 share of trained samples older than eta; `analytic` stores, per eta, ``model_today`` (today's
 broker), ``model_new_drop`` and ``model_new_keep`` (2 x eta), all MODEL figures. The pool runs
-each eta under the trainer's ``--policies`` (``drop``: ``async_eta{eta}``; ``keep``, a client-side
-policy that today's broker already serves: ``keep_eta{eta}``), all MEASURED with today's broker
-(simulated GPUs); the broker rules do not exist yet, so the new-drop figures are model only.
+each eta under the trainer's ``--policies`` with the broker's ``--rules``: ``new`` (the default:
+``--fresh-dispatch-hold-s`` of ``--hold-s`` REAL seconds, 3 by default, and
+``--cancel-stale-inflight``; the trainer client tells the broker its bound with every version) or
+``today`` (neither). Run keys: ``async_eta{eta}`` (drop, new rules), ``keep_eta{eta}`` (keep 2 x eta,
+new rules), ``today_eta{eta}`` / ``todaykeep_eta{eta}`` (today's rules; runs stored before the
+broker rules existed are renamed so by ``--merge``). All MEASURED (simulated GPUs).
 `summarise` writes the maps ``keep_fraction_of_bound``, ``keep_wasted_share``,
 ``keep_older_than_eta_share``, ``keep_max_staleness_seen``, ``drop_wasted_share``,
-``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured) and
-``drop_model_wasted_share`` plus ``model_*`` (model). A measured wasted share counts the tokens
-the trainer client received and did not train on (today's broker cancels nothing here).
+``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured),
+``today_*`` (measured, today's rules) and ``drop_model_wasted_share`` plus ``model_*`` (model).
+A measured wasted share is the broker's (``broker_wasted`` on each run): generated tokens never
+delivered to training over all generated, by reason (stale drop, cancel, failure, duplicate), whole
+run including the fill; the model's count the steady state.
 
 The full table in invocations of under 15 minutes each (``--merge`` adds runs to the JSON; each
 (policy, eta) run at 40 steps takes 200-220 s here): ``--gpus 64 --etas 1,2 --no-sync --policies
