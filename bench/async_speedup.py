@@ -661,7 +661,8 @@ def summarise(out: dict[str, Any]) -> None:
             b = model["async_bound"][eta]
             prefix = "today" if name.startswith("today_") else "today_keep"
             out[f"{prefix}_fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
-            out[f"{prefix}_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
+            if "wasted_share" in r:  # runs stored before the wasted shares were measured have none
+                out[f"{prefix}_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
             out[f"{prefix}_max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
         for name, r in runs.items():
             if not name.startswith("keep_eta"):
