@@ -637,6 +637,11 @@ def gen_workers_main(args: argparse.Namespace) -> None:
         if cpu0 is None and _mono() >= args.t_measure:
             cpu0 = time.process_time()
     stats["cpu_in_window_s"] = time.process_time() - (cpu0 if cpu0 is not None else time.process_time())
+    # keep heartbeating until the driver has read the broker's counters (its stop file): workers that fell
+    # silent at the window's end were counted dead by a broker answering the status request late
+    stop, linger_until = Path(args.go).with_name("stop"), _mono() + 120
+    while not stop.exists() and _mono() < linger_until:
+        serve(0.01)
     for s in socks:
         s.close(linger=0)
     ctx.destroy(linger=0)
@@ -830,6 +835,7 @@ def open_loop_run(
         us1 = proc_user_system_s(proc.pid)
         m1 = _machine_jiffies()
         counters = _status(cep) if system != "trivial" else {}
+        go.with_name("stop").touch()  # the worker generators heartbeat until now (see gen_workers_main)
         for g in gens:
             g.wait(60)
     finally:

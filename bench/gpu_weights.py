@@ -171,9 +171,8 @@ def _raw_sender(endpoints: list[str], nbytes: int, chunk: int) -> None:
         t.start()
     for t in ts:
         t.join()
-    time.sleep(1)
     for s in socks:
-        s.close(linger=0)
+        s.close(linger=60_000)  # queued frames still go out (linger 0 dropped them: the receiver then waited forever)
     ctx.term()
 
 
@@ -189,6 +188,7 @@ def raw_tcp_gbps(streams: int = 4, nbytes: int = 8 << 30, chunk: int = 4 * _MiB)
     for _ in range(streams):
         s = ctx.socket(zmq.PULL)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 60_000)  # a sender that dies raises zmq.Again here instead of hanging the run
         port = s.bind_to_random_port("tcp://127.0.0.1")
         pulls.append(s)
         eps.append(f"tcp://127.0.0.1:{port}")
@@ -196,10 +196,15 @@ def raw_tcp_gbps(streams: int = 4, nbytes: int = 8 << 30, chunk: int = 4 * _MiB)
     counts = [nbytes // streams // chunk] * streams
     proc = mp.get_context("spawn").Process(target=_raw_sender, args=(eps, nbytes, chunk), daemon=True)
 
+    errors: list[BaseException] = []
+
     def drain(i: int) -> None:
-        for _ in range(counts[i]):
-            f = pulls[i].recv(copy=False)
-            dsts[i][: len(f.buffer)] = np.frombuffer(f.buffer, dtype=np.uint8)
+        try:
+            for _ in range(counts[i]):
+                f = pulls[i].recv(copy=False)
+                dsts[i][: len(f.buffer)] = np.frombuffer(f.buffer, dtype=np.uint8)
+        except zmq.Again as exc:
+            errors.append(exc)
 
     proc.start()
     pulls[0].recv(copy=False)  # the clock starts at the first frame (not at the sender's start-up)
@@ -212,19 +217,46 @@ def raw_tcp_gbps(streams: int = 4, nbytes: int = 8 << 30, chunk: int = 4 * _MiB)
         t.join()
     dt = time.perf_counter() - t0
     proc.join(30)
+    if proc.is_alive():
+        proc.kill()
     for s in pulls:
         s.close(linger=0)
     ctx.term()
+    if errors:
+        raise RuntimeError(f"raw tcp probe: {len(errors)} stream(s) got no frame for 60 s")
     return round(sum(counts) * chunk / dt / 1e9, 3)
 
 
 # --------------------------------------------------------------------------- processes
 
 
+_CHILDREN: list[subprocess.Popen[bytes]] = []
+
+
 def _spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     fh = log_path.open("ab")
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env={**os.environ, **(env or {})}, stdout=fh,
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env={**os.environ, **(env or {})}, stdout=fh,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    _CHILDREN.append(proc)
+    return proc
+
+
+def start_watchdog(deadline_s: float) -> None:
+    """Save what there is, stop the children and exit before the device call's limit cuts the run."""
+
+    def fire() -> None:
+        time.sleep(deadline_s)
+        RESULT["watchdog"] = f"the run was stopped by its own {deadline_s:.0f} s deadline (--deadline-s)"
+        with contextlib.suppress(Exception):
+            summarize()
+        save()
+        note(RESULT["watchdog"])
+        for proc in _CHILDREN:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)
+        os._exit(3)
+
+    threading.Thread(target=fire, daemon=True, name="watchdog").start()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -530,12 +562,14 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.55)
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--peers-timeout-s", type=int, default=240)
+    ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
     args = ap.parse_args()
     if args.versions < 6:
         ap.error("--versions: at least 6 per path (the issue's rule)")
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     RESULT_NAME = f"h200-weights-{args.run}.json"
+    start_watchdog(args.deadline_s)
     setup_env()
     import torch
 
@@ -550,21 +584,26 @@ def main() -> int:
     RESULT["model_bytes"] = model_bytes
     note(f"model {args.run}: {model_bytes / 1e9:.2f} GB in {RESULT['model']['build_s']} s")
     save()
-    with contextlib.suppress(Exception):
+    note("raw tcp probe")
+    try:
         RESULT["raw_tcp_4stream_gbps"] = raw_tcp_gbps(args.streams)
         note(f"raw tcp x{args.streams}: {RESULT['raw_tcp_4stream_gbps']} GB/s")
+    except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
+        RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
     save()
     rows = [("tcp", "cuda"), ("shm", "cuda"), ("cuda_ipc", "cuda")]
     if args.run == "1p4":
         rows += [("tcp", "cpu"), ("shm", "cpu")]
+    if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
+        note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")
+        peers_stage(model, args.peers_timeout_s)
+        note(f"peers: disk {RESULT.get('disk_peer_s')} s, cuda ipc limit {RESULT.get('cuda_ipc_limit_s')} s {RESULT.get('peers_error', '')}")
     try:
         asyncio.run(pool_stage(model, model_bytes, args, rows))
     except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands
         RESULT["pool_error"] = f"{type(exc).__name__}: {exc}"[:3000]
         note(f"pool stage failed: {exc!r}")
     save()
-    if not args.skip_peers:
-        peers_stage(model, args.peers_timeout_s)
     summarize()
     RESULT["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()

@@ -10,6 +10,7 @@ from rollpool.protocol.errors import (
     RejectedError,
     RequestRefusedError,
     RollpoolError,
+    WeightsRefusedError,
     WeightSyncError,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "EngineError",
     "RequestRefusedError",
     "WeightSyncError",
+    "WeightsRefusedError",
     "BrokerUnavailableError",
     "RejectedError",
 ]

@@ -171,6 +171,11 @@ class Broker:
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
         self._scheduled = {"w": False, "c": False}
+        self._tick = min(self.config.heartbeat_interval_s / 4, 0.25)
+        """The lease loop's period."""
+        self._stall_after = self._tick + max(self._tick, 0.1)
+        """A lease-loop tick this much after the last one means the broker stalled (`_stalled`)."""
+        self._tick_at = clock()
         self._rate_log = RateLimitedLog(log)
         self._outbox: list[tuple[bytes, list[Any]]] = []
         """Client replies of the current burst, sent back to back at its end (fewer I/O-thread wake-ups)."""
@@ -186,6 +191,7 @@ class Broker:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._open()
+        self._tick_at = self.clock()
         try:
             async with asyncio.TaskGroup() as tg:
                 loops = [
@@ -263,7 +269,11 @@ class Broker:
         if sock is None:
             return
         handle = self._on_worker_frames if which == "w" else self._on_client_frames
-        self._now = self.clock()
+        self._now = now = self.clock()
+        if now - self._tick_at > self._stall_after:
+            # the lease loop has not ticked for too long: a stall, noted before anything queued is read
+            # (a heartbeat that waited in the socket must not be judged by the time the broker was not reading)
+            self._stalled(now)
         burst = self.config.burst_messages
         backend: Any = super(zmq.Socket, sock)  # the Cython methods, without the sugar layer's per-call overhead
         recv, get = backend.recv, backend.get
@@ -418,7 +428,8 @@ class Broker:
                 self._send(
                     self._w, hw.identity,
                     encode(BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
-                                           announce_endpoint=self.announce_endpoint, send_held=True, dispatch_seq=hw.dispatch_seq)),
+                                           announce_endpoint=self.announce_endpoint, send_held=True, dispatch_seq=hw.dispatch_seq,
+                                           version_epoch=self.state.version_epoch, rebase_version=self._rebase_version())),
                 )
         for wid, ident in fx.lost_workers:
             x = self._by_identity.get(ident)
@@ -482,10 +493,14 @@ class Broker:
             self._send(self._w, identity, encode(Error(code="hello_required", message="say hello first", ref_type=getattr(kind, "TYPE", None))))
             return
         if kind is WorkerHeartbeat:
+            # what a heartbeat says it holds is read only when written in this epoch (an older one
+            # may predate the hello that set this worker's numbering)
+            here = msg.epoch == self.epoch
             st.heartbeat(
                 w, now, version=msg.weight_version, state=msg.state, tokens_total=msg.tokens_total,
-                dispatch_seq=msg.dispatch_seq, free_capacity=msg.free_capacity, held_count=msg.held_count,
+                dispatch_seq=msg.dispatch_seq if here else -1, free_capacity=msg.free_capacity, held_count=msg.held_count,
                 held_digest=msg.held_digest, held=msg.inflight_task_ids if msg.held_full else None,
+                version_epoch=msg.version_epoch,
             )
             st.note_tokens_cancelled(w, msg.tokens_cancelled)
         elif kind is Nack:
@@ -498,7 +513,7 @@ class Broker:
             st.apply_request(w, msg.version, now)
         elif kind is ApplyDone:
             st.touch(w, now)
-            st.apply_done(w, msg.version, msg.ok, msg.error)
+            st.apply_done(w, msg.version, msg.ok, msg.error, skipped=msg.skipped)
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
@@ -539,6 +554,7 @@ class Broker:
             worker_id=msg.worker_id, identity=identity, capacity=msg.capacity, credits=msg.credits,
             now=self._now, version=msg.weight_version, inflight=inflight, fingerprint=msg.fingerprint,
             engine=msg.engine, apply_modes=msg.apply_modes, host=msg.host, pid=msg.pid, features=msg.features,
+            version_epoch=msg.version_epoch,
         )
         self._by_identity[identity] = self.state.workers[msg.worker_id]
         self._send(
@@ -550,7 +566,8 @@ class Broker:
                     weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
                     announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
                     max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
-                    features=FEATURES,
+                    features=FEATURES, dispatch_seq=self.state.workers[msg.worker_id].dispatch_seq,
+                    version_epoch=self.state.version_epoch, rebase_version=self.state.rebase_floor(msg.version_epoch),
                 )
             ),
         )
@@ -647,16 +664,35 @@ class Broker:
         self._recheck()
 
     def _on_set_version(self, identity: bytes, msg: SetVersion) -> None:
+        st = self.state
+        st.set_trainer_bound(msg.stale_bound)  # before the bump: its cancellations judge by it
+        if msg.rebase:
+            if msg.version < 0:
+                self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=False, epoch=self.epoch,
+                                                           error=f"a rebase needs a version >= 0, got {msg.version}")))
+                return
+            info = st.rebase(msg.version, int(time.time() * 1000), self._now)
+            log.warning("broker: version rebased %d -> %d (version epoch %d, %d in-flight tasks cancelled)", info["from"], info["to"],
+                        info["version_epoch"], info["cancelled"], extra={"version": msg.version})
+            newer = True
+        elif msg.version < st.version:
+            # versions only move forward: a trainer that resumed from an older checkpoint must say so
+            self._send(self._c, identity, encode(Reply(
+                request_id=msg.request_id, ok=False, epoch=self.epoch, data={"version": st.version},
+                error=(f"version {msg.version} is older than the pool's version {st.version}; a trainer resuming from a "
+                       f"checkpoint rebases the pool first (TrainerClient.rebase_version({msg.version}))"))))
+            return
+        else:
+            newer = st.set_version(msg.version, self._now)
         if msg.weight_endpoint:
             self.weight_endpoint = msg.weight_endpoint
         if msg.announce_endpoint:
             self.announce_endpoint = msg.announce_endpoint
-        self.state.set_trainer_bound(msg.stale_bound)  # before the bump: its cancellations judge by it
-        newer = self.state.set_version(msg.version, self._now)
-        if newer:
-            self.state.effects.events.append(("version_announced", {"version": msg.version}))
+        if newer and not msg.rebase:
+            st.effects.events.append(("version_announced", {"version": msg.version}))
             log.info("broker: version %d announced", msg.version, extra={"version": msg.version})
-        self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch, data={"version": self.state.version})))
+        self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=True, epoch=self.epoch,
+                                                   data={"version": st.version, "version_epoch": st.version_epoch})))
         if newer or msg.weight_endpoint or msg.announce_endpoint:
             self._broadcast_heartbeat()
 
@@ -708,9 +744,15 @@ class Broker:
 
     # ------------------------------------------------------------------ timers
 
+    def _rebase_version(self) -> int:
+        """For heartbeats: the version the last rebase went back to (-1: never rebased)."""
+        st = self.state
+        return st.rebase_floor(st.version_epoch - 1) if st.version_epoch else -1
+
     def _broadcast_heartbeat(self) -> None:
         frames = encode(
-            BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint, announce_endpoint=self.announce_endpoint)
+            BrokerHeartbeat(epoch=self.epoch, weight_version=self.state.version, weight_endpoint=self.weight_endpoint, announce_endpoint=self.announce_endpoint,
+                            version_epoch=self.state.version_epoch, rebase_version=self._rebase_version())
         )
         for w in list(self.state.workers.values()):
             self._send(self._w, w.identity, frames)
@@ -727,19 +769,12 @@ class Broker:
             await asyncio.sleep(interval)
 
     async def _lease_loop(self) -> None:
-        tick = min(self.config.heartbeat_interval_s / 4, 0.25)
-        last = self.clock()
         while True:
-            await asyncio.sleep(tick)
+            await asyncio.sleep(self._tick)
             self._now = self.clock()
-            # a tick far later than asked means the broker read nothing meanwhile (GC, SIGSTOP, slow disk):
-            # that time is not worker silence; read what queued up before judging anyone
-            late = self._now - last - tick
-            last = self._now
-            if late > max(tick, 0.1):
-                log.warning("broker: stalled %.2f s (not reading); not counted as worker silence", late)
-                self.state.note_stall(late, self._now)
-                self._drain_workers()
+            if self._now - self._tick_at > self._stall_after:
+                self._stalled(self._now)
+            self._tick_at = self._now
             dead, requeued = self.state.expire(self._now)
             for wid in dead:
                 log.warning("broker: worker %s declared dead (silent %.2f s)", wid, self.config.dead_after_s, extra={"worker_id": wid})
@@ -747,6 +782,16 @@ class Broker:
                 log.info("broker: %d groups requeued", len(requeued))
             self._after_burst()
             self._recheck()
+
+    def _stalled(self, now: float) -> None:
+        """A tick far later than asked means the broker read nothing meanwhile (GC, SIGSTOP, slow disk):
+        that time is not worker silence. Noted (by whichever runs first after it, the lease loop or a
+        socket callback), then what the worker socket queued up is read before anyone is judged."""
+        late = now - self._tick_at - self._tick
+        self._tick_at = now
+        log.warning("broker: stalled %.2f s (not reading); not counted as worker silence", late)
+        self.state.note_stall(late, now)
+        self._drain_workers()
 
     # ------------------------------------------------------------------ status
 

@@ -44,8 +44,11 @@ incrementally. `heartbeat` compares the worker's reported (count, digest) with
 the leases at or below the sequence number it echoes, and asks for the full
 list on a mismatch (`Effects.held_requests`); a full list is compared and the
 differences are counted (`leases_unreported`, `held_unknown`) and kept on the
-`WorkerInfo`. Acting on them (requeue at once, credit from absolute capacity)
-is the reliability issue's (20), not this class's yet.
+`WorkerInfo`. A worker that lists `Feature.RECONCILE` has them acted on
+(issue 20): such a lease is requeued at once burning no attempt, so is one
+above the echo not echoed two heartbeat intervals after dispatch, and credit is
+set from the absolute free capacity less what was sent after the echo
+(`leases_reconciled`, `credit_corrections`); an older worker's are recorded only.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class Group:
     dispatch_seq: int = 0
     """`Task.seq` of the current lease (0: adopted from a hello, not numbered)."""
     dispatched_at: float = 0.0
+    echo_due: float = 0.0
+    """A `Feature.RECONCILE` worker's heartbeat read after this that does not echo the lease's `dispatch_seq`
+    means the Task was lost: `2 x heartbeat_interval_s` after dispatch, moved on by broker stalls."""
     result_at: float = 0.0
     start_version: int = -1
     """The weight version of the worker when the current lease was made: no token of this attempt is older
@@ -171,6 +177,12 @@ class WorkerInfo:
     held_mismatches: int = 0
     unreported: tuple[str, ...] = ()
     """Leases at or below `reported_seq` missing from its last full held list (issue 20 requeues them)."""
+    version_epoch: int = 0
+    """The version epoch its reported `version` belongs to (`rebase`)."""
+    skipped_version: int = -1
+    """The newest weight version this worker gave up on for good (`ApplyDone.skipped`; -1: none)."""
+    skipped_error: str = ""
+    """Why, in the worker's words."""
 
     def live_state(self, now: float) -> dict[str, Any]:
         return {
@@ -186,6 +198,8 @@ class WorkerInfo:
             "completed": self.completed,
             "fingerprint": self.fingerprint,
             "last_seen_s_ago": round(now - self.last_seen, 3),
+            "skipped_version": self.skipped_version,
+            "skipped_error": self.skipped_error,
         }
 
 
@@ -240,12 +254,16 @@ _COUNTERS = (
     "leases_unreported",
     "held_unknown",
     "results_resent",
+    "leases_reconciled",
+    "credit_corrections",
+    "rebases",
     "broker_stalls",
     "broker_stall_ms_total",
     "broker_stall_ms_max",
     "apply_slots_expired",
     "grants_resent",
     "versions_failed",
+    "versions_skipped",
     # issue 24: version-aware dispatch, early cancellation, wasted work
     "fresh_holds",
     "fresh_holds_expired",
@@ -270,6 +288,10 @@ class BrokerState:
         self.staleness = StalenessController(batch_size=config.batch_size, eta=config.max_staleness)
         self.version = -1
         """Newest weight version the trainer announced (-1: none)."""
+        self.version_epoch = 0
+        """Moves on at each rebase (`rebase`; 0: never rebased)."""
+        self._rebases: deque[tuple[int, int]] = deque(maxlen=64)
+        """(version_epoch, version) of the recent rebases, oldest first."""
         self.groups: dict[str, Group] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.effects = Effects()
@@ -337,6 +359,7 @@ class BrokerState:
         host: str = "",
         pid: int = 0,
         features: Iterable[str] = (),
+        version_epoch: int = 0,
     ) -> tuple[list[str], list[str]]:
         """A worker said hello; returns (adopted task ids, refused task ids).
 
@@ -358,6 +381,8 @@ class BrokerState:
             w = old
             w.identity = identity
             w.capacity = capacity
+            if (old.host, old.pid) != (host, pid):  # another process under this id: it will try every version afresh
+                w.skipped_version, w.skipped_error = -1, ""
         else:
             w = WorkerInfo(worker_id=worker_id, identity=identity, capacity=capacity, credits=0, last_seen=now, joined_at=now)
             self.workers[worker_id] = w
@@ -365,7 +390,8 @@ class BrokerState:
             self.effects.events.append(("worker_joined", {"worker_id": worker_id, "host": host, "engine": engine}))
         w.credits = max(0, min(credits, capacity, self.config.max_worker_credits))
         w.last_seen = now
-        w.version = version
+        w.version = self._valid_version(version, version_epoch)
+        w.version_epoch = version_epoch
         w.fingerprint = fingerprint
         w.engine = engine
         w.apply_modes = apply_modes
@@ -451,6 +477,7 @@ class BrokerState:
         held_count: int = -1,
         held_digest: int = 0,
         held: Sequence[str] | None = None,
+        version_epoch: int = 0,
     ) -> None:
         """A heartbeat: liveness, version and state; with minor-1 fields, what the worker holds.
 
@@ -461,8 +488,14 @@ class BrokerState:
         w.last_seen = now
         w.tokens_total = tokens_total
         self.counters["heartbeats"] += 1
-        if version != w.version or state != w.state:
-            w.version = max(w.version, version)
+        if self.version_epoch and version_epoch != w.version_epoch:
+            # the pool was rebased: versions are compared within one version epoch only
+            w.version_epoch = version_epoch
+            w.version = self._valid_version(version, version_epoch)
+            w.state = state
+            self._refresh(w)
+        elif version != w.version or state != w.state:
+            w.version = max(w.version, self._valid_version(version, version_epoch) if self.version_epoch else version)
             w.state = state
             self._refresh(w)
         if dispatch_seq < 0:
@@ -470,8 +503,9 @@ class BrokerState:
         w.reported_seq = dispatch_seq
         w.reported_free = free_capacity
         w.reported_held = held_count
+        reconcile = Feature.RECONCILE in w.features
         if held is not None:
-            self._compare_held(w, dispatch_seq, held)
+            self._compare_held(w, dispatch_seq, held, now, act=reconcile)
         elif held_count >= 0 and Feature.HELD_DIGEST in w.features:
             self.counters["held_checks"] += 1
             count, digest = len(w.leases), w.digest
@@ -484,8 +518,34 @@ class BrokerState:
                 w.held_mismatches += 1
                 self.counters["held_mismatches"] += 1
                 self.effects.held_requests.append(w.worker_id)
+        if not reconcile:
+            return  # an older worker's heartbeat is recorded, not acted on (its fields may be partial)
+        self._reconcile_unechoed(w, dispatch_seq, now)
+        if free_capacity >= 0:
+            self._correct_credit(w, dispatch_seq, free_capacity)
 
-    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str]) -> None:
+    def _reconcile_unechoed(self, w: WorkerInfo, dispatch_seq: int, now: float) -> None:
+        """A task above the echo still not echoed `2 x heartbeat_interval_s` after dispatch never reached the
+        worker (one connection keeps order: a heartbeat written after the task arrived echoes it): requeued
+        at once, burning no attempt. The due time moves on with a broker stall (`note_stall`): heartbeats
+        that queued up while the broker was not reading may predate the task's arrival."""
+        lost = []
+        for g in reversed(w.leases.values()):  # newest first: the ones above the echo
+            if g.dispatch_seq <= dispatch_seq:
+                break
+            if now > g.echo_due:
+                lost.append(g)
+        for g in lost:
+            self._reconciled(w, g, now, why="not echoed")
+
+    def _reconciled(self, w: WorkerInfo, g: Group, now: float, why: str) -> None:
+        tid = g.task_id
+        self._end_lease(g, w)
+        self._requeue(g, now, reason=f"lease reconciled: {why}", counted=False)
+        self.counters["leases_reconciled"] += 1
+        self.effects.events.append(("lease_reconciled", {"worker_id": w.worker_id, "task_id": tid, "why": why}))
+
+    def _compare_held(self, w: WorkerInfo, dispatch_seq: int, held: Sequence[str], now: float, act: bool) -> None:
         self.counters["held_lists"] += 1
         listed = set(held)
         w.unreported = tuple(tid for tid, g in w.leases.items() if g.dispatch_seq <= dispatch_seq and tid not in listed)
@@ -496,6 +556,27 @@ class BrokerState:
             self.effects.events.append(
                 ("held_disagrees", {"worker_id": w.worker_id, "unreported": len(w.unreported), "unknown": unknown, "dispatch_seq": dispatch_seq})
             )
+        if not act:
+            return  # recorded only (a worker without Feature.RECONCILE)
+        # issue 20: a lease at or below the echo that the worker does not hold was lost on the wire (the Task,
+        # or its Result): requeued at once, burning no attempt (the loss was not the group's fault)
+        for tid in w.unreported:
+            g = w.leases.get(tid)
+            if g is not None:
+                self._reconciled(w, g, now, why="not held")
+
+    def _correct_credit(self, w: WorkerInfo, dispatch_seq: int, free_capacity: int) -> None:
+        """Credit is absolute: the free capacity the worker reports less what was dispatched after its echo."""
+        after = 0
+        for g in reversed(w.leases.values()):  # newest first: the ones sent after the echo
+            if g.dispatch_seq <= dispatch_seq:
+                break
+            after += g.size
+        credits = max(0, min(free_capacity - after, w.capacity, self.config.max_worker_credits))
+        if credits != w.credits:
+            self.counters["credit_corrections"] += 1
+            w.credits = credits
+            self._refresh(w)
 
     def credit(self, w: WorkerInfo, n: int, now: float) -> None:
         w.last_seen = now
@@ -731,6 +812,7 @@ class BrokerState:
             w.dispatch_seq += 1
             g.dispatch_seq = w.dispatch_seq
         g.dispatched_at = now
+        g.echo_due = now + 2 * self.config.heartbeat_interval_s
         g.start_version = w.version
         w.leases[task_id] = g
         if Feature.HELD_DIGEST in w.features:
@@ -892,6 +974,7 @@ class BrokerState:
         for g in self.groups.values():
             if g.phase == Phase.LEASED:
                 g.deadline += stall_s
+                g.echo_due += stall_s
         self._deadlines = deque((d + stall_s, tid, g) for d, tid, g in self._deadlines)
         for wid in self._apply_since:
             self._apply_since[wid] += stall_s
@@ -1077,8 +1160,65 @@ class BrokerState:
 
     # ------------------------------------------------------------------ versions and apply slots
 
+    def _valid_version(self, version: int, epoch: int) -> int:
+        """`version` as reported by a worker in version epoch `epoch`: itself, or -1 when a rebase since that
+        epoch went back below it (the worker serves weights of an abandoned run)."""
+        if epoch >= self.version_epoch:
+            return version
+        floor = self.rebase_floor(epoch)
+        return version if version <= floor else -1
+
+    def rebase_floor(self, since_epoch: int) -> int:
+        """The lowest version a rebase after `since_epoch` went back to (-1: none since, nothing to forget)."""
+        floors = [v for e, v in self._rebases if e > since_epoch]
+        if not floors:
+            return -1
+        if len(floors) == len(self._rebases) and self._rebases.maxlen == len(self._rebases):
+            return -2  # older than the rebases remembered: forget whatever it serves (-2 is below every version)
+        return min(floors)
+
+    def rebase(self, version: int, epoch_id: int, now: float) -> dict[str, int]:
+        """The trainer resumed from a checkpoint at `version` (`SetVersion.rebase`): the pool's version becomes
+        `version` even if lower, and admission restarts from it.
+
+        A new version epoch begins (`epoch_id`, or the next number if that is not larger). The staleness
+        account is rebuilt as if the run had reached `version` in order: ``accepted`` is the ``version x B``
+        samples the trainer consumed to get there plus what is held for it now; ``running`` stays. Workers
+        serving a version above `version` serve an abandoned run: they count as version -1 (behind
+        everything) until they apply a version of the new epoch, and their in-flight tasks are cancelled and
+        requeued, burning no attempt. Results already made are delivered as they are (their
+        ``token_versions`` say which weights made them).
+        """
+        if version < 0:
+            raise ValueError(f"a rebase needs a version >= 0, got {version}")
+        self._now = max(self._now, now)
+        old = self.version
+        self.version_epoch = max(self.version_epoch + 1, epoch_id)
+        self._rebases.append((self.version_epoch, version))
+        self.version = version
+        st = self.staleness
+        st.version = version
+        held = sum(g.size for g in self.groups.values() if g.phase == Phase.DONE and not g.exempt)
+        st.accepted = version * st.batch_size + held
+        cancelled = 0
+        for w in self.workers.values():
+            if w.version > version:
+                w.version = -1
+                for g in list(w.leases.values()):
+                    self.effects.cancels.append((w.worker_id, g.task_id, "rebased"))
+                    self._end_lease(g, w)
+                    self._requeue(g, now, reason=f"worker weights of an abandoned run (rebased to {version})", counted=False)
+                    cancelled += 1
+            self._refresh(w)
+        self._hold_reserved = 0  # issue 24: a hold for a version of the abandoned run is void
+        self.counters["rebases"] += 1
+        info = {"from": old, "to": version, "version_epoch": self.version_epoch, "cancelled": cancelled}
+        self.effects.events.append(("version_rebased", dict(info)))
+        return info
+
     def set_version(self, version: int, now: float) -> bool:
-        """The trainer announced `version`; returns whether it is newer."""
+        """The trainer announced `version`; returns whether it is newer (a lower one changes nothing:
+        the service refuses it, see `rebase`)."""
         if version <= self.version:
             return False
         cap_before = self.staleness.capacity()
@@ -1202,9 +1342,21 @@ class BrokerState:
         self._apply_waiting[wid] = version
         self._grant_apply()
 
-    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None) -> None:
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None, skipped: bool = False) -> None:
+        """The outcome of a worker's apply. ``skipped``: the worker gave `version` up for good (after its own
+        retries, a restarted engine included); recorded on the worker (`live_state`) so a trainer waiting for
+        that version can fail at once, and no apply slot it holds for another version is touched."""
+        if skipped:
+            self.counters["versions_skipped"] += 1
+            # no event here: the worker's own `version_skipped` event carries the reason to the events stream
+            if version > w.skipped_version:
+                w.skipped_version, w.skipped_error = version, (error or "")[:2000]
+            if self._apply_waiting.get(w.worker_id, version + 1) <= version:  # it gave up waiting for a grant
+                self._apply_waiting.pop(w.worker_id)
+                self._grant_apply()
+            return
         if ok:
-            w.version = max(w.version, version)
+            w.version = max(w.version, self._valid_version(version, w.version_epoch) if self.version_epoch else version)
         else:
             self.counters["versions_failed"] += 1
             self.effects.events.append(("version_failed", {"worker_id": w.worker_id, "version": version, "error": error or ""}))
@@ -1261,6 +1413,7 @@ class BrokerState:
         c: dict[str, Any] = dict(self.counters)
         c.update(
             version=self.version,
+            version_epoch=self.version_epoch,
             queued=self.queued + self.parked,
             leased=self.leased,
             held=self.held,

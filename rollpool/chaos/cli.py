@@ -1,7 +1,8 @@
 """``rollpool chaos --prompts N --json PATH``: run the pool under seeded random faults and check it.
 
-Exit status 0 when nothing was lost or duplicated and every consumed
-trajectory was within the staleness bound; 1 otherwise. See
+Exit status 0 when nothing was lost, duplicated or stuck (over the terminal
+bound) and every consumed trajectory was within the staleness bound; 1
+otherwise. See
 `rollpool.chaos.runner` for what runs and what is injected.
 """
 
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker-stop-s", default=f"{d.broker_stop_s[0]},{d.broker_stop_s[1]}",
                         help="broker_stop: SIGSTOP lasts uniformly LOW,HIGH seconds")
     parser.add_argument("--hung-apply-s", type=float, default=d.hung_apply_s, help="hung_apply: how long the apply hangs")
+    parser.add_argument("--apply-slot-deadline-s", type=float, default=d.apply_slot_deadline_s,
+                        help="the broker's apply slot deadline (a term of the terminal bound)")
     parser.add_argument("--deadline-s", type=float, default=d.deadline_s, help="give up (and report lost) after this long")
     parser.add_argument("--workdir", default=None, help="where process logs go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the result JSON here")
@@ -51,16 +54,18 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, max_staleness=args.max_staleness, fault_interval_s=args.fault_interval_s,
         faults=faults, deadline_s=args.deadline_s, workdir=args.workdir,
         broker_stop_s=tuple(float(x) for x in args.broker_stop_s.split(",")),  # type: ignore[arg-type]
-        hung_apply_s=args.hung_apply_s,
+        hung_apply_s=args.hung_apply_s, apply_slot_deadline_s=args.apply_slot_deadline_s,
     )
     result = asyncio.run(run_chaos(cfg))
     text = json.dumps(result, indent=2, sort_keys=True)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    summary = {k: result[k] for k in ("prompts_submitted", "lost", "duplicated", "staleness_violations", "dropped_stale",
+    summary = {k: result[k] for k in ("prompts_submitted", "lost", "duplicated", "staleness_violations", "dropped_stale", "stuck",
                                       "faults_injected", "elapsed_s", "message_fault_totals", "cancelled_calls", "terminal_s")}
+    tb = result["terminal_bound"]
+    summary["terminal_bound"] = {k: tb[k] for k in ("bound_s", "checked", "worst_excess_s", "over_bound", "within_bound")}
     print(json.dumps(summary))
     print(json.dumps(result["faults_by_kind"], indent=1))
-    ok = result["lost"] == 0 and result["duplicated"] == 0 and result["staleness_violations"] == 0
+    ok = result["lost"] == 0 and result["duplicated"] == 0 and result["staleness_violations"] == 0 and result["stuck"] == 0
     return 0 if ok else 1

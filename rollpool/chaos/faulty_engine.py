@@ -4,7 +4,7 @@
 result it makes is simulated and labelled so) plus:
 
 - a parameter name its model does not have, `POISON_NAME`, is refused with
-  `EngineError` as a real engine refuses an unknown name (the chaos run's
+  `WeightsRefusedError` as a real engine refuses an unknown name (the chaos run's
   "poison version" carries it; every engine, a restarted one too, refuses it);
 - a hung apply on demand: SIGUSR1 to the worker process arms it, and the next
   ``update_weights`` waits ``hang_apply_s`` seconds before it proceeds (0:
@@ -23,7 +23,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from rollpool.protocol.errors import EngineError
+from rollpool.protocol.errors import WeightsRefusedError
 from rollpool.workers.engines.sim import SimEngine
 
 __all__ = ["POISON_NAME", "ChaosSimEngine", "arm_hang", "install"]
@@ -59,7 +59,7 @@ class ChaosSimEngine(SimEngine):
                 await asyncio.Event().wait()
         if POISON_NAME in named_tensors:
             self.refused_versions.append(version)
-            raise EngineError(f"version {version} names a parameter this model does not have: {POISON_NAME!r}")
+            raise WeightsRefusedError(f"version {version} names a parameter this model does not have: {POISON_NAME!r}")
         await super().update_weights(named_tensors, version)
 
 

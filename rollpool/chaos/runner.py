@@ -33,8 +33,13 @@ default). The faults of issue 20 (`ISSUE20_FAULTS`, opt-in with ``faults``):
 
 The result reports per fault kind its count, per port, direction and message
 type the messages dropped, duplicated, delayed and reordered
-(``message_faults``), the calls cancelled, and submit-to-terminal times
-(``terminal_s``: median, p99, worst).
+(``message_faults``; with ``every_message_action`` the run goes on until each
+of the four is above 0), the calls cancelled, submit-to-terminal times
+(``terminal_s``: median, p99, worst) and the terminal bound of issue 20
+(``terminal_bound``, see `_terminal_bound`): per prompt, the time from the
+last fault's clear to terminal, less its own generation time, against
+``5 x heartbeat_interval_s + apply_slot_deadline_s``; ``stuck`` counts the
+prompts over it plus those never terminal.
 
 What is checked (the trainer's view): every accepted prompt reaches a terminal
 state (`lost` counts those that do not), no trajectory id is handed to the
@@ -49,9 +54,11 @@ recovery times seen from the trainer's side (a status poller every
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import random
 import signal
@@ -109,6 +116,13 @@ class ChaosConfig:
     """Keep running (pulling, injecting) until at least this many faults were injected."""
     hung_apply_s: float = 10.0
     """How long a hung apply (SIGUSR1 to a worker on the sim-chaos engine) waits before it proceeds."""
+    apply_slot_deadline_s: float = 5.0
+    """The broker's `apply_slot_deadline_s` (a hung apply frees its slot after this); a term of the terminal bound.
+    The workers' `apply_timeout_s` is set 1 s below it (a longer hang restarts the engine: its tasks go back)."""
+    result_resend_s: float = 1.0
+    """The broker's `result_resend_s`: a Batch lost on the client port is sent again this long after (within the bound)."""
+    every_message_action: bool = True
+    """With message faults: keep running until each of dropped, duplicated, delayed and reordered is above 0."""
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(FAULT_KINDS)
@@ -164,6 +178,65 @@ def _spread(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {"median": round(v[len(v) // 2], 3), "p99": round(v[min(len(v) - 1, int(len(v) * 0.99))], 3),
             "max": round(v[-1], 3), "n": len(v)}
+
+
+def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted_at: dict[str, float],
+                    terminal_at: dict[str, float], gen_s: dict[str, float]) -> dict[str, Any]:
+    """The terminal bound of issue 20, checked per prompt: after a fault clears, every prompt is terminal within
+    ``5 x heartbeat_interval_s + apply_slot_deadline_s`` plus its own generation time.
+
+    For each fault's clear ``c`` and each prompt open at it (submitted before, not terminal yet), the bound
+    applies unless the next fault started before the prompt ended and before the bound ran out (then the
+    next clear takes over): such a (clear, prompt) pair is ``checked``, the others ``superseded``. ``excess``
+    is the time from the clear to the trainer seeing the prompt terminal (the client's pull cadence
+    included) less the group's own generation time (its trajectories' ``finished_at - started_at`` as the
+    worker's engine timed it; simulated here); ``over_bound`` counts the prompts with a checked excess above
+    the bound; ``never_terminal`` those whose bound after a clear ran out with the prompt never terminal.
+    """
+    formula = "5 x heartbeat_interval_s + apply_slot_deadline_s + generation time"
+    limit = 5 * cfg.heartbeat_interval_s + cfg.apply_slot_deadline_s
+    spans = [(r["_t0"], r["_clear"]) for r in fault_log if "_t0" in r and "_clear" in r]
+    starts = sorted(a for a, _ in spans)
+    clears = sorted(c for _, c in spans)
+    excess: list[tuple[float, str]] = []
+    since: list[float] = []
+    over: set[str] = set()
+    never: set[str] = set()
+    superseded = 0
+    for pid, s in submitted_at.items():
+        t = terminal_at.get(pid, math.inf)
+        gen = gen_s.get(pid, 0.0)
+        for c in clears[bisect.bisect_right(clears, s):bisect.bisect_left(clears, t)]:
+            j = bisect.bisect_right(starts, c)
+            nxt = starts[j] if j < len(starts) else math.inf
+            if nxt < min(t, c + limit + gen):
+                superseded += 1
+                continue
+            if t == math.inf:
+                never.add(pid)
+                continue
+            since.append(t - c)
+            excess.append((t - c - gen, pid))
+            if t - c - gen > limit:
+                over.add(pid)
+    worst = max(excess, default=(0.0, ""))
+    return {
+        "formula": formula,
+        "heartbeat_interval_s": cfg.heartbeat_interval_s,
+        "apply_slot_deadline_s": cfg.apply_slot_deadline_s,
+        "bound_s": round(limit, 3),
+        "checked": len(excess),
+        "superseded": superseded,
+        "prompts_checked": len({pid for _, pid in excess}),
+        "since_clear_s": _spread(since),
+        "excess_s": _spread([e for e, _ in excess]),
+        "worst_excess_s": round(worst[0], 3),
+        "worst_prompt": worst[1],
+        "worst_generation_s": round(gen_s.get(worst[1], 0.0), 3),
+        "over_bound": len(over),
+        "never_terminal": len(never),
+        "within_bound": not over and not never,
+    }
 
 
 _HANDED_OUT: set[int] = set()
@@ -230,6 +303,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                               "--heartbeat-interval-s", str(hb), "--task-timeout-s", str(cfg.task_timeout_s),
                               "--max-attempts", "50", "--batch-size", str(cfg.batch_size),
                               "--max-staleness", str(cfg.max_staleness), "--max-applying", str(cfg.workers),
+                              "--apply-slot-deadline-s", str(cfg.apply_slot_deadline_s), "--result-resend-s", str(cfg.result_resend_s),
                               "--drain-timeout-s", "0", "--redis-url", redis_url], os.path.join(workdir, "broker.log"))
 
     def relay_argv(up_router: str, up_pub: str) -> list[str]:
@@ -248,6 +322,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         _Proc(f"w{i}", [*worker_py, "worker", "--engine", engine, "--broker", worker_port, "--worker-id", f"chaos-w{i}",
                         "--heartbeat-interval-s", str(hb), "--reconnect-backoff-s", "0.1", "--reconnect-backoff-max-s", "1",
                         "--fetch-timeout-s", "2", "--drain-timeout-s", "1", "--apply-grant-timeout-s", "2",
+                        "--apply-timeout-s", str(max(0.5, cfg.apply_slot_deadline_s - 1)),
                         *(() if i in direct else ("--weight-endpoint", relay_router, "--weight-announce-endpoint", relay_pub)),
                         "--engine-options",
                         f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}{hang}",
@@ -276,6 +351,12 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     t_start = time.monotonic()
     submitted_at: dict[str, float] = {}
     terminal_s: list[float] = []
+    terminal_at: dict[str, float] = {}
+    """When the trainer saw each prompt terminal (monotonic)."""
+    gen_s: dict[str, float] = {}
+    """Each DONE group's own generation time, from its trajectories (worker clock: finished_at - started_at)."""
+    hangs: list[dict[str, Any]] = []
+    """hung_apply records whose hang starts with the next apply (the next publish clears them, see below)."""
     publish_faults: list[dict[str, Any]] = []
     """publisher_restart / poison_version records the trainer loop carries out at its next publish."""
     cancel_until = [0.0]
@@ -351,6 +432,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 kind = deck.pop()
                 rec: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t_start, 3)}
                 t0 = time.monotonic()
+                rec["_t0"] = t0
                 if kind in ("kill_worker", "stop_worker"):
                     w = rng.choice(workers)
                     wid = "chaos-" + w.name
@@ -361,6 +443,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                         await asyncio.sleep(rng.uniform(0.0, 1.0))
                         w.restarts += 1
                         w.start()
+                        rec["_clear"] = time.monotonic()
                     else:
                         pause = rng.choice((0.3, 0.5, 1.5, 2.5))  # dead-after is 3 heartbeats = 0.75 s
                         rec["pause_s"] = pause
@@ -368,6 +451,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                         rec["detect_s"] = await wait_until(lambda wid=wid: wid not in observed.alive, pause)
                         await asyncio.sleep(max(0.0, pause - (time.monotonic() - t0)))
                         w.signal(signal.SIGCONT)
+                        rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda wid=wid: wid in observed.alive, 20)
                 elif kind == "kill_broker":
                     old = observed.epoch
@@ -375,6 +459,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
                     broker.restarts += 1
                     broker.start()
+                    rec["_clear"] = time.monotonic()
                     rec["detect_s"] = await wait_until(lambda old=old: observed.epoch not in ("", old), 30)
                     rec["recover_s"] = await wait_until(lambda t0=t0, old=old: delivered_since(t0 + 0.001) and observed.epoch != old, 60)
                 elif kind == "kill_relay":
@@ -382,6 +467,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
                     relay.restarts += 1
                     relay.start()
+                    rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda t0=t0: delivered_since(t0), 30)
                 elif kind == "redis_outage":
                     redis.stop()
@@ -409,7 +495,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     broker.signal(signal.SIGSTOP)
                     await asyncio.sleep(pause)
                     broker.signal(signal.SIGCONT)
-                    t1 = time.monotonic()
+                    t1 = rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda t1=t1: delivered_since(t1), 20)
                 elif kind == "cancel_call":
                     window = rng.uniform(1.0, 2.0)
@@ -423,6 +509,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     w = rng.choice(workers)
                     rec.update(target="chaos-" + w.name, hang_s=cfg.hung_apply_s)
                     w.signal(signal.SIGUSR1)  # rollpool.chaos.faulty_engine: the next apply hangs
+                    hangs.append(rec)
                 else:
                     if kind == "link_delay":
                         proxy.faults.delay_s = rng.choice((0.01, 0.05, 0.1))
@@ -435,6 +522,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     rec["groups_during_window"] = len(observed.delivered_at) - n0
                     proxy.faults.delay_s, proxy.faults.loss = 0.0, 0.0
                 rec["took_s"] = round(time.monotonic() - t0, 3)
+                if kind not in ("publisher_restart", "poison_version", "hung_apply"):
+                    rec.setdefault("_clear", time.monotonic())  # the fault is over (window closed, process back, reset done)
                 for k in ("detect_s", "recover_s"):
                     if isinstance(rec.get(k), float):
                         rec[k] = round(rec[k], 3)
@@ -444,8 +533,15 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         bg = [asyncio.create_task(poll_loop(), name="chaos.poll_loop"), asyncio.create_task(fault_loop(), name="chaos.fault_loop")]
         submitted = 0
         consumed_samples = 0
+        done_recs: list[dict[str, Any]] = []
         prompt_rng = np.random.default_rng(cfg.seed)
-        while len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults:
+        def every_action_seen() -> bool:
+            if not (cfg.every_message_action and faults & set(_MESSAGE_ACTIONS)):
+                return True
+            return all(sum(px.total(a) for px in zproxies.values()) > 0 for a in ("dropped", "duplicated", "delayed", "reordered"))
+
+        while (len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults
+               or not every_action_seen()):
             if time.monotonic() - t_start > cfg.deadline_s:
                 log.error("chaos: deadline passed with %d of %d terminal", len(terminal), len(accepted))
                 break
@@ -487,6 +583,10 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     traj_seen["group:" + g.prompt_id] += 1  # a whole group handed over twice
                 if g.prompt_id not in terminal and g.prompt_id in submitted_at:
                     terminal_s.append(now - submitted_at[g.prompt_id])
+                    terminal_at[g.prompt_id] = now
+                    starts = [t.started_at for t in g.trajectories if t.started_at > 0]
+                    ends = [t.finished_at for t in g.trajectories if t.finished_at > 0]
+                    gen_s[g.prompt_id] = max(0.0, max(ends) - min(starts)) if starts and ends else 0.0
                 if worst > cfg.max_staleness:
                     dropped_stale += 1  # the trainer's hard bound: not trained on
                     terminal[g.prompt_id] = GroupState.DROPPED_STALE
@@ -496,6 +596,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
             for g in batch.other:
                 if g.prompt_id not in terminal and g.prompt_id in submitted_at:
                     terminal_s.append(now - submitted_at[g.prompt_id])
+                    terminal_at.setdefault(g.prompt_id, now)
                 terminal.setdefault(g.prompt_id, g.state)
             if consumed_samples >= cfg.batch_size:
                 consumed_samples -= cfg.batch_size
@@ -508,7 +609,17 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                         rec.update(await restart_publisher())
                     else:
                         payload = {**tensors, POISON_NAME: torch.zeros(4)}  # a name no worker's model has
+                    rec["_t0"] = time.monotonic()
+                    done_recs.append(rec)
                 await client.publish_weights(payload, version)
+                t_pub = time.monotonic()
+                for rec in done_recs:  # carried out with this publish: over once it is announced
+                    rec["_clear"] = t_pub
+                done_recs.clear()
+                for rec in hangs:  # the hang starts with the apply of this version; the slot deadline bounds it
+                    rec["_t0"] = rec["_clear"] = t_pub
+                    rec["version"] = version
+                hangs.clear()
         done.set()
         for t in bg:
             t.cancel()
@@ -537,6 +648,11 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
 
     lost = sorted(accepted - set(terminal))
     duplicated = sum(c - 1 for c in traj_seen.values() if c > 1)
+    bound = _terminal_bound(cfg, fault_log, submitted_at, terminal_at, gen_s)
+    for r in fault_log:
+        for k in ("_t0", "_clear"):
+            if k in r:
+                r[k.replace("_t0", "started_at_s").replace("_clear", "cleared_at_s")] = round(r.pop(k) - t_start, 3)
     states = Counter(terminal.values())
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in FAULT_KINDS:
@@ -550,11 +666,15 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 entry[k] = {"median": round(statistics.median(vals), 3), "max": round(max(vals), 3), "n": len(vals)}
         by_kind[kind] = entry
     return {
+        "simulated": True,
+        "engine": f"{engine} (the sim engine: simulated generation, no model; results are labelled simulated)",
         "config": asdict(cfg),
         "prompts_submitted": len(accepted),
         "terminal": dict(states),
         "lost": len(lost),
         "lost_ids": lost[:20],
+        "stuck": bound["over_bound"] + len(lost),
+        "terminal_bound": bound,
         "duplicated": duplicated,
         "staleness_bound": cfg.max_staleness,
         "staleness_histogram": {str(k): v for k, v in sorted(staleness_hist.items())},

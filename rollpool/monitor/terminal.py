@@ -1,7 +1,10 @@
 """One frame of ``rollpool top`` as text (pure, no I/O).
 
 `render_frame` lays out a `PoolState` in at most `width` columns: a header, the
-broker's counters, the refusals by limit and by role (when there were any), a
+broker's counters, its reconciliation counters (results re-sent, leases
+reconciled, credit corrections, broker stalls with their length, failed versions
+with the last error, rebases), the refusals by limit and by role (the broker's, and what workers
+refused to send; when there were any), a
 table of alive workers (with each one's version lag), the staleness histogram as
 bars, and the most recent events. With ``color=True`` it
 adds plain ANSI SGR codes (bold headers, red for lagging or stale entries).
@@ -109,7 +112,8 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     else:
         lines.append("  -")
     lines.append("")
-    lines.extend(_refusal_lines(broker or {}, width, bold, red, reset))
+    lines.extend(_reconcile_lines(state, width, bold, red, reset))
+    lines.extend(_refusal_lines(broker or {}, state.workers, width, bold, red, reset))
     lines.extend(_wasted_lines(broker or {}, width, bold, reset))
 
     lags = state.worker_version_lag()
@@ -172,6 +176,38 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     return "\n".join(lines) + "\n"
 
 
+def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
+    """RECONCILIATION (issue 20): what the broker repaired, how long it stalled, which versions failed."""
+    broker = state.broker or {}
+    if "leases_reconciled" not in broker and "results_resent" not in broker:
+        return []  # a broker from before these counters
+    stall = f"{_fmt(broker.get('broker_stalls', 0))}"
+    if broker.get("broker_stalls"):
+        stall += f" ({_fmt(broker.get('broker_stall_ms_total', 0) / 1000, 1)} s, longest {_fmt(broker.get('broker_stall_ms_max', 0) / 1000, 1)} s)"
+    parts = [
+        f"results re-sent {_fmt(broker.get('results_resent', 0))}",
+        f"leases reconciled {_fmt(broker.get('leases_reconciled', 0))}",
+        f"credit corrections {_fmt(broker.get('credit_corrections', 0))}",
+        f"broker stalls {stall}",
+        f"versions failed {_fmt(broker.get('versions_failed', 0))}",
+        f"apply slots expired {_fmt(broker.get('apply_slots_expired', 0))}",
+        f"rebases {_fmt(broker.get('rebases', 0))}",
+    ]
+    rows: list[str] = []
+    row = "  "
+    for part in parts:
+        if len(row) + len(part) + 2 > width and row.strip():
+            rows.append(_cut(row.rstrip(), width))
+            row = "  "
+        row += part + "  "
+    rows.append(_cut(row.rstrip(), width))
+    failed = [ev for ev in state.events if ev.kind == "version_failed"]
+    if failed:
+        f = failed[-1].fields
+        rows.append(red + _cut(f"  last failed version {f.get('version', '?')} on {f.get('worker_id', '?')}: {f.get('error', '')}", width) + reset)
+    return [bold + "RECONCILIATION" + reset, *rows, ""]
+
+
 _WASTE_REASONS = (("stale_drop", "stale drop"), ("cancel", "cancel"), ("failure", "failure"), ("duplicate", "duplicate"))
 
 
@@ -198,16 +234,25 @@ _REFUSAL_PREFIXES = (
 )
 
 
-def _refusal_lines(broker: dict[str, Any], width: int, bold: str, red: str, reset: str) -> list[str]:
-    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops.
+def _refusal_lines(broker: dict[str, Any], workers: dict[str, dict[str, Any]], width: int, bold: str, red: str,
+                   reset: str) -> list[str]:
+    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops, and
+    what the workers refused to send (``refused.limit.*`` in their states, summed over the alive workers).
 
     ``refused.role.worker@broker.client`` reads "a worker key refused on the client
     port"; ``disconnects.SOCKET`` includes the connections libzmq dropped for a
     message over MAXMSGSIZE (it reports no reason).
     """
     rows: list[str] = []
-    for prefix, label in _REFUSAL_PREFIXES:
-        items = sorted((k[len(prefix):], v) for k, v in broker.items() if k.startswith(prefix))
+    worker_sums: dict[str, Any] = {}
+    for fields in workers.values():
+        for k, v in fields.items():
+            if k.startswith("refused.limit.") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                worker_sums[k] = worker_sums.get(k, 0) + v
+    sources = [(prefix, label, broker) for prefix, label in _REFUSAL_PREFIXES]
+    sources.insert(1, ("refused.limit.", "workers, by limit", worker_sums))
+    for prefix, label, counters in sources:
+        items = sorted((k[len(prefix):], v) for k, v in counters.items() if k.startswith(prefix))
         if not items:
             continue
         body = "  ".join(f"{name} {_fmt(v)}" for name, v in items)

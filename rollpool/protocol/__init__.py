@@ -24,6 +24,7 @@ from rollpool.protocol.errors import (
     ProtocolError,
     RejectedError,
     RollpoolError,
+    WeightsRefusedError,
     WeightSyncError,
 )
 from rollpool.protocol.limits import DEFAULT_LIMITS, Limits
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "ProtocolError",
     "EngineError",
+    "WeightsRefusedError",
     "WeightSyncError",
     "BrokerUnavailableError",
     "RejectedError",

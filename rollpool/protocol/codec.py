@@ -70,8 +70,15 @@ PROTOCOL_MAJOR = 1
 #        heartbeats (dispatch_seq, free_capacity, held_count, held_digest, held_full; BrokerHeartbeat.send_held)
 #   1.4  streamed weight manifests: ManifestRequest.streamed, host_key; Manifest.host_key, pool;
 #        BucketInfo.shm_segment; Chunk.checksum
-#   1.5  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
-PROTOCOL_MINOR = 5
+#   1.5  Feature.RECONCILE (whole worker heartbeats acted on: leases reconciled, credit absolute);
+#        Welcome.dispatch_seq (where the worker's echo starts)
+#   1.6  SetVersion.rebase (checkpoint resume); version_epoch on Hello, Welcome, WorkerHeartbeat and
+#        BrokerHeartbeat, rebase_version on Welcome and BrokerHeartbeat
+#   1.7  ApplyDone.skipped (a worker reports a weight version it gave up on, with the reason);
+#        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
+#        input_logprobs
+#   1.8  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
+PROTOCOL_MINOR = 8
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

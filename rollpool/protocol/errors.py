@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "EngineError",
     "RequestRefusedError",
+    "WeightsRefusedError",
     "WeightSyncError",
     "BrokerUnavailableError",
     "RejectedError",
@@ -48,6 +49,12 @@ class ProtocolError(RollpoolError):
 
 class EngineError(RollpoolError):
     """An inference engine failed (start, generate, apply, ...)."""
+
+
+class WeightsRefusedError(EngineError):
+    """An engine refused a weight version after checking it, before writing anything (an unknown parameter
+    name, a shape that does not match): it still serves its previous version, intact. The worker reports the
+    version failed and skips it; no restart (issue 20: a poison version costs nothing but itself)."""
 
 
 class RequestRefusedError(EngineError):

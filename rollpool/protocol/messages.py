@@ -135,9 +135,15 @@ class Feature:
     """The broker reads `Result.credits` (credit returned with the result, no separate Credit)."""
     HELD_DIGEST = "held_digest"
     """The broker checks `WorkerHeartbeat.held_digest` and may ask for the full list (`BrokerHeartbeat.send_held`)."""
+    RECONCILE = "reconcile"
+    """(minor 5) Once welcomed, the worker's heartbeats are whole: `dispatch_seq` echoes the highest `Task.seq`
+    received since `Welcome.dispatch_seq`, `free_capacity` is absolute and the held list is complete. The broker
+    acts on them: a lease at or below the echo the worker does not hold (or one above it not echoed two heartbeat
+    intervals after dispatch) is requeued burning no attempt, and credit is set from the free capacity. A worker
+    without it only has its heartbeats recorded (issue 20)."""
 
 
-FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST)
+FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
@@ -179,6 +185,12 @@ class SamplingParams:
     """Stop strings."""
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs_num: int = 0
+    """Report the logprobs of the k most likely tokens at every output position (0: none; SGLang's name).
+    A worker whose engine cannot refuses the task (an error result naming it); protocol 1.7."""
+    logprob_start_len: int = -1
+    """Report the logprobs of the prompt's tokens from this position on (-1: none; SGLang's name). A worker
+    whose engine cannot refuses the task; protocol 1.7."""
 
 
 @record
@@ -234,6 +246,14 @@ class Trajectory:
     segment_index: int = 0
     """Episodes: the segment of sample `sample_index` this trajectory holds (a history rewrite starts a
     new one); 0 for a plain generate call."""
+    output_top_ids: Int32Array | None = None
+    """With `SamplingParams.top_logprobs_num` k: the k most likely token ids at every output position,
+    row-major (len(output_ids) * k), most likely first; None otherwise (protocol 1.7)."""
+    output_top_logprobs: Float32Array | None = None
+    """Their logprobs (the same log_softmax(logits / temperature) as `output_logprobs`), same layout."""
+    input_logprobs: Float32Array | None = None
+    """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
+    (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.7."""
 
     @property
     def trajectory_id(self) -> str:
@@ -336,6 +356,9 @@ class Hello:
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
     features: tuple[str, ...] = ()
     """Optional wire features the worker speaks (`Feature`, minor 1)."""
+    version_epoch: int = 0
+    """(minor 6) The version epoch `weight_version` belongs to: the last `Welcome`/`BrokerHeartbeat.version_epoch`
+    the worker saw (0: none; see `SetVersion.rebase`)."""
 
 
 @message("welcome")
@@ -362,6 +385,15 @@ class Welcome:
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
     features: tuple[str, ...] = ()
     """Optional wire features the broker speaks (`Feature`, minor 1)."""
+    dispatch_seq: int = 0
+    """(minor 5) The last `Task.seq` sent to this worker before this welcome: a `Feature.RECONCILE` worker's
+    echo starts from it (numbers go on across re-hellos; a worker the broker did not know starts at 0)."""
+    version_epoch: int = 0
+    """(minor 6) The pool's version epoch: it moves on at each rebase (`SetVersion.rebase`; 0: never rebased)."""
+    rebase_version: int = -1
+    """(minor 6) The lowest version a rebase since the worker's `Hello.version_epoch` went back to: a worker whose
+    `weight_version` is above it serves weights of an abandoned run, forgets them and applies whatever version
+    comes next, lower or not (-1: nothing to forget)."""
 
 
 @message("credit")
@@ -455,8 +487,10 @@ class WorkerHeartbeat:
     """`held_digest` of the held task ids (meaningful when `held_count` >= 0)."""
     held_full: bool = False
     """`inflight_task_ids` is the complete list of held tasks (else it may be empty or partial)."""
+    version_epoch: int = 0
+    """(minor 6) The version epoch `weight_version` belongs to (as `Hello.version_epoch`)."""
     tokens_cancelled: int = -1
-    """(minor 5) Tokens generated, since the worker started, for tasks the broker cancelled before their
+    """(minor 8) Tokens generated, since the worker started, for tasks the broker cancelled before their
     result (never delivered: wasted, reason cancel); cumulative (-1: not reported)."""
 
 
@@ -471,6 +505,10 @@ class BrokerHeartbeat:
     list in the next heartbeat (`WorkerHeartbeat.held_full`)."""
     dispatch_seq: int = -1
     """With `send_held`: the highest `Task.seq` the broker had sent this worker (-1: not stated)."""
+    version_epoch: int = 0
+    """(minor 6) As `Welcome.version_epoch`."""
+    rebase_version: int = -1
+    """(minor 6) The version the last rebase went back to (-1: never rebased); see `Welcome.rebase_version`."""
 
 
 @message("nack")
@@ -536,6 +574,9 @@ class ApplyDone:
     ok: bool
     duration_s: float = 0.0
     error: str | None = None
+    skipped: bool = False
+    """The worker gave this version up for good (its fetch, grant or apply kept failing, a restarted engine
+    included); `error` says why. It keeps its last good version and follows the next one (protocol 1.7)."""
 
 
 # --------------------------------------------------------------------------- client flow
@@ -613,12 +654,19 @@ class Ack:
 
 @message("set_version")
 class SetVersion:
+    """Client -> broker: the trainer's version. Versions move forward; a lower one is refused (`Reply.ok` false)
+    unless `rebase` is set."""
+
     request_id: str
     version: int
     weight_endpoint: str | None = None
     announce_endpoint: str | None = None
+    rebase: bool = False
+    """(minor 6) The trainer resumed from a checkpoint at `version`, which may be lower than the pool's: the
+    pool's version becomes `version`, its admission counters restart from it, a new version epoch begins and
+    workers serving a version above it take the next version announced, lower or not."""
     stale_bound: int = -1
-    """(minor 5) The staleness above which the trainer will not train a group (its stale_policy's bound:
+    """(minor 8) The staleness above which the trainer will not train a group (its stale_policy's bound:
     max_staleness under drop and regenerate, max_staleness_keep under keep; -1: not stated). The broker's
     early cancellation and result-time drop judge by it instead of its eta."""
 

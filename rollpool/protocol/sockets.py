@@ -68,10 +68,12 @@ class SocketOptions:
     """ZMTP PING interval (0: off); a peer that does not answer within `heartbeat_timeout_ms` is dropped."""
     heartbeat_timeout_ms: int = 30_000
     handshake_timeout_ms: int = 10_000
-    monitor_disconnects: bool = False
-    """Count disconnects and failed handshakes of watched server sockets (a libzmq socket monitor). Off by
-    default: with it on, the broker's in-process test file ran 25x slower and its 0.05 s-heartbeat workers
-    were declared lost (seen on 2026-12-01 after the roles and broker-scale merge; cause not yet found)."""
+    monitor_disconnects: bool = True
+    """Count disconnects and failed handshakes of watched server sockets (a libzmq socket monitor). It was
+    off by default for a while: the monitor thread spun, holding the GIL, once every socket it watched had
+    closed (an empty zmq Poller returns at once), so each broker whose factory nobody closed left a spinning
+    thread behind; the broker's in-process tests ran 25x slower and lost 0.05 s-heartbeat workers. The thread
+    now leaves when nothing is watched (and `watch` starts another)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -254,6 +256,13 @@ class _Monitor:
         try:
             while not self._stop.is_set():
                 with self._lock:
+                    if not self._pairs:
+                        # every watched socket is closed. Leave: an empty Poller.poll(100) returns at once, so
+                        # staying would spin, holding the GIL (the cause of the 25x slowdown of the broker's
+                        # in-process tests: one such thread per test whose factory was never closed).
+                        # `watch` starts a new thread when it is needed again.
+                        self._thread = None
+                        return
                     for pair in self._pairs:
                         if pair not in seen:
                             poller.register(pair, zmq.POLLIN)
@@ -276,10 +285,11 @@ class _Monitor:
             pass  # the context is terminating
         finally:
             with self._lock:
-                for pair in self._pairs:
-                    pair.close(linger=0)
-                self._pairs.clear()
-                self._thread = None
+                if self._thread is threading.current_thread():  # not when it left because nothing is watched
+                    for pair in self._pairs:
+                        pair.close(linger=0)
+                    self._pairs.clear()
+                    self._thread = None
 
     def close(self) -> None:
         self._stop.set()

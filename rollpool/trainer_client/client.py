@@ -26,6 +26,10 @@ Guarantees the trainer relies on:
   the bound drops is reported in `RolloutBatch.other` / `RolloutBatch.reports`.
 * Every request has a timeout and a bounded number of retries; a broker that
   does not answer raises `BrokerUnavailableError`.
+* Versions move forward: `set_version` with a version older than the pool's is
+  refused (`RejectedError` naming both). A trainer that resumed from a
+  checkpoint calls `rebase_version(v)` first: the pool's version becomes v and
+  admission restarts from it (see `rebase_version`).
 
 The bookkeeping behind these (pending prompts, dedup windows, acks, stale
 verdicts, what to regenerate, counters) is the pure `ClientLedger` in
@@ -463,6 +467,31 @@ class TrainerClient:
         """Tell the broker the trainer's version (admission control counts from it)."""
         self.ledger.observe_version(version)
         await self._set_version_request(version)
+
+    async def rebase_version(self, version: int) -> None:
+        """The trainer resumed from a checkpoint at `version` (which may be older than the pool's): rebase the pool.
+
+        The broker's version becomes `version` and its admission account restarts from it (as if the run had
+        reached `version` in order); a new version epoch begins, and workers serving a version above
+        `version` (weights of the abandoned run) get no work while a staleness bound is set, have their
+        in-flight tasks cancelled and requeued (no attempt burned) and apply the next version published,
+        lower or not. Then publish the checkpoint's weights (`publish_weights(model, version)`) and go on
+        as usual. A publisher this client hosts that holds versions above `version` is closed (a fresh one
+        starts, on new ports, with the next `publish_weights`); a publisher run elsewhere must be restarted
+        likewise. Groups already made are delivered as they are (their ``token_versions`` say which weights
+        made them).
+        """
+        if version < 0:
+            raise ValueError(f"rebase_version needs a version >= 0, got {version}")
+        if self._publisher is not None and self._publisher.latest_version > version:
+            with contextlib.suppress(Exception):
+                await self._publisher.close()
+            self._publisher = None
+        reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, rebase=True))
+        if isinstance(reply, Reply) and not reply.ok:
+            raise RejectedError("rebase_version", reply.error or "refused")
+        self.ledger.version = version  # versions are newest-wins otherwise: the one place they go back
+        log.warning("pool rebased to version %d", version)
 
     async def _set_version_request(self, version: int) -> None:
         router = pub = None

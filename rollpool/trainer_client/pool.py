@@ -13,8 +13,13 @@ Guarantees:
 
 * Every parameter is honoured or refused: an argument or sampling key the pool
   cannot honour raises `UnsupportedParameterError` naming it (images, LoRA,
-  custom logit processors, prompt logprobs, top-k logprobs, streaming, and any
-  sampling key other than the neutral value of one SGLang knows).
+  custom logit processors, prompt logprobs, streaming, and any sampling key
+  other than the neutral value of one SGLang knows). ``top_logprobs_num`` (0 to
+  `MAX_TOP_LOGPROBS`, with ``return_logprob``) is honoured by engines that report
+  top logprobs (hf) as ``meta_info["output_top_logprobs"]``; a worker whose
+  engine cannot fails the group with an error naming it. ``logprob_start_len``
+  s >= 0 (with ``return_logprob``) likewise gives ``meta_info["input_token_logprobs"]``
+  for the prompt's tokens from position s (``None`` for position 0).
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
@@ -25,7 +30,13 @@ Guarantees:
   it submits carries ``min_weight_version`` = that version, so the broker gives
   it only to a worker that applied it; a generation not served within
   `weight_timeout_s` raises `WeightSyncError` naming the workers' versions, and
-  a result below the version (a broker older than protocol 1.1) raises too.
+  a result below the version (a broker older than protocol 1.1) raises too. A
+  version every live worker gave up on (it failed to apply, a restarted engine
+  included: the broker shows it as the worker's ``skipped_version``, protocol
+  1.5) fails the wait at once, within `SYNC_POLL_S`, with `WeightSyncError`
+  naming the version and each worker's error text. A call that fails (a
+  timeout, a version no worker can apply) cancels its prompts still live; their
+  late results are dropped, not kept.
   ``synchronous=False`` (the default of this class) keeps rollpool's
   asynchronous behaviour: every token's version is on the result.
 
@@ -37,10 +48,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from rollpool.protocol import (
     GroupResult,
@@ -63,6 +75,10 @@ PromptLike = str | Sequence[int]
 SLEEP_TAGS: tuple[str, ...] = ("kv_cache", "cuda_graph")
 """What `sleep()` releases by default (LightRFT's default: the weights stay)."""
 ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+MAX_TOP_LOGPROBS = 64
+"""The most top logprobs per output token a generate call may ask for (they travel on every trajectory)."""
+SYNC_POLL_S = 0.5
+"""While prompts wait for a weight version, how often the pool asks the broker whether every worker gave it up."""
 
 
 class UnsupportedParameterError(ValueError):
@@ -185,11 +201,11 @@ def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: 
     if given(custom_logit_processor):
         raise UnsupportedParameterError("custom_logit_processor", "the pool's engines run no custom logit processors")
     for start in _per_prompt("logprob_start_len", logprob_start_len, count):
-        if start is not None and start != -1:
-            raise UnsupportedParameterError("logprob_start_len", "the pool reports logprobs of output tokens only (-1), not of prompt tokens")
+        if start is not None and int(start) < -1:
+            raise UnsupportedParameterError("logprob_start_len", f"{start}: a prompt position (>= 0) or -1 (no prompt logprobs)")
     for k in _per_prompt("top_logprobs_num", top_logprobs_num, count):
-        if k:
-            raise UnsupportedParameterError("top_logprobs_num", "trajectories carry the sampled token's logprob only (0)")
+        if k is not None and not 0 <= int(k) <= MAX_TOP_LOGPROBS:
+            raise UnsupportedParameterError("top_logprobs_num", f"{k}: the pool reports 0 to {MAX_TOP_LOGPROBS} top logprobs per token")
     if stream:
         raise UnsupportedParameterError("stream", "the pool returns whole samples; use generate_async for results as they finish")
 
@@ -200,6 +216,10 @@ class _Call:
     sizes: list[int]
     logprobs: list[bool]
     min_version: int
+    tops: list[int]
+    """top_logprobs_num asked for, per prompt (0: none)."""
+    starts: list[int]
+    """logprob_start_len asked for, per prompt (-1: none)."""
 
 
 class RolloutPool:
@@ -218,6 +238,8 @@ class RolloutPool:
         self._staged: dict[str, Any] = {}
         self._flush_after_commit = False
         self._done: dict[str, GroupResult] = {}
+        self._abandoned: set[str] = set()
+        """Prompts of a failed call: cancelled at the broker; their results are dropped when they arrive."""
         self._slept_with_weights: bool | None = None
         self._released: set[str] = set()
         """Memory tags this object released on the workers and has not resumed."""
@@ -235,6 +257,11 @@ class RolloutPool:
         _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
         sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
         logprobs = [bool(x) for x in _per_prompt("return_logprob", return_logprob, len(items))]
+        # SGLang reports top logprobs with return_logprob only; they are asked of the workers only then
+        tops = [int(k or 0) if lp else 0 for k, lp in zip(_per_prompt("top_logprobs_num", top_logprobs_num, len(items)), logprobs, strict=True)]
+        sampling = [(replace(sp, top_logprobs_num=k) if k else sp, n) for (sp, n), k in zip(sampling, tops, strict=True)]
+        starts = [int(s) if lp and s is not None else -1 for s, lp in zip(_per_prompt("logprob_start_len", logprob_start_len, len(items)), logprobs, strict=True)]
+        sampling = [(replace(sp, logprob_start_len=s) if s >= 0 else sp, n) for (sp, n), s in zip(sampling, starts, strict=True)]
         if self._staged:
             self.commit_weights()
         required = self._required if self.synchronous else -1
@@ -246,27 +273,70 @@ class RolloutPool:
         if result.rejected:
             pid, reason = next(iter(result.rejected.items()))
             raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
-        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required), single and sampling[0][1] == 1
+        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops, starts), single and sampling[0][1] == 1
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
-        wait = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+        poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
+        wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
         try:
             batch = self._client.get_batch(1, timeout=wait)
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
-                self._raise_timeout(call)
+                self._fail(call, self._timeout_error(call))
+            if call.min_version >= 0:
+                self._check_version_reachable(call)
             return []
-        return batch.groups + batch.other
+        groups = []
+        for g in batch.groups + batch.other:
+            if g.prompt_id in self._abandoned:
+                self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
+            else:
+                groups.append(g)
+        return groups
 
-    def _raise_timeout(self, call: _Call) -> None:
+    def _check_version_reachable(self, call: _Call) -> None:
+        """Fail the call at once when every live worker gave up the version it waits for and nothing newer is out."""
+        status = self._client.status()
+        workers: dict[str, Any] = status["workers"]
+        if not workers:
+            return  # a worker may still join and apply it
+        latest = status["counters"].get("version", -1)
+        latest = latest if isinstance(latest, int) else -1
+        errors: dict[str, str] = {}
+        for wid, s in workers.items():
+            version, skipped = s.get("version"), s.get("skipped_version")
+            if isinstance(version, int) and version >= call.min_version:
+                return  # someone serves it: the prompts will be dispatched
+            if not (isinstance(skipped, int) and skipped >= call.min_version and skipped >= latest):
+                return  # still fetching or applying it (or a broker older than protocol 1.7: the timeout decides)
+            errors[wid] = str(s.get("skipped_error") or "no reason given")
+        missing = sum(1 for pid in call.prompt_ids if pid not in self._done)
+        detail = "; ".join(f"{w} (at version {workers[w].get('version')}): {e}" for w, e in sorted(errors.items()))
+        self._fail(call, WeightSyncError(f"weight version {call.min_version} cannot be applied: every worker gave it up "
+                                         f"({missing} prompts waited for it): {detail}"))
+
+    def _timeout_error(self, call: _Call) -> Exception:
         missing = [pid for pid in call.prompt_ids if pid not in self._done]
         if call.min_version >= 0:
             workers = self._client.status()["workers"]
             at = {w: (s.get("version"), s.get("state")) for w, s in workers.items()}
             if not any(isinstance(v, int) and v >= call.min_version for v, _ in at.values()):
-                raise WeightSyncError(f"no worker served weight version {call.min_version} within {self.weight_timeout_s} s "
-                                      f"({len(missing)} prompts wait for it); workers (version, state): {at or 'none connected'}")
-        raise TimeoutError(f"{len(missing)} of {len(call.prompt_ids)} prompts not done within {self.timeout_s} s")
+                return WeightSyncError(f"no worker served weight version {call.min_version} within {self.weight_timeout_s} s "
+                                       f"({len(missing)} prompts wait for it); workers (version, state): {at or 'none connected'}")
+        return TimeoutError(f"{len(missing)} of {len(call.prompt_ids)} prompts not done within {self.timeout_s} s")
+
+    def _fail(self, call: _Call, error: Exception) -> NoReturn:
+        """Cancel the call's prompts still live, drop what was done of it, raise `error`."""
+        live = [pid for pid in call.prompt_ids if pid not in self._done]
+        for pid in call.prompt_ids:
+            self._done.pop(pid, None)
+        if live:
+            self._abandoned.update(live)
+            try:
+                self._client.cancel(live)
+            except Exception as exc:  # noqa: BLE001 - the error below is the one to report
+                log.warning("cancelling %d prompts of a failed generate failed: %s", len(live), exc)
+        raise error
 
     def _deadline(self, call: _Call) -> float | None:
         limit = self.weight_timeout_s if call.min_version >= 0 else self.timeout_s
@@ -289,8 +359,8 @@ class RolloutPool:
                                     custom_logit_processor, logprob_start_len, top_logprobs_num, stream)
         self._collect(call)
         out: list[dict[str, Any]] = []
-        for pid, n, lp in zip(call.prompt_ids, call.sizes, call.logprobs, strict=True):
-            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version))
+        for pid, n, lp, k, s in zip(call.prompt_ids, call.sizes, call.logprobs, call.tops, call.starts, strict=True):
+            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version, k, s))
         return out[0] if single else out
 
     async def generate_async(self, prompt: str | Sequence[str] | None = None,
@@ -306,12 +376,14 @@ class RolloutPool:
             at += n
         sizes = dict(zip(call.prompt_ids, call.sizes, strict=True))
         logprobs = dict(zip(call.prompt_ids, call.logprobs, strict=True))
+        tops = dict(zip(call.prompt_ids, call.tops, strict=True))
+        starts = dict(zip(call.prompt_ids, call.starts, strict=True))
         deadline = self._deadline(call)
         left = set(call.prompt_ids)
         while left:
             for pid in [p for p in left if p in self._done]:  # taken by a concurrent call's pull
                 left.discard(pid)
-                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version)):
+                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version, tops[pid], starts[pid])):
                     yield offsets[pid] + j, res
             if not left:
                 break
@@ -319,7 +391,8 @@ class RolloutPool:
                 self._done[g.prompt_id] = g
 
     @staticmethod
-    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1) -> list[dict[str, Any]]:
+    def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1, top_k: int = 0,
+                   logprob_start: int = -1) -> list[dict[str, Any]]:
         if g.state != GroupState.DONE:
             return [{"text": "", "output_ids": [], "meta_info": {"id": f"{g.prompt_id}:{i}", "finish_reason": {"type": "abort", "message": f"{g.state}: {g.reason}"}}} for i in range(n)]
         trajs: list[Trajectory] = sorted(g.trajectories, key=lambda t: t.sample_index)
@@ -342,6 +415,27 @@ class RolloutPool:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
+            if logprob_start >= 0:
+                if t.input_logprobs is None:
+                    raise UnsupportedParameterError("logprob_start_len", f"{t.trajectory_id} came without prompt logprobs: worker "
+                                                    f"{t.worker_id!r} ignored the request (protocol older than 1.5?)")
+                first = len(t.input_ids) - len(t.input_logprobs)
+                if first < 0:
+                    raise ValueError(f"{t.trajectory_id}: {len(t.input_logprobs)} prompt logprobs for {len(t.input_ids)} prompt tokens "
+                                     f"(worker {t.worker_id!r})")
+                meta["input_token_logprobs"] = [(None if math.isnan(lp) else float(lp), int(tok), None)
+                                                for lp, tok in zip(t.input_logprobs, t.input_ids[first:], strict=True)]
+            if top_k > 0:
+                if t.output_top_ids is None or t.output_top_logprobs is None:
+                    raise UnsupportedParameterError("top_logprobs_num", f"{t.trajectory_id} came without top logprobs: worker "
+                                                    f"{t.worker_id!r} ignored the request (protocol older than 1.5?)")
+                want = len(t.output_ids) * top_k
+                if len(t.output_top_ids) != want or len(t.output_top_logprobs) != want:
+                    raise ValueError(f"{t.trajectory_id}: {len(t.output_top_ids)} top ids and {len(t.output_top_logprobs)} top logprobs "
+                                     f"for {len(t.output_ids)} tokens x {top_k} (worker {t.worker_id!r})")
+                ids, lps = t.output_top_ids.reshape(-1, top_k), t.output_top_logprobs.reshape(-1, top_k)
+                meta["output_top_logprobs"] = [[(float(lp), int(tok), None) for lp, tok in zip(lr, ir, strict=True)]
+                                               for lr, ir in zip(lps, ids, strict=True)]
             out.append({"text": t.output_text or "", "output_ids": t.output_ids.tolist(), "meta_info": meta})
         return out
 

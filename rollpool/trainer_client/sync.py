@@ -81,6 +81,10 @@ class SyncTrainerClient:
     def set_version(self, version: int) -> None:
         self._call(lambda: self.client.set_version(version))
 
+    def rebase_version(self, version: int) -> None:
+        """See `TrainerClient.rebase_version` (a trainer resumed from a checkpoint at `version`)."""
+        self._call(lambda: self.client.rebase_version(version))
+
     def status(self) -> dict[str, Any]:
         return self._call(self.client.status)
 

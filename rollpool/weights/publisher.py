@@ -689,7 +689,7 @@ class WeightPublisher:
         """A bucket buffer: an evicted version's of the same size and kind that nothing still reads, else one of the
         pool's (reserved, or fresh: page-locked when CUDA is available, within the budget)."""
         for i, src in enumerate(self._spare):
-            if int(src.data.numel()) == nbytes and not src.in_flight() and (pool.segment_of(src.data) is not None) == (pool.kind == "shm"):
+            if int(src.data.numel()) == nbytes and not src.in_flight() and (self.segment_of(src.data) is not None) == (pool.kind == "shm"):
                 del self._spare[i]
                 return src.data
         return pool.take(nbytes)

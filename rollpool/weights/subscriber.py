@@ -182,6 +182,8 @@ class WeightSubscriber:
         """The path of the last completed fetch: ``shm`` or ``network``."""
         self._latest = -1
         self._hint = -1
+        self._forgets = 0
+        """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
         self._changed = asyncio.Event()
         self._dealer: Any = None
         self._dealers: list[Any] = []
@@ -280,11 +282,24 @@ class WeightSubscriber:
             self._hint = max(self._hint, version)
             self._ask_latest()
 
+    def forget_newer(self, version: int) -> None:
+        """The pool was rebased to `version`: versions known above it are of an abandoned run. Forgotten, and the
+        publisher asked for its latest again (a restarted publisher may start lower); a waiting `wait_for_newer`
+        returns what is known now so its caller can look again."""
+        if self._latest > version or version < -1:
+            self._latest = -1
+            self._hint = -1
+            self._forgets += 1
+            self._changed.set()
+            self._ask_latest()
+
     async def wait_for_newer(self, than: int, timeout_s: float | None = None) -> int:
-        """Wait until a version newer than `than` is known; return it. `WeightSyncError` after `timeout_s`."""
+        """Wait until a version newer than `than` is known; return it. `WeightSyncError` after `timeout_s`.
+        Returns early (maybe not newer) when `forget_newer` forgot versions meanwhile."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        while self._latest <= than:
+        forgets = self._forgets
+        while self._latest <= than and self._forgets == forgets:
             self._changed.clear()
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:

@@ -6,6 +6,13 @@ raising when the broker cannot be reached. The DEALER sets ZMQ_IMMEDIATE, so not
 queues for an absent broker; the session keeps what must not be lost (results) and
 hellos retry. `recv` decodes strictly. An undecodable message is logged (once a
 minute) and skipped, never fatal. Imports only `rollpool.protocol` (and pyzmq).
+
+Oversize: libzmq drops a message part over the broker's MAXMSGSIZE together with the
+connection and tells nobody, so `send` checks every message against the limits the
+broker announced in its Welcome (`peer_limits`; the defaults before one came) and
+refuses one over them with `MessageTooLargeError`, which names the limit; each refusal
+is logged and counted by limit (`refused`). The worker turns a refused Result into an
+error result for the task (see `Worker._do`), so the trainer is told and nothing is lost.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import logging
 from typing import Any
 
 from rollpool.protocol import decode, encode
-from rollpool.protocol.errors import ProtocolError
+from rollpool.protocol.codec import check_size
+from rollpool.protocol.errors import MessageTooLargeError, ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.sockets import SocketFactory
 
@@ -35,6 +43,10 @@ class BrokerLink:
         self.sent = 0
         self.send_failures = 0
         self.bad_messages = 0
+        self.peer_limits: tuple[int, int] = (0, 0)
+        """(max_msg_bytes, max_header_bytes) the broker announced in its Welcome; 0: not said (the defaults)."""
+        self.refused: dict[str, int] = {}
+        """Messages refused before sending, by the limit they were over (``max_msg_bytes``, ``max_header_bytes``)."""
         self._sock: Any = None  # zmq.asyncio.Socket (SocketFactory is typed Any)
         self._lock = asyncio.Lock()
         self._bad = RateLimitedLog(log)
@@ -52,10 +64,21 @@ class BrokerLink:
         self._sock = sock
 
     async def send(self, msg: object) -> bool:
-        """Send one message; False when the broker is unreachable within the send timeout (or not connected)."""
+        """Send one message; False when the broker is unreachable within the send timeout (or not connected).
+
+        Raises `MessageTooLargeError` (logged, counted in `refused`) for a message over `peer_limits`: the
+        broker's libzmq would drop it with the connection.
+        """
         if self._sock is None:
             return False
         frames = encode(msg)
+        try:
+            check_size(frames, self.peer_limits[0], getattr(msg, "TYPE", type(msg).__name__), self.peer_limits[1])
+        except MessageTooLargeError as exc:
+            limit = exc.limit or "max_msg_bytes"
+            self.refused[limit] = self.refused.get(limit, 0) + 1
+            self._bad.warning(f"oversize:{limit}", "not sending to the broker: %s", exc)
+            raise
         async with self._lock:
             try:
                 await asyncio.wait_for(self._sock.send_multipart(frames), self.send_timeout_s)

@@ -46,6 +46,7 @@ from rollpool.protocol.messages import (
     Cancel,
     Credit,
     Error,
+    Feature,
     Goodbye,
     Hello,
     InflightTask,
@@ -100,6 +101,10 @@ class SessionConfig:
     reconnect_backoff_max_s: float = 30.0
     host: str = ""
     pid: int = 0
+    max_msg_bytes: int = 0
+    """This worker's MAXMSGSIZE, announced in its hello (the broker refuses larger tasks for it); 0: not said."""
+    max_header_bytes: int = 0
+    """The largest header this worker decodes, announced in its hello; 0: not said."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +145,12 @@ class Effects:
     """Task runners to cancel (handed back, or cancelled while scoring)."""
     weights: tuple[int, str | None, str | None] | None = None
     """(version, weight endpoint, announce endpoint) the broker named."""
+    rebase: int | None = None
+    """The pool was rebased to this version (`SetVersion.rebase`): weights above it are of an abandoned run;
+    forget them before following `weights` (carried out before it)."""
 
     def __bool__(self) -> bool:
-        return bool(self.send or self.start or self.abort or self.stop_runners or self.weights is not None)
+        return bool(self.send or self.start or self.abort or self.stop_runners or self.weights is not None or self.rebase is not None)
 
     def merge(self, other: Effects) -> Effects:
         self.send += other.send
@@ -151,6 +159,8 @@ class Effects:
         self.stop_runners += other.stop_runners
         if other.weights is not None:
             self.weights = other.weights
+        if other.rebase is not None:
+            self.rebase = other.rebase if self.rebase is None else min(self.rebase, other.rebase)
         return self
 
 
@@ -166,8 +176,12 @@ class WorkerSession:
         """The broker epoch of the last Welcome ("" before the first)."""
         self.welcomed = False
         """A Welcome answered the last hello, and nothing since asked for a new one."""
+        self.seen_seq = 0
+        """The highest `Task.seq` received since the last welcome, from its `dispatch_seq` on (echoed in heartbeats)."""
         self.version = -1
         """The weight version the engine serves."""
+        self.version_epoch = 0
+        """The pool's version epoch `version` belongs to (the newest `version_epoch` the broker named)."""
         self.capacity = 0
         self.engine: EngineFacts | None = None
         self.restarting = False
@@ -303,8 +317,10 @@ class WorkerSession:
             log.warning("broker epoch changed %s -> %s", self.epoch, msg.epoch, extra={"worker": self.worker_id})
         self.epoch = msg.epoch
         self.welcomed = True
+        self.seen_seq = msg.dispatch_seq  # where the broker's numbering of this worker's tasks stands
         self._hello_backoff_s = self.config.reconnect_backoff_s
         eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))
+        eff.rebase = self._note_version_epoch(msg.version_epoch, msg.rebase_version)
         refused = set(msg.refused)
         for tid in msg.refused:
             entry = self.tasks.pop(tid, None)
@@ -319,6 +335,7 @@ class WorkerSession:
 
     def on_task(self, now: float, task: Task) -> Effects:
         eff = Effects()
+        self.seen_seq = max(self.seen_seq, task.seq)
         if task.task_id in self.tasks:
             return eff  # already held (re-sent after a re-hello)
         reason = None
@@ -342,7 +359,21 @@ class WorkerSession:
             log.warning("broker heartbeat from new epoch %s; saying hello again", msg.epoch, extra={"worker": self.worker_id})
             eff = self._need_hello(now)
         eff.weights = (msg.weight_version, msg.weight_endpoint, msg.announce_endpoint)
+        eff.rebase = self._note_version_epoch(msg.version_epoch, msg.rebase_version)
         return eff
+
+    def _note_version_epoch(self, epoch: int, rebase_version: int) -> int | None:
+        """A newer version epoch: the pool was rebased to `rebase_version`. A served version above it is of an
+        abandoned run: forgotten (-1), so whatever version comes next is applied, lower or not."""
+        if epoch <= self.version_epoch:
+            return None  # the same epoch, or a broker that restarted without the rebase: nothing to forget
+        self.version_epoch = epoch
+        if rebase_version < -1 or (rebase_version >= 0 and self.version > rebase_version):
+            log.warning("the pool was rebased to version %d: forgetting version %d (an abandoned run)", rebase_version, self.version,
+                        extra={"worker": self.worker_id})
+            self.version = -1
+            return rebase_version
+        return None
 
     def on_cancel(self, now: float, task_ids: Iterable[str]) -> Effects:
         """Cancelled tasks give no result. A generating one is aborted (its credits come back when it ends);
@@ -432,13 +463,26 @@ class WorkerSession:
         """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive."""
         if not self.epoch or self.stopped:
             return None
+        if not self.welcomed:
+            # a hello is pending: liveness only. What this worker holds is described against the numbering
+            # of the welcome to come (a heartbeat written now may be read after the broker took the hello)
+            return WorkerHeartbeat(worker_id=self.worker_id, inflight_task_ids=self.inflight_task_ids(), weight_version=self.version,
+                                   state=self.state, tokens_total=self.tokens_total, epoch=self.epoch, version_epoch=self.version_epoch)
+        held = self.inflight_task_ids() + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
+        # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, the whole held
+        # list and the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat
         return WorkerHeartbeat(
             worker_id=self.worker_id,
-            inflight_task_ids=self.inflight_task_ids(),
+            inflight_task_ids=held,
             weight_version=self.version,
             state=self.state,
             tokens_total=self.tokens_total,
             epoch=self.epoch,
+            dispatch_seq=self.seen_seq,
+            free_capacity=self.free_credits(),
+            held_count=len(held),
+            held_full=True,
+            version_epoch=self.version_epoch,
             tokens_cancelled=self.tokens_cancelled,
         )
 
@@ -524,6 +568,10 @@ class WorkerSession:
             host=self.config.host,
             pid=self.config.pid,
             pool=self.config.pool,
+            features=(Feature.RECONCILE,),
+            version_epoch=self.version_epoch,
+            max_msg_bytes=self.config.max_msg_bytes,
+            max_header_bytes=self.config.max_header_bytes,
         )
 
     def _credit(self, seqs: int) -> list[Outgoing]:

@@ -30,6 +30,7 @@ def build_trajectories(task: Task, out: GenerateOutput, worker_id: str) -> list[
     base_meta = dict(prompt.metadata)
     if out.simulated:
         base_meta["simulated"] = True
+    input_logprobs = None if out.input_logprobs is None else np.asarray(out.input_logprobs, dtype=np.float32)
     trajectories = []
     for s in out.samples:
         n_out = len(s.output_ids)
@@ -52,6 +53,9 @@ def build_trajectories(task: Task, out: GenerateOutput, worker_id: str) -> list[
                 finished_at=s.finished_at,
                 reward=None,
                 metadata=dict(base_meta),
+                output_top_ids=None if s.top_ids is None else np.asarray(s.top_ids, dtype=np.int32).reshape(-1),
+                output_top_logprobs=None if s.top_logprobs is None else np.asarray(s.top_logprobs, dtype=np.float32).reshape(-1),
+                input_logprobs=input_logprobs,
             )
         )
     return trajectories

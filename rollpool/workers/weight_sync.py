@@ -13,11 +13,16 @@
   4x that, at most ``weight_retries`` times. A version whose grant never comes is skipped.
 - Apply and done: pause in the configured mode (or the engine's first mode), update,
   resume, then `ApplyDone` with the outcome.
-- A failed apply takes the engine out of service (`EngineSupervisor.fail`). The restart
+- A version the engine refuses after checking it, before writing anything
+  (`WeightsRefusedError`: an unknown parameter name, a shape mismatch) is reported
+  (`ApplyDone` with the error), skipped and never retried; the engine is resumed and
+  keeps serving its version, no restart.
+- Any other failed apply takes the engine out of service (`EngineSupervisor.fail`). The restart
   gives the fresh engine the whole version through this same path, without grant and
   done, since that engine serves nothing yet. If that fails too, the next attempt gives
   it the last good version, and the bad version is skipped: reported, never retried
-  forever. The worker then follows the next version.
+  forever: the broker is told (`ApplyDone(skipped=True)` with the reason). The worker then follows
+  the next version.
 - An apply (pause, update, resume) longer than ``apply_timeout_s`` counts as failed (the
   engine is restarted); the broker frees a slot held past its ``apply_slot_deadline_s``
   anyway, and answers a repeated ApplyRequest from the slot's holder with the grant again.
@@ -43,7 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollpool.protocol.errors import EngineError, WeightSyncError
+from rollpool.protocol.errors import EngineError, WeightsRefusedError, WeightSyncError
 from rollpool.protocol.messages import ApplyDone, ApplyRequest
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
@@ -135,6 +140,8 @@ class WeightSync:
         """(weight endpoint, announce endpoint) the subscriber is connected to."""
         self._served: _Version | None = None
         self._reapply_target: _Version | None = None
+        self._served_abandoned = False
+        """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
         self._lock = asyncio.Lock()
         self._grants: dict[int, asyncio.Future[None]] = {}
         supervisor.reapply = self._reapply
@@ -165,6 +172,23 @@ class WeightSync:
         if self.subscriber is not None and version >= 0:
             self.subscriber.note_version(version)
 
+    def rebase(self, version: int) -> None:
+        """The pool was rebased to `version` (a trainer resumed from a checkpoint): a version above it, served,
+        skipped or known to the subscriber, is of an abandoned run. Forgotten, so the next version the publisher
+        offers is applied whatever its number; the engine serves the old weights until then (the broker gives
+        this worker nothing meanwhile when a staleness bound is set)."""
+        if self.version > version or version < -1:
+            self.version = -1
+        if self.skipped > version or version < -1:
+            self.skipped = -1
+        if self._reapply_target is not None and (self._reapply_target.version > version or version < -1):
+            self._reapply_target = None
+        if self._served is not None and (self._served.version > version or version < -1):
+            self._served_abandoned = True  # a fresh engine still gets these weights, but not their number
+        forget = getattr(self.subscriber, "forget_newer", None)  # optional in the Subscriber protocol
+        if forget is not None:
+            forget(version)
+
     def on_grant(self, version: int) -> None:
         fut = self._grants.get(version)
         if fut is not None and not fut.done():
@@ -187,7 +211,7 @@ class WeightSync:
             except WeightSyncError as exc:
                 failures += 1
                 if failures >= self.config.weight_retries:
-                    self._skip(target, f"fetch failed {failures} times: {exc}")
+                    await self._skip(target, f"fetch failed {failures} times: {exc}")
                     failures = 0
                     continue
                 delay = self.fetch_backoff_s(failures)
@@ -198,7 +222,7 @@ class WeightSync:
             try:
                 await self.apply(fetched.tensors, int(fetched.version), fetched=fetched)
             except WeightSyncError as exc:
-                self._skip(int(fetched.version), str(exc))
+                await self._skip(int(fetched.version), str(exc))
 
     def fetch_backoff_s(self, failures: int) -> float:
         return float(min(self.config.reconnect_backoff_s * 2 ** (failures - 1), self.config.reconnect_backoff_max_s))
@@ -222,6 +246,8 @@ class WeightSync:
             applied = await self._apply(_Version(named_tensors, version, fetched), engine=None)
             if applied:
                 return True
+            if self.skipped >= version:
+                return False  # refused and skipped (no restart under way)
             # the engine is being replaced and given the whole version; wait for it (or for the fallback)
             await self.supervisor.ok.wait()
             self._reapply_target = None  # a restart already under way when the apply failed did not see it
@@ -248,8 +274,17 @@ class WeightSync:
         self.on_apply_started()
         t0 = time.monotonic()
         error: str | None = None
+        refused = False
         try:
             await asyncio.wait_for(self._pause_update_resume(engine, target), self.config.apply_timeout_s)
+        except WeightsRefusedError as exc:  # checked before anything was written: the engine serves its version intact
+            error, refused = f"{type(exc).__name__}: {exc}", True
+            try:
+                await engine.resume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as rexc:  # noqa: BLE001 - an engine that cannot resume is failed after all
+                error, refused = f"{error}; then resume failed: {rexc}", False
         except TimeoutError:  # a wedged update (a hung device copy): the engine is restarted like any failed apply
             error = f"apply timed out after {self.config.apply_timeout_s:g}s"
         except asyncio.CancelledError:
@@ -258,7 +293,7 @@ class WeightSync:
             error = f"{type(exc).__name__}: {exc}"
         duration_s = time.monotonic() - t0
         if not fresh:
-            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=error))
+            await self.link.send(ApplyDone(version=version, ok=error is None, duration_s=duration_s, error=_short(error)))
         if error is None:
             self._served_now(target)
             self.on_apply_finished(version)
@@ -268,6 +303,13 @@ class WeightSync:
             return True
         self.on_apply_finished(None)
         self.metrics.event("apply_failed", {"worker_id": self.worker_id, "version": version, "error": error})
+        if refused:
+            # a version the engine refuses (a poison version): reported (ApplyDone above), skipped, never retried;
+            # the engine keeps serving the last good version and no restart is needed
+            self._skip(version, error)
+            if fresh:
+                raise WeightsRefusedError(f"version {version} refused by the restarted engine: {error}")
+            return False
         if fresh:
             raise EngineError(f"applying version {version} to the restarted engine failed: {error}")
         log.error("apply of version %d failed (%s); restarting the engine", version, error, extra={"worker": self.worker_id})
@@ -288,14 +330,22 @@ class WeightSync:
             try:
                 await self._apply(target, engine=engine)
                 return
+            except WeightsRefusedError:
+                pass  # skipped; the fresh engine is intact: it gets the last good version below
             except EngineError as exc:
-                self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
+                await self._skip(target.version, f"it failed to apply on the serving engine and on a restarted one ({exc})")
                 raise
         if self._served is not None:
+            abandoned = self._served_abandoned
             await self._apply(self._served, engine=engine)
+            if abandoned:
+                self.version = -1
+                self._served_abandoned = True
+                self.on_apply_finished(-1)
 
     def _served_now(self, target: _Version) -> None:
         self.version = target.version
+        self._served_abandoned = False
         previous, self._served = self._served, target
         if previous is not None and previous.fetched is not None and previous.fetched is not target.fetched and self.subscriber is not None:
             # the engine copied the previous version: its buffers take the next fetch (no fresh pages)
@@ -336,11 +386,13 @@ class WeightSync:
         log.warning("engine does not support apply mode %s; using %s", self.config.apply_mode, modes[0], extra={"worker": self.worker_id})
         return modes[0]
 
-    def _skip(self, version: int, why: str) -> None:
+    async def _skip(self, version: int, why: str) -> None:
+        """Give `version` up for good, and tell the broker (a synchronous trainer waiting for it fails at once)."""
         self.skipped = max(self.skipped, version)
         log.error("weight version %d skipped: %s; keeping version %d and following the next one", version, why, self.version,
                   extra={"worker": self.worker_id})
         self.metrics.event("version_skipped", {"worker_id": self.worker_id, "version": version, "reason": why})
+        await self.link.send(ApplyDone(version=version, ok=False, error=_short(why), skipped=True))
 
     def _make_subscriber(self) -> Subscriber:
         factory = self._subscriber_factory
@@ -368,3 +420,13 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # noqa: BLE001 - closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
+
+
+_MAX_ERROR_CHARS = 2000
+
+
+def _short(error: str | None) -> str | None:
+    """An error text for `ApplyDone`: an exception's text can be long, and the message must stay small."""
+    if error is None or len(error) <= _MAX_ERROR_CHARS:
+        return error
+    return error[: _MAX_ERROR_CHARS - 15] + " ... (truncated)"

@@ -39,9 +39,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightSyncError
+from rollpool.protocol.errors import EngineError, MessageTooLargeError, RequestRefusedError, WeightSyncError
+from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Result, Task
+from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Result, Task, Welcome
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
@@ -96,6 +97,8 @@ class Worker:
                 reconnect_backoff_max_s=config.reconnect_backoff_max_s,
                 host=socket.gethostname(),
                 pid=os.getpid(),
+                max_msg_bytes=sockets.options.max_msg_bytes,
+                max_header_bytes=DEFAULT_LIMITS.max_header_bytes,
             )
         )
         self.link = BrokerLink(sockets, config.broker, config.worker_id, config.send_timeout_s)
@@ -217,12 +220,30 @@ class Worker:
                     await engine.abort(task_id)
                 except Exception:  # noqa: BLE001 - a failing engine is noticed by its task
                     log.debug("abort of %s raised", task_id, exc_info=True)
+        if eff.rebase is not None:
+            self.weights.rebase(eff.rebase)
         if eff.weights is not None:
             self.weights.note_weights(*eff.weights)
-        for i, msg in enumerate(eff.send):
-            if not await self.link.send(msg):
+        pending = list(eff.send)
+        for i, msg in enumerate(pending):
+            try:
+                sent = await self.link.send(msg)
+            except MessageTooLargeError as exc:
+                if not isinstance(msg, Result):
+                    continue  # logged and counted by the link (a control message; a task's lease covers what it said)
+                # the broker would drop it with the connection: the task fails, with the limit named
+                log.error("result of task %s (%d trajectories) not sent: %s", msg.task_id, len(msg.trajectories), exc,
+                          extra={"worker": self.worker_id})
+                self.metrics.event("result_refused", {"worker_id": self.worker_id, "task_id": msg.task_id,
+                                                      "limit": exc.limit, "bytes": exc.nbytes, "limit_bytes": exc.limit_bytes})
+                msg = pending[i] = Result(task_id=msg.task_id, prompt_id=msg.prompt_id, error=f"the worker could not send its result: {exc}", retryable=False)
+                try:
+                    sent = await self.link.send(msg)
+                except MessageTooLargeError:  # a limit too small for an error result: the lease deadline ends the task
+                    continue
+            if not sent:
                 # the broker is unreachable: results wait in the outbox (a hello follows); the rest is dropped
-                self.session.unsent(self._now(), [m for m in eff.send[i:] if isinstance(m, Result)])
+                self.session.unsent(self._now(), [m for m in pending[i:] if isinstance(m, Result)])
                 break
         for task in eff.start:
             assert self._tg is not None
@@ -248,6 +269,11 @@ class Worker:
             if not self.session.wants_result(task_id):
                 # cancelled before its runner reached the engine (an abort then finds no request): end it here
                 await self._do(self.session.generation_finished(self._now(), task_id))
+                return
+            unsupported = self._unsupported(task, engine)
+            if unsupported is not None:  # honoured or refused, never ignored: the trainer gets an error result naming it
+                log.warning("task %s refused: %s", task_id, unsupported, extra={"worker": self.worker_id})
+                await self._do(self.session.task_refused(self._now(), task_id, unsupported))
                 return
             if self.episodes is not None:
                 await self._run_episodes(task)
@@ -283,6 +309,16 @@ class Worker:
         finally:
             if self._runners.get(task_id) is asyncio.current_task():
                 del self._runners[task_id]
+
+    def _unsupported(self, task: Task, engine: Engine) -> str | None:
+        """Why this worker cannot honour the task's sampling (top or prompt logprobs), or None."""
+        sp, info = task.prompt.sampling, engine.info()
+        what = "the episode runner" if self.episodes is not None else f"the {info.name} engine"
+        if sp.top_logprobs_num > 0 and (self.episodes is not None or not info.top_logprobs):
+            return f"top_logprobs_num={sp.top_logprobs_num}: {what} does not report top logprobs"
+        if sp.logprob_start_len >= 0 and (self.episodes is not None or not info.prompt_logprobs):
+            return f"logprob_start_len={sp.logprob_start_len}: {what} does not report prompt logprobs"
+        return None
 
     async def _run_episodes(self, task: Task) -> None:
         """The task's group as n episodes (n credits, as n samples). A cancel (drain deadline, broker cancel,
@@ -329,6 +365,8 @@ class Worker:
             msg = await self.link.recv()
             if msg is None:
                 continue
+            if isinstance(msg, Welcome):  # what the broker accepts: every message from now on is checked against it
+                self.link.peer_limits = (msg.max_msg_bytes, msg.max_header_bytes)
             eff = self.session.handle(self._now(), msg)
             if eff is not None:
                 await self._do(eff)
@@ -459,6 +497,7 @@ class Worker:
             "last_seen": time.time(),
             "simulated": bool(info.simulated) if info else False,
             "restarts": self.supervisor.restarts,
+            **{f"refused.limit.{k}": v for k, v in self.link.refused.items()},
             **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
         }
 

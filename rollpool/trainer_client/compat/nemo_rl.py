@@ -38,9 +38,11 @@ from rollpool.trainer_client.client import TrainerClientConfig
 from rollpool.trainer_client.compat._model import DEFAULT_BROKER_TIMEOUT_S, open_pool
 from rollpool.trainer_client.pool import ALL_MEMORY_TAGS, RolloutPool, UnsupportedParameterError
 
-__all__ = ["SGLangGeneration", "TOP_K_THRESHOLD", "TOP_P_THRESHOLD"]
+__all__ = ["SGLangGeneration", "TOP_K_THRESHOLD", "TOP_P_THRESHOLD", "logger"]
 
 log = logging.getLogger(__name__)
+logger = log
+"""NeMo-RL's module-level name for this module's logger, kept for code that imports it."""
 
 TOP_K_THRESHOLD = 8000
 """NeMo-RL's constant, kept for code that imports it (top_k at or above it is treated as no top-k there)."""

@@ -78,6 +78,13 @@ class SampleOutput:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     """Wall-clock seconds since the epoch."""
+    top_ids: list[list[int]] | None = None
+    """With ``sampling.top_logprobs_num`` k (engines with `EngineInfo.top_logprobs`): per output id, the
+    k most likely token ids, most likely first."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs, the same layout."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (first attempt); None where the engine does not say."""
 
 
 @dataclass(slots=True)
@@ -90,6 +97,9 @@ class GenerateOutput:
     samples: list[SampleOutput]
     started_at: float = 0.0
     simulated: bool = False
+    input_logprobs: list[float] | None = None
+    """With ``sampling.logprob_start_len`` s >= 0 (engines with `EngineInfo.prompt_logprobs`): the logprob of
+    each prompt token from position s on, NaN for position 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +117,11 @@ class EngineInfo:
     simulated: bool = False
     device: str = "cpu"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    top_logprobs: bool = False
+    """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
+    worker refuses such a task for an engine that does not."""
+    prompt_logprobs: bool = False
+    """It honours `SamplingParams.logprob_start_len` (fills `GenerateOutput.input_logprobs`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +133,8 @@ class EngineInfo:
             "fingerprint": self.fingerprint,
             "simulated": self.simulated,
             "device": self.device,
+            "top_logprobs": self.top_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             **dict(self.extra),
         }
 
@@ -154,8 +171,10 @@ class Engine(Protocol):
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Load tensors by HF parameter name and tag later tokens with `version`.
 
-        Every name and shape is checked before anything is written; raises
-        `EngineError` (the engine must then be restarted: it may be half-updated).
+        Every name and shape is checked before anything is written: a version that
+        fails the check raises `WeightsRefusedError` and leaves the engine serving
+        its previous version, intact. Any other failure raises `EngineError` (the
+        engine must then be restarted: it may be half-updated).
         The engine must not keep references to the tensors once it returns:
         the worker reuses their memory for a later version. (`StagingEngine`
         adds a copy to the device ahead of the pause.)

@@ -16,6 +16,10 @@ Guarantees:
   ``stop_token_ids``, both ignored with ``ignore_eos``) and the token that
   completed a stop string; ``output_text`` has them trimmed.
   ``seed`` makes a request reproducible (sample i uses seed + i).
+  ``top_logprobs_num`` k > 0 also reports the k most likely tokens and their
+  logprobs (the same log_softmax) at every output position; ``logprob_start_len``
+  s >= 0 the logprob of every prompt token from position s (one full-logits
+  prefill of the prompt).
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -35,6 +39,7 @@ import collections
 import hashlib
 import inspect
 import logging
+import math
 import pathlib
 import queue
 import threading
@@ -45,7 +50,7 @@ from typing import Any
 
 import torch
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
@@ -57,11 +62,30 @@ from rollpool.workers.engines.base import (
 )
 from rollpool.workers.engines.options import HFOptions, options_from
 
-__all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token"]
+__all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token", "top_logprobs", "prompt_token_logprobs"]
 
 log = logging.getLogger(__name__)
 
 _GREEDY_EPS = 1e-5
+
+
+def prompt_token_logprobs(logits: torch.Tensor, ids: list[int], sampling: SamplingParams) -> list[float]:
+    """The logprob of each prompt token given the ones before it (all-position logits, (L, V)), from
+    ``sampling.logprob_start_len`` on; NaN for position 0. The same log_softmax as the output logprobs."""
+    temperature = 1.0 if sampling.temperature < _GREEDY_EPS else sampling.temperature
+    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    nxt = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
+    values = [math.nan] + [float(v) for v in logp.gather(1, nxt[:, None])[:, 0]]
+    return values[min(sampling.logprob_start_len, len(values)) :]
+
+
+def top_logprobs(logits: torch.Tensor, sampling: SamplingParams, k: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens of a 1-D logits row and their logprobs, as `sample_token` reports logprobs
+    (log_softmax(logits / temperature) before truncation; temperature 1 when greedy), most likely first."""
+    temperature = 1.0 if sampling.temperature < _GREEDY_EPS else sampling.temperature
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    values, ids = torch.topk(logp, min(k, logp.numel()))
+    return [int(i) for i in ids], [float(v) for v in values]
 
 
 def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
@@ -96,6 +120,9 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    """With ``sampling.top_logprobs_num``: per output token, the k most likely ids and their logprobs."""
     kv_len: int = 0
     """Tokens of this sequence held in the KV cache (the last sampled token is not yet)."""
     finish: str | None = None
@@ -116,6 +143,8 @@ class _Group:
     started_at: float
     stop_ids: frozenset[int] = frozenset()
     seqs: list[_Seq] = field(default_factory=list)
+    input_logprobs: list[float] | None = None
+    """With ``sampling.logprob_start_len`` >= 0: the prompt's logprobs from that position (first prefill)."""
 
 
 class HFEngine:
@@ -181,6 +210,8 @@ class HFEngine:
             simulated=False,
             device=self.device,
             extra={"dtype": str(self.dtype).removeprefix("torch.")},
+            top_logprobs=True,
+            prompt_logprobs=True,
         )
 
     @property
@@ -347,6 +378,9 @@ class HFEngine:
                 return False
             try:
                 result = self._command(kind, payload, done)
+            except WeightsRefusedError as exc:  # checked before anything was written: still the old version, intact
+                done(exc)
+                continue
             except EngineError as exc:
                 if kind == "update":
                     self._dead = str(exc)  # possibly half-applied: refuse further work until restarted
@@ -429,10 +463,10 @@ class HFEngine:
         for name, value in named.items():
             target = params.get(name)
             if target is None:
-                raise EngineError(f"update_weights: unknown parameter {name!r}")
+                raise WeightsRefusedError(f"update_weights: unknown parameter {name!r}")
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             if tuple(tensor.shape) != tuple(target.shape):
-                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+                raise WeightsRefusedError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
             plan.append((target, tensor))
         try:
             for target, tensor in plan:
@@ -473,10 +507,14 @@ class HFEngine:
         from transformers import DynamicCache
 
         ctx = unit[0].context()
+        group = unit[0].group
+        prompt_logprobs = group.sampling.logprob_start_len >= 0 and group.input_logprobs is None and not unit[0].out
         ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
-        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: DynamicCache()})
+        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=0 if prompt_logprobs else 1, **{self._cache_kw: DynamicCache()})
         self._count("prefill", 1, len(ctx))
         logits = out.logits[0, -1].float()
+        if prompt_logprobs:
+            group.input_logprobs = prompt_token_logprobs(out.logits[0].float(), ctx, group.sampling)
         layers = [(layer.keys, layer.values) for layer in getattr(out, self._cache_kw).layers]
         joined: list[_Seq] = []
         for seq in unit:
@@ -539,6 +577,10 @@ class HFEngine:
         now = time.time()
         seq.out.append(tok)
         seq.logprobs.append(logprob)
+        if sampling.top_logprobs_num > 0:
+            ids, lps = top_logprobs(logits, sampling, sampling.top_logprobs_num)
+            seq.top_ids.append(ids)
+            seq.top_logprobs.append(lps)
         seq.versions.append(self.version)
         if not seq.first_token_at:
             seq.first_token_at = now
@@ -596,10 +638,13 @@ class HFEngine:
                 matched_stop=s.matched,
                 first_token_at=s.first_token_at,
                 finished_at=s.finished_at,
+                top_ids=[list(r) for r in s.top_ids] if group.sampling.top_logprobs_num > 0 else None,
+                top_logprobs=[list(r) for r in s.top_logprobs] if group.sampling.top_logprobs_num > 0 else None,
             )
             for s in group.seqs
         ]
-        group.done(GenerateOutput(group.request_id, list(group.input_ids), samples, group.started_at, simulated=False))
+        group.done(GenerateOutput(group.request_id, list(group.input_ids), samples, group.started_at, simulated=False,
+                                  input_logprobs=group.input_logprobs))
 
     def _output_text(self, seq: _Seq) -> str:
         ids = seq.out[:-1] if seq.finish == FinishReason.STOP and isinstance(seq.matched, int) else seq.out

@@ -27,12 +27,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollpool.protocol.errors import RollpoolError
+from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
 from rollpool.workers.engines.base import Engine, SampleOutput
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
-from rollpool.workers.episodes.recording import EpisodeRecording, Segment
+from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment
 from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
 
 __all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats"]
@@ -64,10 +64,13 @@ class EpisodeStats:
     prompt_tokens: int = 0
     reused_prefix_tokens: int = 0
     """Prompt tokens of turns that were already in the episode's sequence (a prefix cache can serve them)."""
+    engine_cached_tokens: int = 0
+    """Prompt tokens the engine says its prefix cache served (SGLang's ``cached_tokens``; 0 where it does not say)."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
         out["reused_prefix_share"] = self.reused_prefix_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        out["engine_cached_share"] = self.engine_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return out
 
 
@@ -117,10 +120,11 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
     return dataclasses.replace(base, **changes)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, reused: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:
+    """``cached_tokens`` is what the engine's prefix cache served where it says (SGLang), else the tokens reused from the record."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": reused}}
+            "prompt_tokens_details": {"cached_tokens": reused if engine_cached is None else engine_cached}}
 
 
 class Episode:
@@ -208,7 +212,14 @@ class Episode:
         seg.insert(ids)
         seg.chat = None  # the token sequence moved past what the endpoint rendered
 
-    async def _sample(self, seg: Segment, sampling: SamplingParams) -> SampleOutput:
+    def _undo(self, mark: RecordingMark) -> None:
+        rec = self.recording
+        self.stats.segments -= len(rec.segments) - mark.segments
+        self.stats.prompt_tokens -= rec.prompt_tokens - mark.prompt_tokens
+        self.stats.reused_prefix_tokens -= rec.reused_prefix_tokens - mark.reused_prefix_tokens
+        rec.rollback(mark)
+
+    async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens."""
         prompt = seg.tokens
         if self.max_context_tokens:
@@ -229,6 +240,9 @@ class Episode:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort(rid))
             raise
+        except (RequestRefusedError, ValueError):
+            self._undo(mark)  # refused: nothing was sampled, so the turn leaves nothing (a retry continues the segment)
+            raise
         finally:
             self.stats.turns_in_flight -= 1
             self._running_request = None
@@ -237,11 +251,14 @@ class Episode:
         seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
                    first_token_at=s.first_token_at, finished_at=s.finished_at or time.time())
         self.stats.turns += 1
+        if s.cached_tokens is not None:
+            self.stats.engine_cached_tokens += s.cached_tokens
         return s
 
     async def generate(self, input_ids: Sequence[int] | None, sampling: SamplingParams) -> SampleOutput:
         async with self._lock:
             self._check_open()
+            mark = self.recording.mark()
             reused = 0
             if input_ids is None:
                 had = self.recording.current
@@ -258,7 +275,7 @@ class Episode:
             self.recording.count_turn(len(seg), reused)
             self.stats.prompt_tokens += len(seg)
             self.stats.reused_prefix_tokens += reused
-            return await self._sample(seg, sampling)
+            return await self._sample(seg, sampling, mark)
 
     # -- the OpenAI endpoint
 
@@ -348,6 +365,7 @@ class Episode:
         parse = bool(tools) and tool_choice != "none"
         async with self._lock:
             self._check_open()
+            mark = self.recording.mark()
             seg = self.recording.current
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
             prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
@@ -366,7 +384,7 @@ class Episode:
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
             self.stats.reused_prefix_tokens += reused
-            s = await self._sample(seg, sampling)
+            s = await self._sample(seg, sampling, mark)
             reply, calls, seg_view, token_texts = await self._off_loop(
                 self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
             self._check_open()
@@ -387,7 +405,7 @@ class Episode:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [choice],
-            "usage": _usage(prompt_len, len(s.output_ids), reused),
+            "usage": _usage(prompt_len, len(s.output_ids), reused, s.cached_tokens),
         }
 
     async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -411,6 +429,7 @@ class Episode:
             tok = self._require_tokenizer()
         async with self._lock:
             self._check_open()
+            mark = self.recording.mark()
             seg = self.recording.current
             reused = 0
             if token_prompt:
@@ -442,7 +461,7 @@ class Episode:
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
             self.stats.reused_prefix_tokens += reused
-            s = await self._sample(seg, sampling)
+            s = await self._sample(seg, sampling, mark)
             if s.output_text is not None:
                 text = s.output_text
             elif tok is not None:
@@ -466,7 +485,7 @@ class Episode:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [choice],
-            "usage": _usage(prompt_len, len(s.output_ids), reused),
+            "usage": _usage(prompt_len, len(s.output_ids), reused, s.cached_tokens),
         }
 
 

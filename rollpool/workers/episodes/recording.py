@@ -27,7 +27,7 @@ import numpy as np
 
 from rollpool.protocol.messages import FinishReason, Trajectory
 
-__all__ = ["EpisodeRecording", "Segment", "segment_id"]
+__all__ = ["EpisodeRecording", "RecordingMark", "Segment", "segment_id"]
 
 
 def segment_id(prompt_id: str, sample_index: int, segment_index: int) -> str:
@@ -102,6 +102,19 @@ class Segment:
             self.finished_at = finished_at
 
 
+@dataclass(frozen=True, slots=True)
+class RecordingMark:
+    """Where a recording stood before a turn (`EpisodeRecording.mark`), to undo a turn the engine refused."""
+
+    segments: int
+    outputs: int
+    """The then-current segment's output length (-1 without a segment)."""
+    chat: Any
+    finish_reason: str
+    prompt_tokens: int
+    reused_prefix_tokens: int
+
+
 class EpisodeRecording:
     """Every segment of one episode, in order; the current segment is the last one."""
 
@@ -143,6 +156,21 @@ class EpisodeRecording:
                 seg.insert(ids[len(have):])
                 return seg, False
         return self.begin(ids, now=now), True
+
+    def mark(self) -> RecordingMark:
+        seg = self.current
+        return RecordingMark(len(self.segments), -1 if seg is None else len(seg.output_ids), None if seg is None else seg.chat,
+                             FinishReason.STOP if seg is None else seg.finish_reason, self.prompt_tokens, self.reused_prefix_tokens)
+
+    def rollback(self, m: RecordingMark) -> None:
+        """Undo what was recorded since `m` (a turn the engine refused: it sampled nothing, so nothing of it stays)."""
+        del self.segments[m.segments:]
+        seg = self.current
+        if seg is not None and m.outputs >= 0:
+            for name in ("output_ids", "loss_mask", "logprobs", "versions"):
+                del getattr(seg, name)[m.outputs:]
+            seg.chat, seg.finish_reason = m.chat, m.finish_reason
+        self.prompt_tokens, self.reused_prefix_tokens = m.prompt_tokens, m.reused_prefix_tokens
 
     def count_turn(self, prompt_len: int, reused: int) -> None:
         self.prompt_tokens += prompt_len

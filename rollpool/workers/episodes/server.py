@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.errors import ConfigError, RequestRefusedError
 from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeClosedError
 
@@ -149,7 +149,7 @@ class EpisodeServer:
             return _error(400, str(exc), param="messages", code="context_length_exceeded")
         except EpisodeClosedError as exc:
             return _error(410, str(exc), code="episode_over")
-        except ValueError as exc:  # the engine refused the request (its own checks)
+        except (ValueError, RequestRefusedError) as exc:  # the engine refused the request (its own checks)
             return _error(400, f"the engine refused the request: {exc}")
         except Exception as exc:
             log.exception("episode endpoint failed on %s", request.path)

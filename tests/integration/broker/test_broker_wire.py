@@ -5,6 +5,7 @@ when its heartbeat's digest disagrees with the broker's leases."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -13,6 +14,9 @@ import zmq
 from rollpool import protocol as p
 from tests.integration.broker.conftest import Harness
 from tests.integration.broker.peers import make_group, make_prompt
+
+MINOR4_FEATURES = tuple(f for f in p.FEATURES if f != p.Feature.RECONCILE)
+"""What a worker of protocol 1.3/1.4 lists: its heartbeats are recorded, not acted on."""
 
 
 class RawWorker:
@@ -84,7 +88,7 @@ async def test_a_minor0_worker_gets_single_tasks_and_its_result_credit_and_heart
 async def test_a_minor1_worker_gets_task_batches_returns_result_batches_and_is_asked_for_its_list(start_broker) -> None:  # type: ignore[no-untyped-def]
     h: Harness = await start_broker(heartbeat_interval_s=0.2)
     c = await h.client()
-    w = RawWorker(h, "new", minor=1, capacity=4, features=p.FEATURES)
+    w = RawWorker(h, "new", minor=1, capacity=4, features=MINOR4_FEATURES)
     try:
         welcome = await w.hello()
         await c.submit([make_prompt(f"q{i}") for i in range(4)])
@@ -118,6 +122,56 @@ async def test_a_minor1_worker_gets_task_batches_returns_result_batches_and_is_a
         w.close()
 
 
+async def test_a_minor5_worker_that_leaves_a_task_out_of_its_heartbeat_gets_it_again_with_its_credit(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Feature.RECONCILE: a lease at or below the echo the worker does not hold is requeued at once (no attempt burned)
+    and sent again; the credit the lost task held comes back from the absolute free capacity, with no Credit."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    w = RawWorker(h, "rec", minor=p.PROTOCOL_MINOR, capacity=2, features=(p.Feature.RECONCILE,))
+    try:
+        welcome = await w.hello()
+        assert welcome.dispatch_seq == 0 and p.Feature.RECONCILE in welcome.features
+        await c.submit([make_prompt("q0"), make_prompt("q1")])
+        t1, t2 = await w.recv(p.Task), await w.recv(p.Task)
+        assert (t1.seq, t2.seq) == (1, 2)
+        # task 2 "was lost": the worker saw up to 2 and holds task 1 only, one sequence free
+        await w.send(p.WorkerHeartbeat(worker_id="rec", epoch=welcome.epoch, dispatch_seq=2, free_capacity=1, held_count=1,
+                                       inflight_task_ids=(t1.task_id,), held_full=True))
+        again = await w.recv(p.Task)
+        assert again.prompt.prompt_id == t2.prompt.prompt_id and again.seq == 3 and again.task_id != t2.task_id
+        for t in (t1, again):
+            await w.send(p.Result(task_id=t.task_id, prompt_id=t.prompt.prompt_id, trajectories=make_group(t, "rec")))
+        got = await c.collect(2)
+        assert sorted(g.prompt_id for g in got) == ["q0", "q1"] and all(g.state == "done" for g in got)
+        status = (await c.status()).counters
+        assert status["leases_reconciled"] == 1 and status["credit_corrections"] >= 1 and status["requeued"] == 1
+    finally:
+        w.close()
+
+
+async def test_a_heartbeat_that_queued_up_during_a_broker_stall_reconciles_nothing(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """A heartbeat written before the task arrived, read only after the broker stalled past the echo grace
+    (2 x heartbeat_interval_s), is a heartbeat that crossed a dispatch: the stall is noted before it is read."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    w = RawWorker(h, "st", minor=p.PROTOCOL_MINOR, capacity=1, features=(p.Feature.RECONCILE,))
+    try:
+        welcome = await w.hello()
+        await c.submit([make_prompt("q0")])
+        task = await w.recv(p.Task)
+        await w.send(p.WorkerHeartbeat(worker_id="st", epoch=welcome.epoch, dispatch_seq=0, free_capacity=1, held_count=0, held_full=True))
+        time.sleep(1.0)  # noqa: ASYNC251 - on purpose: the whole loop, the broker's included, stops reading (a GC pause)
+        await w.send(p.WorkerHeartbeat(worker_id="st", epoch=welcome.epoch, dispatch_seq=1, free_capacity=0, held_count=1,
+                                       inflight_task_ids=(task.task_id,), held_full=True))
+        await w.send(p.Result(task_id=task.task_id, prompt_id="q0", trajectories=make_group(task, "st")))
+        (got,) = await c.collect(1)
+        assert got.state == "done" and got.attempts == 1
+        status = (await c.status()).counters
+        assert status["broker_stalls"] >= 1 and status["leases_reconciled"] == 0 and status["requeued"] == 0
+    finally:
+        w.close()
+
+
 async def test_a_status_reply_stays_decodable_with_more_workers_than_a_map_may_hold(start_broker) -> None:  # type: ignore[no-untyped-def]
     h: Harness = await start_broker()
     broker = h.broker
@@ -131,31 +185,53 @@ async def test_a_status_reply_stays_decodable_with_more_workers_than_a_map_may_h
         broker.state.remove_worker(f"w{i}", broker.clock(), reason="goodbye")
 
 
-async def test_minor4_peers_without_the_minor5_fields_work_unchanged(start_broker) -> None:  # type: ignore[no-untyped-def]
-    """Protocol minor 5 (issue 24) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-4
+async def test_a_minor6_workers_failed_apply_is_not_taken_for_a_skip_and_a_minor7_skip_is_shown(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure (no such field) stays an ordinary failure."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2)
+    c = await h.client()
+    old, new = RawWorker(h, "old", minor=6, capacity=1), RawWorker(h, "new", minor=7, capacity=1)
+    try:
+        await old.hello()
+        await new.hello()
+        await old.send(p.ApplyDone(version=3, ok=False, error="EngineError: shape"))
+        await new.send(p.ApplyDone(version=3, ok=False, error="EngineError: shape (restarted engine)", skipped=True))
+        for _ in range(100):
+            workers = (await c.status()).workers
+            if workers["new"]["skipped_version"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert workers["new"]["skipped_version"] == 3 and workers["new"]["skipped_error"] == "EngineError: shape (restarted engine)"
+        assert workers["old"]["skipped_version"] == -1  # it may still apply it on a restarted engine: a waiting trainer keeps waiting
+        counters = (await c.status()).counters
+        assert counters["versions_failed"] == 1 and counters["versions_skipped"] == 1 and counters["protocol_errors"] == 0
+    finally:
+        old.close()
+        new.close()
+async def test_minor7_peers_without_the_minor8_fields_work_unchanged(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Protocol minor 8 (issue 24) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-7
     client and worker, whose messages lack them, are served as before (eta bounds the cancellation, nothing counted)."""
     h: Harness = await start_broker(heartbeat_interval_s=0.2, max_staleness=1, cancel_stale_inflight=True)
-    w = RawWorker(h, "m4", minor=4, capacity=2)
+    w = RawWorker(h, "m7", minor=7, capacity=2)
 
-    def minor4(msg: Any, drop: str) -> list[bytes]:
+    def minor7(msg: Any, drop: str) -> list[bytes]:
         frames = p.encode(msg)
         major, _minor, kind, fields = msgpack.unpackb(frames[0])
         fields.pop(drop, None)
-        frames[0] = msgpack.packb([major, 4, kind, fields], use_bin_type=True)
+        frames[0] = msgpack.packb([major, 7, kind, fields], use_bin_type=True)
         return frames
 
-    client = h.sockets.dealer(h.broker.client_endpoint, identity=b"m4-client")
+    client = h.sockets.dealer(h.broker.client_endpoint, identity=b"m7-client")
     try:
         welcome = await w.hello()
-        await client.send_multipart(minor4(p.ClientHello(client_id="m4", protocol_min=1, protocol_max=1), "max_msg_bytes"))
+        await client.send_multipart(minor7(p.ClientHello(client_id="m7", protocol_min=1, protocol_max=1), "max_msg_bytes"))
         assert type(p.decode(await asyncio.wait_for(client.recv_multipart(), 5))) is p.ClientWelcome
-        await client.send_multipart(minor4(p.SetVersion(request_id="v", version=3), "stale_bound"))
+        await client.send_multipart(minor7(p.SetVersion(request_id="v", version=3), "stale_bound"))
         reply = p.decode(await asyncio.wait_for(client.recv_multipart(), 5))
         assert type(reply) is p.Reply and reply.ok and h.broker.state.version == 3 and h.broker.state.trainer_bound == -1
-        await w.sock.send_multipart(minor4(p.WorkerHeartbeat(worker_id="m4", weight_version=3, epoch=welcome.epoch), "tokens_cancelled"))
+        await w.sock.send_multipart(minor7(p.WorkerHeartbeat(worker_id="m7", weight_version=3, epoch=welcome.epoch), "tokens_cancelled"))
         await asyncio.sleep(0.3)
         st = h.broker.state
-        assert st.workers["m4"].version == 3 and st.counters["wasted_tokens_cancel"] == 0 and h.broker.protocol_errors == 0
+        assert st.workers["m7"].version == 3 and st.counters["wasted_tokens_cancel"] == 0 and h.broker.protocol_errors == 0
     finally:
         client.close(linger=0)
         w.close()

@@ -82,3 +82,44 @@ async def test_a_previous_minor_client_gets_the_limits_and_is_served(broker: Bro
     finally:
         sock.close(linger=0)
         ctx.destroy(linger=0)
+
+
+async def test_the_disconnect_monitor_leaves_when_its_sockets_close_and_comes_back_for_new_ones() -> None:
+    """The monitor thread of a factory nobody closes must not outlive its sockets.
+
+    An empty zmq Poller returns at once, so a monitor thread whose watched sockets were all closed
+    spun forever holding the GIL: one per broker whose factory was not closed, which made the broker's
+    in-process tests 25x slower and lost their 0.05 s-heartbeat workers (why the monitor had been made opt-in).
+    """
+    import threading
+
+    def monitors() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "rollpool-socket-monitor"]
+
+    before = set(monitors())
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx, SocketOptions(monitor_disconnects=True))
+    try:
+        router = sockets.router("tcp://127.0.0.1:*")
+        sockets.watch(router, "first")
+        mine = [t for t in monitors() if t not in before]
+        assert len(mine) == 1
+        router.close(linger=0)
+        mine[0].join(timeout=10)
+        assert not mine[0].is_alive(), "the monitor thread outlived every socket it watched"
+        # watched again: a new thread, and it counts
+        again = sockets.router("tcp://127.0.0.1:*")
+        sockets.watch(again, "second")
+        endpoint = again.getsockopt(zmq.LAST_ENDPOINT).decode()
+        peer = SocketFactory(ctx).dealer(endpoint, identity=b"p")
+        await peer.send_multipart([b"x"])
+        await again.recv_multipart()
+        peer.close(linger=0)
+        deadline = time.monotonic() + 10
+        while sockets.counters().get("disconnects.second", 0) < 1:
+            assert time.monotonic() < deadline, sockets.counters()
+            await asyncio.sleep(0.05)
+        again.close(linger=0)
+    finally:
+        sockets.close()
+        ctx.destroy(linger=0)

@@ -1,19 +1,25 @@
-"""The issue-20 fault kinds in the chaos run: each is injected and counted, message faults per port and type.
+"""The CI chaos run of issue 20: 2,000 prompts through a real pool under the issue-20 faults, checked end to end.
 
-This test checks the instrument, not the pool: it asserts that every kind of
-`ISSUE20_FAULTS` was injected and reported, that messages were dropped,
-duplicated, delayed and reordered on live connections of several ports, and
-that calls were cancelled. Whether the pool survives them is the second test,
-a strict xfail until issue 20's fixes land (today a poison version, a hung
-apply or a broker stall strands prompts). Both are ``slow`` (about a minute
-each); run them with ``pytest -m slow tests/integration/chaos/test_issue20_faults.py``.
+Broker, relay, four sim workers (simulated generation, `sim-chaos` engine) and Redis are child processes;
+the faults are every kind of `ISSUE20_FAULTS`: per-message drop, duplicate, delay and reorder and
+connection resets on every port in both directions (`FaultyZmtpProxy`, a fake link at the edge), broker
+SIGSTOP of 3-5 s, client calls cancelled at random, a publisher restarted on new ports, a poison version
+and a hung apply. One run checks both the instrument and the pool:
+
+- every fault kind was injected; the run reports per port, direction and message type what was dropped,
+  duplicated, delayed and reordered, and each of the four is above 0;
+- the trainer's view: lost 0, duplicated 0, consumed staleness above the bound 0, stuck 0;
+- the terminal bound, as behaviour (not a wall-clock assertion on the test): for every prompt open when a
+  fault cleared, the time to terminal less its own generation time is within
+  ``5 x heartbeat_interval_s + apply_slot_deadline_s`` (``terminal_bound``).
+
+``rollpool chaos --faults issue20 --prompts 10000`` is the long mode (bench/results/chaos-issue20-10k.json).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import pytest
 
@@ -23,30 +29,25 @@ from rollpool.monitor.embedded import find_redis_server
 pytestmark = [
     pytest.mark.chaos,
     pytest.mark.slow,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(400),
     pytest.mark.skipif(find_redis_server() is None, reason="needs a Redis-compatible server binary"),
 ]
 
-
-def _config(tmp_path: os.PathLike[str], **kw: Any) -> ChaosConfig:
-    opts: dict[str, Any] = dict(prompts=300, seed=11, faults=ISSUE20_FAULTS, fault_interval_s=0.8, deadline_s=70,
-                                broker_stop_s=(3.0, 3.5), hung_apply_s=3.0, workdir=str(tmp_path),
-                                min_faults=len(ISSUE20_FAULTS))
-    opts.update(kw)
-    return ChaosConfig(**opts)
+PROMPTS = int(os.environ.get("ROLLPOOL_CHAOS_PROMPTS", "2000"))
 
 
-async def test_every_issue20_fault_is_injected_and_counted(tmp_path: os.PathLike[str]) -> None:
-    result = await run_chaos(_config(tmp_path))
+async def test_the_pool_survives_the_issue20_faults_within_the_terminal_bound(tmp_path: os.PathLike[str]) -> None:
+    cfg = ChaosConfig(prompts=PROMPTS, seed=12, faults=ISSUE20_FAULTS, fault_interval_s=0.8, deadline_s=300,
+                      broker_stop_s=(3.0, 5.0), hung_apply_s=3.0, workdir=str(tmp_path), min_faults=len(ISSUE20_FAULTS))
+    result = await run_chaos(cfg)
     (tmp_path / "chaos.json").write_text(json.dumps(result, indent=1))  # type: ignore[operator]
+
     by_kind = result["faults_by_kind"]
     assert set(ISSUE20_FAULTS) <= set(by_kind), sorted(set(ISSUE20_FAULTS) - set(by_kind))
-    assert all(by_kind[k]["count"] >= 1 for k in ISSUE20_FAULTS)
+    stops = [r["pause_s"] for r in result["fault_log"] if r["kind"] == "broker_stop"]
+    assert stops and all(3.0 <= s <= 5.0 for s in stops), stops
     totals = result["message_fault_totals"]
-    # each message-fault kind had its window; whether a random window caught a message of every action is
-    # chance in a run this short (a CI run saw duplicated 0), so the run must show faults, and most actions
-    assert sum(totals[a] for a in ("dropped", "duplicated", "delayed", "reordered")) > 0, totals
-    assert sum(totals[a] > 0 for a in ("dropped", "duplicated", "delayed", "reordered")) >= 3, totals
+    assert all(totals[a] > 0 for a in ("dropped", "duplicated", "delayed", "reordered")), totals
     ports = result["message_faults"]
     assert set(ports) == {"broker:worker", "broker:client", "publisher:router", "publisher:pub", "relay:router", "relay:pub"}
     touched = {name for name, rep in ports.items()
@@ -55,10 +56,10 @@ async def test_every_issue20_fault_is_injected_and_counted(tmp_path: os.PathLike
     assert result["connection_resets"] >= 1 and result["cancelled_calls"] >= 1
     assert {k for k in by_kind if k in MESSAGE_FAULTS} == set(MESSAGE_FAULTS)
 
-
-async def test_the_pool_survives_the_issue20_faults(tmp_path: os.PathLike[str]) -> None:
-    result = await run_chaos(_config(tmp_path, seed=12))
-    (tmp_path / "chaos.json").write_text(json.dumps(result, indent=1))  # type: ignore[operator]
+    assert result["prompts_submitted"] == PROMPTS and sum(result["terminal"].values()) == PROMPTS
     assert result["lost"] == 0, result["lost_ids"]
     assert result["duplicated"] == 0
     assert result["staleness_violations"] == 0
+    bound = result["terminal_bound"]
+    assert result["stuck"] == 0, bound
+    assert bound["checked"] > 0 and bound["within_bound"], bound

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from rollpool.chaos.zmtp_proxy import FaultRule
-from rollpool.protocol import Credit, EngineError, Result, Task, trajectory_staleness
+from rollpool.protocol import Credit, EngineError, Result, Task, WeightsRefusedError, trajectory_staleness
 from rollpool.workers.engines.sim import SimEngine
 from tests.integration.broker.peers import make_group, make_prompt
 from tests.integration.reliability.conftest import Pool, sim_engine, wait_until
@@ -66,7 +66,6 @@ async def test_break1_a_batch_for_an_abandoned_pull_still_reaches_the_trainer(po
 # ---------------------------------------------------------------------------------------------- break 2
 
 
-@issue20(2, "a Task or Credit lost on a live worker link is lost until task_timeout_s; heartbeat in-flight lists are never read")
 @pytest.mark.parametrize("lost", ["task", "credit"])
 async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Pool, lost: str) -> None:
     broker = await pool.start_broker()  # task_timeout_s stays at its default (600 s)
@@ -204,6 +203,41 @@ async def test_break6_a_poison_version_is_skipped_and_the_next_one_applied(pool:
     await trainer.submit([make_prompt("after-poison")])
     (group,) = await trainer.collect(1, timeout_s=5)
     assert {int(v) for t in group.trajectories for v in t.token_versions} == {3}
+
+
+class RefusingEngine(SimEngine):
+    """A fake engine at the edge: it checks names before writing anything and says so (`WeightsRefusedError`),
+    as the HF and SGLang engines do."""
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        unknown = sorted(set(named_tensors) - {"w"})
+        if unknown:
+            raise WeightsRefusedError(f"update_weights: unknown parameter {unknown[0]!r}")
+        await super().update_weights(named_tensors, version)
+
+
+async def test_break6_a_refused_version_costs_no_restart_and_no_task_in_flight(pool: Pool) -> None:
+    """A poison version the engine refuses before writing: reported and skipped, the engine resumed as it was.
+    Before, every worker restarted its engine (backoff growing with each poison version) and handed its
+    tasks back; with every worker refusing the same version at once the pool stood still."""
+    torch = pytest.importorskip("torch")
+    broker = await pool.start_broker()
+    worker = await pool.worker(broker.worker_endpoint, "w1", engine_factory=lambda: RefusingEngine(decode_s_per_token=0.05,
+                                                                                                   length_median=40))
+    trainer = await pool.fake_client(broker.client_endpoint)
+    pub = await pool.publisher()
+    await pub.publish(_tensors(torch, 1.0), 1)
+    await trainer.set_version(1, pub.router_endpoint, pub.pub_endpoint)
+    assert await wait_until(lambda: worker.weight_version == 1, 10)
+    await trainer.submit([make_prompt("in-flight")])
+    assert await wait_until(lambda: broker.state.leased == 1, 5)
+    await pub.publish(_tensors(torch, 2.0, extra=True), 2)  # the poison, while the group generates (~2 s)
+    await trainer.set_version(2)
+    assert await wait_until(lambda: broker.state.counters["versions_failed"] == 1, 10)
+    (group,) = await trainer.collect(1, timeout_s=10)
+    assert group.state == "done" and group.attempts == 1
+    assert worker.supervisor.restarts == 0 and broker.state.counters["requeued"] == 0
+    assert {int(v) for t in group.trajectories for v in t.token_versions} == {1} and worker.weight_version == 1
 
 
 # ---------------------------------------------------------------------------------------------- break 7

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import pathlib
 import shutil
 import tempfile
@@ -56,12 +55,8 @@ def served() -> Iterator[Served]:
     pool = Pool(dir=str(tmp), worker_ep=f"ipc://{tmp}/w", client_ep=f"ipc://{tmp}/c")
     pool.start_broker()
     pool.start_hf_worker(str(model))
-    # Every adapter of this module hosts its own weight publisher; they share one pair of endpoints (set as a
-    # deployment would, through the environment), because a worker keeps the first publisher endpoint it
-    # was told of and does not follow a new one (a worker-side limitation, reported).
-    env = {"ROLLPOOL_WEIGHT_ROUTER_ENDPOINT": f"ipc://{tmp}/weights", "ROLLPOOL_WEIGHT_PUB_ENDPOINT": f"ipc://{tmp}/announce"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    # Every adapter of this module hosts its own weight publisher on ports of its own (the default, as a porting user
+    # gets it): the broker names each new publisher to the worker, which follows it (issue 20 break 3).
     try:
         from rollpool.trainer_client import SyncTrainerClient
 
@@ -72,11 +67,6 @@ def served() -> Iterator[Served]:
                 time.sleep(0.2)
         yield Served(pool=pool, model=model, zero_head_ckpt=ckpt, vocab=int(tensors["lm_head.weight"].shape[0]), tmp=tmp)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         pool.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -156,8 +146,10 @@ def test_lightrft_code_blocks_run_as_documented(served: Served, tp_group: Any) -
         assert engine.pool.version > before
         assert after["meta_info"]["weight_version"] == str(engine.pool.version)
         assert set(after["meta_info"]["token_versions"]) == {engine.pool.version}
+        # >>> try: results = engine.generate("Hello") finally: engine.shutdown()
+        results = engine.generate("Hello")
+        assert isinstance(results, dict) and isinstance(results["text"], str)
     finally:
-        # >>> finally: engine.shutdown()
         engine.shutdown()
 
 
@@ -185,6 +177,60 @@ def test_lightrft_mismatched_shape_fails_fast_and_publishes_nothing(served: Serv
         assert isinstance(pair, list) and "output_token_logprobs" in pair[0]["meta_info"]
         assert "output_token_logprobs" not in pair[1]["meta_info"]
         assert engine.pool.status()["counters"]["version"] == broker_version
+    finally:
+        engine.shutdown()
+
+
+def test_top_logprobs_num_is_honoured_by_the_hf_workers(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    engine = RLGenerationEngine(tp_group_cpu=None, broker=served.pool.client_ep)
+    try:
+        greedy = engine.generate(prompt=["Hello", "Goodbye"], sampling_params={"temperature": 0.0, "max_new_tokens": 5},
+                                 return_logprob=True, top_logprobs_num=[3, 1])
+        assert isinstance(greedy, list)
+        for r, k in zip(greedy, (3, 1), strict=True):
+            tops, chosen = r["meta_info"]["output_top_logprobs"], r["meta_info"]["output_token_logprobs"]
+            assert len(tops) == len(chosen) == len(r["output_ids"]) >= 1
+            for row, (lp, tok, _) in zip(tops, chosen, strict=True):
+                assert len(row) == k and [x[0] for x in row] == sorted((x[0] for x in row), reverse=True)
+                assert row[0][1] == tok and abs(row[0][0] - lp) < 1e-5  # greedy: the chosen token is the most likely
+        sampled = engine.generate("Hello", sampling_params={"temperature": 1.0, "max_new_tokens": 6}, return_logprob=True,
+                                  top_logprobs_num=4)
+        assert isinstance(sampled, dict)
+        for row, (lp, tok, _) in zip(sampled["meta_info"]["output_top_logprobs"], sampled["meta_info"]["output_token_logprobs"], strict=True):
+            assert row[0][0] >= lp - 1e-6  # nothing sampled is more likely than the top one
+            if tok in [t for _, t, _ in row]:
+                assert abs(dict((t, v) for v, t, _ in row)[tok] - lp) < 1e-5  # the same logprob, both ways
+        plain = engine.generate("Hello", sampling_params={"max_new_tokens": 2}, top_logprobs_num=3)  # without return_logprob
+        assert isinstance(plain, dict) and "output_top_logprobs" not in plain["meta_info"]
+        with pytest.raises(UnsupportedParameterError, match="top_logprobs_num"):
+            engine.generate("Hello", return_logprob=True, top_logprobs_num=1000)
+    finally:
+        engine.shutdown()
+
+
+def test_logprob_start_len_gives_the_prompts_logprobs_and_they_agree_with_the_sampled_ones(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    engine = RLGenerationEngine(tp_group_cpu=None, broker=served.pool.client_ep)
+    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    try:
+        prompt = [5, 6, 7, 8, 9]
+        first = engine.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True, logprob_start_len=0)
+        assert isinstance(first, dict)
+        inputs = first["meta_info"]["input_token_logprobs"]
+        assert [tok for _, tok, _ in inputs] == prompt and inputs[0][0] is None and all(lp <= 0.0 for lp, _, _ in inputs[1:])
+        # the generated tokens fed back as a prompt: their prompt logprobs are the logprobs they were sampled with
+        again = engine.generate(input_ids=prompt + first["output_ids"], sampling_params=greedy, return_logprob=True,
+                                logprob_start_len=len(prompt))
+        assert isinstance(again, dict)
+        fed = again["meta_info"]["input_token_logprobs"]
+        assert [tok for _, tok, _ in fed] == first["output_ids"]
+        sampled = [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]]
+        assert all(abs(a - b) < 1e-3 for (a, _, _), b in zip(fed, sampled, strict=True)), (fed, sampled)
+        plain = engine.generate(input_ids=prompt, sampling_params=greedy, logprob_start_len=0)  # without return_logprob
+        assert isinstance(plain, dict) and "input_token_logprobs" not in plain["meta_info"]
     finally:
         engine.shutdown()
 
@@ -218,6 +264,32 @@ def test_a_version_no_worker_reaches_fails_the_wait_with_the_workers_versions(se
         engine.shutdown()
 
 
+def test_a_version_the_workers_cannot_apply_fails_the_wait_at_once_with_the_workers_error(served: Served) -> None:
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+
+    # a hub name: the pool cannot read the model's shapes, so a wrong shape reaches the worker, which gives the version up
+    # (its serving engine and a restarted one both refuse it). The wait must end on that report, not at its timeout.
+    engine = RLGenerationEngine(tp_group_cpu=None, model="llama2-7b", broker=served.pool.client_ep, weight_timeout_s=60.0)
+    try:
+        engine.update_weights_from_tensor("model.layers.0.self_attn.q_proj.weight", torch.randn(64, 64))
+        with pytest.raises(WeightSyncError) as err:
+            engine.generate("Hello", sampling_params={"max_new_tokens": 2})
+        bad = engine.pool.version
+        message = str(err.value)
+        assert f"weight version {bad} cannot be applied" in message, message
+        assert "hf0" in message and r"q_proj.weight has shape (64, 64), the model has (768, 768)" in message, message
+        status = engine.pool.status()
+        assert status["workers"]["hf0"]["skipped_version"] == bad and status["counters"]["versions_skipped"] >= 1
+        # the failed call's prompt was cancelled, not left waiting for a version nobody serves
+        assert status["counters"]["queued"] == 0
+        # the worker kept its last good version; a good update afterwards is served as usual
+        engine.update_weights_from_tensor("model.layers.0.self_attn.q_proj.weight", torch.randn(768, 768))
+        res = engine.generate("Hello", sampling_params={"max_new_tokens": 2})
+        assert isinstance(res, dict) and res["meta_info"]["weight_version"] == str(engine.pool.version) and engine.pool.version > bad
+    finally:
+        engine.shutdown()
+
+
 # --------------------------------------------------------------------------- NeMo-RL
 
 
@@ -237,9 +309,9 @@ def _batched(rows: list[list[int]], pad: int = 0) -> dict[str, Any]:
 
 
 def test_nemo_rl_generate_takes_the_batched_dict_and_returns_its_output_spec(served: Served) -> None:
-    from rollpool.trainer_client.compat.nemo_rl import TOP_K_THRESHOLD, TOP_P_THRESHOLD, SGLangGeneration
+    from rollpool.trainer_client.compat.nemo_rl import TOP_K_THRESHOLD, TOP_P_THRESHOLD, SGLangGeneration, logger
 
-    assert (TOP_K_THRESHOLD, TOP_P_THRESHOLD) == (8000, 0.99)
+    assert (TOP_K_THRESHOLD, TOP_P_THRESHOLD) == (8000, 0.99) and isinstance(logger, logging.Logger)  # the module's Data
     gen = SGLangGeneration(object(), _nemo_config(served), name_prefix="sglang_policy", workers_per_node=None,
                            broker=served.pool.client_ep)
     try:

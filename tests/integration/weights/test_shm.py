@@ -237,3 +237,18 @@ async def test_set_path_network_offers_no_segments(make_publisher: Any, make_sub
     assert all(b.shm_segment for b in m.buckets)
     sub = make_subscriber(pub.router_endpoint, path="auto")
     assert same((await sub.fetch(2)).tensors, model(10)) and sub.last_path == "shm"
+
+
+async def test_after_shm_versions_set_path_network_reuses_no_segment(make_publisher: Any, make_subscriber: Any) -> None:
+    # seen on the H200 bench: versions published after set_path("network") still went out through shared
+    # memory, because an evicted shm version's buffers were taken as spares for the network path
+    pub = await make_publisher(keep_versions=1)
+    for v in (1, 2, 3):
+        m = await pub.publish(model(v), v, wait_ready=True)
+        assert all(b.shm_segment for b in m.buckets)
+    pub.set_path("network")
+    for v in (4, 5):
+        m = await pub.publish(model(v), v, wait_ready=True)
+        assert not any(b.shm_segment for b in m.buckets), f"version {v} offered a segment on the network path"
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    assert same((await sub.fetch(5)).tensors, model(5)) and sub.last_path == "network"

@@ -337,6 +337,21 @@ async def test_refused_prompt_is_a_non_retryable_result(harness: Callable[..., A
     assert worker.restarts == 0
 
 
+async def test_top_or_prompt_logprobs_on_an_engine_that_does_not_report_them_are_refused_not_ignored(harness: Callable[..., Any]) -> None:
+    worker, broker, _run = await harness()  # the sim engine: no top logprobs
+    await broker.welcome()
+    await broker.send(task(1, n=2, top_logprobs_num=3))
+    credit = await broker.expect(Credit)
+    result = await broker.expect(Result)
+    assert credit.credits == 2 and not result.trajectories and result.retryable is False
+    assert result.error and "top_logprobs_num=3" in result.error and "sim engine" in result.error
+    await broker.send(task(2, n=1, logprob_start_len=0))
+    refused = await broker.expect(Result)
+    assert refused.error and "logprob_start_len=0" in refused.error and "prompt logprobs" in refused.error
+    await broker.send(task(3, n=1))  # and it keeps serving
+    assert (await broker.expect(Result)).trajectories
+
+
 async def test_any_other_engine_exception_is_an_engine_failure_not_a_refusal(harness: Callable[..., Any]) -> None:
     worker, broker, _run = await harness(_refusing)
     await broker.welcome()
@@ -467,7 +482,9 @@ async def test_a_version_whose_grant_never_comes_is_skipped_after_bounded_asks(h
     sub.publish(1, {})
     asks = [await broker.expect(ApplyRequest), await broker.expect(ApplyRequest)]
     assert [a.version for a in asks] == [1, 1]
-    sub.publish(2, {})  # the worker gives up on 1 (no third ask) and follows the next version
+    gave_up = await broker.expect(ApplyDone)  # the worker gives up on 1 (no third ask) and tells the broker why
+    assert gave_up.version == 1 and gave_up.skipped and not gave_up.ok and "no apply grant for version 1 after 2 asks" in (gave_up.error or "")
+    sub.publish(2, {})  # and follows the next version
     req = await broker.expect(ApplyRequest)
     assert req.version == 2 and worker.weights.skipped == 1 and worker.weight_version == 0
     await broker.send(ApplyGrant(version=2))
@@ -495,7 +512,10 @@ async def test_a_version_that_fails_on_a_restarted_engine_too_is_skipped_and_the
     sub.publish(2, {"w": np.full(4, 2, dtype=np.float32)})
     await broker.expect(ApplyRequest)
     await broker.send(ApplyGrant(version=2))
-    assert not (await broker.expect(ApplyDone)).ok
+    failed = await broker.expect(ApplyDone)
+    assert not failed.ok and not failed.skipped  # the serving engine's failure: the restarted engine tries again
+    gave_up = await broker.expect(ApplyDone)
+    assert gave_up.version == 2 and gave_up.skipped and "failed to apply on the serving engine and on a restarted one" in (gave_up.error or "")
     hello = await broker.welcome()
     assert hello.weight_version == 1 and worker.weight_version == 1 and worker.weights.skipped == 2
     assert len(engines) == 3 and engines[2].version == 1  # the third engine took the last good version
@@ -514,6 +534,8 @@ async def test_a_version_that_cannot_be_fetched_is_skipped_after_bounded_retries
         sub.fetched.clear()
         await asyncio.wait_for(sub.fetched.wait(), 10)
     assert worker.weights.skipped == 1 and sub.fetches == [1, 1, 1]  # weight_retries fetches, then it gives up
+    gave_up = await broker.expect(ApplyDone)
+    assert gave_up.version == 1 and gave_up.skipped and "fetch failed 3 times" in (gave_up.error or "")
     sub.publish(2, {})
     req = await broker.expect(ApplyRequest)
     assert req.version == 2

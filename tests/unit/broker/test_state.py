@@ -422,6 +422,29 @@ def test_a_failed_apply_is_counted_with_its_error() -> None:
     assert ("version_failed", {"worker_id": "a", "version": 2, "error": "EngineError: unknown parameter names ['x']"}) in s.effects.events
 
 
+def test_a_version_a_worker_gave_up_is_shown_on_it_and_frees_only_its_wait_for_a_grant() -> None:
+    s = make(max_applying=1)
+    a, b = join(s, "a"), join(s, "b")
+    s.apply_request(a, 3, now=0.0)  # a holds the one slot for 3
+    s.apply_request(b, 3, now=0.0)  # b waits for it
+    s.apply_done(a, 2, ok=False, error="fetch failed 3 times", skipped=True)  # a gives up an older version: its slot for 3 stays
+    assert s.effects.grants == [("a", 3)] and a.skipped_version == 2
+    s.apply_done(b, 3, ok=False, error="no apply grant for version 3 after 3 asks", skipped=True)
+    s.apply_done(a, 3, ok=False, error="EngineError: q has shape (2,)")  # the serving engine's failure (not final)
+    assert s.effects.grants == [("a", 3)]  # b stopped waiting: the freed slot went to nobody
+    s.apply_done(a, 3, ok=False, error="EngineError: q has shape (2,) (restarted engine)", skipped=True)
+    view = {w: s.workers[w].live_state(0.0) for w in ("a", "b")}
+    assert view["a"]["skipped_version"] == 3 and view["a"]["skipped_error"].endswith("(restarted engine)")
+    assert view["b"]["skipped_version"] == 3 and "no apply grant" in view["b"]["skipped_error"]
+    assert s.counters["versions_skipped"] == 3 and s.counters["versions_failed"] == 1
+    s.apply_done(a, 1, ok=False, error="old", skipped=True)  # an older report does not hide the newer one
+    assert a.skipped_version == 3 and a.skipped_error.endswith("(restarted engine)")
+    s.add_worker(worker_id="a", identity=b"a", capacity=4, credits=4, now=1.0, version=2)  # a re-hello of the same process
+    assert s.workers["a"].skipped_version == 3
+    s.add_worker(worker_id="a", identity=b"a2", capacity=4, credits=4, now=2.0, version=2, pid=4242)  # a new process: it tries again
+    assert s.workers["a"].skipped_version == -1 and s.workers["a"].skipped_error == ""
+
+
 def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_until_acknowledged() -> None:
     # issue 20 break 1: a lost Batch left its groups counted as delivered until a new ClientHello
     s = make(result_resend_s=2.0)

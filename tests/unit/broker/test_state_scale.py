@@ -4,6 +4,7 @@ version-split ready sets, the apply queue and the broker-side latency log (no so
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from rollpool.broker.latency import LatencyLog
 from rollpool.broker.state import BrokerState, WorkerInfo
@@ -52,10 +53,11 @@ def test_a_consistent_heartbeat_asks_for_nothing_even_when_it_crosses_a_dispatch
     s.check_invariants()
 
 
-def test_a_lease_the_worker_does_not_hold_is_a_mismatch_and_the_full_list_names_it() -> None:
+@pytest.mark.parametrize("reconcile", [False, True], ids=["minor4", "minor5"])
+def test_a_lease_the_worker_does_not_hold_is_a_mismatch_and_the_full_list_names_it(reconcile: bool) -> None:
     s = make()
     s.submit([prompt(f"p{i}") for i in range(3)], 0.0)
-    w = join(s, "w", capacity=4)
+    w = join(s, "w", capacity=4, features=FEATURES if reconcile else tuple(f for f in FEATURES if f != Feature.RECONCILE))
     s.dispatch(0.0)
     held = list(w.leases)
     lost = held[1]  # the worker never got it (or lost it)
@@ -64,8 +66,10 @@ def test_a_lease_the_worker_does_not_hold_is_a_mismatch_and_the_full_list_names_
     beat(s, w, 1.0, seq=3, held=[held[0], held[2], "ghost@0"], full=True)
     assert w.unreported == (lost,)
     assert s.counters["leases_unreported"] == 1 and s.counters["held_unknown"] == 1
-    # recorded only: acting on it (requeue at once) is the reliability issue's
-    assert lost in w.leases and s.leased == 3
+    if reconcile:  # issue 20: acted on at once, the lost lease is requeued burning no attempt
+        assert lost not in w.leases and s.leased == 2 and s.counters["leases_reconciled"] == 1
+    else:  # a worker of protocol 1.4 or older: recorded only
+        assert lost in w.leases and s.leased == 3 and s.counters["leases_reconciled"] == 0
     s.check_invariants()
 
 

@@ -106,6 +106,18 @@ def test_top_shows_refusals_by_limit_and_by_role() -> None:
     assert any("refused_limit_pulls_per_peer" in name for name in fams)
 
 
+def test_top_shows_what_workers_refused_to_send_by_limit_summed_over_workers() -> None:
+    state = _state()
+    state.workers["w-1"]["refused.limit.max_msg_bytes"] = 2
+    state.workers["w-2"]["refused.limit.max_msg_bytes"] = 1
+    state.workers["w-2"]["refused.limit.max_header_bytes"] = 4
+    frame = render_frame(state, width=100)
+    row = next(line for line in frame.splitlines() if "workers, by limit" in line)
+    assert "max_msg_bytes 3" in row and "max_header_bytes 4" in row
+    fams = parse_prometheus(render_prometheus(state))
+    assert "rollpool_worker_refused_total" in fams or "rollpool_worker_refused" in fams, sorted(fams)
+
+
 def test_top_shows_the_episode_stats_of_workers_that_run_episodes() -> None:
     state = _state()
     assert "EPISODES" not in render_frame(state, width=100)  # no worker runs episodes
@@ -129,6 +141,22 @@ def test_prometheus_carries_the_episode_stats() -> None:
     assert sample_value(fams, "rollpool_worker_episode_reused_prefix_share", worker="w-1") == 0.5
 
 
+def test_top_and_prometheus_show_the_reconciliation_counters_in_a_narrow_frame() -> None:
+    state = _state()
+    assert "RECONCILIATION" not in render_frame(state)  # a broker from before the counters: no section
+    assert state.broker is not None
+    state.broker.update({"results_resent": 4, "leases_reconciled": 2, "credit_corrections": 3, "broker_stalls": 1,
+                         "broker_stall_ms_total": 4200, "broker_stall_ms_max": 4200, "versions_failed": 1, "rebases": 0})
+    state.events.append(EventRecord(id="2-0", ts=1_700_000_001.0, kind="version_failed", src="broker",
+                                    fields={"worker_id": "w-2", "version": 6, "error": "unknown parameter 'x'"}))
+    frame = render_frame(state, width=60)
+    for text in ("RECONCILIATION", "results re-sent 4", "leases reconciled 2", "credit corrections 3",
+                 "broker stalls 1 (4.2 s, longest 4.2 s)", "versions failed 1", "last failed version 6 on w-2"):
+        assert text in frame, (text, frame)
+    assert all(len(line) <= 60 for line in frame.splitlines())
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_broker_stall_seconds_total") == 4.2
+    assert fams["rollpool_results_resent_total"]["type"] == "counter"
 def test_top_and_the_exporter_show_the_wasted_tokens_by_reason() -> None:
     state = _state()
     assert "WASTED" not in render_frame(state, width=100)  # a broker that counts no generated tokens: no section

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,18 @@ def samples() -> dict[str, Any]:
         "worker_heartbeat_full": p.WorkerHeartbeat(worker_id="w0", inflight_task_ids=("t2", "t3"), epoch="e1", dispatch_seq=8,
                                                    free_capacity=5, held_count=2, held_digest=p.held_digest(["t2", "t3"]), held_full=True),
         "broker_heartbeat_send_held": p.BrokerHeartbeat(epoch="e1", weight_version=2, send_held=True, dispatch_seq=8),
-        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES),
-        # minor 5: the trainer's staleness bound, the worker's cancelled tokens (issue 24)
+        "welcome": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, dispatch_seq=7),
+        # minor 6: a rebase (checkpoint resume) and the version epoch it starts
+        "set_version_rebase": p.SetVersion(request_id="v1", version=3, rebase=True),
+        "broker_heartbeat_rebased": p.BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=1767225600000, rebase_version=3),
+        "worker_heartbeat_epoch": p.WorkerHeartbeat(worker_id="w0", weight_version=3, epoch="e1", version_epoch=1767225600000),
+        # minor 7: a skipped version; top logprobs and input logprobs
+        "apply_done_skipped": p.ApplyDone(version=3, ok=False, error="EngineError: q has shape (2,)", skipped=True),
+        "result_top_logprobs": p.Result(task_id="t4", prompt_id="p1", trajectories=(dataclasses.replace(
+            traj, output_top_ids=np.array([7, 9, 8, 7, 2, 5], dtype=np.int32),
+            output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32),
+            input_logprobs=np.array([-4.0, -2.5, -0.75], dtype=np.float32)),)),  # from position 1 (no NaN: it never equals itself)
+        # minor 8: the trainer's staleness bound, the worker's cancelled tokens (issue 24)
         "set_version_bound": p.SetVersion(request_id="r3", version=5, stale_bound=8),
         "worker_heartbeat_cancelled": p.WorkerHeartbeat(worker_id="w0", weight_version=2, epoch="e1", tokens_cancelled=640),
     }

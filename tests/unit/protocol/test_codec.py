@@ -150,6 +150,15 @@ def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
     assert out == p.Credit(credits=2)
 
 
+def test_a_minor6_apply_done_has_no_skipped_field_and_reads_as_not_skipped() -> None:
+    # protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure report stays an ordinary (not final) failure
+    old = decode([_header("apply_done", {"version": 3, "ok": False, "duration_s": 0.5, "error": "boom"}, minor=6)])
+    assert old == p.ApplyDone(version=3, ok=False, duration_s=0.5, error="boom") and old.skipped is False
+    # and a 1.6 peer reads a 1.7 report: the new field is one unknown field, ignored
+    frames = encode(p.ApplyDone(version=3, ok=False, error="boom", skipped=True))
+    assert msgpack.unpackb(frames[0])[3]["skipped"] is True
+
+
 def test_limits_refuse_oversize_before_allocating() -> None:
     small = Limits(max_header_bytes=64, max_frame_bytes=16, max_frames=3, max_str_len=8, max_array_len=4, max_map_len=32, max_depth=2)
     assert _code([b"\x00" * 65], small) == "oversize"

@@ -77,13 +77,19 @@ def test_inputs_single_batch_tokens_and_the_nemo_dict_refused() -> None:
     ({"image_data": "cat.png"}, "image_data"),
     ({"lora_path": ["/l"]}, "lora_path"),
     ({"custom_logit_processor": "x"}, "custom_logit_processor"),
-    ({"logprob_start_len": 0}, "logprob_start_len"),
-    ({"top_logprobs_num": 5}, "top_logprobs_num"),
+    ({"logprob_start_len": -2}, "logprob_start_len"),  # a position >= 0 is honoured (by engines that can), -1 means none
+    ({"top_logprobs_num": 65}, "top_logprobs_num"),  # above MAX_TOP_LOGPROBS (0..64 are honoured by engines that can)
+    ({"top_logprobs_num": [3, -1]}, "top_logprobs_num"),
     ({"stream": True}, "stream"),
 ])
 def test_generate_arguments_the_pool_lacks_are_refused_by_name(kwargs: dict[str, object], name: str) -> None:
     args: dict[str, object] = {"image_data": None, "lora_path": None, "custom_logit_processor": None, "logprob_start_len": None,
                                "top_logprobs_num": None, "stream": False, **kwargs}
+    if isinstance(args["top_logprobs_num"], list):
+        args["count"] = len(args["top_logprobs_num"])  # type: ignore[arg-type]
+        with pytest.raises(UnsupportedParameterError, match=name):
+            _check_unsupported(**args)  # type: ignore[arg-type]
+        return
     with pytest.raises(UnsupportedParameterError, match=name):
         _check_unsupported(count=1, **args)  # type: ignore[arg-type]
 
@@ -91,6 +97,7 @@ def test_generate_arguments_the_pool_lacks_are_refused_by_name(kwargs: dict[str,
 def test_neutral_values_of_those_arguments_are_accepted() -> None:
     _check_unsupported(image_data=None, lora_path=[None, None], custom_logit_processor=None, logprob_start_len=[-1, -1],
                        top_logprobs_num=0, stream=False, count=2)
+    _check_unsupported(None, None, None, None, [5, 64], False, 2)  # honoured (by engines that report them)
     with pytest.raises(ValueError, match="list of 3 for 2 prompts"):
         _check_unsupported(None, None, None, [-1, -1, -1], None, False, 2)
 
@@ -114,3 +121,30 @@ def test_param_shapes_come_from_safetensors_headers_and_the_fingerprint_from_the
     fp = model_fingerprint(tmp_path)
     (tmp_path / "config.json").write_text('{"hidden_size": 16}')
     assert model_fingerprint(tmp_path) != fp and len(fp) == 16
+
+
+def test_top_logprobs_are_shaped_as_sglang_reports_them_and_missing_ones_are_an_error() -> None:
+    from rollpool.protocol import GroupResult, GroupState, Trajectory
+    from rollpool.trainer_client.pool import RolloutPool
+
+    def traj(**top: object) -> Trajectory:
+        top.setdefault("input_ids", np.array([1], np.int32))
+        return Trajectory(prompt_id="p", sample_index=0, output_ids=np.array([7, 2], np.int32),
+                          output_logprobs=np.array([-0.5, -0.25], np.float32), token_versions=np.array([0, 0], np.int32),
+                          loss_mask=np.ones(2, np.uint8), finish_reason="stop", worker_id="w", **top)  # type: ignore[arg-type]
+
+    with_tops = traj(output_top_ids=np.array([7, 3, 2, 9], np.int32), output_top_logprobs=np.array([-0.5, -1.0, -0.25, -2.0], np.float32))
+    [res] = RolloutPool._to_sglang(GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(with_tops,)), 1, True, top_k=2)
+    assert res["meta_info"]["output_top_logprobs"] == [[(-0.5, 7, None), (-1.0, 3, None)], [(-0.25, 2, None), (-2.0, 9, None)]]
+    # a worker of protocol 1.4 ignores top_logprobs_num: said, never a silent result without them
+    with pytest.raises(UnsupportedParameterError, match="ignored the request"):
+        RolloutPool._to_sglang(GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(traj(),)), 1, True, top_k=2)
+    # prompt logprobs: SGLang's input_token_logprobs from the asked position, None where nothing precedes
+    [res] = RolloutPool._to_sglang(GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(
+        traj(input_ids=np.array([4, 5], np.int32), input_logprobs=np.array([np.nan, -3.0], np.float32)),)), 1, True, logprob_start=0)
+    assert res["meta_info"]["input_token_logprobs"] == [(None, 4, None), (-3.0, 5, None)]
+    with pytest.raises(UnsupportedParameterError, match="logprob_start_len"):
+        RolloutPool._to_sglang(GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(traj(),)), 1, True, logprob_start=0)
+    bad = traj(output_top_ids=np.array([7, 3, 2], np.int32), output_top_logprobs=np.array([-0.5, -1.0, -0.25], np.float32))
+    with pytest.raises(ValueError, match="3 top ids and 3 top logprobs for 2 tokens x 2"):
+        RolloutPool._to_sglang(GroupResult(prompt_id="p", state=GroupState.DONE, trajectories=(bad,)), 1, True, top_k=2)

@@ -13,6 +13,7 @@ from rollpool.protocol.messages import (
     Control,
     Credit,
     Error,
+    Feature,
     Goodbye,
     Hello,
     Nack,
@@ -405,6 +406,39 @@ def test_every_task_ends_in_exactly_one_message_and_credits_stay_within_capacity
         assert ends.get(tid, 0) == 1 or tid in cancelled, (tid, ends)  # exactly one unless the broker cancelled it
 
 
+# ---------------------------------------------------------------- issue 20: whole heartbeats and rebases
+
+
+def test_once_welcomed_a_heartbeat_echoes_the_numbering_the_welcome_names_and_is_whole() -> None:
+    s = make()
+    hello = s.engine_started(0.0, FACTS).send[0]
+    assert isinstance(hello, Hello) and Feature.RECONCILE in hello.features
+    hb = s.heartbeat(0.5)
+    assert hb is None  # no epoch yet
+    s.handle(1.0, welcome(dispatch_seq=41))
+    s.handle(1.1, Task(task_id="p1@0", prompt=task(1).prompt, attempt=0, seq=42))
+    hb = s.heartbeat(1.2)
+    assert hb is not None and (hb.dispatch_seq, hb.held_full, hb.inflight_task_ids, hb.free_capacity) == (42, True, ("p1@0",), 2)
+    s.handle(1.3, Error(code="hello_required", message="say hello first"))  # the broker lost us: a hello is due
+    hb = s.heartbeat(1.4)  # so the next heartbeat says nothing of what is held
+    assert hb is not None and hb.dispatch_seq == -1 and not hb.held_full
+
+
+def test_a_rebase_below_the_served_version_forgets_it_and_one_above_keeps_it() -> None:
+    s = started()
+    s.apply_finished(0.0, 5)
+    eff = s.handle(1.0, BrokerHeartbeat(epoch="e1", weight_version=5, version_epoch=0))
+    assert eff is not None and eff.rebase is None and s.version == 5
+    eff = s.handle(2.0, BrokerHeartbeat(epoch="e1", weight_version=2, version_epoch=100, rebase_version=2))
+    assert eff is not None and eff.rebase == 2 and s.version == -1 and s.version_epoch == 100
+    hb = s.heartbeat(2.1)
+    assert hb is not None and (hb.weight_version, hb.version_epoch) == (-1, 100)
+    assert s.handle(3.0, BrokerHeartbeat(epoch="e1", weight_version=2, version_epoch=100, rebase_version=2)).rebase is None  # type: ignore[union-attr]
+    s.apply_finished(3.5, 2)
+    eff = s.handle(4.0, BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=200, rebase_version=4))
+    assert eff is not None and eff.rebase is None and s.version == 2 and s.version_epoch == 200  # 2 <= 4: shared history
+    eff = s.handle(5.0, BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=0))  # a broker restarted: nothing to forget
+    assert eff is not None and eff.rebase is None and s.version_epoch == 200
 def test_a_cancelled_task_s_discarded_tokens_travel_on_the_heartbeat() -> None:
     s = started()
     s.handle(0.0, task(1))

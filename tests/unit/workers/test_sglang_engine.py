@@ -143,6 +143,22 @@ async def test_request_checks_use_the_checkpoints_limits(sglang_sim_child: SimCh
         await engine.stop()
 
 
+async def test_sglangs_cached_tokens_reach_the_sample(sglang_sim_child: SimChild) -> None:
+    # SGLang reports the prompt tokens its radix cache served as meta_info.cached_tokens; the sim child's
+    # prefix cache is simulated (the longest prefix among recent sequences, less the last sampled token)
+    engine = SGLangEngine(model=sglang_sim_child.model, url=sglang_sim_child.url, api_key=sglang_sim_child.token, device="cpu")
+    await engine.start()
+    try:
+        prompt = [301, 17, 299, 3, 250, 41]
+        first = (await engine.generate(prompt, 1, SamplingParams(max_new_tokens=8, ignore_eos=True), "cache-1")).samples[0]
+        assert first.cached_tokens == 0
+        again = prompt + first.output_ids + [7, 8]
+        second = (await engine.generate(again, 1, SamplingParams(max_new_tokens=4, ignore_eos=True), "cache-2")).samples[0]
+        assert second.cached_tokens == len(prompt) + len(first.output_ids) - 1
+    finally:
+        await engine.stop()
+
+
 @pytest.fixture
 async def owned(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> AsyncIterator[SGLangEngine]:
     """An engine that launches its own child (the worker's path), sim backend."""

@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
@@ -103,6 +103,8 @@ class _Sample:
     """The rid now in SGLang (None between attempts)."""
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    cached_tokens: int | None = None
+    """SGLang's cached_tokens of the first attempt (a resubmit's prompt includes tokens this sample made)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -431,7 +433,7 @@ class SGLangEngine:
             SampleOutput(index=s.index, output_ids=s.out, logprobs=s.logprobs, token_versions=s.versions,
                          finish_reason=s.finish or FinishReason.ABORT, output_text="".join(s.texts) if s.texts else None,
                          matched_stop=s.matched, first_token_at=s.first_token_at or started,
-                         finished_at=max(s.finished_at, s.first_token_at or started))
+                         finished_at=max(s.finished_at, s.first_token_at or started), cached_tokens=s.cached_tokens)
             for s in req.samples
         ]
         return GenerateOutput(request_id, list(prompt), samples, started, simulated=self.options.backend == "sim")
@@ -483,6 +485,8 @@ class SGLangEngine:
             log.debug("sample %s: sent at version %d, SGLang says %d", p.rid, version_at_send, version)
         if p.output_ids and not s.first_token_at:
             s.first_token_at = sent_at
+        if s.cached_tokens is None:
+            s.cached_tokens = p.cached_tokens
         s.out.extend(p.output_ids)
         s.logprobs.extend(p.logprobs)
         s.versions.extend([version] * len(p.output_ids))
@@ -574,10 +578,10 @@ class SGLangEngine:
         for name in names:
             known = self._params.get(name)
             if known is None:
-                raise EngineError(f"update_weights: unknown parameter {name!r} (SGLang would only warn and change nothing)")
+                raise WeightsRefusedError(f"update_weights: unknown parameter {name!r} (SGLang would only warn and change nothing)")
             shape = tuple(int(x) for x in named_tensors[name].shape)
             if shape != known[1]:
-                raise EngineError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
+                raise WeightsRefusedError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
         return names
 
     async def _to_device(self, named_tensors: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:

@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rollpool.protocol.messages import FinishReason, SamplingParams
@@ -131,10 +132,41 @@ def _sim_sampling(sp: dict[str, Any]) -> SamplingParams:
         stop=tuple(sp.get("stop") or ()), seed=None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]))
 
 
+class _SimPrefixCache:
+    """A simulated prefix cache for the sim child: the longest prefix of a prompt among the last sequences served.
+
+    Not SGLang's radix tree (no eviction by memory, no pages): enough for CPU tests to see the
+    ``cached_tokens`` SGLang reports flow through the engine and the episode endpoint.
+    """
+
+    def __init__(self, keep: int = 256) -> None:
+        self._seqs: list[list[int]] = []
+        self._keep = keep
+
+    def lookup(self, ids: list[int]) -> int:
+        best = 0
+        for seq in self._seqs:
+            n = 0
+            for a, b in zip(seq, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(ids) - 1)  # SGLang always computes the prompt's last token
+
+    def insert(self, seq: list[int]) -> None:
+        self._seqs.append(seq)
+        del self._seqs[: -self._keep]
+
+    def clear(self) -> None:
+        self._seqs.clear()
+
+
 def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
     """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
     weights: dict[str, Any] = {}
     paused = False
+    cache = _SimPrefixCache()
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         ids = _need(b, "input_ids")
@@ -143,8 +175,10 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
         rid = str(b.get("rid") or os.urandom(8).hex())
         sp = _sim_sampling(dict(b.get("sampling_params") or {}))
         t0 = time.time()
+        cached = cache.lookup(ids)
         out = await sim.generate(ids, 1, sp, rid)
         s = out.samples[0]
+        cache.insert(list(ids) + list(s.output_ids[:-1]))  # the last sampled token has no KV yet, as in SGLang
         if s.finish_reason == FinishReason.STOP:
             finish: dict[str, Any] = {"type": "stop", "matched": s.matched_stop}
         elif s.finish_reason == FinishReason.LENGTH:
@@ -157,7 +191,7 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
             "num_retractions": 0, "input_token_logprobs": [],
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(s.logprobs, s.output_ids, strict=True)],
             "output_token_logprobs_length": len(s.output_ids), "reasoning_tokens": 0,
-            "completion_tokens": len(s.output_ids), "cached_tokens": 0, "cached_tokens_details": {"device": 0, "host": 0},
+            "completion_tokens": len(s.output_ids), "cached_tokens": cached, "cached_tokens_details": {"device": cached, "host": 0},
             "dp_rank": None, "e2e_latency": time.time() - t0, "response_sent_to_client_ts": time.time(),
         }
         return 200, {"text": "", "output_ids": list(s.output_ids), "meta_info": meta}
@@ -198,6 +232,8 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
         version = b.get("weight_version")
         await sim.update_weights(dict(named), int(version) if version is not None else sim.version)
         weights.update({name: t.clone() for name, t in named})
+        if b.get("flush_cache", True):
+            cache.clear()
         return 200, {"success": True, "message": "Succeeded to update model weights."}
 
     async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
@@ -223,6 +259,7 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:
 
     async def flush_cache(b: dict[str, Any]) -> tuple[int, Any]:
         await sim.flush_cache()
+        cache.clear()
         return 200, {"success": True}
 
     async def release(b: dict[str, Any]) -> tuple[int, Any]:
@@ -251,6 +288,21 @@ async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: 
         await runner.cleanup()
 
 
+def _sim_model_kwargs(model_path: str) -> dict[str, Any]:
+    """The sim's vocabulary and end-of-sequence id from the model directory's config, as SGLang would serve that model."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    vocab, eos = cfg.get("vocab_size"), cfg.get("eos_token_id")
+    if isinstance(vocab, int) and vocab >= 4:
+        out["vocab"] = vocab
+        if isinstance(eos, int) and 0 <= eos < vocab:
+            out["eos_id"] = eos
+    return out
+
+
 def serve_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollpool.workers.engines.sglang.server")
     ap.add_argument("--model-path", required=True)
@@ -265,7 +317,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from rollpool.workers.engines.options import SimOptions, parse_options
         from rollpool.workers.engines.sim import SimEngine
 
-        sim = SimEngine(parse_options(SimOptions, kwargs))
+        sim = SimEngine(parse_options(SimOptions, {**_sim_model_kwargs(a.model_path), **kwargs}))
 
         async def run_sim() -> None:
             await sim.start()

@@ -101,6 +101,8 @@ class ParsedSample:
     weight_version: str | None
     abort_message: str | None = None
     """SGLang's abort message; ``Aborted`` and ``Abort in waiting queue`` are ordinary aborts."""
+    cached_tokens: int | None = None
+    """``meta_info.cached_tokens``: prompt tokens SGLang's radix cache served."""
 
     @property
     def aborted_by_request(self) -> bool:
@@ -147,6 +149,7 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
         else:
             reason = FinishReason.ERROR
     version = meta.get("weight_version")
+    cached = meta.get("cached_tokens")
     return ParsedSample(
         rid=str(meta.get("id", "")),
         output_ids=ids,
@@ -156,6 +159,7 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
         text=resp.get("text") if isinstance(resp.get("text"), str) else None,
         weight_version=None if version is None else str(version),
         abort_message=abort_message,
+        cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
     )
 
 

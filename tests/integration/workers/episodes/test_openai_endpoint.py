@@ -225,6 +225,30 @@ async def test_a_malformed_request_gets_a_4xx_and_the_episode_goes_on(tiny_token
     assert t.reward == 1.0 and len(engine.prompts) == 1
 
 
+async def test_a_request_the_engine_refuses_gets_a_400_and_the_episode_goes_on(tiny_tokenizer: Any) -> None:
+    # seen with the sglang engine: a prompt id past the model's vocabulary answered 500 (RequestRefusedError is not a ValueError)
+    from rollpool.protocol.errors import RequestRefusedError
+
+    refused: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        async with _client(ctx) as client:
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}])
+            except openai.BadRequestError as exc:
+                refused.append(exc)
+            r = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}])  # the same history: one segment
+        return 1.0 if r.choices[0].message.content == "fine" else 0.0
+
+    out, _, _ = await _run(tiny_tokenizer, [RequestRefusedError("prompt token ids must be in [0, 384)"), "fine<|im_end|>"], agent)
+    (t,) = out  # one segment: the refused turn left nothing behind, so the retry continued it
+    assert t.segment_index == 0 and list(t.loss_mask) == [1] * len(t.output_ids)
+    (exc,) = refused
+    assert exc.status_code == 400 and "prompt token ids must be in [0, 384)" in exc.body["message"]
+    assert exc.body["type"] == "invalid_request_error"
+    assert t.reward == 1.0
+
+
 async def test_a_wrong_key_gets_401_and_records_nothing(tiny_tokenizer: Any) -> None:
     async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
         async with _client(ctx) as good:

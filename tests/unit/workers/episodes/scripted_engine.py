@@ -66,6 +66,8 @@ class ScriptedEngine:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             turn = self.script.pop(0) if self.script else "ok"
+            if isinstance(turn, BaseException):  # the script makes this turn fail as the engine would
+                raise turn
             ids = self._ids(turn)
             stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not sampling.ignore_eos else set())
             finish = FinishReason.LENGTH
