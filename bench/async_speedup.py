@@ -103,14 +103,19 @@ options only (version-aware dispatch ``fresh_dispatch_hold_s``, early cancellati
 ``stale_policy="keep"`` with ``max_staleness_keep``) and reports wasted tokens by reason and the
 share of trained samples older than eta; `analytic` stores, per eta, ``model_today`` (today's
 broker), ``model_new_drop`` and ``model_new_keep`` (2 x eta), all MODEL figures. The pool runs
-each eta under the trainer's ``--policies`` (``drop``: ``async_eta{eta}``; ``keep``, a client-side
-policy that today's broker already serves: ``keep_eta{eta}``), all MEASURED with today's broker
-(simulated GPUs); the broker rules do not exist yet, so the new-drop figures are model only.
+each eta under the trainer's ``--policies`` with the broker's ``--rules``: ``new`` (the default:
+``--fresh-dispatch-hold-s`` of ``--hold-s`` REAL seconds, 3 by default, and
+``--cancel-stale-inflight``; the trainer client tells the broker its bound with every version) or
+``today`` (neither). Run keys: ``async_eta{eta}`` (drop, new rules), ``keep_eta{eta}`` (keep 2 x eta,
+new rules), ``today_eta{eta}`` / ``todaykeep_eta{eta}`` (today's rules; runs stored before the
+broker rules existed are renamed so by ``--merge``). All MEASURED (simulated GPUs).
 `summarise` writes the maps ``keep_fraction_of_bound``, ``keep_wasted_share``,
 ``keep_older_than_eta_share``, ``keep_max_staleness_seen``, ``drop_wasted_share``,
-``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured) and
-``drop_model_wasted_share`` plus ``model_*`` (model). A measured wasted share counts the tokens
-the trainer client received and did not train on (today's broker cancels nothing here).
+``drop_fraction_of_model`` (measured / the new-drop model), ``max_staleness_seen`` (measured),
+``today_*`` (measured, today's rules) and ``drop_model_wasted_share`` plus ``model_*`` (model).
+A measured wasted share is the broker's (``broker_wasted`` on each run): generated tokens never
+delivered to training over all generated, by reason (stale drop, cancel, failure, duplicate), whole
+run including the fill; the model's count the steady state.
 
 The full table in invocations of under 15 minutes each (``--merge`` adds runs to the JSON; each
 (policy, eta) run at 40 steps takes 200-220 s here): ``--gpus 64 --etas 1,2 --no-sync --policies
@@ -431,6 +436,14 @@ class RunResult:
     Today's broker cancels nothing in this bench (cancel_stale_inflight off), so nothing else is generated and lost."""
     kept_stale: int = 0
     older_than_eta_share: float = 0.0
+    rules: str = "today"
+    """The broker's rules: ``today`` (no hold, no cancellation) or ``new`` (issue 24: ``--fresh-dispatch-hold-s``
+    and ``--cancel-stale-inflight``, the trainer's bound told with every version)."""
+    client_wasted_share: float = 0.0
+    """Tokens the trainer client received and did not train on, over all it received."""
+    broker_wasted: dict[str, Any] | None = None
+    """The broker's counters at the end of the run: generated tokens and wasted tokens by reason (stale_drop,
+    cancel, failure, duplicate), their shares, doomed groups cancelled, fresh dispatches and expired holds."""
 
 
 def steady_rate(step_at_s: list[float], batch_size: int, warmup_s: float) -> tuple[float, float, int]:
@@ -472,7 +485,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time_scale: float, log_dir: Path,
-                   worker_procs: int = 1, warmup_s: float = 600.0, stale_policy: str = "drop") -> RunResult:
+                   worker_procs: int = 1, warmup_s: float = 600.0, stale_policy: str = "drop", rules: str = "new",
+                   hold_s: float = 3.0) -> RunResult:
     sync = mode == "sync"
     gen, train = (gpus, gpus) if sync else split(w, gpus)
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -481,8 +495,9 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
     broker = _spawn(
         ["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--batch-size", str(w.batch_size),
          "--max-staleness", str(0 if sync else eta), "--max-applying", str(gen), "--heartbeat-interval-s", "0.5",
-         "--missed-heartbeats", "20", "--task-timeout-s", "3600", "--log-level", "WARNING"],
-        log_dir / f"broker-{mode}-{stale_policy}-{gpus}-{eta}.log",
+         "--missed-heartbeats", "20", "--task-timeout-s", "3600", "--log-level", "WARNING",
+         *(["--cancel-stale-inflight", "--fresh-dispatch-hold-s", str(hold_s)] if rules == "new" and not sync else [])],
+        log_dir / f"broker-{mode}-{stale_policy}-{rules}-{gpus}-{eta}.log",
     )
     opts = (f"decode_s_per_token={decode_s!r},length=lognormal,length_median={w.length_median},"
             f"length_sigma={w.length_sigma},capacity={w.capacity},seed={gpus * 100 + eta}")
@@ -560,6 +575,12 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
         samples = steps * w.batch_size
         c = client.counters
         seen_tokens = c["tokens_delivered"] + c["wasted_tokens_stale"] + c["wasted_tokens_duplicate"]
+        bc = (await client.status())["counters"]
+        broker_wasted = {k: bc.get(k, 0) for k in ("generated_tokens", "wasted_tokens_stale_drop", "wasted_tokens_cancel",
+                                                   "wasted_tokens_failure", "wasted_tokens_duplicate", "wasted_share",
+                                                   "wasted_share_stale_drop", "wasted_share_cancel", "wasted_share_failure",
+                                                   "wasted_share_duplicate", "doomed_cancelled", "fresh_dispatched", "fresh_holds",
+                                                   "fresh_holds_expired", "dropped_stale")}
         older = sum(k for s_, k in hist.items() if s_ > eta)
         return RunResult(
             mode=mode, gpus=gpus, eta=0 if sync else eta, gen_gpus=gen, train_gpus=train, time_scale=time_scale,
@@ -571,8 +592,10 @@ async def run_pool(w: Workload, mode: str, gpus: int, eta: int, steps: int, time
             dropped_stale=int(client.counters.get("dropped_stale", 0)), real_seconds=real, cpu_seconds_children=cpu,
             cpu_seconds_trainer=own, step_at_s=step_at_s, stale_policy=stale_policy, max_staleness_keep=keep_limit,
             tokens_delivered=int(c["tokens_delivered"]), wasted_tokens_stale=int(c["wasted_tokens_stale"]),
-            wasted_share=(c["wasted_tokens_stale"] + c["wasted_tokens_duplicate"]) / max(1, seen_tokens),
+            wasted_share=float(broker_wasted["wasted_share"]),
             kept_stale=int(c["kept_stale"]), older_than_eta_share=older / max(1, sum(hist.values())),
+            rules="today" if sync else rules, client_wasted_share=(c["wasted_tokens_stale"] + c["wasted_tokens_duplicate"]) / max(1, seen_tokens),
+            broker_wasted=broker_wasted,
         )
     finally:
         with contextlib.suppress(Exception):
@@ -592,7 +615,7 @@ def pick_scale(rate_samples_per_s: float, mean_tokens: float, token_budget: floa
 def summarise(out: dict[str, Any]) -> None:
     """Recompute the per-eta tables (`speedup`, `fraction_of_bound`, ...) from every stored run."""
     for key in ("speedup", "speedup_end_to_end", "speedup_vs_sync_bound", "fraction_of_bound", "fraction_of_ideal_pool", "max_staleness_seen",
-                *ISSUE24_KEYS, *MODEL_KEYS):
+                *ISSUE24_KEYS, *MODEL_KEYS, *TODAY_KEYS):
         out[key] = {}
     for gpus, runs in out["runs"].items():
         sync = runs.get("sync")
@@ -611,8 +634,9 @@ def summarise(out: dict[str, Any]) -> None:
             out["fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
             out["fraction_of_ideal_pool"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["ideal_pool_samples_per_s"]
             out["max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
-            if "wasted_share" in r:
-                out["drop_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
+            if r.get("rules") != "new":
+                continue  # today's broker: the drop_* maps are the new rules'
+            out["drop_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
             if "model_new_drop" in b:
                 out["drop_fraction_of_model"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["model_new_drop"]["samples_per_s"]
         for eta, b in model["async_bound"].items():
@@ -631,6 +655,16 @@ def summarise(out: dict[str, Any]) -> None:
                                ("model_keep_max_staleness_seen", nk["max_staleness_seen"])):
                 out[key].setdefault(gpus, {})[eta] = value
         for name, r in runs.items():
+            if not name.startswith(("today_eta", "todaykeep_eta")):
+                continue
+            eta = str(r["eta"])
+            b = model["async_bound"][eta]
+            prefix = "today" if name.startswith("today_") else "today_keep"
+            out[f"{prefix}_fraction_of_bound"].setdefault(gpus, {})[eta] = r["steady_samples_per_s"] / b["samples_per_s"]
+            if "wasted_share" in r:  # runs stored before the wasted shares were measured have none
+                out[f"{prefix}_wasted_share"].setdefault(gpus, {})[eta] = r["wasted_share"]
+            out[f"{prefix}_max_staleness_seen"].setdefault(gpus, {})[eta] = r["max_staleness_seen"]
+        for name, r in runs.items():
             if not name.startswith("keep_eta"):
                 continue
             eta = str(r["eta"])
@@ -645,7 +679,12 @@ ISSUE24_KEYS = ("keep_fraction_of_bound", "keep_wasted_share", "keep_older_than_
                 "drop_model_wasted_share", "drop_fraction_of_model", "keep_max_staleness_seen")
 """The issue-24 figures (with ``max_staleness_seen``): keep_* and drop_wasted_share, drop_fraction_of_model and the
 staleness maxima are MEASURED through the real pool with today's broker (the client's stale_policy; the new broker
-rules do not exist yet); drop_model_wasted_share is the MODEL (ideal_pool) of the new drop rules."""
+rules (``rules`` on each run: ``new``, issue 24's broker: fresh_dispatch_hold_s and early cancellation); the wasted
+shares are the broker's counters (generated tokens never delivered to training, by reason, whole run);
+drop_model_wasted_share is the MODEL (ideal_pool) of the new drop rules."""
+TODAY_KEYS = ("today_fraction_of_bound", "today_wasted_share", "today_max_staleness_seen", "today_keep_fraction_of_bound",
+              "today_keep_wasted_share", "today_keep_max_staleness_seen")
+"""MEASURED with today's broker rules (``--rules today``, or runs stored before issue 24's broker work)."""
 MODEL_KEYS = ("model_today_wasted_share", "model_today_fraction_of_bound", "model_drop_fraction_of_bound",
               "model_drop_wasted_share_of_today", "model_drop_max_staleness_seen", "model_keep_fraction_of_bound",
               "model_keep_wasted_share", "model_keep_older_than_eta_share", "model_keep_max_staleness_seen")
@@ -671,7 +710,7 @@ def print_table(gpus: str, runs: dict[str, Any]) -> None:
     sync = runs.get("sync")
     print(f"   {'run':<13}{'scale':>6}{'steps':>6}{'samples/s':>10}{'steady':>8}{'bound':>7}{'of bound':>9}{'ideal':>7}{'of ideal':>9}"
           f"{'speedup':>8}{'util':>6}{'max st':>7}{'dropped':>8}{'cpu/real':>9}  staleness histogram")
-    names = (["sync"] if sync else []) + sorted((k for k in runs if k.startswith(("async_eta", "keep_eta"))),
+    names = (["sync"] if sync else []) + sorted((k for k in runs if k.startswith(("async_eta", "keep_eta", "today_eta", "todaykeep_eta"))),
                                                 key=lambda k: (int(k.split("eta")[1]), k))
     for name in names:
         r = runs[name]
@@ -682,7 +721,7 @@ def print_table(gpus: str, runs: dict[str, Any]) -> None:
             bound, ideal = b["samples_per_s"], b["ideal_pool_samples_per_s"]
         speed = f"{r['steady_samples_per_s'] / sync['steady_samples_per_s']:>7.2f}x" if sync else f"{'-':>8}"
         cpu = (r["cpu_seconds_children"] + r["cpu_seconds_trainer"]) / r["real_seconds"]
-        label = "sync" if name == "sync" else f"{'keep' if name.startswith('keep') else 'async'} eta={r['eta']}"
+        label = "sync" if name == "sync" else f"{name.split('_eta')[0].replace('async', 'drop')} eta={r['eta']}"
         print(f"   {label:<13}{r['time_scale']:>6.1f}{r['steps']:>6}{r['samples_per_s']:>10.2f}{r['steady_samples_per_s']:>8.2f}{bound:>7.2f}"
               f"{r['steady_samples_per_s'] / bound:>9.2f}{ideal:>7.2f}{r['steady_samples_per_s'] / ideal:>9.2f}{speed}"
               f"{r['gen_utilisation']:>6.2f}{r['max_staleness_seen']:>7}{r['dropped_stale']:>8}{cpu:>9.2f}  {r['staleness_hist']}")
@@ -692,6 +731,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="64 GPUs, sync and eta 4 (drop and keep), 16 steps (under nine minutes)")
     ap.add_argument("--policies", default="drop,keep", help="trainer stale policies run through the pool at each eta")
+    ap.add_argument("--rules", default="new", choices=("new", "today"),
+                    help="broker rules: new (issue 24: fresh dispatch hold and early cancellation) or today's")
+    ap.add_argument("--hold-s", type=float, default=3.0,
+                    help="the broker's fresh_dispatch_hold_s under --rules new, REAL seconds (it must cover a real apply)")
     ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
     ap.add_argument("--gpus", default="64,256")
     ap.add_argument("--etas", default="1,2,4,8")
@@ -709,7 +752,7 @@ def main() -> int:
     if args.reanalyse:
         stored = json.loads(Path(args.json).read_text())
         for gpus, runs in stored["runs"].items():
-            ran = sorted(int(k[9:]) for k in runs if k.startswith("async_eta"))
+            ran = sorted({int(k.split("_eta")[1]) for k in runs if "_eta" in k and k.split("_eta")[1].isdigit()})
             model = analytic(Workload(), int(gpus), ran, stored["warmup_s"])
             runs["analytic"] = {**model, "async_bound": {str(k): v for k, v in model["async_bound"].items()}}
             print_table(gpus, runs)
@@ -753,6 +796,9 @@ def main() -> int:
         if old.get("workload", {}).get("description") != out["workload"]["description"] or old.get("steps") != steps:
             raise SystemExit(f"--merge: {args.json} holds another workload or step count")
         out["runs"] = old.get("runs", {})
+        for runs_ in out["runs"].values():  # runs stored before issue 24's broker rules: today's
+            for k in [k for k, r in runs_.items() if k.startswith(("async_eta", "keep_eta")) and "rules" not in r]:
+                runs_[("today_eta" if k.startswith("async") else "todaykeep_eta") + k.split("_eta")[1]] = {**runs_.pop(k), "rules": "today"}
         out["commands"] = [*old.get("commands", []), command]
     for gpus in gpu_list:
         model = analytic(w, gpus, etas, warmup_s)
@@ -770,8 +816,10 @@ def main() -> int:
             bound = model["async_bound"][eta]["samples_per_s"]
             scale = pick_scale(bound, model["mean_tokens_per_sample"], args.token_budget, args.max_scale)
             for policy in policies:
-                r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs, warmup_s, policy))
-                runs[f"{'async' if policy == 'drop' else 'keep'}_eta{eta}"] = asdict(r)
+                r = asyncio.run(run_pool(w, "async", gpus, eta, steps, scale, log_dir, args.worker_procs, warmup_s, policy,
+                                         rules=args.rules, hold_s=args.hold_s))
+                kind = ("async" if policy == "drop" else "keep") if args.rules == "new" else ("today" if policy == "drop" else "todaykeep")
+                runs[f"{kind}_eta{eta}"] = asdict(r)
         summarise(out)
         print_table(str(gpus), runs)
         print_model_table(str(gpus), runs["analytic"])
@@ -781,7 +829,7 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"\nwrote {args.json}")
-    bad = [(g, e) for g, m in out["max_staleness_seen"].items() for e, s in m.items() if s > int(e)]
+    bad = [(g, e) for key in ("max_staleness_seen", "today_max_staleness_seen") for g, m in out[key].items() for e, s in m.items() if s > int(e)]
     bad += [(g, f"keep {e}") for g, m in out["keep_max_staleness_seen"].items() for e, s in m.items() if s > 2 * int(e)]
     if bad:
         print(f"STALENESS ABOVE ETA in {bad}")

@@ -33,7 +33,14 @@ class BrokerConfig:
     batch_size: int = field(default=256, metadata=_h("B: samples per optimizer step (staleness admission)"))
     max_staleness: int | None = field(default=None, metadata=_h("eta: staleness bound in versions (None: off)"))
     cancel_stale_inflight: bool = field(
-        default=False, metadata=_h("cancel and requeue in-flight groups on workers more than eta versions behind")
+        default=False,
+        metadata=_h("cancel and requeue, at the version bump that dooms it, every in-flight group whose start version is more than "
+                    "the trainer's bound behind (eta, or the trainer's stated SetVersion.stale_bound); drop staler output on arrival"),
+    )
+    fresh_dispatch_hold_s: float = field(
+        default=0.0,
+        metadata=_h("version-aware dispatch: the admission capacity a version bump opens goes only to workers on that version "
+                    "for at most this long (then to any worker within eta); 0: off"),
     )
     max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once"))
     result_resend_s: float = field(
@@ -84,7 +91,7 @@ class BrokerConfig:
                 raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
         for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s", "apply_slot_deadline_s", "result_resend_s"):
             positive(name, 0.001)
-        for name in ("max_pull_wait_s", "drain_timeout_s"):
+        for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s"):
             positive(name, 0)
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             raise ConfigError(f"BrokerConfig.max_staleness must be >= 0 or None, got {self.max_staleness!r}")

@@ -502,6 +502,7 @@ class Broker:
                 held_digest=msg.held_digest, held=msg.inflight_task_ids if msg.held_full else None,
                 version_epoch=msg.version_epoch,
             )
+            st.note_tokens_cancelled(w, msg.tokens_cancelled)
         elif kind is Nack:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
         elif kind is ControlReply:
@@ -664,6 +665,7 @@ class Broker:
 
     def _on_set_version(self, identity: bytes, msg: SetVersion) -> None:
         st = self.state
+        st.set_trainer_bound(msg.stale_bound)  # before the bump: its cancellations judge by it
         if msg.rebase:
             if msg.version < 0:
                 self._send(self._c, identity, encode(Reply(request_id=msg.request_id, ok=False, epoch=self.epoch,

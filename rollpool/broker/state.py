@@ -139,6 +139,9 @@ class Group:
     """A `Feature.RECONCILE` worker's heartbeat read after this that does not echo the lease's `dispatch_seq`
     means the Task was lost: `2 x heartbeat_interval_s` after dispatch, moved on by broker stalls."""
     result_at: float = 0.0
+    start_version: int = -1
+    """The weight version of the worker when the current lease was made: no token of this attempt is older
+    (early cancellation judges a lease by it)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -261,7 +264,20 @@ _COUNTERS = (
     "grants_resent",
     "versions_failed",
     "versions_skipped",
+    # issue 24: version-aware dispatch, early cancellation, wasted work
+    "fresh_holds",
+    "fresh_holds_expired",
+    "fresh_dispatched",
+    "doomed_cancelled",
+    "generated_tokens",
+    "wasted_tokens_stale_drop",
+    "wasted_tokens_cancel",
+    "wasted_tokens_failure",
+    "wasted_tokens_duplicate",
 )
+
+WASTE_REASONS = ("stale_drop", "cancel", "failure", "duplicate")
+"""Why generated tokens never reached training (`wasted_tokens_{reason}` counters)."""
 
 
 class BrokerState:
@@ -314,6 +330,16 @@ class BrokerState:
         """The newest time a caller passed in (apply slots granted without a time of their own take it)."""
         self._apply_waiting: dict[str, int] = {}
         """Workers waiting for an apply slot -> version, in request order."""
+        # issue 24, version-aware dispatch: the capacity the last bump opened, held for workers on it
+        self._hold_reserved = 0
+        """Samples of admission capacity only a worker at `_hold_version` or newer may take (0: no hold)."""
+        self._hold_version = -1
+        self._hold_until = 0.0
+        self.trainer_bound = -1
+        """The staleness above which the trainer will not train a group (`SetVersion.stale_bound`; -1: not
+        stated, eta is used). Early cancellation and the result-time drop judge by it."""
+        self._tokens_cancelled_seen: dict[str, int] = {}
+        """Per worker: the cumulative `WorkerHeartbeat.tokens_cancelled` last counted."""
 
     # ------------------------------------------------------------------ workers
 
@@ -711,9 +737,13 @@ class BrokerState:
         message while the staleness bound holds dispatch back).
         """
         out: list[tuple[WorkerInfo, Group]] = []
+        if self._hold_reserved:
+            self._check_hold(now)
         if not self.queued or not (self._ready or self._ready_behind):
             return out
         cap = self.staleness.capacity()
+        if cap is not None and self._hold_reserved and not self._ready:
+            cap -= self._hold_reserved  # only workers behind are ready: the held capacity waits for a fresh one
         if cap is not None and not self._exempt_sizes and (not self._sizes or cap < self._sizes[0]):
             return out
         for ready in (self._ready, self._ready_behind):
@@ -736,9 +766,12 @@ class BrokerState:
         served = False
         room = self.config.max_held - self.leased - self.held
         too_new: list[Group] = []
+        behind_hold = self._hold_reserved > 0 and w.version < self._hold_version
         while w.credits > 0 and self.queued and room > 0:
             limit = w.credits
             cap = self.staleness.capacity()
+            if cap is not None and behind_hold:
+                cap = max(0, cap - self._hold_reserved)  # version-aware dispatch: not the capacity held for fresh workers
             if cap is not None and cap < limit:
                 limit = cap
             g = self._pop_fitting(limit, w.credits)
@@ -752,6 +785,9 @@ class BrokerState:
                 continue
             self.queued -= 1
             self._lease(g, w, now, attempt=g.attempt, task_id=task_id_of(g.prompt_id, g.attempt))
+            if self._hold_reserved and not g.exempt and not behind_hold:
+                self._hold_reserved = max(0, self._hold_reserved - g.size)
+                self.counters["fresh_dispatched"] += 1
             out.append((w, g))
             served = True
             room -= 1
@@ -777,6 +813,7 @@ class BrokerState:
             g.dispatch_seq = w.dispatch_seq
         g.dispatched_at = now
         g.echo_due = now + 2 * self.config.heartbeat_interval_s
+        g.start_version = w.version
         w.leases[task_id] = g
         if Feature.HELD_DIGEST in w.features:
             w.digest ^= task_digest(task_id)
@@ -862,25 +899,28 @@ class BrokerState:
         """A worker handed in a group (or an error for it). The first complete result wins."""
         if w is not None:
             w.last_seen = now
+        tokens = _sampled_tokens(trajectories)
+        self.counters["generated_tokens"] += tokens
         g = self.groups.get(prompt_id)
         if g is None:
+            self.counters["wasted_tokens_duplicate"] += tokens  # nobody waits for it (delivered, or forgotten)
             if prompt_id in self._forgotten:
                 self.counters["duplicates"] += 1
                 return ResultOutcome.DUPLICATE
             self.counters["unknown_results"] += 1
             return ResultOutcome.UNKNOWN
-        if g.phase in Phase.TERMINAL:
+        if g.phase in Phase.TERMINAL or g.phase != Phase.LEASED or g.task_id != task_id:
+            # terminal already, or an earlier attempt (its worker was declared dead, its deadline
+            # passed, or it was handed back): the group is someone else's now
             self.counters["duplicates"] += 1
-            return ResultOutcome.DUPLICATE
-        if g.phase != Phase.LEASED or g.task_id != task_id:
-            # an earlier attempt (its worker was declared dead, its deadline passed, or it was
-            # handed back): the group is someone else's now
-            self.counters["duplicates"] += 1
+            self.counters["wasted_tokens_duplicate"] += tokens
             return ResultOutcome.DUPLICATE
         g.result_at = now
         if error is None and not _complete(trajectories, prompt_id, g.size):
             self.counters["invalid_results"] += 1
             error, retryable = f"invalid result: expected {g.size} trajectories of {prompt_id}", True
+        if error is not None:
+            self.counters["wasted_tokens_failure"] += tokens
         self._end_lease(g, w)
         if error is not None:
             if retryable:
@@ -889,10 +929,11 @@ class BrokerState:
             self._terminal(g, Phase.FAILED, f"error: {error}")
             self.effects.events.append(("task_failed", {"prompt_id": prompt_id, "reason": error, "attempts": g.attempt + 1}))
             return ResultOutcome.FAILED
-        eta = self.config.max_staleness
-        if self.config.cancel_stale_inflight and eta is not None and self.version >= 0 and not g.exempt:
+        bound = self.cancel_bound()
+        if self.config.cancel_stale_inflight and bound is not None and self.config.max_staleness is not None and self.version >= 0 and not g.exempt:
             oldest = min((int(t.token_versions.min()) for t in trajectories if t.token_versions.size), default=self.version)
-            if oldest < self.version - eta:
+            if oldest < self.version - bound:
+                self.counters["wasted_tokens_stale_drop"] += tokens
                 self._requeue(g, now, reason=f"stale output (version {oldest})", exhausted=Phase.DROPPED_STALE)
                 return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.DROPPED_STALE
         if w is not None:
@@ -988,6 +1029,8 @@ class BrokerState:
                 self.parked -= 1
             else:  # terminal, held for its prompt
                 self.held -= 1
+                if g.result is not None:
+                    self._waste("failure", g.result.trajectories)
                 if g.phase == Phase.DONE and not g.exempt:
                     self.staleness.on_drop(g.size)
             del self.groups[pid]
@@ -1053,8 +1096,11 @@ class BrokerState:
         n = 0
         for pid in dropped_stale:
             g = self.groups.get(pid)
-            if g is not None and g.phase == Phase.DONE and not g.acked and not g.exempt:
-                self.staleness.on_drop(g.size)
+            if g is not None and g.phase == Phase.DONE and not g.acked:
+                if not g.exempt:
+                    self.staleness.on_drop(g.size)
+                if g.result is not None:
+                    self._waste("stale_drop", g.result.trajectories)
         for pid in prompt_ids:
             g = self.groups.get(pid)
             if g is None or g.phase not in Phase.TERMINAL or g.acked:
@@ -1164,6 +1210,7 @@ class BrokerState:
                     self._requeue(g, now, reason=f"worker weights of an abandoned run (rebased to {version})", counted=False)
                     cancelled += 1
             self._refresh(w)
+        self._hold_reserved = 0  # issue 24: a hold for a version of the abandoned run is void
         self.counters["rebases"] += 1
         info = {"from": old, "to": version, "version_epoch": self.version_epoch, "cancelled": cancelled}
         self.effects.events.append(("version_rebased", dict(info)))
@@ -1174,19 +1221,111 @@ class BrokerState:
         the service refuses it, see `rebase`)."""
         if version <= self.version:
             return False
+        cap_before = self.staleness.capacity()
         self.version = version
         self.staleness.set_version(version)
         for w in self.workers.values():  # once per version: who is current, behind, too far behind
             self._refresh(w)
-        eta = self.config.max_staleness
-        if self.config.cancel_stale_inflight and eta is not None:
-            for w in self.workers.values():
-                if w.version < version - eta:
-                    for g in list(w.leases.values()):
-                        self.effects.cancels.append((w.worker_id, g.task_id, "stale"))
-                        self._end_lease(g, w)
-                        self._requeue(g, now, reason=f"worker weights {w.version} too stale", exhausted=Phase.DROPPED_STALE)
+        if self.config.cancel_stale_inflight and self.config.max_staleness is not None:
+            self._cancel_doomed(version, now)
+        self._open_hold(version, cap_before, now)
         return True
+
+    # ------------------------------------------------------------------ issue 24: version-aware dispatch
+
+    def _open_hold(self, version: int, cap_before: int | None, now: float) -> None:
+        """Hold the capacity this bump opened (and what its cancellations released) for workers on `version`.
+
+        For at most `fresh_dispatch_hold_s`: a worker behind may take only the capacity beyond the
+        reserve, a worker at `version` or newer takes the reserve first; the hold ends when the reserve
+        is taken or the time is up (`_check_hold`, run by every `dispatch`), so the pool idles at most
+        the hold. Exempt and `min_weight_version` groups keep their own rules (exempt ones use no capacity).
+        """
+        hold_s = self.config.fresh_dispatch_hold_s
+        cap_after = self.staleness.capacity()
+        if hold_s <= 0 or cap_before is None or cap_after is None:
+            return
+        opened = cap_after - cap_before
+        if opened <= 0:
+            return
+        self._hold_reserved += opened  # what an earlier hold still reserved now waits for this version's workers
+        self._hold_version = version
+        self._hold_until = now + hold_s
+        self.counters["fresh_holds"] += 1
+
+    def _check_hold(self, now: float) -> None:
+        if self._hold_reserved and now >= self._hold_until:
+            self._hold_reserved = 0
+            self.counters["fresh_holds_expired"] += 1
+            self.effects.events.append(("fresh_hold_expired", {"version": self._hold_version}))
+
+    @property
+    def hold_until(self) -> float | None:
+        """When the capacity held for fresh workers is released to any worker (None: no hold)."""
+        return self._hold_until if self._hold_reserved else None
+
+    @property
+    def held_for_fresh(self) -> int:
+        """Samples of admission capacity held for workers on the newest version now."""
+        return self._hold_reserved
+
+    # ------------------------------------------------------------------ issue 24: early cancellation
+
+    def set_trainer_bound(self, stale_bound: int) -> None:
+        """The trainer's stated bound (`SetVersion.stale_bound`): it trains nothing staler (-1: not stated, eta)."""
+        self.trainer_bound = stale_bound if stale_bound >= 0 else -1
+
+    def cancel_bound(self) -> int | None:
+        """The staleness above which a group will not be trained: the trainer's stated bound, else eta."""
+        if self.trainer_bound >= 0:
+            return self.trainer_bound
+        return self.config.max_staleness
+
+    def _cancel_doomed(self, version: int, now: float) -> None:
+        """Cancel every lease that can no longer be consumed within the bound, at the bump that makes it certain.
+
+        A lease's oldest token is at most its start version and the trainer's version only grows, so
+        once ``start_version < version - bound`` every sample of it would arrive staler than the bound.
+        Its worker is told (a cancel; it aborts the samples, or the episodes), the lease ends
+        (`running` and its slots released) and the group is queued again at once under the same
+        prompt id, not charged an attempt (a hand-back; `max_handbacks` of them end it DROPPED_STALE).
+        """
+        bound = self.cancel_bound()
+        if bound is None:
+            return
+        limit = version - bound
+        for w in self.workers.values():
+            for g in [g for g in w.leases.values() if not g.exempt and g.start_version < limit]:
+                self.effects.cancels.append((w.worker_id, g.task_id, "stale"))
+                self._end_lease(g, w)
+                self.counters["doomed_cancelled"] += 1
+                self._requeue(g, now, reason=f"started at version {g.start_version}, more than {bound} behind {version}",
+                              exhausted=Phase.DROPPED_STALE, counted=False)
+
+    # ------------------------------------------------------------------ issue 24: wasted work
+
+    def note_tokens_cancelled(self, w: WorkerInfo, tokens_cancelled: int) -> None:
+        """A worker's cumulative count of tokens generated for tasks cancelled before their result
+        (`WorkerHeartbeat.tokens_cancelled`; -1: not reported): the increase is wasted (reason cancel)."""
+        if tokens_cancelled < 0:
+            return
+        last = self._tokens_cancelled_seen.get(w.worker_id, 0)
+        delta = tokens_cancelled - last if tokens_cancelled >= last else tokens_cancelled  # a restarted worker counts from 0
+        self._tokens_cancelled_seen[w.worker_id] = tokens_cancelled
+        if delta > 0:
+            self.counters["generated_tokens"] += delta
+            self.counters["wasted_tokens_cancel"] += delta
+
+    def _waste(self, reason: str, trajectories: Iterable[Trajectory]) -> None:
+        self.counters[f"wasted_tokens_{reason}"] += _sampled_tokens(trajectories)
+
+    def wasted_shares(self) -> dict[str, float]:
+        """Generated tokens never delivered to training, as a share of all generated, per reason and in all."""
+        c = self.counters
+        gen = max(1, c["generated_tokens"])
+        shares = {f"wasted_share_{r}": c[f"wasted_tokens_{r}"] / gen for r in WASTE_REASONS}
+        shares["wasted_share"] = sum(c[f"wasted_tokens_{r}"] for r in WASTE_REASONS) / gen
+        return shares
 
     def apply_request(self, w: WorkerInfo, version: int, now: float = 0.0) -> None:
         """A worker asks for an apply slot. A repeated ask from the slot's holder is answered with the
@@ -1285,6 +1424,8 @@ class BrokerState:
             applying=len(self._applying),
         )
         c.update(self.latency.summary())
+        c.update({k: round(v, 6) for k, v in self.wasted_shares().items()})
+        c["held_for_fresh"] = self._hold_reserved
         return c
 
     def check_invariants(self) -> None:
@@ -1308,6 +1449,15 @@ class BrokerState:
                 assert w.digest == held_digest(w.leases), (w.worker_id, w.digest)
             assert self._ready.get(w.worker_id, w) is w and self._ready_behind.get(w.worker_id, w) is w
             assert not (w.worker_id in self._ready and w.worker_id in self._ready_behind)
+
+
+def _sampled_tokens(trajectories: Iterable[Trajectory]) -> int:
+    """Tokens the model sampled (loss mask 1; every output token when there is no mask)."""
+    n = 0
+    for t in trajectories:
+        mask = t.loss_mask
+        n += int(mask.sum()) if mask is not None and mask.size == t.output_ids.size else int(t.output_ids.size)
+    return n
 
 
 def _complete(trajectories: tuple[Trajectory, ...], prompt_id: str, size: int) -> bool:

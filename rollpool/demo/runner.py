@@ -59,6 +59,11 @@ class DemoConfig:
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "heartbeat interval of broker and workers"})
     eval_prompts: int = field(default=200, metadata={"help": "held-out prompts scored before and after training"})
     quiet: bool = field(default=False, metadata={"help": "no per-step progress lines"})
+    stale_policy: str = field(default="drop", metadata={"help": "the trainer's stale_policy above eta: drop, regenerate or keep "
+                                                                 "(trained with its staleness stated, up to max_staleness_keep)"})
+    max_staleness_keep: int | None = field(default=None, metadata={"help": "stale_policy keep: most staleness trained (None: 2 x eta)"})
+    slow_worker_s: float = field(default=0.0, metadata={"help": "seconds worker 0 waits before scoring each group: a slow "
+                                                                "worker whose groups arrive late (0: none)"})
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -73,6 +78,12 @@ class DemoConfig:
             raise ConfigError(f"kill_worker_at must be in 1..{self.steps - 1}, got {self.kill_worker_at}")
         if not 1 <= self.eval_prompts <= 200:
             raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
+        if self.stale_policy not in ("drop", "regenerate", "keep"):
+            raise ConfigError(f"stale_policy must be drop, regenerate or keep, got {self.stale_policy!r}")
+        if self.max_staleness_keep is not None and self.max_staleness_keep < 0:
+            raise ConfigError(f"max_staleness_keep must be >= 0, got {self.max_staleness_keep}")
+        if self.slow_worker_s < 0:
+            raise ConfigError(f"slow_worker_s must be >= 0, got {self.slow_worker_s}")
 
 
 class _Children:
@@ -170,13 +181,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                   "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args], env)
 
         def worker_args(i: int) -> list[str]:
+            reward = "rollpool.demo.task:slow_reward" if i == 0 and cfg.slow_worker_s > 0 else "rollpool.demo.task:reward"
             return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", "hf",
-                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", "--reward", "rollpool.demo.task:reward",
+                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", "--reward", reward,
                     "--heartbeat-interval-s", str(cfg.heartbeat_interval_s), "--apply-mode", "interrupt",
                     "--engine-options", f"seed={cfg.seed + i}", "--pool", cfg.pool, *redis_args]
 
+        def worker_env(i: int) -> dict[str, str]:
+            return {**env, task.SLOW_ENV: str(cfg.slow_worker_s)} if i == 0 and cfg.slow_worker_s > 0 else env
+
         for i in range(cfg.workers):
-            children.start(f"worker-{i}", worker_args(i), env)
+            children.start(f"worker-{i}", worker_args(i), worker_env(i))
 
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(1)
@@ -230,6 +245,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         seen_traj: set[str] = set()
         duplicated = 0
         killed_at: float | None = None
+        trained_over_eta = 0
         t_train = time.monotonic()
         for step in range(1, cfg.steps + 1):
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at:
@@ -237,22 +253,27 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 killed_at = time.monotonic()
                 _progress(cfg, f"step {step}: killed worker demo-w0 (SIGKILL)")
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at + 2:
-                children.start("worker-0", worker_args(0), env)
+                children.start("worker-0", worker_args(0), worker_env(0))
                 _progress(cfg, f"step {step}: restarted worker demo-w0")
-            batch = client.get_batch(cfg.prompts_per_step, max_staleness=eta, timeout=300)
+            batch = client.get_batch(cfg.prompts_per_step, max_staleness=eta, timeout=300, stale_policy=cfg.stale_policy,
+                                     max_staleness_keep=cfg.max_staleness_keep)
             for t in batch.trajectories:
                 if t.trajectory_id in seen_traj:
                     duplicated += 1
                 seen_traj.add(t.trajectory_id)
                 if len(t.token_versions):
                     lag_hist[int(version - int(t.token_versions.min()))] += 1
+            for g in batch.groups:  # trained staler than eta (only under keep)
+                lags = [version - int(t.token_versions.min()) for t in g.trajectories if len(t.token_versions)]
+                trained_over_eta += int(bool(lags) and max(lags) > eta)
             stats = dict(batch.stats)
             stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID, config=GRPOConfig(lr=cfg.lr)))
             scheduler.step()
             version += 1
             client.publish_weights(model, version)
             # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
-            want = cfg.prompts_per_step * (step + eta + 1) - submitted_groups
+            # (plus what the bound dropped: under drop a stale group is gone, its prompt not trained)
+            want = cfg.prompts_per_step * (step + eta + 1) + int(client.counters.get("dropped_stale", 0)) - submitted_groups
             if step < cfg.steps and want > 0:
                 submit_more(want)
                 submitted_groups += want
@@ -296,6 +317,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "client": client.counters,
             "tokens_per_s_mean": float(sum(s["rollout/tokens_per_s"] for s in steps) / len(steps)),
             "killed_worker_at_step": cfg.kill_worker_at,
+            "stale_policy": cfg.stale_policy,
+            "slow_worker_s": cfg.slow_worker_s,
+            # groups the trainer received staler than eta: dropped (drop, regenerate) or trained (keep)
+            "groups_over_eta": int(client.counters.get("dropped_stale", 0)) + trained_over_eta,
+            "groups_trained_over_eta": trained_over_eta,
+            "groups_received": int(client.counters.get("dropped_stale", 0)) + cfg.steps * cfg.prompts_per_step,
+            "stale_samples_trained": int(sum(n for lag, n in lag_hist.items() if lag > eta)),
             "reward_per_step": rewards,
             "tokens_per_s_per_step": [s["rollout/tokens_per_s"] for s in steps],
             "note": "real hf engine on CPU; on two shared cores the trainer and workers contend for the CPU",
@@ -325,7 +353,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
             "lost", "duplicated", "max_lag", "requeued", "mode")
-    return {k: summary[k] for k in keys}
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # issue 24
+    return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 
 def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:

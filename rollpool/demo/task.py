@@ -79,6 +79,20 @@ def reward(metadata: Mapping[str, Any], trajectory: Any) -> float:
     return 1.0 if int(out[0]) == int(answer) else 0.0
 
 
+SLOW_ENV = "ROLLPOOL_DEMO_SLOW_S"
+"""Seconds `slow_reward` waits (set by the demo on its slowed worker only, ``--slow-worker-s``)."""
+
+
+async def slow_reward(metadata: Mapping[str, Any], trajectory: Any) -> float:
+    """`reward` after a wait of ``$ROLLPOOL_DEMO_SLOW_S`` seconds: the demo's stand-in for a slow worker
+    (the samples of a group are scored side by side, so the whole group arrives that much later)."""
+    import asyncio
+    import os
+
+    await asyncio.sleep(float(os.environ.get(SLOW_ENV, "0") or 0))
+    return reward(metadata, trajectory)
+
+
 def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> pathlib.Path:
     """A random-weight Llama over the task's 15-token word-level vocabulary, with its tokenizer."""
     import torch

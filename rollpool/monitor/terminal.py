@@ -114,6 +114,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     lines.append("")
     lines.extend(_reconcile_lines(state, width, bold, red, reset))
     lines.extend(_refusal_lines(broker or {}, state.workers, width, bold, red, reset))
+    lines.extend(_wasted_lines(broker or {}, width, bold, reset))
 
     lags = state.worker_version_lag()
     lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
@@ -205,6 +206,24 @@ def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: s
         f = failed[-1].fields
         rows.append(red + _cut(f"  last failed version {f.get('version', '?')} on {f.get('worker_id', '?')}: {f.get('error', '')}", width) + reset)
     return [bold + "RECONCILIATION" + reset, *rows, ""]
+
+
+_WASTE_REASONS = (("stale_drop", "stale drop"), ("cancel", "cancel"), ("failure", "failure"), ("duplicate", "duplicate"))
+
+
+def _wasted_lines(broker: dict[str, Any], width: int, bold: str, reset: str) -> list[str]:
+    """WASTED: generated tokens never delivered to training, as a share of all generated, by reason (issue 24)."""
+    generated = broker.get("generated_tokens")
+    if not isinstance(generated, int | float) or generated <= 0:
+        return []
+    total = sum(broker.get(f"wasted_tokens_{r}", 0) or 0 for r, _ in _WASTE_REASONS)
+    head = f"  {100 * total / generated:.1f}% of {_fmt(generated)} generated tokens"
+    parts = [f"{label} {100 * (broker.get(f'wasted_tokens_{r}', 0) or 0) / generated:.1f}%" for r, label in _WASTE_REASONS]
+    extra = [f"{label} {_fmt(broker.get(k))}" for k, label in (("doomed_cancelled", "doomed cancelled"),
+                                                             ("fresh_dispatched", "fresh dispatches"),
+                                                             ("fresh_holds_expired", "holds expired")) if k in broker]
+    return [bold + "WASTED (tokens never trained)" + reset, _cut(head + "  " + "  ".join(parts), width),
+            *([_cut("  " + "  ".join(extra), width)] if extra else []), ""]
 
 
 _REFUSAL_PREFIXES = (

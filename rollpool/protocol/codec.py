@@ -77,7 +77,8 @@ PROTOCOL_MAJOR = 1
 #   1.7  ApplyDone.skipped (a worker reports a weight version it gave up on, with the reason);
 #        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
 #        input_logprobs
-PROTOCOL_MINOR = 7
+#   1.8  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
+PROTOCOL_MINOR = 8
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

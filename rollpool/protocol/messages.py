@@ -489,6 +489,9 @@ class WorkerHeartbeat:
     """`inflight_task_ids` is the complete list of held tasks (else it may be empty or partial)."""
     version_epoch: int = 0
     """(minor 6) The version epoch `weight_version` belongs to (as `Hello.version_epoch`)."""
+    tokens_cancelled: int = -1
+    """(minor 8) Tokens generated, since the worker started, for tasks the broker cancelled before their
+    result (never delivered: wasted, reason cancel); cumulative (-1: not reported)."""
 
 
 @message("broker_heartbeat")
@@ -662,6 +665,10 @@ class SetVersion:
     """(minor 6) The trainer resumed from a checkpoint at `version`, which may be lower than the pool's: the
     pool's version becomes `version`, its admission counters restart from it, a new version epoch begins and
     workers serving a version above it take the next version announced, lower or not."""
+    stale_bound: int = -1
+    """(minor 8) The staleness above which the trainer will not train a group (its stale_policy's bound:
+    max_staleness under drop and regenerate, max_staleness_keep under keep; -1: not stated). The broker's
+    early cancellation and result-time drop judge by it instead of its eta."""
 
 
 @message("status_request")

@@ -219,6 +219,8 @@ class TrainerClient:
             sockets = SocketFactory(zmq.asyncio.Context(), security=SecurityConfig.from_dir(cfg.curve_dir, role="trainer"))
         self.sockets = sockets
         self.metrics = metrics or NullMetricsSink()
+        self._stale_bound = -1
+        """The bound of the last `get_batch` (`ClientLedger.stale_bound`), sent with every version."""
         self.ledger = ClientLedger(dedup_window=cfg.dedup_window, stale_policy=cfg.stale_policy,
                                    max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
@@ -421,6 +423,7 @@ class TrainerClient:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
         if max_staleness_keep is not None and max_staleness_keep < 0:
             raise ValueError(f"max_staleness_keep must be >= 0, got {max_staleness_keep}")
+        self._stale_bound = self.ledger.stale_bound(max_staleness, stale_policy, max_staleness_keep)
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         dropped_before = self.ledger.counters["dropped_stale"]
@@ -494,7 +497,8 @@ class TrainerClient:
         router = pub = None
         if self._publisher is not None:
             router, pub = self._publisher.router_endpoint, self._publisher.pub_endpoint
-        reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, weight_endpoint=router, announce_endpoint=pub))
+        reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, weight_endpoint=router, announce_endpoint=pub,
+                                                           stale_bound=self._stale_bound))
         if isinstance(reply, Reply) and not reply.ok:
             raise RejectedError("set_version", reply.error or "refused")
 

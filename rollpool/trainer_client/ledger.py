@@ -428,6 +428,16 @@ class ClientLedger:
                 self._kept_stale.pop(g.prompt_id, None)
         return out
 
+    def stale_bound(self, max_staleness: int | None, stale_policy: str | None = None, max_staleness_keep: int | None = None) -> int:
+        """The staleness above which a group will not be trained under these arguments (-1: no bound):
+        what the broker is told with each version (`SetVersion.stale_bound`), so it cancels what is doomed."""
+        if max_staleness is None:
+            return -1
+        policy, keep_limit = self._policy(stale_policy, max_staleness_keep, max_staleness)
+        if policy == "keep":
+            return -1 if keep_limit is None else keep_limit
+        return max_staleness
+
     def _policy(self, stale_policy: str | None, max_staleness_keep: int | None,
                 max_staleness: int | None) -> tuple[str, int | None]:
         policy = self.stale_policy if stale_policy is None else stale_policy

@@ -191,6 +191,8 @@ class WorkerSession:
         self.stopped = False
         self.hellos_sent = 0
         self.tokens_total = 0
+        self.tokens_cancelled = 0
+        """Tokens generated for tasks cancelled before their result (`WorkerHeartbeat.tokens_cancelled`)."""
         self._token_window: deque[tuple[float, int]] = deque(maxlen=256)
         self._last_broker_msg_at = 0.0
         self._next_hello_at = 0.0
@@ -407,6 +409,10 @@ class WorkerSession:
             del self.tasks[task_id]
         return eff
 
+    def output_discarded(self, tokens: int) -> None:
+        """The engine returned a cancelled task's partial output: its tokens were generated for nothing."""
+        self.tokens_cancelled += max(0, tokens)
+
     def task_refused(self, now: float, task_id: str, reason: str) -> Effects:
         """The engine refused the request: a non-retryable error result, and its credits back."""
         entry = self.tasks.get(task_id)
@@ -477,6 +483,7 @@ class WorkerSession:
             held_count=len(held),
             held_full=True,
             version_epoch=self.version_epoch,
+            tokens_cancelled=self.tokens_cancelled,
         )
 
     # ------------------------------------------------------------------ drain

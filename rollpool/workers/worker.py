@@ -207,6 +207,14 @@ class Worker:
                 runner.cancel()
         engine = self.supervisor.engine
         for task_id in eff.abort:
+            if self.episodes is not None:
+                # an episode group has no engine request of its own id: cancel its runner (run_group closes
+                # every episode, aborting its turn in flight, and cancels its awaited tools); credits now
+                runner = self._runners.pop(task_id, None)
+                if runner is not None and runner is not me:
+                    runner.cancel()
+                eff.send += self.session.generation_finished(self._now(), task_id).send
+                continue
             if engine is not None:
                 try:
                     await engine.abort(task_id)
@@ -292,6 +300,7 @@ class Worker:
                 return
             await self._do(self.session.generation_finished(self._now(), task_id))
             if not self.session.wants_result(task_id):
+                self.session.output_discarded(sum(len(s.output_ids) for s in out.samples))  # reported as wasted (cancel)
                 return
             trajectories = build_trajectories(task, out, self.worker_id)
             if self._reward_fn is not None:

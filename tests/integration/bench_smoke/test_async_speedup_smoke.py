@@ -39,3 +39,9 @@ def test_async_speedup_smoke(tmp_path: Path) -> None:
         assert set(data[key]) == {"8"} and set(data[key]["8"]) == {"2"}, key
     assert 0 <= data["keep_max_staleness_seen"]["8"]["2"] <= 4
     assert 0.0 <= data["drop_wasted_share"]["8"]["2"] < 1.0
+    # the new broker rules ran (hold, early cancellation) and the broker measured the waste by reason
+    drop = data["runs"]["8"]["async_eta2"]
+    assert drop["rules"] == "new" and keep["rules"] == "new"
+    bw = drop["broker_wasted"]
+    assert bw["generated_tokens"] > 0 and 0.0 <= bw["wasted_share"] < 1.0
+    assert bw["wasted_share"] == data["drop_wasted_share"]["8"]["2"]

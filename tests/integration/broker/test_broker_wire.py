@@ -207,3 +207,31 @@ async def test_a_minor6_workers_failed_apply_is_not_taken_for_a_skip_and_a_minor
     finally:
         old.close()
         new.close()
+async def test_minor7_peers_without_the_minor8_fields_work_unchanged(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """Protocol minor 8 (issue 24) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-7
+    client and worker, whose messages lack them, are served as before (eta bounds the cancellation, nothing counted)."""
+    h: Harness = await start_broker(heartbeat_interval_s=0.2, max_staleness=1, cancel_stale_inflight=True)
+    w = RawWorker(h, "m7", minor=7, capacity=2)
+
+    def minor7(msg: Any, drop: str) -> list[bytes]:
+        frames = p.encode(msg)
+        major, _minor, kind, fields = msgpack.unpackb(frames[0])
+        fields.pop(drop, None)
+        frames[0] = msgpack.packb([major, 7, kind, fields], use_bin_type=True)
+        return frames
+
+    client = h.sockets.dealer(h.broker.client_endpoint, identity=b"m7-client")
+    try:
+        welcome = await w.hello()
+        await client.send_multipart(minor7(p.ClientHello(client_id="m7", protocol_min=1, protocol_max=1), "max_msg_bytes"))
+        assert type(p.decode(await asyncio.wait_for(client.recv_multipart(), 5))) is p.ClientWelcome
+        await client.send_multipart(minor7(p.SetVersion(request_id="v", version=3), "stale_bound"))
+        reply = p.decode(await asyncio.wait_for(client.recv_multipart(), 5))
+        assert type(reply) is p.Reply and reply.ok and h.broker.state.version == 3 and h.broker.state.trainer_bound == -1
+        await w.sock.send_multipart(minor7(p.WorkerHeartbeat(worker_id="m7", weight_version=3, epoch=welcome.epoch), "tokens_cancelled"))
+        await asyncio.sleep(0.3)
+        st = h.broker.state
+        assert st.workers["m7"].version == 3 and st.counters["wasted_tokens_cancel"] == 0 and h.broker.protocol_errors == 0
+    finally:
+        client.close(linger=0)
+        w.close()

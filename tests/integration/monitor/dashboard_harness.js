@@ -60,6 +60,7 @@ setTimeout(() => {
     out.charts[id] = { points: Number(elements[id].dataset.points || 0), lineTo: drawn[id] ? drawn[id].lineTo : 0,
                        text: drawn[id] ? drawn[id].text : [] };
   }
+  out.brokerCards = (elements.broker ? elements.broker.children : []).map((c) => c.children.map((x) => String(x.textContent)));
   out.workerRows = elements["#workers tbody"].children.length;
   out.eventRows = elements["#events tbody"].children.length;
   process.stdout.write(JSON.stringify(out));

@@ -34,7 +34,9 @@ def test_the_dashboard_charts_draw_the_pool_series(make_sink: Callable[..., Redi
     for step in range(1, 6):
         time.sleep(0.01)  # distinct sample times
         sink.publish_state("broker", "broker", {"version": 4 + step, "queued": 17 - step, "leased": 6, "held": 2,
-                                                "requeued": 3 + step, "failed": 1, "dropped_stale": 2})
+                                                "requeued": 3 + step, "failed": 1, "dropped_stale": 2,
+                                                "generated_tokens": 1000, "wasted_share": 0.3, "wasted_share_cancel": 0.25,
+                                                "wasted_share_stale_drop": 0.05})
         for w in ("w1", "w2"):
             sink.publish_state("worker", w, {"weight_version": 3 + step, "tokens_per_s": 100.0 * step}, ttl_s=30)
         sink.observe("staleness", step % 3)
@@ -58,3 +60,5 @@ def test_the_dashboard_charts_draw_the_pool_series(make_sink: Callable[..., Redi
         assert drawn["points"] >= 2 and drawn["lineTo"] >= 1, (chart, drawn)
     assert {"w1", "w2"} <= set(result["charts"]["chart-tokens"]["text"])  # one legend entry per worker
     assert result["workerRows"] == 2 and result["eventRows"] == 2
+    cards = {label: value for value, label in result["brokerCards"]}  # issue 24: the wasted shares by reason
+    assert cards["wasted"] == "30.0%" and cards["wasted: cancel"] == "25.0%" and cards["wasted: stale drop"] == "5.0%"

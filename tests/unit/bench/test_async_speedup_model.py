@@ -133,9 +133,10 @@ def test_summarise_writes_the_issue_24_maps_from_the_model_and_the_runs() -> Non
     model["async_bound"] = {str(k): v for k, v in model["async_bound"].items()}
     bound = model["async_bound"]["4"]["samples_per_s"]
     run = {"eta": 4, "steady_samples_per_s": 0.5 * bound, "samples_per_s": 0.5 * bound, "max_staleness_seen": 4,
-           "wasted_share": 0.3, "older_than_eta_share": 0.0}
+           "wasted_share": 0.3, "older_than_eta_share": 0.0, "rules": "new"}
     keep = {**run, "steady_samples_per_s": 0.9 * bound, "max_staleness_seen": 7, "wasted_share": 0.01, "older_than_eta_share": 0.2}
-    out: dict = {"runs": {"64": {"analytic": model, "async_eta4": run, "keep_eta4": keep}}}
+    today = {k: v for k, v in run.items() if k not in ("wasted_share", "rules")}  # stored before issue 24's broker rules
+    out: dict = {"runs": {"64": {"analytic": model, "async_eta4": run, "keep_eta4": keep, "today_eta4": {**today, "rules": "today"}}}}
     bench.summarise(out)
     assert out["keep_fraction_of_bound"] == {"64": {"4": pytest.approx(0.9)}}
     assert out["keep_wasted_share"]["64"]["4"] == 0.01 and out["keep_older_than_eta_share"]["64"]["4"] == 0.2
@@ -144,3 +145,4 @@ def test_summarise_writes_the_issue_24_maps_from_the_model_and_the_runs() -> Non
     new_drop = model["async_bound"]["4"]["model_new_drop"]
     assert out["drop_model_wasted_share"]["64"]["4"] == new_drop["wasted_share"]
     assert out["drop_fraction_of_model"]["64"]["4"] == pytest.approx(0.5 * bound / new_drop["samples_per_s"])
+    assert out["today_fraction_of_bound"]["64"]["4"] == pytest.approx(0.5) and out["today_wasted_share"] == {}

@@ -157,3 +157,21 @@ def test_top_and_prometheus_show_the_reconciliation_counters_in_a_narrow_frame()
     fams = parse_prometheus(render_prometheus(state))
     assert sample_value(fams, "rollpool_broker_stall_seconds_total") == 4.2
     assert fams["rollpool_results_resent_total"]["type"] == "counter"
+def test_top_and_the_exporter_show_the_wasted_tokens_by_reason() -> None:
+    state = _state()
+    assert "WASTED" not in render_frame(state, width=100)  # a broker that counts no generated tokens: no section
+    assert state.broker is not None
+    state.broker.update({"generated_tokens": 2000, "wasted_tokens_stale_drop": 100, "wasted_tokens_cancel": 300,
+                         "wasted_tokens_failure": 0, "wasted_tokens_duplicate": 20, "wasted_share": 0.21, "wasted_share_stale_drop": 0.05,
+                         "wasted_share_cancel": 0.15, "wasted_share_failure": 0.0, "wasted_share_duplicate": 0.01, "doomed_cancelled": 7})
+    frame = render_frame(state, width=100)
+    (line,) = [x for x in frame.splitlines() if "generated tokens" in x]
+    assert "21.0% of 2000" in line and "stale drop 5.0%" in line and "cancel 15.0%" in line and "duplicate 1.0%" in line
+    assert "doomed cancelled 7" in frame and all(len(x) <= 100 for x in frame.splitlines())
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_wasted_tokens_total", reason="cancel") == 300
+    assert fams["rollpool_wasted_tokens_total"]["type"] == "counter"
+    assert sample_value(fams, "rollpool_wasted_share", reason="all") == 0.21
+    assert sample_value(fams, "rollpool_wasted_share", reason="stale_drop") == 0.05
+    assert sample_value(fams, "rollpool_generated_tokens_total") == 2000
+    assert not any("broker_wasted" in name for name in fams)  # not repeated as untyped broker fields

@@ -506,3 +506,11 @@ def test_a_batch_for_an_abandoned_pull_is_kept_and_a_resend_of_a_held_group_is_a
     assert [g.prompt_id for g in batch.groups] == ["a"] and led.pull_acks() == ("a",)
     led.take([done("a", version=0)], max_staleness=None)  # after it was returned: a duplicate, acked again
     assert led.ready == 0 and led.counters["duplicates_dropped"] == 1
+
+
+def test_the_bound_told_to_the_broker_is_the_policy_s() -> None:
+    led = make()
+    assert led.stale_bound(None) == -1  # no hard bound: nothing is doomed
+    assert led.stale_bound(2) == 2 and led.stale_bound(2, "regenerate") == 2
+    assert led.stale_bound(2, "keep") == 4 and led.stale_bound(2, "keep", 3) == 3
+    assert make(stale_policy="keep", max_staleness_keep=5).stale_bound(1) == 5

@@ -439,3 +439,11 @@ def test_a_rebase_below_the_served_version_forgets_it_and_one_above_keeps_it() -
     assert eff is not None and eff.rebase is None and s.version == 2 and s.version_epoch == 200  # 2 <= 4: shared history
     eff = s.handle(5.0, BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=0))  # a broker restarted: nothing to forget
     assert eff is not None and eff.rebase is None and s.version_epoch == 200
+def test_a_cancelled_task_s_discarded_tokens_travel_on_the_heartbeat() -> None:
+    s = started()
+    s.handle(0.0, task(1))
+    s.on_cancel(0.0, ["p1@0"])
+    s.generation_finished(0.1, "p1@0")
+    s.output_discarded(7)
+    hb = s.heartbeat(0.2)
+    assert hb is not None and hb.tokens_cancelled == 7
