@@ -72,7 +72,7 @@ from rollpool.protocol.messages import (
     held_digest,
     task_digest,
 )
-from rollpool.protocol.staleness import StalenessController
+from rollpool.protocol.staleness import StalenessController, sampled_versions
 
 __all__ = ["Phase", "Group", "WorkerInfo", "Effects", "BrokerState", "ResultOutcome", "task_id_of"]
 
@@ -931,7 +931,8 @@ class BrokerState:
             return ResultOutcome.FAILED
         bound = self.cancel_bound()
         if self.config.cancel_stale_inflight and bound is not None and self.config.max_staleness is not None and self.version >= 0 and not g.exempt:
-            oldest = min((int(t.token_versions.min()) for t in trajectories if t.token_versions.size), default=self.version)
+            oldest = min((int(sampled_versions(t.token_versions, t.loss_mask).min()) for t in trajectories if t.token_versions.size),
+                         default=self.version)  # sampled tokens only, as the trainer judges it
             if oldest < self.version - bound:
                 self.counters["wasted_tokens_stale_drop"] += tokens
                 self._requeue(g, now, reason=f"stale output (version {oldest})", exhausted=Phase.DROPPED_STALE)

@@ -32,7 +32,7 @@ import numpy as np
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["admission_capacity", "can_admit", "trajectory_staleness", "StalenessController"]
+__all__ = ["admission_capacity", "can_admit", "sampled_versions", "trajectory_staleness", "StalenessController"]
 
 
 def admission_capacity(version: int, eta: int | None, batch_size: int, accepted: int, running: int) -> int | None:
@@ -46,6 +46,19 @@ def can_admit(n: int, version: int, eta: int | None, batch_size: int, accepted: 
     """The admission rule for a group of `n` samples."""
     cap = admission_capacity(version, eta, batch_size, accepted, running)
     return cap is None or n <= cap
+
+
+def sampled_versions(token_versions: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """The versions of the sampled tokens (loss mask 1): tokens an episode inserted (mask 0: tool output,
+    the template's turn markers) were not made by any policy and do not age a trajectory. All versions
+    when the mask does not match them or masks everything."""
+    versions = np.asarray(token_versions)
+    mask = np.asarray(loss_mask)
+    if mask.shape == versions.shape and versions.size:
+        sampled = versions[mask != 0]
+        if sampled.size:
+            return sampled
+    return versions
 
 
 def trajectory_staleness(v_consume: int, token_versions: Iterable[int] | np.ndarray) -> int:

@@ -59,6 +59,7 @@ from rollpool.protocol import (
     Prompt,
     SubmitReply,
     Trajectory,
+    sampled_versions,
     trajectory_staleness,
 )
 
@@ -101,12 +102,7 @@ def check_stale_policy(policy: str, max_staleness_keep: int | None) -> None:
 def sampled_staleness(v_consume: int, t: Trajectory) -> int:
     """``v_consume - min(token_versions)`` over the sampled tokens (loss mask 1); all tokens when the
     mask is absent or masks everything; 0 for a trajectory without output tokens."""
-    versions = t.token_versions
-    if len(t.loss_mask) == len(versions) and len(versions):
-        sampled = versions[np.asarray(t.loss_mask) != 0]
-        if sampled.size:
-            versions = sampled
-    return trajectory_staleness(v_consume, versions)
+    return trajectory_staleness(v_consume, sampled_versions(t.token_versions, t.loss_mask))
 
 
 @dataclass(frozen=True)

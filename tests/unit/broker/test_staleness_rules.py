@@ -285,3 +285,22 @@ def test_admission_and_the_bound_hold_with_the_hold_and_the_cancellation_on(ops:
         s.check_invariants()
     s.dispatch(now + 1.0)  # past every hold: nothing is reserved any more
     assert s.held_for_fresh == 0
+
+
+def test_inserted_tokens_do_not_age_a_result_only_sampled_ones_do() -> None:
+    # an episode's inserted tokens (loss mask 0: tool output, turn markers) carry a version but were not
+    # sampled by it; the trainer judges staleness on sampled tokens only, and so must the broker
+    from rollpool.protocol.messages import Trajectory
+
+    s = make(max_staleness=1, batch_size=100, cancel_stale_inflight=True)
+    w = join(s, "w", capacity=8, version=2)
+    s.set_version(2, 0.0)
+    s.submit([prompt("ep")], 0.0)
+    (tid,) = leased_at(s, w, 1, 0.0)
+    s.set_version(3, 1.0)  # within the bound for a lease that started at version 2
+    z = np.zeros(3, dtype=np.int32)
+    traj = Trajectory(prompt_id="ep", sample_index=0, input_ids=z, output_ids=z, output_logprobs=np.zeros(3, np.float32),
+                      token_versions=np.array([0, 2, 2], np.int32), loss_mask=np.array([0, 1, 1], np.uint8), finish_reason="stop")
+    out = s.result(w, task_id=tid, prompt_id="ep", trajectories=(traj,), error=None, retryable=True, now=2.0)
+    assert out == "accepted" and s.groups["ep"].phase == Phase.DONE
+    s.check_invariants()
