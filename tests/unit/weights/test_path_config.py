@@ -8,8 +8,8 @@ import pytest
 
 from rollpool.protocol.config import load_config
 from rollpool.protocol.errors import ConfigError
-from rollpool.weights.config import WeightPathConfig, default_streams
-from rollpool.weights.relay_cli import RelayConfig, add_arguments
+from rollpool.weights.config import RelayConfig, WeightPathConfig, default_streams
+from rollpool.weights.relay_cli import add_arguments
 
 
 def parse(*argv: str) -> RelayConfig:
