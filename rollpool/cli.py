@@ -2,10 +2,10 @@
 
 Each subcommand lives in its own module, which defines ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them
-together with the shared logging flags. A subcommand whose module is not
-importable in this build (a service still being written) is left out of
-``--help`` rather than breaking the others. Modules are imported without their
-heavy dependencies (torch, sglang, ray load when a command runs).
+together with the shared logging flags, and maps a `ConfigError` (a bad flag,
+environment variable or TOML value, whenever it is found) to exit status 2 with
+one line on stderr, for every subcommand alike. Modules are imported without
+their heavy dependencies (torch, sglang, ray load when a command runs).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 from rollpool import __version__
+from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
 
 __all__ = ["main", "SUBCOMMANDS", "build_parser"]
@@ -39,15 +39,6 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _load(module_name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            return None  # the subcommand is not part of this build yet
-        raise
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollpool",
@@ -57,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS:
-        module = _load(module_name)
-        if module is None:
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         add_logging_arguments(p)
         module.add_arguments(p)
@@ -84,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return int(args._run(args, metrics=sink_from_args(args)) or 0)
         return int(args._run(args) or 0)
+    except ConfigError as exc:
+        print(f"rollpool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

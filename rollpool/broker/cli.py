@@ -13,7 +13,6 @@ import signal
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.service import Broker
 from rollpool.protocol.config import add_config_arguments, load_config
-from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 
@@ -49,10 +48,6 @@ async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> No
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
-    try:
-        config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
+    config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")  # ConfigError: exit 2 (rollpool.cli)
     asyncio.run(_serve(config, metrics))
     return 0

@@ -13,10 +13,8 @@ import argparse
 import asyncio
 import dataclasses
 import signal
-import sys
 
 from rollpool.protocol.config import add_config_arguments, load_config
-from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 from rollpool.workers.config import WorkerConfig
@@ -34,12 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
-    try:
-        config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
-        load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
-    except ConfigError as exc:
-        print(f"rollpool worker: error: {exc}", file=sys.stderr)
-        return 2
+    # a ConfigError (a bad flag, or an --episode path that does not import) exits 2 in rollpool.cli.main
+    config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+    load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
     return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
 
 
