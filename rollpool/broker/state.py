@@ -66,6 +66,7 @@ from rollpool.protocol.messages import (
     Prompt,
     Rejection,
     Trajectory,
+    WorkerState,
     held_digest,
     task_digest,
 )
@@ -143,7 +144,7 @@ class WorkerInfo:
     credits: int
     last_seen: float
     version: int = -1
-    state: str = "ready"
+    state: str = WorkerState.READY
     fingerprint: str = ""
     engine: str = ""
     apply_modes: tuple[str, ...] = ()
@@ -172,7 +173,7 @@ class WorkerInfo:
     def live_state(self, now: float) -> dict[str, Any]:
         return {
             "version": self.version,
-            "state": "applying" if self.applying else self.state,
+            "state": WorkerState.APPLYING if self.applying else self.state,
             "credits": self.credits,
             "capacity": self.capacity,
             "inflight": len(self.leases),
@@ -345,7 +346,7 @@ class BrokerState:
         w.apply_modes = apply_modes
         w.host = host
         w.pid = pid
-        w.state = "ready"
+        w.state = WorkerState.READY
         w.applying = False
         w.features = frozenset(features)
         w.digest = 0
@@ -487,7 +488,7 @@ class BrokerState:
         return (
             w.credits > 0
             and not w.applying
-            and w.state == "ready"
+            and w.state == WorkerState.READY
             and (not self.required_fingerprint or not w.fingerprint or w.fingerprint == self.required_fingerprint)
         )
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError
-from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
     EngineInfo,
@@ -332,7 +332,7 @@ class HFEngine:
             return False
         if self._pause_mode is None:
             return bool(self._running or self._waiting)
-        return self._pause_mode == "drain" and bool(self._running)
+        return self._pause_mode == ApplyMode.DRAIN and bool(self._running)
 
     def _drain_commands(self, *, block: bool) -> bool:
         """Run queued commands; False on stop."""
@@ -408,7 +408,7 @@ class HFEngine:
 
     def _pause(self, mode: str) -> None:
         self._pause_mode = mode
-        if mode == "interrupt" and self._running:
+        if mode == ApplyMode.INTERRUPT and self._running:
             # resubmit every running sequence as prompt + partial output, ahead of new work
             for seq in reversed(self._running):
                 seq.kv_len = 0

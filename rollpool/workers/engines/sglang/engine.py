@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError
-from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
@@ -79,7 +79,7 @@ __all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODE
 
 log = logging.getLogger(__name__)
 
-SGLANG_APPLY_MODES: tuple[str, ...] = ("interrupt", "drain")
+SGLANG_APPLY_MODES: tuple[str, ...] = (ApplyMode.INTERRUPT, ApplyMode.DRAIN)
 _IN_PLACE_REFUSED = (
     "apply mode in_place is refused on SGLang 0.5.14: pause_generation(in_place) followed by a weight update "
     "with flush_cache crashes the scheduler (sglang-kit API-NOTES fact 7); use interrupt or drain"
@@ -524,7 +524,7 @@ class SGLangEngine:
     # -- weight updates
 
     async def pause(self, mode: str) -> None:
-        if mode == "in_place":
+        if mode == ApplyMode.IN_PLACE:
             raise EngineError(_IN_PLACE_REFUSED)
         if mode not in SGLANG_APPLY_MODES:
             raise EngineError(f"apply mode must be one of {SGLANG_APPLY_MODES}, got {mode!r}")
@@ -532,7 +532,7 @@ class SGLangEngine:
         self._pause_started = time.time()
         self._gate.clear()
         self._mode = mode
-        if mode == "interrupt":
+        if mode == ApplyMode.INTERRUPT:
             # our own abort_all + wait: pause_generation(abort) alone polls once a second
             deadline = time.monotonic() + 120
             while not self._idle.is_set():
