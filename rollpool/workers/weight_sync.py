@@ -366,5 +366,5 @@ class WeightSync:
         if self.subscriber is not None:
             try:
                 self.subscriber.close()
-            except Exception:  # noqa: BLE001 - closing anyway
+            except Exception:  # closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)

@@ -207,7 +207,7 @@ class Worker:
             if engine is not None:
                 try:
                     await engine.abort(task_id)
-                except Exception:  # noqa: BLE001 - a failing engine is noticed by its task
+                except Exception:  # a failing engine is noticed by its task
                     log.debug("abort of %s raised", task_id, exc_info=True)
         if eff.weights is not None:
             self.weights.note_weights(*eff.weights)

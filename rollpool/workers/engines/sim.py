@@ -386,5 +386,5 @@ def _set_done(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def ENGINE_FACTORY(**options: Any) -> SimEngine:  # noqa: N802 (the registry's well-known name)
+def ENGINE_FACTORY(**options: Any) -> SimEngine:  # the registry's well-known name
     return SimEngine(options_from(SimOptions, options))

@@ -341,7 +341,7 @@ class SGLangEngine:
             self._http = None
         if self.token_path is not None:
             with contextlib.suppress(OSError):
-                self.token_path.unlink()  # noqa: ASYNC240 - one small file at stop
+                self.token_path.unlink()  # one small file at stop
             self.token_path = None
         if self._log_fh is not None:
             self._log_fh.close()
@@ -696,5 +696,5 @@ class SGLangEngine:
             await self._post("/flush_cache", method="GET")
 
 
-def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # noqa: N802 (the registry's well-known name)
+def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # the registry's well-known name
     return SGLangEngine(options_from(SGLangOptions, options))
