@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import inspect
 import logging
 import pathlib
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.fingerprint import model_fingerprint
 from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
@@ -302,12 +302,7 @@ class HFEngine:
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else self._tokenizer.eos_token_id
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
-        digest = hashlib.sha256()
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            f = path / name
-            if f.exists():
-                digest.update(name.encode() + b"\0" + f.read_bytes())
-        self._fingerprint = digest.hexdigest()[:16]
+        self._fingerprint = model_fingerprint(path)
 
     def _compute_loop(self) -> None:
         try:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -60,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError
+from rollpool.protocol.fingerprint import model_fingerprint
 from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
@@ -193,12 +193,7 @@ class SGLangEngine:
             self._params = read_safetensors_index(path)
         except (OSError, ValueError, KeyError) as exc:
             raise EngineError(f"sglang engine: cannot read the checkpoint of {path}: {exc}") from exc
-        digest = hashlib.sha256()
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            f = path / name
-            if f.exists():
-                digest.update(name.encode() + b"\0" + f.read_bytes())
-        self._fingerprint = digest.hexdigest()[:16]
+        self._fingerprint = model_fingerprint(path)
         self._read_limits(path)
         if self.device is None:
             self.device = "cuda" if cuda_available() else "cpu"
