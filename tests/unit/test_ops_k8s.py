@@ -70,7 +70,7 @@ def test_curve_component_mounts_only_each_roles_key_files(tmp_path: pathlib.Path
     import base64
     import os
 
-    from rollpool.keys_cli import generate
+    from rollpool.cli.keys import generate
     from rollpool.protocol.roles import HOST_FILES
 
     kubectl = shutil.which("kubectl")

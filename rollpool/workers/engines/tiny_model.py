@@ -6,7 +6,7 @@ load (and that SGLang can load): a Llama or Qwen2 config with random weights
 (seeded, so the same arguments give the same model), and a byte-level BPE
 tokenizer trained on a handful of strings with a chat template. Nothing is
 downloaded. The demo and the tests use it; so can ``rollpool make-tiny-model OUT``
-(`rollpool.workers.tiny_model_cli`).
+(`rollpool.cli.make_tiny_model`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The `rollpool` console script: one subcommand per service or application.
 
-Each subcommand lives in its own module, which defines ``HELP`` (one line),
+Each subcommand ``X`` lives in its own module, ``rollpool/cli/X.py`` (``make-tiny-model``:
+``make_tiny_model.py``), which defines ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them
 together with the shared logging flags, and maps a `ConfigError` (a bad flag,
 environment variable or TOML value, whenever it is found) to exit status 2 with
@@ -24,18 +25,9 @@ __all__ = ["main", "SUBCOMMANDS", "build_parser"]
 # services that report to Redis: the CLI adds --redis-url and hands them a MetricsSink
 _MONITORED = ("broker", "worker", "relay")
 
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("demo", "rollpool.demo.cli"),
-    ("broker", "rollpool.broker.cli"),
-    ("worker", "rollpool.workers.cli"),
-    ("relay", "rollpool.weights.relay_cli"),
-    ("status", "rollpool.monitor.status_cli"),
-    ("top", "rollpool.monitor.top_cli"),
-    ("exporter", "rollpool.monitor.exporter_cli"),
-    ("launch", "rollpool.launch.cli"),
-    ("chaos", "rollpool.chaos.cli"),
-    ("keys", "rollpool.keys_cli"),
-    ("make-tiny-model", "rollpool.workers.tiny_model_cli"),
+SUBCOMMANDS: tuple[tuple[str, str], ...] = tuple(
+    (name, f"rollpool.cli.{name.replace('-', '_')}")
+    for name in ("demo", "broker", "worker", "relay", "status", "top", "exporter", "launch", "chaos", "keys", "make-tiny-model")
 )
 
 
@@ -79,6 +71,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
