@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
+from rollpool.cli._service import run_service
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.metrics import MetricsSink
-from rollpool.protocol.sockets import SecurityConfig, SocketFactory
 from rollpool.weights.config import RelayConfig, default_pub_endpoint
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -30,13 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> None:
-    import zmq.asyncio
-
     from rollpool.weights.relay import Relay
 
-    ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir, role="relay"))
-    relay = Relay(
+    await run_service(lambda sockets: Relay(
         sockets,
         upstream_router=config.upstream,
         upstream_pub=config.upstream_pub,
@@ -50,20 +45,7 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
         metrics=metrics,
         path=config.weight_path,
         streams=config.streams,
-    )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, relay.stop)
-    loop.add_signal_handler(signal.SIGHUP, sockets.reload_keys)  # CURVE key rotation without a restart
-    try:
-        await relay.run()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        sockets.close()
-        ctx.destroy(linger=0)
-        if metrics is not None:
-            metrics.close()
+    ), curve_dir=config.curve_dir, role="relay", metrics=metrics)
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
