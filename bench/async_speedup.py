@@ -470,7 +470,7 @@ def _proc_cpu_s(pid: int) -> float:
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)}
-    fh = open(log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
+    fh = open(log_path, "ab")  # closed when the process is reaped
     return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from rollpool.keys_cli import generate
+from rollpool.cli.keys import generate
 from rollpool.protocol import SecurityConfig, SocketFactory, SocketOptions
 
 

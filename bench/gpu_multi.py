@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_sglang as G  # noqa: E402 - the shared helpers: env, models, process spawning
+import gpu_sglang as G  # the shared helpers: env, models, process spawning
 
 RESULT: dict[str, Any] = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 OUT = Path(".")
@@ -224,7 +224,7 @@ def main() -> int:
     G.setup_env()
     try:
         asyncio.run(run(args))
-    except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands
+    except Exception as exc:  # recorded; the partial JSON stands
         RESULT["error"] = f"{type(exc).__name__}: {exc}"[:3000]
         save()
         raise

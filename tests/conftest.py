@@ -2,7 +2,9 @@
 
 Markers skip themselves when their dependency is absent: ``gpu`` (no NVIDIA
 GPU), ``sglang`` (sglang not importable), ``redis`` (no server binary).
-Factory fixtures close everything they create.
+Factory fixtures close everything they create. At the end of a run the time of
+each suite (``unit``, ``integration/<area>``, ``gpu``) is printed, so CI shows
+where its minutes go (``--durations=N`` adds the slowest single tests).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
@@ -33,6 +36,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in skips.items():
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+_SUITE_SECONDS: defaultdict[str, float] = defaultdict(float)
+_SUITE_TESTS: defaultdict[str, set[str]] = defaultdict(set)
+
+
+def _suite_of(nodeid: str) -> str:
+    parts = nodeid.split("::")[0].split("/")
+    if len(parts) >= 3 and parts[0] == "tests" and parts[1] == "integration":
+        return f"integration/{parts[2]}" if len(parts) > 3 else "integration"
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    suite = _suite_of(report.nodeid)
+    _SUITE_SECONDS[suite] += report.duration  # setup + call + teardown, as each phase reports
+    _SUITE_TESTS[suite].add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _SUITE_SECONDS:
+        return
+    terminalreporter.section("time per suite")
+    for suite, seconds in sorted(_SUITE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {len(_SUITE_TESTS[suite]):4d} tests  {suite}")
+    terminalreporter.write_line(f"{sum(_SUITE_SECONDS.values()):8.1f} s  total of the tests' own time")
 
 
 def free_tcp_port() -> int:

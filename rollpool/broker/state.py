@@ -69,6 +69,7 @@ from rollpool.protocol.messages import (
     Prompt,
     Rejection,
     Trajectory,
+    WorkerState,
     held_digest,
     task_digest,
 )
@@ -152,7 +153,7 @@ class WorkerInfo:
     credits: int
     last_seen: float
     version: int = -1
-    state: str = "ready"
+    state: str = WorkerState.READY
     fingerprint: str = ""
     engine: str = ""
     apply_modes: tuple[str, ...] = ()
@@ -187,7 +188,7 @@ class WorkerInfo:
     def live_state(self, now: float) -> dict[str, Any]:
         return {
             "version": self.version,
-            "state": "applying" if self.applying else self.state,
+            "state": WorkerState.APPLYING if self.applying else self.state,
             "credits": self.credits,
             "capacity": self.capacity,
             "inflight": len(self.leases),
@@ -397,7 +398,7 @@ class BrokerState:
         w.apply_modes = apply_modes
         w.host = host
         w.pid = pid
-        w.state = "ready"
+        w.state = WorkerState.READY
         w.applying = False
         w.features = frozenset(features)
         w.digest = 0
@@ -594,7 +595,7 @@ class BrokerState:
         return (
             w.credits > 0
             and not w.applying
-            and w.state == "ready"
+            and w.state == WorkerState.READY
             and (not self.required_fingerprint or not w.fingerprint or w.fingerprint == self.required_fingerprint)
         )
 

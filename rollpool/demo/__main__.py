@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from rollpool.demo import cli
-from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
+from rollpool.cli import main
 
-parser = argparse.ArgumentParser(prog="python -m rollpool.demo", description=cli.HELP)
-add_logging_arguments(parser)
-cli.add_arguments(parser)
-args = parser.parse_args()
-configure_logging_from_args(args)
-try:
-    sys.exit(cli.run(args))
-except KeyboardInterrupt:  # Ctrl-C or SIGTERM: children are already stopped by the runner
-    sys.exit(130)
+if __name__ == "__main__":
+    sys.exit(main(["demo", *sys.argv[1:]]))

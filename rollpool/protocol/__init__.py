@@ -32,7 +32,13 @@ from rollpool.protocol.messages import *  # noqa: F403
 from rollpool.protocol.messages import __all__ as _messages_all
 from rollpool.protocol.metrics import MemoryMetricsSink, MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SecurityConfig, SocketFactory, SocketOptions
-from rollpool.protocol.staleness import StalenessController, admission_capacity, can_admit, sampled_versions, trajectory_staleness
+from rollpool.protocol.staleness import (
+    StalenessController,
+    admission_capacity,
+    can_admit,
+    sampled_versions,
+    trajectory_staleness,
+)
 
 __all__ = [
     "PROTOCOL_MAJOR",

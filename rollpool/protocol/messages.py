@@ -58,6 +58,9 @@ __all__ = [
     # group terminal states and finish reasons
     "GroupState",
     "FinishReason",
+    # worker states (on WorkerHeartbeat.state) and weight-apply modes
+    "WorkerState",
+    "ApplyMode",
     # worker flow
     "Hello",
     "Welcome",
@@ -118,6 +121,31 @@ class FinishReason:
     ABORT = "abort"
     ERROR = "error"
     ALL = (STOP, LENGTH, ABORT, ERROR)
+
+
+class WorkerState:
+    """The worker states that travel on `WorkerHeartbeat.state` (the broker dispatches to ``ready`` only)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    APPLYING = "applying"
+    RESTARTING = "restarting"
+    DRAINING = "draining"
+    SLEEPING = "sleeping"
+    STOPPED = "stopped"
+    ALL = (STARTING, READY, APPLYING, RESTARTING, DRAINING, SLEEPING, STOPPED)
+
+
+class ApplyMode:
+    """How an engine applies a weight version (`Engine.pause(mode)`; `--apply-mode`; docs/workers.md)."""
+
+    INTERRUPT = "interrupt"
+    """Running sequences stop at a step boundary and resume as prompt + partial output on the new weights."""
+    IN_PLACE = "in_place"
+    """Running sequences are held with their KV cache and continue on the new weights."""
+    DRAIN = "drain"
+    """No new sequence starts; the update waits for the running ones to finish."""
+    ALL = (INTERRUPT, IN_PLACE, DRAIN)
 
 
 class Feature:
@@ -472,8 +500,8 @@ class WorkerHeartbeat:
     worker_id: str
     inflight_task_ids: tuple[str, ...] = ()
     weight_version: int = -1
-    state: str = "ready"
-    """``ready``, ``applying``, ``draining``, ``sleeping``, ``restarting``."""
+    state: str = WorkerState.READY
+    """One of `WorkerState` (``ready``, ``applying``, ``draining``, ``sleeping``, ``restarting``, ...)."""
     tokens_total: int = 0
     epoch: str = ""
     """The broker epoch the worker believes in ("" before its first welcome)."""

@@ -343,7 +343,7 @@ class TrainerClient:
                 log.warning("broker did not answer within %.1f s (attempt %d/%d)", timeout, attempt + 1, self.config.request_retries)
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
                 continue
-            except Exception as exc:  # zmq.Again on a full socket, for example
+            except Exception as exc:  # noqa: BLE001 - zmq.Again on a full socket, for example
                 last = exc
                 self._waiters.pop(rid, None)
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))

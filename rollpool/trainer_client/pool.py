@@ -104,7 +104,7 @@ _UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "logi
 _DIRECT_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "ignore_eos")
 
 
-def sampling_from_sglang(params: Mapping[str, Any] | None) -> tuple[SamplingParams, int]:
+def sampling_from_sglang(params: Mapping[str, Any] | None) -> tuple[SamplingParams, int]:  # noqa: C901 - grandfathered: one check per SGLang sampling parameter
     """SGLang's sampling-params dict -> (`SamplingParams`, n); refuses what the pool cannot honour."""
     if params is None:
         return SamplingParams(), 1

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import BucketInfo, TensorInfo
-from rollpool.weights.wire import build
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -246,7 +245,7 @@ class BucketPlanner:
             self._open[dtype] = idx
         b = self.buckets[idx]
         offset = b.nbytes
-        b.tensors.append(build(TensorInfo, name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
+        b.tensors.append(TensorInfo(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
         b.nbytes += nbytes
         if b.nbytes >= self.bucket_bytes:
             closed.append(idx)  # full (or an oversize tensor alone): nothing else goes here
@@ -335,7 +334,7 @@ class BucketPacker:
             data = data.clone()
         summer = self._sums.pop(idx, None) or Checksummer(self.checksum_algorithm)
         digest = summer.hexdigest()
-        info = build(BucketInfo, index=idx, dtype=b.dtype, nbytes=b.nbytes, checksum=digest, tensors=tuple(b.tensors))
+        info = BucketInfo(index=idx, dtype=b.dtype, nbytes=b.nbytes, checksum=digest, tensors=tuple(b.tensors))
         self._done[idx] = PackedBucket(info=info, data=data)
 
 

@@ -1,4 +1,5 @@
-"""`WeightPathConfig`: how weight bytes travel, shared by the publisher, the subscriber, the relay and their CLIs.
+"""The weights configs: `WeightPathConfig` (how weight bytes travel, shared by the publisher, the subscriber,
+the relay and their CLIs) and `RelayConfig` (the relay's flags, ``rollpool relay``).
 
 - ``path``: ``auto`` (shared memory when publisher and subscriber share a host
   and /dev/shm, else the network path; every fallback is logged and counted),
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "default_streams", "default_copy_threads"]
+__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "RelayConfig", "default_pub_endpoint", "default_streams", "default_copy_threads"]
 
 WEIGHT_PATHS = ("auto", "network", "shm", "cuda_ipc")
 
@@ -65,3 +66,46 @@ class WeightPathConfig:
     def publisher_kwargs(self) -> dict[str, object]:
         """Keyword arguments for `WeightPublisher`."""
         return {"path": self.weight_path, "pinned_budget_bytes": self.pinned_budget_bytes}
+
+
+def default_pub_endpoint(router_endpoint: str) -> str:
+    """The PUB endpoint beside a ROUTER endpoint: the next tcp port, or ``<path>.pub`` for ipc."""
+    if router_endpoint.startswith("ipc://"):
+        return router_endpoint + ".pub"
+    if router_endpoint.startswith("tcp://"):
+        host, _, port = router_endpoint[len("tcp://") :].rpartition(":")
+        if port == "*":
+            return router_endpoint
+        if port.isdigit():
+            return f"tcp://{host}:{int(port) + 1}"
+    raise ConfigError(f"cannot derive a PUB endpoint from {router_endpoint!r}; give --bind-pub")
+
+
+@dataclass(frozen=True)
+class RelayConfig(WeightPathConfig):
+    """The relay's flags; `weight_path` and `weight_streams` apply to its upstream fetch (--weight-path, --weight-streams)."""
+
+    upstream: str = field(default="", metadata={"help": "the upstream publisher's (or relay's) ROUTER endpoint"})
+    upstream_pub: str | None = field(default=None, metadata={"help": "the upstream PUB endpoint (announcements)"})
+    bind: str = field(default="tcp://127.0.0.1:6100", metadata={"help": "the ROUTER endpoint local workers fetch from"})
+    bind_pub: str | None = field(default=None, metadata={"help": "the PUB endpoint to announce on (default: beside --bind)"})
+    keep_versions: int = field(default=2, metadata={"help": "versions kept and served"})
+    window_chunks: int = field(default=16, metadata={"help": "chunk requests outstanding upstream"})
+    fetch_timeout_s: float = field(default=30.0, metadata={"help": "longest wait for any upstream reply"})
+    max_refetch: int = field(default=3, metadata={"help": "re-asks of a silent upstream / refetches of a bad bucket"})
+    poll_interval_s: float = field(default=5.0, metadata={"help": "how often to ask upstream for its latest version"})
+    pool: str = field(default="default", metadata={"help": "pool name (monitoring keys)"})
+    curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.upstream:
+            raise ConfigError("RelayConfig.upstream is required (--upstream ENDPOINT)")
+        if self.keep_versions < 1:
+            raise ConfigError(f"RelayConfig.keep_versions must be >= 1, got {self.keep_versions}")
+        if not 1 <= self.window_chunks <= 1024:
+            raise ConfigError(f"RelayConfig.window_chunks must be in [1, 1024], got {self.window_chunks}")
+        if self.fetch_timeout_s <= 0 or self.poll_interval_s <= 0:
+            raise ConfigError("RelayConfig.fetch_timeout_s and poll_interval_s must be > 0")
+        if self.max_refetch < 0:
+            raise ConfigError(f"RelayConfig.max_refetch must be >= 0, got {self.max_refetch}")

@@ -65,7 +65,6 @@ from rollpool.weights.bucketing import (
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
-from rollpool.weights.wire import build
 
 __all__ = ["WeightPublisher", "layout_of"]
 
@@ -155,7 +154,7 @@ class _Snapshot:
         self.loop = asyncio.get_running_loop()
         self.segments = [pub.segment_of(b) for b in buffers]
         infos = tuple(
-            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors),
+            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors),
                   shm_segment=seg.name if seg is not None else "")
             for b, seg in zip(planner.buckets, self.segments, strict=True)
         )
@@ -723,7 +722,7 @@ class WeightPublisher:
             elif nbytes:
                 summer.update(view)
         infos = tuple(
-            build(BucketInfo, index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer(self.checksum_algorithm)).hexdigest(), tensors=tuple(build(TensorInfo, name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
+            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer(self.checksum_algorithm)).hexdigest(), tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
             for b in planner.buckets
         )
         return ServedVersion(

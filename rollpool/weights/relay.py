@@ -15,15 +15,13 @@ through unchanged, so every worker verifies what it receives too. A version
 the relay cannot complete is withdrawn: its parked and later fetches answer
 ``unavailable``/``gone`` and the worker keeps its old weights.
 
-``python -m rollpool.weights.relay`` runs one (the same flags as ``rollpool relay``).
+``rollpool relay`` (or ``python -m rollpool.weights``) runs one; its flags are `RelayConfig`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -249,13 +247,3 @@ class Relay:
         log.info("relay %s: version %d complete (%d bytes)", self.relay_id, version, served.total_bytes)
         return version
 
-
-def _main() -> int:
-    from rollpool.weights import relay_cli
-
-    return relay_cli.main(sys.argv[1:])
-
-
-if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(_main())

@@ -47,7 +47,6 @@ from rollpool.protocol.messages import Announce, BucketInfo, Chunk, Error, Fetch
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.wire import build
 
 __all__ = ["BucketSource", "ServedVersion", "WeightServer", "peer_of"]
 
@@ -96,7 +95,7 @@ class ServedVersion:
         self.buckets = tuple(replace(b, checksum=checksum) if b.index == bucket else b for b in self.buckets)
 
     def manifest(self, request_id: str) -> Manifest:
-        return build(Manifest, request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
+        return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
                      chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool)
 
 
@@ -201,9 +200,9 @@ class WeightServer:
             return
         self.highest_dropped = max(self.highest_dropped, version)
         for ident, req in self._parked.pop(version, []):
-            self._send(ident, build(Error, code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
+            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
         for ident, mreq in v.waiting_manifests:
-            self._send(ident, build(Error, code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
+            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
         v.waiting_manifests = []
 
     def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
@@ -223,7 +222,7 @@ class WeightServer:
             return
         import zmq
 
-        msg = build(Announce, version=v.version, publisher_id=v.publisher_id, total_bytes=v.total_bytes, num_buckets=len(v.buckets))
+        msg = Announce(version=v.version, publisher_id=v.publisher_id, total_bytes=v.total_bytes, num_buckets=len(v.buckets))
         send_now(self._pub, encode(msg), flags=zmq.DONTWAIT)
 
     def notify_arrived(self, version: int) -> None:
@@ -260,7 +259,7 @@ class WeightServer:
             except ProtocolError as exc:
                 self.protocol_errors += 1
                 self._errlog.warning(ident.hex(), "%s: malformed message from peer %s: %s", self.name, ident.hex(), exc)
-                self._send(ident, build(Error, code=exc.code, message=exc.message, ref_type=peek_type(body)))
+                self._send(ident, Error(code=exc.code, message=exc.message, ref_type=peek_type(body)))
                 continue
             self._handle(ident, msg)
 
@@ -281,14 +280,14 @@ class WeightServer:
         else:
             self.protocol_errors += 1
             rid = getattr(msg, "request_id", None)
-            self._send(ident, build(Error, code="unexpected", message=f"{self.name} serves manifest_request and fetch only", request_id=rid if isinstance(rid, str) else None, ref_type=getattr(msg, "TYPE", None)))
+            self._send(ident, Error(code="unexpected", message=f"{self.name} serves manifest_request and fetch only", request_id=rid if isinstance(rid, str) else None, ref_type=getattr(msg, "TYPE", None)))
 
     def _missing(self, version: int, request_id: str, ref_type: str) -> Error:
         latest = self.latest
         latest_v = latest.version if latest is not None else -1
         if version <= max(self.highest_dropped, latest_v):
-            return build(Error, code="gone", message=f"version {version} is no longer served (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
-        return build(Error, code="unknown_version", message=f"version {version} is not published (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
+            return Error(code="gone", message=f"version {version} is no longer served (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
+        return Error(code="unknown_version", message=f"version {version} is not published (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
 
     def _manifest(self, ident: bytes, req: ManifestRequest) -> None:
         if req.version is None:
@@ -298,7 +297,7 @@ class WeightServer:
                 done = [x for x in self.versions.values() if x.complete]
                 v = max(done, key=lambda x: x.version) if done else v
             if v is None:
-                self._send(ident, build(Manifest, request_id=req.request_id, version=-1))
+                self._send(ident, Manifest(request_id=req.request_id, version=-1))
                 return
         else:
             found = self.versions.get(req.version)
@@ -308,7 +307,7 @@ class WeightServer:
             v = found
         if not v.complete and not req.streamed:
             if len(v.waiting_manifests) >= self.max_parked:
-                self._send(ident, build(Error, code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
+                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
                 return
             v.waiting_manifests.append((ident, req))
             return
@@ -320,14 +319,14 @@ class WeightServer:
             self._send(ident, self._missing(req.version, req.request_id, "fetch"))
             return
         if v.released:
-            self._send(ident, build(Error, code="gone", message=f"version {v.version} was released by its publisher (keep_versions=0)", request_id=req.request_id, ref_type="fetch"))
+            self._send(ident, Error(code="gone", message=f"version {v.version} was released by its publisher (keep_versions=0)", request_id=req.request_id, ref_type="fetch"))
             return
         if not 0 <= req.bucket < len(v.buckets):
-            self._send(ident, build(Error, code="bad_range", message=f"bucket {req.bucket} out of range", request_id=req.request_id, ref_type="fetch"))
+            self._send(ident, Error(code="bad_range", message=f"bucket {req.bucket} out of range", request_id=req.request_id, ref_type="fetch"))
             return
         size = v.buckets[req.bucket].nbytes
         if req.nbytes < 1 or req.nbytes > MAX_CHUNK_BYTES or req.offset < 0 or req.offset + req.nbytes > size:
-            self._send(ident, build(Error, code="bad_range", message=f"[{req.offset}, +{req.nbytes}) is not a chunk of bucket {req.bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)", request_id=req.request_id, ref_type="fetch"))
+            self._send(ident, Error(code="bad_range", message=f"[{req.offset}, +{req.nbytes}) is not a chunk of bucket {req.bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)", request_id=req.request_id, ref_type="fetch"))
             return
         if self._loop is not None:
             v.last_request_s = self._loop.time()
@@ -335,14 +334,14 @@ class WeightServer:
         if data is None:
             parked = self._parked.setdefault(req.version, [])
             if len(parked) >= self.max_parked:
-                self._send(ident, build(Error, code="busy", message="too many requests waiting for bytes to arrive", request_id=req.request_id, ref_type="fetch"))
+                self._send(ident, Error(code="busy", message="too many requests waiting for bytes to arrive", request_id=req.request_id, ref_type="fetch"))
                 return
             parked.append((ident, req))
             return
         self._send_chunk(ident, v, req, data)
 
     def _send_chunk(self, ident: bytes, v: ServedVersion, req: Fetch, data: Any) -> None:
-        msg = build(Chunk, request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data,
+        msg = Chunk(request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data,
                     checksum=v.buckets[req.bucket].checksum)
         if self._send(ident, msg, copy=False):
             self.bytes_served += req.nbytes

@@ -71,7 +71,6 @@ from rollpool.weights.bucketing import (
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, default_streams
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
-from rollpool.weights.wire import build
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
@@ -386,7 +385,7 @@ class WeightSubscriber:
             fut: asyncio.Future[Any] = loop.create_future()
             self._routes[rid] = _resolver(fut)
             try:
-                self._send(build(ManifestRequest, request_id=rid, version=version, streamed=streamed, host_key=self.host_key))
+                self._send(ManifestRequest(request_id=rid, version=version, streamed=streamed, host_key=self.host_key))
                 reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
             except TimeoutError:
                 continue
@@ -773,7 +772,7 @@ class _Transfer:
         self.outstanding[rid] = req
         self.sub._routes[rid] = self.replies.put_nowait
         # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.sub._send(build(Fetch, request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
+        self.sub._send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
 
     def _requeue_outstanding(self) -> None:
         reqs = sorted(self.outstanding.values())

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import ConfigError
+from rollpool.protocol.messages import ApplyMode
 from rollpool.workers.engines.options import OPTIONS_BY_ENGINE, parse_options, split_options
 
-__all__ = ["WorkerConfig", "APPLY_MODE_NAMES", "parse_engine_options"]
+__all__ = ["WorkerConfig", "parse_engine_options"]
 
-APPLY_MODE_NAMES = ("interrupt", "in_place", "drain")
 
 
 def _h(text: str) -> dict[str, Any]:
@@ -69,15 +69,15 @@ class WorkerConfig:
     weight_endpoint: str | None = field(default=None, metadata=_h("fetch weights here (a relay on this node) instead of where the broker says"))
     weight_announce_endpoint: str | None = field(default=None, metadata=_h("announcements from here (with --weight-endpoint)"))
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
         if not self.broker:
             raise ConfigError("WorkerConfig.broker must be an endpoint like tcp://127.0.0.1:5555")
         if self.capacity < 0:
             raise ConfigError(f"WorkerConfig.capacity must be >= 0 (0 = the engine's), got {self.capacity}")
-        if self.apply_mode not in APPLY_MODE_NAMES:
-            raise ConfigError(f"WorkerConfig.apply_mode must be one of {APPLY_MODE_NAMES}, got {self.apply_mode!r}")
+        if self.apply_mode not in ApplyMode.ALL:
+            raise ConfigError(f"WorkerConfig.apply_mode must be one of {ApplyMode.ALL}, got {self.apply_mode!r}")
         if self.reward is not None and ":" not in self.reward:
             raise ConfigError(f"WorkerConfig.reward must look like package.module:function, got {self.reward!r}")
         for spec in self.episode:

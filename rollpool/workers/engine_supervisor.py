@@ -162,5 +162,5 @@ class EngineSupervisor:
             await engine.stop()
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - it is being replaced anyway
+        except Exception:  # it is being replaced anyway
             log.debug(what, exc_info=True)

@@ -56,6 +56,7 @@ from rollpool.protocol.messages import (
     Trajectory,
     Welcome,
     WorkerHeartbeat,
+    WorkerState,
 )
 
 __all__ = ["Effects", "EngineFacts", "Outgoing", "Phase", "SessionConfig", "TaskEntry", "WorkerSession", "WorkerState"]
@@ -73,18 +74,6 @@ class Phase:
     """The engine runs it; its sequences use up credits."""
     SCORING = "scoring"
     """Generation ended (credits given back); trajectories are being built and scored."""
-
-
-class WorkerState:
-    """The worker states that travel on `WorkerHeartbeat.state` (the broker dispatches to ``ready`` only)."""
-
-    STARTING = "starting"
-    READY = "ready"
-    APPLYING = "applying"
-    RESTARTING = "restarting"
-    DRAINING = "draining"
-    SLEEPING = "sleeping"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpool import keys_cli
+from rollpool.cli import keys as keys_cli
 from rollpool.protocol import SecurityConfig
 from rollpool.protocol.errors import ConfigError
 

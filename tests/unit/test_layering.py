@@ -69,7 +69,7 @@ def test_imports_follow_the_arrows(rel: str, path: pathlib.Path) -> None:
         parts = mod.split(".")
         # entry points (`python -m rollpool.x`) are the console script by another name: they may use rollpool.cli
         entry_point = rel.endswith("__main__.py") and mod == "rollpool.cli"
-        if parts[0] == "rollpool" and len(parts) > 1 and owner not in ("cli", "__main__", "keys_cli") and not entry_point:
+        if parts[0] == "rollpool" and len(parts) > 1 and owner not in ("cli", "__main__") and not entry_point:
             target = parts[1]
             if target in ("errors",):
                 target = "protocol"
@@ -93,8 +93,6 @@ WORKER_MODULES: dict[str, set[str]] = {
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},
     "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes"},
-    "cli": {"worker", "config", "episodes"},
-    "tiny_model_cli": {"engines"},
     "__init__": {"episodes"},  # the lazy EpisodeContext export
     "__main__": set(),
 }

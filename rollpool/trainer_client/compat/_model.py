@@ -16,7 +16,6 @@ already serve a model, so the name cannot choose it: it is checked instead, neve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import pathlib
@@ -25,6 +24,7 @@ from typing import Any
 
 from rollpool.protocol import ConfigError
 from rollpool.protocol.config import load_config
+from rollpool.protocol.fingerprint import model_fingerprint  # the one definition (re-exported here)
 from rollpool.trainer_client.client import TrainerClientConfig
 from rollpool.trainer_client.pool import RolloutPool
 
@@ -34,20 +34,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BROKER_TIMEOUT_S = 600.0
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def model_fingerprint(model_dir: str | pathlib.Path) -> str:
-    """The digest a worker reports for the model it loaded from this directory."""
-    path = pathlib.Path(model_dir)
-    digest = hashlib.sha256()
-    for name in _FINGERPRINT_FILES:
-        f = path / name
-        if f.exists():
-            digest.update(name.encode() + b"\0" + f.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def read_param_shapes(model_dir: str | pathlib.Path) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor in the directory's safetensors files (headers only); {} when there are none."""
     path = pathlib.Path(model_dir)

@@ -72,7 +72,7 @@ class SGLangGenerationEngine:
         if pool is not None:
             try:
                 pool.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at garbage collection
+            except Exception:  # best effort at garbage collection
                 log.debug("closing the pool client at __del__ failed", exc_info=True)
 
     def train(self, mode: bool = True) -> SGLangGenerationEngine:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rollpool.protocol.errors import RequestRefusedError
-from rollpool.protocol.messages import SamplingParams
+from rollpool.protocol.messages import ApplyMode, SamplingParams
 
 __all__ = [
     "APPLY_MODES",
@@ -56,7 +56,7 @@ __all__ = [
     "validate_sampling",
 ]
 
-APPLY_MODES: tuple[str, ...] = ("interrupt", "in_place", "drain")
+APPLY_MODES: tuple[str, ...] = ApplyMode.ALL
 
 
 @dataclass(slots=True)

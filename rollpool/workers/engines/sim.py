@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollpool.protocol.errors import EngineError
-from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
     EngineInfo,
@@ -222,7 +222,7 @@ class SimEngine:
                     req.abort_rest()
                     break
                 if self._pause_mode in ("interrupt", "in_place"):
-                    interrupted = self._pause_mode == "interrupt"
+                    interrupted = self._pause_mode == ApplyMode.INTERRUPT
                     req.advance(loop.time(), self.version)
                     req.mark = 0.0
                     while self._pause_mode in ("interrupt", "in_place") and not req.aborted:
@@ -260,7 +260,7 @@ class SimEngine:
             )
         finally:
             self._requests.pop(request_id, None)
-            if self._pause_mode == "drain":
+            if self._pause_mode == ApplyMode.DRAIN:
                 self._wake()  # pause("drain") waits for the last request
 
     def running_request_ids(self) -> list[str]:
@@ -284,7 +284,7 @@ class SimEngine:
                 req.advance(now, self.version)
         self._pause_mode = mode
         self._wake()
-        if mode == "drain":
+        if mode == ApplyMode.DRAIN:
             while self._requests:
                 await self._sleep(None)
                 self._check()
@@ -386,5 +386,5 @@ def _set_done(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def ENGINE_FACTORY(**options: Any) -> SimEngine:  # noqa: N802 (the registry's well-known name)
+def ENGINE_FACTORY(**options: Any) -> SimEngine:  # the registry's well-known name
     return SimEngine(options_from(SimOptions, options))

@@ -5,19 +5,16 @@
 load (and that SGLang can load): a Llama or Qwen2 config with random weights
 (seeded, so the same arguments give the same model), and a byte-level BPE
 tokenizer trained on a handful of strings with a chat template. Nothing is
-downloaded. The demo and the tests use it; so can ``python -m
-rollpool.workers.engines.tiny_model OUT``.
+downloaded. The demo and the tests use it; so can ``rollpool make-tiny-model OUT``
+(`rollpool.cli.make_tiny_model`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
-from collections.abc import Sequence
 
-__all__ = ["build_tiny_model", "main"]
+__all__ = ["build_tiny_model"]
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -138,23 +135,3 @@ def build_tiny_model(
         json.dumps({"arch": arch, "vocab": real_vocab, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed})
     )
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollpool.workers.engines.tiny_model", description=__doc__)
-    parser.add_argument("out")
-    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2"))
-    parser.add_argument("--vocab", type=int, default=384)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    a = parser.parse_args(argv)
-    path = build_tiny_model(a.out, arch=a.arch, vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seed=a.seed)
-    sys.stdout.write(f"{path}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -51,7 +51,7 @@ class ChatTokenizer(Protocol):
 class EndpointError(Exception):
     """A request the endpoint refuses, answered as an OpenAI-style error body with `status`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -158,7 +158,7 @@ def render(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], tool
         kwargs["tools"] = list(tools)
     try:
         text = tokenizer.apply_chat_template([render_message(m) for m in messages], **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the template refused these messages: the request's fault
+    except Exception as exc:  # the template refused these messages: the request's fault
         raise _bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", "messages") from exc
     return str(text)
 

@@ -81,7 +81,7 @@ class _TextView:
     text: str
 
 
-def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_request: bool) -> SamplingParams:
+def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_request: bool) -> SamplingParams:  # noqa: C901 - grandfathered: one check per OpenAI sampling field
     def number(name: str, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
         value = body.get(name)
         if value is None:

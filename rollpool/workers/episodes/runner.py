@@ -92,7 +92,7 @@ def load_episode_function(path: str) -> EpisodeFn:
         raise ConfigError(f"--episode must look like package.module:function (or name=package.module:function), got {path!r}")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure is the path's fault
+    except Exception as exc:  # any import-time failure is the path's fault
         raise ConfigError(f"--episode {path!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from exc
     fn: Any = module
     for part in attr.split("."):

@@ -47,7 +47,7 @@ def _json(body: Any, status: int = 200) -> Any:
     return _web().json_response(body, status=status)
 
 
-def _error(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+def _error(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> Any:
     return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status=status)
 
@@ -82,7 +82,7 @@ class EpisodeServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
-        sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - the bound port when port=0
+        sockets = getattr(site._server, "sockets", None) or []  # the bound port when port=0
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
         log.info("episode endpoint on %s", self.base_url)

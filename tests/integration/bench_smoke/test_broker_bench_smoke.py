@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.timeout(300)  # ~20 s measured; the bench's own subprocess timeout is 240 s
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

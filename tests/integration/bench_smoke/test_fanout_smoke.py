@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(300)  # ~13 s measured; the bench's own subprocess timeout is 240 s
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

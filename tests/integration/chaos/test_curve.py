@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from rollpool.broker import Broker, BrokerConfig
-from rollpool.keys_cli import generate
+from rollpool.cli.keys import generate
 from rollpool.protocol import ClientHello, ClientWelcome, SecurityConfig, SocketFactory, decode, encode
 from rollpool.protocol.sockets import SERVER_PUBLIC_FILE
 

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from rollpool.broker import Broker, BrokerConfig
-from rollpool.keys_cli import add_key, finish_migration, generate, migrate
+from rollpool.cli.keys import add_key, finish_migration, generate, migrate
 from rollpool.protocol import SecurityConfig, SocketFactory, decode, encode
 from rollpool.protocol import messages as m
 from rollpool.protocol.roles import HOST_FILES, ROLES, SERVER_SOCKETS

@@ -27,6 +27,8 @@ def _procs_with(tag: str) -> list[int]:
             pids.append(int(entry))
     return pids
 
+pytestmark = pytest.mark.timeout(300)  # ~40 s each measured; the demo's own waits are 240 s
+
 
 def _demo(tmp_path: Path, pool: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "rollpool.demo", "--log-level", "WARNING", "--pool", pool, "--out", str(tmp_path / "out"),

@@ -20,6 +20,7 @@ from tests.integration.launch.test_local import REPO, SIM, _alive, _procs_mentio
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(180),  # ~50 s measured; its own waits add up to 210 s
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'rollpool[ray]')"),
 ]
 

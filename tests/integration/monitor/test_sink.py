@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -134,7 +133,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_redis_down_never_slows_callers_and_reporting_resumes(pool: str) -> None:
+def test_redis_down_drops_the_oldest_and_reporting_resumes(pool: str) -> None:
     port = _free_port()
     server = EmbeddedRedis(port=port).start()
     sink = RedisMetricsSink(server.url, pool, flush_interval_s=0.05, socket_timeout_s=0.5,
@@ -144,14 +143,10 @@ def test_redis_down_never_slows_callers_and_reporting_resumes(pool: str) -> None
         assert sink.flush()
         server.stop()
 
-        slowest_s = 0.0
-        for i in range(3000):  # more than the buffer holds: the oldest are dropped, the caller never waits
-            t0 = time.perf_counter()
+        for i in range(3000):  # more than the buffer holds: the oldest are dropped (that calls never wait: below)
             sink.publish_state("broker", "broker", {"epoch": "a1b2", "version": 5, "queued": i})
             sink.event("task_requeued", {"task_id": f"q{i}@1"})
             sink.observe("staleness", 1)
-            slowest_s = max(slowest_s, time.perf_counter() - t0)
-        assert slowest_s < 0.25, f"a call took {slowest_s:.3f} s while redis was down"  # liveness bound
         assert wait_until(lambda: sink.stats()["failed_flushes"] >= 2 and not sink.stats()["connected"], timeout_s=5)
 
         server = EmbeddedRedis(port=port).start()  # same port, empty server
@@ -169,7 +164,7 @@ def test_redis_down_never_slows_callers_and_reporting_resumes(pool: str) -> None
 
             assert wait_until(back, timeout_s=10), reader.snapshot(events=5)
             assert sink.stats()["dropped"] > 0  # the buffer overflowed during the outage: counted, not blocking
-            assert sink.stats()["connected"] is True
+            assert wait_until(lambda: sink.stats()["connected"] is True, timeout_s=5)  # set by the writer after its EXEC returns
             sink.publish_state("worker", "w9", {"state": "idle"}, ttl_s=30)
             assert sink.flush()
             assert "w9" in reader.snapshot().workers
@@ -178,13 +173,73 @@ def test_redis_down_never_slows_callers_and_reporting_resumes(pool: str) -> None
         server.stop()
 
 
+class _BlackHole:
+    """A TCP listener that accepts a connection and never answers: a Redis that hangs, not one that refuses."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        self.conn: socket.socket | None = None
+
+    def wait_for_a_request(self) -> bytes:
+        """Accept the sink's connection and read what it sent: its writer now waits for a reply that never comes."""
+        self.listener.settimeout(10)
+        self.conn, _ = self.listener.accept()
+        self.conn.settimeout(10)
+        return self.conn.recv(65536)
+
+    def close(self) -> None:  # the writer's read ends (connection reset), so its thread can finish
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+def test_calls_never_wait_for_a_redis_that_does_not_answer(pool: str) -> None:
+    """The writer thread is stuck in a round trip (socket timeout 300 s, beyond the test's own timeout); 9,000 calls
+    still return, the buffer's oldest entries are dropped and counted, and the stuck round trip has neither
+    succeeded nor failed yet: no call waited for the network."""
+    hole = _BlackHole()
+    sink = RedisMetricsSink(hole.url, pool, flush_interval_s=0.01, socket_timeout_s=300,
+                            max_buffered=1000, close_timeout_s=0.5)
+    try:
+        sink.event("first", {})
+        assert hole.wait_for_a_request()  # the writer sent its request and waits
+        for i in range(3000):
+            sink.publish_state("broker", "broker", {"queued": i})
+            sink.event("task_requeued", {"task_id": f"q{i}@1"})
+            sink.observe("staleness", 1)
+        stats = sink.stats()
+        assert stats["enqueued"] == 9001 and stats["dropped"] >= 9001 - 1000 - 1, stats
+        assert stats["flushes"] == 0 and stats["failed_flushes"] == 0, stats  # the one round trip is still hanging
+    finally:
+        hole.close()
+        sink.close()
+
+
+def test_close_is_bounded_when_redis_hangs(pool: str) -> None:
+    """close() gives up on the last flush after close_timeout_s: it returns while the writer is still stuck in a
+    round trip that would take 300 s (beyond the test's own timeout) to fail."""
+    hole = _BlackHole()
+    sink = RedisMetricsSink(hole.url, pool, socket_timeout_s=300, close_timeout_s=0.5)
+    try:
+        for i in range(100):
+            sink.event("tick", {"i": i})
+        assert hole.wait_for_a_request()
+        sink.close()
+        assert sink._thread.is_alive()  # close returned without the writer: the hanging round trip did not hold it
+        assert sink.stats()["flushes"] == 0 and sink.stats()["failed_flushes"] == 0
+    finally:
+        hole.close()
+        sink._thread.join(10)
+    assert not sink._thread.is_alive()
+
+
 def test_close_is_bounded_when_redis_is_gone(pool: str) -> None:
     sink = RedisMetricsSink(f"redis://127.0.0.1:{_free_port()}/0", pool, socket_timeout_s=0.5, close_timeout_s=2.0)
     for i in range(100):
         sink.event("tick", {"i": i})
-    t0 = time.monotonic()
-    sink.close()
-    assert time.monotonic() - t0 < 3.0
+    sink.close()  # refused at once: the last flush fails fast and the writer ends
+    assert not sink._thread.is_alive()
 
 
 def test_within_the_buffer_bound_an_outage_loses_nothing(pool: str) -> None:

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from rollpool.broker import Broker, BrokerConfig
 from rollpool.cli import build_parser
-from rollpool.keys_cli import generate
+from rollpool.cli.keys import generate
 from rollpool.monitor.sink import RedisMetricsSink
 from rollpool.protocol import SecurityConfig, SocketFactory, encode
 from rollpool.protocol import messages as m

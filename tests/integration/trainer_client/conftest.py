@@ -36,7 +36,7 @@ class Pool:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(os.path.join(self.dir, f"{name}.log"), "ab")  # noqa: SIM115 - the child owns it
+        log = open(os.path.join(self.dir, f"{name}.log"), "ab")  # the child owns it
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs[name] = proc

@@ -28,6 +28,9 @@ from tests.integration.trainer_client.conftest import Pool
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+# the module-scoped pool starts inside the first test (~40 s measured, ~65 s with that test)
+pytestmark = pytest.mark.timeout(180)
+
 HIDDEN = 768
 
 

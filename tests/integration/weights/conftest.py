@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rollpool.protocol.sockets import SocketFactory  # noqa: E402
-from rollpool.weights.publisher import WeightPublisher  # noqa: E402
-from rollpool.weights.relay import Relay  # noqa: E402
-from rollpool.weights.subscriber import WeightSubscriber  # noqa: E402
+from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.publisher import WeightPublisher
+from rollpool.weights.relay import Relay
+from rollpool.weights.subscriber import WeightSubscriber
 
 
 @pytest.fixture

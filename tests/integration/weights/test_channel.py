@@ -19,7 +19,6 @@ from rollpool.protocol import decode, encode  # noqa: E402
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
 from rollpool.protocol.messages import Announce, Error, Fetch, Manifest, ManifestRequest  # noqa: E402
 from rollpool.weights import WeightVersionGoneError  # noqa: E402
-from rollpool.weights.wire import build  # noqa: E402
 
 
 def model(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
@@ -287,11 +286,11 @@ async def test_malformed_frames_get_an_error_and_the_publisher_keeps_serving(mak
         bad_requests: list[list[bytes]] = [
             [b"\xc1not msgpack"],
             [b"\x94\x01\x00\xa5hello\x80"],  # [1, 0, "hello", {}]: not a weights request
-            encode(build(Announce, version=1, publisher_id="x", total_bytes=0, num_buckets=0)),
-            encode(build(Fetch, request_id="r1", version=1, bucket=0, offset=0, nbytes=1 << 30)),
-            encode(build(Fetch, request_id="r2", version=1, bucket=99, offset=0, nbytes=10)),
-            encode(build(Fetch, request_id="r3", version=5, bucket=0, offset=0, nbytes=10)),
-            encode(build(ManifestRequest, request_id="r4", version=0)),
+            encode(Announce(version=1, publisher_id="x", total_bytes=0, num_buckets=0)),
+            encode(Fetch(request_id="r1", version=1, bucket=0, offset=0, nbytes=1 << 30)),
+            encode(Fetch(request_id="r2", version=1, bucket=99, offset=0, nbytes=10)),
+            encode(Fetch(request_id="r3", version=5, bucket=0, offset=0, nbytes=10)),
+            encode(ManifestRequest(request_id="r4", version=0)),
         ]
         codes = []
         for frames in bad_requests:
@@ -302,7 +301,7 @@ async def test_malformed_frames_get_an_error_and_the_publisher_keeps_serving(mak
         # a type this socket does not serve is refused before its fields are read (roles table, issue 21)
         assert codes == ["malformed", "unexpected_type", "unexpected_type", "bad_range", "bad_range", "unknown_version", "gone"]
         assert pub.stats["protocol_errors"] >= 3
-        await rogue.send_multipart(encode(build(ManifestRequest, request_id="ok")))
+        await rogue.send_multipart(encode(ManifestRequest(request_id="ok")))
         reply = decode(await asyncio.wait_for(rogue.recv_multipart(), 5))
         assert isinstance(reply, Manifest) and reply.version == 1
     finally:

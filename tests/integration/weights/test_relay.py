@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool.protocol.errors import ConfigError  # noqa: E402
-from rollpool.weights.relay_cli import RelayConfig, default_pub_endpoint  # noqa: E402
+from rollpool.weights.config import RelayConfig, default_pub_endpoint  # noqa: E402
 
 from .test_channel import assert_same, model, wrap_sources  # noqa: E402
 

@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("trl")
 
-from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol  # noqa: E402
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from rollpool.integrations.trl import (  # noqa: E402
+from rollpool.integrations.trl import (
     RewardError,
     RollpoolRolloutWorker,
     RollpoolWeightTransfer,
     group_to_samples,
 )
-from rollpool.protocol import GroupResult, GroupState, Trajectory  # noqa: E402
+from rollpool.protocol import GroupResult, GroupState, Trajectory
 
 
 def traj(i: int, out: list[int], *, versions: list[int], mask: list[int] | None = None, reward: float | None = None,

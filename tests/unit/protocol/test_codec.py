@@ -216,6 +216,8 @@ def test_fuzz_mutated_frames_raise_only_protocol_error() -> None:
     assert counts["protocol_error"] > 5_000  # the mutations really do break messages
 
 
+@pytest.mark.slow  # 10,000 examples: ~25 s on a loaded 2-core box
+@pytest.mark.timeout(120)
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=6))
 def test_fuzz_random_frame_lists_raise_only_protocol_error(frames: list[bytes]) -> None:

@@ -22,7 +22,6 @@ from rollpool.weights.bucketing import (  # noqa: E402
     unpack_buckets,
     verify_checksum,
 )
-from rollpool.weights.wire import build  # noqa: E402
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:
@@ -168,8 +167,8 @@ def test_without_xxhash_the_default_falls_back_to_crc32(monkeypatch: pytest.Monk
 
 def test_manifests_that_do_not_fit_their_buffer_are_refused() -> None:
     def bucket(offset: int, shape: tuple[int, ...], nbytes: int, size: int = 16) -> BucketInfo:
-        t = build(TensorInfo, name="t", dtype="float32", shape=shape, offset=offset, nbytes=nbytes)
-        return build(BucketInfo, index=0, dtype="float32", nbytes=size, checksum="crc32:0", tensors=(t,))
+        t = TensorInfo(name="t", dtype="float32", shape=shape, offset=offset, nbytes=nbytes)
+        return BucketInfo(index=0, dtype="float32", nbytes=size, checksum="crc32:0", tensors=(t,))
 
     check_bucket_info(bucket(0, (4,), 16))
     for bad in (bucket(4, (4,), 16), bucket(0, (5,), 16), bucket(2, (1,), 4), bucket(0, (-1,), 16)):

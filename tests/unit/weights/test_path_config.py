@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
+from rollpool.cli.relay import add_arguments
 from rollpool.protocol.config import load_config
 from rollpool.protocol.errors import ConfigError
-from rollpool.weights.config import WeightPathConfig, default_streams
-from rollpool.weights.relay_cli import RelayConfig, add_arguments
+from rollpool.weights.config import RelayConfig, WeightPathConfig, default_streams
 
 
 def parse(*argv: str) -> RelayConfig:

@@ -349,7 +349,7 @@ def test_drain_without_a_broker_hands_back_everything_and_says_no_goodbye() -> N
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["task", "gen", "score", "refuse", "cancel", "fail", "restart", "epoch", "welcome", "unsent"]),
                           st.integers(0, 5), st.integers(1, 3)), max_size=60))
-def test_every_task_ends_in_exactly_one_message_and_credits_stay_within_capacity(ops: list[tuple[str, int, int]]) -> None:
+def test_every_task_ends_in_exactly_one_message_and_credits_stay_within_capacity(ops: list[tuple[str, int, int]]) -> None:  # noqa: C901 - grandfathered: one branch per operation of the property test
     s = started()
     sent: list[Outgoing] = []
     received: list[str] = []

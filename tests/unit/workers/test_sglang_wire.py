@@ -93,6 +93,8 @@ def test_verification_prefers_one_cheap_norm_weight() -> None:
 def test_shim_json_round_trips_a_recorded_response_with_or_without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
+    pytest.importorskip("aiohttp")  # the shim lives in the http module, which needs the sglang extra's aiohttp
+
     from rollpool.workers.engines.sglang.http import dumps as _dumps
     from rollpool.workers.engines.sglang.http import loads as _loads
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -60,7 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
-from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.protocol.fingerprint import model_fingerprint
+from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
@@ -79,7 +79,7 @@ __all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODE
 
 log = logging.getLogger(__name__)
 
-SGLANG_APPLY_MODES: tuple[str, ...] = ("interrupt", "drain")
+SGLANG_APPLY_MODES: tuple[str, ...] = (ApplyMode.INTERRUPT, ApplyMode.DRAIN)
 _IN_PLACE_REFUSED = (
     "apply mode in_place is refused on SGLang 0.5.14: pause_generation(in_place) followed by a weight update "
     "with flush_cache crashes the scheduler (sglang-kit API-NOTES fact 7); use interrupt or drain"
@@ -195,12 +195,7 @@ class SGLangEngine:
             self._params = read_safetensors_index(path)
         except (OSError, ValueError, KeyError) as exc:
             raise EngineError(f"sglang engine: cannot read the checkpoint of {path}: {exc}") from exc
-        digest = hashlib.sha256()
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            f = path / name
-            if f.exists():
-                digest.update(name.encode() + b"\0" + f.read_bytes())
-        self._fingerprint = digest.hexdigest()[:16]
+        self._fingerprint = model_fingerprint(path)
         self._read_limits(path)
         if self.device is None:
             self.device = "cuda" if cuda_available() else "cpu"
@@ -343,7 +338,7 @@ class SGLangEngine:
             self._http = None
         if self.token_path is not None:
             with contextlib.suppress(OSError):
-                self.token_path.unlink()  # noqa: ASYNC240 - one small file at stop
+                self.token_path.unlink()  # one small file at stop
             self.token_path = None
         if self._log_fh is not None:
             self._log_fh.close()
@@ -528,7 +523,7 @@ class SGLangEngine:
     # -- weight updates
 
     async def pause(self, mode: str) -> None:
-        if mode == "in_place":
+        if mode == ApplyMode.IN_PLACE:
             raise EngineError(_IN_PLACE_REFUSED)
         if mode not in SGLANG_APPLY_MODES:
             raise EngineError(f"apply mode must be one of {SGLANG_APPLY_MODES}, got {mode!r}")
@@ -536,7 +531,7 @@ class SGLangEngine:
         self._pause_started = time.time()
         self._gate.clear()
         self._mode = mode
-        if mode == "interrupt":
+        if mode == ApplyMode.INTERRUPT:
             # our own abort_all + wait: pause_generation(abort) alone polls once a second
             deadline = time.monotonic() + 120
             while not self._idle.is_set():
@@ -700,5 +695,5 @@ class SGLangEngine:
             await self._post("/flush_cache", method="GET")
 
 
-def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # noqa: N802 (the registry's well-known name)
+def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # the registry's well-known name
     return SGLangEngine(options_from(SGLangOptions, options))

@@ -151,7 +151,7 @@ def _app(routes: Mapping[str, Route], token: str) -> web.Application:
             status, answer = await route(body)
         except BadRequest as exc:
             status, answer = 400, {"error": {"message": str(exc)}}
-        except Exception as exc:  # noqa: BLE001 - the server's own fault: 500, logged, and the server keeps serving
+        except Exception as exc:  # the server's own fault: 500, logged, and the server keeps serving
             log.exception("route %s failed", request.path)
             status, answer = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
         return web.Response(status=status, body=dumps(answer), content_type="application/json")

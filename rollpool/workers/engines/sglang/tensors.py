@@ -55,7 +55,7 @@ def leading(t: Any) -> list[float]:
 def serialize_update(named: Mapping[str, Any], device: str) -> tuple[str, dict[str, Any], float]:
     """``(base64 payload, the tensors as placed on device, host-to-device seconds)``; see the module docstring."""
     import torch
-    import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions on ForkingPickler
+    import torch.multiprocessing  # registers the CUDA tensor reductions on ForkingPickler
 
     t0 = time.time()
     by_dtype: dict[Any, list[tuple[str, Any]]] = {}

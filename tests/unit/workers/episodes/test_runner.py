@@ -317,8 +317,8 @@ def test_the_worker_command_exits_2_naming_an_episode_path_that_does_not_import(
 def test_episode_flags_repeat_into_the_worker_config() -> None:
     import argparse
 
+    from rollpool.cli.worker import add_arguments
     from rollpool.protocol.config import load_config
-    from rollpool.workers.cli import add_arguments
     from rollpool.workers.config import WorkerConfig
 
     parser = argparse.ArgumentParser()

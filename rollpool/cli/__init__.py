@@ -1,11 +1,12 @@
 """The `rollpool` console script: one subcommand per service or application.
 
-Each subcommand lives in its own module, which defines ``HELP`` (one line),
+Each subcommand ``X`` lives in its own module, ``rollpool/cli/X.py`` (``make-tiny-model``:
+``make_tiny_model.py``), which defines ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them
-together with the shared logging flags. A subcommand whose module is not
-importable in this build (a service still being written) is left out of
-``--help`` rather than breaking the others. Modules are imported without their
-heavy dependencies (torch, sglang, ray load when a command runs).
+together with the shared logging flags, and maps a `ConfigError` (a bad flag,
+environment variable or TOML value, whenever it is found) to exit status 2 with
+one line on stderr, for every subcommand alike. Modules are imported without
+their heavy dependencies (torch, sglang, ray load when a command runs).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 from rollpool import __version__
+from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.logs import add_logging_arguments, configure_logging_from_args
 
 __all__ = ["main", "SUBCOMMANDS", "build_parser"]
@@ -24,28 +25,10 @@ __all__ = ["main", "SUBCOMMANDS", "build_parser"]
 # services that report to Redis: the CLI adds --redis-url and hands them a MetricsSink
 _MONITORED = ("broker", "worker", "relay")
 
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("demo", "rollpool.demo.cli"),
-    ("broker", "rollpool.broker.cli"),
-    ("worker", "rollpool.workers.cli"),
-    ("relay", "rollpool.weights.relay_cli"),
-    ("status", "rollpool.monitor.status_cli"),
-    ("top", "rollpool.monitor.top_cli"),
-    ("exporter", "rollpool.monitor.exporter_cli"),
-    ("launch", "rollpool.launch.cli"),
-    ("chaos", "rollpool.chaos.cli"),
-    ("keys", "rollpool.keys_cli"),
-    ("make-tiny-model", "rollpool.workers.tiny_model_cli"),
+SUBCOMMANDS: tuple[tuple[str, str], ...] = tuple(
+    (name, f"rollpool.cli.{name.replace('-', '_')}")
+    for name in ("demo", "broker", "worker", "relay", "status", "top", "exporter", "launch", "chaos", "keys", "make-tiny-model")
 )
-
-
-def _load(module_name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            return None  # the subcommand is not part of this build yet
-        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS:
-        module = _load(module_name)
-        if module is None:
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         add_logging_arguments(p)
         module.add_arguments(p)
@@ -84,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return int(args._run(args, metrics=sink_from_args(args)) or 0)
         return int(args._run(args) or 0)
+    except ConfigError as exc:
+        print(f"rollpool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

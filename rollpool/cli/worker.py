@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import signal
-import sys
 
+from rollpool.cli._service import run_service
 from rollpool.protocol.config import add_config_arguments, load_config
-from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
-from rollpool.protocol.sockets import SecurityConfig, SocketFactory
+from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.episodes.runner import load_episode_functions
 from rollpool.workers.worker import Worker
@@ -34,41 +32,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
-    try:
-        config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
-        load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
-    except ConfigError as exc:
-        print(f"rollpool worker: error: {exc}", file=sys.stderr)
-        return 2
+    # a ConfigError (a bad flag, or an --episode path that does not import) exits 2 in rollpool.cli.main
+    config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+    load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
     return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
 
 
-async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
-    import zmq.asyncio
+class _Workers:
+    """The ``--count`` workers of one process, stopped and run together (each on its own DEALER)."""
 
-    ctx = zmq.asyncio.Context()
-    sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(config.curve_dir, role="worker"))
-    if config.count == 1:
-        configs = [config]
-    else:
-        configs = [dataclasses.replace(config, worker_id=f"{config.worker_id}-{i}", count=1) for i in range(config.count)]
-    workers = [Worker(c, sockets, metrics=metrics) for c in configs]
-    loop = asyncio.get_running_loop()
+    def __init__(self, config: WorkerConfig, sockets: SocketFactory, metrics: MetricsSink) -> None:
+        if config.count == 1:
+            configs = [config]
+        else:
+            configs = [dataclasses.replace(config, worker_id=f"{config.worker_id}-{i}", count=1) for i in range(config.count)]
+        self.workers = [Worker(c, sockets, metrics=metrics) for c in configs]
 
-    def stop_all() -> None:
-        for w in workers:
+    def stop(self) -> None:
+        for w in self.workers:
             w.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
-    try:
+    async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            for w in workers:
+            for w in self.workers:
                 tg.create_task(w.run(), name=f"worker-{w.worker_id}")
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        sockets.close()
-        ctx.destroy(linger=0)
-        metrics.close()
+
+
+async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
+    # SIGHUP keeps its default for a worker (no key reload there)
+    await run_service(lambda sockets: _Workers(config, sockets, metrics), curve_dir=config.curve_dir, role="worker",
+                      metrics=metrics, reload_keys_on_hup=False)
     return 0

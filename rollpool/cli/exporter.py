@@ -11,7 +11,7 @@ import signal
 import threading
 from types import FrameType
 
-from rollpool.monitor._cli_common import add_reader_arguments, reader_target
+from rollpool.cli._reader_args import add_reader_arguments, reader_target
 
 HELP = "serve /metrics (Prometheus), / (live dashboard) and /api/state for a pool"
 

@@ -11,7 +11,7 @@ import json
 import shutil
 import sys
 
-from rollpool.monitor._cli_common import add_reader_arguments, reader_target
+from rollpool.cli._reader_args import add_reader_arguments, reader_target
 
 HELP = "print a pool's live state from Redis (workers, broker, staleness, events)"
 

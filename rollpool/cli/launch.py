@@ -19,7 +19,6 @@ from rollpool.launch.local import LocalLaunchConfig, run_local
 from rollpool.launch.ray_launch import RayLaunchConfig, run_ray
 from rollpool.monitor.sink import add_redis_arguments, redis_url_from
 from rollpool.protocol.config import add_config_arguments, load_config
-from rollpool.protocol.errors import ConfigError
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -44,12 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     log_level = getattr(args, "log_level", None)
-    try:
-        if args.launcher == "local":
-            local_cfg = load_config(LocalLaunchConfig, args, toml_path=args.config, section="launch")
-            return asyncio.run(run_local(local_cfg, redis_url=redis_url_from(args), log_level=log_level))
-        ray_cfg = load_config(RayLaunchConfig, args, toml_path=args.config, section="launch_ray")
-        return run_ray(ray_cfg, redis_url=redis_url_from(args), log_level=log_level)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
+    # a ConfigError exits 2 in rollpool.cli.main
+    if args.launcher == "local":
+        local_cfg = load_config(LocalLaunchConfig, args, toml_path=args.config, section="launch")
+        return asyncio.run(run_local(local_cfg, redis_url=redis_url_from(args), log_level=log_level))
+    ray_cfg = load_config(RayLaunchConfig, args, toml_path=args.config, section="launch_ray")
+    return run_ray(ray_cfg, redis_url=redis_url_from(args), log_level=log_level)

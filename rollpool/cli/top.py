@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 
-from rollpool.monitor._cli_common import add_reader_arguments, reader_target
+from rollpool.cli._reader_args import add_reader_arguments, reader_target
 
 HELP = "live terminal view of a pool: workers, broker counters, lag histogram, recent events"
 
