@@ -55,7 +55,7 @@ def sampled_versions(token_versions: np.ndarray, loss_mask: np.ndarray) -> np.nd
     versions = np.asarray(token_versions)
     mask = np.asarray(loss_mask)
     if mask.shape == versions.shape and versions.size:
-        sampled = versions[mask != 0]
+        sampled: np.ndarray = versions[mask != 0]
         if sampled.size:
             return sampled
     return versions

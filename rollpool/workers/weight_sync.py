@@ -306,7 +306,7 @@ class WeightSync:
         if refused:
             # a version the engine refuses (a poison version): reported (ApplyDone above), skipped, never retried;
             # the engine keeps serving the last good version and no restart is needed
-            self._skip(version, error)
+            await self._skip(version, error)
             if fresh:
                 raise WeightsRefusedError(f"version {version} refused by the restarted engine: {error}")
             return False
