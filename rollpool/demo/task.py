@@ -87,11 +87,12 @@ def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int 
 
 def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_tokens: Sequence[str] = (),
                      chat_template: str | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     seed: int = 0) -> pathlib.Path:
+                     tie_embeddings: bool = False, seed: int = 0) -> pathlib.Path:
     """A random-weight Llama over a word-level `vocab` (which starts with `SPECIALS`), with its tokenizer.
 
     `special_tokens` are more special tokens of `vocab` (never split, dropped by
-    ``decode(skip_special_tokens=True)``); `chat_template` is saved with the tokenizer.
+    ``decode(skip_special_tokens=True)``); `chat_template` is saved with the tokenizer;
+    `tie_embeddings` shares the input embedding with the output layer.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -113,7 +114,7 @@ def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=tie_embeddings,
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

@@ -43,6 +43,8 @@ class GRPOConfig:
     clip_eps: float = 0.2
     max_importance: float = 5.0
     adv_eps: float = 1e-4
+    entropy_coef: float = 0.0
+    """Weight of the policy's mean entropy at the trained positions, added to the objective (keeps exploring)."""
 
 
 def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -77,10 +79,13 @@ def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attn, gen_mask, behaviour, advantages
 
 
-def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(token t+1), the entropy of the distribution over token t+1) at every position t."""
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(lp, (0, 1))  # position t holds log p(token t+1)
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(lp, (0, 1)), torch.nn.functional.pad(entropy, (0, 1))
 
 
 def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[GroupResult], *, pad_id: int,
@@ -89,14 +94,15 @@ def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[Gro
     ids, attn, mask, behaviour, adv = _tensors(groups, pad_id)
     model.train()
     with torch.no_grad():
-        proximal = _token_logprobs(model, ids, attn)
-    current = _token_logprobs(model, ids, attn)
+        proximal, _ = _token_logprobs(model, ids, attn)
+    current, entropy = _token_logprobs(model, ids, attn)
     weight = torch.exp(proximal - behaviour).clamp(max=config.max_importance)
     ratio = torch.exp(current - proximal)
     a = adv.unsqueeze(1)
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps) * a)
     tokens = mask.sum().clamp(min=1.0)
-    loss = -(weight * surrogate * mask).sum() / tokens
+    mean_entropy = (entropy * mask).sum() / tokens
+    loss = -(weight * surrogate * mask).sum() / tokens - config.entropy_coef * mean_entropy
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,4 +114,5 @@ def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[Gro
         "train/importance_mean": float(((weight * mask).sum() / tokens).item()),
         "train/behaviour_gap": float(behaviour_gap.item()),
         "train/tokens": float(tokens.item()),
+        "train/entropy": float(mean_entropy.item()),
     }
