@@ -63,7 +63,7 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 class DemoConfig:
     task: str = field(default="max", metadata={"help": "max: name the largest of four digits; tool: a multi-turn episode "
                                                        "that needs a tool call (openai SDK agent, --episode)"})
-    no_tool: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> (stays at chance)"})
+    tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
     steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150)"})
@@ -74,7 +74,7 @@ class DemoConfig:
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
     lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3)"})
-    entropy_coef: float | None = field(default=None, metadata={"help": "entropy bonus during the first half of the steps "
+    entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
@@ -90,8 +90,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.no_tool and self.task != "tool":
-            raise ConfigError("no_tool is the control run of --task tool")
+        if self.tool_disabled and self.task != "tool":
+            raise ConfigError("tool_disabled is the control run of --task tool")
         if not 0.0 <= self.call_bonus < 1.0:
             raise ConfigError(f"call_bonus must be in [0, 1), got {self.call_bonus}")
         if self.steps is not None and self.steps < 1:
@@ -258,7 +258,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             if tool:
                 # episodes never trained on, with their own draws of the secrets (a seed apart from training's)
                 eval_rng = random.Random(f"eval:{cfg.seed}")
-                prompts = [{**tool_task.make_prompt(eval_rng, tool=not cfg.no_tool, call_bonus=cfg.call_bonus, evaluation=True),
+                prompts = [{**tool_task.make_prompt(eval_rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus, evaluation=True),
                             "group_size": 1, "sampling": sampling, "exempt_from_staleness": True}
                            for _ in range(cfg.eval_prompts)]
             else:
@@ -278,7 +278,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         if redis_url:
             _progress(cfg, f"live view: rollpool top --redis-url {redis_url} --pool {cfg.pool}")
-        task_name = (("tool disabled (control): " if cfg.no_tool else "") + "look a secret digit up with a tool, then say it (episodes)"
+        task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
                      if tool else "largest of four digits")
         _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
                        f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
@@ -289,7 +289,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             prompts = []
             for _ in range(count):
                 if tool:
-                    prompts.append({**tool_task.make_prompt(rng, tool=not cfg.no_tool, call_bonus=cfg.call_bonus),
+                    prompts.append({**tool_task.make_prompt(rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus),
                                     "group_size": group_size, "sampling": sampling})
                     continue
                 ids, ans = task.training_example(rng)
@@ -330,9 +330,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 trajs = batch.trajectories
                 stats["tool/correct"] = float(sum(bool(t.metadata.get("correct")) for t in trajs) / max(1, len(trajs)))
                 stats["tool/called"] = float(sum(bool(t.metadata.get("called")) for t in trajs) / max(1, len(trajs)))
-            entropy_coef = cfg.entropy_coef if step <= half else 0.0
             stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID,
-                                   config=GRPOConfig(lr=lr, entropy_coef=entropy_coef)))
+                                   config=GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef)))
             scheduler.step()
             version += 1
             client.publish_weights(model, version)
@@ -390,7 +389,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         }
         if tool:
             summary.update({
-                "tool_disabled": cfg.no_tool,
+                "tool_disabled": cfg.tool_disabled,
                 "entropy_coef": cfg.entropy_coef,
                 "call_bonus": cfg.call_bonus,
                 "tool_call_share_first": calls_first,

@@ -95,8 +95,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tool_model(path: str | pathlib.Path, *, seed: int = 0, tie_embeddings: bool = False, hidden: int = 128,
-                     layers: int = 2) -> pathlib.Path:
-    """A random-weight Llama over the task's 22-token vocabulary, with its tokenizer and chat template."""
+                     layers: int = 1) -> pathlib.Path:
+    """A random-weight Llama over the task's 22-token vocabulary, with its tokenizer and chat template.
+
+    One layer, 128 wide: in the in-process stand-in of the task (the same GRPO step, no pool) one layer
+    learned the copy of the tool's answer in all three seeds tried within 150 steps, two layers in none.
+    """
     return build_word_model(path, VOCAB, special_tokens=[CALL, OBS, NONE], chat_template=CHAT_TEMPLATE, seed=seed,
                             tie_embeddings=tie_embeddings, hidden=hidden, layers=layers)
 
