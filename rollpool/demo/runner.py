@@ -55,7 +55,7 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # the tool task: bigger groups (the answer is random per episode: more samples per prompt steady the
     # group baseline), an entropy bonus (the answer must stay spread over the ten digits until the copy
     # is learned), and a slower heartbeat (each worker runs an HTTP endpoint and SDK clients beside its engine)
-    "tool": {"steps": 150, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
+    "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
 }
 
 
@@ -66,7 +66,7 @@ class DemoConfig:
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
