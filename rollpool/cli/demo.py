@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rollpool.protocol.config import add_config_arguments, load_config
 
@@ -25,6 +26,12 @@ def run(args: argparse.Namespace) -> int:
         # the live progress lines are the demo's output; the services' INFO logs go to their log files
         configure_logging("WARNING", getattr(args, "log_json", False))
 
-    cfg = load_config(DemoConfig, args, section="demo")
+    from rollpool.protocol import ConfigError
+
+    try:
+        cfg = load_config(DemoConfig, args, section="demo")
+    except ConfigError as exc:  # a bad flag: the message, not a traceback
+        print(f"rollpool demo: error: {exc}", file=sys.stderr)
+        return 2
     summary = run_demo(cfg)
     return 0 if summary.get("lost", 1) == 0 and summary.get("duplicated", 1) == 0 else 1

@@ -10,6 +10,13 @@ version; the workers fetch and apply it while they keep generating (rolling,
 one at a time). ``--sync`` runs the same job synchronously (eta = 0: nothing
 is generated ahead of the weights that will train on it).
 
+``--task tool`` runs the same pool on episodes (`rollpool.demo.tool_task`): the
+workers run an `openai` SDK agent per sample (``--episode``) through their
+episode endpoint, with the ``compact`` tool-call parser; the reward is the
+episode's return value, and the trainer trains only the tokens the model
+sampled (the tool's and the template's tokens have loss mask 0).
+``--no-tool`` is its control: the same run with the tool answering ``<none>``.
+
 Every child process is started in its own session with a parent-death signal
 and is terminated (then killed) when the demo returns, also on Ctrl-C.
 """
@@ -17,6 +24,7 @@ and is terminated (then killed) when the demo returns, also on Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -40,23 +48,42 @@ log = logging.getLogger(__name__)
 __all__ = ["DemoConfig", "run_demo"]
 
 
+TASKS = ("max", "tool")
+# per task: what an unset flag means
+_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
+    # the tool task: bigger groups (the answer is random per episode: more samples per prompt steady the
+    # group baseline), an entropy bonus (the answer must stay spread over the ten digits until the copy
+    # is learned), and a slower heartbeat (each worker runs an HTTP endpoint and SDK clients beside its engine)
+    "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
+}
+
+
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = field(default=150, metadata={"help": "optimizer steps"})
+    task: str = field(default="max", metadata={"help": "max: name the largest of four digits; tool: a multi-turn episode "
+                                                       "that needs a tool call (openai SDK agent, --episode)"})
+    tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
+    call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
+                                                               "answered wrong (shaping; what is reported is unshaped)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
-    prompts_per_step: int = field(default=32, metadata={"help": "groups per optimizer step"})
-    group_size: int = field(default=8, metadata={"help": "samples per prompt (GRPO group)"})
-    lr: float = field(default=3e-3, metadata={"help": "learning rate (constant for half the steps, then decayed)"})
+    prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
+    group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3)"})
+    entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
+                                                                        "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
     out: str = field(default="demo-out", metadata={"help": "folder for demo-report.json and demo-report.png"})
     json: str | None = field(default=None, metadata={"help": "also write the summary JSON here"})
     redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of an embedded one"})
     pool: str = field(default="demo", metadata={"help": "pool name (monitoring keys)"})
-    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "heartbeat interval of broker and workers"})
+    heartbeat_interval_s: float | None = field(default=None, metadata={"help": "heartbeat interval of broker and workers "
+                                                                                "(default: 0.5 s for max, 1 s for tool)"})
     eval_prompts: int = field(default=200, metadata={"help": "held-out prompts scored before and after training"})
     quiet: bool = field(default=False, metadata={"help": "no per-step progress lines"})
     stale_policy: str = field(default="drop", metadata={"help": "the trainer's stale_policy above eta: drop, regenerate or keep "
@@ -66,16 +93,29 @@ class DemoConfig:
                                                                 "worker whose groups arrive late (0: none)"})
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.tool_disabled and self.task != "tool":
+            raise ConfigError("tool_disabled is the control run of --task tool")
+        if not 0.0 <= self.call_bonus < 1.0:
+            raise ConfigError(f"call_bonus must be in [0, 1), got {self.call_bonus}")
+        if self.steps is not None and self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if not 1 <= self.workers <= 64:
             raise ConfigError(f"workers must be in 1..64, got {self.workers}")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.prompts_per_step < 1 or self.group_size < 2:
+        if (self.prompts_per_step is not None and self.prompts_per_step < 1) or (self.group_size is not None and self.group_size < 2):
             raise ConfigError("prompts_per_step must be >= 1 and group_size >= 2 (GRPO compares samples of a group)")
-        if self.kill_worker_at is not None and not 1 <= self.kill_worker_at < self.steps:
-            raise ConfigError(f"kill_worker_at must be in 1..{self.steps - 1}, got {self.kill_worker_at}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.entropy_coef is not None and not 0.0 <= self.entropy_coef <= 1.0:
+            raise ConfigError(f"entropy_coef must be in [0, 1], got {self.entropy_coef}")
+        if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        steps = self.steps if self.steps is not None else _TASK_DEFAULTS[self.task]["steps"]
+        if self.kill_worker_at is not None and not 1 <= self.kill_worker_at < steps:
+            raise ConfigError(f"kill_worker_at must be in 1..{steps - 1}, got {self.kill_worker_at}")
         if not 1 <= self.eval_prompts <= 200:
             raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
         if self.stale_policy not in ("drop", "regenerate", "keep"):
@@ -84,6 +124,11 @@ class DemoConfig:
             raise ConfigError(f"max_staleness_keep must be >= 0, got {self.max_staleness_keep}")
         if self.slow_worker_s < 0:
             raise ConfigError(f"slow_worker_s must be >= 0, got {self.slow_worker_s}")
+
+    def resolved(self) -> DemoConfig:
+        """This config with every unset per-task field set to its task's default."""
+        defaults = _TASK_DEFAULTS[self.task]
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 class _Children:
@@ -135,11 +180,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
     import torch
     from transformers import LlamaForCausalLM
 
-    from rollpool.demo import task
+    from rollpool.demo import task, tool_task
     from rollpool.demo.trainer import GRPOConfig, grpo_step
     from rollpool.trainer_client import SyncTrainerClient, TrainerClientConfig
 
     t_start = time.monotonic()
+    cfg = cfg.resolved()
+    assert (cfg.steps is not None and cfg.prompts_per_step is not None and cfg.group_size is not None and cfg.lr is not None
+            and cfg.entropy_coef is not None and cfg.heartbeat_interval_s is not None)
+    n_steps, prompts_per_step, group_size, lr = cfg.steps, cfg.prompts_per_step, cfg.group_size, cfg.lr
+    heartbeat_s = cfg.heartbeat_interval_s
+    tool = cfg.task == "tool"
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -153,9 +204,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the demo's own progress lines are the output
-    model_dir = task.build_demo_model(work / "model", seed=cfg.seed)
+    model_dir = (tool_task.build_tool_model(work / "model", seed=cfg.seed) if tool
+                 else task.build_demo_model(work / "model", seed=cfg.seed))
     eta = 0 if cfg.sync else cfg.max_staleness
-    batch_samples = cfg.prompts_per_step * cfg.group_size
+    batch_samples = prompts_per_step * group_size
     children = _Children(out_dir)
     redis = None
     client: SyncTrainerClient | None = None
@@ -177,14 +229,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         children.start("broker", [sys.executable, "-m", "rollpool.broker", *common,
                                   "--worker-endpoint", worker_ep, "--client-endpoint", client_ep,
                                   "--batch-size", str(batch_samples), "--max-staleness", str(eta),
-                                  "--heartbeat-interval-s", str(cfg.heartbeat_interval_s),
+                                  "--heartbeat-interval-s", str(heartbeat_s),
                                   "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args], env)
+
+        # the max task is scored on the workers (--reward); the tool task's episodes return their reward
+        task_args = (["--episode", "rollpool.demo.tool_task:solve", "--tool-call-parser", "compact"] if tool
+                     else ["--reward", "rollpool.demo.task:reward"])
 
         def worker_args(i: int) -> list[str]:
             reward = "rollpool.demo.task:slow_reward" if i == 0 and cfg.slow_worker_s > 0 else "rollpool.demo.task:reward"
             return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", "hf",
-                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", "--reward", reward,
-                    "--heartbeat-interval-s", str(cfg.heartbeat_interval_s), "--apply-mode", "interrupt",
+                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", *(task_args if tool else ["--reward", reward]),
+                    "--heartbeat-interval-s", str(heartbeat_s), "--apply-mode", "interrupt",
                     "--engine-options", f"seed={cfg.seed + i}", "--pool", cfg.pool, *redis_args]
 
         def worker_env(i: int) -> dict[str, str]:
@@ -196,9 +252,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(1)
         model = LlamaForCausalLM.from_pretrained(model_dir)
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
-        half = max(1, cfg.steps // 2)
+        half = max(1, n_steps // 2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: 1.0 if s < half else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
         from rollpool.monitor.sink import sink_from_url
@@ -208,36 +264,56 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                                    metrics=metrics)
         version = 0
         client.publish_weights(model, version)
-        sampling = SamplingParams(max_new_tokens=1, temperature=1.0)
+        # the tool task's agent sets max_tokens per turn (2 for the call turn, 1 for the answer)
+        sampling = SamplingParams(max_new_tokens=2 if tool else 1, temperature=1.0)
         rng = random.Random(cfg.seed)
 
-        def eval_held_out() -> float:
-            held = task.held_out_set()[: cfg.eval_prompts]
-            # evaluation rollouts are not training samples: outside staleness admission
-            prompts = [{"input_ids": ids, "group_size": 1, "sampling": sampling, "metadata": {"answer_id": ans, "eval": True},
-                        "exempt_from_staleness": True} for ids, ans in held]
+        def eval_held_out() -> tuple[float, float]:
+            """(held-out reward, share of held-out episodes that called the tool); the second is 0 for the max task."""
+            if tool:
+                # episodes never trained on, with their own draws of the secrets (a seed apart from training's)
+                eval_rng = random.Random(f"eval:{cfg.seed}")
+                prompts = [{**tool_task.make_prompt(eval_rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus, evaluation=True),
+                            "group_size": 1, "sampling": sampling, "exempt_from_staleness": True}
+                           for _ in range(cfg.eval_prompts)]
+            else:
+                held = task.held_out_set()[: cfg.eval_prompts]
+                # evaluation rollouts are not training samples: outside staleness admission
+                prompts = [{"input_ids": ids, "group_size": 1, "sampling": sampling, "metadata": {"answer_id": ans, "eval": True},
+                            "exempt_from_staleness": True} for ids, ans in held]
             client.submit(prompts)
             batch = client.get_batch(len(prompts), timeout=300)
+            if tool:
+                # unshaped: the answer, and whether turn 1 held a call the parser found
+                correct = [bool(t.metadata.get("correct")) for t in batch.trajectories]
+                called = [bool(t.metadata.get("called")) for t in batch.trajectories]
+                return float(sum(correct) / len(correct)), float(sum(called) / len(called))
             rewards = [t.reward or 0.0 for t in batch.trajectories]
-            return float(sum(rewards) / len(rewards))
+            return float(sum(rewards) / len(rewards)), 0.0
 
         if redis_url:
             _progress(cfg, f"live view: rollpool top --redis-url {redis_url} --pool {cfg.pool}")
+        task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
+                     if tool else "largest of four digits")
         _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
-                       f"{cfg.steps} steps x {cfg.prompts_per_step} groups x {cfg.group_size} samples; task: largest of four digits")
-        heldout_first = eval_held_out()
-        _progress(cfg, f"held-out reward before training: {heldout_first:.3f}")
+                       f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
+        heldout_first, calls_first = eval_held_out()
+        _progress(cfg, f"held-out reward before training: {heldout_first:.3f}" + (f"  tool-call share {calls_first:.3f}" if tool else ""))
 
         def submit_more(count: int) -> None:
             prompts = []
             for _ in range(count):
+                if tool:
+                    prompts.append({**tool_task.make_prompt(rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus),
+                                    "group_size": group_size, "sampling": sampling})
+                    continue
                 ids, ans = task.training_example(rng)
-                prompts.append({"input_ids": ids, "group_size": cfg.group_size, "sampling": sampling,
+                prompts.append({"input_ids": ids, "group_size": group_size, "sampling": sampling,
                                 "metadata": {"answer_id": ans}})
             client.submit(prompts)
 
         submitted_groups = 0
-        lookahead = cfg.prompts_per_step * (eta + 1)
+        lookahead = prompts_per_step * (eta + 1)
         submit_more(lookahead)
         submitted_groups += lookahead
         steps: list[dict[str, float]] = []
@@ -246,8 +322,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         duplicated = 0
         killed_at: float | None = None
         trained_over_eta = 0
+        last_trajectories: Any = ()
         t_train = time.monotonic()
-        for step in range(1, cfg.steps + 1):
+        for step in range(1, n_steps + 1):
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at:
                 children.kill("worker-0")
                 killed_at = time.monotonic()
@@ -255,8 +332,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at + 2:
                 children.start("worker-0", worker_args(0), worker_env(0))
                 _progress(cfg, f"step {step}: restarted worker demo-w0")
-            batch = client.get_batch(cfg.prompts_per_step, max_staleness=eta, timeout=300, stale_policy=cfg.stale_policy,
+            batch = client.get_batch(prompts_per_step, max_staleness=eta, timeout=300, stale_policy=cfg.stale_policy,
                                      max_staleness_keep=cfg.max_staleness_keep)
+            last_trajectories = batch.trajectories
             for t in batch.trajectories:
                 if t.trajectory_id in seen_traj:
                     duplicated += 1
@@ -267,39 +345,48 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 lags = [version - int(t.token_versions.min()) for t in g.trajectories if len(t.token_versions)]
                 trained_over_eta += int(bool(lags) and max(lags) > eta)
             stats = dict(batch.stats)
-            stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID, config=GRPOConfig(lr=cfg.lr)))
+            if tool:
+                # unshaped figures of the training episodes (the reward trained on includes call_bonus)
+                trajs = batch.trajectories
+                stats["tool/correct"] = float(sum(bool(t.metadata.get("correct")) for t in trajs) / max(1, len(trajs)))
+                stats["tool/called"] = float(sum(bool(t.metadata.get("called")) for t in trajs) / max(1, len(trajs)))
+            stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID,
+                                   config=GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef)))
             scheduler.step()
             version += 1
             client.publish_weights(model, version)
             # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
             # (plus what the bound dropped: under drop a stale group is gone, its prompt not trained)
-            want = cfg.prompts_per_step * (step + eta + 1) + int(client.counters.get("dropped_stale", 0)) - submitted_groups
-            if step < cfg.steps and want > 0:
+            want = prompts_per_step * (step + eta + 1) + int(client.counters.get("dropped_stale", 0)) - submitted_groups
+            if step < n_steps and want > 0:
                 submit_more(want)
                 submitted_groups += want
             stats["step"] = float(step)
             stats["elapsed_s"] = time.monotonic() - t_train
             steps.append(stats)
-            _progress(cfg, f"step {step:3d}  v{version:<3d} reward {stats['rollout/reward_mean']:.3f}  "
+            tool_line = f"answer {stats['tool/correct']:.3f}  calls {stats['tool/called']:.3f}  " if tool else ""
+            _progress(cfg, f"step {step:3d}  v{version:<3d} reward {stats['rollout/reward_mean']:.3f}  {tool_line}"
                            f"lag max {stats['rollout/staleness_max']:.0f}  tokens/s {stats['rollout/tokens_per_s']:7.1f}  "
                            f"loss {stats['train/loss']:+.4f}  {stats['elapsed_s']:6.1f} s")
         train_wall = time.monotonic() - t_train
         # drain what is still in the pool, so the held-out evaluation sees only its own groups
         leftover = client.pending()
         while leftover > 0:
-            b = client.get_batch(min(leftover, cfg.prompts_per_step), timeout=300)
+            b = client.get_batch(min(leftover, prompts_per_step), timeout=300)
             leftover -= len(b.groups) + len(b.other)
             leftover = min(leftover, client.pending())
-        heldout_final = eval_held_out()
+        heldout_final, calls_final = eval_held_out()
         status = client.status()
         counters = status["counters"]
-        rewards = [s["rollout/reward_mean"] for s in steps]
+        # the max task: the reward; the tool task: the unshaped answer reward (what is trained on adds call_bonus)
+        rewards = [s["tool/correct" if tool else "rollout/reward_mean"] for s in steps]
         tail = rewards[-min(5, len(rewards)):]
         summary = {
+            "task": cfg.task,
             "mode": "sync" if cfg.sync else "async",
             "max_staleness": eta,
             "workers": cfg.workers,
-            "steps": cfg.steps,
+            "steps": n_steps,
             "samples_per_step": batch_samples,
             "reward_first": rewards[0],
             "reward_final": float(sum(tail) / len(tail)),
@@ -328,9 +415,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             "tokens_per_s_per_step": [s["rollout/tokens_per_s"] for s in steps],
             "note": "real hf engine on CPU; on two shared cores the trainer and workers contend for the CPU",
         }
+        if tool:
+            summary.update({
+                "tool_disabled": cfg.tool_disabled,
+                "entropy_coef": cfg.entropy_coef,
+                "call_bonus": cfg.call_bonus,
+                "tool_call_share_first": calls_first,
+                "tool_call_share_final": calls_final,
+                "training_reward_per_step": [s["rollout/reward_mean"] for s in steps],
+                "tool_call_share_per_step": [s["tool/called"] for s in steps],
+            })
         if killed_at is not None:
             summary["recovered"] = True
-        _write_report(out_dir, summary, steps)
+        vocab = tool_task.VOCAB if tool else task.VOCAB
+        examples = [_example(t, vocab) for t in list(last_trajectories)[:16]]
+        _write_report(out_dir, summary, steps, examples)
         if cfg.json:
             pathlib.Path(cfg.json).write_text(json.dumps(_headline(summary), indent=2) + "\n")
         _print_summary(summary, out_dir)
@@ -350,9 +449,22 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _example(t: Any, vocab: list[str]) -> dict[str, Any]:
+    """One delivered trajectory, its tokens as words (the report's ``examples``: what the trainer trained on)."""
+    def words(ids: Any) -> list[str]:
+        return [vocab[int(i)] if 0 <= int(i) < len(vocab) else str(int(i)) for i in ids]
+
+    return {"trajectory_id": t.trajectory_id, "input": words(t.input_ids), "output": words(t.output_ids),
+            "loss_mask": [int(m) for m in t.loss_mask], "token_versions": [int(v) for v in t.token_versions],
+            "reward": t.reward, "finish_reason": t.finish_reason,
+            "metadata": {k: v for k, v in t.metadata.items() if isinstance(v, str | int | float | bool)}}
+
+
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
-            "lost", "duplicated", "max_lag", "requeued", "mode")
+            "lost", "duplicated", "max_lag", "requeued", "mode", "task")
+    if summary["task"] == "tool":
+        keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
     extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # issue 24
     return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
@@ -363,6 +475,8 @@ def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
         ("steps x samples", f"{s['steps']} x {s['samples_per_step']}"),
         ("reward first step -> last 5 steps", f"{s['reward_first']:.3f} -> {s['reward_final']:.3f}"),
         ("held-out reward before -> after", f"{s['heldout_reward_first']:.3f} -> {s['heldout_reward_final']:.3f}"),
+        *([("held-out tool-call share before -> after", f"{s['tool_call_share_first']:.3f} -> {s['tool_call_share_final']:.3f}"
+            + (" (tool disabled: control)" if s["tool_disabled"] else ""))] if s["task"] == "tool" else []),
         ("wall time", f"{s['wall_s']:.1f} s (training loop {s['train_wall_s']:.1f} s)"),
         ("tokens/s (mean per step)", f"{s['tokens_per_s_mean']:.1f}"),
         ("version lag histogram", " ".join(f"{k}:{v}" for k, v in s["lag_histogram"].items())),
@@ -376,8 +490,10 @@ def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
     print(f"  report: {out_dir / 'demo-report.json'}, {out_dir / 'demo-report.png'}")
 
 
-def _write_report(out_dir: pathlib.Path, summary: dict[str, Any], steps: list[dict[str, float]]) -> None:
-    (out_dir / "demo-report.json").write_text(json.dumps({"summary": summary, "steps": steps}, indent=2) + "\n")
+def _write_report(out_dir: pathlib.Path, summary: dict[str, Any], steps: list[dict[str, float]],
+                  examples: list[dict[str, Any]]) -> None:
+    report = {"summary": summary, "steps": steps, "examples": examples}
+    (out_dir / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
     try:
         import matplotlib
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pathlib
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "make_example",
     "held_out_set",
     "build_demo_model",
+    "build_word_model",
 ]
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<sep>", "<unk>"]
@@ -95,22 +96,39 @@ async def slow_reward(metadata: Mapping[str, Any], trajectory: Any) -> float:
 
 def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> pathlib.Path:
     """A random-weight Llama over the task's 15-token word-level vocabulary, with its tokenizer."""
+    return build_word_model(path, VOCAB, hidden=hidden, layers=layers, heads=heads, seed=seed)
+
+
+def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_tokens: Sequence[str] = (),
+                     chat_template: str | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
+                     tie_embeddings: bool = False, seed: int = 0) -> pathlib.Path:
+    """A random-weight Llama over a word-level `vocab` (which starts with `SPECIALS`), with its tokenizer.
+
+    `special_tokens` are more special tokens of `vocab` (never split, dropped by
+    ``decode(skip_special_tokens=True)``); `chat_template` is saved with the tokenizer;
+    `tie_embeddings` shares the input embedding with the output layer.
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    if list(vocab[: len(SPECIALS)]) != SPECIALS:
+        raise ValueError(f"the vocabulary must start with {SPECIALS}")
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", sep_token="<sep>")
+                                   unk_token="<unk>", sep_token="<sep>",
+                                   **({"additional_special_tokens": list(special_tokens)} if special_tokens else {}))
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(out)
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=tie_embeddings,
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

@@ -9,6 +9,10 @@ Built in:
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of the
   Hermes / Qwen chat templates and of rollpool's tiny model. Several calls may follow each other.
+- ``compact``: ``<call> ARG``, one call marker and one argument word, for a tiny model that could not
+  learn JSON from a random initialisation in a demo's budget (``rollpool demo --task tool``). It calls
+  one tool, ``lookup``, with ``{"key": ARG}``; `CompactToolCallParser` takes another marker, tool name
+  or argument name for a parser of your own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Protocol
 from rollpool.protocol.errors import ConfigError
 
 __all__ = [
+    "CompactToolCallParser",
     "HermesToolCallParser",
     "ToolCall",
     "ToolCallParser",
@@ -98,7 +103,37 @@ class HermesToolCallParser:
         return ToolCall(name=obj["name"], arguments=arguments, id=_call_id())
 
 
-_PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesToolCallParser}
+class CompactToolCallParser:
+    """``<call> ARG``: the call marker, then one argument word (not a ``<...>`` marker) -> ``tool_name({argument_name: ARG})``.
+
+    The marker alone, or followed by another marker or by nothing (a turn cut right after it), is not
+    a call and stays content. Every marker-and-word pair in the turn is a call, in order.
+    """
+
+    name = "compact"
+
+    def __init__(self, call_token: str = "<call>", tool_name: str = "lookup", argument_name: str = "key") -> None:
+        if not call_token or not tool_name or not argument_name:
+            raise ConfigError("CompactToolCallParser needs a call token, a tool name and an argument name")
+        self.call_token = call_token
+        self.tool_name = tool_name
+        self.argument_name = argument_name
+        self._call = re.compile(re.escape(call_token) + r"[ \t]*([^\s<>]+)")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        pos = 0
+        for match in self._call.finditer(text):
+            kept.append(text[pos: match.start()])
+            pos = match.end()
+            calls.append(ToolCall(name=self.tool_name, arguments=json.dumps({self.argument_name: match.group(1)}),
+                                  id=_call_id()))
+        kept.append(text[pos:])
+        return "".join(kept), calls
+
+
+_PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesToolCallParser, "compact": CompactToolCallParser}
 
 
 def register_tool_call_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:

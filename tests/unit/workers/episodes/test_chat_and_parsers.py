@@ -91,6 +91,21 @@ def test_the_hermes_parser_finds_calls_and_leaves_the_rest_as_content() -> None:
         assert p.parse(junk) == (junk, [])
 
 
+def test_the_compact_parser_finds_a_call_marker_and_one_argument_word() -> None:
+    p = get_tool_call_parser("compact")
+    content, calls = p.parse("<call> k2")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("lookup", '{"key": "k2"}')]
+    content, calls = p.parse("7 <call> k1 and <call>k3")
+    assert content == "7  and " and [c.arguments for c in calls] == ['{"key": "k1"}', '{"key": "k3"}']
+    # the marker alone, before another marker, or cut right after it is no call: the text stays content
+    for no_call in ("<call>", "<call> <obs>", "<call>\nk2", "7 3", "k2 <call>"):
+        assert p.parse(no_call) == (no_call, [])
+    own = toolcalls.CompactToolCallParser("<fn>", tool_name="search", argument_name="q")
+    assert [(c.name, c.arguments) for c in own.parse("<fn> cats")[1]] == [("search", '{"q": "cats"}')]
+    with pytest.raises(ConfigError):
+        toolcalls.CompactToolCallParser("")
+
+
 def test_parsers_are_chosen_by_name() -> None:
     class Nothing:
         name = "nothing"
@@ -103,5 +118,6 @@ def test_parsers_are_chosen_by_name() -> None:
         assert get_tool_call_parser("nothing").parse("x") == ("x", [])
     finally:
         toolcalls._PARSERS.pop("nothing")
-    with pytest.raises(ConfigError, match="unknown tool-call parser 'nope'; known: .*hermes"):
+    assert {"compact", "hermes"} <= set(toolcalls.tool_call_parser_names())
+    with pytest.raises(ConfigError, match="unknown tool-call parser 'nope'; known: compact, hermes"):
         get_tool_call_parser("nope")
