@@ -118,6 +118,9 @@ class DemoConfig:
             raise ConfigError(f"kill_worker_at must be in 1..{steps - 1}, got {self.kill_worker_at}")
         if not 1 <= self.eval_prompts <= 200:
             raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
         if self.stale_policy not in ("drop", "regenerate", "keep"):
             raise ConfigError(f"stale_policy must be drop, regenerate or keep, got {self.stale_policy!r}")
         if self.max_staleness_keep is not None and self.max_staleness_keep < 0:
