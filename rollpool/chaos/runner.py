@@ -106,6 +106,9 @@ class ChaosConfig:
     length_median: int = 8
     poll_interval_s: float = 0.1
     deadline_s: float = 600.0
+    drain_s: float = 60.0
+    """No new prompts this long before `deadline_s`: a run cut short by its deadline reports the prompts it took,
+    each terminal (``cut_short``), instead of counting the ones still open as lost."""
     faults: tuple[str, ...] = CLASSIC_FAULTS
     workdir: str | None = None
     message_fault_rates: tuple[float, ...] = (0.01, 0.05, 0.1)
@@ -540,13 +543,24 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 return True
             return all(sum(px.total(a) for px in zproxies.values()) > 0 for a in ("dropped", "duplicated", "delayed", "reordered"))
 
-        while (len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults
-               or not every_action_seen()):
+        cut = [False]
+
+        def more() -> bool:
+            if not cut[0] and time.monotonic() - t_start > cfg.deadline_s - cfg.drain_s:
+                cut[0] = submitted < cfg.prompts or len(fault_log) < cfg.min_faults or not every_action_seen()
+                if cut[0]:
+                    log.warning("chaos: %d s left: no new prompts (%d of %d taken), draining", cfg.drain_s, submitted, cfg.prompts)
+            if cut[0]:
+                return len(terminal) < len(accepted)
+            return (len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults
+                    or not every_action_seen())
+
+        while more():
             if time.monotonic() - t_start > cfg.deadline_s:
                 log.error("chaos: deadline passed with %d of %d terminal", len(terminal), len(accepted))
                 break
             open_prompts = len(accepted) - len(terminal)
-            if submitted < cfg.prompts and open_prompts < cfg.window_prompts:
+            if submitted < cfg.prompts and open_prompts < cfg.window_prompts and not cut[0]:
                 n = min(cfg.window_prompts - open_prompts, cfg.prompts - submitted, 128)
                 items = [
                     {"prompt_id": f"c{cfg.seed}-{submitted + i}", "input_ids": prompt_rng.integers(1, 1000, 8).tolist()}
@@ -670,6 +684,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         "engine": f"{engine} (the sim engine: simulated generation, no model; results are labelled simulated)",
         "config": asdict(cfg),
         "prompts_submitted": len(accepted),
+        "prompts_requested": cfg.prompts,
+        "cut_short": cut[0],
         "terminal": dict(states),
         "lost": len(lost),
         "lost_ids": lost[:20],

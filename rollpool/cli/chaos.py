@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--apply-slot-deadline-s", type=float, default=d.apply_slot_deadline_s,
                         help="the broker's apply slot deadline (a term of the terminal bound)")
     parser.add_argument("--deadline-s", type=float, default=d.deadline_s, help="give up (and report lost) after this long")
+    parser.add_argument("--drain-s", type=float, default=d.drain_s,
+                        help="take no new prompts this long before the deadline (a run cut short stays whole: cut_short)")
     parser.add_argument("--workdir", default=None, help="where process logs go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the result JSON here")
 
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(
         prompts=args.prompts, seed=args.seed, workers=args.workers, group_size=args.group_size,
         batch_size=args.batch_size, max_staleness=args.max_staleness, fault_interval_s=args.fault_interval_s,
-        faults=faults, deadline_s=args.deadline_s, workdir=args.workdir,
+        faults=faults, deadline_s=args.deadline_s, drain_s=args.drain_s, workdir=args.workdir,
         broker_stop_s=tuple(float(x) for x in args.broker_stop_s.split(",")),  # type: ignore[arg-type]
         hung_apply_s=args.hung_apply_s, apply_slot_deadline_s=args.apply_slot_deadline_s,
     )
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    summary = {k: result[k] for k in ("prompts_submitted", "lost", "duplicated", "staleness_violations", "dropped_stale", "stuck",
+    summary = {k: result[k] for k in ("prompts_requested", "prompts_submitted", "cut_short", "lost", "duplicated", "staleness_violations", "dropped_stale", "stuck",
                                       "faults_injected", "elapsed_s", "message_fault_totals", "cancelled_calls", "terminal_s")}
     tb = result["terminal_bound"]
     summary["terminal_bound"] = {k: tb[k] for k in ("bound_s", "checked", "worst_excess_s", "over_bound", "within_bound")}
