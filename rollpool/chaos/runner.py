@@ -550,9 +550,12 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 cut[0] = submitted < cfg.prompts or len(fault_log) < cfg.min_faults or not every_action_seen()
                 if cut[0]:
                     log.warning("chaos: %d s left: no new prompts (%d of %d taken), draining", cfg.drain_s, submitted, cfg.prompts)
+            # by ids, not counts: a submit retried after its reply was lost sees its own prompts as duplicates, so
+            # terminal can hold ids `accepted` lacks (a count would end the run with accepted prompts still open)
+            open_ids = not accepted.issubset(terminal.keys())
             if cut[0]:
-                return len(terminal) < len(accepted)
-            return (len(terminal) < cfg.prompts or len(terminal) < len(accepted) or len(fault_log) < cfg.min_faults
+                return open_ids
+            return (len(terminal) < cfg.prompts or open_ids or len(fault_log) < cfg.min_faults
                     or not every_action_seen())
 
         while more():
