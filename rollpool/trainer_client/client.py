@@ -383,7 +383,7 @@ class TrainerClient:
             if self.version or self._publisher is not None:
                 await self._set_version_request(self.version)
             for i in range(0, len(prompts), self.config.submit_chunk):
-                self.ledger.resubmitted(await self._submit_chunk(tuple(prompts[i : i + self.config.submit_chunk])))
+                self.ledger.resubmitted((await self._submit_chunk(tuple(prompts[i : i + self.config.submit_chunk])))[0])
 
     # ------------------------------------------------------------------ public API
 
@@ -396,12 +396,21 @@ class TrainerClient:
         result = SubmitResult(accepted=[], rejected={})
         for i in range(0, len(items), self.config.submit_chunk):
             chunk = tuple(items[i : i + self.config.submit_chunk])
-            self.ledger.submitted(chunk, await self._submit_chunk(chunk), result)
+            reply, resent = await self._submit_chunk(chunk)
+            self.ledger.submitted(chunk, reply, result, resent=resent)
         return result
 
-    async def _submit_chunk(self, chunk: tuple[Prompt, ...]) -> SubmitReply:
-        reply = await self._request(lambda rid: Submit(request_id=rid, prompts=chunk))
-        return _expect(reply, SubmitReply, "submit_reply")
+    async def _submit_chunk(self, chunk: tuple[Prompt, ...]) -> tuple[SubmitReply, bool]:
+        """The broker's reply, and whether the chunk was sent more than once (an earlier reply lost or late)."""
+        sends = 0
+
+        def make(rid: str) -> Submit:
+            nonlocal sends
+            sends += 1
+            return Submit(request_id=rid, prompts=chunk)
+
+        reply = await self._request(make)
+        return _expect(reply, SubmitReply, "submit_reply"), sends > 1
 
     async def _pull(self, max_groups: int, wait_s: float, acks: tuple[str, ...]) -> Batch:
         reply = await self._request(lambda rid: Pull(request_id=rid, max_groups=max_groups, wait_s=wait_s, ack=acks),

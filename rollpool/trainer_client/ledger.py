@@ -73,6 +73,7 @@ COUNTERS = (
     "submitted",
     "rejected",
     "resubmitted",
+    "submit_resent_duplicates",
     "groups_delivered",
     "trajectories_delivered",
     "duplicates_dropped",
@@ -274,8 +275,12 @@ class ClientLedger:
 
     # ------------------------------------------------------------------ submissions
 
-    def submitted(self, chunk: Sequence[Prompt], reply: SubmitReply, result: SubmitResult) -> None:
-        """Record the broker's answer to one submit of `chunk` into `result` (and the counters)."""
+    def submitted(self, chunk: Sequence[Prompt], reply: SubmitReply, result: SubmitResult, *, resent: bool = False) -> None:
+        """Record the broker's answer to one submit of `chunk` into `result` (and the counters).
+
+        `resent`: the chunk went out more than once (the reply to an earlier send was lost or late). The
+        broker then answers ``duplicate`` for the prompts that earlier send delivered: they are this
+        client's own, accepted and pending (before, they were reported rejected and never waited for)."""
         by_id = {p.prompt_id: p for p in chunk}
         accepted = rejected = 0
         for pid in reply.accepted:
@@ -286,6 +291,12 @@ class ClientLedger:
         for rej in reply.rejected:
             if rej.reason == "duplicate" and rej.prompt_id in self.pending:
                 result.accepted.append(rej.prompt_id)  # a retried submit the broker already had
+                accepted += 1
+                continue
+            if rej.reason == "duplicate" and resent and rej.prompt_id in by_id:
+                self.pending[rej.prompt_id] = by_id[rej.prompt_id]  # taken by the send whose reply was lost
+                result.accepted.append(rej.prompt_id)
+                self.counters["submit_resent_duplicates"] += 1
                 accepted += 1
                 continue
             result.rejected[rej.prompt_id] = rej.reason

@@ -514,3 +514,21 @@ def test_the_bound_told_to_the_broker_is_the_policy_s() -> None:
     assert led.stale_bound(2) == 2 and led.stale_bound(2, "regenerate") == 2
     assert led.stale_bound(2, "keep") == 4 and led.stale_bound(2, "keep", 3) == 3
     assert make(stale_policy="keep", max_staleness_keep=5).stale_bound(1) == 5
+
+
+def test_a_resent_submit_takes_the_duplicates_of_its_own_lost_send_as_accepted() -> None:
+    # seen in the issue-20 chaos run: a Submit's reply was lost, the client sent the chunk again and the
+    # broker answered "duplicate" for the prompts the first send had delivered; the client reported its
+    # own prompts rejected and never waited for their groups
+    led = make()
+    a, b = prompt("a"), prompt("b")
+    result = SubmitResult(accepted=[], rejected={})
+    reply = SubmitReply(request_id="r2", epoch="e", accepted=("b",), rejected=(Rejection(prompt_id="a", reason="duplicate"),))
+    led.submitted((a, b), reply, result, resent=True)
+    assert sorted(result.accepted) == ["a", "b"] and result.rejected == {}
+    assert set(led.pending) == {"a", "b"} and led.counters["submit_resent_duplicates"] == 1
+    # a first send's duplicate is the caller's own mistake: still rejected
+    result = SubmitResult(accepted=[], rejected={})
+    led.submitted((prompt("c"),), SubmitReply(request_id="r3", epoch="e", accepted=(),
+                                             rejected=(Rejection(prompt_id="c", reason="duplicate"),)), result)
+    assert result.rejected == {"c": "duplicate"} and "c" not in led.pending
