@@ -218,7 +218,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     wep, cep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     extra = ["--latency-out", latency_out] if latency_out else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    env = _child_env()
     if base:
         env["ROLLPOOL_BENCH_BASE"] = base
     proc = subprocess.Popen(
@@ -904,9 +904,15 @@ def open_loop_run(
     return out
 
 
-def _spawn(extra: list[str]) -> subprocess.Popen[bytes]:
+def _child_env() -> dict[str, str]:
+    """The environment of the bench's children: this checkout first on the path, then the caller's PYTHONPATH
+    (on the device, the kit's folder holds pyzmq)."""
     path = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    return subprocess.Popen([sys.executable, __file__, *extra], env={**os.environ, "PYTHONPATH": path})
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def _spawn(extra: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, __file__, *extra], env=_child_env())
 
 
 def _preload(cep: str, n: int, t_start: float) -> None:
