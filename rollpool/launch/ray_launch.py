@@ -196,7 +196,8 @@ class RayLauncher:
             remove_placement_group(self._pg)
             raise ConfigError(f"placement group of {cfg.workers} x {bundle} ({cfg.strategy}) not ready within "
                               f"{cfg.placement_timeout_s} s: {exc}") from exc
-        self._actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerHost)
+        # ray's stubs lack the actor options (max_concurrency) of ray.remote
+        self._actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerHost)  # type: ignore[call-overload]
         log.info("rollpool launch ray: %d workers x %s, %s, broker %s", cfg.workers, bundle, cfg.strategy, cfg.broker)
         failed = False
         try:
