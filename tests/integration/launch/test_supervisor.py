@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor, SupervisorThread
+from tests.integration.launch._procs import alive
 
 SLEEPER = (sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)")
 CRASHER = (sys.executable, "-c", "raise SystemExit(3)")
@@ -26,13 +27,6 @@ STUBBORN = (sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIG
 QUICK = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=2, stable_after_s=60.0)
 
 
-def _alive(pid: int) -> bool:
-    """True for a live process; a zombie (exited, not reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def _until(pred: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
@@ -53,7 +47,7 @@ async def test_a_crashed_child_is_restarted_within_the_policy_and_every_child_st
     os.kill(first, signal.SIGKILL)  # a crash
     await _until(lambda: sup.restarts["sleeper"] == 1 and sup.pid("sleeper"), "the sleeper restarted")
     second = sup.pid("sleeper")
-    assert second is not None and second != first and _alive(second)
+    assert second is not None and second != first and alive(second)
     # the crasher fails quickly every time: restarted max_restarts times, then given up (not critical: the rest runs on)
     await _until(lambda: json.loads((tmp_path / "launch.json").read_text())["processes"]["crasher"]["given_up"],
                  "the crasher given up")
@@ -64,7 +58,7 @@ async def test_a_crashed_child_is_restarted_within_the_policy_and_every_child_st
     await _until(lambda: "ready" in (tmp_path / "stubborn.log").read_text(), "the stubborn child's SIGTERM handler")
     sup.stop()
     assert await run == 0
-    assert not _alive(second) and not _alive(stubborn)  # the one that ignored SIGTERM was killed after stop_timeout_s
+    assert not alive(second) and not alive(stubborn)  # the one that ignored SIGTERM was killed after stop_timeout_s
     state = json.loads((tmp_path / "launch.json").read_text())
     assert all(p["pid"] is None for p in state["processes"].values())
     log = (tmp_path / "sleeper.log").read_text()
@@ -87,17 +81,17 @@ async def test_a_manual_child_stays_down_until_started_and_a_paused_one_still_st
     first = sup.pid("w0")
     assert first is not None
     await sup.kill("w0")
-    assert sup.pid("w0") is None and not _alive(first)
+    assert sup.pid("w0") is None and not alive(first)
     await asyncio.sleep(5 * QUICK.backoff_max_s)  # longer than any policy backoff: nothing restarts it
     assert sup.pid("w0") is None and sup.restarts["w0"] == 0
     second = await sup.start("w0", argv=SLEEPER)
-    assert _alive(second) and second != first and sup.restarts["w0"] == 1
+    assert alive(second) and second != first and sup.restarts["w0"] == 1
     paused = sup.pid("w1")
     assert paused is not None
     sup.send_signal("w1", signal.SIGSTOP)
     sup.stop()  # SIGCONT before SIGTERM: the paused child exits on SIGTERM, no SIGKILL needed
     assert await run == 0
-    assert not _alive(second) and not _alive(paused)
+    assert not alive(second) and not alive(paused)
     assert not (tmp_path / "launch.json").exists()
     assert "rollpool chaos: starting w0" in (tmp_path / "w0.log").read_text()
 
@@ -112,10 +106,10 @@ def test_the_threaded_facade_for_synchronous_callers(tmp_path: pathlib.Path) -> 
     assert first is not None
     assert "ROLLPOOL_T=1" in pathlib.Path(f"/proc/{first}/environ").read_bytes().replace(b"\0", b"\n").decode()
     sup.kill("worker-0")
-    assert not _alive(first)
+    assert not alive(first)
     second = sup.start_child("worker-0")
-    assert _alive(second) and second != first
+    assert alive(second) and second != first
     broker = sup.supervisor.pid("broker")
     assert broker is not None
     assert sup.stop() == 0
-    assert not _alive(second) and not _alive(broker)
+    assert not alive(second) and not alive(broker)
