@@ -1,7 +1,9 @@
 """The chaos run: a whole pool on loopback under seeded random faults, checked end to end.
 
 Processes (each a real ``python -m rollpool.cli ...`` child): a Redis-compatible
-server, the broker, a weight relay and four sim workers; in this process: the
+server, the broker, a weight relay and four sim workers (these under the
+launcher's `Supervisor`, with no restarts of their own: the fault loop kills,
+pauses and starts them; logs ``<name>.log`` in the work folder); in this process: the
 trainer client (``TrainerClient``, hosting the weight publisher through
 ``publish_weights``) and the link-fault proxy between the workers and the
 broker's worker port (`rollpool.chaos.proxy`; netem is not available here).
@@ -60,11 +62,11 @@ import dataclasses
 import logging
 import math
 import os
+import pathlib
 import random
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +75,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from rollpool.launch.supervisor import ProcessSpec, Supervisor
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -136,39 +140,6 @@ class ChaosConfig:
             raise ValueError(f"ChaosConfig.broker_stop_s must be (low, high) with 0 < low <= high, got {self.broker_stop_s}")
         if not self.message_fault_rates or not all(0 < r <= 1 for r in self.message_fault_rates):
             raise ValueError(f"ChaosConfig.message_fault_rates must be probabilities in (0, 1], got {self.message_fault_rates}")
-
-
-@dataclass
-class _Proc:
-    name: str
-    argv: list[str]
-    log_path: str
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 _MESSAGE_ACTIONS = {"msg_drop": "drop", "msg_duplicate": "duplicate", "msg_delay": "delay", "msg_reorder": "reorder"}
@@ -302,18 +273,17 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
 
     redis = EmbeddedRedis(port=ports["redis"]).start()
     redis_url = redis.url
-    broker = _Proc("broker", [*py, "broker", "--worker-endpoint", ep["bw"], "--client-endpoint", ep["bc"],
+    broker_argv = [*py, "broker", "--worker-endpoint", ep["bw"], "--client-endpoint", ep["bc"],
                               "--heartbeat-interval-s", str(hb), "--task-timeout-s", str(cfg.task_timeout_s),
                               "--max-attempts", "50", "--batch-size", str(cfg.batch_size),
                               "--max-staleness", str(cfg.max_staleness), "--max-applying", str(cfg.workers),
                               "--apply-slot-deadline-s", str(cfg.apply_slot_deadline_s), "--result-resend-s", str(cfg.result_resend_s),
-                              "--drain-timeout-s", "0", "--redis-url", redis_url], os.path.join(workdir, "broker.log"))
+                              "--drain-timeout-s", "0", "--redis-url", redis_url]
 
     def relay_argv(up_router: str, up_pub: str) -> list[str]:
         return [*py, "relay", "--upstream", up_router, "--upstream-pub", up_pub, "--bind", ep["relay_r"],
                 "--bind-pub", ep["relay_p"], "--fetch-timeout-s", "2", "--poll-interval-s", "0.5", "--redis-url", redis_url]
 
-    relay = _Proc("relay", relay_argv(upstream_router, upstream_pub), os.path.join(workdir, "relay.log"))
     # the apply faults need the fake engine at the worker's edge (rollpool.chaos.faulty_engine: sim + poison + hang)
     chaos_engine = bool(faults & {"poison_version", "hung_apply"})
     worker_py = [sys.executable, "-m", "rollpool.chaos", "--log-level", "WARNING"] if chaos_engine else py
@@ -321,18 +291,24 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     hang = f",hang_apply_s={cfg.hung_apply_s}" if chaos_engine else ""
     # with publisher restarts, every other worker fetches from where the broker says the publisher is (no relay)
     direct = {i for i in range(cfg.workers) if "publisher_restart" in faults and i % 2 == 1}
-    workers = [
-        _Proc(f"w{i}", [*worker_py, "worker", "--engine", engine, "--broker", worker_port, "--worker-id", f"chaos-w{i}",
+    worker_argvs = [
+        [*worker_py, "worker", "--engine", engine, "--broker", worker_port, "--worker-id", f"chaos-w{i}",
                         "--heartbeat-interval-s", str(hb), "--reconnect-backoff-s", "0.1", "--reconnect-backoff-max-s", "1",
                         "--fetch-timeout-s", "2", "--drain-timeout-s", "1", "--apply-grant-timeout-s", "2",
                         "--apply-timeout-s", str(max(0.5, cfg.apply_slot_deadline_s - 1)),
                         *(() if i in direct else ("--weight-endpoint", relay_router, "--weight-announce-endpoint", relay_pub)),
                         "--engine-options",
                         f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}{hang}",
-                        "--redis-url", redis_url], os.path.join(workdir, f"w{i}.log"))
+                        "--redis-url", redis_url]
         for i in range(cfg.workers)
     ]
-    procs = [broker, relay, *workers]
+    # the launcher's Supervisor, with restarts left to the fault loop (it kills, pauses and starts children itself)
+    workers = [f"w{i}" for i in range(cfg.workers)]
+    specs = [ProcessSpec("broker", tuple(broker_argv), restart=False),
+             ProcessSpec("relay", tuple(relay_argv(upstream_router, upstream_pub)), restart=False),
+             *(ProcessSpec(w, tuple(argv), restart=False) for w, argv in zip(workers, worker_argvs, strict=True))]
+    procs = Supervisor(specs, pathlib.Path(workdir), stop_timeout_s=5.0, state_file=None, label="rollpool chaos")
+    procs_run: asyncio.Task[int] | None = None
 
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
@@ -368,8 +344,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     try:
         for px in zproxies.values():
             await px.start()
-        for p in procs:
-            p.start()
+        procs_run = asyncio.create_task(procs.run(), name="chaos.supervisor")
+        await procs.wait_started()
         await proxy.start()
         client = TrainerClient(config=client_cfg, sockets=sockets)
         await client.connect()
@@ -414,10 +390,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 zproxies["publisher:router"].reset(count=False)
                 zproxies["publisher:pub"].reset(count=False)
             else:  # the relay is told its new upstream, as an operator would
-                relay.kill()
-                relay.argv = relay_argv(f"tcp://127.0.0.1:{new_r}", f"tcp://127.0.0.1:{new_p}")
-                relay.restarts += 1
-                relay.start()
+                await procs.kill("relay")
+                await procs.start("relay", relay_argv(f"tcp://127.0.0.1:{new_r}", f"tcp://127.0.0.1:{new_p}"))
             return {"router_port": new_r, "pub_port": new_p}
 
         def delivered_since(t: float) -> bool:
@@ -438,38 +412,35 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 rec["_t0"] = t0
                 if kind in ("kill_worker", "stop_worker"):
                     w = rng.choice(workers)
-                    wid = "chaos-" + w.name
+                    wid = "chaos-" + w
                     rec["target"] = wid
                     if kind == "kill_worker":
-                        w.kill()
+                        await procs.kill(w)
                         rec["detect_s"] = await wait_until(lambda wid=wid: wid not in observed.alive, 10)
                         await asyncio.sleep(rng.uniform(0.0, 1.0))
-                        w.restarts += 1
-                        w.start()
+                        await procs.start(w)
                         rec["_clear"] = time.monotonic()
                     else:
                         pause = rng.choice((0.3, 0.5, 1.5, 2.5))  # dead-after is 3 heartbeats = 0.75 s
                         rec["pause_s"] = pause
-                        w.signal(signal.SIGSTOP)
+                        procs.send_signal(w, signal.SIGSTOP)
                         rec["detect_s"] = await wait_until(lambda wid=wid: wid not in observed.alive, pause)
                         await asyncio.sleep(max(0.0, pause - (time.monotonic() - t0)))
-                        w.signal(signal.SIGCONT)
+                        procs.send_signal(w, signal.SIGCONT)
                         rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda wid=wid: wid in observed.alive, 20)
                 elif kind == "kill_broker":
                     old = observed.epoch
-                    broker.kill()
+                    await procs.kill("broker")
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
-                    broker.restarts += 1
-                    broker.start()
+                    await procs.start("broker")
                     rec["_clear"] = time.monotonic()
                     rec["detect_s"] = await wait_until(lambda old=old: observed.epoch not in ("", old), 30)
                     rec["recover_s"] = await wait_until(lambda t0=t0, old=old: delivered_since(t0 + 0.001) and observed.epoch != old, 60)
                 elif kind == "kill_relay":
-                    relay.kill()
+                    await procs.kill("relay")
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
-                    relay.restarts += 1
-                    relay.start()
+                    await procs.start("relay")
                     rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda t0=t0: delivered_since(t0), 30)
                 elif kind == "redis_outage":
@@ -483,7 +454,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     window = rng.uniform(1.0, 2.0)
                     rec.update(rate=rate, window_s=round(window, 3), ports=sorted(zproxies))
                     for px in zproxies.values():
-                        px.faults = MessageFaults(**{_MESSAGE_ACTIONS[kind]: rate}, delay_s=0.05)
+                        px.faults = MessageFaults(delay_s=0.05)
+                        setattr(px.faults, _MESSAGE_ACTIONS[kind], rate)
                     n0 = len(observed.delivered_at)
                     await asyncio.sleep(window)
                     for px in zproxies.values():
@@ -495,9 +467,9 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 elif kind == "broker_stop":
                     pause = rng.uniform(*cfg.broker_stop_s)
                     rec["pause_s"] = round(pause, 3)
-                    broker.signal(signal.SIGSTOP)
+                    procs.send_signal("broker", signal.SIGSTOP)
                     await asyncio.sleep(pause)
-                    broker.signal(signal.SIGCONT)
+                    procs.send_signal("broker", signal.SIGCONT)
                     t1 = rec["_clear"] = time.monotonic()
                     rec["recover_s"] = await wait_until(lambda t1=t1: delivered_since(t1), 20)
                 elif kind == "cancel_call":
@@ -510,8 +482,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     publish_faults.append(rec)  # the trainer loop carries it out at its next publish
                 elif kind == "hung_apply":
                     w = rng.choice(workers)
-                    rec.update(target="chaos-" + w.name, hang_s=cfg.hung_apply_s)
-                    w.signal(signal.SIGUSR1)  # rollpool.chaos.faulty_engine: the next apply hangs
+                    rec.update(target="chaos-" + w, hang_s=cfg.hung_apply_s)
+                    procs.send_signal(w, signal.SIGUSR1)  # rollpool.chaos.faulty_engine: the next apply hangs
                     hangs.append(rec)
                 else:
                     if kind == "link_delay":
@@ -638,11 +610,11 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     rec["version"] = version
                 hangs.clear()
         done.set()
-        for t in bg:
-            t.cancel()
-        for t in bg:
+        for task in bg:
+            task.cancel()
+        for task in bg:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+                await task
         # consumed staleness must be within the bound (the trainer never trains past eta)
         violations = sum(c for s, c in staleness_hist.items() if s > cfg.max_staleness) - dropped_stale
         elapsed = time.monotonic() - t_start
@@ -657,8 +629,9 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         await proxy.close()
         for px in zproxies.values():
             await px.close()
-        for p in procs:
-            p.stop()
+        procs.stop()  # SIGCONT and SIGTERM to every child, SIGKILL after 5 s
+        if procs_run is not None:
+            await procs_run
         redis.stop()
         sockets.close()
         ctx.destroy(linger=0)
@@ -704,7 +677,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         "faults_injected": len(fault_log),
         "faults_by_kind": by_kind,
         "fault_log": fault_log,
-        "restarts": {p.name: p.restarts for p in procs if p.restarts},
+        "restarts": {name: n for name, n in procs.restarts.items() if n},
         "proxy": {"forwarded": proxy.forwarded, "held_by_loss": proxy.held, "undeliverable": proxy.undeliverable},
         "message_faults": {name: px.report() for name, px in sorted(zproxies.items())},
         "message_fault_totals": {a: sum(px.total(a) for px in zproxies.values()) for a in ACTIONS if a != "forwarded"},

@@ -17,8 +17,11 @@ episode's return value, and the trainer trains only the tokens the model
 sampled (the tool's and the template's tokens have loss mask 0).
 ``--no-tool`` is its control: the same run with the tool answering ``<none>``.
 
-Every child process is started in its own session with a parent-death signal
-and is terminated (then killed) when the demo returns, also on Ctrl-C.
+The broker and workers run under the launcher's `Supervisor` (through
+`SupervisorThread`: the trainer loop here is synchronous): each in its own
+session with a parent-death signal, logs in ``--out``, terminated (then killed)
+when the demo returns, also on Ctrl-C. They are not restarted on their own:
+``--kill-worker-at`` kills worker 0 and starts it again two steps later.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import os
 import pathlib
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.launch.supervisor import set_parent_death_signal
+from rollpool.launch.supervisor import ProcessSpec, Supervisor, SupervisorThread
 from rollpool.protocol import ConfigError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -134,45 +136,6 @@ class DemoConfig:
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
-class _Children:
-    """Child processes of the demo: started in their own sessions, always reaped."""
-
-    def __init__(self, log_dir: pathlib.Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[Any] = []
-
-    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        logf = open(self.log_dir / f"{name}.log", "ab")  # closed in stop_all
-        self._logs.append(logf)
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=set_parent_death_signal)
-        self.procs[name] = proc
-        return proc
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
-        for f in self._logs:
-            f.close()
-
-
 def _progress(cfg: DemoConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, flush=True)
@@ -211,11 +174,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                  else task.build_demo_model(work / "model", seed=cfg.seed))
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = prompts_per_step * group_size
-    children = _Children(out_dir)
+    children: SupervisorThread | None = None
     redis = None
     client: SyncTrainerClient | None = None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # beside os.environ
     worker_ep = f"ipc://{work}/workers"
     client_ep = f"ipc://{work}/clients"
     summary: dict[str, Any] = {}
@@ -229,11 +191,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 redis_url = redis.url
         common = ["--log-level", os.environ.get("ROLLPOOL_LOG_LEVEL", "INFO")]
         redis_args = ["--redis-url", redis_url] if redis_url else []
-        children.start("broker", [sys.executable, "-m", "rollpool.broker", *common,
-                                  "--worker-endpoint", worker_ep, "--client-endpoint", client_ep,
-                                  "--batch-size", str(batch_samples), "--max-staleness", str(eta),
-                                  "--heartbeat-interval-s", str(heartbeat_s),
-                                  "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args], env)
+        broker_args = [sys.executable, "-m", "rollpool.broker", *common,
+                       "--worker-endpoint", worker_ep, "--client-endpoint", client_ep,
+                       "--batch-size", str(batch_samples), "--max-staleness", str(eta),
+                       "--heartbeat-interval-s", str(heartbeat_s),
+                       "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args]
 
         # the max task is scored on the workers (--reward); the tool task's episodes return their reward
         task_args = (["--episode", "rollpool.demo.tool_task:solve", "--tool-call-parser", "compact"] if tool
@@ -249,8 +211,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         def worker_env(i: int) -> dict[str, str]:
             return {**env, task.SLOW_ENV: str(cfg.slow_worker_s)} if i == 0 and cfg.slow_worker_s > 0 else env
 
-        for i in range(cfg.workers):
-            children.start(f"worker-{i}", worker_args(i), worker_env(i))
+        # one stop stage (the demo has collected everything it needs when it stops them); no restarts of their own
+        specs = [ProcessSpec("broker", tuple(broker_args), env=env, restart=False),
+                 *(ProcessSpec(f"worker-{i}", tuple(worker_args(i)), env=worker_env(i), restart=False)
+                   for i in range(cfg.workers))]
+        children = supervisor = SupervisorThread(Supervisor(specs, out_dir, stop_timeout_s=10.0, state_file=None,
+                                                            label="rollpool demo"))
+        supervisor.start()
 
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(1)
@@ -329,11 +296,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         t_train = time.monotonic()
         for step in range(1, n_steps + 1):
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at:
-                children.kill("worker-0")
+                supervisor.kill("worker-0")
                 killed_at = time.monotonic()
                 _progress(cfg, f"step {step}: killed worker demo-w0 (SIGKILL)")
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at + 2:
-                children.start("worker-0", worker_args(0), worker_env(0))
+                supervisor.start_child("worker-0")
                 _progress(cfg, f"step {step}: restarted worker demo-w0")
             batch = client.get_batch(prompts_per_step, max_staleness=eta, timeout=300, stale_policy=cfg.stale_policy,
                                      max_staleness_keep=cfg.max_staleness_keep)
@@ -443,7 +410,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 client.close()
             with contextlib.suppress(Exception):
                 client.client.metrics.close()
-        children.stop_all()
+        if children is not None:
+            children.stop()
         if redis is not None:
             redis.stop()
         with contextlib.suppress(Exception):
@@ -464,7 +432,7 @@ def _example(t: Any, vocab: list[str]) -> dict[str, Any]:
 
 
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
-    keys = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
+    keys: tuple[str, ...] = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
         keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")

@@ -104,7 +104,7 @@ def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[Gro
     mean_entropy = (entropy * mask).sum() / tokens
     loss = -(weight * surrogate * mask).sum() / tokens - config.entropy_coef * mean_entropy
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     with torch.no_grad():

@@ -1,6 +1,8 @@
 """``rollpool launch local``: a broker, N workers and optionally a weight relay on this machine, supervised.
 
-`LocalLaunchConfig` is the frozen configuration; `local_process_specs` turns
+`LocalLaunchConfig` is the frozen configuration (what every worker runs is its
+nested ``worker``, a `LaunchWorker`; the restart backoff its ``restart``, a
+`RestartPolicy`); `local_process_specs` turns
 it into the command lines (the plain service CLIs, ``python -m rollpool
 broker|worker|relay``, each with its monitoring flags); `run_local` runs them under a
 `Supervisor` until SIGTERM/SIGINT. Worker ids are stable across restarts
@@ -17,8 +19,9 @@ import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
+from rollpool.launch.config import LaunchWorker
+from rollpool.launch.config import help_ as _h
 from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor
 from rollpool.protocol.errors import ConfigError
@@ -28,16 +31,10 @@ __all__ = ["LocalLaunchConfig", "local_process_specs", "local_supervisor", "run_
 log = logging.getLogger(__name__)
 
 
-def _h(text: str) -> dict[str, Any]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, slots=True)
 class LocalLaunchConfig:
     workers: int = field(default=2, metadata=_h("worker processes"))
-    engine: str = field(default="sim", metadata=_h("engine of every worker: sim, hf, sglang"))
-    model: str | None = field(default=None, metadata=_h("model directory (hf, sglang)"))
-    engine_options: str = field(default="", metadata=_h("engine keyword options for every worker: key=value,..."))
+    worker: LaunchWorker = field(default_factory=LaunchWorker, metadata=_h("what every worker runs ([launch.worker])"))
     worker_endpoint: str = field(default="tcp://127.0.0.1:5555", metadata=_h("the broker's worker endpoint"))
     client_endpoint: str = field(default="tcp://127.0.0.1:5556", metadata=_h("the broker's client (trainer) endpoint"))
     pool: str = field(default="default", metadata=_h("pool name (monitoring keys, worker ids)"))
@@ -48,11 +45,7 @@ class LocalLaunchConfig:
     relay_bind: str = field(default="tcp://127.0.0.1:6100", metadata=_h("relay: the ROUTER endpoint it serves on"))
     log_dir: str = field(default="rollpool-logs", metadata=_h("folder for one log file per process and launch.json"))
     broker_args: str = field(default="", metadata=_h("extra flags for the broker, one shell-quoted string"))
-    worker_args: str = field(default="", metadata=_h("extra flags for every worker, one shell-quoted string"))
-    restart_backoff_s: float = field(default=1.0, metadata=_h("first wait before restarting a dead process"))
-    restart_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between restarts"))
-    max_restarts: int = field(default=10, metadata=_h("quick failures in a row before a process is given up"))
-    stable_after_s: float = field(default=60.0, metadata=_h("a run this long resets the failure count"))
+    restart: RestartPolicy = field(default_factory=RestartPolicy, metadata=_h("restart backoff of every process ([launch.restart])"))
     stop_timeout_s: float = field(default=30.0, metadata=_h("on stop: how long each stage may drain before SIGKILL"))
 
     def __post_init__(self) -> None:
@@ -65,16 +58,10 @@ class LocalLaunchConfig:
                 raise ConfigError(f"LocalLaunchConfig.{name} must be a ZeroMQ endpoint, got {getattr(self, name)!r}")
         if self.heartbeat_interval_s <= 0 or self.stop_timeout_s <= 0:
             raise ConfigError("LocalLaunchConfig.heartbeat_interval_s and stop_timeout_s must be > 0")
-        for name in ("broker_args", "worker_args"):
-            try:
-                shlex.split(getattr(self, name))
-            except ValueError as exc:
-                raise ConfigError(f"LocalLaunchConfig.{name}: {exc}") from exc
-        self.restart_policy()  # validates the backoff fields
-
-    def restart_policy(self) -> RestartPolicy:
-        return RestartPolicy(backoff_s=self.restart_backoff_s, backoff_max_s=self.restart_backoff_max_s,
-                             max_restarts=self.max_restarts, stable_after_s=self.stable_after_s)
+        try:
+            shlex.split(self.broker_args)
+        except ValueError as exc:
+            raise ConfigError(f"LocalLaunchConfig.broker_args: {exc}") from exc
 
 
 def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executable,
@@ -98,12 +85,8 @@ def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executab
         specs.append(ProcessSpec("relay", tuple(relay), stop_stage=1, critical=True))
     for i in range(config.workers):
         worker = [python, "-m", "rollpool", "worker", *common, "--broker", config.worker_endpoint,
-                  "--engine", config.engine, "--worker-id", f"{config.pool}-w{i}", "--pool", config.pool, *hb]
-        if config.model:
-            worker += ["--model", config.model]
-        if config.engine_options:
-            worker += ["--engine-options", config.engine_options]
-        worker += [*monitoring, *shlex.split(config.worker_args)]
+                  *config.worker.argv(), "--worker-id", f"{config.pool}-w{i}", "--pool", config.pool, *hb,
+                  *monitoring, *config.worker.extra_argv()]
         specs.append(ProcessSpec(f"worker-{i}", tuple(worker), stop_stage=0))
     return specs
 
@@ -113,7 +96,7 @@ def local_supervisor(config: LocalLaunchConfig, *, redis_url: str | None = None,
     """The `Supervisor` of the local pool (not started)."""
     log_dir = pathlib.Path(config.log_dir).absolute()
     specs = local_process_specs(config, redis_url=redis_url, log_level=log_level)
-    return Supervisor(specs, log_dir, policy=config.restart_policy(), stop_timeout_s=config.stop_timeout_s,
+    return Supervisor(specs, log_dir, policy=config.restart, stop_timeout_s=config.stop_timeout_s,
                       extra_state={"client_endpoint": config.client_endpoint, "worker_endpoint": config.worker_endpoint})
 
 
@@ -124,7 +107,7 @@ async def run_local(config: LocalLaunchConfig, *, redis_url: str | None = None, 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, supervisor.stop)
     log.info("rollpool launch local: broker + %d %s workers%s; trainer endpoint %s; logs in %s",
-             config.workers, config.engine, " + relay" if config.relay else "", config.client_endpoint, supervisor.log_dir)
+             config.workers, config.worker.engine, " + relay" if config.relay else "", config.client_endpoint, supervisor.log_dir)
     try:
         return await supervisor.run()
     finally:

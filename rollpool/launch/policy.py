@@ -25,10 +25,14 @@ class RestartPolicy:
     ``max_restarts`` quick failures in a row the process is given up.
     """
 
-    backoff_s: float = 1.0
-    backoff_max_s: float = 30.0
-    max_restarts: int = 10
-    stable_after_s: float = 60.0
+    # "flag": the command-line name (rollpool.protocol.config) when nested in a launch config (``[launch.restart]``)
+    backoff_s: float = field(default=1.0, metadata={"help": "first wait before restarting a dead process",
+                                                     "flag": "restart_backoff_s"})
+    backoff_max_s: float = field(default=30.0, metadata={"help": "longest wait between restarts", "flag": "restart_backoff_max_s"})
+    max_restarts: int = field(default=10, metadata={"help": "quick failures in a row before a process is given up",
+                                                     "flag": "max_restarts"})
+    stable_after_s: float = field(default=60.0, metadata={"help": "a run this long resets the failure count",
+                                                           "flag": "stable_after_s"})
 
     def __post_init__(self) -> None:
         if self.backoff_s <= 0 or self.backoff_max_s < self.backoff_s:

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import pathlib
-import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpool.launch.config import LaunchWorker
+from rollpool.launch.config import help_ as _h
 from rollpool.launch.policy import RestartPolicy, RestartTracker
 from rollpool.protocol.errors import ConfigError
 
@@ -44,10 +45,6 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-def _h(text: str) -> dict[str, Any]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, slots=True)
 class RayLaunchConfig:
     broker: str = field(default="", metadata=_h("the broker's worker endpoint, e.g. tcp://head:5555"))
@@ -55,18 +52,14 @@ class RayLaunchConfig:
     gpus_per_worker: float = field(default=1.0, metadata=_h("GPUs per bundle (0 for the sim engine)"))
     cpus_per_worker: float = field(default=1.0, metadata=_h("CPUs per bundle"))
     strategy: str = field(default="PACK", metadata=_h("placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"))
-    engine: str = field(default="sglang", metadata=_h("engine of every worker: sim, hf, sglang"))
-    model: str | None = field(default=None, metadata=_h("model directory (hf, sglang), visible on every node"))
-    engine_options: str = field(default="", metadata=_h("engine keyword options for every worker: key=value,..."))
-    worker_args: str = field(default="", metadata=_h("extra flags for every worker, one shell-quoted string"))
+    worker: LaunchWorker = field(default_factory=lambda: LaunchWorker(engine="sglang"),
+                                 metadata=_h("what every worker runs ([launch_ray.worker])"))
     pool: str = field(default="default", metadata=_h("pool name (monitoring keys, worker ids)"))
     ray_address: str | None = field(default=None, metadata=_h("Ray cluster address (default: RAY_ADDRESS, else a local one)"))
     placement_timeout_s: float = field(default=300.0, metadata=_h("longest wait for the placement group"))
     poll_interval_s: float = field(default=1.0, metadata=_h("how often actors are checked"))
-    restart_backoff_s: float = field(default=1.0, metadata=_h("first wait before replacing a dead worker"))
-    restart_backoff_max_s: float = field(default=30.0, metadata=_h("longest wait between replacements"))
-    max_restarts: int = field(default=10, metadata=_h("quick failures in a row before a bundle is given up"))
-    stable_after_s: float = field(default=60.0, metadata=_h("a run this long resets the failure count"))
+    restart: RestartPolicy = field(default_factory=RestartPolicy,
+                                   metadata=_h("replacement backoff of a dead worker ([launch_ray.restart])"))
     stop_timeout_s: float = field(default=30.0, metadata=_h("on stop: how long workers may drain before they are killed"))
     state_file: str | None = field(default=None, metadata=_h("write worker ids, actor and process pids here (JSON)"))
 
@@ -81,11 +74,6 @@ class RayLaunchConfig:
             raise ConfigError(f"RayLaunchConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.placement_timeout_s <= 0 or self.poll_interval_s <= 0 or self.stop_timeout_s <= 0:
             raise ConfigError("RayLaunchConfig: placement_timeout_s, poll_interval_s and stop_timeout_s must be > 0")
-        self.restart_policy()
-
-    def restart_policy(self) -> RestartPolicy:
-        return RestartPolicy(backoff_s=self.restart_backoff_s, backoff_max_s=self.restart_backoff_max_s,
-                             max_restarts=self.max_restarts, stable_after_s=self.stable_after_s)
 
 
 def worker_command(config: RayLaunchConfig, index: int, *, python: str = "python",
@@ -97,15 +85,11 @@ def worker_command(config: RayLaunchConfig, index: int, *, python: str = "python
     argv = [python, "-m", "rollpool", "worker"]
     if log_level:
         argv += ["--log-level", log_level]
-    argv += ["--broker", config.broker, "--engine", config.engine, "--worker-id", f"{config.pool}-ray{index}",
+    argv += ["--broker", config.broker, *config.worker.argv(), "--worker-id", f"{config.pool}-ray{index}",
              "--pool", config.pool]
-    if config.model:
-        argv += ["--model", config.model]
-    if config.engine_options:
-        argv += ["--engine-options", config.engine_options]
     if redis_url:
         argv += ["--redis-url", redis_url]
-    return argv + shlex.split(config.worker_args)
+    return argv + config.worker.extra_argv()
 
 
 def _set_parent_death_signal() -> None:
@@ -162,7 +146,7 @@ class RayLauncher:
         self.redis_url = redis_url
         self.log_level = log_level
         self._stop = threading.Event()
-        self._slots = [_Slot(i, RestartTracker(config.restart_policy())) for i in range(config.workers)]
+        self._slots = [_Slot(i, RestartTracker(config.restart)) for i in range(config.workers)]
         self._pg: Any = None
         self._actor_cls: Any = None
         self.replacements = 0
@@ -196,7 +180,8 @@ class RayLauncher:
             remove_placement_group(self._pg)
             raise ConfigError(f"placement group of {cfg.workers} x {bundle} ({cfg.strategy}) not ready within "
                               f"{cfg.placement_timeout_s} s: {exc}") from exc
-        self._actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerHost)
+        # ray's stubs lack the actor options (max_concurrency) of ray.remote
+        self._actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerHost)  # type: ignore[call-overload]
         log.info("rollpool launch ray: %d workers x %s, %s, broker %s", cfg.workers, bundle, cfg.strategy, cfg.broker)
         failed = False
         try:

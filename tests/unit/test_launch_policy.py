@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
+import pathlib
+
 import pytest
 
+from rollpool.launch.config import LaunchWorker
 from rollpool.launch.local import LocalLaunchConfig, local_process_specs
 from rollpool.launch.policy import Autoscaler, RestartPolicy, RestartTracker, desired_replicas
+from rollpool.launch.ray_launch import RayLaunchConfig, worker_command
+from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.errors import ConfigError
 
 
@@ -54,7 +61,7 @@ def test_autoscaler_does_not_drop_below_a_recent_peak() -> None:
 
 def test_local_specs_are_the_plain_service_clis_with_stable_worker_ids() -> None:
     cfg = LocalLaunchConfig(workers=2, relay=True, weights_upstream="tcp://trainer:6000", pool="p",
-                            worker_args="--capacity 8")
+                            worker=LaunchWorker(args="--capacity 8"))
     specs = local_process_specs(cfg, python="py", redis_url="redis://r:6379/0")
     assert [s.name for s in specs] == ["broker", "relay", "worker-0", "worker-1"]
     assert specs[0].argv[:4] == ("py", "-m", "rollpool", "broker") and specs[0].critical
@@ -67,3 +74,71 @@ def test_local_specs_are_the_plain_service_clis_with_stable_worker_ids() -> None
 def test_relay_needs_an_upstream() -> None:
     with pytest.raises(ConfigError, match="weights-upstream"):
         LocalLaunchConfig(relay=True)
+
+
+# nested launch configs (issue 27): flags and environment stay flat, the TOML file nests, old flat TOML keys still read
+
+
+def _cli_config(cls: type, argv: list[str], toml: str | None = None, tmp_path: pathlib.Path | None = None,
+                environ: dict[str, str] | None = None) -> object:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, cls)
+    path = None
+    if toml is not None:
+        assert tmp_path is not None
+        path = tmp_path / "c.toml"
+        path.write_text(toml)
+    section = "launch" if cls is LocalLaunchConfig else "launch_ray"
+    return load_config(cls, parser.parse_args(argv), toml_path=str(path) if path else None, section=section,
+                       environ=environ or {})
+
+
+def test_the_old_flags_fill_the_nested_worker_and_restart_policy() -> None:
+    cfg = _cli_config(LocalLaunchConfig, ["--engine", "hf", "--model", "/m", "--engine-options", "seed=1",
+                                          "--worker-args", "--capacity 8", "--restart-backoff-s", "0.2",
+                                          "--restart-backoff-max-s", "4", "--max-restarts", "3", "--stable-after-s", "9"])
+    assert isinstance(cfg, LocalLaunchConfig)
+    assert cfg.worker == LaunchWorker(engine="hf", model="/m", engine_options="seed=1", args="--capacity 8")
+    assert cfg.restart == RestartPolicy(backoff_s=0.2, backoff_max_s=4.0, max_restarts=3, stable_after_s=9.0)
+    worker = local_process_specs(cfg, python="py")[1].argv
+    assert worker[worker.index("--engine") + 1] == "hf" and worker[-2:] == ("--capacity", "8")
+
+
+def test_a_nested_default_is_the_launcher_s_own() -> None:
+    """ray's workers default to sglang, local's to sim; a flag changes only its own field."""
+    cfg = _cli_config(RayLaunchConfig, ["--broker", "tcp://h:5555", "--model", "/m"])
+    assert isinstance(cfg, RayLaunchConfig)
+    assert cfg.worker == LaunchWorker(engine="sglang", model="/m")
+    assert worker_command(cfg, 0)[:8] == ["python", "-m", "rollpool", "worker", "--broker", "tcp://h:5555", "--engine", "sglang"]
+    local = _cli_config(LocalLaunchConfig, [], environ={"ROLLPOOL_ENGINE": "hf", "ROLLPOOL_MAX_RESTARTS": "2"})
+    assert isinstance(local, LocalLaunchConfig)
+    assert local.worker.engine == "hf" and local.restart.max_restarts == 2 and local.restart.backoff_s == 1.0
+
+
+def test_toml_nests_the_worker_and_restart_tables(tmp_path: pathlib.Path) -> None:
+    toml = "[launch]\nworkers = 3\n[launch.worker]\nengine = \"hf\"\nargs = \"--capacity 4\"\n[launch.restart]\nbackoff_s = 0.5\nmax_restarts = 4\n"
+    cfg = _cli_config(LocalLaunchConfig, ["--model", "/m"], toml, tmp_path)
+    assert isinstance(cfg, LocalLaunchConfig)
+    assert cfg.workers == 3
+    assert cfg.worker == LaunchWorker(engine="hf", model="/m", args="--capacity 4")  # the flag adds to the table
+    assert cfg.restart == RestartPolicy(backoff_s=0.5, max_restarts=4)
+
+
+def test_old_flat_toml_keys_are_read_with_a_deprecation_warning(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    toml = "[launch]\nengine = \"hf\"\nworker_args = \"--capacity 4\"\nrestart-backoff-s = 0.5\n"
+    with caplog.at_level(logging.WARNING, logger="rollpool.protocol.config"):
+        cfg = _cli_config(LocalLaunchConfig, [], toml, tmp_path)
+    assert isinstance(cfg, LocalLaunchConfig)
+    assert cfg.worker == LaunchWorker(engine="hf", args="--capacity 4") and cfg.restart.backoff_s == 0.5
+    said = caplog.text
+    assert "'engine' in [launch] is deprecated" in said and "engine = ... in [launch.worker]" in said
+    assert "'restart-backoff-s' in [launch] is deprecated" in said and "backoff_s = ... in [launch.restart]" in said
+
+
+def test_a_key_given_flat_and_nested_or_unknown_in_a_table_is_refused(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ConfigError, match="given twice"):
+        _cli_config(LocalLaunchConfig, [], "[launch]\nengine = \"hf\"\n[launch.worker]\nengine = \"sim\"\n", tmp_path)
+    with pytest.raises(ConfigError, match=r"unknown key 'engin' in \[launch.worker\]"):
+        _cli_config(LocalLaunchConfig, [], "[launch.worker]\nengin = \"hf\"\n", tmp_path)
+    with pytest.raises(ConfigError, match="RestartPolicy needs 0 < backoff_s"):
+        _cli_config(LocalLaunchConfig, ["--restart-backoff-s", "0"])

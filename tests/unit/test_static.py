@@ -1,4 +1,4 @@
-"""Lint and strict typing stay green (ruff on everything; mypy strict on protocol, broker, weights, workers, monitor)."""
+"""Lint and strict typing stay green (ruff on everything; mypy strict on the files listed under [tool.mypy])."""
 
 from __future__ import annotations
 

@@ -16,18 +16,12 @@ from typing import Any
 import pytest
 
 from rollpool.trainer_client import SyncTrainerClient
+from tests.integration.launch._procs import alive
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SIM = "length=fixed,length_median=20,decode_s_per_token=0.01,capacity=8"
 
 
-def _alive(pid: int) -> bool:
-    """True for a live process; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _procs_mentioning(text: str) -> list[int]:
@@ -40,7 +34,7 @@ def _procs_mentioning(text: str) -> list[int]:
             cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if text in cmdline and _alive(int(entry)):
+        if text in cmdline and alive(int(entry)):
             out.append(int(entry))
     return out
 
@@ -123,7 +117,7 @@ def test_local_pool_serves_exactly_once_survives_a_killed_worker_and_stops_clean
         sup.send_signal(signal.SIGTERM)
         sup.wait(timeout=60)
         assert sup.returncode == 0, (d / "supervisor.out").read_text()[-3000:]
-        assert not [p for p in all_pids if _alive(p)]
+        assert not [p for p in all_pids if alive(p)]
         assert _procs_mentioning(str(d)) == []
         for name in ("broker", "worker-0", "worker-1", "worker-2"):
             assert (logs / f"{name}.log").stat().st_size > 0
@@ -142,7 +136,7 @@ def test_sigkilled_supervisor_takes_its_children_with_it(launch_dir: pathlib.Pat
     pids = [p["pid"] for p in state["processes"].values()]
     sup.kill()
     sup.wait()
-    _wait_for(lambda: not [p for p in pids if _alive(p)], 30, "children to exit after the supervisor died")
+    _wait_for(lambda: not [p for p in pids if alive(p)], 30, "children to exit after the supervisor died")
     _wait_for(lambda: _procs_mentioning(str(d)) == [], 30, "no process of the pool left")
 
 

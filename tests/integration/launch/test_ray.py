@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from rollpool.trainer_client import SyncTrainerClient
-from tests.integration.launch.test_local import REPO, SIM, _alive, _procs_mentioning, _wait_for
+from tests.integration.launch._procs import alive
+from tests.integration.launch.test_local import REPO, SIM, _procs_mentioning, _wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -87,7 +88,7 @@ def test_ray_workers_serve_exactly_once_and_a_killed_actor_is_replaced(ray_dir: 
         worker_pids = [first["worker_pid"], *(w["worker_pid"] for w in state["workers"])]
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=90) == 0, (d / "ray.log").read_text()[-3000:]
-        _wait_for(lambda: not [p for p in worker_pids if _alive(p)], 30, "every worker process gone")
+        _wait_for(lambda: not [p for p in worker_pids if alive(p)], 30, "every worker process gone")
     finally:
         for proc in (launcher, broker):
             if proc.poll() is None:
