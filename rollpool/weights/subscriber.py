@@ -606,7 +606,7 @@ class WeightSubscriber:
         if t is None:
             try:
                 t = open_buffer(info, device_index)
-            except Exception as exc:  # noqa: BLE001 - CUDA reports a bad or stale handle in several ways: the next path serves
+            except Exception as exc:
                 raise _IpcFallback(f"cannot open the publisher's GPU buffer ({type(exc).__name__}: {exc})") from exc
             self._ipc_open[key] = t
             while len(self._ipc_open) > 4:  # the publisher keeps K arenas; older ones were freed
