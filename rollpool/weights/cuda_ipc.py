@@ -37,6 +37,7 @@ __all__ = [
     "mix64_checksum",
     "mix64_reference",
     "open_buffer",
+    "side_stream",
 ]
 
 MIX64 = "mix64"
@@ -126,6 +127,21 @@ def mix64_reference(data: bytes) -> str:
         v *= np.uint64(_C2)
         total = int(v.sum(dtype=np.uint64)) if len(v) else 0
     return f"{MIX64}:{total & _MASK64:016x}"
+
+
+_streams: dict[str, Any] = {}
+
+
+def side_stream(device: torch.device | str) -> Any:
+    """One side stream per device for the whole process. The caching allocator keeps freed blocks per stream, so
+    temporaries made on a fresh stream every version would not be reused (torch recycles a pool of 32 streams: up to
+    32 versions' worth of cached memory)."""
+    key = str(torch.device(device))
+    with _index_lock:
+        s = _streams.get(key)
+        if s is None:
+            s = _streams[key] = torch.cuda.Stream(device=torch.device(device))  # type: ignore[no-untyped-call]
+        return s
 
 
 def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:

@@ -63,7 +63,7 @@ from rollpool.weights.bucketing import (
     tensor_bytes,
 )
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
-from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, export_buffer, mix64_checksum
+from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, export_buffer, mix64_checksum, side_stream
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 
@@ -759,7 +759,7 @@ class WeightPublisher:
         """Device-to-device snapshot into the arena on a side stream that first waits for the trainer's stream;
         returns once it landed (then the trainer may change its tensors)."""
         device = arena.device
-        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        stream = side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         offsets = snap.ipc_offsets
         with torch.cuda.stream(stream):

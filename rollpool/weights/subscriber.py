@@ -764,7 +764,9 @@ class _IpcFallback(Exception):
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
     """Worker thread: copy buckets `which` device-to-device from the publisher's buffer and checksum each copy on the
     GPU (on a side stream of this thread); the buckets whose checksum differs."""
-    stream = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
+    from rollpool.weights.cuda_ipc import side_stream
+
+    stream = side_stream(src.device)
     bad = []
     with torch.cuda.stream(stream):
         for i in which:
@@ -775,6 +777,7 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
         for i in which:
             if mix64_checksum(buffers[i]) != manifest.buckets[i].ipc_checksum:
                 bad.append(i)
+    stream.synchronize()
     return bad
 
 

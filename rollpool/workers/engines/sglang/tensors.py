@@ -63,6 +63,21 @@ def on_device(named: Mapping[str, Any], device: str) -> bool:
     return all(isinstance(t, torch.Tensor) and t.is_cuda and t.device.index == index for t in named.values())
 
 
+_STREAMS: dict[str, Any] = {}
+
+
+def _side_stream(device: str) -> Any:
+    """One staging stream per device for the process: the caching allocator keeps freed blocks per stream, so a
+    fresh stream per version would keep every version's staging memory cached (torch recycles 32 streams)."""
+    import torch
+
+    key = str(torch.device(device))
+    s = _STREAMS.get(key)
+    if s is None:
+        s = _STREAMS[key] = torch.cuda.Stream(device=torch.device(device))  # type: ignore[no-untyped-call]
+    return s
+
+
 class BucketStager:
     """A version's buckets copied to the device as each one verifies (the fetch's ``on_bucket``), so the copy of bucket
     i overlaps the fetch of bucket i + 1; `serialize_update(..., staged=)` copies only what is still missing.
@@ -72,11 +87,10 @@ class BucketStager:
     by `serialize_update`."""
 
     def __init__(self, version: int, device: str) -> None:
-        import torch
 
         self.version = version
         self.device = device
-        self.stream: Any = torch.cuda.Stream(device=device) if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+        self.stream: Any = _side_stream(device) if device.startswith("cuda") else None
         self.placed: dict[str, Any] = {}
         self.started_at = time.time()
 
