@@ -372,15 +372,19 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
         v, last_rx, last_ipc = 0, 0, 0
+        last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         for path, on in rows:
             name = f"{path}_{on}"
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "versions": recs}
             pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto"}[path])
             sd = sd_cuda if on == "cuda" else {k: t.cpu() for k, t in sd_cuda.items()}
-            t = time.time()
-            pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
-            stage[name]["reserve_s"] = round(time.time() - t, 2)
+            kind = "host" if path == "tcp" else "shm"  # the cuda_ipc row's host buckets (for other peers) are shm too
+            if kind != last_kind or on != last_on:
+                t = time.time()
+                pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
+                stage[name]["reserve_s"] = round(time.time() - t, 2)
+            last_kind, last_on = kind, on
             for _ in range(args.versions):
                 v += 1
                 want = expected_checksums(sd, args.bucket_mib * _MiB)
