@@ -38,6 +38,7 @@ __all__ = [
     "mix64_reference",
     "open_buffer",
     "side_stream",
+    "warm_up",
 ]
 
 MIX64 = "mix64"
@@ -142,6 +143,25 @@ def side_stream(device: torch.device | str) -> Any:
         if s is None:
             s = _streams[key] = torch.cuda.Stream(device=torch.device(device))  # type: ignore[no-untyped-call]
         return s
+
+
+_warmed: set[str] = set()
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Run the checksum and a device copy once on a small buffer of `device` (on its side stream), so the first
+    version does not pay the kernels' first load and the index and stream set-up (call it in a thread)."""
+    key = str(torch.device(device))
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    stream = side_stream(device)
+    with torch.cuda.stream(stream):
+        buf = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+        torch.empty_like(buf).copy_(buf, non_blocking=True)
+        mix64_checksum(buf)
+        _indices(buf.device, MIX64_SLICE_WORDS)  # the index of a full slice, made once
+    stream.synchronize()
 
 
 def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:

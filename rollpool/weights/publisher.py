@@ -426,6 +426,8 @@ class WeightPublisher:
         """GPU UUIDs that subscribers on this host said they see (their hello): on ``auto`` CUDA tensors are exported."""
         self.ipc_versions = 0
         """Versions offered on the same-GPU path."""
+        if path == "cuda_ipc":
+            self._warm_ipc()
         if reserve is not None:
             self.reserve(reserve)
 
@@ -705,6 +707,21 @@ class WeightPublisher:
             if new:
                 self._ipc_peers |= new
                 log.info("weight publisher %s: a subscriber on this host sees GPU(s) %s", self.publisher_id, sorted(new))
+                self._warm_ipc()
+
+    def _warm_ipc(self) -> None:
+        """The same-GPU path may be used soon: its checksum kernels warmed on this process's GPU, in a thread."""
+        if not torch.cuda.is_available():
+            return
+        from rollpool.weights.cuda_ipc import warm_up
+
+        def warm() -> None:
+            try:
+                warm_up(torch.device("cuda", torch.cuda.current_device()))
+            except Exception:
+                log.debug("warming the same-GPU path up failed", exc_info=True)
+
+        threading.Thread(target=warm, name="weights-ipc-warm", daemon=True).start()
 
     def _ipc_device(self, items: Any) -> torch.device | None:
         """The device to export this version from: CUDA tensors, all on one device, on ``cuda_ipc``, or on ``auto``

@@ -383,6 +383,9 @@ class WeightSubscriber:
             from rollpool.weights.cuda_ipc import device_uuids
 
             self._gpus = device_uuids() if self.path in ("auto", "cuda_ipc") else {}
+            if self._gpus:
+                # the first same-GPU version should not pay the checksum kernels' first load: warmed in a thread now
+                threading.Thread(target=_warm_current_device, name="weights-ipc-warm", daemon=True).start()
         return self._gpus
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
@@ -755,6 +758,15 @@ class WeightSubscriber:
         transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
         await transfer.run()
         return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
+
+
+def _warm_current_device() -> None:
+    from rollpool.weights.cuda_ipc import warm_up
+
+    try:
+        warm_up(torch.device("cuda", torch.cuda.current_device()))
+    except Exception:
+        log.debug("warming the same-GPU path up failed", exc_info=True)
 
 
 class _IpcFallback(Exception):
