@@ -436,9 +436,8 @@ class WeightSubscriber:
             manifest = _checked(await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
-            await self._reserved()
             try:
-                on_gpu = await self._try_ipc(manifest, on_bucket)
+                on_gpu = await self._try_ipc(manifest, on_bucket)  # needs no host buffer: does not wait for their reserve
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
@@ -447,6 +446,7 @@ class WeightSubscriber:
                 continue
             if on_gpu is not None:
                 return on_gpu
+            await self._reserved()
             slab, buffers = self._buffers_for(manifest)
             try:
                 use_shm, why = self._shm_choice(manifest)
