@@ -125,6 +125,8 @@ class _Staged:
     started_at: float
     h2d_s: float
     stage_s: float
+    by_bucket: int = 0
+    """Tensors whose copy was queued bucket by bucket during the fetch (`stage_bucket`)."""
 
 
 @dataclass(eq=False)
@@ -623,8 +625,7 @@ class SGLangEngine:
         early = len(stager.placed) if stager is not None and stager.version == version else 0
         started = stager.started_at if early and stager is not None else t0
         payload, on_device, h2d_s = await self._to_device(named_tensors, version)
-        self._staged = _Staged(version, tuple(names), payload, on_device, started, h2d_s, time.time() - t0)
-        self.last_update["staged_by_bucket"] = float(early)
+        self._staged = _Staged(version, tuple(names), payload, on_device, started, h2d_s, time.time() - t0, early)
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         self._check()
@@ -640,7 +641,7 @@ class SGLangEngine:
         if staged is not None and staged.version == version and staged.names == tuple(names):
             payload, on_device, h2d_s = staged.payload, staged.on_device, 0.0
             self.last_update.update({"staged": 1.0, "stage_started_at": staged.started_at, "stage_h2d_s": staged.h2d_s,
-                                     "stage_s": staged.stage_s})
+                                     "stage_s": staged.stage_s, "staged_by_bucket": float(staged.by_bucket)})
         else:
             payload, on_device, h2d_s = await self._to_device(named_tensors)
             self.last_update["staged"] = 0.0
