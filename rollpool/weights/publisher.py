@@ -444,6 +444,9 @@ class WeightPublisher:
         self._copy_pool.shutdown(wait=True, cancel_futures=True)
         self._sum_pool.shutdown(wait=True, cancel_futures=True)
         self._spare = []
+        self._ipc_exports = []
+        self._ipc_of_version = {}
+        self._ipc_slabs.trim(0)
         self._host_pool.close()
         if self._shm_pool is not None:
             self._shm_pool.close()  # segments unlinked; mappings go with the last view

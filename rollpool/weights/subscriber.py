@@ -239,6 +239,8 @@ class WeightSubscriber:
         for r in self._readers.values():
             r.close()
         self._readers = {}
+        self._ipc_open = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
+        self._dev_slabs.trim(0)
         if self._copy_exec is not None:
             self._copy_exec.shutdown(wait=False, cancel_futures=True)
             self._copy_exec = None
