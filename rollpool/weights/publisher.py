@@ -426,6 +426,8 @@ class WeightPublisher:
         """GPU UUIDs that subscribers on this host said they see (their hello): on ``auto`` CUDA tensors are exported."""
         self.ipc_versions = 0
         """Versions offered on the same-GPU path."""
+        self._ipc_broken = ""
+        """Why the same-GPU path failed here (then it is never offered again), or ""."""
         if path == "cuda_ipc":
             self._warm_ipc()
         if reserve is not None:
@@ -608,7 +610,15 @@ class WeightPublisher:
         snap = self._begin(version, places, planner)
         ipc_device = self._ipc_device(items)
         if ipc_device is not None:
-            arena, arena_items = self._ipc_begin(snap, planner, places, ipc_device)
+            try:
+                arena, arena_items = self._ipc_begin(snap, planner, places, ipc_device)
+            except Exception as exc:  # noqa: BLE001 - an arena that cannot be made or exported: the host path serves
+                self._ipc_broken = f"{type(exc).__name__}: {exc}"
+                log.error("weight publisher %s: the same-GPU path failed (%s); no device buffer is offered from now on",
+                          self.publisher_id, self._ipc_broken)
+                self._ipc_release(version)
+                snap.served.cuda_ipc = None
+                ipc_device = None
         previous, self._latest = self._latest, version
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         try:
@@ -729,7 +739,7 @@ class WeightPublisher:
     def _ipc_device(self, items: Any) -> torch.device | None:
         """The device to export this version from: CUDA tensors, all on one device, on ``cuda_ipc``, or on ``auto``
         when a subscriber on this host said it sees that GPU; else None (host buckets only)."""
-        if self.path not in ("cuda_ipc", "auto") or not isinstance(items, list) or not items:
+        if self.path not in ("cuda_ipc", "auto") or not isinstance(items, list) or not items or self._ipc_broken:
             return None
         devices: set[torch.device] = {t.device for _n, t in items}
         if len(devices) != 1:
@@ -756,7 +766,11 @@ class WeightPublisher:
         arena = self._ipc_slabs.take_at_least(total, device)
         info = next((i for a, i in self._ipc_exports if a is arena), None)
         if info is None:
-            info = export_buffer(arena)
+            try:
+                info = export_buffer(arena)
+            except BaseException:
+                self._ipc_slabs.give(arena)
+                raise
             self._ipc_exports.append((arena, info))
         self._ipc_of_version[snap.version] = arena
         snap.served.cuda_ipc = info

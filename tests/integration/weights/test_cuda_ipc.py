@@ -106,3 +106,18 @@ async def test_a_device_buffer_this_process_cannot_use_falls_back_to_shared_memo
     [(why, n)] = sees.fallbacks.items()
     assert why.startswith("cannot open the publisher's GPU buffer") and n == 1
     assert pub.bytes_served == 0  # no bucket byte crossed a socket on either fallback
+
+
+async def test_an_arena_that_cannot_be_exported_leaves_the_host_path_serving(make_publisher: Any, make_subscriber: Any,
+                                                                               monkeypatch: Any) -> None:
+    pub = await make_publisher()
+    # fake of the device edge: the publisher believes these (CPU) tensors are to be exported; export_buffer refuses
+    monkeypatch.setattr(pub, "_ipc_device", lambda items: torch.device("cpu"))
+    w = model(7)
+    m = await pub.publish(w, 1, wait_ready=True)
+    assert m.cuda_ipc is None and pub._ipc_broken.startswith("ValueError") and pub._ipc_of_version == {}
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    got = await sub.fetch(1)
+    assert sub.last_path == "shm" and all(torch.equal(got.tensors[k], t) for k, t in w.items())
+    monkeypatch.undo()
+    assert pub._ipc_device(list(w.items())) is None  # never offered again by this publisher
