@@ -16,8 +16,10 @@ tensors). Paths, each for ``--versions`` (>= 6) versions:
 - ``tcp``: the publisher offers no segments (``set_path("network")``), so the worker fetches over
   ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (4) and the context's I/O threads (4);
 - ``shm``: the publisher's buckets are shared-memory segments (page-locked by cudaHostRegister);
-  the worker maps them (no bucket byte on a socket);
-- ``cuda_ipc``: not built in this round; its row says so (``same_gpu_ipc_s`` null).
+  the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered);
+- ``cuda_ipc``: the publisher on ``auto``: the worker's hello named the GPU it sees, so the publisher snapshots
+  the CUDA tensors device-to-device into an exported arena and the worker (on ``auto``) copies from it
+  device-to-device and verifies the GPU checksum of its copy, which SGLang then maps (``same_gpu_ipc_s``).
 
 Per version: every tensor changes (the "optimizer step" adds +-0.01 to every tensor right after
 ``publish_weights`` returns); the expected checksum of every bucket is computed from the tensors'
@@ -369,20 +371,20 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         RESULT["worker_join_s"] = round(time.time() - t0, 1)
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
-        v, last_rx = 0, 0
+        v, last_rx, last_ipc = 0, 0, 0
+        last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         for path, on in rows:
             name = f"{path}_{on}"
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "versions": recs}
-            if path == "cuda_ipc":
-                stage[name]["not_built"] = "the CUDA IPC path is designed (docs/weights.md) but not built in this round"
-                save()
-                continue
-            pub.set_path("network" if path == "tcp" else "auto")
+            pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto"}[path])
             sd = sd_cuda if on == "cuda" else {k: t.cpu() for k, t in sd_cuda.items()}
-            t = time.time()
-            pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
-            stage[name]["reserve_s"] = round(time.time() - t, 2)
+            kind = "host" if path == "tcp" else "shm"  # the cuda_ipc row's host buckets (for other peers) are shm too
+            if kind != last_kind or on != last_on:
+                t = time.time()
+                pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
+                stage[name]["reserve_s"] = round(time.time() - t, 2)
+            last_kind, last_on = kind, on
             for _ in range(args.versions):
                 v += 1
                 want = expected_checksums(sd, args.bucket_mib * _MiB)
@@ -412,9 +414,14 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "fetched_after_publish_s": round(f["at"] - t_pub, 4) if "at" in f else None,
                     "publisher_socket_bytes": pub.bytes_served - served0, "model_bytes": model_bytes,
                     "stage_h2d_s": a.get("stage_h2d_s"), "h2d_s": a.get("h2d_s"), "sglang_update_s": a.get("sglang_update_s"),
+                    "staged_by_bucket": a.get("staged_by_bucket"), "stage_started_at_s": round(a["stage_started_at"] - t_pub, 4) if "stage_started_at" in a else None,
+                    "update_started_after_publish_s": round(a["update_started_at"] - t_pub, 4) if "update_started_at" in a else None,
+                    "publisher_ipc_versions": pub.stats.get("ipc_versions"),
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
+                ipc = int(f.get("ipc_bytes", last_ipc))
+                rec["worker_ipc_bytes"], last_ipc = ipc - last_ipc, ipc
                 recs.append(rec)
                 note(f"{name} v{v}: {json.dumps({k: rec[k] for k in ('trainer_blocked_s', 'publish_to_applied_s', 'pause_s', 'fetched_path', 'torn_snapshot')})}")
                 summarize()
@@ -507,13 +514,17 @@ def summarize() -> None:
     shm_pause = (shm.get("summary") or {}).get("pause_s")
     RESULT["host_path_s"] = host
     RESULT["shm_path_s"] = round(shm_s - shm_pause, 4) if shm_s is not None and shm_pause is not None else None
-    RESULT["same_gpu_ipc_s"] = None
+    ipc = rows.get("cuda_ipc_cuda", {})
+    ipc_s, ipc_pause = (ipc.get("summary") or {}).get("publish_to_applied_s"), (ipc.get("summary") or {}).get("pause_s")
+    RESULT["same_gpu_ipc_s"] = round(ipc_s - ipc_pause, 4) if ipc_s is not None and ipc_pause is not None else None
     RESULT["pause_s"] = pause
     blocked = [r["trainer_blocked_s"] for name, row in rows.items() if name.endswith("_cuda") for r in row.get("versions", [])[1:]]
     RESULT["trainer_blocked_s"] = _median(blocked)
     RESULT["first_over_warm"] = {name: (row.get("summary") or {}).get("first_over_warm") for name, row in rows.items() if row.get("versions")}
     RESULT["bytes_moved_per_version"] = {name: {"model_bytes": model_bytes,
-                                                "publisher_socket_bytes": _median([r["publisher_socket_bytes"] for r in row["versions"]])}
+                                                "publisher_socket_bytes": _median([r["publisher_socket_bytes"] for r in row["versions"]]),
+                                                "worker_socket_bytes": _median([r.get("worker_socket_bytes") for r in row["versions"]]),
+                                                "worker_ipc_bytes": _median([r.get("worker_ipc_bytes") for r in row["versions"]])}
                                          for name, row in rows.items() if row.get("versions")}
     goals: dict[str, Any] = {}
     disk, raw = RESULT.get("disk_peer_s"), RESULT.get("raw_tcp_4stream_gbps")
@@ -524,7 +535,9 @@ def summarize() -> None:
         goals["transfer_efficiency_vs_raw"] = {"value": round(eff / raw, 3), "goal": ">= 0.7", "met": eff / raw >= 0.7}
     if RESULT["shm_path_s"] is not None:
         goals["shm_path_s"] = {"value": RESULT["shm_path_s"], "goal": "<= 0.5", "met": RESULT["shm_path_s"] <= 0.5}
-    goals["same_gpu_ipc_s"] = {"value": None, "goal": "<= 0.5", "met": False, "note": "CUDA IPC path not built"}
+    if RESULT["same_gpu_ipc_s"] is not None:
+        goals["same_gpu_ipc_s"] = {"value": RESULT["same_gpu_ipc_s"], "goal": "<= 0.5", "met": RESULT["same_gpu_ipc_s"] <= 0.5,
+                                   "paths_taken": (ipc.get("summary") or {}).get("paths_taken")}
     if RESULT["trainer_blocked_s"] is not None:
         goals["trainer_blocked_s"] = {"value": RESULT["trainer_blocked_s"], "goal": "<= 0.5", "met": RESULT["trainer_blocked_s"] <= 0.5}
     fow = [x for x in RESULT["first_over_warm"].values() if x is not None]
@@ -538,6 +551,7 @@ def summarize() -> None:
 HOW = {
     "host_path_s": "row tcp_cuda: median over versions 3..N of publish_weights call start -> the engine's applied_at (its 'sglang apply' log line)",
     "shm_path_s": "row shm_cuda: the same median, less the row's median pause_s",
+    "same_gpu_ipc_s": "row cuda_ipc_cuda (publisher on auto, worker on auto: same host, same GPU UUID): the same median, less the row's median pause_s",
     "trainer_blocked_s": "duration of TrainerClient.publish_weights (snapshot copied, CUDA side-stream event waited, broker set_version) over the CUDA rows, versions 2..N",
     "pause_s": "row tcp_cuda: the engine's pause_s (pause -> resume around update_weights), median over versions 3..N",
     "first_over_warm": "per row: version 1's publish_to_applied_s over the median of versions 3..N",
@@ -559,7 +573,9 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--capacity", type=int, default=64)
-    ap.add_argument("--mem-fraction", type=float, default=0.55)
+    ap.add_argument("--mem-fraction", type=float, default=0.3,
+                    help="SGLang's static share of GPU memory (the trainer's model, 2 arenas and the worker's 2 device versions share the GPU)")
+    ap.add_argument("--rows", default="", help="comma-separated subset of rows, e.g. cuda_ipc_cuda,tcp_cuda (default: all of the run)")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--peers-timeout-s", type=int, default=240)
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
@@ -594,6 +610,8 @@ def main() -> int:
     rows = [("tcp", "cuda"), ("shm", "cuda"), ("cuda_ipc", "cuda")]
     if args.run == "1p4":
         rows += [("tcp", "cpu"), ("shm", "cpu")]
+    if args.rows:
+        rows = [r for r in rows if f"{r[0]}_{r[1]}" in args.rows.split(",")]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")
         peers_stage(model, args.peers_timeout_s)

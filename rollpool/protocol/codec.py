@@ -78,7 +78,9 @@ PROTOCOL_MAJOR = 1
 #        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
 #        input_logprobs
 #   1.8  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
-PROTOCOL_MINOR = 8
+#   1.9  the same-GPU weight path: Manifest.cuda_ipc (CudaIpcBuffer), BucketInfo.ipc_offset / ipc_checksum,
+#        ManifestRequest.gpu_uuids / wait_ipc
+PROTOCOL_MINOR = 9
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -55,6 +55,7 @@ __all__ = [
     "Rejection",
     "TensorInfo",
     "BucketInfo",
+    "CudaIpcBuffer",
     # group terminal states and finish reasons
     "GroupState",
     "FinishReason",
@@ -351,6 +352,31 @@ class BucketInfo:
     tensors: tuple[TensorInfo, ...] = ()
     shm_segment: str = ""
     """Same-host path: the POSIX shared-memory segment holding the bucket (``""``: none); see `Manifest.host_key`."""
+    ipc_offset: int = -1
+    """Same-GPU path (minor 9): where the bucket starts in `Manifest.cuda_ipc` (-1: not there)."""
+    ipc_checksum: str = ""
+    """Same-GPU path: ``"mix64:<hex>"`` of the bucket's bytes computed on the GPU (``""``: pending or none)."""
+
+
+@record
+class CudaIpcBuffer:
+    """A device buffer the publisher exports to processes on the same GPU (CUDA IPC, minor 9).
+
+    The pieces of torch's storage sharing (``UntypedStorage._share_cuda_``), each as raw bytes or a
+    number: nothing is pickled. A receiver opens it with ``UntypedStorage._new_shared_cuda``.
+    """
+
+    device_uuid: str
+    """The GPU's UUID (a receiver maps it to its own device index, whatever CUDA_VISIBLE_DEVICES says)."""
+    handle: bytes
+    """``cudaIpcMemHandle_t`` of the allocation that holds the buffer."""
+    storage_bytes: int
+    storage_offset: int = 0
+    """Where the buffer starts within the allocation."""
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
 
 
 # --------------------------------------------------------------------------- worker flow
@@ -754,6 +780,11 @@ class ManifestRequest:
     waits until every bucket's checksum exists, so a subscriber of minor 0 gets the manifest it knows."""
     host_key: str = ""
     """The asker's host identity (its "hello" for the same-host paths; informational for the publisher)."""
+    gpu_uuids: tuple[str, ...] = ()
+    """The GPUs the asker sees (minor 9): with a matching `host_key`, a publisher on ``auto`` exports its next versions
+    to the same-GPU path (`Manifest.cuda_ipc`)."""
+    wait_ipc: bool = False
+    """Answer once every bucket's `BucketInfo.ipc_checksum` exists (the same-GPU path; the host checksums may still be pending)."""
 
 
 @message("manifest")
@@ -768,6 +799,8 @@ class Manifest:
     """The publisher's host identity; a subscriber with the same key may map `BucketInfo.shm_segment`."""
     pool: str = ""
     """The pool the publisher serves (segment names carry it)."""
+    cuda_ipc: CudaIpcBuffer | None = None
+    """Same-GPU path (minor 9): the device buffer holding every bucket (at `BucketInfo.ipc_offset`)."""
 
 
 @message("fetch")

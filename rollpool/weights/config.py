@@ -4,8 +4,10 @@ the relay and their CLIs) and `RelayConfig` (the relay's flags, ``rollpool relay
 - ``path``: ``auto`` (shared memory when publisher and subscriber share a host
   and /dev/shm, else the network path; every fallback is logged and counted),
   ``network`` (ZeroMQ chunks only), ``shm`` (shared memory or a clear error),
-  ``cuda_ipc`` (the trainer's GPU tensors handed to the engine's process; not
-  built yet: served as ``auto``, see docs/weights.md).
+  ``cuda_ipc`` (the trainer's GPU tensors copied device-to-device by an engine on
+  the same GPU; shared memory, then the network, as counted fallbacks). On
+  ``auto`` the same-GPU path is taken when the publisher offers it: it does once a
+  subscriber on its host said it sees the GPU (docs/weights.md).
 - ``streams``: DEALER sockets a subscriber spreads its chunk window over
   (several TCP connections, each on its own ZeroMQ I/O thread where the
   context has them).

@@ -228,8 +228,8 @@ class Relay:
         served = ServedVersion(
             version=version,
             publisher_id=manifest.publisher_id,
-            # checksums and publisher id pass through; the publisher's segments do not (we serve from our memory)
-            buckets=tuple(replace(b, shm_segment="") for b in manifest.buckets),
+            # checksums and publisher id pass through; the publisher's segments and device buffer do not (we serve from our memory)
+            buckets=tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="") for b in manifest.buckets),
             sources=list(sources),
             chunk_bytes=manifest.chunk_bytes,
         )

@@ -28,6 +28,12 @@ Guarantees
       ``streamed`` (a subscriber of minor 0) is answered with the newest
       *complete* version, or parked until the version completes, so older
       peers only ever see manifests whose checksums all exist.
+    - The same-GPU path (minor 9): a version may name a device buffer
+      (`Manifest.cuda_ipc`) and per bucket its offset and GPU checksum
+      (`BucketInfo.ipc_checksum`, ``""`` while pending). A manifest request
+      with ``wait_ipc`` is parked until every GPU checksum exists (the host
+      checksums may still be pending); `on_manifest_request` lets the owner
+      read the asker's hello (`ManifestRequest.host_key`, ``gpu_uuids``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,16 @@ from typing import Any, Protocol
 from rollpool.protocol.codec import decode, encode, peek_type
 from rollpool.protocol.errors import ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, BucketInfo, Chunk, Error, Fetch, Manifest, ManifestRequest
+from rollpool.protocol.messages import (
+    Announce,
+    BucketInfo,
+    Chunk,
+    CudaIpcBuffer,
+    Error,
+    Fetch,
+    Manifest,
+    ManifestRequest,
+)
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory
@@ -81,6 +96,10 @@ class ServedVersion:
     pool: str = ""
     waiting_manifests: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     """Manifest requests of minor-0 peers parked until every checksum exists."""
+    cuda_ipc: CudaIpcBuffer | None = None
+    """The device buffer of the same-GPU path (buckets at `BucketInfo.ipc_offset`), or None."""
+    waiting_ipc: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
+    """Manifest requests (``wait_ipc``) parked until every GPU checksum exists."""
 
     @property
     def total_bytes(self) -> int:
@@ -91,12 +110,20 @@ class ServedVersion:
         """Every bucket's checksum exists."""
         return all(b.checksum for b in self.buckets)
 
+    @property
+    def ipc_complete(self) -> bool:
+        """Every bucket's GPU checksum exists (or the version has no device buffer)."""
+        return self.cuda_ipc is None or all(b.ipc_checksum for b in self.buckets)
+
+    def set_ipc_checksum(self, bucket: int, checksum: str) -> None:
+        self.buckets = tuple(replace(b, ipc_checksum=checksum) if b.index == bucket else b for b in self.buckets)
+
     def set_checksum(self, bucket: int, checksum: str) -> None:
         self.buckets = tuple(replace(b, checksum=checksum) if b.index == bucket else b for b in self.buckets)
 
     def manifest(self, request_id: str) -> Manifest:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
-                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool)
+                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc)
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -139,6 +166,8 @@ class WeightServer:
         self.parked_served = 0
         """Fetches answered only once their bytes arrived (a relay forwarding as it receives)."""
         self.on_served: Callable[[ServedVersion], None] | None = None
+        self.on_manifest_request: Callable[[ManifestRequest], None] | None = None
+        """Told every manifest request (the publisher reads the asker's hello for the same-GPU path)."""
         self._parked: dict[int, list[tuple[bytes, Fetch]]] = {}
         self._router: Any = None
         self._pub: Any = None
@@ -204,6 +233,20 @@ class WeightServer:
         for ident, mreq in v.waiting_manifests:
             self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
         v.waiting_manifests = []
+        for ident, mreq in v.waiting_ipc:
+            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
+        v.waiting_ipc = []
+
+    def complete_ipc(self, version: int, bucket: int, checksum: str) -> None:
+        """A bucket's GPU checksum exists (the same-GPU path): the manifest requests waiting for all of them are answered."""
+        v = self.versions.get(version)
+        if v is None:
+            return
+        v.set_ipc_checksum(bucket, checksum)
+        if v.ipc_complete and v.waiting_ipc:
+            waiting, v.waiting_ipc = v.waiting_ipc, []
+            for ident, req in waiting:
+                self._send(ident, v.manifest(req.request_id))
 
     def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
         """A streamed version's bucket is snapshotted and checksummed: serve it, and the manifest once all are."""
@@ -290,6 +333,8 @@ class WeightServer:
         return Error(code="unknown_version", message=f"version {version} is not published (latest is {latest_v})", request_id=request_id, ref_type=ref_type)
 
     def _manifest(self, ident: bytes, req: ManifestRequest) -> None:
+        if self.on_manifest_request is not None:
+            self.on_manifest_request(req)
         if req.version is None:
             v = self.latest
             if v is not None and not v.complete and not req.streamed:
@@ -305,7 +350,13 @@ class WeightServer:
                 self._send(ident, self._missing(req.version, req.request_id, "manifest_request"))
                 return
             v = found
-        if not v.complete and not req.streamed:
+        if req.wait_ipc and not v.ipc_complete:
+            if len(v.waiting_ipc) >= self.max_parked:
+                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
+                return
+            v.waiting_ipc.append((ident, req))
+            return
+        if not req.wait_ipc and not v.complete and not req.streamed:
             if len(v.waiting_manifests) >= self.max_parked:
                 self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
                 return

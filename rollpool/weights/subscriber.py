@@ -57,7 +57,7 @@ import torch
 from rollpool.protocol.codec import decode, encode
 from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, Chunk, Error, Fetch, Manifest, ManifestRequest
+from rollpool.protocol.messages import Announce, Chunk, CudaIpcBuffer, Error, Fetch, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import (
@@ -69,6 +69,7 @@ from rollpool.weights.bucketing import (
     verify_checksum,
 )
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, default_streams
+from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
 
@@ -163,7 +164,7 @@ class WeightSubscriber:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         """Bucket buffers in page-locked memory, for fast copies to a GPU (False without CUDA)."""
         self.metrics: MetricsSink = metrics or NullMetricsSink()
-        self.path = "auto" if path == "cuda_ipc" else path
+        self.path = path
         self.streams = streams or default_streams()
         self.copy_threads = copy_threads or default_copy_threads()
         self.host_key = host_key()
@@ -173,12 +174,18 @@ class WeightSubscriber:
         """Bucket bytes received over ZeroMQ (the network path)."""
         self.shm_bytes = 0
         """Bucket bytes copied from a publisher's shared-memory segments."""
+        self.ipc_bytes = 0
+        """Bucket bytes copied device-to-device from a publisher's exported GPU buffer (the same-GPU path)."""
         self.buckets_refetched = 0
         self.protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
         """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
-        """The path of the last completed fetch: ``shm`` or ``network``."""
+        """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
+        self._gpus: dict[str, int] | None = None
+        self._ipc_open: dict[tuple[bytes, int], torch.Tensor] = {}
+        """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
+        self._dev_slabs = DeviceSlabs()
         self._latest = -1
         self._hint = -1
         self._forgets = 0
@@ -198,8 +205,6 @@ class WeightSubscriber:
         self._reserved_versions = 0
         self._copy_exec: ThreadPoolExecutor | None = None
         self._readers: dict[str, ShmReader] = {}
-        if path == "cuda_ipc":
-            log.warning("weight path 'cuda_ipc' is not built yet (docs/weights.md, design); fetching as 'auto'")
         self._reserving: threading.Thread | None = None
         if reserve_bytes:
             self.reserve_in_background(reserve_bytes)
@@ -234,6 +239,8 @@ class WeightSubscriber:
         for r in self._readers.values():
             r.close()
         self._readers = {}
+        self._ipc_open = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
+        self._dev_slabs.trim(0)
         if self._copy_exec is not None:
             self._copy_exec.shutdown(wait=False, cancel_futures=True)
             self._copy_exec = None
@@ -372,7 +379,19 @@ class WeightSubscriber:
             dealer = self._dealers[self._next_stream]
         return send_now(dealer, encode(msg), flags=zmq.DONTWAIT) is None
 
-    async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True) -> Manifest:
+    def gpu_uuids(self) -> dict[str, int]:
+        """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA."""
+        if self._gpus is None:
+            from rollpool.weights.cuda_ipc import device_uuids
+
+            self._gpus = device_uuids() if self.path in ("auto", "cuda_ipc") else {}
+            if self._gpus:
+                # the first same-GPU version should not pay the checksum kernels' first load: warmed in a thread now
+                threading.Thread(target=_warm_current_device, name="weights-ipc-warm", daemon=True).start()
+        return self._gpus
+
+    async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
+                             wait_ipc: bool = False) -> Manifest:
         """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times.
 
         `streamed`: accept pending checksums (``""``, each following on its
@@ -385,7 +404,8 @@ class WeightSubscriber:
             fut: asyncio.Future[Any] = loop.create_future()
             self._routes[rid] = _resolver(fut)
             try:
-                self._send(ManifestRequest(request_id=rid, version=version, streamed=streamed, host_key=self.host_key))
+                self._send(ManifestRequest(request_id=rid, version=version, streamed=streamed, host_key=self.host_key,
+                                           gpu_uuids=tuple(self.gpu_uuids()), wait_ipc=wait_ipc))
                 reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
             except TimeoutError:
                 continue
@@ -418,6 +438,16 @@ class WeightSubscriber:
             manifest = _checked(await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
+            try:
+                on_gpu = await self._try_ipc(manifest, on_bucket)  # needs no host buffer: does not wait for their reserve
+            except WeightVersionGoneError:
+                if version is not None or moves >= self.max_refetch:
+                    raise
+                moves += 1
+                log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
+                continue
+            if on_gpu is not None:
+                return on_gpu
             await self._reserved()
             slab, buffers = self._buffers_for(manifest)
             try:
@@ -500,6 +530,13 @@ class WeightSubscriber:
     def pinned_bytes(self) -> int:
         return self._pool.pinned_bytes
 
+    def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
+        """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
+        slabs = [self._dev_slabs.take_at_least(arena_offsets([total_bytes])[1], device) for _ in range(versions)]
+        for s in slabs:
+            self._dev_slabs.give(s)
+        return sum(int(s.numel()) for s in slabs)
+
     def recycle(self, old: WeightVersion) -> None:
         """Hand back a version the caller no longer uses (its tensors were copied into the engine).
 
@@ -508,7 +545,10 @@ class WeightSubscriber:
         the cost of the copy itself on first touch. The caller must not use
         `old`'s tensors afterwards.
         """
-        if old.slab is not None:
+        if old.slab is not None and old.slab.is_cuda:
+            self._dev_slabs.give(old.slab)
+            self._dev_slabs.trim(max(self._reserved_versions, 2))
+        elif old.slab is not None:
             self._recycle_buffers([old.slab])
         else:
             self._recycle_buffers(list(old.buffers))
@@ -531,6 +571,100 @@ class WeightSubscriber:
     def _buffer(self, nbytes: int) -> torch.Tensor:
         return self._pool.take(nbytes)
 
+    # -- the same-GPU path (CUDA IPC)
+
+    def _ipc_choice(self, manifest: Manifest) -> tuple[bool, str]:
+        """(use the publisher's device buffer, else why not: "" when there is nothing to explain).
+
+        On ``auto`` a version without a device buffer needs no explaining (the publisher offers one once a subscriber
+        on its host said it sees the GPU); on ``cuda_ipc`` it is a counted fallback like any other reason."""
+        if self.path not in ("auto", "cuda_ipc") or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
+            return False, ""
+        ipc = manifest.cuda_ipc
+        if ipc is None:
+            return False, ("the publisher offers no device buffer for this version" if self.path == "cuda_ipc" else "")
+        if not manifest.host_key or manifest.host_key != self.host_key:
+            return False, "the publisher's GPU buffer is on another host"
+        if ipc.device_uuid not in self.gpu_uuids():
+            return False, "the publisher's GPU is not visible to this process"
+        if any(b.ipc_offset < 0 for b in manifest.buckets):
+            return False, "a bucket is missing from the publisher's device buffer"
+        return True, ""
+
+    async def _try_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
+        """The version over the same-GPU path, or None after a counted fallback (or where that path does not apply)."""
+        use_ipc, why = self._ipc_choice(manifest)
+        if use_ipc:
+            try:
+                return await self._fetch_ipc(manifest, on_bucket)
+            except _IpcFallback as exc:
+                why = str(exc)
+        if why:
+            self._fallback(manifest.version, why, path="cuda_ipc")
+        return None
+
+    def _open_ipc(self, info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
+        from rollpool.weights.cuda_ipc import open_buffer
+
+        key = (info.handle, info.storage_offset)
+        t = self._ipc_open.get(key)
+        if t is None:
+            try:
+                t = open_buffer(info, device_index)
+            except Exception as exc:
+                raise _IpcFallback(f"cannot open the publisher's GPU buffer ({type(exc).__name__}: {exc})") from exc
+            self._ipc_open[key] = t
+            while len(self._ipc_open) > 4:  # the publisher keeps K arenas; older ones were freed
+                self._ipc_open.pop(next(iter(self._ipc_open)))
+        return t
+
+    async def _fetch_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+        """Copy each bucket device-to-device out of the publisher's buffer into our own, and verify the GPU checksum
+        of our copy (the bytes the engine loads). A bad bucket is copied again after the manifest is asked for again
+        (a version evicted meanwhile answers ``gone``), at most `max_refetch` times; the version is never returned in part."""
+        if not all(b.ipc_checksum for b in manifest.buckets):
+            manifest = _checked(await self.fetch_manifest(manifest.version, wait_ipc=True))
+        ipc = manifest.cuda_ipc
+        if ipc is None:
+            raise _IpcFallback("the publisher withdrew the device buffer")
+        index = self.gpu_uuids()[ipc.device_uuid]
+        src = self._open_ipc(ipc, index)
+        sizes = [b.nbytes for b in manifest.buckets]
+        offsets, total = arena_offsets(sizes)
+        slab = self._dev_slabs.take_at_least(total, f"cuda:{index}")
+        buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        failures = [0] * len(sizes)
+        todo = list(range(len(sizes)))
+        try:
+            while todo:
+                bad = await asyncio.to_thread(_copy_ipc, src, manifest, buffers, todo)
+                for i in todo:
+                    if i not in bad:
+                        self.ipc_bytes += sizes[i]
+                        if on_bucket is not None:
+                            on_bucket(i, unpack_bucket(manifest.buckets[i], buffers[i]))
+                for i in bad:
+                    failures[i] += 1
+                    self.buckets_refetched += 1
+                    log.warning("weight version %d: bucket %d from the GPU buffer failed its checksum (attempt %d)", manifest.version, i, failures[i])
+                    self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "cuda_ipc"})
+                    if failures[i] > self.max_refetch:
+                        raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (CUDA IPC)")
+                if bad:
+                    await self.fetch_manifest(manifest.version, wait_ipc=True)  # still served? (gone: the caller moves on)
+                todo = bad
+        except BaseException:
+            self._dev_slabs.give(slab)
+            raise
+        self.last_path = "cuda_ipc"
+        nbytes = sum(sizes)
+        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "cuda_ipc", "bytes": nbytes,
+                                                   "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
+                                                   "ipc_bytes": self.ipc_bytes, "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
+        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "cuda_ipc"})
+        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
+        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+
     # -- the shared-memory path
 
     def _shm_choice(self, manifest: Manifest) -> tuple[bool, str]:
@@ -546,11 +680,13 @@ class WeightSubscriber:
             raise WeightSyncError(f"weight path 'shm': {why}")
         return not why, why
 
-    def _fallback(self, version: int, why: str) -> None:
+    def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
+        """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
-        self._errlog.warning("fallback:" + why, "weight version %d over the network path: %s (counted in fallbacks)", version, why)
-        self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why})
-        if self.path == "shm":
+        nxt = "shared memory or the network" if path == "cuda_ipc" else "the network path"
+        self._errlog.warning("fallback:" + why, "weight version %d not on %s, over %s: %s (counted in fallbacks)", version, path, nxt, why)
+        self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why, "from": path})
+        if self.path == "shm" and path == "shm":
             raise WeightSyncError(f"weight path 'shm': {why}")
 
     async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> Manifest:
@@ -624,6 +760,39 @@ class WeightSubscriber:
         transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
         await transfer.run()
         return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
+
+
+def _warm_current_device() -> None:
+    from rollpool.weights.cuda_ipc import warm_up
+
+    try:
+        warm_up(torch.device("cuda", torch.cuda.current_device()))
+    except Exception:
+        log.debug("warming the same-GPU path up failed", exc_info=True)
+
+
+class _IpcFallback(Exception):
+    """The same-GPU path cannot serve this version: take shared memory or the network."""
+
+
+def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
+    """Worker thread: copy buckets `which` device-to-device from the publisher's buffer and checksum each copy on the
+    GPU (on a side stream of this thread); the buckets whose checksum differs."""
+    from rollpool.weights.cuda_ipc import side_stream
+
+    stream = side_stream(src.device)
+    bad = []
+    with torch.cuda.stream(stream):
+        for i in which:
+            b = manifest.buckets[i]
+            if b.ipc_offset + b.nbytes > int(src.numel()):
+                raise _IpcFallback(f"bucket {i} lies beyond the publisher's GPU buffer")
+            buffers[i].copy_(src[b.ipc_offset : b.ipc_offset + b.nbytes], non_blocking=True)
+        for i in which:
+            if mix64_checksum(buffers[i]) != manifest.buckets[i].ipc_checksum:
+                bad.append(i)
+    stream.synchronize()
+    return bad
 
 
 class _ShmFallback(Exception):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -207,7 +208,7 @@ class WeightSync:
             if target <= max(self.version, self.skipped):
                 continue
             try:
-                fetched = await sub.fetch(target)
+                fetched = await self._fetch(sub, target)
             except WeightSyncError as exc:
                 failures += 1
                 if failures >= self.config.weight_retries:
@@ -223,6 +224,29 @@ class WeightSync:
                 await self.apply(fetched.tensors, int(fetched.version), fetched=fetched)
             except WeightSyncError as exc:
                 await self._skip(int(fetched.version), str(exc))
+
+    async def _fetch(self, sub: Subscriber, target: int) -> FetchedVersion:
+        """Fetch `target`; an engine that stages bucket by bucket (``stage_bucket``) gets each bucket as it verifies,
+        so its copy to the device overlaps the fetch of the next one (a subscriber whose `fetch` takes ``on_bucket``)."""
+        engine = self.supervisor.engine
+        hook = getattr(engine, "stage_bucket", None) if engine is not None else None
+        if hook is None or not _takes_on_bucket(sub):
+            return await sub.fetch(target)
+        broken = False
+
+        def on_bucket(_index: int, tensors: Mapping[str, Any]) -> None:
+            nonlocal broken
+            if broken:
+                return
+            try:
+                hook(target, tensors)
+            except Exception as exc:  # noqa: BLE001 - staging is an optimisation: stage_weights copies what is missing
+                broken = True
+                log.warning("staging weight version %d bucket by bucket failed (%s); it is staged whole after the fetch", target, exc,
+                            extra={"worker": self.worker_id})
+
+        fetch: Any = sub.fetch
+        return await fetch(target, on_bucket=on_bucket)  # type: ignore[no-any-return]
 
     def fetch_backoff_s(self, failures: int) -> float:
         return float(min(self.config.reconnect_backoff_s * 2 ** (failures - 1), self.config.reconnect_backoff_max_s))
@@ -420,6 +444,13 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
+
+
+def _takes_on_bucket(sub: Subscriber) -> bool:
+    try:
+        return "on_bucket" in inspect.signature(sub.fetch).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 _MAX_ERROR_CHARS = 2000

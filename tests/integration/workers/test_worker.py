@@ -130,12 +130,14 @@ class FakeWeightSubscriber:
             await self._changed.wait()
         return self.latest_known()
 
-    async def fetch(self, version: int | None = None) -> Any:
+    async def fetch(self, version: int | None = None, on_bucket: Any = None) -> Any:
         v = self.latest_known() if version is None else version
         self.fetches.append(v)
         self.fetched.set()
         if v in self.broken:
             raise WeightSyncError(f"bucket 0 of version {v} failed verification")
+        if on_bucket is not None:
+            on_bucket(0, self.versions[v])  # the whole version as one verified bucket
 
         class WeightVersion:
             pass
@@ -406,6 +408,39 @@ async def test_weight_version_is_fetched_granted_applied_and_tagged(harness: Cal
     assert all(set(t.token_versions.tolist()) == {1} for t in result.trajectories)
     beat = await broker.expect(WorkerHeartbeat, skip=(Credit,))
     assert beat.weight_version == 1
+
+
+class BucketStagingSim(SimEngine):
+    """A sim engine with the SGLang engine's `stage_bucket` hook (records what it was given; `fail` makes it raise)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(decode_s_per_token=0.001, length="fixed", length_median=6, capacity=4, vocab=300)
+        self.staged_buckets: list[tuple[int, list[str]]] = []
+        self.fail = fail
+
+    def stage_bucket(self, version: int, tensors: dict[str, Any]) -> None:
+        self.staged_buckets.append((version, sorted(tensors)))
+        if self.fail:
+            raise RuntimeError("device copy failed")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_each_verified_bucket_is_handed_to_the_engines_stage_bucket_during_the_fetch(harness: Callable[..., Any], fail: bool) -> None:
+    engines: list[BucketStagingSim] = []
+
+    def make() -> BucketStagingSim:
+        engines.append(BucketStagingSim(fail=fail))
+        return engines[-1]
+
+    worker, broker, _run = await harness(engine_factory=make)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker, broker)
+    sub.publish(1, {})
+    req = await broker.expect(ApplyRequest)
+    assert req.version == 1 and engines[-1].staged_buckets == [(1, [])]  # staged before the grant was even asked for
+    await broker.send(ApplyGrant(version=1))
+    done = await broker.expect(ApplyDone)
+    assert done.ok and done.version == 1  # a staging hook that raises only costs the overlap
 
 
 async def test_failed_apply_restarts_the_engine_and_applies_the_whole_version(harness: Callable[..., Any]) -> None:

@@ -82,4 +82,14 @@ def samples() -> dict[str, Any]:
         # minor 8: the trainer's staleness bound, the worker's cancelled tokens (issue 24)
         "set_version_bound": p.SetVersion(request_id="r3", version=5, stale_bound=8),
         "worker_heartbeat_cancelled": p.WorkerHeartbeat(worker_id="w0", weight_version=2, epoch="e1", tokens_cancelled=640),
+        # minor 9: the same-GPU weight path (CUDA IPC handles as raw bytes, a GPU checksum per bucket)
+        "manifest_request_ipc": p.ManifestRequest(request_id="m3", version=6, streamed=True, host_key="boot/1.2",
+                                                  gpu_uuids=("GPU-5f0c",), wait_ipc=True),
+        "manifest_cuda_ipc": p.Manifest(request_id="m3", version=6, publisher_id="pub", host_key="boot/1.2", pool="default",
+                                        cuda_ipc=p.CudaIpcBuffer(device_uuid="GPU-5f0c", handle=bytes(range(64)), storage_bytes=1 << 20,
+                                                                 storage_offset=256, ref_counter_handle=b"/torch_7_1", ref_counter_offset=2,
+                                                                 event_handle=bytes(64), event_sync_required=True),
+                                        buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", ipc_offset=0,
+                                                              ipc_checksum="mix64:0123456789abcdef", tensors=(
+                                            p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
     }

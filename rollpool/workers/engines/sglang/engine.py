@@ -64,7 +64,14 @@ from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
-from rollpool.workers.engines.sglang.tensors import cuda_available, init_cuda, leading, nbytes, serialize_update
+from rollpool.workers.engines.sglang.tensors import (
+    BucketStager,
+    cuda_available,
+    init_cuda,
+    leading,
+    nbytes,
+    serialize_update,
+)
 from rollpool.workers.engines.sglang.wire import (
     ParsedSample,
     generate_body,
@@ -118,6 +125,8 @@ class _Staged:
     started_at: float
     h2d_s: float
     stage_s: float
+    by_bucket: int = 0
+    """Tensors whose copy was queued bucket by bucket during the fetch (`stage_bucket`)."""
 
 
 @dataclass(eq=False)
@@ -184,6 +193,8 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._pause_started = 0.0
         self._staged: _Staged | None = None
+        self._stager: BucketStager | None = None
+        """Copies of the version being fetched, queued bucket by bucket (`stage_bucket`)."""
 
     # -- lifecycle
 
@@ -579,8 +590,22 @@ class SGLangEngine:
                 raise WeightsRefusedError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
         return names
 
-    async def _to_device(self, named_tensors: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
-        return await asyncio.to_thread(serialize_update, named_tensors, self.device or "cpu")
+    async def _to_device(self, named_tensors: Mapping[str, Any], version: int | None = None) -> tuple[str, dict[str, Any], float]:
+        stager, self._stager = self._stager, None
+        if stager is not None and stager.version != version:
+            stager = None
+        return await asyncio.to_thread(serialize_update, named_tensors, self.device or "cpu", stager)
+
+    def stage_bucket(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        """One verified bucket of `version` (the fetch's ``on_bucket``, on the loop): its host-to-device copy is queued
+        at once on a side stream, so it overlaps the fetch of the next bucket. `stage_weights` then only copies what
+        is missing and synchronises. A no-op off CUDA."""
+        if not (self.device or "").startswith("cuda"):
+            return
+        stager = self._stager
+        if stager is None or stager.version != version:
+            stager = self._stager = BucketStager(version, self.device or "cuda")
+        stager.add(named_tensors)
 
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Copy a fetched version onto the GPU while generation goes on, so the pause only swaps it in.
@@ -596,8 +621,11 @@ class SGLangEngine:
         if not names:
             return
         t0 = time.time()
-        payload, on_device, h2d_s = await self._to_device(named_tensors)
-        self._staged = _Staged(version, tuple(names), payload, on_device, t0, h2d_s, time.time() - t0)
+        stager = self._stager
+        early = len(stager.placed) if stager is not None and stager.version == version else 0
+        started = stager.started_at if early and stager is not None else t0
+        payload, on_device, h2d_s = await self._to_device(named_tensors, version)
+        self._staged = _Staged(version, tuple(names), payload, on_device, started, h2d_s, time.time() - t0, early)
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         self._check()
@@ -613,7 +641,7 @@ class SGLangEngine:
         if staged is not None and staged.version == version and staged.names == tuple(names):
             payload, on_device, h2d_s = staged.payload, staged.on_device, 0.0
             self.last_update.update({"staged": 1.0, "stage_started_at": staged.started_at, "stage_h2d_s": staged.h2d_s,
-                                     "stage_s": staged.stage_s})
+                                     "stage_s": staged.stage_s, "staged_by_bucket": float(staged.by_bucket)})
         else:
             payload, on_device, h2d_s = await self._to_device(named_tensors)
             self.last_update["staged"] = 0.0

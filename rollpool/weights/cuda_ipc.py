@@ -1,0 +1,240 @@
+"""The same-GPU weight path (CUDA IPC): export, open and checksum device buffers.
+
+The publisher snapshots the trainer's CUDA tensors device-to-device into an arena (one device buffer per
+version, `keep_versions` of them, allocated once and reused), exports each arena once with torch's storage
+sharing (`export_buffer`: the pieces of ``UntypedStorage._share_cuda_`` as a `CudaIpcBuffer` record, raw
+bytes and numbers, never pickled) and checksums each bucket on the GPU (`mix64_checksum`). A subscriber on
+the same host that sees the same GPU (by UUID: `device_uuids`) opens the arena (`open_buffer`), copies each
+bucket device-to-device into its own reserved device buffer, and verifies the checksum on its copy, the
+bytes the engine loads.
+
+``mix64``: the bucket's bytes as little-endian 64-bit words w_i (the tail zero-padded), summed modulo 2^64
+after mixing each with its index: ``v = (w_i + i) * C1; v ^= v >> 29 (logical); v *= C2``; the digest is
+``mix64:<16 hex>`` of the sum. Word order does not matter to a sum modulo 2^64, so the GPU's reduction order
+does not change it; mixing in the index catches moved words, and any single changed word changes the sum
+(the multipliers are odd, so the mix is a bijection). It catches corruption on the way, like xxh3; it is
+no defence against tampering (CURVE keeps that out). torch ops only, so the same function runs on CPU
+tensors (the tests) and CUDA tensors (the GPU), in slices of `MIX64_SLICE_WORDS` to bound temporaries.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from rollpool.protocol.messages import CudaIpcBuffer
+
+__all__ = [
+    "MIX64",
+    "MIX64_SLICE_WORDS",
+    "ARENA_ALIGN",
+    "DeviceSlabs",
+    "arena_offsets",
+    "device_uuids",
+    "export_buffer",
+    "mix64_checksum",
+    "mix64_reference",
+    "open_buffer",
+    "side_stream",
+    "warm_up",
+]
+
+MIX64 = "mix64"
+MIX64_SLICE_WORDS = 8 * 1024 * 1024
+"""Words per slice (64 MiB): the temporaries of one slice are 2 x 64 MiB."""
+ARENA_ALIGN = 256
+"""Every bucket starts at a multiple of this in an arena (so a bucket viewed as int64 words is aligned)."""
+
+_C1 = 0x9E3779B97F4A7C15
+_C2 = 0xBF58476D1CE4E5B9
+_MASK64 = (1 << 64) - 1
+_SHIFT = 29
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_C1S, _C2S = _signed(_C1), _signed(_C2)
+_LOW_MASK = (1 << (64 - _SHIFT)) - 1  # the logical shift: arithmetic shift, then the sign bits cleared
+_index_cache: dict[tuple[str, int], torch.Tensor] = {}
+_index_lock = threading.Lock()
+
+
+def _indices(device: torch.device, n: int) -> torch.Tensor:
+    key = (str(device), n)
+    with _index_lock:
+        t = _index_cache.get(key)
+        if t is None:
+            t = _index_cache[key] = torch.arange(n, dtype=torch.int64, device=device)
+        return t
+
+
+def mix64_checksum(data: torch.Tensor, *, stream: Any = None) -> str:
+    """``mix64:<hex>`` of a 1-D uint8 tensor's bytes (CPU or CUDA; on CUDA on `stream` or the current one).
+
+    The tensor must start at an 8-byte aligned address for its word view (an arena bucket does)."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError("mix64_checksum takes a 1-D uint8 tensor")
+    if data.is_cuda and stream is not None:
+        with torch.cuda.stream(stream):
+            return _mix64(data)
+    return _mix64(data)
+
+
+def _mix64(data: torch.Tensor) -> str:
+    n = int(data.numel())
+    words = n // 8
+    acc = torch.zeros((), dtype=torch.int64, device=data.device)
+    if words:
+        w = data[: words * 8].view(torch.int64)
+        idx = _indices(data.device, min(words, MIX64_SLICE_WORDS))
+        for start in range(0, words, MIX64_SLICE_WORDS):
+            x = w[start : start + MIX64_SLICE_WORDS]
+            acc += _mix_sum(x, idx[: x.numel()], start)
+    tail = n - words * 8
+    if tail:
+        pad = torch.zeros(8, dtype=torch.uint8, device=data.device)
+        pad[:tail] = data[words * 8 :]
+        acc += _mix_sum(pad.view(torch.int64), _indices(data.device, 1), words)
+    value = int(acc.item()) & _MASK64
+    return f"{MIX64}:{value:016x}"
+
+
+def _mix_sum(x: torch.Tensor, idx: torch.Tensor, base: int) -> torch.Tensor:
+    v = x + idx
+    if base:
+        v.add_(base)
+    v.mul_(_C1S)
+    t = torch.bitwise_right_shift(v, _SHIFT)
+    t.bitwise_and_(_LOW_MASK)
+    v.bitwise_xor_(t)
+    del t
+    v.mul_(_C2S)
+    return v.sum()
+
+
+def mix64_reference(data: bytes) -> str:
+    """The same digest in numpy (unsigned arithmetic), the specification the torch version is tested against."""
+    import numpy as np
+
+    buf = bytes(data) + b"\0" * (-len(data) % 8)
+    w = np.frombuffer(buf, dtype="<u8")
+    with np.errstate(over="ignore"):
+        v = (w + np.arange(len(w), dtype=np.uint64)) * np.uint64(_C1)
+        v ^= v >> np.uint64(_SHIFT)
+        v *= np.uint64(_C2)
+        total = int(v.sum(dtype=np.uint64)) if len(v) else 0
+    return f"{MIX64}:{total & _MASK64:016x}"
+
+
+_streams: dict[str, Any] = {}
+
+
+def side_stream(device: torch.device | str) -> Any:
+    """One side stream per device for the whole process. The caching allocator keeps freed blocks per stream, so
+    temporaries made on a fresh stream every version would not be reused (torch recycles a pool of 32 streams: up to
+    32 versions' worth of cached memory)."""
+    key = str(torch.device(device))
+    with _index_lock:
+        s = _streams.get(key)
+        if s is None:
+            s = _streams[key] = torch.cuda.Stream(device=torch.device(device))  # type: ignore[no-untyped-call]
+        return s
+
+
+_warmed: set[str] = set()
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Run the checksum and a device copy once on a small buffer of `device` (on its side stream), so the first
+    version does not pay the kernels' first load and the index and stream set-up (call it in a thread)."""
+    key = str(torch.device(device))
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    stream = side_stream(device)
+    with torch.cuda.stream(stream):
+        buf = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+        torch.empty_like(buf).copy_(buf, non_blocking=True)
+        mix64_checksum(buf)
+        _indices(buf.device, MIX64_SLICE_WORDS)  # the index of a full slice, made once
+    stream.synchronize()
+
+
+def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """(each bucket's offset in an arena, the arena's size): buckets in order, each aligned to `ARENA_ALIGN`."""
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+    return offsets, max(pos, ARENA_ALIGN)
+
+
+def device_uuids() -> dict[str, int]:
+    """The UUID of every GPU this process sees -> its device index here (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return {}
+    out: dict[str, int] = {}
+    for i in range(torch.cuda.device_count()):
+        try:
+            out[str(torch.cuda.get_device_properties(i).uuid)] = i
+        except (AttributeError, RuntimeError):  # an old torch without .uuid: the path is not offered
+            continue
+    return out
+
+
+def export_buffer(buf: torch.Tensor) -> CudaIpcBuffer:
+    """Export a CUDA buffer's storage once (`_share_cuda_`; calling it again would re-wrap the storage)."""
+    if not buf.is_cuda:
+        raise ValueError("export_buffer needs a CUDA tensor")
+    uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
+    storage = buf.untyped_storage()
+    (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+    return CudaIpcBuffer(device_uuid=uuid, handle=bytes(handle), storage_bytes=int(size), storage_offset=int(offset),
+                         ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
+                         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
+
+
+def open_buffer(info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
+    """Open an exported buffer in this process: a 1-D uint8 CUDA tensor over its storage (another process only;
+    CUDA refuses to open a handle in the process that made it)."""
+    with torch.cuda.device(device_index):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device_index, info.handle, info.storage_bytes, info.storage_offset, info.ref_counter_handle,
+            info.ref_counter_offset, info.event_handle, info.event_sync_required)
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device_index}").set_(storage)
+
+
+class DeviceSlabs:
+    """Reused device buffers (a subscriber's versions, a publisher's arenas): taken, given back, never freed per version."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self.allocations = 0
+        self._lock = threading.Lock()
+
+    def take_at_least(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, t in enumerate(self._free) if t.numel() >= nbytes and t.device == torch.device(device)]
+            if fits:
+                best = min(fits, key=lambda i: self._free[i].numel())
+                return self._free.pop(best)
+        self.allocations += 1
+        return torch.empty(max(nbytes, ARENA_ALIGN), dtype=torch.uint8, device=device)
+
+    def give(self, slab: torch.Tensor) -> None:
+        with self._lock:
+            if all(s is not slab for s in self._free):
+                self._free.append(slab)
+
+    def trim(self, keep: int) -> None:
+        with self._lock:
+            while len(self._free) > keep:
+                self._free.pop(0)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(int(t.numel()) for t in self._free)

@@ -1,0 +1,111 @@
+"""The same-GPU path's pieces that run on CPU: the GPU checksum (torch ops, the same on CPU), the handle record on
+the wire (raw bytes, never pickled; a minor-8 peer's manifest reads as "no device buffer"), and the path choice."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollpool.protocol import PROTOCOL_MINOR, decode, encode  # noqa: E402
+from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, TensorInfo  # noqa: E402
+from rollpool.weights import cuda_ipc  # noqa: E402
+from rollpool.weights.cuda_ipc import arena_offsets, mix64_checksum, mix64_reference  # noqa: E402
+
+
+def _u8(data: bytes) -> Any:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4096, 4099, 100_003])
+def test_mix64_in_torch_matches_its_numpy_specification(n: int, monkeypatch: Any) -> None:
+    monkeypatch.setattr(cuda_ipc, "MIX64_SLICE_WORDS", 1000)  # several slices, and a partial last one
+    data = os.urandom(n)
+    assert mix64_checksum(_u8(data)) == mix64_reference(data)
+    assert mix64_reference(data).startswith("mix64:") and len(mix64_reference(data)) == len("mix64:") + 16
+
+
+def test_mix64_catches_a_flipped_bit_and_swapped_words() -> None:
+    data = bytearray(os.urandom(64 * 1024))
+    base = mix64_checksum(_u8(bytes(data)))
+    flipped = bytearray(data)
+    flipped[12345] ^= 0x01
+    assert mix64_checksum(_u8(bytes(flipped))) != base
+    swapped = bytearray(data)
+    swapped[0:8], swapped[8:16] = data[8:16], data[0:8]
+    assert bytes(swapped) != bytes(data) and mix64_checksum(_u8(bytes(swapped))) != base
+    tail = bytearray(data) + b"\x01"
+    assert mix64_checksum(_u8(bytes(tail))) != mix64_checksum(_u8(bytes(data) + b"\x02"))
+
+
+def test_arena_offsets_align_every_bucket() -> None:
+    offsets, total = arena_offsets([10, 256, 300, 0, 8])
+    assert offsets == [0, 256, 512, 1024, 1024] and total == 1280
+    assert all(o % cuda_ipc.ARENA_ALIGN == 0 for o in offsets)
+
+
+def _ipc_manifest(**kw: Any) -> Manifest:
+    handle = bytes(range(64))
+    fields: dict[str, Any] = {
+        "request_id": "m", "version": 3, "publisher_id": "pub", "host_key": "boot/shm", "pool": "p",
+        "cuda_ipc": CudaIpcBuffer(device_uuid="GPU-a", handle=handle, storage_bytes=4096, storage_offset=512,
+                                  ref_counter_handle=b"/torch_1_2", ref_counter_offset=1, event_handle=bytes(64), event_sync_required=True),
+        "buckets": (BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", ipc_offset=0, ipc_checksum="mix64:00000000000000ff",
+                               tensors=(TensorInfo(name="w", dtype="float32", shape=(8,), offset=0, nbytes=32),)),),
+    }
+    fields.update(kw)
+    return Manifest(**fields)
+
+
+def test_the_handle_travels_as_raw_bytes_and_round_trips() -> None:
+    m = _ipc_manifest()
+    frames = encode(m)
+    header = msgpack.unpackb(bytes(frames[0]), raw=False)
+    assert header[1] == PROTOCOL_MINOR >= 9
+    ipc = header[3]["cuda_ipc"]
+    assert isinstance(ipc["handle"], bytes) and ipc["handle"] == bytes(range(64))  # msgpack bin: the bytes themselves
+    back = decode(frames)
+    assert back == m and isinstance(back.cuda_ipc.handle, bytes)
+    req = decode(encode(ManifestRequest(request_id="r", version=3, streamed=True, host_key="boot/shm", gpu_uuids=("GPU-a",), wait_ipc=True)))
+    assert req.gpu_uuids == ("GPU-a",) and req.wait_ipc
+
+
+def test_a_minor8_manifest_reads_as_no_device_buffer() -> None:
+    fields = {"request_id": "m", "version": 3, "buckets": [{"index": 0, "dtype": "float32", "nbytes": 32, "checksum": "crc32:00000000"}]}
+    old = decode([msgpack.packb([1, 8, "manifest", fields], use_bin_type=True)])
+    assert old.cuda_ipc is None and old.buckets[0].ipc_offset == -1 and old.buckets[0].ipc_checksum == ""
+    req = decode([msgpack.packb([1, 8, "manifest_request", {"request_id": "r", "streamed": True}], use_bin_type=True)])
+    assert req.gpu_uuids == () and not req.wait_ipc
+
+
+class _Choice:
+    """The subscriber's path choice without sockets (its GPU list is a fake of the device edge)."""
+
+    def __init__(self, path: str, gpus: dict[str, int], host: str = "boot/shm") -> None:
+        from rollpool.weights.subscriber import WeightSubscriber
+
+        self.sub = WeightSubscriber.__new__(WeightSubscriber)
+        self.sub.path = path
+        self.sub.host_key = host
+        self.sub._gpus = gpus
+
+    def __call__(self, m: Manifest) -> tuple[bool, str]:
+        return self.sub._ipc_choice(m)
+
+
+def test_the_path_choice_follows_hello_and_manifest() -> None:
+    m = _ipc_manifest()
+    assert _Choice("auto", {"GPU-a": 0})(m) == (True, "")
+    assert _Choice("cuda_ipc", {"GPU-b": 0, "GPU-a": 1})(m) == (True, "")
+    assert _Choice("auto", {"GPU-a": 0}, host="other/shm")(m) == (False, "the publisher's GPU buffer is on another host")
+    assert _Choice("auto", {"GPU-b": 0})(m) == (False, "the publisher's GPU is not visible to this process")
+    assert _Choice("auto", {})(m) == (False, "the publisher's GPU is not visible to this process")
+    plain = _ipc_manifest(cuda_ipc=None)
+    assert _Choice("auto", {"GPU-a": 0})(plain) == (False, "")  # nothing offered on auto: nothing to explain
+    assert _Choice("cuda_ipc", {"GPU-a": 0})(plain) == (False, "the publisher offers no device buffer for this version")
+    assert _Choice("network", {"GPU-a": 0})(m) == (False, "")
+    assert _Choice("shm", {"GPU-a": 0})(m) == (False, "")
