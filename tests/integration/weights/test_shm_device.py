@@ -75,6 +75,12 @@ def staging(make_subscriber: Any, router: str, **kw: Any) -> WeightSubscriber:
     return sub
 
 
+def segment_bytes(segment: str, nbytes: int) -> bytes:
+    with open(os.path.join(SHM_DIR, segment), "rb") as f:
+        f.seek(SHM_HEADER_BYTES)
+        return f.read(nbytes)
+
+
 def flip(segment: str, offset: int) -> tuple[str, int]:
     path = os.path.join(SHM_DIR, segment)
     pos = SHM_HEADER_BYTES + offset
@@ -92,9 +98,7 @@ async def test_buckets_go_from_the_segments_to_the_device_verified_by_the_publis
     manifest = await pub.publish(w, 1, wait_ready=True)
     # the publisher's mix64 of each bucket's host bytes (CPU tensors: summed on the CPU) is the reference digest
     for b in manifest.buckets:
-        with open(os.path.join(SHM_DIR, b.shm_segment), "rb") as f:
-            f.seek(SHM_HEADER_BYTES)
-            assert b.host_mix64 == mix64_reference(f.read(b.nbytes))
+        assert b.host_mix64 == mix64_reference(segment_bytes(b.shm_segment, b.nbytes))
     sub = staging(make_subscriber, pub.router_endpoint)
     seen: list[int] = []
     got = await sub.fetch(1, on_bucket=lambda i, _t: seen.append(i))
