@@ -66,6 +66,12 @@ _index_lock = threading.Lock()
 
 
 def _indices(device: torch.device, n: int) -> torch.Tensor:
+    """The first `n` word indices on `device` (cached by the next power of two: a few index tensors per device)."""
+    size = min(MIX64_SLICE_WORDS, 1 << max(0, n - 1).bit_length()) if n <= MIX64_SLICE_WORDS else n
+    return _index_tensor(device, size)[:n]
+
+
+def _index_tensor(device: torch.device, n: int) -> torch.Tensor:
     key = (str(device), n)
     with _index_lock:
         t = _index_cache.get(key)

@@ -949,7 +949,8 @@ class CudaStaging:
     def __init__(self, device: str, slabs: DeviceSlabs) -> None:
         from rollpool.weights.cuda_ipc import side_stream
 
-        self.device = torch.device(device)
+        d = torch.device(device)
+        self.device = d if d.index is not None else torch.device("cuda", torch.cuda.current_device())  # slabs match by index
         self.slabs = slabs
         self.copy_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.mix_stream = side_stream(self.device)
