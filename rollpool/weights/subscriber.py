@@ -834,6 +834,8 @@ class WeightSubscriber:
         log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "shm", "staged_to": str(self.stage_device),
                                                    "bytes": nbytes, "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
                                                    "device_stage_bytes": self.device_stage_bytes, "ipc_bytes": self.ipc_bytes,
+                                                   "segments_mapped": len(self._readers),
+                                                   "segments_registered": sum(1 for r in self._readers.values() if r.registered),
                                                    "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
         self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
                                                "staged_to": str(self.stage_device)})
