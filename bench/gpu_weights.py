@@ -16,7 +16,11 @@ tensors). Paths, each for ``--versions`` (>= 6) versions:
 - ``tcp``: the publisher offers no segments (``set_path("network")``), so the worker fetches over
   ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (4) and the context's I/O threads (4);
 - ``shm``: the publisher's buckets are shared-memory segments (page-locked by cudaHostRegister);
-  the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered);
+  the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered).
+  Since protocol minor 10 the publisher also publishes a mix64 of each bucket's host bytes (summed on its GPU as
+  it copies), and the worker, whose SGLang engine stages to CUDA, registers each segment once when it maps it,
+  copies each bucket host-to-device straight from the segment and verifies the mix64 of its device copy on the GPU
+  (``staged_to`` in the row; a counted fallback to the CPU copy + checksum otherwise);
 - ``cuda_ipc``: the publisher on ``auto``: the worker's hello named the GPU it sees, so the publisher snapshots
   the CUDA tensors device-to-device into an exported arena and the worker (on ``auto``) copies from it
   device-to-device and verifies the GPU checksum of its copy, which SGLang then maps (``same_gpu_ipc_s``).
@@ -371,7 +375,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         RESULT["worker_join_s"] = round(time.time() - t0, 1)
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
-        v, last_rx, last_ipc = 0, 0, 0
+        v, last_rx, last_ipc, last_dev = 0, 0, 0, 0
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         for path, on in rows:
             name = f"{path}_{on}"
@@ -394,9 +398,11 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 t_pub = time.time()
                 await client.publish_weights(sd, v)
                 t_ret = time.time()
+                ret_manifest = pub.manifest_of(v)
                 optimizer_step(sd, v)
                 await pub.wait_ready(v)
                 manifest = pub.manifest_of(v)
+                mixed_at_return = sum(1 for b in (ret_manifest.buckets if ret_manifest is not None else ()) if b.host_mix64)
                 torn = manifest is None or [b.checksum for b in manifest.buckets] != want
                 deadline = time.time() + 300
                 while True:
@@ -417,11 +423,15 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "staged_by_bucket": a.get("staged_by_bucket"), "stage_started_at_s": round(a["stage_started_at"] - t_pub, 4) if "stage_started_at" in a else None,
                     "update_started_after_publish_s": round(a["update_started_at"] - t_pub, 4) if "update_started_at" in a else None,
                     "publisher_ipc_versions": pub.stats.get("ipc_versions"),
+                    "staged_to": f.get("staged_to"), "host_mix64_at_return": mixed_at_return,
+                    "buckets": len(manifest.buckets) if manifest is not None else None,
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
                 ipc = int(f.get("ipc_bytes", last_ipc))
                 rec["worker_ipc_bytes"], last_ipc = ipc - last_ipc, ipc
+                dev = int(f.get("device_stage_bytes", last_dev))
+                rec["worker_device_stage_bytes"], last_dev = dev - last_dev, dev
                 recs.append(rec)
                 note(f"{name} v{v}: {json.dumps({k: rec[k] for k in ('trainer_blocked_s', 'publish_to_applied_s', 'pause_s', 'fetched_path', 'torn_snapshot')})}")
                 summarize()
@@ -507,6 +517,9 @@ def summarize() -> None:
             row["summary"]["first_over_warm"] = first_over_warm(row)
             row["summary"]["torn_snapshots"] = sum(1 for r in row["versions"] if r["torn_snapshot"])
             row["summary"]["paths_taken"] = sorted({str(r["fetched_path"]) for r in row["versions"]})
+            row["summary"]["staged_to"] = sorted({str(r.get("staged_to")) for r in row["versions"]})
+            for k in ("update_started_after_publish_s", "sglang_update_s"):
+                row["summary"][k] = warm(row, k) if all(r.get(k) is not None for r in row["versions"]) else None
     tcp, shm = rows.get("tcp_cuda", {}), rows.get("shm_cuda", {})
     host = (tcp.get("summary") or {}).get("publish_to_applied_s")
     pause = (tcp.get("summary") or {}).get("pause_s")
@@ -524,7 +537,8 @@ def summarize() -> None:
     RESULT["bytes_moved_per_version"] = {name: {"model_bytes": model_bytes,
                                                 "publisher_socket_bytes": _median([r["publisher_socket_bytes"] for r in row["versions"]]),
                                                 "worker_socket_bytes": _median([r.get("worker_socket_bytes") for r in row["versions"]]),
-                                                "worker_ipc_bytes": _median([r.get("worker_ipc_bytes") for r in row["versions"]])}
+                                                "worker_ipc_bytes": _median([r.get("worker_ipc_bytes") for r in row["versions"]]),
+                                                "worker_device_stage_bytes": _median([r.get("worker_device_stage_bytes") for r in row["versions"]])}
                                          for name, row in rows.items() if row.get("versions")}
     goals: dict[str, Any] = {}
     disk, raw = RESULT.get("disk_peer_s"), RESULT.get("raw_tcp_4stream_gbps")
@@ -577,6 +591,7 @@ def main() -> int:
                     help="SGLang's static share of GPU memory (the trainer's model, 2 arenas and the worker's 2 device versions share the GPU)")
     ap.add_argument("--rows", default="", help="comma-separated subset of rows, e.g. cuda_ipc_cuda,tcp_cuda (default: all of the run)")
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--skip-raw", action="store_true", help="skip the raw ZeroMQ tcp probe (rows without tcp)")
     ap.add_argument("--peers-timeout-s", type=int, default=240)
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
     args = ap.parse_args()
@@ -600,13 +615,14 @@ def main() -> int:
     RESULT["model_bytes"] = model_bytes
     note(f"model {args.run}: {model_bytes / 1e9:.2f} GB in {RESULT['model']['build_s']} s")
     save()
-    note("raw tcp probe")
-    try:
-        RESULT["raw_tcp_4stream_gbps"] = raw_tcp_gbps(args.streams)
-        note(f"raw tcp x{args.streams}: {RESULT['raw_tcp_4stream_gbps']} GB/s")
-    except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
-        RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
-    save()
+    if not args.skip_raw:
+        note("raw tcp probe")
+        try:
+            RESULT["raw_tcp_4stream_gbps"] = raw_tcp_gbps(args.streams)
+            note(f"raw tcp x{args.streams}: {RESULT['raw_tcp_4stream_gbps']} GB/s")
+        except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
+            RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+        save()
     rows = [("tcp", "cuda"), ("shm", "cuda"), ("cuda_ipc", "cuda")]
     if args.run == "1p4":
         rows += [("tcp", "cpu"), ("shm", "cpu")]

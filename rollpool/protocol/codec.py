@@ -80,7 +80,8 @@ PROTOCOL_MAJOR = 1
 #   1.8  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
 #   1.9  the same-GPU weight path: Manifest.cuda_ipc (CudaIpcBuffer), BucketInfo.ipc_offset / ipc_checksum,
 #        ManifestRequest.gpu_uuids / wait_ipc
-PROTOCOL_MINOR = 9
+#   1.10 the shared-memory path staged to a GPU: BucketInfo.host_mix64 (mix64 of the bucket's host bytes)
+PROTOCOL_MINOR = 10
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

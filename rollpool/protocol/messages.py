@@ -356,6 +356,10 @@ class BucketInfo:
     """Same-GPU path (minor 9): where the bucket starts in `Manifest.cuda_ipc` (-1: not there)."""
     ipc_checksum: str = ""
     """Same-GPU path: ``"mix64:<hex>"`` of the bucket's bytes computed on the GPU (``""``: pending or none)."""
+    host_mix64: str = ""
+    """Same-host path staged to a GPU (minor 10): ``"mix64:<hex>"`` of the bucket's host bytes (its `shm_segment`), so a
+    subscriber that copies the segment host-to-device verifies its device copy on its GPU (``""``: pending or none;
+    set once the bucket's bytes have landed in the segment)."""
 
 
 @record

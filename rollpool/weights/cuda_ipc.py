@@ -35,6 +35,8 @@ __all__ = [
     "device_uuids",
     "export_buffer",
     "mix64_checksum",
+    "mix64_format",
+    "mix64_partial",
     "mix64_reference",
     "open_buffer",
     "side_stream",
@@ -64,6 +66,12 @@ _index_lock = threading.Lock()
 
 
 def _indices(device: torch.device, n: int) -> torch.Tensor:
+    """The first `n` word indices on `device` (cached by the next power of two: a few index tensors per device)."""
+    size = min(MIX64_SLICE_WORDS, 1 << max(0, n - 1).bit_length()) if n <= MIX64_SLICE_WORDS else n
+    return _index_tensor(device, size)[:n]
+
+
+def _index_tensor(device: torch.device, n: int) -> torch.Tensor:
     key = (str(device), n)
     with _index_lock:
         t = _index_cache.get(key)
@@ -85,6 +93,14 @@ def mix64_checksum(data: torch.Tensor, *, stream: Any = None) -> str:
 
 
 def _mix64(data: torch.Tensor) -> str:
+    return mix64_format(int(mix64_partial(data, 0).item()))
+
+
+def mix64_partial(data: torch.Tensor, base_word: int = 0) -> torch.Tensor:
+    """The mix64 sum (an int64 scalar on `data`'s device, not synchronised) of a 1-D uint8 tensor whose first byte is
+    word `base_word` of a bucket (its byte offset / 8). The tail is zero-padded, so the parts of a bucket add up
+    (modulo 2^64) to the bucket's sum when every part starts at a multiple of 8 bytes and only the last part has a
+    tail (`mix64_format` of the total is the digest). On the current stream."""
     n = int(data.numel())
     words = n // 8
     acc = torch.zeros((), dtype=torch.int64, device=data.device)
@@ -93,14 +109,18 @@ def _mix64(data: torch.Tensor) -> str:
         idx = _indices(data.device, min(words, MIX64_SLICE_WORDS))
         for start in range(0, words, MIX64_SLICE_WORDS):
             x = w[start : start + MIX64_SLICE_WORDS]
-            acc += _mix_sum(x, idx[: x.numel()], start)
+            acc += _mix_sum(x, idx[: x.numel()], base_word + start)
     tail = n - words * 8
     if tail:
         pad = torch.zeros(8, dtype=torch.uint8, device=data.device)
         pad[:tail] = data[words * 8 :]
-        acc += _mix_sum(pad.view(torch.int64), _indices(data.device, 1), words)
-    value = int(acc.item()) & _MASK64
-    return f"{MIX64}:{value:016x}"
+        acc += _mix_sum(pad.view(torch.int64), _indices(data.device, 1), base_word + words)
+    return acc
+
+
+def mix64_format(total: int) -> str:
+    """The digest of a mix64 sum (`mix64_partial`'s value, or several parts' added)."""
+    return f"{MIX64}:{total & _MASK64:016x}"
 
 
 def _mix_sum(x: torch.Tensor, idx: torch.Tensor, base: int) -> torch.Tensor:

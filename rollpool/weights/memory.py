@@ -253,14 +253,19 @@ class ShmBuffer:
 
 
 class ShmReader:
-    """A subscriber's read-only mapping of a publisher's segment."""
+    """A subscriber's read-only mapping of a publisher's segment.
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    `register()` page-locks the mapped bucket bytes for this process's CUDA context (once, at map time: the publisher
+    reuses its segments across versions, so later versions copy host-to-device at full speed); the mapping stays
+    read-only where CUDA can register it so (``cudaHostRegisterReadOnly``), else it is mapped again read-write (this
+    process never writes it) and registered plainly."""
+
+    def __init__(self, name: str, nbytes: int, *, writable: bool = False) -> None:
         if "/" in name or not name.startswith("rollpool-"):
             raise ShmUnavailableError(errno.EINVAL, f"not a rollpool segment name: {name!r}")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         except OSError as exc:
             raise ShmUnavailableError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
         try:
@@ -268,9 +273,13 @@ class ShmReader:
             size, inode = st.st_size, st.st_ino
             if size != SHM_HEADER_BYTES + nbytes:
                 raise ShmUnavailableError(errno.EINVAL, f"{path} holds {size} bytes, the manifest says {SHM_HEADER_BYTES + nbytes}")
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
+        self.writable = writable
+        self.registered = False
+        self._tensor: torch.Tensor | None = None
         self.name = name
         self.nbytes = nbytes
         self._inode = inode
@@ -296,7 +305,30 @@ class ShmReader:
         start = SHM_HEADER_BYTES + offset
         return self.view[start : start + nbytes]
 
+    def host_tensor(self) -> torch.Tensor:
+        """The bucket bytes as a 1-D uint8 CPU tensor over the mapping (made once; never written here)."""
+        if self._tensor is None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only mapping: torch warns that the buffer is not writable
+                self._tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8, offset=SHM_HEADER_BYTES, count=self.nbytes)
+                                if self.nbytes else torch.empty(0, dtype=torch.uint8))
+        return self._tensor
+
+    def register(self) -> bool:
+        """Page-lock the mapped bucket bytes for CUDA (read-only registration on a read-only mapping); False where it
+        cannot (then copies run from pageable memory, slower)."""
+        if self.registered:
+            return True
+        self.registered = _cuda_register(self.host_tensor(), 0 if self.writable else _CUDA_HOST_REGISTER_READ_ONLY)
+        return self.registered
+
     def close(self) -> None:
+        if self.registered and self._tensor is not None:
+            _cuda_unregister(self._tensor)
+            self.registered = False
+        self._tensor = None
         with contextlib.suppress(BufferError, ValueError):
             self.view.release()
             self._mmap.close()
@@ -305,13 +337,17 @@ class ShmReader:
 # --------------------------------------------------------------------------- CUDA registration (GPU only)
 
 
-def _cuda_register(t: torch.Tensor) -> bool:
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08
+"""``cudaHostRegisterReadOnly``: the device only reads the memory (needed to register a read-only mapping)."""
+
+
+def _cuda_register(t: torch.Tensor, flags: int = 0) -> bool:
     """Page-lock existing host memory (a shared segment) for full-speed device copies; False where it cannot."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     try:
         rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            t.data_ptr(), t.numel(), 0)
+            t.data_ptr(), t.numel(), flags)
     except Exception:  # noqa: BLE001 - an optimisation: pageable memory still works
         return False
     return int(rc) == 0 if not hasattr(rc, "value") else int(rc.value) == 0

@@ -63,7 +63,15 @@ from rollpool.weights.bucketing import (
     tensor_bytes,
 )
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
-from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, export_buffer, mix64_checksum, side_stream
+from rollpool.weights.cuda_ipc import (
+    DeviceSlabs,
+    arena_offsets,
+    export_buffer,
+    mix64_checksum,
+    mix64_format,
+    mix64_partial,
+    side_stream,
+)
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 
@@ -168,6 +176,16 @@ class _Snapshot:
                                     chunk_bytes=pub.chunk_bytes, host_key=pub.host_key if shm else "", pool=pub.pool)
         self.left = [0] * len(buffers)
         self.pending = len(buffers)
+        # the same-host path staged to a GPU (minor 10): a mix64 of each bucket's host bytes, on shm versions only.
+        # From CUDA tensors it is summed on the GPU per tensor as it is copied (`mix64_partial` at the tensor's word
+        # offset: every tensor of the bucket 8-byte aligned, only the last with a tail); otherwise on the CPU over the
+        # bucket after its xxh3 (so the network and CPU shm paths are never delayed by it).
+        self.mix = shm
+        self.mix_sum = [0] * len(buffers)
+        self.mix_parts = [0] * len(buffers)
+        self.mix_aligned = [self.mix and _word_aligned(b.tensors) for b in planner.buckets]
+        self.parts_left = [2 if self.mix else 1 for _ in buffers]
+        """Per bucket: its checksum, and its mix64 on shm versions; the bucket is finished when both exist."""
         self.checksummed: asyncio.Future[None] = self.loop.create_future()
         self.ipc_offsets: list[int] = []
         """The buckets' offsets in the version's device arena (the same-GPU path), else empty."""
@@ -190,6 +208,7 @@ class _Snapshot:
         copies are outstanding, so at most that many of its tensors are alive at once)."""
         pub = self.pub
         streams: dict[Any, Any] = {}
+        mix_streams: dict[Any, Any] = {}
         it = iter(items)
         inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
         window = asyncio.Semaphore(4 * max(1, pub.copy_threads))
@@ -197,9 +216,7 @@ class _Snapshot:
         # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
         for b in self.planned:
             self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
-        for idx in range(len(self.buffers)):
-            if self.left[idx] == 0:
-                self._sum_later(idx)
+        self._finish_empty()
         try:
             for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
                 try:
@@ -210,18 +227,12 @@ class _Snapshot:
                     raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
                 if not nbytes:
                     continue
-                stream = None
-                if tensor.device.type == "cuda":
-                    stream = streams.get(tensor.device)
-                    if stream is None:
-                        # the side stream first waits for the trainer's work on this device: the copy sees the latest values
-                        stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
-                        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+                stream, mix_stream = self._streams_of(tensor, streams, mix_streams)
                 if inline:
-                    self._copy(idx, offset, tensor, stream)
+                    self._copy(idx, offset, tensor, stream, mix_stream)
                     continue
                 await window.acquire()
-                fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream))
+                fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream, mix_stream))
                 fut.add_done_callback(lambda _f: window.release())
                 futures.append(fut)
                 del tensor  # only the copy job holds it now
@@ -232,23 +243,58 @@ class _Snapshot:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
 
-    def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any) -> None:
-        """Copy thread: one tensor into its bucket; the bucket's last copy queues its checksum."""
+    def _finish_empty(self) -> None:
+        """Buckets with no bytes to copy are checksummed (and mixed) at once."""
+        for idx in range(len(self.buffers)):
+            if self.left[idx] == 0:
+                if self.mix:
+                    self._mix_ready(idx, mix64_format(0))
+                self._sum_later(idx)
+
+    def _streams_of(self, tensor: torch.Tensor, streams: dict[Any, Any], mix_streams: dict[Any, Any]) -> tuple[Any, Any]:
+        """(the copy stream, the mix64 stream) of a CUDA tensor's device, made on first use; (None, None) for CPU tensors."""
+        if tensor.device.type != "cuda":
+            return None, None
+        stream = streams.get(tensor.device)
+        if stream is None:
+            # the side stream first waits for the trainer's work on this device: the copy sees the latest values
+            stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            if self.mix:  # the GPU mix64 reads the same tensors beside the copy (compute beside the copy engine)
+                mix_streams[tensor.device] = side_stream(tensor.device)
+                mix_streams[tensor.device].wait_stream(torch.cuda.current_stream(tensor.device))
+        return stream, mix_streams.get(tensor.device)
+
+    def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any = None) -> None:
+        """Copy thread: one tensor into its bucket; the bucket's last copy queues its checksum (and publishes the
+        bucket's GPU-summed mix64 where every part of it was summed on the GPU)."""
         src = flat_bytes(tensor)
         dst = self.buffers[idx][offset : offset + int(src.numel())]
+        part: int | None = None
         if stream is not None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=dst.is_pinned())
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
+            if mix_stream is not None and self.mix_aligned[idx] and src.data_ptr() % 8 == 0:
+                with torch.cuda.stream(mix_stream):  # the trainer's bytes, read before publish returns (they change after)
+                    part = int(mix64_partial(src, offset // 8).item())
             done.synchronize()
         else:
             dst.copy_(src)
         with self._lock:
             self.left[idx] -= 1
             last = self.left[idx] == 0
+            if part is not None:
+                self.mix_sum[idx] += part
+                self.mix_parts[idx] += 1
         if last:
+            if self.mix and self.mix_parts[idx] == self._parts_of(idx):
+                self._call(self._mix_ready, idx, mix64_format(self.mix_sum[idx]))
             self._sum_later(idx)
+
+    def _parts_of(self, idx: int) -> int:
+        return sum(1 for t in self.planned[idx].tensors if t.nbytes)
 
     def _sum_later(self, idx: int) -> None:
         if self.buffers[idx].numel() < _THREAD_COPY_BYTES:
@@ -267,6 +313,15 @@ class _Snapshot:
             self._call(self._failed, exc)
             return
         self._call(self._ready, idx, digest)
+        if self.mix and self.mix_parts[idx] != self._parts_of(idx):
+            # not summed on the GPU (CPU tensors, or an unaligned bucket): the mix64 of the host bucket, on the CPU,
+            # after its checksum was published (the network and CPU shm paths do not wait for it)
+            try:
+                mixed = mix64_checksum(self.buffers[idx]) if self.buffers[idx].numel() else mix64_format(0)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+                self._call(self._failed, exc)
+                return
+            self._call(self._mix_ready, idx, mixed)
 
     def _call(self, fn: Any, *args: Any) -> None:
         try:
@@ -291,9 +346,32 @@ class _Snapshot:
         if seg is not None:
             seg.end_write(self.version)
         self.pub._server.complete_bucket(self.version, idx, digest)
-        self.pending -= 1
-        if self.pending == 0:
-            self.checksummed.set_result(None)
+        self._part_done(idx)
+
+    def _mix_ready(self, idx: int, digest: str) -> None:
+        """The bucket's bytes are in its segment and their mix64 is known: a subscriber staging to a GPU may copy it
+        (the segment's header names the version from now on; the xxh3 checksum may still be pending)."""
+        if self.checksummed.done():
+            return
+        seg = self.segments[idx]
+        if seg is not None:
+            seg.end_write(self.version)
+        self.pub._server.set_host_mix64(self.version, idx, digest)
+        self._part_done(idx)
+
+    def _part_done(self, idx: int) -> None:
+        self.parts_left[idx] -= 1
+        if self.parts_left[idx] == 0:
+            self.pending -= 1
+            if self.pending == 0:
+                self.checksummed.set_result(None)
+
+
+def _word_aligned(tensors: Any) -> bool:
+    """Whether a bucket's mix64 can be summed tensor by tensor: every tensor starts at a multiple of 8 bytes and only
+    the last one has a tail (its zero padding is the bucket's own)."""
+    ts = [t for t in tensors if t.nbytes]
+    return all(t.offset % 8 == 0 for t in ts) and all(t.nbytes % 8 == 0 for t in ts[:-1])
 
 
 class PiecesSource:

@@ -248,6 +248,12 @@ class WeightServer:
             for ident, req in waiting:
                 self._send(ident, v.manifest(req.request_id))
 
+    def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None:
+        """A bucket's mix64 of its host bytes (minor 10): manifests answered from now on carry it."""
+        v = self.versions.get(version)
+        if v is not None:
+            v.buckets = tuple(replace(b, host_mix64=checksum) if b.index == bucket else b for b in v.buckets)
+
     def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
         """A streamed version's bucket is snapshotted and checksummed: serve it, and the manifest once all are."""
         v = self.versions.get(version)

@@ -69,7 +69,7 @@ from rollpool.weights.bucketing import (
     verify_checksum,
 )
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, default_streams
-from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum
+from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
 
@@ -139,6 +139,7 @@ class WeightSubscriber:
         pinned_budget_bytes: int | None = None,
         copy_threads: int | None = None,
         reserve_bytes: int | None = None,
+        stage_device: str | None = None,
     ) -> None:
         # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
         # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
@@ -183,6 +184,15 @@ class WeightSubscriber:
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
         self._gpus: dict[str, int] | None = None
+        self.stage_device: str | None = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
+        """The device the engine loads from (its ``cuda`` device, set by the worker when its engine stages to CUDA): on
+        the shared-memory path each bucket is copied from the publisher's segment straight to it and verified there
+        (`BucketInfo.host_mix64`, on the GPU). None: the CPU shared-memory path (copy + CPU checksum)."""
+        self.device_ops: Callable[[str, DeviceSlabs], Any] = CudaStaging
+        """Makes the staging edge for `stage_device` (tests put a fake device here, named so)."""
+        self._ops: Any = None
+        self.device_stage_bytes = 0
+        """Bucket bytes copied from shared memory straight to `stage_device` and verified there."""
         self._ipc_open: dict[tuple[bytes, int], torch.Tensor] = {}
         """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
         self._dev_slabs = DeviceSlabs()
@@ -439,7 +449,7 @@ class WeightSubscriber:
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
-                on_gpu = await self._try_ipc(manifest, on_bucket)  # needs no host buffer: does not wait for their reserve
+                on_gpu = await self._try_device(manifest, on_bucket)
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
@@ -683,7 +693,7 @@ class WeightSubscriber:
     def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
         """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
-        nxt = "shared memory or the network" if path == "cuda_ipc" else "the network path"
+        nxt = {"cuda_ipc": "shared memory or the network", "shm_device": "shared memory copied on the CPU"}.get(path, "the network path")
         self._errlog.warning("fallback:" + why, "weight version %d not on %s, over %s: %s (counted in fallbacks)", version, path, nxt, why)
         self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why, "from": path})
         if self.path == "shm" and path == "shm":
@@ -740,14 +750,147 @@ class WeightSubscriber:
                 self._readers.pop(name).close()
         return manifest
 
-    def _reader(self, name: str, nbytes: int) -> ShmReader:
+    # -- the shared-memory path staged to the engine's GPU
+
+    def _shm_device_choice(self, manifest: Manifest) -> bool:
+        """Whether to stage this version from the segments straight to `stage_device` (the GPU checksums, `host_mix64`,
+        are then awaited per bucket; a publisher that gives none is a counted fallback found during the fetch)."""
+        if self.stage_device is None or self.path not in ("auto", "shm"):
+            return False
+        use_shm, _why = self._shm_choice(manifest)  # the reasons against shared memory are the CPU path's to log
+        return use_shm
+
+    async def _try_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
+        """The version onto a device (the same-GPU path, else shared memory staged to the engine's GPU), or None. These
+        paths need no host buffer: they do not wait for the host reserve."""
+        on_gpu = await self._try_ipc(manifest, on_bucket)
+        return on_gpu if on_gpu is not None else await self._try_shm_device(manifest, on_bucket)
+
+    async def _try_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
+        """The version staged from shared memory to the engine's device, or None (the CPU paths then serve it)."""
+        if not self._shm_device_choice(manifest):
+            return None
+        try:
+            return await self._fetch_shm_device(manifest, on_bucket)
+        except _ShmFallback as exc:
+            self._fallback(manifest.version, str(exc), path="shm_device")
+            return None
+
+    def _staging(self) -> Any:
+        assert self.stage_device is not None
+        if self._ops is None:
+            self._ops = self.device_ops(self.stage_device, self._dev_slabs)
+        return self._ops
+
+    async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+        """Copy each bucket host-to-device from the publisher's segment (registered here once, when first mapped) into a
+        device buffer and verify the mix64 of the device copy (the bytes the engine loads) on the GPU against the
+        publisher's `host_mix64`. Buckets are staged as their mix64 appears in the manifest (asked for again every few
+        ms while some are pending), so the copies overlap the publisher's snapshot. A bad bucket is copied again (at
+        most `max_refetch` times), then the version is refused whole; a torn read, a publisher that gives no GPU
+        checksums, or a segment that cannot be mapped is a `_ShmFallback` (the CPU paths serve the version)."""
+        ops = self._staging()
+        loop = asyncio.get_running_loop()
+        try:
+            readers = [await asyncio.to_thread(self._reader, b.shm_segment, b.nbytes, True) for b in manifest.buckets]
+        except ShmUnavailableError as exc:
+            raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
+        sizes = [b.nbytes for b in manifest.buckets]
+        offsets, total = arena_offsets(sizes)
+        slab = ops.alloc(total)
+        buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        done: set[int] = set()
+        failures = [0] * len(sizes)
+        deadline = loop.time() + self.fetch_timeout_s
+        try:
+            while len(done) < len(sizes):
+                ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done]
+                if ready:
+                    expected = [manifest.buckets[i].host_mix64 for i in ready]
+                    results = await asyncio.to_thread(_stage_device, ops, readers, manifest.version, ready, buffers, expected)
+                    for i, outcome in results:
+                        if self._staged_bucket(manifest, i, outcome, buffers[i], failures, on_bucket):
+                            done.add(i)
+                    continue
+                if len(done) == len(sizes):
+                    break
+                if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
+                    raise _ShmFallback("the publisher gives no GPU checksum (host_mix64) for this version")
+                if loop.time() > deadline:
+                    raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
+                await asyncio.sleep(_MIX64_POLL_S)
+                again = _checked(await self.fetch_manifest(manifest.version))
+                if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
+                    raise _ShmFallback("the publisher's segments changed under the fetch")
+                manifest = again
+        except BaseException:
+            ops.give(slab)
+            raise
+        finally:
+            for name in [n for n, r in self._readers.items() if not r.alive()]:  # unlinked segments (keep the live ones mapped)
+                self._readers.pop(name).close()
+        self.last_path = "shm"
+        nbytes = sum(sizes)
+        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "shm", "staged_to": str(self.stage_device),
+                                                   "bytes": nbytes, "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
+                                                   "device_stage_bytes": self.device_stage_bytes, "ipc_bytes": self.ipc_bytes,
+                                                   "segments_mapped": len(self._readers),
+                                                   "segments_registered": sum(1 for r in self._readers.values() if r.registered),
+                                                   "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
+        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
+                                               "staged_to": str(self.stage_device)})
+        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
+        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+
+    def _staged_bucket(self, manifest: Manifest, i: int, outcome: str, buffer: torch.Tensor, failures: list[int],
+                       on_bucket: BucketCallback | None) -> bool:
+        """One bucket's staging outcome: True when verified (handed to `on_bucket`); a bad one is counted (and refused
+        after `max_refetch` copies), a torn read falls back."""
+        if outcome == "torn":
+            raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
+        info = manifest.buckets[i]
+        if outcome == "ok":
+            self.shm_bytes += info.nbytes
+            self.device_stage_bytes += info.nbytes
+            if on_bucket is not None:
+                on_bucket(i, unpack_bucket(info, buffer))
+            return True
+        failures[i] += 1
+        self.buckets_refetched += 1
+        log.warning("weight version %d: bucket %d staged from shared memory failed its GPU checksum (attempt %d)", manifest.version, i, failures[i])
+        self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "shm_device"})
+        if failures[i] > self.max_refetch:
+            raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (shared memory staged to the GPU)")
+        return False
+
+    def _reader(self, name: str, nbytes: int, register: bool = False) -> ShmReader:
         r = self._readers.get(name)
         if r is not None and r.nbytes == nbytes and r.alive():
+            if register and not r.registered:
+                self._register(r)
             return r
         if r is not None:
             self._readers.pop(name).close()
         r = self._readers[name] = ShmReader(name, nbytes)
+        if register:
+            self._register(r)
         return r
+
+    def _register(self, r: ShmReader) -> None:
+        """Page-lock a mapped segment for the staging device, once per mapping (it is kept across versions)."""
+        ops = self._staging()
+        if not ops.registers:
+            return
+        if r.register():
+            return
+        # this CUDA cannot register a read-only mapping: map it again read-write (never written here) and register that
+        rw = ShmReader(r.name, r.nbytes, writable=True)
+        if rw.register():
+            self._readers[r.name] = rw
+            r.close()
+            return
+        rw.close()
+        self._errlog.warning("register", "weight segment %s could not be page-locked here; copies to the GPU run from pageable memory", r.name)
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
                          on_bucket: BucketCallback | None = None) -> Manifest:
@@ -793,6 +936,69 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
                 bad.append(i)
     stream.synchronize()
     return bad
+
+
+_MIX64_POLL_S = 0.002
+"""How often the manifest is asked for again while some buckets' GPU checksums are pending."""
+
+
+class CudaStaging:
+    """The staging edge of the shared-memory path on CUDA: host-to-device copies on one stream, the mix64 of each copy
+    on another (waiting on the copy's event), device buffers from the subscriber's reused slabs."""
+
+    registers = True
+
+    def __init__(self, device: str, slabs: DeviceSlabs) -> None:
+        from rollpool.weights.cuda_ipc import side_stream
+
+        d = torch.device(device)
+        self.device = d if d.index is not None else torch.device("cuda", torch.cuda.current_device())  # slabs match by index
+        self.slabs = slabs
+        self.copy_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self.mix_stream = side_stream(self.device)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return self.slabs.take_at_least(nbytes, self.device)
+
+    def give(self, slab: torch.Tensor) -> None:
+        self.slabs.give(slab)
+
+    def stage(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Queue the copy of `src` (registered host memory) into `dst` and the mix64 of `dst`; a handle for `digest`."""
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self.copy_stream)
+        with torch.cuda.stream(self.mix_stream):
+            self.mix_stream.wait_event(copied)
+            return mix64_partial(dst, 0)
+
+    def digest(self, handle: Any) -> str:
+        with torch.cuda.stream(self.mix_stream):
+            return mix64_format(int(handle.item()))
+
+
+def _stage_device(ops: Any, readers: list[ShmReader], version: int, which: list[int], buffers: list[torch.Tensor],
+                  expected: list[str]) -> list[tuple[int, str]]:
+    """Worker thread: queue the copies and checksums of buckets `which`, then read each digest: per bucket ``"ok"``,
+    ``"bad"`` (the device copy's mix64 differs) or ``"torn"`` (the segment does not hold `version`, or was rewritten
+    while it was copied)."""
+    queued: list[tuple[int, tuple[int, int], Any]] = []
+    out: list[tuple[int, str]] = []
+    for i in which:
+        state = readers[i].state()
+        if state[0] != version:
+            out.append((i, "torn"))
+            continue
+        queued.append((i, state, ops.stage(readers[i].host_tensor(), buffers[i])))
+    want = dict(zip(which, expected, strict=True))
+    for i, state, handle in queued:
+        digest = ops.digest(handle)  # waits for the bucket's copy and checksum
+        if readers[i].state() != state:
+            out.append((i, "torn"))
+        else:
+            out.append((i, "ok" if digest == want[i] else "bad"))
+    return out
 
 
 class _ShmFallback(Exception):

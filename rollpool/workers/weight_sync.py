@@ -90,7 +90,8 @@ class Subscriber(Protocol):
 
 
 SubscriberFactory = Callable[..., Subscriber]
-"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=])``."""
+"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=][, stage_device=])``
+(``stage_device`` only to a factory that names it: the engine's CUDA device, when the engine stages bucket by bucket)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,9 +427,14 @@ class WeightSync:
             factory = WeightSubscriber
         extra: dict[str, Any] = {}
         engine = self.supervisor.engine
-        if engine is not None and str(engine.info().device or "").startswith("cuda"):
+        device = str(engine.info().device or "") if engine is not None else ""
+        if device.startswith("cuda"):
             # page-locked buckets: the copy to the GPU (staging) runs at full PCIe speed, asynchronously
             extra["pin_memory"] = True
+            if getattr(engine, "stage_bucket", None) is not None and _takes(factory, "stage_device"):
+                # the engine stages to CUDA and takes device tensors: on the shared-memory path the subscriber copies
+                # each bucket from the publisher's segment straight to this device and verifies it there
+                extra["stage_device"] = device
         return factory(
             self.sockets,
             worker_id=self.worker_id,
@@ -444,6 +450,14 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
 
 
 def _takes_on_bucket(sub: Subscriber) -> bool:

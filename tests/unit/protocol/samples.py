@@ -92,4 +92,9 @@ def samples() -> dict[str, Any]:
                                         buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", ipc_offset=0,
                                                               ipc_checksum="mix64:0123456789abcdef", tensors=(
                                             p.TensorInfo(name="w", dtype="float32", shape=(2, 4), offset=0, nbytes=32),)),)),
+        # minor 10: the shared-memory path staged to a GPU (a mix64 of each bucket's host bytes)
+        "manifest_shm_mix64": p.Manifest(request_id="m4", version=7, publisher_id="pub", host_key="boot/1.2", pool="default",
+                                         buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=16, checksum="xxh3_64:0123456789abcdef",
+                                                               shm_segment="rollpool-default-pub-7-1", host_mix64="mix64:fedcba9876543210",
+                                                               tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(8,), offset=0, nbytes=16),)),)),
     }

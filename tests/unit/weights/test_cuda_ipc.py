@@ -4,6 +4,7 @@ the wire (raw bytes, never pickled; a minor-8 peer's manifest reads as "no devic
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -80,6 +81,31 @@ def test_a_minor8_manifest_reads_as_no_device_buffer() -> None:
     assert old.cuda_ipc is None and old.buckets[0].ipc_offset == -1 and old.buckets[0].ipc_checksum == ""
     req = decode([msgpack.packb([1, 8, "manifest_request", {"request_id": "r", "streamed": True}], use_bin_type=True)])
     assert req.gpu_uuids == () and not req.wait_ipc
+
+
+def test_a_minor9_manifest_reads_as_no_host_mix64() -> None:
+    """A publisher of minor 9 sends no `host_mix64`: a staging subscriber reads "none" (and falls back, counted)."""
+    bucket = {"index": 0, "dtype": "float32", "nbytes": 32, "checksum": "xxh3_64:0000000000000000", "shm_segment": "rollpool-p-x-1-1"}
+    old = decode([msgpack.packb([1, 9, "manifest", {"request_id": "m", "version": 3, "host_key": "boot/shm", "buckets": [bucket]}],
+                                use_bin_type=True)])
+    assert old.buckets[0].host_mix64 == "" and old.buckets[0].shm_segment == "rollpool-p-x-1-1"
+    new = decode(encode(replace(old, buckets=(replace(old.buckets[0], host_mix64="mix64:0123456789abcdef"),))))
+    assert new.buckets[0].host_mix64 == "mix64:0123456789abcdef"
+
+
+def test_parts_of_a_bucket_add_up_to_its_mix64() -> None:
+    """The publisher sums a bucket tensor by tensor (each at its word offset, the last one with a tail)."""
+    from rollpool.weights.cuda_ipc import mix64_format, mix64_partial
+    from rollpool.weights.publisher import _word_aligned
+
+    data = torch.randint(0, 256, (4096 + 24 + 13,), dtype=torch.uint8)
+    cuts = [0, 4096, 4096 + 24, data.numel()]
+    total = sum(int(mix64_partial(data[a:b].clone(), a // 8).item()) for a, b in zip(cuts, cuts[1:], strict=False))
+    assert mix64_format(total) == mix64_reference(bytes(data.numpy())) == mix64_checksum(data)
+    t = [TensorInfo(name=str(i), dtype="uint8", shape=(b - a,), offset=a, nbytes=b - a) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
+    assert _word_aligned(t)
+    assert not _word_aligned([TensorInfo(name="a", dtype="uint8", shape=(13,), offset=0, nbytes=13), t[1]])  # a tail mid-bucket
+    assert not _word_aligned([TensorInfo(name="a", dtype="uint8", shape=(8,), offset=4, nbytes=8)])
 
 
 class _Choice:
