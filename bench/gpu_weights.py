@@ -345,7 +345,8 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
     worker_log = OUT / "worker.log"
     opts = f"port={sg_port},capacity={args.capacity},mem_fraction_static={args.mem_fraction},log_dir={OUT},context_length=2048"
     wenv = {"ROLLPOOL_WEIGHT_PATH": "auto", "ROLLPOOL_WEIGHT_STREAMS": str(args.streams),
-            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
+            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes),  # the worker reserves its 2 page-locked versions at start
+            "ROLLPOOL_WEIGHT_SHM_TO_DEVICE": "1"}  # the shm row measures the segment-to-GPU staging (opt-in in the worker)
     worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
                      "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
     zctx = zmq.asyncio.Context(io_threads=args.streams)

@@ -44,6 +44,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -431,7 +432,10 @@ class WeightSync:
         if device.startswith("cuda"):
             # page-locked buckets: the copy to the GPU (staging) runs at full PCIe speed, asynchronously
             extra["pin_memory"] = True
-            if getattr(engine, "stage_bucket", None) is not None and _takes(factory, "stage_device"):
+            if (os.environ.get("ROLLPOOL_WEIGHT_SHM_TO_DEVICE") == "1" and getattr(engine, "stage_bucket", None) is not None
+                    and _takes(factory, "stage_device")):
+                # opt-in until a run with warm versions shows it faster than the host copy (docs/weights.md: its one
+                # GPU run measured two cold versions, 20.6 s and 1.6 s, against 1.78 s for the host copy)
                 # the engine stages to CUDA and takes device tensors: on the shared-memory path the subscriber copies
                 # each bucket from the publisher's segment straight to this device and verifies it there
                 extra["stage_device"] = device
