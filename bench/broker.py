@@ -1187,7 +1187,9 @@ def main() -> int:
         if prof_path:
             import cProfile
 
-            prof = cProfile.Profile()
+            # ROLLPOOL_BENCH_PROFILE_TIMER=thread: the main thread's CPU time (default: wall time, which also
+            # counts the time the broker waited for a core on a busy machine)
+            prof = cProfile.Profile(time.thread_time) if os.environ.get("ROLLPOOL_BENCH_PROFILE_TIMER") == "thread" else cProfile.Profile()
             prof.enable()
         try:
             serve_rollpool(args.worker_endpoint, args.client_endpoint, args.heartbeat_s, args.latency_out)

@@ -363,9 +363,9 @@ class Broker:
         send = super(zmq.Socket, sock).send  # the Cython method, without the sugar layer's per-call overhead
         try:
             send(identity, _NB_MORE)
-            last = len(frames) - 1
-            for i, frame in enumerate(frames):
-                send(frame, _NB if i == last else _NB_MORE)  # copying small frames is cheaper than tracking them
+            for i in range(len(frames) - 1):
+                send(frames[i], _NB_MORE)  # copying small frames is cheaper than tracking them
+            send(frames[-1], _NB)
             return True
         except zmq.Again:
             self.send_failures += 1
