@@ -120,6 +120,10 @@ def serve_rollpool(wep: str, cep: str, heartbeat_s: float, latency_out: str | No
     import zmq.asyncio
 
     from rollpool.broker import Broker, BrokerConfig
+    from rollpool.broker import service as broker_service
+
+    if hasattr(broker_service, "tune_gc"):  # as `rollpool broker` runs it (absent in a checkout before it)
+        broker_service.tune_gc()
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
@@ -127,6 +131,9 @@ def serve_rollpool(wep: str, cep: str, heartbeat_s: float, latency_out: str | No
         cfg = BrokerConfig(worker_endpoint=wep, client_endpoint=cep, heartbeat_interval_s=heartbeat_s, drain_timeout_s=0.0)
         if "latency_samples" in {f.name for f in dataclasses.fields(cfg)}:
             cfg = dataclasses.replace(cfg, latency_samples=1 << 20)
+        # ROLLPOOL_BENCH_COALESCE_S: the broker's coalesce_s for an experiment (default: the config's)
+        if os.environ.get("ROLLPOOL_BENCH_COALESCE_S") and "coalesce_s" in {f.name for f in dataclasses.fields(cfg)}:
+            cfg = dataclasses.replace(cfg, coalesce_s=float(os.environ["ROLLPOOL_BENCH_COALESCE_S"]))
         broker = Broker(cfg, p.SocketFactory(ctx, p.SocketOptions(send_hwm=100_000, recv_hwm=100_000)))
         import signal
 
@@ -1180,7 +1187,9 @@ def main() -> int:
         if prof_path:
             import cProfile
 
-            prof = cProfile.Profile()
+            # ROLLPOOL_BENCH_PROFILE_TIMER=thread: the main thread's CPU time (default: wall time, which also
+            # counts the time the broker waited for a core on a busy machine)
+            prof = cProfile.Profile(time.thread_time) if os.environ.get("ROLLPOOL_BENCH_PROFILE_TIMER") == "thread" else cProfile.Profile()
             prof.enable()
         try:
             serve_rollpool(args.worker_endpoint, args.client_endpoint, args.heartbeat_s, args.latency_out)

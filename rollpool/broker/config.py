@@ -62,6 +62,9 @@ class BrokerConfig:
     control_timeout_s: float = field(default=30.0, metadata=_h("longest wait for workers' control replies"))
     drain_timeout_s: float = field(default=5.0, metadata=_h("on stop: how long results may still be handed over"))
     burst_messages: int = field(default=256, metadata=_h("messages read per socket wake-up before yielding the loop"))
+    coalesce_s: float = field(default=0.001, metadata=_h(
+        "a socket read again within this long of its last read waits for the rest of it, so messages arriving "
+        "faster are read (and answered) together: fewer wake-ups per message; 0: off"))
     latency_samples: int = field(default=65_536, metadata=_h("delivered groups whose broker-side timestamps are kept (a ring)"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 
@@ -91,7 +94,7 @@ class BrokerConfig:
                 raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
         for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s", "apply_slot_deadline_s", "result_resend_s"):
             positive(name, 0.001)
-        for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s"):
+        for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s", "coalesce_s"):
             positive(name, 0)
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             raise ConfigError(f"BrokerConfig.max_staleness must be >= 0 or None, got {self.max_staleness!r}")

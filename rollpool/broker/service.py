@@ -26,6 +26,7 @@ per minute; the broker keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import secrets
@@ -87,7 +88,7 @@ from rollpool.protocol.errors import MessageTooLargeError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 
-__all__ = ["Broker"]
+__all__ = ["Broker", "tune_gc"]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ _MAX_STATUS_WORKERS = DEFAULT_LIMITS.max_map_len - 96
 # plain ints: pyzmq's flag enums cost an enum operation per frame on the hot path
 _NB = int(zmq.NOBLOCK)
 _NB_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -119,6 +119,21 @@ class _PendingControl:
     waiting: set[str]
     results: dict[str, Any] = field(default_factory=dict)
     handle: asyncio.TimerHandle | None = None
+
+
+def tune_gc() -> None:
+    """For a process that runs the broker and nothing else (`rollpool broker`): fewer, cheaper collections.
+
+    Everything alive once the broker's modules are imported (the interpreter, numpy, pyzmq: some
+    hundreds of thousands of objects) is frozen out of the collector, so a full collection walks only
+    what the broker made since; and the young generation is collected every 10,000 net allocations
+    instead of 700. The broker's per-message objects die by reference count, not by the collector
+    (measured at 2,000 round trips/s: 126 young and 12 middle collections and one full one of 22 ms
+    in 6.6 s before). Not called for a broker embedded in another program (its collector is its own).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
 
 
 def _sync_socket(sock: Any) -> zmq.Socket[Any]:
@@ -171,6 +186,13 @@ class Broker:
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
         self._scheduled = {"w": False, "c": False}
+        self._read_at = {"w": float("-inf"), "c": float("-inf")}
+        """When each socket was last read (`coalesce_s`)."""
+        self._fds: dict[str, int] = {}
+        self.coalesced_reads = 0
+        """Reads put off to the end of a coalescing window (counter `coalesced_reads`)."""
+        self._deferred = {"w": False, "c": False}
+        """A socket whose read waits for the rest of its coalescing window (its reader is removed meanwhile)."""
         self._tick = min(self.config.heartbeat_interval_s / 4, 0.25)
         """The lease loop's period."""
         self._stall_after = self._tick + max(self._tick, 0.1)
@@ -215,8 +237,9 @@ class Broker:
         self.sockets.watch(self._csock, "broker.client")
         self.worker_endpoint = self._w.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self._c.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._loop.add_reader(int(self._w.getsockopt(zmq.FD)), self._on_readable, "w")
-        self._loop.add_reader(int(self._c.getsockopt(zmq.FD)), self._on_readable, "c")
+        self._fds = {"w": int(self._w.getsockopt(zmq.FD)), "c": int(self._c.getsockopt(zmq.FD))}
+        self._loop.add_reader(self._fds["w"], self._on_readable, "w")
+        self._loop.add_reader(self._fds["c"], self._on_readable, "c")
         self.ready.set()
         log.info(
             "broker %s listening: workers %s, clients %s", self.epoch, self.worker_endpoint, self.client_endpoint,
@@ -263,27 +286,42 @@ class Broker:
 
     # ------------------------------------------------------------------ socket plumbing
 
-    def _on_readable(self, which: str) -> None:
+    def _on_readable(self, which: str, force: bool = False) -> None:
         self._scheduled[which] = False
         sock = self._w if which == "w" else self._c
-        if sock is None:
+        if sock is None or (self._deferred[which] and not force):
             return
+        now = self.clock()
+        coalesce = self.config.coalesce_s
+        if coalesce > 0 and not force and now - self._read_at[which] < coalesce:
+            # read again too soon: wait for the rest of the window (its reader off, so the loop does not wake
+            # for every message meanwhile), then read everything that came together
+            assert self._loop is not None
+            self._deferred[which] = True
+            self.coalesced_reads += 1
+            self._loop.remove_reader(self._fds[which])
+            self._loop.call_later(coalesce - (now - self._read_at[which]), self._on_deferred, which)
+            return
+        self._read_at[which] = now
         handle = self._on_worker_frames if which == "w" else self._on_client_frames
-        self._now = now = self.clock()
+        self._now = now
         if now - self._tick_at > self._stall_after:
             # the lease loop has not ticked for too long: a stall, noted before anything queued is read
             # (a heartbeat that waited in the socket must not be judged by the time the broker was not reading)
             self._stalled(now)
         burst = self.config.burst_messages
-        backend: Any = super(zmq.Socket, sock)  # the Cython methods, without the sugar layer's per-call overhead
-        recv, get = backend.recv, backend.get
+        recv = super(zmq.Socket, sock).recv  # the Cython method, without the sugar layer's per-call overhead
         for _ in range(burst):
+            # frames as zmq.Frame (no copy; `more` is a C field, where getsockopt(RCVMORE) costs an enum
+            # conversion per frame); the decoder reads them through the buffer protocol
             try:
-                frames = [recv(_NB)]
+                f = recv(_NB, False)
             except zmq.Again:
                 break
-            while get(_RCVMORE):
-                frames.append(recv(_NB))
+            frames: list[Any] = [f.bytes]  # the peer's identity: a dict key
+            while f.more:
+                f = recv(_NB, False)
+                frames.append(f)
             try:
                 handle(frames)
             except Exception:  # a bug in one handler must not take the broker down
@@ -291,13 +329,22 @@ class Broker:
         self._after_burst()
         self._recheck()
 
+    def _on_deferred(self, which: str) -> None:
+        """The end of a socket's coalescing window: its reader back on, and everything that came meanwhile read."""
+        self._deferred[which] = False
+        sock = self._w if which == "w" else self._c
+        if sock is None or self._loop is None:
+            return
+        self._loop.add_reader(self._fds[which], self._on_readable, which)
+        self._on_readable(which, force=True)
+
     def _drain_workers(self, max_bursts: int = 64) -> None:
         """Read what the worker socket queued up (after a stall), before leases are judged."""
         for _ in range(max_bursts):
             sock = self._w
             if sock is None or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
-            self._on_readable("w")
+            self._on_readable("w", force=True)
 
     def _recheck(self) -> None:
         loop = self._loop
@@ -305,7 +352,8 @@ class Broker:
             return
         for which, sock in (("w", self._w), ("c", self._c)):
             # the Cython getter with plain ints: the sugar layer's enum conversions cost as much as the call
-            if sock is not None and not self._scheduled[which] and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN:
+            if (sock is not None and not self._scheduled[which] and not self._deferred[which]
+                    and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN):
                 self._scheduled[which] = True
                 loop.call_soon(self._on_readable, which)
 
@@ -315,9 +363,9 @@ class Broker:
         send = super(zmq.Socket, sock).send  # the Cython method, without the sugar layer's per-call overhead
         try:
             send(identity, _NB_MORE)
-            last = len(frames) - 1
-            for i, frame in enumerate(frames):
-                send(frame, _NB if i == last else _NB_MORE)  # copying small frames is cheaper than tracking them
+            for i in range(len(frames) - 1):
+                send(frames[i], _NB_MORE)  # copying small frames is cheaper than tracking them
+            send(frames[-1], _NB)
             return True
         except zmq.Again:
             self.send_failures += 1
@@ -372,23 +420,32 @@ class Broker:
                 )
                 for g in groups
             ]
-            frames = [encode(t) for t in tasks]
-            keep = [i for i, (g, f) in enumerate(zip(groups, frames, strict=True))
-                    if not self._refuse_oversize(w.worker_id, f, "task", g)]  # roles: failed with the reason, counted
-            groups, tasks, frames = [groups[i] for i in keep], [tasks[i] for i in keep], [frames[i] for i in keep]
             if len(tasks) > 1 and Feature.TASK_BATCH in w.features:
+                # encoded once, as the batch: a batch within the worker's limits has every task within them
+                # (no frame larger, no header longer), so tasks are encoded one by one only when it is not
                 batch = encode(TaskBatch(tasks=tuple(tasks)))
-                sent = self._refuse_oversize(w.worker_id, batch, "task_batch") is False and self._send(self._w, w.identity, batch)
-                # a batch over the worker's limit goes out task by task instead
-                failed = [] if sent else [g for g, f in zip(groups, frames, strict=True) if not self._send(self._w, w.identity, f)]
+                if self._refuse_oversize(w.worker_id, batch, "task_batch") is False and self._send(self._w, w.identity, batch):
+                    continue
+                failed = self._send_one_by_one(w, groups, tasks)  # a batch over the worker's limit (or not sent) goes task by task
             else:
-                failed = [g for g, f in zip(groups, frames, strict=True) if not self._send(self._w, w.identity, f)]
+                failed = self._send_one_by_one(w, groups, tasks)
             if failed:
                 # it never left: hand the groups straight back (not the worker's fault, no attempt used)
                 self.state.nack(w, [g.task_id for g in failed], self._now, reason="send failed")
         t_sent = self.clock()
         for _w, g in pairs:
             g.dispatched_at = t_sent
+
+    def _send_one_by_one(self, w: WorkerInfo, groups: list[Group], tasks: list[Task]) -> list[Group]:
+        """Send each task alone; returns the groups whose task could not be sent (an oversize one is failed with the reason)."""
+        failed: list[Group] = []
+        for g, t in zip(groups, tasks, strict=True):
+            frames = encode(t)
+            if self._refuse_oversize(w.worker_id, frames, "task", g):  # roles: failed with the reason, counted
+                continue
+            if not self._send(self._w, w.identity, frames):
+                failed.append(g)
+        return failed
 
     def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
         """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
@@ -801,6 +858,7 @@ class Broker:
         c["protocol_errors"] = self.protocol_errors
         c["send_failures"] = self.send_failures
         c["pending_pulls"] = len(self._pulls)
+        c["coalesced_reads"] = self.coalesced_reads
         c.update(self.refusals.counters())
         c.update(self.sockets.counters())
         c["workers_listed"] = min(len(self.state.workers), _MAX_STATUS_WORKERS)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from rollpool.broker.config import BrokerConfig
-from rollpool.broker.service import Broker
+from rollpool.broker.service import Broker, tune_gc
 from rollpool.cli._service import run_service
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.metrics import MetricsSink
@@ -33,5 +33,6 @@ async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> No
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")  # ConfigError: exit 2 (rollpool.cli)
+    tune_gc()  # this process runs the broker alone
     asyncio.run(_serve(config, metrics))
     return 0

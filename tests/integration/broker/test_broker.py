@@ -214,3 +214,23 @@ async def test_stop_says_goodbye_to_workers_and_refuses_submits(start_broker) ->
     h.broker.stop()
     await h.wait_for(lambda: any(isinstance(m, p.Goodbye) for m in w.received))
     assert zmq is not None
+
+
+async def test_coalesced_reads_lose_nothing_and_the_socket_is_read_again(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """`coalesce_s`: a socket read again within the window is put off to its end (its reader removed meanwhile);
+    every message of the window is read then, and the socket keeps being read after it (reader back on)."""
+    h: Harness = await start_broker(coalesce_s=0.05)  # a long window: many reads fall inside one
+    workers = [await h.worker(f"w{i}", capacity=4) for i in range(3)]  # complete every task at once
+    c = await h.client()
+    replies = await asyncio.gather(*(c.submit([make_prompt(f"q{i}")]) for i in range(200)))  # one prompt per Submit, all at once
+    assert sorted(pid for r in replies for pid in r.accepted) == sorted(f"q{i}" for i in range(200))
+    got = await c.collect(200)
+    assert sorted(g.prompt_id for g in got) == sorted(f"q{i}" for i in range(200))  # each once
+    assert all(g.state == "done" for g in got)
+    assert h.broker.coalesced_reads > 0  # the window was used
+    reply = await c.submit([make_prompt("after")])  # read after the windows: the reader was put back
+    assert reply.accepted == ("after",)
+    assert [g.prompt_id for g in await c.collect(1)] == ["after"]
+    st = await c.status()
+    assert st.counters["duplicates"] == 0 and st.counters["completed"] == 201
+    assert sum(len(w.tasks) for w in workers) == 201  # dispatched once each
