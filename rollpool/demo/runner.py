@@ -157,20 +157,31 @@ class _Children:
             proc.wait(timeout=10)
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
-        for proc in self.procs.values():
+        """Stop every child in two stages, as `rollpool launch` does: the workers first (they drain, hand back
+        and say Goodbye while the broker still listens), the broker last. Each stage gets SIGTERM, then
+        ``timeout_s`` to exit, then SIGKILL of what is left. (All at once, the broker, with nothing leased,
+        closed before the workers' Goodbyes came: each worker's send failed after its 5 s send timeout.)"""
+        workers = [proc for name, proc in self.procs.items() if name != "broker"]
+        broker = [proc for name, proc in self.procs.items() if name == "broker"]
+        for stage in (workers, broker):
+            self._stop(stage, timeout_s)
+        for f in self._logs:
+            f.close()
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
+        for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
-        for f in self._logs:
-            f.close()
 
 
 def _progress(cfg: DemoConfig, msg: str) -> None:
