@@ -136,6 +136,16 @@ class DemoConfig:
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
+def demo_process_specs(broker_args: list[str], broker_env: dict[str, str],
+                       workers: list[tuple[str, list[str], dict[str, str]]]) -> list[ProcessSpec]:
+    """The demo's children: no restarts of their own, and two stop stages, as `rollpool launch` has: the workers
+    first (they drain, hand back and say Goodbye while the broker still listens), the broker last. (All at once, a
+    broker with nothing leased closed before the workers' Goodbyes came, and each worker's send failed after its
+    5 s send timeout.)"""
+    return [ProcessSpec("broker", tuple(broker_args), env=broker_env, restart=False, stop_stage=2),
+            *(ProcessSpec(name, tuple(args), env=env, restart=False) for name, args, env in workers)]
+
+
 def _progress(cfg: DemoConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, flush=True)
@@ -211,10 +221,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         def worker_env(i: int) -> dict[str, str]:
             return {**env, task.SLOW_ENV: str(cfg.slow_worker_s)} if i == 0 and cfg.slow_worker_s > 0 else env
 
-        # one stop stage (the demo has collected everything it needs when it stops them); no restarts of their own
-        specs = [ProcessSpec("broker", tuple(broker_args), env=env, restart=False),
-                 *(ProcessSpec(f"worker-{i}", tuple(worker_args(i)), env=worker_env(i), restart=False)
-                   for i in range(cfg.workers))]
+        specs = demo_process_specs(broker_args, env, [(f"worker-{i}", worker_args(i), worker_env(i)) for i in range(cfg.workers)])
         children = supervisor = SupervisorThread(Supervisor(specs, out_dir, stop_timeout_s=10.0, state_file=None,
                                                             label="rollpool demo"))
         supervisor.start()
