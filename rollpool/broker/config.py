@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 
 __all__ = ["BrokerConfig"]
-
-
-def _h(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass(frozen=True, slots=True)

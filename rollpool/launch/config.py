@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
 
+from rollpool.protocol.config import help_
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["LaunchWorker", "help_"]
-
-
-def help_(text: str) -> dict[str, Any]:
-    """Field metadata with a flag's help text."""
-    return {"help": text}
+__all__ = ["LaunchWorker"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass, field
 
 from rollpool.launch.config import LaunchWorker
-from rollpool.launch.config import help_ as _h
 from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor
+from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 
 __all__ = ["LocalLaunchConfig", "local_process_specs", "local_supervisor", "run_local"]

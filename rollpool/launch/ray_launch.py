@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.launch.config import LaunchWorker
-from rollpool.launch.config import help_ as _h
 from rollpool.launch.policy import RestartPolicy, RestartTracker
+from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 
 __all__ = ["RayLaunchConfig", "RayLauncher", "run_ray", "worker_command"]

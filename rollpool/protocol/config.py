@@ -29,13 +29,18 @@ from typing import Any, TypeVar, Union
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["add_config_arguments", "load_config", "parse_value"]
+__all__ = ["add_config_arguments", "help_", "load_config", "parse_value"]
 
 C = TypeVar("C")
 
 log = logging.getLogger(__name__)
 
 _SKIP = "cli"  # field(metadata={"cli": False}) keeps a field off the command line
+
+
+def help_(text: str) -> dict[str, Any]:
+    """Field metadata with a flag's help text (what `add_config_arguments` shows for the field)."""
+    return {"help": text}
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:

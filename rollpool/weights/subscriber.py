@@ -628,6 +628,16 @@ class WeightSubscriber:
                 self._ipc_open.pop(next(iter(self._ipc_open)))
         return t
 
+    def _bucket_failed(self, version: int, i: int, failures: list[int], path: str, where: str, what: str) -> None:
+        """One failed checksum of bucket `i` on a same-host path: counted, logged, evented; past `max_refetch` the
+        version is refused whole (raises)."""
+        failures[i] += 1
+        self.buckets_refetched += 1
+        log.warning("weight version %d: bucket %d %s failed its checksum (attempt %d)", version, i, where, failures[i])
+        self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": version, "bucket": i, "path": path})
+        if failures[i] > self.max_refetch:
+            raise WeightSyncError(f"weight version {version}: bucket {i} failed its checksum {failures[i]} times ({what})")
+
     async def _fetch_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
         """Copy each bucket device-to-device out of the publisher's buffer into our own, and verify the GPU checksum
         of our copy (the bytes the engine loads). A bad bucket is copied again after the manifest is asked for again
@@ -654,12 +664,7 @@ class WeightSubscriber:
                         if on_bucket is not None:
                             on_bucket(i, unpack_bucket(manifest.buckets[i], buffers[i]))
                 for i in bad:
-                    failures[i] += 1
-                    self.buckets_refetched += 1
-                    log.warning("weight version %d: bucket %d from the GPU buffer failed its checksum (attempt %d)", manifest.version, i, failures[i])
-                    self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "cuda_ipc"})
-                    if failures[i] > self.max_refetch:
-                        raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (CUDA IPC)")
+                    self._bucket_failed(manifest.version, i, failures, "cuda_ipc", "from the GPU buffer", "CUDA IPC")
                 if bad:
                     await self.fetch_manifest(manifest.version, wait_ipc=True)  # still served? (gone: the caller moves on)
                 todo = bad
@@ -730,12 +735,7 @@ class WeightSubscriber:
                         if on_bucket is not None:
                             on_bucket(i, unpack_bucket(info, buffers[i]))
                         return
-                    failures[i] += 1
-                    self.buckets_refetched += 1
-                    log.warning("weight version %d: bucket %d from shared memory failed its checksum (attempt %d)", manifest.version, i, failures[i])
-                    self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "shm"})
-                    if failures[i] > self.max_refetch:
-                        raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (shared memory)")
+                    self._bucket_failed(manifest.version, i, failures, "shm", "from shared memory", "shared memory")
 
             results = await asyncio.gather(*(one(i) for i in range(len(readers))), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -855,12 +855,7 @@ class WeightSubscriber:
             if on_bucket is not None:
                 on_bucket(i, unpack_bucket(info, buffer))
             return True
-        failures[i] += 1
-        self.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d staged from shared memory failed its GPU checksum (attempt %d)", manifest.version, i, failures[i])
-        self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": manifest.version, "bucket": i, "path": "shm_device"})
-        if failures[i] > self.max_refetch:
-            raise WeightSyncError(f"weight version {manifest.version}: bucket {i} failed its checksum {failures[i]} times (shared memory staged to the GPU)")
+        self._bucket_failed(manifest.version, i, failures, "shm_device", "staged from shared memory", "shared memory staged to the GPU")
         return False
 
     def _reader(self, name: str, nbytes: int, register: bool = False) -> ShmReader:

@@ -16,16 +16,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import ApplyMode
 from rollpool.workers.engines.options import OPTIONS_BY_ENGINE, parse_options, split_options
 
 __all__ = ["WorkerConfig", "parse_engine_options"]
 
-
-
-def _h(text: str) -> dict[str, Any]:
-    return {"help": text}
 
 
 @dataclass(frozen=True, slots=True)
