@@ -391,6 +391,10 @@ class BufferPool:
     def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
         return self._segments.get(buf.data_ptr()) if buf.numel() else None
 
+    def segments(self) -> list[ShmBuffer]:
+        """Every segment this pool holds now (free or in use)."""
+        return list(self._segments.values())
+
     def take(self, nbytes: int, *, ok: Any = None) -> torch.Tensor:
         """A buffer of exactly `nbytes`: a free one (for which `ok(buf)` holds), else a fresh one."""
         free = self._free.get(nbytes)
