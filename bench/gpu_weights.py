@@ -357,8 +357,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         opts += ',server_args={"disable_cuda_graph":true}'
     # the worker's ZeroMQ context gets one I/O thread per stream from ROLLPOOL_WEIGHT_STREAMS (rollpool.weights.config.weight_io_threads)
     wenv = {"ROLLPOOL_WEIGHT_PATH": "auto", "ROLLPOOL_WEIGHT_STREAMS": str(args.streams),
-            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes),  # the worker reserves its 2 page-locked versions at start
-            "ROLLPOOL_WEIGHT_SHM_TO_DEVICE": "1"}  # the shm row measures the segment-to-GPU staging (opt-in in the worker)
+            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
+    if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)
+        wenv["ROLLPOOL_WEIGHT_SHM_TO_DEVICE"] = "0"
+    t_spawn = time.time()
     worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
                      "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
     zctx = zmq.asyncio.Context(io_threads=args.streams)
@@ -386,6 +388,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 raise RuntimeError("the sglang worker never joined")
             await asyncio.sleep(0.2)
         RESULT["worker_join_s"] = round(time.time() - t0, 1)
+        RESULT["worker_spawned_before_join_s"] = round(time.time() - t_spawn, 1)
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
         v, last_rx, last_ipc, last_dev = 0, 0, 0, 0
@@ -466,6 +469,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 save()
                 await asyncio.sleep(0.3)
     finally:
+        with contextlib.suppress(Exception):
+            text = worker_log.read_text(errors="replace")
+            RESULT["worker_hello_required"] = text.count("hello_required")  # the broker forgot the worker (its loop stalled)
+            RESULT["worker_segments_registered"] = _json_lines_all(worker_log, "weight segments registered ")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 10)
         _stop(worker)
@@ -622,6 +629,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk size (the network path's Fetch replies; at most 16)")
+    ap.add_argument("--shm-cpu-copy", action="store_true", help="the worker's shm path copies on the CPU (ROLLPOOL_WEIGHT_SHM_TO_DEVICE=0)")
     ap.add_argument("--no-cuda-graph", action="store_true", help="SGLang without CUDA graphs in the worker and the peer (a shorter start)")
     ap.add_argument("--register-wait-s", type=float, default=90.0,
                     help="before a shm row: wait at most this long for the worker's segments registered ahead")
