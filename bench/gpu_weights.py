@@ -413,8 +413,11 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 want = len(pub._server.shm_reserved)
                 while time.time() - t < args.register_wait_s:
                     lines = [d for d in _json_lines_all(worker_log, "weight segments registered ") if d.get("segments") == want]
-                    if lines and lines[-1].get("registered", 0) >= want:
+                    # and the worker's own start-up reserve (page-locking its host buffers holds it up: it must not meet v1)
+                    reserved = _json_lines_all(worker_log, "weights reserved ")
+                    if lines and lines[-1].get("registered", 0) >= want and reserved:
                         stage[name]["worker_registered_ahead"] = lines[-1]
+                        stage[name]["worker_reserved"] = reserved[-1]
                         break
                     await asyncio.sleep(0.2)
                 stage[name]["register_wait_s"] = round(time.time() - t, 2)

@@ -354,20 +354,8 @@ def _cuda_register(t: torch.Tensor, flags: int = 0) -> bool:
 
 
 def _cuda_unregister(t: torch.Tensor) -> None:
-    _cuda_unregister_ptr(t.data_ptr())
-
-
-def _cuda_unregister_ptr(ptr: int) -> None:
     with contextlib.suppress(Exception):
-        torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
-
-
-REGISTER_FROM_BYTES = 1 << 30
-"""Page-locked host buffers at least this large are ordinary memory registered with CUDA piece by piece
-(`REGISTER_PIECE_BYTES` per call) instead of one ``cudaHostAlloc``: page-locking runs at about 2.5 GB/s, and one call
-for a whole 14.5 GB version stalled the worker's event loop for the whole of it (18 s, its heartbeats missed: the broker
-answered ``hello_required``); piece by piece, other threads run between the calls."""
-REGISTER_PIECE_BYTES = 256 * 1024 * 1024
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
 
 
 # --------------------------------------------------------------------------- the pool
@@ -399,10 +387,6 @@ class BufferPool:
         self.allocations = 0
         """Buffers made fresh (a warm pool makes none)."""
         self.unpinned_over_budget = 0
-        self.register_from_bytes = REGISTER_FROM_BYTES
-        self.register_piece_bytes = REGISTER_PIECE_BYTES
-        self._pieces: dict[int, list[int]] = {}
-        """A host buffer page-locked piece by piece (its data_ptr) -> the registered pieces' addresses."""
 
     def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
         return self._segments.get(buf.data_ptr()) if buf.numel() else None
@@ -465,10 +449,6 @@ class BufferPool:
         for seg in list(self._segments.values()):
             seg.close()
         self._segments.clear()
-        for pieces in self._pieces.values():
-            for ptr in pieces:
-                _cuda_unregister_ptr(ptr)
-        self._pieces.clear()
         self._free.clear()
 
     def _new(self, nbytes: int) -> torch.Tensor:
@@ -486,39 +466,14 @@ class BufferPool:
             if nbytes:
                 self._segments[seg.data.data_ptr()] = seg
             return seg.data
-        if want_pin and nbytes >= self.register_from_bytes:
-            got = self._registered(nbytes)
-            if got is not None:
-                self.pinned_bytes += nbytes
-                return got
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=want_pin)
         if want_pin:
             self.pinned_bytes += nbytes
-        return buf
-
-    def _registered(self, nbytes: int) -> torch.Tensor | None:
-        """Ordinary memory page-locked piece by piece (see `REGISTER_FROM_BYTES`); None where CUDA refuses a piece."""
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        done: list[int] = []
-        for off in range(0, nbytes, self.register_piece_bytes):
-            piece = buf[off : off + self.register_piece_bytes]
-            if not _cuda_register(piece):
-                for ptr in done:
-                    _cuda_unregister_ptr(ptr)
-                log.warning("page-locking a %d-byte host buffer piece by piece failed; allocating it page-locked at once", nbytes)
-                return None
-            done.append(piece.data_ptr())
-        self._pieces[buf.data_ptr()] = done
         return buf
 
     def _drop(self, buf: torch.Tensor) -> None:
         seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
         if seg is not None:
             seg.close()
-        pieces = self._pieces.pop(buf.data_ptr(), None) if buf.numel() else None
-        if pieces is not None:
-            for ptr in pieces:  # before the memory can go back to the allocator
-                _cuda_unregister_ptr(ptr)
-            self.pinned_bytes -= int(buf.numel())
-        elif buf.is_pinned():
+        if buf.is_pinned():
             self.pinned_bytes -= int(buf.numel())

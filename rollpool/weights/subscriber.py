@@ -530,11 +530,16 @@ class WeightSubscriber:
             from rollpool.weights.publisher import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
+        t0 = time.perf_counter()
+        if self.stage_device is not None:
+            # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first
+            # version (first: it is quick, and those paths do not wait for the host buffers below)
+            self.reserve_device(total_bytes, self.stage_device, versions)
         self._pool.reserve([total_bytes] * versions)
         self._reserved_versions = max(self._reserved_versions, versions)
-        if self.stage_device is not None:
-            # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first version
-            self.reserve_device(total_bytes, self.stage_device, versions)
+        log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self._pool.pinned_bytes,
+                                                    "device": str(self.stage_device), "seconds": round(time.perf_counter() - t0, 3),
+                                                    "at": time.time()}))
         return total_bytes * versions
 
     def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:

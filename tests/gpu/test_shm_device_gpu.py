@@ -175,8 +175,6 @@ async def _run() -> dict[str, Any]:
         good = await ask(4)
         assert good["ok"] and good["path"] == "shm" and good["sums"] == want and good["fallbacks"] == {}, good
         report["restored"] = {k: good[k] for k in ("ok", "path")}
-        report["page_locking"] = await _probe_page_locking()
-        assert report["page_locking"]["piecewise"]["boundary_copy_ok"], report["page_locking"]
     finally:
         if child.stdin is not None:
             child.stdin.write(b"\n")
@@ -189,65 +187,6 @@ async def _run() -> dict[str, Any]:
         await pub.close()
         ctx.destroy(linger=0)
     return report
-
-
-async def _probe_page_locking(nbytes: int = 2 << 30) -> dict[str, Any]:
-    """How long this process's event loop stalls while `nbytes` are page-locked in a thread, at once (torch's
-    ``pin_memory``: cudaHostAlloc) and piece by piece (`BufferPool` from `REGISTER_FROM_BYTES`), and how fast each copies to
-    the GPU (a copy across a piece boundary included). Reported, not asserted (timings)."""
-    import torch
-
-    from rollpool.weights.memory import BufferPool
-
-    loop = asyncio.get_running_loop()
-    out: dict[str, Any] = {"bytes": nbytes}
-
-    async def gap_during(fn: Any) -> tuple[Any, float, float]:
-        gaps: list[float] = []
-        stop = False
-
-        async def tick() -> None:
-            last = loop.time()
-            while not stop:
-                await asyncio.sleep(0.005)
-                now = loop.time()
-                gaps.append(now - last)
-                last = now
-
-        t = asyncio.ensure_future(tick())
-        t0 = time.perf_counter()
-        got = await asyncio.to_thread(fn)
-        took = time.perf_counter() - t0
-        stop = True
-        await t
-        return got, took, max(gaps, default=0.0)
-
-    def h2d_gbps(src: torch.Tensor) -> float:
-        dst = torch.empty(src.numel(), dtype=torch.uint8, device="cuda")
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return round(src.numel() / (time.perf_counter() - t0) / 1e9, 2)
-
-    pinned, took, gap = await gap_during(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-    out["at_once"] = {"s": round(took, 3), "max_loop_gap_s": round(gap, 4), "h2d_gbps": h2d_gbps(pinned)}
-    del pinned
-    pool = BufferPool(kind="host", pin=True)
-    bufs, took, gap = await gap_during(lambda: pool.reserve([nbytes]))
-    buf = bufs[0]
-    buf[: 1 << 20].fill_(7)
-    edge = pool.register_piece_bytes - 4096  # a copy across a piece boundary: the right bytes on the device
-    buf[edge : edge + 8192] = torch.arange(8192, dtype=torch.int64).remainder(251).to(torch.uint8)
-    dev = buf[edge : edge + 8192].to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
-    out["piecewise"] = {"s": round(took, 3), "max_loop_gap_s": round(gap, 4), "h2d_gbps": h2d_gbps(buf), "is_pinned": bool(buf.is_pinned()),
-                        "pieces": len(pool._pieces.get(buf.data_ptr(), [])),
-                        "boundary_copy_ok": bool(torch.equal(dev.cpu(), buf[edge : edge + 8192]))}
-    del bufs, buf
-    pool.close()
-    return out
 
 
 def segment_bytes(name: str, nbytes: int) -> bytes:
