@@ -14,12 +14,15 @@ processes, on one engine start; the trainer's tensors live on the GPU (every ver
 tensors). Paths, each for ``--versions`` (>= 6) versions:
 
 - ``tcp``: the publisher offers no segments (``set_path("network")``), so the worker fetches over
-  ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (4) and the context's I/O threads (4);
+  ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (``--streams``, 4 by default) and as many I/O threads in
+  both processes' contexts (the worker's from ``rollpool.weights.config.weight_io_threads``), ``--chunk-mib`` chunks;
 - ``shm``: the publisher's buckets are shared-memory segments (page-locked by cudaHostRegister);
   the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered).
   Since protocol minor 10 the publisher also publishes a mix64 of each bucket's host bytes (summed on its GPU as
-  it copies), and the worker, whose SGLang engine stages to CUDA, registers each segment once when it maps it,
-  copies each bucket host-to-device straight from the segment and verifies the mix64 of its device copy on the GPU
+  it copies), and the worker, whose SGLang engine stages to CUDA (its default; ``--shm-cpu-copy`` turns it off), maps
+  and registers the publisher's segments ahead of the first version (minor 11: the manifests name them; the row waits,
+  bounded by ``--register-wait-s``, for its ``weight segments registered`` and ``weights reserved`` lines), copies each
+  bucket host-to-device straight from the segment and verifies the mix64 of its device copy on the GPU
   (``staged_to`` in the row; a counted fallback to the CPU copy + checksum otherwise);
 - ``cuda_ipc``: the publisher on ``auto``: the worker's hello named the GPU it sees, so the publisher snapshots
   the CUDA tensors device-to-device into an exported arena and the worker (on ``auto``) copies from it
