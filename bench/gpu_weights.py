@@ -14,12 +14,15 @@ processes, on one engine start; the trainer's tensors live on the GPU (every ver
 tensors). Paths, each for ``--versions`` (>= 6) versions:
 
 - ``tcp``: the publisher offers no segments (``set_path("network")``), so the worker fetches over
-  ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (4) and the context's I/O threads (4);
+  ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (``--streams``, 4 by default) and as many I/O threads in
+  both processes' contexts (the worker's from ``rollpool.weights.config.weight_io_threads``), ``--chunk-mib`` chunks;
 - ``shm``: the publisher's buckets are shared-memory segments (page-locked by cudaHostRegister);
   the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered).
   Since protocol minor 10 the publisher also publishes a mix64 of each bucket's host bytes (summed on its GPU as
-  it copies), and the worker, whose SGLang engine stages to CUDA, registers each segment once when it maps it,
-  copies each bucket host-to-device straight from the segment and verifies the mix64 of its device copy on the GPU
+  it copies), and the worker, whose SGLang engine stages to CUDA (its default; ``--shm-cpu-copy`` turns it off), maps
+  and registers the publisher's segments ahead of the first version (minor 11: the manifests name them; the row waits,
+  bounded by ``--register-wait-s``, for its ``weight segments registered`` and ``weights reserved`` lines), copies each
+  bucket host-to-device straight from the segment and verifies the mix64 of its device copy on the GPU
   (``staged_to`` in the row; a counted fallback to the CPU copy + checksum otherwise);
 - ``cuda_ipc``: the publisher on ``auto``: the worker's hello named the GPU it sees, so the publisher snapshots
   the CUDA tensors device-to-device into an exported arena and the worker (on ``auto``) copies from it
@@ -287,6 +290,15 @@ def _json_lines(log_path: Path, marker: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _json_lines_all(log_path: Path, marker: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if marker in line:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line[line.index(marker) + len(marker):]))
+    return out
+
+
 def _port() -> int:
     import socket
 
@@ -344,15 +356,20 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     OUT / "broker.log")
     worker_log = OUT / "worker.log"
     opts = f"port={sg_port},capacity={args.capacity},mem_fraction_static={args.mem_fraction},log_dir={OUT},context_length=2048"
+    if args.no_cuda_graph:  # a shorter engine start (no graph capture); the weight path is the same (weights update in place)
+        opts += ',server_args={"disable_cuda_graph":true}'
+    # the worker's ZeroMQ context gets one I/O thread per stream from ROLLPOOL_WEIGHT_STREAMS (rollpool.weights.config.weight_io_threads)
     wenv = {"ROLLPOOL_WEIGHT_PATH": "auto", "ROLLPOOL_WEIGHT_STREAMS": str(args.streams),
-            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes),  # the worker reserves its 2 page-locked versions at start
-            "ROLLPOOL_WEIGHT_SHM_TO_DEVICE": "1"}  # the shm row measures the segment-to-GPU staging (opt-in in the worker)
+            "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
+    if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)
+        wenv["ROLLPOOL_WEIGHT_SHM_TO_DEVICE"] = "0"
+    t_spawn = time.time()
     worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
                      "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
     zctx = zmq.asyncio.Context(io_threads=args.streams)
     sd_cuda = load_on(model, "cuda")
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{_port()}", pub_endpoint=f"tcp://127.0.0.1:{_port()}",
-                          keep_versions=2, bucket_bytes=args.bucket_mib * _MiB, path="auto", pool="bench")
+                          keep_versions=2, bucket_bytes=args.bucket_mib * _MiB, chunk_bytes=args.chunk_mib * _MiB, path="auto", pool="bench")
     t = time.time()
     pub.reserve({k: v for k, v in sd_cuda.items()})
     RESULT["publisher_reserve_s"] = round(time.time() - t, 2)
@@ -374,10 +391,12 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 raise RuntimeError("the sglang worker never joined")
             await asyncio.sleep(0.2)
         RESULT["worker_join_s"] = round(time.time() - t0, 1)
+        RESULT["worker_spawned_before_join_s"] = round(time.time() - t_spawn, 1)
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
         v, last_rx, last_ipc, last_dev = 0, 0, 0, 0
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
+        t_joined = time.time()
         for path, on in rows:
             name = f"{path}_{on}"
             recs: list[dict[str, Any]] = []
@@ -390,6 +409,23 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
                 stage[name]["reserve_s"] = round(time.time() - t, 2)
             last_kind, last_on = kind, on
+            if path == "shm":
+                # the worker maps and page-locks the publisher's segments ahead (minor 11), in a thread, from the moment a
+                # manifest names them: wait for that before the row's first version (bounded), and say how long it took
+                t = time.time()
+                want = len(pub._server.shm_reserved)
+                while time.time() - t < args.register_wait_s:
+                    lines = [d for d in _json_lines_all(worker_log, "weight segments registered ") if d.get("segments") == want]
+                    # and the worker's own start-up reserve (page-locking its host buffers holds it up: it must not meet v1)
+                    reserved = _json_lines_all(worker_log, "weights reserved ")
+                    if lines and lines[-1].get("registered", 0) >= want and reserved:
+                        stage[name]["worker_registered_ahead"] = lines[-1]
+                        stage[name]["worker_reserved"] = reserved[-1]
+                        break
+                    await asyncio.sleep(0.2)
+                stage[name]["register_wait_s"] = round(time.time() - t, 2)
+                stage[name]["registered_after_join_s"] = round(time.time() - t_joined, 2)
+                note(f"{name}: worker registered {want} segments ahead; waited {stage[name]['register_wait_s']} s")
             for _ in range(args.versions):
                 v += 1
                 want = expected_checksums(sd, args.bucket_mib * _MiB)
@@ -440,6 +476,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 await asyncio.sleep(0.3)
     finally:
         with contextlib.suppress(Exception):
+            text = worker_log.read_text(errors="replace")
+            RESULT["worker_hello_required"] = text.count("hello_required")  # the broker forgot the worker (its loop stalled)
+            RESULT["worker_segments_registered"] = _json_lines_all(worker_log, "weight segments registered ")
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 10)
         _stop(worker)
         _stop(broker)
@@ -458,7 +498,8 @@ from safetensors.torch import load_file
 import sglang
 model, out = sys.argv[1], sys.argv[2]
 eng = sglang.Engine(model_path=model, mem_fraction_static=0.5, random_seed=0, context_length=2048, log_level="warning",
-                    attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
+                    attention_backend="triton", sampling_backend="pytorch", grammar_backend="none",
+                    disable_cuda_graph=len(sys.argv) > 3 and sys.argv[3] == "nograph")
 res = {"disk": [], "tensor": []}
 for _ in range(3):
     t = time.time(); ok = eng.update_weights_from_disk(model); res["disk"].append(time.time() - t)
@@ -475,10 +516,10 @@ eng.shutdown()
 """
 
 
-def peers_stage(model: Path, timeout_s: int) -> None:
+def peers_stage(model: Path, timeout_s: int, no_cuda_graph: bool = False) -> None:
     out = OUT / "peers.json"
     try:
-        subprocess.run([sys.executable, "-c", _PEER_CODE, str(model), str(out)], cwd=ROOT, timeout=timeout_s, check=True,
+        subprocess.run([sys.executable, "-c", _PEER_CODE, str(model), str(out), "nograph" if no_cuda_graph else "graph"], cwd=ROOT, timeout=timeout_s, check=True,
                        stdout=(OUT / "peers.log").open("ab"), stderr=subprocess.STDOUT)
         res = json.loads(out.read_text())
         RESULT["disk_peer_runs_s"] = [round(x, 3) for x in res["disk"]]
@@ -548,6 +589,10 @@ def summarize() -> None:
     if host and raw and pause is not None and host > pause:
         eff = model_bytes / (host - pause) / 1e9
         goals["transfer_efficiency_vs_raw"] = {"value": round(eff / raw, 3), "goal": ">= 0.7", "met": eff / raw >= 0.7}
+    raw_n = {k: v for k, v in RESULT.items() if k.startswith("raw_tcp_") and k.endswith("stream_gbps") and k != "raw_tcp_4stream_gbps"}
+    for k, v in raw_n.items():
+        if host and v and pause is not None and host > pause:
+            RESULT["transfer_efficiency_vs_" + k] = round(model_bytes / (host - pause) / 1e9 / v, 3)
     if RESULT["shm_path_s"] is not None:
         goals["shm_path_s"] = {"value": RESULT["shm_path_s"], "goal": "<= 0.5", "met": RESULT["shm_path_s"] <= 0.5}
     if RESULT["same_gpu_ipc_s"] is not None:
@@ -573,6 +618,8 @@ HOW = {
     "disk_peer_s": "a child process's sglang.Engine on the same model file: update_weights_from_disk, page cache warm, median of 3",
     "cuda_ipc_limit_s": "the same engine: update_weights_from_tensor of CUDA tensors in process, median of 3",
     "raw_tcp_4stream_gbps": "pyzmq PUSH -> PULL, 4 tcp connections, 4 I/O threads each side, 4 MiB frames copied by the receiver, 8 GiB",
+    "raw_tcp_Nstream_gbps": "the same probe with --streams connections and I/O threads each side (when not 4), in the same run",
+    "register_wait_s": "shm rows: how long the bench waited, before the row's first version, for the worker's 'weight segments registered' line naming every publisher segment (mapped and page-locked ahead, minor 11)",
     "torn_snapshot": "every bucket's xxh3_64 computed from the trainer's tensors before publish_weights vs the published manifest after the optimizer step",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
@@ -587,6 +634,11 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=6)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk size (the network path's Fetch replies; at most 16)")
+    ap.add_argument("--shm-cpu-copy", action="store_true", help="the worker's shm path copies on the CPU (ROLLPOOL_WEIGHT_SHM_TO_DEVICE=0)")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="SGLang without CUDA graphs in the worker and the peer (a shorter start)")
+    ap.add_argument("--register-wait-s", type=float, default=90.0,
+                    help="before a shm row: wait at most this long for the worker's segments registered ahead")
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--mem-fraction", type=float, default=0.3,
                     help="SGLang's static share of GPU memory (the trainer's model, 2 arenas and the worker's 2 device versions share the GPU)")
@@ -619,19 +671,25 @@ def main() -> int:
     if not args.skip_raw:
         note("raw tcp probe")
         try:
-            RESULT["raw_tcp_4stream_gbps"] = raw_tcp_gbps(args.streams)
-            note(f"raw tcp x{args.streams}: {RESULT['raw_tcp_4stream_gbps']} GB/s")
+            RESULT["raw_tcp_4stream_gbps"] = raw_tcp_gbps(4)
+            note(f"raw tcp x4: {RESULT['raw_tcp_4stream_gbps']} GB/s")
+            if args.streams != 4:
+                RESULT[f"raw_tcp_{args.streams}stream_gbps"] = raw_tcp_gbps(args.streams)
+                note(f"raw tcp x{args.streams}: {RESULT[f'raw_tcp_{args.streams}stream_gbps']} GB/s")
         except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
             RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
         save()
     rows = [("tcp", "cuda"), ("shm", "cuda"), ("cuda_ipc", "cuda")]
     if args.run == "1p4":
         rows += [("tcp", "cpu"), ("shm", "cpu")]
-    if args.rows:
-        rows = [r for r in rows if f"{r[0]}_{r[1]}" in args.rows.split(",")]
+    if args.rows:  # the rows named, in the order named
+        by_name = {f"{r[0]}_{r[1]}": r for r in rows}
+        rows = [by_name[n] for n in args.rows.split(",") if n in by_name]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")
-        peers_stage(model, args.peers_timeout_s)
+        t = time.time()
+        peers_stage(model, args.peers_timeout_s, args.no_cuda_graph)
+        RESULT["peers_stage_s"] = round(time.time() - t, 1)
         note(f"peers: disk {RESULT.get('disk_peer_s')} s, cuda ipc limit {RESULT.get('cuda_ipc_limit_s')} s {RESULT.get('peers_error', '')}")
     try:
         asyncio.run(pool_stage(model, model_bytes, args, rows))

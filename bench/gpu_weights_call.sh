@@ -1,14 +1,22 @@
 #!/bin/bash
-# One device call (issue 23, this round), from the checkout root after the kit install: the GPU test of the same-GPU
-# path, then bench/gpu_weights.py --run RUN (default 8b: every path, both peers); what matters is copied to $OUT.
+# One device call (issue 23), from the checkout root after the kit install: the GPU tests of the weight paths (each
+# timeout-wrapped), then bench/gpu_weights.py --run RUN [options], its --deadline-s what is left of BUDGET seconds
+# (give BUDGET as the call's limit less what the install took, less a margin); what matters is copied to $OUT.
+#   bash bench/gpu_weights_call.sh 8b 540 --rows shm_cuda,tcp_cuda --streams 8 --chunk-mib 8 --no-cuda-graph
 set -u
-RUN=${1:-8b}; DEADLINE=${2:-480}; shift 2 || true
-timeout 90 python3 tests/gpu/test_cuda_ipc_gpu.py > $OUT/gputest.log 2>&1; echo "gpu test rc=$?"
-tail -c 2500 $OUT/gputest.log
-W=/tmp/bench-$RUN; mkdir -p $W
-timeout $((DEADLINE + 20)) python3 bench/gpu_weights.py --run $RUN --out $W --deadline-s $DEADLINE "$@" > $OUT/bench-$RUN.log 2>&1
-echo "bench rc=$?"; tail -c 6000 $OUT/bench-$RUN.log
-cp $W/h200-weights-$RUN.json $OUT/ 2>/dev/null
-grep -E "weights fetched|sglang apply|fallback|Traceback|Error|rror:" $W/worker.log | tail -c 3000000 > $OUT/worker-$RUN.log
-tail -c 40000 $W/worker.log > $OUT/worker-tail-$RUN.log
-tail -c 20000 $W/peers.log > $OUT/peers-$RUN.log 2>/dev/null
+RUN=${1:-8b}; BUDGET=${2:-540}; shift 2 || true
+for t in tests/gpu/test_shm_device_gpu.py tests/gpu/test_cuda_ipc_gpu.py; do
+  n=$(basename "$t" .py); s=$SECONDS
+  timeout 110 python3 "$t" > "$OUT/$n.log" 2>&1; echo "$n rc=$? in $((SECONDS - s)) s"
+  tail -c 1800 "$OUT/$n.log"; echo
+done
+DEADLINE=$((BUDGET - SECONDS - 25))
+echo "bench deadline ${DEADLINE} s"
+W=/tmp/bench-$RUN; mkdir -p "$W"
+timeout $((DEADLINE + 15)) python3 bench/gpu_weights.py --run "$RUN" --out "$W" --deadline-s "$DEADLINE" "$@" > "$OUT/bench-$RUN.log" 2>&1
+echo "bench rc=$?"; tail -c 5000 "$OUT/bench-$RUN.log"
+cp "$W/h200-weights-$RUN.json" "$OUT/" 2>/dev/null
+grep -E "weights fetched|weight segments registered|sglang apply|fallback|Traceback|Error|rror:|hello_required|joined|engine" "$W/worker.log" | tail -c 2000000 > "$OUT/worker-$RUN.log"
+tail -c 40000 "$W/worker.log" > "$OUT/worker-tail-$RUN.log"
+head -c 40000 "$W/worker.log" > "$OUT/worker-head-$RUN.log"
+tail -c 20000 "$W/peers.log" > "$OUT/peers-$RUN.log" 2>/dev/null

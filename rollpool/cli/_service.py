@@ -27,10 +27,11 @@ class Service(Protocol):
 
 
 async def run_service(make: Callable[[SocketFactory], Service], *, curve_dir: str | None, role: str | None = None,
-                      metrics: MetricsSink | None = None, reload_keys_on_hup: bool = True) -> None:
+                      metrics: MetricsSink | None = None, reload_keys_on_hup: bool = True, io_threads: int = 1) -> None:
+    """`io_threads`: the ZeroMQ context's I/O threads (a worker or relay fetching weights over several streams wants one per stream)."""
     import zmq.asyncio
 
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.asyncio.Context(io_threads=max(1, io_threads))
     sockets = SocketFactory(ctx, security=SecurityConfig.from_dir(curve_dir, role=role))
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []

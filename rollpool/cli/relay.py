@@ -45,7 +45,7 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
         metrics=metrics,
         path=config.weight_path,
         streams=config.streams,
-    ), curve_dir=config.curve_dir, role="relay", metrics=metrics)
+    ), curve_dir=config.curve_dir, role="relay", metrics=metrics, io_threads=config.streams)
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:

@@ -81,7 +81,8 @@ PROTOCOL_MAJOR = 1
 #   1.9  the same-GPU weight path: Manifest.cuda_ipc (CudaIpcBuffer), BucketInfo.ipc_offset / ipc_checksum,
 #        ManifestRequest.gpu_uuids / wait_ipc
 #   1.10 the shared-memory path staged to a GPU: BucketInfo.host_mix64 (mix64 of the bucket's host bytes)
-PROTOCOL_MINOR = 10
+#   1.11 the publisher's segments named before its first version: Manifest.shm_reserved (ShmSegment), Announce.shm_generation
+PROTOCOL_MINOR = 11
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -56,6 +56,7 @@ __all__ = [
     "TensorInfo",
     "BucketInfo",
     "CudaIpcBuffer",
+    "ShmSegment",
     # group terminal states and finish reasons
     "GroupState",
     "FinishReason",
@@ -360,6 +361,16 @@ class BucketInfo:
     """Same-host path staged to a GPU (minor 10): ``"mix64:<hex>"`` of the bucket's host bytes (its `shm_segment`), so a
     subscriber that copies the segment host-to-device verifies its device copy on its GPU (``""``: pending or none;
     set once the bucket's bytes have landed in the segment)."""
+
+
+@record
+class ShmSegment:
+    """One shared-memory segment a publisher holds (minor 11): a worker that stages from shared memory to its GPU maps
+    and page-locks it before the first version that uses it."""
+
+    name: str
+    nbytes: int
+    """The bucket bytes it holds (after its 4 KiB header)."""
 
 
 @record
@@ -771,6 +782,9 @@ class Announce:
     publisher_id: str
     total_bytes: int
     num_buckets: int
+    shm_generation: int = 0
+    """Bumped whenever the publisher's set of shared-memory segments changes (minor 11): a subscriber that registers
+    them ahead of use asks for the manifest again (`Manifest.shm_reserved`) when it sees a new value."""
 
 
 @message("manifest_request")
@@ -805,6 +819,10 @@ class Manifest:
     """The pool the publisher serves (segment names carry it)."""
     cuda_ipc: CudaIpcBuffer | None = None
     """Same-GPU path (minor 9): the device buffer holding every bucket (at `BucketInfo.ipc_offset`)."""
+    shm_reserved: tuple[ShmSegment, ...] = ()
+    """Every shared-memory segment the publisher holds now, served or reserved (minor 11; on every manifest, the empty
+    version -1 one included, with `host_key` set), so a worker staging to its GPU maps and page-locks them before the
+    first version that uses them. Empty from a relay, a publisher without segments, or one of minor 10 or older."""
 
 
 @message("fetch")

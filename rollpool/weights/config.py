@@ -37,6 +37,16 @@ def default_streams() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
+def weight_io_threads(streams: int = 0) -> int:
+    """ZeroMQ I/O threads for a process whose subscriber spreads its fetches over `streams` sockets (0: as the subscriber
+    picks them: ``ROLLPOOL_WEIGHT_STREAMS``, else `default_streams`): one per stream, so the streams use as many cores
+    (a context's default is one I/O thread for all of its sockets)."""
+    if not streams:
+        text = os.environ.get("ROLLPOOL_WEIGHT_STREAMS", "").strip()
+        streams = int(text) if text.isdigit() else default_streams()
+    return max(1, min(16, streams))
+
+
 def default_copy_threads() -> int:
     """Threads that copy or checksum buckets: up to 8, leaving a core to the event loop where there are few."""
     n = os.cpu_count() or 1

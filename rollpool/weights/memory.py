@@ -391,6 +391,10 @@ class BufferPool:
     def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
         return self._segments.get(buf.data_ptr()) if buf.numel() else None
 
+    def segments(self) -> list[ShmBuffer]:
+        """Every segment this pool holds now (free or in use)."""
+        return list(self._segments.values())
+
     def take(self, nbytes: int, *, ok: Any = None) -> torch.Tensor:
         """A buffer of exactly `nbytes`: a free one (for which `ok(buf)` holds), else a fresh one."""
         free = self._free.get(nbytes)
@@ -432,13 +436,14 @@ class BufferPool:
                 del self._free[size]
             self._drop(buf)
 
-    def reserve(self, sizes: Iterable[int]) -> None:
-        """Allocate (and touch) one buffer per size into the free list, ahead of the first version."""
+    def reserve(self, sizes: Iterable[int]) -> list[torch.Tensor]:
+        """Allocate (and touch) one buffer per size into the free list, ahead of the first version; the buffers made."""
         made = [self._new(n) for n in sizes]
         for b in made:
             if b.numel() and not b.is_pinned():
                 b.zero_()  # fault the pages in now, not during the first version
         self.give(made)
+        return made
 
     def close(self) -> None:
         for seg in list(self._segments.values()):

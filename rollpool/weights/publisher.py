@@ -45,7 +45,7 @@ import torch
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, TensorInfo
+from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, ShmSegment, TensorInfo
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import (
@@ -181,8 +181,10 @@ class _Snapshot:
         # offset: every tensor of the bucket 8-byte aligned, only the last with a tail); otherwise on the CPU over the
         # bucket after its xxh3 (so the network and CPU shm paths are never delayed by it).
         self.mix = shm
-        self.mix_sum = [0] * len(buffers)
         self.mix_parts = [0] * len(buffers)
+        self.mix_dev: list[list[torch.Tensor]] = [[] for _ in buffers]
+        """Per bucket: its tensors' mix64 parts as int64 scalars on the GPU (summed on the mix stream, never waited on by
+        a copy thread: a checksum thread reads them once the bucket's last part was queued)."""
         self.mix_aligned = [self.mix and _word_aligned(b.tensors) for b in planner.buckets]
         self.parts_left = [2 if self.mix else 1 for _ in buffers]
         """Per bucket: its checksum, and its mix64 on shm versions; the bucket is finished when both exist."""
@@ -239,6 +241,10 @@ class _Snapshot:
             for _extra in it:
                 raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
             await asyncio.gather(*futures)
+            if mix_streams:
+                # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
+                # the whole version, not one per tensor)
+                await asyncio.to_thread(_synchronize_all, list(mix_streams.values()))
         except BaseException:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
@@ -270,15 +276,15 @@ class _Snapshot:
         bucket's GPU-summed mix64 where every part of it was summed on the GPU)."""
         src = flat_bytes(tensor)
         dst = self.buffers[idx][offset : offset + int(src.numel())]
-        part: int | None = None
+        part: torch.Tensor | None = None
         if stream is not None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=dst.is_pinned())
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             if mix_stream is not None and self.mix_aligned[idx] and src.data_ptr() % 8 == 0:
-                with torch.cuda.stream(mix_stream):  # the trainer's bytes, read before publish returns (they change after)
-                    part = int(mix64_partial(src, offset // 8).item())
+                with torch.cuda.stream(mix_stream):  # the trainer's bytes, read before publish returns (copy() waits for it)
+                    part = mix64_partial(src, offset // 8)  # queued, not waited on here
             done.synchronize()
         else:
             dst.copy_(src)
@@ -286,12 +292,30 @@ class _Snapshot:
             self.left[idx] -= 1
             last = self.left[idx] == 0
             if part is not None:
-                self.mix_sum[idx] += part
+                self.mix_dev[idx].append(part)
                 self.mix_parts[idx] += 1
         if last:
             if self.mix and self.mix_parts[idx] == self._parts_of(idx):
-                self._call(self._mix_ready, idx, mix64_format(self.mix_sum[idx]))
+                # every part is queued on the mix stream: a checksum thread adds them up there and publishes the sum
+                assert mix_stream is not None
+                queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                queued.record(mix_stream)
+                self.pub._sum_pool.submit(self._mix_from_device, idx, mix_stream, queued)
             self._sum_later(idx)
+
+    def _mix_from_device(self, idx: int, mix_stream: Any, queued: Any) -> None:
+        """Checksum thread: the bucket's GPU mix64 parts added up on the mix stream, then published (`_mix_ready`)."""
+        try:
+            with torch.cuda.stream(mix_stream):
+                mix_stream.wait_event(queued)
+                parts = self.mix_dev[idx]
+                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+                digest = mix64_format(int(total.item()))
+            self.mix_dev[idx] = []
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+            self._call(self._failed, exc)
+            return
+        self._call(self._mix_ready, idx, digest)
 
     def _parts_of(self, idx: int) -> int:
         return sum(1 for t in self.planned[idx].tensors if t.nbytes)
@@ -365,6 +389,11 @@ class _Snapshot:
             self.pending -= 1
             if self.pending == 0:
                 self.checksummed.set_result(None)
+
+
+def _synchronize_all(streams: list[Any]) -> None:
+    for st in streams:
+        st.synchronize()
 
 
 def _word_aligned(tensors: Any) -> bool:
@@ -506,6 +535,8 @@ class WeightPublisher:
         """Versions offered on the same-GPU path."""
         self._ipc_broken = ""
         """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self._warming: threading.Thread | None = None
+        """The warm-up pass over freshly reserved segments (`_warm_snapshot`); a publish waits for it."""
         if path == "cuda_ipc":
             self._warm_ipc()
         if reserve is not None:
@@ -596,11 +627,52 @@ class WeightPublisher:
         sizes = [b.nbytes for b in planner.buckets]
         copies = max(1, self.keep_versions)
         pool = self._pool_for(sum(sizes) * copies)
-        pool.reserve([n for _ in range(copies) for n in sizes])
+        made = pool.reserve([n for _ in range(copies) for n in sizes])
         total = sum(sizes) * copies
         log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
                  self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        self._sync_segments()
+        if pool.kind == "shm" and pool.pin and torch.cuda.is_available():
+            self._warm_snapshot(made)
         return total
+
+    def _warm_snapshot(self, bufs: list[torch.Tensor]) -> None:
+        """In a thread (a publish waits for it): one device-to-host pass into every segment just reserved, and the GPU
+        mix64 at full slice size on the mix stream, so the first version of a shm snapshot from CUDA tensors does not pay
+        the first copies into the freshly registered pages nor the mix64's first temporaries (its first version was
+        0.64 s blocked against 0.35 s warm, 2026-12-04)."""
+        if self._warming is not None:
+            self._warming.join()
+
+        def warm() -> None:
+            try:
+                device = torch.device("cuda", torch.cuda.current_device())
+                stream = side_stream(device)
+                biggest = max((int(b.numel()) for b in bufs), default=0)
+                if not biggest:
+                    return
+                with torch.cuda.stream(stream):
+                    scratch = torch.zeros(min(biggest, 256 << 20), dtype=torch.uint8, device=device)
+                    step = int(scratch.numel())
+                    for b in bufs:
+                        n = int(b.numel())
+                        for off in range(0, n, step):
+                            b[off : min(n, off + step)].copy_(scratch[: min(step, n - off)], non_blocking=True)
+                    part = mix64_partial(scratch, 0)
+                    int(part.item())
+                stream.synchronize()
+            except Exception:
+                log.debug("warming the shm snapshot path up failed", exc_info=True)
+
+        self._warming = threading.Thread(target=warm, name="weights-snapshot-warm", daemon=True)
+        self._warming.start()
+
+    def _sync_segments(self) -> None:
+        """Name every segment held now on the manifests (minor 11), so staging workers register them ahead of use."""
+        segs: tuple[ShmSegment, ...] = ()
+        if self._shm_pool is not None:
+            segs = tuple(sorted((ShmSegment(name=b.name, nbytes=b.nbytes) for b in self._shm_pool.segments()), key=lambda x: x.name))
+        self._server.set_shm_reserved(segs, self.host_key)
 
     def set_path(self, path: str) -> None:
         """Change the path for the next versions: ``network`` buffers them in ordinary memory (no segments offered),
@@ -613,6 +685,7 @@ class WeightPublisher:
             # the other kind's idle buffers are freed now (served versions keep theirs until evicted)
             self._trim_spares(0)
             (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
+            self._sync_segments()
         self.path = path
 
     def manifest_of(self, version: int) -> Manifest | None:
@@ -685,6 +758,9 @@ class WeightPublisher:
     async def _publish_planned(self, items: Any, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner,
                                version: int, t0: float, wait_ready: bool) -> Manifest:
         """The streamed snapshot of a planned version (see `publish`); on the same-GPU path a device snapshot first."""
+        if self._warming is not None:  # the reserved segments' warm-up pass writes them: done before a version does
+            await asyncio.to_thread(self._warming.join)
+            self._warming = None
         snap = self._begin(version, places, planner)
         ipc_device = self._ipc_device(items)
         if ipc_device is not None:
@@ -787,6 +863,7 @@ class WeightPublisher:
         pool = self._pool_for(fresh)
         buffers = [self._buffer(n, pool) for n in sizes]
         self._trim_spares(sum(sizes))  # after a layout change, what no version reuses is freed
+        self._sync_segments()
         return _Snapshot(self, version, places, planner, buffers)
 
     # -- the same-GPU path (CUDA IPC)

@@ -58,6 +58,7 @@ from rollpool.protocol.messages import (
     Fetch,
     Manifest,
     ManifestRequest,
+    ShmSegment,
 )
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
@@ -174,6 +175,20 @@ class WeightServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._errlog = RateLimitedLog(log)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.shm_reserved: tuple[ShmSegment, ...] = ()
+        """The owner's shared-memory segments (minor 11), named on every manifest with `shm_host_key`."""
+        self.shm_host_key = ""
+        self.shm_generation = 0
+        """Bumped by `set_shm_reserved` when the set changes; announced, so subscribers ask for the manifest again."""
+
+    def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
+        """The owner's segments changed (made by a reserve or a version, or freed): named on manifests from now on."""
+        if segments != self.shm_reserved:
+            self.shm_reserved, self.shm_host_key = segments, host_key
+            self.shm_generation += 1
+            latest = self.latest
+            if latest is not None:
+                self.announce(latest)  # subscribers that register ahead learn of them now, not at the next re-announce
 
     # -- lifecycle
 
@@ -271,7 +286,8 @@ class WeightServer:
             return
         import zmq
 
-        msg = Announce(version=v.version, publisher_id=v.publisher_id, total_bytes=v.total_bytes, num_buckets=len(v.buckets))
+        msg = Announce(version=v.version, publisher_id=v.publisher_id, total_bytes=v.total_bytes, num_buckets=len(v.buckets),
+                       shm_generation=self.shm_generation)
         send_now(self._pub, encode(msg), flags=zmq.DONTWAIT)
 
     def notify_arrived(self, version: int) -> None:
@@ -413,6 +429,8 @@ class WeightServer:
 
         if self._router is None:
             return False
+        if self.shm_reserved and isinstance(msg, Manifest):
+            msg = replace(msg, shm_reserved=self.shm_reserved, host_key=msg.host_key or self.shm_host_key)
         exc = send_now(self._router, [ident, *encode(msg)], flags=zmq.DONTWAIT, copy=copy)
         if exc is None:
             return True

@@ -215,6 +215,16 @@ class WeightSubscriber:
         self._reserved_versions = 0
         self._copy_exec: ThreadPoolExecutor | None = None
         self._readers: dict[str, ShmReader] = {}
+        self._readers_lock = threading.RLock()
+        """`_readers` is also filled by the registering thread (`_register_ahead`)."""
+        self.segment_maps = 0
+        """Segments mapped so far (a warm subscriber maps none per version: the publisher reuses its segments)."""
+        self._ahead: tuple[tuple[str, int], ...] = ()
+        """The publisher's segments last named (`Manifest.shm_reserved`) and handed to the registering thread."""
+        self._ahead_thread: threading.Thread | None = None
+        self._shm_generation = 0
+        self.segments_registered_ahead = 0
+        """Segments mapped (and page-locked, on a device that registers) by the registering thread before a version used them."""
         self._reserving: threading.Thread | None = None
         if reserve_bytes:
             self.reserve_in_background(reserve_bytes)
@@ -246,9 +256,11 @@ class WeightSubscriber:
     def close(self) -> None:
         self._close_sockets()
         self._pool.close()
-        for r in self._readers.values():
-            r.close()
-        self._readers = {}
+        self._ahead = ()  # a registering thread stops at its next segment
+        with self._readers_lock:
+            for r in self._readers.values():
+                r.close()
+            self._readers = {}
         self._ipc_open = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
         self._dev_slabs.trim(0)
         if self._copy_exec is not None:
@@ -371,6 +383,10 @@ class WeightSubscriber:
                 continue
             if isinstance(msg, Announce):
                 self._observe(msg.version)
+                if msg.shm_generation != self._shm_generation and self._registers_ahead():
+                    # the publisher's segments changed (a reserve, a new layout): the manifest names them
+                    self._shm_generation = msg.shm_generation
+                    self._ask_latest()
 
     # -- requests
 
@@ -424,6 +440,7 @@ class WeightSubscriber:
             if isinstance(reply, Manifest):
                 if reply.version >= 0:
                     self._observe(reply.version)
+                self._register_ahead(reply)
                 return reply
             if isinstance(reply, Error):
                 if reply.code == "gone":
@@ -513,8 +530,16 @@ class WeightSubscriber:
             from rollpool.weights.publisher import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
+        t0 = time.perf_counter()
+        if self.stage_device is not None:
+            # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first
+            # version (first: it is quick, and those paths do not wait for the host buffers below)
+            self.reserve_device(total_bytes, self.stage_device, versions)
         self._pool.reserve([total_bytes] * versions)
         self._reserved_versions = max(self._reserved_versions, versions)
+        log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self._pool.pinned_bytes,
+                                                    "device": str(self.stage_device), "seconds": round(time.perf_counter() - t0, 3),
+                                                    "at": time.time()}))
         return total_bytes * versions
 
     def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
@@ -542,7 +567,8 @@ class WeightSubscriber:
 
     def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
         """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
-        slabs = [self._dev_slabs.take_at_least(arena_offsets([total_bytes])[1], device) for _ in range(versions)]
+        # room for every bucket's alignment padding too (ARENA_ALIGN each; 1 MiB covers 4096 buckets)
+        slabs = [self._dev_slabs.take_at_least(arena_offsets([total_bytes])[1] + (1 << 20), device) for _ in range(versions)]
         for s in slabs:
             self._dev_slabs.give(s)
         return sum(int(s.numel()) for s in slabs)
@@ -744,10 +770,9 @@ class WeightSubscriber:
             if errors:
                 raise errors[0]
         finally:
-            # the publisher reuses its segments across versions: keep this version's mapped (no page-table faults next time)
-            keep = {r.name for r in readers}
-            for name in [n for n in self._readers if n not in keep]:
-                self._readers.pop(name).close()
+            # the publisher reuses its segments across versions (K sets, in turn): keep every live one mapped, not only this
+            # version's (no page-table faults next time); unlinked ones are dropped
+            self._drop_dead_readers()
         return manifest
 
     # -- the shared-memory path staged to the engine's GPU
@@ -778,9 +803,10 @@ class WeightSubscriber:
 
     def _staging(self) -> Any:
         assert self.stage_device is not None
-        if self._ops is None:
-            self._ops = self.device_ops(self.stage_device, self._dev_slabs)
-        return self._ops
+        with self._readers_lock:  # made once, by the loop or the registering thread
+            if self._ops is None:
+                self._ops = self.device_ops(self.stage_device, self._dev_slabs)
+            return self._ops
 
     async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
         """Copy each bucket host-to-device from the publisher's segment (registered here once, when first mapped) into a
@@ -827,15 +853,15 @@ class WeightSubscriber:
             ops.give(slab)
             raise
         finally:
-            for name in [n for n, r in self._readers.items() if not r.alive()]:  # unlinked segments (keep the live ones mapped)
-                self._readers.pop(name).close()
+            self._drop_dead_readers()  # unlinked segments (keep the live ones mapped)
         self.last_path = "shm"
         nbytes = sum(sizes)
         log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "shm", "staged_to": str(self.stage_device),
                                                    "bytes": nbytes, "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
                                                    "device_stage_bytes": self.device_stage_bytes, "ipc_bytes": self.ipc_bytes,
-                                                   "segments_mapped": len(self._readers),
-                                                   "segments_registered": sum(1 for r in self._readers.values() if r.registered),
+                                                   "segments_mapped": len(self._readers), "segment_maps": self.segment_maps,
+                                                   "segments_registered": sum(1 for r in list(self._readers.values()) if r.registered),
+                                                   "segments_registered_ahead": self.segments_registered_ahead,
                                                    "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
         self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
                                                "staged_to": str(self.stage_device)})
@@ -859,17 +885,69 @@ class WeightSubscriber:
         return False
 
     def _reader(self, name: str, nbytes: int, register: bool = False) -> ShmReader:
-        r = self._readers.get(name)
-        if r is not None and r.nbytes == nbytes and r.alive():
-            if register and not r.registered:
+        with self._readers_lock:
+            r = self._readers.get(name)
+            if r is not None and r.nbytes == nbytes and r.alive():
+                if register and not r.registered:
+                    self._register(r)
+                return self._readers[name]
+            if r is not None:
+                self._readers.pop(name).close()
+            r = self._readers[name] = ShmReader(name, nbytes)
+            self.segment_maps += 1
+            if register:
                 self._register(r)
-            return r
-        if r is not None:
-            self._readers.pop(name).close()
-        r = self._readers[name] = ShmReader(name, nbytes)
-        if register:
-            self._register(r)
-        return r
+            return self._readers[name]
+
+    def _drop_dead_readers(self) -> None:
+        with self._readers_lock:
+            for name in [n for n, r in self._readers.items() if not r.alive()]:
+                self._readers.pop(name).close()
+
+    # -- registering the publisher's segments ahead of use (minor 11)
+
+    def _registers_ahead(self) -> bool:
+        return self.stage_device is not None and self.path in ("auto", "shm")
+
+    def _register_ahead(self, manifest: Manifest) -> None:
+        """A manifest named the publisher's segments (`Manifest.shm_reserved`): a subscriber that stages from shared
+        memory to its GPU maps and page-locks them now, in a thread (page-locking runs at about 2.5 GB/s: 2 x 14.5 GB
+        would cost the first version 12 s), so no version pays it and the event loop and generation go on."""
+        if not self._registers_ahead() or (manifest.shm_reserved and manifest.host_key != self.host_key):
+            return
+        want = tuple((seg.name, seg.nbytes) for seg in manifest.shm_reserved)
+        if want == self._ahead:
+            return  # (an empty list the first time: a publisher of minor 10, or one without segments)
+        self._ahead = want
+        self._ahead_thread = threading.Thread(target=self._register_segments, args=(want,), name="weights-register", daemon=True)
+        self._ahead_thread.start()
+
+    def _register_segments(self, want: tuple[tuple[str, int], ...]) -> None:
+        """Registering thread: map and page-lock each named segment not mapped yet (a newer list supersedes this one)."""
+        t0 = time.perf_counter()
+        made = nbytes = 0
+        registers = self._staging().registers
+        for name, n in want:
+            if self._ahead != want:
+                return  # superseded by a newer list, or closed
+            with self._readers_lock:
+                known = self._readers.get(name)
+                if known is not None and known.nbytes == n and (known.registered or not registers) and known.alive():
+                    continue
+            try:
+                self._reader(name, n, True)
+            except ShmUnavailableError as exc:
+                log.debug("segment %s not mapped ahead: %s", name, exc)
+                continue
+            made += 1
+            nbytes += n
+            self.segments_registered_ahead += 1
+        self._drop_dead_readers()
+        with self._readers_lock:
+            registered = sum(1 for r in self._readers.values() if r.registered)
+        log.info("weight segments registered %s", json.dumps({"segments": len(want), "mapped_now": made, "bytes_now": nbytes,
+                                                              "registered": registered, "seconds": round(time.perf_counter() - t0, 3),
+                                                              "at": time.time()}))
 
     def _register(self, r: ShmReader) -> None:
         """Page-lock a mapped segment for the staging device, once per mapping (it is kept across versions)."""

@@ -45,16 +45,36 @@ async def main(router):
     sub.connect(router)
     loop = asyncio.get_running_loop()
     held = []
+    gaps = []
+
+    async def ticker():  # how long the event loop stalls while segments are page-locked in the registering thread
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.ensure_future(ticker())
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line.strip():
             break
+        if line.strip() == "ahead":
+            while sub._ahead_thread is None:
+                await asyncio.sleep(0.01)
+            await loop.run_in_executor(None, sub._ahead_thread.join)
+            print(json.dumps({"ahead": sub.segments_registered_ahead, "maps": sub.segment_maps, "mapped": len(sub._readers),
+                              "registered": sum(1 for r in sub._readers.values() if r.registered),
+                              "max_loop_gap_s": round(max(gaps, default=0.0), 4)}), flush=True)
+            continue
         v = int(line)
         try:
             wv = await sub.fetch(v)
             out = {"ok": True, "version": wv.version, "path": sub.last_path, "fallbacks": sub.fallbacks, "ipc_bytes": sub.ipc_bytes,
                    "bytes_received": sub.bytes_received, "shm_bytes": sub.shm_bytes, "device_stage_bytes": sub.device_stage_bytes,
                    "registered": sum(1 for r in sub._readers.values() if r.registered), "mapped": len(sub._readers),
+                   "maps": sub.segment_maps,
                    "devices": sorted({str(t.device) for t in wv.tensors.values()}),
                    "sums": {k: mix64_checksum(flat_bytes(t).clone()) for k, t in wv.tensors.items()}}
             held.append(wv)
@@ -63,6 +83,7 @@ async def main(router):
         except Exception as exc:
             out = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "refetched": sub.buckets_refetched}
         print(json.dumps(out), flush=True)
+    tick.cancel()
     sub.close()
     ctx.destroy(linger=0)
 
@@ -97,13 +118,14 @@ async def _run() -> dict[str, Any]:
     w["norm"] = torch.randn(1531, device="cuda", generator=g)  # an odd size: an fp32 bucket whose bytes end mid-word
     w["odd.a"] = torch.randn(5, device="cuda", generator=g).to(torch.bfloat16)  # 10 bytes mid-bucket: that bucket is
     w["odd.b"] = torch.randn(3, device="cuda", generator=g).to(torch.bfloat16)  # not word aligned (its mix64 on the CPU)
+    pub.reserve(w)  # the segments exist before the subscriber connects: named on its first manifest (minor 11)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", _CHILD, pub.router_endpoint, stdin=asyncio.subprocess.PIPE,
                                                  stdout=asyncio.subprocess.PIPE, env=env)
     assert child.stdin is not None and child.stdout is not None
     report: dict[str, Any] = {"versions": []}
 
-    async def ask(v: int) -> dict[str, Any]:
+    async def ask(v: int | str) -> dict[str, Any]:
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(f"{v}\n".encode())
         await child.stdin.drain()
@@ -111,6 +133,10 @@ async def _run() -> dict[str, Any]:
         return dict(json.loads(line))
 
     try:
+        ahead = await ask("ahead")  # mapped and page-locked before the first version, in the child's registering thread
+        report["ahead"] = ahead
+        segments = len(pub._server.shm_reserved)
+        assert ahead["ahead"] == ahead["mapped"] == ahead["registered"] == ahead["maps"] == segments > 0, (ahead, segments)
         for v in (1, 2, 3):
             want = {k: mix64_checksum(flat_bytes(t).clone()) for k, t in w.items()}
             torch.cuda.synchronize()
@@ -129,6 +155,7 @@ async def _run() -> dict[str, Any]:
             assert got["path"] == "shm" and got["fallbacks"] == {}, got
             assert got["bytes_received"] == 0 and got["device_stage_bytes"] > 0 and got["devices"][0].startswith("cuda"), got
             assert got["registered"] == got["mapped"] > 0, got
+            assert got["maps"] == segments, got  # no version mapped a segment: all were mapped ahead
             assert got["sums"] == want, "the bytes the engine gets differ from the tensors at publish time"
         assert pub.bytes_served == 0
         # the published mix64 is that of the host bucket bytes

@@ -252,3 +252,19 @@ async def test_after_shm_versions_set_path_network_reuses_no_segment(make_publis
         assert not any(b.shm_segment for b in m.buckets), f"version {v} offered a segment on the network path"
     sub = make_subscriber(pub.router_endpoint, path="auto")
     assert same((await sub.fetch(5)).tensors, model(5)) and sub.last_path == "network"
+
+
+async def test_the_cpu_shm_path_keeps_both_version_sets_mapped(make_publisher: Any, make_subscriber: Any) -> None:
+    """The publisher reuses K = 2 sets of segments in turn; the subscriber keeps every live one mapped (it used to
+    unmap the other set at each fetch and map it again the next version: page-table faults every version)."""
+    pub = await make_publisher(pool="tmaps", publisher_id="pubmaps", keep_versions=2)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    buckets = 0
+    for v in (1, 2, 3, 4, 5):
+        w = model(v)
+        manifest = await pub.publish(w, v, wait_ready=True)
+        buckets = len(manifest.buckets)
+        got = await sub.fetch(v)
+        assert same(got.tensors, w) and sub.last_path == "shm"
+        sub.recycle(got)
+    assert sub.segment_maps == 2 * buckets  # each set mapped once

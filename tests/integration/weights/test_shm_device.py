@@ -193,3 +193,80 @@ def test_the_choice_needs_a_staging_device_a_shm_path_and_this_host() -> None:
     assert not _chooser("cuda_ipc", "fake:0")._shm_device_choice(m)
     assert not _chooser("auto", "fake:0", host="other/shm")._shm_device_choice(m)  # another host: the CPU path explains
     assert not _chooser("auto", "fake:0")._shm_device_choice(_manifest(host_key=""))
+
+
+async def _until(cond: Any, what: str) -> None:
+    import asyncio
+
+    for _ in range(500):  # a bound on the wait, not a timing assertion
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_staging_subscriber_maps_the_reserved_segments_before_the_first_version(make_publisher: Any, make_subscriber: Any) -> None:
+    """Minor 11: the publisher's reserve names its segments on every manifest (the empty version -1 one too), and a
+    subscriber that stages to its GPU maps (on CUDA: page-locks) them in a thread, so no version pays it."""
+    pub = await make_publisher(pool="tahead", publisher_id="pubahead1")
+    w = model(7)
+    pub.reserve(w)
+    sub = staging(make_subscriber, pub.router_endpoint)
+    segments = pub._server.shm_reserved
+    assert len(segments) >= 2 and pub.latest_version == -1  # two versions' worth of segments, no version yet
+    await _until(lambda: sub.segments_registered_ahead == len(segments), "every reserved segment mapped ahead")
+    maps = sub.segment_maps
+    assert maps == len(segments)
+    for v in (1, 2, 3, 4):
+        w = model(v)
+        await pub.publish(w, v, wait_ready=True)
+        got = await sub.fetch(v)
+        assert same(got.tensors, w) and sub.last_path == "shm" and sub.fallbacks == {}
+    assert sub.segment_maps == maps  # no version mapped a segment: all of them were mapped before the first
+
+
+async def test_segments_made_after_the_subscriber_connected_are_announced_and_mapped_ahead(make_publisher: Any,
+                                                                                           make_subscriber: Any) -> None:
+    pub = await make_publisher(pool="tahead2", publisher_id="pubahead2")
+    sub = staging(make_subscriber, pub.router_endpoint, pub=pub.pub_endpoint)
+    await pub.publish(model(1, n=1), 1, wait_ready=True)  # a smaller layout: its segments are made by this version
+    await _until(lambda: sub.segments_registered_ahead >= 1, "the first version's segments mapped ahead")
+    pub.set_path("network")
+    pub.set_path("auto")  # the old segments are freed; the reserve below makes new ones and announces their generation
+    w = model(2)
+    pub.reserve(w)
+    segments = {s.name for s in pub._server.shm_reserved}
+    await _until(lambda: segments <= set(sub._readers), "the new segments mapped ahead after the announce")
+    maps = sub.segment_maps
+    got = await sub.fetch((await pub.publish(w, 2, wait_ready=True)).version)
+    assert same(got.tensors, w) and sub.last_path == "shm" and sub.segment_maps == maps
+
+
+async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_segments(make_publisher: Any, zmq_ctx: Any) -> None:
+    """The previous minor: a raw minor-10 manifest request is answered (the new fields ride along; older decoders ignore
+    fields they do not know), and a minor-10 manifest (no `shm_reserved`) makes a staging subscriber map nothing ahead."""
+    import msgpack
+    import zmq
+
+    from rollpool.protocol.codec import decode
+
+    pub = await make_publisher(pool="tahead3", publisher_id="pubahead3")
+    pub.reserve(model(3))
+    dealer = zmq_ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.router_endpoint)
+    try:
+        await dealer.send_multipart([msgpack.packb([1, 10, "manifest_request", {"request_id": "old", "streamed": True}], use_bin_type=True)])
+        reply = decode(await dealer.recv_multipart())
+    finally:
+        dealer.close(linger=0)
+    assert isinstance(reply, Manifest) and reply.request_id == "old" and reply.version == -1 and len(reply.shm_reserved) >= 2
+    old = decode([msgpack.packb([1, 10, "manifest", {"request_id": "m", "version": -1, "host_key": "boot/shm"}], use_bin_type=True)])
+    assert old.shm_reserved == ()
+    ann = decode([msgpack.packb([1, 10, "announce", {"version": 1, "publisher_id": "p", "total_bytes": 1, "num_buckets": 1}],
+                                use_bin_type=True)])
+    assert ann.shm_generation == 0
+    sub = _chooser("auto", "fake:0")
+    sub._ahead, sub._ahead_thread = (), None
+    sub._register_ahead(old)
+    assert sub._ahead_thread is None  # nothing named: nothing to map ahead

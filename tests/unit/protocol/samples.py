@@ -97,4 +97,9 @@ def samples() -> dict[str, Any]:
                                          buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=16, checksum="xxh3_64:0123456789abcdef",
                                                                shm_segment="rollpool-default-pub-7-1", host_mix64="mix64:fedcba9876543210",
                                                                tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(8,), offset=0, nbytes=16),)),)),
+        # minor 11: the publisher's segments named before its first version (registered ahead by a staging worker)
+        "manifest_shm_reserved": p.Manifest(request_id="m5", version=-1, host_key="boot/1.2",
+                                            shm_reserved=(p.ShmSegment(name="rollpool-default-pub-7-1", nbytes=1 << 29),
+                                                          p.ShmSegment(name="rollpool-default-pub-7-2", nbytes=4096))),
+        "announce_shm_generation": p.Announce(version=3, publisher_id="pub", total_bytes=1 << 30, num_buckets=2, shm_generation=4),
     }

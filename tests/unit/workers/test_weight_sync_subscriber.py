@@ -44,17 +44,17 @@ def without_stage_device(sockets: Any, *, worker_id: str, fetch_timeout_s: float
 
 
 def test_a_cuda_engine_that_stages_by_bucket_gets_a_staging_subscriber(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "1")
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", raising=False)  # the default
     assert made_with(FakeEngine("cuda:0", stages=True), recording) == {"pin_memory": True, "stage_device": "cuda:0"}
 
 
 def test_no_staging_device_off_cuda_without_the_hook_or_for_an_older_factory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "1")
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", raising=False)
     assert made_with(FakeEngine("cpu", stages=True), recording) == {"pin_memory": False, "stage_device": None}
     assert made_with(FakeEngine("cuda", stages=False), recording) == {"pin_memory": True, "stage_device": None}
     assert made_with(FakeEngine("cuda", stages=True), without_stage_device) == {"pin_memory": True}
 
 
-def test_the_staging_subscriber_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", raising=False)
+def test_the_staging_subscriber_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "0")
     assert made_with(FakeEngine("cuda:0", stages=True), recording) == {"pin_memory": True, "stage_device": None}
