@@ -3,14 +3,16 @@
 The service only moves bytes: it decodes a message, calls the state machine,
 and sends what the state says. It never blocks its loop: every send is
 non-blocking (a peer whose queue is full, or who is gone, makes the send fail
-at once, and the failure is handled, never waited out), and the sockets are
-read by a reader callback that drains a bounded burst of messages per wake-up,
-then dispatches and answers waiting pulls once per burst (which batches sends
-naturally).
+at once, and the failure is handled, never waited out). One wake-up reads a
+bounded burst from both sockets, then dispatches and answers waiting pulls once
+for all of it (which batches sends naturally). A wake-up within `coalesce_s` of
+the last read becomes a timed read at the window's end, with the readers off
+meanwhile; while messages keep coming the next read is timed too, so a steady
+flow costs one wake-up per window, not one per message (`_on_timed`).
 
 ZeroMQ signals readiness on an edge-triggered file descriptor, so after every
-burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
-checked again and a drain is scheduled for any socket with messages waiting.
+read (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
+checked again and a read is queued if either has messages waiting.
 
 Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
 ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
