@@ -137,14 +137,35 @@ def serve_rollpool(wep: str, cep: str, heartbeat_s: float, latency_out: str | No
         broker = Broker(cfg, p.SocketFactory(ctx, p.SocketOptions(send_hwm=100_000, recv_hwm=100_000)))
         import signal
 
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, broker.stop)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, broker.stop)
+        # ROLLPOOL_BENCH_LOOPSTATS=1: count the event loop's selector calls (its wake-ups), for the per-round-trip breakdown
+        loopstats: dict[str, int] = {}
+        if os.environ.get("ROLLPOOL_BENCH_LOOPSTATS") and hasattr(loop, "_selector"):
+            loopstats.update(selects=0, selects_with_events=0, events=0)
+            sel = loop._selector
+            orig = sel.select
+
+            def counting_select(timeout: float | None = None) -> Any:
+                ready = orig(timeout)
+                loopstats["selects"] += 1
+                if ready:
+                    loopstats["selects_with_events"] += 1
+                    loopstats["events"] += len(ready)
+                return ready
+
+            sel.select = counting_select
         await broker.run()
+        loop_out.update(loopstats)
         latency = getattr(broker.state, "latency", None)  # absent in a checkout before broker-side timestamps
         if latency_out and latency is not None:
             np.save(latency_out, latency.rows())
         ctx.destroy(linger=0)
 
+    loop_out: dict[str, int] = {}
     asyncio.run(main())
+    if latency_out and loop_out:
+        Path(latency_out + ".loop.json").write_text(json.dumps(loop_out))
 
 
 def serve_trivial(wep: str, cep: str) -> None:
@@ -900,6 +921,14 @@ def open_loop_run(
     out["cpu_us_per_rt"] = (c1 - c0) / max(rt, 1) * 1e6 if rt else None
     out["main_thread_us_per_rt"] = (t1m - t0m) / max(rt, 1) * 1e6 if rt else None
     if counters:
+        done = max(1, int(counters.get("completed", 0)))
+        for k in ("reads", "messages_in", "messages_out"):  # over the whole run (warm-up included), per group completed
+            if k in counters:
+                out[f"broker_{k}_per_rt"] = round(int(counters[k]) / done, 3)
+        loop_path = Path(str(lat_path) + ".loop.json")
+        if loop_path.exists():
+            for k, v in json.loads(loop_path.read_text()).items():
+                out[f"broker_loop_{k}_per_rt"] = round(v / done, 3)
         out["false_dead"] = int(counters.get("workers_lost", -1))
         out["workers_alive"] = int(counters.get("workers_alive", -1))
         hbs = counters.get("heartbeats")

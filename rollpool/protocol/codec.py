@@ -136,7 +136,7 @@ class _RecordSpec:
     wire and filled back in on decode. Both keep the common messages cheap.
     """
 
-    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories")
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "encode", "decode")
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
@@ -162,6 +162,92 @@ class _RecordSpec:
                 self.required.append(f.name)
             self.plan.append((f.name, inline, enc, default))
             self.decoders[f.name] = (inline, dec)
+        self.encode: Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]] = _compile_encoder(self)
+        self.decode: Callable[[Any, _DecodeState, str], Any] = _compile_decoder(self)
+
+
+def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]]:
+    """The record's encoder as straight-line code (one block per field, no per-field loop or tuple unpacking).
+
+    The same rules as a loop over `spec.plan`: a field equal to its immutable default is left off, a
+    str/int/bool field of exactly its type is stored as it is, anything else goes through its converter.
+    """
+    ns: dict[str, Any] = {"cls": spec.cls, "ProtocolError": ProtocolError}
+    lines = ["def enc(obj, frames, memo):",
+             "    if obj.__class__ is not cls:",
+             f"        raise ProtocolError('encode', {'expected ' + spec.cls.__name__ + ', got '!r} + type(obj).__name__)",
+             "    out = {}"]
+    for i, (name, inline, enc, default) in enumerate(spec.plan):
+        ns[f"e{i}"] = enc
+        store = f"out[{name!r}] = " + (f"v if type(v) is t{i} else e{i}(v, frames, memo)" if inline is not None else f"e{i}(v, frames, memo)")
+        if inline is not None:
+            ns[f"t{i}"] = inline
+        lines.append(f"    v = obj.{name}")
+        if default is _NO_DEFAULT:
+            lines.append(f"    {store}")
+        elif default is None:
+            lines.append("    if v is not None:")
+            lines.append(f"        {store}")
+        else:
+            ns[f"d{i}"] = default
+            ns[f"dt{i}"] = type(default)
+            lines.append(f"    if not (v is d{i} or (type(v) is dt{i} and v == d{i})):")
+            lines.append(f"        {store}")
+    lines.append("    return out")
+    exec("\n".join(lines), ns)  # code made from the record's own field list (as dataclasses makes __init__), never from wire data
+    return ns["enc"]  # type: ignore[no-any-return]
+
+
+def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], Any]:
+    """The record's decoder as straight-line code: each field looked up once, checked inline or by its
+    converter, its default or factory filled in when absent; the object built through its slots (a record
+    has no `__post_init__`, so this is what its `__init__` does, without the keyword call).
+
+    Refuses what the loop over the wire map refused: not a map, more unknown fields than
+    `Limits.max_unknown_fields`, a missing required field, a value its converter refuses.
+    """
+    cls = spec.cls
+    name_ = cls.__name__
+    ns: dict[str, Any] = {"cls": cls, "new": object.__new__, "M": _NO_DEFAULT, "_fail": _fail, "_unknown_fields": _unknown_fields, "spec": spec}
+    nfields = len(spec.plan)
+    lines = ["def dec(raw, st, path):",
+             "    if type(raw) is not dict:",
+             f"        raise _fail('type', path, {'expected a map for ' + name_ + ', got '!r} + type(raw).__name__)",
+             "    n = len(raw)",
+             "    bound = st.limits.max_unknown_fields",
+             f"    if n > {nfields} + bound:",
+             "        raise _unknown_fields(spec, raw, bound, path)",
+             "    found = 0",
+             "    get = raw.get",
+             "    o = new(cls)"]
+    for i, (name, _inline, _enc, _default) in enumerate(spec.plan):
+        inline, dec = spec.decoders[name]
+        ns[f"c{i}"] = dec
+        ns[f"s{i}"] = cls.__dict__[name].__set__  # the slot's setter (a frozen record refuses plain setattr)
+        lines.append(f"    v = get({name!r}, M)")
+        lines.append("    if v is M:")
+        if name in spec.static_defaults:
+            ns[f"d{i}"] = spec.static_defaults[name]
+            lines.append(f"        v = d{i}")
+        elif name in spec.factories:
+            ns[f"f{i}"] = spec.factories[name]
+            lines.append(f"        v = f{i}()")
+        else:
+            lines.append(f"        raise _fail('missing_field', path, {name_ + '.' + name + ' is required'!r})")
+        lines.append("    else:")
+        lines.append("        found += 1")
+        if inline is not None:
+            ns[f"t{i}"] = inline
+            lines.append(f"        if type(v) is not t{i}:")
+            lines.append(f"            v = c{i}(v, st)")
+        else:
+            lines.append(f"        v = c{i}(v, st)")
+        lines.append(f"    s{i}(o, v)")
+    lines.append("    if n - found > bound:")
+    lines.append("        raise _unknown_fields(spec, raw, bound, path)")
+    lines.append("    return o")
+    exec("\n".join(lines), ns)  # code made from the record's own field list, never from wire data
+    return ns["dec"]  # type: ignore[no-any-return]
 
 
 _NO_DEFAULT = object()
@@ -320,10 +406,8 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         return enc_scalar, dec_scalar
     if isinstance(tp, type) and tp in _SPECS:
         spec = _SPECS[tp]
-        return (
-            lambda v, frames, memo: _encode_record(spec, v, frames, memo),
-            lambda v, st: _decode_record(spec, v, st, path),
-        )
+        rec_enc, rec_dec = spec.encode, spec.decode
+        return (rec_enc, lambda v, st: rec_dec(v, st, path))
     raise TypeError(f"{path}: unsupported field type {tp!r}")
 
 
@@ -446,51 +530,6 @@ def _frame_index(v: Any, st: _DecodeState, path: str) -> int:
     return v
 
 
-def _encode_record(spec: _RecordSpec, obj: Any, frames: list[Any], memo: dict[Any, int]) -> dict[str, Any]:
-    if obj.__class__ is not spec.cls:
-        raise ProtocolError("encode", f"expected {spec.cls.__name__}, got {type(obj).__name__}")
-    out: dict[str, Any] = {}
-    for name, inline, enc, default in spec.plan:
-        v = getattr(obj, name)
-        if v is default or (default is not _NO_DEFAULT and type(v) is type(default) and v == default):
-            continue
-        if inline is not None and type(v) is inline:
-            out[name] = v
-        else:
-            out[name] = enc(v, frames, memo)
-    return out
-
-
-def _decode_record(spec: _RecordSpec, raw: Any, st: _DecodeState, path: str) -> Any:
-    if type(raw) is not dict:
-        raise _fail("type", path, f"expected a map for {spec.cls.__name__}, got {type(raw).__name__}")
-    kwargs = spec.static_defaults.copy()
-    decoders = spec.decoders
-    unknown_left = st.limits.max_unknown_fields
-    if len(raw) > len(decoders) + unknown_left:
-        raise _unknown_fields(spec, raw, unknown_left, path)
-    for name, v in raw.items():
-        entry = decoders.get(name)
-        if entry is None:
-            unknown_left -= 1  # a field from a newer minor version: ignored, up to a bound
-            if unknown_left < 0:
-                raise _unknown_fields(spec, raw, st.limits.max_unknown_fields, path)
-            continue
-        inline, dec = entry
-        if inline is not None and type(v) is inline:
-            kwargs[name] = v
-        else:
-            kwargs[name] = dec(v, st)
-    if len(kwargs) != len(decoders):
-        for name in spec.required:
-            if name not in kwargs:
-                raise _fail("missing_field", path, f"{spec.cls.__name__}.{name} is required")
-        for name, factory in spec.factories.items():
-            if name not in kwargs:
-                kwargs[name] = factory()
-    return spec.cls(**kwargs)
-
-
 def _unknown_fields(spec: _RecordSpec, raw: dict[Any, Any], bound: int, path: str) -> ProtocolError:
     unknown = sum(1 for k in raw if k not in spec.decoders)
     return ProtocolError(
@@ -538,7 +577,7 @@ def encode(msg: Any) -> list[Any]:
         raise ProtocolError("encode", f"{cls.__name__} is not a registered message type")
     frames: list[Any] = [b""]
     try:
-        fields = _encode_record(_SPECS[cls], msg, frames, {})  # type: ignore[index]
+        fields = _SPECS[cls].encode(msg, frames, {})  # type: ignore[index]
         frames[0] = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields], use_bin_type=True)
     except ProtocolError:
         raise
@@ -652,7 +691,7 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
     if accept is not None and type_name not in accept:
         raise ProtocolError("unexpected_type", f"{type_name} is not accepted on this socket", limit="message_type")
     st = _DecodeState(views, sizes, limits)
-    msg = _decode_record(_SPECS[cls], fields, st, type_name)
+    msg = _SPECS[cls].decode(fields, st, type_name)
     if n > 1 and st.used.count(1) != n - 1:
         unused = [i for i in range(1, n) if not st.used[i]]
         raise ProtocolError("frames", f"{type_name}: frames {unused[:8]} are not referenced")

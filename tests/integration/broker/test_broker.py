@@ -228,6 +228,7 @@ async def test_coalesced_reads_lose_nothing_and_the_socket_is_read_again(start_b
     assert sorted(g.prompt_id for g in got) == sorted(f"q{i}" for i in range(200))  # each once
     assert all(g.state == "done" for g in got)
     assert h.broker.coalesced_reads > 0  # the window was used
+    assert h.broker.reads * 4 < h.broker.messages_in  # one read takes what both sockets hold, many messages
     reply = await c.submit([make_prompt("after")])  # read after the windows: the reader was put back
     assert reply.accepted == ("after",)
     assert [g.prompt_id for g in await c.collect(1)] == ["after"]

@@ -150,6 +150,23 @@ def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
     assert out == p.Credit(credits=2)
 
 
+def test_compiled_decoders_fill_defaults_fresh_and_bound_unknown_fields_among_few_known() -> None:
+    """Each record's decoder is generated code (one block per field); it must keep the loop's rules."""
+    hello = {"worker_id": "w", "protocol_min": 1, "protocol_max": 1, "engine": "e", "capacity": 2, "credits": 2}
+    a = decode([_header("hello", hello)])
+    assert a == p.Hello(worker_id="w", protocol_min=1, protocol_max=1, engine="e", capacity=2, credits=2)  # absent: defaults
+    assert a.pool == "default" and a.weight_version == -1 and a.features == ()
+    b = decode([_header("hello", hello)])
+    assert a.engine_info == {} and a.engine_info is not b.engine_info  # a default factory is called per object
+    # unknown fields are bounded even when the message is short because known fields are absent
+    limits = Limits(max_unknown_fields=2)
+    assert decode([_header("credit", {"credits": 1, "x1": 0, "x2": 0})], limits) == p.Credit(credits=1)
+    assert _code([_header("credit", {"credits": 1, "x1": 0, "x2": 0, "x3": 0})], limits) == "oversize"
+    assert _code([_header("hello", {**hello, "x1": 0, "x2": 0, "x3": 0})], limits) == "oversize"
+    with pytest.raises(AttributeError):
+        a.worker_id = "x"  # type: ignore[misc]  # still a frozen record
+
+
 def test_a_minor6_apply_done_has_no_skipped_field_and_reads_as_not_skipped() -> None:
     # protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure report stays an ordinary (not final) failure
     old = decode([_header("apply_done", {"version": 3, "ok": False, "duration_s": 0.5, "error": "boom"}, minor=6)])
