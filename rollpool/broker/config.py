@@ -58,11 +58,10 @@ class BrokerConfig:
     max_pull_wait_s: float = field(default=60.0, metadata=_h("longest long-poll a Pull may ask for"))
     control_timeout_s: float = field(default=30.0, metadata=_h("longest wait for workers' control replies"))
     drain_timeout_s: float = field(default=5.0, metadata=_h("on stop: how long results may still be handed over"))
-    burst_messages: int = field(default=256, metadata=_h("messages read per socket per wake-up before yielding the loop"))
+    burst_messages: int = field(default=256, metadata=_h("messages read per socket wake-up before yielding the loop"))
     coalesce_s: float = field(default=0.001, metadata=_h(
-        "the sockets read again within this long of their last read wait for the rest of it (a timed read at its end; "
-        "while messages keep coming, one timed read per window and no wake-up per message), so messages arriving "
-        "faster are read (and answered) together; 0: off"))
+        "a socket read again within this long of its last read waits for the rest of it, so messages arriving "
+        "faster are read (and answered) together: fewer wake-ups per message; 0: off"))
     latency_samples: int = field(default=65_536, metadata=_h("delivered groups whose broker-side timestamps are kept (a ring)"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 

@@ -3,16 +3,14 @@
 The service only moves bytes: it decodes a message, calls the state machine,
 and sends what the state says. It never blocks its loop: every send is
 non-blocking (a peer whose queue is full, or who is gone, makes the send fail
-at once, and the failure is handled, never waited out). One wake-up reads a
-bounded burst from both sockets, then dispatches and answers waiting pulls once
-for all of it (which batches sends naturally). A wake-up within `coalesce_s` of
-the last read becomes a timed read at the window's end, with the readers off
-meanwhile; while messages keep coming the next read is timed too, so a steady
-flow costs one wake-up per window, not one per message (`_on_timed`).
+at once, and the failure is handled, never waited out), and the sockets are
+read by a reader callback that drains a bounded burst of messages per wake-up,
+then dispatches and answers waiting pulls once per burst (which batches sends
+naturally).
 
 ZeroMQ signals readiness on an edge-triggered file descriptor, so after every
-read (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
-checked again and a read is queued if either has messages waiting.
+burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
+checked again and a drain is scheduled for any socket with messages waiting.
 
 Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
 ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
@@ -187,21 +185,20 @@ class Broker:
         """What each peer said it accepts (max_msg_bytes, max_header_bytes): worker id or client identity."""
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
-        self._scheduled = False
-        """A read is queued on the loop (`call_soon`)."""
-        self._read_at = float("-inf")
-        """When the sockets were last read (`coalesce_s`)."""
-        self._fds: tuple[int, ...] = ()
-        self._readers_on = False
-        """The sockets' FDs are watched by the loop (off while a timed read is due: `_timed`)."""
-        self._timed: asyncio.TimerHandle | None = None
-        """The next read, at the end of the current coalescing window (the readers are off meanwhile)."""
+        self._scheduled = {"w": False, "c": False}
+        self._read_at = {"w": float("-inf"), "c": float("-inf")}
+        """When each socket was last read (`coalesce_s`)."""
+        self._fds: dict[str, int] = {}
         self.coalesced_reads = 0
+        """Reads put off to the end of a coalescing window (counter `coalesced_reads`)."""
         self.reads = 0
         """Socket reads (wake-ups that read a socket; counter `reads`)."""
         self.messages_in = 0
         self.messages_out = 0
-        """Reads put off to the end of a coalescing window (counter `coalesced_reads`)."""
+        """Messages read and sent (counters `messages_in`, `messages_out`: with `reads` and `completed`, the
+        messages and reads per round trip the bench reports)."""
+        self._deferred = {"w": False, "c": False}
+        """A socket whose read waits for the rest of its coalescing window (its reader is removed meanwhile)."""
         self._tick = min(self.config.heartbeat_interval_s / 4, 0.25)
         """The lease loop's period."""
         self._stall_after = self._tick + max(self._tick, 0.1)
@@ -246,8 +243,9 @@ class Broker:
         self.sockets.watch(self._csock, "broker.client")
         self.worker_endpoint = self._w.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self._c.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._fds = (int(self._w.getsockopt(zmq.FD)), int(self._c.getsockopt(zmq.FD)))
-        self._arm()
+        self._fds = {"w": int(self._w.getsockopt(zmq.FD)), "c": int(self._c.getsockopt(zmq.FD))}
+        self._loop.add_reader(self._fds["w"], self._on_readable, "w")
+        self._loop.add_reader(self._fds["c"], self._on_readable, "c")
         self.ready.set()
         log.info(
             "broker %s listening: workers %s, clients %s", self.epoch, self.worker_endpoint, self.client_endpoint,
@@ -257,10 +255,6 @@ class Broker:
 
     def _close(self) -> None:
         loop = self._loop
-        if self._timed is not None:
-            self._timed.cancel()
-            self._timed = None
-        self._readers_on = False
         for sync, sock in ((self._w, self._wsock), (self._c, self._csock)):
             if sync is None:
                 continue
@@ -298,79 +292,34 @@ class Broker:
 
     # ------------------------------------------------------------------ socket plumbing
 
-    def _on_readable(self) -> None:
-        """A socket's FD fired (or `_recheck` saw messages waiting): read both sockets, unless within the window.
-
-        One wake-up reads every message waiting on both sockets and answers them together (`_read_all`).
-        A wake-up within `coalesce_s` of the last read only starts a timed read at the window's end and
-        takes the readers off, so the loop does not wake for every message meanwhile.
-        """
-        self._scheduled = False
-        if self._timed is not None or self._w is None:
-            return  # a timed read is due: it reads everything
+    def _on_readable(self, which: str, force: bool = False) -> None:
+        self._scheduled[which] = False
+        sock = self._w if which == "w" else self._c
+        if sock is None or (self._deferred[which] and not force):
+            return
         now = self.clock()
         coalesce = self.config.coalesce_s
-        if coalesce > 0 and now - self._read_at < coalesce:
-            self.coalesced_reads += 1
-            self._disarm()
+        if coalesce > 0 and not force and now - self._read_at[which] < coalesce:
+            # read again too soon: wait for the rest of the window (its reader off, so the loop does not wake
+            # for every message meanwhile), then read everything that came together
             assert self._loop is not None
-            self._timed = self._loop.call_later(coalesce - (now - self._read_at), self._on_timed)
-            return
-        self._read_all(now)
-        self._recheck()
-
-    def _on_timed(self) -> None:
-        """The end of a coalescing window: read both sockets. Messages came meanwhile: the next read is timed
-        too (a steady flow is read once per window, no reader wake-ups and no re-arming between); none
-        came: the readers go back on."""
-        self._timed = None
-        if self._w is None or self._loop is None:
-            return
-        now = self.clock()
-        if self._read_all(now):
-            coalesce = self.config.coalesce_s
+            self._deferred[which] = True
             self.coalesced_reads += 1
-            self._timed = self._loop.call_later(max(0.0, coalesce - (self.clock() - now)), self._on_timed)
+            self._loop.remove_reader(self._fds[which])
+            self._loop.call_later(coalesce - (now - self._read_at[which]), self._on_deferred, which)
             return
-        self._arm()
-        self._recheck()
-
-    def _arm(self) -> None:
-        if not self._readers_on and self._loop is not None and self._w is not None:
-            for fd in self._fds:
-                self._loop.add_reader(fd, self._on_readable)
-            self._readers_on = True
-
-    def _disarm(self) -> None:
-        if self._readers_on and self._loop is not None:
-            for fd in self._fds:
-                self._loop.remove_reader(fd)
-            self._readers_on = False
-
-    def _read_all(self, now: float) -> int:
-        """Read a burst from each socket, then dispatch and answer once for all of it; returns the messages read."""
-        self._read_at = now
+        self._read_at[which] = now
+        handle = self._on_worker_frames if which == "w" else self._on_client_frames
         self._now = now
         if now - self._tick_at > self._stall_after:
             # the lease loop has not ticked for too long: a stall, noted before anything queued is read
             # (a heartbeat that waited in the socket must not be judged by the time the broker was not reading)
             self._stalled(now)
-        self.reads += 1
-        n = self._read_burst(self._w, self._on_worker_frames) + self._read_burst(self._c, self._on_client_frames)
-        self._after_burst()
-        return n
-
-    def _read_burst(self, sock: zmq.Socket[Any] | None, handle: Callable[[list[Any]], None]) -> int:
-        """Read and handle up to `burst_messages` messages waiting on `sock`; returns how many."""
-        if sock is None:
-            return 0
-        # the Cython method, without the sugar layer's per-call overhead; read until a recv fails (one zmq.Again
-        # per burst, 3.7 us here, costs less than an EVENTS check before every message, 1.4 us each, once a
-        # burst holds more than two messages, as a timed read's does)
-        recv = super(zmq.Socket, sock).recv
-        n = 0
         burst = self.config.burst_messages
-        while n < burst:
+        recv = super(zmq.Socket, sock).recv  # the Cython method, without the sugar layer's per-call overhead
+        self.reads += 1
+        n = 0
+        for _ in range(burst):
             # frames as zmq.Frame (no copy; `more` is a C field, where getsockopt(RCVMORE) costs an enum
             # conversion per frame); the decoder reads them through the buffer protocol
             try:
@@ -387,27 +336,36 @@ class Broker:
             except Exception:  # a bug in one handler must not take the broker down
                 log.exception("broker: error while handling a message")
         self.messages_in += n
-        return n
+        self._after_burst()
+        self._recheck()
+
+    def _on_deferred(self, which: str) -> None:
+        """The end of a socket's coalescing window: its reader back on, and everything that came meanwhile read."""
+        self._deferred[which] = False
+        sock = self._w if which == "w" else self._c
+        if sock is None or self._loop is None:
+            return
+        self._loop.add_reader(self._fds[which], self._on_readable, which)
+        self._on_readable(which, force=True)
 
     def _drain_workers(self, max_bursts: int = 64) -> None:
         """Read what the worker socket queued up (after a stall), before leases are judged."""
         for _ in range(max_bursts):
-            if not self._read_burst(self._w, self._on_worker_frames):
+            sock = self._w
+            if sock is None or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
-            self._after_burst()
+            self._on_readable("w", force=True)
 
     def _recheck(self) -> None:
-        """After anything that may have consumed the sockets' FD edge (a send, a read): messages already
-        waiting get a read queued (ZeroMQ signals readiness on an edge-triggered FD)."""
         loop = self._loop
-        if loop is None or self._scheduled or self._timed is not None:
+        if loop is None:
             return
-        for sock in (self._w, self._c):
+        for which, sock in (("w", self._w), ("c", self._c)):
             # the Cython getter with plain ints: the sugar layer's enum conversions cost as much as the call
-            if sock is not None and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN:
-                self._scheduled = True
-                loop.call_soon(self._on_readable)
-                return
+            if (sock is not None and not self._scheduled[which] and not self._deferred[which]
+                    and int(super(zmq.Socket, sock).get(_EVENTS)) & _POLLIN):
+                self._scheduled[which] = True
+                loop.call_soon(self._on_readable, which)
 
     def _send(self, sock: zmq.Socket[Any] | None, identity: bytes, frames: list[Any]) -> bool:
         if sock is None:
