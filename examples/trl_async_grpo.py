@@ -47,7 +47,7 @@ def largest_digit_reward(completion_ids: list[list[int]], answer_id: list[int], 
 def _start(name: str, args: list[str], log_dir: pathlib.Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     from rollpool.launch.supervisor import set_parent_death_signal
 
-    logf = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+    logf = open(log_dir / f"{name}.log", "ab")
     return subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=set_parent_death_signal)
 
