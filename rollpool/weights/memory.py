@@ -473,7 +473,9 @@ class BufferPool:
 
     def _drop(self, buf: torch.Tensor) -> None:
         seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
+        # asked before the close: a segment's bytes are no longer page-locked once it is unregistered
+        pinned = seg.pinned if seg is not None else buf.is_pinned()
         if seg is not None:
             seg.close()
-        if buf.is_pinned():
+        if pinned:
             self.pinned_bytes -= int(buf.numel())
