@@ -108,6 +108,7 @@ async def _run() -> dict[str, Any]:
     from rollpool.weights.bucketing import flat_bytes
     from rollpool.weights.cuda_ipc import mix64_checksum, mix64_reference
     from rollpool.weights.publisher import WeightPublisher
+    from tests.integration.weights.segments import bucket_bytes, flip_byte
 
     ctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(ctx), router_endpoint="tcp://127.0.0.1:*", pub_endpoint=None, path="shm",
@@ -162,16 +163,15 @@ async def _run() -> dict[str, Any]:
         m = pub.manifest_of(3)
         assert m is not None
         for b in m.buckets:
-            assert b.host_mix64 == mix64_reference(segment_bytes(b.shm_segment, b.nbytes)), b.index
+            assert b.host_mix64 == mix64_reference(bucket_bytes(b.shm_segment, b.nbytes)), b.index
         # a corrupted segment: restaged, then refused (never returned); restored, the version arrives whole
         want = {k: mix64_checksum(flat_bytes(t).clone()) for k, t in w.items()}
         m4 = await pub.publish(w, 4, wait_ready=True)
-        path = os.path.join("/dev/shm", m4.buckets[0].shm_segment)
-        flip(path, 4096 + 100)
+        flip_byte(m4.buckets[0].shm_segment, 100)
         bad = await ask(4)
         report["corrupt"] = bad
         assert not bad["ok"] and "checksum" in bad["error"] and bad["refetched"] == 2, bad
-        flip(path, 4096 + 100)
+        flip_byte(m4.buckets[0].shm_segment, 100)
         good = await ask(4)
         assert good["ok"] and good["path"] == "shm" and good["sums"] == want and good["fallbacks"] == {}, good
         report["restored"] = {k: good[k] for k in ("ok", "path")}
@@ -187,20 +187,6 @@ async def _run() -> dict[str, Any]:
         await pub.close()
         ctx.destroy(linger=0)
     return report
-
-
-def segment_bytes(name: str, nbytes: int) -> bytes:
-    with open(os.path.join("/dev/shm", name), "rb") as f:
-        f.seek(4096)
-        return f.read(nbytes)
-
-
-def flip(path: str, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 class _suppress:

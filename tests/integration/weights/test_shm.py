@@ -21,9 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
-from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
 from rollpool.weights import memory  # noqa: E402
-from rollpool.weights.memory import SHM_DIR, SHM_HEADER_BYTES, sweep_stale_segments  # noqa: E402
+from rollpool.weights.memory import SHM_DIR, sweep_stale_segments  # noqa: E402
+
+from .segments import RestoreOnRefetch, flip_byte, segment_exists  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -40,30 +41,6 @@ def model(seed: int, n: int = 4) -> dict[str, torch.Tensor]:
 
 def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
-
-
-def segment_exists(name: str) -> bool:
-    return os.path.exists(os.path.join(SHM_DIR, name))
-
-
-def corrupt(segment: str, offset: int = 100) -> tuple[str, int]:
-    """Flip one byte of a publisher's segment (its bucket bytes, after the header); (path, position) to restore it."""
-    path = os.path.join(SHM_DIR, segment)
-    pos = SHM_HEADER_BYTES + offset
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
-    return path, pos
-
-
-def flip_back(path: str, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 async def test_same_host_versions_travel_through_shared_memory(make_publisher: Any, make_subscriber: Any) -> None:
@@ -95,17 +72,9 @@ async def test_a_corrupt_segment_is_refetched_and_then_verified(make_publisher: 
     pub = await make_publisher()
     w = model(2)
     manifest = await pub.publish(w, 1, wait_ready=True)
-    path, pos = corrupt(manifest.buckets[0].shm_segment)
-
-    class RestoreOnRefetch(MemoryMetricsSink):
-        """Fake sink: the first refetch of bucket 0 restores the byte (a transient fault in the shared memory)."""
-
-        def event(self, name: str, fields: dict[str, Any]) -> None:
-            super().event(name, fields)
-            if name == "bucket_refetched" and fields["bucket"] == 0 and fields["path"] == "shm":
-                flip_back(path, pos)
-
-    sub = make_subscriber(pub.router_endpoint, path="auto", metrics=RestoreOnRefetch())
+    flip_byte(manifest.buckets[0].shm_segment, 100)
+    restore = RestoreOnRefetch(manifest.buckets[0].shm_segment, 100, path="shm")
+    sub = make_subscriber(pub.router_endpoint, path="auto", metrics=restore)
     got = await sub.fetch(1)
     assert sub.buckets_refetched == 1 and sub.last_path == "shm"
     assert same(got.tensors, w)  # the bytes handed to the engine are the good ones
@@ -114,7 +83,7 @@ async def test_a_corrupt_segment_is_refetched_and_then_verified(make_publisher: 
 async def test_a_segment_that_stays_corrupt_is_never_returned(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher()
     manifest = await pub.publish(model(3), 1, wait_ready=True)
-    corrupt(manifest.buckets[-1].shm_segment, offset=8)
+    flip_byte(manifest.buckets[-1].shm_segment, 8)
     sub = make_subscriber(pub.router_endpoint, path="auto", max_refetch=2)
     with pytest.raises(WeightSyncError, match="checksum"):
         await sub.fetch(1)

@@ -19,9 +19,11 @@ from rollpool.protocol.errors import WeightSyncError  # noqa: E402
 from rollpool.protocol.messages import BucketInfo, Manifest  # noqa: E402
 from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
 from rollpool.weights.cuda_ipc import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
-from rollpool.weights.memory import SHM_DIR, SHM_HEADER_BYTES  # noqa: E402
+from rollpool.weights.memory import SHM_DIR  # noqa: E402
 from rollpool.weights.serving import WeightServer  # noqa: E402
 from rollpool.weights.subscriber import WeightSubscriber  # noqa: E402
+
+from .segments import RestoreOnRefetch, bucket_bytes, flip_byte  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -75,30 +77,13 @@ def staging(make_subscriber: Any, router: str, **kw: Any) -> WeightSubscriber:
     return sub
 
 
-def segment_bytes(segment: str, nbytes: int) -> bytes:
-    with open(os.path.join(SHM_DIR, segment), "rb") as f:
-        f.seek(SHM_HEADER_BYTES)
-        return f.read(nbytes)
-
-
-def flip(segment: str, offset: int) -> tuple[str, int]:
-    path = os.path.join(SHM_DIR, segment)
-    pos = SHM_HEADER_BYTES + offset
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
-    return path, pos
-
-
 async def test_buckets_go_from_the_segments_to_the_device_verified_by_the_publishers_mix64(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher(pool="tdev", publisher_id="pubdev1")
     w = model(1)
     manifest = await pub.publish(w, 1, wait_ready=True)
     # the publisher's mix64 of each bucket's host bytes (CPU tensors: summed on the CPU) is the reference digest
     for b in manifest.buckets:
-        assert b.host_mix64 == mix64_reference(segment_bytes(b.shm_segment, b.nbytes))
+        assert b.host_mix64 == mix64_reference(bucket_bytes(b.shm_segment, b.nbytes))
     sub = staging(make_subscriber, pub.router_endpoint)
     seen: list[int] = []
     got = await sub.fetch(1, on_bucket=lambda i, _t: seen.append(i))
@@ -143,17 +128,9 @@ async def test_a_corrupt_segment_is_restaged_and_then_verified_on_the_device(mak
     pub = await make_publisher()
     w = model(4)
     manifest = await pub.publish(w, 1, wait_ready=True)
-    path, pos = flip(manifest.buckets[0].shm_segment, 100)
-
-    class RestoreOnRefetch(MemoryMetricsSink):
-        """Fake sink: the first refetch of bucket 0 restores the byte (a transient fault in the shared memory)."""
-
-        def event(self, name: str, fields: dict[str, Any]) -> None:
-            super().event(name, fields)
-            if name == "bucket_refetched" and fields["bucket"] == 0 and fields["path"] == "shm_device":
-                flip(os.path.basename(path), pos - SHM_HEADER_BYTES)
-
-    sub = staging(make_subscriber, pub.router_endpoint, metrics=RestoreOnRefetch())
+    flip_byte(manifest.buckets[0].shm_segment, 100)
+    restore = RestoreOnRefetch(manifest.buckets[0].shm_segment, 100, path="shm_device")
+    sub = staging(make_subscriber, pub.router_endpoint, metrics=restore)
     got = await sub.fetch(1)
     assert sub.buckets_refetched == 1 and sub.last_path == "shm" and sub.device_stage_bytes > 0
     assert same(got.tensors, w)  # the bytes handed to the engine are the good ones
@@ -162,7 +139,7 @@ async def test_a_corrupt_segment_is_restaged_and_then_verified_on_the_device(mak
 async def test_a_segment_that_stays_corrupt_is_never_staged_into_an_applied_version(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher()
     manifest = await pub.publish(model(5), 1, wait_ready=True)
-    flip(manifest.buckets[-1].shm_segment, 8)
+    flip_byte(manifest.buckets[-1].shm_segment, 8)
     sub = staging(make_subscriber, pub.router_endpoint, max_refetch=2)
     seen: list[int] = []
     with pytest.raises(WeightSyncError, match="checksum"):
