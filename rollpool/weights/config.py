@@ -37,14 +37,22 @@ def default_streams() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-def weight_io_threads(streams: int = 0) -> int:
-    """ZeroMQ I/O threads for a process whose subscriber spreads its fetches over `streams` sockets (0: as the subscriber
-    picks them: ``ROLLPOOL_WEIGHT_STREAMS``, else `default_streams`): one per stream, so the streams use as many cores
+def weight_streams(streams: int | None = None) -> int:
+    """The sockets a subscriber spreads its fetches over: `streams`, else ``ROLLPOOL_WEIGHT_STREAMS``, else
+    `default_streams`; in [1, 16]. A process that fetches over them gives its ZeroMQ context as many I/O threads
     (a context's default is one I/O thread for all of its sockets)."""
     if not streams:
         text = os.environ.get("ROLLPOOL_WEIGHT_STREAMS", "").strip()
-        streams = int(text) if text.isdigit() else default_streams()
-    return max(1, min(16, streams))
+        if text:
+            try:
+                streams = int(text)
+            except ValueError:
+                raise ValueError(f"ROLLPOOL_WEIGHT_STREAMS must be an integer, got {text!r}") from None
+    if streams is None:
+        return default_streams()
+    if not 1 <= streams <= 16:
+        raise ValueError(f"streams must be in [1, 16], got {streams}")
+    return streams
 
 
 def default_copy_threads() -> int:

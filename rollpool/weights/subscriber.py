@@ -68,7 +68,7 @@ from rollpool.weights.bucketing import (
     unpack_buckets,
     verify_checksum,
 )
-from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, default_streams
+from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, weight_streams
 from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
 from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
@@ -144,13 +144,11 @@ class WeightSubscriber:
         # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
         # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
         path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"
-        streams = streams or _env_int("ROLLPOOL_WEIGHT_STREAMS")
         pinned_budget_bytes = pinned_budget_bytes if pinned_budget_bytes is not None else _env_int("ROLLPOOL_PINNED_BUDGET_BYTES")
         reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_int("ROLLPOOL_WEIGHT_RESERVE_BYTES")
         if path not in WEIGHT_PATHS:
             raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        if streams is not None and not 1 <= streams <= 16:
-            raise ValueError(f"streams must be in [1, 16], got {streams}")
+        streams = weight_streams(streams)
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
         if not 1 <= window_chunks <= 1024:
@@ -166,7 +164,7 @@ class WeightSubscriber:
         """Bucket buffers in page-locked memory, for fast copies to a GPU (False without CUDA)."""
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.path = path
-        self.streams = streams or default_streams()
+        self.streams = streams
         self.copy_threads = copy_threads or default_copy_threads()
         self.host_key = host_key()
         self.router_endpoint: str | None = None

@@ -1,4 +1,4 @@
-"""The ZeroMQ I/O threads of a process that fetches weights over several streams."""
+"""How many weight streams (and ZeroMQ I/O threads) a fetching process uses, and the buffer pool's page-locked budget."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rollpool.weights.config import weight_io_threads
+from rollpool.weights.config import weight_streams
 
 
 def test_a_fetching_process_gets_one_io_thread_per_weight_stream(monkeypatch: Any) -> None:
     monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "8")
-    assert weight_io_threads() == 8 and weight_io_threads(3) == 3
+    assert weight_streams() == 8 and weight_streams(3) == 3
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "eight")
+    with pytest.raises(ValueError, match="ROLLPOOL_WEIGHT_STREAMS must be an integer"):
+        weight_streams()
+    with pytest.raises(ValueError, match=r"streams must be in \[1, 16\]"):
+        weight_streams(17)
     monkeypatch.delenv("ROLLPOOL_WEIGHT_STREAMS")
-    assert 1 <= weight_io_threads() <= 4
+    assert 1 <= weight_streams() <= 4
 
 
 def test_a_dropped_registered_segment_gives_its_bytes_back_to_the_pinned_budget(monkeypatch: Any) -> None:
