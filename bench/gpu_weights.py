@@ -462,6 +462,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "publisher_ipc_versions": pub.stats.get("ipc_versions"),
                     "staged_to": f.get("staged_to"), "host_mix64_at_return": mixed_at_return,
                     "buckets": len(manifest.buckets) if manifest is not None else None,
+                    "publish_phases": dict(pub.last_phases),
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
@@ -620,6 +621,7 @@ HOW = {
     "raw_tcp_4stream_gbps": "pyzmq PUSH -> PULL, 4 tcp connections, 4 I/O threads each side, 4 MiB frames copied by the receiver, 8 GiB",
     "raw_tcp_Nstream_gbps": "the same probe with --streams connections and I/O threads each side (when not 4), in the same run",
     "register_wait_s": "shm rows: how long the bench waited, before the row's first version, for the worker's 'weight segments registered' line naming every publisher segment (mapped and page-locked ahead, minor 11)",
+    "publish_phases": "per version: WeightPublisher.last_phases, seconds from the publish call to: buffers taken (begun), the version announced, every copy handed out (issued), every copy done (landed), the GPU mix64 reads done (mixed), the call's return (returned); publish_weights adds the broker's set_version after that",
     "torn_snapshot": "every bucket's xxh3_64 computed from the trainer's tensors before publish_weights vs the published manifest after the optimizer step",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }

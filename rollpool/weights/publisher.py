@@ -30,6 +30,7 @@ CPU tensors are served in place; others are copied once (to CPU, contiguous).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -192,6 +193,10 @@ class _Snapshot:
         self.ipc_offsets: list[int] = []
         """The buckets' offsets in the version's device arena (the same-GPU path), else empty."""
         self.ipc_stream: Any = None
+        self.pinned: list[bool | None] = [None] * len(buffers)
+        """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
+        self.marks: dict[str, float] = {}
+        """perf_counter of the copy's phases (`WeightPublisher.last_phases`)."""
         if not buffers:
             self.checksummed.set_result(None)
         self._lock = threading.Lock()
@@ -234,17 +239,27 @@ class _Snapshot:
                     self._copy(idx, offset, tensor, stream, mix_stream)
                     continue
                 await window.acquire()
-                fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream, mix_stream))
+                if stream is not None and self._pinned(idx):
+                    # into page-locked memory: queued by the issuing thread, waited for by the landing thread (the copy
+                    # engine never waits for a copy thread to be scheduled, whatever else the host runs)
+                    landed: concurrent.futures.Future[None] = concurrent.futures.Future()
+                    pub._issue_pool.submit(self._issue, idx, offset, tensor, stream, mix_stream, landed)
+                    fut = asyncio.wrap_future(landed)
+                else:
+                    fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream, mix_stream))
                 fut.add_done_callback(lambda _f: window.release())
                 futures.append(fut)
                 del tensor  # only the copy job holds it now
             for _extra in it:
                 raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
+            self.marks["issued"] = time.perf_counter()
             await asyncio.gather(*futures)
+            self.marks["landed"] = time.perf_counter()
             if mix_streams:
                 # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
                 # the whole version, not one per tensor)
                 await asyncio.to_thread(_synchronize_all, list(mix_streams.values()))
+            self.marks["mixed"] = time.perf_counter()
         except BaseException:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
@@ -271,9 +286,15 @@ class _Snapshot:
                 mix_streams[tensor.device].wait_stream(torch.cuda.current_stream(tensor.device))
         return stream, mix_streams.get(tensor.device)
 
+    def _pinned(self, idx: int) -> bool:
+        pinned = self.pinned[idx]
+        if pinned is None:
+            pinned = self.pinned[idx] = bool(self.buffers[idx].is_pinned())
+        return pinned
+
     def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any = None) -> None:
-        """Copy thread: one tensor into its bucket; the bucket's last copy queues its checksum (and publishes the
-        bucket's GPU-summed mix64 where every part of it was summed on the GPU)."""
+        """Copy thread: one tensor into its bucket, waited for here (CPU tensors, and CUDA tensors into pageable
+        memory, which the driver copies synchronously anyway); then `_landed`."""
         src = flat_bytes(tensor)
         dst = self.buffers[idx][offset : offset + int(src.numel())]
         part: torch.Tensor | None = None
@@ -282,12 +303,54 @@ class _Snapshot:
                 dst.copy_(src, non_blocking=dst.is_pinned())
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
-            if mix_stream is not None and self.mix_aligned[idx] and src.data_ptr() % 8 == 0:
-                with torch.cuda.stream(mix_stream):  # the trainer's bytes, read before publish returns (copy() waits for it)
-                    part = mix64_partial(src, offset // 8)  # queued, not waited on here
+            part = self._mix_part(idx, offset, src, mix_stream)
             done.synchronize()
         else:
             dst.copy_(src)
+        self._landed(idx, part, mix_stream)
+
+    def _issue(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+        """Issuing thread (one per publisher, so copies are queued in the order they were planned): a CUDA tensor's
+        copy into page-locked memory queued on the side stream and its GPU mix64 part beside it, nothing waited on;
+        the landing thread waits for the copy."""
+        try:
+            src = flat_bytes(tensor)
+            dst = self.buffers[idx][offset : offset + int(src.numel())]
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
+                done.record(stream)
+            _keep_until_done(src, stream)
+            part = self._mix_part(idx, offset, src, mix_stream)
+        except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
+            landed.set_exception(exc)
+            return
+        self.pub._land_pool.submit(self._land, idx, done, part, mix_stream, landed)
+
+    def _land(self, idx: int, done: Any, part: torch.Tensor | None, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+        """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
+        for in that order."""
+        try:
+            done.synchronize()
+            self._landed(idx, part, mix_stream)
+        except BaseException as exc:  # noqa: BLE001 - the publish fails with it
+            landed.set_exception(exc)
+            return
+        landed.set_result(None)
+
+    def _mix_part(self, idx: int, offset: int, src: torch.Tensor, mix_stream: Any) -> torch.Tensor | None:
+        """The tensor's GPU mix64 part, queued on the mix stream (the trainer's bytes, read before publish returns:
+        copy() waits for the mix stream), where the bucket is summed tensor by tensor."""
+        if mix_stream is None or not self.mix_aligned[idx] or src.data_ptr() % 8:
+            return None
+        with torch.cuda.stream(mix_stream):
+            part = mix64_partial(src, offset // 8)
+        _keep_until_done(src, mix_stream)
+        return part
+
+    def _landed(self, idx: int, part: torch.Tensor | None, mix_stream: Any) -> None:
+        """A tensor's bytes are in its bucket: the bucket's last copy queues its checksum (and publishes the bucket's
+        GPU-summed mix64 where every part of it was summed on the GPU)."""
         with self._lock:
             self.left[idx] -= 1
             last = self.left[idx] == 0
@@ -389,6 +452,13 @@ class _Snapshot:
             self.pending -= 1
             if self.pending == 0:
                 self.checksummed.set_result(None)
+
+
+def _keep_until_done(t: torch.Tensor, stream: Any) -> None:
+    """The caching allocator does not hand `t`'s memory out again before `stream`'s work queued so far is done (an
+    iterator's tensor may be freed by its producer while its copy or mix64 is still queued)."""
+    with contextlib.suppress(RuntimeError):  # memory the caching allocator does not own: the caller keeps it alive
+        t.record_stream(stream)
 
 
 def _synchronize_all(streams: list[Any]) -> None:
@@ -505,6 +575,11 @@ class WeightPublisher:
             sweep_stale_segments(pool)
             self._shm_pool = BufferPool(kind="shm", pin=pin, pinned_budget_bytes=pinned_budget_bytes, pool=pool, owner_id=self.publisher_id)
         self._copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
+        self._issue_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-issue")
+        self._land_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-land")
+        self.last_phases: dict[str, float] = {}
+        """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
+        ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
         self._sum_pool = ThreadPoolExecutor(self.checksum_threads, thread_name_prefix="weights-checksum")
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
@@ -553,6 +628,8 @@ class WeightPublisher:
             fut.cancel()
         await self._server.close()
         self._copy_pool.shutdown(wait=True, cancel_futures=True)
+        self._issue_pool.shutdown(wait=True, cancel_futures=True)
+        self._land_pool.shutdown(wait=True, cancel_futures=True)
         self._sum_pool.shutdown(wait=True, cancel_futures=True)
         self._spare = []
         self._ipc_exports = []
@@ -762,6 +839,7 @@ class WeightPublisher:
             await asyncio.to_thread(self._warming.join)
             self._warming = None
         snap = self._begin(version, places, planner)
+        snap.marks["begun"] = time.perf_counter()
         ipc_device = self._ipc_device(items)
         if ipc_device is not None:
             try:
@@ -775,6 +853,7 @@ class WeightPublisher:
                 ipc_device = None
         previous, self._latest = self._latest, version
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
+        snap.marks["announced"] = time.perf_counter()
         try:
             if ipc_device is not None:
                 await self._ipc_copy(arena, snap, places, items)
@@ -789,6 +868,8 @@ class WeightPublisher:
                 self._ipc_release(version)
             raise
         copied = time.perf_counter()
+        snap.marks["returned"] = copied
+        self.last_phases = {k: round(at - t0, 4) for k, at in sorted(snap.marks.items(), key=lambda kv: kv[1])}
         if ipc_device is not None:
             self._finishing[version] = asyncio.ensure_future(self._finish_ipc(snap, arena, arena_items, t0, copied))
         else:
