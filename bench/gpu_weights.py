@@ -409,9 +409,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 pub.reserve(sd)  # this path's buffers before its first version (its kind differs from the last row's)
                 stage[name]["reserve_s"] = round(time.time() - t, 2)
             last_kind, last_on = kind, on
-            if path == "shm":
+            if kind == "shm":
                 # the worker maps and page-locks the publisher's segments ahead (minor 11), in a thread, from the moment a
                 # manifest names them: wait for that before the row's first version (bounded), and say how long it took
+                # (the cuda_ipc row's segments too: page-locking them holds the worker's CUDA driver calls up)
                 t = time.time()
                 want = len(pub._server.shm_reserved)
                 while time.time() - t < args.register_wait_s:

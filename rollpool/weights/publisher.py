@@ -363,7 +363,7 @@ class _Snapshot:
                 assert mix_stream is not None
                 queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 queued.record(mix_stream)
-                self.pub._sum_pool.submit(self._mix_from_device, idx, mix_stream, queued)
+                self.pub._mix_pool.submit(self._mix_from_device, idx, mix_stream, queued)
             self._sum_later(idx)
 
     def _mix_from_device(self, idx: int, mix_stream: Any, queued: Any) -> None:
@@ -581,6 +581,9 @@ class WeightPublisher:
         """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
         ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
         self._sum_pool = ThreadPoolExecutor(self.checksum_threads, thread_name_prefix="weights-checksum")
+        self._mix_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-mix")
+        """Adds up each bucket's GPU mix64 parts (a short wait on the mix stream): never queued behind the xxh3 jobs,
+        so a staging worker may copy a bucket as soon as it landed."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._server = WeightServer(
@@ -631,6 +634,7 @@ class WeightPublisher:
         self._issue_pool.shutdown(wait=True, cancel_futures=True)
         self._land_pool.shutdown(wait=True, cancel_futures=True)
         self._sum_pool.shutdown(wait=True, cancel_futures=True)
+        self._mix_pool.shutdown(wait=True, cancel_futures=True)
         self._spare = []
         self._ipc_exports = []
         self._ipc_of_version = {}

@@ -212,6 +212,8 @@ class WeightSubscriber:
         self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
         self._reserved_versions = 0
         self._copy_exec: ThreadPoolExecutor | None = None
+        self._verify_exec: ThreadPoolExecutor | None = None
+        """One thread that waits for staged buckets' digests, in the order they were queued (`_fetch_shm_device`)."""
         self._readers: dict[str, ShmReader] = {}
         self._readers_lock = threading.RLock()
         """`_readers` is also filled by the registering thread (`_register_ahead`)."""
@@ -264,6 +266,9 @@ class WeightSubscriber:
         if self._copy_exec is not None:
             self._copy_exec.shutdown(wait=False, cancel_futures=True)
             self._copy_exec = None
+        if self._verify_exec is not None:
+            self._verify_exec.shutdown(wait=False, cancel_futures=True)
+            self._verify_exec = None
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)
@@ -816,7 +821,7 @@ class WeightSubscriber:
         ops = self._staging()
         loop = asyncio.get_running_loop()
         try:
-            readers = [await asyncio.to_thread(self._reader, b.shm_segment, b.nbytes, True) for b in manifest.buckets]
+            readers = await asyncio.to_thread(lambda: [self._reader(b.shm_segment, b.nbytes, True) for b in manifest.buckets])
         except ShmUnavailableError as exc:
             raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
         sizes = [b.nbytes for b in manifest.buckets]
@@ -824,31 +829,29 @@ class WeightSubscriber:
         slab = ops.alloc(total)
         buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
         done: set[int] = set()
+        verifying: dict[int, asyncio.Future[str]] = {}
+        """Buckets whose copy is queued: the verifying thread waits for each one's digest (in the order they were queued),
+        while this loop goes on asking for the next buckets' GPU checksums."""
         failures = [0] * len(sizes)
         deadline = loop.time() + self.fetch_timeout_s
         try:
             while len(done) < len(sizes):
-                ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done]
+                ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done and i not in verifying]
                 if ready:
-                    expected = [manifest.buckets[i].host_mix64 for i in ready]
-                    results = await asyncio.to_thread(_stage_device, ops, readers, manifest.version, ready, buffers, expected)
-                    for i, outcome in results:
-                        if self._staged_bucket(manifest, i, outcome, buffers[i], failures, on_bucket):
-                            done.add(i)
-                    continue
-                if len(done) == len(sizes):
-                    break
-                if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
-                    raise _ShmFallback("the publisher gives no GPU checksum (host_mix64) for this version")
-                if loop.time() > deadline:
-                    raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
-                await asyncio.sleep(_MIX64_POLL_S)
-                again = _checked(await self.fetch_manifest(manifest.version))
-                if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
-                    raise _ShmFallback("the publisher's segments changed under the fetch")
-                manifest = again
+                    queued = await asyncio.to_thread(_stage_queue, ops, readers, manifest.version, ready, buffers)
+                    for i, state, handle in queued:
+                        verifying[i] = loop.run_in_executor(self._verifier(), _stage_outcome, ops, readers[i], state, handle,
+                                                            manifest.buckets[i].host_mix64)
+                for i in sorted(i for i, f in verifying.items() if f.done()):
+                    if self._staged_bucket(manifest, i, verifying.pop(i).result(), buffers[i], failures, on_bucket):
+                        done.add(i)
+                if len(done) < len(sizes):
+                    manifest = await self._next_mix64(manifest, done, verifying, deadline)
         except BaseException:
-            ops.give(slab)
+            if verifying:  # copies still queued into the slab: it goes back once they are done
+                asyncio.gather(*verifying.values(), return_exceptions=True).add_done_callback(lambda _f: ops.give(slab))
+            else:
+                ops.give(slab)
             raise
         finally:
             self._drop_dead_readers()  # unlinked segments (keep the live ones mapped)
@@ -865,6 +868,28 @@ class WeightSubscriber:
                                                "staged_to": str(self.stage_device)})
         tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
         return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+
+    async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]], deadline: float) -> Manifest:
+        """`_fetch_shm_device` has nothing to queue: wait for the next verdict where every bucket left is queued (a bad
+        one is queued again after it), else ask for the manifest again after a few ms (more buckets' GPU checksums)."""
+        if not any(not b.host_mix64 for i, b in enumerate(manifest.buckets) if i not in done and i not in verifying):
+            if verifying:
+                await asyncio.wait(list(verifying.values()), return_when=asyncio.FIRST_COMPLETED)
+            return manifest
+        if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
+            raise _ShmFallback("the publisher gives no GPU checksum (host_mix64) for this version")
+        if asyncio.get_running_loop().time() > deadline:
+            raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
+        await asyncio.sleep(_MIX64_POLL_S)
+        again = _checked(await self.fetch_manifest(manifest.version))
+        if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
+            raise _ShmFallback("the publisher's segments changed under the fetch")
+        return again
+
+    def _verifier(self) -> ThreadPoolExecutor:
+        if self._verify_exec is None:
+            self._verify_exec = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
+        return self._verify_exec
 
     def _staged_bucket(self, manifest: Manifest, i: int, outcome: str, buffer: torch.Tensor, failures: list[int],
                        on_bucket: BucketCallback | None) -> bool:
@@ -1049,27 +1074,26 @@ class CudaStaging:
             return mix64_format(int(handle.item()))
 
 
-def _stage_device(ops: Any, readers: list[ShmReader], version: int, which: list[int], buffers: list[torch.Tensor],
-                  expected: list[str]) -> list[tuple[int, str]]:
-    """Worker thread: queue the copies and checksums of buckets `which`, then read each digest: per bucket ``"ok"``,
-    ``"bad"`` (the device copy's mix64 differs) or ``"torn"`` (the segment does not hold `version`, or was rewritten
-    while it was copied)."""
-    queued: list[tuple[int, tuple[int, int], Any]] = []
-    out: list[tuple[int, str]] = []
+def _stage_queue(ops: Any, readers: list[ShmReader], version: int, which: list[int],
+                 buffers: list[torch.Tensor]) -> list[tuple[int, tuple[int, int] | None, Any]]:
+    """Worker thread: queue the copies and checksums of buckets `which` (nothing waited on): per bucket its segment's
+    state before the copy and the handle of its digest (state None: the segment does not hold `version`)."""
+    out: list[tuple[int, tuple[int, int] | None, Any]] = []
     for i in which:
         state = readers[i].state()
-        if state[0] != version:
-            out.append((i, "torn"))
-            continue
-        queued.append((i, state, ops.stage(readers[i].host_tensor(), buffers[i])))
-    want = dict(zip(which, expected, strict=True))
-    for i, state, handle in queued:
-        digest = ops.digest(handle)  # waits for the bucket's copy and checksum
-        if readers[i].state() != state:
-            out.append((i, "torn"))
-        else:
-            out.append((i, "ok" if digest == want[i] else "bad"))
+        out.append((i, None, None) if state[0] != version else (i, state, ops.stage(readers[i].host_tensor(), buffers[i])))
     return out
+
+
+def _stage_outcome(ops: Any, reader: ShmReader, state: tuple[int, int] | None, handle: Any, expected: str) -> str:
+    """Verifying thread: wait for a queued bucket's digest: ``"ok"``, ``"bad"`` (the device copy's mix64 differs) or
+    ``"torn"`` (the segment did not hold the version, or was rewritten while it was copied)."""
+    if state is None:
+        return "torn"
+    digest = ops.digest(handle)  # waits for the bucket's copy and checksum
+    if reader.state() != state:
+        return "torn"
+    return "ok" if digest == expected else "bad"
 
 
 class _ShmFallback(Exception):
