@@ -193,6 +193,11 @@ class _Snapshot:
         self.ipc_offsets: list[int] = []
         """The buckets' offsets in the version's device arena (the same-GPU path), else empty."""
         self.ipc_stream: Any = None
+        self.issued = [0] * len(buffers)
+        """Per bucket: its CUDA copies queued by the issuing thread."""
+        self.slots: torch.Tensor | None = None
+        """Page-locked int64 per bucket: its GPU mix64 sum, copied behind its copies (`_queue_digest`)."""
+        self.slotted = [False] * len(buffers)
         self.pinned: list[bool | None] = [None] * len(buffers)
         """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
         self.marks: dict[str, float] = {}
@@ -318,14 +323,40 @@ class _Snapshot:
             dst = self.buffers[idx][offset : offset + int(src.numel())]
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
-                done.record(stream)
             _keep_until_done(src, stream)
             part = self._mix_part(idx, offset, src, mix_stream)
+            with self._lock:
+                if part is not None:
+                    self.mix_dev[idx].append(part)
+                    self.mix_parts[idx] += 1
+                self.issued[idx] += 1
+                whole = self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]
+            if whole:
+                self._queue_digest(idx, stream, mix_stream)
+            with torch.cuda.stream(stream):
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
+                done.record(stream)
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
             landed.set_exception(exc)
             return
-        self.pub._land_pool.submit(self._land, idx, done, part, mix_stream, landed)
+        self.pub._land_pool.submit(self._land, idx, done, None, mix_stream, landed)
+
+    def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
+        """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
+        into this snapshot's page-locked digest slot on the copy stream, right behind the bucket's copies (so the landing
+        thread reads it when the bucket lands; a `.item()` would wait behind every copy queued by then)."""
+        if self.slots is None:
+            self.slots = torch.zeros(len(self.buffers), dtype=torch.int64, pin_memory=True)
+        parts, self.mix_dev[idx] = self.mix_dev[idx], []
+        with torch.cuda.stream(mix_stream):
+            total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+            summed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            summed.record(mix_stream)
+        with torch.cuda.stream(stream):
+            stream.wait_event(summed)
+            self.slots[idx : idx + 1].copy_(total.reshape(1), non_blocking=True)
+        _keep_until_done(total, stream)
+        self.slotted[idx] = True
 
     def _land(self, idx: int, done: Any, part: torch.Tensor | None, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
         """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
@@ -358,7 +389,10 @@ class _Snapshot:
                 self.mix_dev[idx].append(part)
                 self.mix_parts[idx] += 1
         if last:
-            if self.mix and self.mix_parts[idx] == self._parts_of(idx):
+            if self.slotted[idx]:
+                assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
+                self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))
+            elif self.mix and self.mix_parts[idx] == self._parts_of(idx):
                 # every part is queued on the mix stream: a checksum thread adds them up there and publishes the sum
                 assert mix_stream is not None
                 queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
