@@ -345,17 +345,23 @@ class _Snapshot:
         """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
         into this snapshot's page-locked digest slot on the copy stream, right behind the bucket's copies (so the landing
         thread reads it when the bucket lands; a `.item()` would wait behind every copy queued by then)."""
-        if self.slots is None:
-            self.slots = torch.zeros(len(self.buffers), dtype=torch.int64, pin_memory=True)
-        parts, self.mix_dev[idx] = self.mix_dev[idx], []
-        with torch.cuda.stream(mix_stream):
-            total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-            summed = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            summed.record(mix_stream)
-        with torch.cuda.stream(stream):
-            stream.wait_event(summed)
-            self.slots[idx : idx + 1].copy_(total.reshape(1), non_blocking=True)
-        _keep_until_done(total, stream)
+        try:
+            if self.slots is None:
+                self.slots = torch.zeros(len(self.buffers), dtype=torch.int64, pin_memory=True)
+            parts = self.mix_dev[idx]
+            with torch.cuda.stream(mix_stream):
+                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+                summed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                summed.record(mix_stream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(summed)
+                self.slots[idx : idx + 1].copy_(total.reshape(1), non_blocking=True)
+            _keep_until_done(total, stream)
+        except Exception:  # the parts stay: the landing thread sums them with a wait instead
+            log.warning("weight version %d: bucket %d's mix64 could not be queued behind its copies; summed after it lands",
+                        self.version, idx, exc_info=True)
+            return
+        self.mix_dev[idx] = []
         self.slotted[idx] = True
 
     def _land(self, idx: int, done: Any, part: torch.Tensor | None, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
