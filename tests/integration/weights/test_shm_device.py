@@ -48,6 +48,9 @@ class FakeDevice:
     def give(self, slab: torch.Tensor) -> None:
         pass
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def stage(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         dst.copy_(src)
         self.copies += 1
@@ -192,6 +195,8 @@ async def test_a_staging_subscriber_maps_the_reserved_segments_before_the_first_
     segments = pub._server.shm_reserved
     assert len(segments) >= 2 and pub.latest_version == -1  # two versions' worth of segments, no version yet
     await _until(lambda: sub.segments_registered_ahead == len(segments), "every reserved segment mapped ahead")
+    # and the staging path warmed before the first version: one small copy out of every segment and one full slice
+    await _until(lambda: sub._ops is not None and sub._ops.copies == len(segments) + 1, "the staging path warmed up")
     maps = sub.segment_maps
     assert maps == len(segments)
     for v in (1, 2, 3, 4):
