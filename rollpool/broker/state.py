@@ -145,6 +145,8 @@ class Group:
     start_version: int = -1
     """The weight version of the worker when the current lease was made: no token of this attempt is older
     (early cancellation judges a lease by it)."""
+    digest: int = -1
+    """`task_digest(task_id)` of the current lease, when its worker keeps a held digest (-1: not computed)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -819,7 +821,10 @@ class BrokerState:
         g.start_version = w.version
         w.leases[task_id] = g
         if Feature.HELD_DIGEST in w.features:
-            w.digest ^= task_digest(task_id)
+            g.digest = task_digest(task_id)  # kept for the lease's end: one hash per lease, not two
+            w.digest ^= g.digest
+        else:
+            g.digest = -1
         self.leased += 1
         if not g.exempt:
             self.staleness.on_dispatch(g.size)
@@ -834,8 +839,8 @@ class BrokerState:
     def _end_lease(self, g: Group, w: WorkerInfo | None) -> None:
         if w is None and g.worker_id is not None:
             w = self.workers.get(g.worker_id)
-        if w is not None and w.leases.pop(g.task_id, None) is not None and Feature.HELD_DIGEST in w.features:
-            w.digest ^= task_digest(g.task_id)
+        if w is not None and (held := w.leases.pop(g.task_id, None)) is not None and Feature.HELD_DIGEST in w.features:
+            w.digest ^= held.digest if held is g and g.digest >= 0 else task_digest(g.task_id)
         g.worker_id = None
         self.leased -= 1
         if not g.exempt:

@@ -31,6 +31,7 @@ Nothing is ever unpickled or evaluated: msgpack ext types are refused.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import typing
 from collections.abc import Callable, Container, Sequence
@@ -136,7 +137,7 @@ class _RecordSpec:
     wire and filled back in on decode. Both keep the common messages cheap.
     """
 
-    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "encode", "decode")
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "shared", "encode", "decode")
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
@@ -157,11 +158,22 @@ class _RecordSpec:
                 if f.default is None or type(f.default) in (str, int, float, bool, tuple):
                     default = f.default
             elif f.default_factory is not dataclasses.MISSING:
-                self.factories[f.name] = f.default_factory
+                factory: Any = f.default_factory
+                shared = _SPECS[factory].shared if factory in _SPECS else None
+                if shared is not None:
+                    self.static_defaults[f.name] = shared  # absent on the wire: the one shared default (still encoded)
+                else:
+                    self.factories[f.name] = f.default_factory
             else:
                 self.required.append(f.name)
             self.plan.append((f.name, inline, enc, default))
             self.decoders[f.name] = (inline, dec)
+        self.shared: Any = None
+        """For a record whose every field has an immutable default (`SamplingParams`): one instance with all
+        of them, which decoding an empty map returns (and a missing field of this type holds) instead of
+        building a new, equal one each time; frozen and holding only immutable values, it cannot change."""
+        if not self.required and not self.factories and all(_immutable(d) for d in self.static_defaults.values()):
+            self.shared = cls()
         self.encode: Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]] = _compile_encoder(self)
         self.decode: Callable[[Any, _DecodeState, str], Any] = _compile_decoder(self)
 
@@ -172,13 +184,16 @@ def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, i
     The same rules as a loop over `spec.plan`: a field equal to its immutable default is left off, a
     str/int/bool field of exactly its type is stored as it is, anything else goes through its converter.
     """
-    ns: dict[str, Any] = {"cls": spec.cls, "ProtocolError": ProtocolError}
-    lines = ["def enc(obj, frames, memo):",
-             "    if obj.__class__ is not cls:",
-             f"        raise ProtocolError('encode', {'expected ' + spec.cls.__name__ + ', got '!r} + type(obj).__name__)",
-             "    out = {}"]
+    ns: dict[str, Any] = {"cls": spec.cls, "ProtocolError": ProtocolError, "shared": spec.shared}
+    lines = ["def enc(obj, frames, memo):"]
+    if spec.shared is not None:
+        lines.append("    if obj is shared:")  # every field at its default: every one is left off
+        lines.append("        return {}")
+    lines += ["    if obj.__class__ is not cls:",
+              f"        raise ProtocolError('encode', {'expected ' + spec.cls.__name__ + ', got '!r} + type(obj).__name__)",
+              "    out = {}"]
     for i, (name, inline, enc, default) in enumerate(spec.plan):
-        ns[f"e{i}"] = enc
+        ns[f"e{i}"] = _OPTIONAL[enc] if default is None and enc in _OPTIONAL else enc
         store = f"out[{name!r}] = " + (f"v if type(v) is t{i} else e{i}(v, frames, memo)" if inline is not None else f"e{i}(v, frames, memo)")
         if inline is not None:
             ns[f"t{i}"] = inline
@@ -208,12 +223,14 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
     """
     cls = spec.cls
     name_ = cls.__name__
-    ns: dict[str, Any] = {"cls": cls, "new": object.__new__, "M": _NO_DEFAULT, "_fail": _fail, "_unknown_fields": _unknown_fields, "spec": spec}
+    ns: dict[str, Any] = {"cls": cls, "new": object.__new__, "M": _NO_DEFAULT, "_fail": _fail, "_unknown_fields": _unknown_fields, "spec": spec,
+                          "shared": spec.shared}
     nfields = len(spec.plan)
     lines = ["def dec(raw, st, path):",
              "    if type(raw) is not dict:",
              f"        raise _fail('type', path, {'expected a map for ' + name_ + ', got '!r} + type(raw).__name__)",
              "    n = len(raw)",
+             *(["    if not n:", "        return shared"] if spec.shared is not None else []),
              "    bound = st.limits.max_unknown_fields",
              f"    if n > {nfields} + bound:",
              "        raise _unknown_fields(spec, raw, bound, path)",
@@ -240,6 +257,10 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
             ns[f"t{i}"] = inline
             lines.append(f"        if type(v) is not t{i}:")
             lines.append(f"            v = c{i}(v, st)")
+        elif dec in _OPTIONAL:
+            ns[f"c{i}"] = _OPTIONAL[dec]
+            lines.append("        if v is not None:")
+            lines.append(f"            v = c{i}(v, st)")
         else:
             lines.append(f"        v = c{i}(v, st)")
         lines.append(f"    s{i}(o, v)")
@@ -251,6 +272,14 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
 
 
 _NO_DEFAULT = object()
+_OPTIONAL: dict[Any, Any] = {}
+"""The converter of ``X | None`` -> the converter of ``X`` (one call less per field in the compiled code)."""
+
+
+def _immutable(v: Any) -> bool:
+    if v is None or type(v) in (str, int, float, bool, bytes):
+        return True
+    return type(v) is tuple and all(_immutable(x) for x in v)
 
 
 def _records_eq(self: Any, other: Any) -> Any:
@@ -337,6 +366,8 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         def dec_opt(v: Any, st: _DecodeState) -> Any:
             return None if v is None else dec(v, st)
 
+        _OPTIONAL[enc_opt] = enc  # the compiled record code tests for None itself and calls these directly
+        _OPTIONAL[dec_opt] = dec
         return enc_opt, dec_opt
     if origin in (list, tuple):
         targs = get_args(tp)
@@ -358,6 +389,15 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
 
             return enc_scalars, dec_scalars
         ienc, idec = _converters(item, path + "[]")
+        if isinstance(item, type) and item in _SPECS:
+            rdec, ipath = _SPECS[item].decode, path + "[]"
+
+            def dec_records(v: Any, st: _DecodeState) -> Any:
+                if type(v) is not list:
+                    raise _fail("type", path, f"expected a list, got {type(v).__name__}")
+                return tuple([rdec(x, st, ipath) for x in v])
+
+            return (lambda v, frames, memo: [ienc(x, frames, memo) for x in v]), dec_records
 
         def enc_list(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
             return [ienc(x, frames, memo) for x in v]
@@ -492,7 +532,6 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
         return enc_blob, dec_blob
 
     itemsize = dtype.itemsize
-    dtype_key = dtype.str
 
     def enc_array(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
         key = (id(v), itemsize)
@@ -508,17 +547,30 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
             idx = memo[key] = len(frames) - 1
         return idx
 
+    return enc_array, _array_decoder(dtype, path)
+
+
+def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
+    """A zero-copy, read-only view of the frame a field's index names (one per frame and dtype)."""
+    itemsize = dtype.itemsize
+    dtype_key = dtype.str
+    frombuffer = np.frombuffer
+
     def dec_array(v: Any, st: _DecodeState) -> Any:
-        idx = _frame_index(v, st, path)
-        key = (idx, dtype_key)
-        arr = st.arrays.get(key)
+        sizes = st.sizes
+        if type(v) is not int or not 1 <= v < len(sizes):
+            _frame_index(v, st, path)  # raises, with the reason
+        st.used[v] = 1
+        key = (v, dtype_key)
+        arrays = st.arrays
+        arr = arrays.get(key)
         if arr is None:
-            if st.sizes[idx] % itemsize:
-                raise _fail("frames", path, f"frame of {st.sizes[idx]} bytes is not a whole number of {dtype}")
-            arr = st.arrays[key] = np.frombuffer(st.frames[idx], dtype=dtype)
+            if sizes[v] % itemsize:
+                raise _fail("frames", path, f"frame of {sizes[v]} bytes is not a whole number of {dtype}")
+            arr = arrays[key] = frombuffer(st.frames[v], dtype=dtype)
         return arr
 
-    return enc_array, dec_array
+    return dec_array
 
 
 def _frame_index(v: Any, st: _DecodeState, path: str) -> int:
@@ -565,6 +617,19 @@ class _Budget:
 # --------------------------------------------------------------------------- public API
 
 
+_PACKERS = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack packer (``packb`` builds a new one, its buffer included, for every call; a
+    packer's `pack` resets its buffer after each call and after a failed one, so reusing it changes nothing)."""
+    try:
+        packer: msgpack.Packer = _PACKERS.p
+    except AttributeError:
+        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True)
+    return packer
+
+
 def encode(msg: Any) -> list[Any]:
     """Encode a registered message to a list of frames for ``send_multipart``.
 
@@ -578,7 +643,7 @@ def encode(msg: Any) -> list[Any]:
     frames: list[Any] = [b""]
     try:
         fields = _SPECS[cls].encode(msg, frames, {})  # type: ignore[index]
-        frames[0] = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields], use_bin_type=True)
+        frames[0] = _packer().pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -588,7 +653,13 @@ def encode(msg: Any) -> list[Any]:
 
 def message_bytes(frames: Sequence[Frame]) -> int:
     """Bytes of the largest part of an encoded message (what a receiver's MAXMSGSIZE is checked against)."""
-    return max((f.nbytes if isinstance(f, np.ndarray) else memoryview(f).nbytes) for f in frames) if frames else 0
+    largest = 0
+    for f in frames:
+        t = type(f)
+        n = len(f) if t is bytes else f.nbytes if t is np.ndarray else memoryview(f).nbytes
+        if n > largest:
+            largest = n
+    return largest
 
 
 def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_header_bytes: int = 0) -> None:
