@@ -682,6 +682,21 @@ def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_heade
         raise MessageTooLargeError(f"{what} header", header, header_limit, limit="max_header_bytes")
 
 
+_UNPACK_KW: dict[int, tuple[Limits, dict[str, Any]]] = {}
+
+
+def _unpack_kw(limits: Limits) -> dict[str, Any]:
+    """msgpack's options for headers under `limits` (built once per `Limits` object, which is frozen)."""
+    entry = _UNPACK_KW.get(id(limits))
+    if entry is None or entry[0] is not limits:
+        kw = dict(raw=False, use_list=True, strict_map_key=True, max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+                  max_array_len=limits.max_array_len, max_map_len=limits.max_map_len, max_ext_len=0)
+        if len(_UNPACK_KW) > 64:  # a program that makes many Limits objects: forget the old ones
+            _UNPACK_KW.clear()
+        entry = _UNPACK_KW[id(limits)] = (limits, kw)
+    return entry[1]
+
+
 def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
     """Decode frames into a message object; raises `ProtocolError` and nothing else.
 
@@ -698,8 +713,9 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
         raise ProtocolError("oversize", f"{n} frames, limit {limits.max_frames}", limit="max_frames")
     views: list[Any] = list(frames)
     sizes: list[int] = [0] * n
-    total = 0
-    for i, f in enumerate(views):
+    max_frame = limits.max_frame_bytes
+    for i in range(n):  # in order: the first frame that is not bytes-like or too large is the one named
+        f = views[i]
         if type(f) is bytes:
             size = len(f)
         else:
@@ -712,31 +728,21 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
         if i == 0:
             if size > limits.max_header_bytes:
                 raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}", limit="max_header_bytes")
-        elif size > limits.max_frame_bytes:
-            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {limits.max_frame_bytes}", limit="max_frame_bytes")
+        elif size > max_frame:
+            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {max_frame}", limit="max_frame_bytes")
         sizes[i] = size
-        total += size
+    total = sum(sizes)
     if total > limits.max_message_bytes:
         raise ProtocolError("oversize", f"message of {total} bytes, limit {limits.max_message_bytes}", limit="max_message_bytes")
     # every msgpack value takes at least one byte, so a header no longer than the budget cannot exceed
     # it: only longer ones pay for counting (a Python call per container)
-    hooks: dict[str, Any] = {}
-    if sizes[0] > limits.max_header_objects:
-        budget = _Budget(limits.max_header_objects)
-        hooks = {"list_hook": budget.on_list, "object_hook": budget.on_map}
+    unpack_kw = _unpack_kw(limits)
     try:
-        header = msgpack.unpackb(
-            views[0],
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_bin_len,
-            max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len,
-            max_ext_len=0,
-            **hooks,
-        )
+        if sizes[0] > limits.max_header_objects:
+            budget = _Budget(limits.max_header_objects)
+            header = msgpack.unpackb(views[0], list_hook=budget.on_list, object_hook=budget.on_map, **unpack_kw)
+        else:
+            header = msgpack.unpackb(views[0], **unpack_kw)
     except _BudgetExceeded:
         raise ProtocolError(
             "oversize", f"header holds more than {limits.max_header_objects} values", limit="max_header_objects"
