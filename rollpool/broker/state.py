@@ -1470,13 +1470,28 @@ class BrokerState:
             assert not (w.worker_id in self._ready and w.worker_id in self._ready_behind)
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def _sampled_tokens(trajectories: Iterable[Trajectory]) -> int:
-    """Tokens the model sampled (loss mask 1; every output token when there is no mask)."""
+    """Tokens the model sampled (the loss mask's sum; every output token when there is no mask)."""
     n = 0
     for t in trajectories:
         mask = t.loss_mask
-        # np.add.reduce is what ndarray.sum calls, without numpy's Python-level wrapper (a visible line per result)
-        n += int(np.add.reduce(mask)) if mask is not None and mask.size == t.output_ids.size else int(t.output_ids.size)
+        if mask is None or mask.size != t.output_ids.size:
+            n += int(t.output_ids.size)
+            continue
+        if mask.dtype is _U8 and mask.size <= 512:
+            # a short mask of 0s and 1s (what workers send) sums to its count of 1 bytes: two bytes.count
+            # calls cost a fifth of a numpy reduction here (whose argument parsing and casting set-up dominate
+            # at this size; from about 1,000 tokens on the reduction is the faster)
+            b = mask.tobytes()
+            ones = b.count(1)
+            if ones + b.count(0) == len(b):
+                n += ones
+                continue
+        # np.add.reduce is what ndarray.sum calls, without numpy's Python-level wrapper
+        n += int(np.add.reduce(mask))
     return n
 
 

@@ -167,6 +167,30 @@ def test_compiled_decoders_fill_defaults_fresh_and_bound_unknown_fields_among_fe
         a.worker_id = "x"  # type: ignore[misc]  # still a frozen record
 
 
+def test_an_all_defaults_record_is_one_shared_instance_and_encodes_as_before() -> None:
+    """`Prompt.sampling` absent or `{}` decodes to one shared, frozen `SamplingParams()` (built once, not per prompt);
+    any other value is decoded as before, and every prompt encodes to the same bytes either way."""
+    ids = np.arange(3, dtype=np.int32)
+    shared = decode(encode(p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=ids),)))).prompts[0].sampling
+    assert shared == p.SamplingParams()
+    absent = decode([_header("submit", {"request_id": "r", "prompts": [{"prompt_id": "b", "text": "x"}]})]).prompts[0]
+    assert absent.sampling is shared and absent.metadata == {}
+    other = decode(encode(p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="c", text="x", sampling=p.SamplingParams(top_k=5)),))))
+    assert other.prompts[0].sampling == p.SamplingParams(top_k=5) and other.prompts[0].sampling is not shared
+    with pytest.raises(AttributeError):
+        shared.top_k = 3  # type: ignore[misc]  # frozen: sharing it cannot leak a change
+    fresh = p.Task(task_id="t", prompt=p.Prompt(prompt_id="a", input_ids=ids))
+    reused = p.Task(task_id="t", prompt=p.Prompt(prompt_id="a", input_ids=ids, sampling=shared))
+    assert [bytes(memoryview(f)) for f in encode(fresh)] == [bytes(memoryview(f)) for f in encode(reused)]
+    assert b"sampling" in encode(reused)[0]  # still written (as an empty map), as every earlier build wrote it
+
+
+def test_message_bytes_is_the_largest_part_whatever_its_type() -> None:
+    frames = [b"12345", np.zeros(3, np.float32), memoryview(b"1234567"), bytearray(2), np.zeros((2, 2), np.int32)[:, 0]]
+    assert p.codec.message_bytes(frames) == 12
+    assert p.codec.message_bytes([]) == 0
+
+
 def test_a_minor6_apply_done_has_no_skipped_field_and_reads_as_not_skipped() -> None:
     # protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure report stays an ordinary (not final) failure
     old = decode([_header("apply_done", {"version": 3, "ok": False, "duration_s": 0.5, "error": "boom"}, minor=6)])
