@@ -35,7 +35,7 @@ class LatencyLog:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._rows = np.zeros((capacity, 4), dtype=np.float64)
-        self._flat = memoryview(self._rows).cast("B").cast("d")
+        self._flat = self._rows.data.cast("B").cast("d")
         """The same memory as one flat run of doubles: four item stores per row, where a row view of
         `_rows` and four numpy item assignments cost about four times as much (one row per delivery)."""
         self._n = 0

@@ -309,10 +309,56 @@ def records_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+class _Factory:
+    """The default of a field with a default factory in a compiled `__init__` (as dataclasses' own marker)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()
+
+
+def _compile_init(cls: type[Any]) -> Callable[..., None] | None:
+    """`cls.__init__` as dataclasses writes it for a frozen record (same parameters, defaults and default
+    factories), storing each field through its slot's setter instead of ``object.__setattr__`` by name: a
+    third less per object built (every Task, GroupResult and reply the broker sends). None (dataclasses'
+    own is kept) for a record with anything else to do: `__post_init__`, keyword-only or non-init fields."""
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or any(not f.init or f.kw_only for f in fields):
+        return None
+    ns: dict[str, Any] = {"F": _FACTORY}
+    params: list[str] = []
+    body: list[str] = []
+    for i, f in enumerate(fields):
+        ns[f"s{i}"] = cls.__dict__[f.name].__set__
+        if f.default is not dataclasses.MISSING:
+            ns[f"d{i}"] = f.default
+            params.append(f"{f.name}=d{i}")
+            body.append(f"    s{i}(self, {f.name})")
+        elif f.default_factory is not dataclasses.MISSING:
+            ns[f"f{i}"] = f.default_factory
+            params.append(f"{f.name}=F")
+            body.append(f"    s{i}(self, f{i}() if {f.name} is F else {f.name})")
+        else:
+            params.append(f.name)
+            body.append(f"    s{i}(self, {f.name})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body or ["    pass"]), ns)  # from the record's own fields
+    init: Callable[..., None] = ns["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    return init
+
+
 @dataclass_transform(frozen_default=True)
 def record(cls: type[T]) -> type[T]:
     """Make `cls` a frozen, slotted dataclass that can nest inside messages."""
     dc = dataclasses.dataclass(frozen=True, slots=True, eq=False)(cls)
+    fast_init = _compile_init(dc)
+    if fast_init is not None:
+        dc.__init__ = fast_init  # type: ignore[method-assign]
     dc.__eq__ = _records_eq  # type: ignore[method-assign]
     dc.__hash__ = None  # type: ignore[assignment]
     _SPECS[dc] = _RecordSpec(dc)

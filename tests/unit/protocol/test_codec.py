@@ -185,6 +185,31 @@ def test_an_all_defaults_record_is_one_shared_instance_and_encodes_as_before() -
     assert b"sampling" in encode(reused)[0]  # still written (as an empty map), as every earlier build wrote it
 
 
+def test_compiled_inits_take_what_dataclasses_inits_take() -> None:
+    """Every record's `__init__` is generated (slot setters): same parameters, in order, same defaults, a fresh
+    object from each default factory, still frozen."""
+    import dataclasses
+    import inspect
+
+    for cls in p.codec._SPECS:
+        params = list(inspect.signature(cls).parameters.values())
+        fields = dataclasses.fields(cls)
+        assert [x.name for x in params] == [f.name for f in fields], cls
+        for x, f in zip(params, fields, strict=True):
+            if f.default is not dataclasses.MISSING:
+                assert x.default is f.default, (cls, f.name)
+            elif f.default_factory is not dataclasses.MISSING:
+                assert repr(x.default) == "<factory>", (cls, f.name)
+            else:
+                assert x.default is inspect.Parameter.empty, (cls, f.name)
+    a, b = p.Prompt(prompt_id="a"), p.Prompt("b", None, "t")
+    assert a.metadata == {} and a.metadata is not b.metadata and b.text == "t" and a.sampling == p.SamplingParams()
+    with pytest.raises(TypeError):
+        p.Task(task_id="t")  # type: ignore[call-arg]
+    with pytest.raises(AttributeError):
+        a.prompt_id = "c"  # type: ignore[misc]
+
+
 def test_message_bytes_is_the_largest_part_whatever_its_type() -> None:
     frames = [b"12345", np.zeros(3, np.float32), memoryview(b"1234567"), bytearray(2), np.zeros((2, 2), np.int32)[:, 0]]
     assert p.codec.message_bytes(frames) == 12
