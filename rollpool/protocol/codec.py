@@ -613,7 +613,7 @@ def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
         if arr is None:
             if sizes[v] % itemsize:
                 raise _fail("frames", path, f"frame of {sizes[v]} bytes is not a whole number of {dtype}")
-            arr = arrays[key] = frombuffer(st.frames[v], dtype=dtype)
+            arr = arrays[key] = frombuffer(st.frames[v], dtype)  # positional: half the cost of dtype=
         return arr
 
     return dec_array
@@ -728,6 +728,15 @@ def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_heade
         raise MessageTooLargeError(f"{what} header", header, header_limit, limit="max_header_bytes")
 
 
+_ZMQ_FRAME: Any = None
+"""`zmq.Frame` once decode has seen one (found by name: the codec does not import zmq)."""
+
+
+def _zmq_frame_seen(t: type[Any]) -> None:
+    global _ZMQ_FRAME
+    _ZMQ_FRAME = t
+
+
 _UNPACK_KW: dict[int, tuple[Limits, dict[str, Any]]] = {}
 
 
@@ -762,7 +771,8 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
     max_frame = limits.max_frame_bytes
     for i in range(n):  # in order: the first frame that is not bytes-like or too large is the one named
         f = views[i]
-        if type(f) is bytes:
+        t = type(f)
+        if t is bytes or t is _ZMQ_FRAME:  # their len() is their size; numpy and msgpack read them as they are
             size = len(f)
         else:
             try:
@@ -771,6 +781,8 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
                 raise ProtocolError("malformed", f"frame {i} is not bytes-like") from exc
             size = mv.nbytes
             views[i] = mv
+            if _ZMQ_FRAME is None and t.__name__ == "Frame" and t.__module__ == "zmq.sugar.frame":
+                _zmq_frame_seen(t)
         if i == 0:
             if size > limits.max_header_bytes:
                 raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}", limit="max_header_bytes")
