@@ -210,6 +210,21 @@ def test_compiled_inits_take_what_dataclasses_inits_take() -> None:
         a.prompt_id = "c"  # type: ignore[misc]
 
 
+def test_zmq_frames_decode_as_bytes_do() -> None:
+    """A zmq.Frame is sized by len() and read as it is (no memoryview): same message, same limits."""
+    zmq = pytest.importorskip("zmq")
+    msg = p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=np.arange(5, dtype=np.int32), metadata={"t": 1.5}),))
+    raw = [bytes(memoryview(f)) for f in encode(msg)]
+    for _ in range(2):  # the first sighting of the type, then the remembered one
+        assert decode([zmq.Frame(x) for x in raw]) == msg == decode(raw)
+    with pytest.raises(ProtocolError) as exc:
+        decode([zmq.Frame(x) for x in raw], Limits(max_frame_bytes=19))
+    assert exc.value.code == "oversize" and "frame 1 of 20 bytes" in str(exc.value)
+    with pytest.raises(ProtocolError) as exc:
+        decode([zmq.Frame(raw[0][:-3]), zmq.Frame(raw[1])])
+    assert exc.value.code == "malformed"
+
+
 def test_message_bytes_is_the_largest_part_whatever_its_type() -> None:
     frames = [b"12345", np.zeros(3, np.float32), memoryview(b"1234567"), bytearray(2), np.zeros((2, 2), np.int32)[:, 0]]
     assert p.codec.message_bytes(frames) == 12
