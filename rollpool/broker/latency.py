@@ -28,21 +28,25 @@ STAGES = ("queued", "dispatched", "result_in", "delivered")
 class LatencyLog:
     """A ring of (queued, dispatched, result_in, delivered) rows."""
 
-    __slots__ = ("capacity", "_rows", "_n")
+    __slots__ = ("capacity", "_rows", "_flat", "_n")
 
     def __init__(self, capacity: int = 65_536) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._rows = np.zeros((capacity, 4), dtype=np.float64)
+        self._flat = self._rows.data.cast("B").cast("d")
+        """The same memory as one flat run of doubles: four item stores per row, where a row view of
+        `_rows` and four numpy item assignments cost about four times as much (one row per delivery)."""
         self._n = 0
 
     def record(self, queued: float, dispatched: float, result_in: float, delivered: float) -> None:
-        row = self._rows[self._n % self.capacity]
-        row[0] = queued
-        row[1] = dispatched
-        row[2] = result_in
-        row[3] = delivered
+        i = (self._n % self.capacity) * 4
+        flat = self._flat
+        flat[i] = queued
+        flat[i + 1] = dispatched
+        flat[i + 2] = result_in
+        flat[i + 3] = delivered
         self._n += 1
 
     @property

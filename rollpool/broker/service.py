@@ -323,11 +323,14 @@ class Broker:
             # frames as zmq.Frame (no copy; `more` is a C field, where getsockopt(RCVMORE) costs an enum
             # conversion per frame); the decoder reads them through the buffer protocol
             try:
-                f = recv(_NB, False)
+                # the peer's identity, copied: a dict key (a ROUTER socket puts it before every message, so
+                # at least one frame follows)
+                frames: list[Any] = [recv(_NB, True)]
             except zmq.Again:
                 break
             n += 1
-            frames: list[Any] = [f.bytes]  # the peer's identity: a dict key
+            f = recv(_NB, False)
+            frames.append(f)
             while f.more:
                 f = recv(_NB, False)
                 frames.append(f)

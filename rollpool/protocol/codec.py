@@ -31,6 +31,7 @@ Nothing is ever unpickled or evaluated: msgpack ext types are refused.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import typing
 from collections.abc import Callable, Container, Sequence
@@ -136,7 +137,7 @@ class _RecordSpec:
     wire and filled back in on decode. Both keep the common messages cheap.
     """
 
-    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "encode", "decode")
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "shared", "encode", "decode")
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
@@ -157,11 +158,22 @@ class _RecordSpec:
                 if f.default is None or type(f.default) in (str, int, float, bool, tuple):
                     default = f.default
             elif f.default_factory is not dataclasses.MISSING:
-                self.factories[f.name] = f.default_factory
+                factory: Any = f.default_factory
+                shared = _SPECS[factory].shared if factory in _SPECS else None
+                if shared is not None:
+                    self.static_defaults[f.name] = shared  # absent on the wire: the one shared default (still encoded)
+                else:
+                    self.factories[f.name] = f.default_factory
             else:
                 self.required.append(f.name)
             self.plan.append((f.name, inline, enc, default))
             self.decoders[f.name] = (inline, dec)
+        self.shared: Any = None
+        """For a record whose every field has an immutable default (`SamplingParams`): one instance with all
+        of them, which decoding an empty map returns (and a missing field of this type holds) instead of
+        building a new, equal one each time; frozen and holding only immutable values, it cannot change."""
+        if not self.required and not self.factories and all(_immutable(d) for d in self.static_defaults.values()):
+            self.shared = cls()
         self.encode: Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]] = _compile_encoder(self)
         self.decode: Callable[[Any, _DecodeState, str], Any] = _compile_decoder(self)
 
@@ -172,13 +184,16 @@ def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, i
     The same rules as a loop over `spec.plan`: a field equal to its immutable default is left off, a
     str/int/bool field of exactly its type is stored as it is, anything else goes through its converter.
     """
-    ns: dict[str, Any] = {"cls": spec.cls, "ProtocolError": ProtocolError}
-    lines = ["def enc(obj, frames, memo):",
-             "    if obj.__class__ is not cls:",
-             f"        raise ProtocolError('encode', {'expected ' + spec.cls.__name__ + ', got '!r} + type(obj).__name__)",
-             "    out = {}"]
+    ns: dict[str, Any] = {"cls": spec.cls, "ProtocolError": ProtocolError, "shared": spec.shared}
+    lines = ["def enc(obj, frames, memo):"]
+    if spec.shared is not None:
+        lines.append("    if obj is shared:")  # every field at its default: every one is left off
+        lines.append("        return {}")
+    lines += ["    if obj.__class__ is not cls:",
+              f"        raise ProtocolError('encode', {'expected ' + spec.cls.__name__ + ', got '!r} + type(obj).__name__)",
+              "    out = {}"]
     for i, (name, inline, enc, default) in enumerate(spec.plan):
-        ns[f"e{i}"] = enc
+        ns[f"e{i}"] = _OPTIONAL[enc] if default is None and enc in _OPTIONAL else enc
         store = f"out[{name!r}] = " + (f"v if type(v) is t{i} else e{i}(v, frames, memo)" if inline is not None else f"e{i}(v, frames, memo)")
         if inline is not None:
             ns[f"t{i}"] = inline
@@ -208,12 +223,14 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
     """
     cls = spec.cls
     name_ = cls.__name__
-    ns: dict[str, Any] = {"cls": cls, "new": object.__new__, "M": _NO_DEFAULT, "_fail": _fail, "_unknown_fields": _unknown_fields, "spec": spec}
+    ns: dict[str, Any] = {"cls": cls, "new": object.__new__, "M": _NO_DEFAULT, "_fail": _fail, "_unknown_fields": _unknown_fields, "spec": spec,
+                          "shared": spec.shared}
     nfields = len(spec.plan)
     lines = ["def dec(raw, st, path):",
              "    if type(raw) is not dict:",
              f"        raise _fail('type', path, {'expected a map for ' + name_ + ', got '!r} + type(raw).__name__)",
              "    n = len(raw)",
+             *(["    if not n:", "        return shared"] if spec.shared is not None else []),
              "    bound = st.limits.max_unknown_fields",
              f"    if n > {nfields} + bound:",
              "        raise _unknown_fields(spec, raw, bound, path)",
@@ -240,6 +257,10 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
             ns[f"t{i}"] = inline
             lines.append(f"        if type(v) is not t{i}:")
             lines.append(f"            v = c{i}(v, st)")
+        elif dec in _OPTIONAL:
+            ns[f"c{i}"] = _OPTIONAL[dec]
+            lines.append("        if v is not None:")
+            lines.append(f"            v = c{i}(v, st)")
         else:
             lines.append(f"        v = c{i}(v, st)")
         lines.append(f"    s{i}(o, v)")
@@ -251,6 +272,14 @@ def _compile_decoder(spec: _RecordSpec) -> Callable[[Any, _DecodeState, str], An
 
 
 _NO_DEFAULT = object()
+_OPTIONAL: dict[Any, Any] = {}
+"""The converter of ``X | None`` -> the converter of ``X`` (one call less per field in the compiled code)."""
+
+
+def _immutable(v: Any) -> bool:
+    if v is None or type(v) in (str, int, float, bool, bytes):
+        return True
+    return type(v) is tuple and all(_immutable(x) for x in v)
 
 
 def _records_eq(self: Any, other: Any) -> Any:
@@ -280,10 +309,56 @@ def records_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+class _Factory:
+    """The default of a field with a default factory in a compiled `__init__` (as dataclasses' own marker)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()
+
+
+def _compile_init(cls: type[Any]) -> Callable[..., None] | None:
+    """`cls.__init__` as dataclasses writes it for a frozen record (same parameters, defaults and default
+    factories), storing each field through its slot's setter instead of ``object.__setattr__`` by name: a
+    third less per object built (every Task, GroupResult and reply the broker sends). None (dataclasses'
+    own is kept) for a record with anything else to do: `__post_init__`, keyword-only or non-init fields."""
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or any(not f.init or f.kw_only for f in fields):
+        return None
+    ns: dict[str, Any] = {"F": _FACTORY}
+    params: list[str] = []
+    body: list[str] = []
+    for i, f in enumerate(fields):
+        ns[f"s{i}"] = cls.__dict__[f.name].__set__
+        if f.default is not dataclasses.MISSING:
+            ns[f"d{i}"] = f.default
+            params.append(f"{f.name}=d{i}")
+            body.append(f"    s{i}(self, {f.name})")
+        elif f.default_factory is not dataclasses.MISSING:
+            ns[f"f{i}"] = f.default_factory
+            params.append(f"{f.name}=F")
+            body.append(f"    s{i}(self, f{i}() if {f.name} is F else {f.name})")
+        else:
+            params.append(f.name)
+            body.append(f"    s{i}(self, {f.name})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body or ["    pass"]), ns)  # from the record's own fields
+    init: Callable[..., None] = ns["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    return init
+
+
 @dataclass_transform(frozen_default=True)
 def record(cls: type[T]) -> type[T]:
     """Make `cls` a frozen, slotted dataclass that can nest inside messages."""
     dc = dataclasses.dataclass(frozen=True, slots=True, eq=False)(cls)
+    fast_init = _compile_init(dc)
+    if fast_init is not None:
+        dc.__init__ = fast_init  # type: ignore[method-assign]
     dc.__eq__ = _records_eq  # type: ignore[method-assign]
     dc.__hash__ = None  # type: ignore[assignment]
     _SPECS[dc] = _RecordSpec(dc)
@@ -337,6 +412,8 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         def dec_opt(v: Any, st: _DecodeState) -> Any:
             return None if v is None else dec(v, st)
 
+        _OPTIONAL[enc_opt] = enc  # the compiled record code tests for None itself and calls these directly
+        _OPTIONAL[dec_opt] = dec
         return enc_opt, dec_opt
     if origin in (list, tuple):
         targs = get_args(tp)
@@ -358,6 +435,15 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
 
             return enc_scalars, dec_scalars
         ienc, idec = _converters(item, path + "[]")
+        if isinstance(item, type) and item in _SPECS:
+            rdec, ipath = _SPECS[item].decode, path + "[]"
+
+            def dec_records(v: Any, st: _DecodeState) -> Any:
+                if type(v) is not list:
+                    raise _fail("type", path, f"expected a list, got {type(v).__name__}")
+                return tuple([rdec(x, st, ipath) for x in v])
+
+            return (lambda v, frames, memo: [ienc(x, frames, memo) for x in v]), dec_records
 
         def enc_list(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
             return [ienc(x, frames, memo) for x in v]
@@ -492,7 +578,6 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
         return enc_blob, dec_blob
 
     itemsize = dtype.itemsize
-    dtype_key = dtype.str
 
     def enc_array(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
         key = (id(v), itemsize)
@@ -508,17 +593,30 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
             idx = memo[key] = len(frames) - 1
         return idx
 
+    return enc_array, _array_decoder(dtype, path)
+
+
+def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
+    """A zero-copy, read-only view of the frame a field's index names (one per frame and dtype)."""
+    itemsize = dtype.itemsize
+    dtype_key = dtype.str
+    frombuffer = np.frombuffer
+
     def dec_array(v: Any, st: _DecodeState) -> Any:
-        idx = _frame_index(v, st, path)
-        key = (idx, dtype_key)
-        arr = st.arrays.get(key)
+        sizes = st.sizes
+        if type(v) is not int or not 1 <= v < len(sizes):
+            _frame_index(v, st, path)  # raises, with the reason
+        st.used[v] = 1
+        key = (v, dtype_key)
+        arrays = st.arrays
+        arr = arrays.get(key)
         if arr is None:
-            if st.sizes[idx] % itemsize:
-                raise _fail("frames", path, f"frame of {st.sizes[idx]} bytes is not a whole number of {dtype}")
-            arr = st.arrays[key] = np.frombuffer(st.frames[idx], dtype=dtype)
+            if sizes[v] % itemsize:
+                raise _fail("frames", path, f"frame of {sizes[v]} bytes is not a whole number of {dtype}")
+            arr = arrays[key] = frombuffer(st.frames[v], dtype)  # positional: half the cost of dtype=
         return arr
 
-    return enc_array, dec_array
+    return dec_array
 
 
 def _frame_index(v: Any, st: _DecodeState, path: str) -> int:
@@ -565,6 +663,19 @@ class _Budget:
 # --------------------------------------------------------------------------- public API
 
 
+_PACKERS = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack packer (``packb`` builds a new one, its buffer included, for every call; a
+    packer's `pack` resets its buffer after each call and after a failed one, so reusing it changes nothing)."""
+    try:
+        packer: msgpack.Packer = _PACKERS.p
+    except AttributeError:
+        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True)
+    return packer
+
+
 def encode(msg: Any) -> list[Any]:
     """Encode a registered message to a list of frames for ``send_multipart``.
 
@@ -578,7 +689,7 @@ def encode(msg: Any) -> list[Any]:
     frames: list[Any] = [b""]
     try:
         fields = _SPECS[cls].encode(msg, frames, {})  # type: ignore[index]
-        frames[0] = msgpack.packb([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields], use_bin_type=True)
+        frames[0] = _packer().pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -588,7 +699,13 @@ def encode(msg: Any) -> list[Any]:
 
 def message_bytes(frames: Sequence[Frame]) -> int:
     """Bytes of the largest part of an encoded message (what a receiver's MAXMSGSIZE is checked against)."""
-    return max((f.nbytes if isinstance(f, np.ndarray) else memoryview(f).nbytes) for f in frames) if frames else 0
+    largest = 0
+    for f in frames:
+        t = type(f)
+        n = len(f) if t is bytes else f.nbytes if t is np.ndarray else memoryview(f).nbytes
+        if n > largest:
+            largest = n
+    return largest
 
 
 def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_header_bytes: int = 0) -> None:
@@ -611,6 +728,30 @@ def check_size(frames: Sequence[Frame], max_msg_bytes: int, what: str, max_heade
         raise MessageTooLargeError(f"{what} header", header, header_limit, limit="max_header_bytes")
 
 
+_ZMQ_FRAME: Any = None
+"""`zmq.Frame` once decode has seen one (found by name: the codec does not import zmq)."""
+
+
+def _zmq_frame_seen(t: type[Any]) -> None:
+    global _ZMQ_FRAME
+    _ZMQ_FRAME = t
+
+
+_UNPACK_KW: dict[int, tuple[Limits, dict[str, Any]]] = {}
+
+
+def _unpack_kw(limits: Limits) -> dict[str, Any]:
+    """msgpack's options for headers under `limits` (built once per `Limits` object, which is frozen)."""
+    entry = _UNPACK_KW.get(id(limits))
+    if entry is None or entry[0] is not limits:
+        kw = dict(raw=False, use_list=True, strict_map_key=True, max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+                  max_array_len=limits.max_array_len, max_map_len=limits.max_map_len, max_ext_len=0)
+        if len(_UNPACK_KW) > 64:  # a program that makes many Limits objects: forget the old ones
+            _UNPACK_KW.clear()
+        entry = _UNPACK_KW[id(limits)] = (limits, kw)
+    return entry[1]
+
+
 def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
     """Decode frames into a message object; raises `ProtocolError` and nothing else.
 
@@ -627,9 +768,11 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
         raise ProtocolError("oversize", f"{n} frames, limit {limits.max_frames}", limit="max_frames")
     views: list[Any] = list(frames)
     sizes: list[int] = [0] * n
-    total = 0
-    for i, f in enumerate(views):
-        if type(f) is bytes:
+    max_frame = limits.max_frame_bytes
+    for i in range(n):  # in order: the first frame that is not bytes-like or too large is the one named
+        f = views[i]
+        t = type(f)
+        if t is bytes or t is _ZMQ_FRAME:  # their len() is their size; numpy and msgpack read them as they are
             size = len(f)
         else:
             try:
@@ -638,34 +781,26 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
                 raise ProtocolError("malformed", f"frame {i} is not bytes-like") from exc
             size = mv.nbytes
             views[i] = mv
+            if _ZMQ_FRAME is None and t.__name__ == "Frame" and t.__module__ == "zmq.sugar.frame":
+                _zmq_frame_seen(t)
         if i == 0:
             if size > limits.max_header_bytes:
                 raise ProtocolError("oversize", f"header of {size} bytes, limit {limits.max_header_bytes}", limit="max_header_bytes")
-        elif size > limits.max_frame_bytes:
-            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {limits.max_frame_bytes}", limit="max_frame_bytes")
+        elif size > max_frame:
+            raise ProtocolError("oversize", f"frame {i} of {size} bytes, limit {max_frame}", limit="max_frame_bytes")
         sizes[i] = size
-        total += size
+    total = sum(sizes)
     if total > limits.max_message_bytes:
         raise ProtocolError("oversize", f"message of {total} bytes, limit {limits.max_message_bytes}", limit="max_message_bytes")
     # every msgpack value takes at least one byte, so a header no longer than the budget cannot exceed
     # it: only longer ones pay for counting (a Python call per container)
-    hooks: dict[str, Any] = {}
-    if sizes[0] > limits.max_header_objects:
-        budget = _Budget(limits.max_header_objects)
-        hooks = {"list_hook": budget.on_list, "object_hook": budget.on_map}
+    unpack_kw = _unpack_kw(limits)
     try:
-        header = msgpack.unpackb(
-            views[0],
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_bin_len,
-            max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len,
-            max_ext_len=0,
-            **hooks,
-        )
+        if sizes[0] > limits.max_header_objects:
+            budget = _Budget(limits.max_header_objects)
+            header = msgpack.unpackb(views[0], list_hook=budget.on_list, object_hook=budget.on_map, **unpack_kw)
+        else:
+            header = msgpack.unpackb(views[0], **unpack_kw)
     except _BudgetExceeded:
         raise ProtocolError(
             "oversize", f"header holds more than {limits.max_header_objects} values", limit="max_header_objects"

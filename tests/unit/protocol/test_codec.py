@@ -167,6 +167,70 @@ def test_compiled_decoders_fill_defaults_fresh_and_bound_unknown_fields_among_fe
         a.worker_id = "x"  # type: ignore[misc]  # still a frozen record
 
 
+def test_an_all_defaults_record_is_one_shared_instance_and_encodes_as_before() -> None:
+    """`Prompt.sampling` absent or `{}` decodes to one shared, frozen `SamplingParams()` (built once, not per prompt);
+    any other value is decoded as before, and every prompt encodes to the same bytes either way."""
+    ids = np.arange(3, dtype=np.int32)
+    shared = decode(encode(p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=ids),)))).prompts[0].sampling
+    assert shared == p.SamplingParams()
+    absent = decode([_header("submit", {"request_id": "r", "prompts": [{"prompt_id": "b", "text": "x"}]})]).prompts[0]
+    assert absent.sampling is shared and absent.metadata == {}
+    other = decode(encode(p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="c", text="x", sampling=p.SamplingParams(top_k=5)),))))
+    assert other.prompts[0].sampling == p.SamplingParams(top_k=5) and other.prompts[0].sampling is not shared
+    with pytest.raises(AttributeError):
+        shared.top_k = 3  # type: ignore[misc]  # frozen: sharing it cannot leak a change
+    fresh = p.Task(task_id="t", prompt=p.Prompt(prompt_id="a", input_ids=ids))
+    reused = p.Task(task_id="t", prompt=p.Prompt(prompt_id="a", input_ids=ids, sampling=shared))
+    assert [bytes(memoryview(f)) for f in encode(fresh)] == [bytes(memoryview(f)) for f in encode(reused)]
+    assert b"sampling" in encode(reused)[0]  # still written (as an empty map), as every earlier build wrote it
+
+
+def test_compiled_inits_take_what_dataclasses_inits_take() -> None:
+    """Every record's `__init__` is generated (slot setters): same parameters, in order, same defaults, a fresh
+    object from each default factory, still frozen."""
+    import dataclasses
+    import inspect
+
+    for cls in p.codec._SPECS:
+        params = list(inspect.signature(cls).parameters.values())
+        fields = dataclasses.fields(cls)
+        assert [x.name for x in params] == [f.name for f in fields], cls
+        for x, f in zip(params, fields, strict=True):
+            if f.default is not dataclasses.MISSING:
+                assert x.default is f.default, (cls, f.name)
+            elif f.default_factory is not dataclasses.MISSING:
+                assert repr(x.default) == "<factory>", (cls, f.name)
+            else:
+                assert x.default is inspect.Parameter.empty, (cls, f.name)
+    a, b = p.Prompt(prompt_id="a"), p.Prompt("b", None, "t")
+    assert a.metadata == {} and a.metadata is not b.metadata and b.text == "t" and a.sampling == p.SamplingParams()
+    with pytest.raises(TypeError):
+        p.Task(task_id="t")  # type: ignore[call-arg]
+    with pytest.raises(AttributeError):
+        a.prompt_id = "c"  # type: ignore[misc]
+
+
+def test_zmq_frames_decode_as_bytes_do() -> None:
+    """A zmq.Frame is sized by len() and read as it is (no memoryview): same message, same limits."""
+    zmq = pytest.importorskip("zmq")
+    msg = p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=np.arange(5, dtype=np.int32), metadata={"t": 1.5}),))
+    raw = [bytes(memoryview(f)) for f in encode(msg)]
+    for _ in range(2):  # the first sighting of the type, then the remembered one
+        assert decode([zmq.Frame(x) for x in raw]) == msg == decode(raw)
+    with pytest.raises(ProtocolError) as exc:
+        decode([zmq.Frame(x) for x in raw], Limits(max_frame_bytes=19))
+    assert exc.value.code == "oversize" and "frame 1 of 20 bytes" in str(exc.value)
+    with pytest.raises(ProtocolError) as exc:
+        decode([zmq.Frame(raw[0][:-3]), zmq.Frame(raw[1])])
+    assert exc.value.code == "malformed"
+
+
+def test_message_bytes_is_the_largest_part_whatever_its_type() -> None:
+    frames = [b"12345", np.zeros(3, np.float32), memoryview(b"1234567"), bytearray(2), np.zeros((2, 2), np.int32)[:, 0]]
+    assert p.codec.message_bytes(frames) == 12
+    assert p.codec.message_bytes([]) == 0
+
+
 def test_a_minor6_apply_done_has_no_skipped_field_and_reads_as_not_skipped() -> None:
     # protocol 1.7 added ApplyDone.skipped; a 1.6 worker's failure report stays an ordinary (not final) failure
     old = decode([_header("apply_done", {"version": 3, "ok": False, "duration_s": 0.5, "error": "boom"}, minor=6)])
