@@ -39,17 +39,16 @@ def default_streams() -> int:
 
 def weight_streams(streams: int | None = None) -> int:
     """The sockets a subscriber spreads its fetches over: `streams`, else ``ROLLPOOL_WEIGHT_STREAMS``, else
-    `default_streams`; in [1, 16]. A process that fetches over them gives its ZeroMQ context as many I/O threads
-    (a context's default is one I/O thread for all of its sockets)."""
+    `default_streams` (0 or None: automatic); in [1, 16]. A process that fetches over them gives its ZeroMQ context as
+    many I/O threads (a context's default is one I/O thread for all of its sockets)."""
     if not streams:
         text = os.environ.get("ROLLPOOL_WEIGHT_STREAMS", "").strip()
-        if text:
-            try:
-                streams = int(text)
-            except ValueError:
-                raise ValueError(f"ROLLPOOL_WEIGHT_STREAMS must be an integer, got {text!r}") from None
-    if streams is None:
-        return default_streams()
+        if not text:
+            return default_streams()
+        try:
+            streams = int(text)
+        except ValueError:
+            raise ValueError(f"ROLLPOOL_WEIGHT_STREAMS must be an integer, got {text!r}") from None
     if not 1 <= streams <= 16:
         raise ValueError(f"streams must be in [1, 16], got {streams}")
     return streams
@@ -77,7 +76,8 @@ class WeightPathConfig:
 
     @property
     def streams(self) -> int:
-        return self.weight_streams or default_streams()
+        """`weight_streams`, else ``ROLLPOOL_WEIGHT_STREAMS``, else the default (`weight_streams()`, as the worker's)."""
+        return weight_streams(self.weight_streams)
 
     def subscriber_kwargs(self) -> dict[str, object]:
         """Keyword arguments for `WeightSubscriber` (what a worker's weight sync passes on)."""

@@ -9,7 +9,7 @@ import pytest
 from rollpool.cli.relay import add_arguments
 from rollpool.protocol.config import load_config
 from rollpool.protocol.errors import ConfigError
-from rollpool.weights.config import RelayConfig, WeightPathConfig, default_streams
+from rollpool.weights.config import RelayConfig, WeightPathConfig, default_streams, weight_streams
 
 
 def parse(*argv: str) -> RelayConfig:
@@ -25,6 +25,17 @@ def test_flags_and_environment_set_the_weight_path(monkeypatch: pytest.MonkeyPat
     c = parse("--upstream", "tcp://t:1")
     assert c.weight_path == "shm" and c.streams == default_streams() and c.pinned_budget_bytes is None
     assert c.subscriber_kwargs() == {"path": "shm", "streams": default_streams(), "pinned_budget_bytes": None}
+
+
+def test_the_streams_variable_reaches_the_relay_as_it_reaches_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weight_streams` 0 (the flag's default) is automatic: ROLLPOOL_WEIGHT_STREAMS, else the default, for the relay's
+    config as for `weight_streams()` (the worker's); 0 given to `weight_streams` is automatic too, not an error."""
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_STREAMS", raising=False)
+    assert weight_streams(0) == weight_streams(None) == default_streams()
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "6")
+    assert weight_streams(0) == weight_streams() == 6
+    assert parse("--upstream", "tcp://t:1").streams == 6
+    assert parse("--upstream", "tcp://t:1", "--weight-streams", "3").streams == 3
 
 
 @pytest.mark.parametrize(("kw", "field"), [({"weight_path": "nfs"}, "weight_path"), ({"weight_streams": 17}, "weight_streams"),
