@@ -614,6 +614,8 @@ def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
             if sizes[v] % itemsize:
                 raise _fail("frames", path, f"frame of {sizes[v]} bytes is not a whole number of {dtype}")
             arr = arrays[key] = frombuffer(st.frames[v], dtype)  # positional: half the cost of dtype=
+            if arr.flags.writeable:  # a zmq.Frame's buffer is writable; a decoded message is not (bytes never were)
+                arr.flags.writeable = False
         return arr
 
     return dec_array

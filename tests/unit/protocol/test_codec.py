@@ -225,6 +225,19 @@ def test_zmq_frames_decode_as_bytes_do() -> None:
     assert exc.value.code == "malformed"
 
 
+def test_decoded_arrays_are_read_only_whatever_the_frames_are() -> None:
+    """The module's promise: arrays decode as read-only zero-copy views (a zmq.Frame's buffer is writable: writing into
+    a decoded prompt would write into the received frame, which other decoded fields may share)."""
+    zmq = pytest.importorskip("zmq")
+    msg = p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=np.arange(5, dtype=np.int32)),))
+    raw = [bytes(memoryview(f)) for f in encode(msg)]
+    for frames in (raw, [zmq.Frame(x) for x in raw], [bytearray(x) for x in raw]):
+        ids = decode(frames).prompts[0].input_ids
+        assert not ids.flags.writeable
+        with pytest.raises(ValueError):
+            ids[0] = 7
+
+
 def test_message_bytes_is_the_largest_part_whatever_its_type() -> None:
     frames = [b"12345", np.zeros(3, np.float32), memoryview(b"1234567"), bytearray(2), np.zeros((2, 2), np.int32)[:, 0]]
     assert p.codec.message_bytes(frames) == 12
