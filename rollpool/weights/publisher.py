@@ -302,7 +302,6 @@ class _Snapshot:
         memory, which the driver copies synchronously anyway); then `_landed`."""
         src = flat_bytes(tensor)
         dst = self.buffers[idx][offset : offset + int(src.numel())]
-        part: torch.Tensor | None = None
         if stream is not None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=dst.is_pinned())
@@ -310,9 +309,10 @@ class _Snapshot:
                 done.record(stream)
             part = self._mix_part(idx, offset, src, mix_stream)
             done.synchronize()
+            self._add_part(idx, part)
         else:
             dst.copy_(src)
-        self._landed(idx, part, mix_stream)
+        self._landed(idx, mix_stream)
 
     def _issue(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
         """Issuing thread (one per publisher, so copies are queued in the order they were planned): a CUDA tensor's
@@ -324,14 +324,9 @@ class _Snapshot:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             _keep_until_done(src, stream)
-            part = self._mix_part(idx, offset, src, mix_stream)
-            with self._lock:
-                if part is not None:
-                    self.mix_dev[idx].append(part)
-                    self.mix_parts[idx] += 1
-                self.issued[idx] += 1
-                whole = self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]
-            if whole:
+            self._add_part(idx, self._mix_part(idx, offset, src, mix_stream))
+            self.issued[idx] += 1  # (only this thread counts them)
+            if self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]:
                 self._queue_digest(idx, stream, mix_stream)
             with torch.cuda.stream(stream):
                 done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
@@ -339,7 +334,7 @@ class _Snapshot:
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
             landed.set_exception(exc)
             return
-        self.pub._land_pool.submit(self._land, idx, done, None, mix_stream, landed)
+        self.pub._land_pool.submit(self._land, idx, done, mix_stream, landed)
 
     def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
         """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
@@ -364,12 +359,12 @@ class _Snapshot:
         self.mix_dev[idx] = []
         self.slotted[idx] = True
 
-    def _land(self, idx: int, done: Any, part: torch.Tensor | None, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+    def _land(self, idx: int, done: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
         """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
         for in that order."""
         try:
             done.synchronize()
-            self._landed(idx, part, mix_stream)
+            self._landed(idx, mix_stream)
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it
             landed.set_exception(exc)
             return
@@ -385,15 +380,19 @@ class _Snapshot:
         _keep_until_done(src, mix_stream)
         return part
 
-    def _landed(self, idx: int, part: torch.Tensor | None, mix_stream: Any) -> None:
+    def _add_part(self, idx: int, part: torch.Tensor | None) -> None:
+        """A tensor's GPU mix64 part joins its bucket's (before the tensor counts as landed)."""
+        if part is not None:
+            with self._lock:
+                self.mix_dev[idx].append(part)
+                self.mix_parts[idx] += 1
+
+    def _landed(self, idx: int, mix_stream: Any) -> None:
         """A tensor's bytes are in its bucket: the bucket's last copy queues its checksum (and publishes the bucket's
         GPU-summed mix64 where every part of it was summed on the GPU)."""
         with self._lock:
             self.left[idx] -= 1
             last = self.left[idx] == 0
-            if part is not None:
-                self.mix_dev[idx].append(part)
-                self.mix_parts[idx] += 1
         if last:
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
