@@ -16,7 +16,9 @@ a fresh set of processes, runs interleaved (medians and min..max of ``--reps``; 
    the publisher, then (second phase, so 1 GiB x 8 subscribers never share the memory) 4 behind
    one relay process that already holds the version (its upstream fetch is reported apart). Time
    until the last subscriber holds the verified version. `vs_gloo` = gloo_4_s / rollpool_4_s,
-   best of direct and relay.
+   best of direct and relay. Beside each, the CPU seconds all its processes used for one version
+   (`gloo_4_cpu_s`, `rollpool_4_cpu_s`; user + system, from /proc): with fewer cores than
+   processes the wall times compare the work per version more than its overlap.
 3. Checksum cost (xxh3_64 and crc32, one core, s per GB) and in-process fan-out: 8 subscribers
    direct vs behind one relay (publisher bytes served).
 
@@ -320,6 +322,22 @@ async def fanout(mib: int, n_subs: int, chunk_bytes: int) -> dict[str, Any]:
     return out
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) the processes have used so far; NaN where /proc cannot tell (not Linux)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def spread(xs: list[float]) -> list[float]:
     return [round(min(xs), 3), round(max(xs), 3)]
 
@@ -336,12 +354,14 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
     nbytes = mib * _MiB
     mpctx = mp.get_context("spawn")
     procs: list[Any] = []
+    peer_pids: dict[int, int] = {}
 
     def start(target: Any, *a: Any) -> Any:
         parent, child = mpctx.Pipe()
         p = mpctx.Process(target=target, args=(child, *a), daemon=True)
         p.start()
         procs.append(p)
+        peer_pids[id(parent)] = p.pid
         return parent
 
     pub_conn = start(_publisher_child, mib, chunk, args.bucket_mib, transport, tmpdir)
@@ -378,19 +398,30 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
     for c in direct:
         assert c.recv() == "ready"
 
+    # CPU seconds of every process taking part in one 4-peer version (this box may have fewer cores than processes:
+    # then the wall times compare how much work each system does per version as much as how it overlaps it)
+    cpu: dict[str, list[float]] = {"gloo": [], "direct": [], "relay": []}
+
     def gloo_once() -> float:
         assert gloo_conn is not None
+        pids = [p.pid for p in gloo_procs]
+        c0 = cpu_s(pids)
         gloo_conn.send("go")
         dt, ok = gloo_conn.recv()
+        cpu["gloo"].append(cpu_s(pids) - c0)
         if not ok:
             raise RuntimeError("gloo receivers' bytes differ from the sender's")
         return float(dt)
 
-    def peers_once(conns: list[Any]) -> float:
+    def peers_once(conns: list[Any], serving: Any, kind: str | None) -> float:
+        pids = [peer_pids[id(c)] for c in [serving, *conns]]
+        c0 = cpu_s(pids)
         t0 = time.perf_counter()
         for c in conns:
             c.send("go")
         got = [c.recv() for c in conns]
+        if kind is not None:
+            cpu[kind].append(cpu_s(pids) - c0)
         if any(total != nbytes for _t, total in got):
             raise RuntimeError(f"subscriber got {[t for _, t in got]} bytes, expected {nbytes}")
         return max(t for t, _ in got) - t0
@@ -404,7 +435,8 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
         dt, total = loop.run_until_complete(fetcher.once())  # first fetch: fresh memory
         first_fetch_gbps = total / dt / 1e9
         gloo_first_s = gloo_once() if gloo_conn is not None else float("nan")
-        direct_first_s = peers_once(direct)
+        cpu["gloo"].clear()  # the first version is reported apart
+        direct_first_s = peers_once(direct, pub_conn, None)
         for _ in range(args.reps):
             r = nbytes / raw_once(raw_conn, pull, nbytes, dst) / 1e9
             dt, total = loop.run_until_complete(fetcher.once())
@@ -413,7 +445,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
             m["rp"].append(g)
             m["ratio"].append(g / r)
             gs = gloo_once() if gloo_conn is not None else float("nan")
-            ds = peers_once(direct)
+            ds = peers_once(direct, pub_conn, "direct")
             m["gloo"].append(gs)
             m["direct"].append(ds)
             m["vs_gloo_direct"].append(gs / ds)
@@ -425,10 +457,10 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
         via_relay = [start(_subscriber_child, relay_router, args.window, transport) for _ in range(args.peers)]
         for c in via_relay:
             assert c.recv() == "ready"
-        relay_first4_s = peers_once(via_relay)
+        relay_first4_s = peers_once(via_relay, relay_conn, None)
         for i in range(args.reps):
             gs = gloo_once() if gloo_conn is not None else float("nan")
-            rs = peers_once(via_relay)
+            rs = peers_once(via_relay, relay_conn, "relay")
             m["gloo"].append(gs)
             m["relay"].append(rs)
             m["vs_gloo_relay"].append(gs / rs)
@@ -457,6 +489,12 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
     row["rollpool_4_s"] = median(m[best])
     row["rollpool_4_s_spread"] = spread(m[best])
     row["rollpool_4_mode"] = best
+    for kind, name in (("gloo", "gloo_4_cpu_s"), ("direct", "rollpool_4_direct_cpu_s"), ("relay", "rollpool_4_relay_cpu_s")):
+        if cpu[kind] and not any(x != x for x in cpu[kind]):
+            row[name] = median(cpu[kind])
+    if cpu[best]:
+        row["rollpool_4_cpu_s"] = row.get(f"rollpool_4_{best}_cpu_s")
+    row["cpus"] = mp.cpu_count()
     row["rollpool_4_gbps_per_subscriber"] = round(nbytes / statistics.median(m[best]) / 1e9, 3)
     if not args.no_gloo:
         row["gloo_4_gbps_per_receiver"] = round(nbytes / statistics.median(m["gloo"]) / 1e9, 3)
@@ -516,6 +554,7 @@ def main() -> int:
     tcp_rows = [r for r in rows if r["transport"] == "tcp"] or rows
     head = max(tcp_rows, key=lambda r: r["mib"])
     headline_keys = ("raw_zmq_gbps", "rollpool_gbps", "ratio_vs_raw", "gloo_4_s", "rollpool_4_s", "rollpool_4_mode", "vs_gloo",
+                     "gloo_4_cpu_s", "rollpool_4_cpu_s",
                      "publish_snapshot_gbps", "publish_snapshot_reused_gbps", "rollpool_first_fetch_gbps")
     result: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
