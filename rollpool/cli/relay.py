@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import TYPE_CHECKING
 
 from rollpool.cli._service import run_service
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.metrics import MetricsSink
+from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.config import RelayConfig, default_pub_endpoint
 
-__all__ = ["HELP", "add_arguments", "run"]
+if TYPE_CHECKING:
+    from rollpool.weights.relay import Relay
+
+__all__ = ["HELP", "add_arguments", "make_relay", "run"]
 
 HELP = "serve one node's workers weights from one upstream fetch per version"
 
@@ -28,10 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, RelayConfig)
 
 
-async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> None:
+def make_relay(config: RelayConfig, sockets: SocketFactory, metrics: MetricsSink | None = None) -> Relay:
+    """The relay `config` describes (not started)."""
     from rollpool.weights.relay import Relay
 
-    await run_service(lambda sockets: Relay(
+    return Relay(
         sockets,
         upstream_router=config.upstream,
         upstream_pub=config.upstream_pub,
@@ -45,7 +51,13 @@ async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> Non
         metrics=metrics,
         path=config.weight_path,
         streams=config.streams,
-    ), curve_dir=config.curve_dir, role="relay", metrics=metrics, io_threads=config.streams)
+        pinned_budget_bytes=config.pinned_budget_bytes,
+    )
+
+
+async def _serve(config: RelayConfig, metrics: MetricsSink | None = None) -> None:
+    await run_service(lambda sockets: make_relay(config, sockets, metrics), curve_dir=config.curve_dir, role="relay",
+                      metrics=metrics, io_threads=config.streams)
 
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:

@@ -63,5 +63,5 @@ async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
     from rollpool.weights.config import weight_streams
 
     await run_service(lambda sockets: _Workers(config, sockets, metrics), curve_dir=config.curve_dir, role="worker",
-                      metrics=metrics, reload_keys_on_hup=False, io_threads=weight_streams())
+                      metrics=metrics, reload_keys_on_hup=False, io_threads=weight_streams(config.weight_streams))
     return 0

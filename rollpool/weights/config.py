@@ -16,8 +16,10 @@ the relay and their CLIs) and `RelayConfig` (the relay's flags, ``rollpool relay
 
 Environment: ``ROLLPOOL_WEIGHT_PATH``, ``ROLLPOOL_WEIGHT_STREAMS``,
 ``ROLLPOOL_PINNED_BUDGET_BYTES``; flags ``--weight-path``, ``--weight-streams``,
-``--pinned-budget-bytes`` (the relay's CLI; the worker's and the trainer
-client's configs carry the same three fields).
+``--pinned-budget-bytes`` (the relay's and the worker's CLIs; the worker's and
+the trainer client's configs carry the same three fields, checked by
+`check_path_fields`). The worker also reserves its page-locked buffers at engine
+start (``--weight-reserve-versions``, the engine's own parameter bytes).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "RelayConfig", "default_pub_endpoint", "default_streams", "default_copy_threads"]
+__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "check_path_fields", "RelayConfig", "default_pub_endpoint", "default_streams", "default_copy_threads"]
 
 WEIGHT_PATHS = ("auto", "network", "shm", "cuda_ipc")
 
@@ -60,19 +62,24 @@ def default_copy_threads() -> int:
     return max(1, min(8, n - 1 if n > 2 else n))
 
 
+def check_path_fields(owner: str, weight_path: str, weight_streams: int, pinned_budget_bytes: int | None) -> None:
+    """The checks of the three weight-path fields, for every config that carries them (`owner` names it in errors)."""
+    if weight_path not in WEIGHT_PATHS:
+        raise ConfigError(f"{owner}.weight_path must be one of {', '.join(WEIGHT_PATHS)}, got {weight_path!r}")
+    if not 0 <= weight_streams <= 16:
+        raise ConfigError(f"{owner}.weight_streams must be in [0, 16] (0: automatic), got {weight_streams}")
+    if pinned_budget_bytes is not None and pinned_budget_bytes < 0:
+        raise ConfigError(f"{owner}.pinned_budget_bytes must be >= 0 or None, got {pinned_budget_bytes}")
+
+
 @dataclass(frozen=True)
 class WeightPathConfig:
     weight_path: str = field(default="auto", metadata={"help": "how weight bytes travel: auto, network, shm or cuda_ipc"})
-    weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads chunk requests over (0: one per two cores, 1..4)"})
+    weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads chunk requests over, 1..16 (0: automatic, one per two cores up to 4)"})
     pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory per side (None: no bound)"})
 
     def __post_init__(self) -> None:
-        if self.weight_path not in WEIGHT_PATHS:
-            raise ConfigError(f"weight_path must be one of {', '.join(WEIGHT_PATHS)}, got {self.weight_path!r}")
-        if not 0 <= self.weight_streams <= 16:
-            raise ConfigError(f"weight_streams must be in [0, 16] (0: automatic), got {self.weight_streams}")
-        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
-            raise ConfigError(f"pinned_budget_bytes must be >= 0 or None, got {self.pinned_budget_bytes}")
+        check_path_fields(type(self).__name__, self.weight_path, self.weight_streams, self.pinned_budget_bytes)
 
     @property
     def streams(self) -> int:
@@ -80,7 +87,7 @@ class WeightPathConfig:
         return weight_streams(self.weight_streams)
 
     def subscriber_kwargs(self) -> dict[str, object]:
-        """Keyword arguments for `WeightSubscriber` (what a worker's weight sync passes on)."""
+        """Keyword arguments for `WeightSubscriber` (what the relay passes on to its upstream subscriber)."""
         return {"path": self.weight_path, "streams": self.streams, "pinned_budget_bytes": self.pinned_budget_bytes}
 
     def publisher_kwargs(self) -> dict[str, object]:

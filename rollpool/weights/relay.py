@@ -107,6 +107,7 @@ class Relay:
         metrics: MetricsSink | None = None,
         path: str = "auto",
         streams: int | None = None,
+        pinned_budget_bytes: int | None = None,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
@@ -127,6 +128,7 @@ class Relay:
             metrics=self.metrics,
             path=path,
             streams=streams,
+            pinned_budget_bytes=pinned_budget_bytes,
         )
         self._server = WeightServer(
             sockets,

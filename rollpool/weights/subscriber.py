@@ -226,6 +226,7 @@ class WeightSubscriber:
         self.segments_registered_ahead = 0
         """Segments mapped (and page-locked, on a device that registers) by the registering thread before a version used them."""
         self._reserving: threading.Thread | None = None
+        self._warned_reserve = False
         if reserve_bytes:
             self.reserve_in_background(reserve_bytes)
 
@@ -568,6 +569,11 @@ class WeightSubscriber:
     def pinned_bytes(self) -> int:
         return self._pool.pinned_bytes
 
+    @property
+    def pinned_budget_bytes(self) -> int | None:
+        """The most page-locked bucket memory this subscriber allocates (None: no bound)."""
+        return self._pool.pinned_budget_bytes
+
     def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
         """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
         # room for every bucket's alignment padding too (ARENA_ALIGN each; 1 MiB covers 4096 buckets)
@@ -599,6 +605,11 @@ class WeightSubscriber:
     def _buffers_for(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(one buffer of the version's total size, the bucket views carved from it in order)."""
         total = sum(b.nbytes for b in manifest.buckets)
+        free = self._pool.free_sizes()
+        if self._reserved_versions and free and max(free) < total and not self._warned_reserve:
+            self._warned_reserve = True
+            log.warning("weight version %d takes %d bytes, more than the %d reserved per version: fresh buffers are "
+                        "allocated (and the reserved ones dropped when unused)", manifest.version, total, max(free))
         slab = self._pool.take_at_least(total)
         views: list[torch.Tensor] = []
         pos = 0

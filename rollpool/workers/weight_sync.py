@@ -56,7 +56,7 @@ from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.engine_supervisor import EngineSupervisor
-from rollpool.workers.engines.base import Engine, StagingEngine
+from rollpool.workers.engines.base import Engine, SizedEngine, StagingEngine
 from rollpool.workers.link import BrokerLink
 
 __all__ = ["FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
@@ -91,8 +91,11 @@ class Subscriber(Protocol):
 
 
 SubscriberFactory = Callable[..., Subscriber]
-"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=][, stage_device=])``
-(``stage_device`` only to a factory that names it: the engine's CUDA device, when the engine stages bucket by bucket)."""
+"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=][, stage_device=]
+[, path=, streams=, pinned_budget_bytes=])`` (``stage_device`` and the three weight-path fields only to a factory that names
+them: the engine's CUDA device when the engine stages bucket by bucket; `WorkerConfig`'s ``weight_path``,
+``weight_streams``, ``pinned_budget_bytes``). A subscriber with ``reserve_in_background(total_bytes, versions)`` is made at
+engine start when the engine is on a GPU and says its `weight_bytes` (`WorkerConfig.weight_reserve_versions`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +159,37 @@ class WeightSync:
 
     # ------------------------------------------------------------------ broker side
 
+    def engine_started(self) -> None:
+        """The engine is up. On a GPU, with `weight_bytes` known, the subscriber is made now (connected when the broker
+        names a publisher) and page-locks its buffers for `weight_reserve_versions` versions in a thread: a trainer's
+        first version then finds them ready, instead of waiting seconds per GB for them (issue 23, "no cold version")."""
+        versions = self.config.weight_reserve_versions
+        engine = self.supervisor.engine
+        if self.subscriber is not None or versions < 1 or engine is None:
+            return
+        if not str(engine.info().device or "").startswith("cuda") or not isinstance(engine, SizedEngine):
+            return
+        try:
+            nbytes = int(engine.weight_bytes())
+        except Exception:  # an estimate only: the first fetch allocates instead
+            log.warning("weight sync: the engine's weight_bytes() failed; buffers are allocated at the first fetch",
+                        exc_info=True, extra={"worker": self.worker_id})
+            return
+        sub = self._make_subscriber()
+        self.subscriber = sub
+        reserve = getattr(sub, "reserve_in_background", None)
+        if nbytes > 0 and reserve is not None:
+            log.info("weight sync: reserving buffers for %d versions of %.2f GB at engine start", versions, nbytes / 1e9,
+                     extra={"worker": self.worker_id})
+            reserve(nbytes, versions)
+
     def note_weights(self, version: int, endpoint: str | None, announce: str | None) -> None:
         """The broker named the newest version and the publisher's endpoints (welcome, heartbeat)."""
         if self.config.weight_endpoint:  # a node-local relay overrides what the broker names
             endpoint, announce = self.config.weight_endpoint, self.config.weight_announce_endpoint
-        if endpoint and self.subscriber is None:
-            self.subscriber = self._make_subscriber()
+        if endpoint and self._endpoints[0] is None:
+            if self.subscriber is None:
+                self.subscriber = self._make_subscriber()
             self.subscriber.connect(endpoint, announce)
             self._endpoints = (endpoint, announce)
             self._subscriber_ready.set()
@@ -439,12 +467,19 @@ class WeightSync:
                 # warm run (docs/weights.md, 2026-12-04 third round: 0.50 s against 1.78 s for the CPU copy + CPU checksum);
                 # ROLLPOOL_WEIGHT_SHM_TO_DEVICE=0 keeps the CPU copy (which stays the counted fallback either way)
                 extra["stage_device"] = device
+        cfg = self.config
+        # the weight-path fields that are set, to a factory that takes them (the defaults, auto / 0 / None, leave the
+        # subscriber to read ROLLPOOL_WEIGHT_PATH etc. itself, as it did before the worker had these fields)
+        for name, value in (("path", None if cfg.weight_path == "auto" else cfg.weight_path), ("streams", cfg.weight_streams or None),
+                            ("pinned_budget_bytes", cfg.pinned_budget_bytes)):
+            if value is not None and _takes(factory, name):
+                extra[name] = value
         return factory(
             self.sockets,
             worker_id=self.worker_id,
-            fetch_timeout_s=self.config.fetch_timeout_s,
-            window_chunks=self.config.window_chunks,
-            max_refetch=self.config.max_refetch,
+            fetch_timeout_s=cfg.fetch_timeout_s,
+            window_chunks=cfg.window_chunks,
+            max_refetch=cfg.max_refetch,
             **extra,
         )
 

@@ -171,6 +171,7 @@ class Worker:
             await self.weights.prepare()
             info = await self.supervisor.start()
             self.weights.version = info.weight_version
+            self.weights.engine_started()
             await self._start_episodes()
             self.link.connect()
             async with asyncio.TaskGroup() as tg:

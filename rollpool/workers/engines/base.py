@@ -32,7 +32,9 @@ that mode:
 `generate` calls made while paused wait and start after `resume`.
 All methods are coroutines except `info`; none blocks the event loop (compute
 lives in a thread, a child process or on timers). An engine that can copy a
-version to its device before the pause declares `StagingEngine`.
+version to its device before the pause declares `StagingEngine`; one that
+knows the bytes of one weight version declares `SizedEngine` (a worker whose
+engine is on a GPU then page-locks its fetch buffers at engine start).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "EngineInfo",
     "GenerateOutput",
     "SampleOutput",
+    "SizedEngine",
     "StagingEngine",
     "check_prompt",
     "check_request",
@@ -207,6 +210,15 @@ class StagingEngine(Engine, Protocol):
 
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Copy `named_tensors` to the device for `version`; raises `EngineError` on failure."""
+
+
+@runtime_checkable
+class SizedEngine(Engine, Protocol):
+    """An engine that knows how many bytes one weight version of it takes (what the trainer publishes for it)."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of one version (0: not known yet, e.g. before `start`)."""
+        ...
 
 
 def validate_sampling(sampling: SamplingParams, n: int) -> None:

@@ -199,6 +199,14 @@ class HFEngine:
         self._thread = threading.Thread(target=self._compute_loop, name=f"hf-engine-{id(self):x}", daemon=True)
         self._thread.start()
 
+    def weight_bytes(self) -> int:
+        """Bytes of one weight version for this engine: its state dict as loaded, as a trainer's publish of the same
+        model counts it (tied weights under each name); 0 before `start`."""
+        model = self._model
+        if model is None:
+            return 0
+        return sum(int(t.numel()) * int(t.element_size()) for t in model.state_dict().values())
+
     def info(self) -> EngineInfo:
         return EngineInfo(
             name="hf",

@@ -43,3 +43,21 @@ def test_the_streams_variable_reaches_the_relay_as_it_reaches_the_worker(monkeyp
 def test_bad_values_name_their_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         WeightPathConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_the_relay_flags_reach_its_upstream_subscriber_budget_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq.asyncio
+
+    from rollpool.cli.relay import make_relay
+    from rollpool.protocol.sockets import SocketFactory
+
+    monkeypatch.delenv("ROLLPOOL_PINNED_BUDGET_BYTES", raising=False)
+    ctx = zmq.asyncio.Context()
+    try:
+        relay = make_relay(parse("--upstream", "tcp://t:1", "--weight-path", "network", "--weight-streams", "3",
+                                 "--pinned-budget-bytes", "1024"), SocketFactory(ctx))
+        up = relay.upstream
+        assert (up.path, up.streams, up.pinned_budget_bytes) == ("network", 3, 1024)
+        up.close()
+    finally:
+        ctx.destroy(linger=0)

@@ -148,3 +148,10 @@ async def test_an_unknown_parameter_is_refused_before_anything_is_written_and_th
     assert engine.info().weight_version == before  # the old version, intact: no restart needed (issue 20)
     out = await engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=2), "after")
     assert out.samples and all(int(v) == before for s in out.samples for v in s.token_versions)
+
+
+async def test_weight_bytes_is_what_a_trainer_publishing_the_same_model_sends(engine: HFEngine, reference: Any) -> None:
+    from rollpool.weights.publisher import layout_of
+
+    # the worker reserves this many bytes per version at engine start: a version of the same model must fit
+    assert engine.weight_bytes() == sum(n for *_, n in layout_of(reference))

@@ -110,3 +110,13 @@ def test_shim_json_round_trips_a_recorded_response_with_or_without_orjson(monkey
 
     monkeypatch.setattr(builtins, "__import__", no_orjson)
     assert _loads(_dumps({"t": (1, 2), "x": None})) == {"t": [1, 2], "x": None}
+
+
+def test_version_bytes_counts_floating_parameters_in_the_serving_dtype() -> None:
+    from rollpool.workers.engines.sglang.wire import version_bytes
+
+    params = {"w": ("float32", (4, 8)), "norm": ("bfloat16", (8,)), "pos": ("int64", (3,))}
+    assert version_bytes(params) == 4 * 8 * 4 + 8 * 2 + 3 * 8  # as stored
+    assert version_bytes(params, "bfloat16") == 4 * 8 * 2 + 8 * 2 + 3 * 8  # what a trainer publishing bf16 sends
+    assert version_bytes(params, "auto") == version_bytes(params)
+    assert version_bytes({"q": ("float4_packed", (2,))}) == 0  # a dtype it cannot size: unknown, not a guess

@@ -1,12 +1,16 @@
-"""Which subscriber the worker makes: a staging device only for an engine that stages bucket by bucket on CUDA."""
+"""Which subscriber the worker makes (a staging device only for an engine that stages bucket by bucket on CUDA; the
+weight-path flags), and the page-locked buffers it reserves at engine start."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq.asyncio
 
+from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.weight_sync import WeightSync
 
@@ -58,3 +62,103 @@ def test_no_staging_device_off_cuda_without_the_hook_or_for_an_older_factory(mon
 def test_the_staging_subscriber_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "0")
     assert made_with(FakeEngine("cuda:0", stages=True), recording) == {"pin_memory": True, "stage_device": None}
+
+
+# -- the weight-path flags and the reserve at engine start (issue 23: config and CLI; no cold version)
+
+
+def worker_config(*argv: str) -> WorkerConfig:
+    import argparse
+
+    from rollpool.cli.worker import add_arguments
+    from rollpool.protocol.config import load_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return load_config(WorkerConfig, p.parse_args(["--broker", "tcp://127.0.0.1:1", "--worker-id", "w1", *argv]), section="worker")
+
+
+def sync_for(engine: Any, config: WorkerConfig, sockets: Any = None) -> WeightSync:
+    sync = WeightSync.__new__(WeightSync)  # the subscriber side alone: no broker link
+    sync.config = config
+    sync.sockets = sockets
+    sync.worker_id = config.worker_id
+    sync.supervisor = SimpleNamespace(engine=engine)  # type: ignore[assignment]
+    sync._subscriber_factory = None
+    sync.subscriber = None
+    sync._endpoints = (None, None)
+    return sync
+
+
+class SizedFakeEngine(FakeEngine):
+    """Fake of the engine edge that also says how many bytes one weight version of it takes."""
+
+    def __init__(self, device: str, nbytes: int) -> None:
+        super().__init__(device, stages=False)
+        self.nbytes = nbytes
+
+    def weight_bytes(self) -> int:
+        return self.nbytes
+
+    # the rest of the Engine protocol, so `isinstance(e, SizedEngine)` holds as it does for the real engines
+    async def start(self) -> None: ...
+    async def generate(self, *a: Any, **k: Any) -> Any: ...
+    async def abort(self, request_id: str) -> None: ...
+    async def pause(self, mode: str) -> None: ...
+    async def resume(self) -> None: ...
+    async def update_weights(self, named_tensors: Any, version: int) -> None: ...
+    async def release_memory(self, tags: Any = ()) -> None: ...
+    async def resume_memory(self, tags: Any = ()) -> None: ...
+    async def flush_cache(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+def test_the_worker_flags_choose_the_path_streams_and_budget_of_its_real_subscriber(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("ROLLPOOL_WEIGHT_PATH", "ROLLPOOL_WEIGHT_STREAMS", "ROLLPOOL_PINNED_BUDGET_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    config = worker_config("--weight-path", "network", "--weight-streams", "3", "--pinned-budget-bytes", "4096")
+    sub = sync_for(FakeEngine("cpu", stages=False), config)._make_subscriber()
+    try:
+        assert (sub.path, sub.streams, sub.pinned_budget_bytes) == ("network", 3, 4096)  # type: ignore[attr-defined]
+    finally:
+        sub.close()
+    # the same three through the environment, as the relay takes them
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_PATH", "shm")
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "2")
+    sub = sync_for(FakeEngine("cpu", stages=False), worker_config())._make_subscriber()
+    try:
+        assert (sub.path, sub.streams, sub.pinned_budget_bytes) == ("shm", 2, None)  # type: ignore[attr-defined]
+    finally:
+        sub.close()
+    with pytest.raises(Exception, match="weight_path"):
+        worker_config("--weight-path", "carrier-pigeon")
+
+
+async def test_an_engine_on_a_gpu_has_its_buffers_reserved_at_start_before_any_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_RESERVE_BYTES", raising=False)
+    ctx = zmq.asyncio.Context()
+    sync = sync_for(SizedFakeEngine("cuda:0", 3 << 20), worker_config(), SocketFactory(ctx))
+    sync._subscriber_ready = asyncio.Event()
+    sync.engine_started()
+    sub: Any = sync.subscriber
+    assert sub is not None, "no subscriber made at engine start"
+    try:
+        assert not sub.connected  # no publisher named yet: nothing fetched, only the buffers
+        await sub._reserved()  # the reserve runs in a thread (page-locking takes seconds per GB on a GPU host)
+        assert sub.buffers_allocated == 2  # two versions (WorkerConfig.weight_reserve_versions)
+        assert sorted(sub._pool.free_sizes()) == [3 << 20, 3 << 20]
+        # the broker then names the publisher: the same subscriber connects (real sockets), no second one is made
+        sync.note_weights(-1, "tcp://127.0.0.1:9", None)
+        assert sync.subscriber is sub and sub.connected
+    finally:
+        sub.close()
+        ctx.destroy(linger=0)
+
+
+def test_no_reserve_on_the_cpu_when_asked_not_to_or_when_the_engine_does_not_know_its_size() -> None:
+    for engine, config in ((SizedFakeEngine("cpu", 1 << 20), worker_config()),
+                           (SizedFakeEngine("cuda", 1 << 20), worker_config("--weight-reserve-versions", "0")),
+                           (FakeEngine("cuda", stages=True), worker_config())):
+        sync = sync_for(engine, config)
+        sync.engine_started()
+        assert sync.subscriber is None

@@ -80,6 +80,7 @@ from rollpool.workers.engines.sglang.wire import (
     pick_verify_names,
     read_safetensors_index,
     sample_rid,
+    version_bytes,
 )
 
 __all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES"]
@@ -595,6 +596,16 @@ class SGLangEngine:
         if stager is not None and stager.version != version:
             stager = None
         return await asyncio.to_thread(serialize_update, named_tensors, self.device or "cpu", stager)
+
+    def weight_bytes(self) -> int:
+        """Bytes of one weight version for this engine: its checkpoint's parameters in its dtype, plus the embedding
+        again when the checkpoint leaves out a tied ``lm_head.weight`` (a trainer's state dict carries it under both
+        names); 0 before `start`."""
+        params = dict(self._params)
+        embed = params.get("model.embed_tokens.weight")
+        if embed is not None and "lm_head.weight" not in params:
+            params["lm_head.weight"] = embed
+        return version_bytes(params, self.dtype)
 
     def stage_bucket(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         """One verified bucket of `version` (the fetch's ``on_bucket``, on the loop): its host-to-device copy is queued

@@ -198,6 +198,28 @@ def read_safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[
     return out
 
 
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+             "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_FLOATS = ("bfloat16", "float16", "float32", "float64")
+
+
+def version_bytes(params: Mapping[str, tuple[str, Sequence[int]]], serving_dtype: str | None = None) -> int:
+    """Bytes of one weight version of these parameters (`read_safetensors_index`'s answer), floating ones counted in
+    the engine's `serving_dtype` (what a trainer publishing for it sends); 0 when a dtype is unknown."""
+    total = 0
+    for dtype, shape in params.values():
+        if serving_dtype in _ITEMSIZE and dtype in _FLOATS:
+            dtype = serving_dtype
+        size = _ITEMSIZE.get(dtype)
+        if size is None:
+            return 0
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * size
+    return total
+
+
 _VERIFIABLE_SUFFIXES = ("lm_head.weight", "o_proj.weight", "down_proj.weight", "embed_tokens.weight")
 _VERIFIABLE_1D_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
 
