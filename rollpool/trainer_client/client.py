@@ -86,6 +86,7 @@ from rollpool.protocol import (
     encode,
 )
 from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult, TakeOutcome
+from rollpool.weights.config import check_path_fields
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
@@ -116,9 +117,13 @@ class TrainerClientConfig:
     weight_pub_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher announces versions"})
     keep_versions: int = field(default=2, metadata={"help": "weight versions the publisher keeps (0: serve the trainer's tensors while publish waits)"})
     bucket_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "weight bucket size"})
+    weight_path: str = field(default="auto", metadata={"help": "how the hosted publisher offers weight bytes: auto, network, shm or cuda_ipc"})
+    pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory of the hosted publisher (None: no bound)"})
+    pool: str = field(default="default", metadata={"help": "pool name (the publisher's shared-memory segment names)"})
     curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
 
     def __post_init__(self) -> None:
+        check_path_fields("TrainerClientConfig", self.weight_path, 0, self.pinned_budget_bytes)
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.request_retries < 1:
@@ -511,12 +516,17 @@ class TrainerClient:
         if isinstance(reply, Reply) and not reply.ok:
             raise RejectedError("set_version", reply.error or "refused")
 
-    async def publish_weights(self, model_or_named_tensors: Any, version: int) -> Any:
-        """Publish a new weight version (hosting the publisher) and announce it to the broker."""
+    @property
+    def publisher(self) -> WeightPublisher | None:
+        """The weight publisher this client hosts (made by the first `reserve_weights` or `publish_weights`)."""
+        return self._publisher
+
+    async def _hosted_publisher(self) -> WeightPublisher:
         if self._publisher is None:
             from rollpool.weights import WeightPublisher
 
             cfg = self.config
+            # the defaults (auto, no budget) leave the publisher to read ROLLPOOL_WEIGHT_PATH / ROLLPOOL_PINNED_BUDGET_BYTES
             self._publisher = WeightPublisher(
                 self.sockets,
                 router_endpoint=cfg.weight_router_endpoint,
@@ -524,9 +534,23 @@ class TrainerClient:
                 keep_versions=cfg.keep_versions,
                 bucket_bytes=cfg.bucket_bytes,
                 metrics=self.metrics,
+                path=None if cfg.weight_path == "auto" else cfg.weight_path,
+                pool=cfg.pool,
+                pinned_budget_bytes=cfg.pinned_budget_bytes,
             )
             await self._publisher.start()
-        manifest = await self._publisher.publish(model_or_named_tensors, version)
+        return self._publisher
+
+    async def reserve_weights(self, model_or_named_shapes: Any) -> int:
+        """Allocate the hosted publisher's buffers for the model's layout now (page-locked on a GPU host: seconds per
+        GB, and it blocks while it runs), so the first `publish_weights` is as quick as the later ones. Call it once
+        at set-up, before the first step; returns the bytes reserved. Without it the first publish allocates them."""
+        return (await self._hosted_publisher()).reserve(model_or_named_shapes)
+
+    async def publish_weights(self, model_or_named_tensors: Any, version: int) -> Any:
+        """Publish a new weight version (hosting the publisher) and announce it to the broker."""
+        publisher = await self._hosted_publisher()
+        manifest = await publisher.publish(model_or_named_tensors, version)
         await self.set_version(version)
         return manifest
 

@@ -227,3 +227,21 @@ async def test_cancel_ends_live_groups_cancelled_reported_once_beside_a_later_ba
     assert sorted(g.prompt_id for g in batch.other) == sorted(ids[:2]) and {g.state for g in batch.other} == {GroupState.CANCELLED}
     assert client.pending() == 0
     await client.close()
+
+
+async def test_reserve_weights_at_set_up_leaves_the_publishes_nothing_to_allocate(inproc_pool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_PATH", raising=False)
+    client = await inproc_pool.client(weight_path="network", pinned_budget_bytes=0, pool="p7")
+    tensors = {"w": torch.arange(1024, dtype=torch.float32), "b": torch.zeros(8, dtype=torch.bfloat16)}
+    nbytes = 1024 * 4 + 8 * 2
+    assert await client.reserve_weights(tensors) == 2 * nbytes  # keep_versions versions of the layout
+    pub = client.publisher
+    assert pub is not None and pub.path == "network"  # the config's path, not the environment's
+    made = pub.stats["buffers_allocated"]
+    for v in (1, 2, 3):
+        tensors["w"].add_(1)
+        await client.publish_weights(tensors, version=v)
+    assert pub.stats["buffers_allocated"] == made and pub.stats["pinned_bytes"] == 0
+    with pytest.raises(Exception, match="weight_path"):
+        await inproc_pool.client(weight_path="smoke-signals")
