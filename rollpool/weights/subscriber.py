@@ -517,6 +517,7 @@ class WeightSubscriber:
 
     def reserve(self, named_shapes: Any = None, *, total_bytes: int | None = None, versions: int = 2) -> int:
         """Allocate (and touch) host buffers for `versions` versions before the first one; returns the bytes.
+        Free buffers that already fit a version count towards them (so a second call tops up).
 
         `named_shapes`: the engine's own parameters (tensors, meta tensors, or
         ``(name, (shape, dtype))`` pairs), or give `total_bytes`. A version's
@@ -539,7 +540,10 @@ class WeightSubscriber:
             # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first
             # version (first: it is quick, and those paths do not wait for the host buffers below)
             self.reserve_device(total_bytes, self.stage_device, versions)
-        self._pool.reserve([total_bytes] * versions)
+        # free buffers that already fit a version count (a second reserve, e.g. ROLLPOOL_WEIGHT_RESERVE_BYTES and then
+        # the worker's own at engine start, tops up instead of doubling the page-locked memory)
+        have = sum(1 for n in self._pool.free_sizes() if n >= total_bytes)
+        self._pool.reserve([total_bytes] * max(0, versions - have))
         self._reserved_versions = max(self._reserved_versions, versions)
         log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self._pool.pinned_bytes,
                                                     "device": str(self.stage_device), "seconds": round(time.perf_counter() - t0, 3),

@@ -178,6 +178,8 @@ class WeightSync:
         sub = self._make_subscriber()
         self.subscriber = sub
         reserve = getattr(sub, "reserve_in_background", None)
+        if os.environ.get("ROLLPOOL_WEIGHT_RESERVE_BYTES", "").strip():
+            return  # an explicit size: the subscriber reserved that at its making
         if nbytes > 0 and reserve is not None:
             log.info("weight sync: reserving buffers for %d versions of %.2f GB at engine start", versions, nbytes / 1e9,
                      extra={"worker": self.worker_id})

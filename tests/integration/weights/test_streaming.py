@@ -124,6 +124,8 @@ async def test_a_warm_publisher_and_subscriber_allocate_nothing_per_version(make
     assert made == 8
     sub = make_subscriber(pub.router_endpoint)
     assert sub.reserve(w) == 2 * 4 * _MiB and sub.buffers_allocated == 2
+    sub.reserve(total_bytes=4 * _MiB)  # a second reserve (the environment's, then the worker's own) tops up: none made
+    assert sub.buffers_allocated == 2
     previous = None
     for v in range(1, 6):
         w = big_model(v)
