@@ -71,8 +71,8 @@ class WorkerConfig:
     pinned_budget_bytes: int | None = field(default=None, metadata=_h("most page-locked bucket memory (None: no bound)"))
     weight_reserve_versions: int = field(
         default=2,
-        metadata=_h("weight versions whose host buffers an engine on a GPU page-locks at its start, sized by its own "
-                    "parameters (0: allocated at the first fetch instead; not on the shm and cuda_ipc paths)"),
+        metadata=_h("weight versions an engine on a GPU has its fetch buffers reserved for at its start, sized by its own "
+                    "parameters: page-locked host buffers, and device buffers when it stages to CUDA (0: at the first fetch)"),
     )
 
     def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
