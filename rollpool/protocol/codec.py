@@ -658,7 +658,12 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
                 arr = arr.reshape(-1)
             inl = memo.get(_INLINE)
             if inl is not None:
-                return _inline_or_frame(arr, key, frames, memo, inl)
+                n = arr.nbytes
+                if n <= inl[0] and n <= inl[1]:  # inline (as `_inline_or_frame`, written out: one call less per array)
+                    inl[1] -= n
+                    memo[key] = arr
+                    memo[id(arr)] = -1
+                    return arr
             frames.append(arr)
             idx = memo[key] = len(frames) - 1
         elif type(idx) is not int:
@@ -710,7 +715,9 @@ def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
         sizes = st.sizes
         if type(v) is not int or not 1 <= v < len(sizes):
             if type(v) is bytes:  # inline: bytes are immutable, so the view is read-only already
-                _check_inline(v, itemsize, st, path)
+                n = len(v)
+                if n % itemsize or n > st.limits.max_frame_bytes:
+                    _check_inline(v, itemsize, st, path)  # raises, with the reason
                 return frombuffer(v, dtype)
             _frame_index(v, st, path)  # raises, with the reason
         st.used[v] = 1
