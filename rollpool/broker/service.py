@@ -79,6 +79,7 @@ from rollpool.protocol import (
     TaskBatch,
     Welcome,
     WorkerHeartbeat,
+    carry_entry,
     decode,
     encode,
     inline_for,
@@ -547,8 +548,9 @@ class Broker:
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:  # noqa: C901 - grandfathered: one branch per message type, inline on the broker's hot path
         identity = frames[0]
+        fields: list[Any] = []  # the header's field map: a result's trajectories can go on as received (carry_entry)
         try:
-            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.WORKER_PORT_TYPES)
+            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.WORKER_PORT_TYPES, fields)
         except ProtocolError as exc:
             self._protocol_error(self._w, identity, exc, frames)
             return
@@ -561,13 +563,14 @@ class Broker:
                 st.credit(w, msg.credits, now)
                 return
         elif kind is Result:
-            self._on_result(w, identity, msg)
+            self._on_result(w, identity, msg, fields[0])
             if msg.credits and w is not None:
                 st.credit(w, msg.credits, now)
             return
         elif kind is ResultBatch:
-            for r in msg.results:
-                self._on_result(w, identity, r)
+            raws = fields[0].get("results")
+            for i, r in enumerate(msg.results):
+                self._on_result(w, identity, r, raws[i])
                 if r.credits and w is not None:
                     st.credit(w, r.credits, now)
             if msg.credits and w is not None:
@@ -611,12 +614,15 @@ class Broker:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
 
-    def _on_result(self, w: WorkerInfo | None, identity: bytes, msg: Result) -> None:
+    def _on_result(self, w: WorkerInfo | None, identity: bytes, msg: Result, raw: Any = None) -> None:
         outcome = self.state.result(
             w, task_id=msg.task_id, prompt_id=msg.prompt_id, trajectories=msg.trajectories,
             error=msg.error, retryable=msg.retryable, now=self._now,
         )
-        if outcome != "accepted" and outcome != "requeued":
+        if outcome == "accepted":
+            if raw is not None and msg.trajectories and (g := self.state.groups.get(msg.prompt_id)) is not None:
+                g.wire = carry_entry(msg.trajectories, raw.get("trajectories"))
+        elif outcome != "requeued":
             log.debug("broker: result for %s from %s: %s", msg.task_id, w.worker_id if w else identity.hex(), outcome)
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
@@ -735,9 +741,19 @@ class Broker:
         pull.done = True
         if pull.handle is not None:
             pull.handle.cancel()
-        groups = self.state.pull(pull.client_id, pull.max_groups, now=self.clock())
-        frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version),
-                        self._peer_inline.get(pull.identity) if groups else None)
+        st = self.state
+        groups = st.pull(pull.client_id, pull.max_groups, now=self.clock())
+        inline = self._peer_inline.get(pull.identity) if groups else None
+        carry: dict[int, Any] | None = None
+        if inline is not None:  # trajectories received with every array inline go on as they came
+            for gr in groups:
+                g = st.groups.get(gr.prompt_id)
+                if g is not None and g.wire is not None and g.wire[0] is gr.trajectories:
+                    if carry is None:
+                        carry = {}
+                    carry[id(gr.trajectories)] = g.wire
+        frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=st.version),
+                        inline, carry)
         if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
             frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))
             self.state.client_reconnected(pull.client_id)  # not delivered: ready again for a smaller pull

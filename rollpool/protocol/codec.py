@@ -28,7 +28,9 @@ a policy only with a peer that settled on minor 12 or later in its hello
 (`inline_for`; `Hello.protocol_minor` and the welcomes); without one
 (the default) the message is exactly what minor 11 sent. Decoding reads both
 forms from any peer. Weight chunks are never sent with a policy: they stay
-frames, zero-copy.
+frames, zero-copy. A record received with every array inline is a
+self-contained map, so a relaying peer (the broker) may send it on as it came
+(`carry_entry`, `decode(..., fields_out=)`, `encode(msg, inline, carry)`).
 
 Decoding is strict and bounded: an unsupported major version, an unknown type,
 a type the receiving socket does not accept (`decode(..., accept=...)`), a
@@ -78,6 +80,7 @@ __all__ = [
     "message_bytes",
     "Inline",
     "inline_for",
+    "carry_entry",
     "INLINE_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
@@ -188,7 +191,7 @@ class _RecordSpec:
     wire and filled back in on decode. Both keep the common messages cheap.
     """
 
-    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "shared", "encode", "decode")
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "frame_fields", "shared", "encode", "decode")
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
@@ -219,6 +222,9 @@ class _RecordSpec:
                 self.required.append(f.name)
             self.plan.append((f.name, inline, enc, default))
             self.decoders[f.name] = (inline, dec)
+        self.frame_fields: tuple[str, ...] = tuple(
+            f.name for f in dataclasses.fields(cls) if any(isinstance(m, _FrameKind) for m in _markers(hints[f.name])))
+        """The fields whose type is an array or a blob (`carry_entry` checks that each travelled inline)."""
         self.shared: Any = None
         """For a record whose every field has an immutable default (`SamplingParams`): one instance with all
         of them, which decoding an empty map returns (and a missing field of this type holds) instead of
@@ -227,6 +233,13 @@ class _RecordSpec:
             self.shared = cls()
         self.encode: Callable[[Any, list[Any], dict[Any, Any]], dict[str, Any]] = _compile_encoder(self)
         self.decode: Callable[[Any, _DecodeState, str], Any] = _compile_decoder(self)
+
+
+def _markers(tp: Any) -> list[Any]:
+    """The `Annotated` markers of a field's type, through ``X | None``."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return [m for a in get_args(tp) if a is not type(None) for m in _markers(a)]
+    return list(get_args(tp)[1:]) if get_origin(tp) is Annotated else []
 
 
 def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, Any]], dict[str, Any]]:
@@ -494,7 +507,18 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
                     raise _fail("type", path, f"expected a list, got {type(v).__name__}")
                 return tuple([rdec(x, st, ipath) for x in v])
 
-            return (lambda v, frames, memo: [ienc(x, frames, memo) for x in v]), dec_records
+            def enc_records(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
+                carry = memo.get(_CARRY)
+                if carry is not None:  # records received as maps that are sent on as they came (`carry_entry`)
+                    entry = carry.get(id(v))
+                    if entry is not None and entry[0] is v:
+                        inl = memo[_INLINE]
+                        if entry[3] <= inl[0] and entry[2] <= inl[1]:
+                            inl[1] -= entry[2]
+                            return entry[1]
+                return [ienc(x, frames, memo) for x in v]
+
+            return enc_records, dec_records
 
         def enc_list(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return [ienc(x, frames, memo) for x in v]
@@ -611,6 +635,35 @@ def _check_free(v: Any, depth: int, path: str) -> None:
 
 _INLINE = object()
 """The memo key of an encode's inline state: ``[max_bytes, budget_bytes_left]`` (absent: frames only)."""
+_CARRY = object()
+"""The memo key of an encode's carried records: id(tuple of records) -> `carry_entry` (absent: none)."""
+
+
+def carry_entry(records: tuple[Any, ...], raws: Any) -> tuple[Any, list[Any], int, int] | None:
+    """What lets a received tuple of records be sent on without encoding them again: ``(records, raws, inline
+    bytes, largest inline value)`` when `raws` (from `decode(..., fields_out=...)`) are the maps `records` were
+    decoded from and every array or blob in them travelled inline (a frame index would name a frame of the message
+    they came in); None otherwise. Records whose arrays are their own fields only (`Trajectory`). An entry is used by
+    `encode(msg, inline, carry)` for the same tuple object, within the inline policy; the maps go out as they came,
+    unknown fields of a newer sender included (they were bounded when decoded)."""
+    if not records or type(raws) is not list or len(raws) != len(records):
+        return None
+    names = _SPECS[type(records[0])].frame_fields
+    total = largest = 0
+    for raw in raws:
+        if type(raw) is not dict:
+            return None
+        for name in names:
+            v = raw.get(name)
+            if v is None:
+                continue
+            if type(v) is not bytes:
+                return None
+            n = len(v)
+            total += n
+            if n > largest:
+                largest = n
+    return (records, raws, total, largest)
 
 
 def _blob_converters(path: str) -> tuple[_Enc, _Dec]:
@@ -811,12 +864,13 @@ def _pack_state() -> _PackState:
     return ps
 
 
-def encode(msg: Any, inline: Inline | None = None) -> list[Any]:
+def encode(msg: Any, inline: Inline | None = None, carry: dict[int, Any] | None = None) -> list[Any]:
     """Encode a registered message to a list of frames for ``send_multipart``.
 
     Frame 0 is bytes; the others are numpy arrays or bytes-like objects that
     ZeroMQ sends without a Python-side copy. With `inline` (only for a peer of
-    minor 12 or later: `inline_for`), small arrays and blobs travel in frame 0.
+    minor 12 or later: `inline_for`), small arrays and blobs travel in frame 0, and `carry` (id of a tuple of
+    records -> `carry_entry`) sends such tuples as the maps they were received in.
     """
     cls = msg.__class__
     type_name = getattr(cls, "TYPE", None)
@@ -829,6 +883,8 @@ def encode(msg: Any, inline: Inline | None = None) -> list[Any]:
             frames[0] = _pack_state().packer.pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
         else:
             memo: dict[Any, Any] = {_INLINE: [inline.max_bytes, inline.budget_bytes]}
+            if carry:
+                memo[_CARRY] = carry
             fields = _SPECS[cls].encode(msg, frames, memo)  # type: ignore[index]
             ps = _pack_state()
             ps.memo = memo
@@ -898,11 +954,13 @@ def _unpack_kw(limits: Limits) -> dict[str, Any]:
     return entry[1]
 
 
-def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
+def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None,  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
+           fields_out: list[Any] | None = None) -> Any:
     """Decode frames into a message object; raises `ProtocolError` and nothing else.
 
     `accept`: the message types the receiving socket serves; any other type is
-    refused (``unexpected_type``) before its fields are decoded.
+    refused (``unexpected_type``) before its fields are decoded. `fields_out`: a list the header's field map is
+    appended to once the message decoded (for `carry_entry`).
     """
     try:
         n = len(frames)
@@ -976,6 +1034,8 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
     if n > 1 and st.used.count(1) != n - 1:
         unused = [i for i in range(1, n) if not st.used[i]]
         raise ProtocolError("frames", f"{type_name}: frames {unused[:8]} are not referenced")
+    if fields_out is not None:
+        fields_out.append(fields)
     return msg
 
 

@@ -188,3 +188,47 @@ def test_the_codec_sizes_inline_bytes_to_the_dtype() -> None:
 
 def make_prompt_submit(ids: np.ndarray[Any, Any]) -> p.Submit:
     return p.Submit(request_id="r", prompts=(p.Prompt(prompt_id="a", input_ids=ids),))
+
+
+async def test_trajectories_received_inline_go_to_a_minor_12_client_as_they_came(start_broker) -> None:  # type: ignore[no-untyped-def]
+    """A result whose arrays all travelled inline is sent on in its received maps (not decoded and encoded again):
+    seen on the wire as a field this broker does not know, from a newer worker, reaching a minor-12 client; a
+    minor-11 client gets the trajectories encoded again (frames, the unknown field gone), and a result whose arrays
+    came in frames is encoded again for everyone."""
+    h: Harness = await start_broker(heartbeat_interval_s=5.0)
+    w, old_w = RawPeer(h, "w12", minor=p.PROTOCOL_MINOR, worker=True), RawPeer(h, "w11", minor=OLD, worker=True)
+    new_c, old_c = RawPeer(h, "c12", minor=p.PROTOCOL_MINOR, worker=False), RawPeer(h, "c11", minor=OLD, worker=False)
+    try:
+        await w.worker_hello(1)
+        await new_c.client_hello()
+        await old_c.client_hello()
+        for puller in (new_c, old_c):
+            name = f"for-{puller.name}"
+            await new_c.send(p.Submit(request_id=name, prompts=(make_prompt(name),)))
+            await new_c.recv(p.SubmitReply)
+            _f, task = await w.recv(p.Task)
+            frames = p.encode(p.Result(task_id=task.task_id, prompt_id=name, trajectories=make_group(task, "w12", n_out=3), credits=1), w.inline)
+            major, minor, kind, fields = msgpack.unpackb(frames[0])
+            fields["trajectories"][0]["from_minor_13"] = "kept"
+            await w.sock.send_multipart([msgpack.packb([major, minor, kind, fields], use_bin_type=True)])
+            raw, groups = await puller.pull_all(1)
+            _check_groups(groups, [name])
+            (t,) = msgpack.unpackb(raw[0][0])[3]["groups"][0]["trajectories"]
+            if puller is new_c:
+                assert t["from_minor_13"] == "kept" and len(raw[0]) == 1 and type(t["output_ids"]) is bytes
+            else:
+                assert "from_minor_13" not in t and len(raw[0]) > 1 and type(t["output_ids"]) is int
+        # arrays in frames (a minor-11 worker): encoded again, inline, for the minor-12 client
+        await w.send(p.Goodbye(reason="done"))  # the next task can only go to the minor-11 worker
+        await h.wait_for(lambda: "w12" not in h.broker.state.workers)
+        await old_w.worker_hello(1)
+        await new_c.send(p.Submit(request_id="s", prompts=(make_prompt("framed"),)))
+        await new_c.recv(p.SubmitReply)
+        await old_w.serve_tasks(1)
+        raw, groups = await new_c.pull_all(1)
+        _check_groups(groups, ["framed"])
+        assert len(raw[0]) == 1 and bins(msgpack.unpackb(raw[0][0])) == 5
+        assert h.broker.counters()["protocol_errors"] == 0
+    finally:
+        for peer in (w, old_w, new_c, old_c):
+            peer.close()

@@ -215,6 +215,34 @@ def test_malformed_inline_arrays_raise_protocol_error() -> None:
     assert err.value.code == "frames"
 
 
+def test_records_received_with_every_array_inline_are_sent_on_as_their_maps() -> None:
+    sample = samples()["result"]
+    fields: list[Any] = []
+    frames = [bytes(memoryview(f)) for f in encode(sample, p.Inline())]
+    result = decode(frames, fields_out=fields)
+    raws = fields[0]["trajectories"]
+    entry = p.carry_entry(result.trajectories, raws)
+    assert entry is not None and entry[0] is result.trajectories and entry[1] is raws
+    assert entry[2] == sum(len(v) for v in raws[0].values() if type(v) is bytes) and entry[3] == 16  # the prompt: 4 int32
+    batch = p.Batch(request_id="r", epoch="e", groups=(p.GroupResult(prompt_id="p1", state="done", trajectories=result.trajectories),))
+    carried = encode(batch, p.Inline(), {id(result.trajectories): entry})
+    assert len(carried) == 1 and msgpack.unpackb(carried[0])[3]["groups"][0]["trajectories"] == raws
+    assert decode(carried) == batch == decode(encode(batch, p.Inline()))
+    # an unknown field of a newer sender goes on with the map (bounded when it was decoded)
+    newer = [dict(raws[0], from_the_future=1)]
+    out = encode(batch, p.Inline(), {id(result.trajectories): p.carry_entry(result.trajectories, newer)})
+    assert msgpack.unpackb(out[0])[3]["groups"][0]["trajectories"][0]["from_the_future"] == 1
+    # encoded again instead: no policy (a minor-11 peer), a policy its arrays exceed, another tuple, frames in the map
+    plain = encode(batch, p.Inline())
+    assert encode(batch, None, {id(result.trajectories): entry}) == encode(batch)
+    assert encode(batch, p.Inline(max_bytes=8), {id(result.trajectories): entry}) == encode(batch, p.Inline(max_bytes=8))
+    assert encode(batch, p.Inline(), {id(result.trajectories): (tuple(result.trajectories), *entry[1:])}) == plain
+    framed: list[Any] = []
+    res2 = decode([bytes(memoryview(f)) for f in encode(sample)], fields_out=framed)
+    assert p.carry_entry(res2.trajectories, framed[0]["trajectories"]) is None  # frame indices name this message's frames
+    assert p.carry_entry((), []) is None and p.carry_entry(result.trajectories, raws * 2) is None
+
+
 def test_numpy_scalars_and_lists_are_accepted_on_encode() -> None:
     msg = p.Task(task_id="t", prompt=p.Prompt(prompt_id="x", input_ids=[1, 2, 3], group_size=np.int64(4)))  # type: ignore[arg-type]
     out = _roundtrip(msg)
