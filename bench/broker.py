@@ -183,6 +183,7 @@ def serve_trivial(wep: str, cep: str) -> None:
         credits: deque[bytes] = deque()
         results: deque[p.GroupResult] = deque()
         pulls: deque[tuple[bytes, str]] = deque()
+        inline: dict[bytes, p.Inline | None] = {}  # per peer identity, settled from its hello (as the real broker)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         seq = 0
@@ -192,13 +193,14 @@ def serve_trivial(wep: str, cep: str) -> None:
             while tasks and credits:
                 prompt = tasks.popleft()
                 seq += 1
-                await ws.send_multipart([credits.popleft(), *p.encode(p.Task(task_id=f"{prompt.prompt_id}@0", prompt=prompt))])
+                ident = credits.popleft()
+                await ws.send_multipart([ident, *p.encode(p.Task(task_id=f"{prompt.prompt_id}@0", prompt=prompt), inline.get(ident))])
 
         async def answer() -> None:
             while pulls and results:
                 ident, rid = pulls.popleft()
                 groups = tuple(results.popleft() for _ in range(len(results)))
-                await cs.send_multipart([ident, *p.encode(p.Batch(request_id=rid, epoch="x", groups=groups))])
+                await cs.send_multipart([ident, *p.encode(p.Batch(request_id=rid, epoch="x", groups=groups), inline.get(ident))])
 
         async def worker_loop() -> None:
             while True:
@@ -213,7 +215,9 @@ def serve_trivial(wep: str, cep: str) -> None:
                     await answer()
                 elif type(m) is p.Hello:
                     credits.extend([ident] * m.credits)
-                    await ws.send_multipart([ident, *p.encode(p.Welcome(epoch="x", protocol=1, heartbeat_interval_s=1.0))])
+                    minor = _settle(m)
+                    inline[ident] = p.inline_for(minor, m.max_header_bytes)
+                    await ws.send_multipart([ident, *p.encode(p.Welcome(epoch="x", protocol=1, heartbeat_interval_s=1.0, protocol_minor=minor))])
                     await dispatch()
 
         async def client_loop() -> None:
@@ -229,6 +233,10 @@ def serve_trivial(wep: str, cep: str) -> None:
                 elif type(m) is p.Pull:
                     pulls.append((ident, m.request_id))
                     await answer()
+                elif type(m) is p.ClientHello:
+                    minor = _settle(m)
+                    inline[ident] = p.inline_for(minor, m.max_header_bytes)
+                    await cs.send_multipart([ident, *p.encode(p.ClientWelcome(epoch="x", protocol=1, protocol_minor=minor))])
 
         loops = [asyncio.create_task(worker_loop()), asyncio.create_task(client_loop())]
         await stop.wait()
@@ -239,6 +247,29 @@ def serve_trivial(wep: str, cep: str) -> None:
         ctx.destroy(linger=0)
 
     asyncio.run(main())
+
+
+def _settle(hello: Any) -> int:
+    """The minor settled with a peer from its hello (0 from a checkout whose protocol has no minor in the hello)."""
+    settle = getattr(p, "settle_minor", None)
+    return settle(getattr(hello, "protocol_minor", 0)) if settle is not None else 0
+
+
+def _inline_from(welcome: Any) -> Any:
+    """The inline policy a peer's welcome settles (None: frames only, from a broker of minor 11 or older)."""
+    inline_for = getattr(p, "inline_for", None)
+    if inline_for is None:
+        return None
+    return inline_for(p.settle_minor(getattr(welcome, "protocol_minor", 0)), welcome.max_header_bytes)
+
+
+def _encode(msg: Any, inline: Any = None) -> list[Any]:
+    """`p.encode` with the peer's inline policy (a checkout without one: frames only)."""
+    return p.encode(msg, inline) if inline is not None else p.encode(msg)
+
+
+MINOR = {"protocol_minor": p.PROTOCOL_MINOR} if "protocol_minor" in {f.name for f in __import__("dataclasses").fields(p.Hello)} else {}
+"""What a hello of this checkout says of its minor (the load generators are peers like any other)."""
 
 
 def start_server(
@@ -308,12 +339,14 @@ def run_zmq_load(
     poller = zmq.Poller()
     for i in range(n_workers):
         s = f.dealer(wep, identity=f"bw{i}".encode())
-        s.send_multipart(p.encode(p.Hello(worker_id=f"bw{i}", protocol_min=1, protocol_max=1, engine="zero", capacity=capacity, credits=capacity)))
+        s.send_multipart(p.encode(p.Hello(worker_id=f"bw{i}", protocol_min=1, protocol_max=1, engine="zero", capacity=capacity, credits=capacity,
+                                          **MINOR)))
         workers.append(s)
         poller.register(s, zmq.POLLIN)
     client = f.dealer(cep, identity=b"bench-client")
     poller.register(client, zmq.POLLIN)
-    client.send_multipart(p.encode(p.ClientHello(client_id="bench", protocol_min=1, protocol_max=1)))
+    client.send_multipart(p.encode(p.ClientHello(client_id="bench", protocol_min=1, protocol_max=1, **MINOR)))
+    inline: dict[Any, Any] = {}  # per socket: the policy its welcome settled
     sent_at: dict[str, float] = {}
     latencies: list[float] = []
     done = 0
@@ -343,7 +376,7 @@ def run_zmq_load(
             pid = f"q{seq}"
             sent_at[pid] = time.perf_counter()
             rid += 1
-            client.send_multipart(p.encode(p.Submit(request_id=str(rid), prompts=(make_prompt(seq),))))
+            client.send_multipart(_encode(p.Submit(request_id=str(rid), prompts=(make_prompt(seq),)), inline.get(client)))
             if rate_per_s:
                 next_submit += 1.0 / rate_per_s
         while pulls_out < 2:
@@ -366,8 +399,10 @@ def run_zmq_load(
                 msg = p.decode(frames)
                 kind = type(msg)
                 if kind is p.Task:
-                    sock.send_multipart(p.encode(zero_latency_result(msg, sock.identity.decode())))
+                    sock.send_multipart(_encode(zero_latency_result(msg, sock.identity.decode()), inline.get(sock)))
                     sock.send_multipart(credit_frames)
+                elif kind is p.Welcome or kind is p.ClientWelcome:
+                    inline[sock] = _inline_from(msg)
                 elif kind is p.Batch:
                     pulls_out -= 1
                     t = time.perf_counter()
@@ -550,6 +585,7 @@ def gen_workers_main(args: argparse.Namespace) -> None:
     features = p.FEATURES if new_wire else ()
     n = len(ids)
     broker_features: list[frozenset[str]] = [frozenset()] * n
+    inline: list[Any] = [None] * n  # the policy each worker's welcome settled (new wire only)
     epoch = [""] * n
     seq = [0] * n
     held: list[dict[str, None]] = [{} for _ in range(n)]
@@ -588,11 +624,12 @@ def gen_workers_main(args: argparse.Namespace) -> None:
             return
         stats["results"] += len(results)
         bf = broker_features[i]
+        inl = inline[i]
         if len(results) > 1 and p.Feature.RESULT_BATCH in bf:
-            s.send_multipart(p.encode(p.ResultBatch(results=tuple(results), credits=len(results))))
+            s.send_multipart(_encode(p.ResultBatch(results=tuple(results), credits=len(results)), inl))
         elif p.Feature.RESULT_CREDITS in bf:
             for r in results:
-                s.send_multipart(p.encode(p.Result(task_id=r.task_id, prompt_id=r.prompt_id, trajectories=r.trajectories, credits=1)))
+                s.send_multipart(_encode(p.Result(task_id=r.task_id, prompt_id=r.prompt_id, trajectories=r.trajectories, credits=1), inl))
         else:
             for r in results:
                 s.send_multipart(p.encode(r))
@@ -620,6 +657,7 @@ def gen_workers_main(args: argparse.Namespace) -> None:
                     stats["held_requests"] += 1
             elif kind is p.Welcome:
                 broker_features[i] = frozenset(msg.features) if new_wire else frozenset()
+                inline[i] = _inline_from(msg) if new_wire else None
                 epoch[i] = msg.epoch
             elif kind is p.Error:
                 stats["errors"] += 1
@@ -649,7 +687,7 @@ def gen_workers_main(args: argparse.Namespace) -> None:
     for i, wid in enumerate(ids):
         s = f.dealer(args.worker_endpoint, identity=wid.encode())
         s.send_multipart(p.encode(p.Hello(worker_id=wid, protocol_min=1, protocol_max=1, engine="zero", capacity=args.capacity,
-                                          credits=args.capacity, features=features)))
+                                          credits=args.capacity, features=features, **(MINOR if new_wire else {}))))
         socks.append(s)
         sel.register(s.getsockopt(zmq.FD), selectors.EVENT_READ, i)
         next_hb.append(_mono() + hb * (0.2 + 0.8 * ((i * 7919) % n) / n) if hb > 0 else 0.0)
@@ -686,7 +724,12 @@ def gen_client_main(args: argparse.Namespace) -> None:
     f = p.SocketFactory(ctx, p.SocketOptions(send_hwm=100_000, recv_hwm=100_000))
     cid = args.prefix
     c = f.dealer(args.client_endpoint, identity=cid.encode())
-    c.send_multipart(p.encode(p.ClientHello(client_id=cid, protocol_min=1, protocol_max=1)))
+    c.send_multipart(p.encode(p.ClientHello(client_id=cid, protocol_min=1, protocol_max=1, **MINOR)))
+    inline: Any = None  # the policy the ClientWelcome settles (read before the start, as a real client does)
+    if c.poll(30_000):
+        m = p.decode(c.recv_multipart())
+        if type(m) is p.ClientWelcome:
+            inline = _inline_from(m)
     _wait_go(args)
     rate, window, per_submit = args.rate, args.window, max(1, args.per_submit)
     ids = np.arange(8, dtype=np.int32)
@@ -722,7 +765,7 @@ def gen_client_main(args: argparse.Namespace) -> None:
         for k in range(0, len(batch), per_submit):
             rid += 1
             chunk = tuple(batch[k:k + per_submit])
-            c.send_multipart(p.encode(p.Submit(request_id=str(rid), prompts=chunk)))
+            c.send_multipart(_encode(p.Submit(request_id=str(rid), prompts=chunk), inline))
         sent += len(batch)
         mine_in_flight += len(batch)
         if args.t_measure <= now:
@@ -751,6 +794,8 @@ def gen_client_main(args: argparse.Namespace) -> None:
                         if isinstance(t0, float) and args.t_measure <= t0 and t <= args.t_end:
                             lat.append(t - t0)
                         to_ack.append(g.prompt_id)
+                elif type(m) is p.ClientWelcome:
+                    inline = _inline_from(m)
                 elif type(m) is p.Error:
                     raise RuntimeError(f"broker error: {m}")
     c.close(linger=0)
@@ -922,7 +967,7 @@ def open_loop_run(
     out["main_thread_us_per_rt"] = (t1m - t0m) / max(rt, 1) * 1e6 if rt else None
     if counters:
         done = max(1, int(counters.get("completed", 0)))
-        for k in ("reads", "messages_in", "messages_out"):  # over the whole run (warm-up included), per group completed
+        for k in ("reads", "messages_in", "messages_out", "frames_in", "frames_out"):  # over the whole run (warm-up included), per group completed
             if k in counters:
                 out[f"broker_{k}_per_rt"] = round(int(counters[k]) / done, 3)
         loop_path = Path(str(lat_path) + ".loop.json")
@@ -1119,15 +1164,22 @@ def new_method(args: argparse.Namespace, systems: list[str], n_workers: int, sec
     print(f"\nNEW METHOD ({n_workers} zero-latency workers in {args.hosts} generator processes, open-loop clients in {args.clients} processes; "
           "latency from the broker's own timestamps where it has them: queued -> delivered)")
     header = (f"{'system':<13} | {'load':>10} | {'offered/s':>9} | {'rt/s':>7} | {'p50 ms':>7} | {'p99 ms':>7} | {'client p99':>10} | "
-              f"{'broker CPU us/rt':>16} | {'machine busy':>12}")
+              f"{'broker CPU us/rt':>16} | {'frames/rt':>9} | {'machine busy':>12}")
     print(header)
     print("-" * len(header))
     for system, rows in out["runs"].items():
         for load, r in rows.items():
             print(f"{system:<13} | {load:>10} | {r['offered_per_s'] or 0:>9.0f} | {r['rt_per_s']:>7.0f} | {r['p50_ms'] or float('nan'):>7.2f} | "
                   f"{r['p99_ms'] or float('nan'):>7.2f} | {r['client_p99_ms'] or float('nan'):>10.2f} | {r['cpu_us_per_rt'] or float('nan'):>16.1f} | "
-                  f"{r['machine_busy_frac']:>12.2f}")
+                  f"{_frames_per_rt(r):>9} | {r['machine_busy_frac']:>12.2f}")
     return out
+
+
+def _frames_per_rt(r: dict[str, Any]) -> str:
+    """ZeroMQ frames the broker read and sent per round trip (its counters `frames_in` + `frames_out`; "-" for a broker
+    without them)."""
+    fi, fo = r.get("broker_frames_in_per_rt"), r.get("broker_frames_out_per_rt")
+    return f"{fi + fo:.1f}" if fi is not None and fo is not None else "-"
 
 
 def heartbeat_runs(args: argparse.Namespace, counts: list[int], seconds: float) -> dict[str, Any]:

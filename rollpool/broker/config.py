@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollpool.protocol.codec import DEFAULT_INLINE_MAX_BYTES
 from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 
@@ -62,6 +63,9 @@ class BrokerConfig:
     coalesce_s: float = field(default=0.001, metadata=_h(
         "a socket read again within this long of its last read waits for the rest of it, so messages arriving "
         "faster are read (and answered) together: fewer wake-ups per message; 0: off"))
+    inline_max_bytes: int = field(default=DEFAULT_INLINE_MAX_BYTES, metadata=_h(
+        "to a peer of protocol minor 12 or later, arrays of at most this many bytes travel inline in the message header "
+        "instead of in their own frame (fewer socket operations per message); 0: every array in a frame"))
     latency_samples: int = field(default=65_536, metadata=_h("delivered groups whose broker-side timestamps are kept (a ring)"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 
@@ -93,6 +97,8 @@ class BrokerConfig:
             positive(name, 0.001)
         for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s", "coalesce_s"):
             positive(name, 0)
+        if isinstance(self.inline_max_bytes, bool) or not isinstance(self.inline_max_bytes, int) or self.inline_max_bytes < 0:
+            raise ConfigError(f"BrokerConfig.inline_max_bytes must be an int >= 0, got {self.inline_max_bytes!r}")
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             raise ConfigError(f"BrokerConfig.max_staleness must be >= 0 or None, got {self.max_staleness!r}")
         for name in ("worker_endpoint", "client_endpoint"):

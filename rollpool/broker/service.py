@@ -62,6 +62,7 @@ from rollpool.protocol import (
     Feature,
     Goodbye,
     Hello,
+    Inline,
     Nack,
     ProtocolError,
     Pull,
@@ -78,10 +79,13 @@ from rollpool.protocol import (
     TaskBatch,
     Welcome,
     WorkerHeartbeat,
+    carry_entry,
     decode,
     encode,
+    inline_for,
     negotiate_version,
     peek_type,
+    settle_minor,
 )
 from rollpool.protocol.codec import check_size
 from rollpool.protocol.errors import MessageTooLargeError
@@ -183,6 +187,9 @@ class Broker:
         self.refusals = guard.Refusals()
         self._peer_limits: guard.BoundedMap[str | bytes, tuple[int, int]] = guard.BoundedMap(65_536)
         """What each peer said it accepts (max_msg_bytes, max_header_bytes): worker id or client identity."""
+        self._peer_inline: guard.BoundedMap[str | bytes, Inline] = guard.BoundedMap(65_536)
+        """The inline policy of each peer that settled on minor 12 or later (`inline_for`), by worker id or client
+        identity; a peer not here (minor 11 or older) gets every array in a frame."""
         self._controls: dict[str, _PendingControl] = {}
         self._control_seq = 0
         self._scheduled = {"w": False, "c": False}
@@ -195,6 +202,9 @@ class Broker:
         """Socket reads (wake-ups that read a socket; counter `reads`)."""
         self.messages_in = 0
         self.messages_out = 0
+        self.frames_in = 0
+        self.frames_out = 0
+        """ZeroMQ frames read and sent, the ROUTER's identity frame included (counters `frames_in`, `frames_out`)."""
         """Messages read and sent (counters `messages_in`, `messages_out`: with `reads` and `completed`, the
         messages and reads per round trip the bench reports)."""
         self._deferred = {"w": False, "c": False}
@@ -318,7 +328,7 @@ class Broker:
         burst = self.config.burst_messages
         recv = super(zmq.Socket, sock).recv  # the Cython method, without the sugar layer's per-call overhead
         self.reads += 1
-        n = 0
+        n = nf = 0
         for _ in range(burst):
             # frames as zmq.Frame (no copy; `more` is a C field, where getsockopt(RCVMORE) costs an enum
             # conversion per frame); the decoder reads them through the buffer protocol
@@ -334,11 +344,13 @@ class Broker:
             while f.more:
                 f = recv(_NB, False)
                 frames.append(f)
+            nf += len(frames)
             try:
                 handle(frames)
             except Exception:  # a bug in one handler must not take the broker down
                 log.exception("broker: error while handling a message")
         self.messages_in += n
+        self.frames_in += nf
         self._after_burst()
         self._recheck()
 
@@ -380,6 +392,7 @@ class Broker:
                 send(frames[i], _NB_MORE)  # copying small frames is cheaper than tracking them
             send(frames[-1], _NB)
             self.messages_out += 1
+            self.frames_out += len(frames) + 1
             return True
         except zmq.Again:
             self.send_failures += 1
@@ -421,6 +434,7 @@ class Broker:
                 by_worker[w.worker_id] = (w, [g])
             else:
                 entry[1].append(g)
+        inline = self._peer_inline
         for w, groups in by_worker.values():
             tasks = [
                 Task(
@@ -437,7 +451,7 @@ class Broker:
             if len(tasks) > 1 and Feature.TASK_BATCH in w.features:
                 # encoded once, as the batch: a batch within the worker's limits has every task within them
                 # (no frame larger, no header longer), so tasks are encoded one by one only when it is not
-                batch = encode(TaskBatch(tasks=tuple(tasks)))
+                batch = encode(TaskBatch(tasks=tuple(tasks)), inline.get(w.worker_id))
                 if self._refuse_oversize(w.worker_id, batch, "task_batch") is False and self._send(self._w, w.identity, batch):
                     continue
                 failed = self._send_one_by_one(w, groups, tasks)  # a batch over the worker's limit (or not sent) goes task by task
@@ -453,13 +467,22 @@ class Broker:
     def _send_one_by_one(self, w: WorkerInfo, groups: list[Group], tasks: list[Task]) -> list[Group]:
         """Send each task alone; returns the groups whose task could not be sent (an oversize one is failed with the reason)."""
         failed: list[Group] = []
+        inline = self._peer_inline.get(w.worker_id)
         for g, t in zip(groups, tasks, strict=True):
-            frames = encode(t)
+            frames = encode(t, inline)
             if self._refuse_oversize(w.worker_id, frames, "task", g):  # roles: failed with the reason, counted
                 continue
             if not self._send(self._w, w.identity, frames):
                 failed.append(g)
         return failed
+
+    def _set_inline(self, peer: str | bytes, minor: int, max_header_bytes: int) -> None:
+        """Settle how arrays travel to `peer` (a worker id or a client identity) from the minor of its hello."""
+        policy = inline_for(minor, max_header_bytes, self.config.inline_max_bytes)
+        if policy is None:
+            self._peer_inline.pop(peer)
+        else:
+            self._peer_inline[peer] = policy
 
     def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
         """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
@@ -525,8 +548,9 @@ class Broker:
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:  # noqa: C901 - grandfathered: one branch per message type, inline on the broker's hot path
         identity = frames[0]
+        fields: list[Any] = []  # the header's field map: a result's trajectories can go on as received (carry_entry)
         try:
-            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.WORKER_PORT_TYPES)
+            msg = decode(frames[1:], guard.BROKER_LIMITS, guard.WORKER_PORT_TYPES, fields)
         except ProtocolError as exc:
             self._protocol_error(self._w, identity, exc, frames)
             return
@@ -539,13 +563,14 @@ class Broker:
                 st.credit(w, msg.credits, now)
                 return
         elif kind is Result:
-            self._on_result(w, identity, msg)
+            self._on_result(w, identity, msg, fields[0])
             if msg.credits and w is not None:
                 st.credit(w, msg.credits, now)
             return
         elif kind is ResultBatch:
-            for r in msg.results:
-                self._on_result(w, identity, r)
+            raws = fields[0].get("results")
+            for i, r in enumerate(msg.results):
+                self._on_result(w, identity, r, raws[i])
                 if r.credits and w is not None:
                     st.credit(w, r.credits, now)
             if msg.credits and w is not None:
@@ -589,12 +614,15 @@ class Broker:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
 
-    def _on_result(self, w: WorkerInfo | None, identity: bytes, msg: Result) -> None:
+    def _on_result(self, w: WorkerInfo | None, identity: bytes, msg: Result, raw: Any = None) -> None:
         outcome = self.state.result(
             w, task_id=msg.task_id, prompt_id=msg.prompt_id, trajectories=msg.trajectories,
             error=msg.error, retryable=msg.retryable, now=self._now,
         )
-        if outcome != "accepted" and outcome != "requeued":
+        if outcome == "accepted":
+            if raw is not None and msg.trajectories and (g := self.state.groups.get(msg.prompt_id)) is not None:
+                g.wire = carry_entry(msg.trajectories, raw.get("trajectories"))
+        elif outcome != "requeued":
             log.debug("broker: result for %s from %s: %s", msg.task_id, w.worker_id if w else identity.hex(), outcome)
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
@@ -615,6 +643,8 @@ class Broker:
             self._send(self._w, identity, encode(Error(code=error[0], message=error[1], ref_type="hello")))
             return
         self._peer_limits[msg.worker_id] = (msg.max_msg_bytes, msg.max_header_bytes)
+        minor = settle_minor(msg.protocol_minor)
+        self._set_inline(msg.worker_id, minor, msg.max_header_bytes)
         old = self.state.workers.get(msg.worker_id)
         if old is not None and old.identity != identity:
             self._by_identity.pop(old.identity, None)
@@ -639,6 +669,7 @@ class Broker:
                     max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
                     features=FEATURES, dispatch_seq=self.state.workers[msg.worker_id].dispatch_seq,
                     version_epoch=self.state.version_epoch, rebase_version=self.state.rebase_floor(msg.version_epoch),
+                    protocol_minor=minor,
                 )
             ),
         )
@@ -684,12 +715,15 @@ class Broker:
                 return
             self._clients[identity] = msg.client_id
             self._peer_limits[identity] = (msg.max_msg_bytes, msg.max_header_bytes)
+            minor = settle_minor(msg.protocol_minor)
+            self._set_inline(identity, minor, msg.max_header_bytes)
             if msg.fingerprint:
                 st.set_required_fingerprint(msg.fingerprint)
             redelivered = st.client_reconnected(msg.client_id)
             self._send(self._c, identity, encode(ClientWelcome(
                 epoch=self.epoch, protocol=proto, weight_version=st.version, redelivered=redelivered,
-                max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes)))
+                max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
+                protocol_minor=minor)))
         elif kind is SetVersion:
             self._on_set_version(identity, msg)
         elif kind is StatusRequest:
@@ -707,8 +741,19 @@ class Broker:
         pull.done = True
         if pull.handle is not None:
             pull.handle.cancel()
-        groups = self.state.pull(pull.client_id, pull.max_groups, now=self.clock())
-        frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=self.state.version))
+        st = self.state
+        groups = st.pull(pull.client_id, pull.max_groups, now=self.clock())
+        inline = self._peer_inline.get(pull.identity) if groups else None
+        carry: dict[int, Any] | None = None
+        if inline is not None:  # trajectories received with every array inline go on as they came
+            for gr in groups:
+                g = st.groups.get(gr.prompt_id)
+                if g is not None and g.wire is not None and g.wire[0] is gr.trajectories:
+                    if carry is None:
+                        carry = {}
+                    carry[id(gr.trajectories)] = g.wire
+        frames = encode(Batch(request_id=pull.request_id, epoch=self.epoch, groups=tuple(groups), weight_version=st.version),
+                        inline, carry)
         if groups and self._refuse_oversize(pull.identity, frames, f"batch of {len(groups)} groups"):
             frames = encode(Error(code="oversize", message=f"a batch of {len(groups)} groups is over this client's limits: pull fewer groups", request_id=pull.request_id, ref_type="pull"))
             self.state.client_reconnected(pull.client_id)  # not delivered: ready again for a smaller pull
@@ -876,6 +921,8 @@ class Broker:
         c["reads"] = self.reads
         c["messages_in"] = self.messages_in
         c["messages_out"] = self.messages_out
+        c["frames_in"] = self.frames_in
+        c["frames_out"] = self.frames_out
         c.update(self.refusals.counters())
         c.update(self.sockets.counters())
         c["workers_listed"] = min(len(self.state.workers), _MAX_STATUS_WORKERS)

@@ -147,6 +147,9 @@ class Group:
     (early cancellation judges a lease by it)."""
     digest: int = -1
     """`task_digest(task_id)` of the current lease, when its worker keeps a held digest (-1: not computed)."""
+    wire: Any = None
+    """The result's trajectories as their received maps (`codec.carry_entry`), when every array in them travelled
+    inline: a Batch to a client of minor 12 sends them as they came instead of encoding them again (the service's)."""
 
 
 @dataclass(slots=True, eq=False)

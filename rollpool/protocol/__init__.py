@@ -8,11 +8,16 @@ these types.
 from __future__ import annotations
 
 from rollpool.protocol.codec import (
+    DEFAULT_INLINE_MAX_BYTES,
+    INLINE_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
+    Inline,
+    carry_entry,
     decode,
     encode,
+    inline_for,
     message_types,
     peek_type,
     records_equal,
@@ -46,6 +51,11 @@ __all__ = [
     "SUPPORTED_MAJORS",
     "encode",
     "decode",
+    "Inline",
+    "inline_for",
+    "carry_entry",
+    "INLINE_MINOR",
+    "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",
     "message_types",
     "records_equal",
@@ -80,4 +90,10 @@ def negotiate_version(peer_min: int, peer_max: int) -> int | None:
     return max(common) if common else None
 
 
-__all__.append("negotiate_version")
+def settle_minor(peer_minor: int) -> int:
+    """The minor both sides speak: the lower of this build's and the one the peer's hello or welcome said (0: it
+    did not say, i.e. minor 11 or older). There is one major; a second one would settle its minors the same way."""
+    return min(PROTOCOL_MINOR, peer_minor) if peer_minor > 0 else 0
+
+
+__all__ += ["negotiate_version", "settle_minor"]

@@ -7,18 +7,35 @@ Format of one message (pinned by the golden fixtures in tests/fixtures):
                   type          the message's type string (``"task"``, ...)
                   fields        a map of field name -> value
     frame 1..k  raw binary frames; a field whose type is an array or a blob
-                holds the index of its frame (int, >= 1) instead of a value.
+                holds the index of its frame (int, >= 1) instead of a value,
+                or (minor 12) the raw bytes themselves, inline, as a msgpack
+                ``bin``.
 
 Arrays travel as raw little-endian bytes of a fixed dtype (token ids int32,
 logprobs float32, masks uint8), so encoding 4,096 tokens costs one memcpy at
-most and decoding is a zero-copy ``numpy.frombuffer`` view (read-only). The same
-array object referenced twice in one message (the prompt shared by the n
-trajectories of a group) travels once.
+most and decoding is a zero-copy ``numpy.frombuffer`` view (read-only), of the
+frame or of the inline ``bin``. The same array object referenced twice in one
+message (the prompt shared by the n trajectories of a group) travels once, in a
+frame.
+
+Inline arrays (protocol minor 12, `Inline`): a frame costs a sender and a
+receiver 1-3 us each in Python (a socket call, a ``zmq.Frame``), a copy of 4 KiB
+about 0.2 us, and most arrays of a short rollout are tens of bytes. So an encoder
+given an `Inline` policy puts an array or blob of at most `Inline.max_bytes`
+into the header, up to `Inline.budget_bytes` per message; the rest, and any
+array referenced more than once in the message, travel in frames. A sender uses
+a policy only with a peer that settled on minor 12 or later in its hello
+(`inline_for`; `Hello.protocol_minor` and the welcomes); without one
+(the default) the message is exactly what minor 11 sent. Decoding reads both
+forms from any peer. Weight chunks are never sent with a policy: they stay
+frames, zero-copy. A record received with every array inline is a
+self-contained map, so a relaying peer (the broker) may send it on as it came
+(`carry_entry`, `decode(..., fields_out=)`, `encode(msg, inline, carry)`).
 
 Decoding is strict and bounded: an unsupported major version, an unknown type,
 a type the receiving socket does not accept (`decode(..., accept=...)`), a
 missing required field, a value of the wrong type, an oversize header or
-frame, too many frames, a frame no field refers to, or a reference to a frame
+frame, an inline array whose size is not a whole number of its dtype, too many frames, a frame no field refers to, or a reference to a frame
 that is not there all raise `ProtocolError` before anything large is
 allocated. The header is unpacked under msgpack's own per-container limits
 and under a budget of values (`Limits.max_header_objects`) that stops msgpack
@@ -61,6 +78,11 @@ __all__ = [
     "records_equal",
     "check_size",
     "message_bytes",
+    "Inline",
+    "inline_for",
+    "carry_entry",
+    "INLINE_MINOR",
+    "DEFAULT_INLINE_MAX_BYTES",
 ]
 
 PROTOCOL_MAJOR = 1
@@ -83,9 +105,41 @@ PROTOCOL_MAJOR = 1
 #        ManifestRequest.gpu_uuids / wait_ipc
 #   1.10 the shared-memory path staged to a GPU: BucketInfo.host_mix64 (mix64 of the bucket's host bytes)
 #   1.11 the publisher's segments named before its first version: Manifest.shm_reserved (ShmSegment), Announce.shm_generation
-PROTOCOL_MINOR = 11
+#   1.12 small arrays and blobs inline in the header (a msgpack bin where a frame index was); the minor in the
+#        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
+PROTOCOL_MINOR = 12
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
+
+INLINE_MINOR = 12
+"""The first minor whose decoders read an array or blob held inline in the header."""
+DEFAULT_INLINE_MAX_BYTES = 16 * 1024
+"""Largest array or blob an encoder puts inline (`inline_for`'s default): measured in docs/broker.md (fifth pass)."""
+INLINE_BUDGET_MAX_BYTES = 256 * 1024
+"""Most inline bytes in one message's header (and at most an eighth of the header the peer accepts)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inline:
+    """How an encoder may put arrays and blobs into the header (`encode(msg, inline)`; minor 12 peers only)."""
+
+    max_bytes: int = DEFAULT_INLINE_MAX_BYTES
+    """An array or blob of at most this many bytes travels inline (a msgpack bin) instead of in a frame."""
+    budget_bytes: int = INLINE_BUDGET_MAX_BYTES
+    """At most this many inline bytes per message; arrays past it travel in frames."""
+
+
+def inline_for(peer_minor: int, peer_max_header_bytes: int = 0, inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES) -> Inline | None:
+    """The inline policy for a peer that settled on `peer_minor` (None: frames only, as minor 11 and older).
+
+    `peer_max_header_bytes` is the header limit the peer announced (0: not said, the default 4 MiB): inline
+    bytes take at most an eighth of it, so inlining never pushes a header past what the peer accepts when
+    frames would have fitted. `inline_max_bytes` <= 0 turns inlining off.
+    """
+    if peer_minor < INLINE_MINOR or inline_max_bytes <= 0:
+        return None
+    header = peer_max_header_bytes or DEFAULT_LIMITS.max_header_bytes
+    return Inline(inline_max_bytes, min(INLINE_BUDGET_MAX_BYTES, header // 8))
 
 
 class _FrameKind:
@@ -109,7 +163,7 @@ Blob = Annotated[bytes | memoryview, _FrameKind(None)]
 Frame = Any
 """Anything that supports the buffer protocol (zmq.Frame included)."""
 
-_Enc = Callable[[Any, list[Any], dict[int, int]], Any]
+_Enc = Callable[[Any, list[Any], dict[Any, Any]], Any]
 _Dec = Callable[[Any, "_DecodeState"], Any]
 
 _MESSAGES: dict[str, type[Any]] = {}
@@ -137,7 +191,7 @@ class _RecordSpec:
     wire and filled back in on decode. Both keep the common messages cheap.
     """
 
-    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "shared", "encode", "decode")
+    __slots__ = ("cls", "plan", "decoders", "required", "static_defaults", "factories", "frame_fields", "shared", "encode", "decode")
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
@@ -168,17 +222,27 @@ class _RecordSpec:
                 self.required.append(f.name)
             self.plan.append((f.name, inline, enc, default))
             self.decoders[f.name] = (inline, dec)
+        self.frame_fields: tuple[str, ...] = tuple(
+            f.name for f in dataclasses.fields(cls) if any(isinstance(m, _FrameKind) for m in _markers(hints[f.name])))
+        """The fields whose type is an array or a blob (`carry_entry` checks that each travelled inline)."""
         self.shared: Any = None
         """For a record whose every field has an immutable default (`SamplingParams`): one instance with all
         of them, which decoding an empty map returns (and a missing field of this type holds) instead of
         building a new, equal one each time; frozen and holding only immutable values, it cannot change."""
         if not self.required and not self.factories and all(_immutable(d) for d in self.static_defaults.values()):
             self.shared = cls()
-        self.encode: Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]] = _compile_encoder(self)
+        self.encode: Callable[[Any, list[Any], dict[Any, Any]], dict[str, Any]] = _compile_encoder(self)
         self.decode: Callable[[Any, _DecodeState, str], Any] = _compile_decoder(self)
 
 
-def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, int]], dict[str, Any]]:
+def _markers(tp: Any) -> list[Any]:
+    """The `Annotated` markers of a field's type, through ``X | None``."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return [m for a in get_args(tp) if a is not type(None) for m in _markers(a)]
+    return list(get_args(tp)[1:]) if get_origin(tp) is Annotated else []
+
+
+def _compile_encoder(spec: _RecordSpec) -> Callable[[Any, list[Any], dict[Any, Any]], dict[str, Any]]:
     """The record's encoder as straight-line code (one block per field, no per-field loop or tuple unpacking).
 
     The same rules as a loop over `spec.plan`: a field equal to its immutable default is left off, a
@@ -406,7 +470,7 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
             raise TypeError(f"{path}: only `X | None` unions are supported")
         enc, dec = _converters(args[0], path)
 
-        def enc_opt(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+        def enc_opt(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return None if v is None else enc(v, frames, memo)
 
         def dec_opt(v: Any, st: _DecodeState) -> Any:
@@ -425,7 +489,7 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
 
             iconv = _scalar_encoder(item, path + "[]")
 
-            def enc_scalars(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            def enc_scalars(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
                 return [iconv(x) for x in v]
 
             def dec_scalars(v: Any, st: _DecodeState) -> Any:
@@ -443,9 +507,20 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
                     raise _fail("type", path, f"expected a list, got {type(v).__name__}")
                 return tuple([rdec(x, st, ipath) for x in v])
 
-            return (lambda v, frames, memo: [ienc(x, frames, memo) for x in v]), dec_records
+            def enc_records(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
+                carry = memo.get(_CARRY)
+                if carry is not None:  # records received as maps that are sent on as they came (`carry_entry`)
+                    entry = carry.get(id(v))
+                    if entry is not None and entry[0] is v:
+                        inl = memo[_INLINE]
+                        if entry[3] <= inl[0] and entry[2] <= inl[1]:
+                            inl[1] -= entry[2]
+                            return entry[1]
+                return [ienc(x, frames, memo) for x in v]
 
-        def enc_list(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+            return enc_records, dec_records
+
+        def enc_list(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return [ienc(x, frames, memo) for x in v]
 
         def dec_list(v: Any, st: _DecodeState) -> Any:
@@ -459,7 +534,7 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         if key is not str:
             raise TypeError(f"{path}: only dict[str, Any] is supported")
 
-        def enc_map(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+        def enc_map(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return v
 
         def dec_map(v: Any, st: _DecodeState) -> Any:
@@ -471,7 +546,7 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         return enc_map, dec_map
     if tp is Any:
 
-        def enc_any(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+        def enc_any(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return v
 
         def dec_any(v: Any, st: _DecodeState) -> Any:
@@ -483,7 +558,7 @@ def _converters(tp: Any, path: str) -> tuple[_Enc, _Dec]:  # noqa: C901 - grandf
         check = _scalar_check(tp, path)
         conv = _scalar_encoder(tp, path)
 
-        def enc_scalar(v: Any, frames: list[Any], memo: dict[int, int]) -> Any:
+        def enc_scalar(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
             return conv(v)
 
         def dec_scalar(v: Any, st: _DecodeState) -> Any:
@@ -558,28 +633,73 @@ def _check_free(v: Any, depth: int, path: str) -> None:
         raise _fail("type", path, f"unsupported value type {t.__name__}")
 
 
+_INLINE = object()
+"""The memo key of an encode's inline state: ``[max_bytes, budget_bytes_left]`` (absent: frames only)."""
+_CARRY = object()
+"""The memo key of an encode's carried records: id(tuple of records) -> `carry_entry` (absent: none)."""
+
+
+def carry_entry(records: tuple[Any, ...], raws: Any) -> tuple[Any, list[Any], int, int] | None:
+    """What lets a received tuple of records be sent on without encoding them again: ``(records, raws, inline
+    bytes, largest inline value)`` when `raws` (from `decode(..., fields_out=...)`) are the maps `records` were
+    decoded from and every array or blob in them travelled inline (a frame index would name a frame of the message
+    they came in); None otherwise. Records whose arrays are their own fields only (`Trajectory`). An entry is used by
+    `encode(msg, inline, carry)` for the same tuple object, within the inline policy; the maps go out as they came,
+    unknown fields of a newer sender included (they were bounded when decoded)."""
+    if not records or type(raws) is not list or len(raws) != len(records):
+        return None
+    names = _SPECS[type(records[0])].frame_fields
+    total = largest = 0
+    for raw in raws:
+        if type(raw) is not dict:
+            return None
+        for name in names:
+            v = raw.get(name)
+            if v is None:
+                continue
+            if type(v) is not bytes:
+                return None
+            n = len(v)
+            total += n
+            if n > largest:
+                largest = n
+    return (records, raws, total, largest)
+
+
+def _blob_converters(path: str) -> tuple[_Enc, _Dec]:
+    def enc_blob(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
+        key = (id(v), 0)
+        idx = memo.get(key)
+        if idx is None:
+            if not isinstance(v, (bytes, bytearray, memoryview)):
+                raise _fail("encode", path, f"expected bytes-like, got {type(v).__name__}")
+            inl = memo.get(_INLINE)
+            if inl is not None:
+                arr = np.frombuffer(v, np.uint8)  # zero-copy; packed (inline) or sent (frame) like an array
+                return _inline_or_frame(arr, key, frames, memo, inl)
+            frames.append(v)
+            idx = memo[key] = len(frames) - 1
+        elif type(idx) is not int:
+            return _promote(idx, key, frames, memo)
+        return idx
+
+    def dec_blob(v: Any, st: _DecodeState) -> Any:
+        if type(v) is bytes:
+            _check_inline(v, 1, st, path)
+            return memoryview(v)
+        f = st.frames[_frame_index(v, st, path)]
+        return f if type(f) is memoryview else memoryview(f)
+
+    return enc_blob, dec_blob
+
+
 def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _Dec]:
     if dtype is None:
-
-        def enc_blob(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
-            key = (id(v), 0)
-            idx = memo.get(key)
-            if idx is None:
-                if not isinstance(v, (bytes, bytearray, memoryview)):
-                    raise _fail("encode", path, f"expected bytes-like, got {type(v).__name__}")
-                frames.append(v)
-                idx = memo[key] = len(frames) - 1
-            return idx
-
-        def dec_blob(v: Any, st: _DecodeState) -> Any:
-            f = st.frames[_frame_index(v, st, path)]
-            return f if type(f) is memoryview else memoryview(f)
-
-        return enc_blob, dec_blob
+        return _blob_converters(path)
 
     itemsize = dtype.itemsize
 
-    def enc_array(v: Any, frames: list[Any], memo: dict[Any, int]) -> Any:
+    def enc_array(v: Any, frames: list[Any], memo: dict[Any, Any]) -> Any:
         key = (id(v), itemsize)
         idx = memo.get(key)
         if idx is None:
@@ -589,15 +709,57 @@ def _frame_converters(dtype: np.dtype[Any] | None, path: str) -> tuple[_Enc, _De
                 raise _fail("encode", path, f"cannot convert to {dtype}: {exc}") from exc
             if arr.ndim != 1:
                 arr = arr.reshape(-1)
+            inl = memo.get(_INLINE)
+            if inl is not None:
+                n = arr.nbytes
+                if n <= inl[0] and n <= inl[1]:  # inline (as `_inline_or_frame`, written out: one call less per array)
+                    inl[1] -= n
+                    memo[key] = arr
+                    memo[id(arr)] = -1
+                    return arr
             frames.append(arr)
             idx = memo[key] = len(frames) - 1
+        elif type(idx) is not int:
+            return _promote(idx, key, frames, memo)
         return idx
 
     return enc_array, _array_decoder(dtype, path)
 
 
+def _inline_or_frame(arr: Any, key: Any, frames: list[Any], memo: dict[Any, Any], inl: list[int]) -> Any:
+    """An array met for the first time in an encode with an inline policy: inline if small enough and the budget
+    allows (the array itself goes into the fields; the packer writes its bytes as a bin), else a frame."""
+    n = arr.nbytes
+    if n <= inl[0] and n <= inl[1]:
+        inl[1] -= n
+        memo[key] = arr
+        memo[id(arr)] = -1  # the packer's default: pack this one inline (unless promoted to a frame later)
+        return arr
+    frames.append(arr)
+    idx = memo[key] = len(frames) - 1
+    return idx
+
+
+def _promote(arr: Any, key: Any, frames: list[Any], memo: dict[Any, Any]) -> int:
+    """An inline array referenced a second time: it travels once, in a frame, and every reference names it
+    (the first one too: the packer finds its index by the array's id)."""
+    frames.append(arr)
+    idx = memo[key] = memo[id(arr)] = len(frames) - 1
+    memo[_INLINE][1] += arr.nbytes
+    return idx
+
+
+def _check_inline(v: bytes, itemsize: int, st: _DecodeState, path: str) -> None:
+    n = len(v)
+    if n > st.limits.max_frame_bytes:  # (msgpack's max_bin_len bounds it first with the default limits)
+        raise ProtocolError("oversize", f"{path}: inline value of {n} bytes, limit {st.limits.max_frame_bytes}", limit="max_frame_bytes")
+    if n % itemsize:
+        raise _fail("frames", path, f"inline value of {n} bytes is not a whole number of {itemsize}-byte items")
+
+
 def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
-    """A zero-copy, read-only view of the frame a field's index names (one per frame and dtype)."""
+    """A zero-copy, read-only view of the frame a field's index names (one per frame and dtype), or of the
+    inline bytes the field holds (minor 12)."""
     itemsize = dtype.itemsize
     dtype_key = dtype.str
     frombuffer = np.frombuffer
@@ -605,6 +767,11 @@ def _array_decoder(dtype: np.dtype[Any], path: str) -> _Dec:
     def dec_array(v: Any, st: _DecodeState) -> Any:
         sizes = st.sizes
         if type(v) is not int or not 1 <= v < len(sizes):
+            if type(v) is bytes:  # inline: bytes are immutable, so the view is read-only already
+                n = len(v)
+                if n % itemsize or n > st.limits.max_frame_bytes:
+                    _check_inline(v, itemsize, st, path)  # raises, with the reason
+                return frombuffer(v, dtype)
             _frame_index(v, st, path)  # raises, with the reason
         st.used[v] = 1
         key = (v, dtype_key)
@@ -668,21 +835,42 @@ class _Budget:
 _PACKERS = threading.local()
 
 
-def _packer() -> msgpack.Packer:
-    """This thread's msgpack packer (``packb`` builds a new one, its buffer included, for every call; a
-    packer's `pack` resets its buffer after each call and after a failed one, so reusing it changes nothing)."""
+class _PackState:
+    """This thread's msgpack packer (``packb`` builds a new one, its buffer included, for every call; a packer's
+    `pack` resets its buffer after each call and after a failed one, so reusing it changes nothing), and the memo
+    of the encode in progress, through which its `default` packs the inline arrays (an array is not a msgpack
+    type: `default` is asked, and answers its bytes, or its frame index when it was promoted to a frame)."""
+
+    __slots__ = ("memo", "packer")
+
+    def __init__(self) -> None:
+        self.memo: dict[Any, Any] | None = None
+        self.packer = msgpack.Packer(use_bin_type=True, default=self.default)
+
+    def default(self, obj: Any) -> Any:
+        memo = self.memo
+        if memo is not None:
+            r = memo.get(id(obj))
+            if r is not None:
+                return memoryview(obj) if r < 0 else r
+        raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
+def _pack_state() -> _PackState:
     try:
-        packer: msgpack.Packer = _PACKERS.p
+        ps: _PackState = _PACKERS.p
     except AttributeError:
-        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True)
-    return packer
+        ps = _PACKERS.p = _PackState()
+    return ps
 
 
-def encode(msg: Any) -> list[Any]:
+def encode(msg: Any, inline: Inline | None = None, carry: dict[int, Any] | None = None) -> list[Any]:
     """Encode a registered message to a list of frames for ``send_multipart``.
 
     Frame 0 is bytes; the others are numpy arrays or bytes-like objects that
-    ZeroMQ sends without a Python-side copy.
+    ZeroMQ sends without a Python-side copy. With `inline` (only for a peer of
+    minor 12 or later: `inline_for`), small arrays and blobs travel in frame 0, and `carry` (id of a tuple of
+    records -> `carry_entry`) sends such tuples as the maps they were received in.
     """
     cls = msg.__class__
     type_name = getattr(cls, "TYPE", None)
@@ -690,8 +878,20 @@ def encode(msg: Any) -> list[Any]:
         raise ProtocolError("encode", f"{cls.__name__} is not a registered message type")
     frames: list[Any] = [b""]
     try:
-        fields = _SPECS[cls].encode(msg, frames, {})  # type: ignore[index]
-        frames[0] = _packer().pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
+        if inline is None:
+            fields = _SPECS[cls].encode(msg, frames, {})  # type: ignore[index]
+            frames[0] = _pack_state().packer.pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
+        else:
+            memo: dict[Any, Any] = {_INLINE: [inline.max_bytes, inline.budget_bytes]}
+            if carry:
+                memo[_CARRY] = carry
+            fields = _SPECS[cls].encode(msg, frames, memo)  # type: ignore[index]
+            ps = _pack_state()
+            ps.memo = memo
+            try:
+                frames[0] = ps.packer.pack([PROTOCOL_MAJOR, PROTOCOL_MINOR, type_name, fields])
+            finally:
+                ps.memo = None
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -754,11 +954,13 @@ def _unpack_kw(limits: Limits) -> dict[str, Any]:
     return entry[1]
 
 
-def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None) -> Any:  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
+def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Container[str] | None = None,  # noqa: C901 - grandfathered: the strict decoder's checks, in order, each with its error code
+           fields_out: list[Any] | None = None) -> Any:
     """Decode frames into a message object; raises `ProtocolError` and nothing else.
 
     `accept`: the message types the receiving socket serves; any other type is
-    refused (``unexpected_type``) before its fields are decoded.
+    refused (``unexpected_type``) before its fields are decoded. `fields_out`: a list the header's field map is
+    appended to once the message decoded (for `carry_entry`).
     """
     try:
         n = len(frames)
@@ -832,6 +1034,8 @@ def decode(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS, accept: Con
     if n > 1 and st.used.count(1) != n - 1:
         unused = [i for i in range(1, n) if not st.used[i]]
         raise ProtocolError("frames", f"{type_name}: frames {unused[:8]} are not referenced")
+    if fields_out is not None:
+        fields_out.append(fields)
     return msg
 
 

@@ -428,6 +428,9 @@ class Hello:
     version_epoch: int = 0
     """(minor 6) The version epoch `weight_version` belongs to: the last `Welcome`/`BrokerHeartbeat.version_epoch`
     the worker saw (0: none; see `SetVersion.rebase`)."""
+    protocol_minor: int = 0
+    """(minor 12) The minor version this peer speaks of `protocol_max` (0: not said, minor 11 or older). The broker
+    settles on the lower of the two (`Welcome.protocol_minor`) and sends inline arrays only from minor 12 on."""
 
 
 @message("welcome")
@@ -463,6 +466,9 @@ class Welcome:
     """(minor 6) The lowest version a rebase since the worker's `Hello.version_epoch` went back to: a worker whose
     `weight_version` is above it serves weights of an abandoned run, forgets them and applies whatever version
     comes next, lower or not (-1: nothing to forget)."""
+    protocol_minor: int = 0
+    """(minor 12) The minor both sides speak: the lower of the broker's and `Hello.protocol_minor` (0: a broker of
+    minor 11 or older). From 12 on each side may send small arrays inline in the header (`codec.inline_for`)."""
 
 
 @message("credit")
@@ -663,6 +669,8 @@ class ClientHello:
     Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
     max_header_bytes: int = 0
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
+    protocol_minor: int = 0
+    """(minor 12) As `Hello.protocol_minor`: the minor this client speaks (0: minor 11 or older)."""
 
 
 @message("client_welcome")
@@ -677,6 +685,8 @@ class ClientWelcome:
     Senders refuse anything larger with an error naming the limit (libzmq would drop it with the connection)."""
     max_header_bytes: int = 0
     """The largest header this peer decodes (0: not said, 4 MiB assumed)."""
+    protocol_minor: int = 0
+    """(minor 12) As `Welcome.protocol_minor`: the minor settled with this client (0: a broker of minor 11 or older)."""
 
 
 @message("submit")

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rollpool.protocol import (
+    PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
     Ack,
     Batch,
@@ -67,6 +68,7 @@ from rollpool.protocol import (
     Control,
     ControlReply,
     Error,
+    Inline,
     MetricsSink,
     NullMetricsSink,
     Prompt,
@@ -84,6 +86,8 @@ from rollpool.protocol import (
     SubmitReply,
     decode,
     encode,
+    inline_for,
+    settle_minor,
 )
 from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult, TakeOutcome
 from rollpool.weights.config import check_path_fields
@@ -230,6 +234,9 @@ class TrainerClient:
                                    max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._broker_limits: tuple[int, int] = (0, 0)
+        self._inline: Inline | None = None
+        """How small arrays travel to the broker: inline in the header once a ClientWelcome settled on minor 12 or
+        later (`inline_for`); None (every array in a frame) before, and from each hello until its welcome."""
         """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
@@ -301,7 +308,9 @@ class TrainerClient:
         return f"{self.client_id}:{next(self._req_counter)}"
 
     async def _send(self, msg: Any) -> None:
-        frames = encode(msg)
+        if type(msg) is ClientHello:
+            self._inline = None  # the broker answering it may be an older one
+        frames = encode(msg, self._inline)
         # roles hook (issue 21): refuse what the broker said it would drop, naming the limit
         check_size(frames, self._broker_limits[0], msg.TYPE, self._broker_limits[1])
         await self._sock.send_multipart(frames, copy=False)
@@ -366,12 +375,13 @@ class TrainerClient:
             lambda rid: ClientHello(client_id=self.client_id, protocol_min=min(SUPPORTED_MAJORS),
                                     protocol_max=max(SUPPORTED_MAJORS), fingerprint=self.fingerprint,
                                     max_msg_bytes=self.sockets.options.max_msg_bytes,
-                                    max_header_bytes=DEFAULT_LIMITS.max_header_bytes),
+                                    max_header_bytes=DEFAULT_LIMITS.max_header_bytes, protocol_minor=PROTOCOL_MINOR),
             key="hello",
         )
         welcome = _expect(reply, ClientWelcome, "client_welcome")
         self.epoch = welcome.epoch
         self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # roles hook (issue 21)
+        self._inline = inline_for(settle_minor(welcome.protocol_minor), welcome.max_header_bytes)
         return welcome
 
     async def _on_new_epoch(self, epoch: str) -> None:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
-from rollpool.protocol import decode, encode
+from rollpool.protocol import Hello, Inline, decode, encode
 from rollpool.protocol.codec import check_size
 from rollpool.protocol.errors import MessageTooLargeError, ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
@@ -45,6 +45,10 @@ class BrokerLink:
         self.bad_messages = 0
         self.peer_limits: tuple[int, int] = (0, 0)
         """(max_msg_bytes, max_header_bytes) the broker announced in its Welcome; 0: not said (the defaults)."""
+        self.inline: Inline | None = None
+        """How small arrays travel to the broker: inline in the header once a Welcome settled on minor 12 or later
+        (`inline_for`), None (every array in a frame) before, and from each Hello until the next Welcome (the
+        broker answering it may be an older one)."""
         self.refused: dict[str, int] = {}
         """Messages refused before sending, by the limit they were over (``max_msg_bytes``, ``max_header_bytes``)."""
         self._sock: Any = None  # zmq.asyncio.Socket (SocketFactory is typed Any)
@@ -71,7 +75,9 @@ class BrokerLink:
         """
         if self._sock is None:
             return False
-        frames = encode(msg)
+        if type(msg) is Hello:
+            self.inline = None
+        frames = encode(msg, self.inline)
         try:
             check_size(frames, self.peer_limits[0], getattr(msg, "TYPE", type(msg).__name__), self.peer_limits[1])
         except MessageTooLargeError as exc:

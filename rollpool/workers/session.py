@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol import SUPPORTED_MAJORS
+from rollpool.protocol import PROTOCOL_MINOR, SUPPORTED_MAJORS
 from rollpool.protocol.messages import (
     BrokerHeartbeat,
     Cancel,
@@ -559,6 +559,7 @@ class WorkerSession:
             pool=self.config.pool,
             features=(Feature.RECONCILE,),
             version_epoch=self.version_epoch,
+            protocol_minor=PROTOCOL_MINOR,
             max_msg_bytes=self.config.max_msg_bytes,
             max_header_bytes=self.config.max_header_bytes,
         )

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from rollpool.protocol import inline_for, settle_minor
 from rollpool.protocol.errors import EngineError, MessageTooLargeError, RequestRefusedError, WeightSyncError
 from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.logs import RateLimitedLog
@@ -368,6 +369,7 @@ class Worker:
                 continue
             if isinstance(msg, Welcome):  # what the broker accepts: every message from now on is checked against it
                 self.link.peer_limits = (msg.max_msg_bytes, msg.max_header_bytes)
+                self.link.inline = inline_for(settle_minor(msg.protocol_minor), msg.max_header_bytes)
             eff = self.session.handle(self._now(), msg)
             if eff is not None:
                 await self._do(eff)

@@ -245,3 +245,45 @@ async def test_reserve_weights_at_set_up_leaves_the_publishes_nothing_to_allocat
     assert pub.stats["buffers_allocated"] == made and pub.stats["pinned_bytes"] == 0
     with pytest.raises(Exception, match="weight_path"):
         await inproc_pool.client(weight_path="smoke-signals")
+
+
+@pytest.mark.parametrize("broker_minor", [0, p.PROTOCOL_MINOR])
+async def test_prompts_travel_inline_only_to_a_broker_that_settled_on_minor_12(zmq_ctx: Any, ipc_endpoint: Any, broker_minor: int) -> None:
+    """The client says its minor in its hello; a ClientWelcome settling on 12 makes a prompt's token ids travel in the
+    Submit's header, one without a minor (a broker of minor 11, which would refuse them) keeps them in a frame."""
+    import asyncio
+
+    import msgpack
+
+    sockets = p.SocketFactory(zmq_ctx)
+    endpoint = ipc_endpoint("raw-broker")
+    router = sockets.router(endpoint)
+    client = TrainerClient(config=TrainerClientConfig(broker=endpoint, request_timeout_s=5.0, request_retries=1), sockets=sockets)
+
+    async def broker() -> list[bytes]:
+        ident, *frames = await router.recv_multipart()
+        hello = p.decode(frames)
+        assert type(hello) is p.ClientHello and hello.protocol_minor == p.PROTOCOL_MINOR
+        await router.send_multipart([ident, *p.encode(p.ClientWelcome(epoch="e1", protocol=1, protocol_minor=broker_minor))])
+        ident, *frames = await router.recv_multipart()
+        sub = p.decode(frames)
+        assert type(sub) is p.Submit
+        await router.send_multipart([ident, *p.encode(p.SubmitReply(request_id=sub.request_id, epoch="e1",
+                                                                  accepted=tuple(x.prompt_id for x in sub.prompts)))])
+        return [bytes(f) for f in frames]
+
+    served = asyncio.create_task(broker())
+    try:
+        await client.connect()
+        result = await client.submit([[5, 6, 7]])
+        frames = await asyncio.wait_for(served, 10)
+        assert len(result.accepted) == 1
+        ids = msgpack.unpackb(frames[0])[3]["prompts"][0]["input_ids"]
+        if broker_minor >= 12:
+            assert len(frames) == 1 and ids == np.array([5, 6, 7], "<i4").tobytes()
+        else:
+            assert len(frames) == 2 and ids == 1 and frames[1] == np.array([5, 6, 7], "<i4").tobytes()
+    finally:
+        served.cancel()
+        await client.close()
+        router.close(linger=0)

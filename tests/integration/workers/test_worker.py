@@ -8,10 +8,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
-from rollpool.protocol import SUPPORTED_MAJORS, decode, encode
+from rollpool.protocol import PROTOCOL_MINOR, SUPPORTED_MAJORS, decode, encode
 from rollpool.protocol.errors import RequestRefusedError, WeightSyncError
 from rollpool.protocol.messages import (
     ApplyDone,
@@ -49,10 +50,13 @@ class ScriptedBroker:
         self.sock = sockets.router(endpoint)
         self.identity: bytes | None = None
         self.received: list[tuple[float, Any]] = []
+        self.raw: list[list[bytes]] = []
+        """Every message's frames as received (the identity left off)."""
 
     async def recv(self, timeout_s: float = 10.0) -> Any:
         frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout_s)
         self.identity = frames[0]
+        self.raw.append(frames[1:])
         msg = decode(frames[1:])
         self.received.append((time.monotonic(), msg))
         return msg
@@ -227,6 +231,25 @@ async def test_hello_tasks_results_and_credits(harness: Callable[..., Any]) -> N
             assert t.metadata["simulated"] is True
     state = worker.metrics.states[("worker", "w1")]  # type: ignore[attr-defined]
     assert {"host", "pid", "engine", "model", "weight_version", "state", "inflight", "credits", "tokens_total", "tokens_per_s", "last_seen"} <= set(state)
+
+
+@pytest.mark.parametrize("broker_minor", [0, PROTOCOL_MINOR])
+async def test_results_carry_arrays_inline_only_to_a_broker_that_settled_on_minor_12(harness: Callable[..., Any], broker_minor: int) -> None:
+    """The worker says its minor in the hello; a Welcome settling on 12 makes its small arrays travel in the header, one
+    without a minor (a broker of minor 11, which would refuse them) keeps every array in a frame."""
+    worker, broker, _run = await harness()
+    hello = await broker.welcome(protocol_minor=broker_minor)
+    assert hello.protocol_minor == PROTOCOL_MINOR
+    await broker.send(task(0, n=1))
+    result = await broker.expect(Result)
+    frames = broker.raw[-1]
+    assert result.error is None and len(result.trajectories) == 1
+    _check_trajectory(result.trajectories[0], task(0, n=1), 0)
+    header = msgpack.unpackb(frames[0])[3]["trajectories"][0]
+    if broker_minor >= 12:
+        assert len(frames) == 1 and type(header["output_ids"]) is bytes and worker.link.inline is not None
+    else:
+        assert len(frames) == 6 and type(header["output_ids"]) is int and worker.link.inline is None
 
 
 async def test_task_beyond_capacity_is_handed_back(harness: Callable[..., Any]) -> None:

@@ -102,4 +102,21 @@ def samples() -> dict[str, Any]:
                                             shm_reserved=(p.ShmSegment(name="rollpool-default-pub-7-1", nbytes=1 << 29),
                                                           p.ShmSegment(name="rollpool-default-pub-7-2", nbytes=4096))),
         "announce_shm_generation": p.Announce(version=3, publisher_id="pub", total_bytes=1 << 30, num_buckets=2, shm_generation=4),
+        # minor 12: the minor in hellos and welcomes (inline arrays: `inline_samples`)
+        "hello_minor12": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8, protocol_minor=12),
+        "welcome_minor12": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, protocol_minor=12),
+        "client_hello_minor12": p.ClientHello(client_id="c0", protocol_min=1, protocol_max=1, protocol_minor=12),
+        "client_welcome_minor12": p.ClientWelcome(epoch="e1", protocol=1, weight_version=2, protocol_minor=12),
     }
+
+
+INLINE = "@inline"
+"""A golden fixture's name ending in this is `inline_samples()[name]` encoded with the default `p.Inline()`."""
+
+
+def inline_samples() -> dict[str, Any]:
+    """Minor 12: messages whose small arrays and blobs travel inline in the header (a msgpack bin); an array
+    referenced twice in one message (the prompt of both tasks of `task_batch`) still travels once, in a frame."""
+    s = samples()
+    return {name + INLINE: s[name] for name in ("task", "task_batch", "result", "result_batch", "submit", "batch", "chunk",
+                                                "result_top_logprobs")}

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rollpool import protocol as p
 from rollpool.protocol import Limits, ProtocolError, decode, encode, message_types
 
-from .samples import samples
+from .samples import inline_samples, samples
 from .strategies import any_message, record_strategy
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "fixtures" / "golden_wire.json"
@@ -49,11 +49,17 @@ def test_every_message_type_is_covered_by_the_strategies() -> None:
 def test_golden_fixtures_pin_the_wire_format() -> None:
     golden = json.loads(GOLDEN.read_text())
     current = samples()
-    assert set(golden) == set(current)
+    inline = inline_samples()
+    assert set(golden) == set(current) | set(inline)
     for name, msg in current.items():
         frames = [bytes.fromhex(h) for h in golden[name]]
         assert [bytes(memoryview(f)) for f in encode(msg)] == frames, f"wire format of {name} changed"
         assert decode(frames) == msg
+    for name, msg in inline.items():  # minor 12: small arrays inline in the header
+        frames = [bytes.fromhex(h) for h in golden[name]]
+        assert [bytes(memoryview(f)) for f in encode(msg, p.Inline())] == frames, f"wire format of {name} changed"
+        assert decode(frames) == msg
+    assert [len(golden[n]) for n in ("result@inline", "submit@inline", "chunk@inline", "task_batch@inline")] == [1, 1, 1, 2]
 
 
 def test_arrays_travel_as_raw_frames_and_decode_as_views() -> None:
@@ -80,6 +86,161 @@ def test_shared_prompt_array_travels_once() -> None:
     # 1 header + 1 shared input_ids + 8 x 4 per-sample arrays (output_ids slices are distinct objects)
     assert len(frames) == 1 + 1 + 8 * 4
     assert decode(frames) == p.Result(task_id="t", prompt_id="g", trajectories=trajs)
+
+
+# --------------------------------------------------------------------------- minor 12: arrays inline in the header
+
+
+def _bins(v: Any) -> int:
+    """How many msgpack bin values (bytes) a decoded header holds."""
+    if type(v) is bytes:
+        return 1
+    if type(v) is list:
+        return sum(_bins(x) for x in v)
+    if type(v) is dict:
+        return sum(_bins(x) for x in v.values())
+    return 0
+
+
+@pytest.mark.parametrize("type_name", sorted(message_types()))
+def test_every_message_type_round_trips_inline(type_name: str) -> None:
+    cls = message_types()[type_name]
+
+    @settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+    @given(record_strategy(cls), st.sampled_from([0, 1, 16, 64, 1 << 14]))
+    def check(msg: Any, max_bytes: int) -> None:
+        frames = [bytes(memoryview(f)) for f in encode(msg, p.Inline(max_bytes=max_bytes))]
+        out = decode(frames)
+        assert type(out) is cls
+        assert out == msg
+
+    check()
+
+
+def test_small_arrays_travel_inline_and_decode_as_read_only_views_of_the_header() -> None:
+    msg = samples()["result"]
+    frames = encode(msg, p.Inline())
+    assert len(frames) == 1  # every array of the trajectory in the header: no frame at all
+    header = msgpack.unpackb(frames[0])
+    assert header[:3] == [p.PROTOCOL_MAJOR, p.PROTOCOL_MINOR, "result"] and p.PROTOCOL_MINOR >= p.INLINE_MINOR
+    raw = header[3]["trajectories"][0]
+    assert raw["output_ids"] == np.array([7, 8, 2], "<i4").tobytes() and raw["loss_mask"] == b"\x01\x01\x01"
+    t = decode(frames).trajectories[0]
+    assert t.output_ids.dtype == np.int32 and t.output_logprobs.dtype == np.float32 and t.loss_mask.dtype == np.uint8
+    assert t.output_logprobs.tolist() == [-0.5, -1.25, -0.125]
+    assert not t.output_ids.flags.writeable and not t.loss_mask.flags.writeable
+    assert type(t.output_ids.base) is bytes  # a view of the header's bin, not a copy
+    assert encode(msg) == encode(msg, None)  # no policy: the minor-11 form, frames only
+    chunk = decode(encode(samples()["chunk"], p.Inline()))
+    assert type(chunk.data) is memoryview and bytes(chunk.data) == b"\x00\x01\x02\x03" and chunk.data.readonly
+
+
+def test_an_array_referenced_twice_travels_once_in_a_frame_and_one_referenced_once_inline() -> None:
+    shared = np.arange(6, dtype=np.int32)
+    trajs = tuple(
+        p.Trajectory(prompt_id="g", sample_index=i, input_ids=shared, output_ids=np.full(2, i, np.int32),
+                     output_logprobs=np.zeros(2, np.float32), token_versions=np.zeros(2, np.int32),
+                     loss_mask=np.ones(2, np.uint8), finish_reason="stop")
+        for i in range(4)
+    )
+    frames = encode(p.Result(task_id="t", prompt_id="g", trajectories=trajs), p.Inline())
+    assert len(frames) == 2 and bytes(memoryview(frames[1])) == shared.tobytes()  # the prompt, once
+    fields = msgpack.unpackb(frames[0])[3]
+    assert [t["input_ids"] for t in fields["trajectories"]] == [1, 1, 1, 1]  # the first reference too
+    assert _bins(fields) == 4 * 4  # each trajectory's own arrays inline
+    out = decode([bytes(memoryview(f)) for f in frames])
+    assert out.trajectories[0].input_ids is out.trajectories[3].input_ids  # shared on decode, as before
+    # a blob referenced twice: the same
+    tasks = p.TaskBatch(tasks=tuple(p.Task(task_id=f"t{i}", prompt=p.Prompt(prompt_id="q", input_ids=shared)) for i in range(3)))
+    assert len(encode(tasks, p.Inline())) == 2
+
+
+def test_arrays_over_the_threshold_or_past_the_budget_travel_in_frames() -> None:
+    big, small = np.zeros(64, np.int32), np.zeros(4, np.int32)  # 256 and 16 bytes
+    prompts = (p.Prompt(prompt_id="a", input_ids=big), p.Prompt(prompt_id="b", input_ids=small))
+    frames = encode(p.Submit(request_id="r", prompts=prompts), p.Inline(max_bytes=255))
+    assert len(frames) == 2 and bytes(memoryview(frames[1])) == big.tobytes()
+    assert len(encode(p.Submit(request_id="r", prompts=prompts), p.Inline(max_bytes=256))) == 1
+    many = tuple(p.Prompt(prompt_id=str(i), input_ids=np.full(4, i, np.int32)) for i in range(10))
+    frames = encode(p.Submit(request_id="r", prompts=many), p.Inline(max_bytes=16, budget_bytes=48))
+    assert len(frames) == 1 + 7  # three inline (48 bytes), the rest in frames
+    assert decode([bytes(memoryview(f)) for f in frames]) == p.Submit(request_id="r", prompts=many)
+    assert len(encode(p.Submit(request_id="r", prompts=many), p.Inline(max_bytes=0))) == 11
+
+
+def test_inline_for_settles_on_the_peers_minor_and_header_limit() -> None:
+    assert p.inline_for(0) is None and p.inline_for(p.INLINE_MINOR - 1) is None  # minor 11 or a peer that did not say
+    pol = p.inline_for(p.INLINE_MINOR)
+    assert pol is not None and pol.max_bytes == p.DEFAULT_INLINE_MAX_BYTES and pol.budget_bytes <= p.DEFAULT_LIMITS.max_header_bytes // 8
+    assert p.inline_for(p.INLINE_MINOR, 64 * 1024) == p.Inline(p.DEFAULT_INLINE_MAX_BYTES, 8 * 1024)
+    assert p.inline_for(p.INLINE_MINOR, 0, inline_max_bytes=0) is None
+    assert p.settle_minor(0) == 0 and p.settle_minor(11) == 11 and p.settle_minor(p.PROTOCOL_MINOR + 5) == p.PROTOCOL_MINOR
+
+
+def test_an_array_anywhere_else_is_still_refused_with_a_policy() -> None:
+    bad = p.Prompt(prompt_id="a", input_ids=np.zeros(2, np.int32), metadata={"x": np.zeros(2, np.int32)})
+    for policy in (None, p.Inline()):
+        with pytest.raises(ProtocolError) as err:
+            encode(p.Submit(request_id="r", prompts=(bad,)), policy)
+        assert err.value.code == "encode"
+
+
+def _inline_header(type_name: str, fields: Any) -> bytes:
+    return msgpack.packb([1, p.PROTOCOL_MINOR, type_name, fields], use_bin_type=True)
+
+
+def test_malformed_inline_arrays_raise_protocol_error() -> None:
+    good = {"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": b"\x01\x00\x00\x00"}]}
+    assert decode([_inline_header("submit", good)]).prompts[0].input_ids.tolist() == [1]
+    cases: list[tuple[Any, Limits | None, str]] = [
+        ({"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": b"\x01\x00\x00"}]}, None, "frames"),  # 3 bytes of int32
+        ({"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": "text"}]}, None, "type"),  # a str is not a bin
+        ({"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": b"\x00" * 64}]}, Limits(max_frame_bytes=32), "oversize"),
+        ({"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": b"\x00" * 64}]}, Limits(max_bin_len=32), "oversize"),
+        ({"request_id": "r", "prompts": [{"prompt_id": "a", "input_ids": b"\x00" * 4096}]}, Limits(max_header_bytes=1024), "oversize"),
+    ]
+    for fields, limits, code in cases:
+        with pytest.raises(ProtocolError) as err:
+            decode([_inline_header("submit", fields)], limits or p.DEFAULT_LIMITS)
+        assert err.value.code == code, (fields, err.value)
+    traj = {"prompt_id": "g", "sample_index": 0, "input_ids": b"", "output_ids": b"", "token_versions": b"", "loss_mask": b"",
+            "finish_reason": "stop"}
+    ok = decode([_inline_header("result", {"task_id": "t", "prompt_id": "g", "trajectories": [traj | {"output_logprobs": b""}]})])
+    assert ok.trajectories[0].output_logprobs.size == 0  # empty arrays inline are fine
+    with pytest.raises(ProtocolError) as err:  # 6 bytes are not float32s
+        decode([_inline_header("result", {"task_id": "t", "prompt_id": "g", "trajectories": [traj | {"output_logprobs": b"\x00" * 6}]})])
+    assert err.value.code == "frames"
+    with pytest.raises(ProtocolError) as err:  # an inline array and a frame nothing refers to
+        decode([_inline_header("submit", good), b"\x00" * 4])
+    assert err.value.code == "frames"
+
+
+def test_records_received_with_every_array_inline_are_sent_on_as_their_maps() -> None:
+    sample = samples()["result"]
+    fields: list[Any] = []
+    frames = [bytes(memoryview(f)) for f in encode(sample, p.Inline())]
+    result = decode(frames, fields_out=fields)
+    raws = fields[0]["trajectories"]
+    entry = p.carry_entry(result.trajectories, raws)
+    assert entry is not None and entry[0] is result.trajectories and entry[1] is raws
+    assert entry[2] == sum(len(v) for v in raws[0].values() if type(v) is bytes) and entry[3] == 16  # the prompt: 4 int32
+    batch = p.Batch(request_id="r", epoch="e", groups=(p.GroupResult(prompt_id="p1", state="done", trajectories=result.trajectories),))
+    carried = encode(batch, p.Inline(), {id(result.trajectories): entry})
+    assert len(carried) == 1 and msgpack.unpackb(carried[0])[3]["groups"][0]["trajectories"] == raws
+    assert decode(carried) == batch == decode(encode(batch, p.Inline()))
+    # an unknown field of a newer sender goes on with the map (bounded when it was decoded)
+    newer = [dict(raws[0], from_the_future=1)]
+    out = encode(batch, p.Inline(), {id(result.trajectories): p.carry_entry(result.trajectories, newer)})
+    assert msgpack.unpackb(out[0])[3]["groups"][0]["trajectories"][0]["from_the_future"] == 1
+    # encoded again instead: no policy (a minor-11 peer), a policy its arrays exceed, another tuple, frames in the map
+    plain = encode(batch, p.Inline())
+    assert encode(batch, None, {id(result.trajectories): entry}) == encode(batch)
+    assert encode(batch, p.Inline(max_bytes=8), {id(result.trajectories): entry}) == encode(batch, p.Inline(max_bytes=8))
+    assert encode(batch, p.Inline(), {id(result.trajectories): (tuple(result.trajectories), *entry[1:])}) == plain
+    framed: list[Any] = []
+    res2 = decode([bytes(memoryview(f)) for f in encode(sample)], fields_out=framed)
+    assert p.carry_entry(res2.trajectories, framed[0]["trajectories"]) is None  # frame indices name this message's frames
+    assert p.carry_entry((), []) is None and p.carry_entry(result.trajectories, raws * 2) is None
 
 
 def test_numpy_scalars_and_lists_are_accepted_on_encode() -> None:
@@ -298,6 +459,7 @@ def test_fuzz_mutated_frames_raise_only_protocol_error() -> None:
     """10,000 mutated frame lists (seeded) through decode: ProtocolError or a valid message, nothing else."""
     rng = random.Random(1234)
     goods = [[bytes(memoryview(f)) for f in encode(m)] for m in samples().values()]
+    goods += [[bytes(memoryview(f)) for f in encode(m, p.Inline())] for m in inline_samples().values()]  # minor 12
     counts = {"ok": 0, "protocol_error": 0}
     for n in range(10_000):
         frames = _mutations(goods[n % len(goods)], rng)
