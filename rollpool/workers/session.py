@@ -53,6 +53,7 @@ from rollpool.protocol.messages import (
     Nack,
     Result,
     Task,
+    TaskBatch,
     Trajectory,
     Welcome,
     WorkerHeartbeat,
@@ -287,6 +288,12 @@ class WorkerSession:
         self._last_broker_msg_at = now
         if isinstance(msg, Task):
             return self.on_task(now, msg)
+        if isinstance(msg, TaskBatch):
+            # (Feature.TASK_BATCH) exactly as the tasks sent one by one, in this order
+            eff = Effects()
+            for task in msg.tasks:
+                eff.merge(self.on_task(now, task))
+            return eff
         if isinstance(msg, Welcome):
             return self.on_welcome(now, msg)
         if isinstance(msg, BrokerHeartbeat):
@@ -557,7 +564,7 @@ class WorkerSession:
             host=self.config.host,
             pid=self.config.pid,
             pool=self.config.pool,
-            features=(Feature.RECONCILE,),
+            features=(Feature.TASK_BATCH, Feature.RECONCILE),
             version_epoch=self.version_epoch,
             protocol_minor=PROTOCOL_MINOR,
             max_msg_bytes=self.config.max_msg_bytes,

@@ -21,6 +21,7 @@ from rollpool.protocol.messages import (
     BrokerHeartbeat,
     Cancel,
     Credit,
+    Feature,
     FinishReason,
     Goodbye,
     Hello,
@@ -29,6 +30,7 @@ from rollpool.protocol.messages import (
     Result,
     SamplingParams,
     Task,
+    TaskBatch,
     Trajectory,
     Welcome,
     WorkerHeartbeat,
@@ -231,6 +233,30 @@ async def test_hello_tasks_results_and_credits(harness: Callable[..., Any]) -> N
             assert t.metadata["simulated"] is True
     state = worker.metrics.states[("worker", "w1")]  # type: ignore[attr-defined]
     assert {"host", "pid", "engine", "model", "weight_version", "state", "inflight", "credits", "tokens_total", "tokens_per_s", "last_seen"} <= set(state)
+
+
+async def test_a_task_batch_is_run_as_its_tasks_one_by_one_each_once(harness: Callable[..., Any]) -> None:
+    """The worker lists Feature.TASK_BATCH (the broker then sends several tasks to it in one message, as it does to the
+    bench's simulated workers): each task of a batch runs once and gives one result, a task sent again is not rerun."""
+    worker, broker, _run = await harness()
+    hello = await broker.welcome()
+    assert Feature.TASK_BATCH in hello.features
+    t0, t1 = task(0), task(1)
+    await broker.send(TaskBatch(tasks=(t0, t1)))
+    await broker.send(TaskBatch(tasks=(t1,)))  # a re-send of one it holds (after a lost heartbeat, say): not run twice
+    results: dict[str, Result] = {}
+    deadline = time.monotonic() + 10
+    while len(results) < 2:
+        msg = await broker.expect(Result, max(0.01, deadline - time.monotonic()))
+        assert msg.task_id not in results
+        results[msg.task_id] = msg
+    for tk in (t0, t1):
+        res = results[tk.task_id]
+        assert res.error is None and sorted(t.sample_index for t in res.trajectories) == [0, 1]
+        for t in res.trajectories:
+            _check_trajectory(t, tk, 0)
+    with pytest.raises(TimeoutError):
+        await broker.expect(Result, 0.5)  # no third result
 
 
 @pytest.mark.parametrize("broker_minor", [0, PROTOCOL_MINOR])
