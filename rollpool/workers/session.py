@@ -26,6 +26,11 @@ Rules this class keeps (and tests/unit/workers/test_session.py checks):
   silent for ``missed_heartbeats`` intervals each need one. It is sent at once, then
   again after a backoff that doubles up to ``reconnect_backoff_max_s`` until a
   Welcome answers;
+* heartbeat: once welcomed it echoes the highest `Task.seq` received and states the free
+  capacity (absolute) and what is held. To a broker that lists `Feature.HELD_DIGEST` the
+  held tasks go as a count and a digest (its size does not grow with what is held), and
+  the whole list goes at once when the broker asks (`BrokerHeartbeat.send_held`); to one
+  that does not, the whole list goes every time;
 * drain: after `stop` new tasks are handed back (``worker_draining``) and no credit
   is given. `hand_back_rest` ends what is left. `goodbye` hands back what could not
   be delivered and says Goodbye.
@@ -58,6 +63,7 @@ from rollpool.protocol.messages import (
     Welcome,
     WorkerHeartbeat,
     WorkerState,
+    held_digest,
 )
 
 __all__ = ["Effects", "EngineFacts", "Outgoing", "Phase", "SessionConfig", "TaskEntry", "WorkerSession", "WorkerState"]
@@ -166,6 +172,10 @@ class WorkerSession:
         """The broker epoch of the last Welcome ("" before the first)."""
         self.welcomed = False
         """A Welcome answered the last hello, and nothing since asked for a new one."""
+        self.broker_features: frozenset[str] = frozenset()
+        """The optional wire features the last Welcome listed (`Feature`)."""
+        self.held_lists_sent = 0
+        """Heartbeats that carried the whole held list because the broker asked (`BrokerHeartbeat.send_held`)."""
         self.seen_seq = 0
         """The highest `Task.seq` received since the last welcome, from its `dispatch_seq` on (echoed in heartbeats)."""
         self.version = -1
@@ -313,6 +323,7 @@ class WorkerSession:
             log.warning("broker epoch changed %s -> %s", self.epoch, msg.epoch, extra={"worker": self.worker_id})
         self.epoch = msg.epoch
         self.welcomed = True
+        self.broker_features = frozenset(msg.features)
         self.seen_seq = msg.dispatch_seq  # where the broker's numbering of this worker's tasks stands
         self._hello_backoff_s = self.config.reconnect_backoff_s
         eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))
@@ -356,6 +367,12 @@ class WorkerSession:
             eff = self._need_hello(now)
         eff.weights = (msg.weight_version, msg.weight_endpoint, msg.announce_endpoint)
         eff.rebase = self._note_version_epoch(msg.version_epoch, msg.rebase_version)
+        if msg.send_held and self.welcomed and msg.epoch == self.epoch:
+            # our held digest disagreed with the broker's leases: the whole list now, not a heartbeat later
+            beat = self.heartbeat(now, full=True)
+            if beat is not None:
+                self.held_lists_sent += 1
+                eff.send.append(beat)
         return eff
 
     def _note_version_epoch(self, epoch: int, rebase_version: int) -> int | None:
@@ -455,8 +472,11 @@ class WorkerSession:
             return Effects(send=[self._hello(now)])
         return Effects()
 
-    def heartbeat(self, now: float) -> WorkerHeartbeat | None:
-        """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive."""
+    def heartbeat(self, now: float, full: bool = False) -> WorkerHeartbeat | None:
+        """The periodic heartbeat; also while a re-hello is pending, so the broker keeps the worker alive.
+
+        `full`: the whole held list even to a broker that checks digests (it asked for it).
+        """
         if not self.epoch or self.stopped:
             return None
         if not self.welcomed:
@@ -465,11 +485,14 @@ class WorkerSession:
             return WorkerHeartbeat(worker_id=self.worker_id, inflight_task_ids=self.inflight_task_ids(), weight_version=self.version,
                                    state=self.state, tokens_total=self.tokens_total, epoch=self.epoch, version_epoch=self.version_epoch)
         held = self.inflight_task_ids() + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
-        # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, the whole held
-        # list and the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat
+        # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, what is held and
+        # the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat. Issue 19:
+        # to a broker that checks digests (Feature.HELD_DIGEST) the held tasks go as a count and a digest; a
+        # mismatch makes it ask for the whole list (`on_broker_heartbeat`)
+        whole = full or Feature.HELD_DIGEST not in self.broker_features
         return WorkerHeartbeat(
             worker_id=self.worker_id,
-            inflight_task_ids=held,
+            inflight_task_ids=held if whole else (),
             weight_version=self.version,
             state=self.state,
             tokens_total=self.tokens_total,
@@ -477,7 +500,8 @@ class WorkerSession:
             dispatch_seq=self.seen_seq,
             free_capacity=self.free_credits(),
             held_count=len(held),
-            held_full=True,
+            held_digest=0 if whole else held_digest(held),
+            held_full=whole,
             version_epoch=self.version_epoch,
             tokens_cancelled=self.tokens_cancelled,
         )
@@ -564,7 +588,7 @@ class WorkerSession:
             host=self.config.host,
             pid=self.config.pid,
             pool=self.config.pool,
-            features=(Feature.TASK_BATCH, Feature.RECONCILE),
+            features=(Feature.TASK_BATCH, Feature.HELD_DIGEST, Feature.RECONCILE),
             version_epoch=self.version_epoch,
             protocol_minor=PROTOCOL_MINOR,
             max_msg_bytes=self.config.max_msg_bytes,

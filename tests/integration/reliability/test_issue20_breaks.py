@@ -80,6 +80,23 @@ async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Po
     assert proxy.total("dropped") == 1
 
 
+async def test_a_lost_result_is_found_by_the_held_digest_and_reconciled(pool: Pool) -> None:
+    # issue 19: a real worker's heartbeats carry a count and a digest of what it holds, not the list; a Result lost
+    # on the live connection makes the digests disagree, the broker asks for the list, and the lease is requeued
+    broker = await pool.start_broker()
+    proxy = await pool.proxy("broker:worker", broker.worker_endpoint)
+    proxy.rules.append(FaultRule("result", "drop", "up"))
+    await pool.worker(proxy.endpoint, "w1", capacity=1)
+    assert await wait_until(lambda: "w1" in broker.state.workers, 10)
+    client = await pool.client(broker.client_endpoint)
+    await client.submit([[1, 2, 3], [4, 5, 6]], group_size=1)
+    batch = await client.get_batch(2, timeout=5)
+    assert len(batch.groups) == 2 and proxy.total("dropped") == 1
+    counters = broker.state.counters
+    assert counters["held_checks"] >= 1 and counters["held_mismatches"] >= 1 and counters["held_lists"] >= 1
+    assert counters["leases_reconciled"] == 1
+
+
 # ---------------------------------------------------------------------------------------------- break 3
 
 

@@ -23,6 +23,7 @@ from rollpool.protocol.messages import (
     Trajectory,
     Welcome,
     WorkerHeartbeat,
+    held_digest,
 )
 from rollpool.workers.session import Effects, EngineFacts, Outgoing, SessionConfig, WorkerSession, WorkerState
 
@@ -422,6 +423,36 @@ def test_once_welcomed_a_heartbeat_echoes_the_numbering_the_welcome_names_and_is
     s.handle(1.3, Error(code="hello_required", message="say hello first"))  # the broker lost us: a hello is due
     hb = s.heartbeat(1.4)  # so the next heartbeat says nothing of what is held
     assert hb is not None and hb.dispatch_seq == -1 and not hb.held_full
+
+
+def test_to_a_broker_that_checks_digests_a_heartbeat_holds_a_count_and_a_digest_and_the_list_goes_when_asked() -> None:
+    # issue 19: a heartbeat's size must not grow with what the worker holds; the broker asks for the list on a mismatch
+    s = make(capacity_limit=8)
+    hello = s.engine_started(0.0, FACTS).send[0]
+    assert isinstance(hello, Hello) and Feature.HELD_DIGEST in hello.features
+    s.handle(1.0, welcome(dispatch_seq=0, features=(Feature.HELD_DIGEST, Feature.RECONCILE)))
+    for i in range(3):
+        s.handle(1.1, Task(task_id=f"p{i}@0", prompt=task(i, n=1).prompt, attempt=0, seq=i + 1))
+    hb = s.heartbeat(1.2)
+    assert hb is not None and hb.inflight_task_ids == () and not hb.held_full
+    assert (hb.held_count, hb.held_digest, hb.dispatch_seq) == (3, held_digest(["p0@0", "p1@0", "p2@0"]), 3)
+    eff = s.handle(1.3, BrokerHeartbeat(epoch="e1", send_held=True, dispatch_seq=3))
+    beats = of(eff, WorkerHeartbeat)
+    assert len(beats) == 1  # at once, not a heartbeat interval later
+    full = beats[0]
+    assert isinstance(full, WorkerHeartbeat) and full.held_full and set(full.inflight_task_ids) == {"p0@0", "p1@0", "p2@0"}
+    assert s.held_lists_sent == 1
+    hb = s.heartbeat(2.2)  # and the next periodic one is a digest again
+    assert hb is not None and hb.inflight_task_ids == () and hb.held_count == 3
+
+
+def test_to_a_broker_that_does_not_check_digests_every_heartbeat_holds_the_whole_list() -> None:
+    s = started()  # its welcome lists no features
+    s.handle(1.0, task(1))
+    hb = s.heartbeat(1.1)
+    assert hb is not None and hb.held_full and hb.inflight_task_ids == ("p1@0",) and hb.held_count == 1
+    eff = s.handle(1.2, BrokerHeartbeat(epoch="other", send_held=True))  # another epoch's request is not answered
+    assert eff is not None and of(eff, WorkerHeartbeat) == []
 
 
 def test_a_rebase_below_the_served_version_forgets_it_and_one_above_keeps_it() -> None:
