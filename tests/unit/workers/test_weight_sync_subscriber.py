@@ -114,6 +114,7 @@ class SizedFakeEngine(FakeEngine):
 
 
 def test_the_worker_flags_choose_the_path_streams_and_budget_of_its_real_subscriber(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")  # a real subscriber
     for var in ("ROLLPOOL_WEIGHT_PATH", "ROLLPOOL_WEIGHT_STREAMS", "ROLLPOOL_PINNED_BUDGET_BYTES"):
         monkeypatch.delenv(var, raising=False)
     config = worker_config("--weight-path", "network", "--weight-streams", "3", "--pinned-budget-bytes", "4096")
@@ -135,6 +136,7 @@ def test_the_worker_flags_choose_the_path_streams_and_budget_of_its_real_subscri
 
 
 async def test_an_engine_on_a_gpu_has_its_buffers_reserved_at_start_before_any_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")  # a real subscriber
     monkeypatch.delenv("ROLLPOOL_WEIGHT_RESERVE_BYTES", raising=False)
     ctx = zmq.asyncio.Context()
     sync = sync_for(SizedFakeEngine("cuda:0", 3 << 20), worker_config(), SocketFactory(ctx))
