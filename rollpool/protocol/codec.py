@@ -107,7 +107,8 @@ PROTOCOL_MAJOR = 1
 #   1.11 the publisher's segments named before its first version: Manifest.shm_reserved (ShmSegment), Announce.shm_generation
 #   1.12 small arrays and blobs inline in the header (a msgpack bin where a frame index was); the minor in the
 #        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
-PROTOCOL_MINOR = 12
+#   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
+PROTOCOL_MINOR = 13
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

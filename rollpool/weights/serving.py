@@ -63,6 +63,7 @@ from rollpool.protocol.messages import (
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.bulk import BulkServer, bulk_enabled, lane_host, lane_port
 
 __all__ = ["BucketSource", "ServedVersion", "WeightServer", "peer_of"]
 
@@ -101,6 +102,8 @@ class ServedVersion:
     """The device buffer of the same-GPU path (buckets at `BucketInfo.ipc_offset`), or None."""
     waiting_ipc: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     """Manifest requests (``wait_ipc``) parked until every GPU checksum exists."""
+    bulk_port: int = 0
+    """The server's bulk lane (`Manifest.bulk_port`), set when the version is added."""
 
     @property
     def total_bytes(self) -> int:
@@ -124,7 +127,7 @@ class ServedVersion:
 
     def manifest(self, request_id: str) -> Manifest:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
-                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc)
+                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port)
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -180,6 +183,9 @@ class WeightServer:
         self.shm_host_key = ""
         self.shm_generation = 0
         """Bumped by `set_shm_reserved` when the set changes; announced, so subscribers ask for the manifest again."""
+        self.bulk: BulkServer | None = None
+        """The bulk lane (`rollpool.weights.bulk`) beside the ROUTER, when this server offers one."""
+        self.bulk_bytes_served = 0
 
     def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
         """The owner's segments changed (made by a reserve or a version, or freed): named on manifests from now on."""
@@ -207,6 +213,15 @@ class WeightServer:
         except BaseException:
             self._close_sockets()
             raise
+        host = lane_host(self.router_endpoint)
+        if host is not None and self.sockets.security is None and bulk_enabled():
+            # the bulk lane listens on the address the ROUTER bound (0.0.0.0 for a wildcard); under CURVE, none
+            try:
+                self.bulk = BulkServer(self, host, lane_port(self._router_bind))
+                self.bulk.start(self._loop)
+            except OSError as exc:
+                log.warning("%s: no bulk lane (%s); chunks go over the ROUTER", self.name, exc)
+                self.bulk = None
         self._tasks = [
             asyncio.create_task(self._serve_loop(), name=f"{self.name}._serve_loop"),
             asyncio.create_task(self._announce_loop(), name=f"{self.name}._announce_loop"),
@@ -220,6 +235,9 @@ class WeightServer:
                 await t
         self._tasks = []
         self._close_sockets()
+        if self.bulk is not None:
+            self.bulk.close()
+            self.bulk = None
 
     def _close_sockets(self) -> None:
         for s in (self._router, self._pub):
@@ -234,6 +252,7 @@ class WeightServer:
         return self.versions[max(self.versions)] if self.versions else None
 
     def add_version(self, v: ServedVersion, *, announce: bool = True) -> None:
+        v.bulk_port = self.bulk.port if self.bulk is not None else 0
         self.versions[v.version] = v
         if announce:
             self.announce(v)
@@ -243,6 +262,8 @@ class WeightServer:
         if v is None:
             return
         self.highest_dropped = max(self.highest_dropped, version)
+        if self.bulk is not None:
+            self.bulk.notify()  # a bulk request waiting for this version's bytes answers gone now
         for ident, req in self._parked.pop(version, []):
             self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
         for ident, mreq in v.waiting_manifests:
@@ -292,6 +313,8 @@ class WeightServer:
 
     def notify_arrived(self, version: int) -> None:
         """Bytes of `version` arrived: answer the parked fetches that can now be served."""
+        if self.bulk is not None:
+            self.bulk.notify()
         parked = self._parked.get(version)
         if not parked:
             return
@@ -423,6 +446,19 @@ class WeightServer:
             v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + req.nbytes
             if self.on_served is not None:
                 self.on_served(v)
+
+    def bulk_served(self, v: ServedVersion, peer: bytes, nbytes: int, parked: bool = False) -> None:
+        """A chunk went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
+        (`parked`: it waited for its bytes to arrive, as a parked fetch)."""
+        self.parked_served += parked
+        self.bytes_served += nbytes
+        self.bulk_bytes_served += nbytes
+        self.chunks_served += 1
+        if self._loop is not None:
+            v.last_request_s = self._loop.time()
+        v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + nbytes
+        if self.on_served is not None:
+            self.on_served(v)
 
     def _send(self, ident: bytes, msg: Any, *, copy: bool = True) -> bool:
         import zmq

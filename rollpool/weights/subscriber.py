@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -68,6 +69,7 @@ from rollpool.weights.bucketing import (
     unpack_buckets,
     verify_checksum,
 )
+from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host, spread
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, weight_streams
 from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
@@ -140,6 +142,7 @@ class WeightSubscriber:
         copy_threads: int | None = None,
         reserve_bytes: int | None = None,
         stage_device: str | None = None,
+        bulk: bool | None = None,
     ) -> None:
         # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
         # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
@@ -169,8 +172,15 @@ class WeightSubscriber:
         self.host_key = host_key()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
+        self.bulk = bulk_enabled() if bulk is None else bulk
+        """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.bulk`;
+        unset: ``ROLLPOOL_WEIGHT_BULK``, default on)."""
         self.bytes_received = 0
-        """Bucket bytes received over ZeroMQ (the network path)."""
+        """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
+        self.bulk_bytes = 0
+        """Of `bytes_received`, those received over the bulk lane."""
+        self._counts_lock = threading.Lock()
+        self._bulk_unreachable: set[tuple[str, int]] = set()
         self.shm_bytes = 0
         """Bucket bytes copied from a publisher's shared-memory segments."""
         self.ipc_bytes = 0
@@ -742,7 +752,7 @@ class WeightSubscriber:
     def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
         """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
-        nxt = {"cuda_ipc": "shared memory or the network", "shm_device": "shared memory copied on the CPU"}.get(path, "the network path")
+        nxt = {"cuda_ipc": "shared memory or the network", "shm_device": "shared memory copied on the CPU", "bulk": "the ROUTER"}.get(path, "the network path")
         self._errlog.warning("fallback:" + why, "weight version %d not on %s, over %s: %s (counted in fallbacks)", version, path, nxt, why)
         self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why, "from": path})
         if self.path == "shm" and path == "shm":
@@ -1034,6 +1044,22 @@ class WeightSubscriber:
         _checked(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
+        host = lane_host(self.router_endpoint)
+        if manifest.bulk_port and host is not None and self.bulk and (host, manifest.bulk_port) not in self._bulk_unreachable:
+            bulk = _BulkTransfer(self, manifest, buffers, sink, on_bucket, host, manifest.bulk_port)
+            try:
+                await bulk.run()
+            except BulkUnavailable as exc:
+                # the whole version again over the ROUTER (a relay's downstream forgets what it was told had arrived)
+                if exc.unreachable:
+                    self._bulk_unreachable.add((host, manifest.bulk_port))  # not tried again: a firewall stays shut
+                self._fallback(manifest.version, "bulk lane unavailable", path="bulk")
+                log.info("weight version %d: %s", manifest.version, exc)
+                if sink is not None:
+                    for i in range(len(buffers)):
+                        sink.on_bucket_reset(i)
+            else:
+                return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
         transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
         await transfer.run()
         return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
@@ -1200,6 +1226,108 @@ def _checked(manifest: Manifest) -> Manifest:
     except ValueError as exc:
         raise WeightSyncError(f"manifest of version {manifest.version} is invalid: {exc}") from exc
     return manifest
+
+
+class _BulkTransfer:
+    """The network path over a server's bulk lane (`rollpool.weights.bulk`): as `_Transfer`, without a copy per byte.
+
+    Each of the subscriber's `streams` is a thread with one TCP connection that fetches its buckets (dealt
+    round-robin) in order, `window_chunks` requests ahead, receiving each chunk straight into the bucket's buffer
+    and folding it into the bucket's running checksum while it is in cache. A bucket that fails its checksum is
+    fetched again (at most `max_refetch` times); an error status ends the transfer (``gone``:
+    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises `BulkUnavailable`
+    (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the event loop.
+    """
+
+    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
+                 on_bucket: BucketCallback | None, host: str, port: int) -> None:
+        self.sub = sub
+        self.manifest = manifest
+        self.buffers = buffers
+        self.views = [memoryview(b.numpy().data).cast("B") if b.numel() else memoryview(b"") for b in buffers]
+        self.sink = sink
+        self.on_bucket = on_bucket
+        self.host, self.port = host, port
+        self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        self.expected = [b.checksum for b in manifest.buckets]
+        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
+        self.failures = [0] * len(buffers)
+        self.stop = threading.Event()
+        self.loop = asyncio.get_running_loop()
+
+    async def run(self) -> None:
+        sub, version = self.sub, self.manifest.version
+        for i, b in enumerate(self.manifest.buckets):
+            if b.nbytes == 0 and self._bucket_done(i):
+                raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
+        groups = spread([i for i, b in enumerate(self.manifest.buckets) if b.nbytes], sub.streams)
+        peer = f"{sub.worker_id}/{sub._prefix}"[:250].encode()
+        pool = ThreadPoolExecutor(len(groups), thread_name_prefix="weights-bulk")
+        futures = [
+            self.loop.run_in_executor(pool, functools.partial(
+                fetch_bucket_range, self.host, self.port, peer, version, [(i, self._chunks_of(i)) for i in g], self.views,
+                timeout_s=sub.fetch_timeout_s, window=sub.window_chunks, on_chunk=self._on_chunk,
+                on_bucket_done=self._bucket_done, stop=self.stop))
+            for g in groups if g
+        ]
+        try:
+            await asyncio.gather(*futures)
+        except BulkError as exc:
+            if exc.code == "gone":
+                raise WeightVersionGoneError(version, exc.message) from None
+            if exc.code == "busy":
+                raise BulkUnavailable(str(exc)) from None
+            raise WeightSyncError(f"weight version {version}: the bulk lane refused a fetch: {exc}") from None
+        finally:
+            self.stop.set()
+            await asyncio.gather(*futures, return_exceptions=True)  # each thread ends at its next chunk
+            pool.shutdown(wait=False)
+
+    def _chunks_of(self, bucket: int) -> list[tuple[int, int]]:
+        n = self.manifest.buckets[bucket].nbytes
+        return [(off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
+
+    def _on_chunk(self, bucket: int, offset: int, nbytes: int, checksum: str, data: memoryview) -> None:
+        """Stream thread: a chunk is in its bucket; fold it into the running checksum (chunks come in order)."""
+        if checksum and checksum != self.expected[bucket]:
+            if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
+                raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum {checksum!r}, not {self.expected[bucket]!r}")
+            self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
+            self.sums[bucket] = Checksummer.for_digest(checksum)
+            if self.sink is not None:
+                self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
+        summer = self.sums[bucket]
+        if summer is not None:
+            summer.update(data)
+        with self.sub._counts_lock:
+            self.sub.bytes_received += nbytes
+            self.sub.bulk_bytes += nbytes
+        if self.sink is not None:
+            self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
+
+    def _bucket_done(self, bucket: int) -> bool:
+        """Stream thread: verify a whole bucket; True to fetch it again."""
+        info, expected, summer = self.manifest.buckets[bucket], self.expected[bucket], self.sums[bucket]
+        if info.nbytes == 0:
+            ok = not expected or verify_checksum(expected, b"")
+        else:
+            ok = bool(expected) and summer is not None and verify_checksum(expected, running=summer)
+        if ok:
+            if self.on_bucket is not None:
+                self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
+            return False
+        self.failures[bucket] += 1
+        with self.sub._counts_lock:
+            self.sub.buckets_refetched += 1
+        log.warning("weight version %d: bucket %d failed its checksum (attempt %d, bulk lane)", self.manifest.version, bucket, self.failures[bucket])
+        self.loop.call_soon_threadsafe(self.sub.metrics.event, "bucket_refetched",
+                                       {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
+        if self.failures[bucket] > self.sub.max_refetch:
+            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
+        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
+        if self.sink is not None:
+            self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)
+        return True
 
 
 class _Transfer:

@@ -112,6 +112,9 @@ async def test_weights_over_curve_publisher_and_relay(keys: Path) -> None:
         assert await good.wait_for_newer(0, timeout_s=20) == 1
         wv = await asyncio.wait_for(good.fetch(1), 30)
         assert torch.equal(wv.tensors["w"], tensors["w"])
+        # no bulk lane under CURVE (its plain TCP would bypass the encryption): every byte came over the ROUTER
+        assert publisher._server.bulk is None and relay._server.bulk is None
+        assert wv.manifest.bulk_port == 0 and good.bulk_bytes == 0 and good.bytes_received == wv.total_bytes
 
         plain = WeightSubscriber(SocketFactory(plain_ctx), worker_id="plain", fetch_timeout_s=0.5, max_refetch=1)
         subs.append(plain)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -40,6 +41,9 @@ async def test_downstream_fetches_are_served_while_the_bucket_still_arrives(make
     relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, window_chunks=1)
     sub = make_subscriber(relay.router_endpoint, relay.pub_endpoint, window_chunks=8)
     await pub.publish(w, 1)
+    # each upstream read stalls 3 ms (on the bulk lane the relay would otherwise have all 2.6 MiB before its own
+    # subscriber asks: the forwarding below would not be exercised)
+    wrap_sources(pub, 1, on_read=lambda n: time.sleep(0.003))
     await sub.wait_for_newer(0, timeout_s=5)  # the relay announces as soon as it starts receiving
     got = await sub.fetch(1)
     assert_same(got.tensors, w)

@@ -102,6 +102,10 @@ def samples() -> dict[str, Any]:
                                             shm_reserved=(p.ShmSegment(name="rollpool-default-pub-7-1", nbytes=1 << 29),
                                                           p.ShmSegment(name="rollpool-default-pub-7-2", nbytes=4096))),
         "announce_shm_generation": p.Announce(version=3, publisher_id="pub", total_bytes=1 << 30, num_buckets=2, shm_generation=4),
+        # minor 13: the network path's bulk lane
+        "manifest_bulk_port": p.Manifest(request_id="m6", version=8, publisher_id="pub", chunk_bytes=8 << 20, bulk_port=41234,
+                                         buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=16, checksum="xxh3_64:0123456789abcdef",
+                                                               tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(8,), offset=0, nbytes=16),)),)),
         # minor 12: the minor in hellos and welcomes (inline arrays: `inline_samples`)
         "hello_minor12": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8, protocol_minor=12),
         "welcome_minor12": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, protocol_minor=12),

@@ -1,0 +1,185 @@
+"""The network path's bulk lane (protocol minor 13): chunk bytes over plain TCP straight into the subscriber's buffer.
+
+Real sockets on both sides; faults are made on the live lane (its connections reset mid-version, a lane that
+accepts and never answers, garbage on the wire, a corrupted chunk) and each must end in a verified version or
+a clear error, never a part of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import pytest
+
+from rollpool.protocol import WeightSyncError
+from rollpool.weights.bulk import lane_host
+from tests.integration.weights.test_channel import assert_same, model, wrap_sources
+
+TCP = {"router_endpoint": "tcp://127.0.0.1:*", "pub_endpoint": "tcp://127.0.0.1:*"}
+
+
+async def test_over_tcp_every_chunk_comes_over_the_bulk_lane_and_verifies(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2)
+    w = model(1)
+    manifest = await pub.publish(w, 1)
+    assert len(manifest.buckets) > 2
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert got.manifest.bulk_port == pub._server.bulk.port > 0
+    assert sub.bulk_bytes == sub.bytes_received == got.total_bytes  # no chunk over the ROUTER
+    assert pub._server.bulk_bytes_served == got.total_bytes and not sub.fallbacks
+    # the publisher counts the lane's bytes for the subscriber as it counts the ROUTER's (keep_versions=0 releases on it)
+    assert sum(pub._server.versions[1].served_by_peer.values()) == got.total_bytes
+
+
+async def test_a_subscriber_that_does_not_take_the_lane_gets_the_same_version_over_the_router(make_publisher: Any, make_subscriber: Any) -> None:
+    # as a subscriber of minor 12 (it does not know Manifest.bulk_port) or one with ROLLPOOL_WEIGHT_BULK=0
+    pub = await make_publisher(**TCP)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, bulk=False)
+    w = model(2)
+    await pub.publish(w, 1)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.bulk_bytes == 0 and sub.bytes_received == got.total_bytes and pub._server.bulk_bytes_served == 0
+
+
+async def test_no_lane_off_tcp_or_when_turned_off(make_publisher: Any, monkeypatch: pytest.MonkeyPatch, ipc_endpoint: Any) -> None:
+    pub = await make_publisher(router_endpoint=ipc_endpoint("r"), pub_endpoint=ipc_endpoint("p"))
+    assert pub._server.bulk is None and (await pub.publish(model(3), 1)).bulk_port == 0
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_BULK", "0")
+    pub2 = await make_publisher(**TCP)
+    assert pub2._server.bulk is None and (await pub2.publish(model(3), 1)).bulk_port == 0
+    assert lane_host("tcp://10.1.2.3:6000") == "10.1.2.3" and lane_host("tcp://[::1]:6000") == "::1"
+    assert lane_host("ipc:///tmp/x") is None and lane_host("tcp://*:6000") is None
+
+
+async def test_a_corrupted_chunk_on_the_lane_is_refetched_and_never_applied(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    w = model(4)
+    await pub.publish(w, 1)
+    wrap_sources(pub, 1, flips=2)  # the first two reads of every bucket come out with a flipped byte
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, max_refetch=3)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.buckets_refetched >= 2 and sub.bulk_bytes > got.total_bytes  # bad buckets came again, over the lane
+
+
+async def test_a_bucket_corrupted_every_time_fails_the_version_with_a_clear_error(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    await pub.publish(model(5), 1)
+    wrap_sources(pub, 1, flips=10_000)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, max_refetch=1)
+    with pytest.raises(WeightSyncError, match="failed its checksum 2 times"):
+        await sub.fetch(1)
+
+
+async def test_a_lane_reset_mid_version_takes_the_router_for_that_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    w = model(6)
+    await pub.publish(w, 1)
+    lane = pub._server.bulk
+    reads = [0]
+
+    def reset_on_fifth_read(n: int) -> None:
+        reads[0] += 1
+        if reads[0] == 5:
+            lane.close()  # every lane connection reset, the listener gone: the lane is lost mid-version
+
+    wrap_sources(pub, 1, on_read=reset_on_fifth_read)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.fallbacks == {"bulk lane unavailable": 1}
+    assert 0 < sub.bulk_bytes < got.total_bytes and sub.bytes_received >= got.total_bytes
+
+
+async def test_a_silent_lane_is_given_up_after_the_fetch_timeout(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    w = model(7)
+    await pub.publish(w, 1)
+    # a fake lane at the process edge: the kernel accepts the connection, nothing ever answers
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+    try:
+        pub._server.versions[1].bulk_port = silent.getsockname()[1]
+        sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, fetch_timeout_s=0.3)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got = await sub.fetch(1)
+        assert loop.time() - t0 < 3
+        assert_same(got.tensors, w)
+        assert sub.fallbacks == {"bulk lane unavailable": 1} and sub.bulk_bytes == 0
+    finally:
+        silent.close()
+
+
+async def test_a_lane_that_cannot_be_reached_is_not_tried_again(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: connections are refused (as a firewall that rejects)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    for version in (1, 2):
+        w = model(10 + version)
+        await pub.publish(w, version)
+        pub._server.versions[version].bulk_port = port
+        got = await sub.fetch(version)
+        assert_same(got.tensors, w)
+    assert sub.fallbacks == {"bulk lane unavailable": 1} and sub.bulk_bytes == 0  # the second version did not try
+
+
+def test_the_lane_port_follows_a_fixed_router_port() -> None:
+    from rollpool.weights.bulk import lane_port
+
+    assert lane_port("tcp://0.0.0.0:6100") == 6102  # the PUB is on 6101 by convention: containers publish 6100-6102
+    assert lane_port("tcp://127.0.0.1:*") == lane_port("tcp://127.0.0.1:0") == lane_port("ipc:///tmp/w") == 0
+
+
+async def test_garbage_and_bad_requests_on_the_lane_get_an_answer_and_the_lane_keeps_serving(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(**TCP)
+    w = model(8)
+    await pub.publish(w, 1)
+    port = pub._server.bulk.port
+
+    def exchange(payload: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := c.recv(65536):
+                out += chunk
+            return out
+
+    hello = struct.pack("<4sH", b"RPBH", 3) + b"bad"
+    for payload, status in [
+        (b"GET / HTTP/1.1\r\n\r\n", 5),  # not a hello: bad_request, closed
+        (hello + b"junkjunkjunkjunkjunkjunkjunk", 5),  # not a request
+        (hello + struct.pack("<4sQIQI", b"RPBQ", 1, 99, 0, 16), 3),  # no such bucket: bad_range
+        (hello + struct.pack("<4sQIQI", b"RPBQ", 1, 0, 0, 64 << 20), 3),  # over the largest chunk
+        (hello + struct.pack("<4sQIQI", b"RPBQ", 7, 0, 0, 16), 2),  # unknown_version
+    ]:
+        reply = await asyncio.to_thread(exchange, payload)
+        magic, got_status, nbytes, n = struct.unpack_from("<4sBIH", reply)
+        assert (magic, got_status, nbytes) == (b"RPBA", status, 0), (payload[:12], reply[:40])
+        assert n > 0  # every error says what was wrong
+    await asyncio.to_thread(exchange, b"\x00")  # a peer that sends one byte and leaves
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.bulk_bytes == got.total_bytes
+
+
+async def test_a_relay_takes_the_lane_upstream_and_offers_its_own_downstream(make_publisher: Any, make_subscriber: Any, make_relay: Any) -> None:
+    pub = await make_publisher(**TCP)
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, **TCP)
+    sub = make_subscriber(relay.router_endpoint, relay.pub_endpoint)
+    w = model(9)
+    await pub.publish(w, 1)
+    await sub.wait_for_newer(0, timeout_s=5)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert relay.upstream.bulk_bytes == got.total_bytes and sub.bulk_bytes == got.total_bytes
+    assert pub._server.bulk_bytes_served == got.total_bytes  # one upstream fetch
