@@ -394,7 +394,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         RESULT["worker_spawned_before_join_s"] = round(time.time() - t_spawn, 1)
         note(f"worker joined after {RESULT['worker_join_s']} s")
         save()
-        v, last_rx, last_ipc, last_dev = 0, 0, 0, 0
+        v, last_rx, last_ipc, last_dev, last_bulk = 0, 0, 0, 0, 0
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         t_joined = time.time()
         for path, on in rows:
@@ -467,6 +467,8 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
+                bulk = int(f.get("bulk_bytes", last_bulk))  # of those, over the bulk lane (minor 13)
+                rec["worker_bulk_lane_bytes"], last_bulk = bulk - last_bulk, bulk
                 ipc = int(f.get("ipc_bytes", last_ipc))
                 rec["worker_ipc_bytes"], last_ipc = ipc - last_ipc, ipc
                 dev = int(f.get("device_stage_bytes", last_dev))

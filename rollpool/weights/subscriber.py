@@ -516,7 +516,7 @@ class WeightSubscriber:
                 raise
             self.last_path = path
             log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, "bytes": sum(b.nbytes for b in manifest.buckets),
-                                                       "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
+                                                       "bytes_received": self.bytes_received, "bulk_bytes": self.bulk_bytes, "shm_bytes": self.shm_bytes,
                                                        "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
             tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
             self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version,

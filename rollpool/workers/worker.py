@@ -502,7 +502,26 @@ class Worker:
             "restarts": self.supervisor.restarts,
             **{f"refused.limit.{k}": v for k, v in self.link.refused.items()},
             **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
+            **self._weight_fields(),
         }
+
+    def _weight_fields(self) -> dict[str, Any]:
+        """How the weights arrive (`rollpool top` and the exporter show them): the last path, the bytes per lane,
+        the fallbacks, the held digest lists asked for."""
+        sub = self.weights.subscriber
+        out: dict[str, Any] = {"held_lists_sent": self.session.held_lists_sent}
+        if sub is None:
+            return out
+        for key, attr in (("weights_last_path", "last_path"), ("weights_network_bytes", "bytes_received"),
+                          ("weights_bulk_bytes", "bulk_bytes"), ("weights_shm_bytes", "shm_bytes"), ("weights_ipc_bytes", "ipc_bytes"),
+                          ("weights_refetched", "buckets_refetched")):
+            value = getattr(sub, attr, None)  # a subscriber of a test's factory may have fewer
+            if value is not None:
+                out[key] = value
+        fallbacks = getattr(sub, "fallbacks", None)
+        if isinstance(fallbacks, dict):
+            out["weights_fallbacks"] = sum(fallbacks.values())
+        return out
 
     async def _close(self) -> None:
         for runner in list(self._runners.values()):
