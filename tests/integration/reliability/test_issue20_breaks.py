@@ -119,6 +119,23 @@ async def test_break3_workers_follow_the_publisher_to_its_new_endpoint(pool: Poo
     assert await wait_until(lambda: worker.weight_version == 2, 3), f"worker still at v{worker.weight_version}"
 
 
+async def test_a_worker_reports_how_its_weights_arrived(pool: Pool) -> None:
+    # rollpool top and the exporter read these from the worker's state: the path, the bytes per lane, the fallbacks
+    torch = pytest.importorskip("torch")
+    broker = await pool.start_broker()
+    worker = await pool.worker(broker.worker_endpoint, "w1", weight_path="network")  # on this host auto would take shm
+    trainer = await pool.fake_client(broker.client_endpoint)
+    pub = await pool.publisher()
+    manifest = await pub.publish(_tensors(torch, 1.0), 1)
+    await trainer.set_version(1, pub.router_endpoint, pub.pub_endpoint)
+    assert await wait_until(lambda: worker.weight_version == 1, 10)
+    state = worker._state_fields("ready")
+    nbytes = sum(b.nbytes for b in manifest.buckets)
+    assert state["weights_last_path"] == "network" and state["weights_fallbacks"] == 0
+    assert state["weights_network_bytes"] == state["weights_bulk_bytes"] == nbytes  # tcp: over the bulk lane
+    assert state["held_lists_sent"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- break 4
 
 
