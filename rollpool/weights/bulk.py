@@ -127,9 +127,12 @@ class BulkServer:
     for `notify`, then is answered ``busy``.
     """
 
-    def __init__(self, server: WeightServer, host: str, port: int = 0, *, wait_s: float = 30.0, max_connections: int = 256) -> None:
+    def __init__(self, server: WeightServer, host: str, port: int = 0, *, wait_s: float = 30.0, idle_s: float = 120.0,
+                 max_connections: int = 256) -> None:
         self.server = server
         self.wait_s = wait_s
+        self.idle_s = idle_s
+        """A connection that sends nothing for this long is closed (a subscriber opens its connections per version)."""
         self.max_connections = max_connections
         self.bytes_served = 0
         self.chunks_served = 0
@@ -173,6 +176,7 @@ class BulkServer:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.idle_s)
             self._conns.add(conn)
             self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.server.name}.bulk.conn", daemon=True).start()

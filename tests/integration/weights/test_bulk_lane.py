@@ -166,6 +166,10 @@ async def test_garbage_and_bad_requests_on_the_lane_get_an_answer_and_the_lane_k
         assert (magic, got_status, nbytes) == (b"RPBA", status, 0), (payload[:12], reply[:40])
         assert n > 0  # every error says what was wrong
     await asyncio.to_thread(exchange, b"\x00")  # a peer that sends one byte and leaves
+    # a silent peer holds its connection only until the idle limit
+    pub._server.bulk.idle_s = 0.2
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+        assert await asyncio.to_thread(idle.recv, 16) == b""  # closed by the server, nothing sent
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
     got = await sub.fetch(1)
     assert_same(got.tensors, w)
