@@ -26,6 +26,10 @@ Transport ``shm`` is the same-host path: manifests over ipc, bucket bytes copied
 shared-memory segments (raw pyzmq and the relay's downstream stay on ipc, gloo on tcp); the tcp and ipc
 rows pin the subscribers to the network path.
 
+On tcp the subscribers take the bulk lane (protocol minor 13) unless ``ROLLPOOL_WEIGHT_BULK=0``
+(`rollpool_lane` says which); each set also measures the same one-subscriber fetch with the lane off,
+interleaved (`rollpool_router_gbps`, `ratio_vs_raw_router`), so the two lanes compare in one run.
+
 The top-level keys (raw_zmq_gbps, rollpool_gbps, ratio_vs_raw, gloo_4_s, rollpool_4_s, vs_gloo)
 are the largest size on tcp; every set is under "rows".
 
@@ -229,8 +233,8 @@ def raw_once(conn: Any, sock: Any, nbytes: int, dst: np.ndarray[Any, Any]) -> fl
 class Fetcher:
     """One long-lived subscriber, as in a worker: it recycles the previous version's buffers."""
 
-    def __init__(self, router: str, window: int, transport: str = "tcp") -> None:
-        self.router, self.window, self.transport = router, window, transport
+    def __init__(self, router: str, window: int, transport: str = "tcp", bulk: bool | None = None) -> None:
+        self.router, self.window, self.transport, self.bulk = router, window, transport, bulk
 
     async def __aenter__(self) -> Fetcher:
         import zmq.asyncio
@@ -239,7 +243,8 @@ class Fetcher:
         from rollpool.weights.subscriber import WeightSubscriber
 
         self.ctx = zmq.asyncio.Context()
-        self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window, **_subscriber_kwargs(self.transport))
+        self.sub = WeightSubscriber(SocketFactory(self.ctx), fetch_timeout_s=30, window_chunks=self.window, bulk=self.bulk,
+                                    **_subscriber_kwargs(self.transport))
         self.sub.connect(self.router)
         await self.sub.fetch_manifest(VERSION)
         return self
@@ -426,11 +431,16 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
             raise RuntimeError(f"subscriber got {[t for _, t in got]} bytes, expected {nbytes}")
         return max(t for t, _ in got) - t0
 
-    m: dict[str, list[float]] = {k: [] for k in ("raw", "rp", "ratio", "gloo", "direct", "relay", "vs_gloo_direct", "vs_gloo_relay", "vs_gloo")}
+    m: dict[str, list[float]] = {k: [] for k in ("raw", "rp", "ratio", "rp_router", "ratio_router", "gloo", "direct", "relay", "vs_gloo_direct",
+                                                 "vs_gloo_relay", "vs_gloo")}
     loop = asyncio.new_event_loop()
     fetcher = Fetcher(router, args.window, transport)
+    # the same subscriber with the bulk lane off (every chunk over the ROUTER, as before protocol minor 13), interleaved
+    router_fetcher = Fetcher(router, args.window, transport, bulk=False)
     try:
         loop.run_until_complete(fetcher.__aenter__())
+        loop.run_until_complete(router_fetcher.__aenter__())
+        loop.run_until_complete(router_fetcher.once())  # its first fetch (fresh memory) is not measured
         raw_once(raw_conn, pull, nbytes, dst)  # warm-up (and the raw receiver's buffer is faulted in)
         dt, total = loop.run_until_complete(fetcher.once())  # first fetch: fresh memory
         first_fetch_gbps = total / dt / 1e9
@@ -444,12 +454,17 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
             m["raw"].append(r)
             m["rp"].append(g)
             m["ratio"].append(g / r)
+            dt, total = loop.run_until_complete(router_fetcher.once())
+            m["rp_router"].append(total / dt / 1e9)
+            m["ratio_router"].append(total / dt / 1e9 / r)
             gs = gloo_once() if gloo_conn is not None else float("nan")
             ds = peers_once(direct, pub_conn, "direct")
             m["gloo"].append(gs)
             m["direct"].append(ds)
             m["vs_gloo_direct"].append(gs / ds)
+        lane_bytes = fetcher.sub.bulk_bytes
         loop.run_until_complete(fetcher.__aexit__())
+        loop.run_until_complete(router_fetcher.__aexit__())
         # phase 2: the direct subscribers leave, 4 behind the relay take their place (interleaved with gloo again)
         for c in direct:
             c.send("stop")
@@ -480,9 +495,10 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
         zctx.term()
         loop.close()
     row: dict[str, Any] = {"mib": mib, "transport": transport}
-    for key, name in (("raw", "raw_zmq_gbps"), ("rp", "rollpool_gbps"), ("ratio", "ratio_vs_raw"), ("gloo", "gloo_4_s"), ("direct", "rollpool_4_direct_s"),
+    for key, name in (("raw", "raw_zmq_gbps"), ("rp", "rollpool_gbps"), ("ratio", "ratio_vs_raw"), ("rp_router", "rollpool_router_gbps"),
+                      ("ratio_router", "ratio_vs_raw_router"), ("gloo", "gloo_4_s"), ("direct", "rollpool_4_direct_s"),
                       ("relay", "rollpool_4_relay_s"), ("vs_gloo_direct", "vs_gloo_direct"), ("vs_gloo_relay", "vs_gloo_relay"), ("vs_gloo", "vs_gloo")):
-        if not args.no_gloo or key in ("raw", "rp", "ratio", "direct", "relay"):
+        if not args.no_gloo or key in ("raw", "rp", "ratio", "rp_router", "ratio_router", "direct", "relay"):
             row[name] = median(m[key])
             row[name + "_spread"] = spread(m[key])
     best = "direct" if statistics.median(m["direct"]) <= statistics.median(m["relay"]) else "relay"
@@ -495,6 +511,7 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
     if cpu[best]:
         row["rollpool_4_cpu_s"] = row.get(f"rollpool_4_{best}_cpu_s")
     row["cpus"] = mp.cpu_count()
+    row["rollpool_lane"] = "bulk" if lane_bytes else "router"  # what the measured subscriber used (ROLLPOOL_WEIGHT_BULK, the transport)
     row["rollpool_4_gbps_per_subscriber"] = round(nbytes / statistics.median(m[best]) / 1e9, 3)
     if not args.no_gloo:
         row["gloo_4_gbps_per_receiver"] = round(nbytes / statistics.median(m["gloo"]) / 1e9, 3)
@@ -574,7 +591,7 @@ def main() -> int:
         "rows": rows,
         "fanout": fan,
     })
-    cols = ("raw_zmq_gbps", "rollpool_gbps", "ratio_vs_raw", "gloo_4_s", "rollpool_4_direct_s", "rollpool_4_relay_s", "vs_gloo", "publish_snapshot_gbps", "publish_snapshot_reused_gbps")
+    cols = ("raw_zmq_gbps", "rollpool_gbps", "ratio_vs_raw", "ratio_vs_raw_router", "gloo_4_s", "rollpool_4_direct_s", "rollpool_4_relay_s", "vs_gloo", "publish_snapshot_gbps", "publish_snapshot_reused_gbps")
     print(f"{'':14}" + "".join(f"{c[:22]:>24}" for c in cols))
     for r in rows:
         cells = []
