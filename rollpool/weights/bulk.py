@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollpool.weights.serving import WeightServer
 
-__all__ = ["BulkError", "BulkServer", "BulkUnavailable", "bulk_enabled", "fetch_bucket_range", "lane_host", "lane_port", "spread"]
+__all__ = ["BulkError", "BulkServer", "BulkUnavailable", "bulk_enabled", "fetch_bucket_range", "lane_host", "lane_port"]
 
 log = logging.getLogger(__name__)
 
@@ -310,23 +310,25 @@ def fetch_bucket_range(
     timeout_s: float,
     window: int,
     on_chunk: Callable[[int, int, int, str, memoryview], None],
-    on_bucket_done: Callable[[int], bool],
+    on_part_done: Callable[[int], list[tuple[int, int]]],
     stop: threading.Event,
 ) -> None:
-    """Thread of one subscriber stream: fetch `jobs` (bucket, its chunks as (offset, nbytes)) into `views`.
+    """Thread of one subscriber stream: fetch `jobs` (bucket, chunks of it as (offset, nbytes)) into `views`.
 
     `on_chunk(bucket, offset, nbytes, checksum, data)` runs in this thread once a chunk is in its view (the caller
-    folds it into the running checksum); `on_bucket_done(bucket)` verifies a bucket and says whether to fetch it
-    again. Raises `BulkError` for an error status, `BulkUnavailable` when the connection fails or goes silent
-    for `timeout_s`.
+    folds it into the running checksum); `on_part_done(bucket)` runs when this job's chunks of the bucket have
+    landed and returns the chunks to fetch again (a bucket that failed its checksum), or none. Raises `BulkError`
+    for an error status, `BulkUnavailable` when the connection fails or goes silent for `timeout_s`.
     """
     lane = _Lane(host, port, peer, timeout_s)
     try:
         for bucket, chunks in jobs:
-            while not stop.is_set():
-                _fetch_chunks(lane.sock, version, bucket, chunks, views[bucket], window, on_chunk, stop)
-                if stop.is_set() or not on_bucket_done(bucket):
-                    break
+            todo = chunks
+            while todo and not stop.is_set():
+                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop)
+                if stop.is_set():
+                    return
+                todo = on_part_done(bucket)
     except (OSError, ConnectionError, struct.error) as exc:
         raise BulkUnavailable(f"the bulk lane to {host}:{port} failed: {exc}") from exc
     finally:
@@ -354,9 +356,3 @@ def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequen
         on_chunk(bucket, offset, nbytes, text, part)
         if stop.is_set():
             return
-
-
-def spread(buckets: Sequence[int], streams: int) -> list[list[int]]:
-    """Buckets dealt round-robin over `streams` (each stream fetches its buckets in order, one connection)."""
-    n = max(1, min(streams, len(buckets)))
-    return [list(buckets[i::n]) for i in range(n)]

@@ -69,7 +69,7 @@ from rollpool.weights.bucketing import (
     unpack_buckets,
     verify_checksum,
 )
-from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host, spread
+from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, weight_streams
 from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
@@ -1231,12 +1231,14 @@ def _checked(manifest: Manifest) -> Manifest:
 class _BulkTransfer:
     """The network path over a server's bulk lane (`rollpool.weights.bulk`): as `_Transfer`, without a copy per byte.
 
-    Each of the subscriber's `streams` is a thread with one TCP connection that fetches its buckets (dealt
-    round-robin) in order, `window_chunks` requests ahead, receiving each chunk straight into the bucket's buffer
-    and folding it into the bucket's running checksum while it is in cache. A bucket that fails its checksum is
-    fetched again (at most `max_refetch` times); an error status ends the transfer (``gone``:
-    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises `BulkUnavailable`
-    (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the event loop.
+    The version's chunks, bucket after bucket, are cut into `streams` contiguous spans of equal bytes (so no
+    stream waits on another's last bucket); each span is a thread with one TCP connection that asks for its
+    chunks `window_chunks` ahead and receives each one straight into its bucket's buffer. A bucket inside one
+    span is folded into its running checksum chunk by chunk while in cache; a bucket cut between two spans is
+    checksummed in one pass by the thread that lands its last part. A bucket that fails is fetched again whole
+    by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
+    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
+    `BulkUnavailable` (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the loop.
     """
 
     def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
@@ -1251,24 +1253,48 @@ class _BulkTransfer:
         self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         self.expected = [b.checksum for b in manifest.buckets]
         self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
-        self.failures = [0] * len(buffers)
+        n = len(manifest.buckets)
+        self.failures = [0] * n
+        self.parts_left = [0] * n
+        self.folding = [True] * n
+        """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
+        self.lock = threading.Lock()
         self.stop = threading.Event()
         self.loop = asyncio.get_running_loop()
+
+    def spans(self, streams: int) -> list[list[tuple[int, list[tuple[int, int]]]]]:
+        """The version's chunks in `streams` contiguous spans of about equal bytes, each as (bucket, its chunks)."""
+        chunks = [(i, off, n) for i, b in enumerate(self.manifest.buckets) for off, n in self._chunks_of(i)]
+        total = sum(n for _i, _off, n in chunks)
+        k = max(1, min(streams, len(chunks)))
+        spans: list[list[tuple[int, list[tuple[int, int]]]]] = [[] for _ in range(k)]
+        done = 0
+        for i, off, n in chunks:
+            span = spans[min(k - 1, done * k // max(1, total))]
+            if not span or span[-1][0] != i:
+                span.append((i, []))
+                self.parts_left[i] += 1
+            span[-1][1].append((off, n))
+            done += n
+        for i, parts in enumerate(self.parts_left):
+            self.folding[i] = parts == 1
+        return [s for s in spans if s]
 
     async def run(self) -> None:
         sub, version = self.sub, self.manifest.version
         for i, b in enumerate(self.manifest.buckets):
-            if b.nbytes == 0 and self._bucket_done(i):
-                raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
-        groups = spread([i for i, b in enumerate(self.manifest.buckets) if b.nbytes], sub.streams)
+            if b.nbytes == 0:
+                self.parts_left[i] = 1
+                if self._part_done(i):
+                    raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
+        spans = self.spans(sub.streams)
         peer = f"{sub.worker_id}/{sub._prefix}"[:250].encode()
-        pool = ThreadPoolExecutor(len(groups), thread_name_prefix="weights-bulk")
+        pool = ThreadPoolExecutor(max(1, len(spans)), thread_name_prefix="weights-bulk")
         futures = [
             self.loop.run_in_executor(pool, functools.partial(
-                fetch_bucket_range, self.host, self.port, peer, version, [(i, self._chunks_of(i)) for i in g], self.views,
-                timeout_s=sub.fetch_timeout_s, window=sub.window_chunks, on_chunk=self._on_chunk,
-                on_bucket_done=self._bucket_done, stop=self.stop))
-            for g in groups if g
+                fetch_bucket_range, self.host, self.port, peer, version, span, self.views, timeout_s=sub.fetch_timeout_s,
+                window=sub.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop))
+            for span in spans
         ]
         try:
             await asyncio.gather(*futures)
@@ -1288,16 +1314,19 @@ class _BulkTransfer:
         return [(off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
 
     def _on_chunk(self, bucket: int, offset: int, nbytes: int, checksum: str, data: memoryview) -> None:
-        """Stream thread: a chunk is in its bucket; fold it into the running checksum (chunks come in order)."""
+        """Stream thread: a chunk is in its bucket; fold it into the running checksum when the bucket is folded."""
         if checksum and checksum != self.expected[bucket]:
-            if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
-                raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum {checksum!r}, not {self.expected[bucket]!r}")
-            self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
-            self.sums[bucket] = Checksummer.for_digest(checksum)
-            if self.sink is not None:
-                self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
+            with self.lock:
+                if checksum != self.expected[bucket]:
+                    if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
+                        raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum "
+                                              f"{checksum!r}, not {self.expected[bucket]!r}")
+                    self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
+                    self.sums[bucket] = Checksummer.for_digest(checksum)
+                    if self.sink is not None:
+                        self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
         summer = self.sums[bucket]
-        if summer is not None:
+        if self.folding[bucket] and summer is not None:
             summer.update(data)
         with self.sub._counts_lock:
             self.sub.bytes_received += nbytes
@@ -1305,17 +1334,26 @@ class _BulkTransfer:
         if self.sink is not None:
             self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
 
-    def _bucket_done(self, bucket: int) -> bool:
-        """Stream thread: verify a whole bucket; True to fetch it again."""
+    def _part_done(self, bucket: int) -> list[tuple[int, int]]:
+        """Stream thread: its part of a bucket landed. When the bucket is whole, verify it; the chunks to fetch
+        again (all of the bucket's, on this thread, folded in order), or none."""
+        with self.lock:
+            self.parts_left[bucket] -= 1
+            if self.parts_left[bucket] > 0:
+                return []  # another thread lands the rest and verifies
         info, expected, summer = self.manifest.buckets[bucket], self.expected[bucket], self.sums[bucket]
         if info.nbytes == 0:
             ok = not expected or verify_checksum(expected, b"")
+        elif not expected:
+            ok = False  # no chunk named the pending checksum: nothing to verify against
+        elif self.folding[bucket]:
+            ok = summer is not None and verify_checksum(expected, running=summer)
         else:
-            ok = bool(expected) and summer is not None and verify_checksum(expected, running=summer)
+            ok = verify_checksum(expected, self.views[bucket])  # cut between two spans: one pass over the whole bucket
         if ok:
             if self.on_bucket is not None:
                 self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
-            return False
+            return []
         self.failures[bucket] += 1
         with self.sub._counts_lock:
             self.sub.buckets_refetched += 1
@@ -1325,9 +1363,11 @@ class _BulkTransfer:
         if self.failures[bucket] > self.sub.max_refetch:
             raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
         self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
+        self.folding[bucket] = True
+        self.parts_left[bucket] = 1
         if self.sink is not None:
             self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)
-        return True
+        return self._chunks_of(bucket)
 
 
 class _Transfer:

@@ -68,6 +68,31 @@ async def test_a_corrupted_chunk_on_the_lane_is_refetched_and_never_applied(make
     assert sub.buckets_refetched >= 2 and sub.bulk_bytes > got.total_bytes  # bad buckets came again, over the lane
 
 
+async def test_streams_take_spans_of_equal_bytes_and_a_bucket_cut_between_two_is_verified_whole(make_publisher: Any, make_subscriber: Any) -> None:
+    from rollpool.protocol.messages import BucketInfo, Manifest
+    from rollpool.weights.subscriber import _BulkTransfer
+
+    # spans: 8 chunks of 1 MiB in buckets of 5, 1, 1, 1 chunks over 2 streams: 4 chunks each, bucket 0 cut in two
+    manifest = Manifest(request_id="", version=1, chunk_bytes=1 << 20,
+                        buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=n << 20, checksum="") for i, n in enumerate((5, 1, 1, 1))))
+    sub = make_subscriber()
+    t = _BulkTransfer(sub, manifest, [], None, None, "127.0.0.1", 1)
+    spans = t.spans(2)
+    assert [[(b, len(c)) for b, c in span] for span in spans] == [[(0, 4)], [(0, 1), (1, 1), (2, 1), (3, 1)]]
+    assert t.parts_left == [2, 1, 1, 1] and t.folding == [False, True, True, True]
+
+    # the real thing: 3 streams, every bucket's first chunk corrupted once; cut buckets are fetched again whole
+    pub = await make_publisher(**TCP)
+    w = model(12)
+    manifest = await pub.publish(w, 1)
+    wrap_sources(pub, 1, flips=1)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=3, max_refetch=2)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert sub.buckets_refetched == len(manifest.buckets) and not sub.fallbacks
+    assert pub._server.bulk.connections == 3
+
+
 async def test_a_bucket_corrupted_every_time_fails_the_version_with_a_clear_error(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher(**TCP)
     await pub.publish(model(5), 1)
