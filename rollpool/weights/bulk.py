@@ -242,6 +242,8 @@ class BulkServer:
         size = v.buckets[bucket].nbytes if 0 <= bucket < len(v.buckets) else -1
         if size < 0 or nbytes < 1 or nbytes > MAX_CHUNK_BYTES or offset + nbytes > size:
             return BAD_RANGE, f"[{offset}, +{nbytes}) is not a chunk of bucket {bucket} of version {version}", None, None
+        if self._loop is not None:
+            v.last_request_s = self._loop.time()  # as the ROUTER's fetch: keep_versions=0 releases after an idle spell
         data = v.sources[bucket].read(offset, nbytes)
         if data is None:
             return None

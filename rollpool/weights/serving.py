@@ -454,8 +454,6 @@ class WeightServer:
         self.bytes_served += nbytes
         self.bulk_bytes_served += nbytes
         self.chunks_served += 1
-        if self._loop is not None:
-            v.last_request_s = self._loop.time()
         v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + nbytes
         if self.on_served is not None:
             self.on_served(v)
