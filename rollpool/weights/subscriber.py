@@ -1050,17 +1050,23 @@ class WeightSubscriber:
             try:
                 await bulk.run()
             except BulkUnavailable as exc:
-                # the whole version again over the ROUTER (a relay's downstream forgets what it was told had arrived)
+                # the rest of the version over the ROUTER: the buckets the lane verified are kept (and were staged);
+                # the others start again (a relay's downstream forgets what it was told had arrived of them)
                 if exc.unreachable:
                     self._bulk_unreachable.add((host, manifest.bulk_port))  # not tried again: a firewall stays shut
                 self._fallback(manifest.version, "bulk lane unavailable", path="bulk")
-                log.info("weight version %d: %s", manifest.version, exc)
+                log.info("weight version %d: %s (%d of %d buckets verified over it)", manifest.version, exc, len(bulk.verified), len(buffers))
                 if sink is not None:
                     for i in range(len(buffers)):
-                        sink.on_bucket_reset(i)
+                        if i not in bulk.verified:
+                            sink.on_bucket_reset(i)
+                manifest = replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
+                skip = bulk.verified
             else:
                 return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
-        transfer = _Transfer(self, manifest, buffers, sink, on_bucket)
+        else:
+            skip = set()
+        transfer = _Transfer(self, manifest, buffers, sink, on_bucket, skip=skip)
         await transfer.run()
         return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
 
@@ -1258,6 +1264,8 @@ class _BulkTransfer:
         self.parts_left = [0] * n
         self.folding = [True] * n
         """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
+        self.verified: set[int] = set()
+        """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.loop = asyncio.get_running_loop()
@@ -1351,6 +1359,8 @@ class _BulkTransfer:
         else:
             ok = verify_checksum(expected, self.views[bucket])  # cut between two spans: one pass over the whole bucket
         if ok:
+            with self.lock:
+                self.verified.add(bucket)
             if self.on_bucket is not None:
                 self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
             return []
@@ -1382,7 +1392,8 @@ class _Transfer:
     """
 
     def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None = None) -> None:
+                 on_bucket: BucketCallback | None = None, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """`skip`: buckets already in `buffers` and verified (by the bulk lane before it failed): not fetched."""
         self.sub = sub
         self.manifest = manifest
         self.buffers = buffers
@@ -1405,12 +1416,14 @@ class _Transfer:
         self.lanes = [ThreadPoolExecutor(1, thread_name_prefix="weights-absorb") for _ in range(max(1, min(len(sub._dealers), sub.copy_threads, len(buffers) or 1)))]
         self.pending: deque[tuple[asyncio.Future[None], int, int, int]] = deque()
         n = len(self.lanes)
+        for i in skip:
+            self.received[i] = manifest.buckets[i].nbytes
         for first in range(0, len(buffers), n):
-            group = [self._chunks_of(i) for i in range(first, min(first + n, len(buffers)))]
+            group = [self._chunks_of(i) for i in range(first, min(first + n, len(buffers))) if i not in skip]
             for k in range(max((len(g) for g in group), default=0)):
                 self.todo.extend(g[k] for g in group if k < len(g))
         for i, b in enumerate(manifest.buckets):
-            if b.nbytes == 0:
+            if b.nbytes == 0 and i not in skip:
                 self._verify(i)
 
     def _chunks_of(self, bucket: int) -> list[tuple[int, int, int]]:

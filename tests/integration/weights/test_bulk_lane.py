@@ -116,10 +116,15 @@ async def test_a_lane_reset_mid_version_takes_the_router_for_that_version(make_p
 
     wrap_sources(pub, 1, on_read=reset_on_fifth_read)
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
-    got = await sub.fetch(1)
+    staged: list[int] = []
+    got = await sub.fetch(1, on_bucket=lambda i, _tensors: staged.append(i))
     assert_same(got.tensors, w)
     assert sub.fallbacks == {"bulk lane unavailable": 1}
-    assert 0 < sub.bulk_bytes < got.total_bytes and sub.bytes_received >= got.total_bytes
+    assert 0 < sub.bulk_bytes < got.total_bytes
+    # the buckets the lane had verified are kept: the ROUTER fetched only the rest, and each bucket was staged once
+    first = got.manifest.buckets[0].nbytes
+    assert sub.bytes_received - sub.bulk_bytes == got.total_bytes - first
+    assert sorted(staged) == list(range(len(got.manifest.buckets)))
 
 
 async def test_a_silent_lane_is_given_up_after_the_fetch_timeout(make_publisher: Any, make_subscriber: Any) -> None:
