@@ -49,6 +49,19 @@ _WORKER_COLUMNS = (
 )
 
 
+_WEIGHT_LANES = (("bulk_bytes", "bulk lane"), ("network_bytes", "network"), ("shm_bytes", "shm"), ("ipc_bytes", "cuda ipc"))
+"""A worker's weight bytes by lane (`weights_*` in its state); ``network`` counts the bulk lane's bytes too."""
+
+
+def _fmt_bytes(v: object) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if v >= size:
+            return f"{v / size:.1f} {unit}"
+    return f"{int(v)} B"
+
+
 _EPISODE_ORDER = (
     ("in_flight", "in flight"),
     ("finished", "done"),
@@ -148,6 +161,18 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
         for wid, f in episodic.items():
             parts = [f"{label} {_fmt(f.get('episodes_' + name), 2 if name.endswith('share') else 0)}" for name, label in _EPISODE_ORDER]
             lines.append(_cut("  " + wid + "  " + "  ".join(parts), width))
+        lines.append("")
+
+    weighted = {wid: f for wid, f in sorted(state.workers.items()) if f.get("weights_last_path")}
+    if weighted:  # how each worker's last weight version arrived, and the bytes by lane since it started
+        lines.append(bold + "WEIGHTS" + reset)
+        for wid, f in weighted.items():
+            parts = [f"path {f['weights_last_path']}"]
+            parts += [f"{label} {_fmt_bytes(f.get('weights_' + name))}" for name, label in _WEIGHT_LANES if f.get("weights_" + name)]
+            parts += [f"{label} {_fmt(f.get('weights_' + name))}" for name, label in (("fallbacks", "fallbacks"), ("refetched", "refetched"))
+                      if f.get("weights_" + name)]
+            row = _cut("  " + wid + "  " + "  ".join(parts), width)
+            lines.append(red + row + reset if f.get("weights_fallbacks") else row)
         lines.append("")
 
     hist = state.histograms.get("staleness")
