@@ -484,7 +484,9 @@ class WorkerSession:
             # of the welcome to come (a heartbeat written now may be read after the broker took the hello)
             return WorkerHeartbeat(worker_id=self.worker_id, inflight_task_ids=self.inflight_task_ids(), weight_version=self.version,
                                    state=self.state, tokens_total=self.tokens_total, epoch=self.epoch, version_epoch=self.version_epoch)
-        held = self.inflight_task_ids() + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
+        # a cancelled task still generating (its abort under way) is not held: the broker ended its lease with the
+        # Cancel, and listing it would make every heartbeat until the abort ends disagree with the broker's digest
+        held = tuple(tid for tid, e in self.tasks.items() if not e.cancelled) + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
         # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, what is held and
         # the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat. Issue 19:
         # to a broker that checks digests (Feature.HELD_DIGEST) the held tasks go as a count and a digest; a

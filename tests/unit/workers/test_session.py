@@ -446,6 +446,21 @@ def test_to_a_broker_that_checks_digests_a_heartbeat_holds_a_count_and_a_digest_
     assert hb is not None and hb.inflight_task_ids == () and hb.held_count == 3
 
 
+def test_a_cancelled_task_whose_abort_is_under_way_is_not_reported_held() -> None:
+    # the broker ended its lease with the Cancel: reporting it would make every heartbeat disagree with the digest
+    s = make(capacity_limit=8)
+    s.engine_started(0.0, FACTS)
+    s.handle(1.0, welcome(dispatch_seq=0, features=(Feature.HELD_DIGEST, Feature.RECONCILE)))
+    s.handle(1.1, Task(task_id="p0@0", prompt=task(0, n=1).prompt, attempt=0, seq=1))
+    s.handle(1.1, Task(task_id="p1@0", prompt=task(1, n=1).prompt, attempt=0, seq=2))
+    s.handle(1.2, Cancel(task_ids=("p0@0",)))
+    assert "p0@0" in s.tasks  # still generating: its credits come back when the abort ends
+    hb = s.heartbeat(1.3)
+    assert hb is not None and (hb.held_count, hb.held_digest) == (1, held_digest(["p1@0"]))
+    full = s.heartbeat(1.3, full=True)
+    assert full is not None and full.inflight_task_ids == ("p1@0",)
+
+
 def test_to_a_broker_that_does_not_check_digests_every_heartbeat_holds_the_whole_list() -> None:
     s = started()  # its welcome lists no features
     s.handle(1.0, task(1))
