@@ -62,6 +62,22 @@ def _fmt_bytes(v: object) -> str:
     return f"{int(v)} B"
 
 
+def _weight_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
+    """WEIGHTS: how each worker's last weight version arrived, its bytes by lane since it started, its fallbacks (the
+    row in red when there were any) and refetched buckets; nothing before any worker fetched a version."""
+    weighted = {wid: f for wid, f in sorted(state.workers.items()) if f.get("weights_last_path")}
+    if not weighted:
+        return []
+    lines = [bold + "WEIGHTS" + reset]
+    for wid, f in weighted.items():
+        parts = [f"path {f['weights_last_path']}"]
+        parts += [f"{label} {_fmt_bytes(f.get('weights_' + name))}" for name, label in _WEIGHT_LANES if f.get("weights_" + name)]
+        parts += [f"{name} {_fmt(f.get('weights_' + name))}" for name in ("fallbacks", "refetched") if f.get("weights_" + name)]
+        row = _cut("  " + wid + "  " + "  ".join(parts), width)
+        lines.append(red + row + reset if f.get("weights_fallbacks") else row)
+    return [*lines, ""]
+
+
 _EPISODE_ORDER = (
     ("in_flight", "in flight"),
     ("finished", "done"),
@@ -163,17 +179,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
             lines.append(_cut("  " + wid + "  " + "  ".join(parts), width))
         lines.append("")
 
-    weighted = {wid: f for wid, f in sorted(state.workers.items()) if f.get("weights_last_path")}
-    if weighted:  # how each worker's last weight version arrived, and the bytes by lane since it started
-        lines.append(bold + "WEIGHTS" + reset)
-        for wid, f in weighted.items():
-            parts = [f"path {f['weights_last_path']}"]
-            parts += [f"{label} {_fmt_bytes(f.get('weights_' + name))}" for name, label in _WEIGHT_LANES if f.get("weights_" + name)]
-            parts += [f"{label} {_fmt(f.get('weights_' + name))}" for name, label in (("fallbacks", "fallbacks"), ("refetched", "refetched"))
-                      if f.get("weights_" + name)]
-            row = _cut("  " + wid + "  " + "  ".join(parts), width)
-            lines.append(red + row + reset if f.get("weights_fallbacks") else row)
-        lines.append("")
+    lines.extend(_weight_lines(state, width, bold, red, reset))
 
     hist = state.histograms.get("staleness")
     if hist is not None and hist.count:
