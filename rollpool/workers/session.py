@@ -38,6 +38,7 @@ Rules this class keeps (and tests/unit/workers/test_session.py checks):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -596,6 +597,19 @@ class WorkerSession:
             max_msg_bytes=self.config.max_msg_bytes,
             max_header_bytes=self.config.max_header_bytes,
         )
+
+    def fold_credits(self, eff: Effects) -> Effects:
+        """(Feature.RESULT_CREDITS) Credits sent together with one Result travel in it (`Result.credits`): one message
+        where there were two. For a task whose result is built as soon as its generation ends (no reward function
+        on the worker). Unchanged for a broker that does not list the feature."""
+        if Feature.RESULT_CREDITS not in self.broker_features:
+            return eff
+        results = [m for m in eff.send if isinstance(m, Result)]
+        credits = sum(m.credits for m in eff.send if isinstance(m, Credit))
+        if len(results) != 1 or not credits or any(not isinstance(m, (Credit, Result)) for m in eff.send):
+            return eff
+        eff.send = [dataclasses.replace(results[0], credits=results[0].credits + credits)]
+        return eff
 
     def _credit(self, seqs: int) -> list[Outgoing]:
         if self.stopping or self.restarting or not self.epoch:

@@ -300,14 +300,22 @@ class Worker:
                     log.error("engine failed on task %s: %s", task_id, exc, extra={"worker": self.worker_id})
                     await self.supervisor.fail(f"{type(exc).__name__}: {exc}")
                 return
-            await self._do(self.session.generation_finished(self._now(), task_id))
+            ended = self.session.generation_finished(self._now(), task_id)
+            if self._reward_fn is not None or not self.session.wants_result(task_id):
+                await self._do(ended)  # the credits now: scoring may take a while (or there is no result)
+                ended = Effects()
             if not self.session.wants_result(task_id):
                 self.session.output_discarded(sum(len(s.output_ids) for s in out.samples))  # reported as wasted (cancel)
                 return
-            trajectories = build_trajectories(task, out, self.worker_id)
+            try:
+                trajectories = build_trajectories(task, out, self.worker_id)
+            except BaseException:
+                await self._do(ended)  # the credits are not lost with the result
+                raise
             if self._reward_fn is not None:
                 trajectories = await score_trajectories(self._reward_fn, task, trajectories, self.config.reward_timeout_s)
-            await self._do(self.session.task_finished(self._now(), task_id, trajectories))
+            # without scoring here the result is ready at once: its credits travel in it (Feature.RESULT_CREDITS)
+            await self._do(self.session.fold_credits(ended.merge(self.session.task_finished(self._now(), task_id, trajectories))))
         finally:
             if self._runners.get(task_id) is asyncio.current_task():
                 del self._runners[task_id]

@@ -71,7 +71,9 @@ async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Po
     broker = await pool.start_broker()  # task_timeout_s stays at its default (600 s)
     proxy = await pool.proxy("broker:worker", broker.worker_endpoint)
     proxy.rules.append(FaultRule("task", "drop", "down") if lost == "task" else FaultRule("credit", "drop", "up"))
-    await pool.worker(proxy.endpoint, "w1", capacity=1)  # a one-worker pool, one sequence at a time
+    # a one-worker pool, one sequence at a time; a worker that scores, so its credits go ahead of its results as
+    # messages of their own (without scoring they travel inside the results: a lost Result is the test below)
+    await pool.worker(proxy.endpoint, "w1", capacity=1, reward="rollpool.demo.task:reward")
     assert await wait_until(lambda: "w1" in broker.state.workers, 10)
     client = await pool.client(broker.client_endpoint)
     await client.submit([[1, 2, 3], [4, 5, 6]], group_size=1)
@@ -95,6 +97,20 @@ async def test_a_lost_result_is_found_by_the_held_digest_and_reconciled(pool: Po
     counters = broker.state.counters
     assert counters["held_checks"] >= 1 and counters["held_mismatches"] >= 1 and counters["held_lists"] >= 1
     assert counters["leases_reconciled"] == 1
+
+
+async def test_a_worker_without_scoring_sends_its_credits_in_its_results(pool: Pool) -> None:
+    # issue 19: one message per finished task, not a Credit and a Result; a one-sequence worker only gets its next
+    # task when the broker read the credit inside the result
+    broker = await pool.start_broker()
+    proxy = await pool.proxy("broker:worker", broker.worker_endpoint)
+    await pool.worker(proxy.endpoint, "w1", capacity=1)
+    assert await wait_until(lambda: "w1" in broker.state.workers, 10)
+    client = await pool.client(broker.client_endpoint)
+    await client.submit([[1, 2, 3], [4, 5, 6], [7, 8, 9]], group_size=1)
+    batch = await client.get_batch(3, timeout=5)
+    assert len(batch.groups) == 3
+    assert proxy.total("forwarded", "up", "result") == 3 and proxy.total("forwarded", "up", "credit") == 0
 
 
 # ---------------------------------------------------------------------------------------------- break 3

@@ -446,6 +446,21 @@ def test_to_a_broker_that_checks_digests_a_heartbeat_holds_a_count_and_a_digest_
     assert hb is not None and hb.inflight_task_ids == () and hb.held_count == 3
 
 
+def test_credits_sent_with_a_result_travel_in_it_to_a_broker_that_reads_them() -> None:
+    s = make()
+    s.engine_started(0.0, FACTS)
+    s.handle(0.0, welcome(features=(Feature.RESULT_CREDITS,)))
+    s.handle(0.1, task(1))
+    eff = s.generation_finished(0.2, "p1@0").merge(s.task_finished(0.2, "p1@0", trajs(1)))
+    (msg,) = s.fold_credits(eff).send
+    assert isinstance(msg, Result) and msg.task_id == "p1@0" and msg.credits == 2
+    # a broker that does not read Result.credits gets the two messages
+    s2 = started()
+    s2.handle(0.1, task(1))
+    eff = s2.fold_credits(s2.generation_finished(0.2, "p1@0").merge(s2.task_finished(0.2, "p1@0", trajs(1))))
+    assert [type(m) for m in eff.send] == [Credit, Result] and of(eff, Result)[0].credits == 0  # type: ignore[attr-defined]
+
+
 def test_a_cancelled_task_whose_abort_is_under_way_is_not_reported_held() -> None:
     # the broker ended its lease with the Cancel: reporting it would make every heartbeat disagree with the digest
     s = make(capacity_limit=8)
