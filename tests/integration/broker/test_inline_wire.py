@@ -13,20 +13,10 @@ import zmq
 from rollpool import protocol as p
 from tests.integration.broker.conftest import Harness
 from tests.integration.broker.peers import make_group, make_prompt
+from tests.unit.protocol.samples import header_bins
 
 OLD = 11
 """The previous minor: its hellos do not carry `protocol_minor` and its headers say 11."""
-
-
-def bins(v: Any) -> int:
-    """How many msgpack bin values (inline arrays) a decoded header holds."""
-    if type(v) is bytes:
-        return 1
-    if type(v) is list:
-        return sum(bins(x) for x in v)
-    if type(v) is dict:
-        return sum(bins(x) for x in v.values())
-    return 0
 
 
 class RawPeer:
@@ -134,23 +124,23 @@ async def test_inline_arrays_flow_only_between_peers_that_settled_on_minor_12(st
                 await c.send(p.Submit(request_id=f"s{rnd}", prompts=tuple(make_prompt(n) for n in some)))
                 _f, reply = await c.recv(p.SubmitReply)
                 assert sorted(reply.accepted) == sorted(some)
-            assert len(new_c.sent[-1]) == 1 and bins(msgpack.unpackb(new_c.sent[-1][0])) == 2  # both prompts inline
-            assert len(old_c.sent[-1]) == 3 and bins(msgpack.unpackb(old_c.sent[-1][0])) == 0
+            assert len(new_c.sent[-1]) == 1 and header_bins(msgpack.unpackb(new_c.sent[-1][0])) == 2  # both prompts inline
+            assert len(old_c.sent[-1]) == 3 and header_bins(msgpack.unpackb(old_c.sent[-1][0])) == 0
             old_raw, new_raw = await asyncio.gather(old_w.serve_tasks(2), new_w.serve_tasks(2))
             for frames in old_raw:  # a minor-11 worker: the prompt in a frame
-                assert len(frames) == 2 and bins(msgpack.unpackb(frames[0])) == 0
+                assert len(frames) == 2 and header_bins(msgpack.unpackb(frames[0])) == 0
             for frames in new_raw:  # a minor-12 worker: in the header
-                assert len(frames) == 1 and bins(msgpack.unpackb(frames[0])) == 1
+                assert len(frames) == 1 and header_bins(msgpack.unpackb(frames[0])) == 1
             assert all(len(f) == 1 for f in new_w.sent[-2:]) and all(len(f) > 1 for f in old_w.sent[-2:])
             # whoever sent them and however they came, the minor-11 client gets frames, the minor-12 one the header
             raw, groups = await puller.pull_all(4)
             _check_groups(groups, names)
             for frames in raw:
-                header_bins = bins(msgpack.unpackb(frames[0]))
+                n_inline = header_bins(msgpack.unpackb(frames[0]))
                 if puller is old_c:
-                    assert header_bins == 0 and len(frames) > 1
+                    assert n_inline == 0 and len(frames) > 1
                 else:
-                    assert header_bins > 0 and len(frames) == 1
+                    assert n_inline > 0 and len(frames) == 1
         counters = h.broker.counters()
         assert counters["protocol_errors"] == 0
         assert counters["frames_in"] >= counters["messages_in"] and counters["frames_out"] >= 2 * counters["messages_out"]
@@ -170,10 +160,10 @@ async def test_a_broker_with_inlining_off_sends_frames_to_a_minor_12_peer(start_
         await c.send(p.Submit(request_id="s", prompts=(make_prompt("a"),)))
         await c.recv(p.SubmitReply)
         (frames,) = await w.serve_tasks(1)
-        assert len(frames) == 2 and bins(msgpack.unpackb(frames[0])) == 0
+        assert len(frames) == 2 and header_bins(msgpack.unpackb(frames[0])) == 0
         raw, groups = await c.pull_all(1)
         _check_groups(groups, ["a"])
-        assert all(bins(msgpack.unpackb(f[0])) == 0 for f in raw)
+        assert all(header_bins(msgpack.unpackb(f[0])) == 0 for f in raw)
     finally:
         w.close()
         c.close()
@@ -227,7 +217,7 @@ async def test_trajectories_received_inline_go_to_a_minor_12_client_as_they_came
         await old_w.serve_tasks(1)
         raw, groups = await new_c.pull_all(1)
         _check_groups(groups, ["framed"])
-        assert len(raw[0]) == 1 and bins(msgpack.unpackb(raw[0][0])) == 5
+        assert len(raw[0]) == 1 and header_bins(msgpack.unpackb(raw[0][0])) == 5
         assert h.broker.counters()["protocol_errors"] == 0
     finally:
         for peer in (w, old_w, new_c, old_c):

@@ -10,6 +10,17 @@ import numpy as np
 from rollpool import protocol as p
 
 
+def header_bins(v: Any) -> int:
+    """How many msgpack bin values (arrays or blobs inline, minor 12) a decoded header holds."""
+    if type(v) is bytes:
+        return 1
+    if type(v) is list:
+        return sum(header_bins(x) for x in v)
+    if type(v) is dict:
+        return sum(header_bins(x) for x in v.values())
+    return 0
+
+
 def samples() -> dict[str, Any]:
     ids = np.array([1, 2, 3, 50_000], dtype=np.int32)
     traj = p.Trajectory(

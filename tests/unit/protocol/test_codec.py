@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rollpool import protocol as p
 from rollpool.protocol import Limits, ProtocolError, decode, encode, message_types
 
-from .samples import inline_samples, samples
+from .samples import header_bins, inline_samples, samples
 from .strategies import any_message, record_strategy
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "fixtures" / "golden_wire.json"
@@ -91,17 +91,6 @@ def test_shared_prompt_array_travels_once() -> None:
 # --------------------------------------------------------------------------- minor 12: arrays inline in the header
 
 
-def _bins(v: Any) -> int:
-    """How many msgpack bin values (bytes) a decoded header holds."""
-    if type(v) is bytes:
-        return 1
-    if type(v) is list:
-        return sum(_bins(x) for x in v)
-    if type(v) is dict:
-        return sum(_bins(x) for x in v.values())
-    return 0
-
-
 @pytest.mark.parametrize("type_name", sorted(message_types()))
 def test_every_message_type_round_trips_inline(type_name: str) -> None:
     cls = message_types()[type_name]
@@ -147,7 +136,7 @@ def test_an_array_referenced_twice_travels_once_in_a_frame_and_one_referenced_on
     assert len(frames) == 2 and bytes(memoryview(frames[1])) == shared.tobytes()  # the prompt, once
     fields = msgpack.unpackb(frames[0])[3]
     assert [t["input_ids"] for t in fields["trajectories"]] == [1, 1, 1, 1]  # the first reference too
-    assert _bins(fields) == 4 * 4  # each trajectory's own arrays inline
+    assert header_bins(fields) == 4 * 4  # each trajectory's own arrays inline
     out = decode([bytes(memoryview(f)) for f in frames])
     assert out.trajectories[0].input_ids is out.trajectories[3].input_ids  # shared on decode, as before
     # a blob referenced twice: the same
