@@ -50,6 +50,7 @@ __all__ = [
     "shm_free_bytes",
     "sweep_stale_segments",
     "segment_prefix",
+    "wait_released",
 ]
 
 log = logging.getLogger(__name__)
@@ -353,6 +354,40 @@ def _cuda_register(t: torch.Tensor, flags: int = 0) -> bool:
     return int(rc) == 0 if not hasattr(rc, "value") else int(rc.value) == 0
 
 
+_releaser_pool: Any = None
+_releaser_lock = threading.Lock()
+
+
+def _releaser() -> Any:
+    """The one thread that releases dropped buffers (`BufferPool.drop(background=True)`), made on first use."""
+    global _releaser_pool
+    with _releaser_lock:
+        if _releaser_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _releaser_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-weight-release")
+        return _releaser_pool
+
+
+def _release(segs: list[ShmBuffer], bufs: list[torch.Tensor]) -> None:
+    """Unlink and unregister `segs`, then let the last references to `bufs` go (the unmapping happens here)."""
+    for seg in segs:
+        try:
+            seg.close()
+        except Exception:  # a release that fails leaves the reaper and the sweep to unlink it
+            log.warning("releasing weight segment %s failed", seg.name, exc_info=True)
+    segs.clear()
+    bufs.clear()
+
+
+def wait_released() -> None:
+    """Block until every buffer dropped in the background so far is released (tests, shutdown)."""
+    with _releaser_lock:
+        pool = _releaser_pool
+    if pool is not None:
+        pool.submit(lambda: None).result()
+
+
 def _cuda_unregister(t: torch.Tensor) -> None:
     with contextlib.suppress(Exception):
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
@@ -472,10 +507,25 @@ class BufferPool:
         return buf
 
     def _drop(self, buf: torch.Tensor) -> None:
-        seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
-        # asked before the close: a segment's bytes are no longer page-locked once it is unregistered
-        pinned = seg.pinned if seg is not None else buf.is_pinned()
-        if seg is not None:
-            seg.close()
-        if pinned:
-            self.pinned_bytes -= int(buf.numel())
+        self.drop([buf], background=False)
+
+    def drop(self, bufs: list[torch.Tensor], *, background: bool = True) -> None:
+        """Forget these buffers of this pool (the list is emptied: the caller keeps no reference): each segment is
+        unlinked and unregistered and the memory freed with its last view. With `background` that release runs in
+        one releasing thread: unregistering gigabytes of page-locked memory and unmapping them takes a fraction of
+        a second per 14 GB (0.41 s on the H200's host), which a trainer's `publish` need not wait for."""
+        segs: list[ShmBuffer] = []
+        for buf in bufs:
+            seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
+            # asked before the close: a segment's bytes are no longer page-locked once it is unregistered
+            pinned = seg.pinned if seg is not None else buf.is_pinned()
+            if seg is not None:
+                segs.append(seg)
+            if pinned:
+                self.pinned_bytes -= int(buf.numel())
+        held = list(bufs)
+        bufs.clear()
+        if background and (segs or held):
+            _releaser().submit(_release, segs, held)
+        else:
+            _release(segs, held)

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,35 @@ async def test_after_shm_versions_set_path_network_reuses_no_segment(make_publis
         assert not any(b.shm_segment for b in m.buckets), f"version {v} offered a segment on the network path"
     sub = make_subscriber(pub.router_endpoint, path="auto")
     assert same((await sub.fetch(5)).tensors, model(5)) and sub.last_path == "network"
+
+
+async def test_segments_freed_by_a_publish_are_released_off_the_callers_thread(make_publisher: Any, make_subscriber: Any,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a switch to the network path the spare segments are freed by the next publishes: unregistering and
+    unmapping a 14 GB version took 0.41 s of a trainer's `publish` on the H200 (the tcp row's second version). The
+    release runs in a releasing thread, and nothing is leaked."""
+    closed_on: list[str] = []
+    real_close = memory.ShmBuffer.close
+
+    def close(self: Any) -> None:
+        closed_on.append(threading.current_thread().name)
+        real_close(self)
+
+    monkeypatch.setattr(memory.ShmBuffer, "close", close)
+    pub = await make_publisher(pool="trel", publisher_id="pubrel", keep_versions=1)
+    names: set[str] = set()
+    for v in (1, 2, 3):
+        m = await pub.publish(model(v), v, wait_ready=True)
+        names |= {b.shm_segment for b in m.buckets}
+    pub.set_path("network")
+    for v in (4, 5, 6):
+        await pub.publish(model(v), v, wait_ready=True)
+    memory.wait_released()
+    assert closed_on, "no segment was freed"
+    assert all(name.startswith("rollpool-weight-release") for name in closed_on), closed_on
+    assert not [n for n in names if segment_exists(n)], sorted(names)
+    sub = make_subscriber(pub.router_endpoint, path="auto")
+    assert same((await sub.fetch(6)).tensors, model(6)) and sub.last_path == "network"
 
 
 async def test_the_cpu_shm_path_keeps_both_version_sets_mapped(make_publisher: Any, make_subscriber: Any) -> None:
