@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -189,6 +190,24 @@ async def test_a_dead_child_fails_running_and_later_calls_at_once(owned: SGLangE
         await asyncio.wait_for(task, 10)
     with pytest.raises(EngineError, match="not running"):
         await owned.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=2), "after")
+
+
+async def test_the_warm_up_update_loads_back_the_values_sglang_holds(owned: SGLangEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's warm-up (run at start on CUDA, so the first version does not pay SGLang's first update) writes
+    the smallest 1-D parameter back with the values SGLang answers: an update happens and no weight changes."""
+    torch = pytest.importorskip("torch")
+    ones = sorted((shape[0], name) for name, (_d, shape) in owned._params.items() if len(shape) == 1)
+    n, name = ones[0]
+    want = torch.randn(n).to(torch.bfloat16)
+    await owned.pause("drain")
+    await owned.update_weights({name: want}, 3)  # the sim child answers only for weights it was sent
+    await owned.resume()
+    with caplog.at_level(logging.INFO, logger="rollpool.workers.engines.sglang.engine"):
+        await owned._warm_update()
+    assert any(f"warm-up update of {name} ({n} values, the same ones) done" in r.getMessage() for r in caplog.records), caplog.text
+    got = await owned._post("/get_weights_by_name", {"name": name, "truncate_size": n})
+    assert torch.equal(torch.tensor(got, dtype=torch.float32).to(torch.bfloat16), want)
+    assert owned.version == 3
 
 
 def test_the_sglang_engine_declares_staging() -> None:

@@ -22,7 +22,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CPU_PAYLOAD_MAGIC", "cuda_available", "init_cuda", "leading", "load_cpu_payload", "nbytes", "on_device", "serialize_update", "BucketStager"]
+__all__ = ["CPU_PAYLOAD_MAGIC", "cuda_available", "init_cuda", "leading", "load_cpu_payload", "nbytes", "on_device", "serialize_update",
+           "values_tensor", "BucketStager"]
 
 CPU_PAYLOAD_MAGIC = b"TORCHSAVE"
 
@@ -50,6 +51,14 @@ def leading(t: Any) -> list[float]:
     """The first row of a 2-D tensor, the first element of a 1-D one (as floats)."""
     head = t[0:1] if t.dim() == 1 else t[0]
     return [float(x) for x in head.float().cpu().tolist()]
+
+
+def values_tensor(values: list[Any]) -> Any:
+    """A 1-D float32 CPU tensor from the floats ``get_weights_by_name`` answers: those are a parameter's own values
+    widened to float32, so loading it back (SGLang's loaders cast into the parameter's dtype) changes nothing."""
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def on_device(named: Mapping[str, Any], device: str) -> bool:
