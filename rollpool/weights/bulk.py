@@ -33,7 +33,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -306,7 +306,7 @@ def fetch_bucket_range(
     port: int,
     peer: bytes,
     version: int,
-    jobs: Sequence[tuple[int, list[tuple[int, int]]]],
+    jobs: Iterable[tuple[int, list[tuple[int, int]]]],
     views: Sequence[memoryview],
     *,
     timeout_s: float,
