@@ -33,6 +33,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -202,11 +203,12 @@ class BulkServer:
 
     def _answer(self, conn: socket.socket, peer: bytes, version: int, bucket: int, offset: int, nbytes: int) -> None:
         found = self._on_loop(self._lookup, version, bucket, offset, nbytes)
+        began = time.monotonic()
         waited = 0.0
         while found is None and waited < self.wait_s and not self._closed:  # the bytes have not arrived yet
             with self._arrived:
-                self._arrived.wait(0.5)
-            waited += 0.5
+                self._arrived.wait(min(0.5, self.wait_s - waited))
+            waited = time.monotonic() - began  # by the clock: every arrival of other bytes wakes this thread
             found = self._on_loop(self._lookup, version, bucket, offset, nbytes)
         if found is None:
             self._reply(conn, BUSY, f"bucket {bucket} of version {version}: the bytes did not arrive within {self.wait_s} s")

@@ -101,6 +101,42 @@ async def test_streams_take_buckets_in_order_the_last_ones_cut_and_a_cut_bucket_
     assert pub._server.bulk.connections == 3
 
 
+class _NotArrived:
+    """A bucket source whose bytes have not arrived yet (a streamed or relayed version) until `arrive()`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.arrived = inner, False
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        return self.inner.read(offset, nbytes) if self.arrived else None
+
+
+async def test_a_request_waits_for_its_bytes_by_the_clock_not_by_how_often_other_bytes_arrive(make_publisher: Any, make_subscriber: Any) -> None:
+    """A lane request for bytes not yet there waits up to `wait_s`. Each arrival of other bytes wakes it (a relay
+    wakes it at every chunk it receives); the wait was counted as 0.5 s per wake-up, so 60 arrivals within a
+    second answered ``busy`` and sent the version over the ROUTER (a counted fallback) though the bytes came."""
+    pub = await make_publisher(**TCP)
+    w = model(6)
+    manifest = await pub.publish(w, 1)
+    lane = pub._server.bulk
+    lane.wait_s = 3.0
+    served = pub._server.versions[1]
+    held = _NotArrived(served.sources[-1])
+    served.sources[-1] = held
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
+    fetch = asyncio.create_task(sub.fetch(1))
+    await asyncio.sleep(0.3)  # the last bucket's request is waiting on the lane now
+    for _ in range(12):  # other bytes arrive: 12 wake-ups, 6 s by the old count, in about 0.25 s
+        lane.notify()
+        await asyncio.sleep(0.02)
+    held.arrived = True
+    pub._server.notify_arrived(1)
+    got = await asyncio.wait_for(fetch, 10)
+    assert_same(got.tensors, w)
+    assert not sub.fallbacks, sub.fallbacks
+    assert sub.bulk_bytes == sum(b.nbytes for b in manifest.buckets)
+
+
 async def test_a_bucket_corrupted_every_time_fails_the_version_with_a_clear_error(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher(**TCP)
     await pub.publish(model(5), 1)
