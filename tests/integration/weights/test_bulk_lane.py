@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from typing import Any
 
 import pytest
@@ -261,3 +262,23 @@ async def test_a_relay_takes_the_lane_upstream_and_offers_its_own_downstream(mak
     assert_same(got.tensors, w)
     assert relay.upstream.bulk_bytes == got.total_bytes and sub.bulk_bytes == got.total_bytes
     assert pub._server.bulk_bytes_served == got.total_bytes  # one upstream fetch
+
+
+async def test_a_relay_forwards_a_version_on_its_lane_while_the_version_still_arrives(make_publisher: Any, make_subscriber: Any,
+                                                                                      make_relay: Any) -> None:
+    """A subscriber of a relay asks the relay's lane for chunks the relay is still receiving: its requests wait
+    and are answered as the bytes arrive (each arrival wakes every waiting request), all over the lane."""
+    pub = await make_publisher(bucket_bytes=4 << 20, **TCP)
+    w = model(3, n=40)  # one bucket of ~2.6 MiB: about 40 chunks of 64 KiB, so about 40 arrivals upstream
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, window_chunks=1, **TCP)
+    relay._server.bulk.wait_s = 4.0
+    sub = make_subscriber(relay.router_endpoint, relay.pub_endpoint, window_chunks=8, streams=2)
+    await pub.publish(w, 1)
+    wrap_sources(pub, 1, on_read=lambda n: time.sleep(0.01))  # each upstream chunk 10 ms: the version takes ~0.4 s
+    await sub.wait_for_newer(0, timeout_s=5)  # the relay announces as soon as it starts receiving
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    assert not sub.fallbacks, sub.fallbacks
+    assert sub.bulk_bytes == got.total_bytes and relay.upstream.bulk_bytes == got.total_bytes
+    assert relay._server.parked_served > 0  # chunks waited on the relay's lane for their bytes
+
