@@ -237,19 +237,13 @@ class DeviceSlabs:
         self._lock = threading.Lock()
 
     def take_at_least(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
-        free = self.take_free(nbytes, device)
-        if free is not None:
-            return free
-        self.allocations += 1
-        return torch.empty(max(nbytes, ARENA_ALIGN), dtype=torch.uint8, device=device)
-
-    def take_free(self, nbytes: int, device: torch.device | str) -> torch.Tensor | None:
-        """The smallest free slab of at least `nbytes` on `device`, or None (nothing is allocated)."""
         with self._lock:
             fits = [i for i, t in enumerate(self._free) if t.numel() >= nbytes and t.device == torch.device(device)]
-            if not fits:
-                return None
-            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            if fits:
+                best = min(fits, key=lambda i: self._free[i].numel())
+                return self._free.pop(best)
+        self.allocations += 1
+        return torch.empty(max(nbytes, ARENA_ALIGN), dtype=torch.uint8, device=device)
 
     def give(self, slab: torch.Tensor) -> None:
         with self._lock:

@@ -232,8 +232,6 @@ class WeightSubscriber:
         self._ahead: tuple[tuple[str, int], ...] = ()
         """The publisher's segments last named (`Manifest.shm_reserved`) and handed to the registering thread."""
         self._ahead_thread: threading.Thread | None = None
-        self._warm_done = threading.Event()
-        self._warm_done.set()
         self._shm_generation = 0
         self.segments_registered_ahead = 0
         """Segments mapped (and page-locked, on a device that registers) by the registering thread before a version used them."""
@@ -853,8 +851,6 @@ class WeightSubscriber:
             raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
         sizes = [b.nbytes for b in manifest.buckets]
         offsets, total = arena_offsets(sizes)
-        if not self._warm_done.is_set():  # the warm-up holds the reserved slab for a moment: take it, not a second one
-            await asyncio.to_thread(self._warm_done.wait, _WARM_WAIT_S)
         slab = ops.alloc(total)
         buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
         done: set[int] = set()
@@ -1004,40 +1000,25 @@ class WeightSubscriber:
                                                               "at": time.time()}))
 
     def _warm_staging(self, names: list[str]) -> None:
-        """Registering thread: every byte of every named segment copied once to the device and checksummed there, into
-        a free reserved slab (the one the first version takes) or else a scratch buffer of the largest segment, so the
-        first version does not pay the first copies out of freshly registered memory and into the slab. Session 6
-        warmed 64 KiB per segment and one 64 MiB slice: version 1 of the shm row still took 0.42 s to fetch against
-        0.32 s warm (H200, 2026-12-05). About 0.3 s of copy engine per 14.5 GB, once. A fetch meanwhile waits for it
-        (`_warm_done`) rather than allocate a second slab. Best effort: a failure is logged at debug level."""
-        self._warm_done.clear()
-        slab = None
-        ops = None
+        """Registering thread: one staged copy and checksum from every named segment (64 KiB each, and one full mix64
+        slice) into a scratch buffer, so the first version does not pay the staging's first kernels, index tensors and
+        first copies out of each freshly registered segment (version 1 of the shm row took 0.45 s to fetch against 0.33
+        s warm, 2026-12-04). Best effort: a failure is logged at debug level and the fetch pays it instead."""
         try:
             ops = self._staging()
             with self._readers_lock:
                 readers = [r for r in (self._readers.get(n) for n in names) if r is not None and r.nbytes]
             if not readers:
                 return
-            big = max(r.nbytes for r in readers)
-            take_free = getattr(ops, "take_free", None)
-            slab = take_free(big) if take_free is not None else None
-            dst = slab if slab is not None else ops.scratch(big)
-            handles = []
-            at = 0
-            for r in readers:
-                if at + r.nbytes > dst.numel():
-                    at = 0
-                handles.append(ops.stage(r.host_tensor(), dst[at : at + r.nbytes]))
-                at += r.nbytes
+            big = max(readers, key=lambda r: r.nbytes)
+            scratch = ops.scratch(min(big.nbytes, _WARM_SLICE_BYTES))  # not a version's slab: a fetch may run meanwhile
+            handles = [ops.stage(r.host_tensor()[: min(r.nbytes, _WARM_PIECE_BYTES)], scratch[: min(r.nbytes, _WARM_PIECE_BYTES)])
+                       for r in readers]
+            handles.append(ops.stage(big.host_tensor()[: scratch.numel()], scratch))
             for h in handles:
                 ops.digest(h)
         except Exception:
             log.debug("warming the shm staging path up failed", exc_info=True)
-        finally:
-            if slab is not None and ops is not None:
-                ops.give(slab)
-            self._warm_done.set()
 
     def _register(self, r: ShmReader) -> None:
         """Page-lock a mapped segment for the staging device, once per mapping (it is kept across versions)."""
@@ -1123,8 +1104,8 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
     return bad
 
 
-_WARM_WAIT_S = 10.0
-"""How long a fetch waits for the staging warm-up (`_warm_staging`, about 0.3 s per 14.5 GB) before it goes on."""
+_WARM_PIECE_BYTES = 64 * 1024
+_WARM_SLICE_BYTES = 64 * 1024 * 1024
 """`_warm_staging`: what is copied from each segment, and the largest copy (one full mix64 slice)."""
 _MIX64_POLL_S = 0.002
 """How often the manifest is asked for again while some buckets' GPU checksums are pending."""
@@ -1147,10 +1128,6 @@ class CudaStaging:
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return self.slabs.take_at_least(nbytes, self.device)
-
-    def take_free(self, nbytes: int) -> torch.Tensor | None:
-        """A free slab of at least `nbytes` (a reserved one), never a new one."""
-        return self.slabs.take_free(nbytes, self.device)
 
     def give(self, slab: torch.Tensor) -> None:
         self.slabs.give(slab)
