@@ -48,7 +48,9 @@ def test_a_short_tool_demo_learns_to_call_and_masks_the_tool_s_tokens(tmp_path: 
             assert e["output"][0] == "<call>" and e["output"][2:5] == ["</s>", "<obs>", e["metadata"]["secret"]]
             assert e["loss_mask"] == [1, 1, 0, 0, 0, 1]
             assert e["metadata"]["correct"] == (e["output"][5] == e["metadata"]["secret"])
-        else:  # no call: the tool never ran, nothing was inserted
-            assert "<obs>" not in e["output"] and set(e["loss_mask"]) == {1}
+        else:  # no call: the tool never ran, nothing was inserted (every token is the model's own; the model itself
+            # may sample the token <obs>, as a CI run saw once: ['<obs>', '<call>'], so its absence proves nothing)
+            pairs = list(zip(e["output"], e["output"][1:], strict=False))
+            assert ("</s>", "<obs>") not in pairs and set(e["loss_mask"]) == {1}
         assert e["reward"] == (1.0 if e["metadata"]["correct"] else 0.3 if e["metadata"]["called"] else 0.0)
     assert _procs_with(pool) == []
