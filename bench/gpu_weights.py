@@ -343,6 +343,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, 9)
 
 
+def _started(fetched: dict[str, Any], t_pub: float) -> float | None:
+    """When the worker's staged fetch began, seconds after the publish (its ``weights fetched`` line's timeline)."""
+    tl = fetched.get("timeline")
+    if not tl or "at" not in fetched:
+        return None
+    return round(fetched["at"] - tl["total_ms"] / 1000 - t_pub, 4)
+
+
 def _json_lines(log_path: Path, marker: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for line in log_path.read_text(errors="replace").splitlines():
@@ -527,6 +535,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "staged_to": f.get("staged_to"), "host_mix64_at_return": mixed_at_return,
                     "buckets": len(manifest.buckets) if manifest is not None else None,
                     "publish_phases": dict(pub.last_phases),
+                    "fetch_timeline": f.get("timeline"), "fetch_started_after_publish_s": _started(f, t_pub),
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx

@@ -845,13 +845,16 @@ class WeightSubscriber:
         checksums, or a segment that cannot be mapped is a `_ShmFallback` (the CPU paths serve the version)."""
         ops = self._staging()
         loop = asyncio.get_running_loop()
+        timeline = _Timeline(loop.time(), len(manifest.buckets))
         try:
             readers = await asyncio.to_thread(lambda: [self._reader(b.shm_segment, b.nbytes, True) for b in manifest.buckets])
         except ShmUnavailableError as exc:
             raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
+        timeline.mark("mapped", loop.time())
         sizes = [b.nbytes for b in manifest.buckets]
         offsets, total = arena_offsets(sizes)
         slab = ops.alloc(total)
+        timeline.mark("slab", loop.time())
         buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
         done: set[int] = set()
         verifying: dict[int, asyncio.Future[str]] = {}
@@ -863,15 +866,20 @@ class WeightSubscriber:
             while len(done) < len(sizes):
                 ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done and i not in verifying]
                 if ready:
+                    timeline.seen(ready, loop.time())
                     queued = await asyncio.to_thread(_stage_queue, ops, readers, manifest.version, ready, buffers)
+                    timeline.queued(ready, loop.time())
                     for i, state, handle in queued:
                         verifying[i] = loop.run_in_executor(self._verifier(), _stage_outcome, ops, readers[i], state, handle,
                                                             manifest.buckets[i].host_mix64)
                 for i in sorted(i for i, f in verifying.items() if f.done()):
+                    timeline.verified(i, loop.time())
                     if self._staged_bucket(manifest, i, verifying.pop(i).result(), buffers[i], failures, on_bucket):
                         done.add(i)
+                    timeline.handed_s += loop.time() - timeline.t0 - timeline.verified_ms[i] / 1000
                 if len(done) < len(sizes):
                     manifest = await self._next_mix64(manifest, done, verifying, deadline)
+                    timeline.polls += 1
         except BaseException:
             if verifying:  # copies still queued into the slab: it goes back once they are done
                 asyncio.gather(*verifying.values(), return_exceptions=True).add_done_callback(lambda _f: ops.give(slab))
@@ -888,7 +896,8 @@ class WeightSubscriber:
                                                    "segments_mapped": len(self._readers), "segment_maps": self.segment_maps,
                                                    "segments_registered": sum(1 for r in list(self._readers.values()) if r.registered),
                                                    "segments_registered_ahead": self.segments_registered_ahead,
-                                                   "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
+                                                   "fallbacks": sum(self.fallbacks.values()), "at": time.time(),
+                                                   "timeline": timeline.as_dict(loop.time())}))
         self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
                                                "staged_to": str(self.stage_device)})
         tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
@@ -1102,6 +1111,42 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
                 bad.append(i)
     stream.synchronize()
     return bad
+
+
+class _Timeline:
+    """When each bucket of a staged fetch was seen with its GPU checksum, queued and verified (ms from the start of
+    `_fetch_shm_device`), for the ``weights fetched`` log line: where a slow version spent its time."""
+
+    def __init__(self, t0: float, buckets: int) -> None:
+        self.t0 = t0
+        self.marks: dict[str, float] = {}
+        self.seen_ms = [-1.0] * buckets
+        self.queued_ms = [-1.0] * buckets
+        self.verified_ms = [-1.0] * buckets
+        self.polls = 0
+        self.handed_s = 0.0
+        """Time spent in ``on_bucket`` (the engine's staging of each verified bucket), on the loop."""
+
+    def _ms(self, t: float) -> float:
+        return round((t - self.t0) * 1000, 1)
+
+    def mark(self, what: str, t: float) -> None:
+        self.marks[what] = self._ms(t)
+
+    def seen(self, which: list[int], t: float) -> None:
+        for i in which:
+            self.seen_ms[i] = self._ms(t)
+
+    def queued(self, which: list[int], t: float) -> None:
+        for i in which:
+            self.queued_ms[i] = self._ms(t)
+
+    def verified(self, i: int, t: float) -> None:
+        self.verified_ms[i] = self._ms(t)
+
+    def as_dict(self, t_end: float) -> dict[str, Any]:
+        return {"total_ms": self._ms(t_end), "polls": self.polls, "on_bucket_ms": round(self.handed_s * 1000, 1), **{f"{k}_ms": v for k, v in self.marks.items()},
+                "seen_ms": self.seen_ms, "queued_ms": self.queued_ms, "verified_ms": self.verified_ms}
 
 
 _WARM_PIECE_BYTES = 64 * 1024
