@@ -351,6 +351,31 @@ def _started(fetched: dict[str, Any], t_pub: float) -> float | None:
     return round(fetched["at"] - tl["total_ms"] / 1000 - t_pub, 4)
 
 
+class LoopLag:
+    """The bench process's event loop (the publisher serves the worker's requests from it): each stall over 5 ms since
+    `begin` (ms after it, and how long), so a slow version can be told from a publisher that did not answer."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.lags: list[tuple[float, float]] = []
+        self.task: asyncio.Task[None] | None = None
+
+    def begin(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.t0, self.lags = loop.time(), []
+        if self.task is None:
+            self.task = loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            late = loop.time() - t - 0.001
+            if late > 0.005:
+                self.lags.append((round((t - self.t0) * 1000, 1), round(late * 1000, 1)))
+
+
 def _json_lines(log_path: Path, marker: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for line in log_path.read_text(errors="replace").splitlines():
@@ -438,6 +463,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
     worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
                      "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
     zctx = zmq.asyncio.Context(io_threads=args.streams)
+    lag = LoopLag()
     sd_cuda = load_on(model, "cuda")
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{_port()}", pub_endpoint=f"tcp://127.0.0.1:{_port()}",
                           keep_versions=2, bucket_bytes=args.bucket_mib * _MiB, chunk_bytes=args.chunk_mib * _MiB, path="auto", pool="bench")
@@ -504,6 +530,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 served0 = pub.bytes_served
                 if on == "cuda":
                     torch.cuda.synchronize()
+                lag.begin()
                 t_pub = time.time()
                 await client.publish_weights(sd, v)
                 t_ret = time.time()
@@ -536,6 +563,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "buckets": len(manifest.buckets) if manifest is not None else None,
                     "publish_phases": dict(pub.last_phases),
                     "fetch_timeline": f.get("timeline"), "fetch_started_after_publish_s": _started(f, t_pub),
+                    "trainer_loop_lags_ms": lag.lags[:40],
                 }
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx

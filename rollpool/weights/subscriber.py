@@ -870,16 +870,17 @@ class WeightSubscriber:
                     queued = await asyncio.to_thread(_stage_queue, ops, readers, manifest.version, ready, buffers)
                     timeline.queued(ready, loop.time())
                     for i, state, handle in queued:
-                        verifying[i] = loop.run_in_executor(self._verifier(), _stage_outcome, ops, readers[i], state, handle,
-                                                            manifest.buckets[i].host_mix64)
+                        verifying[i] = loop.run_in_executor(self._verifier(), timeline.digested, i, _stage_outcome, ops, readers[i],
+                                                            state, handle, manifest.buckets[i].host_mix64)
                 for i in sorted(i for i, f in verifying.items() if f.done()):
                     timeline.verified(i, loop.time())
                     if self._staged_bucket(manifest, i, verifying.pop(i).result(), buffers[i], failures, on_bucket):
                         done.add(i)
                     timeline.handed_s += loop.time() - timeline.t0 - timeline.verified_ms[i] / 1000
                 if len(done) < len(sizes):
+                    t_poll = loop.time()
                     manifest = await self._next_mix64(manifest, done, verifying, deadline)
-                    timeline.polls += 1
+                    timeline.waited(t_poll, loop.time())
         except BaseException:
             if verifying:  # copies still queued into the slab: it goes back once they are done
                 asyncio.gather(*verifying.values(), return_exceptions=True).add_done_callback(lambda _f: ops.give(slab))
@@ -1123,7 +1124,9 @@ class _Timeline:
         self.seen_ms = [-1.0] * buckets
         self.queued_ms = [-1.0] * buckets
         self.verified_ms = [-1.0] * buckets
-        self.polls = 0
+        self.digest_ms = [-1.0] * buckets
+        self.waits_ms: list[tuple[float, float]] = []
+        """Each `_next_mix64` (a verdict awaited, or a manifest poll): when it began and how long it took."""
         self.handed_s = 0.0
         """Time spent in ``on_bucket`` (the engine's staging of each verified bucket), on the loop."""
 
@@ -1141,12 +1144,23 @@ class _Timeline:
         for i in which:
             self.queued_ms[i] = self._ms(t)
 
+    def digested(self, i: int, fn: Callable[..., str], *args: Any) -> str:
+        """Verifying thread: `fn(*args)` (`_stage_outcome`), noting when its digest came back."""
+        try:
+            return fn(*args)
+        finally:
+            self.digest_ms[i] = self._ms(time.monotonic())
+
+    def waited(self, t0: float, t1: float) -> None:
+        self.waits_ms.append((self._ms(t0), round((t1 - t0) * 1000, 1)))
+
     def verified(self, i: int, t: float) -> None:
         self.verified_ms[i] = self._ms(t)
 
     def as_dict(self, t_end: float) -> dict[str, Any]:
-        return {"total_ms": self._ms(t_end), "polls": self.polls, "on_bucket_ms": round(self.handed_s * 1000, 1), **{f"{k}_ms": v for k, v in self.marks.items()},
-                "seen_ms": self.seen_ms, "queued_ms": self.queued_ms, "verified_ms": self.verified_ms}
+        return {"total_ms": self._ms(t_end), "waits": len(self.waits_ms), "on_bucket_ms": round(self.handed_s * 1000, 1),
+                **{f"{k}_ms": v for k, v in self.marks.items()}, "seen_ms": self.seen_ms, "queued_ms": self.queued_ms,
+                "digest_ms": self.digest_ms, "verified_ms": self.verified_ms, "waits_ms": self.waits_ms}
 
 
 _WARM_PIECE_BYTES = 64 * 1024
