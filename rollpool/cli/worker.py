@@ -19,7 +19,7 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.episodes.runner import load_episode_functions
-from rollpool.workers.worker import Worker
+from rollpool.workers.worker import Worker, freeze_start_up_heap
 
 __all__ = ["HELP", "add_arguments", "run", "run_workers"]
 
@@ -54,8 +54,19 @@ class _Workers:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            for w in self.workers:
-                tg.create_task(w.run(), name=f"worker-{w.worker_id}")
+            runs = [tg.create_task(w.run(), name=f"worker-{w.worker_id}") for w in self.workers]
+            tg.create_task(self._freeze_when_started(runs), name="freeze-gc")
+
+    async def _freeze_when_started(self, runs: list[asyncio.Task[None]]) -> None:
+        """This process runs workers and nothing else: once every engine is up, its start-up heap leaves the collector
+        (not when a worker ended before its engine came up)."""
+        for w, run in zip(self.workers, runs, strict=True):
+            started = asyncio.ensure_future(w.started.wait())
+            await asyncio.wait([started, run], return_when=asyncio.FIRST_COMPLETED)
+            if not started.done():
+                started.cancel()
+                return
+        freeze_start_up_heap()
 
 
 async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:

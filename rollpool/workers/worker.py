@@ -57,13 +57,31 @@ from rollpool.workers.session import Effects, EngineFacts, SessionConfig, Worker
 from rollpool.workers.trajectories import build_trajectories, score_trajectories
 from rollpool.workers.weight_sync import SubscriberFactory, WeightSync
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "freeze_start_up_heap"]
 
 log = logging.getLogger(__name__)
 
 
 def _facts(info: EngineInfo) -> EngineFacts:
     return EngineFacts(info.name, info.capacity, tuple(info.apply_modes), info.fingerprint, info.weight_version, info.as_dict())
+
+
+def freeze_start_up_heap() -> int:
+    """For a process that runs workers and nothing else (`rollpool worker`), once their engines are up: everything
+    alive then (torch, the tokenizer, the engine's client: on an SGLang worker about a million objects) is collected
+    once and frozen out of the collector, so a later full collection walks only what was made since. Without it, a
+    full collection of that heap (118 ms on the H200 worker) came due around the first weight version and held the
+    event loop and every thread that needs the GIL: version 1 of the shared-memory path took 0.43 s against 0.32 s
+    warm (2026-12-05). Returns the objects frozen. Not for a worker embedded in another program (its collector is its
+    own)."""
+    import gc
+
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("froze %d start-up objects out of the garbage collector in %.3f s", frozen, time.perf_counter() - t0)
+    return frozen
 
 
 class Worker:
@@ -126,6 +144,9 @@ class Worker:
         self._loops: list[asyncio.Task[None]] = []
         self._tg: asyncio.TaskGroup | None = None
         self._stop_requested = asyncio.Event()
+        self.started = asyncio.Event()
+        """Set once the engine is up and the worker begins serving (`rollpool worker` then freezes its start-up heap:
+        `freeze_start_up_heap`)."""
         self._poll_wake = asyncio.Event()
         self._poll_deadline = math.inf
         self._bad_msgs = RateLimitedLog(log)
@@ -175,6 +196,7 @@ class Worker:
             self.weights.engine_started()
             await self._start_episodes()
             self.link.connect()
+            self.started.set()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._loops = [
