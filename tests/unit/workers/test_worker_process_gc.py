@@ -10,6 +10,8 @@ import socket
 import pytest
 import zmq.asyncio
 
+pytest.importorskip("torch")  # a worker imports its weight subscriber (torch) before its engine starts
+
 from rollpool.cli.worker import _Workers
 from rollpool.protocol.metrics import NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
