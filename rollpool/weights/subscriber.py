@@ -1149,7 +1149,7 @@ class _Timeline:
         try:
             return fn(*args)
         finally:
-            self.digest_ms[i] = self._ms(time.monotonic())
+            self.digest_ms[i] = self._ms(time.monotonic())  # the event loop's clock (asyncio's loop.time())
 
     def waited(self, t0: float, t1: float) -> None:
         self.waits_ms.append((self._ms(t0), round((t1 - t0) * 1000, 1)))

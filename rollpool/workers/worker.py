@@ -68,7 +68,7 @@ def _facts(info: EngineInfo) -> EngineFacts:
 
 def freeze_start_up_heap() -> int:
     """For a process that runs workers and nothing else (`rollpool worker`), once their engines are up: everything
-    alive then (torch, the tokenizer, the engine's client: on an SGLang worker about a million objects) is collected
+    alive then (torch, the tokenizer, the engine's client: 197,619 objects on the H200 SGLang worker, frozen in 0.1 s) is collected
     once and frozen out of the collector, so a later full collection walks only what was made since. Without it, a
     full collection of that heap (118 ms on the H200 worker) came due around the first weight version and held the
     event loop and every thread that needs the GIL: version 1 of the shared-memory path took 0.43 s against 0.32 s
