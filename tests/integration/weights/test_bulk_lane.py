@@ -19,6 +19,8 @@ from rollpool.protocol import WeightSyncError
 from rollpool.weights.bulk import lane_host
 from tests.integration.weights.test_channel import assert_same, model, wrap_sources
 
+from .counters import settled
+
 TCP = {"router_endpoint": "tcp://127.0.0.1:*", "pub_endpoint": "tcp://127.0.0.1:*"}
 
 
@@ -32,7 +34,7 @@ async def test_over_tcp_every_chunk_comes_over_the_bulk_lane_and_verifies(make_p
     assert_same(got.tensors, w)
     assert got.manifest.bulk_port == pub._server.bulk.port > 0
     assert sub.bulk_bytes == sub.bytes_received == got.total_bytes  # no chunk over the ROUTER
-    assert pub._server.bulk_bytes_served == got.total_bytes and not sub.fallbacks
+    assert await settled(lambda: pub._server.bulk_bytes_served, got.total_bytes) == got.total_bytes and not sub.fallbacks
     # the publisher counts the lane's bytes for the subscriber as it counts the ROUTER's (keep_versions=0 releases on it)
     assert sum(pub._server.versions[1].served_by_peer.values()) == got.total_bytes
 
@@ -261,7 +263,7 @@ async def test_a_relay_takes_the_lane_upstream_and_offers_its_own_downstream(mak
     got = await sub.fetch(1)
     assert_same(got.tensors, w)
     assert relay.upstream.bulk_bytes == got.total_bytes and sub.bulk_bytes == got.total_bytes
-    assert pub._server.bulk_bytes_served == got.total_bytes  # one upstream fetch
+    assert await settled(lambda: pub._server.bulk_bytes_served, got.total_bytes) == got.total_bytes  # one upstream fetch
 
 
 async def test_a_relay_forwards_a_version_on_its_lane_while_the_version_still_arrives(make_publisher: Any, make_subscriber: Any,

@@ -25,6 +25,7 @@ from rollpool.protocol.errors import WeightSyncError  # noqa: E402
 from rollpool.weights import memory  # noqa: E402
 from rollpool.weights.memory import SHM_DIR, sweep_stale_segments  # noqa: E402
 
+from .counters import settled  # noqa: E402
 from .segments import RestoreOnRefetch, flip_byte, segment_exists  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
@@ -100,7 +101,7 @@ async def test_another_host_takes_the_network_path_logged_and_counted(make_publi
     got = await sub.fetch(1)
     assert same(got.tensors, w) and sub.last_path == "network"
     assert sub.fallbacks == {"the publisher is on another host (or another /dev/shm)": 1}
-    assert sub.bytes_received == pub.bytes_served > 0 and sub.shm_bytes == 0
+    assert sub.bytes_received == await settled(lambda: pub.bytes_served, sub.bytes_received) > 0 and sub.shm_bytes == 0
     strict = make_subscriber(pub.router_endpoint, path="shm")
     strict.host_key = "another-boot/another-shm"
     with pytest.raises(WeightSyncError, match="path 'shm'"):
