@@ -33,8 +33,9 @@ def test_a_short_tool_demo_learns_to_call_and_masks_the_tool_s_tokens(tmp_path: 
         assert key in summary
     assert summary["lost"] == 0 and summary["duplicated"] == 0
     # a random model calls the tool about 1 time in 22; 30 steps of GRPO make it the usual first move
-    assert summary["tool_call_share_first"] <= 0.2
-    assert summary["tool_call_share_final"] >= 0.5 and summary["tool_call_share_final"] > summary["tool_call_share_first"]
+    shown = json.dumps(summary) + "\n" + out.stderr[-4000:]  # a CI run once ended with share 0.0: keep what the demo said
+    assert summary["tool_call_share_first"] <= 0.2, shown
+    assert summary["tool_call_share_final"] >= 0.5 and summary["tool_call_share_final"] > summary["tool_call_share_first"], shown
 
     report = json.loads((tmp_path / "out" / "demo-report.json").read_text())
     examples = report["examples"]
