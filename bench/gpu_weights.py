@@ -35,9 +35,9 @@ differ); times: trainer blocked (the ``publish_weights`` call, any event wait in
 applied, pause, fetch split (from the engine's ``sglang apply`` log line and the subscriber's
 ``weights fetched`` line; on the staged shm path its ``timeline``, kept as ``fetch_timeline``: per bucket when its GPU
 checksum was seen, its copy queued, its digest back and verified, and every wait between), the stalls over 5 ms of
-this process's event loop (the publisher serves from it: ``trainer_loop_lags_ms``); bytes served by the publisher's sockets and the worker's received/shm
-bytes (``bytes_moved_per_version``). Then the peers, in a child process with its own
-``sglang.Engine`` on the same model: ``update_weights_from_disk`` (page cache warm, median of 3:
+this process's event loop (the publisher serves from it: ``trainer_loop_lags_ms``); bytes served by the
+publisher's sockets and the worker's received/shm bytes (``bytes_moved_per_version``). Then the peers, in a child
+process with its own ``sglang.Engine`` on the same model: ``update_weights_from_disk`` (page cache warm, median of 3:
 ``disk_peer_s``) and ``update_weights_from_tensor`` from CUDA tensors in process (CUDA IPC, median
 of 3: ``cuda_ipc_limit_s``). And the limit of the network path: raw pyzmq tcp with 4 streams
 (``raw_tcp_4stream_gbps``).
