@@ -87,7 +87,7 @@ from rollpool.workers.engines.sglang.wire import (
     version_bytes,
 )
 
-__all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES"]
+__all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES", "engine_gpu_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,28 @@ class _Child:
     watch: asyncio.Task[None] | None = None
     running: int = 0
     """Samples of this replica now in SGLang (requests go to the least loaded replica)."""
+
+
+def engine_gpu_plan(options: SGLangOptions, device: str, environ: Mapping[str, str] | None = None) -> GpuPlan | None:
+    """The GPUs an engine of `options` on `device` runs on (`ranks.plan_gpus`), before anything starts.
+
+    A `ConfigError` when the worker has fewer than ``tp_size * dp_size``. A CPU engine (the sim backend) needs
+    no GPU, and its ranks are pretended: it is held to the GPUs the environment names only when it names some,
+    so the same check runs in CPU tests. The worker's CLI calls this too, so a bad ``--tp-size`` exits 2 at once."""
+    env = os.environ if environ is None else environ
+    visible = visible_from_env(env)
+    where = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}"
+    on_gpu = device.startswith("cuda") or (options.backend == "sglang" and options.url is None)
+    if visible is None and on_gpu:
+        visible = tuple(f"cuda:{i}" for i in range(cuda_device_count()))
+        where = "torch.cuda.device_count(); CUDA_VISIBLE_DEVICES unset"
+    if not on_gpu and not visible:
+        return None
+    plan = plan_gpus(options.tp_size, options.dp_size, visible or (), where=where)
+    if len(plan.visible) > plan.gpus_needed:
+        log.info("sglang engine: %d of the worker's %d GPUs used (tp_size %d x dp_size %d; %s)", plan.gpus_needed,
+                 len(plan.visible), options.tp_size, options.dp_size, where)
+    return plan
 
 
 def _free_port() -> int:
@@ -234,19 +256,7 @@ class SGLangEngine:
 
     def _plan_gpus(self) -> None:
         """The GPUs of this engine (`ranks`): a `ConfigError` when the worker has fewer than ``tp_size * dp_size``."""
-        visible = visible_from_env(os.environ)
-        where = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}"
-        on_gpu = (self.device or "").startswith("cuda") or (self.options.backend == "sglang" and self.url is None)
-        if visible is None and on_gpu:
-            visible = tuple(f"cuda:{i}" for i in range(cuda_device_count()))
-            where = "torch.cuda.device_count(); CUDA_VISIBLE_DEVICES unset"
-        if not on_gpu and not visible:
-            self.gpu_plan = None  # a CPU engine (the sim backend): its ranks are pretended and need no GPU
-            return
-        self.gpu_plan = plan_gpus(self.tp_size, self.dp_size, visible or (), where=where)
-        if len(visible or ()) > self.gpu_plan.gpus_needed:
-            log.info("sglang engine: %d of the worker's %d GPUs used (tp_size %d x dp_size %d; %s)", self.gpu_plan.gpus_needed,
-                     len(visible or ()), self.tp_size, self.dp_size, where)
+        self.gpu_plan = engine_gpu_plan(self.options, self.device or "cpu")
 
     # -- lifecycle
 
