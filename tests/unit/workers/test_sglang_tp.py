@@ -144,3 +144,12 @@ def test_worker_flags_reach_the_engine_and_refuse_other_engines() -> None:
         WorkerConfig(engine="sglang", model="/m", dp_size=4, capacity=2)
     with pytest.raises(ConfigError, match="dp_size must be 1 with url="):
         WorkerConfig(engine="sglang", model="/m", dp_size=2, engine_options="url=http://h:1")
+
+
+def test_an_engine_device_names_its_first_gpu() -> None:
+    from rollpool.workers.engines.options import SGLangOptions
+
+    plan = engine_gpu_plan(SGLangOptions(model="m", tp_size=2), "cuda:2", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert plan is not None and plan.base_gpu_id(0) == 2 and plan.devices(0) == ("cuda:2", "cuda:3")
+    with pytest.raises(ConfigError, match="2 GPUs from cuda:3 \\(SGLangOptions.device\\) on; this worker has 4"):
+        engine_gpu_plan(SGLangOptions(model="m", tp_size=2), "cuda:3", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})

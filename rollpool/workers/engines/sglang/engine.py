@@ -175,7 +175,8 @@ def engine_gpu_plan(options: SGLangOptions, device: str, environ: Mapping[str, s
         where = "torch.cuda.device_count(); CUDA_VISIBLE_DEVICES unset"
     if not on_gpu and not visible:
         return None
-    plan = plan_gpus(options.tp_size, options.dp_size, visible or (), where=where)
+    first = int(device.partition(":")[2] or 0) if device.startswith("cuda:") else 0
+    plan = plan_gpus(options.tp_size, options.dp_size, visible or (), where=where, first=first)
     if len(plan.visible) > plan.gpus_needed:
         log.info("sglang engine: %d of the worker's %d GPUs used (tp_size %d x dp_size %d; %s)", plan.gpus_needed,
                  len(plan.visible), options.tp_size, options.dp_size, where)
@@ -488,7 +489,8 @@ class SGLangEngine:
             extra={"dtype": self.dtype, "backend": self.options.backend,
                    "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else ""),
                    "tp_size": self.tp_size, "dp_size": self.dp_size,
-                   "gpus": list(self.gpu_plan.visible[: self.gpu_plan.gpus_needed]) if self.gpu_plan is not None else []},
+                   "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
+                   if self.gpu_plan is not None else []},
         )
 
     # -- I/O helpers

@@ -48,10 +48,12 @@ class GpuPlan:
     dp_size: int
     visible: tuple[str, ...]
     """The worker's GPUs as the environment names them (``("0", "1")``), or ``("cuda:0", ...)`` when counted."""
+    first: int = 0
+    """The worker's GPU of rank 0 of replica 0 (an engine ``device="cuda:K"`` starts at K)."""
 
     def base_gpu_id(self, replica: int) -> int:
         """SGLang's ``base_gpu_id`` of replica `replica`: its rank r runs on ``cuda:<base + r>``."""
-        return replica * self.tp_size
+        return self.first + replica * self.tp_size
 
     def devices(self, replica: int = 0) -> tuple[str, ...]:
         """``cuda:<i>`` of each rank of `replica`, rank order."""
@@ -63,16 +65,17 @@ class GpuPlan:
         return self.tp_size * self.dp_size
 
 
-def plan_gpus(tp_size: int, dp_size: int, visible: tuple[str, ...], *, where: str) -> GpuPlan:
-    """The plan, or a `ConfigError` when the worker has fewer GPUs than ``tp_size * dp_size``.
+def plan_gpus(tp_size: int, dp_size: int, visible: tuple[str, ...], *, where: str, first: int = 0) -> GpuPlan:
+    """The plan, or a `ConfigError` when the worker has fewer GPUs than ``tp_size * dp_size`` (from GPU `first` on).
 
     `where` says where `visible` came from, for the message (``CUDA_VISIBLE_DEVICES=0``, ``torch.cuda.device_count()``)."""
     if tp_size < 1 or dp_size < 1:
         raise ConfigError(f"SGLangOptions.tp_size and dp_size must be >= 1, got {tp_size} and {dp_size}")
     need = tp_size * dp_size
-    if len(visible) < need:
+    if len(visible) - first < need:
+        start = f" from cuda:{first} (SGLangOptions.device) on" if first else ""
         raise ConfigError(
-            f"the sglang engine needs tp_size x dp_size = {tp_size} x {dp_size} = {need} GPUs; this worker has "
+            f"the sglang engine needs tp_size x dp_size = {tp_size} x {dp_size} = {need} GPUs{start}; this worker has "
             f"{len(visible)} ({where}). Give the worker more GPUs (rollpool launch --gpus-per-worker {need}, "
             f"Slurm --gpus-per-task={need}, k8s nvidia.com/gpu: {need}) or lower --tp-size/--dp-size")
-    return GpuPlan(tp_size, dp_size, tuple(visible))
+    return GpuPlan(tp_size, dp_size, tuple(visible), first)
