@@ -38,6 +38,13 @@ Guarantees:
   to the GPU while generation goes on (`tensors`), and it reaches SGLang as
   CUDA tensors (CUDA IPC handles, same host). The update is confirmed with
   ``get_weights_by_name`` (Llama) and a mismatch raises `EngineError`.
+- Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
+  (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
+  ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
+  version goes to every replica as one payload per TP rank (`tensors.serialize_ranks`),
+  applied on every rank or the engine fails and is restarted whole; a prompt
+  group runs whole on one replica; a replica (or rank) that dies takes the
+  engine down like a crash of the only one.
 """
 
 from __future__ import annotations
@@ -417,7 +424,8 @@ class SGLangEngine:
         self._gate.set()  # wake waiters so they see the death
 
     def _log_tail(self, child: _Child | None = None, n: int = 2000) -> str:
-        path = (child or (self._children[0] if self._children else _Child(0, 0))).log_path
+        child = child or (self._children[0] if self._children else None)
+        path = child.log_path if child is not None else None
         if path is None or not path.exists():
             return ""
         data = path.read_bytes()[-n:].decode(errors="replace")
