@@ -3,11 +3,13 @@
 One device call (``--out $OUT``); every stage rewrites the partial JSON before the next starts:
 
 1. build the model (random Llama, ~0.85 B parameters, bf16; bench/gpu_sglang.py's);
-2. a broker, one worker (``rollpool worker --engine sglang --tp-size N --dp-size M``: its engine launches one
+2. what one more rank costs the worker, on this GPU: pickling the payload once per rank (1, 2, 4, 8 ranks of the
+   same CUDA tensors) and the model's host-to-device copy (the per-rank path makes one per rank's GPU);
+3. a broker, one worker (``rollpool worker --engine sglang --tp-size N --dp-size M``: its engine launches one
    SGLang child per replica, ranks from ``base_gpu_id`` on the worker's GPUs) and a trainer client;
    pool vs direct output tokens/s: the same prompts straight to the worker's SGLang children (spread over the
    replicas as the engine does), alternating pairs, medians;
-3. weight versions published while a long batch generates: every version must be applied on every rank (the
+4. weight versions published while a long batch generates: every version must be applied on every rank (the
    worker's ``sglang apply`` line counts ``ranks`` = tp_size x dp_size, one payload each), every trajectory's
    token versions are checked, and publish -> applied is split into fetch, stage, pause, update, verify.
 
@@ -108,6 +110,36 @@ def plan(args: argparse.Namespace, model: Path, wep: str, cep: str, sg_port: int
               "--engine-options", opts, "--tp-size", str(args.tp_size), "--dp-size", str(args.dp_size),
               "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"]
     return {"broker": broker, "worker": worker}
+
+
+def rank_payload_stage(big: Path, ranks: Sequence[int]) -> dict[str, Any]:
+    """What one more TP rank costs the worker, measured on this one GPU: the payload pickled once per rank (CUDA IPC
+    handles of the same tensors, as the shared path sends them), and the copy of the model from page-locked host
+    memory to the GPU (what the per-rank path does once per rank's GPU, each over its own link)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rollpool.workers.engines.sglang.tensors import serialize_ranks
+
+    host = {k: t.pin_memory() for k, t in load_file(str(big / "model.safetensors")).items()}
+    out: dict[str, Any] = {"tensors": len(host), "model_bytes": sum(t.numel() * t.element_size() for t in host.values())}
+    on_gpu = serialize_ranks(host, [["cuda:0"]]).first()  # also the host-to-device copy, timed below
+    h2d = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        h2d.append(serialize_ranks(host, [["cuda:0"]]).h2d_s)
+    out["h2d_s_per_rank_copy"] = round(statistics.median(h2d), 4)
+    rows = []
+    for n in ranks:
+        runs = [serialize_ranks(dict(on_gpu), [["cuda:0"] * n], per_rank=False) for _ in range(3)]
+        pickle_s = statistics.median(r.pickle_s for r in runs)
+        rows.append({"ranks": n, "pickle_s": round(pickle_s, 5), "pickle_s_per_rank": round(pickle_s / n, 5),
+                     "payload_bytes_per_rank": len(runs[0].payloads[0][0])})
+    out["pickling"] = rows
+    del runs, on_gpu, host
+    torch.cuda.ipc_collect()  # the handles pickled here were never opened by anyone
+    torch.cuda.empty_cache()  # the worker's SGLang sizes its memory from what is free when it starts
+    return out
 
 
 def _port() -> int:
@@ -305,6 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULT["model_bytes"] = model_bytes
     save()
     note(f"model built: {model_bytes / 1e9:.2f} GB; tp_size {args.tp_size} x dp_size {args.dp_size}; writing {RESULT_PATH}")
+    try:
+        RESULT["per_rank_costs"] = rank_payload_stage(big, (1, 2, 4, 8))
+        note(f"per-rank costs: {RESULT['per_rank_costs']}")
+    except Exception as exc:  # noqa: BLE001 - recorded; the pool stage still runs
+        RESULT["stages"]["per_rank_costs_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    save()
     try:
         asyncio.run(pool_stage(sg, big, model_bytes, args))
     except Exception as exc:  # noqa: BLE001 - recorded, then the partial JSON stands
