@@ -87,11 +87,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-tokens", type=int, default=512, help="output tokens per prompt in the throughput pairs")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--versions", type=int, default=4, help="weight versions published during the long batch (second half from CUDA tensors)")
-    ap.add_argument("--long-tokens", type=int, default=1500)
+    ap.add_argument("--long-tokens", type=int, default=1800)
     ap.add_argument("--capacity", type=int, default=256, help="the engine's capacity (all replicas together)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.6)
     ap.add_argument("--result-name", default="", help="default: <card>-tp<N>[-dp<M>].json")
     ap.add_argument("--print-plan", action="store_true", help="print the processes it would start and exit (no GPU needed)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run every stage but the per-rank costs on a CPU: a tiny model, the engine's child serving the sim "
+                         "backend (pretending the ranks); numbers simulated, for checking the script only")
     args = ap.parse_args(argv)
     if args.tp_size < 1 or args.dp_size < 1:
         ap.error("--tp-size and --dp-size must be >= 1")
@@ -104,6 +107,8 @@ def plan(args: argparse.Namespace, model: Path, wep: str, cep: str, sg_port: int
     """The broker's and the worker's command lines (``python -m ...``)."""
     opts = (f"port={sg_port},capacity={args.capacity},mem_fraction_static={args.mem_fraction_static},log_dir={OUT},"
             f"context_length=2048,per_rank_weights={str(args.per_rank_weights).lower()}")
+    if args.cpu_smoke:
+        opts += ",backend=sim,device=cpu"
     broker = ["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--batch-size", "256",
               "--max-staleness", "1000", "--max-applying", "1", "--task-timeout-s", "3600", "--log-level", "WARNING"]
     worker = ["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "tp0",
@@ -235,7 +240,7 @@ async def pool_stage(sg: ModuleType, big: Path, model_bytes: int, args: argparse
         save()
 
         sd = load_file(str(big / "model.safetensors"))
-        long_prompts = prompts * 2
+        long_prompts = prompts * 4  # enough work to span every update
         await client.submit([{"input_ids": p} for p in long_prompts], group_size=1,
                             sampling={"max_new_tokens": args.long_tokens, "temperature": 1.0, "ignore_eos": True})
         await asyncio.sleep(1.0)
@@ -316,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
     sg = _sibling("gpu_sglang")
-    sg.setup_env()
+    if not args.cpu_smoke:
+        sg.setup_env()
     import torch
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -331,15 +337,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         RESULT["commit"] = (ROOT / ".commit").read_text().strip()
     save()
     t = time.time()
-    _small, big, model_bytes = sg.build_models(Path(args.work))
-    RESULT["model"] = {"params_bytes": model_bytes, "arch": "llama", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
-                       "vocab": 32000, "dtype": "bfloat16", "build_s": round(time.time() - t, 1)}
+    if args.cpu_smoke:
+        from rollpool.workers.engines.tiny_model import build_tiny_model
+
+        RESULT["simulated"] = True
+        big = build_tiny_model(Path(args.work) / "tiny", vocab=32000, hidden=32, layers=2, heads=4, kv_heads=2)
+        model_bytes = (big / "model.safetensors").stat().st_size
+    else:
+        _small, big, model_bytes = sg.build_models(Path(args.work))
+    RESULT["model"] = {"params_bytes": model_bytes, "arch": "llama", "hidden": 32 if args.cpu_smoke else 2048,
+                       "layers": 2 if args.cpu_smoke else 16, "heads": 4 if args.cpu_smoke else 32,
+                       "kv_heads": 2 if args.cpu_smoke else 8, "vocab": 32000,
+                       "dtype": "float32" if args.cpu_smoke else "bfloat16", "build_s": round(time.time() - t, 1)}
     RESULT["model_bytes"] = model_bytes
     save()
     note(f"model built: {model_bytes / 1e9:.2f} GB; tp_size {args.tp_size} x dp_size {args.dp_size}; writing {RESULT_PATH}")
     try:
-        RESULT["per_rank_costs"] = rank_payload_stage(big, (1, 2, 4, 8))
-        note(f"per-rank costs: {RESULT['per_rank_costs']}")
+        if not args.cpu_smoke:
+            RESULT["per_rank_costs"] = rank_payload_stage(big, (1, 2, 4, 8))
+            note(f"per-rank costs: {RESULT['per_rank_costs']}")
     except Exception as exc:  # noqa: BLE001 - recorded; the pool stage still runs
         RESULT["stages"]["per_rank_costs_error"] = f"{type(exc).__name__}: {exc}"[:2000]
     save()
