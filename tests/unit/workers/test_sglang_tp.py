@@ -3,7 +3,6 @@
 The engine launches its real child with the sim backend (conftest: `SIM_SERVER_ARGS`), which pretends to be
 ``tp_size`` ranks the way SGLang's update sees them: one payload per rank, each decoded on its own, the version
 on every rank or on none, and a stand-in process per rank whose exit takes the server down (server.py `SimRanks`).
-A version one rank refuses is tested through a worker (tests/integration/workers/test_worker_tp.py).
 """
 
 from __future__ import annotations
@@ -78,6 +77,20 @@ async def test_every_rank_of_every_replica_gets_its_payload_and_the_same_version
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1)
     outs = await asyncio.gather(engine.generate([1, 2, 3], 2, sp, "a"), engine.generate([4, 5, 6], 2, sp, "b"))
     assert all(v == 3 for o in outs for s in o.samples for v in s.token_versions)
+
+
+async def test_a_version_one_rank_refuses_changes_no_rank_and_is_a_clear_error(tp2dp2: SGLangEngine) -> None:
+    engine = tp2dp2
+    await engine.pause("drain")
+    await engine.update_weights(_weights(engine, 4), 4)
+    with pytest.raises(EngineError, match="refused version 5.*rank 1 refused weight_version 5; no rank changed"):
+        await engine.update_weights(_weights(engine, 5), 5)
+    assert engine.version == 4  # the worker restarts the engine whole and gives it its version again
+    for d in (0, 1):
+        assert (await _model_info(engine, d))["rank_versions"] == [4, 4]
+    await engine.update_weights(_weights(engine, 6), 6)  # the next version lands everywhere
+    await engine.resume()
+    assert [(await _model_info(engine, d))["rank_versions"] for d in (0, 1)] == [[6, 6], [6, 6]]
 
 
 async def test_a_rank_that_dies_takes_the_engine_down_and_fails_running_work(tp2dp2: SGLangEngine) -> None:
