@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 class LocalLaunchConfig:
     workers: int = field(default=2, metadata=_h("worker processes"))
     gpus_per_worker: int = field(default=0, metadata=_h(
-        "GPUs each worker owns (its CUDA_VISIBLE_DEVICES, consecutive ones of this host's); 0: tp_size x dp_size when "
-        "that is above 1, else none assigned (workers see what this launcher sees)"))
+        "GPUs each worker owns (its CUDA_VISIBLE_DEVICES, consecutive ones of this host's); 0: the engine's, tp_size x "
+        "dp_size for sglang (none on a host without GPUs when that is 1), none for sim and hf (they see what this "
+        "launcher sees)"))
     worker: LaunchWorker = field(default_factory=LaunchWorker, metadata=_h("what every worker runs ([launch.worker])"))
     worker_endpoint: str = field(default="tcp://127.0.0.1:5555", metadata=_h("the broker's worker endpoint"))
     client_endpoint: str = field(default="tcp://127.0.0.1:5556", metadata=_h("the broker's client (trainer) endpoint"))
@@ -76,13 +77,17 @@ def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executab
                         log_level: str | None = None, gpus: tuple[tuple[str, ...], str] | None = None) -> list[ProcessSpec]:
     """The broker, workers and relay as plain service command lines (stop order: workers, relay, broker).
 
-    With GPUs per worker (`LocalLaunchConfig.gpus_per_worker`, or the engine's tp_size x dp_size), worker i gets
-    its own consecutive GPUs of this host in ``CUDA_VISIBLE_DEVICES`` (`gpus`: the host's GPUs and where they came
-    from; default `host_gpus`); a host with fewer GPUs than workers x GPUs per worker is a `ConfigError`."""
-    per_worker = config.gpus_per_worker or (config.worker.gpus_needed if config.worker.gpus_needed > 1 else 0)
+    With GPUs per worker (`LocalLaunchConfig.gpus_per_worker`, or an sglang engine's tp_size x dp_size), worker i
+    gets its own consecutive GPUs of this host in ``CUDA_VISIBLE_DEVICES`` (`gpus`: the host's GPUs and where they
+    came from; default `host_gpus`), so sglang workers never share a GPU by accident; a host with fewer GPUs than
+    workers x GPUs per worker is a `ConfigError`. One-GPU sglang workers on a host without GPUs (the sim backend)
+    are given none."""
+    per_worker = config.gpus_per_worker or (config.worker.gpus_needed if config.worker.engine == "sglang" else 0)
     placed: list[tuple[str, ...]] = []
     if per_worker:
-        placed = assign_gpus(config.workers, per_worker, *(gpus if gpus is not None else host_gpus()))
+        host, where = gpus if gpus is not None else host_gpus()
+        if host or config.gpus_per_worker or per_worker > 1:
+            placed = assign_gpus(config.workers, per_worker, host, where)
     common: list[str] = []
     if log_level:
         common += ["--log-level", log_level]

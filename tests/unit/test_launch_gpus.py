@@ -24,6 +24,13 @@ def test_local_gives_each_worker_its_own_consecutive_gpus() -> None:
     wide = local_process_specs(LocalLaunchConfig(workers=1, gpus_per_worker=3, worker=TP2), python="py", gpus=(("0", "1", "2"), "t"))
     assert wide[-1].env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     assert all(not s.env for s in local_process_specs(LocalLaunchConfig(workers=2), python="py", gpus=((), "t")))
+    # one-GPU sglang workers each get their own GPU (they used to share GPU 0), none on a host without GPUs
+    one = LaunchWorker(engine="sglang", model="/m")
+    specs = local_process_specs(LocalLaunchConfig(workers=2, worker=one), python="py", gpus=(("0", "1"), "t"))
+    assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in specs if s.name.startswith("worker")] == ["0", "1"]
+    assert all(not s.env for s in local_process_specs(LocalLaunchConfig(workers=2, worker=one), python="py", gpus=((), "t")))
+    with pytest.raises(ConfigError, match="this host has 1"):
+        local_process_specs(LocalLaunchConfig(workers=2, worker=one), python="py", gpus=(("0",), "t"))
 
 
 def test_local_refuses_a_host_with_fewer_gpus_than_asked() -> None:
