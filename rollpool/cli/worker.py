@@ -1,7 +1,8 @@
 """``rollpool worker``: run one rollout worker (or ``--count N`` sim workers in one process).
 
-A bad configuration (a flag, or an ``--episode`` path that does not import) exits 2 with the
-reason on stderr. SIGTERM/SIGINT start the graceful drain (stop intake, finish until
+A bad configuration (a flag, an ``--episode`` path that does not import, or an sglang engine of
+``--tp-size`` x ``--dp-size`` GPUs on a worker that sees fewer) exits 2 with the reason on
+stderr. SIGTERM/SIGINT start the graceful drain (stop intake, finish until
 ``--drain-timeout-s``, hand back the rest, Goodbye); the command exits 0 once
 every worker has drained. Monitoring sinks are wired by the top-level CLI;
 this module uses the null sink unless given one.
@@ -35,7 +36,18 @@ def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     # a ConfigError (a bad flag, or an --episode path that does not import) exits 2 in rollpool.cli.main
     config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
     load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
+    if config.engine == "sglang":
+        _check_gpus(config)  # --tp-size x --dp-size beyond the worker's GPUs fails here (exit 2), not as engine restarts
     return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
+
+
+def _check_gpus(config: WorkerConfig) -> None:
+    from rollpool.workers.engines.options import SGLangOptions, options_from
+    from rollpool.workers.engines.sglang.engine import engine_gpu_plan
+    from rollpool.workers.engines.sglang.tensors import cuda_available
+
+    opts = options_from(SGLangOptions, config.engine_kwargs())
+    engine_gpu_plan(opts, opts.device or ("cuda" if cuda_available() else "cpu"))
 
 
 class _Workers:

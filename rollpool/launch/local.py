@@ -20,7 +20,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from rollpool.launch.config import LaunchWorker
+from rollpool.launch.config import LaunchWorker, assign_gpus, host_gpus
 from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor
 from rollpool.protocol.config import help_ as _h
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class LocalLaunchConfig:
     workers: int = field(default=2, metadata=_h("worker processes"))
+    gpus_per_worker: int = field(default=0, metadata=_h(
+        "GPUs each worker owns (its CUDA_VISIBLE_DEVICES, consecutive ones of this host's); 0: the engine's, tp_size x "
+        "dp_size for sglang (none on a host without GPUs when that is 1), none for sim and hf (they see what this "
+        "launcher sees)"))
     worker: LaunchWorker = field(default_factory=LaunchWorker, metadata=_h("what every worker runs ([launch.worker])"))
     worker_endpoint: str = field(default="tcp://127.0.0.1:5555", metadata=_h("the broker's worker endpoint"))
     client_endpoint: str = field(default="tcp://127.0.0.1:5556", metadata=_h("the broker's client (trainer) endpoint"))
@@ -51,6 +55,11 @@ class LocalLaunchConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 1024:
             raise ConfigError(f"LocalLaunchConfig.workers must be in 1..1024, got {self.workers}")
+        if self.gpus_per_worker < 0:
+            raise ConfigError(f"LocalLaunchConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        if self.gpus_per_worker and self.gpus_per_worker < self.worker.gpus_needed:
+            raise ConfigError(f"LocalLaunchConfig.gpus_per_worker is {self.gpus_per_worker}, but each worker's engine spans "
+                              f"tp_size x dp_size = {self.worker.gpus_needed} GPUs")
         if self.relay and not self.weights_upstream:
             raise ConfigError("LocalLaunchConfig.relay needs --weights-upstream (the trainer publisher's ROUTER endpoint)")
         for name in ("worker_endpoint", "client_endpoint", "relay_bind"):
@@ -64,9 +73,21 @@ class LocalLaunchConfig:
             raise ConfigError(f"LocalLaunchConfig.broker_args: {exc}") from exc
 
 
-def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executable,
-                        redis_url: str | None = None, log_level: str | None = None) -> list[ProcessSpec]:
-    """The broker, workers and relay as plain service command lines (stop order: workers, relay, broker)."""
+def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executable, redis_url: str | None = None,
+                        log_level: str | None = None, gpus: tuple[tuple[str, ...], str] | None = None) -> list[ProcessSpec]:
+    """The broker, workers and relay as plain service command lines (stop order: workers, relay, broker).
+
+    With GPUs per worker (`LocalLaunchConfig.gpus_per_worker`, or an sglang engine's tp_size x dp_size), worker i
+    gets its own consecutive GPUs of this host in ``CUDA_VISIBLE_DEVICES`` (`gpus`: the host's GPUs and where they
+    came from; default `host_gpus`), so sglang workers never share a GPU by accident; a host with fewer GPUs than
+    workers x GPUs per worker is a `ConfigError`. One-GPU sglang workers on a host without GPUs (the sim backend)
+    are given none."""
+    per_worker = config.gpus_per_worker or (config.worker.gpus_needed if config.worker.engine == "sglang" else 0)
+    placed: list[tuple[str, ...]] = []
+    if per_worker:
+        host, where = gpus if gpus is not None else host_gpus()
+        if host or config.gpus_per_worker or per_worker > 1:
+            placed = assign_gpus(config.workers, per_worker, host, where)
     common: list[str] = []
     if log_level:
         common += ["--log-level", log_level]
@@ -87,7 +108,8 @@ def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executab
         worker = [python, "-m", "rollpool", "worker", *common, "--broker", config.worker_endpoint,
                   *config.worker.argv(), "--worker-id", f"{config.pool}-w{i}", "--pool", config.pool, *hb,
                   *monitoring, *config.worker.extra_argv()]
-        specs.append(ProcessSpec(f"worker-{i}", tuple(worker), stop_stage=0))
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(placed[i])} if placed else {}
+        specs.append(ProcessSpec(f"worker-{i}", tuple(worker), stop_stage=0, env=env))
     return specs
 
 

@@ -2,7 +2,9 @@
 
 The broker runs elsewhere (``--broker ENDPOINT``, its worker endpoint); this
 launcher only places and keeps workers. Each bundle asks for
-``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs; the placement group's
+``gpus_per_worker`` GPUs (by default the engine's ``tp_size * dp_size``; a
+cluster with fewer GPUs than the workers need is refused at once) and
+``cpus_per_worker`` CPUs; the placement group's
 strategy is PACK, SPREAD, STRICT_PACK or STRICT_SPREAD. Each actor runs the
 same worker CLI as everywhere else (``python -m rollpool worker``) as its
 child process, with the GPUs Ray assigned it (Ray sets
@@ -49,7 +51,8 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 class RayLaunchConfig:
     broker: str = field(default="", metadata=_h("the broker's worker endpoint, e.g. tcp://head:5555"))
     workers: int = field(default=1, metadata=_h("worker actors, one per placement-group bundle"))
-    gpus_per_worker: float = field(default=1.0, metadata=_h("GPUs per bundle (0 for the sim engine)"))
+    gpus_per_worker: float = field(default=-1.0, metadata=_h(
+        "GPUs per bundle (Ray num_gpus; 0 for the sim engine); -1: the engine's tp_size x dp_size (1 for a one-GPU engine)"))
     cpus_per_worker: float = field(default=1.0, metadata=_h("CPUs per bundle"))
     strategy: str = field(default="PACK", metadata=_h("placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"))
     worker: LaunchWorker = field(default_factory=lambda: LaunchWorker(engine="sglang"),
@@ -63,13 +66,23 @@ class RayLaunchConfig:
     stop_timeout_s: float = field(default=30.0, metadata=_h("on stop: how long workers may drain before they are killed"))
     state_file: str | None = field(default=None, metadata=_h("write worker ids, actor and process pids here (JSON)"))
 
+    @property
+    def gpus(self) -> float:
+        """GPUs per bundle, ``-1`` resolved to the engine's ``tp_size * dp_size``."""
+        return float(self.worker.gpus_needed) if self.gpus_per_worker == -1 else self.gpus_per_worker
+
     def __post_init__(self) -> None:
         if "://" not in self.broker:
             raise ConfigError(f"RayLaunchConfig.broker must be the broker's worker endpoint, got {self.broker!r}")
         if not 1 <= self.workers <= 4096:
             raise ConfigError(f"RayLaunchConfig.workers must be in 1..4096, got {self.workers}")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0 or self.gpus_per_worker + self.cpus_per_worker == 0:
-            raise ConfigError("RayLaunchConfig: gpus_per_worker and cpus_per_worker must be >= 0, not both 0")
+        if (self.gpus_per_worker < 0 and self.gpus_per_worker != -1) or self.cpus_per_worker < 0 or self.gpus + self.cpus_per_worker == 0:
+            raise ConfigError("RayLaunchConfig: gpus_per_worker (or -1) and cpus_per_worker must be >= 0, not both 0")
+        if self.gpus > 1 and self.gpus != int(self.gpus):
+            raise ConfigError(f"RayLaunchConfig.gpus_per_worker above 1 must be a whole number (Ray), got {self.gpus}")
+        if 0 < self.gpus < self.worker.gpus_needed or (self.gpus == 0 and self.worker.gpus_needed > 1):
+            raise ConfigError(f"RayLaunchConfig.gpus_per_worker is {self.gpus:g}, but each worker's engine spans "
+                              f"tp_size x dp_size = {self.worker.gpus_needed} GPUs")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"RayLaunchConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.placement_timeout_s <= 0 or self.poll_interval_s <= 0 or self.stop_timeout_s <= 0:
@@ -170,8 +183,15 @@ class RayLauncher:
         bundle: dict[str, float] = {}
         if cfg.cpus_per_worker:
             bundle["CPU"] = cfg.cpus_per_worker
-        if cfg.gpus_per_worker:
-            bundle["GPU"] = cfg.gpus_per_worker
+        if cfg.gpus:
+            bundle["GPU"] = cfg.gpus
+            have = float(ray.cluster_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
+            if cfg.workers * cfg.gpus > have:
+                # a placement group Ray cannot fill would only time out after placement_timeout_s
+                if started_ray:
+                    ray.shutdown()
+                raise ConfigError(f"{cfg.workers} workers x {cfg.gpus:g} GPUs per worker (--gpus-per-worker) = "
+                                  f"{cfg.workers * cfg.gpus:g} GPUs; the Ray cluster has {have:g}")
         self._pg = placement_group([dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy,
                                    name=f"rollpool-{cfg.pool}")
         try:
@@ -213,7 +233,7 @@ class RayLauncher:
                                                     placement_group_capture_child_tasks=True)
         # the bundle's resources go to the actor, so Ray assigns it (and its worker) the bundle's GPUs
         slot.actor = self._actor_cls.options(
-            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, scheduling_strategy=strategy,
+            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus, scheduling_strategy=strategy,
             name=f"rollpool-{cfg.pool}-worker-{slot.index}-{slot.tracker.restarts}",
         ).remote(worker_command(cfg, slot.index, redis_url=self.redis_url, log_level=self.log_level), {})
         slot.info = ray.get(slot.actor.info.remote(), timeout=cfg.placement_timeout_s)

@@ -61,6 +61,8 @@ class WorkerConfig:
     window_chunks: int = field(default=4, metadata=_h("weight chunks in flight per fetch"))
     max_refetch: int = field(default=3, metadata=_h("re-fetches of a bucket that fails verification"))
     engine_options: str = field(default="", metadata=_h("engine keyword options: key=value,key=value"))
+    tp_size: int = field(default=1, metadata=_h("sglang: tensor-parallel GPUs of each engine replica (the worker owns tp_size x dp_size GPUs)"))
+    dp_size: int = field(default=1, metadata=_h("sglang: data-parallel replicas of the worker's one engine, capacity split over them"))
     count: int = field(default=1, metadata=_h("sim only: independent workers hosted by this process"))
     pool: str = field(default="default", metadata=_h("pool name (monitoring keys)"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
@@ -122,6 +124,11 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ConfigError(f"WorkerConfig.tp_size and dp_size must be >= 1, got {self.tp_size} and {self.dp_size}")
+        if (self.tp_size > 1 or self.dp_size > 1) and self.engine != "sglang":
+            raise ConfigError(f"WorkerConfig.tp_size and dp_size above 1 need engine sglang, got {self.engine!r} "
+                              f"(tp_size {self.tp_size}, dp_size {self.dp_size})")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"WorkerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         self.engine_kwargs()  # validates engine_options against the engine's options dataclass
@@ -133,6 +140,11 @@ class WorkerConfig:
             kwargs.setdefault("model", self.model)
         if self.capacity:
             kwargs.setdefault("capacity", self.capacity)
+        for name in ("tp_size", "dp_size"):
+            if getattr(self, name) != 1:
+                if name in kwargs and str(kwargs[name]).strip() != str(getattr(self, name)):
+                    raise ConfigError(f"WorkerConfig.{name} is {getattr(self, name)} but engine_options says {name}={kwargs[name]}")
+                kwargs[name] = getattr(self, name)
         cls = OPTIONS_BY_ENGINE.get(self.engine)
         if cls is None:  # an engine registered at run time: values typed by guess
             return parse_engine_options(self.engine_options) | {k: v for k, v in kwargs.items() if k in ("model", "capacity")}

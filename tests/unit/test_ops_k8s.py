@@ -109,3 +109,23 @@ def test_curve_component_mounts_only_each_roles_key_files(tmp_path: pathlib.Path
         assert ("server.key_secret" in got) == (host != "worker")
         assert not any(rel.endswith("key_secret") and not rel.startswith((host, "server")) for rel in got)
         assert os.path.isdir(mount / "allowed") == (host != "worker")
+
+
+def test_multi_gpu_component_gives_each_worker_the_gpus_of_its_engine(tmp_path: pathlib.Path) -> None:
+    """`components: [multi-gpu]` renders a worker asking for 2 GPUs and running a tp_size 2 engine on them."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (for kustomize)")
+    base = tmp_path / "k8s"
+    shutil.copytree(K8S, base, ignore=shutil.ignore_patterns("keys"))
+    with open(base / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - multi-gpu\n")
+    out = subprocess.run([kubectl, "kustomize", str(base)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (worker,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "worker"]
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus == "2"
+    assert int(env["ROLLPOOL_TP_SIZE"]) * int(env["ROLLPOOL_DP_SIZE"]) == int(gpus)
+    assert "ROLLPOOL_WORKER_ID" in env  # the base's env is kept

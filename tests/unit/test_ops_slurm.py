@@ -55,3 +55,22 @@ def test_dry_run_gives_each_kind_of_process_only_its_own_key_directory() -> None
     assert relay[relay.index("--curve-dir") + 1] == "/secure/keys/relay"
     assert workers[workers.index("--curve-dir") + 1] == "/secure/keys/worker"
     assert not any("--curve-dir" in s for s in _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="1"))
+
+
+def test_dry_run_gives_a_tensor_parallel_worker_its_gpus_per_task() -> None:
+    *_, workers = _dry_run(SLURM_JOB_NODELIST="gpu-a,gpu-b", ROLLPOOL_GPUS_PER_NODE="8", ROLLPOOL_TP_SIZE="2", ROLLPOOL_DP_SIZE="2")
+    assert "--ntasks-per-node=2" in workers and "--gpus-per-task=4" in workers
+    assert workers[workers.index("--tp-size") + 1] == "2" and workers[workers.index("--dp-size") + 1] == "2"
+    *_, explicit = _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="8", ROLLPOOL_GPUS_PER_WORKER="4", ROLLPOOL_TP_SIZE="2")
+    assert "--ntasks-per-node=2" in explicit and "--gpus-per-task=4" in explicit
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"ROLLPOOL_GPUS_PER_NODE": "2", "ROLLPOOL_TP_SIZE": "4"}, "2 GPUs per node cannot hold workers of 4 GPUs each"),
+    ({"ROLLPOOL_GPUS_PER_NODE": "8", "ROLLPOOL_GPUS_PER_WORKER": "1", "ROLLPOOL_TP_SIZE": "2"}, "engine spans tp_size x dp_size = 2 GPUs"),
+])
+def test_dry_run_refuses_workers_the_nodes_cannot_hold(env: dict[str, str], message: str) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ROLLPOOL_"))}
+    out = subprocess.run(["bash", str(SBATCH)], env={**base, "ROLLPOOL_DRY_RUN": "1", "PATH": "/usr/bin:/bin",
+                                                     "SLURM_JOB_NODELIST": "n1", **env}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and message in out.stderr and not out.stdout.strip()

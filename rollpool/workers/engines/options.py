@@ -110,6 +110,14 @@ class SGLangOptions:
 
     model: str = ""
     capacity: int = 256
+    """Most samples the whole engine runs at once (all its data-parallel replicas together)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per replica, one GPU each (SGLang's ``tp_size``)."""
+    dp_size: int = 1
+    """Data-parallel replicas, each a child of ``tp_size`` GPUs, behind this one engine (and one worker)."""
+    per_rank_weights: bool = True
+    """With ``tp_size > 1``: each version is copied onto every rank's GPU before the pause and each rank maps its own
+    copy (True); False: one copy on rank 0's GPU, which every rank maps and copies to its GPU inside the update."""
     url: str | None = None
     """Attach to a server someone else started (``http://host:port``) instead of launching a child."""
     api_key: str = ""
@@ -140,6 +148,13 @@ class SGLangOptions:
             raise _fail(c, "model", "is needed (a local model directory: --model)", self.model)
         if self.capacity < 1:
             raise _fail(c, "capacity", "must be >= 1", self.capacity)
+        for name in ("tp_size", "dp_size"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise _fail(c, name, "must be in [1, 64]", getattr(self, name))
+        if self.capacity < self.dp_size:
+            raise _fail(c, "capacity", f"must be >= dp_size ({self.dp_size}): every replica takes at least one sample", self.capacity)
+        if self.url is not None and self.dp_size > 1:
+            raise _fail(c, "dp_size", "must be 1 with url= (an attached server is one replica; start one worker per server)", self.dp_size)
         if not 0 <= self.port < 65536:
             raise _fail(c, "port", "must be in [0, 65535]", self.port)
         if not 0 < self.mem_fraction_static < 1:

@@ -38,6 +38,13 @@ Guarantees:
   to the GPU while generation goes on (`tensors`), and it reaches SGLang as
   CUDA tensors (CUDA IPC handles, same host). The update is confirmed with
   ``get_weights_by_name`` (Llama) and a mismatch raises `EngineError`.
+- Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
+  (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
+  ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
+  version goes to every replica as one payload per TP rank (`tensors.serialize_ranks`),
+  applied on every rank or the engine fails and is restarted whole; a prompt
+  group runs whole on one replica; a replica (or rank) that dies takes the
+  engine down like a crash of the only one.
 """
 
 from __future__ import annotations
@@ -64,13 +71,16 @@ from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
+from rollpool.workers.engines.sglang.ranks import GpuPlan, plan_gpus, visible_from_env
 from rollpool.workers.engines.sglang.tensors import (
     BucketStager,
+    RankPayloads,
     cuda_available,
+    cuda_device_count,
     init_cuda,
     leading,
     nbytes,
-    serialize_update,
+    serialize_ranks,
     values_tensor,
 )
 from rollpool.workers.engines.sglang.wire import (
@@ -84,7 +94,7 @@ from rollpool.workers.engines.sglang.wire import (
     version_bytes,
 )
 
-__all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES"]
+__all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES", "engine_gpu_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +128,11 @@ class _Sample:
 
 @dataclass(frozen=True, eq=False)
 class _Staged:
-    """A version copied onto the GPU ahead of its update (`stage_weights`)."""
+    """A version copied onto the GPU(s) ahead of its update (`stage_weights`)."""
 
     version: int
     names: tuple[str, ...]
-    payload: str
-    on_device: dict[str, Any]
+    payloads: RankPayloads
     started_at: float
     h2d_s: float
     stage_s: float
@@ -138,7 +147,47 @@ class _Request:
     input_ids: list[int]
     sampling: SamplingParams
     samples: list[_Sample]
+    replica: int = 0
+    """The data-parallel replica all samples of this request run on (one prefix cache)."""
     aborted: bool = False
+
+
+@dataclass(eq=False)
+class _Child:
+    """One SGLang server: a launched child process (one data-parallel replica of ``tp_size`` GPUs) or one at ``url=``."""
+
+    replica: int
+    port: int
+    http: HttpClient | None = None
+    proc: asyncio.subprocess.Process | None = None
+    log_path: pathlib.Path | None = None
+    log_fh: Any = None
+    watch: asyncio.Task[None] | None = None
+    running: int = 0
+    """Samples of this replica now in SGLang (requests go to the least loaded replica)."""
+
+
+def engine_gpu_plan(options: SGLangOptions, device: str, environ: Mapping[str, str] | None = None) -> GpuPlan | None:
+    """The GPUs an engine of `options` on `device` runs on (`ranks.plan_gpus`), before anything starts.
+
+    A `ConfigError` when the worker has fewer than ``tp_size * dp_size``. A CPU engine (the sim backend) needs
+    no GPU, and its ranks are pretended: it is held to the GPUs the environment names only when it names some,
+    so the same check runs in CPU tests. The worker's CLI calls this too, so a bad ``--tp-size`` exits 2 at once."""
+    env = os.environ if environ is None else environ
+    visible = visible_from_env(env)
+    where = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}"
+    on_gpu = device.startswith("cuda") or (options.backend == "sglang" and options.url is None)
+    if visible is None and on_gpu:
+        visible = tuple(f"cuda:{i}" for i in range(cuda_device_count()))
+        where = "torch.cuda.device_count(); CUDA_VISIBLE_DEVICES unset"
+    if not on_gpu and not visible:
+        return None
+    first = int(device.partition(":")[2] or 0) if device.startswith("cuda:") else 0
+    plan = plan_gpus(options.tp_size, options.dp_size, visible or (), where=where, first=first)
+    if len(plan.visible) > plan.gpus_needed:
+        log.info("sglang engine: %d of the worker's %d GPUs used (tp_size %d x dp_size %d; %s)", plan.gpus_needed,
+                 len(plan.visible), options.tp_size, options.dp_size, where)
+    return plan
 
 
 def _free_port() -> int:
@@ -169,12 +218,12 @@ class SGLangEngine:
         self.last_update: dict[str, float] = {}
         """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s."""
         self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "version_mismatches": 0}
+        self.tp_size = opts.tp_size
+        self.dp_size = opts.dp_size
+        self.gpu_plan: GpuPlan | None = None
+        """Where each rank runs (set by `start`; None for a CPU engine whose environment names no GPU)."""
         self._tag = secrets.token_hex(4)
-        self._http: HttpClient | None = None
-        self._proc: asyncio.subprocess.Process | None = None
-        self._log_path: pathlib.Path | None = None
-        self._log_fh: Any = None
-        self._watch: asyncio.Task[None] | None = None
+        self._children: list[_Child] = []
         self._died: asyncio.Future[str] | None = None
         self._dead: str | None = None
         self._started = False
@@ -195,8 +244,27 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._pause_started = 0.0
         self._staged: _Staged | None = None
-        self._stager: BucketStager | None = None
-        """Copies of the version being fetched, queued bucket by bucket (`stage_bucket`)."""
+        self._stagers: dict[str, BucketStager] = {}
+        """Per device, copies of the version being fetched, queued bucket by bucket (`stage_bucket`)."""
+
+    @property
+    def _proc(self) -> asyncio.subprocess.Process | None:
+        """The first replica's child process (None when attached with ``url=``)."""
+        return self._children[0].proc if self._children else None
+
+    @property
+    def _log_path(self) -> pathlib.Path | None:
+        return self._children[0].log_path if self._children else None
+
+    def rank_devices(self) -> list[list[str]]:
+        """``[replica][rank]`` -> the device each rank's weights go to (``cpu`` for every rank of a CPU engine)."""
+        if self.gpu_plan is not None and (self.device or "").startswith("cuda"):
+            return [list(self.gpu_plan.devices(d)) for d in range(self.dp_size)]
+        return [[self.device or "cpu"] * self.tp_size for _ in range(self.dp_size)]
+
+    def _plan_gpus(self) -> None:
+        """The GPUs of this engine (`ranks`): a `ConfigError` when the worker has fewer than ``tp_size * dp_size``."""
+        self.gpu_plan = engine_gpu_plan(self.options, self.device or "cpu")
 
     # -- lifecycle
 
@@ -212,18 +280,22 @@ class SGLangEngine:
         self._read_limits(path)
         if self.device is None:
             self.device = "cuda" if cuda_available() else "cpu"
+        self._plan_gpus()  # before anything starts: too few GPUs is a configuration error, not an engine failure
+        if self.device == "cuda" and self.gpu_plan is not None:
+            self.device = self.gpu_plan.devices(0)[0]
         self._died = asyncio.get_running_loop().create_future()
         self._dead = None
-        if self.url is None:
-            await self._launch()
-        else:
-            host, _, port = self.url.removeprefix("http://").rstrip("/").partition(":")
-            self._http = HttpClient(host, int(port or 80), token=self.token)
         try:
-            await self._wait_ready()
+            if self.url is None:
+                await self._launch()
+            else:
+                host, _, port = self.url.removeprefix("http://").rstrip("/").partition(":")
+                self._children = [_Child(0, int(port or 80), http=HttpClient(host, int(port or 80), token=self.token))]
+            await asyncio.gather(*(self._wait_ready(c) for c in self._children))
             if self.device.startswith("cuda"):
-                await asyncio.to_thread(init_cuda, self.device)  # so the first update does not pay for CUDA init
-            await self._post("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
+                for dev in dict.fromkeys(d for replica in self.rank_devices() for d in replica):
+                    await asyncio.to_thread(init_cuda, dev)  # so the first update does not pay for CUDA init
+            await self._post_all("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
             if self.device.startswith("cuda"):
                 await self._warm_update()
         except BaseException:
@@ -246,17 +318,18 @@ class SGLangEngine:
             if not isinstance(got, list) or len(got) != n or not all(isinstance(x, (int, float)) for x in got):
                 log.info("sglang engine: no warm-up update (%s not answered as %d numbers)", name, n)
                 return
-            payload, placed, _h2d = await asyncio.to_thread(serialize_update, {name: values_tensor(got)},
-                                                            self.device or "cuda", None)
-            res = await self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload], "load_format": None, "flush_cache": False,
+            ranks = await asyncio.to_thread(serialize_ranks, {name: values_tensor(got)}, self.rank_devices(),
+                                            per_rank=self.options.per_rank_weights)
+            answers = await asyncio.gather(*(self._post("/update_weights_from_tensor", {
+                "serialized_named_tensors": list(ranks.payloads[c.replica]), "load_format": None, "flush_cache": False,
                 "abort_all_requests": False, "weight_version": str(self.version),
-            })
-            del placed
+            }, replica=c.replica) for c in self._children))
+            del ranks
         except (HttpError, EngineError, ValueError, TypeError) as exc:
             log.info("sglang engine: no warm-up update (%s)", exc)
             return
-        ok = isinstance(res, Mapping) and bool(res.get("success"))
+        res = answers[0] if len(answers) == 1 else answers
+        ok = all(isinstance(r, Mapping) and bool(r.get("success")) for r in answers)
         log.info("sglang engine: warm-up update of %s (%d values, the same ones) %s in %.3f s", name, n,
                  "done" if ok else f"refused: {res!r:.200}", time.time() - t0)
 
@@ -272,18 +345,27 @@ class SGLangEngine:
         ctx = self.options.context_length or (int(positions) if isinstance(positions, int) and positions > 0 else 0)
         self._context_tokens = ctx or None
 
-    def command(self) -> list[str]:
-        """The child's command line (the token travels in its environment, `http.TOKEN_ENV`)."""
+    def replica_capacity(self, replica: int) -> int:
+        """Samples replica `replica` runs at once: the engine's capacity split over its replicas."""
+        share, extra = divmod(self.capacity, self.dp_size)
+        return share + (1 if replica < extra else 0)
+
+    def command(self, replica: int = 0, port: int | None = None) -> list[str]:
+        """The command line of replica `replica`'s child (the token travels in its environment, `http.TOKEN_ENV`).
+
+        It keeps the worker's ``CUDA_VISIBLE_DEVICES``; its ranks start at ``base_gpu_id`` (`ranks`)."""
         o = self.options
         if o.server_cmd:
             cmd = o.server_cmd.split()
         else:
             kw: dict[str, Any]
             if o.backend == "sim":
-                kw = {"capacity": self.capacity, "seed": o.seed}
+                kw = {"capacity": self.replica_capacity(replica), "seed": o.seed, "tp_size": self.tp_size}
             else:
                 kw = {"dtype": self.dtype, "mem_fraction_static": o.mem_fraction_static,
-                      "max_running_requests": self.capacity, "random_seed": o.seed}
+                      "max_running_requests": self.replica_capacity(replica), "random_seed": o.seed, "tp_size": self.tp_size}
+                if self.gpu_plan is not None:
+                    kw["base_gpu_id"] = self.gpu_plan.base_gpu_id(replica)
                 if o.context_length:
                     kw["context_length"] = o.context_length
                 if o.cuda_graph_max_bs:
@@ -291,7 +373,7 @@ class SGLangEngine:
             kw.update(o.server_kwargs())
             cmd = [self.python, "-m", "rollpool.workers.engines.sglang.server", "--backend", o.backend,
                    "--engine-kwargs", json.dumps(kw)]
-        return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
+        return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port if port is None else port)]
 
     def new_token(self) -> str:
         """A fresh token for the next launch, written to the token file (0600) beside the log."""
@@ -304,25 +386,31 @@ class SGLangEngine:
         return self.token
 
     async def _launch(self) -> None:
+        """One child per data-parallel replica (ports `port`, `port` + 1, ... when `port` is set), one token for all."""
         if not self.port:
             self.port = _free_port()
         log_dir = pathlib.Path(self.options.log_dir or tempfile.mkdtemp(prefix="rollpool-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at engine start
-        self._log_path = log_dir / f"sglang-{self.port}.log"
-        self._log_fh = self._log_path.open("ab")
+        ports = [self.port] + [self.port + d if self.options.port else _free_port() for d in range(1, self.dp_size)]
+        self._children = [_Child(d, port, log_path=log_dir / f"sglang-{port}.log") for d, port in enumerate(ports)]
         env = {**os.environ, TOKEN_ENV: self.new_token()}
-        cmd = self.command()
-        log.info("starting SGLang: %s (log %s)", " ".join(cmd), self._log_path)
-        # own session: a scheduler crash kills this tree only, and stop() can end the whole tree
-        self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=self._log_fh, stderr=asyncio.subprocess.STDOUT,
+        for c in self._children:
+            assert c.log_path is not None
+            c.log_fh = c.log_path.open("ab")
+            cmd = self.command(c.replica, c.port)
+            log.info("starting SGLang replica %d: %s (log %s)", c.replica, " ".join(cmd), c.log_path)
+            # own session: a scheduler crash kills this tree only, and stop() can end the whole tree
+            c.proc = await asyncio.create_subprocess_exec(*cmd, stdout=c.log_fh, stderr=asyncio.subprocess.STDOUT,
                                                           stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env)
-        self._http = HttpClient("127.0.0.1", self.port, token=self.token)
-        self._watch = asyncio.create_task(self._watch_loop(), name="sglang-watch")
+            c.http = HttpClient("127.0.0.1", c.port, token=self.token)
+            c.watch = asyncio.create_task(self._watch_loop(c), name=f"sglang-watch-{c.replica}")
 
-    async def _watch_loop(self) -> None:
-        assert self._proc is not None
-        rc = await self._proc.wait()
-        self._mark_dead(f"SGLang server exited with code {rc}{self._log_tail()}")
+    async def _watch_loop(self, child: _Child) -> None:
+        assert child.proc is not None
+        rc = await child.proc.wait()
+        # one replica (or one rank: SGLang's scheduler crash kills its server's tree) down: the engine restarts whole
+        which = f"replica {child.replica} of {self.dp_size}: " if self.dp_size > 1 else ""
+        self._mark_dead(f"{which}SGLang server exited with code {rc}{self._log_tail(child)}")
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
@@ -335,30 +423,42 @@ class SGLangEngine:
             self._died.set_result(reason)
         self._gate.set()  # wake waiters so they see the death
 
-    def _log_tail(self, n: int = 2000) -> str:
-        if self._log_path is None or not self._log_path.exists():
+    def _log_tail(self, child: _Child | None = None, n: int = 2000) -> str:
+        child = child or (self._children[0] if self._children else None)
+        path = child.log_path if child is not None else None
+        if path is None or not path.exists():
             return ""
-        data = self._log_path.read_bytes()[-n:].decode(errors="replace")
-        return f"; log tail ({self._log_path}):\n{data}"
+        data = path.read_bytes()[-n:].decode(errors="replace")
+        return f"; log tail ({path}):\n{data}"
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, child: _Child) -> None:
         deadline = time.monotonic() + self.options.start_timeout_s
-        assert self._http is not None
+        assert child.http is not None
         while True:
             self._check()
             try:
-                await self._http.request("GET", "/health_generate", timeout_s=30)
+                await child.http.request("GET", "/health_generate", timeout_s=30)
                 return
             except (TimeoutError, OSError, HttpError) as exc:
                 if isinstance(exc, HttpError) and exc.status == 401:
                     raise EngineError(f"the SGLang server at {self.url or self.port} refused our token (api_key)") from exc
             if time.monotonic() > deadline:
-                raise EngineError(f"SGLang did not become healthy within {self.options.start_timeout_s:.0f}s{self._log_tail()}")
+                raise EngineError(f"SGLang did not become healthy within {self.options.start_timeout_s:.0f}s{self._log_tail(child)}")
             await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
         self._mark_dead(self._dead or "stopped")
-        proc, self._proc = self._proc, None
+        children, self._children = self._children, []
+        await asyncio.gather(*(self._stop_child(c) for c in children))
+        if self.token_path is not None:
+            with contextlib.suppress(OSError):
+                self.token_path.unlink()  # one small file at stop
+            self.token_path = None
+        self._started = False
+
+    @staticmethod
+    async def _stop_child(c: _Child) -> None:
+        proc, c.proc = c.proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -369,25 +469,20 @@ class SGLangEngine:
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
         if proc is not None:
-            # the scheduler and detokenizer share the group; make sure none outlives the server
+            # the scheduler(s) and detokenizer share the group; make sure none outlives the server
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        if self._watch is not None:
-            self._watch.cancel()
+        if c.watch is not None:
+            c.watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
-            self._watch = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-        if self.token_path is not None:
-            with contextlib.suppress(OSError):
-                self.token_path.unlink()  # one small file at stop
-            self.token_path = None
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        self._started = False
+                await c.watch
+            c.watch = None
+        if c.http is not None:
+            await c.http.close()
+            c.http = None
+        if c.log_fh is not None:
+            c.log_fh.close()
+            c.log_fh = None
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -400,7 +495,10 @@ class SGLangEngine:
             simulated=self.options.backend == "sim",
             device=self.device or "cuda",
             extra={"dtype": self.dtype, "backend": self.options.backend,
-                   "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else "")},
+                   "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else ""),
+                   "tp_size": self.tp_size, "dp_size": self.dp_size,
+                   "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
+                   if self.gpu_plan is not None else []},
         )
 
     # -- I/O helpers
@@ -409,11 +507,18 @@ class SGLangEngine:
         if self._dead is not None:
             raise EngineError(f"sglang engine is not running: {self._dead}")
 
-    async def _post(self, path: str, body: Any = None, *, method: str = "POST", timeout_s: float | None = 120.0) -> Any:
-        """One HTTP call that fails with `EngineError` as soon as the server dies."""
+    async def _post_all(self, path: str, body: Any = None, *, method: str = "POST", timeout_s: float | None = 120.0) -> list[Any]:
+        """The same call on every replica, at once; their answers in replica order."""
+        return list(await asyncio.gather(*(self._post(path, body, method=method, timeout_s=timeout_s, replica=c.replica)
+                                           for c in self._children)))
+
+    async def _post(self, path: str, body: Any = None, *, method: str = "POST", timeout_s: float | None = 120.0,
+                    replica: int = 0) -> Any:
+        """One HTTP call to replica `replica` that fails with `EngineError` as soon as any replica's server dies."""
         self._check()
-        assert self._http is not None and self._died is not None
-        call = asyncio.ensure_future(self._http.request(method, path, body, timeout_s=timeout_s))
+        http = self._children[replica].http if replica < len(self._children) else None
+        assert http is not None and self._died is not None
+        call = asyncio.ensure_future(http.request(method, path, body, timeout_s=timeout_s))
         try:
             await asyncio.wait({call, self._died}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -456,17 +561,21 @@ class SGLangEngine:
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1
-        req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)])
+        # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
+        child = min(self._children, key=lambda c: (c.running, c.replica))
+        req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica)
         self._requests[request_id] = req
+        child.running += n
         started = time.time()
         try:
             await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
         except BaseException:
             req.aborted = True
             with contextlib.suppress(Exception):
-                await self._abort_rids([s.rid for s in req.samples if s.rid])
+                await self._abort_rids([s.rid for s in req.samples if s.rid], req.replica)
             raise
         finally:
+            child.running -= n
             self._requests.pop(request_id, None)
         samples = [
             SampleOutput(index=s.index, output_ids=s.out, logprobs=s.logprobs, token_versions=s.versions,
@@ -497,7 +606,7 @@ class SGLangEngine:
             self.stats["attempts"] += 1
             sent_at = time.time()
             try:
-                resp = await self._post("/generate", body, timeout_s=self.options.request_timeout_s)
+                resp = await self._post("/generate", body, timeout_s=self.options.request_timeout_s, replica=req.replica)
             except HttpError as exc:
                 # the request passed rollpool's checks: a refusal now is the engine's fault, not the prompt's
                 raise EngineError(f"sglang engine: /generate failed on a request that passed the checks: {exc}") from exc
@@ -558,11 +667,12 @@ class SGLangEngine:
             rids = [s.rid for s in req.samples if s.rid]
             if not rids or self._dead is not None:
                 return
-            await self._abort_rids(rids)
+            await self._abort_rids(rids, req.replica)
             await asyncio.sleep(0.05)
 
-    async def _abort_rids(self, rids: Sequence[str]) -> None:
-        await asyncio.gather(*(self._post("/abort_request", {"rid": r, "abort_all": False}, timeout_s=30) for r in rids))
+    async def _abort_rids(self, rids: Sequence[str], replica: int) -> None:
+        await asyncio.gather(*(self._post("/abort_request", {"rid": r, "abort_all": False}, timeout_s=30, replica=replica)
+                               for r in rids))
 
     # -- weight updates
 
@@ -579,14 +689,14 @@ class SGLangEngine:
             # our own abort_all + wait: pause_generation(abort) alone polls once a second
             deadline = time.monotonic() + 120
             while not self._idle.is_set():
-                await self._post("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
+                await self._post_all("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
                 with contextlib.suppress(asyncio.TimeoutError):
                     # a request still on its way into SGLang misses an abort_all: ask again soon
                     await asyncio.wait_for(self._idle.wait(), 0.05)
                 self._check()
                 if time.monotonic() > deadline:
                     raise EngineError("sglang engine: running samples did not return within 120 s of abort_all")
-            await self._post("/pause_generation", {"mode": "abort"})
+            await self._post_all("/pause_generation", {"mode": "abort"})
             self._sglang_paused = True
         else:
             assert self._died is not None
@@ -603,7 +713,7 @@ class SGLangEngine:
     async def resume(self) -> None:
         t0 = time.time()
         if self._sglang_paused:
-            await self._post("/continue_generation", {"torch_empty_cache": False})
+            await self._post_all("/continue_generation", {"torch_empty_cache": False})
             self._sglang_paused = False
         self._mode = None
         self._gate.set()
@@ -623,11 +733,13 @@ class SGLangEngine:
                 raise WeightsRefusedError(f"update_weights: {name} has shape {shape}, the model has {known[1]}")
         return names
 
-    async def _to_device(self, named_tensors: Mapping[str, Any], version: int | None = None) -> tuple[str, dict[str, Any], float]:
-        stager, self._stager = self._stager, None
-        if stager is not None and stager.version != version:
-            stager = None
-        return await asyncio.to_thread(serialize_update, named_tensors, self.device or "cpu", stager)
+    async def _to_ranks(self, named_tensors: Mapping[str, Any], version: int | None = None) -> RankPayloads:
+        """The version as one payload per rank of every replica (`tensors.serialize_ranks`), in a thread."""
+        stagers, self._stagers = self._stagers, {}
+        if any(st.version != version for st in stagers.values()):
+            stagers = {}
+        return await asyncio.to_thread(serialize_ranks, named_tensors, self.rank_devices(),
+                                       per_rank=self.options.per_rank_weights, staged=stagers)
 
     def weight_bytes(self) -> int:
         """Bytes of one weight version for this engine: its checkpoint's parameters in its dtype, plus the embedding
@@ -640,23 +752,30 @@ class SGLangEngine:
         return version_bytes(params, self.dtype)
 
     def stage_bucket(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        """One verified bucket of `version` (the fetch's ``on_bucket``, on the loop): its host-to-device copy is queued
-        at once on a side stream, so it overlaps the fetch of the next bucket. `stage_weights` then only copies what
-        is missing and synchronises. A no-op off CUDA."""
+        """One verified bucket of `version` (the fetch's ``on_bucket``, on the loop): its copy to the device is queued
+        at once on a side stream, so it overlaps the fetch of the next bucket; with ``per_rank_weights`` and several
+        ranks, one copy per rank GPU, each on that GPU's side stream. `stage_weights` then only copies what is missing
+        and synchronises. A no-op off CUDA."""
         if not (self.device or "").startswith("cuda"):
             return
-        stager = self._stager
-        if stager is None or stager.version != version:
-            stager = self._stager = BucketStager(version, self.device or "cuda")
-        stager.add(named_tensors)
+        devices = [self.rank_devices()[0][0]]
+        if self.options.per_rank_weights:
+            devices = list(dict.fromkeys(d for replica in self.rank_devices() for d in replica))
+        for dev in devices:
+            stager = self._stagers.get(dev)
+            if stager is None or stager.version != version:
+                stager = self._stagers[dev] = BucketStager(version, dev)
+            stager.add(named_tensors)
 
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        """Copy a fetched version onto the GPU while generation goes on, so the pause only swaps it in.
+        """Copy a fetched version onto the GPU(s) while generation goes on, so the pause only swaps it in.
 
         Holds one extra copy of the weights in GPU memory (outside SGLang's
         `mem_fraction_static`) until `update_weights(..., version)` consumes
-        it or another version is staged. Names and shapes are checked here
-        too, so a bad version fails before anything pauses.
+        it or another version is staged: on rank 0's GPU, or, with
+        ``per_rank_weights`` and ``tp_size > 1``, on every rank's GPU. Names
+        and shapes are checked here too, so a bad version fails before
+        anything pauses.
         """
         self._check()
         names = self._check_names(named_tensors)
@@ -664,13 +783,16 @@ class SGLangEngine:
         if not names:
             return
         t0 = time.time()
-        stager = self._stager
-        early = len(stager.placed) if stager is not None and stager.version == version else 0
-        started = stager.started_at if early and stager is not None else t0
-        payload, on_device, h2d_s = await self._to_device(named_tensors, version)
-        self._staged = _Staged(version, tuple(names), payload, on_device, started, h2d_s, time.time() - t0, early)
+        early = sum(len(st.placed) for st in self._stagers.values() if st.version == version)
+        started = min((st.started_at for st in self._stagers.values() if st.version == version), default=t0) if early else t0
+        ranks = await self._to_ranks(named_tensors, version)
+        self._staged = _Staged(version, tuple(names), ranks, started, ranks.h2d_s, time.time() - t0, early)
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Apply `version` on every rank of every replica, or fail: one payload per TP rank through each replica's
+        ``update_weights_from_tensor`` (rank r reads entry r), all tagged ``weight_version=str(version)``. Any
+        refusal, or a replica that dies, raises `EngineError`; the worker then restarts the engine whole and gives
+        it the whole version, so no rank ever serves a version the others do not have."""
         self._check()
         if not self._idle.is_set():
             raise EngineError("sglang engine: update_weights while samples run in SGLang; call pause() first")
@@ -679,63 +801,76 @@ class SGLangEngine:
         staged, self._staged = self._staged, None
         if not names:
             self.version = version
-            await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            await self._post_all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             return
         if staged is not None and staged.version == version and staged.names == tuple(names):
-            payload, on_device, h2d_s = staged.payload, staged.on_device, 0.0
+            ranks, h2d_s = staged.payloads, 0.0
             self.last_update.update({"staged": 1.0, "stage_started_at": staged.started_at, "stage_h2d_s": staged.h2d_s,
                                      "stage_s": staged.stage_s, "staged_by_bucket": float(staged.by_bucket)})
         else:
-            payload, on_device, h2d_s = await self._to_device(named_tensors)
+            ranks = await self._to_ranks(named_tensors)
+            h2d_s = ranks.h2d_s
             self.last_update["staged"] = 0.0
         t1 = time.time()
+
+        async def one(replica: int) -> None:
+            try:
+                res = await self._post("/update_weights_from_tensor", {
+                    "serialized_named_tensors": list(ranks.payloads[replica]), "load_format": None, "flush_cache": True,
+                    "abort_all_requests": False, "weight_version": str(version),
+                }, timeout_s=600, replica=replica)
+            except HttpError as exc:
+                raise EngineError(f"update_weights: SGLang{self._which(replica)} refused version {version}: {exc}") from exc
+            if not isinstance(res, Mapping) or not res.get("success"):
+                raise EngineError(f"update_weights: SGLang{self._which(replica)} reports failure for version {version}: {res!r}")
+
         try:
-            res = await self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
-                "abort_all_requests": False, "weight_version": str(version),
-            }, timeout_s=600)
-        except HttpError as exc:
-            raise EngineError(f"update_weights: SGLang refused the update: {exc}") from exc
+            await asyncio.gather(*(one(c.replica) for c in self._children))
         finally:
             t2 = time.time()
-        if not isinstance(res, Mapping) or not res.get("success"):
-            raise EngineError(f"update_weights: SGLang reports failure: {res!r}")
         verify_s = 0.0
         if self.verify_updates:
             t3 = time.time()
-            await self._verify(on_device, names)
+            for c in self._children:
+                await self._verify(ranks.first(), names, c.replica)
             verify_s = time.time() - t3
-        del on_device
         self.version = version
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
-                                 "sglang_update_s": t2 - t1, "verify_s": verify_s,
+                                 "sglang_update_s": t2 - t1, "verify_s": verify_s, "ranks": float(self.tp_size * self.dp_size),
                                  "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
 
-    async def _verify(self, sent: Mapping[str, Any], names: Sequence[str]) -> None:
+    def _which(self, replica: int) -> str:
+        return f" (replica {replica} of {self.dp_size})" if self.dp_size > 1 else ""
+
+    async def _verify(self, sent: Mapping[str, Any], names: Sequence[str], replica: int = 0) -> None:
+        """SGLang answers ``get_weights_by_name`` from TP rank 0 (row-parallel weights gathered): the leading row of
+        each picked name is on rank 0 whatever the sharding, so one replica's answer is checked against what was sent."""
         shapes = {n: self._params[n][1] for n in names}
         picks = pick_verify_names(names, shapes)
         if not picks:
             raise EngineError("update_weights: none of the updated names can be checked with get_weights_by_name; "
                               "pass verify_updates=false to accept unconfirmed updates")
         for name in picks:
-            row = await self._leading_values(name)
+            row = await self._leading_values(name, replica)
             if row is None and len(shapes[name]) == 1:
                 # a norm weight SGLang does not answer: fall back to the (slower) 2-D projections
                 two_d = [n for n in names if len(shapes[n]) == 2]
                 if pick_verify_names(two_d, shapes):
-                    await self._verify(sent, two_d)
+                    await self._verify(sent, two_d, replica)
                     return
             want = leading(sent[name])
             if row is None or len(row) != len(want):
-                raise EngineError(f"update_weights: get_weights_by_name({name}) gave {row!s:.200}; cannot confirm the update")
+                raise EngineError(f"update_weights: get_weights_by_name({name}){self._which(replica)} gave {row!s:.200}; "
+                                  "cannot confirm the update")
             bad = sum(1 for a, b in zip(row, want, strict=True) if abs(float(a) - b) > 1e-2 * max(1.0, abs(b)))
             if bad:
-                raise EngineError(f"update_weights: {name} did not land in SGLang ({bad} of {len(want)} leading values differ)")
+                raise EngineError(f"update_weights: {name} did not land in SGLang{self._which(replica)} "
+                                  f"({bad} of {len(want)} leading values differ)")
 
-    async def _leading_values(self, name: str) -> list[Any] | None:
+    async def _leading_values(self, name: str, replica: int = 0) -> list[Any] | None:
         """SGLang's first row (2-D) or first element (1-D) of `name`, or None when the answer is not a list of numbers."""
         try:
-            got = await self._post("/get_weights_by_name", {"name": name, "truncate_size": 1})
+            got = await self._post("/get_weights_by_name", {"name": name, "truncate_size": 1}, replica=replica)
         except HttpError as exc:
             raise EngineError(f"update_weights: cannot confirm {name} landed: {exc}") from exc
         row = got[0] if isinstance(got, list) and got and isinstance(got[0], list) else got
@@ -750,20 +885,20 @@ class SGLangEngine:
         # SGLang asserts it is idle on release (a crash otherwise): stop intake and let running samples finish
         self._gate.clear()
         await self._idle.wait()
-        await self._post("/release_memory_occupation", {"tags": list(wanted)})
+        await self._post_all("/release_memory_occupation", {"tags": list(wanted)})
         self._released |= set(wanted)
 
     async def resume_memory(self, tags: Sequence[str] = ()) -> None:
         wanted = [t for t in (tuple(tags) or ("weights", "kv_cache", "cuda_graph")) if t in self._released]
         if wanted:  # resuming a tag that was not released is a KeyError inside SGLang's scheduler
-            await self._post("/resume_memory_occupation", {"tags": wanted})
+            await self._post_all("/resume_memory_occupation", {"tags": wanted})
             self._released -= set(wanted)
         if not self._released and self._mode is None:
             self._gate.set()
 
     async def flush_cache(self) -> None:
         with contextlib.suppress(HttpError):  # refused while busy: not an error (SGLang flushes only when idle)
-            await self._post("/flush_cache", method="GET")
+            await self._post_all("/flush_cache", method="GET")
 
 
 def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # the registry's well-known name

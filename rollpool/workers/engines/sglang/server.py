@@ -16,7 +16,14 @@ names, bodies and answers (the subset rollpool uses):
   Weights sent by value from a CPU worker are kept, so ``get_weights_by_name``
   answers with what was sent. It lets the real `SGLangEngine` code (launch,
   HTTP, interrupt-and-resubmit, per-attempt versions, death detection) run the
-  engine contract on a CPU.
+  engine contract on a CPU. With ``tp_size`` > 1 it pretends to be that many
+  tensor-parallel ranks, as SGLang's update sees them: the update takes exactly
+  one payload per rank (rank r reads entry r), every rank decodes its own, and
+  the version lands on every rank or on none; each rank has a stand-in process
+  (``sleep``, dying with the server), and when one exits the server kills the
+  rest and exits, as a crashing SGLang scheduler takes its server down.
+  ``rank_refuses: [rank, version]`` (an engine keyword) makes that rank refuse
+  that version: the fault a test needs, applied before any rank changes.
 
 A route answers 400 only for a request body that fails an explicit check
 (`BadRequest`); anything else raised is a 500 (see `http`).
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -37,7 +45,7 @@ from typing import Any
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, serve_routes
 
-__all__ = ["sglang_routes", "sim_routes", "serve_main"]
+__all__ = ["SimRanks", "sglang_routes", "sim_routes", "serve_main"]
 
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed"}
 
@@ -162,9 +170,45 @@ class _SimPrefixCache:
         self._seqs.clear()
 
 
-def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:  # noqa: C901 - grandfathered: one handler per route
+class SimRanks:
+    """The tensor-parallel ranks the sim backend pretends to be: per rank, its weights and weight version."""
+
+    def __init__(self, tp_size: int, version: int, refuses: tuple[int, int] | None = None) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
+        self.weights: list[dict[str, Any]] = [{} for _ in range(tp_size)]
+        self.versions: list[int] = [version] * tp_size
+        self.refuses = refuses
+        self.pids: list[int] = []
+
+    def update(self, payloads: Any, version: int) -> tuple[bool, str, list[tuple[str, Any]]]:
+        """Decode every rank's payload, then apply to all ranks or to none: ``(ok, message, rank 0's tensors)``."""
+        from rollpool.workers.engines.sglang.tensors import load_cpu_payload
+
+        if not isinstance(payloads, list) or len(payloads) != self.tp_size:
+            got = len(payloads) if isinstance(payloads, list) else type(payloads).__name__
+            raise BadRequest(f"serialized_named_tensors must hold one payload per TP rank: tp_size is {self.tp_size}, got {got}")
+        decoded: list[list[tuple[str, Any]]] = []
+        for rank, payload in enumerate(payloads):
+            try:
+                decoded.append(load_cpu_payload(payload))
+            except ValueError as exc:
+                return False, f"rank {rank}: {exc}", []
+            if [n for n, _ in decoded[rank]] != [n for n, _ in decoded[0]]:
+                return False, f"rank {rank} got other tensor names than rank 0 (each rank takes the full tensors)", []
+        if self.refuses is not None and self.refuses[1] == version and 0 <= self.refuses[0] < self.tp_size:
+            return False, f"rank {self.refuses[0]} refused weight_version {version}; no rank changed", []
+        for rank, named in enumerate(decoded):
+            self.weights[rank].update({name: t.clone() for name, t in named})
+            self.versions[rank] = version
+        return True, "Succeeded to update model weights.", decoded[0]
+
+
+def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None) -> dict[str, Route]:  # noqa: C901 - grandfathered: one handler per route
     """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
-    weights: dict[str, Any] = {}
+    ranks = ranks or SimRanks(1, sim.version)
+    weights = ranks.weights[0]  # get_weights_by_name answers from TP rank 0, as in SGLang
     paused = False
     cache = _SimPrefixCache()
 
@@ -220,18 +264,12 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:  # noqa: C901 - g
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
-        from rollpool.workers.engines.sglang.tensors import load_cpu_payload
-
-        payloads = _need(b, "serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise BadRequest("serialized_named_tensors must hold one payload (tp_size 1)")
-        try:
-            named = load_cpu_payload(payloads[0])
-        except ValueError as exc:
-            return 400, {"success": False, "message": str(exc)}
-        version = b.get("weight_version")
-        await sim.update_weights(dict(named), int(version) if version is not None else sim.version)
-        weights.update({name: t.clone() for name, t in named})
+        raw = b.get("weight_version")
+        version = int(raw) if raw is not None else sim.version
+        ok, message, named = ranks.update(_need(b, "serialized_named_tensors"), version)
+        if not ok:
+            return 400, {"success": False, "message": message}
+        await sim.update_weights(dict(named), version)
         if b.get("flush_cache", True):
             cache.clear()
         return 200, {"success": True, "message": "Succeeded to update model weights."}
@@ -249,10 +287,13 @@ def sim_routes(sim: Any, model_path: str) -> dict[str, Route]:  # noqa: C901 - g
             for rid in sim.running_request_ids():
                 await sim.abort(rid)
         await sim.update_weights({}, int(new))
+        ranks.versions = [int(new)] * ranks.tp_size
         return 200, {"success": True, "message": "ok", "new_version": new}
 
     async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
-        return 200, {"model_path": model_path, "weight_version": str(sim.version)}
+        # tp_size, rank_versions and rank_pids are the sim's own keys (real SGLang reports no per-rank state here)
+        return 200, {"model_path": model_path, "weight_version": str(sim.version), "tp_size": ranks.tp_size,
+                     "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids)}
 
     async def health(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, None
@@ -288,6 +329,36 @@ async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: 
         await runner.cleanup()
 
 
+def _die_with_parent() -> None:
+    """In a stand-in, before exec: SIGKILL when the server dies, however it dies (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+async def _start_rank_stand_ins(ranks: SimRanks) -> asyncio.Task[None]:
+    """One stand-in process per rank (SGLang runs a scheduler process per rank); a watch that, when any exits,
+    kills the others and ends this server at once, as a crashing SGLang scheduler takes its whole server down."""
+    import signal
+
+    procs = [await asyncio.create_subprocess_exec("sleep", "infinity", stdin=asyncio.subprocess.DEVNULL,
+                                                  preexec_fn=_die_with_parent) for _ in range(ranks.tp_size)]
+    ranks.pids = [p.pid for p in procs]
+
+    async def watch() -> None:
+        waits = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        rank = waits[next(iter(done))]
+        logging.getLogger(__name__).error("sim rank %d (pid %d) exited; the server goes down with it", rank, procs[rank].pid)
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGKILL)
+        os._exit(1)
+
+    return asyncio.create_task(watch(), name="sim-rank-watch")
+
+
 def _sim_model_kwargs(model_path: str) -> dict[str, Any]:
     """The sim's vocabulary and end-of-sequence id from the model directory's config, as SGLang would serve that model."""
     try:
@@ -317,11 +388,20 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from rollpool.workers.engines.options import SimOptions, parse_options
         from rollpool.workers.engines.sim import SimEngine
 
+        tp_size = int(kwargs.pop("tp_size", 1))
+        refuses = kwargs.pop("rank_refuses", None)
+        kwargs.pop("base_gpu_id", None)
         sim = SimEngine(parse_options(SimOptions, {**_sim_model_kwargs(a.model_path), **kwargs}))
+        ranks = SimRanks(tp_size, sim.version, (int(refuses[0]), int(refuses[1])) if refuses else None)
 
         async def run_sim() -> None:
             await sim.start()
-            await _serve_forever(sim_routes(sim, a.model_path), a.host, a.port, token)
+            watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
+            try:
+                await _serve_forever(sim_routes(sim, a.model_path, ranks), a.host, a.port, token)
+            finally:
+                if watch is not None:
+                    watch.cancel()
 
         asyncio.run(run_sim())
         return 0

@@ -2,8 +2,15 @@
 
 torch is imported inside the functions, so the engine module loads without it.
 
-- `serialize_update` copies the tensors to the device (one flat buffer per
-  dtype, one synchronise) and pickles them. On CUDA the pickle carries CUDA
+- `serialize_ranks` copies the tensors to the devices (one flat buffer per
+  dtype per device, one synchronise each) and pickles them once per
+  tensor-parallel rank: SGLang's ``serialized_named_tensors`` holds one
+  payload per rank and rank r reads entry r (``tp_worker.py``). With
+  ``per_rank`` each rank's payload names a copy on that rank's own GPU (the
+  copies are made before the pause, so the update only maps local memory);
+  without, every payload names one copy on rank 0's GPU, and each other rank
+  copies it across GPUs inside the update. `serialize_update` is the
+  one-rank case. On CUDA the pickle carries CUDA
   IPC handles (what SGLang's ``MultiprocessingSerializer`` sends: SGLang maps
   the memory, no copy through the host; same host only); the returned tensors
   must stay alive until SGLang has answered. On CPU, where no real SGLang can
@@ -19,11 +26,12 @@ from __future__ import annotations
 import base64
 import io
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CPU_PAYLOAD_MAGIC", "cuda_available", "init_cuda", "leading", "load_cpu_payload", "nbytes", "on_device", "serialize_update",
-           "values_tensor", "BucketStager"]
+__all__ = ["CPU_PAYLOAD_MAGIC", "cuda_available", "cuda_device_count", "init_cuda", "leading", "load_cpu_payload", "nbytes",
+           "on_device", "serialize_ranks", "serialize_update", "values_tensor", "BucketStager", "RankPayloads"]
 
 CPU_PAYLOAD_MAGIC = b"TORCHSAVE"
 
@@ -34,6 +42,15 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def cuda_device_count() -> int:
+    """GPUs this process sees (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
 def init_cuda(device: str) -> None:
@@ -91,9 +108,9 @@ class BucketStager:
     """A version's buckets copied to the device as each one verifies (the fetch's ``on_bucket``), so the copy of bucket
     i overlaps the fetch of bucket i + 1; `serialize_update(..., staged=)` copies only what is still missing.
 
-    Only page-locked sources are queued (a copy from pageable memory would hold the event loop); tensors already
-    on the device (the same-GPU path) are taken as they are. The copies run on a side stream, synchronised once
-    by `serialize_update`."""
+    Only page-locked sources and tensors on another GPU are queued (a copy from pageable memory would hold the event
+    loop); tensors already on the device (the same-GPU path) are taken as they are. The copies run on a side stream
+    of the device, synchronised once by `serialize_ranks`. A tensor-parallel engine keeps one stager per rank GPU."""
 
     def __init__(self, version: int, device: str) -> None:
 
@@ -116,7 +133,7 @@ class BucketStager:
                     continue
                 if on_device({name: value}, self.device):
                     self.placed[name] = value
-                elif value.device.type == "cpu" and value.is_pinned():
+                elif (value.device.type == "cpu" and value.is_pinned()) or value.is_cuda:
                     dst = torch.empty(value.shape, dtype=value.dtype, device=self.device)
                     dst.copy_(value, non_blocking=True)
                     self.placed[name] = dst
@@ -126,32 +143,50 @@ class BucketStager:
         return n
 
 
-def serialize_update(named: Mapping[str, Any], device: str, staged: BucketStager | None = None) -> tuple[str, dict[str, Any], float]:
-    """``(base64 payload, the tensors as placed on device, host-to-device seconds)``; see the module docstring.
+@dataclass(frozen=True, eq=False)
+class RankPayloads:
+    """One version as SGLang's tensor-parallel update takes it (`serialize_ranks`)."""
 
-    `staged`: copies queued as the buckets verified (`BucketStager`); what it holds is used as it is."""
+    payloads: tuple[tuple[str, ...], ...]
+    """Per data-parallel replica, one base64 payload per TP rank (``serialized_named_tensors``), each pickled on its own."""
+    placed: Mapping[str, Mapping[str, Any]]
+    """Per device, the tensors the payloads refer to: kept alive until SGLang has answered."""
+    h2d_s: float
+    """Seconds of the copies to the devices (and the synchronise)."""
+    pickle_s: float
+    """Seconds of pickling every payload (CUDA IPC handles on CUDA; the values on CPU)."""
+
+    @property
+    def ranks(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+    def first(self) -> Mapping[str, Any]:
+        """The tensors of rank 0 of replica 0 (what the update check compares SGLang's answer with)."""
+        return next(iter(self.placed.values()))
+
+
+def _place(named: Mapping[str, Any], device: str, staged: BucketStager | None) -> dict[str, Any]:
+    """`named` on `device`: what `staged` holds already, the tensors already there as they are, the rest copied in one
+    flat buffer per dtype (from pinned host memory or another GPU, asynchronously; the caller synchronises)."""
     import torch
-    import torch.multiprocessing  # registers the CUDA tensor reductions on ForkingPickler
 
-    t0 = time.time()
-    by_dtype: dict[Any, list[tuple[str, Any]]] = {}
     pre: dict[str, Any] = {}
     if staged is not None and staged.device == device:
         if staged.stream is not None:
             staged.stream.synchronize()
         pre = {name: staged.placed[name] for name in named if name in staged.placed
                and tuple(staged.placed[name].shape) == tuple(named[name].shape) and staged.placed[name].dtype == named[name].dtype}
+    if not pre and on_device(named, device):
+        # already on this GPU (the same-GPU weight path: the subscriber's verified device buffers, kept until the next
+        # version is served): SGLang maps these very tensors, no copy
+        return dict(named)
+    by_dtype: dict[Any, list[tuple[str, Any]]] = {}
     for name, value in named.items():
         if name in pre:
             continue
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
         by_dtype.setdefault(t.dtype, []).append((name, t))
     placed: dict[str, Any] = dict(pre)
-    if not pre and on_device(named, device):
-        # already on the engine's GPU (the same-GPU weight path: the subscriber's verified device buffers, kept until
-        # the next version is served): SGLang maps these very tensors, no copy
-        placed = dict(named)
-        by_dtype = {}
     for dtype, items in by_dtype.items():
         total = sum(t.numel() for _, t in items)
         flat = torch.empty(total, dtype=dtype, device=device)
@@ -159,24 +194,59 @@ def serialize_update(named: Mapping[str, Any], device: str, staged: BucketStager
         for name, t in items:
             n = t.numel()
             view = flat[off : off + n]
-            view.copy_(t.reshape(-1), non_blocking=True)  # pinned sources copy asynchronously; one sync below
+            view.copy_(t.reshape(-1), non_blocking=True)  # pinned sources copy asynchronously; one sync per device
             placed[name] = view.view(t.shape)
             off += n
-    on_cuda = device.startswith("cuda")
-    if on_cuda:
-        torch.cuda.synchronize(device)
-    h2d_s = time.time() - t0
-    items_out = [(name, placed[name]) for name in named]
+    return placed
+
+
+def _pickle(items: list[tuple[str, Any]], on_cuda: bool) -> str:
+    import torch
+    import torch.multiprocessing  # registers the CUDA tensor reductions on ForkingPickler
+
     buf = io.BytesIO()
     if on_cuda:
         from multiprocessing.reduction import ForkingPickler
 
-        ForkingPickler(buf).dump(items_out)
+        ForkingPickler(buf).dump(items)
         data = buf.getvalue()
     else:
-        torch.save(items_out, buf)
+        torch.save(items, buf)
         data = CPU_PAYLOAD_MAGIC + buf.getvalue()
-    return base64.b64encode(data).decode(), placed, h2d_s
+    return base64.b64encode(data).decode()
+
+
+def serialize_ranks(named: Mapping[str, Any], rank_devices: Sequence[Sequence[str]], *, per_rank: bool = True,
+                    staged: Mapping[str, BucketStager] | None = None) -> RankPayloads:
+    """`named` as one payload per TP rank of every replica; `rank_devices[d][r]` is the device of rank r of replica d.
+
+    ``per_rank``: every rank's payload refers to a copy on its own device (each device gets one copy, shared by
+    nothing else). Otherwise every payload refers to one copy on ``rank_devices[0][0]``, which the other ranks map
+    and copy to their own GPU inside SGLang's update. Either way each payload is pickled on its own: one pickle
+    read by several ranks leaks CUDA IPC memory (SGLang PR #4446, API notes 3.2). `staged`: per device, the copies
+    queued while the version was fetched (`BucketStager`)."""
+    import torch
+
+    if not rank_devices or not all(rank_devices):
+        raise ValueError("serialize_ranks needs at least one replica of at least one rank")
+    t0 = time.time()
+    targets = list(dict.fromkeys(d for replica in rank_devices for d in replica)) if per_rank else [rank_devices[0][0]]
+    placed = {dev: _place(named, dev, (staged or {}).get(dev)) for dev in targets}
+    for dev in targets:
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize(dev)
+    t1 = time.time()
+    payloads = tuple(
+        tuple(_pickle([(name, placed[dev if per_rank else targets[0]][name]) for name in named], dev.startswith("cuda"))
+              for dev in replica)
+        for replica in rank_devices)
+    return RankPayloads(payloads, placed, t1 - t0, time.time() - t1)
+
+
+def serialize_update(named: Mapping[str, Any], device: str, staged: BucketStager | None = None) -> tuple[str, dict[str, Any], float]:
+    """One rank on one device: ``(base64 payload, the tensors as placed on device, host-to-device seconds)``."""
+    out = serialize_ranks(named, [[device]], staged={device: staged} if staged is not None else None)
+    return out.payloads[0][0], dict(out.first()), out.h2d_s
 
 
 def load_cpu_payload(payload: str) -> list[tuple[str, Any]]:
