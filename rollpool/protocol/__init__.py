@@ -8,9 +8,9 @@ these types.
 from __future__ import annotations
 
 from rollpool.protocol.codec import (
+    CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
     INLINE_MINOR,
-    CONTRACT_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
