@@ -76,6 +76,7 @@ from rollpool.protocol import (
     Control,
     ControlReply,
     Error,
+    GroupResult,
     Inline,
     MetricsSink,
     NullMetricsSink,
@@ -497,6 +498,19 @@ class TrainerClient:
             self.metrics.observe("staleness", float(lag))
         return out
 
+    async def take_ended(self, timeout: float = 0.0) -> list[GroupResult]:  # noqa: ASYNC109
+        """The groups that ended other than DONE (FAILED, CANCELLED, DROPPED_STALE) received so far, without waiting
+        for DONE ones (which `get_batch` returns them beside): a caller whose groups may all fail (an exact weight
+        version gone) learns it at once. Pulls once, waiting up to `timeout` s, when none is buffered; DONE groups
+        pulled meanwhile stay buffered for `get_batch`. Each group is returned once, here or by `get_batch`."""
+        if not self.ledger.has_other():
+            acks = self.ledger.pull_acks()
+            batch = await self._pull(_ENDED_PULL_GROUPS, timeout, acks)
+            self.ledger.acks_sent(acks)
+            self.ledger.observe_version(batch.weight_version)
+            await self._taken(self.ledger.adopt(batch.groups))
+        return self.ledger.take_other()
+
     async def _taken(self, taken: TakeOutcome) -> None:
         """Report the groups one take or recheck dropped as stale, and submit their regenerations."""
         for pid, staleness in taken.dropped_stale:
@@ -680,6 +694,10 @@ class TrainerClient:
     def pending(self) -> int:
         """Prompts accepted and not yet delivered."""
         return len(self.ledger.pending)
+
+
+_ENDED_PULL_GROUPS = 256
+"""Groups one `take_ended` pull asks for."""
 
 
 def _expect(reply: object, kind: type[_R], name: str) -> _R:

@@ -282,13 +282,14 @@ class RolloutPool:
         result = self._client.submit(prompts)
         if result.rejected:
             pid, reason = next(iter(result.rejected.items()))
-            raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
+            detail = f": {result.details[pid]}" if pid in result.details else ""
+            raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid}{detail})")
         exact = -1 if exact_weight_version is None else exact_weight_version
         return (_Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops, starts, exact),
                 single and sampling[0][1] == 1)
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
-        poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
+        poll = SYNC_POLL_S if call.min_version >= 0 or call.exact_version >= 0 else 5.0
         wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
         try:
             batch = self._client.get_batch(1, timeout=wait)
@@ -297,14 +298,17 @@ class RolloutPool:
                 self._fail(call, self._timeout_error(call))
             if call.min_version >= 0:
                 self._check_version_reachable(call)
+            if call.exact_version >= 0:
+                # its groups may all have failed (the version gone): they come without any DONE group beside them
+                return [g for g in self._client.take_ended() if not self._abandoned_now(g)]
             return []
-        groups = []
-        for g in batch.groups + batch.other:
-            if g.prompt_id in self._abandoned:
-                self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
-            else:
-                groups.append(g)
-        return groups
+        return [g for g in batch.groups + batch.other if not self._abandoned_now(g)]
+
+    def _abandoned_now(self, g: GroupResult) -> bool:
+        if g.prompt_id in self._abandoned:
+            self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
+            return True
+        return False
 
     def _check_version_reachable(self, call: _Call) -> None:
         """Fail the call at once when every live worker gave up the version it waits for and nothing newer is out."""

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rollpool.protocol import MetricsSink, Prompt, SamplingParams
+from rollpool.protocol import GroupResult, MetricsSink, Prompt, SamplingParams
 from rollpool.trainer_client.client import RolloutBatch, SubmitResult, TrainerClient, TrainerClientConfig
 
 __all__ = ["SyncTrainerClient"]
@@ -70,6 +70,10 @@ class SyncTrainerClient:
         items = list(prompts)
         return self._call(lambda: self.client.submit(items, group_size=group_size, sampling=sampling,
                                                      exact_weight_version=exact_weight_version))
+
+    def take_ended(self, timeout: float = 0.0) -> list[GroupResult]:
+        """See `TrainerClient.take_ended`."""
+        return self._call(lambda: self.client.take_ended(timeout))
 
     def wait_for_version(self, version: int, fraction: float = 1.0, timeout: float | None = None,
                          poll_s: float = 0.1) -> dict[str, Any]:
