@@ -64,7 +64,7 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
                      "--max-applying", str(max_applying), "--heartbeat-interval-s", "0.2",
                      "--fleet-stage-deadline-s", str(deadline_s)], log_dir / f"convergence-{mode}-broker.log")
     pool = _spawn([*py, "worker", "--engine", "sim", "--broker", bw, "--count", str(workers), "--worker-id", f"conv-{mode}",
-                   "--heartbeat-interval-s", "0.2", "--apply-mode", "interrupt",
+                   "--heartbeat-interval-s", "0.2", "--apply-mode", "interrupt", "--drain-timeout-s", "0.5",
                    "--engine-options", f"decode_s_per_token={decode_s},length=fixed,length_median={tokens},capacity=8"],
                   log_dir / f"convergence-{mode}-workers.log")
     all_in = asyncio.Event()
