@@ -45,7 +45,8 @@ class _Open:
     version: int
     published_at: float
     applied: dict[str, float] = field(default_factory=dict)
-    """worker id -> when the broker first saw it serve this version or a newer one."""
+    """Live worker id -> when the broker first saw it serve this version or a newer one (a worker that leaves is
+    taken out, so the version has converged when this holds every live worker: a count, not a scan)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,19 +101,25 @@ class VersionConvergence:
             if v <= version and worker_id not in o.applied:
                 o.applied[worker_id] = now
 
-    def check(self, live: Iterable[str]) -> list[ConvergenceRecord]:
-        """Versions every live worker now serves (or is past): closed, and returned oldest first."""
-        ids = list(live)
-        if not ids or not self._open:
+    def lost(self, worker_id: str) -> None:
+        """A worker left: it no longer holds any version back."""
+        for o in self._open.values():
+            o.applied.pop(worker_id, None)
+
+    def check(self, live: int) -> list[ConvergenceRecord]:
+        """Versions all `live` live workers now serve (or are past): closed, and returned oldest first.
+
+        O(versions open) per call: `applied` holds live workers only (`lost` takes the others out)."""
+        if live <= 0 or not self._open:
             return []
         done: list[ConvergenceRecord] = []
         for v in sorted(self._open):
             o = self._open[v]
-            if any(wid not in o.applied for wid in ids):
+            if len(o.applied) < live:
                 continue
-            times = sorted(((o.applied[wid] - o.published_at, wid) for wid in ids), reverse=True)
+            times = sorted(((t - o.published_at, wid) for wid, t in o.applied.items()), reverse=True)
             rec = ConvergenceRecord(version=v, published_at=o.published_at, converged_s=max(0.0, times[0][0]),
-                                    slowest_worker=times[0][1], workers=len(ids),
+                                    slowest_worker=times[0][1], workers=len(times),
                                     applied_s=tuple((wid, max(0.0, s)) for s, wid in times[:MAX_LISTED_WORKERS]))
             del self._open[v]
             self.records.append(rec)

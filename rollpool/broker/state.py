@@ -510,6 +510,7 @@ class BrokerState:
         for r in self.fleet_rounds:
             if worker_id in r.workers and worker_id not in r.done_at:
                 r.failed.add(worker_id)
+        self.convergence.lost(worker_id)
         self._versions_changed(now)
         return requeued
 
@@ -553,7 +554,7 @@ class BrokerState:
             w.state = state
             self._refresh(w)
             if w.version != before:
-                self._version_moved(w, now)
+                self._version_moved(w, now, before)
         if dispatch_seq < 0:
             return
         w.reported_seq = dispatch_seq
@@ -1483,6 +1484,7 @@ class BrokerState:
             return
         at = self._now if now is None else now
         self._now = max(self._now, at)
+        before = w.version
         if ok:
             w.version = max(w.version, self._valid_version(version, w.version_epoch) if self.version_epoch else version)
         else:
@@ -1491,7 +1493,7 @@ class BrokerState:
         self._fleet_switched(w.worker_id, ok, at)
         self._release_apply(w.worker_id)
         self._refresh(w)
-        self._version_moved(w, at)
+        self._version_moved(w, at, before)
 
     def _expire_apply_slots(self, now: float) -> None:
         """Free the slots held past `apply_slot_deadline_s` (a hung apply); the next worker waiting gets one."""
@@ -1541,21 +1543,22 @@ class BrokerState:
 
     # ------------------------------------------------------------------ the versioned-service contract
 
-    def _version_moved(self, w: WorkerInfo, now: float) -> None:
-        """`w` serves another version now (a hello, a heartbeat, an ApplyDone)."""
+    def _version_moved(self, w: WorkerInfo, now: float, before: int | None = None) -> None:
+        """`w` serves another version now (a hello, a heartbeat, an ApplyDone); it served `before` (None: unknown)."""
         if w.version >= 0:
             self.convergence.worker_at(w.worker_id, w.version, now)
-        self._versions_changed(now)
+        # exact-version groups can lose their last server only when a worker leaves their version
+        self._versions_changed(now, exact=before is None or before in self._exact)
 
-    def _versions_changed(self, now: float) -> None:
+    def _versions_changed(self, now: float, exact: bool = True) -> None:
         """Who serves what changed (a worker moved, joined, left or gave a version up): versions that converged are
         recorded, a fleet round that can go ahead goes, and exact-version groups nobody can serve any more fail."""
-        for rec in self.convergence.check(self.workers):
+        for rec in self.convergence.check(len(self.workers)):
             self.counters["versions_converged"] += 1
             self.effects.events.append(("version_converged", rec.as_dict()))
         if self._fleet_since is not None:
             self._fleet_check(now)
-        if self._exact:
+        if exact and self._exact:
             self._check_exact(now)
 
     def _exact_refusal(self, p: Prompt) -> str:
