@@ -183,3 +183,22 @@ async def test_a_client_refuses_to_send_an_exact_version_to_a_broker_that_would_
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         router.close(linger=0)
+
+
+async def test_the_rollout_pool_serves_an_exact_version_and_refuses_one_that_is_gone(pool: Pool) -> None:
+    from rollpool.trainer_client.pool import RolloutPool
+
+    broker = await pool.start_broker()
+    await pool.worker(broker.worker_endpoint, "w0")
+    client = await pool.client(broker.client_endpoint)
+    await client.publish_weights({}, 0)
+    rp = await asyncio.to_thread(RolloutPool, broker.client_endpoint, timeout_s=20.0)
+    try:
+        out = await asyncio.to_thread(rp.generate, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4}, exact_weight_version=0)
+        assert isinstance(out, dict) and out["meta_info"]["weight_version_start"] == out["meta_info"]["weight_version_end"] == 0
+        await client.publish_weights({}, 1)
+        await client.wait_for_version(1, timeout=10)
+        with pytest.raises(p.RejectedError, match="exact_version_unavailable.*no longer served"):
+            await asyncio.to_thread(rp.generate, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4}, exact_weight_version=0)
+    finally:
+        await asyncio.to_thread(rp.shutdown)
