@@ -1115,6 +1115,8 @@ class BrokerState:
         self._expire_apply_slots(now)
         if self._fleet_since is not None:
             self._fleet_check(now)
+        if requeued and self._exact:
+            self._check_exact(now)  # a lease that ran out may have been the last chance at its version
         return dead, requeued
 
     def _expire_orphans(self, now: float) -> None:
@@ -1346,11 +1348,11 @@ class BrokerState:
         for w in self.workers.values():  # once per version: who is current, behind, too far behind
             self._refresh(w)
         self.convergence.published(version, now, {wid: w.version for wid, w in self.workers.items()})
-        if self._exact:
-            self._check_exact(now)
         if self.config.cancel_stale_inflight and self.config.max_staleness is not None:
             self._cancel_doomed(version, now)
         self._open_hold(version, cap_before, now)
+        if self._exact:
+            self._check_exact(now)  # after the cancellations: a group they requeued may have no server left
         return True
 
     # ------------------------------------------------------------------ issue 24: version-aware dispatch

@@ -250,3 +250,19 @@ def test_rolling_activation_is_unchanged_one_slot_at_a_time() -> None:
     s.apply_request(ws[1], 1, 0.2)
     assert s.effects.grants == [("w0", 1)]
     assert "fleet_version" not in s.snapshot() and s.snapshot()["activation"] == "rolling"
+
+
+def test_an_exact_group_whose_lease_runs_out_after_its_version_left_fails_at_once() -> None:
+    s = make(missed_heartbeats=100)
+    s.set_version(1, 0.0)
+    a, b = join(s, "a", 1, capacity=1), join(s, "b", 1, capacity=1)
+    s.submit([exact("e", 1)], 0.0)
+    [(w, _)] = s.dispatch(0.0)
+    other = b if w is a else a
+    s.set_version(2, 1.0)
+    beat(s, other, 2, 2.0)  # the other worker moved on; the lease's worker goes silent on its task, still at 1
+    beat(s, w, 2, 3.0)  # ... and moves on too, the lease still open
+    assert failed(s) == {}
+    s.expire(11.0)  # the task's deadline (10 s): requeued, and nobody serves version 1 any more
+    assert "no longer served" in failed(s)["e"]
+    s.check_invariants()
