@@ -106,8 +106,8 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
             while not stop.is_set():
                 for g in await client.take_ended(timeout=0.05):
                     note(g)
-                try:
-                    batch = await client.get_batch(1, timeout=0.1)
+                try:  # everything buffered at once: one group per call falls behind a long run
+                    batch = await client.get_batch(max(1, client.ledger.ready), timeout=0.1)
                 except TimeoutError:
                     continue
                 for g in batch.groups + batch.other:
@@ -180,6 +180,8 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
         "exact_failed_at_once": len(failed_reasons),
         "exact_failed_reasons": sorted({r.split(":")[0] for r in failed_reasons.values()}),
         "exact_stuck": len(stuck),
+        "broker_queued_at_end": counters.get("queued", -1),
+        "broker_leased_at_end": counters.get("leased", -1),
         "exact_off_version_handed_back": counters.get("exact_off_version", 0),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
