@@ -12,7 +12,9 @@ from rollpool.protocol.codec import DEFAULT_INLINE_MAX_BYTES
 from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["BrokerConfig"]
+__all__ = ["ACTIVATION_MODES", "BrokerConfig"]
+
+ACTIVATION_MODES = ("rolling", "fleet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,14 @@ class BrokerConfig:
         metadata=_h("version-aware dispatch: the admission capacity a version bump opens goes only to workers on that version "
                     "for at most this long (then to any worker within eta); 0: off"),
     )
-    max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once"))
+    max_applying: int = field(default=1, metadata=_h("workers allowed to pause for a weight update at once (rolling activation)"))
+    activation: str = field(default="rolling", metadata=_h(
+        "how workers switch to a new weight version: rolling (apply slots, at most max_applying at once) or fleet (every "
+        "worker fetches and stages it while serving; all are told to switch together once every live worker has staged "
+        "it, or at fleet_stage_deadline_s; no task is dispatched on the old version after that)"))
+    fleet_stage_deadline_s: float = field(default=10.0, metadata=_h(
+        "fleet activation: after the first worker staged a version, how long the others have to stage it before the "
+        "staged ones switch without them; a worker that had not is held out of dispatch until it serves the version"))
     result_resend_s: float = field(
         default=10.0,
         metadata=_h("a group sent to a client and not acknowledged this long is sent again with its next pull (a lost Batch)"),
@@ -93,12 +102,15 @@ class BrokerConfig:
             positive(name)
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"BrokerConfig.{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s", "apply_slot_deadline_s", "result_resend_s"):
+        for name in ("heartbeat_interval_s", "task_timeout_s", "control_timeout_s", "orphan_ttl_s", "apply_slot_deadline_s", "result_resend_s",
+                     "fleet_stage_deadline_s"):
             positive(name, 0.001)
         for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s", "coalesce_s"):
             positive(name, 0)
         if isinstance(self.inline_max_bytes, bool) or not isinstance(self.inline_max_bytes, int) or self.inline_max_bytes < 0:
             raise ConfigError(f"BrokerConfig.inline_max_bytes must be an int >= 0, got {self.inline_max_bytes!r}")
+        if self.activation not in ACTIVATION_MODES:
+            raise ConfigError(f"BrokerConfig.activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             raise ConfigError(f"BrokerConfig.max_staleness must be >= 0 or None, got {self.max_staleness!r}")
         for name in ("worker_endpoint", "client_endpoint"):

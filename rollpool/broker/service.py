@@ -609,7 +609,8 @@ class Broker:
             st.apply_request(w, msg.version, now)
         elif kind is ApplyDone:
             st.touch(w, now)
-            st.apply_done(w, msg.version, msg.ok, msg.error, skipped=msg.skipped)
+            # read now, not at the burst's start: a fleet activation's skew is measured from these
+            st.apply_done(w, msg.version, msg.ok, msg.error, skipped=msg.skipped, now=self.clock())
         else:
             self.protocol_errors += 1
             self._send(self._w, identity, encode(Error(code="unexpected_type", message=f"{kind.TYPE} is not a worker message", ref_type=kind.TYPE)))
@@ -926,6 +927,7 @@ class Broker:
         c.update(self.refusals.counters())
         c.update(self.sockets.counters())
         c["workers_listed"] = min(len(self.state.workers), _MAX_STATUS_WORKERS)
+        c["versions"] = self.state.versions_view()
         return c
 
     def workers_view(self) -> dict[str, Any]:

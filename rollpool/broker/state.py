@@ -27,6 +27,17 @@ Guarantees this class keeps (and its tests check):
 * a group whose prompt names a `min_weight_version` goes only to a worker whose
   reported weight version is at least that; other workers skip it (it keeps its
   place in the queue and does not block the groups behind it);
+* a group whose prompt names an `exact_weight_version` v goes only to a worker serving v, and is delivered
+  only when every sampled token is of v (otherwise it is handed back and tried again); when no live worker
+  holds v and none can reach it, it fails at once with the reason (`_exact_verdict`), and a v the pool
+  cannot serve is refused at submit;
+* fleet activation (``activation = "fleet"``): a worker's `ApplyRequest` says it has the version fetched and
+  staged; when every live worker has (or at ``fleet_stage_deadline_s`` after the first did), every staged
+  worker is granted at once (`fleet_version` moves), and from that moment no worker below `fleet_version` is
+  given work: the ones switching are applying, the ones that had not staged are held out (counted) until
+  they serve it;
+* version convergence (`VersionConvergence`): per published version, when each live worker served it and
+  how long until all did;
 * the first complete result of a group wins; any later one is a duplicate.
 
 Side effects the service must carry out (cancels to send, apply grants, metric
@@ -62,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from rollpool.broker.config import BrokerConfig
+from rollpool.broker.convergence import FleetRound, VersionConvergence, percentile
 from rollpool.broker.latency import LatencyLog
 from rollpool.protocol.messages import (
     Feature,
@@ -135,6 +147,8 @@ class Group:
     """Outside staleness admission and accounting (`Prompt.exempt_from_staleness`, e.g. evaluation)."""
     min_version: int = -1
     """`Prompt.min_weight_version`: only a worker at this weight version or newer may take the group."""
+    exact_version: int = -1
+    """`Prompt.exact_weight_version`: only a worker at exactly this weight version may take the group (-1: any)."""
     dispatch_seq: int = 0
     """`Task.seq` of the current lease (0: adopted from a hello, not numbered)."""
     dispatched_at: float = 0.0
@@ -191,6 +205,8 @@ class WorkerInfo:
     """The newest weight version this worker gave up on for good (`ApplyDone.skipped`; -1: none)."""
     skipped_error: str = ""
     """Why, in the worker's words."""
+    held_out: bool = False
+    """Fleet activation: below the version the fleet switched to and not applying it (given no work until it serves it)."""
 
     def live_state(self, now: float) -> dict[str, Any]:
         return {
@@ -208,6 +224,7 @@ class WorkerInfo:
             "last_seen_s_ago": round(now - self.last_seen, 3),
             "skipped_version": self.skipped_version,
             "skipped_error": self.skipped_error,
+            "held_out": self.held_out,
         }
 
 
@@ -282,6 +299,14 @@ _COUNTERS = (
     "wasted_tokens_cancel",
     "wasted_tokens_failure",
     "wasted_tokens_duplicate",
+    # the versioned-service contract: exact versions, convergence, fleet activation
+    "exact_rejected",
+    "exact_failed",
+    "exact_off_version",
+    "versions_converged",
+    "fleet_activations",
+    "fleet_deadline_activations",
+    "fleet_holdouts",
 )
 
 WASTE_REASONS = ("stale_drop", "cancel", "failure", "duplicate")
@@ -352,6 +377,16 @@ class BrokerState:
         stated, eta is used). Early cancellation and the result-time drop judge by it."""
         self._tokens_cancelled_seen: dict[str, int] = {}
         """Per worker: the cumulative `WorkerHeartbeat.tokens_cancelled` last counted."""
+        self._exact: dict[int, list[tuple[int, int, int, Group]]] = {}
+        """Queued groups that name an exact weight version: one heap per version (entries as in `_queues`)."""
+        self.convergence = VersionConvergence()
+        self._fleet = config.activation == "fleet"
+        self.fleet_version = -1
+        """Fleet activation: the newest version the fleet was told to switch to (-1: none yet in this version epoch)."""
+        self._fleet_since: float | None = None
+        """When the first worker staged a version above `fleet_version` (the stage deadline counts from it)."""
+        self.fleet_rounds: deque[FleetRound] = deque(maxlen=64)
+        self._skews_ms: deque[float] = deque(maxlen=256)
 
     # ------------------------------------------------------------------ workers
 
@@ -425,6 +460,7 @@ class BrokerState:
             else:
                 refused.append(t.task_id)
         self._refresh(w)
+        self._version_moved(w, now)
         return adopted, refused
 
     def _adopt(self, w: WorkerInfo, t: InflightTask, now: float) -> bool:
@@ -471,6 +507,11 @@ class BrokerState:
         if reason != "goodbye":
             self.counters["workers_lost"] += 1
         self.effects.events.append(("worker_lost", {"worker_id": worker_id, "reason": reason, "requeued": len(requeued)}))
+        for r in self.fleet_rounds:
+            if worker_id in r.workers and worker_id not in r.done_at:
+                r.failed.add(worker_id)
+        self.convergence.lost(worker_id)
+        self._versions_changed(now)
         return requeued
 
     def touch(self, w: WorkerInfo, now: float) -> None:
@@ -506,10 +547,14 @@ class BrokerState:
             w.version = self._valid_version(version, version_epoch)
             w.state = state
             self._refresh(w)
+            self._version_moved(w, now)
         elif version != w.version or state != w.state:
+            before = w.version
             w.version = max(w.version, self._valid_version(version, version_epoch) if self.version_epoch else version)
             w.state = state
             self._refresh(w)
+            if w.version != before:
+                self._version_moved(w, now, before)
         if dispatch_seq < 0:
             return
         w.reported_seq = dispatch_seq
@@ -603,9 +648,11 @@ class BrokerState:
             self._refresh(w)
 
     def _dispatchable(self, w: WorkerInfo) -> bool:
+        w.held_out = self._fleet and not w.applying and w.version < self.fleet_version
         return (
             w.credits > 0
             and not w.applying
+            and not w.held_out
             and w.state == WorkerState.READY
             and (not self.required_fingerprint or not w.fingerprint or w.fingerprint == self.required_fingerprint)
         )
@@ -654,6 +701,9 @@ class BrokerState:
                 reason, detail = "invalid", "a prompt needs input_ids or text"
             elif pid in self._forgotten:
                 reason, detail = "duplicate", "this prompt id was already delivered"
+            elif p.exact_weight_version != -1 and (why := self._exact_refusal(p)):
+                reason, detail = "exact_version_unavailable", why
+                self.counters["exact_rejected"] += 1
             else:
                 g = self.groups.get(pid)
                 if g is not None:
@@ -668,7 +718,7 @@ class BrokerState:
                 rejected.append(Rejection(prompt_id=pid if isinstance(pid, str) else "", reason=reason, detail=detail))
                 continue
             g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now,
-                      exempt=p.exempt_from_staleness, min_version=p.min_weight_version)
+                      exempt=p.exempt_from_staleness, min_version=p.min_weight_version, exact_version=p.exact_weight_version)
             self.groups[pid] = g
             self.queued += 1
             self._push(g)
@@ -683,6 +733,7 @@ class BrokerState:
         g.prompt = p
         g.priority = p.priority
         g.min_version = p.min_weight_version
+        g.exact_version = p.exact_weight_version
         if g.phase == Phase.QUEUED:  # parked: its adopted lease ended before the prompt came back
             self.parked -= 1
             self.queued += 1
@@ -698,6 +749,10 @@ class BrokerState:
 
     def _push(self, g: Group) -> None:
         g.token += 1
+        if g.exact_version >= 0:
+            # its own lane per version: only a worker at that version looks at it, nobody else skips past it
+            heapq.heappush(self._exact.setdefault(g.exact_version, []), (-g.priority, g.seq, g.token, g))
+            return
         queues = self._exempt_queues if g.exempt else self._queues
         heap = queues.get(g.size)
         if heap is None:
@@ -708,10 +763,12 @@ class BrokerState:
                 self._sizes = sorted(queues)
         heapq.heappush(heap, (-g.priority, g.seq, g.token, g))
 
-    def _pop_fitting(self, limit: int, exempt_limit: int | None = None) -> Group | None:
+    def _pop_fitting(self, limit: int, exempt_limit: int | None = None, version: int | None = None) -> Group | None:
         """The first group (priority, then submission order) of at most `limit` samples.
 
         Groups exempt from staleness admission only need to fit `exempt_limit` (the worker's credit).
+        With `version`, the groups that name exactly that weight version compete too (the head of
+        their lane only: a head too large for this worker waits for a roomier one at that version).
         """
         best: list[tuple[int, int, int, Group]] | None = None
         best_key: tuple[int, int] = (0, 0)
@@ -731,6 +788,18 @@ class BrokerState:
                 key = (head[0], head[1])
                 if best is None or key < best_key:
                     best, best_key = heap, key
+        exact = self._exact.get(version) if version is not None and version >= 0 else None
+        if exact:
+            while exact and not (exact[0][3].phase == Phase.QUEUED and exact[0][2] == exact[0][3].token):
+                heapq.heappop(exact)
+            if exact:
+                head = exact[0]
+                g = head[3]
+                fits = g.size <= (limit if not g.exempt or exempt_limit is None else exempt_limit)
+                if fits and (best is None or (head[0], head[1]) < best_key):
+                    best = exact
+            else:
+                del self._exact[version]  # type: ignore[arg-type]
         if best is None:
             return None
         return heapq.heappop(best)[3]
@@ -756,7 +825,7 @@ class BrokerState:
         cap = self.staleness.capacity()
         if cap is not None and self._hold_reserved and not self._ready:
             cap -= self._hold_reserved  # only workers behind are ready: the held capacity waits for a fresh one
-        if cap is not None and not self._exempt_sizes and (not self._sizes or cap < self._sizes[0]):
+        if cap is not None and not self._exempt_sizes and not self._exact and (not self._sizes or cap < self._sizes[0]):
             return out
         for ready in (self._ready, self._ready_behind):
             served: list[WorkerInfo] = []
@@ -786,7 +855,7 @@ class BrokerState:
                 cap = max(0, cap - self._hold_reserved)  # version-aware dispatch: not the capacity held for fresh workers
             if cap is not None and cap < limit:
                 limit = cap
-            g = self._pop_fitting(limit, w.credits)
+            g = self._pop_fitting(limit, w.credits, w.version if self._exact else None)
             if g is None:
                 break
             if g.min_version > w.version:
@@ -943,6 +1012,20 @@ class BrokerState:
             self._terminal(g, Phase.FAILED, f"error: {error}")
             self.effects.events.append(("task_failed", {"prompt_id": prompt_id, "reason": error, "attempts": g.attempt + 1}))
             return ResultOutcome.FAILED
+        if (outcome := self._off_exact(g, trajectories, tokens, now)) is not None:
+            return outcome
+        if (outcome := self._stale_output(g, trajectories, tokens, now)) is not None:
+            return outcome
+        if w is not None:
+            w.completed += 1
+            g.last_worker = w.worker_id
+        if not g.exempt:
+            self.staleness.accepted += g.size
+        self._terminal(g, Phase.DONE, trajectories=trajectories)
+        return ResultOutcome.ACCEPTED
+
+    def _stale_output(self, g: Group, trajectories: tuple[Trajectory, ...], tokens: int, now: float) -> str | None:
+        """With `cancel_stale_inflight`, output staler than the trainer's bound is dropped on arrival (None: kept)."""
         bound = self.cancel_bound()
         if self.config.cancel_stale_inflight and bound is not None and self.config.max_staleness is not None and self.version >= 0 and not g.exempt:
             oldest = min((int(sampled_versions(t.token_versions, t.loss_mask).min()) for t in trajectories if t.token_versions.size),
@@ -951,13 +1034,21 @@ class BrokerState:
                 self.counters["wasted_tokens_stale_drop"] += tokens
                 self._requeue(g, now, reason=f"stale output (version {oldest})", exhausted=Phase.DROPPED_STALE)
                 return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.DROPPED_STALE
-        if w is not None:
-            w.completed += 1
-            g.last_worker = w.worker_id
-        if not g.exempt:
-            self.staleness.accepted += g.size
-        self._terminal(g, Phase.DONE, trajectories=trajectories)
-        return ResultOutcome.ACCEPTED
+        return None
+
+    def _off_exact(self, g: Group, trajectories: tuple[Trajectory, ...], tokens: int, now: float) -> str | None:
+        """A result of an exact-version group served (partly) at another version (its worker applied a newer one
+        mid-generation): handed back, not delivered; tried again on a worker still at the version, or failed at
+        once when none is left. None: not an exact-version group, or every sampled token is of its version."""
+        off = _off_version(trajectories, g.exact_version) if g.exact_version >= 0 else None
+        if off is None:
+            return None
+        self.counters["exact_off_version"] += 1
+        self.counters["wasted_tokens_failure"] += tokens
+        self._requeue(g, now, reason=f"served at weight version {off}, not the exact version {g.exact_version}", counted=False)
+        if g.phase == Phase.QUEUED:
+            self._check_exact(now, only=g.exact_version)
+        return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.FAILED
 
     def nack(self, w: WorkerInfo, task_ids: Iterable[str], now: float, reason: str) -> list[str]:
         """The worker hands tasks back: requeued now, attempt + 1."""
@@ -1022,6 +1113,10 @@ class BrokerState:
                 requeued.append(g.prompt_id)
         self._expire_orphans(now)
         self._expire_apply_slots(now)
+        if self._fleet_since is not None:
+            self._fleet_check(now)
+        if requeued and self._exact:
+            self._check_exact(now)  # a lease that ran out may have been the last chance at its version
         return dead, requeued
 
     def _expire_orphans(self, now: float) -> None:
@@ -1230,6 +1325,13 @@ class BrokerState:
                     cancelled += 1
             self._refresh(w)
         self._hold_reserved = 0  # issue 24: a hold for a version of the abandoned run is void
+        self.convergence.reset()
+        self.convergence.published(version, now, {wid: w.version for wid, w in self.workers.items()})
+        self.fleet_version = -1  # versions of the new epoch start over
+        self._fleet_since = None
+        for w in self.workers.values():
+            self._refresh(w)
+        self._versions_changed(now)
         self.counters["rebases"] += 1
         info = {"from": old, "to": version, "version_epoch": self.version_epoch, "cancelled": cancelled}
         self.effects.events.append(("version_rebased", dict(info)))
@@ -1245,9 +1347,12 @@ class BrokerState:
         self.staleness.set_version(version)
         for w in self.workers.values():  # once per version: who is current, behind, too far behind
             self._refresh(w)
+        self.convergence.published(version, now, {wid: w.version for wid, w in self.workers.items()})
         if self.config.cancel_stale_inflight and self.config.max_staleness is not None:
             self._cancel_doomed(version, now)
         self._open_hold(version, cap_before, now)
+        if self._exact:
+            self._check_exact(now)  # after the cancellations: a group they requeued may have no server left
         return True
 
     # ------------------------------------------------------------------ issue 24: version-aware dispatch
@@ -1359,9 +1464,13 @@ class BrokerState:
         if wid in self._apply_waiting:
             return
         self._apply_waiting[wid] = version
+        if self._fleet:
+            self._fleet_staged(w, version, now)
+            return
         self._grant_apply()
 
-    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None, skipped: bool = False) -> None:
+    def apply_done(self, w: WorkerInfo, version: int, ok: bool, error: str | None = None, skipped: bool = False,
+                   now: float | None = None) -> None:
         """The outcome of a worker's apply. ``skipped``: the worker gave `version` up for good (after its own
         retries, a restarted engine included); recorded on the worker (`live_state`) so a trainer waiting for
         that version can fail at once, and no apply slot it holds for another version is touched."""
@@ -1373,14 +1482,20 @@ class BrokerState:
             if self._apply_waiting.get(w.worker_id, version + 1) <= version:  # it gave up waiting for a grant
                 self._apply_waiting.pop(w.worker_id)
                 self._grant_apply()
+            self._versions_changed(self._now if now is None else now)
             return
+        at = self._now if now is None else now
+        self._now = max(self._now, at)
+        before = w.version
         if ok:
             w.version = max(w.version, self._valid_version(version, w.version_epoch) if self.version_epoch else version)
         else:
             self.counters["versions_failed"] += 1
             self.effects.events.append(("version_failed", {"worker_id": w.worker_id, "version": version, "error": error or ""}))
+        self._fleet_switched(w.worker_id, ok, at)
         self._release_apply(w.worker_id)
         self._refresh(w)
+        self._version_moved(w, at, before)
 
     def _expire_apply_slots(self, now: float) -> None:
         """Free the slots held past `apply_slot_deadline_s` (a hung apply); the next worker waiting gets one."""
@@ -1408,6 +1523,8 @@ class BrokerState:
         self._grant_apply()
 
     def _grant_apply(self) -> None:
+        if self._fleet:
+            return  # fleet activation grants in `_fleet_check`, all staged workers at once
         while self._apply_waiting and len(self._applying) < self.config.max_applying:
             wid = next(iter(self._apply_waiting))
             version = self._apply_waiting.pop(wid)
@@ -1425,6 +1542,151 @@ class BrokerState:
     @property
     def applying(self) -> frozenset[str]:
         return frozenset(self._applying)
+
+    # ------------------------------------------------------------------ the versioned-service contract
+
+    def _version_moved(self, w: WorkerInfo, now: float, before: int | None = None) -> None:
+        """`w` serves another version now (a hello, a heartbeat, an ApplyDone); it served `before` (None: unknown)."""
+        if w.version >= 0:
+            self.convergence.worker_at(w.worker_id, w.version, now)
+        # exact-version groups can lose their last server only when a worker leaves their version
+        self._versions_changed(now, exact=before is None or before in self._exact)
+
+    def _versions_changed(self, now: float, exact: bool = True) -> None:
+        """Who serves what changed (a worker moved, joined, left or gave a version up): versions that converged are
+        recorded, a fleet round that can go ahead goes, and exact-version groups nobody can serve any more fail."""
+        for rec in self.convergence.check(len(self.workers)):
+            self.counters["versions_converged"] += 1
+            self.effects.events.append(("version_converged", rec.as_dict()))
+        if self._fleet_since is not None:
+            self._fleet_check(now)
+        if exact and self._exact:
+            self._check_exact(now)
+
+    def _exact_refusal(self, p: Prompt) -> str:
+        """Why a prompt naming an exact weight version cannot be accepted now ("" when it can)."""
+        v = p.exact_weight_version
+        if v < 0:
+            return f"exact_weight_version must be >= 0 (or -1: any version), got {v}"
+        if p.min_weight_version > v:
+            return f"min_weight_version {p.min_weight_version} is above exact_weight_version {v}: no worker can serve both"
+        eta = self.config.max_staleness
+        ahead = (eta if eta is not None else 0) + 1
+        if v > self.version + ahead:
+            return (f"weight version {v} is {v - self.version} versions ahead of the pool's version {self.version}, beyond what "
+                    f"the staleness bound lets the trainer publish before consuming it (at most {ahead} ahead, eta "
+                    f"{'unset' if eta is None else eta})")
+        return self._exact_verdict(v)
+
+    def _exact_verdict(self, v: int) -> str:
+        """Why no live worker holds weight version `v` and none can come to ("" while one does or may)."""
+        if v < self.version and self.convergence.was_published(v) is False:
+            return f"weight version {v} was never published (the pool's version is {self.version})"
+        eta = self.config.max_staleness
+        if eta is not None and self.version >= 0 and v < self.version - eta:
+            return f"weight version {v} is more than the staleness bound ({eta}) behind the pool's version {self.version}"
+        for w in self.workers.values():
+            if w.version == v and not w.held_out:
+                return ""  # serves it now
+            if w.applying and w.apply_version == v or self._apply_waiting.get(w.worker_id) == v:
+                return ""  # about to serve it
+        if v > self.version:
+            return ""  # not published yet (within the bound checked at submit): waits for it
+        if v < self.version:
+            return (f"weight version {v} is no longer served: no live worker holds it, and workers fetch only the newest "
+                    f"version ({self.version})")
+        if self.workers and all(w.skipped_version >= v and w.version < v for w in self.workers.values()):
+            errors = "; ".join(f"{w.worker_id}: {w.skipped_error or 'no reason given'}" for w in list(self.workers.values())[:4])
+            return f"every live worker gave weight version {v} up ({errors})"
+        return ""  # the newest version: live workers are fetching it, or one may join and fetch it
+
+    def _check_exact(self, now: float, only: int | None = None) -> None:
+        """Fail at once every queued group whose exact version no live worker holds or can reach."""
+        for v in [only] if only is not None else list(self._exact):
+            heap = self._exact.get(v)
+            if not heap:
+                self._exact.pop(v, None)
+                continue
+            why = self._exact_verdict(v)
+            if not why:
+                continue
+            del self._exact[v]
+            for _, _, token, g in heap:
+                if g.phase != Phase.QUEUED or token != g.token:
+                    continue
+                self.queued -= 1
+                self.counters["exact_failed"] += 1
+                self._terminal(g, Phase.FAILED, f"exact_version_unavailable: {why}")
+                self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": why, "attempts": g.attempt}))
+
+    def _fleet_staged(self, w: WorkerInfo, version: int, now: float) -> None:
+        """Fleet activation: `w` has `version` fetched and staged (its ApplyRequest)."""
+        if version <= self.fleet_version:
+            self._fleet_grant({w.worker_id: version}, now)  # catching up to what the fleet already switched to: at once
+            return
+        if self._fleet_since is None:
+            self._fleet_since = now
+        self._fleet_check(now)
+
+    def _fleet_check(self, now: float) -> None:
+        """Activate the staged workers together when every live worker has staged (or serves) a version above
+        `fleet_version`, or when the stage deadline has passed since the first one did."""
+        waiting = {wid: v for wid, v in self._apply_waiting.items() if v > self.fleet_version and wid in self.workers}
+        if not waiting:
+            self._fleet_since = None
+            return
+        reach = [max(w.version, waiting.get(wid, -1), w.apply_version if w.applying else -1) for wid, w in self.workers.items()]
+        target = min(waiting.values())
+        if min(reach) >= target:  # every live worker serves or has staged `target` (or newer)
+            self._fleet_activate(target, waiting, now, held_out=())
+            return
+        if self._fleet_since is not None and now - self._fleet_since >= self.config.fleet_stage_deadline_s:
+            late = tuple(wid for wid, w in self.workers.items()
+                         if max(w.version, waiting.get(wid, -1), w.apply_version if w.applying else -1) < target)
+            self.counters["fleet_deadline_activations"] += 1
+            self.counters["fleet_holdouts"] += len(late)
+            for wid in late:
+                self.effects.events.append(("fleet_holdout", {"worker_id": wid, "version": target,
+                                                              "serves": self.workers[wid].version}))
+            self._fleet_activate(target, waiting, now, held_out=late)
+
+    def _fleet_activate(self, target: int, waiting: dict[str, int], now: float, held_out: tuple[str, ...]) -> None:
+        self.fleet_version = target
+        self._fleet_since = None
+        self.counters["fleet_activations"] += 1
+        self.fleet_rounds.append(FleetRound(version=target, activated_at=now, workers=dict(waiting), held_out=held_out))
+        self.effects.events.append(("fleet_activate", {"version": target, "workers": len(waiting), "held_out": len(held_out)}))
+        self._fleet_grant(waiting, now)
+        for w in self.workers.values():  # the ones below `target` not switching now are held out from this moment
+            self._refresh(w)
+
+    def _fleet_grant(self, grants: dict[str, int], now: float) -> None:
+        self._now = max(self._now, now)
+        for wid, version in grants.items():
+            w = self.workers.get(wid)
+            self._apply_waiting.pop(wid, None)
+            if w is None:
+                continue
+            self._applying.add(wid)
+            self._apply_since[wid] = self._now
+            w.applying = True
+            w.apply_version = version
+            self._unready(wid)
+            self.effects.grants.append((wid, version))
+            self.effects.events.append(("apply_granted", {"worker_id": wid, "version": version}))
+
+    def _fleet_switched(self, worker_id: str, ok: bool, now: float) -> None:
+        """An activated worker reported its switch (ApplyDone): its time goes into the round's skew."""
+        for r in reversed(self.fleet_rounds):
+            if worker_id in r.workers and worker_id not in r.done_at and worker_id not in r.failed:
+                if ok:
+                    r.done_at[worker_id] = now
+                else:
+                    r.failed.add(worker_id)
+                if r.finished():
+                    self._skews_ms.append(r.skew_ms())
+                    self.effects.events.append(("fleet_switched", r.as_dict()))
+                return
 
     # ------------------------------------------------------------------ status
 
@@ -1445,7 +1707,25 @@ class BrokerState:
         c.update(self.latency.summary())
         c.update({k: round(v, 6) for k, v in self.wasted_shares().items()})
         c["held_for_fresh"] = self._hold_reserved
+        c.update(self.convergence.figures())
+        c["activation"] = self.config.activation
+        if self._fleet:
+            c["fleet_version"] = self.fleet_version
+            c["fleet_held_out"] = sum(1 for w in self.workers.values() if w.held_out)
+            c["fleet_activation_skew_last_ms"] = round(self._skews_ms[-1], 3) if self._skews_ms else 0.0
+            c["fleet_activation_skew_p50_ms"] = round(percentile(self._skews_ms, 0.5), 3)
+            c["fleet_activation_skew_p95_ms"] = round(percentile(self._skews_ms, 0.95), 3)
         return c
+
+    def versions_view(self) -> dict[str, Any]:
+        """Per version, for `status()`: the recent converged versions, the ones still converging, the fleet rounds."""
+        out: dict[str, Any] = {
+            "converged": [r.as_dict() for r in list(self.convergence.records)[-8:]],
+            "converging": self.convergence.pending(self.workers)[-8:],
+        }
+        if self._fleet:
+            out["fleet_rounds"] = [r.as_dict() for r in list(self.fleet_rounds)[-8:]]
+        return out
 
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare (for tests)."""
@@ -1511,6 +1791,20 @@ def _complete(trajectories: tuple[Trajectory, ...], prompt_id: str, size: int) -
         segments.add(key)
         samples.add(t.sample_index)
     return len(samples) == size
+
+
+def _off_version(trajectories: Iterable[Trajectory], version: int) -> int | None:
+    """A sampled token's version other than `version` (None: every sampled token is of `version`)."""
+    for t in trajectories:
+        if not t.token_versions.size:
+            continue
+        sampled = sampled_versions(t.token_versions, t.loss_mask)
+        lo, hi = int(sampled.min()), int(sampled.max())
+        if lo != version:
+            return lo
+        if hi != version:
+            return hi
+    return None
 
 
 def _with_metadata(result: GroupResult, p: Prompt) -> GroupResult:

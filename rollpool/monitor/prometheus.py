@@ -28,6 +28,14 @@ BROKER_GAUGES: dict[str, tuple[str, str]] = {
     "workers_alive": ("rollpool_broker_workers_alive", "Workers the broker considers alive."),
     "broker_stall_ms_max": ("rollpool_broker_stall_max_seconds", "Longest broker stall seen."),
     "version_epoch": ("rollpool_version_epoch", "The pool's version epoch (moves on at each rebase; 0: never rebased)."),
+    "convergence_last_s": ("rollpool_version_convergence_last_seconds", "Seconds from publish until every live worker served the last converged version."),
+    "convergence_p50_s": ("rollpool_version_convergence_p50_seconds", "Median version convergence time over the recent versions."),
+    "convergence_p95_s": ("rollpool_version_convergence_p95_seconds", "95th percentile version convergence time over the recent versions."),
+    "convergence_open": ("rollpool_versions_converging", "Published versions not yet served by every live worker."),
+    "fleet_version": ("rollpool_fleet_version", "Fleet activation: the newest version every worker was told to switch to."),
+    "fleet_held_out": ("rollpool_fleet_held_out_workers", "Fleet activation: workers below the fleet's version, given no work until they serve it."),
+    "fleet_activation_skew_p95_ms": ("rollpool_fleet_activation_skew_p95_seconds", "Fleet activation: 95th percentile of last switch minus first."),
+    "fleet_activation_skew_last_ms": ("rollpool_fleet_activation_skew_last_seconds", "Fleet activation: the last round's last switch minus first."),
 }
 BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "dispatched": ("rollpool_dispatched_total", "Tasks dispatched to workers."),
@@ -53,8 +61,16 @@ BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "doomed_cancelled": ("rollpool_doomed_cancelled_total", "In-flight groups cancelled because they could no longer be consumed within the staleness bound."),
     "fresh_dispatched": ("rollpool_fresh_dispatched_total", "Groups dispatched from capacity held for workers on the newest version."),
     "fresh_holds_expired": ("rollpool_fresh_holds_expired_total", "Version-aware dispatch holds that ran out (the rest went to workers behind)."),
+    # the versioned-service contract
+    "versions_converged": ("rollpool_versions_converged_total", "Published versions every live worker came to serve."),
+    "exact_rejected": ("rollpool_exact_version_rejected_total", "Prompts refused at submit: their exact weight version could not be served."),
+    "exact_failed": ("rollpool_exact_version_failed_total", "Exact-version groups failed at once: no live worker held or could reach their version."),
+    "exact_off_version": ("rollpool_exact_version_off_results_total", "Exact-version results served partly at another version (handed back)."),
+    "fleet_activations": ("rollpool_fleet_activations_total", "Fleet activations (every staged worker told to switch together)."),
+    "fleet_holdouts": ("rollpool_fleet_holdouts_total", "Workers held out at a fleet activation's deadline (not staged in time)."),
 }
-BROKER_SCALED: dict[str, float] = {"broker_stall_ms_total": 1e-3, "broker_stall_ms_max": 1e-3}
+BROKER_SCALED: dict[str, float] = {"broker_stall_ms_total": 1e-3, "broker_stall_ms_max": 1e-3,
+                                   "fleet_activation_skew_p95_ms": 1e-3, "fleet_activation_skew_last_ms": 1e-3}
 """Broker fields kept in milliseconds, exported in seconds."""
 WASTE_REASONS = ("stale_drop", "cancel", "failure", "duplicate")
 """`rollpool_wasted_tokens_total{reason=...}` and `rollpool_wasted_share{reason=...}` (issue 24)."""

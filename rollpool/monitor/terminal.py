@@ -144,6 +144,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
     lines.extend(_reconcile_lines(state, width, bold, red, reset))
     lines.extend(_refusal_lines(broker or {}, state.workers, width, bold, red, reset))
     lines.extend(_wasted_lines(broker or {}, width, bold, reset))
+    lines.extend(_version_lines(broker or {}, width, bold, red, reset))
 
     lags = state.worker_version_lag()
     lines.append(bold + f"WORKERS ({len(state.workers)} alive)" + reset)
@@ -237,6 +238,31 @@ def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: s
         f = failed[-1].fields
         rows.append(red + _cut(f"  last failed version {f.get('version', '?')} on {f.get('worker_id', '?')}: {f.get('error', '')}", width) + reset)
     return [bold + "RECONCILIATION" + reset, *rows, ""]
+
+
+def _version_lines(broker: dict[str, Any], width: int, bold: str, red: str, reset: str) -> list[str]:
+    """VERSIONS: how long each published weight version took to reach every live worker (convergence), the slowest
+    worker of the last one, the versions still converging, and under fleet activation the switch skew and hold-outs."""
+    if "convergence_versions" not in broker:
+        return []  # a broker from before the versioned-service contract
+    parts = [f"converged {_fmt(broker.get('convergence_versions', 0))}"]
+    if broker.get("convergence_versions"):
+        parts.append(f"last v{_fmt(broker.get('convergence_last_version'))} in {_fmt(broker.get('convergence_last_s'), 3)} s "
+                     f"(slowest {broker.get('convergence_slowest_worker') or '-'})")
+        parts.append(f"p50 {_fmt(broker.get('convergence_p50_s'), 3)} s  p95 {_fmt(broker.get('convergence_p95_s'), 3)} s")
+    parts.append(f"converging {_fmt(broker.get('convergence_open', 0))}")
+    rows = [_cut("  " + "  ".join(parts), width)]
+    if broker.get("activation") == "fleet":
+        held = broker.get("fleet_held_out", 0)
+        row = _cut(f"  fleet v{_fmt(broker.get('fleet_version'))}  activations {_fmt(broker.get('fleet_activations', 0))}  "
+                   f"skew p95 {_fmt(broker.get('fleet_activation_skew_p95_ms'), 1)} ms  held out {_fmt(held)} "
+                   f"(at deadlines {_fmt(broker.get('fleet_holdouts', 0))})", width)
+        rows.append(red + row + reset if held else row)
+    versions = broker.get("versions")
+    for v in versions.get("converging", [])[-2:] if isinstance(versions, dict) else []:
+        waiting = ", ".join(v.get("waiting_for", [])[:4])
+        rows.append(_cut(f"  v{v.get('version')}: {v.get('workers_at')}/{v.get('workers')} workers serve it; waiting for {waiting}", width))
+    return [bold + "VERSIONS" + reset, *rows, ""]
 
 
 _WASTE_REASONS = (("stale_drop", "stale drop"), ("cancel", "cancel"), ("failure", "failure"), ("duplicate", "duplicate"))

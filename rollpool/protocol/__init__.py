@@ -8,6 +8,7 @@ these types.
 from __future__ import annotations
 
 from rollpool.protocol.codec import (
+    CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
     INLINE_MINOR,
     PROTOCOL_MAJOR,
@@ -55,6 +56,7 @@ __all__ = [
     "inline_for",
     "carry_entry",
     "INLINE_MINOR",
+    "CONTRACT_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",
     "message_types",

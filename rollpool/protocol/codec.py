@@ -82,6 +82,7 @@ __all__ = [
     "inline_for",
     "carry_entry",
     "INLINE_MINOR",
+    "CONTRACT_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -108,9 +109,14 @@ PROTOCOL_MAJOR = 1
 #   1.12 small arrays and blobs inline in the header (a msgpack bin where a frame index was); the minor in the
 #        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
-PROTOCOL_MINOR = 13
+#   1.14 the versioned-service contract: Prompt.exact_weight_version (CONTRACT_MINOR)
+PROTOCOL_MINOR = 14
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
+
+CONTRACT_MINOR = 14
+"""The first minor whose brokers read `Prompt.exact_weight_version` (a client refuses to send one to an older broker,
+which would ignore it and serve the group at any version)."""
 
 INLINE_MINOR = 12
 """The first minor whose decoders read an array or blob held inline in the header."""

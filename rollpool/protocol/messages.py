@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
+import numpy as np
+
 from rollpool.protocol.codec import Blob, Float32Array, Int32Array, UInt8Array, message, record
 
 __all__ = [
@@ -179,6 +181,19 @@ FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.R
 _DIGEST_MASK = (1 << 63) - 1
 
 
+def _edge_version(token_versions: Int32Array, loss_mask: UInt8Array, *, first: bool) -> int:
+    """The version of the first (or last) sampled token: mask 1 where the mask matches the versions, else any token."""
+    versions = np.asarray(token_versions)
+    if not versions.size:
+        return -1
+    mask = np.asarray(loss_mask)
+    if mask.shape == versions.shape:
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            return int(versions[idx[0] if first else idx[-1]])
+    return int(versions[0 if first else -1])
+
+
 def task_digest(task_id: str) -> int:
     """A 63-bit hash of one task id (the same in every process: blake2b, not Python's salted hash)."""
     return int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "little") & _DIGEST_MASK
@@ -245,6 +260,13 @@ class Prompt:
     """Dispatch only to a worker whose applied weight version is at least this (-1: any worker).
     Synchronous callers set it to the version they just published, so the next generation is
     served at that version or newer (added in protocol 1.1; older brokers ignore it)."""
+    exact_weight_version: int = -1
+    """Serve the group only at exactly this weight version (-1: any): it goes only to a worker serving it, and
+    a result with a sampled token of another version is not delivered (the group is tried again on a worker
+    still at the version). When no live worker holds it and none can reach it (older than every worker's
+    version, given up by every worker, or never published), the group fails at once with the reason; a
+    version in the future by more than the staleness bound allows is refused at submit (protocol 1.14,
+    `CONTRACT_MINOR`; the client refuses to send it to an older broker)."""
 
 
 @record
@@ -284,6 +306,16 @@ class Trajectory:
     input_logprobs: Float32Array | None = None
     """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
     (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.7."""
+
+    @property
+    def version_start(self) -> int:
+        """The weight version of the first sampled token (-1: no sampled token), for a caller that wants only that."""
+        return _edge_version(self.token_versions, self.loss_mask, first=True)
+
+    @property
+    def version_end(self) -> int:
+        """The weight version of the last sampled token (-1: no sampled token)."""
+        return _edge_version(self.token_versions, self.loss_mask, first=False)
 
     @property
     def trajectory_id(self) -> str:

@@ -26,6 +26,12 @@ Guarantees the trainer relies on:
   the bound drops is reported in `RolloutBatch.other` / `RolloutBatch.reports`.
 * Every request has a timeout and a bounded number of retries; a broker that
   does not answer raises `BrokerUnavailableError`.
+* Versioned service: ``submit(..., exact_weight_version=v)`` has each group served only at weight version
+  v (`Prompt.exact_weight_version`): delivered only when every sampled token is of v, or reported FAILED
+  at once with the reason when no live worker holds v and none can reach it; a v the pool cannot serve
+  is rejected at submit. A broker older than protocol 1.14 (`CONTRACT_MINOR`) would ignore the field, so
+  such a submit to it raises `RejectedError` before anything is sent. `wait_for_version(v, fraction, timeout)`
+  returns once that share of the live workers serves v or newer, and raises at once when the rest gave v up.
 * Versions move forward: `set_version` with a version older than the pool's is
   refused (`RejectedError` naming both). A trainer that resumed from a
   checkpoint calls `rebase_version(v)` first: the pool's version becomes v and
@@ -44,6 +50,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -56,6 +63,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rollpool.protocol import (
+    CONTRACT_MINOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
     Ack,
@@ -68,6 +76,7 @@ from rollpool.protocol import (
     Control,
     ControlReply,
     Error,
+    GroupResult,
     Inline,
     MetricsSink,
     NullMetricsSink,
@@ -84,6 +93,7 @@ from rollpool.protocol import (
     StatusRequest,
     Submit,
     SubmitReply,
+    WeightSyncError,
     decode,
     encode,
     inline_for,
@@ -235,6 +245,8 @@ class TrainerClient:
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._broker_limits: tuple[int, int] = (0, 0)
         self._inline: Inline | None = None
+        self._broker_minor = 0
+        """The protocol minor settled with the broker at the last hello."""
         """How small arrays travel to the broker: inline in the header once a ClientWelcome settled on minor 12 or
         later (`inline_for`); None (every array in a frame) before, and from each hello until its welcome."""
         """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
@@ -381,7 +393,8 @@ class TrainerClient:
         welcome = _expect(reply, ClientWelcome, "client_welcome")
         self.epoch = welcome.epoch
         self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # roles hook (issue 21)
-        self._inline = inline_for(settle_minor(welcome.protocol_minor), welcome.max_header_bytes)
+        self._broker_minor = settle_minor(welcome.protocol_minor)
+        self._inline = inline_for(self._broker_minor, welcome.max_header_bytes)
         return welcome
 
     async def _on_new_epoch(self, epoch: str) -> None:
@@ -403,11 +416,20 @@ class TrainerClient:
     # ------------------------------------------------------------------ public API
 
     async def submit(self, prompts: Iterable[Prompt | Mapping[str, Any] | str | Sequence[int]], *, group_size: int = 1,
-                     sampling: SamplingParams | Mapping[str, Any] | None = None) -> SubmitResult:
-        """Submit prompts; returns the accepted ids and the rejected ones with reasons (nothing is silently lost)."""
-        return await self._submit([make_prompt(p, group_size=group_size, sampling=sampling) for p in prompts])
+                     sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None) -> SubmitResult:
+        """Submit prompts; returns the accepted ids and the rejected ones with reasons (nothing is silently lost).
+
+        ``exact_weight_version``: every group is served only at that weight version (`Prompt.exact_weight_version`).
+        """
+        items = [make_prompt(p, group_size=group_size, sampling=sampling) for p in prompts]
+        if exact_weight_version is not None:
+            items = [dataclasses.replace(p, exact_weight_version=exact_weight_version) for p in items]
+        return await self._submit(items)
 
     async def _submit(self, items: Sequence[Prompt]) -> SubmitResult:
+        if self._broker_minor < CONTRACT_MINOR and any(p.exact_weight_version != -1 for p in items):
+            raise RejectedError("exact_weight_version", f"the broker speaks protocol minor {self._broker_minor}, which ignores "
+                                f"exact_weight_version (it needs {CONTRACT_MINOR}): nothing was submitted")
         result = SubmitResult(accepted=[], rejected={})
         for i in range(0, len(items), self.config.submit_chunk):
             chunk = tuple(items[i : i + self.config.submit_chunk])
@@ -475,6 +497,19 @@ class TrainerClient:
         for lag in lags:
             self.metrics.observe("staleness", float(lag))
         return out
+
+    async def take_ended(self, timeout: float = 0.0) -> list[GroupResult]:  # noqa: ASYNC109
+        """The groups that ended other than DONE (FAILED, CANCELLED, DROPPED_STALE) received so far, without waiting
+        for DONE ones (which `get_batch` returns them beside): a caller whose groups may all fail (an exact weight
+        version gone) learns it at once. Pulls once, waiting up to `timeout` s, when none is buffered; DONE groups
+        pulled meanwhile stay buffered for `get_batch`. Each group is returned once, here or by `get_batch`."""
+        if not self.ledger.has_other():
+            acks = self.ledger.pull_acks()
+            batch = await self._pull(_ENDED_PULL_GROUPS, timeout, acks)
+            self.ledger.acks_sent(acks)
+            self.ledger.observe_version(batch.weight_version)
+            await self._taken(self.ledger.adopt(batch.groups))
+        return self.ledger.take_other()
 
     async def _taken(self, taken: TakeOutcome) -> None:
         """Report the groups one take or recheck dropped as stale, and submit their regenerations."""
@@ -565,9 +600,54 @@ class TrainerClient:
         return manifest
 
     async def status(self) -> dict[str, Any]:
+        """The broker's counters, its workers' live state, the client's counters, and ``versions``: per weight version,
+        the recent converged ones (seconds from publish until every live worker served it, the slowest worker), the
+        ones still converging and, under fleet activation, the recent rounds with their skew."""
         reply = _expect(await self._request(lambda rid: StatusRequest(request_id=rid)), StatusReply, "status_reply")
-        return {"epoch": reply.epoch, "counters": dict(reply.counters), "workers": dict(reply.workers),
-                "client": dict(self.counters)}
+        counters = dict(reply.counters)
+        return {"epoch": reply.epoch, "counters": counters, "workers": dict(reply.workers),
+                "client": dict(self.counters), "versions": counters.get("versions", {})}
+
+    async def wait_for_version(self, version: int, fraction: float = 1.0, timeout: float | None = None,  # noqa: ASYNC109
+                               poll_s: float = 0.1) -> dict[str, Any]:
+        """Wait until at least `fraction` of the live workers serve weight `version` or a newer one.
+
+        Returns ``{"version", "workers", "workers_at", "fraction", "waited_s"}``. Raises `WeightSyncError` at once
+        when so many live workers gave `version` up (the broker shows each one's ``skipped_version``) that the
+        fraction cannot be reached, `RejectedError` for a version the pool was never told of (publish it first),
+        and `TimeoutError` after `timeout` seconds naming each worker's version. Reads `status()` every `poll_s`
+        (one small request; the broker lists at most a bounded number of workers, so in a very large pool the
+        fraction is of the listed ones).
+        """
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while True:
+            st = await self.status()
+            pool_version = st["counters"].get("version", -1)
+            if isinstance(pool_version, int) and version > pool_version:
+                raise RejectedError("wait_for_version", f"weight version {version} was not announced (the pool's version is "
+                                    f"{pool_version}): publish it (publish_weights or set_version) before waiting for it")
+            versions = {wid: (int(s.get("version", -1)), int(s.get("skipped_version", -1)), str(s.get("skipped_error") or ""))
+                        for wid, s in st["workers"].items()}
+            n = len(versions)
+            need = max(1, math.ceil(fraction * n - 1e-9))
+            at = sum(1 for v, _, _ in versions.values() if v >= version)
+            if n and at >= need:
+                return {"version": version, "workers": n, "workers_at": at, "fraction": at / n, "waited_s": loop.time() - t0}
+            gave_up = {wid: err for wid, (v, skipped, err) in versions.items() if v < version <= skipped}
+            if n and n - len(gave_up) < need:
+                detail = "; ".join(f"{wid}: {err or 'no reason given'}" for wid, err in sorted(gave_up.items())[:8])
+                raise WeightSyncError(f"weight version {version} cannot reach {fraction:.0%} of the {n} live workers: "
+                                      f"{len(gave_up)} gave it up ({detail})")
+            if timeout is not None and loop.time() - t0 >= timeout:
+                seen = {wid: v for wid, (v, _, _) in sorted(versions.items())[:16]}
+                raise TimeoutError(f"{at} of {n} live workers serve weight version {version} after {timeout} s (needed {need}); "
+                                   f"workers' versions: {seen or 'none connected'}")
+            await asyncio.sleep(poll_s)
 
     async def control(self, op: str, tags: Sequence[str] = (), timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
         reply = await self._request(
@@ -614,6 +694,10 @@ class TrainerClient:
     def pending(self) -> int:
         """Prompts accepted and not yet delivered."""
         return len(self.ledger.pending)
+
+
+_ENDED_PULL_GROUPS = 256
+"""Groups one `take_ended` pull asks for."""
 
 
 def _expect(reply: object, kind: type[_R], name: str) -> _R:

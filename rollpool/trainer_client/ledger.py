@@ -158,7 +158,9 @@ class TrainSample:
 class SubmitResult:
     accepted: list[str]
     rejected: dict[str, str]
-    """prompt_id -> reason (``duplicate``, ``invalid``, ``group_too_large``, ``queue_full``, ...)."""
+    """prompt_id -> reason (``duplicate``, ``invalid``, ``group_too_large``, ``queue_full``, ``exact_version_unavailable``, ...)."""
+    details: dict[str, str] = field(default_factory=dict)
+    """prompt_id -> the broker's explanation of its rejection, where it gave one."""
 
 
 @dataclass
@@ -300,6 +302,8 @@ class ClientLedger:
                 accepted += 1
                 continue
             result.rejected[rej.prompt_id] = rej.reason
+            if rej.detail:
+                result.details[rej.prompt_id] = rej.detail
             rejected += 1
         self.counters["submitted"] += accepted
         self.counters["rejected"] += rejected
@@ -535,6 +539,17 @@ class ClientLedger:
         batch = RolloutBatch(groups=groups, other=other, stats=stats, version=self.version, reports=reports,
                              staleness=per_traj)
         return batch, lags
+
+    def has_other(self) -> bool:
+        return bool(self._other)
+
+    def take_other(self) -> list[GroupResult]:
+        """Hand out the other terminal states buffered (FAILED, CANCELLED, DROPPED_STALE) without waiting for DONE
+        groups; acknowledged with the next pull, as `deliver`'s are."""
+        other, self._other = self._other, []
+        self._to_ack.extend(g.prompt_id for g in other if g.prompt_id not in self._dropped_here)
+        self._dropped_here.difference_update(g.prompt_id for g in other)
+        return other
 
     def wasted_token_shares(self) -> dict[str, float]:
         """Generated tokens this client saw that never reached the trainer, as shares of all it saw, per reason.

@@ -39,6 +39,13 @@ Guarantees:
   late results are dropped, not kept.
   ``synchronous=False`` (the default of this class) keeps rollpool's
   asynchronous behaviour: every token's version is on the result.
+* ``generate(..., exact_weight_version=v)``: every prompt of the call is served
+  only at weight version v (`Prompt.exact_weight_version`); a group the broker
+  could not serve at v (no live worker holds it and none can reach it) raises
+  `WeightSyncError` with the broker's reason, at once rather than at a timeout,
+  and a v the pool refuses at submit raises `RejectedError`. Every result's
+  ``meta_info`` says ``weight_version_start`` and ``weight_version_end`` (the
+  first and last sampled token's version).
 
 The pool owns one `SyncTrainerClient`; every group it pulls belongs to its own
 requests (groups of another in-flight call are kept for it).
@@ -220,6 +227,7 @@ class _Call:
     """top_logprobs_num asked for, per prompt (0: none)."""
     starts: list[int]
     """logprob_start_len asked for, per prompt (-1: none)."""
+    exact_version: int = -1
 
 
 class RolloutPool:
@@ -249,7 +257,8 @@ class RolloutPool:
 
     def _submit(self, prompt: Any, input_ids: Any, sampling_params: Any, return_logprob: Any,
                 image_data: Any = None, lora_path: Any = None, custom_logit_processor: Any = None,
-                logprob_start_len: Any = None, top_logprobs_num: Any = None, stream: bool = False) -> tuple[_Call, bool]:
+                logprob_start_len: Any = None, top_logprobs_num: Any = None, stream: bool = False,
+                exact_weight_version: int | None = None) -> tuple[_Call, bool]:
         if self._released:
             raise RuntimeError(f"generate while the workers' {sorted(self._released)} are released: call wake_up() "
                                "(or prepare_for_generation()) first")
@@ -268,15 +277,19 @@ class RolloutPool:
         prompts = []
         for item, (sp, n) in zip(items, sampling, strict=True):
             p = make_prompt(item, group_size=n, sampling=sp)
-            prompts.append(replace(p, min_weight_version=required) if required >= 0 else p)
+            p = replace(p, min_weight_version=required) if required >= 0 else p
+            prompts.append(replace(p, exact_weight_version=exact_weight_version) if exact_weight_version is not None else p)
         result = self._client.submit(prompts)
         if result.rejected:
             pid, reason = next(iter(result.rejected.items()))
-            raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid})")
-        return _Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops, starts), single and sampling[0][1] == 1
+            detail = f": {result.details[pid]}" if pid in result.details else ""
+            raise RejectedError(reason, f"{len(result.rejected)} prompts rejected (first: {pid}{detail})")
+        exact = -1 if exact_weight_version is None else exact_weight_version
+        return (_Call([p.prompt_id for p in prompts], [p.group_size for p in prompts], logprobs, required, tops, starts, exact),
+                single and sampling[0][1] == 1)
 
     def _take_batch(self, deadline: float | None, call: _Call) -> list[GroupResult]:
-        poll = SYNC_POLL_S if call.min_version >= 0 else 5.0
+        poll = SYNC_POLL_S if call.min_version >= 0 or call.exact_version >= 0 else 5.0
         wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
         try:
             batch = self._client.get_batch(1, timeout=wait)
@@ -285,14 +298,17 @@ class RolloutPool:
                 self._fail(call, self._timeout_error(call))
             if call.min_version >= 0:
                 self._check_version_reachable(call)
+            if call.exact_version >= 0:
+                # its groups may all have failed (the version gone): they come without any DONE group beside them
+                return [g for g in self._client.take_ended() if not self._abandoned_now(g)]
             return []
-        groups = []
-        for g in batch.groups + batch.other:
-            if g.prompt_id in self._abandoned:
-                self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
-            else:
-                groups.append(g)
-        return groups
+        return [g for g in batch.groups + batch.other if not self._abandoned_now(g)]
+
+    def _abandoned_now(self, g: GroupResult) -> bool:
+        if g.prompt_id in self._abandoned:
+            self._abandoned.discard(g.prompt_id)  # a failed call's prompt: its result (or its cancellation) is dropped
+            return True
+        return False
 
     def _check_version_reachable(self, call: _Call) -> None:
         """Fail the call at once when every live worker gave up the version it waits for and nothing newer is out."""
@@ -353,14 +369,17 @@ class RolloutPool:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, image_data: Any = None,
                  return_logprob: bool | Sequence[bool] = False, logprob_start_len: int | Sequence[int] | None = None,
                  top_logprobs_num: int | Sequence[int] | None = None, lora_path: Any = None,
-                 custom_logit_processor: Any = None, stream: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
-        """SGLang's `Engine.generate`: one dict for one prompt with n == 1, else a list (prompt-major for n > 1)."""
+                 custom_logit_processor: Any = None, stream: bool = False,
+                 exact_weight_version: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `Engine.generate`: one dict for one prompt with n == 1, else a list (prompt-major for n > 1).
+
+        ``exact_weight_version`` (not an SGLang argument): serve every prompt only at that weight version."""
         call, single = self._submit(prompt, input_ids, sampling_params, return_logprob, image_data, lora_path,
-                                    custom_logit_processor, logprob_start_len, top_logprobs_num, stream)
+                                    custom_logit_processor, logprob_start_len, top_logprobs_num, stream, exact_weight_version)
         self._collect(call)
         out: list[dict[str, Any]] = []
         for pid, n, lp, k, s in zip(call.prompt_ids, call.sizes, call.logprobs, call.tops, call.starts, strict=True):
-            out.extend(self._to_sglang(self._done.pop(pid), n, lp, call.min_version, k, s))
+            out.extend(self._to_sglang(self._check_exact(call, self._done.pop(pid)), n, lp, call.min_version, k, s))
         return out[0] if single else out
 
     async def generate_async(self, prompt: str | Sequence[str] | None = None,
@@ -383,12 +402,19 @@ class RolloutPool:
         while left:
             for pid in [p for p in left if p in self._done]:  # taken by a concurrent call's pull
                 left.discard(pid)
-                for j, res in enumerate(self._to_sglang(self._done.pop(pid), sizes[pid], logprobs[pid], call.min_version, tops[pid], starts[pid])):
+                g = self._check_exact(call, self._done.pop(pid))
+                for j, res in enumerate(self._to_sglang(g, sizes[pid], logprobs[pid], call.min_version, tops[pid], starts[pid])):
                     yield offsets[pid] + j, res
             if not left:
                 break
             for g in await asyncio.to_thread(self._take_batch, deadline, call):
                 self._done[g.prompt_id] = g
+
+    def _check_exact(self, call: _Call, g: GroupResult) -> GroupResult:
+        """A group of an exact-version call that the broker could not serve at that version fails the call."""
+        if call.exact_version >= 0 and g.state == GroupState.FAILED and g.reason.startswith("exact_version_unavailable"):
+            self._fail(call, WeightSyncError(f"prompt {g.prompt_id} could not be served at weight version {call.exact_version}: {g.reason}"))
+        return g
 
     @staticmethod
     def _to_sglang(g: GroupResult, n: int, return_logprob: bool, min_version: int = -1, top_k: int = 0,
@@ -408,6 +434,8 @@ class RolloutPool:
                 "prompt_tokens": int(len(t.input_ids)),
                 "completion_tokens": int(len(t.output_ids)),
                 "weight_version": "" if oldest is None else str(oldest),
+                "weight_version_start": t.version_start,
+                "weight_version_end": t.version_end,
                 "token_versions": t.token_versions.tolist(),
                 "worker_id": t.worker_id,
                 "reward": t.reward,

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rollpool.protocol import MetricsSink, Prompt, SamplingParams
+from rollpool.protocol import GroupResult, MetricsSink, Prompt, SamplingParams
 from rollpool.trainer_client.client import RolloutBatch, SubmitResult, TrainerClient, TrainerClientConfig
 
 __all__ = ["SyncTrainerClient"]
@@ -66,9 +66,19 @@ class SyncTrainerClient:
         return dict(self.client.counters)
 
     def submit(self, prompts: Iterable[Prompt | Mapping[str, Any] | str | Sequence[int]], *, group_size: int = 1,
-               sampling: SamplingParams | Mapping[str, Any] | None = None) -> SubmitResult:
+               sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None) -> SubmitResult:
         items = list(prompts)
-        return self._call(lambda: self.client.submit(items, group_size=group_size, sampling=sampling))
+        return self._call(lambda: self.client.submit(items, group_size=group_size, sampling=sampling,
+                                                     exact_weight_version=exact_weight_version))
+
+    def take_ended(self, timeout: float = 0.0) -> list[GroupResult]:
+        """See `TrainerClient.take_ended`."""
+        return self._call(lambda: self.client.take_ended(timeout))
+
+    def wait_for_version(self, version: int, fraction: float = 1.0, timeout: float | None = None,
+                         poll_s: float = 0.1) -> dict[str, Any]:
+        """See `TrainerClient.wait_for_version`."""
+        return self._call(lambda: self.client.wait_for_version(version, fraction, timeout, poll_s))
 
     def get_batch(self, n: int, max_staleness: int | None = None, timeout: float | None = None,
                   stale_policy: str | None = None, max_staleness_keep: int | None = None) -> RolloutBatch:

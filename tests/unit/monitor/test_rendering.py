@@ -199,3 +199,22 @@ def test_top_and_the_exporter_show_the_wasted_tokens_by_reason() -> None:
     assert sample_value(fams, "rollpool_wasted_share", reason="stale_drop") == 0.05
     assert sample_value(fams, "rollpool_generated_tokens_total") == 2000
     assert not any("broker_wasted" in name for name in fams)  # not repeated as untyped broker fields
+
+
+def test_top_and_the_exporter_show_version_convergence_and_the_fleet_activation() -> None:
+    state = _state()
+    assert "VERSIONS" not in render_frame(state, width=100)  # a broker from before the contract: no section
+    assert state.broker is not None
+    state.broker.update({"convergence_versions": 4, "convergence_last_version": 7, "convergence_last_s": 0.25,
+                         "convergence_slowest_worker": "w-2", "convergence_p50_s": 0.2, "convergence_p95_s": 0.3,
+                         "convergence_open": 1, "activation": "fleet", "fleet_version": 7, "fleet_activations": 3,
+                         "fleet_activation_skew_p95_ms": 12.5, "fleet_held_out": 1, "fleet_holdouts": 1,
+                         "versions": {"converging": [{"version": 8, "workers_at": 1, "workers": 2, "waiting_for": ["w-2"]}]}})
+    frame = render_frame(state, width=100)
+    assert "last v7 in 0.250 s (slowest w-2)" in frame and "p95 0.300 s" in frame
+    assert "skew p95 12.5 ms" in frame and "held out 1" in frame and "v8: 1/2 workers serve it; waiting for w-2" in frame
+    assert all(len(x) <= 100 for x in frame.splitlines())
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_version_convergence_p95_seconds") == 0.3
+    assert sample_value(fams, "rollpool_fleet_activation_skew_p95_seconds") == 0.0125
+    assert sample_value(fams, "rollpool_fleet_held_out_workers") == 1

@@ -117,6 +117,8 @@ def samples() -> dict[str, Any]:
         "manifest_bulk_port": p.Manifest(request_id="m6", version=8, publisher_id="pub", chunk_bytes=8 << 20, bulk_port=41234,
                                          buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=16, checksum="xxh3_64:0123456789abcdef",
                                                                tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(8,), offset=0, nbytes=16),)),)),
+        # minor 14: the versioned-service contract (a group served only at one exact weight version)
+        "submit_exact_version": p.Submit(request_id="r9", prompts=(p.Prompt(prompt_id="p9", text="2+2=", exact_weight_version=5),)),
         # minor 12: the minor in hellos and welcomes (inline arrays: `inline_samples`)
         "hello_minor12": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8, protocol_minor=12),
         "welcome_minor12": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, protocol_minor=12),
