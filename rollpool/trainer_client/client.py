@@ -97,6 +97,7 @@ if TYPE_CHECKING:
 from rollpool.protocol.codec import check_size  # roles hook (issue 21)
 from rollpool.protocol.errors import MessageTooLargeError  # roles hook (issue 21)
 from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
+from rollpool.protocol.sampling import sampling_problem
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
 
@@ -409,6 +410,15 @@ class TrainerClient:
 
     async def _submit(self, items: Sequence[Prompt]) -> SubmitResult:
         result = SubmitResult(accepted=[], rejected={})
+        valid = []
+        for p in items:  # refused here, as every engine would refuse it (protocol.sampling): never sent
+            problem = sampling_problem(p.sampling, p.group_size)
+            if problem is None:
+                valid.append(p)
+            else:
+                result.rejected[p.prompt_id] = f"invalid_sampling: {problem}"
+                self.ledger.counters["rejected"] += 1
+        items = valid
         for i in range(0, len(items), self.config.submit_chunk):
             chunk = tuple(items[i : i + self.config.submit_chunk])
             reply, resent = await self._submit_chunk(chunk)

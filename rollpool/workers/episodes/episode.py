@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
+from rollpool.protocol.sampling import sampling_problem
 from rollpool.workers.engines.base import Engine, SampleOutput
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
@@ -88,7 +90,7 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
             return None
         if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
             raise EndpointError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
             raise EndpointError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
         return kind(value)
 
@@ -117,7 +119,11 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise EndpointError(400, f"n must be 1 here: each sample of a group is its own episode (got n={n!r})", param="n")
-    return dataclasses.replace(base, **changes)
+    sampling = dataclasses.replace(base, **changes)
+    problem = sampling_problem(sampling)  # the rules every engine checks: refused here, before any work
+    if problem is not None:
+        raise EndpointError(400, problem.message, param="max_tokens" if problem.field == "max_new_tokens" else problem.field)
+    return sampling
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:

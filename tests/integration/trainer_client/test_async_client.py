@@ -287,3 +287,13 @@ async def test_prompts_travel_inline_only_to_a_broker_that_settled_on_minor_12(z
         served.cancel()
         await client.close()
         router.close(linger=0)
+
+
+async def test_a_prompt_with_unservable_sampling_is_rejected_before_it_is_sent(inproc_pool: Any) -> None:
+    client = await inproc_pool.client()
+    result = await client.submit([[1, 2, 3]], sampling={"temperature": float("nan")})
+    ok = await client.submit([[1, 2, 3]], sampling=SAMPLING)
+    ((pid, reason),) = result.rejected.items()
+    assert not result.accepted and reason.startswith("invalid_sampling: temperature")
+    assert len(ok.accepted) == 1 and inproc_pool.broker.state.counters["submitted"] == 1
+    assert client.pending() == 1 and pid not in ok.accepted
