@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rollpool.protocol.codec import (
     DEFAULT_INLINE_MAX_BYTES,
+    EPOCH_MINOR,
     INLINE_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
@@ -55,6 +56,7 @@ __all__ = [
     "inline_for",
     "carry_entry",
     "INLINE_MINOR",
+    "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",
     "message_types",

@@ -82,6 +82,7 @@ __all__ = [
     "inline_for",
     "carry_entry",
     "INLINE_MINOR",
+    "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -108,7 +109,11 @@ PROTOCOL_MAJOR = 1
 #   1.12 small arrays and blobs inline in the header (a msgpack bin where a frame index was); the minor in the
 #        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
-PROTOCOL_MINOR = 13
+#   1.14 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
+PROTOCOL_MINOR = 14
+EPOCH_MINOR = 14
+"""The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
+(`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 
