@@ -121,6 +121,8 @@ class EngineInfo:
     simulated: bool = False
     device: str = "cpu"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    """More facts, by name; ``max_context_tokens``: the tokens one sequence may hold (prompt and output), which
+    the episode endpoint checks requests against (absent or 0: not known)."""
     top_logprobs: bool = False
     """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
     worker refuses such a task for an engine that does not."""

@@ -222,7 +222,9 @@ class HFEngine:
             fingerprint=self._fingerprint,
             simulated=False,
             device=self.device,
-            extra={"dtype": str(self.dtype).removeprefix("torch.")},
+            # the context it serves (its positions; 0 until loaded): the episode endpoint's context_length_exceeded
+            extra={"dtype": str(self.dtype).removeprefix("torch."),
+                   "max_context_tokens": self._max_positions if self._max_positions < 1 << 30 else 0},
             top_logprobs=True,
             prompt_logprobs=True,
         )

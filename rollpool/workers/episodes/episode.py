@@ -126,6 +126,29 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
     return sampling
 
 
+_LONGEST: dict[int, tuple[Any, int]] = {}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token of `tokenizer` stands for, bounded above by the UTF-8 bytes of its
+    longest vocabulary string (a byte-level BPE token of k characters stands for k bytes, a SentencePiece ``▁`` for
+    one), added tokens included; 0 when the tokenizer does not list its vocabulary. Computed once per tokenizer."""
+    if tokenizer is None:
+        return 0
+    cached = _LONGEST.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(str(t).encode()) for t in vocab), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list: no estimate
+        longest = 0
+    if len(_LONGEST) >= 16:  # one or two tokenizers per process in practice: bounded anyway
+        _LONGEST.clear()
+    _LONGEST[id(tokenizer)] = (tokenizer, longest)
+    return longest
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:
     """``cached_tokens`` is what the engine's prefix cache served where it says (SGLang), else the tokens reused from the record."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -198,6 +221,17 @@ class Episode:
         seg = self.recording.begin(ids, now=time.time())
         self.stats.segments += 1
         return seg
+
+    def _fits_text(self, chars: int) -> None:
+        """Size before work: refuse a request whose text cannot fit the context whatever it renders to, before any
+        rendering or tokenizing (`ContextLengthExceededError`). No token stands for more characters than the
+        tokenizer's longest token string (`longest_token_chars`), so ``chars / longest`` tokens at least."""
+        longest = longest_token_chars(self.tokenizer) if self.max_context_tokens else 0
+        if longest and chars // longest + 1 > self.max_context_tokens:
+            self.recording.context_exceeded = True
+            raise ContextLengthExceededError(
+                f"the request's {chars} characters of text are at least {chars // longest} tokens, past the context of "
+                f"{self.max_context_tokens}")
 
     def _fits(self, length: int, seg: Segment | None = None) -> None:
         """Raise `ContextLengthExceededError` past the context; `seg`, the segment that would overflow, then ends with ``length``."""
@@ -369,6 +403,7 @@ class Episode:
             raise EndpointError(400, "top_logprobs is not supported: the engine reports the sampled token's logprob only", param="top_logprobs")
         sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
         parse = bool(tools) and tool_choice != "none"
+        self._fits_text(sum(len(m.get("content") or "") for m in messages))
         async with self._lock:
             self._check_open()
             mark = self.recording.mark()
@@ -433,6 +468,8 @@ class Episode:
         tok = self.tokenizer
         if not token_prompt:
             tok = self._require_tokenizer()
+            assert isinstance(prompt, str)
+            self._fits_text(len(prompt))
         async with self._lock:
             self._check_open()
             mark = self.recording.mark()

@@ -176,6 +176,17 @@ async def test_poisoned_requests_leave_the_other_requests_untouched(case: Engine
     assert len(after.samples[0].output_ids) == 3
 
 
+async def test_an_engine_with_a_model_states_its_context_and_refuses_past_it(case: EngineCase) -> None:
+    """The episode endpoint answers context_length_exceeded from this (``--max-context-tokens 0``: what the engine says)."""
+    context = case.engine.info().extra.get("max_context_tokens", 0)
+    if case.name == "sim":
+        assert not context  # no model, no context
+        return
+    assert isinstance(context, int) and context > 0
+    with pytest.raises(RequestRefusedError):
+        await case.engine.generate([5] * context, 1, SamplingParams(max_new_tokens=1), "too-long")
+
+
 async def test_abort_keeps_partial_output(case: EngineCase) -> None:
     sp = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=2)
     task = asyncio.create_task(case.engine.generate(case.prompt, 2, sp, "long"))

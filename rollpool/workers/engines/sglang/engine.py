@@ -400,7 +400,8 @@ class SGLangEngine:
             simulated=self.options.backend == "sim",
             device=self.device or "cuda",
             extra={"dtype": self.dtype, "backend": self.options.backend,
-                   "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else "")},
+                   "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else ""),
+                   "max_context_tokens": self._context_tokens or 0},  # the episode endpoint's context_length_exceeded
         )
 
     # -- I/O helpers

@@ -366,3 +366,50 @@ async def test_http_layer_failures_get_4xx_in_the_openai_shape_without_a_traceba
     assert exc.status_code == 413
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
     assert t.reward == 1.0 and len(engine.prompts) == 1
+
+
+class _WatchedTokenizer:
+    """The tiny model's tokenizer, recording the longest text it was asked to render or encode (a test double over
+    the real one: every call goes through)."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.longest = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def apply_chat_template(self, conversation: Any, **kw: Any) -> Any:
+        self.longest = max(self.longest, sum(len(m.get("content") or "") for m in conversation))
+        return self._tok.apply_chat_template(conversation, **kw)
+
+    def encode(self, text: str, **kw: Any) -> Any:
+        self.longest = max(self.longest, len(text))
+        return self._tok.encode(text, **kw)
+
+
+async def test_a_message_larger_than_the_context_can_hold_is_refused_before_it_is_rendered(tiny_tokenizer: Any) -> None:
+    """400 context_length_exceeded, decided from the text's length alone (no token stands for more characters than the
+    tokenizer's longest token): a 400,000-character message is never rendered nor tokenized (it stalled every episode of
+    the worker on the one tokenizer thread). The body limit that context gives (64 bytes a token, at least 1 MiB)
+    lets it in; a completion prompt the same."""
+    tok = _WatchedTokenizer(tiny_tokenizer)
+    codes: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x" * 400_000}])
+            except openai.BadRequestError as exc:
+                codes.append(exc.body["code"])
+            try:
+                await client.completions.create(model=ctx.model, prompt="y" * 400_000)
+            except openai.BadRequestError as exc:
+                codes.append(exc.body["code"])
+
+    engine = ScriptedEngine([], tokenizer=tok)
+    async with EpisodeRunner(engine, agent, EpisodeConfig(max_context_tokens=2048), tokenizer=tok) as runner:
+        assert runner.server.max_request_bytes == 1 << 20
+        (t,) = await runner.run_group(_prompt())
+    assert codes == ["context_length_exceeded", "context_length_exceeded"]
+    assert tok.longest < 1000 and engine.prompts == [] and t.output_ids.tolist() == []
