@@ -603,6 +603,8 @@ class HFEngine:
         try:
             tok, logprob = sample_token(logits, sampling, seq.generator)
         except Exception as exc:
+            if type(exc).__name__ == "AcceleratorError" or "CUDA" in str(exc):
+                raise EngineError(f"the device failed while sampling: {exc!r}") from exc  # the engine's fault
             if not bool(torch.isfinite(logits).all()):
                 raise EngineError(f"the model produced non-finite logits: {exc!r}") from exc  # the engine's fault
             self._refuse(seq.group, f"sampling failed with this request's parameters: {exc!r}")
