@@ -11,6 +11,11 @@ result it makes is simulated and labelled so) plus:
   forever), as a wedged device copy would. The arming is process-wide, so
   every engine the process makes (a restarted one too) sees it once.
 
+- a request the request checks let through with sampling a real engine cannot compute (a non-finite
+  temperature, a seed outside int64) fails the engine, as it failed the `hf` engine's compute thread
+  (``torch.multinomial`` on NaN probabilities, a generator seed overflow): the chaos run's poisoned agents
+  find out whether the checks stop them first (then no engine is restarted by a request).
+
 Run a worker with it: ``python -m rollpool.chaos worker --engine sim-chaos
 --engine-options hang_apply_s=10,... [worker flags]`` (`rollpool.chaos.__main__`
 calls `install()`, then hands its arguments to ``rollpool.cli``).
@@ -19,11 +24,14 @@ calls `install()`, then hands its arguments to ``rollpool.cli``).
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 from collections.abc import Mapping
 from typing import Any
 
 from rollpool.protocol.errors import WeightsRefusedError
+from rollpool.protocol.messages import SamplingParams
+from rollpool.workers.engines.base import GenerateOutput
 from rollpool.workers.engines.sim import SimEngine
 
 __all__ = ["POISON_NAME", "ChaosSimEngine", "arm_hang", "install"]
@@ -47,6 +55,14 @@ class ChaosSimEngine(SimEngine):
         self.hang_apply_s = float(hang_apply_s)
         self.refused_versions: list[int] = []
         self.hung_applies = 0
+
+    async def generate(self, input_ids: Any, n: int, sampling: SamplingParams, request_id: str, **kw: Any) -> GenerateOutput:
+        out = await super().generate(input_ids, n, sampling, request_id, **kw)  # the request checks run first, as everywhere
+        seed_overflows = sampling.seed is not None and not -(2**63) <= sampling.seed + n - 1 < 2**63
+        if not math.isfinite(sampling.temperature) or seed_overflows:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (as the hf engine's compute "
+                               "thread failed on this request's sampling)")
+        return out
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         global _hangs_armed

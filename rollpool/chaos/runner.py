@@ -33,6 +33,12 @@ default). The faults of issue 20 (`ISSUE20_FAULTS`, opt-in with ``faults``):
   Both need the fake engine at the worker's edge (`rollpool.chaos.faulty_engine`,
   ``--engine sim-chaos``), which the run then starts its workers with.
 
+With ``poisoned_agents`` (a share of the prompts), the workers run episodes (`rollpool.chaos.agents`) on the
+sim-chaos engine, and the agent of each such prompt sends poisoned requests (NaN and infinite temperatures, a
+seed past int64, a top-k past int32) before its real turn: each must be refused alone. The result counts the
+refusals and the engine restarts (``engine_restarts``, from the workers' logs: a restart caused by a request
+is the failure this mode looks for).
+
 The result reports per fault kind its count, per port, direction and message
 type the messages dropped, duplicated, delayed and reordered
 (``message_faults``; with ``every_message_action`` the run goes on until each
@@ -130,6 +136,9 @@ class ChaosConfig:
     """The broker's `result_resend_s`: a Batch lost on the client port is sent again this long after (within the bound)."""
     every_message_action: bool = True
     """With message faults: keep running until each of dropped, duplicated, delayed and reordered is above 0."""
+    poisoned_agents: float = 0.0
+    """The share of prompts whose agent sends poisoned requests first (0: the workers run no episodes; above 0 they
+    run `rollpool.chaos.agents:chaos_agent` on the sim-chaos engine)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(FAULT_KINDS)
@@ -140,6 +149,8 @@ class ChaosConfig:
             raise ValueError(f"ChaosConfig.broker_stop_s must be (low, high) with 0 < low <= high, got {self.broker_stop_s}")
         if not self.message_fault_rates or not all(0 < r <= 1 for r in self.message_fault_rates):
             raise ValueError(f"ChaosConfig.message_fault_rates must be probabilities in (0, 1], got {self.message_fault_rates}")
+        if not 0 <= self.poisoned_agents <= 1:
+            raise ValueError(f"ChaosConfig.poisoned_agents must be a share in [0, 1], got {self.poisoned_agents}")
 
 
 _MESSAGE_ACTIONS = {"msg_drop": "drop", "msg_duplicate": "duplicate", "msg_delay": "delay", "msg_reorder": "reorder"}
@@ -211,6 +222,15 @@ def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted
         "never_terminal": len(never),
         "within_bound": not over and not never,
     }
+
+
+def _engine_restarts(workdir: str, workers: list[str]) -> int:
+    """Engine restarts in the workers' logs (their supervisors log each: "engine failed (...); ... restarting it")."""
+    n = 0
+    for w in workers:
+        with contextlib.suppress(OSError):
+            n += pathlib.Path(workdir, f"{w}.log").read_text(errors="replace").count("engine failed (")
+    return n
 
 
 _HANDED_OUT: set[int] = set()
@@ -285,7 +305,9 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 "--bind-pub", ep["relay_p"], "--fetch-timeout-s", "2", "--poll-interval-s", "0.5", "--redis-url", redis_url]
 
     # the apply faults need the fake engine at the worker's edge (rollpool.chaos.faulty_engine: sim + poison + hang)
-    chaos_engine = bool(faults & {"poison_version", "hung_apply"})
+    chaos_engine = bool(faults & {"poison_version", "hung_apply"}) or cfg.poisoned_agents > 0
+    episode = ("--episode", "rollpool.chaos.agents:chaos_agent") if cfg.poisoned_agents > 0 else ()
+    poison_every = max(1, round(1 / cfg.poisoned_agents)) if cfg.poisoned_agents > 0 else 0
     worker_py = [sys.executable, "-m", "rollpool.chaos", "--log-level", "WARNING"] if chaos_engine else py
     engine = "sim-chaos" if chaos_engine else "sim"
     hang = f",hang_apply_s={cfg.hung_apply_s}" if chaos_engine else ""
@@ -299,7 +321,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                         *(() if i in direct else ("--weight-endpoint", relay_router, "--weight-announce-endpoint", relay_pub)),
                         "--engine-options",
                         f"decode_s_per_token={cfg.decode_s_per_token},length_median={cfg.length_median},seed={i}{hang}",
-                        "--redis-url", redis_url]
+                        *episode, "--redis-url", redis_url]
         for i in range(cfg.workers)
     ]
     # the launcher's Supervisor, with restarts left to the fault loop (it kills, pauses and starts children itself)
@@ -328,6 +350,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
     dropped_stale = 0
     done = asyncio.Event()
     t_start = time.monotonic()
+    poisoned_submitted = poison_refused = poisoned_done = 0
     submitted_at: dict[str, float] = {}
     terminal_s: list[float] = []
     terminal_at: dict[str, float] = {}
@@ -538,9 +561,11 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
             if submitted < cfg.prompts and open_prompts < cfg.window_prompts and not cut[0]:
                 n = min(cfg.window_prompts - open_prompts, cfg.prompts - submitted, 128)
                 items = [
-                    {"prompt_id": f"c{cfg.seed}-{submitted + i}", "input_ids": prompt_rng.integers(1, 1000, 8).tolist()}
+                    {"prompt_id": f"c{cfg.seed}-{submitted + i}", "input_ids": prompt_rng.integers(1, 1000, 8).tolist(),
+                     "metadata": {"poison": 1} if poison_every and (submitted + i) % poison_every == 0 else {}}
                     for i in range(n)
                 ]
+                poisoned_submitted += sum(1 for it in items if it["metadata"])
                 res = await client.submit(items, group_size=cfg.group_size, sampling={"max_new_tokens": 32})
                 accepted.update(res.accepted)
                 t_sub = time.monotonic()
@@ -568,6 +593,8 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 staleness_hist[worst] += 1
                 for t in g.trajectories:
                     traj_seen[t.trajectory_id] += 1
+                    poison_refused += int(t.metadata.get("poison_refused", 0))
+                poisoned_done += any(t.metadata.get("poison") for t in g.trajectories)
                 if g.prompt_id in terminal:
                     traj_seen["group:" + g.prompt_id] += 1  # a whole group handed over twice
                 if g.prompt_id not in terminal and g.prompt_id in submitted_at:
@@ -637,6 +664,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         ctx.destroy(linger=0)
 
     lost = sorted(accepted - set(terminal))
+    engine_restarts = await asyncio.to_thread(_engine_restarts, workdir, workers)
     duplicated = sum(c - 1 for c in traj_seen.values() if c > 1)
     bound = _terminal_bound(cfg, fault_log, submitted_at, terminal_at, gen_s)
     for r in fault_log:
@@ -678,6 +706,9 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         "faults_by_kind": by_kind,
         "fault_log": fault_log,
         "restarts": {name: n for name, n in procs.restarts.items() if n},
+        "engine_restarts": engine_restarts,
+        "poisoned_agents": {"share": cfg.poisoned_agents, "prompts": poisoned_submitted, "delivered": poisoned_done,
+                            "requests_refused": poison_refused},
         "proxy": {"forwarded": proxy.forwarded, "held_by_loss": proxy.held, "undeliverable": proxy.undeliverable},
         "message_faults": {name: px.report() for name, px in sorted(zproxies.items())},
         "message_fault_totals": {a: sum(px.total(a) for px in zproxies.values()) for a in ACTIONS if a != "forwarded"},

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-s", type=float, default=d.deadline_s, help="give up (and report lost) after this long")
     parser.add_argument("--drain-s", type=float, default=d.drain_s,
                         help="take no new prompts this long before the deadline (a run cut short stays whole: cut_short)")
+    parser.add_argument("--poisoned-agents", type=float, default=d.poisoned_agents,
+                        help="share of prompts whose agent sends poisoned requests first (the workers then run episodes)")
     parser.add_argument("--workdir", default=None, help="where process logs go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the result JSON here")
 
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         faults=faults, deadline_s=args.deadline_s, drain_s=args.drain_s, workdir=args.workdir,
         broker_stop_s=tuple(float(x) for x in args.broker_stop_s.split(",")),  # type: ignore[arg-type]
         hung_apply_s=args.hung_apply_s, apply_slot_deadline_s=args.apply_slot_deadline_s,
+        poisoned_agents=args.poisoned_agents,
     )
     result = asyncio.run(run_chaos(cfg))
     text = json.dumps(result, indent=2, sort_keys=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rollpool.protocol.codec import (
     CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
+    EPOCH_MINOR,
     INLINE_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
@@ -57,6 +58,7 @@ __all__ = [
     "carry_entry",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
+    "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",
     "message_types",

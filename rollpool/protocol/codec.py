@@ -83,6 +83,7 @@ __all__ = [
     "carry_entry",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
+    "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -110,7 +111,11 @@ PROTOCOL_MAJOR = 1
 #        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
 #   1.14 the versioned-service contract: Prompt.exact_weight_version (CONTRACT_MINOR)
-PROTOCOL_MINOR = 14
+#   1.15 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
+PROTOCOL_MINOR = 15
+EPOCH_MINOR = 15
+"""The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
+(`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

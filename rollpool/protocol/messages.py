@@ -306,6 +306,11 @@ class Trajectory:
     input_logprobs: Float32Array | None = None
     """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
     (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.7."""
+    version_epoch: int = -1
+    """The pool's version epoch (run) that the weights which made the newest token belong to (`SetVersion.rebase`
+    starts a new one; 0: never rebased); -1: not stated (a worker older than protocol 1.15, `EPOCH_MINOR`).
+    `token_versions` count within it: after a rebase to v, a token of version above v from an earlier epoch was
+    made by weights of the abandoned run."""
 
     @property
     def version_start(self) -> int:

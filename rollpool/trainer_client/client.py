@@ -99,7 +99,14 @@ from rollpool.protocol import (
     inline_for,
     settle_minor,
 )
-from rollpool.trainer_client.ledger import STALE_POLICIES, ClientLedger, RolloutBatch, SubmitResult, TakeOutcome
+from rollpool.trainer_client.ledger import (
+    ABANDONED_POLICIES,
+    STALE_POLICIES,
+    ClientLedger,
+    RolloutBatch,
+    SubmitResult,
+    TakeOutcome,
+)
 from rollpool.weights.config import check_path_fields
 
 if TYPE_CHECKING:
@@ -107,6 +114,7 @@ if TYPE_CHECKING:
 from rollpool.protocol.codec import check_size  # roles hook (issue 21)
 from rollpool.protocol.errors import MessageTooLargeError  # roles hook (issue 21)
 from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
+from rollpool.protocol.sampling import sampling_problem
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
 
@@ -127,6 +135,7 @@ class TrainerClientConfig:
     stale_policy: str = field(default="drop", metadata={"help": "groups staler than max_staleness: drop, regenerate (resubmit the original prompt under a fresh id) or keep (deliver with staleness stated, up to max_staleness_keep)"})
     max_staleness_keep: int | None = field(default=None, metadata={"help": "stale_policy keep: most staleness delivered (None: 2 x max_staleness)"})
     regenerate_stale: bool = field(default=False, metadata={"help": "deprecated: stale_policy='regenerate'"})
+    abandoned_policy: str = field(default="drop", metadata={"help": "after rebase_version: groups made on weights of the abandoned run are dropped (drop) or their original prompts resubmitted under fresh ids (regenerate); never delivered as fresh"})
     weight_router_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher serves buckets"})
     weight_pub_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher announces versions"})
     keep_versions: int = field(default=2, metadata={"help": "weight versions the publisher keeps (0: serve the trainer's tensors while publish waits)"})
@@ -148,6 +157,8 @@ class TrainerClientConfig:
             raise ConfigError(f"submit_chunk must be >= 1, got {self.submit_chunk}")
         if self.dedup_window < 1:
             raise ConfigError(f"dedup_window must be >= 1, got {self.dedup_window}")
+        if self.abandoned_policy not in ABANDONED_POLICIES:
+            raise ConfigError(f"abandoned_policy must be one of {ABANDONED_POLICIES}, got {self.abandoned_policy!r}")
         if self.stale_policy not in STALE_POLICIES:
             raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         if self.max_staleness_keep is not None and self.max_staleness_keep < 0:
@@ -241,7 +252,8 @@ class TrainerClient:
         self._stale_bound = -1
         """The bound of the last `get_batch` (`ClientLedger.stale_bound`), sent with every version."""
         self.ledger = ClientLedger(dedup_window=cfg.dedup_window, stale_policy=cfg.stale_policy,
-                                   max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
+                                   max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id,
+                                   abandoned_policy=cfg.abandoned_policy)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._broker_limits: tuple[int, int] = (0, 0)
         self._inline: Inline | None = None
@@ -431,6 +443,15 @@ class TrainerClient:
             raise RejectedError("exact_weight_version", f"the broker speaks protocol minor {self._broker_minor}, which ignores "
                                 f"exact_weight_version (it needs {CONTRACT_MINOR}): nothing was submitted")
         result = SubmitResult(accepted=[], rejected={})
+        valid = []
+        for p in items:  # refused here, as every engine would refuse it (protocol.sampling): never sent
+            problem = sampling_problem(p.sampling, p.group_size)
+            if problem is None:
+                valid.append(p)
+            else:
+                result.rejected[p.prompt_id] = f"invalid_sampling: {problem}"
+                self.ledger.counters["rejected"] += 1
+        items = valid
         for i in range(0, len(items), self.config.submit_chunk):
             chunk = tuple(items[i : i + self.config.submit_chunk])
             reply, resent = await self._submit_chunk(chunk)
@@ -537,8 +558,10 @@ class TrainerClient:
         lower or not. Then publish the checkpoint's weights (`publish_weights(model, version)`) and go on
         as usual. A publisher this client hosts that holds versions above `version` is closed (a fresh one
         starts, on new ports, with the next `publish_weights`); a publisher run elsewhere must be restarted
-        likewise. Groups already made are delivered as they are (their ``token_versions`` say which weights
-        made them).
+        likewise. Groups made on weights of the abandoned run (a trajectory's ``version_epoch`` earlier than this
+        rebase and a sampled token above `version`) are never delivered as fresh: `get_batch` reports them in
+        ``other`` (DROPPED_STALE, reason ``abandoned_run``), their prompts resubmitted under fresh ids with
+        ``abandoned_policy="regenerate"``; groups made at or below `version` are delivered as they are.
         """
         if version < 0:
             raise ValueError(f"rebase_version needs a version >= 0, got {version}")
@@ -549,8 +572,9 @@ class TrainerClient:
         reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, rebase=True))
         if isinstance(reply, Reply) and not reply.ok:
             raise RejectedError("rebase_version", reply.error or "refused")
-        self.ledger.version = version  # versions are newest-wins otherwise: the one place they go back
-        log.warning("pool rebased to version %d", version)
+        epoch = reply.data.get("version_epoch") if isinstance(reply, Reply) else None
+        self.ledger.rebased(int(epoch) if isinstance(epoch, int) else -1, version)
+        log.warning("pool rebased to version %d (version epoch %s)", version, epoch)
 
     async def _set_version_request(self, version: int) -> None:
         router = pub = None

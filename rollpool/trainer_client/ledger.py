@@ -33,6 +33,13 @@ Guarantees this class keeps:
   `RolloutBatch.reports`): every prompt taken is told of exactly once, a
   regenerated one as DROPPED_STALE with ``regenerated_as`` naming its successor.
 
+Runs (version epochs): after `rebased` (the trainer called ``rebase_version(v)``), a DONE group with a
+trajectory made on weights of the abandoned run (its ``version_epoch`` earlier than the rebase and a sampled
+token's version above v) is never delivered as fresh: it is dropped (DROPPED_STALE, reason ``abandoned_run``,
+acknowledged as dropped_stale) or, with ``abandoned_policy="regenerate"``, its original prompt comes back under a
+fresh id, as for a stale group. Tokens at or below v were made by the same weights in both runs. A trajectory
+that does not say its epoch (-1: a worker older than protocol 1.15) is judged by staleness alone.
+
 The stale policy (per ledger, or per `take`): a DONE group whose staleness
 (``version - min(token_versions)`` over sampled tokens) is above ``max_staleness``
 is ``drop``-ped (acknowledged as dropped_stale so the broker frees its capacity),
@@ -63,8 +70,11 @@ from rollpool.protocol import (
     trajectory_staleness,
 )
 
-__all__ = ["ClientLedger", "Dedup", "PromptReport", "RolloutBatch", "STALE_POLICIES", "SubmitResult", "TakeOutcome",
+__all__ = ["ABANDONED_POLICIES", "ClientLedger", "Dedup", "PromptReport", "RolloutBatch", "STALE_POLICIES", "SubmitResult", "TakeOutcome",
            "TrainSample", "COUNTERS", "check_stale_policy", "sampled_staleness"]
+
+ABANDONED_POLICIES = ("drop", "regenerate")
+"""What happens to a DONE group made on weights of a run abandoned by a rebase (see the module docstring)."""
 
 STALE_POLICIES = ("drop", "regenerate", "keep")
 """What happens to a DONE group staler than ``max_staleness`` (see the module docstring)."""
@@ -80,6 +90,7 @@ COUNTERS = (
     "resent_held",
     "batches_adopted",
     "dropped_stale",
+    "dropped_abandoned",
     "regenerated_stale",
     "regenerate_skipped",
     "failed",
@@ -239,11 +250,16 @@ class ClientLedger:
     """The trainer client's whole state apart from the connection (see the module docstring)."""
 
     def __init__(self, *, dedup_window: int, new_prompt_id: Callable[[], str], stale_policy: str = "drop",
-                 max_staleness_keep: int | None = None, regenerate_stale: bool = False) -> None:
+                 max_staleness_keep: int | None = None, regenerate_stale: bool = False, abandoned_policy: str = "drop") -> None:
         if regenerate_stale:  # the deprecated spelling of stale_policy="regenerate"
             stale_policy = "regenerate"
         check_stale_policy(stale_policy, max_staleness_keep)
+        if abandoned_policy not in ABANDONED_POLICIES:
+            raise ValueError(f"abandoned_policy must be one of {ABANDONED_POLICIES}, got {abandoned_policy!r}")
         self.stale_policy = stale_policy
+        self.abandoned_policy = abandoned_policy
+        self.rebases: list[tuple[int, int]] = []
+        """(version epoch, version) of each rebase this client made, oldest first."""
         self.max_staleness_keep = max_staleness_keep
         """Under ``keep``: the most staleness delivered (None: twice ``max_staleness``)."""
         self._new_prompt_id = new_prompt_id
@@ -324,6 +340,23 @@ class ClientLedger:
 
     # ------------------------------------------------------------------ versions
 
+    def rebased(self, version_epoch: int, version: int) -> None:
+        """The pool was rebased to `version`, starting `version_epoch`: the trainer's version goes back to it, and
+        groups made on weights above it in an earlier epoch are of the abandoned run."""
+        self.version = version  # versions are newest-wins otherwise: the one place they go back
+        self.rebases.append((version_epoch, version))
+
+    def abandoned_floor(self, t: Trajectory) -> int | None:
+        """The version of the rebase that abandoned the weights which made `t`, or None (its run goes on, or unknown)."""
+        if t.version_epoch < 0:
+            return None
+        floors = [v for epoch, v in self.rebases if epoch > t.version_epoch]
+        if not floors:
+            return None
+        sampled = sampled_versions(t.token_versions, t.loss_mask)
+        floor = min(floors)
+        return floor if len(sampled) and int(np.max(sampled)) > floor else None
+
     def observe_version(self, version: int) -> None:
         """A version announced by the trainer or reported by the broker; the newest wins."""
         if version > self.version:
@@ -401,6 +434,8 @@ class ClientLedger:
         A trajectory whose ``token_versions`` do not cover its ``output_ids`` has an
         unknown staleness: under a bound it fails it (whatever the policy).
         """
+        if self.rebases and self._drop_abandoned(g, original, out):
+            return False
         lags = [sampled_staleness(self.version, t) for t in g.trajectories]
         staleness = max(lags, default=0)
         unknown = sum(1 for t in g.trajectories if len(t.token_versions) < len(t.output_ids))
@@ -458,6 +493,39 @@ class ClientLedger:
             keep_limit = 2 * max_staleness
         return policy, keep_limit
 
+    def _regenerate(self, g: GroupResult, original: Prompt | None, out: TakeOutcome, meta: dict[str, object]) -> str:
+        """The original prompt under a fresh id into `out.regenerate`; what to add to the drop's reason."""
+        if original is None:
+            self.counters["regenerate_skipped"] += 1
+            out.not_regenerated.append(g.prompt_id)
+            return ", not regenerated (prompt unknown to this client)"
+        again = dataclasses.replace(original, prompt_id=self._new_prompt_id())
+        out.regenerate.append(again)
+        meta["regenerated_as"] = again.prompt_id
+        return f", regenerated as {again.prompt_id}"
+
+    def _drop_abandoned(self, g: GroupResult, original: Prompt | None, out: TakeOutcome) -> bool:
+        """Drop (or regenerate) a group made on weights of an abandoned run; False when it was not."""
+        floors = [(t, f) for t in g.trajectories if (f := self.abandoned_floor(t)) is not None]
+        if not floors:
+            return False
+        t, floor = floors[0]
+        top = int(np.max(sampled_versions(t.token_versions, t.loss_mask)))
+        reason = (f"abandoned_run: made on version {top} of version epoch {t.version_epoch}, a run rebased to version "
+                  f"{floor} since")
+        meta: dict[str, object] = {"abandoned_run": True, "version_epoch": t.version_epoch}
+        self._delivered.add(g.prompt_id)
+        self._stale_ids.add(g.prompt_id)  # acknowledged as dropped_stale: the broker frees its capacity
+        self.counters["dropped_abandoned"] += 1
+        self.counters["wasted_tokens_stale"] += sum(len(x.output_ids) for x in g.trajectories)
+        self._to_ack_stale.append(g.prompt_id)
+        if self.abandoned_policy == "regenerate":
+            reason += self._regenerate(g, original, out, meta)
+        self._dropped_here.add(g.prompt_id)
+        self._other.append(GroupResult(prompt_id=g.prompt_id, state=GroupState.DROPPED_STALE, reason=reason,
+                                       attempts=g.attempts, worker_id=g.worker_id, metadata=meta))
+        return True
+
     def _drop_stale(self, g: GroupResult, original: Prompt | None, staleness: int, max_staleness: int,
                     keep_limit: int | None, policy: str, fresh: Sequence[Trajectory], out: TakeOutcome,
                     unknown: int = 0) -> None:
@@ -476,15 +544,7 @@ class ClientLedger:
         else:
             reason = f"staleness {staleness} > {bound}" + (" (max_staleness_keep)" if keep_limit is not None else "")
         if policy == "regenerate":
-            if original is not None:
-                again = dataclasses.replace(original, prompt_id=self._new_prompt_id())
-                out.regenerate.append(again)
-                meta["regenerated_as"] = again.prompt_id
-                reason += f", regenerated as {again.prompt_id}"
-            else:
-                self.counters["regenerate_skipped"] += 1
-                out.not_regenerated.append(g.prompt_id)
-                reason += ", not regenerated (prompt unknown to this client)"
+            reason += self._regenerate(g, original, out, meta)
         self._dropped_here.add(g.prompt_id)
         self._other.append(GroupResult(prompt_id=g.prompt_id, state=GroupState.DROPPED_STALE, reason=reason,
                                        attempts=g.attempts, worker_id=g.worker_id, metadata=meta))

@@ -7,12 +7,22 @@ Guarantees
       buffers are made only while CUDA is available and the pool's
       `pinned_budget_bytes` allows; beyond it buffers are pageable (counted).
     - Shared-memory buffers (`ShmBuffer`) are POSIX segments in ``/dev/shm``
-      named ``rollpool-<pool>-<publisher id>-<pid>-<n>``, created ``O_EXCL``
+      named ``rollpool-<pool>-<publisher id>-<owner>-<n>``, created ``O_EXCL``
       with mode 0600 (only the same user maps them), their blocks reserved with
       ``posix_fallocate`` (a full ``/dev/shm`` fails at allocation with ENOSPC,
       never later with SIGBUS), unlinked on `close`, at exit, by a reaper child
       when the owner dies in any way (SIGKILL included: the child sees its pipe
-      close), and by `sweep_stale_segments` for owners whose pid is gone.
+      close), and by `sweep_stale_segments` for owners that are gone.
+    - Ownership is judged by a lock, not a pid: ``<owner>`` is a random id made
+      once per process (``o`` + 16 hex digits, made again in a forked child),
+      and the process holds an exclusive `flock` on ``/dev/shm/rollpool.owner.<owner>``
+      while it lives. The kernel drops the lock with the process however it
+      ends, and a lock on one tmpfs file is seen from every PID namespace that
+      shares the mount, so a trainer restarted in a new container (PID 1 again,
+      its reaper gone with the old namespace) still finds its predecessor's
+      segments stale. A sweep unlinks a segment whose owner's lock can be taken
+      (or whose lock file is gone), then the lock file. Segments of older builds
+      (a pid where the owner id is) are judged by that pid, as before.
     - Each segment starts with a 4 KiB header: magic, the version whose bytes
       it holds (-1 while being written) and a write generation. A reader takes
       the generation before and after copying: a change means the publisher
@@ -26,10 +36,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import secrets
 import struct
 import subprocess
 import sys
@@ -50,6 +62,7 @@ __all__ = [
     "shm_free_bytes",
     "sweep_stale_segments",
     "segment_prefix",
+    "segment_owner",
     "wait_released",
 ]
 
@@ -102,16 +115,94 @@ def segment_prefix(pool: str, publisher_id: str) -> str:
     return f"rollpool-{_NAME_OK.sub('_', pool)}-{_NAME_OK.sub('_', publisher_id)}-"
 
 
-def _pid_of(name: str) -> int | None:
-    # rollpool-<pool>-<publisher id>-<pid>-<n>
-    parts = name.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return int(parts[1])
+_OWNER_LOCK = "rollpool.owner."
+_OWNER_RE = re.compile(r"o[0-9a-f]{16}")
+
+
+class _Owner:
+    """This process's owner id and the lock it holds while it lives (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._id = ""
+        self._fd = -1
+
+    def id(self) -> str:
+        with self._lock:
+            if not self._id:
+                owner = f"o{secrets.token_hex(8)}"
+                # locked under another name, then renamed: a sweep never sees the lock file unlocked
+                staging = os.path.join(SHM_DIR, f"rollpool.owning.{owner}")
+                try:
+                    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                except OSError as exc:
+                    raise ShmUnavailableError(exc.errno, f"cannot create the owner lock {staging}: {exc.strerror}") from exc
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.rename(staging, os.path.join(SHM_DIR, _OWNER_LOCK + owner))
+                except BaseException:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(staging)
+                    raise
+                self._id, self._fd = owner, fd
+                _reaper.track(_OWNER_LOCK + owner, True)
+            return self._id
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's id and lock are the parent's (the inherited fd is closed, not unlocked)."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._lock = threading.Lock()
+        self._id, self._fd = "", -1
+
+    def release(self) -> None:
+        if self._id:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, _OWNER_LOCK + self._id))
+            _reaper.track(_OWNER_LOCK + self._id, False)
+
+
+_owner = _Owner()
+os.register_at_fork(after_in_child=_owner.after_fork)
+
+
+def segment_owner() -> str:
+    """This process's owner id, as it appears in the names of the segments it makes (its lock taken on first use)."""
+    return _owner.id()
+
+
+def _owner_gone(owner: str) -> bool:
+    """Whether the process that owns segments named with `owner` has ended (False when it cannot be told)."""
+    if owner.isdigit():  # a segment of an older build: named by its owner's pid
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    if not _OWNER_RE.fullmatch(owner) or owner == _owner._id:
+        return False
+    try:
+        fd = os.open(os.path.join(SHM_DIR, _OWNER_LOCK + owner), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # its owner unlinked it at exit, or a sweep did
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: the owner lives (in this PID namespace or another one on this mount)
+    finally:
+        os.close(fd)
+    return True
 
 
 def sweep_stale_segments(pool: str | None = None) -> list[str]:
-    """Unlink this user's rollpool segments (of `pool`, or all) whose owning pid no longer runs; their names."""
+    """Unlink this user's rollpool segments (of `pool`, or all) whose owner has ended, and those owners' lock
+    files; the segments' names."""
     removed: list[str] = []
     prefix = "rollpool-" if pool is None else f"rollpool-{_NAME_OK.sub('_', pool)}-"
     try:
@@ -119,23 +210,32 @@ def sweep_stale_segments(pool: str | None = None) -> list[str]:
     except OSError:
         return removed
     uid = os.getuid()
+    verdicts: dict[str, bool] = {}
     for name in names:
-        if not name.startswith(prefix):
+        parts = name.rsplit("-", 2)  # rollpool-<pool>-<publisher id>-<owner>-<n>
+        if not name.startswith(prefix) or len(parts) != 3 or not parts[2].isdigit():
             continue
         path = os.path.join(SHM_DIR, name)
-        pid = _pid_of(name)
         try:
-            if os.stat(path).st_uid != uid or pid is None:
+            if os.stat(path).st_uid != uid:
                 continue
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        except OSError:
+            continue
+        owner = parts[1]
+        if owner not in verdicts:
+            verdicts[owner] = _owner_gone(owner)
+        if verdicts[owner]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed.append(name)
-        except OSError:
-            continue
+    for name in names:  # the locks of owners that are gone (with no segment left, or every one just unlinked)
+        owner = name[len(_OWNER_LOCK):] if name.startswith(_OWNER_LOCK) else ""
+        if owner and verdicts.get(owner, True) and _owner_gone(owner):
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(SHM_DIR, name)).st_uid == uid:
+                    os.unlink(os.path.join(SHM_DIR, name))
     if removed:
-        log.info("removed %d stale shared-memory weight segments of dead publishers", len(removed))
+        log.info("removed %d stale shared-memory weight segments of publishers that are gone", len(removed))
     return removed
 
 
@@ -192,6 +292,7 @@ _live: dict[str, ShmBuffer] = {}
 def _unlink_all() -> None:
     for buf in list(_live.values()):
         buf.close()
+    _owner.release()
 
 
 # --------------------------------------------------------------------------- segments
@@ -495,7 +596,7 @@ class BufferPool:
             self.unpinned_over_budget += 1
         if self.kind == "shm":
             self._counter += 1
-            seg = ShmBuffer(f"{self.prefix}{os.getpid()}-{self._counter}", nbytes, pin=want_pin)
+            seg = ShmBuffer(f"{self.prefix}{segment_owner()}-{self._counter}", nbytes, pin=want_pin)
             if seg.pinned:
                 self.pinned_bytes += nbytes
             if nbytes:

@@ -30,6 +30,7 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.memory import sweep_stale_segments
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.subscriber import WeightSubscriber, _checked
 
@@ -146,6 +147,7 @@ class Relay:
     # -- lifecycle
 
     async def start(self) -> None:
+        sweep_stale_segments()  # segments of publishers gone from this host (judged by their owners' locks)
         await self._server.start()
         self.upstream.connect(self.upstream_router, self.upstream_pub)
         self._started = True

@@ -183,6 +183,9 @@ class WorkerSession:
         """The weight version the engine serves."""
         self.version_epoch = 0
         """The pool's version epoch `version` belongs to (the newest `version_epoch` the broker named)."""
+        self.weights_epoch = 0
+        """The version epoch of the weights the engine holds: the epoch a version was applied in, moved on by a
+        rebase only when the version is at or below the rebase's (shared history); stamped on every trajectory."""
         self.capacity = 0
         self.engine: EngineFacts | None = None
         self.restarting = False
@@ -288,6 +291,7 @@ class WorkerSession:
         self.applying = False
         if version is not None:
             self.version = version
+            self.weights_epoch = self.version_epoch
 
     def set_sleeping(self, now: float, sleeping: bool) -> None:
         self.sleeping = sleeping
@@ -383,10 +387,13 @@ class WorkerSession:
             return None  # the same epoch, or a broker that restarted without the rebase: nothing to forget
         self.version_epoch = epoch
         if rebase_version < -1 or (rebase_version >= 0 and self.version > rebase_version):
+            # the engine keeps those weights until the next apply: what it makes now is the abandoned run's
+            # (weights_epoch stays), so the trainer can tell
             log.warning("the pool was rebased to version %d: forgetting version %d (an abandoned run)", rebase_version, self.version,
                         extra={"worker": self.worker_id})
             self.version = -1
             return rebase_version
+        self.weights_epoch = epoch  # at or below the rebase: the same weights in the new run
         return None
 
     def on_cancel(self, now: float, task_ids: Iterable[str]) -> Effects:
@@ -447,7 +454,8 @@ class WorkerSession:
         n_out = sum(len(t.output_ids) for t in trajectories)
         self.tokens_total += n_out
         self._token_window.append((now, n_out))
-        result = Result(task_id=task_id, prompt_id=entry.task.prompt.prompt_id, trajectories=tuple(trajectories))
+        stamped = tuple(dataclasses.replace(t, version_epoch=self.weights_epoch) for t in trajectories)
+        result = Result(task_id=task_id, prompt_id=entry.task.prompt.prompt_id, trajectories=stamped)
         return self._deliver(result)
 
     def unsent(self, now: float, results: Iterable[Result]) -> Effects:

@@ -454,7 +454,9 @@ class WeightSync:
         factory = self._subscriber_factory
         if factory is None:
             from rollpool.weights import WeightSubscriber
+            from rollpool.weights.memory import sweep_stale_segments
 
+            sweep_stale_segments()  # segments of publishers gone from this host (judged by their owners' locks)
             factory = WeightSubscriber
         extra: dict[str, Any] = {}
         engine = self.supervisor.engine

@@ -45,6 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollpool.protocol.errors import RequestRefusedError
 from rollpool.protocol.messages import ApplyMode, SamplingParams
+from rollpool.protocol.sampling import sampling_problem
 
 __all__ = [
     "APPLY_MODES",
@@ -120,6 +121,8 @@ class EngineInfo:
     simulated: bool = False
     device: str = "cpu"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    """More facts, by name; ``max_context_tokens``: the tokens one sequence may hold (prompt and output), which
+    the episode endpoint checks requests against (absent or 0: not known)."""
     top_logprobs: bool = False
     """It honours `SamplingParams.top_logprobs_num` (fills `SampleOutput.top_ids` / `top_logprobs`); the
     worker refuses such a task for an engine that does not."""
@@ -222,19 +225,10 @@ class SizedEngine(Engine, Protocol):
 
 
 def validate_sampling(sampling: SamplingParams, n: int) -> None:
-    """Raise `RequestRefusedError` naming the parameter that is out of range."""
-    if n < 1:
-        raise RequestRefusedError(f"n must be >= 1, got {n}")
-    if sampling.max_new_tokens < 1:
-        raise RequestRefusedError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-    if sampling.temperature < 0:
-        raise RequestRefusedError(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise RequestRefusedError(f"top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k == 0 or sampling.top_k < -1:
-        raise RequestRefusedError(f"top_k must be -1 or >= 1, got {sampling.top_k}")
-    if not 0 <= sampling.min_p <= 1:
-        raise RequestRefusedError(f"min_p must be in [0, 1], got {sampling.min_p}")
+    """Raise `RequestRefusedError` naming the parameter that is out of range (the rules: `rollpool.protocol.sampling`)."""
+    problem = sampling_problem(sampling, n)
+    if problem is not None:
+        raise RequestRefusedError(problem.message)
 
 
 def check_request(

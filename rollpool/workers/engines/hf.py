@@ -25,8 +25,13 @@ Guarantees:
   carries the version current when it was sampled; in ``interrupt`` mode the
   running sequences are re-prefilled (prompt + partial output) under the new
   weights, so tokens after the update depend on the new weights only.
-- Any exception inside the compute thread kills the engine: every pending
-  and later call raises `EngineError` (the worker restarts it).
+- Which failure is whose: a request's own setup or sampling failing on logits
+  that are finite (its seed, its sampling values: what `check_request` would
+  have refused had a caller skipped it) fails that request alone with
+  `RequestRefusedError`, and every other sequence decodes on. Any other
+  exception inside the compute thread, non-finite logits included (the model
+  itself is broken), kills the engine: every pending and later call raises
+  `EngineError` (the worker restarts it).
 
 `stats` counts forward calls and the tokens each processed (tests use it to
 check that decoding is incremental).
@@ -217,7 +222,9 @@ class HFEngine:
             fingerprint=self._fingerprint,
             simulated=False,
             device=self.device,
-            extra={"dtype": str(self.dtype).removeprefix("torch.")},
+            # the context it serves (its positions; 0 until loaded): the episode endpoint's context_length_exceeded
+            extra={"dtype": str(self.dtype).removeprefix("torch."),
+                   "max_context_tokens": self._max_positions if self._max_positions < 1 << 30 else 0},
             top_logprobs=True,
             prompt_logprobs=True,
         )
@@ -409,7 +416,10 @@ class HFEngine:
                 if sampling.temperature >= _GREEDY_EPS:
                     gen = torch.Generator(device=self.device)
                     if sampling.seed is not None:
-                        gen.manual_seed(int(sampling.seed) + i)
+                        try:
+                            gen.manual_seed(int(sampling.seed) + i)
+                        except (RuntimeError, ValueError, OverflowError) as exc:  # the request's seed, not the engine
+                            raise RequestRefusedError(f"seed {sampling.seed!r} cannot seed sample {i}: {exc}") from exc
                     else:
                         self._request_counter += 1
                         gen.manual_seed(self.seed * 1_000_003 + self._request_counter)
@@ -501,6 +511,17 @@ class HFEngine:
         self._drop_finished()
         self._complete(group)
 
+    def _refuse(self, group: _Group, reason: str) -> None:
+        """Fail one request alone (its sequences leave the batch at the end of this step); the rest decode on."""
+        now = time.time()
+        for seq in group.seqs:
+            if seq.finish is None:
+                seq.finish, seq.finished_at = FinishReason.ERROR, now
+        self._waiting = collections.deque(unit for unit in self._waiting if unit[0].group is not group)
+        if self._groups.pop(group.request_id, None) is not None:
+            log.warning("hf engine refused request %s: %s", group.request_id, reason)
+            group.done(RequestRefusedError(reason))
+
     def _admit(self) -> None:
         while self._waiting and len(self._running) + len(self._waiting[0]) <= self.capacity:
             unit = self._waiting.popleft()
@@ -522,10 +543,12 @@ class HFEngine:
         joined: list[_Seq] = []
         for seq in unit:
             seq.kv_len = len(ctx)
-            if self._emit(seq, logits):
+            if seq.finish is None and self._emit(seq, logits):
                 joined.append(seq)
         if joined:
             self._join(joined, layers, len(ctx))
+        if any(s.finish is not None for s in self._running):  # a refused group's sequences that were running
+            self._drop_finished()
         self._complete_finished_groups(unit)
 
     def _join(self, seqs: list[_Seq], layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
@@ -567,7 +590,8 @@ class HFEngine:
         logits = out.logits[:, -1].float()
         for row, seq in enumerate(self._running):
             seq.kv_len += 1
-            self._emit(seq, logits[row])
+            if seq.finish is None:  # set here only by a refusal of its group earlier in this step
+                self._emit(seq, logits[row])
         finished = [s for s in self._running if s.finish is not None]
         if finished:
             self._drop_finished()
@@ -576,7 +600,15 @@ class HFEngine:
     def _emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
         """Sample the next token of `seq`; True while it goes on."""
         sampling = seq.group.sampling
-        tok, logprob = sample_token(logits, sampling, seq.generator)
+        try:
+            tok, logprob = sample_token(logits, sampling, seq.generator)
+        except Exception as exc:
+            if type(exc).__name__ == "AcceleratorError" or "CUDA" in str(exc):
+                raise EngineError(f"the device failed while sampling: {exc!r}") from exc  # the engine's fault
+            if not bool(torch.isfinite(logits).all()):
+                raise EngineError(f"the model produced non-finite logits: {exc!r}") from exc  # the engine's fault
+            self._refuse(seq.group, f"sampling failed with this request's parameters: {exc!r}")
+            return False
         now = time.time()
         seq.out.append(tok)
         seq.logprobs.append(logprob)

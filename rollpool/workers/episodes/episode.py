@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
+from rollpool.protocol.sampling import sampling_problem
 from rollpool.workers.engines.base import Engine, SampleOutput
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
@@ -88,7 +90,7 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
             return None
         if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
             raise EndpointError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
             raise EndpointError(400, f"{name} must be in [{lo}, {hi}], got {value}", param=name)
         return kind(value)
 
@@ -117,7 +119,34 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise EndpointError(400, f"n must be 1 here: each sample of a group is its own episode (got n={n!r})", param="n")
-    return dataclasses.replace(base, **changes)
+    sampling = dataclasses.replace(base, **changes)
+    problem = sampling_problem(sampling)  # the rules every engine checks: refused here, before any work
+    if problem is not None:
+        raise EndpointError(400, problem.message, param="max_tokens" if problem.field == "max_new_tokens" else problem.field)
+    return sampling
+
+
+_LONGEST: dict[int, tuple[Any, int]] = {}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token of `tokenizer` stands for, bounded above by the UTF-8 bytes of its
+    longest vocabulary string (a byte-level BPE token of k characters stands for k bytes, a SentencePiece ``▁`` for
+    one), added tokens included; 0 when the tokenizer does not list its vocabulary. Computed once per tokenizer."""
+    if tokenizer is None:
+        return 0
+    cached = _LONGEST.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(str(t).encode()) for t in vocab), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list: no estimate
+        longest = 0
+    if len(_LONGEST) >= 16:  # one or two tokenizers per process in practice: bounded anyway
+        _LONGEST.clear()
+    _LONGEST[id(tokenizer)] = (tokenizer, longest)
+    return longest
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:
@@ -192,6 +221,17 @@ class Episode:
         seg = self.recording.begin(ids, now=time.time())
         self.stats.segments += 1
         return seg
+
+    def _fits_text(self, chars: int) -> None:
+        """Size before work: refuse a request whose text cannot fit the context whatever it renders to, before any
+        rendering or tokenizing (`ContextLengthExceededError`). No token stands for more characters than the
+        tokenizer's longest token string (`longest_token_chars`), so ``chars / longest`` tokens at least."""
+        longest = longest_token_chars(self.tokenizer) if self.max_context_tokens else 0
+        if longest and chars // longest + 1 > self.max_context_tokens:
+            self.recording.context_exceeded = True
+            raise ContextLengthExceededError(
+                f"the request's {chars} characters of text are at least {chars // longest} tokens, past the context of "
+                f"{self.max_context_tokens}")
 
     def _fits(self, length: int, seg: Segment | None = None) -> None:
         """Raise `ContextLengthExceededError` past the context; `seg`, the segment that would overflow, then ends with ``length``."""
@@ -363,6 +403,7 @@ class Episode:
             raise EndpointError(400, "top_logprobs is not supported: the engine reports the sampled token's logprob only", param="top_logprobs")
         sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
         parse = bool(tools) and tool_choice != "none"
+        self._fits_text(sum(len(m.get("content") or "") for m in messages))
         async with self._lock:
             self._check_open()
             mark = self.recording.mark()
@@ -427,6 +468,8 @@ class Episode:
         tok = self.tokenizer
         if not token_prompt:
             tok = self._require_tokenizer()
+            assert isinstance(prompt, str)
+            self._fits_text(len(prompt))
         async with self._lock:
             self._check_open()
             mark = self.recording.mark()

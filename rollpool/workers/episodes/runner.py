@@ -43,7 +43,7 @@ from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import FinishReason, Prompt, Trajectory
 from rollpool.workers.engines.base import Engine
 from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeContext, EpisodeStats
-from rollpool.workers.episodes.server import EpisodeServer
+from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
 
 __all__ = ["DEFAULT_EPISODE", "EpisodeConfig", "EpisodeFn", "EpisodeRunner", "load_episode_function", "load_episode_functions"]
@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 EpisodeFn = Callable[[EpisodeContext, Prompt], Any]
 DEFAULT_EPISODE = "default"
+BODY_BYTES_PER_TOKEN = 64
+"""Bytes of request body per context token that the default body limit allows: a token is a few characters of
+text, which JSON may escape to six bytes each (``\\uXXXX``), and tool definitions ride beside the messages."""
+MIN_BODY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,9 @@ class EpisodeConfig:
     max_context_tokens: int = 0
     """The engine's context in tokens; 0: ``engine.info().extra["max_context_tokens"]`` when the engine states it,
     else the engine's own check only."""
+    max_request_bytes: int = 0
+    """The endpoint's body limit (413 above it); 0: what the context can hold, `BODY_BYTES_PER_TOKEN` per context
+    token and at least `MIN_BODY_BYTES`, or `MAX_REQUEST_BYTES` when no context is known."""
     host: str = "127.0.0.1"
     port: int = 0
     """The endpoint's port; 0 picks a free one."""
@@ -80,6 +87,8 @@ class EpisodeConfig:
             raise ConfigError(f"EpisodeConfig.episode_timeout_s must be > 0, got {self.episode_timeout_s}")
         if self.max_context_tokens < 0:
             raise ConfigError(f"EpisodeConfig.max_context_tokens must be >= 0, got {self.max_context_tokens}")
+        if self.max_request_bytes < 0:
+            raise ConfigError(f"EpisodeConfig.max_request_bytes must be >= 0, got {self.max_request_bytes}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"EpisodeConfig.port must be in [0, 65535], got {self.port}")
         get_tool_call_parser(self.tool_call_parser)
@@ -157,6 +166,7 @@ class EpisodeRunner:
             self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
             self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
             if self.config.serve_openai:
+                self.server.max_request_bytes = self._max_request_bytes()
                 await self.server.start()
             self._started = True
 
@@ -188,6 +198,12 @@ class EpisodeRunner:
         except Exception:  # noqa: BLE001 - optional information
             return 0
         return value if isinstance(value, int) and value > 0 else 0
+
+    def _max_request_bytes(self) -> int:
+        if self.config.max_request_bytes:
+            return self.config.max_request_bytes
+        context = self._max_context_tokens()
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context) if context else MAX_REQUEST_BYTES
 
     async def run_group(self, prompt: Prompt, n: int | None = None, *, attempt: int = 0, queued_at: float = 0.0,
                         request_prefix: str | None = None) -> list[Trajectory]:

@@ -11,7 +11,10 @@ Routes, under ``/episodes/{token}/v1`` (``token`` names one running episode):
 Every request needs ``Authorization: Bearer <the episode's key>``: a wrong or missing key gets 401
 and records nothing; an unknown or finished episode gets 404 / 410. A malformed request gets an
 OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, and
-the episode goes on. The server binds loopback only.
+the episode goes on. That holds for what fails before a handler too: a body over the limit gets 413
+(``request_too_large``; the key is checked before the body is read), JSON that is not JSON or is
+nested too deeply 400, an unknown path 404, a wrong method 405. Client errors log no traceback; a
+500 (``server_error``) means the endpoint itself failed. The server binds loopback only.
 """
 
 from __future__ import annotations
@@ -55,15 +58,18 @@ def _error(status: int, message: str, *, type: str = "invalid_request_error", pa
 class EpisodeServer:
     """Serves every running episode of one worker (see the module docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         try:
             loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = False
         if not loopback:
             raise ConfigError(f"the episode endpoint binds loopback only, got host {host!r}")
+        if max_request_bytes < 1:
+            raise ConfigError(f"the episode endpoint's max_request_bytes must be >= 1, got {max_request_bytes}")
         self.host = host
         self.port = port
+        self.max_request_bytes = max_request_bytes
         self._episodes: dict[str, tuple[Episode, str]] = {}
         self._finished: set[str] = set()
         self._runner: Any = None
@@ -74,7 +80,7 @@ class EpisodeServer:
 
     async def start(self) -> None:
         web = _web()
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[web.middleware(_openai_errors)])
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
         app.router.add_post("/episodes/{token}/v1/completions", self._completions)
         app.router.add_get("/episodes/{token}/v1/models", self._models)
@@ -125,6 +131,11 @@ class EpisodeServer:
     async def _body(self, request: Any) -> dict[str, Any]:
         try:
             body = await request.json(loads=json.loads)
+        except _web().HTTPRequestEntityTooLarge as exc:
+            raise EndpointError(413, f"the request body is over this endpoint's limit of {self.max_request_bytes} bytes",
+                                code="request_too_large") from exc
+        except RecursionError as exc:
+            raise EndpointError(400, "the request body's JSON is nested too deeply") from exc
         except ValueError as exc:
             raise EndpointError(400, f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -175,6 +186,18 @@ class EpisodeServer:
         if not isinstance(found, Episode):
             return found
         return _json({"object": "list", "data": [{"id": found.model_name, "object": "model", "owned_by": "rollpool"}]})
+
+
+async def _openai_errors(request: Any, handler: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Middleware: what aiohttp answers by itself (no route, wrong method, body over the limit) in the OpenAI error shape."""
+    web = _web()
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return _error(exc.status, exc.reason, code=code)
 
 
 def _chat_chunks(result: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:

@@ -287,3 +287,72 @@ async def test_prompts_travel_inline_only_to_a_broker_that_settled_on_minor_12(z
         served.cancel()
         await client.close()
         router.close(linger=0)
+
+
+async def test_a_prompt_with_unservable_sampling_is_rejected_before_it_is_sent(inproc_pool: Any) -> None:
+    client = await inproc_pool.client()
+    result = await client.submit([[1, 2, 3]], sampling={"temperature": float("nan")})
+    ok = await client.submit([[1, 2, 3]], sampling=SAMPLING)
+    ((pid, reason),) = result.rejected.items()
+    assert not result.accepted and reason.startswith("invalid_sampling: temperature")
+    assert len(ok.accepted) == 1 and inproc_pool.broker.state.counters["submitted"] == 1
+    assert client.pending() == 1 and pid not in ok.accepted
+
+
+class EpochWorker(FakeWorker):
+    """Stamps its trajectories with the version epoch of its weights (`version_epoch`), as a worker of protocol
+    `EPOCH_MINOR` does; with ``previous_minor`` it sends its results as a worker of the minor before does: that
+    minor's number in the header and no ``version_epoch`` on a trajectory."""
+
+    version_epoch = 0
+    previous_minor = False
+
+    async def complete(self, task_id: str, *, version: int | None = None, credit: bool = True) -> None:
+        import msgpack
+
+        task = self.inflight.pop(task_id)
+        group = tuple(dataclasses.replace(t, version_epoch=self.version_epoch)
+                      for t in make_group(task, self.worker_id, self.version if version is None else version))
+        frames = p.encode(p.Result(task_id=task_id, prompt_id=task.prompt.prompt_id, trajectories=group))
+        if self.previous_minor:
+            header = msgpack.unpackb(frames[0])
+            header[1] = p.EPOCH_MINOR - 1
+            for t in header[3]["trajectories"]:
+                del t["version_epoch"]
+            frames = [msgpack.packb(header), *frames[1:]]
+        await self.sock.send_multipart(frames)
+        if credit:
+            await self._send(p.Credit(credits=task.prompt.group_size))
+
+
+async def _held(inproc_pool: Any, n: int) -> None:
+    await inproc_pool.wait_for(lambda: inproc_pool.broker.state.held == n)
+
+
+async def test_after_a_rebase_groups_made_on_the_abandoned_run_come_back_as_other_not_as_fresh(inproc_pool: Any) -> None:
+    """The run reached version 5 with groups held for the trainer; it rebases to 2 (a checkpoint) and goes on. The
+    held groups were made by version 5 of the abandoned run: reported in ``other`` (abandoned_run), never in
+    ``groups``, where the new run's version 3 would make their staleness read -2 today. What the new run makes is
+    delivered; so is what a worker of the previous minor sends (it does not say its run: judged by staleness)."""
+    worker = await inproc_pool.worker(kind=EpochWorker, version=5, capacity=8)
+    client = await inproc_pool.client()
+    await client.set_version(5)
+    first = await client.submit([[1, 2, i] for i in range(3)], group_size=2, sampling=SAMPLING)
+    await _held(inproc_pool, 3)
+    await client.rebase_version(2)
+    epoch = inproc_pool.broker.state.version_epoch
+    worker.version, worker.version_epoch = 3, epoch  # applied the new run's version 3
+    fresh = await client.submit([[9, 9, 9]], group_size=2, sampling=SAMPLING)
+    batch = await client.get_batch(1, timeout=10)
+    assert [g.prompt_id for g in batch.groups] == fresh.accepted
+    assert {t.version_epoch for t in batch.trajectories} == {epoch} and {int(v) for t in batch.trajectories for v in t.token_versions} == {3}
+    assert sorted(g.prompt_id for g in batch.other) == sorted(first.accepted)
+    assert all(g.state == GroupState.DROPPED_STALE and g.reason.startswith("abandoned_run") for g in batch.other)
+    assert client.counters["dropped_abandoned"] == 3
+    # a worker of the previous minor: its trajectories say no epoch (-1), so the trainer judges them by staleness only
+    worker.previous_minor = True
+    old = await client.submit([[8, 8, 8]], group_size=2, sampling=SAMPLING)
+    batch = await client.get_batch(1, timeout=10)
+    assert [g.prompt_id for g in batch.groups] == old.accepted and {t.version_epoch for t in batch.trajectories} == {-1}
+    await client.close()
+    await inproc_pool.wait_for(lambda: inproc_pool.broker.state.held == 0)  # the abandoned ones were released too

@@ -268,3 +268,68 @@ async def test_the_cpu_shm_path_keeps_both_version_sets_mapped(make_publisher: A
         assert same(got.tensors, w) and sub.last_path == "shm"
         sub.recycle(got)
     assert sub.segment_maps == 2 * buckets  # each set mapped once
+
+
+_UNSHARE = (["unshare", "--pid", "--fork", "--kill-child"],
+            ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"])
+
+
+def _pid_namespace() -> list[str]:
+    """The command prefix that runs a process as PID 1 of a new PID namespace (as a container does); skip where none works."""
+    for prefix in _UNSHARE:
+        try:
+            done = subprocess.run([*prefix, "sh", "-c", "echo $$"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and done.stdout.strip() == "1":
+            return prefix
+    pytest.skip("cannot make a PID namespace here (unshare unavailable or not permitted)")
+
+
+_MAKE_SEGMENTS = """
+import os, sys
+from rollpool.weights import memory
+pool = memory.BufferPool(kind="shm", pool=sys.argv[1], owner_id="p0")
+bufs = pool.reserve([4096, 4096])
+print(os.getpid(), *sorted(s.name for s in pool.segments()), flush=True)
+if sys.argv[2] == "die":
+    memory._reaper._proc.kill()  # the container goes whole: its reaper child with it
+    memory._reaper._proc.wait()
+    os._exit(0)  # no atexit: as a SIGKILLed container's PID 1
+sys.stdin.read()
+"""
+
+
+def test_segments_of_a_trainer_that_died_in_its_pid_namespace_are_swept_by_the_next_one_there(tmp_path: Path) -> None:
+    """A trainer in a container is PID 1 and its reaper dies with it; the restarted one is PID 1 again. Judged by pid,
+    the dead one's segments looked alive for good (a leak of K model versions per restart); judged by the owner's lock
+    they are swept, while the segments of an owner alive in another namespace stay."""
+    ns = _pid_namespace()
+    pool = f"nstest{os.getpid()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    alive = subprocess.Popen([*ns, sys.executable, "-c", _MAKE_SEGMENTS, pool, "live"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)  # beside the one that dies (each takes seconds to import torch)
+    try:
+        dead = subprocess.run([*ns, sys.executable, "-c", _MAKE_SEGMENTS, pool, "die"], capture_output=True, text=True, timeout=60, env=env)
+        pid, *dead_names = dead.stdout.split()
+        assert pid == "1" and len(dead_names) == 2, dead.stderr
+        assert alive.stdout is not None and alive.stdin is not None
+        pid, *live_names = alive.stdout.readline().split()
+        assert pid == "1" and len(live_names) == 2
+        assert all(Path(SHM_DIR, n).exists() for n in dead_names + live_names)
+        # swept from here (judged by pid, "1" is always alive here too, as it is to the restarted trainer in its namespace)
+        assert sorted(sweep_stale_segments(pool)) == sorted(dead_names)
+        assert not any(Path(SHM_DIR, n).exists() for n in dead_names) and all(Path(SHM_DIR, n).exists() for n in live_names)
+        alive.stdin.close()
+        assert alive.wait(30) == 0
+        assert not any(Path(SHM_DIR, n).exists() for n in live_names)  # its own exit unlinked them
+    finally:
+        if alive.poll() is None:
+            alive.kill()
+            alive.wait()
+        for stream in (alive.stdin, alive.stdout):
+            if stream is not None:
+                stream.close()
+        for n in os.listdir(SHM_DIR):
+            if pool in n:
+                Path(SHM_DIR, n).unlink(missing_ok=True)

@@ -38,6 +38,7 @@ def samples() -> dict[str, Any]:
         finished_at=1.5,
         reward=1.0,
         metadata={"answer": "42"},
+        version_epoch=7,
     )
     prompt = p.Prompt(
         prompt_id="p1",

@@ -532,3 +532,43 @@ def test_a_resent_submit_takes_the_duplicates_of_its_own_lost_send_as_accepted()
     led.submitted((prompt("c"),), SubmitReply(request_id="r3", epoch="e", accepted=(),
                                              rejected=(Rejection(prompt_id="c", reason="duplicate"),)), result)
     assert result.rejected == {"c": "duplicate"} and "c" not in led.pending
+
+
+def _epoch(g: GroupResult, epoch: int) -> GroupResult:
+    return dataclasses.replace(g, trajectories=tuple(dataclasses.replace(t, version_epoch=epoch) for t in g.trajectories))
+
+
+def test_after_a_rebase_groups_made_on_the_abandoned_run_are_never_delivered_as_fresh() -> None:
+    """Rebased from version 5 to 2 (epoch 0 -> 7): what epoch 0 made above version 2 was made by weights the new
+    run never had; at or below 2 the weights are the same in both runs. An epoch the trajectory does not state
+    (-1, an older worker) is judged by staleness alone."""
+    led = make()
+    accept(led, *(prompt(p) for p in ("abandoned", "shared", "new-run", "unstated")))
+    led.observe_version(5)
+    led.rebased(7, 2)
+    assert led.version == 2
+    out = led.take([_epoch(done("abandoned", version=5), 0), _epoch(done("shared", version=2), 0),
+                    _epoch(done("new-run", version=3), 7), done("unstated", version=5)], max_staleness=None)
+    assert out.regenerate == [] and led.ready == 3
+    assert led.counters["dropped_abandoned"] == 1 and led.stale_acks() == ("abandoned",)  # frees its capacity at the broker
+    batch, _ = led.deliver(3, started_at=0.0, now=0.0, dropped_before=0)
+    assert [g.prompt_id for g in batch.groups] == ["shared", "new-run", "unstated"]
+    (other,) = batch.other
+    assert other.state == GroupState.DROPPED_STALE and other.trajectories == ()
+    assert other.reason.startswith("abandoned_run: made on version 5 of version epoch 0") and other.metadata["abandoned_run"]
+    assert [(r.prompt_id, r.state) for r in batch.reports][-1] == ("abandoned", GroupState.DROPPED_STALE)
+
+
+def test_abandoned_groups_can_be_regenerated_and_a_ready_group_is_judged_again_after_the_rebase() -> None:
+    led = make(abandoned_policy="regenerate")
+    original = prompt("held", sampling=SamplingParams(max_new_tokens=9, seed=4))
+    accept(led, original)
+    led.observe_version(5)
+    led.take([_epoch(done("held", version=5), 0)], max_staleness=None)  # taken before the rebase, not yet returned
+    assert led.ready == 1
+    led.rebased(1, 2)
+    out = led.recheck(None)
+    assert led.ready == 0 and [p.prompt_id for p in out.regenerate] == ["fresh-0"]
+    assert same_prompt_but_id(original, out.regenerate[0]) == []
+    with pytest.raises(ValueError, match="abandoned_policy"):
+        make(abandoned_policy="keep")

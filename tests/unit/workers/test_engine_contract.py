@@ -9,6 +9,7 @@ tests run on real SGLang on the H200 (tests/gpu/test_sglang_gpu.py).
 from __future__ import annotations
 
 import asyncio
+import math
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -144,6 +145,46 @@ async def test_refuses_bad_requests_with_request_refused_error(case: EngineCase)
     # still serving after the refusals
     out = await case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "good")
     assert len(out.samples[0].output_ids) == 3
+
+
+# sampling values that pass a naive range check (NaN compares False to every bound) or that overflow what the
+# engine hands to torch / SGLang: each must fail its own request only
+_POISONED = [
+    SamplingParams(max_new_tokens=5, temperature=math.nan),
+    SamplingParams(max_new_tokens=5, temperature=math.inf),
+    SamplingParams(max_new_tokens=5, seed=2**64),
+    SamplingParams(max_new_tokens=5, seed=2**63 - 1),  # seed + 1 for the group's second sample overflows int64
+    SamplingParams(max_new_tokens=5, min_p=math.nan),
+    SamplingParams(max_new_tokens=5, top_k=2**40),
+    SamplingParams(max_new_tokens=2**40),
+]
+
+
+async def test_poisoned_requests_leave_the_other_requests_untouched(case: EngineCase) -> None:
+    sp = SamplingParams(max_new_tokens=80, ignore_eos=True, seed=3)
+    others = [asyncio.create_task(case.engine.generate(case.prompt, 2, sp, f"other{i}")) for i in range(2)]
+    await case.progressed()
+    for i, bad in enumerate(_POISONED):
+        with pytest.raises(RequestRefusedError):
+            await asyncio.wait_for(case.engine.generate(case.prompt, 2, bad, f"poison{i}"), 30)
+    for task in others:
+        out = await asyncio.wait_for(task, 30)
+        assert [len(s.output_ids) for s in out.samples] == [80, 80]
+        assert all(s.finish_reason == FinishReason.LENGTH for s in out.samples)
+    # the engine still serves, with the same ids it used for the refused ones
+    after = await case.engine.generate(case.prompt, 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "poison0")
+    assert len(after.samples[0].output_ids) == 3
+
+
+async def test_an_engine_with_a_model_states_its_context_and_refuses_past_it(case: EngineCase) -> None:
+    """The episode endpoint answers context_length_exceeded from this (``--max-context-tokens 0``: what the engine says)."""
+    context = case.engine.info().extra.get("max_context_tokens", 0)
+    if case.name == "sim":
+        assert not context  # no model, no context
+        return
+    assert isinstance(context, int) and context > 0
+    with pytest.raises(RequestRefusedError):
+        await case.engine.generate([5] * context, 1, SamplingParams(max_new_tokens=1), "too-long")
 
 
 async def test_abort_keeps_partial_output(case: EngineCase) -> None:

@@ -155,3 +155,34 @@ async def test_weight_bytes_is_what_a_trainer_publishing_the_same_model_sends(en
 
     # the worker reserves this many bytes per version at engine start: a version of the same model must fit
     assert engine.weight_bytes() == sum(n for *_, n in layout_of(reference))
+
+
+async def test_a_request_failing_inside_the_compute_thread_fails_alone(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own split of whose failure it is, for a request that reaches the thread unchecked (the request
+    checks skipped): its sampling failing on finite logits refuses that request; the running ones decode on."""
+    import math
+
+    from rollpool.protocol.errors import RequestRefusedError
+    from rollpool.workers.engines import hf
+
+    monkeypatch.setattr(hf, "check_request", lambda *a, **k: None)
+    running = asyncio.create_task(engine.generate([3, 4, 5], 2, SamplingParams(max_new_tokens=60, ignore_eos=True, seed=1), "ok"))
+    while engine.stats["decode_steps"] < 3:  # noqa: ASYNC110 - a counter of another thread
+        await asyncio.sleep(0.001)
+    with pytest.raises(RequestRefusedError, match="sampling failed"):
+        await engine.generate([3, 4, 5], 2, SamplingParams(max_new_tokens=60, temperature=math.nan), "nan")
+    with pytest.raises(RequestRefusedError, match="seed"):
+        await engine.generate([3, 4, 5], 1, SamplingParams(max_new_tokens=5, seed=2**64), "seed")
+    out = await asyncio.wait_for(running, 30)
+    assert [len(s.output_ids) for s in out.samples] == [60, 60]
+
+
+async def test_non_finite_logits_are_the_engine_failing(engine: HFEngine) -> None:
+    """NaN logits come from the model, not the request: the engine fails (and the worker restarts it)."""
+    from rollpool.protocol.errors import EngineError, RequestRefusedError
+
+    name, param = next((k, v) for k, v in engine._model.state_dict().items() if k.endswith("norm.weight"))
+    await engine.update_weights({name: torch.full_like(param, float("nan"))}, 1)
+    with pytest.raises(EngineError) as info:
+        await engine.generate([3, 4, 5], 1, SamplingParams(max_new_tokens=5, temperature=1.0), "broken")
+    assert "non-finite" in str(info.value) and not isinstance(info.value, RequestRefusedError)

@@ -500,6 +500,26 @@ def test_a_rebase_below_the_served_version_forgets_it_and_one_above_keeps_it() -
     assert eff is not None and eff.rebase is None and s.version == 2 and s.version_epoch == 200  # 2 <= 4: shared history
     eff = s.handle(5.0, BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=0))  # a broker restarted: nothing to forget
     assert eff is not None and eff.rebase is None and s.version_epoch == 200
+
+
+def test_every_trajectory_says_which_run_s_weights_made_it() -> None:
+    """The epoch of the weights, not of the pool: after a rebase below the served version, what the engine still makes
+    on those weights is the abandoned run's; after a rebase at or above it, the weights belong to the new run too."""
+    def stamped(s: WorkerSession, i: int, now: float) -> set[int]:
+        (result,) = of(run_to_result(s, i, now), Result)
+        return {t.version_epoch for t in result.trajectories}
+
+    s = started()
+    s.apply_finished(0.0, 5)
+    assert stamped(s, 1, 0.5) == {0}
+    s.handle(1.0, BrokerHeartbeat(epoch="e1", weight_version=2, version_epoch=100, rebase_version=2))
+    assert stamped(s, 2, 1.5) == {0}  # version 5 is still in the engine: the abandoned run's
+    s.apply_finished(2.0, 2)
+    assert stamped(s, 3, 2.5) == {100}
+    s.handle(3.0, BrokerHeartbeat(epoch="e1", weight_version=3, version_epoch=200, rebase_version=4))
+    assert stamped(s, 4, 3.5) == {200}  # 2 <= 4: the same weights in the new run
+
+
 def test_a_cancelled_task_s_discarded_tokens_travel_on_the_heartbeat() -> None:
     s = started()
     s.handle(0.0, task(1))

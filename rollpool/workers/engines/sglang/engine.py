@@ -498,7 +498,8 @@ class SGLangEngine:
                    "server": self.url or (f"http://127.0.0.1:{self.port}" if self.port else ""),
                    "tp_size": self.tp_size, "dp_size": self.dp_size,
                    "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
-                   if self.gpu_plan is not None else []},
+                   if self.gpu_plan is not None else [],
+                   "max_context_tokens": self._context_tokens or 0},  # the episode endpoint's context_length_exceeded
         )
 
     # -- I/O helpers

@@ -325,3 +325,91 @@ async def test_a_request_after_the_episode_ended_gets_410_and_records_nothing(ti
             with pytest.raises(openai.APIStatusError) as info:
                 await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 410 and engine.prompts == [] and t.output_ids.tolist() == []
+
+
+async def test_http_layer_failures_get_4xx_in_the_openai_shape_without_a_traceback(tiny_tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Failures before a handler runs: a body over the limit (the SDK does not retry a 413, it would resend a 500),
+    JSON nested too deeply, an unknown path, a wrong method. Each is a 4xx with the OpenAI error body; nothing is
+    logged as an endpoint failure, nothing is recorded, and the episode goes on."""
+    import aiohttp
+
+    answers: dict[str, tuple[int, Any]] = {}
+    sdk_413: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        auth = {"Authorization": f"Bearer {ctx.api_key}", "Content-Type": "application/json"}
+        url = f"{ctx.openai_base_url}/chat/completions"
+        async with aiohttp.ClientSession(headers=auth) as http:
+            for name, method, where, data in [
+                ("too_large", "POST", url, json.dumps({"messages": [{"role": "user", "content": "x" * 300_000}]})),
+                ("too_deep", "POST", url, "[" * 100_000 + "]" * 100_000),
+                ("no_route", "POST", f"{ctx.openai_base_url}/embeddings", "{}"),
+                ("method", "GET", url, None),
+            ]:
+                async with http.request(method, where, data=data) as resp:
+                    answers[name] = (resp.status, await resp.json())
+        async with openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=2, timeout=30) as client:
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "y" * 300_000}])
+            except openai.APIStatusError as exc:
+                sdk_413.append(exc)
+            r = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}])
+        return 1.0 if r.choices[0].message.content == "fine" else 0.0
+
+    (t,), engine, _ = await _run(tiny_tokenizer, ["fine<|im_end|>"], agent, max_request_bytes=256 * 1024)
+    assert {k: v[0] for k, v in answers.items()} == {"too_large": 413, "too_deep": 400, "no_route": 404, "method": 405}
+    for _status, body in answers.values():
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["type"] == "invalid_request_error"
+    assert answers["too_large"][1]["error"]["code"] == "request_too_large" and "262144" in answers["too_large"][1]["error"]["message"]
+    assert "nested too deeply" in answers["too_deep"][1]["error"]["message"]
+    (exc,) = sdk_413
+    assert exc.status_code == 413
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+    assert t.reward == 1.0 and len(engine.prompts) == 1
+
+
+class _WatchedTokenizer:
+    """The tiny model's tokenizer, recording the longest text it was asked to render or encode (a test double over
+    the real one: every call goes through)."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.longest = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def apply_chat_template(self, conversation: Any, **kw: Any) -> Any:
+        self.longest = max(self.longest, sum(len(m.get("content") or "") for m in conversation))
+        return self._tok.apply_chat_template(conversation, **kw)
+
+    def encode(self, text: str, **kw: Any) -> Any:
+        self.longest = max(self.longest, len(text))
+        return self._tok.encode(text, **kw)
+
+
+async def test_a_message_larger_than_the_context_can_hold_is_refused_before_it_is_rendered(tiny_tokenizer: Any) -> None:
+    """400 context_length_exceeded, decided from the text's length alone (no token stands for more characters than the
+    tokenizer's longest token): a 400,000-character message is never rendered nor tokenized (it stalled every episode of
+    the worker on the one tokenizer thread). The body limit that context gives (64 bytes a token, at least 1 MiB)
+    lets it in; a completion prompt the same."""
+    tok = _WatchedTokenizer(tiny_tokenizer)
+    codes: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x" * 400_000}])
+            except openai.BadRequestError as exc:
+                codes.append(exc.body["code"])
+            try:
+                await client.completions.create(model=ctx.model, prompt="y" * 400_000)
+            except openai.BadRequestError as exc:
+                codes.append(exc.body["code"])
+
+    engine = ScriptedEngine([], tokenizer=tok)
+    async with EpisodeRunner(engine, agent, EpisodeConfig(max_context_tokens=2048), tokenizer=tok) as runner:
+        assert runner.server.max_request_bytes == 1 << 20
+        (t,) = await runner.run_group(_prompt())
+    assert codes == ["context_length_exceeded", "context_length_exceeded"]
+    assert tok.longest < 1000 and engine.prompts == [] and t.output_ids.tolist() == []

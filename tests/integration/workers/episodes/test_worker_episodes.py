@@ -308,3 +308,40 @@ async def test_an_engine_without_a_tokenizer_gets_the_model_directory_s(pool: Po
     assert await wait_until(lambda: w.episodes is not None, 10)
     assert w.episodes is not None and w.episodes.tokenizer is not None
     assert w.episodes.tokenizer.name_or_path == str(tiny_model_dir)
+
+
+async def test_an_agent_sending_poisoned_sampling_gets_400s_and_restarts_nothing(pool: Pool, tiny_model_dir: pathlib.Path) -> None:
+    """One agent sends NaN and infinite temperatures and a seed past int64 on every run; the other behaves. The
+    poisoned requests are refused at the edge (400), the engine is never restarted, the group is delivered once."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("transformers")
+    from rollpool.workers.engines.hf import HFEngine
+
+    await pool.start_broker()
+    refused: list[tuple[int, Any]] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        import json
+
+        import aiohttp
+
+        messages: list[Any] = [{"role": "user", "content": prompt.text}]
+        if ctx.sample_index == 0:  # raw JSON: the SDK's encoder refuses NaN, a hand-written agent's need not
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ctx.api_key}"}) as http:
+                for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"seed": 2**64}, {"top_p": float("nan")}):
+                    body = json.dumps({"model": ctx.model, "messages": messages, "max_tokens": 4, **bad})
+                    async with http.post(f"{ctx.openai_base_url}/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                        refused.append((resp.status, (await resp.json())["error"]["param"]))
+        async with openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0) as sdk:
+            r = await sdk.chat.completions.create(model=ctx.model, messages=messages, max_tokens=4, seed=1)
+        return 1.0 if r.choices[0].message is not None else 0.0
+
+    w, _ = start_worker(pool, "w", {"default": agent}, engine="hf", model=str(tiny_model_dir),
+                        engine_factory=lambda: HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1))
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([Prompt(prompt_id="p", text="hi", group_size=2, sampling=SamplingParams(max_new_tokens=8))])
+    (group,) = (await client.get_batch(1, timeout=30)).groups
+    assert refused == [(400, "temperature"), (400, "temperature"), (400, "seed"), (400, "top_p")]
+    assert w.restarts == 0 and group.attempts == 1
+    assert [t.reward for t in sorted(group.trajectories, key=lambda t: t.sample_index)] == [1.0, 1.0]
