@@ -55,3 +55,12 @@ def test_an_endpoint_in_use_is_refused_before_anything_starts(argv: list[str], t
     assert err.startswith(f"rollpool {argv[0]}: error: ") and busy in err and "cannot be bound" in err
     assert len(err.strip().splitlines()) == 1
     assert not logs.exists()  # nothing was started (no child, no log folder)
+
+
+@pytest.mark.parametrize("argv", [["launch", "local", "--log-level", "DEBUG"], ["launch", "--log-level", "DEBUG", "local"],
+                                  ["--log-level", "DEBUG", "launch", "local"], ["--log-level", "DEBUG", "broker"]])
+def test_launch_local_takes_the_log_level_where_every_subcommand_does(argv: list[str]) -> None:
+    from rollpool.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.log_level == "DEBUG" and getattr(args, "launcher", "local") == "local"
