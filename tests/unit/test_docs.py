@@ -92,3 +92,9 @@ def test_the_extractor_reads_a_command_line(line: str, cmd: str, flags: list[str
     m = re.search(r"rollpool\s+(" + cmd + r")(.*)", line)
     assert m is not None
     assert re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)) == flags
+
+
+def test_the_index_maps_every_page() -> None:
+    index = (REPO / "docs" / "index.md").read_text()
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name != "index.md")
+    assert [p for p in pages if f"]({p}" not in index] == []
