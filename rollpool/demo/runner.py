@@ -445,7 +445,7 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
         keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
-    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # issue 24
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # what the stale policy did with late groups
     return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 

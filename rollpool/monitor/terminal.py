@@ -211,7 +211,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
 
 
 def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
-    """RECONCILIATION (issue 20): what the broker repaired, how long it stalled, which versions failed."""
+    """RECONCILIATION: what the broker repaired, how long it stalled, which versions failed."""
     broker = state.broker or {}
     if "leases_reconciled" not in broker and "results_resent" not in broker:
         return []  # a broker from before these counters
@@ -246,7 +246,7 @@ _WASTE_REASONS = (("stale_drop", "stale drop"), ("cancel", "cancel"), ("failure"
 
 
 def _wasted_lines(broker: dict[str, Any], width: int, bold: str, reset: str) -> list[str]:
-    """WASTED: generated tokens never delivered to training, as a share of all generated, by reason (issue 24)."""
+    """WASTED: generated tokens never delivered to training, as a share of all generated, by reason."""
     generated = broker.get("generated_tokens")
     if not isinstance(generated, int | float) or generated <= 0:
         return []

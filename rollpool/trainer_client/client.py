@@ -102,9 +102,9 @@ from rollpool.weights.config import check_path_fields
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
-from rollpool.protocol.codec import check_size  # roles hook (issue 21)
-from rollpool.protocol.errors import MessageTooLargeError, RollpoolError  # roles hook (issue 21)
-from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
+from rollpool.protocol.codec import check_size
+from rollpool.protocol.errors import MessageTooLargeError, RollpoolError
+from rollpool.protocol.limits import DEFAULT_LIMITS
 
 __all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "UnfillableBatchError", "make_prompt"]
 
@@ -253,7 +253,7 @@ class TrainerClient:
         self._inline: Inline | None = None
         """How small arrays travel to the broker: inline in the header once a ClientWelcome settled on minor 12 or
         later (`inline_for`); None (every array in a frame) before, and from each hello until its welcome."""
-        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
+        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
         self._req_counter = itertools.count()
@@ -327,7 +327,7 @@ class TrainerClient:
         if type(msg) is ClientHello:
             self._inline = None  # the broker answering it may be an older one
         frames = encode(msg, self._inline)
-        # roles hook (issue 21): refuse what the broker said it would drop, naming the limit
+        # refuse what the broker said it would drop (libzmq drops it with the connection), naming the limit
         check_size(frames, self._broker_limits[0], msg.TYPE, self._broker_limits[1])
         await self._sock.send_multipart(frames, copy=False)
 
@@ -364,7 +364,7 @@ class TrainerClient:
             try:
                 await self._send(make(rid))
                 reply = await asyncio.wait_for(fut, timeout)
-            except MessageTooLargeError:  # roles hook (issue 21): retrying cannot help
+            except MessageTooLargeError:  # retrying cannot help
                 self._waiters.pop(rid, None)
                 raise
             except TimeoutError as exc:
@@ -396,7 +396,7 @@ class TrainerClient:
         )
         welcome = _expect(reply, ClientWelcome, "client_welcome")
         self.epoch = welcome.epoch
-        self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # roles hook (issue 21)
+        self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # what the broker accepts
         self._inline = inline_for(settle_minor(welcome.protocol_minor), welcome.max_header_bytes)
         return welcome
 

@@ -234,7 +234,7 @@ class Worker:
 
     # -- carrying out the session's effects
 
-    async def _do(self, eff: Effects) -> None:  # noqa: C901 - over 13 since the issue 21 oversize replacement; to split per effect kind
+    async def _do(self, eff: Effects) -> None:  # noqa: C901 - over 13 since oversize results became error results; to split per effect kind
         me = asyncio.current_task()
         for task_id in eff.stop_runners:
             runner = self._runners.pop(task_id, None)

@@ -80,7 +80,7 @@ function renderBroker(state) {
     card.append(el("div", n === "version" ? fmtVersion(b[n]) : b[n], "value"), el("div", n.replace("_", " "), "label"));
     box.append(card);
   }
-  // issue 24: generated tokens never delivered to training, as a share, by reason
+  // generated tokens never delivered to training, as a share, by reason
   if (typeof b.wasted_share === "number" && b.generated_tokens > 0) {
     for (const [field, label] of [["wasted_share", "wasted"], ["wasted_share_stale_drop", "wasted: stale drop"],
       ["wasted_share_cancel", "wasted: cancel"], ["wasted_share_failure", "wasted: failure"], ["wasted_share_duplicate", "wasted: duplicate"]]) {
