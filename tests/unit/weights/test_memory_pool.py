@@ -43,3 +43,17 @@ def test_a_dropped_registered_segment_gives_its_bytes_back_to_the_pinned_budget(
         assert pool.pinned_bytes == 2 << 20 and pool.unpinned_over_budget == 0
     finally:
         pool.close()
+
+
+def test_the_shared_memory_reaper_is_reaped_at_a_normal_exit() -> None:
+    """The suite ended with `ResourceWarning: subprocess ... is still running`: the reaper child outlived its handle."""
+    import subprocess
+    import sys
+
+    code = ("from rollpool.weights import memory as m\n"
+            "m._reaper.track('rollpool-exit-check', True)\nm._reaper.track('rollpool-exit-check', False)\n"
+            "proc = m._reaper._proc\nm._unlink_all()\nprint(proc.poll())\n")
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"  # the reaper exited and was reaped, not left running
+    assert "still running" not in out.stderr
