@@ -250,10 +250,10 @@ class TrainerClient:
                                    max_staleness_keep=cfg.max_staleness_keep, new_prompt_id=new_prompt_id)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._broker_limits: tuple[int, int] = (0, 0)
+        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults."""
         self._inline: Inline | None = None
         """How small arrays travel to the broker: inline in the header once a ClientWelcome settled on minor 12 or
         later (`inline_for`); None (every array in a frame) before, and from each hello until its welcome."""
-        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
         self._req_counter = itertools.count()
