@@ -168,3 +168,15 @@ def test_deaths_by_signal_and_failures_after_a_stable_run_are_never_identical() 
     same = ["Traceback", "RuntimeError: engine died"]
     assert tracker.on_exit(600, 1, same) == 1  # after a stable run
     assert tracker.on_exit(600, 1, same) == 1  # again after a stable run: not a quick repeat
+
+
+def test_the_default_log_folder_of_launch_local_is_ignored_by_git() -> None:
+    import shutil
+    import subprocess
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("needs a git checkout")
+    log_dir = LocalLaunchConfig().log_dir
+    out = subprocess.run(["git", "check-ignore", "-q", f"{log_dir}/launch.json"], cwd=repo, capture_output=True)
+    assert out.returncode == 0, f"{log_dir}/ is not in .gitignore: a first `rollpool launch local` leaves it untracked"
