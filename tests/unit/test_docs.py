@@ -112,3 +112,20 @@ def test_code_comments_say_why_not_which_issue() -> None:
             if re.search(r"#.*\b[Ii]ssues? ?\d+\b", line):
                 found.append(f"{rel}:{lineno}: {line.strip()}")
     assert found == []
+
+
+def test_every_flag_of_every_subcommand_has_help() -> None:
+    missing = []
+
+    def walk(p: argparse.ArgumentParser, path: str) -> None:
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif a.option_strings and not (a.help and a.help.strip()) and a.help != argparse.SUPPRESS:
+                missing.append(f"{path} {'/'.join(a.option_strings)}")
+            elif not a.option_strings and not a.help:
+                missing.append(f"{path} {a.dest} (positional)")
+
+    walk(build_parser(), "rollpool")
+    assert missing == []
