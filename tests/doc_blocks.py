@@ -9,8 +9,8 @@ Every fenced block in a shell or Python language (``bash``, ``sh``, ``shell``, `
 - ``<!-- doc-test: illustrative: REASON -->``: not run, and REASON says why (a GPU, another
   framework, a fragment of the block above, ...).
 
-Run blocks meet a local pool (``rollpool launch local``) through the substitutions in `SUBSTITUTIONS`
-(``tcp://broker:5556`` -> the pool's client endpoint, ...) and, for Python, the names of
+A run block that names ``tcp://broker:5556`` (or ``:5555``) meets a fresh local pool (``rollpool launch
+local``) there (tests/integration/docs/test_doc_blocks.py `POOL_NAMES`), and a Python block gets the names of
 ``tests/integration/docs/prelude.py`` (``prompts``, ``data``, ``model``, ``train_step``, ...).
 """
 

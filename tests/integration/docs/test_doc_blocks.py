@@ -1,7 +1,7 @@
 """Run the blocks of README.md and docs/*.md marked ``run``, ``slow`` or ``serve`` (tests/doc_blocks.py).
 
-Python and shell blocks run as a reader would run them, in a child process, against a local pool
-(`rollpool launch local`, sim workers) reached through `SUBSTITUTIONS`; Python blocks get the names of
+Python and shell blocks run as a reader would run them, in a child process; one that names the pool
+(`POOL_NAMES`) gets a fresh local pool (`rollpool launch local`, sim workers) in their place; Python blocks get the names of
 prelude.py first. ``serve`` blocks start each line's service with its flags as written (endpoints through
 ``ROLLPOOL_*`` environment variables, so the line stays verbatim), check that the pool answers, then stop
 it with SIGINT and expect exit 0. ``slow`` blocks (and ``serve: slow``) run in the long job, with the tiny
@@ -28,6 +28,8 @@ from tests.doc_blocks import REPO, Block, doc_files, read_blocks
 
 HERE = pathlib.Path(__file__).resolve().parent
 SIM = "length_median=12,decode_s_per_token=0.0005,capacity=128"
+POOL_NAMES = ("tcp://broker:5556", "tcp://broker:5555")
+"""What a block writes for the pool's client and worker endpoints; the harness puts the test pool's in their place."""
 
 
 def _blocks(*kinds: str) -> list[Block]:
@@ -85,9 +87,12 @@ def _log_tail(log_dir: pathlib.Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(log_dir.glob("*.log")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A local pool of 2 sim workers, with the admission rule the documented loops assume (eta 2)."""
+    """A fresh local pool of 2 sim workers, with the admission rule the documented loops assume (eta 2).
+
+    One per block, so no block depends on what another left (versions published, groups held): a block that
+    publishes version 1 after one that published 3 would be refused."""
     d = tmp_path_factory.mktemp("doc-pool")
     worker_ep, client_ep = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     argv = [sys.executable, "-m", "rollpool", "--log-level", "WARNING", "launch", "local", "--workers", "2",
@@ -97,7 +102,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     try:
         _wait_for_workers(client_ep, 2, proc, 60)
-        yield {"tcp://broker:5556": client_ep, "tcp://broker:5555": worker_ep}
+        yield dict(zip(POOL_NAMES, (client_ep, worker_ep), strict=True))
     finally:
         _stop(proc)
 
@@ -126,15 +131,20 @@ def _run_block(block: Block, subs: dict[str, str], cwd: pathlib.Path, timeout_s:
     assert out.returncode == 0, f"{block.id} exited {out.returncode}\n--- block\n{text}\n--- output\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
 
 
+def _pool_for(block: Block, request: pytest.FixtureRequest) -> dict[str, str]:
+    """A pool for a block that names one (`POOL_NAMES`); none is started for the others."""
+    return request.getfixturevalue("pool") if any(name in block.text for name in POOL_NAMES) else {}
+
+
 @pytest.mark.parametrize("block", _blocks("run"), ids=lambda b: b.id)
-def test_documented_block_runs(block: Block, pool: dict[str, str], tmp_path: pathlib.Path) -> None:
-    _run_block(block, pool, tmp_path)
+def test_documented_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> None:
+    _run_block(block, _pool_for(block, request), tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _blocks("slow"), ids=lambda b: b.id)
-def test_documented_long_block_runs(block: Block, pool: dict[str, str], tmp_path: pathlib.Path) -> None:
-    _run_block(block, pool, tmp_path, timeout_s=600)
+def test_documented_long_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> None:
+    _run_block(block, _pool_for(block, request), tmp_path, timeout_s=600)
 
 
 def _serve_blocks(slow: bool) -> list[Any]:
