@@ -1,7 +1,7 @@
 """TRL's AsyncGRPOTrainer trained through a rollpool pool: the demo's task on two CPU hf workers.
 
     pip install 'rollpool[hf,trl]'
-    python examples/trl_async_grpo.py --steps 40 --json trl-report.json
+    python examples/trl_async_grpo.py --steps 60 --json trl-report.json
 
 What runs: a broker and two ``hf`` workers (processes, on the demo's tiny Llama built on the
 spot, scoring with the demo's reward through ``--reward rollpool.demo.task:reward``), and in this

@@ -56,7 +56,7 @@ the leases at or below the sequence number it echoes, and asks for the full
 list on a mismatch (`Effects.held_requests`); a full list is compared and the
 differences are counted (`leases_unreported`, `held_unknown`) and kept on the
 `WorkerInfo`. A worker that lists `Feature.RECONCILE` has them acted on
-(issue 20): such a lease is requeued at once burning no attempt, so is one
+(it was lost on the wire): such a lease is requeued at once burning no attempt, so is one
 above the echo not echoed two heartbeat intervals after dispatch, and credit is
 set from the absolute free capacity less what was sent after the echo
 (`leases_reconciled`, `credit_corrections`); an older worker's are recorded only.
@@ -198,7 +198,7 @@ class WorkerInfo:
     reported_held: int = -1
     held_mismatches: int = 0
     unreported: tuple[str, ...] = ()
-    """Leases at or below `reported_seq` missing from its last full held list (issue 20 requeues them)."""
+    """Leases at or below `reported_seq` missing from its last full held list (requeued at once: lost on the wire)."""
     version_epoch: int = 0
     """The version epoch its reported `version` belongs to (`rebase`)."""
     skipped_version: int = -1
@@ -289,7 +289,7 @@ _COUNTERS = (
     "grants_resent",
     "versions_failed",
     "versions_skipped",
-    # issue 24: version-aware dispatch, early cancellation, wasted work
+    # version-aware dispatch, early cancellation, wasted work
     "fresh_holds",
     "fresh_holds_expired",
     "fresh_dispatched",
@@ -367,7 +367,7 @@ class BrokerState:
         """The newest time a caller passed in (apply slots granted without a time of their own take it)."""
         self._apply_waiting: dict[str, int] = {}
         """Workers waiting for an apply slot -> version, in request order."""
-        # issue 24, version-aware dispatch: the capacity the last bump opened, held for workers on it
+        # version-aware dispatch: the capacity the last bump opened, held for workers on it
         self._hold_reserved = 0
         """Samples of admission capacity only a worker at `_hold_version` or newer may take (0: no hold)."""
         self._hold_version = -1
@@ -615,7 +615,7 @@ class BrokerState:
             )
         if not act:
             return  # recorded only (a worker without Feature.RECONCILE)
-        # issue 20: a lease at or below the echo that the worker does not hold was lost on the wire (the Task,
+        # a lease at or below the echo that the worker does not hold was lost on the wire (the Task,
         # or its Result): requeued at once, burning no attempt (the loss was not the group's fault)
         for tid in w.unreported:
             g = w.leases.get(tid)
@@ -1225,7 +1225,7 @@ class BrokerState:
                 mine = self._delivered.get(g.delivered_to)
                 if mine is not None:
                     mine.pop(pid, None)
-                    if not mine:  # bounded per-client state (issue 21): no empty map per client id ever served
+                    if not mine:  # bounded per-client state: no empty map per client id ever served
                         del self._delivered[g.delivered_to]
             self.held -= 1
             self._remember(pid)
@@ -1324,7 +1324,7 @@ class BrokerState:
                     self._requeue(g, now, reason=f"worker weights of an abandoned run (rebased to {version})", counted=False)
                     cancelled += 1
             self._refresh(w)
-        self._hold_reserved = 0  # issue 24: a hold for a version of the abandoned run is void
+        self._hold_reserved = 0  # a hold for a version of the abandoned run is void
         self.convergence.reset()
         self.convergence.published(version, now, {wid: w.version for wid, w in self.workers.items()})
         self.fleet_version = -1  # versions of the new epoch start over
@@ -1355,7 +1355,7 @@ class BrokerState:
             self._check_exact(now)  # after the cancellations: a group they requeued may have no server left
         return True
 
-    # ------------------------------------------------------------------ issue 24: version-aware dispatch
+    # ------------------------------------------------------------------ version-aware dispatch
 
     def _open_hold(self, version: int, cap_before: int | None, now: float) -> None:
         """Hold the capacity this bump opened (and what its cancellations released) for workers on `version`.
@@ -1393,7 +1393,7 @@ class BrokerState:
         """Samples of admission capacity held for workers on the newest version now."""
         return self._hold_reserved
 
-    # ------------------------------------------------------------------ issue 24: early cancellation
+    # ------------------------------------------------------------------ early cancellation
 
     def set_trainer_bound(self, stale_bound: int) -> None:
         """The trainer's stated bound (`SetVersion.stale_bound`): it trains nothing staler (-1: not stated, eta)."""
@@ -1426,7 +1426,7 @@ class BrokerState:
                 self._requeue(g, now, reason=f"started at version {g.start_version}, more than {bound} behind {version}",
                               exhausted=Phase.DROPPED_STALE, counted=False)
 
-    # ------------------------------------------------------------------ issue 24: wasted work
+    # ------------------------------------------------------------------ wasted work
 
     def note_tokens_cancelled(self, w: WorkerInfo, tokens_cancelled: int) -> None:
         """A worker's cumulative count of tokens generated for tasks cancelled before their result

@@ -14,7 +14,8 @@ SIGSTOP/SIGCONT of a worker (sometimes past the broker's dead-after), SIGKILL
 of the broker (restarted on the same endpoints; the client resubmits), SIGKILL
 of the relay while workers fetch through it (restarted), Redis stop and start,
 and link delay and loss windows on the worker links (`CLASSIC_FAULTS`, the
-default). The faults of issue 20 (`ISSUE20_FAULTS`, opt-in with ``faults``):
+default). The faults of lost and reordered messages, stalls and bad versions (`ISSUE20_FAULTS`, opt-in
+with ``faults``; ``--faults issue20`` on the command line):
 
 - ``msg_drop``, ``msg_duplicate``, ``msg_delay``, ``msg_reorder``: for 1-2 s,
   every rollpool message on every port (broker worker and client ports,
@@ -43,7 +44,7 @@ The result reports per fault kind its count, per port, direction and message
 type the messages dropped, duplicated, delayed and reordered
 (``message_faults``; with ``every_message_action`` the run goes on until each
 of the four is above 0), the calls cancelled, submit-to-terminal times
-(``terminal_s``: median, p99, worst) and the terminal bound of issue 20
+(``terminal_s``: median, p99, worst) and the terminal bound
 (``terminal_bound``, see `_terminal_bound`): per prompt, the time from the
 last fault's clear to terminal, less its own generation time, against
 ``5 x heartbeat_interval_s + apply_slot_deadline_s``; ``stuck`` counts the
@@ -93,7 +94,8 @@ CLASSIC_FAULTS = ("kill_worker", "stop_worker", "kill_broker", "kill_relay", "re
 MESSAGE_FAULTS = ("msg_drop", "msg_duplicate", "msg_delay", "msg_reorder", "conn_reset")
 """Per-message faults and connection resets on live connections, every port, both directions (`FaultyZmtpProxy`)."""
 ISSUE20_FAULTS = (*MESSAGE_FAULTS, "broker_stop", "cancel_call", "publisher_restart", "poison_version", "hung_apply")
-"""The faults of issue 20: until its fixes land a run with them loses or strands prompts (that is the finding)."""
+"""Lost, duplicated and reordered messages, stalls and bad versions: the faults the reconciliation repairs
+(``--faults issue20``, named after where they were first listed)."""
 FAULT_KINDS = (*CLASSIC_FAULTS, *ISSUE20_FAULTS)
 
 
@@ -167,7 +169,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted_at: dict[str, float],
                     terminal_at: dict[str, float], gen_s: dict[str, float]) -> dict[str, Any]:
-    """The terminal bound of issue 20, checked per prompt: after a fault clears, every prompt is terminal within
+    """The terminal bound, checked per prompt: after a fault clears, every prompt is terminal within
     ``5 x heartbeat_interval_s + apply_slot_deadline_s`` plus its own generation time.
 
     For each fault's clear ``c`` and each prompt open at it (submitted before, not terminal yet), the bound

@@ -31,6 +31,13 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = tuple(
 )
 
 
+def _add_subcommand_logging(parser: argparse.ArgumentParser) -> None:
+    """The logging flags again after a subcommand; SUPPRESS keeps a value given before it (``rollpool --log-level
+    DEBUG broker``), which a subparser's ordinary default would overwrite."""
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (env ROLLPOOL_LOG_LEVEL)")
+    parser.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per log line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollpool",
@@ -42,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in SUBCOMMANDS:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        add_logging_arguments(p)
+        _add_subcommand_logging(p)
         module.add_arguments(p)
         if name in _MONITORED:
             from rollpool.monitor.sink import add_redis_arguments

@@ -1,6 +1,7 @@
 """`rollpool broker` / `python -m rollpool.broker`: run the broker until SIGTERM or SIGINT (exit 0).
 
 SIGHUP reads the CURVE allowed-keys directories again (keys added or revoked without a restart).
+A bad configuration, or an endpoint something else already listens on, exits 2 with one line on stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from rollpool.broker.config import BrokerConfig
 from rollpool.broker.service import Broker, tune_gc
 from rollpool.cli._service import run_service
+from rollpool.launch.local import check_endpoint_free
 from rollpool.protocol.config import add_config_arguments, load_config
 from rollpool.protocol.metrics import MetricsSink
 
@@ -33,6 +35,8 @@ async def _serve(config: BrokerConfig, metrics: MetricsSink | None = None) -> No
 
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     config = load_config(BrokerConfig, args, toml_path=getattr(args, "config", None), section="broker")  # ConfigError: exit 2 (rollpool.cli)
+    check_endpoint_free(config.worker_endpoint, "BrokerConfig.worker_endpoint")
+    check_endpoint_free(config.client_endpoint, "BrokerConfig.client_endpoint")
     tune_gc()  # this process runs the broker alone
     asyncio.run(_serve(config, metrics))
     return 0

@@ -23,11 +23,11 @@ HELP = "run broker, sim workers, relay, publisher and trainer under seeded rando
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ChaosConfig()
     parser.add_argument("--prompts", type=int, default=d.prompts, help="prompts to push through (CI: 2000; long mode: 10000)")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--workers", type=int, default=d.workers)
-    parser.add_argument("--group-size", type=int, default=d.group_size)
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the fault schedule and the prompts (default {d.seed})")
+    parser.add_argument("--workers", type=int, default=d.workers, help=f"sim worker processes (default {d.workers})")
+    parser.add_argument("--group-size", type=int, default=d.group_size, help=f"samples per prompt group (default {d.group_size})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="B: samples per trainer step (a version per step)")
-    parser.add_argument("--max-staleness", type=int, default=d.max_staleness, help="eta")
+    parser.add_argument("--max-staleness", type=int, default=d.max_staleness, help="eta: the staleness bound the trainer and broker keep")
     parser.add_argument("--fault-interval-s", type=float, default=d.fault_interval_s, help="mean seconds between faults")
     parser.add_argument("--faults", default=",".join(CLASSIC_FAULTS),
                         help="comma-separated subset of " + ",".join(FAULT_KINDS) + "; 'all' for every kind, 'issue20' for "

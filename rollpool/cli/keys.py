@@ -47,11 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="one more pair of ROLE, written as ROLE-NAME.key[_secret] and allowed (repeatable)")
     gen.add_argument("--force", action="store_true", help="overwrite existing pairs (every peer needs the new keys)")
     exp = sub.add_parser("export", help="copy what one kind of host needs (broker, trainer, worker, relay) into DEST")
-    exp.add_argument("dir")
-    exp.add_argument("host", choices=sorted(HOST_FILES))
-    exp.add_argument("dest")
+    exp.add_argument("dir", help="the key directory `keys gen` wrote")
+    exp.add_argument("host", choices=sorted(HOST_FILES), help="the kind of host the copy is for")
+    exp.add_argument("dest", help="directory to copy that host's files into")
     mig = sub.add_parser("migrate", help="give a pre-roles key directory (allowed_clients/) per-role keys")
-    mig.add_argument("dir")
+    mig.add_argument("dir", help="the pre-roles key directory (with allowed_clients/)")
     mig.add_argument("--finish", action="store_true", help="stop admitting the pre-roles client keys")
 
 

@@ -27,15 +27,25 @@ HELP = "launch a pool: local (broker + N supervised workers) or ray (workers as 
 log = logging.getLogger(__name__)
 
 
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    """The shared logging flags after the launcher too (``launch local --log-level DEBUG``); SUPPRESS keeps a value
+    given before it (``launch --log-level DEBUG local``), which an ordinary default would overwrite."""
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (env ROLLPOOL_LOG_LEVEL); "
+                        "the launched processes log at this level too")
+    parser.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per log line")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="launcher", metavar="LAUNCHER", required=True)
     local = sub.add_parser("local", help="broker, N workers (and a relay) on this machine, supervised",
                            description="Run a broker, N workers (and a relay) on this machine under a supervisor until SIGTERM/SIGINT.")
+    _add_logging(local)
     local.add_argument("--config", default=None, help="TOML file with a [launch] table (env ROLLPOOL_CONFIG)")
     add_config_arguments(local, LocalLaunchConfig)
     add_redis_arguments(local, pool=False)
     ray = sub.add_parser("ray", help="workers as Ray actors in a placement group (broker elsewhere)",
                          description="Run N workers as Ray actors, one per placement-group bundle, until SIGTERM/SIGINT.")
+    _add_logging(ray)
     ray.add_argument("--config", default=None, help="TOML file with a [launch_ray] table (env ROLLPOOL_CONFIG)")
     add_config_arguments(ray, RayLaunchConfig)
     add_redis_arguments(ray, pool=False)

@@ -12,15 +12,15 @@ HELP = "build a random-weight model + tokenizer locally (no download) for tests 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2"))
-    parser.add_argument("--vocab", type=int, default=384)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("out", help="output directory (created; the model's config, weights and tokenizer go there)")
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2"), help="model architecture (default llama)")
+    parser.add_argument("--vocab", type=int, default=384, help="vocabulary size (default 384)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads, dividing --heads (default 2)")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: the architecture's rule from --hidden)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,5 +43,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump(state.to_dict(), sys.stdout, indent=2, sort_keys=True, default=str)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_frame(state, width=shutil.get_terminal_size((100, 40)).columns, events=args.events))
+        sys.stdout.write(render_frame(state, width=shutil.get_terminal_size((100, 40)).columns, events=args.events,
+                                      title="status"))
     return 0

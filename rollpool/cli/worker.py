@@ -1,8 +1,9 @@
 """``rollpool worker``: run one rollout worker (or ``--count N`` sim workers in one process).
 
-A bad configuration (a flag, an ``--episode`` path that does not import, or an sglang engine of
-``--tp-size`` x ``--dp-size`` GPUs on a worker that sees fewer) exits 2 with the reason on
-stderr. SIGTERM/SIGINT start the graceful drain (stop intake, finish until
+A bad configuration (a flag, an unknown engine, a model directory that does not exist, an
+``--episode`` path that does not import, or a broker at ``--broker`` that refuses this worker for
+good: another pool's, or one of no common protocol; or an sglang engine of ``--tp-size`` x ``--dp-size``
+GPUs on a worker that sees fewer) exits 2 with the reason on stderr in one line. SIGTERM/SIGINT start the graceful drain (stop intake, finish until
 ``--drain-timeout-s``, hand back the rest, Goodbye); the command exits 0 once
 every worker has drained. Monitoring sinks are wired by the top-level CLI;
 this module uses the null sink unless given one.
@@ -16,9 +17,11 @@ import dataclasses
 
 from rollpool.cli._service import run_service
 from rollpool.protocol.config import add_config_arguments, load_config
+from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
+from rollpool.workers.engines.registry import check_engine_and_model
 from rollpool.workers.episodes.runner import load_episode_functions
 from rollpool.workers.worker import Worker, freeze_start_up_heap
 
@@ -35,10 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, metrics: MetricsSink | None = None) -> int:
     # a ConfigError (a bad flag, or an --episode path that does not import) exits 2 in rollpool.cli.main
     config = load_config(WorkerConfig, args, toml_path=getattr(args, "config", None), section="worker")
+    check_engine_and_model(config.engine, config.model)  # an unknown engine, a missing model directory: one line
     load_episode_functions(config.episode)  # a bad --episode path fails here, before any engine loads
     if config.engine == "sglang":
         _check_gpus(config)  # --tp-size x --dp-size beyond the worker's GPUs fails here (exit 2), not as engine restarts
-    return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
+    try:
+        return asyncio.run(run_workers(config, metrics or NullMetricsSink()))
+    except BaseExceptionGroup as group:  # the task groups wrap it: a refusal by the broker is still one line, exit 2
+        refusal = group.subgroup(ConfigError)
+        if refusal is None:
+            raise
+        first: BaseException = refusal
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
 
 
 def _check_gpus(config: WorkerConfig) -> None:

@@ -80,7 +80,8 @@ class DemoConfig:
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
-    out: str = field(default="demo-out", metadata={"help": "folder for demo-report.json and demo-report.png"})
+    out: str = field(default="demo-out", metadata={"help": "folder for the report: demo-report.json and .png (--task tool: "
+                                                           "demo-report-tool.*, its control demo-report-tool-disabled.*)"})
     json: str | None = field(default=None, metadata={"help": "also write the summary JSON here"})
     redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of an embedded one"})
     pool: str = field(default="demo", metadata={"help": "pool name (monitoring keys)"})
@@ -406,10 +407,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             summary["recovered"] = True
         vocab = tool_task.VOCAB if tool else task.VOCAB
         examples = [_example(t, vocab) for t in list(last_trajectories)[:16]]
-        _write_report(out_dir, summary, steps, examples)
+        stem = report_stem(cfg)
+        _write_report(out_dir, stem, summary, steps, examples)
         if cfg.json:
             pathlib.Path(cfg.json).write_text(json.dumps(_headline(summary), indent=2) + "\n")
-        _print_summary(summary, out_dir)
+        _print_summary(summary, out_dir, stem)
         return summary
     finally:
         if client is not None:
@@ -443,11 +445,19 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
         keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
-    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # issue 24
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # what the stale policy did with late groups
     return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 
-def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
+def report_stem(cfg: DemoConfig) -> str:
+    """The report's file name without its suffix, one per task, so one demo's report does not overwrite another's:
+    ``demo-report`` (max), ``demo-report-tool``, ``demo-report-tool-disabled`` (its control)."""
+    if cfg.task == "max":
+        return "demo-report"
+    return f"demo-report-{cfg.task}" + ("-disabled" if cfg.tool_disabled else "")
+
+
+def _print_summary(s: dict[str, Any], out_dir: pathlib.Path, stem: str) -> None:
     rows = [
         ("mode", f"{s['mode']} (eta={s['max_staleness']})"),
         ("steps x samples", f"{s['steps']} x {s['samples_per_step']}"),
@@ -465,20 +475,20 @@ def _print_summary(s: dict[str, Any], out_dir: pathlib.Path) -> None:
     print("\nrollpool demo summary")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
-    print(f"  report: {out_dir / 'demo-report.json'}, {out_dir / 'demo-report.png'}")
+    print(f"  report: {out_dir / (stem + '.json')}, {out_dir / (stem + '.png')}")
 
 
-def _write_report(out_dir: pathlib.Path, summary: dict[str, Any], steps: list[dict[str, float]],
+def _write_report(out_dir: pathlib.Path, stem: str, summary: dict[str, Any], steps: list[dict[str, float]],
                   examples: list[dict[str, Any]]) -> None:
     report = {"summary": summary, "steps": steps, "examples": examples}
-    (out_dir / "demo-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed: demo-report.png not written (pip install matplotlib)")
+        log.warning("matplotlib is not installed: %s.png not written (pip install matplotlib)", stem)
         return
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     x = list(range(1, len(steps) + 1))
@@ -497,5 +507,5 @@ def _write_report(out_dir: pathlib.Path, summary: dict[str, Any], steps: list[di
     axes[3].set(title="requeues and losses")
     fig.suptitle(f"rollpool demo ({summary['mode']}, eta={summary['max_staleness']}, {summary['workers']} hf workers, CPU)")
     fig.tight_layout()
-    fig.savefig(out_dir / "demo-report.png", dpi=90)
+    fig.savefig(out_dir / f"{stem}.png", dpi=90)
     plt.close(fig)

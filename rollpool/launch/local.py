@@ -8,15 +8,23 @@ broker|worker|relay``, each with its monitoring flags); `run_local` runs them un
 `Supervisor` until SIGTERM/SIGINT. Worker ids are stable across restarts
 (``<pool>-w<i>``), so the broker requeues a restarted worker's old leases the
 moment it says hello again instead of waiting for missed heartbeats.
+
+Before anything starts, `check_local_launch` refuses (`ConfigError`: one line,
+exit 2) what no restart could fix: an endpoint the broker or relay would bind
+that something already listens on (a worker would otherwise join whatever
+answers there), an unknown engine, a model directory that does not exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import pathlib
 import shlex
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -25,8 +33,10 @@ from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor
 from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
+from rollpool.workers.engines.registry import check_engine_and_model
 
-__all__ = ["LocalLaunchConfig", "local_process_specs", "local_supervisor", "run_local"]
+__all__ = ["LocalLaunchConfig", "check_endpoint_free", "check_local_launch", "local_process_specs", "local_supervisor",
+           "run_local"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,42 @@ class LocalLaunchConfig:
             shlex.split(self.broker_args)
         except ValueError as exc:
             raise ConfigError(f"LocalLaunchConfig.broker_args: {exc}") from exc
+
+
+def check_endpoint_free(endpoint: str, what: str) -> None:
+    """`ConfigError` when a ZeroMQ endpoint to bind (``tcp://host:port``, ``ipc://path``) is already taken.
+
+    A tcp port is tried with SO_REUSEADDR, as libzmq binds (a port in TIME_WAIT is free, a listening one is
+    not); ``*`` ports are chosen at bind time and always free. An ipc path is taken when something accepts on it.
+    """
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not port.isdigit():
+            return
+        host = host.strip("[]")
+        host = "0.0.0.0" if host in ("*", "") else host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, int(port)))
+            except OSError as exc:
+                raise ConfigError(f"{what} {endpoint} cannot be bound: {exc.strerror} (another broker or process listens "
+                                  f"there? `ss -ltnp 'sport = :{port}'` names it; choose another port)") from None
+    elif scheme == "ipc" and os.path.exists(rest):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+            s.connect(rest)
+            raise ConfigError(f"{what} {endpoint} is in use: something accepts connections on {rest}")
+
+
+def check_local_launch(config: LocalLaunchConfig) -> None:
+    """Refuse what no restart would fix, before anything starts (see the module docstring)."""
+    check_engine_and_model(config.worker.engine, config.worker.model)
+    check_endpoint_free(config.worker_endpoint, "the broker's worker endpoint (--worker-endpoint)")
+    check_endpoint_free(config.client_endpoint, "the broker's client endpoint (--client-endpoint)")
+    if config.relay:
+        check_endpoint_free(config.relay_bind, "the relay's endpoint (--relay-bind)")
 
 
 def local_process_specs(config: LocalLaunchConfig, *, python: str = sys.executable, redis_url: str | None = None,
@@ -123,7 +169,11 @@ def local_supervisor(config: LocalLaunchConfig, *, redis_url: str | None = None,
 
 
 async def run_local(config: LocalLaunchConfig, *, redis_url: str | None = None, log_level: str | None = None) -> int:
-    """Run the local pool until SIGTERM/SIGINT (0) or until a critical process is given up (1)."""
+    """Run the local pool until SIGTERM/SIGINT (0) or until a critical process is given up (1).
+
+    Raises `ConfigError` before starting anything for what `check_local_launch` refuses.
+    """
+    check_local_launch(config)
     supervisor = local_supervisor(config, redis_url=redis_url, log_level=log_level)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

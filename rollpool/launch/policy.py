@@ -5,16 +5,38 @@ sleeping. `RestartPolicy` is the bounded exponential backoff every launcher
 (local supervisor, Ray) applies to a process that died; `Autoscaler` turns the
 broker's queue depth into a worker replica count with bounds and a cooldown,
 the same rule the KEDA ScaledObject of ``ops/k8s`` applies on a cluster.
+
+When a restart cannot help, `RestartTracker` gives up at once instead of
+backing off until ``max_restarts``: a process that exits with status 2 (a
+usage error: the same command line fails the same way), and a quick failure
+that repeats the previous one identically (the same exit status and the same
+last lines of output, numbers aside: `failure_signature`). A death by a
+signal (a negative status) is never "identical": something outside killed it.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["RestartPolicy", "RestartTracker", "Autoscaler", "desired_replicas"]
+__all__ = ["RestartPolicy", "RestartTracker", "Autoscaler", "desired_replicas", "failure_signature", "USAGE_ERROR_EXIT"]
+
+USAGE_ERROR_EXIT = 2
+"""The exit status of a usage error (argparse, and `rollpool` on a bad configuration): never worth a restart."""
+
+_SIGNATURE_LINES = 5
+_NUMBER = re.compile(r"\d+")
+
+
+def failure_signature(exit_code: int, last_lines: Sequence[str]) -> tuple[str, ...]:
+    """What identifies a failure: its exit status and its last non-empty output lines with every number masked
+    (timestamps, pids, durations and ports differ between two runs of the same failure)."""
+    lines = [ln.strip() for ln in last_lines if ln.strip()][-_SIGNATURE_LINES:]
+    return (str(exit_code), *(_NUMBER.sub("#", ln) for ln in lines))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +76,28 @@ class RestartTracker:
     policy: RestartPolicy
     failures: int = 0
     restarts: int = 0
+    gave_up_because: str = ""
+    """Why `on_exit` gave up ("" while it has not)."""
+    _last: tuple[str, ...] | None = None  # the signature of the previous quick failure in a row
 
-    def on_exit(self, ran_for_s: float) -> float | None:
-        """The process died after ``ran_for_s``: the wait before restarting it, or None to give up."""
-        self.failures = 1 if ran_for_s >= self.policy.stable_after_s else self.failures + 1
+    def on_exit(self, ran_for_s: float, exit_code: int | None = None, last_lines: Sequence[str] = ()) -> float | None:
+        """The process died after ``ran_for_s``: the wait before restarting it, or None to give up.
+
+        With ``exit_code`` (and the process's last output lines), also gives up at once on a usage error
+        (status 2) and on a quick failure identical to the previous one (see the module docstring).
+        """
+        quick = ran_for_s < self.policy.stable_after_s
+        self.failures = self.failures + 1 if quick else 1
+        signature = failure_signature(exit_code, last_lines) if exit_code is not None and exit_code > 0 else None
+        if exit_code == USAGE_ERROR_EXIT:
+            self.gave_up_because = f"exit status {USAGE_ERROR_EXIT} is a usage error: the same command fails the same way"
+            return None
+        if quick and signature is not None and signature == self._last:
+            self.gave_up_because = "it failed twice in a row the same way (same exit status and last lines)"
+            return None
+        self._last = signature if quick else None
         if self.failures > self.policy.max_restarts:
+            self.gave_up_because = f"{self.failures} quick failures in a row (max_restarts {self.policy.max_restarts})"
             return None
         self.restarts += 1
         return self.policy.delay_s(self.failures)

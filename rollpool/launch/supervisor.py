@@ -13,6 +13,10 @@ Guarantees:
 - a child that exits while the supervisor is not stopping is restarted after
   the `RestartPolicy` backoff (bounded); a ``critical`` child given up on stops
   the whole supervisor (exit 1), a non-critical one is left dead and logged.
+  A usage error (exit status 2) and a quick failure that repeats the previous
+  one identically are given up at once (`RestartTracker`: a restart cannot
+  help). Every unplanned exit is logged with its status and the last lines
+  the child wrote (``TAIL_LINES``), so the reason shows without opening its log.
   A child whose spec says ``restart=False`` is left down instead, until the
   caller starts it again (`start`): the demo and the chaos run inject their
   faults on purpose and choose when a killed child comes back;
@@ -52,6 +56,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+TAIL_LINES = 12
+"""Lines of a dead child's output shown with its exit (read from its log, since its last start)."""
+_TAIL_BYTES = 64 * 1024
+
 
 def set_parent_death_signal() -> None:
     """In a child (preexec): get SIGTERM when the parent dies, whatever the cause (Linux)."""
@@ -83,6 +91,7 @@ class _Child:
     tracker: RestartTracker
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
+    log_offset: int = 0  # where its log file stood at its last start: the tail of one run starts there
     starts: int = 0
     given_up: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # start() asks a child left down to start again
@@ -207,7 +216,20 @@ class Supervisor:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"--- {self.label}: starting {name} at {stamp} (restart {child.starts}) ---\n".encode())
         logf.flush()
+        child.log_offset = logf.tell()
         return logf
+
+    def last_lines(self, name: str, n: int = TAIL_LINES) -> list[str]:
+        """The last ``n`` lines child ``name`` wrote since its last start (from its log file)."""
+        child = self._children[name]
+        try:
+            with open(self.log_dir / f"{name}.log", "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(child.log_offset, size - _TAIL_BYTES))
+                data = f.read()
+        except OSError:
+            return []
+        return data.decode("utf-8", "replace").splitlines()[-n:]
 
     async def _watch_loop(self, child: _Child) -> None:
         """Keep one child running until the supervisor stops (or the child is given up)."""
@@ -239,12 +261,17 @@ class Supervisor:
         """The policy's wait before restarting a child that exited, or None when it is given up."""
         name = child.spec.name
         ran_for_s = time.monotonic() - child.started_at
-        delay_s = child.tracker.on_exit(ran_for_s)
+        tail = self.last_lines(name)
+        delay_s = child.tracker.on_exit(ran_for_s, rc, tail)
+        shown = "".join(f"\n    | {line}" for line in tail) or " (it wrote nothing)"
+        where = self.log_dir / f"{name}.log"
         if delay_s is not None:
-            log.warning("%s exited with %s after %.1f s; restarting in %.1f s", name, rc, ran_for_s, delay_s)
+            log.warning("%s exited with %s after %.1f s; restarting in %.1f s. Its last lines (%s):%s",
+                        name, rc, ran_for_s, delay_s, where, shown)
             return delay_s
         child.given_up = True
-        log.error("%s exited with %s %d times in a row; giving up on it", name, rc, child.tracker.failures)
+        log.error("%s exited with %s after %.1f s; giving up on it: %s. Its last lines (%s):%s",
+                  name, rc, ran_for_s, child.tracker.gave_up_because, where, shown)
         self._write_state()
         stage = [c for c in self._children.values() if c.spec.stop_stage == child.spec.stop_stage]
         if child.spec.critical or all(c.given_up for c in stage):

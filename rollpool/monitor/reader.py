@@ -56,14 +56,18 @@ class PoolState:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     def worker_version_lag(self) -> dict[str, int]:
-        """Broker version minus each worker's weight version (workers reporting one)."""
-        if not self.broker or not isinstance(self.broker.get("version"), int):
+        """Broker version minus each worker's weight version (workers reporting one).
+
+        None yet (left out) while either side has no version (-1: nothing published, or nothing applied):
+        a lag of -1 before the first publish would read as a worker ahead of the trainer.
+        """
+        version = self.broker.get("version") if self.broker else None
+        if not isinstance(version, int) or version < 0:
             return {}
-        version = int(self.broker["version"])
         return {
             wid: version - int(w["weight_version"])
             for wid, w in self.workers.items()
-            if isinstance(w.get("weight_version"), int)
+            if isinstance(w.get("weight_version"), int) and int(w["weight_version"]) >= 0
         }
 
     def to_dict(self) -> dict[str, Any]:

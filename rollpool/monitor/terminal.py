@@ -113,14 +113,15 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 1)] + "~"
 
 
-def render_frame(state: PoolState, *, width: int = 100, color: bool = False, events: int = 10) -> str:
+def render_frame(state: PoolState, *, width: int = 100, color: bool = False, events: int = 10, title: str = "top") -> str:
+    """One frame as text; ``title`` names the command in its first line (``top``, ``status``)."""
     bold = "\x1b[1m" if color else ""
     red = "\x1b[31m" if color else ""
     reset = "\x1b[0m" if color else ""
     lines: list[str] = []
     clock = time.strftime("%H:%M:%S", time.localtime(state.time))
     broker = state.broker
-    header = f"rollpool top  pool {state.pool}  {clock}"
+    header = f"rollpool {title}  pool {state.pool}  {clock}"
     if broker:
         header += f"  broker epoch {broker.get('epoch', '?')}  updated {_fmt(broker.get('age_s'), 1)} s ago"
     else:
@@ -130,7 +131,8 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
 
     lines.append(bold + "BROKER" + reset)
     if broker:
-        parts = [f"{label} {_fmt(broker.get(name))}" for name, label in _BROKER_ORDER if name in broker]
+        parts = [f"{label} {_fmt_version(broker.get(name)) if name == 'version' else _fmt(broker.get(name))}"
+                 for name, label in _BROKER_ORDER if name in broker]
         row = "  "
         for part in parts:
             if len(row) + len(part) + 2 > width:
@@ -138,6 +140,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
                 row = "  "
             row += part + "  "
         lines.append(row.rstrip())
+        lines.extend(_disconnect_line(broker, width))
     else:
         lines.append("  -")
     lines.append("")
@@ -157,7 +160,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
             _fmt(f.get("host")),
             _fmt(f.get("engine")),
             _fmt(f.get("state")),
-            _fmt(f.get("weight_version")),
+            _fmt_version(f.get("weight_version")),
             _fmt(lag),
             _fmt(f.get("inflight")),
             _fmt(f.get("credits")),
@@ -209,7 +212,7 @@ def render_frame(state: PoolState, *, width: int = 100, color: bool = False, eve
 
 
 def _reconcile_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
-    """RECONCILIATION (issue 20): what the broker repaired, how long it stalled, which versions failed."""
+    """RECONCILIATION: what the broker repaired, how long it stalled, which versions failed."""
     broker = state.broker or {}
     if "leases_reconciled" not in broker and "results_resent" not in broker:
         return []  # a broker from before these counters
@@ -269,7 +272,7 @@ _WASTE_REASONS = (("stale_drop", "stale drop"), ("cancel", "cancel"), ("failure"
 
 
 def _wasted_lines(broker: dict[str, Any], width: int, bold: str, reset: str) -> list[str]:
-    """WASTED: generated tokens never delivered to training, as a share of all generated, by reason (issue 24)."""
+    """WASTED: generated tokens never delivered to training, as a share of all generated, by reason."""
     generated = broker.get("generated_tokens")
     if not isinstance(generated, int | float) or generated <= 0:
         return []
@@ -286,19 +289,18 @@ def _wasted_lines(broker: dict[str, Any], width: int, bold: str, reset: str) -> 
 _REFUSAL_PREFIXES = (
     ("refused.limit.", "by limit"),
     ("refused.role.", "by role"),
-    ("disconnects.", "disconnects"),
     ("handshake_refused.", "handshakes refused"),
 )
 
 
 def _refusal_lines(broker: dict[str, Any], workers: dict[str, dict[str, Any]], width: int, bold: str, red: str,
                    reset: str) -> list[str]:
-    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` counters and its sockets' drops, and
+    """REFUSALS: the broker's ``refused.limit.*`` / ``refused.role.*`` / ``handshake_refused.*`` counters, and
     what the workers refused to send (``refused.limit.*`` in their states, summed over the alive workers).
 
     ``refused.role.worker@broker.client`` reads "a worker key refused on the client
-    port"; ``disconnects.SOCKET`` includes the connections libzmq dropped for a
-    message over MAXMSGSIZE (it reports no reason).
+    port". Disconnects are not refusals (a worker that stops disconnects): they are a
+    line of the BROKER section (`_disconnect_line`).
     """
     rows: list[str] = []
     worker_sums: dict[str, Any] = {}
@@ -318,6 +320,20 @@ def _refusal_lines(broker: dict[str, Any], workers: dict[str, dict[str, Any]], w
     if not rows:
         return []
     return [bold + "REFUSALS" + reset, *rows, ""]
+
+
+def _disconnect_line(broker: dict[str, Any], width: int) -> list[str]:
+    """The broker sockets' ``disconnects.SOCKET`` counters: peers that went away, and the connections libzmq
+    dropped for a message over MAXMSGSIZE (it reports no reason, so the two cannot be told apart here)."""
+    items = sorted((k[len("disconnects."):], v) for k, v in broker.items() if k.startswith("disconnects."))
+    if not items:
+        return []
+    return [_cut("  disconnects  " + "  ".join(f"{name} {_fmt(v)}" for name, v in items), width)]
+
+
+def _fmt_version(value: Any) -> str:
+    """A weight version; -1 (nothing published or applied yet) reads "none"."""
+    return "none" if isinstance(value, int) and not isinstance(value, bool) and value < 0 else _fmt(value)
 
 
 def _prev(buckets: list[tuple[float, int]], bound: float) -> float:

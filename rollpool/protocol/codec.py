@@ -102,7 +102,7 @@ PROTOCOL_MAJOR = 1
 #   1.7  ApplyDone.skipped (a worker reports a weight version it gave up on, with the reason);
 #        SamplingParams.top_logprobs_num / logprob_start_len, Trajectory.output_top_ids / output_top_logprobs /
 #        input_logprobs
-#   1.8  staleness without waste (issue 24): SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
+#   1.8  staleness without waste: SetVersion.stale_bound, WorkerHeartbeat.tokens_cancelled
 #   1.9  the same-GPU weight path: Manifest.cuda_ipc (CudaIpcBuffer), BucketInfo.ipc_offset / ipc_checksum,
 #        ManifestRequest.gpu_uuids / wait_ipc
 #   1.10 the shared-memory path staged to a GPU: BucketInfo.host_mix64 (mix64 of the bucket's host bytes)

@@ -54,7 +54,7 @@ class EngineError(RollpoolError):
 class WeightsRefusedError(EngineError):
     """An engine refused a weight version after checking it, before writing anything (an unknown parameter
     name, a shape that does not match): it still serves its previous version, intact. The worker reports the
-    version failed and skips it; no restart (issue 20: a poison version costs nothing but itself)."""
+    version failed and skips it; no restart (a poison version costs nothing but itself)."""
 
 
 class RequestRefusedError(EngineError):

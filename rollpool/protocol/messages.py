@@ -172,7 +172,7 @@ class Feature:
     received since `Welcome.dispatch_seq`, `free_capacity` is absolute and the held list is complete. The broker
     acts on them: a lease at or below the echo the worker does not hold (or one above it not echoed two heartbeat
     intervals after dispatch) is requeued burning no attempt, and credit is set from the free capacity. A worker
-    without it only has its heartbeats recorded (issue 20)."""
+    without it only has its heartbeats recorded."""
 
 
 FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE)

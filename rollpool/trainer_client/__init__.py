@@ -11,6 +11,7 @@ from rollpool.trainer_client.client import (
     SubmitResult,
     TrainerClient,
     TrainerClientConfig,
+    UnfillableBatchError,
     make_prompt,
     new_prompt_id,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RolloutPool",
     "RolloutBatch",
     "SubmitResult",
+    "UnfillableBatchError",
     "PromptReport",
     "TrainSample",
     "STALE_POLICIES",

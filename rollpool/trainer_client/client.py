@@ -32,6 +32,14 @@ Guarantees the trainer relies on:
   is rejected at submit. A broker older than protocol 1.14 (`CONTRACT_MINOR`) would ignore the field, so
   such a submit to it raises `RejectedError` before anything is sent. `wait_for_version(v, fraction, timeout)`
   returns once that share of the live workers serves v or newer, and raises at once when the rest gave v up.
+* `get_batch` without a timeout never waits for what cannot come: when fewer
+  groups could ever arrive than it asks for (those buffered here, plus this
+  client's prompts still pending, or plus every group the broker holds queued,
+  leased or done), it raises `UnfillableBatchError` at once
+  (``raise_when_unfillable``; a group dropped as stale under ``drop`` does not
+  come back). A caller that gave a timeout bounded the wait itself and gets
+  `TimeoutError` as before. While it waits it logs what it waits for every
+  ``wait_log_s``.
 * Versions move forward: `set_version` with a version older than the pool's is
   refused (`RejectedError` naming both). A trainer that resumed from a
   checkpoint calls `rebase_version(v)` first: the pool's version becomes v and
@@ -111,16 +119,20 @@ from rollpool.weights.config import check_path_fields
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
-from rollpool.protocol.codec import check_size  # roles hook (issue 21)
-from rollpool.protocol.errors import MessageTooLargeError  # roles hook (issue 21)
-from rollpool.protocol.limits import DEFAULT_LIMITS  # roles hook (issue 21)
+from rollpool.protocol.codec import check_size
+from rollpool.protocol.errors import MessageTooLargeError, RollpoolError
+from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.sampling import sampling_problem
 
-__all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "make_prompt"]
+__all__ = ["TrainerClientConfig", "TrainerClient", "RolloutBatch", "SubmitResult", "UnfillableBatchError", "make_prompt"]
 
 log = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
+
+
+class UnfillableBatchError(RollpoolError):
+    """`get_batch(n)` asked for more groups than can ever arrive; the message says what there is and why."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,8 @@ class TrainerClientConfig:
     request_timeout_s: float = field(default=10.0, metadata={"help": "timeout of one request attempt"})
     request_retries: int = field(default=3, metadata={"help": "attempts per request before BrokerUnavailableError"})
     pull_wait_s: float = field(default=1.0, metadata={"help": "long-poll wait of one pull"})
+    wait_log_s: float = field(default=30.0, metadata={"help": "get_batch logs what it still waits for this often"})
+    raise_when_unfillable: bool = field(default=True, metadata={"help": "get_batch without a timeout raises UnfillableBatchError when fewer groups can arrive than it asks for (False: wait for prompts others will submit)"})
     submit_chunk: int = field(default=512, metadata={"help": "prompts per submit message"})
     dedup_window: int = field(default=1_000_000, metadata={"help": "trajectory ids remembered for deduplication"})
     stale_policy: str = field(default="drop", metadata={"help": "groups staler than max_staleness: drop, regenerate (resubmit the original prompt under a fresh id) or keep (deliver with staleness stated, up to max_staleness_keep)"})
@@ -153,6 +167,8 @@ class TrainerClientConfig:
             raise ConfigError(f"request_retries must be >= 1, got {self.request_retries}")
         if self.pull_wait_s < 0:
             raise ConfigError(f"pull_wait_s must be >= 0, got {self.pull_wait_s}")
+        if self.wait_log_s <= 0:
+            raise ConfigError(f"wait_log_s must be > 0, got {self.wait_log_s}")
         if self.submit_chunk < 1:
             raise ConfigError(f"submit_chunk must be >= 1, got {self.submit_chunk}")
         if self.dedup_window < 1:
@@ -256,12 +272,12 @@ class TrainerClient:
                                    abandoned_policy=cfg.abandoned_policy)
         self._sock: Any = None  # a zmq.asyncio DEALER (the socket factory is untyped)
         self._broker_limits: tuple[int, int] = (0, 0)
+        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults."""
         self._inline: Inline | None = None
         self._broker_minor = 0
         """The protocol minor settled with the broker at the last hello."""
         """How small arrays travel to the broker: inline in the header once a ClientWelcome settled on minor 12 or
         later (`inline_for`); None (every array in a frame) before, and from each hello until its welcome."""
-        """What the broker said it accepts (max_msg_bytes, max_header_bytes); 0: the defaults (roles hook, issue 21)."""
         self._recv_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Future[object]] = {}
         self._req_counter = itertools.count()
@@ -335,7 +351,7 @@ class TrainerClient:
         if type(msg) is ClientHello:
             self._inline = None  # the broker answering it may be an older one
         frames = encode(msg, self._inline)
-        # roles hook (issue 21): refuse what the broker said it would drop, naming the limit
+        # refuse what the broker said it would drop (libzmq drops it with the connection), naming the limit
         check_size(frames, self._broker_limits[0], msg.TYPE, self._broker_limits[1])
         await self._sock.send_multipart(frames, copy=False)
 
@@ -372,7 +388,7 @@ class TrainerClient:
             try:
                 await self._send(make(rid))
                 reply = await asyncio.wait_for(fut, timeout)
-            except MessageTooLargeError:  # roles hook (issue 21): retrying cannot help
+            except MessageTooLargeError:  # retrying cannot help
                 self._waiters.pop(rid, None)
                 raise
             except TimeoutError as exc:
@@ -404,7 +420,7 @@ class TrainerClient:
         )
         welcome = _expect(reply, ClientWelcome, "client_welcome")
         self.epoch = welcome.epoch
-        self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # roles hook (issue 21)
+        self._broker_limits = (welcome.max_msg_bytes, welcome.max_header_bytes)  # what the broker accepts
         self._broker_minor = settle_minor(welcome.protocol_minor)
         self._inline = inline_for(self._broker_minor, welcome.max_header_bytes)
         return welcome
@@ -482,7 +498,8 @@ class TrainerClient:
         `stale_policy` / `max_staleness_keep` override the client's config for the
         groups this call takes (see the module docstring). Raises `TimeoutError`
         when `timeout` passes first; groups received so far stay buffered for the
-        next call (nothing is lost).
+        next call (nothing is lost). Without a timeout, raises `UnfillableBatchError`
+        as soon as n groups can no longer arrive (see the module docstring).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -494,11 +511,21 @@ class TrainerClient:
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         dropped_before = self.ledger.counters["dropped_stale"]
+        log_at = t0 + self.config.wait_log_s
         while True:
             # every buffered group is judged again at today's version and this call's bound
             await self._taken(self.ledger.recheck(max_staleness, stale_policy, max_staleness_keep))
             if self.ledger.ready >= n:
                 break
+            if timeout is None and self.config.raise_when_unfillable and self.ledger.ready + len(self.ledger.pending) < n:
+                # this client's own prompts cannot fill it: only groups the broker holds still could
+                held = await self._broker_holds()
+                if self.ledger.ready + sum(held.values()) < n:
+                    raise UnfillableBatchError(self._waiting_for(n, held, t0, dropped_before, "can never be filled"))
+            if time.monotonic() >= log_at:
+                log_at = time.monotonic() + self.config.wait_log_s
+                with contextlib.suppress(RollpoolError):
+                    log.warning("%s", self._waiting_for(n, await self._broker_holds(), t0, dropped_before, "is waiting"))
             wait = self.config.pull_wait_s
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -531,6 +558,20 @@ class TrainerClient:
             self.ledger.observe_version(batch.weight_version)
             await self._taken(self.ledger.adopt(batch.groups))
         return self.ledger.take_other()
+
+    async def _broker_holds(self) -> dict[str, int]:
+        """The groups the broker holds that may still reach a pull: queued, leased, done and not yet acknowledged."""
+        counters = (await self.status())["counters"]
+        return {k: int(counters.get(k, 0)) for k in ("queued", "leased", "held")}
+
+    def _waiting_for(self, n: int, held: Mapping[str, int], t0: float, dropped_before: int, what: str) -> str:
+        dropped = self.ledger.counters["dropped_stale"] - dropped_before
+        stale = (f"; {dropped} groups dropped as stale during this call (a dropped group comes back only under "
+                 "stale_policy 'regenerate')" if dropped else "")
+        return (f"get_batch({n}) {what} after {time.monotonic() - t0:.1f} s: {self.ledger.ready} groups here, "
+                f"{len(self.ledger.pending)} of this client's prompts pending; the broker holds {held['queued']} queued, "
+                f"{held['leased']} leased, {held['held']} done and unacknowledged{stale}. Submit more prompts, or ask "
+                f"for fewer groups")
 
     async def _taken(self, taken: TakeOutcome) -> None:
         """Report the groups one take or recheck dropped as stale, and submit their regenerations."""

@@ -281,9 +281,9 @@ class ClientLedger:
         self._dropped_here: set[str] = set()
         """Groups in `_other` that the stale bound dropped here (acknowledged as stale, not again)."""
         self._kept_stale: dict[str, int] = {}
+        """prompt_id -> trajectories delivered above the bound, for ready groups."""
         self._originals: dict[str, Prompt | None] = {}
         """prompt_id -> the original prompt of each ready group (for a regeneration when `recheck` drops it)."""
-        """prompt_id -> trajectories delivered above the bound, for ready groups."""
         self._last_batch_at: float | None = None
 
     @property

@@ -283,6 +283,22 @@ class _Reaper:
             except OSError:
                 log.warning("shared-memory reaper unavailable; %s is unlinked only by close() or the next sweep", name)
 
+    def close(self, timeout_s: float = 2.0) -> None:
+        """At a normal exit: close the pipe (the reaper unlinks what is left and exits) and reap it, so no child
+        outlives its handle (Python warns of a subprocess "still running" when the handle is collected)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 
 _reaper = _Reaper()
 _live: dict[str, ShmBuffer] = {}
@@ -292,6 +308,7 @@ _live: dict[str, ShmBuffer] = {}
 def _unlink_all() -> None:
     for buf in list(_live.values()):
         buf.close()
+    _reaper.close()
     _owner.release()
 
 

@@ -90,11 +90,15 @@ class BrokerLink:
                 await asyncio.wait_for(self._sock.send_multipart(frames), self.send_timeout_s)
             except TimeoutError:
                 self.send_failures += 1
-                log.debug("send of %s timed out", type(msg).__name__)
+                self._bad.warning(f"send:{type(msg).__name__}", "send of %s to the broker at %s timed out after %.1f s "
+                                  "(is a broker listening there?)", type(msg).__name__, self.endpoint, self.send_timeout_s)
                 return False
             except Exception as exc:  # noqa: BLE001 - zmq errors: the broker is unreachable
                 self.send_failures += 1
-                log.warning("send of %s failed: %s", type(msg).__name__, exc)
+                # EAGAIN under ZMQ_IMMEDIATE means no connection: say where nobody answers, once a minute
+                self._bad.warning(f"send:{type(msg).__name__}", "send of %s to the broker at %s failed: %s "
+                                  "(is a broker listening there? `rollpool status` or the broker's log tells)",
+                                  type(msg).__name__, self.endpoint, exc)
                 return False
         self.sent += 1
         return True

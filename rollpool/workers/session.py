@@ -496,8 +496,8 @@ class WorkerSession:
         # a cancelled task still generating (its abort under way) is not held: the broker ended its lease with the
         # Cancel, and listing it would make every heartbeat until the abort ends disagree with the broker's digest
         held = tuple(tid for tid, e in self.tasks.items() if not e.cancelled) + tuple(r.task_id for r in self.outbox if r.task_id not in self.tasks)
-        # issue 20 reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, what is held and
-        # the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat. Issue 19:
+        # reconciliation (Feature.RECONCILE): the echo of the highest Task.seq received, what is held and
+        # the free capacity (absolute), so a lost Task, Result or Credit is repaired by the next heartbeat. At scale,
         # to a broker that checks digests (Feature.HELD_DIGEST) the held tasks go as a count and a digest; a
         # mismatch makes it ask for the whole list (`on_broker_heartbeat`)
         whole = full or Feature.HELD_DIGEST not in self.broker_features

@@ -40,10 +40,17 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from rollpool.protocol import inline_for, settle_minor
-from rollpool.protocol.errors import EngineError, MessageTooLargeError, RequestRefusedError, WeightSyncError
+from rollpool.protocol.errors import (
+    ConfigError,
+    EngineError,
+    MessageTooLargeError,
+    RequestRefusedError,
+    RollpoolError,
+    WeightSyncError,
+)
 from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Result, Task, Welcome
+from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Error, Result, Task, Welcome
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
@@ -60,6 +67,9 @@ from rollpool.workers.weight_sync import SubscriberFactory, WeightSync
 __all__ = ["Worker", "freeze_start_up_heap"]
 
 log = logging.getLogger(__name__)
+
+_REFUSED_BROKER = ("wrong_pool", "version")
+"""Errors answering a Hello that no retry can change: the worker stops and `run` raises `ConfigError`."""
 
 
 def _facts(info: EngineInfo) -> EngineFacts:
@@ -150,7 +160,7 @@ class Worker:
         self._poll_wake = asyncio.Event()
         self._poll_deadline = math.inf
         self._bad_msgs = RateLimitedLog(log)
-        self._fatal: EngineError | None = None
+        self._fatal: RollpoolError | None = None
         self.stopped_cleanly = False
 
     # -- public API
@@ -188,7 +198,8 @@ class Worker:
         self._stop_requested.set()
 
     async def run(self) -> None:
-        """Serve until stopped; raises `EngineError` when the engine could not be kept running."""
+        """Serve until stopped; raises `EngineError` when the engine could not be kept running, `ConfigError` when the
+        broker at its endpoint refused it for good (another pool's broker, no common protocol version)."""
         try:
             await self.weights.prepare()
             info = await self.supervisor.start()
@@ -223,7 +234,7 @@ class Worker:
 
     # -- carrying out the session's effects
 
-    async def _do(self, eff: Effects) -> None:  # noqa: C901 - over 13 since the issue 21 oversize replacement; to split per effect kind
+    async def _do(self, eff: Effects) -> None:  # noqa: C901 - over 13 since oversize results became error results; to split per effect kind
         me = asyncio.current_task()
         for task_id in eff.stop_runners:
             runner = self._runners.pop(task_id, None)
@@ -397,7 +408,16 @@ class Worker:
             msg = await self.link.recv()
             if msg is None:
                 continue
+            if isinstance(msg, Error) and msg.ref_type == "hello" and msg.code in _REFUSED_BROKER:
+                # another pool's broker (or one of no common protocol) answers at this endpoint: no hello will change that
+                self._fatal = ConfigError(f"the broker at {self.config.broker} refused this worker ({msg.code}): {msg.message}")
+                log.critical("%s", self._fatal, extra={"worker": self.worker_id})
+                self.stop()
+                continue
             if isinstance(msg, Welcome):  # what the broker accepts: every message from now on is checked against it
+                if msg.epoch != self.session.epoch:
+                    log.info("joined the broker at %s (epoch %s, protocol minor %d)", self.config.broker, msg.epoch,
+                             msg.protocol_minor, extra={"worker": self.worker_id})
                 self.link.peer_limits = (msg.max_msg_bytes, msg.max_header_bytes)
                 self.link.inline = inline_for(settle_minor(msg.protocol_minor), msg.max_header_bytes)
             eff = self.session.handle(self._now(), msg)

@@ -142,3 +142,41 @@ def test_a_key_given_flat_and_nested_or_unknown_in_a_table_is_refused(tmp_path: 
         _cli_config(LocalLaunchConfig, [], "[launch.worker]\nengin = \"hf\"\n", tmp_path)
     with pytest.raises(ConfigError, match="RestartPolicy needs 0 < backoff_s"):
         _cli_config(LocalLaunchConfig, ["--restart-backoff-s", "0"])
+
+
+def test_a_usage_error_is_given_up_at_once_whatever_the_policy() -> None:
+    tracker = RestartTracker(RestartPolicy(max_restarts=10))
+    assert tracker.on_exit(0.5, 2, ["rollpool worker: error: WorkerConfig.capacity must be >= 0"]) is None
+    assert tracker.restarts == 0 and "usage error" in tracker.gave_up_because
+
+
+def test_a_quick_failure_repeated_identically_is_given_up_and_a_different_one_is_retried() -> None:
+    tracker = RestartTracker(RestartPolicy(backoff_s=1, backoff_max_s=30, max_restarts=10, stable_after_s=60))
+    boom = ["12:00:01 INFO starting (pid 4242)", "FileNotFoundError: /models/policy"]
+    assert tracker.on_exit(3.6, 1, boom) == 1
+    # another failure (other last lines, or another status) resets nothing but is not identical: retried
+    assert tracker.on_exit(3.1, 1, ["12:00:05 INFO starting (pid 4250)", "OSError: out of memory"]) == 2
+    assert tracker.on_exit(3.3, 3, ["12:00:05 INFO starting (pid 4250)", "OSError: out of memory"]) == 4
+    # the same failure again (only numbers differ: time, pid): given up
+    assert tracker.on_exit(3.5, 3, ["12:00:09 INFO starting (pid 4301)", "OSError: out of memory"]) is None
+    assert "same way" in tracker.gave_up_because and tracker.restarts == 3
+
+
+def test_deaths_by_signal_and_failures_after_a_stable_run_are_never_identical() -> None:
+    tracker = RestartTracker(RestartPolicy(backoff_s=1, backoff_max_s=30, max_restarts=10, stable_after_s=60))
+    assert [tracker.on_exit(1, -9, []) for _ in range(3)] == [1, 2, 4]  # killed from outside (chaos, OOM killer)
+    same = ["Traceback", "RuntimeError: engine died"]
+    assert tracker.on_exit(600, 1, same) == 1  # after a stable run
+    assert tracker.on_exit(600, 1, same) == 1  # again after a stable run: not a quick repeat
+
+
+def test_the_default_log_folder_of_launch_local_is_ignored_by_git() -> None:
+    import shutil
+    import subprocess
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("needs a git checkout")
+    log_dir = LocalLaunchConfig().log_dir
+    out = subprocess.run(["git", "check-ignore", "-q", f"{log_dir}/launch.json"], cwd=repo, capture_output=True)
+    assert out.returncode == 0, f"{log_dir}/ is not in .gitignore: a first `rollpool launch local` leaves it untracked"

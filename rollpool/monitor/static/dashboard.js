@@ -30,13 +30,21 @@ function rate(points) {
   return out;
 }
 
+// A weight version; -1 (nothing published or applied yet) reads "none".
+function fmtVersion(v) {
+  return typeof v === "number" && v < 0 ? "none" : v;
+}
+
 // Lag of one worker: the broker's version at each worker sample (the latest broker sample before it) minus the worker's version.
+// No point while either side has no version yet (-1): before the first publish there is no lag to draw.
 function lagSeries(brokerVersion, workerVersion) {
   const out = [];
   let j = 0;
   for (const [t, v] of workerVersion) {
     while (j + 1 < brokerVersion.length && brokerVersion[j + 1][0] <= t) j++;
-    if (brokerVersion.length && brokerVersion[j][0] <= t + 5) out.push([t, brokerVersion[j][1] - v]);
+    if (brokerVersion.length && brokerVersion[j][0] <= t + 5 && brokerVersion[j][1] >= 0 && v >= 0) {
+      out.push([t, brokerVersion[j][1] - v]);
+    }
   }
   return out;
 }
@@ -69,10 +77,10 @@ function renderBroker(state) {
   for (const n of names) {
     if (!(n in b)) continue;
     const card = el("div", null, "stat");
-    card.append(el("div", b[n], "value"), el("div", n.replace("_", " "), "label"));
+    card.append(el("div", n === "version" ? fmtVersion(b[n]) : b[n], "value"), el("div", n.replace("_", " "), "label"));
     box.append(card);
   }
-  // issue 24: generated tokens never delivered to training, as a share, by reason
+  // generated tokens never delivered to training, as a share, by reason
   if (typeof b.wasted_share === "number" && b.generated_tokens > 0) {
     for (const [field, label] of [["wasted_share", "wasted"], ["wasted_share_stale_drop", "wasted: stale drop"],
       ["wasted_share_cancel", "wasted: cancel"], ["wasted_share_failure", "wasted: failure"], ["wasted_share_duplicate", "wasted: duplicate"]]) {
@@ -93,7 +101,7 @@ function renderWorkers(state) {
     const w = state.workers[id];
     const tr = el("tr");
     const tps = typeof w.tokens_per_s === "number" ? w.tokens_per_s.toFixed(1) : "-";
-    for (const v of [id, w.host, w.engine, w.state, w.weight_version, lags[id], w.inflight, w.credits, tps, w.tokens_total, w.age_s]) {
+    for (const v of [id, w.host, w.engine, w.state, fmtVersion(w.weight_version), lags[id], w.inflight, w.credits, tps, w.tokens_total, w.age_s]) {
       tr.append(el("td", v === undefined || v === null ? "-" : v));
     }
     if ((lags[id] || 0) > 0) tr.className = "lagging";

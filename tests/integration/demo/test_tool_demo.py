@@ -37,7 +37,8 @@ def test_a_short_tool_demo_learns_to_call_and_masks_the_tool_s_tokens(tmp_path: 
     assert summary["tool_call_share_first"] <= 0.2, shown
     assert summary["tool_call_share_final"] >= 0.5 and summary["tool_call_share_final"] > summary["tool_call_share_first"], shown
 
-    report = json.loads((tmp_path / "out" / "demo-report.json").read_text())
+    report = json.loads((tmp_path / "out" / "demo-report-tool.json").read_text())  # beside the first demo's, not over it
+    assert not (tmp_path / "out" / "demo-report.json").exists()
     examples = report["examples"]
     assert examples and any(e["metadata"]["called"] for e in examples)
     for e in examples:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -15,12 +16,15 @@ import sys
 import time
 from collections.abc import Callable
 
+import pytest
+
 from rollpool.launch.policy import RestartPolicy
 from rollpool.launch.supervisor import ProcessSpec, Supervisor, SupervisorThread
 from tests.integration.launch._procs import alive
 
 SLEEPER = (sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)")
-CRASHER = (sys.executable, "-c", "raise SystemExit(3)")
+# fails quickly, each time differently (a fresh uuid): restarted by the backoff up to max_restarts
+CRASHER = (sys.executable, "-c", "import uuid\nraise SystemExit(f'crash {uuid.uuid4().hex}')")
 # ignores SIGTERM: only the SIGKILL after stop_timeout_s ends it
 STUBBORN = (sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "print('ready', flush=True)\nwhile True: time.sleep(0.1)")
@@ -113,3 +117,29 @@ def test_the_threaded_facade_for_synchronous_callers(tmp_path: pathlib.Path) -> 
     assert broker is not None
     assert sup.stop() == 0
     assert not alive(second) and not alive(broker)
+
+
+async def test_a_usage_error_is_given_up_at_once_and_its_last_lines_are_logged(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    usage = (sys.executable, "-c", "import sys\nprint('line one')\nprint('worker: error: no such model dir /nope', "
+             "file=sys.stderr)\nsys.exit(2)")
+    caplog.set_level(logging.WARNING, logger="rollpool.launch.supervisor")
+    sup = Supervisor([ProcessSpec("broker", usage, stop_stage=2, critical=True)], tmp_path, policy=QUICK, stop_timeout_s=5.0)
+    assert await asyncio.wait_for(sup.run(), 60) == 1
+    assert sup.restarts["broker"] == 0  # not restarted even once
+    (rec,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "broker exited with 2" in rec.getMessage() and "usage error" in rec.getMessage()
+    assert "| worker: error: no such model dir /nope" in rec.getMessage() and "| line one" in rec.getMessage()
+
+
+async def test_a_failure_that_repeats_identically_is_given_up_after_one_restart(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    # numbers differ between the runs (pid, time), the failure does not
+    same = (sys.executable, "-c", "import os, time\nprint('pid', os.getpid(), time.time())\n"
+            "raise SystemExit('FileNotFoundError: /models/policy')")
+    caplog.set_level(logging.WARNING, logger="rollpool.launch.supervisor")
+    policy = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=10, stable_after_s=60.0)
+    sup = Supervisor([ProcessSpec("broker", same, stop_stage=2, critical=True)], tmp_path, policy=policy, stop_timeout_s=5.0)
+    assert await asyncio.wait_for(sup.run(), 60) == 1
+    assert sup.restarts["broker"] == 1
+    warned, gave_up = [r.getMessage() for r in caplog.records if r.name == "rollpool.launch.supervisor" and "exited" in r.getMessage()]
+    assert "restarting in" in warned and "| FileNotFoundError: /models/policy" in warned
+    assert "same way" in gave_up and "| FileNotFoundError: /models/policy" in gave_up

@@ -18,6 +18,7 @@ import pytest
 
 import rollpool.monitor
 from rollpool.monitor.exporter import ExporterServer
+from rollpool.monitor.reader import PoolState
 from rollpool.monitor.sink import RedisMetricsSink
 from tests.integration.monitor.conftest import populate
 
@@ -62,3 +63,20 @@ def test_the_dashboard_charts_draw_the_pool_series(make_sink: Callable[..., Redi
     assert result["workerRows"] == 2 and result["eventRows"] == 2
     cards = {label: value for value, label in result["brokerCards"]}  # issue 24: the wasted shares by reason
     assert cards["wasted"] == "30.0%" and cards["wasted: cancel"] == "25.0%" and cards["wasted: stale drop"] == "5.0%"
+
+
+def test_before_the_first_publish_the_dashboard_shows_version_none_and_draws_no_lag(tmp_path: pathlib.Path) -> None:
+    """The lag chart dipped to -2 and the cards read -1 while nothing was published (broker and workers at -1)."""
+    t0 = 1_700_000_000.0
+    state = PoolState(pool="p", time=t0 + 5, broker={"epoch": "e", "version": -1, "queued": 3, "age_s": 0.1},
+                      workers={"w1": {"state": "ready", "weight_version": -1}}, entities={}, events=[], histograms={},
+                      series={"broker:version": [(t0 + i, -1.0) for i in range(5)],
+                              "worker:w1:weight_version": [(t0 + i + 0.5, -1.0) for i in range(5)]})
+    (tmp_path / "state.json").write_text(json.dumps(state.to_dict()))
+    out = subprocess.run(["node", str(HERE / "dashboard_harness.js"), str(STATIC), str(tmp_path / "state.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    cards = {label: value for value, label in result["brokerCards"]}
+    assert cards["version"] == "none"
+    assert result["charts"]["chart-lag"]["points"] == 0  # no lag before there are versions

@@ -8,6 +8,7 @@ ends: what the broker holds and what a worker was sent.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from rollpool import protocol as p
 from rollpool.protocol import BrokerUnavailableError, GroupState, Prompt, SamplingParams
-from rollpool.trainer_client import TrainerClient, TrainerClientConfig
+from rollpool.trainer_client import TrainerClient, TrainerClientConfig, UnfillableBatchError
 from tests.integration.broker.peers import FakeWorker, make_group
 
 SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.3, top_p=0.9, top_k=5, stop=("\n",), seed=11)
@@ -356,3 +357,33 @@ async def test_after_a_rebase_groups_made_on_the_abandoned_run_come_back_as_othe
     assert [g.prompt_id for g in batch.groups] == old.accepted and {t.version_epoch for t in batch.trajectories} == {-1}
     await client.close()
     await inproc_pool.wait_for(lambda: inproc_pool.broker.state.held == 0)  # the abandoned ones were released too
+
+
+async def test_get_batch_raises_at_once_when_more_groups_are_asked_for_than_can_ever_arrive(inproc_pool: Any) -> None:
+    """Submitting 3 prompts and asking for 8 hung forever (no timeout given) without a word."""
+    await inproc_pool.worker(capacity=8)
+    client = await inproc_pool.client()
+    await client.submit([[1, 2, i] for i in range(3)], group_size=2, sampling=SAMPLING)
+    with pytest.raises(UnfillableBatchError, match=r"get_batch\(8\) can never be filled") as info:
+        await client.get_batch(8)  # no timeout: it must not wait for what cannot come
+    assert "Submit more prompts, or ask for fewer" in str(info.value)
+    batch = await client.get_batch(3, timeout=10)  # nothing was lost: the 3 groups are still delivered
+    assert len(batch.groups) == 3 and client.pending() == 0
+    with pytest.raises(UnfillableBatchError, match=r"0 groups here, 0 of this client's prompts pending"):
+        await client.get_batch(1)
+
+
+async def test_get_batch_waits_for_groups_another_client_submitted_and_says_so_periodically(
+        inproc_pool: Any, caplog: pytest.LogCaptureFixture) -> None:
+    worker = await inproc_pool.worker(capacity=8, auto_complete=False)  # leases them and stays silent
+    submitter = await inproc_pool.client(client_id="submitter")
+    consumer = await inproc_pool.client(client_id="consumer", wait_log_s=0.2)
+    await submitter.submit([[1, 2, i] for i in range(2)], group_size=1, sampling=SAMPLING)
+    await inproc_pool.wait_for(lambda: len(worker.inflight) == 2)
+    caplog.set_level(logging.WARNING, logger="rollpool.trainer_client.client")
+    # nothing pending for the consumer, but the broker holds 2 leased groups that may still come: it waits
+    with pytest.raises(TimeoutError):
+        await consumer.get_batch(2, timeout=1.5)
+    waiting = [r.getMessage() for r in caplog.records if "is waiting" in r.getMessage()]
+    assert len(waiting) >= 2, waiting
+    assert "get_batch(2) is waiting after" in waiting[0] and "2 leased" in waiting[0]

@@ -76,3 +76,10 @@ def test_a_trajectory_whose_mask_does_not_match_its_outputs_is_refused() -> None
     bad = _traj(0, [7, 9], [1], [-1.0, 0.0], reward=1.0)
     with pytest.raises(ValueError, match="loss-mask"):
         _tensors([GroupResult(prompt_id="p", state="done", trajectories=(bad, _traj(1, [8], [1], [-1.0], 0.0)))], pad_id=0)
+
+
+def test_each_demo_task_writes_its_own_report_so_none_overwrites_another() -> None:
+    from rollpool.demo.runner import DemoConfig, report_stem
+
+    stems = [report_stem(DemoConfig()), report_stem(DemoConfig(task="tool")), report_stem(DemoConfig(task="tool", tool_disabled=True))]
+    assert stems == ["demo-report", "demo-report-tool", "demo-report-tool-disabled"]

@@ -95,7 +95,7 @@ def test_top_shows_refusals_by_limit_and_by_role() -> None:
     state = _state()
     assert state.broker is not None
     state.broker.update({"refused.limit.pulls_per_peer": 2936, "refused.limit.max_header_objects": 3,
-                         "refused.role.worker@broker.client": 5, "disconnects.broker.client": 1})
+                         "refused.role.worker@broker.client": 5, "handshake_refused.broker.client": 1})
     frame = render_frame(state, width=100)
     assert "REFUSALS" in frame
     assert "pulls_per_peer 2936" in frame and "max_header_objects 3" in frame
@@ -218,3 +218,34 @@ def test_top_and_the_exporter_show_version_convergence_and_the_fleet_activation(
     assert sample_value(fams, "rollpool_version_convergence_p95_seconds") == 0.3
     assert sample_value(fams, "rollpool_fleet_activation_skew_p95_seconds") == 0.0125
     assert sample_value(fams, "rollpool_fleet_held_out_workers") == 1
+
+
+def test_before_the_first_publish_versions_read_none_and_no_lag_is_shown() -> None:
+    state = _state()
+    assert state.broker is not None
+    state.broker["version"] = -1  # nothing published yet
+    for w in state.workers.values():
+        w["weight_version"] = -1
+    assert state.worker_version_lag() == {} and state.to_dict()["version_lag"] == {}
+    frame = render_frame(state, width=100)
+    assert "version none" in frame and not re.search(r"\s-1\b", frame)
+    w1 = next(line for line in frame.splitlines() if line.startswith("  w-1"))
+    assert " none " in w1
+    state.broker["version"] = 3  # published; the workers have applied nothing yet: their lag is unknown, not 4
+    assert state.worker_version_lag() == {}
+    state.workers["w-1"]["weight_version"] = 2
+    assert state.worker_version_lag() == {"w-1": 1}
+
+
+def test_an_ordinary_disconnect_is_a_broker_line_not_a_refusal() -> None:
+    state = _state()
+    assert state.broker is not None
+    state.broker["disconnects.broker.worker"] = 2  # two workers stopped
+    frame = render_frame(state, width=100)
+    assert "REFUSALS" not in frame
+    assert "  disconnects  broker.worker 2" in frame.split("WORKERS")[0]
+
+
+def test_the_frame_names_the_command_that_printed_it() -> None:
+    assert render_frame(_state()).startswith("rollpool top  pool p1")
+    assert render_frame(_state(), title="status").startswith("rollpool status  pool p1")

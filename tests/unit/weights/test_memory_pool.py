@@ -43,3 +43,18 @@ def test_a_dropped_registered_segment_gives_its_bytes_back_to_the_pinned_budget(
         assert pool.pinned_bytes == 2 << 20 and pool.unpinned_over_budget == 0
     finally:
         pool.close()
+
+
+def test_the_shared_memory_reaper_is_reaped_at_a_normal_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite ended with `ResourceWarning: subprocess ... is still running`: the reaper child outlived its handle."""
+    from rollpool.weights import memory
+
+    reaper = memory._Reaper()  # a reaper of this test's own, as the module's is at exit
+    monkeypatch.setattr(memory, "_reaper", reaper)
+    monkeypatch.setattr(memory, "_live", {})
+    reaper.track("rollpool-exit-check", True)
+    reaper.track("rollpool-exit-check", False)
+    proc = reaper._proc
+    assert proc is not None and proc.poll() is None
+    memory._unlink_all()  # what atexit runs
+    assert proc.poll() == 0  # the reaper exited and was reaped, not left running
