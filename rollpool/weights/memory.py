@@ -308,8 +308,8 @@ _live: dict[str, ShmBuffer] = {}
 def _unlink_all() -> None:
     for buf in list(_live.values()):
         buf.close()
+    _owner.release()  # before the reaper closes: releasing tells the reaper, which would start a new one after
     _reaper.close()
-    _owner.release()
 
 
 # --------------------------------------------------------------------------- segments

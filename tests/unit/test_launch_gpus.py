@@ -45,7 +45,7 @@ def test_local_refuses_a_host_with_fewer_gpus_than_asked() -> None:
 def test_launch_local_exits_2_before_starting_anything(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                        tmp_path: object) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    rc = main(["launch", "local", "--workers", "1", "--engine", "sglang", "--model", "/m", "--tp-size", "2",
+    rc = main(["launch", "local", "--workers", "1", "--engine", "sglang", "--model", str(tmp_path), "--tp-size", "2",
                "--log-dir", str(tmp_path)])
     assert rc == 2
     assert "1 workers x 2 GPUs per worker (--gpus-per-worker) = 2 GPUs; this host has 1 (CUDA_VISIBLE_DEVICES='0')" in capsys.readouterr().err

@@ -52,6 +52,7 @@ def test_the_shared_memory_reaper_is_reaped_at_a_normal_exit(monkeypatch: pytest
     reaper = memory._Reaper()  # a reaper of this test's own, as the module's is at exit
     monkeypatch.setattr(memory, "_reaper", reaper)
     monkeypatch.setattr(memory, "_live", {})
+    monkeypatch.setattr(memory, "_owner", memory._Owner())  # this process's own owner lock stays held
     reaper.track("rollpool-exit-check", True)
     reaper.track("rollpool-exit-check", False)
     proc = reaper._proc
