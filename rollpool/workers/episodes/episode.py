@@ -147,6 +147,8 @@ class Episode:
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
+        self.responses: dict[str, list[dict[str, Any]]] = {}
+        """The endpoint's Responses API answers of this episode (id -> conversation), for ``previous_response_id``."""
         self._lock = asyncio.Lock()
         self._turn = 0
         self._running_request: str | None = None
