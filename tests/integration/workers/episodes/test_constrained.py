@@ -127,16 +127,19 @@ async def test_an_engine_without_constrained_decoding_answers_400_naming_it(tiny
     assert t.reward == 1.0 and len(engine.prompts) == 1 and "constrained_tokens" not in t.metadata
 
 
-async def test_top_logprobs_are_reported_where_the_engine_can(hf_engine_factory: Any) -> None:
+async def test_top_logprobs_are_reported_where_the_engine_can(hf_engine_factory: Any, tiny_model_dir: pathlib.Path) -> None:
     seen: list[Any] = []
+    names: list[str] = []
 
     async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
         async with _client(ctx) as client:
+            names.extend([ctx.model, *(m.id for m in (await client.models.list()).data)])
             r = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                                      logprobs=True, top_logprobs=3, seed=0)
             seen.extend(r.choices[0].logprobs.content)
 
     await _episode(hf_engine_factory, agent)
+    assert names == [tiny_model_dir.name] * 2  # the served id is the model directory's name, not its path on this host
     assert seen and all(len(x.top_logprobs) == 3 for x in seen)
     for x in seen:
         best = [alt.logprob for alt in x.top_logprobs]
