@@ -168,6 +168,12 @@ def _response_format(raw: Any) -> OutputConstraint | None:
                         param="response_format")
 
 
+def _token_ids(raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+        raise EndpointError(400, "tokens must be a non-empty list of token ids (the prompt of this turn)", param="tokens")
+    return list(raw)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:
     """``cached_tokens`` is what the engine's prefix cache served where it says (SGLang), else the tokens reused from the record."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -476,9 +482,16 @@ class Episode:
             out.append(row)
         return out if len(out) == len(s.output_ids) else [[] for _ in s.output_ids]
 
-    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict."""
+    async def chat(self, body: Mapping[str, Any], *, token_prompt: bool = False) -> dict[str, Any]:
+        """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict.
+
+        `token_prompt` (``/v1/chat/completions/tokens``, prime-rl's route): the body's ``tokens`` are the
+        prompt as token ids, recorded by the token-level rule (they extend the segment when they start
+        with its sequence); the messages only say how to read the reply. ``return_token_ids`` adds
+        ``prompt_token_ids`` (the whole sequence the engine was given) and the choice's ``token_ids``.
+        """
         tok = self._require_tokenizer()
+        given = _token_ids(body.get("tokens")) if token_prompt else None
         messages = chat.validate_messages(body.get("messages"))
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
@@ -498,7 +511,13 @@ class Episode:
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
             prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
             self._check_open()
-            if seg is not None and delta_ids is not None:
+            if given is not None:
+                before, had = len(self.recording.segments), 0 if seg is None else len(seg)
+                self._fits(len(given) + 1)
+                seg, new = self.recording.continue_with(given, now=time.time())
+                self.stats.segments += len(self.recording.segments) - before
+                reused = 0 if new else had
+            elif seg is not None and delta_ids is not None:
                 self._fits(len(seg) + len(delta_ids) + 1, seg)
                 reused = len(seg)
                 seg.insert(delta_ids)
@@ -506,6 +525,7 @@ class Episode:
                 assert prompt_ids is not None
                 seg = self._begin(prompt_ids)
                 reused = 0
+            engine_prompt = seg.tokens if body.get("return_token_ids") else None
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
             prompt_len = len(seg)
@@ -516,13 +536,15 @@ class Episode:
             reply, calls, seg_view, token_texts = await self._off_loop(
                 self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
             self._check_open()
-            seg.chat = seg_view
+            seg.chat = seg_view if given is None else None  # given ids need not be the template's: no view to extend
             if calls:
                 self.tool_calls += len(calls)
                 self.stats.tool_calls += len(calls)
         finish = "tool_calls" if calls else s.finish_reason
         choice: dict[str, Any] = {"index": 0, "message": {**reply, "refusal": None}, "finish_reason": finish,
                                   "logprobs": None}
+        if engine_prompt is not None:
+            choice["token_ids"] = list(s.output_ids)
         if want_logprobs:
             tops = self._top_entries(tok, s) if top else [[] for _ in s.output_ids]
             choice["logprobs"] = {"content": [
@@ -535,7 +557,25 @@ class Episode:
             "model": self.model_name,
             "choices": [choice],
             "usage": _usage(prompt_len, len(s.output_ids), reused, s.cached_tokens),
+            **({"prompt_token_ids": engine_prompt} if engine_prompt is not None else {}),
         }
+
+    async def tokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``/tokenize`` (vLLM's shape, what prime-rl's verifiers client calls): ``prompt`` or ``messages``
+        (with ``tools`` and ``add_generation_prompt``, default true) to token ids. Records nothing."""
+        tok = self._require_tokenizer()
+        special = body.get("add_special_tokens")
+        if isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+            add_special = True if special is None else bool(special)
+        else:
+            messages = chat.validate_messages(body.get("messages"))
+            tools = body.get("tools") or None
+            text = await self._off_loop(lambda: chat.render(tok, messages, tools,
+                                                            add_generation_prompt=bool(body.get("add_generation_prompt", True))))
+            add_special = bool(special)
+        ids = await self._off_loop(lambda: [int(t) for t in tok.encode(text, add_special_tokens=add_special)])
+        return {"count": len(ids), "max_model_len": self.max_context_tokens or None, "tokens": ids}
 
     async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve one ``/v1/completions`` body (not streamed); the response as a dict."""

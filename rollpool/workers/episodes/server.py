@@ -9,7 +9,10 @@ Routes, under ``/episodes/{token}/v1`` (``token`` names one running episode):
 - ``POST /responses``: the OpenAI Responses API, translated onto chat completions by `responses`
   (same recording, same segment rule); streamed as the Responses events (``event:`` lines, no
   ``[DONE]``);
-- ``GET /models`` and ``GET /models/{id}``: the one model.
+- ``GET /models`` and ``GET /models/{id}``: the one model;
+- prime-rl's token-in-token-out routes (vLLM's shapes): ``POST /chat/completions/tokens`` (a chat
+  request whose ``tokens`` are the prompt's ids), ``POST /tokenize`` (also at ``/episodes/{token}/tokenize``,
+  where its client calls it), and ``return_token_ids`` on chat completions.
 
 Any other path or method gets a 404 / 405 in the OpenAI error shape that lists these routes, so a
 client library reports the route, not a missing model.
@@ -40,8 +43,8 @@ __all__ = ["EpisodeServer"]
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
-ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
-          "GET /v1/models/{model}")
+ROUTES = ("POST /v1/chat/completions", "POST /v1/chat/completions/tokens", "POST /v1/completions", "POST /v1/responses",
+          "POST /tokenize", "GET /v1/models", "GET /v1/models/{model}")
 """What the endpoint serves, under ``/episodes/{token}`` (named in the error for any other route)."""
 
 
@@ -107,6 +110,9 @@ class EpisodeServer:
         web = _web()
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_openai_errors()])
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        app.router.add_post("/episodes/{token}/v1/chat/completions/tokens", self._chat_tokens)
+        app.router.add_post("/episodes/{token}/tokenize", self._tokenize)
+        app.router.add_post("/episodes/{token}/v1/tokenize", self._tokenize)
         app.router.add_post("/episodes/{token}/v1/completions", self._completions)
         app.router.add_post("/episodes/{token}/v1/responses", self._responses)
         app.router.add_get("/episodes/{token}/v1/models", self._models)
@@ -206,6 +212,12 @@ class EpisodeServer:
 
     async def _completions(self, request: Any) -> Any:
         return await self._serve(request, lambda e, b: e.completion(b), _completion_chunks)
+
+    async def _chat_tokens(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.chat(b, token_prompt=True), _chat_chunks)
+
+    async def _tokenize(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.tokenize(b), lambda r, _usage: [r])
 
     async def _responses(self, request: Any) -> Any:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:

@@ -160,3 +160,51 @@ async def test_a_plain_chat_agent_still_sees_data_only_stream_lines(tiny_tokeniz
     async with EpisodeRunner(engine, agent, EpisodeConfig(), tokenizer=tiny_tokenizer) as runner:
         await runner.run_group(_prompt())
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+async def test_prime_rl_token_in_token_out_client_records_one_exact_segment(tiny_tokenizer: Any) -> None:
+    """What verifiers' OpenAIChatCompletionsTokenClient sends: return_token_ids, /tokenize (at the base without /v1),
+    then /chat/completions/tokens with the prompt it stitched from the ids it was given."""
+    tok = tiny_tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    sent: list[list[int]] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            token_client = client.with_options(base_url=ctx.openai_base_url.removesuffix("/v1"))
+            messages: list[Any] = [{"role": "user", "content": "Say fine."}]
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, logprobs=True,
+                                                     extra_body={"return_token_ids": True})
+            prev = list(r.prompt_token_ids) + list(r.choices[0].token_ids)
+            assert len(r.choices[0].token_ids) == len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+            for turn in range(2):
+                messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again {turn}"}]
+
+                async def tokenize(**body: Any) -> list[int]:
+                    out = await token_client.post("/tokenize", body={"model": ctx.model, **body}, cast_to=object)
+                    assert isinstance(out, dict) and out["count"] == len(out["tokens"])
+                    return list(out["tokens"])
+
+                content = await tokenize(prompt="World!")
+                dummy = await tokenize(messages=[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "World!"}],
+                                       add_generation_prompt=False)
+                suffix = dummy[len(dummy) - dummy[::-1].index(content[-1]):]
+                overlap = max((k for k in range(len(suffix) + 1) if k == 0 or prev[-k:] == suffix[:k]), default=0)
+                stitched = prev + suffix[overlap:]
+                full = await tokenize(messages=messages)
+                ids = stitched + full[len(stitched):]
+                sent.append(ids)
+                r = await client.post("/chat/completions/tokens", cast_to=openai.types.chat.ChatCompletion,
+                                      body={"model": ctx.model, "messages": messages, "tokens": ids, "logprobs": True,
+                                            "return_token_ids": True, "max_completion_tokens": 8})
+                assert r.prompt_token_ids == ids
+                prev = ids + list(r.choices[0].token_ids)
+
+    fine = tok.encode("fine", add_special_tokens=False) + [im_end]
+    out, engine, runner = await _run(tok, [fine, fine, fine], agent)
+    (t,) = out  # one segment: every stitched prompt extended the recorded sequence
+    assert engine.prompts[1:] == sent
+    full = t.input_ids.tolist() + t.output_ids.tolist()
+    for p in engine.prompts:
+        assert full[: len(p)] == p
+    assert _sampled(t) == fine * 3 and runner.stats.segments == 1
