@@ -10,8 +10,8 @@ What each test checks is what a porting user relies on: the library's own agent 
 
 from __future__ import annotations
 
-import pathlib
 import gc
+import pathlib
 from typing import Any
 
 import pytest
