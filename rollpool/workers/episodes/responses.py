@@ -14,7 +14,8 @@ What is translated:
   shape holds them) and ``function_call_output`` items (tool messages);
 - ``instructions``: a system message first (not carried over by ``previous_response_id``, as the
   OpenAI API does);
-- ``previous_response_id``: a response of the same episode (its input and output come first);
+- ``previous_response_id``: one of the episode's last `MAX_STORED_RESPONSES` responses (its input
+  and output come first; an older or unknown id gets a 404);
 - ``tools`` (function tools only), ``tool_choice``, ``text.format`` (``json_object``,
   ``json_schema``: the chat ``response_format``), ``max_output_tokens``, ``temperature``,
   ``top_p``, ``top_logprobs`` and ``include: ["message.output_text.logprobs"]``.
@@ -39,6 +40,8 @@ __all__ = ["ResponseStore", "from_chat", "stream_events", "to_chat_body"]
 
 ResponseStore = dict[str, list[dict[str, Any]]]
 """Per episode: response id -> the conversation it ended with (chat messages, without its instructions)."""
+MAX_STORED_RESPONSES = 64
+"""An episode keeps its last 64 responses for ``previous_response_id`` (agents chain to the last one)."""
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # accepted, and they change nothing about the tokens (bookkeeping, routing, caching hints)
@@ -233,6 +236,8 @@ def from_chat(result: Mapping[str, Any], body: Mapping[str, Any], store: Respons
     if calls:
         reply["tool_calls"] = [dict(c) for c in calls]
     store[rid] = [*(dict(m) for m in conversation), reply]
+    while len(store) > MAX_STORED_RESPONSES:
+        del store[next(iter(store))]
     text = body.get("text") if isinstance(body.get("text"), Mapping) else None
     return {
         "id": rid,

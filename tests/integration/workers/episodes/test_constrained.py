@@ -144,3 +144,23 @@ async def test_top_logprobs_are_reported_where_the_engine_can(hf_engine_factory:
     for x in seen:
         best = [alt.logprob for alt in x.top_logprobs]
         assert best == sorted(best, reverse=True) and x.logprob <= best[0] + 1e-6
+
+
+async def test_the_responses_api_forces_tools_and_formats_too(hf_engine_factory: Any) -> None:
+    seen: dict[str, Any] = {}
+    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            r = await client.responses.create(model=ctx.model, input="weather?", tools=flat,
+                                              tool_choice={"type": "function", "name": "weather"})
+            seen["call"] = r.output
+            r = await client.responses.create(model=ctx.model, input="weather as JSON",
+                                              text={"format": {"type": "json_schema", "name": "w", "schema": CITY}})
+            seen["text"] = r.output_text
+
+    out = await _episode(hf_engine_factory, agent)
+    (call,) = seen["call"]
+    assert call.type == "function_call" and call.name == "weather" and set(json.loads(call.arguments)) == {"city", "sunny"}
+    assert json.loads(seen["text"])["city"] in ("Paris", "Rome", "Oslo")
+    assert all(t.metadata["constrained_tokens"] for t in out)
