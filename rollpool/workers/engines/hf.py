@@ -258,6 +258,8 @@ class HFEngine:
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=None)
         prompt = self._tokenize(input_ids, None, False)
         check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
+        if sampling.ignore_eos:  # a finished grammar allows only a stop token: ignoring it would leave nothing to sample
+            raise RequestRefusedError("ignore_eos cannot be combined with an output constraint")
         states = await asyncio.to_thread(self._grammar_states, constraint, sampling, n)
         result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), states))
         assert isinstance(result, GenerateOutput)

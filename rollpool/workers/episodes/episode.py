@@ -468,8 +468,8 @@ class Episode:
         except Exception:  # noqa: BLE001 - an engine that cannot say cannot serve them
             able = False
         if not able:
-            raise EndpointError(400, f"top_logprobs is not served by the {self._engine_name()} engine (the hf and sglang "
-                                     "engines report them)", param="top_logprobs")
+            raise EndpointError(400, f"top_logprobs is not served by the {self._engine_name()} engine (the hf engine "
+                                     "reports them)", param="top_logprobs")
         return raw
 
     def _top_entries(self, tok: Any, s: SampleOutput) -> list[list[dict[str, Any]]]:

@@ -164,3 +164,22 @@ async def test_the_responses_api_forces_tools_and_formats_too(hf_engine_factory:
     assert call.type == "function_call" and call.name == "weather" and set(json.loads(call.arguments)) == {"city", "sunny"}
     assert json.loads(seen["text"])["city"] in ("Paris", "Rome", "Oslo")
     assert all(t.metadata["constrained_tokens"] for t in out)
+
+
+async def test_a_constraint_that_cannot_hold_is_refused_and_the_episode_goes_on(hf_engine_factory: Any) -> None:
+    errors: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        async with _client(ctx) as client:
+            for kwargs in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+                           {"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}):
+                try:
+                    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}], **kwargs)
+                except openai.BadRequestError as exc:
+                    errors.append(exc.body["message"])
+            r = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+        return float(r.usage.completion_tokens)
+
+    (t,) = await _episode(hf_engine_factory, agent)
+    assert len(errors) == 2 and "does not compile" in errors[0] and "ignore_eos" in errors[1]
+    assert t.reward == 3.0 and "constrained_tokens" not in t.metadata
