@@ -49,7 +49,7 @@ def _clear() -> Any:
     gc.collect()  # a client a library left open warns here, in the test that opened it
 
 
-@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("api", ["responses", "chat", "responses-streamed"])
 async def test_openai_agents(tiny_tokenizer: Any, api: str) -> None:
     agents = pytest.importorskip("agents")
 
@@ -58,16 +58,22 @@ async def test_openai_agents(tiny_tokenizer: Any, api: str) -> None:
 
     async def episode(ctx: EpisodeContext, prompt: Prompt) -> float:
         client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0)
-        model_cls = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+        model_cls = agents.OpenAIChatCompletionsModel if api == "chat" else agents.OpenAIResponsesModel
         agent = agents.Agent(name="adder", instructions="You add numbers.", tools=[agents.function_tool(add)],
                              model=model_cls(model=ctx.model, openai_client=client))
-        result = await agents.Runner.run(agent, "What is 19 + 23?")
-        seen["output"] = result.final_output
+        if api.endswith("streamed"):
+            streamed = agents.Runner.run_streamed(agent, "What is 19 + 23?")
+            seen["events"] = [e.type async for e in streamed.stream_events()]
+            seen["output"] = streamed.final_output
+        else:
+            result = await agents.Runner.run(agent, "What is 19 + 23?")
+            seen["output"] = result.final_output
         await client.close()
         return 1.0
 
     out, engine, runner = await _run(tiny_tokenizer, [CALL, ANSWER], episode)
     assert seen["output"] == "It is 42." and added == [(19, 23)]
+    assert "events" not in seen or "raw_response_event" in seen["events"]  # streamed: the Responses events reached the agent
     _one_segment(out, engine, 2)
 
 
