@@ -575,7 +575,9 @@ class Episode:
                                                             add_generation_prompt=bool(body.get("add_generation_prompt", True))))
             add_special = bool(special)
         ids = await self._off_loop(lambda: [int(t) for t in tok.encode(text, add_special_tokens=add_special)])
-        return {"count": len(ids), "max_model_len": self.max_context_tokens or None, "tokens": ids}
+        limit = self.max_context_tokens or getattr(tok, "model_max_length", 0)
+        limit = int(limit) if isinstance(limit, int | float) and 0 < limit < 1 << 31 else 0  # HF's "unknown" is 1e30
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve one ``/v1/completions`` body (not streamed); the response as a dict."""

@@ -162,6 +162,14 @@ async def test_a_plain_chat_agent_still_sees_data_only_stream_lines(tiny_tokeniz
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
 
 
+class TokenizeResponse(openai.BaseModel):
+    """The shape verifiers' token client reads /tokenize's answer into (vLLM's)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
 async def test_prime_rl_token_in_token_out_client_records_one_exact_segment(tiny_tokenizer: Any) -> None:
     """What verifiers' OpenAIChatCompletionsTokenClient sends: return_token_ids, /tokenize (at the base without /v1),
     then /chat/completions/tokens with the prompt it stitched from the ids it was given."""
@@ -181,9 +189,9 @@ async def test_prime_rl_token_in_token_out_client_records_one_exact_segment(tiny
                 messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again {turn}"}]
 
                 async def tokenize(**body: Any) -> list[int]:
-                    out = await token_client.post("/tokenize", body={"model": ctx.model, **body}, cast_to=object)
-                    assert isinstance(out, dict) and out["count"] == len(out["tokens"])
-                    return list(out["tokens"])
+                    out = await token_client.post("/tokenize", body={"model": ctx.model, **body}, cast_to=TokenizeResponse)
+                    assert out.count == len(out.tokens)
+                    return list(out.tokens)
 
                 content = await tokenize(prompt="World!")
                 dummy = await tokenize(messages=[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "World!"}],
