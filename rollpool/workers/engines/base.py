@@ -34,7 +34,8 @@ All methods are coroutines except `info`; none blocks the event loop (compute
 lives in a thread, a child process or on timers). An engine that can copy a
 version to its device before the pause declares `StagingEngine`; one that
 knows the bytes of one weight version declares `SizedEngine` (a worker whose
-engine is on a GPU then page-locks its fetch buffers at engine start).
+engine is on a GPU then page-locks its fetch buffers at engine start); one that
+can sample under a grammar (an `OutputConstraint`) declares `ConstrainedEngine`.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ from rollpool.protocol.sampling import sampling_problem
 
 __all__ = [
     "APPLY_MODES",
+    "ConstrainedEngine",
     "Engine",
     "EngineInfo",
     "GenerateOutput",
+    "OutputConstraint",
     "SampleOutput",
     "SizedEngine",
     "StagingEngine",
@@ -221,6 +224,30 @@ class SizedEngine(Engine, Protocol):
 
     def weight_bytes(self) -> int:
         """Bytes of one version (0: not known yet, e.g. before `start`)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """What a constrained turn may sample: the text `begin`, one JSON value, the text `end`, then only a stop token.
+
+    The JSON value matches `json_schema` (a JSON Schema, as a JSON string); without one it is any
+    JSON object. An engine compiles it to a token mask (its grammar backend) and reports, as for any
+    token, the model's logprob before the mask (a mask is a truncation, like top-k).
+    """
+
+    json_schema: str | None = None
+    begin: str = ""
+    end: str = ""
+
+
+@runtime_checkable
+class ConstrainedEngine(Engine, Protocol):
+    """An engine that can sample under an `OutputConstraint` (structured output, forced tool calls)."""
+
+    async def generate_constrained(self, input_ids: Sequence[int], n: int, sampling: SamplingParams, request_id: str,
+                                   constraint: OutputConstraint) -> GenerateOutput:
+        """`generate` on token ids, every sample held to `constraint`; `RequestRefusedError` if it does not compile."""
         ...
 
 

@@ -20,6 +20,9 @@ Guarantees:
   logprobs (the same log_softmax) at every output position; ``logprob_start_len``
   s >= 0 the logprob of every prompt token from position s (one full-logits
   prefill of the prompt).
+- Constrained decoding (`ConstrainedEngine`): ``generate_constrained`` holds every
+  sample to an `OutputConstraint` through xgrammar (`grammar`); the reported
+  logprob stays the model's, before the grammar's mask.
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -61,6 +64,7 @@ from rollpool.workers.engines.base import (
     APPLY_MODES,
     EngineInfo,
     GenerateOutput,
+    OutputConstraint,
     SampleOutput,
     check_prompt,
     check_request,
@@ -134,6 +138,8 @@ class _Seq:
     matched: int | str | None = None
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    grammar: Any = None
+    """A `grammar.GrammarState` when the request is constrained."""
 
     def context(self) -> list[int]:
         return self.group.input_ids + self.out
@@ -190,6 +196,7 @@ class HFEngine:
         self._pause_mode: str | None = None
         self._drain_waiters: list[Callable[[Any], None]] = []
         self._released: set[str] = set()
+        self._grammar: Any = None
 
     # -- Engine protocol
 
@@ -247,9 +254,32 @@ class HFEngine:
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=text)
         prompt = self._tokenize(input_ids, text, apply_chat_template)
         check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
-        result = await self._call("generate", (request_id, prompt, n, sampling, time.time()))
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), None))
         assert isinstance(result, GenerateOutput)
         return result
+
+    async def generate_constrained(self, input_ids: Sequence[int], n: int, sampling: SamplingParams, request_id: str,
+                                   constraint: OutputConstraint) -> GenerateOutput:
+        """`generate`, every sample held to `constraint` (compiled off the loop and off the compute thread)."""
+        self._check()
+        check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=None)
+        prompt = self._tokenize(input_ids, None, False)
+        check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
+        if sampling.ignore_eos:  # a finished grammar allows only a stop token: ignoring it would leave nothing to sample
+            raise RequestRefusedError("ignore_eos cannot be combined with an output constraint")
+        states = await asyncio.to_thread(self._grammar_states, constraint, sampling, n)
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), states))
+        assert isinstance(result, GenerateOutput)
+        return result
+
+    def _grammar_states(self, constraint: OutputConstraint, sampling: SamplingParams, n: int) -> list[Any]:
+        from rollpool.workers.engines.grammar import GrammarBackend
+
+        if self._grammar is None:
+            self._grammar = GrammarBackend(self._tokenizer, int(self._model.config.vocab_size))
+        compiled = self._grammar.compile(constraint)
+        stop_ids = set(sampling.stop_token_ids) | set(self._eos_ids)
+        return [self._grammar.state(compiled, sorted(stop_ids)) for _ in range(n)]
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None:
@@ -406,7 +436,7 @@ class HFEngine:
 
     def _command(self, kind: str, payload: Any, done: Callable[[Any], None]) -> Any:  # noqa: C901 - grandfathered: one branch per command of the engine's thread
         if kind == "generate":
-            request_id, prompt, n, sampling, started_at = payload
+            request_id, prompt, n, sampling, started_at, states = payload
             if request_id in self._groups:  # checked before the call too; two calls may race here
                 raise RequestRefusedError(f"request id {request_id!r} is already running")
             stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._eos_ids
@@ -423,7 +453,7 @@ class HFEngine:
                     else:
                         self._request_counter += 1
                         gen.manual_seed(self.seed * 1_000_003 + self._request_counter)
-                group.seqs.append(_Seq(group, i, gen))
+                group.seqs.append(_Seq(group, i, gen, grammar=None if states is None else states[i]))
             self._groups[request_id] = group
             self._waiting.append(list(group.seqs))
             return _DEFERRED
@@ -601,7 +631,12 @@ class HFEngine:
         """Sample the next token of `seq`; True while it goes on."""
         sampling = seq.group.sampling
         try:
-            tok, logprob = sample_token(logits, sampling, seq.generator)
+            if seq.grammar is None:
+                tok, logprob = sample_token(logits, sampling, seq.generator)
+            else:  # sampled under the grammar's mask; the logprob reported is the model's, before the mask
+                tok, _ = sample_token(seq.grammar.mask(logits), sampling, seq.generator)
+                temperature = 1.0 if sampling.temperature < _GREEDY_EPS else sampling.temperature
+                logprob = float(torch.log_softmax(logits / temperature, dim=-1)[tok])
         except Exception as exc:
             if type(exc).__name__ == "AcceleratorError" or "CUDA" in str(exc):
                 raise EngineError(f"the device failed while sampling: {exc!r}") from exc  # the engine's fault
@@ -609,6 +644,8 @@ class HFEngine:
                 raise EngineError(f"the model produced non-finite logits: {exc!r}") from exc  # the engine's fault
             self._refuse(seq.group, f"sampling failed with this request's parameters: {exc!r}")
             return False
+        if seq.grammar is not None:
+            seq.grammar.accept(tok)
         now = time.time()
         seq.out.append(tok)
         seq.logprobs.append(logprob)

@@ -6,8 +6,9 @@ template text still owed after the last sampled turn (its end-of-turn tokens, wh
 not have sampled: a turn cut by ``max_tokens`` or ended by a stop string). A new request
 
 - whose messages start with the view's messages (compared by `message_key`: an assistant message
-  sent back unchanged, ``content: null`` with ``tool_calls`` included, matches), with the same tools,
-  and whose rendering starts with the view's text, *extends* the segment: only the owed text and the
+  sent back unchanged, ``content: null`` with ``tool_calls`` included, matches; so does one whose call
+  arguments were re-serialised, or that gained a field the template does not render), with the same
+  tools, and whose rendering starts with the view's text, *extends* the segment: only the owed text and the
   new messages (plus the generation prompt) are tokenized and inserted, loss mask 0; the sampled
   tokens are reused exactly;
 - otherwise (a message edited or dropped, other tools, a template that re-renders history) starts a
@@ -123,10 +124,25 @@ def validate_messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _arguments_key(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
+
+
 def message_key(msg: Mapping[str, Any]) -> str:
-    """What two messages must share to be the same message (null and empty content are the same)."""
-    key = dict(msg)
-    key["content"] = key.get("content") or ""
+    """What two messages must share to be the same message, before the rendering decides.
+
+    The role, the content (null and empty are the same) and the tool calls' names and arguments
+    compared as parsed JSON (``{"a":1}`` is ``{"a": 1}``: an agent library that re-serialises them
+    sends back the same call). Everything else (an assistant ``name``, call ids, ``tool_call_id``)
+    counts only through the chat template: `extension` also requires the new rendering to start with
+    the old, so a field the template renders still splits the segment when it changes, and one it
+    does not render cannot.
+    """
+    key = {"role": msg.get("role"), "content": msg.get("content") or "",
+           "calls": [[c["function"]["name"], _arguments_key(c["function"]["arguments"])] for c in msg.get("tool_calls") or []]}
     return json.dumps(key, sort_keys=True, ensure_ascii=False)
 
 

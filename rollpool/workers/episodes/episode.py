@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
-from rollpool.workers.engines.base import Engine, SampleOutput
+from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment
@@ -116,9 +116,18 @@ def _sampling_from_body(base: SamplingParams, body: Mapping[str, Any], *, chat_r
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise EndpointError(400, "stop must be a non-empty string or a list of at most 4 of them", param="stop")
         changes["stop"] = tuple(stop)
+    if (k := number("top_k", int)) is not None:
+        if k == 0 or k < -1:
+            raise EndpointError(400, f"top_k must be -1 or >= 1, got {k}", param="top_k")
+        changes["top_k"] = k
+    if (min_p := number("min_p", float, 0.0, 1.0)) is not None:
+        changes["min_p"] = min_p
+    if body.get("ignore_eos") is not None:
+        changes["ignore_eos"] = bool(body["ignore_eos"])
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise EndpointError(400, f"n must be 1 here: each sample of a group is its own episode (got n={n!r})", param="n")
+    _refuse_unserved_sampling(body)
     sampling = dataclasses.replace(base, **changes)
     problem = sampling_problem(sampling)  # the rules every engine checks: refused here, before any work
     if problem is not None:
@@ -149,6 +158,51 @@ def longest_token_chars(tokenizer: Any) -> int:
     return longest
 
 
+# neutral value of each sampling field the engines do not serve: any other value is refused, never ignored
+_UNSERVED_SAMPLING: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+                                      "logit_bias": {}, "min_tokens": 0, "best_of": 1, "use_beam_search": False,
+                                      "length_penalty": 1, "prediction": None, "reasoning_effort": None, "audio": None,
+                                      "functions": None, "function_call": None, "web_search_options": None,
+                                      "guided_json": None, "guided_regex": None, "guided_grammar": None,
+                                      "guided_choice": None}
+
+
+def _refuse_unserved_sampling(body: Mapping[str, Any]) -> None:
+    for name, neutral in _UNSERVED_SAMPLING.items():
+        value = body.get(name)
+        if value is not None and value != neutral:
+            raise EndpointError(400, f"{name} is not served by this endpoint (the engines sample without it); "
+                                     f"leave it out{'' if neutral is None else f' or send {json.dumps(neutral)}'}", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise EndpointError(400, "modalities: only text is served", param="modalities")
+
+
+def _response_format(raw: Any) -> OutputConstraint | None:
+    """The constraint for a chat ``response_format`` (None for text)."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint()
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise EndpointError(400, "response_format json_schema needs json_schema.schema (an object)", param="response_format")
+        return OutputConstraint(json_schema=json.dumps(schema, sort_keys=True))
+    raise EndpointError(400, f"response_format {json.dumps(raw)} is not served (text, json_object, json_schema)",
+                        param="response_format")
+
+
+def _token_ids(raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+        raise EndpointError(400, "tokens must be a non-empty list of token ids (the prompt of this turn)", param="tokens")
+    return list(raw)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, reused: int, engine_cached: int | None = None) -> dict[str, Any]:
     """``cached_tokens`` is what the engine's prefix cache served where it says (SGLang), else the tokens reused from the record."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -176,6 +230,8 @@ class Episode:
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
+        self.responses: dict[str, list[dict[str, Any]]] = {}
+        """The endpoint's Responses API answers of this episode (id -> conversation), for ``previous_response_id``."""
         self._lock = asyncio.Lock()
         self._turn = 0
         self._running_request: str | None = None
@@ -259,8 +315,9 @@ class Episode:
         self.stats.reused_prefix_tokens -= rec.reused_prefix_tokens - mark.reused_prefix_tokens
         rec.rollback(mark)
 
-    async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark) -> SampleOutput:
-        """One engine turn on the segment's whole sequence; records the sampled tokens."""
+    async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark,
+                      constraint: OutputConstraint | None = None) -> SampleOutput:
+        """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
         prompt = seg.tokens
         if self.max_context_tokens:
             room = self.max_context_tokens - len(prompt)
@@ -275,7 +332,11 @@ class Episode:
         self._running_request = rid
         self.stats.turns_in_flight += 1
         try:
-            out = await self.engine.generate(prompt, 1, sampling, rid)
+            if constraint is None:
+                out = await self.engine.generate(prompt, 1, sampling, rid)
+            else:
+                assert isinstance(self.engine, ConstrainedEngine)
+                out = await self.engine.generate_constrained(prompt, 1, sampling, rid, constraint)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort(rid))
@@ -288,8 +349,11 @@ class Episode:
             self._running_request = None
         self._check_open()  # closed while sampling: the turn is not recorded
         s = out.samples[0]
+        start = len(seg.output_ids)
         seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
                    first_token_at=s.first_token_at, finished_at=s.finished_at or time.time())
+        if constraint is not None and s.output_ids:
+            seg.constrained.append((start, len(seg.output_ids)))
         self.stats.turns += 1
         if s.cached_tokens is not None:
             self.stats.engine_cached_tokens += s.cached_tokens
@@ -388,20 +452,97 @@ class Episode:
                                 bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
         return reply, calls, view, [tok.decode([t], skip_special_tokens=False) for t in s.output_ids]
 
-    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict."""
+    def _engine_name(self) -> str:
+        try:
+            return str(self.engine.info().name)
+        except Exception:  # noqa: BLE001 - a name for an error message only
+            return type(self.engine).__name__
+
+    def _constraint(self, tools: Sequence[Any] | None, tool_choice: Any, response_format: Any) -> OutputConstraint | None:
+        """The grammar a forced tool call (``tool_choice`` required or named) or a ``response_format`` asks for; 400 if not served."""
+        fmt = _response_format(response_format)
+        forced: OutputConstraint | None = None
+        if tool_choice not in (None, "auto", "none"):
+            forced = self._forced_tool(tools, tool_choice)
+            if fmt is not None:
+                raise EndpointError(400, "a forced tool_choice and a JSON response_format cannot be held at once", param="response_format")
+        constraint = forced or fmt
+        if constraint is not None and not isinstance(self.engine, ConstrainedEngine):
+            param = "tool_choice" if forced is not None else "response_format"
+            raise EndpointError(400, f"{param} needs constrained decoding, which the {self._engine_name()} engine does not serve "
+                                     "(the hf engine does)", param=param)
+        return constraint
+
+    def _forced_tool(self, tools: Sequence[Any] | None, tool_choice: Any) -> OutputConstraint:
+        specs = {}
+        for tool in tools or []:
+            fn = tool.get("function") if tool.get("type", "function") == "function" else None
+            if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+                specs[fn["name"]] = fn.get("parameters") or {"type": "object"}
+        if tool_choice == "required":
+            names = list(specs)
+        elif isinstance(tool_choice, Mapping) and isinstance(fn := tool_choice.get("function"), Mapping) and isinstance(fn.get("name"), str):
+            names = [fn["name"]]
+            if fn["name"] not in specs:
+                raise EndpointError(400, f"tool_choice names {fn['name']!r}, which is not among the tools", param="tool_choice")
+        else:
+            raise EndpointError(400, f"tool_choice {json.dumps(tool_choice)} is not served (auto, none, required or "
+                                     '{"type": "function", "function": {"name": ...}})', param="tool_choice")
+        if not names:
+            raise EndpointError(400, f"tool_choice {json.dumps(tool_choice)} needs function tools", param="tool_choice")
+        build = getattr(self.parser, "call_constraint", None)
+        constraint = build({name: specs[name] for name in names}) if build is not None else None
+        if constraint is None:
+            raise EndpointError(400, f"tool_choice {json.dumps(tool_choice)} needs a tool-call format a grammar can hold; the "
+                                     f"{self.parser.name!r} tool-call parser has none (hermes has)", param="tool_choice")
+        assert isinstance(constraint, OutputConstraint)
+        return constraint
+
+    def _top_logprobs(self, raw: Any) -> int:
+        if raw is None or raw == 0:
+            return 0
+        if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 20:
+            raise EndpointError(400, "top_logprobs must be an integer in [0, 20]", param="top_logprobs")
+        try:
+            able = bool(self.engine.info().top_logprobs)
+        except Exception:  # noqa: BLE001 - an engine that cannot say cannot serve them
+            able = False
+        if not able:
+            raise EndpointError(400, f"top_logprobs is not served by the {self._engine_name()} engine (the hf engine "
+                                     "reports them)", param="top_logprobs")
+        return raw
+
+    def _top_entries(self, tok: Any, s: SampleOutput) -> list[list[dict[str, Any]]]:
+        out = []
+        for ids, lps in zip(s.top_ids or [], s.top_logprobs or [], strict=True):
+            row = []
+            for t, lp in zip(ids, lps, strict=True):
+                text = tok.decode([t], skip_special_tokens=False)
+                row.append({"token": text, "logprob": float(lp), "bytes": list(text.encode())})
+            out.append(row)
+        return out if len(out) == len(s.output_ids) else [[] for _ in s.output_ids]
+
+    async def chat(self, body: Mapping[str, Any], *, token_prompt: bool = False) -> dict[str, Any]:
+        """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict.
+
+        `token_prompt` (``/v1/chat/completions/tokens``, prime-rl's route): the body's ``tokens`` are the
+        prompt as token ids, recorded by the token-level rule (they extend the segment when they start
+        with its sequence); the messages only say how to read the reply. ``return_token_ids`` adds
+        ``prompt_token_ids`` (the whole sequence the engine was given) and the choice's ``token_ids``.
+        """
         tok = self._require_tokenizer()
+        given = _token_ids(body.get("tokens")) if token_prompt else None
         messages = chat.validate_messages(body.get("messages"))
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
             raise EndpointError(400, "tools must be a list of objects", param="tools")
         tool_choice = body.get("tool_choice", "auto")
-        if tool_choice not in (None, "auto", "none"):
-            raise EndpointError(400, f"tool_choice {json.dumps(tool_choice)} is not supported (use auto or none)", param="tool_choice")
+        constraint = self._constraint(tools, tool_choice, body.get("response_format"))
         want_logprobs = bool(body.get("logprobs"))
-        if body.get("top_logprobs"):
-            raise EndpointError(400, "top_logprobs is not supported: the engine reports the sampled token's logprob only", param="top_logprobs")
         sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
+        top = self._top_logprobs(body.get("top_logprobs"))
+        if top:
+            sampling = dataclasses.replace(sampling, top_logprobs_num=top)
         parse = bool(tools) and tool_choice != "none"
         self._fits_text(sum(len(m.get("content") or "") for m in messages))
         async with self._lock:
@@ -411,7 +552,13 @@ class Episode:
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
             prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
             self._check_open()
-            if seg is not None and delta_ids is not None:
+            if given is not None:
+                before, had = len(self.recording.segments), 0 if seg is None else len(seg)
+                self._fits(len(given) + 1)
+                seg, new = self.recording.continue_with(given, now=time.time())
+                self.stats.segments += len(self.recording.segments) - before
+                reused = 0 if new else had
+            elif seg is not None and delta_ids is not None:
                 self._fits(len(seg) + len(delta_ids) + 1, seg)
                 reused = len(seg)
                 seg.insert(delta_ids)
@@ -419,27 +566,31 @@ class Episode:
                 assert prompt_ids is not None
                 seg = self._begin(prompt_ids)
                 reused = 0
+            engine_prompt = seg.tokens if body.get("return_token_ids") else None
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
             prompt_len = len(seg)
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
             self.stats.reused_prefix_tokens += reused
-            s = await self._sample(seg, sampling, mark)
+            s = await self._sample(seg, sampling, mark, constraint)
             reply, calls, seg_view, token_texts = await self._off_loop(
                 self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
             self._check_open()
-            seg.chat = seg_view
+            seg.chat = seg_view if given is None else None  # given ids need not be the template's: no view to extend
             if calls:
                 self.tool_calls += len(calls)
                 self.stats.tool_calls += len(calls)
         finish = "tool_calls" if calls else s.finish_reason
         choice: dict[str, Any] = {"index": 0, "message": {**reply, "refusal": None}, "finish_reason": finish,
                                   "logprobs": None}
+        if engine_prompt is not None:
+            choice["token_ids"] = list(s.output_ids)
         if want_logprobs:
+            tops = self._top_entries(tok, s) if top else [[] for _ in s.output_ids]
             choice["logprobs"] = {"content": [
-                {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
-                for text, lp in zip(token_texts, s.logprobs, strict=True)]}
+                {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": alts}
+                for text, lp, alts in zip(token_texts, s.logprobs, tops, strict=True)]}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -447,7 +598,27 @@ class Episode:
             "model": self.model_name,
             "choices": [choice],
             "usage": _usage(prompt_len, len(s.output_ids), reused, s.cached_tokens),
+            **({"prompt_token_ids": engine_prompt} if engine_prompt is not None else {}),
         }
+
+    async def tokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``/tokenize`` (vLLM's shape, what prime-rl's verifiers client calls): ``prompt`` or ``messages``
+        (with ``tools`` and ``add_generation_prompt``, default true) to token ids. Records nothing."""
+        tok = self._require_tokenizer()
+        special = body.get("add_special_tokens")
+        if isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+            add_special = True if special is None else bool(special)
+        else:
+            messages = chat.validate_messages(body.get("messages"))
+            tools = body.get("tools") or None
+            text = await self._off_loop(lambda: chat.render(tok, messages, tools,
+                                                            add_generation_prompt=bool(body.get("add_generation_prompt", True))))
+            add_special = bool(special)
+        ids = await self._off_loop(lambda: [int(t) for t in tok.encode(text, add_special_tokens=add_special)])
+        limit = self.max_context_tokens or getattr(tok, "model_max_length", 0)
+        limit = int(limit) if isinstance(limit, int | float) and 0 < limit < 1 << 31 else 0  # HF's "unknown" is 1e30
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve one ``/v1/completions`` body (not streamed); the response as a dict."""

@@ -8,7 +8,10 @@ segment becomes one `Trajectory`: ``input_ids`` (the first prompt of the segment
   observations, rendered messages, the chat template's own tokens);
 - ``logprobs``: the engine's logprob for a sampled token, 0.0 for an inserted one;
 - ``versions``: the weight version that sampled the token; an inserted token takes the version of
-  the last sampled token before it in the segment, or the episode's start version when there is none.
+  the last sampled token before it in the segment, or the episode's start version when there is none;
+- ``metadata["constrained_tokens"]`` (only when some were): ``[start, end)`` ranges of ``output_ids``
+  sampled under a grammar (structured output, a forced tool call), so a trainer can tell that their
+  sampling distribution was the model's masked by the grammar.
 
 Token in, token out: sampled tokens are stored exactly as the engine returned them and are never
 re-derived from text. A new turn whose full prompt (as token ids) extends the current segment's
@@ -60,6 +63,8 @@ class Segment:
     last_sampled_version: int | None = None
     chat: Any = None
     """The endpoint's view of this segment (messages, rendered text); opaque here."""
+    constrained: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) ranges of `output_ids` sampled under a grammar (structured output, a forced tool call)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -113,6 +118,13 @@ class RecordingMark:
     finish_reason: str
     prompt_tokens: int
     reused_prefix_tokens: int
+
+
+def _segment_metadata(metadata: Mapping[str, Any] | None, seg: Segment) -> dict[str, Any]:
+    out = dict(metadata or {})
+    if seg.constrained:
+        out["constrained_tokens"] = [list(span) for span in seg.constrained]
+    return out
 
 
 class EpisodeRecording:
@@ -215,6 +227,6 @@ class EpisodeRecording:
                 first_token_at=seg.first_token_at,
                 finished_at=seg.finished_at,
                 reward=reward,
-                metadata=dict(metadata or {}),
+                metadata=_segment_metadata(metadata, seg),
             ))
         return out

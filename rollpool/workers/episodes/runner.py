@@ -34,6 +34,7 @@ import importlib
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -184,10 +185,14 @@ class EpisodeRunner:
         await self.close()
 
     def _model_name(self) -> str:
+        """The engine's model; a local directory by its last part (the id agents see, not a path of this host)."""
         try:
-            return str(self.engine.info().model) or "rollpool"
+            name = str(self.engine.info().model)
         except Exception:  # noqa: BLE001 - a name for the endpoint only
             return "rollpool"
+        if os.path.isdir(name):
+            name = os.path.basename(os.path.normpath(name))
+        return name or "rollpool"
 
     def _max_context_tokens(self) -> int:
         """The configured context, else what the engine states (``info().extra["max_context_tokens"]``), else 0."""

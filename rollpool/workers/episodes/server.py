@@ -6,7 +6,16 @@ Routes, under ``/episodes/{token}/v1`` (``token`` names one running episode):
   OpenAI API sends them) or not; the engine returns a turn whole, so a stream carries it in one
   content chunk, then the finish chunk, the usage chunk when ``stream_options.include_usage`` is
   set, and ``[DONE]``;
-- ``GET /models``: the one model.
+- ``POST /responses``: the OpenAI Responses API, translated onto chat completions by `responses`
+  (same recording, same segment rule); streamed as the Responses events (``event:`` lines, no
+  ``[DONE]``);
+- ``GET /models`` and ``GET /models/{id}``: the one model;
+- prime-rl's token-in-token-out routes (vLLM's shapes): ``POST /chat/completions/tokens`` (a chat
+  request whose ``tokens`` are the prompt's ids), ``POST /tokenize`` (also at ``/episodes/{token}/tokenize``,
+  where its client calls it), and ``return_token_ids`` on chat completions.
+
+Any other path or method gets a 404 / 405 in the OpenAI error shape that lists these routes, so a
+client library reports the route, not a missing model.
 
 Every request needs ``Authorization: Bearer <the episode's key>``: a wrong or missing key gets 401
 and records nothing; an unknown or finished episode gets 404 / 410. A malformed request gets an
@@ -28,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollpool.protocol.errors import ConfigError, RequestRefusedError
+from rollpool.workers.episodes import responses
 from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeClosedError
 
@@ -36,6 +46,9 @@ __all__ = ["EpisodeServer"]
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
+ROUTES = ("POST /v1/chat/completions", "POST /v1/chat/completions/tokens", "POST /v1/completions", "POST /v1/responses",
+          "POST /tokenize", "GET /v1/models", "GET /v1/models/{model}")
+"""What the endpoint serves, under ``/episodes/{token}`` (named in the error for any other route)."""
 
 
 def _web() -> Any:
@@ -53,6 +66,28 @@ def _json(body: Any, status: int = 200) -> Any:
 def _error(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> Any:
     return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status=status)
+
+
+def _openai_errors() -> Any:
+    """Middleware: aiohttp's own HTTP errors (no such route, wrong method, body over the limit) in the OpenAI error shape."""
+    web = _web()
+
+    @web.middleware  # type: ignore[untyped-decorator]
+    async def middleware(request: Any, handler: Any) -> Any:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            if exc.status in (404, 405):
+                what = "is not served" if exc.status == 404 else "is not allowed"
+                message = (f"{request.method} {request.path} {what}: the episode endpoint serves "
+                           f"{', '.join(ROUTES)} under /episodes/<token> (ctx.openai_base_url ends in /v1)")
+                return _error(exc.status, message, code="not_found" if exc.status == 404 else "method_not_allowed")
+            code = "request_too_large" if exc.status == 413 else None
+            return _error(exc.status, exc.text or exc.reason, code=code)
+
+    return middleware
 
 
 class EpisodeServer:
@@ -80,10 +115,15 @@ class EpisodeServer:
 
     async def start(self) -> None:
         web = _web()
-        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[web.middleware(_openai_errors)])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[_openai_errors()])
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        app.router.add_post("/episodes/{token}/v1/chat/completions/tokens", self._chat_tokens)
+        app.router.add_post("/episodes/{token}/tokenize", self._tokenize)
+        app.router.add_post("/episodes/{token}/v1/tokenize", self._tokenize)
         app.router.add_post("/episodes/{token}/v1/completions", self._completions)
+        app.router.add_post("/episodes/{token}/v1/responses", self._responses)
         app.router.add_get("/episodes/{token}/v1/models", self._models)
+        app.router.add_get("/episodes/{token}/v1/models/{model:.+}", self._model)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -143,7 +183,9 @@ class EpisodeServer:
         return body
 
     async def _serve(self, request: Any, call: Callable[[Episode, dict[str, Any]], Awaitable[dict[str, Any]]],
-                     stream_chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]]) -> Any:
+                     stream_chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]], *, events: bool = False) -> Any:
+        """One request: `call` answers it whole; a stream sends `stream_chunks` of that answer (`events`: each
+        chunk as a named server-sent event, the Responses way, with no ``[DONE]``)."""
         found = self._episode(request)
         if not isinstance(found, Episode):
             return found
@@ -170,8 +212,10 @@ class EpisodeServer:
         response = _web().StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         for chunk in stream_chunks(result, include_usage):
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+            name = f"event: {chunk['type']}\n" if events else ""
+            await response.write(f"{name}data: {json.dumps(chunk)}\n\n".encode())
+        if not events:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -181,23 +225,38 @@ class EpisodeServer:
     async def _completions(self, request: Any) -> Any:
         return await self._serve(request, lambda e, b: e.completion(b), _completion_chunks)
 
+    async def _chat_tokens(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.chat(b, token_prompt=True), _chat_chunks)
+
+    async def _tokenize(self, request: Any) -> Any:
+        return await self._serve(request, lambda e, b: e.tokenize(b), lambda r, _usage: [r])
+
+    async def _responses(self, request: Any) -> Any:
+        async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
+            chat_body, conversation = responses.to_chat_body(body, episode.responses)
+            return responses.from_chat(await episode.chat(chat_body), body, episode.responses, conversation)
+
+        return await self._serve(request, call, lambda r, _usage: list(responses.stream_events(r)), events=True)
+
     async def _models(self, request: Any) -> Any:
         found = self._episode(request)
         if not isinstance(found, Episode):
             return found
-        return _json({"object": "list", "data": [{"id": found.model_name, "object": "model", "owned_by": "rollpool"}]})
+        return _json({"object": "list", "data": [_model_card(found.model_name)]})
+
+    async def _model(self, request: Any) -> Any:
+        found = self._episode(request)
+        if not isinstance(found, Episode):
+            return found
+        name = request.match_info["model"]
+        if name != found.model_name:
+            return _error(404, f"the model {name!r} is not served here; this episode serves {found.model_name!r}",
+                          param="model", code="model_not_found")
+        return _json(_model_card(found.model_name))
 
 
-async def _openai_errors(request: Any, handler: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Middleware: what aiohttp answers by itself (no route, wrong method, body over the limit) in the OpenAI error shape."""
-    web = _web()
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        return _error(exc.status, exc.reason, code=code)
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "rollpool"}
 
 
 def _chat_chunks(result: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:

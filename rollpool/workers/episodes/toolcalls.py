@@ -3,7 +3,9 @@
 A parser reads the text of one sampled turn, decoded with the special tokens kept (so call markers
 that are special tokens are visible) and without the stop token, and returns the text that is not a
 call plus the calls it found, in order. It never raises on model output: text that does not parse
-as a call stays content. Register more with `register_tool_call_parser`.
+as a call stays content. Register more with `register_tool_call_parser`. A parser whose format a
+grammar can hold also has ``call_constraint(tools)`` (an `OutputConstraint` for one call to one of
+the tools), which a forced ``tool_choice`` needs.
 
 Built in:
 
@@ -20,11 +22,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollpool.protocol.errors import ConfigError
+from rollpool.workers.engines.base import OutputConstraint
 
 __all__ = [
     "CompactToolCallParser",
@@ -66,6 +69,13 @@ class HermesToolCallParser:
 
     name = "hermes"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def call_constraint(self, tools: Mapping[str, Any]) -> OutputConstraint:
+        """The grammar of one call to one of `tools` (name -> JSON Schema of its arguments), for a forced tool choice."""
+        options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                    "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools.items()]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return OutputConstraint(json_schema=json.dumps(schema), begin="<tool_call>", end="</tool_call>")
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls: list[ToolCall] = []

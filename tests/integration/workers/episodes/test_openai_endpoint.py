@@ -413,3 +413,46 @@ async def test_a_message_larger_than_the_context_can_hold_is_refused_before_it_i
         (t,) = await runner.run_group(_prompt())
     assert codes == ["context_length_exceeded", "context_length_exceeded"]
     assert tok.longest < 1000 and engine.prompts == [] and t.output_ids.tolist() == []
+
+
+async def _tool_round_trip(tok: Any, resend: Any) -> tuple[list[Any], ScriptedEngine]:
+    """Two tool round trips; `resend(message_dict)` is how an agent library sends each assistant message back."""
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            messages: list[Any] = [{"role": "user", "content": "What is 19 + 23, then + 1?"}]
+            for _ in range(3):
+                r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+                msg = r.choices[0].message
+                messages.append(resend(msg.model_dump(exclude_none=True)))
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in msg.tool_calls or []]
+
+    out, engine, _ = await _run(tok, [CALL, CALL, "It is 43.<|im_end|>"], agent)
+    return out, engine
+
+
+async def test_tool_call_arguments_re_serialised_compactly_keep_one_segment(tiny_tokenizer: Any) -> None:
+    # pydantic-ai sends a tool call back with its arguments re-serialised ({"a":19} for {"a": 19}); the
+    # template renders both alike, so the history is unchanged for the engine
+    def pydantic_ai(msg: dict[str, Any]) -> dict[str, Any]:
+        for call in msg.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), separators=(",", ":"))
+        return msg
+
+    out, engine = await _tool_round_trip(tiny_tokenizer, pydantic_ai)
+    assert [t.trajectory_id for t in out] == ["p:0"] and len(engine.prompts) == 3
+
+
+async def test_an_assistant_name_the_template_does_not_render_keeps_one_segment(tiny_tokenizer: Any) -> None:
+    # LangGraph's create_react_agent(name=...) adds `name` to every assistant message it sends back
+    out, engine = await _tool_round_trip(tiny_tokenizer, lambda msg: {**msg, "name": "math_agent"})
+    assert [t.trajectory_id for t in out] == ["p:0"] and len(engine.prompts) == 3
+
+
+async def test_changed_tool_call_arguments_still_start_a_new_segment(tiny_tokenizer: Any) -> None:
+    def edit(msg: dict[str, Any]) -> dict[str, Any]:
+        for call in msg.get("tool_calls", []):
+            call["function"]["arguments"] = '{"a": 19, "b": 24}'
+        return msg
+
+    out, _ = await _tool_round_trip(tiny_tokenizer, edit)
+    assert [t.trajectory_id for t in out] == ["p:0", "p:0:1", "p:0:2"]

@@ -121,3 +121,38 @@ def test_parsers_are_chosen_by_name() -> None:
     assert {"compact", "hermes"} <= set(toolcalls.tool_call_parser_names())
     with pytest.raises(ConfigError, match="unknown tool-call parser 'nope'; known: compact, hermes"):
         get_tool_call_parser("nope")
+
+
+def test_messages_compare_by_what_the_template_renders() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 19, "b": 23}'}}
+    sent = {"role": "assistant", "content": None, "tool_calls": [call]}
+    compact = {"role": "assistant", "content": "", "name": "math_agent", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "add", "arguments": '{"b":23,"a":19}'}}]}
+    assert chat.message_key(sent) == chat.message_key(compact)
+    changed = {**sent, "tool_calls": [{**call, "function": {"name": "add", "arguments": '{"a": 19, "b": 24}'}}]}
+    assert chat.message_key(sent) != chat.message_key(changed)
+    assert chat.message_key({"role": "user", "content": "x"}) != chat.message_key({"role": "user", "content": "y"})
+
+
+def test_responses_items_become_the_chat_messages_an_agent_would_send() -> None:
+    from rollpool.workers.episodes import responses
+
+    store: responses.ResponseStore = {"resp_1": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    body, conversation = responses.to_chat_body({
+        "instructions": "Be brief.", "previous_response_id": "resp_1", "max_output_tokens": 9,
+        "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "add"}]},
+                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}]},
+                  {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                  {"type": "function_call", "call_id": "c2", "name": "add", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "3"}]}, store)
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert body["messages"][1:3] == store["resp_1"] and conversation == body["messages"][1:]
+    assistant = body["messages"][4]
+    assert assistant["content"] == "Sure." and [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"]
+    assert body["messages"][5] == {"role": "tool", "tool_call_id": "c1", "content": "3"}
+    assert body["tools"] == [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    assert body["max_tokens"] == 9 and body["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    with pytest.raises(chat.EndpointError, match="not served"):
+        responses.to_chat_body({"input": "x", "frobnicate": 1}, store)
