@@ -77,6 +77,7 @@ class WeightPathConfig:
     weight_path: str = field(default="auto", metadata={"help": "how weight bytes travel: auto, network, shm or cuda_ipc"})
     weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads chunk requests over, 1..16 (0: automatic, one per two cores up to 4)"})
     pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory per side (None: no bound)"})
+    weight_bulk: bool = field(default=True, metadata={"help": "the network path's bulk lane (plain TCP beside the ROUTER; off under CURVE anyway)"})
 
     def __post_init__(self) -> None:
         check_path_fields(type(self).__name__, self.weight_path, self.weight_streams, self.pinned_budget_bytes)

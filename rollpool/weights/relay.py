@@ -30,8 +30,9 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.manifest import check_manifest
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
-from rollpool.weights.subscriber import WeightSubscriber, _checked
+from rollpool.weights.subscriber import WeightSubscriber
 
 __all__ = ["Relay"]
 
@@ -220,7 +221,7 @@ class Relay:
 
     async def follow_latest(self) -> int:
         """Fetch the upstream's latest version if it is new, serving it downstream as it arrives."""
-        manifest = _checked(await self.upstream.fetch_manifest(None))
+        manifest = check_manifest(await self.upstream.fetch_manifest(None))
         version = manifest.version
         if version <= self._latest:
             return self._latest

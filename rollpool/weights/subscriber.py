@@ -63,17 +63,28 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import (
     Checksummer,
-    check_bucket_info,
     checksum_supported,
     unpack_bucket,
     unpack_buckets,
     verify_checksum,
 )
 from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host
-from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, weight_streams
+from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, weight_streams
 from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
+from rollpool.weights.manifest import (
+    BULK,
+    CUDA_IPC,
+    MAX_CHUNK_BYTES,
+    NETWORK,
+    SHM,
+    SHM_DEVICE,
+    FetchFacts,
+    bulk_step,
+    check_manifest,
+    plan,
+)
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
-from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
+from rollpool.weights.serving import send_now
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
@@ -175,6 +186,9 @@ class WeightSubscriber:
         self.bulk = bulk_enabled() if bulk is None else bulk
         """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.bulk`;
         unset: ``ROLLPOOL_WEIGHT_BULK``, default on)."""
+        self.config = WeightPathConfig(weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
+                                       weight_bulk=self.bulk)
+        """The knobs the path plan reads (`rollpool.weights.manifest.plan`)."""
         self.bytes_received = 0
         """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
         self.bulk_bytes = 0
@@ -464,64 +478,98 @@ class WeightSubscriber:
         what = "latest" if version is None else str(version)
         raise WeightSyncError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {self.fetch_timeout_s} s")
 
+    def facts(self) -> FetchFacts:
+        """This side of the hello, as the path plan reads it."""
+        return FetchFacts(host_key=self.host_key, gpu_uuids=frozenset(self.gpu_uuids()), stage_device=self.stage_device is not None,
+                          lane_host=lane_host(self.router_endpoint), unreachable_lanes=frozenset(self._bulk_unreachable))
+
     async def fetch(self, version: int | None = None, *, on_bucket: BucketCallback | None = None) -> WeightVersion:
         """Fetch and verify a whole version (None: the latest). Raises `WeightSyncError`; never returns part of one.
 
-        The path is chosen per version from the manifest: shared memory when the
-        publisher offers segments on this host (``auto``/``shm``), else the
-        network (a fallback that is logged and counted in `fallbacks`).
+        The paths are tried in the order `rollpool.weights.manifest.plan` gives
+        for the version's manifest (the same GPU, shared memory staged to the
+        engine's GPU, shared memory, the bulk lane, the ROUTER); a path passed
+        over for a reason the user must hear, or one that fails during the
+        fetch, is a fallback that is logged and counted in `fallbacks`.
         `on_bucket(index, tensors)` is called as each bucket verifies, so an
         engine can stage it onto its device while the next one arrives; the
         version is still only complete (and applicable) when `fetch` returns.
         """
         moves = 0
         while True:
-            manifest = _checked(await self.fetch_manifest(version))
+            manifest = check_manifest(await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
-                on_gpu = await self._try_device(manifest, on_bucket)
+                return await self._fetch_planned(manifest, on_bucket)
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-                continue
-            if on_gpu is not None:
-                return on_gpu
-            await self._reserved()
-            slab, buffers = self._buffers_for(manifest)
-            try:
-                use_shm, why = self._shm_choice(manifest)
-                path = "network"
-                if use_shm:
-                    try:
-                        manifest = await self._fetch_shm(manifest, buffers, on_bucket)
-                        path = "shm"
-                    except _ShmFallback as exc:
-                        self._fallback(manifest.version, str(exc))
-                elif why:
-                    self._fallback(manifest.version, why)
-                if path == "network":
-                    manifest = await self.fetch_into(manifest, buffers, on_bucket=on_bucket)
-            except WeightVersionGoneError:
-                self._pool.give([slab])
-                if version is not None or moves >= self.max_refetch:
-                    raise
-                moves += 1
-                log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-                continue
-            except BaseException:
-                self._pool.give([slab])
-                raise
-            self.last_path = path
-            log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, "bytes": sum(b.nbytes for b in manifest.buckets),
-                                                       "bytes_received": self.bytes_received, "bulk_bytes": self.bulk_bytes, "shm_bytes": self.shm_bytes,
-                                                       "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
-            tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-            self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version,
-                                                   "bytes": sum(b.nbytes for b in manifest.buckets), "path": path})
-            return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+
+    async def _fetch_planned(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+        """Walk the plan: each path to try is tried; each reason to pass one over is reported when the walk reaches it."""
+        steps = plan(manifest, self.facts(), self.config)
+        if steps.refusal:
+            raise WeightSyncError(steps.refusal)
+        host: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        use_bulk = False
+        try:
+            for step in steps.steps:
+                if step.why_not:
+                    if step.counted:
+                        self._fallback(manifest.version, step.why_not, path=step.path)
+                    continue
+                if step.path == BULK:
+                    use_bulk = True  # the network step below takes the lane first
+                    continue
+                if step.path in (SHM, NETWORK) and host is None:
+                    await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
+                    host = self._buffers_for(manifest)
+                got = await self._try_path(step.path, manifest, on_bucket, host, use_bulk)
+                if got is not None:
+                    return got
+        except BaseException:
+            if host is not None:
+                self._pool.give([host[0]])
+            raise
+        raise WeightSyncError(f"weight version {manifest.version}: no path left to fetch it")  # (network is always last)
+
+    async def _try_path(self, path: str, manifest: Manifest, on_bucket: BucketCallback | None,
+                        host: tuple[torch.Tensor, list[torch.Tensor]] | None, use_bulk: bool) -> WeightVersion | None:
+        """One path of the plan: the version, or None after a counted fallback (the walk goes on to the next path)."""
+        try:
+            if path == CUDA_IPC:
+                return await self._fetch_ipc(manifest, on_bucket)
+            if path == SHM_DEVICE:
+                return await self._fetch_shm_device(manifest, on_bucket)
+            assert host is not None
+            slab, buffers = host
+            if path == SHM:
+                return self._fetched(await self._fetch_shm(manifest, buffers, on_bucket), SHM, buffers, slab)
+            got = await self._network(manifest, buffers, None, on_bucket, use_bulk=use_bulk)
+            return self._fetched(got, NETWORK, buffers, slab)
+        except (_IpcFallback, _ShmFallback) as exc:
+            self._fallback(manifest.version, str(exc), path=path)
+            return None
+
+    def _fetched(self, manifest: Manifest, path: str, buffers: list[torch.Tensor], slab: torch.Tensor,
+                 **details: Any) -> WeightVersion:
+        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version."""
+        self.last_path = path
+        nbytes = sum(b.nbytes for b in manifest.buckets)
+        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, **details, "bytes": nbytes,
+                                                   "bytes_received": self.bytes_received, "bulk_bytes": self.bulk_bytes,
+                                                   "shm_bytes": self.shm_bytes, "device_stage_bytes": self.device_stage_bytes,
+                                                   "ipc_bytes": self.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
+                                                   "at": time.time()}))
+        event = {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": path}
+        if "staged_to" in details:
+            event["staged_to"] = details["staged_to"]
+        self.metrics.event("version_fetched", event)
+        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
+        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
 
     # -- memory
 
@@ -637,36 +685,6 @@ class WeightSubscriber:
 
     # -- the same-GPU path (CUDA IPC)
 
-    def _ipc_choice(self, manifest: Manifest) -> tuple[bool, str]:
-        """(use the publisher's device buffer, else why not: "" when there is nothing to explain).
-
-        On ``auto`` a version without a device buffer needs no explaining (the publisher offers one once a subscriber
-        on its host said it sees the GPU); on ``cuda_ipc`` it is a counted fallback like any other reason."""
-        if self.path not in ("auto", "cuda_ipc") or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
-            return False, ""
-        ipc = manifest.cuda_ipc
-        if ipc is None:
-            return False, ("the publisher offers no device buffer for this version" if self.path == "cuda_ipc" else "")
-        if not manifest.host_key or manifest.host_key != self.host_key:
-            return False, "the publisher's GPU buffer is on another host"
-        if ipc.device_uuid not in self.gpu_uuids():
-            return False, "the publisher's GPU is not visible to this process"
-        if any(b.ipc_offset < 0 for b in manifest.buckets):
-            return False, "a bucket is missing from the publisher's device buffer"
-        return True, ""
-
-    async def _try_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version over the same-GPU path, or None after a counted fallback (or where that path does not apply)."""
-        use_ipc, why = self._ipc_choice(manifest)
-        if use_ipc:
-            try:
-                return await self._fetch_ipc(manifest, on_bucket)
-            except _IpcFallback as exc:
-                why = str(exc)
-        if why:
-            self._fallback(manifest.version, why, path="cuda_ipc")
-        return None
-
     def _open_ipc(self, info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
         from rollpool.weights.cuda_ipc import open_buffer
 
@@ -697,7 +715,7 @@ class WeightSubscriber:
         of our copy (the bytes the engine loads). A bad bucket is copied again after the manifest is asked for again
         (a version evicted meanwhile answers ``gone``), at most `max_refetch` times; the version is never returned in part."""
         if not all(b.ipc_checksum for b in manifest.buckets):
-            manifest = _checked(await self.fetch_manifest(manifest.version, wait_ipc=True))
+            manifest = check_manifest(await self.fetch_manifest(manifest.version, wait_ipc=True))
         ipc = manifest.cuda_ipc
         if ipc is None:
             raise _IpcFallback("the publisher withdrew the device buffer")
@@ -725,29 +743,9 @@ class WeightSubscriber:
         except BaseException:
             self._dev_slabs.give(slab)
             raise
-        self.last_path = "cuda_ipc"
-        nbytes = sum(sizes)
-        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "cuda_ipc", "bytes": nbytes,
-                                                   "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
-                                                   "ipc_bytes": self.ipc_bytes, "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
-        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "cuda_ipc"})
-        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+        return self._fetched(manifest, CUDA_IPC, buffers, slab)
 
     # -- the shared-memory path
-
-    def _shm_choice(self, manifest: Manifest) -> tuple[bool, str]:
-        """(use shared memory, else why not: "" when there is nothing to explain)."""
-        if self.path == "network" or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
-            return False, ""
-        why = ""
-        if not manifest.host_key or not all(b.shm_segment for b in manifest.buckets):
-            why = "the publisher offers no shared memory for this version"
-        elif manifest.host_key != self.host_key:
-            why = "the publisher is on another host (or another /dev/shm)"
-        if why and self.path == "shm":
-            raise WeightSyncError(f"weight path 'shm': {why}")
-        return not why, why
 
     def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
         """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
@@ -764,7 +762,7 @@ class WeightSubscriber:
         Returns the manifest with every checksum."""
         if not all(b.checksum for b in manifest.buckets):
             # a streamed publish still checksumming: wait for the manifest with every checksum (small, on the socket)
-            manifest = _checked(await self.fetch_manifest(manifest.version, streamed=False))
+            manifest = check_manifest(await self.fetch_manifest(manifest.version, streamed=False))
         readers: list[ShmReader] = []
         try:
             for b in manifest.buckets:
@@ -804,30 +802,6 @@ class WeightSubscriber:
         return manifest
 
     # -- the shared-memory path staged to the engine's GPU
-
-    def _shm_device_choice(self, manifest: Manifest) -> bool:
-        """Whether to stage this version from the segments straight to `stage_device` (the GPU checksums, `host_mix64`,
-        are then awaited per bucket; a publisher that gives none is a counted fallback found during the fetch)."""
-        if self.stage_device is None or self.path not in ("auto", "shm"):
-            return False
-        use_shm, _why = self._shm_choice(manifest)  # the reasons against shared memory are the CPU path's to log
-        return use_shm
-
-    async def _try_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version onto a device (the same-GPU path, else shared memory staged to the engine's GPU), or None. These
-        paths need no host buffer: they do not wait for the host reserve."""
-        on_gpu = await self._try_ipc(manifest, on_bucket)
-        return on_gpu if on_gpu is not None else await self._try_shm_device(manifest, on_bucket)
-
-    async def _try_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version staged from shared memory to the engine's device, or None (the CPU paths then serve it)."""
-        if not self._shm_device_choice(manifest):
-            return None
-        try:
-            return await self._fetch_shm_device(manifest, on_bucket)
-        except _ShmFallback as exc:
-            self._fallback(manifest.version, str(exc), path="shm_device")
-            return None
 
     def _staging(self) -> Any:
         assert self.stage_device is not None
@@ -889,20 +863,11 @@ class WeightSubscriber:
             raise
         finally:
             self._drop_dead_readers()  # unlinked segments (keep the live ones mapped)
-        self.last_path = "shm"
-        nbytes = sum(sizes)
-        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "shm", "staged_to": str(self.stage_device),
-                                                   "bytes": nbytes, "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
-                                                   "device_stage_bytes": self.device_stage_bytes, "ipc_bytes": self.ipc_bytes,
-                                                   "segments_mapped": len(self._readers), "segment_maps": self.segment_maps,
-                                                   "segments_registered": sum(1 for r in list(self._readers.values()) if r.registered),
-                                                   "segments_registered_ahead": self.segments_registered_ahead,
-                                                   "fallbacks": sum(self.fallbacks.values()), "at": time.time(),
-                                                   "timeline": timeline.as_dict(loop.time())}))
-        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
-                                               "staged_to": str(self.stage_device)})
-        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+        with self._readers_lock:
+            registered = sum(1 for r in self._readers.values() if r.registered)
+        return self._fetched(manifest, SHM, buffers, slab, staged_to=str(self.stage_device), segments_mapped=len(self._readers),
+                             segment_maps=self.segment_maps, segments_registered=registered,
+                             segments_registered_ahead=self.segments_registered_ahead, timeline=timeline.as_dict(loop.time()))
 
     async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]], deadline: float) -> Manifest:
         """`_fetch_shm_device` has nothing to queue: wait for the next verdict where every bucket left is queued (a bad
@@ -916,7 +881,7 @@ class WeightSubscriber:
         if asyncio.get_running_loop().time() > deadline:
             raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
         await asyncio.sleep(_MIX64_POLL_S)
-        again = _checked(await self.fetch_manifest(manifest.version))
+        again = check_manifest(await self.fetch_manifest(manifest.version))
         if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
             raise _ShmFallback("the publisher's segments changed under the fetch")
         return again
@@ -1051,11 +1016,18 @@ class WeightSubscriber:
         """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one.
 
         Returns the manifest with the checksums it verified (a streamed one's pending checksums filled in)."""
-        _checked(manifest)
+        check_manifest(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
+        lane = bulk_step(manifest, self.facts(), self.config)
+        return await self._network(manifest, buffers, sink, on_bucket, use_bulk=not lane.why_not)
+
+    async def _network(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
+                       on_bucket: BucketCallback | None, *, use_bulk: bool) -> Manifest:
+        """The network path: the bulk lane first where `use_bulk` (the buckets it verified are kept if it fails
+        part-way), the ROUTER for the rest."""
         host = lane_host(self.router_endpoint)
-        if manifest.bulk_port and host is not None and self.bulk and (host, manifest.bulk_port) not in self._bulk_unreachable:
+        if use_bulk and host is not None:
             bulk = _BulkTransfer(self, manifest, buffers, sink, on_bucket, host, manifest.bulk_port)
             try:
                 await bulk.run()
@@ -1275,22 +1247,6 @@ def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
             fut.set_result(msg)
 
     return resolve
-
-
-def _checked(manifest: Manifest) -> Manifest:
-    try:
-        for i, b in enumerate(manifest.buckets):
-            if b.index != i:
-                raise ValueError(f"bucket {i} has index {b.index}")
-            check_bucket_info(b)
-            if not b.checksum:
-                continue  # a streamed publish: the checksum follows on the bucket's chunks
-            algo = b.checksum.partition(":")[0]
-            if not checksum_supported(algo):
-                raise ValueError(f"bucket {i}: checksum algorithm {algo!r} cannot be verified here (xxh3_64 needs the xxhash package)")
-    except ValueError as exc:
-        raise WeightSyncError(f"manifest of version {manifest.version} is invalid: {exc}") from exc
-    return manifest
 
 
 def _taken(queue: deque[tuple[int, list[tuple[int, int]]]]) -> Iterator[tuple[int, list[tuple[int, int]]]]:

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
-from rollpool.protocol.messages import BucketInfo, Manifest  # noqa: E402
+from rollpool.protocol.messages import Manifest  # noqa: E402
 from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
 from rollpool.weights.cuda_ipc import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
@@ -72,7 +72,7 @@ def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
 
 
-def staging(make_subscriber: Any, router: str, **kw: Any) -> WeightSubscriber:
+def staging(make_subscriber: Any, router: str | None, **kw: Any) -> WeightSubscriber:
     """A subscriber as a worker whose engine stages to CUDA makes it, with the device faked."""
     sub: WeightSubscriber = make_subscriber(router, path=kw.pop("path", "auto"), **kw)
     sub.stage_device = "fake:0"
@@ -151,30 +151,6 @@ async def test_a_segment_that_stays_corrupt_is_never_staged_into_an_applied_vers
     assert sub.buckets_refetched == 3
 
 
-def _manifest(**kw: Any) -> Manifest:
-    b = BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", shm_segment="rollpool-p-x-1-1", host_mix64="mix64:0123456789abcdef")
-    fields: dict[str, Any] = {"request_id": "m", "version": 3, "host_key": "boot/shm", "buckets": (b,)}
-    fields.update(kw)
-    return Manifest(**fields)
-
-
-def _chooser(path: str, device: str | None, host: str = "boot/shm") -> WeightSubscriber:
-    sub = WeightSubscriber.__new__(WeightSubscriber)  # the choice alone, no sockets
-    sub.path, sub.host_key, sub.stage_device = path, host, device
-    return sub
-
-
-def test_the_choice_needs_a_staging_device_a_shm_path_and_this_host() -> None:
-    m = _manifest()
-    assert _chooser("auto", "fake:0")._shm_device_choice(m)
-    assert _chooser("shm", "fake:0")._shm_device_choice(m)
-    assert not _chooser("auto", None)._shm_device_choice(m)  # no staging engine: the CPU shm path
-    assert not _chooser("network", "fake:0")._shm_device_choice(m)
-    assert not _chooser("cuda_ipc", "fake:0")._shm_device_choice(m)
-    assert not _chooser("auto", "fake:0", host="other/shm")._shm_device_choice(m)  # another host: the CPU path explains
-    assert not _chooser("auto", "fake:0")._shm_device_choice(_manifest(host_key=""))
-
-
 async def _until(cond: Any, what: str) -> None:
     import asyncio
 
@@ -224,7 +200,8 @@ async def test_segments_made_after_the_subscriber_connected_are_announced_and_ma
     assert same(got.tensors, w) and sub.last_path == "shm" and sub.segment_maps == maps
 
 
-async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_segments(make_publisher: Any, zmq_ctx: Any) -> None:
+async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_segments(make_publisher: Any, make_subscriber: Any,
+                                                                                           zmq_ctx: Any) -> None:
     """The previous minor: a raw minor-10 manifest request is answered (the new fields ride along; older decoders ignore
     fields they do not know), and a minor-10 manifest (no `shm_reserved`) makes a staging subscriber map nothing ahead."""
     import msgpack
@@ -248,7 +225,6 @@ async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_
     ann = decode([msgpack.packb([1, 10, "announce", {"version": 1, "publisher_id": "p", "total_bytes": 1, "num_buckets": 1}],
                                 use_bin_type=True)])
     assert ann.shm_generation == 0
-    sub = _chooser("auto", "fake:0")
-    sub._ahead, sub._ahead_thread = (), None
+    sub = staging(make_subscriber, None)  # not connected: only this manifest names segments to it
     sub._register_ahead(old)
     assert sub._ahead_thread is None  # nothing named: nothing to map ahead
