@@ -50,6 +50,7 @@ __all__ = [
     "chunk_bytes_of",
     "dtype_itemsize",
     "plan",
+    "stream_jobs",
     "total_bytes",
     "xxhash_module",
 ]
@@ -260,3 +261,32 @@ def plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) -> Pla
         network = Step(NETWORK)
         bulk = bulk_step(manifest, facts, config)
     return Plan(steps=(ipc, shm_device, shm, bulk, network), refusal=refusal)
+
+
+def stream_jobs(sizes: list[int], chunk_bytes: int, streams: int) -> tuple[list[tuple[int, list[tuple[int, int]]]], list[int], list[bool]]:
+    """The bulk lane's jobs for a version of buckets of `sizes`: ``(jobs, parts per bucket, folded per bucket)``.
+
+    A job is (bucket, its chunks as (offset, nbytes)), in bucket order, for `streams` threads to take one by one. A
+    bucket with at least `streams` times its bytes left from its start to the version's end is one job (fetched and
+    checksummed in order, in cache: "folded"); nearer the end a bucket is cut into about streams * its bytes / bytes
+    left jobs (the last one into `streams`), so the streams finish together. Taken in order from one queue, the
+    streams work on the buckets a streamed publish makes ready first (contiguous spans per stream, the first design,
+    left the later streams waiting for their first bucket: up to a whole snapshot's copy, 0.28 s on the H200). Empty
+    buckets get no job."""
+    left = sum(sizes)
+    k = max(1, streams)
+    jobs: list[tuple[int, list[tuple[int, int]]]] = []
+    parts = [0] * len(sizes)
+    folded = [True] * len(sizes)
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        chunks = [(off, min(chunk_bytes, n - off)) for off in range(0, n, chunk_bytes)]
+        pieces = 1 if left >= k * n else min(len(chunks), -(-k * n // left))
+        per = -(-len(chunks) // pieces)
+        cut = [chunks[j : j + per] for j in range(0, len(chunks), per)]
+        jobs.extend((i, part) for part in cut)
+        parts[i] = len(cut)
+        folded[i] = len(cut) == 1
+        left -= n
+    return jobs, parts, folded

@@ -74,6 +74,7 @@ from rollpool.weights.cuda_ipc import (
     side_stream,
 )
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
+from rollpool.weights.paths.bulk import bulk_enabled
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 
 __all__ = ["WeightPublisher", "layout_of"]
@@ -632,6 +633,7 @@ class WeightPublisher:
             name="publisher",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
+            bulk=bulk_enabled(),
         )
         self._latest = -1
         self._spare: list[ContiguousSource] = []

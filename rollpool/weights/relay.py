@@ -31,6 +31,7 @@ from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.manifest import check_manifest
+from rollpool.weights.paths.bulk import bulk_enabled
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.subscriber import WeightSubscriber
 
@@ -138,6 +139,7 @@ class Relay:
             name="relay",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
+            bulk=bulk_enabled(),
         )
         self._latest = -1
         self.versions_fetched = 0

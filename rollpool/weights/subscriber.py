@@ -38,100 +38,51 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import itertools
 import json
 import logging
 import os
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from rollpool.protocol.codec import decode, encode
+from rollpool.protocol.codec import decode
 from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, Chunk, CudaIpcBuffer, Error, Fetch, Manifest, ManifestRequest
+from rollpool.protocol.messages import Announce, CudaIpcBuffer, Error, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import (
-    Checksummer,
-    checksum_supported,
-    unpack_bucket,
-    unpack_buckets,
-    verify_checksum,
-)
-from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host
+from rollpool.weights.bucketing import Checksummer, unpack_bucket, unpack_buckets, verify_checksum
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, weight_streams
 from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
-from rollpool.weights.manifest import (
-    BULK,
-    CUDA_IPC,
-    MAX_CHUNK_BYTES,
-    NETWORK,
-    SHM,
-    SHM_DEVICE,
-    FetchFacts,
-    bulk_step,
-    check_manifest,
-    plan,
-)
+from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
 from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
-from rollpool.weights.serving import send_now
+from rollpool.weights.paths.base import (
+    BucketCallback,
+    FetchContext,
+    FetchCounters,
+    Fetched,
+    FetchJob,
+    FetchPath,
+    PathFallbackError,
+    TransferSink,
+    WeightVersion,
+    WeightVersionGoneError,
+)
+from rollpool.weights.paths.bulk import BulkPath, bulk_enabled, lane_host
+from rollpool.weights.paths.network import DealerSet, NetworkPath
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
 log = logging.getLogger(__name__)
 
 _MIN_CHUNK_BYTES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class WeightVersion:
-    """A complete, verified weight version."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    """Named tensors, views of `buffers` (no copy)."""
-    manifest: Manifest
-    buffers: tuple[torch.Tensor, ...] = ()
-    """The verified buckets as 1-D uint8 tensors, in manifest order (e.g. for SGLang's flattened buckets)."""
-    slab: torch.Tensor | None = None
-    """The one buffer `buffers` are views of (what `WeightSubscriber.recycle` hands back)."""
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.manifest.buckets)
-
-
-class WeightVersionGoneError(WeightSyncError):
-    """The publisher no longer serves the version (evicted, or released with keep_versions=0)."""
-
-    def __init__(self, version: int, message: str) -> None:
-        super().__init__(f"weight version {version} is gone: {message}")
-        self.version = version
-
-
-class TransferSink(Protocol):
-    """Told of a transfer's progress (the relay forwards chunks as they arrive)."""
-
-    def on_chunk(self, bucket: int, offset: int, nbytes: int) -> None: ...
-
-    def on_bucket_reset(self, bucket: int) -> None: ...
-
-    def on_checksum(self, bucket: int, checksum: str) -> None:
-        """A streamed manifest's pending checksum arrived on the bucket's first chunk."""
-
-
-BucketCallback = Callable[[int, dict[str, torch.Tensor]], Any]
-"""``on_bucket(index, tensors)``: a bucket verified (its tensors are final views; the version is not whole yet)."""
 
 
 class WeightSubscriber:
@@ -184,23 +135,26 @@ class WeightSubscriber:
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
         self.bulk = bulk_enabled() if bulk is None else bulk
-        """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.bulk`;
+        """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.paths.bulk`;
         unset: ``ROLLPOOL_WEIGHT_BULK``, default on)."""
         self.config = WeightPathConfig(weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
                                        weight_bulk=self.bulk)
         """The knobs the path plan reads (`rollpool.weights.manifest.plan`)."""
-        self.bytes_received = 0
-        """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
-        self.bulk_bytes = 0
-        """Of `bytes_received`, those received over the bulk lane."""
-        self._counts_lock = threading.Lock()
-        self._bulk_unreachable: set[tuple[str, int]] = set()
-        self.shm_bytes = 0
-        """Bucket bytes copied from a publisher's shared-memory segments."""
-        self.ipc_bytes = 0
-        """Bucket bytes copied device-to-device from a publisher's exported GPU buffer (the same-GPU path)."""
-        self.buckets_refetched = 0
-        self.protocol_errors = 0
+        self.counters = FetchCounters()
+        """Bytes per path and refetches (`bytes_received`, `shm_bytes`, ... read them)."""
+        self._prefix = uuid.uuid4().hex[:8]
+        peer = f"{self.worker_id}/{self._prefix}"[:250]
+        self.dealers = DealerSet(sockets, peer)
+        """The DEALER sockets (one per stream) and the request router over them."""
+        self.ctx = FetchContext(worker_id=self.worker_id, metrics=self.metrics, manifests=self, counters=self.counters,
+                                fetch_timeout_s=fetch_timeout_s, window_chunks=window_chunks, max_refetch=max_refetch,
+                                streams=streams, copy_threads=self.copy_threads)
+        self._network = NetworkPath(self.ctx, self.dealers)
+        self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
+        self._protocol_errors = 0
+        self._ipc = _Own(CUDA_IPC, False, lambda job: self._fetch_ipc(job.manifest, job.on_bucket))
+        self._shm_device = _Own(SHM_DEVICE, False, lambda job: self._fetch_shm_device(job.manifest, job.on_bucket))
+        self._shm = _Own(SHM, True, self._fetch_shm_job)
         self.fallbacks: dict[str, int] = {}
         """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
@@ -213,8 +167,6 @@ class WeightSubscriber:
         self.device_ops: Callable[[str, DeviceSlabs], Any] = CudaStaging
         """Makes the staging edge for `stage_device` (tests put a fake device here, named so)."""
         self._ops: Any = None
-        self.device_stage_bytes = 0
-        """Bucket bytes copied from shared memory straight to `stage_device` and verified there."""
         self._ipc_open: dict[tuple[bytes, int], torch.Tensor] = {}
         """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
         self._dev_slabs = DeviceSlabs()
@@ -223,15 +175,9 @@ class WeightSubscriber:
         self._forgets = 0
         """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
         self._changed = asyncio.Event()
-        self._dealer: Any = None
-        self._dealers: list[Any] = []
-        self._next_stream = 0
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_up: asyncio.Task[None] | None = None
-        self._routes: dict[str, Callable[[Any], None]] = {}
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
         self._errlog = RateLimitedLog(log)
         self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
         self._reserved_versions = 0
@@ -258,17 +204,11 @@ class WeightSubscriber:
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None = None) -> None:
         """Connect (or reconnect to new endpoints) and ask for the latest version. Needs a running loop."""
-        if (router_endpoint, pub_endpoint) == (self.router_endpoint, self.pub_endpoint) and self._dealer is not None:
+        if (router_endpoint, pub_endpoint) == (self.router_endpoint, self.pub_endpoint) and self.dealers.connected:
             return
         self._close_sockets()
         self.router_endpoint, self.pub_endpoint = router_endpoint, pub_endpoint
-        for i in range(self.streams):
-            # one subscriber, several connections: the server counts them as one peer (the part before '#')
-            identity = f"{self.worker_id}/{self._prefix}"[:250].encode() + f"#{i}".encode()
-            dealer = self.sockets.dealer(router_endpoint, identity=identity)
-            self._dealers.append(dealer)
-            self._spawn(self._recv_loop(dealer), f"_recv_loop[{i}]")
-        self._dealer = self._dealers[0]
+        self.dealers.open(router_endpoint, self.streams)
         if pub_endpoint:
             self._sub = self.sockets.sub(pub_endpoint)
             self._spawn(self._announce_loop(self._sub), "_announce_loop")
@@ -276,7 +216,42 @@ class WeightSubscriber:
 
     @property
     def connected(self) -> bool:
-        return self._dealer is not None
+        return self.dealers.connected
+
+    # counters, by path (the worker reports them)
+
+    @property
+    def bytes_received(self) -> int:
+        """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
+        return self.counters.bytes_received
+
+    @property
+    def bulk_bytes(self) -> int:
+        """Of `bytes_received`, those received over the bulk lane."""
+        return self.counters.bulk_bytes
+
+    @property
+    def shm_bytes(self) -> int:
+        """Bucket bytes copied from a publisher's shared-memory segments."""
+        return self.counters.shm_bytes
+
+    @property
+    def device_stage_bytes(self) -> int:
+        """Bucket bytes copied from shared memory straight to `stage_device` and verified there."""
+        return self.counters.device_stage_bytes
+
+    @property
+    def ipc_bytes(self) -> int:
+        """Bucket bytes copied device-to-device from a publisher's exported GPU buffer (the same-GPU path)."""
+        return self.counters.ipc_bytes
+
+    @property
+    def buckets_refetched(self) -> int:
+        return self.counters.buckets_refetched
+
+    @property
+    def protocol_errors(self) -> int:
+        return self._protocol_errors + self.dealers.protocol_errors
 
     def close(self) -> None:
         self._close_sockets()
@@ -296,7 +271,7 @@ class WeightSubscriber:
             self._verify_exec = None
 
     async def aclose(self) -> None:
-        tasks = list(self._tasks)
+        tasks = [*self._tasks, *self.dealers.tasks]
         self.close()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -313,12 +288,10 @@ class WeightSubscriber:
             t.cancel()
         self._tasks.clear()
         self._catch_up = None
-        self._routes.clear()
-        for s in (*self._dealers, self._sub):
-            if s is not None:
-                s.close(linger=0)
-        self._dealers = []
-        self._dealer = self._sub = None
+        self.dealers.close()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._sub = None
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=f"WeightSubscriber.{name}")
@@ -372,7 +345,7 @@ class WeightSubscriber:
             self._changed.set()
 
     def _ask_latest(self) -> None:
-        if self._dealer is None or (self._catch_up is not None and not self._catch_up.done()):
+        if not self.dealers.connected or (self._catch_up is not None and not self._catch_up.done()):
             return
         self._catch_up = self._spawn(self._catch_up_once(), "_catch_up")
 
@@ -384,29 +357,13 @@ class WeightSubscriber:
 
     # -- loops
 
-    async def _recv_loop(self, dealer: Any) -> None:
-        while True:
-            frames = await dealer.recv_multipart(copy=False)
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                self.protocol_errors += 1
-                self._errlog.warning("recv", "malformed message from weight publisher %s: %s", self.router_endpoint, exc)
-                continue
-            rid = getattr(msg, "request_id", None)
-            route = self._routes.get(rid) if isinstance(rid, str) else None
-            if route is not None:
-                route(msg)
-            elif isinstance(msg, Error):
-                self._errlog.warning("error", "weight publisher error without a pending request: %s: %s", msg.code, msg.message)
-
     async def _announce_loop(self, sub: Any) -> None:
         while True:
             frames = await sub.recv_multipart()
             try:
                 msg = decode(frames)
             except ProtocolError as exc:
-                self.protocol_errors += 1
+                self._protocol_errors += 1
                 self._errlog.warning("sub", "malformed announcement from %s: %s", self.pub_endpoint, exc)
                 continue
             if isinstance(msg, Announce):
@@ -415,23 +372,6 @@ class WeightSubscriber:
                     # the publisher's segments changed (a reserve, a new layout): the manifest names them
                     self._shm_generation = msg.shm_generation
                     self._ask_latest()
-
-    # -- requests
-
-    def _request_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
-
-    def _send(self, msg: Any, *, spread: bool = False) -> bool:
-        """Send on the first stream, or (`spread`: chunk requests) on the streams in turn."""
-        import zmq
-
-        if self._dealer is None:
-            raise WeightSyncError("the weight subscriber is not connected")
-        dealer = self._dealer
-        if spread and len(self._dealers) > 1:
-            self._next_stream = (self._next_stream + 1) % len(self._dealers)
-            dealer = self._dealers[self._next_stream]
-        return send_now(dealer, encode(msg), flags=zmq.DONTWAIT) is None
 
     def gpu_uuids(self) -> dict[str, int]:
         """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA."""
@@ -452,19 +392,14 @@ class WeightSubscriber:
         bucket's chunks); False waits for a manifest whose checksums all exist.
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
-        loop = asyncio.get_running_loop()
+        gpus = tuple(self.gpu_uuids())
         for _attempt in range(tries):
-            rid = self._request_id()
-            fut: asyncio.Future[Any] = loop.create_future()
-            self._routes[rid] = _resolver(fut)
             try:
-                self._send(ManifestRequest(request_id=rid, version=version, streamed=streamed, host_key=self.host_key,
-                                           gpu_uuids=tuple(self.gpu_uuids()), wait_ipc=wait_ipc))
-                reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
+                reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
+                                                                               host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc),
+                                                   self.fetch_timeout_s)
             except TimeoutError:
                 continue
-            finally:
-                self._routes.pop(rid, None)
             if isinstance(reply, Manifest):
                 if reply.version >= 0:
                     self._observe(reply.version)
@@ -481,7 +416,7 @@ class WeightSubscriber:
     def facts(self) -> FetchFacts:
         """This side of the hello, as the path plan reads it."""
         return FetchFacts(host_key=self.host_key, gpu_uuids=frozenset(self.gpu_uuids()), stage_device=self.stage_device is not None,
-                          lane_host=lane_host(self.router_endpoint), unreachable_lanes=frozenset(self._bulk_unreachable))
+                          lane_host=lane_host(self.router_endpoint), unreachable_lanes=frozenset(self._bulk.unreachable))
 
     async def fetch(self, version: int | None = None, *, on_bucket: BucketCallback | None = None) -> WeightVersion:
         """Fetch and verify a whole version (None: the latest). Raises `WeightSyncError`; never returns part of one.
@@ -513,63 +448,55 @@ class WeightSubscriber:
         steps = plan(manifest, self.facts(), self.config)
         if steps.refusal:
             raise WeightSyncError(steps.refusal)
-        host: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        use_bulk = False
+        job = FetchJob(manifest, on_bucket)
         try:
-            for step in steps.steps:
-                if step.why_not:
-                    if step.counted:
-                        self._fallback(manifest.version, step.why_not, path=step.path)
-                    continue
-                if step.path == BULK:
-                    use_bulk = True  # the network step below takes the lane first
-                    continue
-                if step.path in (SHM, NETWORK) and host is None:
-                    await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
-                    host = self._buffers_for(manifest)
-                got = await self._try_path(step.path, manifest, on_bucket, host, use_bulk)
-                if got is not None:
-                    return got
+            return self._fetched(await self._walk(steps, job))
         except BaseException:
-            if host is not None:
-                self._pool.give([host[0]])
+            if job.slab is not None:
+                self._pool.give([job.slab])
             raise
-        raise WeightSyncError(f"weight version {manifest.version}: no path left to fetch it")  # (network is always last)
 
-    async def _try_path(self, path: str, manifest: Manifest, on_bucket: BucketCallback | None,
-                        host: tuple[torch.Tensor, list[torch.Tensor]] | None, use_bulk: bool) -> WeightVersion | None:
-        """One path of the plan: the version, or None after a counted fallback (the walk goes on to the next path)."""
-        try:
-            if path == CUDA_IPC:
-                return await self._fetch_ipc(manifest, on_bucket)
-            if path == SHM_DEVICE:
-                return await self._fetch_shm_device(manifest, on_bucket)
-            assert host is not None
-            slab, buffers = host
-            if path == SHM:
-                return self._fetched(await self._fetch_shm(manifest, buffers, on_bucket), SHM, buffers, slab)
-            got = await self._network(manifest, buffers, None, on_bucket, use_bulk=use_bulk)
-            return self._fetched(got, NETWORK, buffers, slab)
-        except (_IpcFallback, _ShmFallback) as exc:
-            self._fallback(manifest.version, str(exc), path=path)
-            return None
+    async def _walk(self, steps: Plan, job: FetchJob) -> Fetched:
+        """The first path of `steps` that serves `job`; a fallback is reported and the walk goes on."""
+        for step in steps.steps:
+            if step.why_not:
+                if step.counted:
+                    self._fallback(job.manifest.version, step.why_not, path=step.path)
+                continue
+            path = self._path(step.path)
+            if path.host_buffers and job.buffers is None:
+                await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
+                job.slab, job.buffers = self._buffers_for(job.manifest)
+            try:
+                return await path.fetch(job)
+            except PathFallbackError as exc:
+                self._fallback(job.manifest.version, exc.reason, path=step.path)
+                if exc.resume is not None:
+                    job.manifest, job.skip = exc.resume
+        raise WeightSyncError(f"weight version {job.manifest.version}: no path left to fetch it")  # (network is always last)
 
-    def _fetched(self, manifest: Manifest, path: str, buffers: list[torch.Tensor], slab: torch.Tensor,
-                 **details: Any) -> WeightVersion:
+    def _path(self, name: str) -> FetchPath:
+        paths: dict[str, FetchPath] = {CUDA_IPC: self._ipc, SHM_DEVICE: self._shm_device, SHM: self._shm, BULK: self._bulk,
+                                       NETWORK: self._network}
+        return paths[name]
+
+    def _fetched(self, got: Fetched) -> WeightVersion:
         """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version."""
+        manifest, path, details = got.manifest, got.path, got.details
         self.last_path = path
         nbytes = sum(b.nbytes for b in manifest.buckets)
+        c = self.counters
         log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, **details, "bytes": nbytes,
-                                                   "bytes_received": self.bytes_received, "bulk_bytes": self.bulk_bytes,
-                                                   "shm_bytes": self.shm_bytes, "device_stage_bytes": self.device_stage_bytes,
-                                                   "ipc_bytes": self.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
+                                                   "bytes_received": c.bytes_received, "bulk_bytes": c.bulk_bytes,
+                                                   "shm_bytes": c.shm_bytes, "device_stage_bytes": c.device_stage_bytes,
+                                                   "ipc_bytes": c.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
                                                    "at": time.time()}))
         event = {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": path}
         if "staged_to" in details:
             event["staged_to"] = details["staged_to"]
         self.metrics.event("version_fetched", event)
-        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+        tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
+        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
 
     # -- memory
 
@@ -694,23 +621,13 @@ class WeightSubscriber:
             try:
                 t = open_buffer(info, device_index)
             except Exception as exc:
-                raise _IpcFallback(f"cannot open the publisher's GPU buffer ({type(exc).__name__}: {exc})") from exc
+                raise PathFallbackError(f"cannot open the publisher's GPU buffer ({type(exc).__name__}: {exc})") from exc
             self._ipc_open[key] = t
             while len(self._ipc_open) > 4:  # the publisher keeps K arenas; older ones were freed
                 self._ipc_open.pop(next(iter(self._ipc_open)))
         return t
 
-    def _bucket_failed(self, version: int, i: int, failures: list[int], path: str, where: str, what: str) -> None:
-        """One failed checksum of bucket `i` on a same-host path: counted, logged, evented; past `max_refetch` the
-        version is refused whole (raises)."""
-        failures[i] += 1
-        self.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d %s failed its checksum (attempt %d)", version, i, where, failures[i])
-        self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": version, "bucket": i, "path": path})
-        if failures[i] > self.max_refetch:
-            raise WeightSyncError(f"weight version {version}: bucket {i} failed its checksum {failures[i]} times ({what})")
-
-    async def _fetch_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+    async def _fetch_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
         """Copy each bucket device-to-device out of the publisher's buffer into our own, and verify the GPU checksum
         of our copy (the bytes the engine loads). A bad bucket is copied again after the manifest is asked for again
         (a version evicted meanwhile answers ``gone``), at most `max_refetch` times; the version is never returned in part."""
@@ -718,7 +635,7 @@ class WeightSubscriber:
             manifest = check_manifest(await self.fetch_manifest(manifest.version, wait_ipc=True))
         ipc = manifest.cuda_ipc
         if ipc is None:
-            raise _IpcFallback("the publisher withdrew the device buffer")
+            raise PathFallbackError("the publisher withdrew the device buffer")
         index = self.gpu_uuids()[ipc.device_uuid]
         src = self._open_ipc(ipc, index)
         sizes = [b.nbytes for b in manifest.buckets]
@@ -732,18 +649,18 @@ class WeightSubscriber:
                 bad = await asyncio.to_thread(_copy_ipc, src, manifest, buffers, todo)
                 for i in todo:
                     if i not in bad:
-                        self.ipc_bytes += sizes[i]
+                        self.counters.ipc_bytes += sizes[i]
                         if on_bucket is not None:
                             on_bucket(i, unpack_bucket(manifest.buckets[i], buffers[i]))
                 for i in bad:
-                    self._bucket_failed(manifest.version, i, failures, "cuda_ipc", "from the GPU buffer", "CUDA IPC")
+                    self.ctx.bucket_failed(manifest.version, i, failures, "cuda_ipc", "from the GPU buffer", "CUDA IPC")
                 if bad:
                     await self.fetch_manifest(manifest.version, wait_ipc=True)  # still served? (gone: the caller moves on)
                 todo = bad
         except BaseException:
             self._dev_slabs.give(slab)
             raise
-        return self._fetched(manifest, CUDA_IPC, buffers, slab)
+        return Fetched(manifest, buffers, slab, CUDA_IPC)
 
     # -- the shared-memory path
 
@@ -755,6 +672,10 @@ class WeightSubscriber:
         self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why, "from": path})
         if self.path == "shm" and path == "shm":
             raise WeightSyncError(f"weight path 'shm': {why}")
+
+    async def _fetch_shm_job(self, job: FetchJob) -> Fetched:
+        assert job.buffers is not None
+        return Fetched(await self._fetch_shm(job.manifest, job.buffers, job.on_bucket), job.buffers, job.slab, SHM)
 
     async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> Manifest:
         """Copy each bucket out of the publisher's segment into our buffer, checksumming our copy (what the engine loads).
@@ -769,7 +690,7 @@ class WeightSubscriber:
                 try:
                     readers.append(self._reader(b.shm_segment, b.nbytes))
                 except ShmUnavailableError as exc:
-                    raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
+                    raise PathFallbackError(f"cannot map the publisher's segment ({exc})") from exc
             loop = asyncio.get_running_loop()
             if self._copy_exec is None:
                 self._copy_exec = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-shm")
@@ -781,18 +702,18 @@ class WeightSubscriber:
                 while True:
                     outcome = await loop.run_in_executor(exec_, _copy_verified, readers[i], manifest.version, info.checksum, buffers[i])
                     if outcome == "torn":
-                        raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
+                        raise PathFallbackError(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
                     if outcome == "ok":
-                        self.shm_bytes += info.nbytes
+                        self.counters.shm_bytes += info.nbytes
                         if on_bucket is not None:
                             on_bucket(i, unpack_bucket(info, buffers[i]))
                         return
-                    self._bucket_failed(manifest.version, i, failures, "shm", "from shared memory", "shared memory")
+                    self.ctx.bucket_failed(manifest.version, i, failures, "shm", "from shared memory", "shared memory")
 
             results = await asyncio.gather(*(one(i) for i in range(len(readers))), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             # a real failure (checksum, gone) wins over a reason to fall back to the network
-            errors.sort(key=lambda e: isinstance(e, _ShmFallback))
+            errors.sort(key=lambda e: isinstance(e, PathFallbackError))
             if errors:
                 raise errors[0]
         finally:
@@ -810,20 +731,20 @@ class WeightSubscriber:
                 self._ops = self.device_ops(self.stage_device, self._dev_slabs)
             return self._ops
 
-    async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+    async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
         """Copy each bucket host-to-device from the publisher's segment (registered here once, when first mapped) into a
         device buffer and verify the mix64 of the device copy (the bytes the engine loads) on the GPU against the
         publisher's `host_mix64`. Buckets are staged as their mix64 appears in the manifest (asked for again every few
         ms while some are pending), so the copies overlap the publisher's snapshot. A bad bucket is copied again (at
         most `max_refetch` times), then the version is refused whole; a torn read, a publisher that gives no GPU
-        checksums, or a segment that cannot be mapped is a `_ShmFallback` (the CPU paths serve the version)."""
+        checksums, or a segment that cannot be mapped is a `PathFallbackError` (the CPU paths serve the version)."""
         ops = self._staging()
         loop = asyncio.get_running_loop()
         timeline = _Timeline(loop.time(), len(manifest.buckets))
         try:
             readers = await asyncio.to_thread(lambda: [self._reader(b.shm_segment, b.nbytes, True) for b in manifest.buckets])
         except ShmUnavailableError as exc:
-            raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
+            raise PathFallbackError(f"cannot map the publisher's segment ({exc})") from exc
         timeline.mark("mapped", loop.time())
         sizes = [b.nbytes for b in manifest.buckets]
         offsets, total = arena_offsets(sizes)
@@ -865,9 +786,10 @@ class WeightSubscriber:
             self._drop_dead_readers()  # unlinked segments (keep the live ones mapped)
         with self._readers_lock:
             registered = sum(1 for r in self._readers.values() if r.registered)
-        return self._fetched(manifest, SHM, buffers, slab, staged_to=str(self.stage_device), segments_mapped=len(self._readers),
-                             segment_maps=self.segment_maps, segments_registered=registered,
-                             segments_registered_ahead=self.segments_registered_ahead, timeline=timeline.as_dict(loop.time()))
+        return Fetched(manifest, buffers, slab, SHM, {"staged_to": str(self.stage_device), "segments_mapped": len(self._readers),
+                                                      "segment_maps": self.segment_maps, "segments_registered": registered,
+                                                      "segments_registered_ahead": self.segments_registered_ahead,
+                                                      "timeline": timeline.as_dict(loop.time())})
 
     async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]], deadline: float) -> Manifest:
         """`_fetch_shm_device` has nothing to queue: wait for the next verdict where every bucket left is queued (a bad
@@ -877,13 +799,13 @@ class WeightSubscriber:
                 await asyncio.wait(list(verifying.values()), return_when=asyncio.FIRST_COMPLETED)
             return manifest
         if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
-            raise _ShmFallback("the publisher gives no GPU checksum (host_mix64) for this version")
+            raise PathFallbackError("the publisher gives no GPU checksum (host_mix64) for this version")
         if asyncio.get_running_loop().time() > deadline:
-            raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
+            raise PathFallbackError(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
         await asyncio.sleep(_MIX64_POLL_S)
         again = check_manifest(await self.fetch_manifest(manifest.version))
         if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
-            raise _ShmFallback("the publisher's segments changed under the fetch")
+            raise PathFallbackError("the publisher's segments changed under the fetch")
         return again
 
     def _verifier(self) -> ThreadPoolExecutor:
@@ -896,15 +818,15 @@ class WeightSubscriber:
         """One bucket's staging outcome: True when verified (handed to `on_bucket`); a bad one is counted (and refused
         after `max_refetch` copies), a torn read falls back."""
         if outcome == "torn":
-            raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
+            raise PathFallbackError(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
         info = manifest.buckets[i]
         if outcome == "ok":
-            self.shm_bytes += info.nbytes
-            self.device_stage_bytes += info.nbytes
+            self.counters.shm_bytes += info.nbytes
+            self.counters.device_stage_bytes += info.nbytes
             if on_bucket is not None:
                 on_bucket(i, unpack_bucket(info, buffer))
             return True
-        self._bucket_failed(manifest.version, i, failures, "shm_device", "staged from shared memory", "shared memory staged to the GPU")
+        self.ctx.bucket_failed(manifest.version, i, failures, "shm_device", "staged from shared memory", "shared memory staged to the GPU")
         return False
 
     def _reader(self, name: str, nbytes: int, register: bool = False) -> ShmReader:
@@ -1013,44 +935,25 @@ class WeightSubscriber:
 
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
                          on_bucket: BucketCallback | None = None) -> Manifest:
-        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one.
-
-        Returns the manifest with the checksums it verified (a streamed one's pending checksums filled in)."""
+        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network (the bulk lane where the
+        plan takes it, else the ROUTER) and verify each one. Returns the manifest with the checksums it verified (a
+        streamed one's pending checksums filled in)."""
         check_manifest(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
-        lane = bulk_step(manifest, self.facts(), self.config)
-        return await self._network(manifest, buffers, sink, on_bucket, use_bulk=not lane.why_not)
+        network = plan(manifest, self.facts(), replace(self.config, weight_path=NETWORK))
+        got = await self._walk(network, FetchJob(manifest, on_bucket, buffers=buffers, sink=sink))
+        return got.manifest
 
-    async def _network(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                       on_bucket: BucketCallback | None, *, use_bulk: bool) -> Manifest:
-        """The network path: the bulk lane first where `use_bulk` (the buckets it verified are kept if it fails
-        part-way), the ROUTER for the rest."""
-        host = lane_host(self.router_endpoint)
-        if use_bulk and host is not None:
-            bulk = _BulkTransfer(self, manifest, buffers, sink, on_bucket, host, manifest.bulk_port)
-            try:
-                await bulk.run()
-            except BulkUnavailable as exc:
-                # the rest of the version over the ROUTER: the buckets the lane verified are kept (and were staged);
-                # the others start again (a relay's downstream forgets what it was told had arrived of them)
-                if exc.unreachable:
-                    self._bulk_unreachable.add((host, manifest.bulk_port))  # not tried again: a firewall stays shut
-                self._fallback(manifest.version, "bulk lane unavailable", path="bulk")
-                log.info("weight version %d: %s (%d of %d buckets verified over it)", manifest.version, exc, len(bulk.verified), len(buffers))
-                if sink is not None:
-                    for i in range(len(buffers)):
-                        if i not in bulk.verified:
-                            sink.on_bucket_reset(i)
-                manifest = replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
-                skip = bulk.verified
-            else:
-                return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
-        else:
-            skip = set()
-        transfer = _Transfer(self, manifest, buffers, sink, on_bucket, skip=skip)
-        await transfer.run()
-        return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
+
+class _Own:
+    """A path still written as a method of the subscriber."""
+
+    def __init__(self, name: str, host_buffers: bool, fn: Callable[[FetchJob], Awaitable[Fetched]]) -> None:
+        self.name, self.host_buffers, self._fn = name, host_buffers, fn
+
+    async def fetch(self, job: FetchJob) -> Fetched:
+        return await self._fn(job)
 
 
 def _warm_current_device() -> None:
@@ -1060,10 +963,6 @@ def _warm_current_device() -> None:
         warm_up(torch.device("cuda", torch.cuda.current_device()))
     except Exception:
         log.debug("warming the same-GPU path up failed", exc_info=True)
-
-
-class _IpcFallback(Exception):
-    """The same-GPU path cannot serve this version: take shared memory or the network."""
 
 
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
@@ -1077,7 +976,7 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
         for i in which:
             b = manifest.buckets[i]
             if b.ipc_offset + b.nbytes > int(src.numel()):
-                raise _IpcFallback(f"bucket {i} lies beyond the publisher's GPU buffer")
+                raise PathFallbackError(f"bucket {i} lies beyond the publisher's GPU buffer")
             buffers[i].copy_(src[b.ipc_offset : b.ipc_offset + b.nbytes], non_blocking=True)
         for i in which:
             if mix64_checksum(buffers[i]) != manifest.buckets[i].ipc_checksum:
@@ -1203,10 +1102,6 @@ def _stage_outcome(ops: Any, reader: ShmReader, state: tuple[int, int] | None, h
     return "ok" if digest == expected else "bad"
 
 
-class _ShmFallback(Exception):
-    """The shared-memory path cannot serve this version: take the network path."""
-
-
 _SHM_PIECE_BYTES = 4 * 1024 * 1024
 
 
@@ -1241,368 +1136,3 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer, got {text!r}") from None
 
 
-def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
-    def resolve(msg: Any) -> None:
-        if not fut.done():
-            fut.set_result(msg)
-
-    return resolve
-
-
-def _taken(queue: deque[tuple[int, list[tuple[int, int]]]]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """A stream thread's jobs: the next one from the shared queue each time it is free (``popleft`` is atomic)."""
-    while True:
-        try:
-            yield queue.popleft()
-        except IndexError:
-            return
-
-
-class _BulkTransfer:
-    """The network path over a server's bulk lane (`rollpool.weights.bulk`): as `_Transfer`, without a copy per byte.
-
-    The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
-    `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
-    ahead and receives each one straight into its bucket's buffer. A whole bucket is folded into its running
-    checksum chunk by chunk while in cache; a bucket cut into parts is checksummed in one pass by the thread that
-    lands its last part. A bucket that fails is fetched again whole
-    by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
-    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
-    `BulkUnavailable` (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the loop.
-    """
-
-    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None, host: str, port: int) -> None:
-        self.sub = sub
-        self.manifest = manifest
-        self.buffers = buffers
-        self.views = [memoryview(b.numpy().data).cast("B") if b.numel() else memoryview(b"") for b in buffers]
-        self.sink = sink
-        self.on_bucket = on_bucket
-        self.host, self.port = host, port
-        self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        self.expected = [b.checksum for b in manifest.buckets]
-        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
-        n = len(manifest.buckets)
-        self.failures = [0] * n
-        self.parts_left = [0] * n
-        self.folding = [True] * n
-        """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
-        self.verified: set[int] = set()
-        """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.loop = asyncio.get_running_loop()
-
-    def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
-        """The version's jobs, (bucket, its chunks), in bucket order, for `streams` threads to take one by one.
-
-        A bucket with at least `streams` times its bytes left from its start to the version's end is one job
-        (fetched and checksummed in order, in cache); nearer the end a bucket is cut into about streams * its
-        bytes / bytes left jobs (the last one into `streams`), so the streams finish together. Taken in order from
-        one queue, the streams work on the buckets a streamed publish makes ready first (contiguous spans per
-        stream, the first design, left the later streams waiting for their first bucket: up to a whole snapshot's
-        copy, 0.28 s on the H200). Empty buckets get no job."""
-        sizes = [b.nbytes for b in self.manifest.buckets]
-        left = sum(sizes)
-        k = max(1, streams)
-        jobs: list[tuple[int, list[tuple[int, int]]]] = []
-        for i, n in enumerate(sizes):
-            if n == 0:
-                continue
-            chunks = self._chunks_of(i)
-            pieces = 1 if left >= k * n else min(len(chunks), -(-k * n // left))
-            per = -(-len(chunks) // pieces)
-            cut = [chunks[j : j + per] for j in range(0, len(chunks), per)]
-            jobs.extend((i, part) for part in cut)
-            self.parts_left[i] += len(cut)
-            self.folding[i] = len(cut) == 1
-            left -= n
-        return jobs
-
-    async def run(self) -> None:
-        sub, version = self.sub, self.manifest.version
-        for i, b in enumerate(self.manifest.buckets):
-            if b.nbytes == 0:
-                self.parts_left[i] = 1
-                if self._part_done(i):
-                    raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
-        queue = deque(self.plan(sub.streams))
-        peer = f"{sub.worker_id}/{sub._prefix}"[:250].encode()
-        n = max(1, min(sub.streams, len(queue)))
-        pool = ThreadPoolExecutor(n, thread_name_prefix="weights-bulk")
-        futures = [
-            self.loop.run_in_executor(pool, functools.partial(
-                fetch_bucket_range, self.host, self.port, peer, version, _taken(queue), self.views, timeout_s=sub.fetch_timeout_s,
-                window=sub.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop))
-            for _ in range(n)
-        ] if queue else []
-        try:
-            await asyncio.gather(*futures)
-        except BulkError as exc:
-            if exc.code == "gone":
-                raise WeightVersionGoneError(version, exc.message) from None
-            if exc.code == "busy":
-                raise BulkUnavailable(str(exc)) from None
-            raise WeightSyncError(f"weight version {version}: the bulk lane refused a fetch: {exc}") from None
-        finally:
-            self.stop.set()
-            await asyncio.gather(*futures, return_exceptions=True)  # each thread ends at its next chunk
-            pool.shutdown(wait=False)
-
-    def _chunks_of(self, bucket: int) -> list[tuple[int, int]]:
-        n = self.manifest.buckets[bucket].nbytes
-        return [(off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
-
-    def _on_chunk(self, bucket: int, offset: int, nbytes: int, checksum: str, data: memoryview) -> None:
-        """Stream thread: a chunk is in its bucket; fold it into the running checksum when the bucket is folded."""
-        if checksum and checksum != self.expected[bucket]:
-            with self.lock:
-                if checksum != self.expected[bucket]:
-                    if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
-                        raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum "
-                                              f"{checksum!r}, not {self.expected[bucket]!r}")
-                    self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
-                    self.sums[bucket] = Checksummer.for_digest(checksum)
-                    if self.sink is not None:
-                        self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
-        summer = self.sums[bucket]
-        if self.folding[bucket] and summer is not None:
-            summer.update(data)
-        with self.sub._counts_lock:
-            self.sub.bytes_received += nbytes
-            self.sub.bulk_bytes += nbytes
-        if self.sink is not None:
-            self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
-
-    def _part_done(self, bucket: int) -> list[tuple[int, int]]:
-        """Stream thread: its part of a bucket landed. When the bucket is whole, verify it; the chunks to fetch
-        again (all of the bucket's, on this thread, folded in order), or none."""
-        with self.lock:
-            self.parts_left[bucket] -= 1
-            if self.parts_left[bucket] > 0:
-                return []  # another thread lands the rest and verifies
-        info, expected, summer = self.manifest.buckets[bucket], self.expected[bucket], self.sums[bucket]
-        if info.nbytes == 0:
-            ok = not expected or verify_checksum(expected, b"")
-        elif not expected:
-            ok = False  # no chunk named the pending checksum: nothing to verify against
-        elif self.folding[bucket]:
-            ok = summer is not None and verify_checksum(expected, running=summer)
-        else:
-            ok = verify_checksum(expected, self.views[bucket])  # cut into parts: one pass over the whole bucket
-        if ok:
-            with self.lock:
-                self.verified.add(bucket)
-            if self.on_bucket is not None:
-                self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
-            return []
-        self.failures[bucket] += 1
-        with self.sub._counts_lock:
-            self.sub.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d failed its checksum (attempt %d, bulk lane)", self.manifest.version, bucket, self.failures[bucket])
-        self.loop.call_soon_threadsafe(self.sub.metrics.event, "bucket_refetched",
-                                       {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
-        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
-        self.folding[bucket] = True
-        self.parts_left[bucket] = 1
-        if self.sink is not None:
-            self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)
-        return self._chunks_of(bucket)
-
-
-class _Transfer:
-    """One windowed, verified transfer of a manifest's buckets into buffers (the network path).
-
-    The window is `window_chunks` per stream, requests spread over the
-    subscriber's streams. Chunks are copied into their buckets by `lanes`
-    single-thread executors (one lane per bucket, so a bucket's running
-    checksum is fed in offset order; chunks that arrive early are folded in
-    when the gap before them closes); with several lanes the requests
-    interleave that many buckets so every lane has work.
-    """
-
-    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None = None, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        """`skip`: buckets already in `buffers` and verified (by the bulk lane before it failed): not fetched."""
-        self.sub = sub
-        self.manifest = manifest
-        self.buffers = buffers
-        self.views = [b.numpy() for b in buffers]
-        self.sink = sink
-        self.on_bucket = on_bucket
-        self.window = sub.window_chunks * max(1, len(sub._dealers))
-        self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        self.todo: deque[tuple[int, int, int]] = deque()
-        self.outstanding: dict[str, tuple[int, int, int]] = {}
-        self.received = [0] * len(buffers)
-        self.expected = [b.checksum for b in manifest.buckets]
-        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
-        self.summed_to = [0] * len(buffers)
-        self.early: list[dict[int, int]] = [{} for _ in buffers]
-        self.failures = [0] * len(buffers)
-        self.replies: asyncio.Queue[Any] = asyncio.Queue()
-        # Copying a chunk into its bucket and folding it into the checksum run in worker threads
-        # (both release the GIL) while the loop keeps receiving.
-        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix="weights-absorb") for _ in range(max(1, min(len(sub._dealers), sub.copy_threads, len(buffers) or 1)))]
-        self.pending: deque[tuple[asyncio.Future[None], int, int, int]] = deque()
-        n = len(self.lanes)
-        for i in skip:
-            self.received[i] = manifest.buckets[i].nbytes
-        for first in range(0, len(buffers), n):
-            group = [self._chunks_of(i) for i in range(first, min(first + n, len(buffers))) if i not in skip]
-            for k in range(max((len(g) for g in group), default=0)):
-                self.todo.extend(g[k] for g in group if k < len(g))
-        for i, b in enumerate(manifest.buckets):
-            if b.nbytes == 0 and i not in skip:
-                self._verify(i)
-
-    def _chunks_of(self, bucket: int) -> list[tuple[int, int, int]]:
-        n = self.manifest.buckets[bucket].nbytes
-        return [(bucket, off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
-
-    async def run(self) -> None:
-        sub = self.sub
-        stalls = 0
-        try:
-            while self.todo or self.outstanding or self.pending:
-                while self.todo and len(self.outstanding) < self.window:
-                    self._request(self.todo.popleft())
-                if self.pending and (len(self.pending) >= self.window or not self.outstanding):
-                    await self.pending[0][0]  # a memcpy and a checksum: bounded, no network wait
-                    self._settle()
-                    continue
-                try:
-                    msg = await asyncio.wait_for(self.replies.get(), sub.fetch_timeout_s)
-                except TimeoutError:
-                    stalls += 1
-                    if stalls > sub.max_refetch:
-                        raise WeightSyncError(
-                            f"weight version {self.manifest.version}: no reply from {sub.router_endpoint} "
-                            f"for {stalls} x {sub.fetch_timeout_s} s ({len(self.outstanding)} chunks outstanding)"
-                        ) from None
-                    self._requeue_outstanding()
-                    continue
-                if self._handle(msg):
-                    stalls = 0
-                self._settle()
-        finally:
-            for rid in self.outstanding:
-                sub._routes.pop(rid, None)
-            for lane in self.lanes:
-                lane.shutdown(wait=True, cancel_futures=True)
-
-    def _request(self, req: tuple[int, int, int]) -> None:
-        rid = self.sub._request_id()
-        bucket, offset, nbytes = req
-        self.outstanding[rid] = req
-        self.sub._routes[rid] = self.replies.put_nowait
-        # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.sub._send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
-
-    def _requeue_outstanding(self) -> None:
-        reqs = sorted(self.outstanding.values())
-        for rid in self.outstanding:
-            self.sub._routes.pop(rid, None)
-        self.outstanding.clear()
-        self.todo.extendleft(reversed(reqs))
-
-    def _handle(self, msg: Any) -> bool:
-        """Apply one reply; True if it was progress."""
-        req = self.outstanding.pop(msg.request_id, None)
-        self.sub._routes.pop(msg.request_id, None)
-        if req is None:
-            return False
-        bucket, offset, nbytes = req
-        if isinstance(msg, Error):
-            if msg.code == "gone":
-                raise WeightVersionGoneError(self.manifest.version, msg.message)
-            raise WeightSyncError(f"weight version {self.manifest.version}: publisher refused a fetch: {msg.code}: {msg.message}")
-        if not isinstance(msg, Chunk) or (msg.version, msg.bucket, msg.offset) != (self.manifest.version, bucket, offset) or memoryview(msg.data).nbytes != nbytes:
-            self._fail_chunk(req, "a reply that does not match its request")
-            return True
-        if msg.checksum and msg.checksum != self.expected[bucket]:
-            if self.expected[bucket] or not checksum_supported(msg.checksum.partition(":")[0]):
-                self._fail_chunk(req, f"a chunk naming checksum {msg.checksum!r}, not the bucket's {self.expected[bucket]!r}")
-                return True
-            # a streamed manifest's pending checksum: the bucket's chunks carry it
-            self.expected[bucket] = msg.checksum
-            self.sums[bucket] = Checksummer.for_digest(msg.checksum)
-            if self.sink is not None:
-                self.sink.on_checksum(bucket, msg.checksum)
-        lane = self.lanes[bucket % len(self.lanes)]
-        fut = asyncio.get_running_loop().run_in_executor(lane, self._absorb, bucket, offset, msg.data)
-        self.pending.append((fut, bucket, offset, nbytes))
-        self.sub.bytes_received += nbytes
-        return True
-
-    def _absorb(self, bucket: int, offset: int, data: Any) -> None:
-        """Lane thread: copy one chunk into its bucket and fold what is now contiguous into the running checksum."""
-        n = len(data)
-        view = self.views[bucket]
-        view[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
-        summer = self.sums[bucket]
-        if summer is None:
-            return
-        if self.summed_to[bucket] != offset:
-            self.early[bucket][offset] = n  # folded in once the chunks before it are
-            return
-        summer.update(data)
-        pos = offset + n
-        early = self.early[bucket]
-        while pos in early:
-            m = early.pop(pos)
-            summer.update(view[pos : pos + m])
-            pos += m
-        self.summed_to[bucket] = pos
-
-    def _settle(self) -> None:
-        """Account for the chunks the lanes have finished, in order; verify completed buckets."""
-        while self.pending and self.pending[0][0].done():
-            fut, bucket, offset, nbytes = self.pending.popleft()
-            fut.result()
-            self.received[bucket] += nbytes
-            if self.sink is not None:
-                self.sink.on_chunk(bucket, offset, nbytes)
-            if self.received[bucket] == self.manifest.buckets[bucket].nbytes:
-                self._verify(bucket)
-
-    def _verify(self, bucket: int) -> None:
-        info = self.manifest.buckets[bucket]
-        expected = self.expected[bucket]
-        summer = self.sums[bucket]
-        if info.nbytes == 0:
-            ok = not expected or verify_checksum(expected, b"")
-        elif not expected or summer is None:
-            ok = False  # no chunk named the pending checksum: nothing to verify against
-        elif self.summed_to[bucket] == info.nbytes:
-            ok = verify_checksum(expected, running=summer)
-        else:  # cannot happen (every chunk is folded in order); verify the assembled buffer
-            ok = verify_checksum(expected, self.views[bucket])
-        if ok:
-            if self.on_bucket is not None:
-                self.on_bucket(bucket, unpack_bucket(info, self.buffers[bucket]))
-            return
-        self.failures[bucket] += 1
-        self.sub.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d failed its checksum (attempt %d)", self.manifest.version, bucket, self.failures[bucket])
-        self.sub.metrics.event("bucket_refetched", {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
-        self.received[bucket] = 0
-        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
-        self.summed_to[bucket] = 0
-        self.early[bucket] = {}
-        if self.sink is not None:
-            self.sink.on_bucket_reset(bucket)
-        self.todo.extendleft(reversed(self._chunks_of(bucket)))
-
-    def _fail_chunk(self, req: tuple[int, int, int], why: str) -> None:
-        bucket = req[0]
-        self.failures[bucket] += 1
-        log.warning("weight version %d: bucket %d: %s", self.manifest.version, bucket, why)
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: {why}, {self.failures[bucket]} times")
-        self.todo.appendleft(req)

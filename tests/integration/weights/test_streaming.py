@@ -196,7 +196,7 @@ async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publ
     w = big_model(4, n=6)
     pub = await make_publisher(bucket_bytes=1 * _MiB, chunk_bytes=128 * 1024, keep_versions=0, release_idle_s=30)
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=3, window_chunks=2)
-    assert len(sub._dealers) == 3
+    assert sub.dealers.streams == 3
     publish = asyncio.ensure_future(pub.publish(w, 1, expected_fetchers=1))
     await sub.wait_for_newer(0, timeout_s=10)  # the announce (PUB) of version 1
     got = await sub.fetch(1)

@@ -27,6 +27,7 @@ from rollpool.weights.manifest import (
     check_manifest,
     chunk_bytes_of,
     plan,
+    stream_jobs,
 )
 
 HOST = "boot/shm"
@@ -224,6 +225,23 @@ def test_the_chunk_size_asked_for_stays_within_the_servers_bounds() -> None:
     assert chunk_bytes_of(_manifest(chunk_bytes=1)) == MIN_CHUNK_BYTES
     assert chunk_bytes_of(_manifest(chunk_bytes=1 << 30)) == MAX_CHUNK_BYTES
     assert chunk_bytes_of(_manifest(chunk_bytes=1 << 20)) == 1 << 20
+
+
+def test_streams_take_buckets_in_order_and_the_last_ones_are_cut_so_the_streams_finish_together() -> None:
+    mib = 1 << 20
+    # buckets of 5, 1, 1, 1 chunks over 2 streams: bucket 0 has less than 2x its bytes left after its start, so it is
+    # cut in two (both streams start on it, the first bucket a streamed publish makes ready); the rest are whole
+    jobs, parts, folded = stream_jobs([5 * mib, mib, mib, mib], mib, 2)
+    assert [(b, len(c)) for b, c in jobs] == [(0, 3), (0, 2), (1, 1), (2, 1), (3, 1)]
+    assert parts == [2, 1, 1, 1] and folded == [False, True, True, True]
+    # 33 equal buckets over 8 streams (the 8B-shaped model): the first 26 whole, the last 7 cut finer toward the end
+    jobs, parts, _folded = stream_jobs([64 * mib] * 33, mib, 8)
+    assert [b for b, _c in jobs][:26] == list(range(26)) and parts[:26] == [1] * 26
+    assert parts[26:] == [2, 2, 2, 2, 3, 4, 8] and sum(len(c) for _b, c in jobs) == 33 * 64
+    assert [len(c) for b, c in jobs if b == 32] == [8] * 8
+    # empty buckets get no job; a last chunk is the bucket's rest
+    jobs, parts, _folded = stream_jobs([0, mib + 5], mib, 1)
+    assert jobs == [(1, [(0, mib), (mib, 5)])] and parts == [0, 1]
 
 
 def test_the_plan_imports_no_torch() -> None:
