@@ -46,7 +46,7 @@ import torch
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, ShmSegment, TensorInfo
+from rollpool.protocol.messages import BucketInfo, Manifest, ShmSegment, TensorInfo
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import (
@@ -64,10 +64,7 @@ from rollpool.weights.bucketing import (
     tensor_bytes,
 )
 from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
-from rollpool.weights.cuda_ipc import (
-    DeviceSlabs,
-    arena_offsets,
-    export_buffer,
+from rollpool.weights.gpu import (
     mix64_checksum,
     mix64_format,
     mix64_partial,
@@ -75,6 +72,7 @@ from rollpool.weights.cuda_ipc import (
 )
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
 from rollpool.weights.paths.bulk import bulk_enabled
+from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 
 __all__ = ["WeightPublisher", "layout_of"]
@@ -642,22 +640,11 @@ class WeightPublisher:
         self._lock = asyncio.Lock()
         self._served_event = asyncio.Event()
         self._server.on_served = lambda v: self._served_event.set()
-        self._server.on_manifest_request = self._hello
-        self._ipc_slabs = DeviceSlabs()
-        """Device arenas of the same-GPU path (one per version, reused; allocated only once that path is used)."""
-        self._ipc_exports: list[tuple[torch.Tensor, CudaIpcBuffer]] = []
-        """Each arena with its export (`_share_cuda_` once per arena)."""
-        self._ipc_of_version: dict[int, torch.Tensor] = {}
-        self._ipc_peers: set[str] = set()
-        """GPU UUIDs that subscribers on this host said they see (their hello): on ``auto`` CUDA tensors are exported."""
-        self.ipc_versions = 0
-        """Versions offered on the same-GPU path."""
-        self._ipc_broken = ""
-        """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self._ipc = IpcArenas(self.publisher_id, self.host_key, path)
+        """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
+        self._server.on_manifest_request = self._ipc.hello
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`_warm_snapshot`); a publish waits for it."""
-        if path == "cuda_ipc":
-            self._warm_ipc()
         if reserve is not None:
             self.reserve(reserve)
 
@@ -677,9 +664,7 @@ class WeightPublisher:
         self._sum_pool.shutdown(wait=True, cancel_futures=True)
         self._mix_pool.shutdown(wait=True, cancel_futures=True)
         self._spare = []
-        self._ipc_exports = []
-        self._ipc_of_version = {}
-        self._ipc_slabs.trim(0)
+        self._ipc.close()
         self._host_pool.close()
         if self._shm_pool is not None:
             self._shm_pool.close()  # segments unlinked; mappings go with the last view
@@ -714,6 +699,11 @@ class WeightPublisher:
         return self._server.bytes_served
 
     @property
+    def ipc_versions(self) -> int:
+        """Versions offered on the same-GPU path."""
+        return self._ipc.versions
+
+    @property
     def stats(self) -> dict[str, int]:
         s = self._server
         return {
@@ -723,8 +713,8 @@ class WeightPublisher:
             "dropped_replies": s.dropped_replies,
             "protocol_errors": s.protocol_errors,
             "shm_fallbacks": self.shm_fallbacks,
-            "ipc_versions": self.ipc_versions,
-            "ipc_arenas": len(self._ipc_exports),
+            "ipc_versions": self._ipc.versions,
+            "ipc_arenas": len(self._ipc.exports),
             "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
             "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
         }
@@ -809,7 +799,7 @@ class WeightPublisher:
             self._trim_spares(0)
             (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
             self._sync_segments()
-        self.path = path
+        self.path = self._ipc.path = path
 
     def manifest_of(self, version: int) -> Manifest | None:
         """The manifest of a served version as it stands (checksums still pending show ``""``)."""
@@ -886,15 +876,12 @@ class WeightPublisher:
             self._warming = None
         snap = self._begin(version, places, planner)
         snap.marks["begun"] = time.perf_counter()
-        ipc_device = self._ipc_device(items)
+        ipc_device = self._ipc.device_for(items)
         if ipc_device is not None:
             try:
-                arena, arena_items = self._ipc_begin(snap, planner, places, ipc_device)
-            except Exception as exc:  # noqa: BLE001 - an arena that cannot be made or exported: the host path serves
-                self._ipc_broken = f"{type(exc).__name__}: {exc}"
-                log.error("weight publisher %s: the same-GPU path failed (%s); no device buffer is offered from now on",
-                          self.publisher_id, self._ipc_broken)
-                self._ipc_release(version)
+                arena, snap.ipc_offsets, arena_items = self._ipc.begin(snap.served, places, ipc_device)
+            except Exception:  # noqa: BLE001 - an arena that cannot be made or exported (logged there): the host path serves
+                self._ipc.release(version)
                 snap.served.cuda_ipc = None
                 ipc_device = None
         previous, self._latest = self._latest, version
@@ -902,7 +889,7 @@ class WeightPublisher:
         snap.marks["announced"] = time.perf_counter()
         try:
             if ipc_device is not None:
-                await self._ipc_copy(arena, snap, places, items)
+                snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
             else:
                 await snap.copy(items)
         except BaseException:
@@ -911,7 +898,7 @@ class WeightPublisher:
             snap.abandon()
             self._spare.extend(snap.sources)  # its buffers serve the next publish
             if ipc_device is not None:
-                self._ipc_release(version)
+                self._ipc.release(version)
             raise
         copied = time.perf_counter()
         snap.marks["returned"] = copied
@@ -995,116 +982,12 @@ class WeightPublisher:
 
     # -- the same-GPU path (CUDA IPC)
 
-    def _hello(self, req: ManifestRequest) -> None:
-        """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
-        if req.gpu_uuids and req.host_key and req.host_key == self.host_key:
-            new = set(req.gpu_uuids) - self._ipc_peers
-            if new:
-                self._ipc_peers |= new
-                log.info("weight publisher %s: a subscriber on this host sees GPU(s) %s", self.publisher_id, sorted(new))
-                self._warm_ipc()
-
-    def _warm_ipc(self) -> None:
-        """The same-GPU path may be used soon: its checksum kernels warmed on this process's GPU, in a thread."""
-        if not torch.cuda.is_available():
-            return
-        from rollpool.weights.cuda_ipc import warm_up
-
-        def warm() -> None:
-            try:
-                warm_up(torch.device("cuda", torch.cuda.current_device()))
-            except Exception:
-                log.debug("warming the same-GPU path up failed", exc_info=True)
-
-        threading.Thread(target=warm, name="weights-ipc-warm", daemon=True).start()
-
-    def _ipc_device(self, items: Any) -> torch.device | None:
-        """The device to export this version from: CUDA tensors, all on one device, on ``cuda_ipc``, or on ``auto``
-        when a subscriber on this host said it sees that GPU; else None (host buckets only)."""
-        if self.path not in ("cuda_ipc", "auto") or not isinstance(items, list) or not items or self._ipc_broken:
-            return None
-        devices: set[torch.device] = {t.device for _n, t in items}
-        if len(devices) != 1:
-            return None
-        device: torch.device = next(iter(devices))
-        if device.type != "cuda":
-            if self.path == "cuda_ipc":
-                self._fallback_log.warning("ipc-cpu", "weight publisher %s: path 'cuda_ipc' with CPU tensors: no device buffer "
-                                           "offered (subscribers take shared memory or the network)", self.publisher_id)
-            return None
-        if self.path == "auto":
-            from rollpool.weights.cuda_ipc import device_uuids
-
-            mine = {u for u, i in device_uuids().items() if i == device.index}
-            if not mine & self._ipc_peers:
-                return None
-        return device
-
-    def _ipc_begin(self, snap: _Snapshot, planner: BucketPlanner, places: list[tuple[int, int, str, tuple[int, ...], str, int]],
-                   device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-        """An arena for the version (reused), its export in the manifest, and the arena's views in the layout's order."""
-        sizes = [b.nbytes for b in planner.buckets]
-        offsets, total = arena_offsets(sizes)
-        arena = self._ipc_slabs.take_at_least(total, device)
-        info = next((i for a, i in self._ipc_exports if a is arena), None)
-        if info is None:
-            try:
-                info = export_buffer(arena)
-            except BaseException:
-                self._ipc_slabs.give(arena)
-                raise
-            self._ipc_exports.append((arena, info))
-        self._ipc_of_version[snap.version] = arena
-        snap.served.cuda_ipc = info
-        snap.served.buckets = tuple(replace(b, ipc_offset=offsets[b.index]) for b in snap.served.buckets)
-        snap.ipc_offsets = offsets
-        views = []
-        for idx, offset, name, shape, dtype, nbytes in places:
-            start = offsets[idx] + offset
-            views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
-        self.ipc_versions += 1
-        return arena, views
-
-    def _ipc_release(self, version: int) -> None:
-        arena = self._ipc_of_version.pop(version, None)
-        if arena is not None:
-            self._ipc_slabs.give(arena)
-
-    async def _ipc_copy(self, arena: torch.Tensor, snap: _Snapshot, places: list[tuple[int, int, str, tuple[int, ...], str, int]],
-                        items: list[tuple[str, torch.Tensor]]) -> None:
-        """Device-to-device snapshot into the arena on a side stream that first waits for the trainer's stream;
-        returns once it landed (then the trainer may change its tensors)."""
-        device = arena.device
-        stream = side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        offsets = snap.ipc_offsets
-        with torch.cuda.stream(stream):
-            for (idx, offset, name, shape, dtype, nbytes), (got, tensor) in zip(places, items, strict=True):
-                if got != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-                    raise ValueError(f"got {got!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
-                if nbytes:
-                    start = offsets[idx] + offset
-                    arena[start : start + nbytes].copy_(flat_bytes(tensor), non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        await asyncio.to_thread(done.synchronize)
-        snap.ipc_stream = stream
-
     async def _finish_ipc(self, snap: _Snapshot, arena: torch.Tensor, arena_items: list[tuple[str, torch.Tensor]], t0: float,
                           copied: float) -> None:
         """After the device snapshot: each bucket's GPU checksum (then the same-GPU peers may read), then the host
         buckets copied from the arena (the network and shared-memory peers) and checksummed as usual."""
-        stream = snap.ipc_stream
-        loop = asyncio.get_running_loop()
-
-        def sums() -> None:
-            for b in snap.served.buckets:
-                off = snap.ipc_offsets[b.index]
-                digest = mix64_checksum(arena[off : off + b.nbytes], stream=stream)
-                loop.call_soon_threadsafe(self._server.complete_ipc, snap.version, b.index, digest)
-
         try:
-            await asyncio.to_thread(sums)
+            await self._ipc.checksums(arena, snap.ipc_offsets, snap.served, snap.ipc_stream, self._server.complete_ipc)
             await snap.copy(arena_items)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
@@ -1120,11 +1003,11 @@ class WeightPublisher:
         fut = self._finishing.pop(version, None)
         if fut is not None:
             fut.cancel()
-        if version in self._ipc_of_version:
+        if version in self._ipc.of_version:
             if fut is not None and not fut.done():  # its host copy may still read the arena: reused once it stopped
-                fut.add_done_callback(lambda _f: self._ipc_release(version))
+                fut.add_done_callback(lambda _f: self._ipc.release(version))
             else:
-                self._ipc_release(version)
+                self._ipc.release(version)
         if served is not None:
             self._spare.extend(s for s in served.sources if isinstance(s, ContiguousSource))
 

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
 from rollpool.protocol.messages import Manifest  # noqa: E402
 from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
-from rollpool.weights.cuda_ipc import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
+from rollpool.weights.gpu import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
 from rollpool.weights.serving import WeightServer  # noqa: E402
 from rollpool.weights.subscriber import WeightSubscriber  # noqa: E402
@@ -100,7 +100,7 @@ async def test_buckets_go_from_the_segments_to_the_device_verified_by_the_publis
         got = await sub.fetch(v)
         assert same(got.tensors, w) and sub.last_path == "shm"
     assert sub.device_stage_bytes == 4 * total and sub.fallbacks == {}
-    assert len(sub._readers) == 2 * len(manifest.buckets)  # both versions' segments stay mapped
+    assert len(sub.segments.readers) == 2 * len(manifest.buckets)  # both versions' segments stay mapped
 
 
 async def test_without_a_staging_device_the_cpu_shm_path_serves(make_publisher: Any, make_subscriber: Any) -> None:
@@ -172,7 +172,7 @@ async def test_a_staging_subscriber_maps_the_reserved_segments_before_the_first_
     assert len(segments) >= 2 and pub.latest_version == -1  # two versions' worth of segments, no version yet
     await _until(lambda: sub.segments_registered_ahead == len(segments), "every reserved segment mapped ahead")
     # and the staging path warmed before the first version: one small copy out of every segment and one full slice
-    await _until(lambda: sub._ops is not None and sub._ops.copies == len(segments) + 1, "the staging path warmed up")
+    await _until(lambda: sub.segments.ops is not None and sub.segments.ops.copies == len(segments) + 1, "the staging path warmed up")
     maps = sub.segment_maps
     assert maps == len(segments)
     for v in (1, 2, 3, 4):
@@ -194,7 +194,7 @@ async def test_segments_made_after_the_subscriber_connected_are_announced_and_ma
     w = model(2)
     pub.reserve(w)
     segments = {s.name for s in pub._server.shm_reserved}
-    await _until(lambda: segments <= set(sub._readers), "the new segments mapped ahead after the announce")
+    await _until(lambda: segments <= set(sub.segments.readers), "the new segments mapped ahead after the announce")
     maps = sub.segment_maps
     got = await sub.fetch((await pub.publish(w, 2, wait_ready=True)).version)
     assert same(got.tensors, w) and sub.last_path == "shm" and sub.segment_maps == maps
@@ -226,5 +226,5 @@ async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_
                                 use_bin_type=True)])
     assert ann.shm_generation == 0
     sub = staging(make_subscriber, None)  # not connected: only this manifest names segments to it
-    sub._register_ahead(old)
-    assert sub._ahead_thread is None  # nothing named: nothing to map ahead
+    sub.segments.register_ahead(old)
+    assert sub.segments.ahead_thread is None  # nothing named: nothing to map ahead

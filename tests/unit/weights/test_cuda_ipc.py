@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from rollpool.protocol import PROTOCOL_MINOR, decode, encode  # noqa: E402
 from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, TensorInfo  # noqa: E402
-from rollpool.weights import cuda_ipc  # noqa: E402
-from rollpool.weights.cuda_ipc import arena_offsets, mix64_checksum, mix64_reference  # noqa: E402
+from rollpool.weights import gpu as cuda_ipc  # noqa: E402
+from rollpool.weights.gpu import arena_offsets, mix64_checksum, mix64_reference  # noqa: E402
 
 
 def _u8(data: bytes) -> Any:
@@ -96,7 +96,7 @@ def test_a_minor9_manifest_reads_as_no_host_mix64() -> None:
 
 def test_parts_of_a_bucket_add_up_to_its_mix64() -> None:
     """The publisher sums a bucket tensor by tensor (each at its word offset, the last one with a tail)."""
-    from rollpool.weights.cuda_ipc import mix64_format, mix64_partial
+    from rollpool.weights.gpu import mix64_format, mix64_partial
     from rollpool.weights.publisher import _word_aligned
 
     data = torch.randint(0, 256, (4096 + 24 + 13,), dtype=torch.uint8)
