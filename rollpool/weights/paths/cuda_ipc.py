@@ -42,14 +42,15 @@ from rollpool.weights.gpu import (
 from rollpool.weights.manifest import CUDA_IPC, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
 from rollpool.weights.serving import ServedVersion
+from rollpool.weights.snapshot import Place
 
 __all__ = ["CudaIpcPath", "IpcArenas", "warm_in_background"]
 
 log = logging.getLogger(__name__)
 _errlog = RateLimitedLog(log)
 
-Places = list[tuple[int, int, str, tuple[int, ...], str, int]]
-"""Where each tensor of a version goes: (bucket, offset, name, shape, dtype, nbytes), in order."""
+Places = list[Place]
+"""Where each tensor of a version goes, in order."""
 
 
 def warm_in_background() -> None:

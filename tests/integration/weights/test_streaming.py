@@ -9,6 +9,7 @@ publisher and subscriber allocate nothing per version.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,8 +61,8 @@ def old_manifest_request(rid: str) -> list[bytes]:
 async def test_publish_returns_before_checksums_and_buckets_stream(make_publisher: Any, make_subscriber: Any, zmq_ctx: Any) -> None:
     pub = await make_publisher(bucket_bytes=1 * _MiB, chunk_bytes=256 * 1024)
     gated = GatedExecutor()
-    pub._sum_pool.shutdown()
-    pub._sum_pool = gated
+    pub._pools.sum.shutdown()
+    pub._pools = dataclasses.replace(pub._pools, sum=gated)  # the checksum threads, held back by the test
     w = big_model(1)
     snapshot = {k: t.clone() for k, t in w.items()}
     manifest = await pub.publish(w, 1)
@@ -101,8 +102,8 @@ async def test_an_old_peer_asking_for_the_latest_gets_the_newest_complete_versio
     pub = await make_publisher(bucket_bytes=1 * _MiB)
     await pub.publish(big_model(1), 1, wait_ready=True)
     gated = GatedExecutor()
-    pub._sum_pool.shutdown()
-    pub._sum_pool = gated
+    pub._pools.sum.shutdown()
+    pub._pools = dataclasses.replace(pub._pools, sum=gated)  # the checksum threads, held back by the test
     await pub.publish(big_model(2), 2)
     old = zmq_ctx.socket(zmq.DEALER)
     old.setsockopt(zmq.LINGER, 0)

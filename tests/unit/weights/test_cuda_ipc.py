@@ -97,7 +97,7 @@ def test_a_minor9_manifest_reads_as_no_host_mix64() -> None:
 def test_parts_of_a_bucket_add_up_to_its_mix64() -> None:
     """The publisher sums a bucket tensor by tensor (each at its word offset, the last one with a tail)."""
     from rollpool.weights.gpu import mix64_format, mix64_partial
-    from rollpool.weights.publisher import _word_aligned
+    from rollpool.weights.snapshot import word_aligned as _word_aligned
 
     data = torch.randint(0, 256, (4096 + 24 + 13,), dtype=torch.uint8)
     cuts = [0, 4096, 4096 + 24, data.numel()]
