@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -56,13 +55,12 @@ from rollpool.weights.bucketing import (
     named_tensors_of,
     tensor_bytes,
 )
-from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
+from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
 from rollpool.weights.gpu import (
     mix64_partial,
     side_stream,
 )
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
-from rollpool.weights.paths.bulk import bulk_enabled
 from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
@@ -110,12 +108,12 @@ class WeightPublisher:
         copy_threads: int | None = None,
         checksum_threads: int | None = None,
         reserve: Any = None,
+        weights: WeightPathConfig | None = None,
     ) -> None:
-        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"  # unset: from the environment
-        if path not in WEIGHT_PATHS:
-            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        if pinned_budget_bytes is None and os.environ.get("ROLLPOOL_PINNED_BUDGET_BYTES", "").strip():
-            pinned_budget_bytes = int(os.environ["ROLLPOOL_PINNED_BUDGET_BYTES"])
+        """`weights`: every weight-path knob (None: `WeightPathConfig.from_env`, read once here); `path`,
+        `pinned_budget_bytes` and `copy_threads` override one of its fields each."""
+        cfg = with_overrides(weights, weight_path=path, pinned_budget_bytes=pinned_budget_bytes, weight_copy_threads=copy_threads)
+        path, pinned_budget_bytes = cfg.weight_path, cfg.pinned_budget_bytes
         if keep_versions < 0:
             raise ValueError(f"keep_versions must be >= 0, got {keep_versions}")
         if bucket_bytes < 1:
@@ -137,7 +135,8 @@ class WeightPublisher:
         self.path = path
         self.pool = pool
         self.host_key = host_key()
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.config = cfg
+        self.copy_threads = cfg.copy_threads
         self.checksum_threads = checksum_threads or default_copy_threads()
         self.shm_fallbacks = 0
         """Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm)."""
@@ -163,7 +162,7 @@ class WeightPublisher:
             name="publisher",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
-            bulk=bulk_enabled(),
+            bulk=cfg.weight_bulk,
         )
         self._latest = -1
         self._spare: list[ContiguousSource] = []

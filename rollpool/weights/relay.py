@@ -30,8 +30,8 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.manifest import check_manifest
-from rollpool.weights.paths.bulk import bulk_enabled
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.subscriber import WeightSubscriber
 
@@ -107,10 +107,13 @@ class Relay:
         announce_interval_s: float = 1.0,
         relay_id: str | None = None,
         metrics: MetricsSink | None = None,
-        path: str = "auto",
+        weights: WeightPathConfig | None = None,
+        path: str | None = None,
         streams: int | None = None,
         pinned_budget_bytes: int | None = None,
     ) -> None:
+        """`weights`: the weight-path knobs of the upstream fetch and of the server (None: from the environment, read
+        once here); `path`, `streams`, `pinned_budget_bytes` override one field each."""
         if keep_versions < 1:
             raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
         if poll_interval_s <= 0:
@@ -121,6 +124,7 @@ class Relay:
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.upstream_router = upstream_router
         self.upstream_pub = upstream_pub
+        cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes)
         self.upstream = WeightSubscriber(
             sockets,
             worker_id=self.relay_id,
@@ -128,9 +132,7 @@ class Relay:
             window_chunks=window_chunks,
             max_refetch=max_refetch,
             metrics=self.metrics,
-            path=path,
-            streams=streams,
-            pinned_budget_bytes=pinned_budget_bytes,
+            weights=cfg,
         )
         self._server = WeightServer(
             sockets,
@@ -139,7 +141,7 @@ class Relay:
             name="relay",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
-            bulk=bulk_enabled(),
+            bulk=cfg.weight_bulk,
         )
         self._latest = -1
         self.versions_fetched = 0

@@ -57,7 +57,7 @@ from rollpool.protocol.messages import Announce, Error, Manifest, ManifestReques
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import unpack_buckets
-from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, weight_streams
+from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.gpu import DeviceSlabs, arena_offsets
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
 from rollpool.weights.memory import BufferPool, host_key
@@ -73,7 +73,7 @@ from rollpool.weights.paths.base import (
     WeightVersion,
     WeightVersionGoneError,
 )
-from rollpool.weights.paths.bulk import BulkPath, bulk_enabled, lane_host
+from rollpool.weights.paths.bulk import BulkPath, lane_host
 from rollpool.weights.paths.cuda_ipc import CudaIpcPath
 from rollpool.weights.paths.network import DealerSet, NetworkPath
 from rollpool.weights.paths.shm import ShmDevicePath, ShmPath, ShmSegments
@@ -98,22 +98,20 @@ class WeightSubscriber:
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
         pin_memory: bool = False,
+        weights: WeightPathConfig | None = None,
+        stage_device: str | None = None,
         path: str | None = None,
         streams: int | None = None,
         pinned_budget_bytes: int | None = None,
         copy_threads: int | None = None,
         reserve_bytes: int | None = None,
-        stage_device: str | None = None,
         bulk: bool | None = None,
     ) -> None:
-        # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
-        # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
-        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"
-        pinned_budget_bytes = pinned_budget_bytes if pinned_budget_bytes is not None else _env_int("ROLLPOOL_PINNED_BUDGET_BYTES")
-        reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_int("ROLLPOOL_WEIGHT_RESERVE_BYTES")
-        if path not in WEIGHT_PATHS:
-            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        streams = weight_streams(streams)
+        """`weights`: every weight-path knob (None: `WeightPathConfig.from_env`, read once here); `path`, `streams`,
+        `pinned_budget_bytes`, `copy_threads`, `reserve_bytes` and `bulk` override one of its fields each."""
+        cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
+                             weight_copy_threads=copy_threads, weight_reserve_bytes=reserve_bytes, weight_bulk=bulk)
+        path, streams, pinned_budget_bytes = cfg.weight_path, cfg.streams, cfg.pinned_budget_bytes
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
         if not 1 <= window_chunks <= 1024:
@@ -130,16 +128,12 @@ class WeightSubscriber:
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.path = path
         self.streams = streams
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.copy_threads = cfg.copy_threads
         self.host_key = host_key()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
-        self.bulk = bulk_enabled() if bulk is None else bulk
-        """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.paths.bulk`;
-        unset: ``ROLLPOOL_WEIGHT_BULK``, default on)."""
-        self.config = WeightPathConfig(weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
-                                       weight_bulk=self.bulk)
-        """The knobs the path plan reads (`rollpool.weights.manifest.plan`)."""
+        self.config = cfg
+        """Every weight-path knob (the path plan reads it: `rollpool.weights.manifest.plan`)."""
         self.counters = FetchCounters()
         """Bytes per path and refetches (`bytes_received`, `shm_bytes`, ... read them)."""
         self._prefix = uuid.uuid4().hex[:8]
@@ -178,8 +172,8 @@ class WeightSubscriber:
         self._shm_generation = 0
         self._reserving: threading.Thread | None = None
         self._warned_reserve = False
-        if reserve_bytes:
-            self.reserve_in_background(reserve_bytes)
+        if cfg.weight_reserve_bytes:
+            self.reserve_in_background(cfg.weight_reserve_bytes)
 
     # -- connection
 
@@ -628,15 +622,3 @@ class WeightSubscriber:
         network = plan(manifest, self.facts(), replace(self.config, weight_path=NETWORK))
         got = await self._walk(network, FetchJob(manifest, on_bucket, buffers=buffers, sink=sink))
         return got.manifest
-
-
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {text!r}") from None
-
-

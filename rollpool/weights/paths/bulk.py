@@ -20,7 +20,8 @@ connects to the host of the ROUTER endpoint it already uses (and, when it cannot
 that lane again). A server
 whose sockets use CURVE, or whose ROUTER is not on TCP, offers no lane (the bytes would bypass the
 encryption); a subscriber that cannot reach the lane, or loses it mid-version, takes the ROUTER path for the
-version (logged, counted in `WeightSubscriber.fallbacks`). ``ROLLPOOL_WEIGHT_BULK=0`` turns it off on either side.
+version (logged, counted in `WeightSubscriber.fallbacks`). `WeightPathConfig.weight_bulk` off (``ROLLPOOL_WEIGHT_BULK=0`` at load) turns it off on
+that side.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import os
 import socket
 import struct
 import threading
@@ -58,7 +58,7 @@ from rollpool.weights.paths.base import (
     WeightVersionGoneError,
 )
 
-__all__ = ["BulkError", "BulkPath", "BulkServer", "BulkUnavailableError", "VersionStore", "bulk_enabled", "fetch_bucket_range",
+__all__ = ["BulkError", "BulkPath", "BulkServer", "BulkUnavailableError", "VersionStore", "fetch_bucket_range",
            "lane_host", "lane_port"]
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,6 @@ _REPLY = struct.Struct("<4sBIH")
 _MAX_PEER_ID = 512
 OK, GONE, UNKNOWN_VERSION, BAD_RANGE, BUSY, BAD_REQUEST = range(6)
 STATUS_CODES = ("ok", "gone", "unknown_version", "bad_range", "busy", "bad_request")
-
-
-def bulk_enabled() -> bool:
-    """``ROLLPOOL_WEIGHT_BULK`` (default on): ``0``, ``false`` or ``off`` turns the lane off on this side."""
-    return os.environ.get("ROLLPOOL_WEIGHT_BULK", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def lane_host(router_endpoint: str | None) -> str | None:

@@ -208,7 +208,7 @@ async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publ
 
 async def test_the_environment_tells_a_worker_to_reserve_before_its_first_fetch(make_publisher: Any, make_subscriber: Any,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker whose config predates these fields: ROLLPOOL_WEIGHT_* reach the subscriber it makes."""
+    """A subscriber made without a config reads ROLLPOOL_WEIGHT_* once, when it is made (`WeightPathConfig.from_env`)."""
     w = big_model(5)
     monkeypatch.setenv("ROLLPOOL_WEIGHT_RESERVE_BYTES", str(4 * _MiB))
     monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "2")
