@@ -170,6 +170,9 @@ class WeightSubscriber:
         self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
         self._reserved_versions = 0
         self._shm_generation = 0
+        self._known: Manifest | None = None
+        """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
+        `fetch` of that version takes it instead of asking again (one manifest request per version)."""
         self._reserving: threading.Thread | None = None
         self._warned_reserve = False
         if cfg.weight_reserve_bytes:
@@ -281,6 +284,7 @@ class WeightSubscriber:
         await self.aclose()
 
     def _close_sockets(self) -> None:
+        self._known = None
         for t in list(self._tasks):
             t.cancel()
         self._tasks.clear()
@@ -313,6 +317,7 @@ class WeightSubscriber:
         publisher asked for its latest again (a restarted publisher may start lower); a waiting `wait_for_newer`
         returns what is known now so its caller can look again."""
         if self._latest > version or version < -1:
+            self._known = None
             self._latest = -1
             self._hint = -1
             self._forgets += 1
@@ -348,7 +353,7 @@ class WeightSubscriber:
 
     async def _catch_up_once(self) -> None:
         try:
-            await self.fetch_manifest(None, attempts=1)
+            self._known = await self.fetch_manifest(None, attempts=1)  # what `fetch` takes, not asking again
         except WeightSyncError as exc:
             self._errlog.warning("latest", "asking %s for the latest weight version failed: %s", self.router_endpoint, exc)
 
@@ -422,7 +427,7 @@ class WeightSubscriber:
         """
         moves = 0
         while True:
-            manifest = check_manifest(await self.fetch_manifest(version))
+            manifest = check_manifest(self._take_known(version) or await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
@@ -432,6 +437,13 @@ class WeightSubscriber:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
+
+    def _take_known(self, version: int | None) -> Manifest | None:
+        """The catch-up's manifest when it is of the version asked for (None: the latest known), once."""
+        known, self._known = self._known, None
+        if known is None or known.version < 0 or known.version != (self._latest if version is None else version):
+            return None
+        return known
 
     async def _fetch_planned(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
         """Walk the plan: each path to try is tried; each reason to pass one over is reported when the walk reaches it."""
@@ -507,7 +519,7 @@ class WeightSubscriber:
         if total_bytes is None:
             if named_shapes is None:
                 raise ValueError("reserve needs named_shapes or total_bytes")
-            from rollpool.weights.publisher import layout_of
+            from rollpool.weights.snapshot import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
         t0 = time.perf_counter()
