@@ -61,6 +61,7 @@ from rollpool.weights.gpu import (
     side_stream,
 )
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
+from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
@@ -204,13 +205,8 @@ class WeightPublisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @property
-    def router_endpoint(self) -> str:
-        return self._server.router_endpoint
-
-    @property
-    def pub_endpoint(self) -> str | None:
-        return self._server.pub_endpoint
+    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
+    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
 
     @property
     def latest_version(self) -> int:
@@ -221,9 +217,7 @@ class WeightPublisher:
         """Versions whose bytes are served now, oldest first."""
         return sorted(self._server.versions)
 
-    @property
-    def bytes_served(self) -> int:
-        return self._server.bytes_served
+    bytes_served: Attr[int] = Attr("_server")
 
     @property
     def ipc_versions(self) -> int:

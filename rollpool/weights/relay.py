@@ -32,6 +32,7 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.manifest import check_manifest
+from rollpool.weights.paths.base import Attr
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.subscriber import WeightSubscriber
 
@@ -182,13 +183,8 @@ class Relay:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @property
-    def router_endpoint(self) -> str:
-        return self._server.router_endpoint
-
-    @property
-    def pub_endpoint(self) -> str | None:
-        return self._server.pub_endpoint
+    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
+    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
 
     @property
     def latest_version(self) -> int:

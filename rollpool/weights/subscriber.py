@@ -62,6 +62,7 @@ from rollpool.weights.gpu import DeviceSlabs, arena_offsets
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
 from rollpool.weights.memory import BufferPool, host_key
 from rollpool.weights.paths.base import (
+    Attr,
     BucketCallback,
     FetchContext,
     FetchCounters,
@@ -196,70 +197,23 @@ class WeightSubscriber:
     def connected(self) -> bool:
         return self.dealers.connected
 
-    # counters, by path (the worker reports them)
-
-    @property
-    def bytes_received(self) -> int:
-        """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
-        return self.counters.bytes_received
-
-    @property
-    def bulk_bytes(self) -> int:
-        """Of `bytes_received`, those received over the bulk lane."""
-        return self.counters.bulk_bytes
-
-    @property
-    def shm_bytes(self) -> int:
-        """Bucket bytes copied from a publisher's shared-memory segments."""
-        return self.counters.shm_bytes
-
-    @property
-    def device_stage_bytes(self) -> int:
-        """Bucket bytes copied from shared memory straight to `stage_device` and verified there."""
-        return self.counters.device_stage_bytes
-
-    @property
-    def ipc_bytes(self) -> int:
-        """Bucket bytes copied device-to-device from a publisher's exported GPU buffer (the same-GPU path)."""
-        return self.counters.ipc_bytes
-
-    @property
-    def buckets_refetched(self) -> int:
-        return self.counters.buckets_refetched
+    # counters by path (the worker reports them), and the shared-memory part's state, under their public names
+    bytes_received: Attr[int] = Attr("counters", "Bucket bytes received on the network path (over ZeroMQ or the bulk lane).")
+    bulk_bytes: Attr[int] = Attr("counters", "Of `bytes_received`, those received over the bulk lane.")
+    shm_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from a publisher's shared-memory segments.")
+    device_stage_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from shared memory straight to `stage_device`, verified there.")
+    ipc_bytes: Attr[int] = Attr("counters", "Bucket bytes copied device-to-device from a publisher's exported GPU buffer.")
+    buckets_refetched: Attr[int] = Attr("counters")
+    stage_device: Attr[str | None] = Attr("segments", "The engine's ``cuda`` device when it stages to CUDA (the worker sets it): shared-memory "
+                                          "buckets are copied straight to it and verified there. None: the CPU copy.", writable=True)
+    device_ops: Attr[Callable[[str, DeviceSlabs], Any]] = Attr("segments", "Makes the staging edge for `stage_device` (tests put a fake "
+                                                               "device here, named so).", writable=True)
+    segment_maps: Attr[int] = Attr("segments", "Segments mapped so far (a warm subscriber maps none per version).")
+    segments_registered_ahead: Attr[int] = Attr("segments", "Segments mapped (and page-locked) ahead of the version that used them.")
 
     @property
     def protocol_errors(self) -> int:
         return self._protocol_errors + self.dealers.protocol_errors
-
-    @property
-    def stage_device(self) -> str | None:
-        """The device the engine loads from (its ``cuda`` device, set by the worker when its engine stages to CUDA): on
-        the shared-memory path each bucket is copied from the publisher's segment straight to it and verified there
-        (`BucketInfo.host_mix64`, on the GPU). None: the CPU shared-memory path (copy + CPU checksum)."""
-        return self.segments.stage_device
-
-    @stage_device.setter
-    def stage_device(self, device: str | None) -> None:
-        self.segments.stage_device = device
-
-    @property
-    def device_ops(self) -> Callable[[str, DeviceSlabs], Any]:
-        """Makes the staging edge for `stage_device` (tests put a fake device here, named so)."""
-        return self.segments.device_ops
-
-    @device_ops.setter
-    def device_ops(self, ops: Callable[[str, DeviceSlabs], Any]) -> None:
-        self.segments.device_ops = ops
-
-    @property
-    def segment_maps(self) -> int:
-        """Segments mapped so far (a warm subscriber maps none per version: the publisher reuses its segments)."""
-        return self.segments.segment_maps
-
-    @property
-    def segments_registered_ahead(self) -> int:
-        """Segments mapped (and page-locked, where the device registers) by the registering thread before a version used them."""
-        return self.segments.segments_registered_ahead
 
     def close(self) -> None:
         self._close_sockets()

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import Manifest
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "Attr",
     "BucketCallback",
     "ChunkRead",
     "FetchContext",
@@ -47,6 +48,33 @@ __all__ = [
 ]
 
 log = logging.getLogger("rollpool.weights.subscriber")
+
+
+T = TypeVar("T")
+
+
+class Attr(Generic[T]):
+    """An attribute of a facade that is its part's: ``bytes_received: Attr[int] = Attr("counters")`` reads (and, made
+    with ``writable=True``, writes) ``self.counters.bytes_received``. The facades keep their public names while the
+    state lives in the part that owns it."""
+
+    def __init__(self, part: str, doc: str = "", *, writable: bool = False) -> None:
+        self.part = part
+        self.writable = writable
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> T:
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
+
+    def __set__(self, obj: object, value: T) -> None:
+        if not self.writable:
+            raise AttributeError(f"{self.name} is read-only (it is {self.part}.{self.name})")
+        setattr(getattr(obj, self.part), self.name, value)
 
 
 @dataclass(frozen=True, slots=True)

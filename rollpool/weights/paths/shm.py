@@ -196,21 +196,37 @@ class ShmSegments:
 
 
 
-class ShmPath:
+class _ShmEnd:
+    """What both subscriber ends share: the context, the segments, and their own threads (made at first use)."""
+
+    _threads_name = ""
+
+    def __init__(self, ctx: FetchContext, segments: ShmSegments, threads: int) -> None:
+        self.ctx = ctx
+        self.segments = segments
+        self._threads = threads
+        self._exec: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._exec is None:
+            self._exec = ThreadPoolExecutor(self._threads, thread_name_prefix=self._threads_name)
+        return self._exec
+
+    def close(self) -> None:
+        if self._exec is not None:
+            self._exec.shutdown(wait=False, cancel_futures=True)
+            self._exec = None
+
+
+class ShmPath(_ShmEnd):
     """The CPU end of the shared-memory path (see the module docstring)."""
 
     name = SHM
     host_buffers = True
+    _threads_name = "weights-shm"
 
     def __init__(self, ctx: FetchContext, segments: ShmSegments) -> None:
-        self.ctx = ctx
-        self.segments = segments
-        self._copy_exec: ThreadPoolExecutor | None = None
-
-    def close(self) -> None:
-        if self._copy_exec is not None:
-            self._copy_exec.shutdown(wait=False, cancel_futures=True)
-            self._copy_exec = None
+        super().__init__(ctx, segments, ctx.copy_threads)
 
     async def fetch(self, job: FetchJob) -> Fetched:
         assert job.buffers is not None
@@ -231,9 +247,7 @@ class ShmPath:
                 except ShmUnavailableError as exc:
                     raise PathFallbackError(f"cannot map the publisher's segment ({exc})") from exc
             loop = asyncio.get_running_loop()
-            if self._copy_exec is None:
-                self._copy_exec = ThreadPoolExecutor(self.ctx.copy_threads, thread_name_prefix="weights-shm")
-            exec_ = self._copy_exec
+            exec_ = self._executor()
             failures = [0] * len(readers)
 
             async def one(i: int) -> None:
@@ -263,22 +277,16 @@ class ShmPath:
 
 
 
-class ShmDevicePath:
-    """The end of the shared-memory path that stages to the engine's GPU (see the module docstring)."""
+class ShmDevicePath(_ShmEnd):
+    """The end of the shared-memory path that stages to the engine's GPU (see the module docstring). Its one thread
+    waits for staged buckets' digests, in the order they were queued."""
 
     name = SHM_DEVICE
     host_buffers = False
+    _threads_name = "weights-verify"
 
     def __init__(self, ctx: FetchContext, segments: ShmSegments) -> None:
-        self.ctx = ctx
-        self.segments = segments
-        self._verify_exec: ThreadPoolExecutor | None = None
-        """One thread that waits for staged buckets' digests, in the order they were queued."""
-
-    def close(self) -> None:
-        if self._verify_exec is not None:
-            self._verify_exec.shutdown(wait=False, cancel_futures=True)
-            self._verify_exec = None
+        super().__init__(ctx, segments, 1)
 
     async def fetch(self, job: FetchJob) -> Fetched:
         return await self._fetch_shm_device(job.manifest, job.on_bucket)
@@ -317,7 +325,7 @@ class ShmDevicePath:
                     queued = await asyncio.to_thread(_stage_queue, ops, readers, manifest.version, ready, buffers)
                     timeline.queued(ready, loop.time())
                     for i, state, handle in queued:
-                        verifying[i] = loop.run_in_executor(self._verifier(), timeline.digested, i, _stage_outcome, ops, readers[i],
+                        verifying[i] = loop.run_in_executor(self._executor(), timeline.digested, i, _stage_outcome, ops, readers[i],
                                                             state, handle, manifest.buckets[i].host_mix64)
                 for i in sorted(i for i, f in verifying.items() if f.done()):
                     timeline.verified(i, loop.time())
@@ -355,11 +363,6 @@ class ShmDevicePath:
         if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
             raise PathFallbackError("the publisher's segments changed under the fetch")
         return again
-
-    def _verifier(self) -> ThreadPoolExecutor:
-        if self._verify_exec is None:
-            self._verify_exec = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
-        return self._verify_exec
 
     def _staged_bucket(self, manifest: Manifest, i: int, outcome: str, buffer: torch.Tensor, failures: list[int],
                        on_bucket: BucketCallback | None) -> bool:
