@@ -1,11 +1,14 @@
-"""`WeightPublisher`: the trainer's side of the weight-publish channel.
+"""`WeightPublisher`: the trainer's side of the weight-publish channel, a facade over the server, the snapshot and
+the same-GPU arenas.
 
 ``await publish(named_tensors, version)`` snapshots the tensors into the
-publisher's own CPU buckets (one copy per byte, done in worker threads so the
-event loop keeps serving; training may change its tensors as soon as publish
-returns), computes each bucket's checksum, keeps the newest `keep_versions`
-versions, announces the new one on PUB and serves manifests and chunks on
-ROUTER (see `serving.py` for the serving guarantees).
+publisher's own CPU buckets (`snapshot.py`: one copy per byte, done in worker
+threads so the event loop keeps serving; training may change its tensors as
+soon as publish returns), computes each bucket's checksum, keeps the newest
+`keep_versions` versions, announces the new one on PUB and serves manifests
+and chunks on ROUTER and the bulk lane (see `serving.py` for the serving
+guarantees). CUDA tensors on the same-GPU path are snapshotted into a device
+arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
 once at its final size and tensors are copied by parallel threads, each bucket

@@ -1,37 +1,34 @@
-"""`WeightSubscriber`: the worker's (and relay's) side of the weight-publish channel.
+"""`WeightSubscriber`: the worker's (and relay's) side of the weight-publish channel, a facade over the paths.
 
 What it promises
     - It learns of new versions three ways: PUB announcements, a "latest"
       manifest request on connect, and another whenever `note_version(v)`
       names a version newer than any it knows (a broker heartbeat). So a
-      worker that joins late, or missed announcements, catches up.
-    - `fetch()` returns a `WeightVersion` only when every bucket has arrived
-      and matched its manifest checksum. A bucket that fails verification is
-      fetched again, at most `max_refetch` times; then `WeightSyncError`.
-      A version is never returned in part.
+      worker that joins late, or missed announcements, catches up. The
+      manifest such a request got is the one the next `fetch` of that version
+      uses: one manifest request per version.
+    - `fetch()` walks `rollpool.weights.manifest.plan` for the version's
+      manifest: each path to try (`rollpool.weights.paths`) in turn, each
+      reason to pass one over logged and counted in `fallbacks` when the walk
+      reaches it, a path that fails during the fetch (`PathFallbackError`)
+      likewise. It returns a `WeightVersion` only when every bucket has
+      arrived and matched its checksum; a bucket that fails is fetched again,
+      at most `max_refetch` times, then `WeightSyncError`. A version is never
+      returned in part.
     - Every wait has a timeout: no reply for `fetch_timeout_s` re-asks for what
       is outstanding, at most `max_refetch` times in a row, then raises
       `WeightSyncError` (the caller keeps its old weights).
-    - Transfer keeps a window of `window_chunks` `Fetch` requests outstanding
-      (credit-based flow control: the publisher only ever answers requests).
     - A version evicted by the publisher while being fetched raises
       `WeightVersionGoneError` when that version was asked for by number; when
       the latest was asked for, the fetch moves on to the new latest (at most
       `max_refetch` times).
-    - The tensors handed back are views of the received bucket buffers (one
-      copy per byte, from the socket's frame into the bucket buffer).
-      ``pin_memory=True`` allocates those buffers page-locked when CUDA is
-      available (fast host-to-device copies); without CUDA it is ignored.
+    - Host buffers are allocated once and reused (`reserve`, `recycle`); the
+      tensors handed back are views of them (or of device buffers on the
+      same-GPU and staged paths). ``pin_memory=True`` allocates them
+      page-locked when CUDA is available; without CUDA it is ignored.
+    - Every knob is its `WeightPathConfig` (`config`), read once when made.
 
-Copies a byte makes from the trainer's tensor to the engine's (snapshot mode):
-trainer tensor -> publisher bucket (1, in `publish`, before the version is
-announced), kernel send (1, tcp or ipc), kernel receive into a ZeroMQ frame (1),
-frame -> subscriber bucket (1, in a worker thread, beside the checksum pass),
-then the engine's own copy onto its device (1). ``keep_versions=0`` drops the
-first. Receiving straight into the bucket (``Socket.recv_into``) was tried: it
-saves no copy, because libzmq's ``zmq_recv`` itself copies out of its frame,
-and it moves that copy onto the event loop, which measured slower (see
-docs/weights.md).
+The copies a byte makes on each path are in docs/weights.md ("Copies a byte makes").
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class WeightSync:
     def engine_started(self) -> None:
         """The engine is up. On a GPU, with `weight_bytes` known, the subscriber is made now (connected when the broker
         names a publisher) and page-locks its buffers for `weight_reserve_versions` versions in a thread: a trainer's
-        first version then finds them ready, instead of waiting seconds per GB for them (issue 23, "no cold version")."""
+        first version then finds them ready, instead of waiting seconds per GB for them (docs/weights.md, "No cold version")."""
         versions = self.config.weight_reserve_versions
         engine = self.supervisor.engine
         if self.subscriber is not None or versions < 1 or engine is None:
@@ -325,7 +325,7 @@ class WeightSync:
             self._reapply_target = None  # a restart already under way when the apply failed did not see it
             return self.version >= version
 
-    async def _apply(self, target: _Version, *, engine: Engine | None) -> bool:  # noqa: C901 - over 13 since the issue 20 apply-slot and skip reports; to split into grant and run steps
+    async def _apply(self, target: _Version, *, engine: Engine | None) -> bool:  # noqa: C901 - over 13 since the apply-slot and skip reports; to split into grant and run steps
         """stage -> grant -> pause/update/resume -> done, on the serving engine (engine None) or a fresh one.
 
         A fresh engine (a restart) takes no grant and sends no ApplyDone, and a failure

@@ -387,7 +387,7 @@ def _taken(queue: deque[tuple[int, list[tuple[int, int]]]]) -> Iterator[tuple[in
 
 
 class _BulkTransfer:
-    """The network path over a server's bulk lane (`rollpool.weights.paths.bulk`): as `_Transfer`, without a copy per byte.
+    """The network path over a server's bulk lane: as the ROUTER's chunk window (`paths.network`), without a copy per byte.
 
     The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
     `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
