@@ -229,30 +229,33 @@ class IpcArenas:
         """An arena for the version (reused), named with its bucket offsets on `served`'s manifest; (the arena, the
         buckets' offsets in it, its views in the layout's order). An arena that cannot be made or exported turns this
         path off for good (logged) and raises."""
-        sizes = [b.nbytes for b in served.buckets]
-        offsets, total = arena_offsets(sizes)
         try:
-            arena = self.slabs.take_at_least(total, device)
-            info = next((i for a, i in self.exports if a is arena), None)
-            if info is None:
-                try:
-                    info = export_buffer(arena)
-                except BaseException:
-                    self.slabs.give(arena)
-                    raise
-                self.exports.append((arena, info))
+            return self._begin(served, places, device)
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             log.error("weight publisher %s: the same-GPU path failed (%s); no device buffer is offered from now on",
                       self.publisher_id, self.broken)
             raise
+
+    def _begin(self, served: ServedVersion, places: Places, device: torch.device) -> tuple[torch.Tensor, list[int], list[tuple[str, torch.Tensor]]]:
+        sizes = [b.nbytes for b in served.buckets]
+        offsets, total = arena_offsets(sizes)
+        arena = self.slabs.take_at_least(total, device)
+        info = next((i for a, i in self.exports if a is arena), None)
+        if info is None:
+            try:
+                info = export_buffer(arena)
+            except BaseException:
+                self.slabs.give(arena)
+                raise
+            self.exports.append((arena, info))
         self.of_version[served.version] = arena
         served.cuda_ipc = info
         served.buckets = tuple(replace(b, ipc_offset=offsets[b.index]) for b in served.buckets)
         views = []
-        for idx, offset, _name, shape, dtype, nbytes in places:
+        for idx, offset, name, shape, dtype, nbytes in places:
             start = offsets[idx] + offset
-            views.append((_name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
+            views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
         self.versions += 1
         return arena, offsets, views
 
