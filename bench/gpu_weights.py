@@ -15,7 +15,7 @@ tensors). Paths, each for ``--versions`` (>= 6) versions:
 
 - ``tcp``: the publisher offers no segments (``set_path("network")``), so the worker fetches over
   ZeroMQ tcp with ``ROLLPOOL_WEIGHT_STREAMS`` streams (``--streams``, 4 by default) and as many I/O threads in
-  both processes' contexts (the worker's from ``rollpool.weights.config.weight_streams``), ``--chunk-mib`` chunks;
+  both processes' contexts (the worker's from ``WorkerConfig.weights.streams``), ``--chunk-mib`` chunks;
 - ``shm``: the publisher's buckets are shared-memory segments (page-locked by cudaHostRegister);
   the worker maps them (no bucket byte on a socket); the publisher on path ``shm`` (no device buffer offered).
   Since protocol minor 10 the publisher also publishes a mix64 of each bucket's host bytes (summed on its GPU as
@@ -456,7 +456,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
     opts = f"port={sg_port},capacity={args.capacity},mem_fraction_static={args.mem_fraction},log_dir={OUT},context_length=2048"
     if args.no_cuda_graph:  # a shorter engine start (no graph capture); the weight path is the same (weights update in place)
         opts += ',server_args={"disable_cuda_graph":true}'
-    # the worker's ZeroMQ context gets one I/O thread per stream from ROLLPOOL_WEIGHT_STREAMS (rollpool.weights.config.weight_streams)
+    # the worker's ZeroMQ context gets one I/O thread per stream from ROLLPOOL_WEIGHT_STREAMS (WorkerConfig.weights.streams)
     wenv = {"ROLLPOOL_WEIGHT_PATH": "auto", "ROLLPOOL_WEIGHT_STREAMS": str(args.streams),
             "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
     if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)

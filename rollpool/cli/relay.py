@@ -49,9 +49,7 @@ def make_relay(config: RelayConfig, sockets: SocketFactory, metrics: MetricsSink
         max_refetch=config.max_refetch,
         poll_interval_s=config.poll_interval_s,
         metrics=metrics,
-        path=config.weight_path,
-        streams=config.streams,
-        pinned_budget_bytes=config.pinned_budget_bytes,
+        weights=config.path_config(),
     )
 
 

@@ -96,8 +96,6 @@ class _Workers:
 
 async def run_workers(config: WorkerConfig, metrics: MetricsSink) -> int:
     # SIGHUP keeps its default for a worker (no key reload there)
-    from rollpool.weights.config import weight_streams
-
     await run_service(lambda sockets: _Workers(config, sockets, metrics), curve_dir=config.curve_dir, role="worker",
-                      metrics=metrics, reload_keys_on_hup=False, io_threads=weight_streams(config.weight_streams))
+                      metrics=metrics, reload_keys_on_hup=False, io_threads=config.weights.streams)
     return 0

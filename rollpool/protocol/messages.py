@@ -871,7 +871,7 @@ class Manifest:
     version -1 one included, with `host_key` set), so a worker staging to its GPU maps and page-locks them before the
     first version that uses them. Empty from a relay, a publisher without segments, or one of minor 10 or older."""
     bulk_port: int = 0
-    """(minor 13) The TCP port of the server's bulk lane (`rollpool.weights.bulk`: chunk bytes over plain TCP, received
+    """(minor 13) The TCP port of the server's bulk lane (`rollpool.weights.paths.bulk`: chunk bytes over plain TCP, received
     straight into the subscriber's buffer), on the host of its ROUTER endpoint; 0: none (CURVE, not TCP, turned off,
     or a server of minor 12 or older), so chunks come over the ROUTER."""
 

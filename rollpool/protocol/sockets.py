@@ -28,6 +28,7 @@ pyzmq is imported lazily so that ``import rollpool.protocol`` stays free of it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from rollpool.protocol.roles import ROLES, SERVER_SOCKETS, KeyLayout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SocketOptions", "SecurityConfig", "SocketFactory"]
+__all__ = ["SocketOptions", "SecurityConfig", "SocketFactory", "send_now"]
 
 # the layout `rollpool keys gen DIR` writes and `SecurityConfig.from_dir` reads
 SERVER_PUBLIC_FILE = "server.key"
@@ -482,3 +483,24 @@ class SocketFactory:
                 self._server_public, _ = zmq.auth.load_certificate(sec.server_public_file)
             sock.curve_publickey, sock.curve_secretkey = self._client_keys
             sock.curve_serverkey = self._server_public
+
+
+def send_now(sock: Any, frames: list[Any], **kwargs: Any) -> BaseException | None:
+    """Send without waiting on a sync or asyncio socket; the error, if the send failed.
+
+    With DONTWAIT an asyncio socket resolves its future at once (it never
+    has a pending send, since every send here is DONTWAIT); the error is read
+    off the future so that it is never left unretrieved.
+    """
+    import zmq
+
+    try:
+        result = sock.send_multipart(frames, **kwargs)
+    except zmq.ZMQError as exc:
+        return exc
+    if isinstance(result, asyncio.Future):
+        if not result.done():  # cannot happen with DONTWAIT; never leave it dangling
+            result.cancel()
+            return zmq.Again()
+        return result.exception()
+    return None

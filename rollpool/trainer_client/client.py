@@ -115,7 +115,7 @@ from rollpool.trainer_client.ledger import (
     SubmitResult,
     TakeOutcome,
 )
-from rollpool.weights.config import check_path_fields
+from rollpool.weights.config import WeightPathConfig
 
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
@@ -154,13 +154,12 @@ class TrainerClientConfig:
     weight_pub_endpoint: str = field(default="tcp://127.0.0.1:*", metadata={"help": "where the hosted weight publisher announces versions"})
     keep_versions: int = field(default=2, metadata={"help": "weight versions the publisher keeps (0: serve the trainer's tensors while publish waits)"})
     bucket_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "weight bucket size"})
-    weight_path: str = field(default="auto", metadata={"help": "how the hosted publisher offers weight bytes: auto, network, shm or cuda_ipc"})
-    pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory of the hosted publisher (None: no bound)"})
+    weights: WeightPathConfig = field(default_factory=WeightPathConfig.from_env,
+                                      metadata={"help": "the hosted publisher's weight-path knobs (flat flags --weight-path, --pinned-budget-bytes, ...)"})
     pool: str = field(default="default", metadata={"help": "pool name (the publisher's shared-memory segment names)"})
     curve_dir: str | None = field(default=None, metadata={"help": "CURVE key directory from `rollpool keys gen` (None: plaintext)"})
 
     def __post_init__(self) -> None:
-        check_path_fields("TrainerClientConfig", self.weight_path, 0, self.pinned_budget_bytes)
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.request_retries < 1:
@@ -636,7 +635,6 @@ class TrainerClient:
             from rollpool.weights import WeightPublisher
 
             cfg = self.config
-            # the defaults (auto, no budget) leave the publisher to read ROLLPOOL_WEIGHT_PATH / ROLLPOOL_PINNED_BUDGET_BYTES
             self._publisher = WeightPublisher(
                 self.sockets,
                 router_endpoint=cfg.weight_router_endpoint,
@@ -644,9 +642,8 @@ class TrainerClient:
                 keep_versions=cfg.keep_versions,
                 bucket_bytes=cfg.bucket_bytes,
                 metrics=self.metrics,
-                path=None if cfg.weight_path == "auto" else cfg.weight_path,
                 pool=cfg.pool,
-                pinned_budget_bytes=cfg.pinned_budget_bytes,
+                weights=cfg.weights,
             )
             await self._publisher.start()
         return self._publisher

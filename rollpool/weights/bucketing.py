@@ -33,7 +33,6 @@ buffer: no extra copy.
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +41,8 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import BucketInfo, TensorInfo
+from rollpool.weights import manifest as _manifest
+from rollpool.weights.manifest import check_bucket_info, checksum_supported
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -131,26 +132,9 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 # --------------------------------------------------------------------------- checksums
 
 
-@functools.cache
-def _xxhash() -> Any:
-    """The `xxhash` module, or None where it is not installed (imported once, on first use)."""
-    try:
-        import xxhash
-    except ImportError:
-        return None
-    return xxhash
-
-
-def checksum_supported(algorithm: str) -> bool:
-    """Whether this process can compute (and so verify) `algorithm`."""
-    if algorithm == "crc32":
-        return True
-    return algorithm == "xxh3_64" and _xxhash() is not None
-
-
 def default_checksum_algorithm() -> str:
     """``"xxh3_64"`` where `xxhash` is importable, else ``"crc32"``."""
-    return "xxh3_64" if _xxhash() is not None else "crc32"
+    return "xxh3_64" if _manifest.xxhash_module() is not None else "crc32"
 
 
 def checksum(data: Any, algorithm: str | None = None) -> str:
@@ -170,7 +154,7 @@ class Checksummer:
         if not checksum_supported(self.algorithm):
             raise ValueError(f"checksum algorithm {self.algorithm!r} is not available here (known: {CHECKSUM_ALGORITHMS}; xxh3_64 needs the xxhash package)")
         self._crc = 0
-        self._xxh: Any = _xxhash().xxh3_64() if self.algorithm == "xxh3_64" else None
+        self._xxh: Any = _manifest.xxhash_module().xxh3_64() if self.algorithm == "xxh3_64" else None
 
     @classmethod
     def for_digest(cls, expected: str) -> Checksummer:
@@ -347,24 +331,6 @@ def pack_tensors(source: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, check
 
 
 # --------------------------------------------------------------------------- unpacking
-
-
-def check_bucket_info(info: BucketInfo) -> None:
-    """Raise ValueError unless every tensor of `info` lies inside the bucket, aligned and sized by its shape."""
-    if info.nbytes < 0:
-        raise ValueError(f"bucket {info.index}: negative size {info.nbytes}")
-    for t in info.tensors:
-        dtype = dtype_from_name(t.dtype)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        numel = 1
-        for s in t.shape:
-            if s < 0:
-                raise ValueError(f"tensor {t.name!r}: negative dimension in shape {t.shape}")
-            numel *= s
-        if numel * itemsize != t.nbytes or t.offset < 0 or t.offset + t.nbytes > info.nbytes:
-            raise ValueError(f"tensor {t.name!r}: shape {t.shape} x {t.dtype} does not fit {t.nbytes} bytes at offset {t.offset}")
-        if t.offset % itemsize:
-            raise ValueError(f"tensor {t.name!r}: offset {t.offset} is not aligned to {itemsize}")
 
 
 def unpack_bucket(info: BucketInfo, data: torch.Tensor) -> dict[str, torch.Tensor]:

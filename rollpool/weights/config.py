@@ -1,35 +1,42 @@
-"""The weights configs: `WeightPathConfig` (how weight bytes travel, shared by the publisher, the subscriber,
-the relay and their CLIs) and `RelayConfig` (the relay's flags, ``rollpool relay``).
+"""The weights configs: `WeightPathConfig` (every knob of how weight bytes travel, one dataclass nested in the worker's
+and the trainer client's configs and taken by the publisher, the subscriber and the relay) and `RelayConfig` (the
+relay's flags, ``rollpool relay``).
 
-- ``path``: ``auto`` (shared memory when publisher and subscriber share a host
-  and /dev/shm, else the network path; every fallback is logged and counted),
-  ``network`` (ZeroMQ chunks only), ``shm`` (shared memory or a clear error),
-  ``cuda_ipc`` (the trainer's GPU tensors copied device-to-device by an engine on
-  the same GPU; shared memory, then the network, as counted fallbacks). On
-  ``auto`` the same-GPU path is taken when the publisher offers it: it does once a
-  subscriber on its host said it sees the GPU (docs/weights.md).
-- ``streams``: DEALER sockets a subscriber spreads its chunk window over
-  (several TCP connections, each on its own ZeroMQ I/O thread where the
-  context has them).
-- ``pinned_budget_bytes``: the most page-locked host memory one side
-  allocates for buckets (None: no bound; beyond it buffers are pageable).
+Every field is read once, when the config is loaded (`rollpool.protocol.config.load_config`: defaults < TOML <
+``ROLLPOOL_<FIELD>`` < flags; nested, its flags and variables keep their flat names, e.g. ``--weight-path``,
+``ROLLPOOL_WEIGHT_PATH``). A publisher or subscriber made without one loads it from the environment once, at its
+making (`WeightPathConfig.from_env`); library code reads no variable after that.
 
-Environment: ``ROLLPOOL_WEIGHT_PATH``, ``ROLLPOOL_WEIGHT_STREAMS``,
-``ROLLPOOL_PINNED_BUDGET_BYTES``; flags ``--weight-path``, ``--weight-streams``,
-``--pinned-budget-bytes`` (the relay's and the worker's CLIs; the worker's and
-the trainer client's configs carry the same three fields, checked by
-`check_path_fields`). The worker also reserves its page-locked buffers at engine
-start (``--weight-reserve-versions``, the engine's own parameter bytes).
+- ``weight_path``: ``auto`` (the fastest path the hello and manifest allow; every fallback is logged and counted),
+  ``network`` (the bulk lane or ZeroMQ chunks only), ``shm`` (shared memory or a clear error), ``cuda_ipc`` (the
+  trainer's GPU tensors copied device-to-device by an engine on the same GPU; shared memory, then the network, as
+  counted fallbacks). On ``auto`` the same-GPU path is taken when the publisher offers it: it does once a subscriber
+  on its host said it sees the GPU (docs/weights.md). The order is `rollpool.weights.manifest.plan`'s.
+- ``weight_streams``: DEALER sockets (and bulk-lane connections) a subscriber spreads its fetch over; 0: one per two
+  cores, 1 to 4. A process that fetches over them gives its ZeroMQ context as many I/O threads.
+- ``pinned_budget_bytes``: the most page-locked host memory one side allocates for buckets (None: no bound; beyond
+  it buffers are pageable).
+- ``weight_bulk``: the network path's bulk lane (plain TCP beside the ROUTER, off under CURVE anyway); off on either
+  side, that side neither offers nor takes it.
+- ``weight_reserve_bytes``: a subscriber reserves its host (and staging device) buffers for two versions of this
+  size at its making (None: at engine start by the engine's own size, `WorkerConfig.weight_reserve_versions`, else
+  at the first fetch).
+- ``weight_shm_to_device``: a worker whose engine stages to CUDA copies shared-memory buckets straight to its GPU and
+  verifies them there (off: the CPU copy and checksum).
+- ``weight_copy_threads``: threads that copy and checksum buckets on either side (0: up to 8, a core left to the
+  event loop where there are few).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from rollpool.protocol.errors import ConfigError
 
-__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "check_path_fields", "RelayConfig", "default_pub_endpoint", "default_streams", "default_copy_threads"]
+__all__ = ["WEIGHT_PATHS", "WeightPathConfig", "RelayConfig", "default_pub_endpoint", "default_streams", "default_copy_threads", "with_overrides"]
 
 WEIGHT_PATHS = ("auto", "network", "shm", "cuda_ipc")
 
@@ -39,60 +46,60 @@ def default_streams() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-def weight_streams(streams: int | None = None) -> int:
-    """The sockets a subscriber spreads its fetches over: `streams`, else ``ROLLPOOL_WEIGHT_STREAMS``, else
-    `default_streams` (0 or None: automatic); in [1, 16]. A process that fetches over them gives its ZeroMQ context as
-    many I/O threads (a context's default is one I/O thread for all of its sockets)."""
-    if not streams:
-        text = os.environ.get("ROLLPOOL_WEIGHT_STREAMS", "").strip()
-        if not text:
-            return default_streams()
-        try:
-            streams = int(text)
-        except ValueError:
-            raise ValueError(f"ROLLPOOL_WEIGHT_STREAMS must be an integer, got {text!r}") from None
-    if not 1 <= streams <= 16:
-        raise ValueError(f"streams must be in [1, 16], got {streams}")
-    return streams
-
-
 def default_copy_threads() -> int:
     """Threads that copy or checksum buckets: up to 8, leaving a core to the event loop where there are few."""
     n = os.cpu_count() or 1
     return max(1, min(8, n - 1 if n > 2 else n))
 
 
-def check_path_fields(owner: str, weight_path: str, weight_streams: int, pinned_budget_bytes: int | None) -> None:
-    """The checks of the three weight-path fields, for every config that carries them (`owner` names it in errors)."""
-    if weight_path not in WEIGHT_PATHS:
-        raise ConfigError(f"{owner}.weight_path must be one of {', '.join(WEIGHT_PATHS)}, got {weight_path!r}")
-    if not 0 <= weight_streams <= 16:
-        raise ConfigError(f"{owner}.weight_streams must be in [0, 16] (0: automatic), got {weight_streams}")
-    if pinned_budget_bytes is not None and pinned_budget_bytes < 0:
-        raise ConfigError(f"{owner}.pinned_budget_bytes must be >= 0 or None, got {pinned_budget_bytes}")
-
-
 @dataclass(frozen=True)
 class WeightPathConfig:
     weight_path: str = field(default="auto", metadata={"help": "how weight bytes travel: auto, network, shm or cuda_ipc"})
-    weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads chunk requests over, 1..16 (0: automatic, one per two cores up to 4)"})
+    weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads its fetch over, 1..16 (0: automatic, one per two cores up to 4)"})
     pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory per side (None: no bound)"})
+    weight_bulk: bool = field(default=True, metadata={"help": "the network path's bulk lane (plain TCP beside the ROUTER; off under CURVE anyway)"})
+    weight_reserve_bytes: int | None = field(default=None, metadata={"help": "a subscriber reserves buffers for two versions of this size when made (None: at engine start, else at the first fetch)"})
+    weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
+    weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})
 
     def __post_init__(self) -> None:
-        check_path_fields(type(self).__name__, self.weight_path, self.weight_streams, self.pinned_budget_bytes)
+        owner = type(self).__name__
+        if self.weight_path not in WEIGHT_PATHS:
+            raise ConfigError(f"{owner}.weight_path must be one of {', '.join(WEIGHT_PATHS)}, got {self.weight_path!r}")
+        if not 0 <= self.weight_streams <= 16:
+            raise ConfigError(f"{owner}.weight_streams must be in [0, 16] (0: automatic), got {self.weight_streams}")
+        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
+            raise ConfigError(f"{owner}.pinned_budget_bytes must be >= 0 or None, got {self.pinned_budget_bytes}")
+        if self.weight_reserve_bytes is not None and self.weight_reserve_bytes < 0:
+            raise ConfigError(f"{owner}.weight_reserve_bytes must be >= 0 or None, got {self.weight_reserve_bytes}")
+        if not 0 <= self.weight_copy_threads <= 64:
+            raise ConfigError(f"{owner}.weight_copy_threads must be in [0, 64] (0: automatic), got {self.weight_copy_threads}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WeightPathConfig:
+        """The defaults with ``ROLLPOOL_<FIELD>`` applied (what a facade made without a config takes, read once)."""
+        from rollpool.protocol.config import load_config
+
+        env = {k: v for k, v in (os.environ if environ is None else environ).items() if k != "ROLLPOOL_CONFIG"}  # (a TOML file is the process config's)
+        return load_config(WeightPathConfig, environ=env)
 
     @property
     def streams(self) -> int:
-        """`weight_streams`, else ``ROLLPOOL_WEIGHT_STREAMS``, else the default (`weight_streams()`, as the worker's)."""
-        return weight_streams(self.weight_streams)
+        """`weight_streams`, or the default (one per two cores, 1 to 4) when it is 0."""
+        return self.weight_streams or default_streams()
 
-    def subscriber_kwargs(self) -> dict[str, object]:
-        """Keyword arguments for `WeightSubscriber` (what the relay passes on to its upstream subscriber)."""
-        return {"path": self.weight_path, "streams": self.streams, "pinned_budget_bytes": self.pinned_budget_bytes}
+    @property
+    def copy_threads(self) -> int:
+        """`weight_copy_threads`, or the default (up to 8) when it is 0."""
+        return self.weight_copy_threads or default_copy_threads()
 
-    def publisher_kwargs(self) -> dict[str, object]:
-        """Keyword arguments for `WeightPublisher`."""
-        return {"path": self.weight_path, "pinned_budget_bytes": self.pinned_budget_bytes}
+
+def with_overrides(weights: WeightPathConfig | None, **given: Any) -> WeightPathConfig:
+    """`weights` (None: `WeightPathConfig.from_env`) with each field given not None replaced (the keywords of a
+    facade's callers that predate `WeightPathConfig`)."""
+    cfg = weights if weights is not None else WeightPathConfig.from_env()
+    changes = {k: v for k, v in given.items() if v is not None}
+    return replace(cfg, **changes) if changes else cfg
 
 
 def default_pub_endpoint(router_endpoint: str) -> str:
@@ -136,3 +143,7 @@ class RelayConfig(WeightPathConfig):
             raise ConfigError("RelayConfig.fetch_timeout_s and poll_interval_s must be > 0")
         if self.max_refetch < 0:
             raise ConfigError(f"RelayConfig.max_refetch must be >= 0, got {self.max_refetch}")
+
+    def path_config(self) -> WeightPathConfig:
+        """The weight-path fields alone (what the relay's upstream subscriber and its server take)."""
+        return WeightPathConfig(**{f.name: getattr(self, f.name) for f in fields(WeightPathConfig)})

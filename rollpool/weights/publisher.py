@@ -1,11 +1,14 @@
-"""`WeightPublisher`: the trainer's side of the weight-publish channel.
+"""`WeightPublisher`: the trainer's side of the weight-publish channel, a facade over the server, the snapshot and
+the same-GPU arenas.
 
 ``await publish(named_tensors, version)`` snapshots the tensors into the
-publisher's own CPU buckets (one copy per byte, done in worker threads so the
-event loop keeps serving; training may change its tensors as soon as publish
-returns), computes each bucket's checksum, keeps the newest `keep_versions`
-versions, announces the new one on PUB and serves manifests and chunks on
-ROUTER (see `serving.py` for the serving guarantees).
+publisher's own CPU buckets (`snapshot.py`: one copy per byte, done in worker
+threads so the event loop keeps serving; training may change its tensors as
+soon as publish returns), computes each bucket's checksum, keeps the newest
+`keep_versions` versions, announces the new one on PUB and serves manifests
+and chunks on ROUTER and the bulk lane (see `serving.py` for the serving
+guarantees). CUDA tensors on the same-GPU path are snapshotted into a device
+arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
 once at its final size and tensors are copied by parallel threads, each bucket
@@ -30,23 +33,17 @@ CPU tensors are served in place; others are copied once (to CPU, contiguous).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, ShmSegment, TensorInfo
+from rollpool.protocol.messages import BucketInfo, Manifest, ShmSegment, TensorInfo
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import (
@@ -57,24 +54,30 @@ from rollpool.weights.bucketing import (
     Checksummer,
     checksum_supported,
     default_checksum_algorithm,
-    dtype_from_name,
     dtype_name,
-    flat_bytes,
     named_tensors_of,
     tensor_bytes,
 )
-from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads
-from rollpool.weights.cuda_ipc import (
-    DeviceSlabs,
-    arena_offsets,
-    export_buffer,
-    mix64_checksum,
-    mix64_format,
+from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
+from rollpool.weights.gpu import (
     mix64_partial,
     side_stream,
 )
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
+from rollpool.weights.paths.base import Attr
+from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.snapshot import (
+    THREAD_COPY_BYTES,
+    ContiguousSource,
+    PiecesSource,
+    Place,
+    Snapshot,
+    SnapshotKnobs,
+    SnapshotPools,
+    cpu_bytes,
+    layout_of,
+)
 
 __all__ = ["WeightPublisher", "layout_of"]
 
@@ -82,473 +85,7 @@ log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
 _SHM_HEADROOM_BYTES = 64 * _MiB
-_THREAD_COPY_BYTES = 1 * _MiB
 """Tensors at least this large are copied in a worker thread (smaller ones inline: a thread hop costs more)."""
-
-
-class ContiguousSource:
-    """A bucket held as one contiguous uint8 CPU tensor: chunks are zero-copy slices.
-
-    Every chunk handed out is a numpy slice that holds a reference to
-    `array` until ZeroMQ has sent it, so `in_flight` tells when the buffer
-    may be written again (a recycled buffer must not change bytes still
-    queued for a slow peer).
-    """
-
-    __slots__ = ("data", "array")
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-        self.array = data.numpy()
-
-    def read(self, offset: int, nbytes: int) -> Any:
-        return self.array[offset : offset + nbytes].data
-
-    def in_flight(self) -> bool:
-        # the attribute and getrefcount's own argument; anything more is a chunk still held
-        return sys.getrefcount(self.array) > 2
-
-
-class GatedSource(ContiguousSource):
-    """A streamed bucket: unreadable (fetches park) until it is copied and checksummed."""
-
-    __slots__ = ("ready",)
-
-    def __init__(self, data: torch.Tensor) -> None:
-        super().__init__(data)
-        self.ready = False
-
-    def read(self, offset: int, nbytes: int) -> Any:
-        if not self.ready:
-            return None
-        return self.array[offset : offset + nbytes].data
-
-
-def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """``(name, dtype name, shape, nbytes)`` per tensor, in order, of tensors (meta ones too) or ``(name, (shape, dtype))`` pairs."""
-    items: Any
-    if isinstance(named_shapes, torch.nn.Module):
-        items = named_shapes.state_dict(keep_vars=False).items()
-    elif isinstance(named_shapes, Mapping):
-        items = named_shapes.items()
-    else:
-        items = named_shapes
-    out: list[tuple[str, str, tuple[int, ...], int]] = []
-    for name, spec in items:
-        if isinstance(spec, torch.Tensor):
-            shape, dtype = tuple(int(x) for x in spec.shape), spec.dtype
-        else:
-            try:
-                shape_any, dtype_any = spec
-            except (TypeError, ValueError):
-                raise TypeError(f"{name!r}: expected a tensor or (shape, dtype), got {type(spec).__name__}") from None
-            shape = tuple(int(x) for x in shape_any)
-            dtype = dtype_any if isinstance(dtype_any, torch.dtype) else dtype_from_name(str(dtype_any))
-        numel = 1
-        for x in shape:
-            numel *= x
-        out.append((str(name), dtype_name(dtype), shape, numel * torch.empty(0, dtype=dtype).element_size()))
-    return out
-
-
-class _Snapshot:
-    """One streamed snapshot: copies in threads (CUDA on a side stream), each bucket checksummed when its last copy lands,
-    then made readable and its checksum published (`WeightServer.complete_bucket`) on the loop."""
-
-    def __init__(self, pub: WeightPublisher, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner,
-                 buffers: list[torch.Tensor]) -> None:
-        self.pub = pub
-        self.version = version
-        self.places = places
-        self.buffers = buffers
-        self.loop = asyncio.get_running_loop()
-        self.segments = [pub.segment_of(b) for b in buffers]
-        infos = tuple(
-            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors),
-                  shm_segment=seg.name if seg is not None else "")
-            for b, seg in zip(planner.buckets, self.segments, strict=True)
-        )
-        shm = bool(infos) and all(seg is not None for seg in self.segments)
-        if not shm:
-            infos = tuple(replace(i, shm_segment="") for i in infos)
-        self.planned = list(planner.buckets)
-        self.sources = [GatedSource(b) for b in buffers]
-        self.served = ServedVersion(version=version, publisher_id=pub.publisher_id, buckets=infos, sources=list(self.sources),
-                                    chunk_bytes=pub.chunk_bytes, host_key=pub.host_key if shm else "", pool=pub.pool)
-        self.left = [0] * len(buffers)
-        self.pending = len(buffers)
-        # the same-host path staged to a GPU (minor 10): a mix64 of each bucket's host bytes, on shm versions only.
-        # From CUDA tensors it is summed on the GPU per tensor as it is copied (`mix64_partial` at the tensor's word
-        # offset: every tensor of the bucket 8-byte aligned, only the last with a tail); otherwise on the CPU over the
-        # bucket after its xxh3 (so the network and CPU shm paths are never delayed by it).
-        self.mix = shm
-        self.mix_parts = [0] * len(buffers)
-        self.mix_dev: list[list[torch.Tensor]] = [[] for _ in buffers]
-        """Per bucket: its tensors' mix64 parts as int64 scalars on the GPU (summed on the mix stream, never waited on by
-        a copy thread: a checksum thread reads them once the bucket's last part was queued)."""
-        self.mix_aligned = [self.mix and _word_aligned(b.tensors) for b in planner.buckets]
-        self.parts_left = [2 if self.mix else 1 for _ in buffers]
-        """Per bucket: its checksum, and its mix64 on shm versions; the bucket is finished when both exist."""
-        self.checksummed: asyncio.Future[None] = self.loop.create_future()
-        self.ipc_offsets: list[int] = []
-        """The buckets' offsets in the version's device arena (the same-GPU path), else empty."""
-        self.ipc_stream: Any = None
-        self.issued = [0] * len(buffers)
-        """Per bucket: its CUDA copies queued by the issuing thread."""
-        self.slots: torch.Tensor | None = None
-        """Page-locked int64 per bucket: its GPU mix64 sum, copied behind its copies (`_queue_digest`)."""
-        self.slotted = [False] * len(buffers)
-        self.pinned: list[bool | None] = [None] * len(buffers)
-        """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
-        self.marks: dict[str, float] = {}
-        """perf_counter of the copy's phases (`WeightPublisher.last_phases`)."""
-        if not buffers:
-            self.checksummed.set_result(None)
-        self._lock = threading.Lock()
-        for seg in self.segments:
-            if seg is not None:
-                seg.begin_write()
-
-    def abandon(self) -> None:
-        if not self.checksummed.done():
-            self.checksummed.cancel()
-
-    async def copy(self, items: Any) -> None:
-        """Copy every tensor into its place; return when the caller's tensors may change (all copies landed).
-
-        Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
-        copies are outstanding, so at most that many of its tensors are alive at once)."""
-        pub = self.pub
-        streams: dict[Any, Any] = {}
-        mix_streams: dict[Any, Any] = {}
-        it = iter(items)
-        inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
-        window = asyncio.Semaphore(4 * max(1, pub.copy_threads))
-        futures: list[asyncio.Future[None]] = []
-        # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
-        for b in self.planned:
-            self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
-        self._finish_empty()
-        try:
-            for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
-                try:
-                    got_name, tensor = next(it)
-                except StopIteration:
-                    raise ValueError(f"the tensors ended before {name!r}; the reserved layout has {len(self.places)}") from None
-                if got_name != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-                    raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
-                if not nbytes:
-                    continue
-                stream, mix_stream = self._streams_of(tensor, streams, mix_streams)
-                if inline:
-                    self._copy(idx, offset, tensor, stream, mix_stream)
-                    continue
-                await window.acquire()
-                if stream is not None and self._pinned(idx):
-                    # into page-locked memory: queued by the issuing thread, waited for by the landing thread (the copy
-                    # engine never waits for a copy thread to be scheduled, whatever else the host runs)
-                    landed: concurrent.futures.Future[None] = concurrent.futures.Future()
-                    pub._issue_pool.submit(self._issue, idx, offset, tensor, stream, mix_stream, landed)
-                    fut = asyncio.wrap_future(landed)
-                else:
-                    fut = asyncio.wrap_future(pub._copy_pool.submit(self._copy, idx, offset, tensor, stream, mix_stream))
-                fut.add_done_callback(lambda _f: window.release())
-                futures.append(fut)
-                del tensor  # only the copy job holds it now
-            for _extra in it:
-                raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
-            self.marks["issued"] = time.perf_counter()
-            await asyncio.gather(*futures)
-            self.marks["landed"] = time.perf_counter()
-            if mix_streams:
-                # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
-                # the whole version, not one per tensor)
-                await asyncio.to_thread(_synchronize_all, list(mix_streams.values()))
-            self.marks["mixed"] = time.perf_counter()
-        except BaseException:
-            await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
-            raise
-
-    def _finish_empty(self) -> None:
-        """Buckets with no bytes to copy are checksummed (and mixed) at once."""
-        for idx in range(len(self.buffers)):
-            if self.left[idx] == 0:
-                if self.mix:
-                    self._mix_ready(idx, mix64_format(0))
-                self._sum_later(idx)
-
-    def _streams_of(self, tensor: torch.Tensor, streams: dict[Any, Any], mix_streams: dict[Any, Any]) -> tuple[Any, Any]:
-        """(the copy stream, the mix64 stream) of a CUDA tensor's device, made on first use; (None, None) for CPU tensors."""
-        if tensor.device.type != "cuda":
-            return None, None
-        stream = streams.get(tensor.device)
-        if stream is None:
-            # the side stream first waits for the trainer's work on this device: the copy sees the latest values
-            stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            if self.mix:  # the GPU mix64 reads the same tensors beside the copy (compute beside the copy engine)
-                mix_streams[tensor.device] = side_stream(tensor.device)
-                mix_streams[tensor.device].wait_stream(torch.cuda.current_stream(tensor.device))
-        return stream, mix_streams.get(tensor.device)
-
-    def _pinned(self, idx: int) -> bool:
-        pinned = self.pinned[idx]
-        if pinned is None:
-            pinned = self.pinned[idx] = bool(self.buffers[idx].is_pinned())
-        return pinned
-
-    def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any = None) -> None:
-        """Copy thread: one tensor into its bucket, waited for here (CPU tensors, and CUDA tensors into pageable
-        memory, which the driver copies synchronously anyway); then `_landed`."""
-        src = flat_bytes(tensor)
-        dst = self.buffers[idx][offset : offset + int(src.numel())]
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=dst.is_pinned())
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record(stream)
-            part = self._mix_part(idx, offset, src, mix_stream)
-            done.synchronize()
-            self._add_part(idx, part)
-        else:
-            dst.copy_(src)
-        self._landed(idx, mix_stream)
-
-    def _issue(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
-        """Issuing thread (one per publisher, so copies are queued in the order they were planned): a CUDA tensor's
-        copy into page-locked memory queued on the side stream and its GPU mix64 part beside it, nothing waited on;
-        the landing thread waits for the copy."""
-        try:
-            src = flat_bytes(tensor)
-            dst = self.buffers[idx][offset : offset + int(src.numel())]
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            _keep_until_done(src, stream)
-            self._add_part(idx, self._mix_part(idx, offset, src, mix_stream))
-            self.issued[idx] += 1  # (only this thread counts them)
-            if self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]:
-                self._queue_digest(idx, stream, mix_stream)
-            with torch.cuda.stream(stream):
-                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
-                done.record(stream)
-        except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
-            landed.set_exception(exc)
-            return
-        self.pub._land_pool.submit(self._land, idx, done, mix_stream, landed)
-
-    def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
-        """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
-        into this snapshot's page-locked digest slot on the copy stream, right behind the bucket's copies (so the landing
-        thread reads it when the bucket lands; a `.item()` would wait behind every copy queued by then)."""
-        try:
-            if self.slots is None:
-                self.slots = torch.zeros(len(self.buffers), dtype=torch.int64, pin_memory=True)
-            parts = self.mix_dev[idx]
-            with torch.cuda.stream(mix_stream):
-                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-                summed = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                summed.record(mix_stream)
-            with torch.cuda.stream(stream):
-                stream.wait_event(summed)
-                self.slots[idx : idx + 1].copy_(total.reshape(1), non_blocking=True)
-            _keep_until_done(total, stream)
-        except Exception:  # the parts stay: the landing thread sums them with a wait instead
-            log.warning("weight version %d: bucket %d's mix64 could not be queued behind its copies; summed after it lands",
-                        self.version, idx, exc_info=True)
-            return
-        self.mix_dev[idx] = []
-        self.slotted[idx] = True
-
-    def _land(self, idx: int, done: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
-        """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
-        for in that order."""
-        try:
-            done.synchronize()
-            self._landed(idx, mix_stream)
-        except BaseException as exc:  # noqa: BLE001 - the publish fails with it
-            landed.set_exception(exc)
-            return
-        landed.set_result(None)
-
-    def _mix_part(self, idx: int, offset: int, src: torch.Tensor, mix_stream: Any) -> torch.Tensor | None:
-        """The tensor's GPU mix64 part, queued on the mix stream (the trainer's bytes, read before publish returns:
-        copy() waits for the mix stream), where the bucket is summed tensor by tensor."""
-        if mix_stream is None or not self.mix_aligned[idx] or src.data_ptr() % 8:
-            return None
-        with torch.cuda.stream(mix_stream):
-            part = mix64_partial(src, offset // 8)
-        _keep_until_done(src, mix_stream)
-        return part
-
-    def _add_part(self, idx: int, part: torch.Tensor | None) -> None:
-        """A tensor's GPU mix64 part joins its bucket's (before the tensor counts as landed)."""
-        if part is not None:
-            with self._lock:
-                self.mix_dev[idx].append(part)
-                self.mix_parts[idx] += 1
-
-    def _landed(self, idx: int, mix_stream: Any) -> None:
-        """A tensor's bytes are in its bucket: the bucket's last copy queues its checksum (and publishes the bucket's
-        GPU-summed mix64 where every part of it was summed on the GPU)."""
-        with self._lock:
-            self.left[idx] -= 1
-            last = self.left[idx] == 0
-        if last:
-            if self.slotted[idx]:
-                assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
-                self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))
-            elif self.mix and self.mix_parts[idx] == self._parts_of(idx):
-                # every part is queued on the mix stream: a checksum thread adds them up there and publishes the sum
-                assert mix_stream is not None
-                queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                queued.record(mix_stream)
-                self.pub._mix_pool.submit(self._mix_from_device, idx, mix_stream, queued)
-            self._sum_later(idx)
-
-    def _mix_from_device(self, idx: int, mix_stream: Any, queued: Any) -> None:
-        """Checksum thread: the bucket's GPU mix64 parts added up on the mix stream, then published (`_mix_ready`)."""
-        try:
-            with torch.cuda.stream(mix_stream):
-                mix_stream.wait_event(queued)
-                parts = self.mix_dev[idx]
-                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-                digest = mix64_format(int(total.item()))
-            self.mix_dev[idx] = []
-        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
-            self._call(self._failed, exc)
-            return
-        self._call(self._mix_ready, idx, digest)
-
-    def _parts_of(self, idx: int) -> int:
-        return sum(1 for t in self.planned[idx].tensors if t.nbytes)
-
-    def _sum_later(self, idx: int) -> None:
-        if self.buffers[idx].numel() < _THREAD_COPY_BYTES:
-            self._checksum(idx)
-        else:
-            self.pub._sum_pool.submit(self._checksum, idx)
-
-    def _checksum(self, idx: int) -> None:
-        """Checksum thread (xxh3 releases the GIL, so buckets are summed in parallel)."""
-        try:
-            summer = Checksummer(self.pub.checksum_algorithm)
-            if self.buffers[idx].numel():
-                summer.update(self.buffers[idx].numpy())
-            digest = summer.hexdigest()
-        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
-            self._call(self._failed, exc)
-            return
-        self._call(self._ready, idx, digest)
-        if self.mix and self.mix_parts[idx] != self._parts_of(idx):
-            # not summed on the GPU (CPU tensors, or an unaligned bucket): the mix64 of the host bucket, on the CPU,
-            # after its checksum was published (the network and CPU shm paths do not wait for it)
-            try:
-                mixed = mix64_checksum(self.buffers[idx]) if self.buffers[idx].numel() else mix64_format(0)
-            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
-                self._call(self._failed, exc)
-                return
-            self._call(self._mix_ready, idx, mixed)
-
-    def _call(self, fn: Any, *args: Any) -> None:
-        try:
-            on_loop = asyncio.get_running_loop() is self.loop
-        except RuntimeError:  # a worker thread
-            on_loop = False
-        if on_loop:
-            fn(*args)
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def _failed(self, exc: BaseException) -> None:
-        if not self.checksummed.done():
-            self.checksummed.set_exception(exc)
-
-    def _ready(self, idx: int, digest: str) -> None:
-        if self.checksummed.done():
-            return  # withdrawn or evicted meanwhile
-        self.sources[idx].ready = True
-        seg = self.segments[idx]
-        if seg is not None:
-            seg.end_write(self.version)
-        self.pub._server.complete_bucket(self.version, idx, digest)
-        self._part_done(idx)
-
-    def _mix_ready(self, idx: int, digest: str) -> None:
-        """The bucket's bytes are in its segment and their mix64 is known: a subscriber staging to a GPU may copy it
-        (the segment's header names the version from now on; the xxh3 checksum may still be pending)."""
-        if self.checksummed.done():
-            return
-        seg = self.segments[idx]
-        if seg is not None:
-            seg.end_write(self.version)
-        self.pub._server.set_host_mix64(self.version, idx, digest)
-        self._part_done(idx)
-
-    def _part_done(self, idx: int) -> None:
-        self.parts_left[idx] -= 1
-        if self.parts_left[idx] == 0:
-            self.pending -= 1
-            if self.pending == 0:
-                self.checksummed.set_result(None)
-
-
-def _keep_until_done(t: torch.Tensor, stream: Any) -> None:
-    """The caching allocator does not hand `t`'s memory out again before `stream`'s work queued so far is done (an
-    iterator's tensor may be freed by its producer while its copy or mix64 is still queued)."""
-    with contextlib.suppress(RuntimeError):  # memory the caching allocator does not own: the caller keeps it alive
-        t.record_stream(stream)
-
-
-def _synchronize_all(streams: list[Any]) -> None:
-    for st in streams:
-        st.synchronize()
-
-
-def _word_aligned(tensors: Any) -> bool:
-    """Whether a bucket's mix64 can be summed tensor by tensor: every tensor starts at a multiple of 8 bytes and only
-    the last one has a tail (its zero padding is the bucket's own)."""
-    ts = [t for t in tensors if t.nbytes]
-    return all(t.offset % 8 == 0 for t in ts) and all(t.nbytes % 8 == 0 for t in ts[:-1])
-
-
-class PiecesSource:
-    """A bucket made of the caller's tensors (keep_versions=0): a chunk within one tensor is a zero-copy slice."""
-
-    __slots__ = ("pieces", "starts")
-
-    def __init__(self, pieces: list[tuple[int, memoryview]]) -> None:
-        self.pieces = pieces
-        self.starts = [p[0] for p in pieces]
-
-    def read(self, offset: int, nbytes: int) -> Any:
-        import bisect
-
-        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        parts: list[memoryview] = []
-        end = offset + nbytes
-        pos = offset
-        while pos < end and i < len(self.pieces):
-            start, view = self.pieces[i]
-            stop = start + view.nbytes
-            if stop > pos:
-                parts.append(view[pos - start : min(end, stop) - start])
-                pos = min(end, stop)
-            i += 1
-        if len(parts) == 1:
-            return parts[0]
-        return b"".join(parts)
-
-
-def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class WeightPublisher:
@@ -575,12 +112,12 @@ class WeightPublisher:
         copy_threads: int | None = None,
         checksum_threads: int | None = None,
         reserve: Any = None,
+        weights: WeightPathConfig | None = None,
     ) -> None:
-        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"  # unset: from the environment
-        if path not in WEIGHT_PATHS:
-            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        if pinned_budget_bytes is None and os.environ.get("ROLLPOOL_PINNED_BUDGET_BYTES", "").strip():
-            pinned_budget_bytes = int(os.environ["ROLLPOOL_PINNED_BUDGET_BYTES"])
+        """`weights`: every weight-path knob (None: `WeightPathConfig.from_env`, read once here); `path`,
+        `pinned_budget_bytes` and `copy_threads` override one of its fields each."""
+        cfg = with_overrides(weights, weight_path=path, pinned_budget_bytes=pinned_budget_bytes, weight_copy_threads=copy_threads)
+        path, pinned_budget_bytes = cfg.weight_path, cfg.pinned_budget_bytes
         if keep_versions < 0:
             raise ValueError(f"keep_versions must be >= 0, got {keep_versions}")
         if bucket_bytes < 1:
@@ -602,7 +139,8 @@ class WeightPublisher:
         self.path = path
         self.pool = pool
         self.host_key = host_key()
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.config = cfg
+        self.copy_threads = cfg.copy_threads
         self.checksum_threads = checksum_threads or default_copy_threads()
         self.shm_fallbacks = 0
         """Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm)."""
@@ -613,16 +151,12 @@ class WeightPublisher:
         if path != "network" and keep_versions > 0:
             sweep_stale_segments(pool)
             self._shm_pool = BufferPool(kind="shm", pin=pin, pinned_budget_bytes=pinned_budget_bytes, pool=pool, owner_id=self.publisher_id)
-        self._copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
-        self._issue_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-issue")
-        self._land_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-land")
+        self._pools = SnapshotPools.make(self.copy_threads, self.checksum_threads)
+        self._knobs = SnapshotKnobs(publisher_id=self.publisher_id, chunk_bytes=chunk_bytes, host_key=self.host_key, pool=pool,
+                                    copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm)
         self.last_phases: dict[str, float] = {}
         """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
         ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
-        self._sum_pool = ThreadPoolExecutor(self.checksum_threads, thread_name_prefix="weights-checksum")
-        self._mix_pool = ThreadPoolExecutor(1, thread_name_prefix="weights-mix")
-        """Adds up each bucket's GPU mix64 parts (a short wait on the mix stream): never queued behind the xxh3 jobs,
-        so a staging worker may copy a bucket as soon as it landed."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._server = WeightServer(
@@ -632,6 +166,7 @@ class WeightPublisher:
             name="publisher",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
+            bulk=cfg.weight_bulk,
         )
         self._latest = -1
         self._spare: list[ContiguousSource] = []
@@ -640,22 +175,11 @@ class WeightPublisher:
         self._lock = asyncio.Lock()
         self._served_event = asyncio.Event()
         self._server.on_served = lambda v: self._served_event.set()
-        self._server.on_manifest_request = self._hello
-        self._ipc_slabs = DeviceSlabs()
-        """Device arenas of the same-GPU path (one per version, reused; allocated only once that path is used)."""
-        self._ipc_exports: list[tuple[torch.Tensor, CudaIpcBuffer]] = []
-        """Each arena with its export (`_share_cuda_` once per arena)."""
-        self._ipc_of_version: dict[int, torch.Tensor] = {}
-        self._ipc_peers: set[str] = set()
-        """GPU UUIDs that subscribers on this host said they see (their hello): on ``auto`` CUDA tensors are exported."""
-        self.ipc_versions = 0
-        """Versions offered on the same-GPU path."""
-        self._ipc_broken = ""
-        """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self._ipc = IpcArenas(self.publisher_id, self.host_key, path)
+        """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
+        self._server.on_manifest_request = self._ipc.hello
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`_warm_snapshot`); a publish waits for it."""
-        if path == "cuda_ipc":
-            self._warm_ipc()
         if reserve is not None:
             self.reserve(reserve)
 
@@ -669,15 +193,9 @@ class WeightPublisher:
         for fut in list(self._finishing.values()):
             fut.cancel()
         await self._server.close()
-        self._copy_pool.shutdown(wait=True, cancel_futures=True)
-        self._issue_pool.shutdown(wait=True, cancel_futures=True)
-        self._land_pool.shutdown(wait=True, cancel_futures=True)
-        self._sum_pool.shutdown(wait=True, cancel_futures=True)
-        self._mix_pool.shutdown(wait=True, cancel_futures=True)
+        self._pools.shutdown()
         self._spare = []
-        self._ipc_exports = []
-        self._ipc_of_version = {}
-        self._ipc_slabs.trim(0)
+        self._ipc.close()
         self._host_pool.close()
         if self._shm_pool is not None:
             self._shm_pool.close()  # segments unlinked; mappings go with the last view
@@ -690,13 +208,8 @@ class WeightPublisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @property
-    def router_endpoint(self) -> str:
-        return self._server.router_endpoint
-
-    @property
-    def pub_endpoint(self) -> str | None:
-        return self._server.pub_endpoint
+    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
+    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
 
     @property
     def latest_version(self) -> int:
@@ -707,9 +220,12 @@ class WeightPublisher:
         """Versions whose bytes are served now, oldest first."""
         return sorted(self._server.versions)
 
+    bytes_served: Attr[int] = Attr("_server")
+
     @property
-    def bytes_served(self) -> int:
-        return self._server.bytes_served
+    def ipc_versions(self) -> int:
+        """Versions offered on the same-GPU path."""
+        return self._ipc.versions
 
     @property
     def stats(self) -> dict[str, int]:
@@ -721,8 +237,8 @@ class WeightPublisher:
             "dropped_replies": s.dropped_replies,
             "protocol_errors": s.protocol_errors,
             "shm_fallbacks": self.shm_fallbacks,
-            "ipc_versions": self.ipc_versions,
-            "ipc_arenas": len(self._ipc_exports),
+            "ipc_versions": self._ipc.versions,
+            "ipc_arenas": len(self._ipc.exports),
             "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
             "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
         }
@@ -807,7 +323,7 @@ class WeightPublisher:
             self._trim_spares(0)
             (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
             self._sync_segments()
-        self.path = path
+        self.path = self._ipc.path = path
 
     def manifest_of(self, version: int) -> Manifest | None:
         """The manifest of a served version as it stands (checksums still pending show ``""``)."""
@@ -876,7 +392,7 @@ class WeightPublisher:
                 return served.manifest("")
             return await self._publish_planned(items, places, planner, version, t0, wait_ready)
 
-    async def _publish_planned(self, items: Any, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner,
+    async def _publish_planned(self, items: Any, places: list[Place], planner: BucketPlanner,
                                version: int, t0: float, wait_ready: bool) -> Manifest:
         """The streamed snapshot of a planned version (see `publish`); on the same-GPU path a device snapshot first."""
         if self._warming is not None:  # the reserved segments' warm-up pass writes them: done before a version does
@@ -884,15 +400,12 @@ class WeightPublisher:
             self._warming = None
         snap = self._begin(version, places, planner)
         snap.marks["begun"] = time.perf_counter()
-        ipc_device = self._ipc_device(items)
+        ipc_device = self._ipc.device_for(items)
         if ipc_device is not None:
             try:
-                arena, arena_items = self._ipc_begin(snap, planner, places, ipc_device)
-            except Exception as exc:  # noqa: BLE001 - an arena that cannot be made or exported: the host path serves
-                self._ipc_broken = f"{type(exc).__name__}: {exc}"
-                log.error("weight publisher %s: the same-GPU path failed (%s); no device buffer is offered from now on",
-                          self.publisher_id, self._ipc_broken)
-                self._ipc_release(version)
+                arena, snap.ipc_offsets, arena_items = self._ipc.begin(snap.served, places, ipc_device)
+            except Exception:  # noqa: BLE001 - an arena that cannot be made or exported (logged there): the host path serves
+                self._ipc.release(version)
                 snap.served.cuda_ipc = None
                 ipc_device = None
         previous, self._latest = self._latest, version
@@ -900,7 +413,7 @@ class WeightPublisher:
         snap.marks["announced"] = time.perf_counter()
         try:
             if ipc_device is not None:
-                await self._ipc_copy(arena, snap, places, items)
+                snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
             else:
                 await snap.copy(items)
         except BaseException:
@@ -909,7 +422,7 @@ class WeightPublisher:
             snap.abandon()
             self._spare.extend(snap.sources)  # its buffers serve the next publish
             if ipc_device is not None:
-                self._ipc_release(version)
+                self._ipc.release(version)
             raise
         copied = time.perf_counter()
         snap.marks["returned"] = copied
@@ -932,7 +445,7 @@ class WeightPublisher:
         if fut is not None:
             await asyncio.shield(fut)
 
-    async def _finish(self, snap: _Snapshot, t0: float, copied: float) -> None:
+    async def _finish(self, snap: Snapshot, t0: float, copied: float) -> None:
         try:
             await snap.checksummed
         except BaseException as exc:
@@ -952,7 +465,7 @@ class WeightPublisher:
                                                  "pack_s": round(now - t0, 6), "blocked_s": round(copied - t0, 6),
                                                  "memory": "shm" if any(b.shm_segment for b in served.buckets) else "host"})
 
-    def _plan(self, named_tensors: Any) -> tuple[Any, list[tuple[int, int, str, tuple[int, ...], str, int]] | None, BucketPlanner]:
+    def _plan(self, named_tensors: Any) -> tuple[Any, list[Place] | None, BucketPlanner]:
         """(the tensors, where each goes: (bucket, offset, name, shape, dtype, nbytes) in order, the planner).
 
         A dict or a module is planned from its sizes; an iterator is planned from
@@ -967,13 +480,13 @@ class WeightPublisher:
             items, layout = named_tensors_of(named_tensors), self._layout
         else:
             return named_tensors_of(named_tensors), None, planner
-        places = []
+        places: list[Place] = []
         for name, dtype, shape, nbytes in layout:
             idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
-            places.append((idx, offset, name, shape, dtype, nbytes))
+            places.append(Place(idx, offset, name, shape, dtype, nbytes))
         return items, places, planner
 
-    def _begin(self, version: int, places: list[tuple[int, int, str, tuple[int, ...], str, int]], planner: BucketPlanner) -> _Snapshot:
+    def _begin(self, version: int, places: list[Place], planner: BucketPlanner) -> Snapshot:
         sizes = [b.nbytes for b in planner.buckets]
         spare = [int(s.data.numel()) for s in self._spare]
         reserved = self._shm_pool.free_sizes() if self._shm_pool is not None else []
@@ -989,120 +502,16 @@ class WeightPublisher:
         buffers = [self._buffer(n, pool) for n in sizes]
         self._trim_spares(sum(sizes), kind=pool.kind)  # after a layout or path change, what no version reuses is freed
         self._sync_segments()
-        return _Snapshot(self, version, places, planner, buffers)
+        return Snapshot(self._knobs, self._pools, self._server, version, places, planner, buffers, [self.segment_of(b) for b in buffers])
 
     # -- the same-GPU path (CUDA IPC)
 
-    def _hello(self, req: ManifestRequest) -> None:
-        """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
-        if req.gpu_uuids and req.host_key and req.host_key == self.host_key:
-            new = set(req.gpu_uuids) - self._ipc_peers
-            if new:
-                self._ipc_peers |= new
-                log.info("weight publisher %s: a subscriber on this host sees GPU(s) %s", self.publisher_id, sorted(new))
-                self._warm_ipc()
-
-    def _warm_ipc(self) -> None:
-        """The same-GPU path may be used soon: its checksum kernels warmed on this process's GPU, in a thread."""
-        if not torch.cuda.is_available():
-            return
-        from rollpool.weights.cuda_ipc import warm_up
-
-        def warm() -> None:
-            try:
-                warm_up(torch.device("cuda", torch.cuda.current_device()))
-            except Exception:
-                log.debug("warming the same-GPU path up failed", exc_info=True)
-
-        threading.Thread(target=warm, name="weights-ipc-warm", daemon=True).start()
-
-    def _ipc_device(self, items: Any) -> torch.device | None:
-        """The device to export this version from: CUDA tensors, all on one device, on ``cuda_ipc``, or on ``auto``
-        when a subscriber on this host said it sees that GPU; else None (host buckets only)."""
-        if self.path not in ("cuda_ipc", "auto") or not isinstance(items, list) or not items or self._ipc_broken:
-            return None
-        devices: set[torch.device] = {t.device for _n, t in items}
-        if len(devices) != 1:
-            return None
-        device: torch.device = next(iter(devices))
-        if device.type != "cuda":
-            if self.path == "cuda_ipc":
-                self._fallback_log.warning("ipc-cpu", "weight publisher %s: path 'cuda_ipc' with CPU tensors: no device buffer "
-                                           "offered (subscribers take shared memory or the network)", self.publisher_id)
-            return None
-        if self.path == "auto":
-            from rollpool.weights.cuda_ipc import device_uuids
-
-            mine = {u for u, i in device_uuids().items() if i == device.index}
-            if not mine & self._ipc_peers:
-                return None
-        return device
-
-    def _ipc_begin(self, snap: _Snapshot, planner: BucketPlanner, places: list[tuple[int, int, str, tuple[int, ...], str, int]],
-                   device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-        """An arena for the version (reused), its export in the manifest, and the arena's views in the layout's order."""
-        sizes = [b.nbytes for b in planner.buckets]
-        offsets, total = arena_offsets(sizes)
-        arena = self._ipc_slabs.take_at_least(total, device)
-        info = next((i for a, i in self._ipc_exports if a is arena), None)
-        if info is None:
-            try:
-                info = export_buffer(arena)
-            except BaseException:
-                self._ipc_slabs.give(arena)
-                raise
-            self._ipc_exports.append((arena, info))
-        self._ipc_of_version[snap.version] = arena
-        snap.served.cuda_ipc = info
-        snap.served.buckets = tuple(replace(b, ipc_offset=offsets[b.index]) for b in snap.served.buckets)
-        snap.ipc_offsets = offsets
-        views = []
-        for idx, offset, name, shape, dtype, nbytes in places:
-            start = offsets[idx] + offset
-            views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
-        self.ipc_versions += 1
-        return arena, views
-
-    def _ipc_release(self, version: int) -> None:
-        arena = self._ipc_of_version.pop(version, None)
-        if arena is not None:
-            self._ipc_slabs.give(arena)
-
-    async def _ipc_copy(self, arena: torch.Tensor, snap: _Snapshot, places: list[tuple[int, int, str, tuple[int, ...], str, int]],
-                        items: list[tuple[str, torch.Tensor]]) -> None:
-        """Device-to-device snapshot into the arena on a side stream that first waits for the trainer's stream;
-        returns once it landed (then the trainer may change its tensors)."""
-        device = arena.device
-        stream = side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        offsets = snap.ipc_offsets
-        with torch.cuda.stream(stream):
-            for (idx, offset, name, shape, dtype, nbytes), (got, tensor) in zip(places, items, strict=True):
-                if got != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-                    raise ValueError(f"got {got!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
-                if nbytes:
-                    start = offsets[idx] + offset
-                    arena[start : start + nbytes].copy_(flat_bytes(tensor), non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        await asyncio.to_thread(done.synchronize)
-        snap.ipc_stream = stream
-
-    async def _finish_ipc(self, snap: _Snapshot, arena: torch.Tensor, arena_items: list[tuple[str, torch.Tensor]], t0: float,
+    async def _finish_ipc(self, snap: Snapshot, arena: torch.Tensor, arena_items: list[tuple[str, torch.Tensor]], t0: float,
                           copied: float) -> None:
         """After the device snapshot: each bucket's GPU checksum (then the same-GPU peers may read), then the host
         buckets copied from the arena (the network and shared-memory peers) and checksummed as usual."""
-        stream = snap.ipc_stream
-        loop = asyncio.get_running_loop()
-
-        def sums() -> None:
-            for b in snap.served.buckets:
-                off = snap.ipc_offsets[b.index]
-                digest = mix64_checksum(arena[off : off + b.nbytes], stream=stream)
-                loop.call_soon_threadsafe(self._server.complete_ipc, snap.version, b.index, digest)
-
         try:
-            await asyncio.to_thread(sums)
+            await self._ipc.checksums(arena, snap.ipc_offsets, snap.served, snap.ipc_stream, self._server.complete_ipc)
             await snap.copy(arena_items)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
@@ -1118,11 +527,11 @@ class WeightPublisher:
         fut = self._finishing.pop(version, None)
         if fut is not None:
             fut.cancel()
-        if version in self._ipc_of_version:
+        if version in self._ipc.of_version:
             if fut is not None and not fut.done():  # its host copy may still read the arena: reused once it stopped
-                fut.add_done_callback(lambda _f: self._ipc_release(version))
+                fut.add_done_callback(lambda _f: self._ipc.release(version))
             else:
-                self._ipc_release(version)
+                self._ipc.release(version)
         if served is not None:
             self._spare.extend(s for s in served.sources if isinstance(s, ContiguousSource))
 
@@ -1167,7 +576,7 @@ class WeightPublisher:
     async def _pack_unplanned(self, items: Any, version: int) -> ServedVersion:
         packer = BucketPacker(self.bucket_bytes, checksum_algorithm=self.checksum_algorithm)
         for name, tensor in items:
-            if tensor_bytes(tensor) >= _THREAD_COPY_BYTES:
+            if tensor_bytes(tensor) >= THREAD_COPY_BYTES:
                 await asyncio.to_thread(packer.add, name, tensor)
             else:
                 packer.add(name, tensor)
@@ -1182,10 +591,10 @@ class WeightPublisher:
         for name, tensor in named_tensors_of(named_tensors):
             nbytes = tensor_bytes(tensor)
             idx, offset, _closed = planner.place(name, dtype_name(tensor.dtype), tuple(int(s) for s in tensor.shape), nbytes)
-            view = _cpu_bytes(tensor)
+            view = cpu_bytes(tensor)
             pieces.setdefault(idx, []).append((offset, view))
             summer = sums.setdefault(idx, Checksummer(self.checksum_algorithm))
-            if nbytes >= _THREAD_COPY_BYTES:
+            if nbytes >= THREAD_COPY_BYTES:
                 await asyncio.to_thread(summer.update, view)
             elif nbytes:
                 summer.update(view)

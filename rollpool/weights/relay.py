@@ -30,9 +30,12 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.config import WeightPathConfig, with_overrides
+from rollpool.weights.manifest import check_manifest
 from rollpool.weights.memory import sweep_stale_segments
+from rollpool.weights.paths.base import Attr
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
-from rollpool.weights.subscriber import WeightSubscriber, _checked
+from rollpool.weights.subscriber import WeightSubscriber
 
 __all__ = ["Relay"]
 
@@ -106,10 +109,13 @@ class Relay:
         announce_interval_s: float = 1.0,
         relay_id: str | None = None,
         metrics: MetricsSink | None = None,
-        path: str = "auto",
+        weights: WeightPathConfig | None = None,
+        path: str | None = None,
         streams: int | None = None,
         pinned_budget_bytes: int | None = None,
     ) -> None:
+        """`weights`: the weight-path knobs of the upstream fetch and of the server (None: from the environment, read
+        once here); `path`, `streams`, `pinned_budget_bytes` override one field each."""
         if keep_versions < 1:
             raise ValueError(f"a relay keeps at least one version, got keep_versions={keep_versions}")
         if poll_interval_s <= 0:
@@ -120,6 +126,7 @@ class Relay:
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.upstream_router = upstream_router
         self.upstream_pub = upstream_pub
+        cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes)
         self.upstream = WeightSubscriber(
             sockets,
             worker_id=self.relay_id,
@@ -127,9 +134,7 @@ class Relay:
             window_chunks=window_chunks,
             max_refetch=max_refetch,
             metrics=self.metrics,
-            path=path,
-            streams=streams,
-            pinned_budget_bytes=pinned_budget_bytes,
+            weights=cfg,
         )
         self._server = WeightServer(
             sockets,
@@ -138,6 +143,7 @@ class Relay:
             name="relay",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
+            bulk=cfg.weight_bulk,
         )
         self._latest = -1
         self.versions_fetched = 0
@@ -179,13 +185,8 @@ class Relay:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @property
-    def router_endpoint(self) -> str:
-        return self._server.router_endpoint
-
-    @property
-    def pub_endpoint(self) -> str | None:
-        return self._server.pub_endpoint
+    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
+    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
 
     @property
     def latest_version(self) -> int:
@@ -222,7 +223,7 @@ class Relay:
 
     async def follow_latest(self) -> int:
         """Fetch the upstream's latest version if it is new, serving it downstream as it arrives."""
-        manifest = _checked(await self.upstream.fetch_manifest(None))
+        manifest = check_manifest(await self.upstream.fetch_manifest(None))
         version = manifest.version
         if version <= self._latest:
             return self._latest

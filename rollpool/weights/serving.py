@@ -62,16 +62,15 @@ from rollpool.protocol.messages import (
 )
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
-from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bulk import BulkServer, bulk_enabled, lane_host, lane_port
+from rollpool.protocol.sockets import SocketFactory, send_now
+from rollpool.weights.manifest import MAX_CHUNK_BYTES
+from rollpool.weights.paths.base import ChunkRead
+from rollpool.weights.paths.bulk import BulkServer, lane_host, lane_port
 
-__all__ = ["BucketSource", "ServedVersion", "WeightServer", "peer_of"]
+__all__ = ["MAX_CHUNK_BYTES", "BucketSource", "ServedVersion", "WeightServer", "peer_of"]
 
 log = logging.getLogger(__name__)
 
-_MiB = 1024 * 1024
-MAX_CHUNK_BYTES = 16 * _MiB
-"""The largest chunk a server answers (the manifest's chunk_bytes is the advice)."""
 REQUEST_MAX_BYTES = 64 * 1024
 """MAXMSGSIZE of the server's ROUTER: requests are small."""
 
@@ -149,8 +148,11 @@ class WeightServer:
         send_hwm: int = 256,
         max_parked: int = 4096,
         metrics: MetricsSink | None = None,
+        bulk: bool = True,
     ) -> None:
         self.sockets = sockets
+        self.offer_bulk = bulk
+        """Offer the bulk lane beside a TCP ROUTER (`WeightPathConfig.weight_bulk`; never under CURVE)."""
         self._router_bind = router_endpoint
         self._pub_bind = pub_endpoint
         self.name = name
@@ -184,7 +186,7 @@ class WeightServer:
         self.shm_generation = 0
         """Bumped by `set_shm_reserved` when the set changes; announced, so subscribers ask for the manifest again."""
         self.bulk: BulkServer | None = None
-        """The bulk lane (`rollpool.weights.bulk`) beside the ROUTER, when this server offers one."""
+        """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
 
     def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
@@ -214,7 +216,7 @@ class WeightServer:
             self._close_sockets()
             raise
         host = lane_host(self.router_endpoint)
-        if host is not None and self.sockets.security is None and bulk_enabled():
+        if host is not None and self.sockets.security is None and self.offer_bulk:
             # the bulk lane listens on the address the ROUTER bound (0.0.0.0 for a wildcard); under CURVE, none
             try:
                 self.bulk = BulkServer(self, host, lane_port(self._router_bind))
@@ -409,32 +411,38 @@ class WeightServer:
             return
         self._send(ident, v.manifest(req.request_id))
 
-    def _fetch(self, ident: bytes, req: Fetch) -> None:
-        v = self.versions.get(req.version)
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int) -> ChunkRead:
+        """The one lookup of a chunk, for the ROUTER and the bulk lane alike: its bytes (None: not arrived yet) and its
+        bucket's checksum, or an error code (``gone``, ``unknown_version``, ``bad_range``) and message. A version read
+        from counts as requested now (``keep_versions=0`` releases after an idle spell)."""
+        v = self.versions.get(version)
         if v is None:
-            self._send(ident, self._missing(req.version, req.request_id, "fetch"))
-            return
+            err = self._missing(version, "", "fetch")
+            return ChunkRead(err.code, err.message)
         if v.released:
-            self._send(ident, Error(code="gone", message=f"version {v.version} was released by its publisher (keep_versions=0)", request_id=req.request_id, ref_type="fetch"))
-            return
-        if not 0 <= req.bucket < len(v.buckets):
-            self._send(ident, Error(code="bad_range", message=f"bucket {req.bucket} out of range", request_id=req.request_id, ref_type="fetch"))
-            return
-        size = v.buckets[req.bucket].nbytes
-        if req.nbytes < 1 or req.nbytes > MAX_CHUNK_BYTES or req.offset < 0 or req.offset + req.nbytes > size:
-            self._send(ident, Error(code="bad_range", message=f"[{req.offset}, +{req.nbytes}) is not a chunk of bucket {req.bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)", request_id=req.request_id, ref_type="fetch"))
-            return
+            return ChunkRead("gone", f"version {v.version} was released by its publisher (keep_versions=0)")
+        if not 0 <= bucket < len(v.buckets):
+            return ChunkRead("bad_range", f"bucket {bucket} out of range")
+        size = v.buckets[bucket].nbytes
+        if nbytes < 1 or nbytes > MAX_CHUNK_BYTES or offset < 0 or offset + nbytes > size:
+            return ChunkRead("bad_range", f"[{offset}, +{nbytes}) is not a chunk of bucket {bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)")
         if self._loop is not None:
             v.last_request_s = self._loop.time()
-        data = v.sources[req.bucket].read(req.offset, req.nbytes)
-        if data is None:
+        return ChunkRead("", v.buckets[bucket].checksum, v.sources[bucket].read(offset, nbytes), v)
+
+    def _fetch(self, ident: bytes, req: Fetch) -> None:
+        got = self.read_chunk(req.version, req.bucket, req.offset, req.nbytes)
+        if got.code:
+            self._send(ident, Error(code=got.code, message=got.text, request_id=req.request_id, ref_type="fetch"))
+            return
+        if got.data is None:
             parked = self._parked.setdefault(req.version, [])
             if len(parked) >= self.max_parked:
                 self._send(ident, Error(code="busy", message="too many requests waiting for bytes to arrive", request_id=req.request_id, ref_type="fetch"))
                 return
             parked.append((ident, req))
             return
-        self._send_chunk(ident, v, req, data)
+        self._send_chunk(ident, got.version, req, got.data)
 
     def _send_chunk(self, ident: bytes, v: ServedVersion, req: Fetch, data: Any) -> None:
         msg = Chunk(request_id=req.request_id, version=req.version, bucket=req.bucket, offset=req.offset, data=data,
@@ -447,7 +455,7 @@ class WeightServer:
             if self.on_served is not None:
                 self.on_served(v)
 
-    def bulk_served(self, v: ServedVersion, peer: bytes, nbytes: int, parked: bool = False) -> None:
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None:
         """A chunk went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
         (`parked`: it waited for its bytes to arrive, as a parked fetch)."""
         self.parked_served += parked
@@ -472,27 +480,6 @@ class WeightServer:
         self.dropped_replies += 1
         self._errlog.warning("send:" + ident.hex(), "%s: reply to peer %s dropped: %s", self.name, ident.hex(), exc)
         return False
-
-
-def send_now(sock: Any, frames: list[Any], **kwargs: Any) -> BaseException | None:
-    """Send without waiting on a sync or asyncio socket; the error, if the send failed.
-
-    With DONTWAIT an asyncio socket resolves its future at once (it never
-    has a pending send, since every send here is DONTWAIT); the error is read
-    off the future so that it is never left unretrieved.
-    """
-    import zmq
-
-    try:
-        result = sock.send_multipart(frames, **kwargs)
-    except zmq.ZMQError as exc:
-        return exc
-    if isinstance(result, asyncio.Future):
-        if not result.done():  # cannot happen with DONTWAIT; never leave it dangling
-            result.cancel()
-            return zmq.Again()
-        return result.exception()
-    return None
 
 
 def new_server_id() -> str:

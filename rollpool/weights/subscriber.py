@@ -1,126 +1,86 @@
-"""`WeightSubscriber`: the worker's (and relay's) side of the weight-publish channel.
+"""`WeightSubscriber`: the worker's (and relay's) side of the weight-publish channel, a facade over the paths.
 
 What it promises
     - It learns of new versions three ways: PUB announcements, a "latest"
       manifest request on connect, and another whenever `note_version(v)`
       names a version newer than any it knows (a broker heartbeat). So a
-      worker that joins late, or missed announcements, catches up.
-    - `fetch()` returns a `WeightVersion` only when every bucket has arrived
-      and matched its manifest checksum. A bucket that fails verification is
-      fetched again, at most `max_refetch` times; then `WeightSyncError`.
-      A version is never returned in part.
+      worker that joins late, or missed announcements, catches up. The
+      manifest such a request got is the one the next `fetch` of that version
+      uses: one manifest request per version.
+    - `fetch()` walks `rollpool.weights.manifest.plan` for the version's
+      manifest: each path to try (`rollpool.weights.paths`) in turn, each
+      reason to pass one over logged and counted in `fallbacks` when the walk
+      reaches it, a path that fails during the fetch (`PathFallbackError`)
+      likewise. It returns a `WeightVersion` only when every bucket has
+      arrived and matched its checksum; a bucket that fails is fetched again,
+      at most `max_refetch` times, then `WeightSyncError`. A version is never
+      returned in part.
     - Every wait has a timeout: no reply for `fetch_timeout_s` re-asks for what
       is outstanding, at most `max_refetch` times in a row, then raises
       `WeightSyncError` (the caller keeps its old weights).
-    - Transfer keeps a window of `window_chunks` `Fetch` requests outstanding
-      (credit-based flow control: the publisher only ever answers requests).
     - A version evicted by the publisher while being fetched raises
       `WeightVersionGoneError` when that version was asked for by number; when
       the latest was asked for, the fetch moves on to the new latest (at most
       `max_refetch` times).
-    - The tensors handed back are views of the received bucket buffers (one
-      copy per byte, from the socket's frame into the bucket buffer).
-      ``pin_memory=True`` allocates those buffers page-locked when CUDA is
-      available (fast host-to-device copies); without CUDA it is ignored.
+    - Host buffers are allocated once and reused (`reserve`, `recycle`); the
+      tensors handed back are views of them (or of device buffers on the
+      same-GPU and staged paths). ``pin_memory=True`` allocates them
+      page-locked when CUDA is available; without CUDA it is ignored.
+    - Every knob is its `WeightPathConfig` (`config`), read once when made.
 
-Copies a byte makes from the trainer's tensor to the engine's (snapshot mode):
-trainer tensor -> publisher bucket (1, in `publish`, before the version is
-announced), kernel send (1, tcp or ipc), kernel receive into a ZeroMQ frame (1),
-frame -> subscriber bucket (1, in a worker thread, beside the checksum pass),
-then the engine's own copy onto its device (1). ``keep_versions=0`` drops the
-first. Receiving straight into the bucket (``Socket.recv_into``) was tried: it
-saves no copy, because libzmq's ``zmq_recv`` itself copies out of its frame,
-and it moves that copy onto the event loop, which measured slower (see
-docs/weights.md).
+The copies a byte makes on each path are in docs/weights.md ("Copies a byte makes").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import itertools
 import json
 import logging
 import os
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
-import numpy as np
 import torch
 
-from rollpool.protocol.codec import decode, encode
+from rollpool.protocol.codec import decode
 from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, Chunk, CudaIpcBuffer, Error, Fetch, Manifest, ManifestRequest
+from rollpool.protocol.messages import Announce, Error, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import (
-    Checksummer,
-    check_bucket_info,
-    checksum_supported,
-    unpack_bucket,
-    unpack_buckets,
-    verify_checksum,
+from rollpool.weights.bucketing import unpack_buckets
+from rollpool.weights.config import WeightPathConfig, with_overrides
+from rollpool.weights.gpu import DeviceSlabs, arena_offsets
+from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
+from rollpool.weights.memory import BufferPool, host_key
+from rollpool.weights.paths.base import (
+    Attr,
+    BucketCallback,
+    FetchContext,
+    FetchCounters,
+    Fetched,
+    FetchJob,
+    FetchPath,
+    PathFallbackError,
+    TransferSink,
+    WeightVersion,
+    WeightVersionGoneError,
 )
-from rollpool.weights.bulk import BulkError, BulkUnavailable, bulk_enabled, fetch_bucket_range, lane_host
-from rollpool.weights.config import WEIGHT_PATHS, default_copy_threads, weight_streams
-from rollpool.weights.cuda_ipc import DeviceSlabs, arena_offsets, mix64_checksum, mix64_format, mix64_partial
-from rollpool.weights.memory import BufferPool, ShmReader, ShmUnavailableError, host_key
-from rollpool.weights.serving import MAX_CHUNK_BYTES, send_now
+from rollpool.weights.paths.bulk import BulkPath, lane_host
+from rollpool.weights.paths.cuda_ipc import CudaIpcPath
+from rollpool.weights.paths.network import DealerSet, NetworkPath
+from rollpool.weights.paths.shm import ShmDevicePath, ShmPath, ShmSegments
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
 log = logging.getLogger(__name__)
 
 _MIN_CHUNK_BYTES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class WeightVersion:
-    """A complete, verified weight version."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    """Named tensors, views of `buffers` (no copy)."""
-    manifest: Manifest
-    buffers: tuple[torch.Tensor, ...] = ()
-    """The verified buckets as 1-D uint8 tensors, in manifest order (e.g. for SGLang's flattened buckets)."""
-    slab: torch.Tensor | None = None
-    """The one buffer `buffers` are views of (what `WeightSubscriber.recycle` hands back)."""
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.manifest.buckets)
-
-
-class WeightVersionGoneError(WeightSyncError):
-    """The publisher no longer serves the version (evicted, or released with keep_versions=0)."""
-
-    def __init__(self, version: int, message: str) -> None:
-        super().__init__(f"weight version {version} is gone: {message}")
-        self.version = version
-
-
-class TransferSink(Protocol):
-    """Told of a transfer's progress (the relay forwards chunks as they arrive)."""
-
-    def on_chunk(self, bucket: int, offset: int, nbytes: int) -> None: ...
-
-    def on_bucket_reset(self, bucket: int) -> None: ...
-
-    def on_checksum(self, bucket: int, checksum: str) -> None:
-        """A streamed manifest's pending checksum arrived on the bucket's first chunk."""
-
-
-BucketCallback = Callable[[int, dict[str, torch.Tensor]], Any]
-"""``on_bucket(index, tensors)``: a bucket verified (its tensors are final views; the version is not whole yet)."""
 
 
 class WeightSubscriber:
@@ -136,22 +96,20 @@ class WeightSubscriber:
         max_refetch: int = 3,
         metrics: MetricsSink | None = None,
         pin_memory: bool = False,
+        weights: WeightPathConfig | None = None,
+        stage_device: str | None = None,
         path: str | None = None,
         streams: int | None = None,
         pinned_budget_bytes: int | None = None,
         copy_threads: int | None = None,
         reserve_bytes: int | None = None,
-        stage_device: str | None = None,
         bulk: bool | None = None,
     ) -> None:
-        # unset: from the environment (ROLLPOOL_WEIGHT_PATH, ..._STREAMS, ROLLPOOL_PINNED_BUDGET_BYTES,
-        # ROLLPOOL_WEIGHT_RESERVE_BYTES), so a worker whose config predates these fields can still be told
-        path = path or os.environ.get("ROLLPOOL_WEIGHT_PATH") or "auto"
-        pinned_budget_bytes = pinned_budget_bytes if pinned_budget_bytes is not None else _env_int("ROLLPOOL_PINNED_BUDGET_BYTES")
-        reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_int("ROLLPOOL_WEIGHT_RESERVE_BYTES")
-        if path not in WEIGHT_PATHS:
-            raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        streams = weight_streams(streams)
+        """`weights`: every weight-path knob (None: `WeightPathConfig.from_env`, read once here); `path`, `streams`,
+        `pinned_budget_bytes`, `copy_threads`, `reserve_bytes` and `bulk` override one of its fields each."""
+        cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
+                             weight_copy_threads=copy_threads, weight_reserve_bytes=reserve_bytes, weight_bulk=bulk)
+        path, streams, pinned_budget_bytes = cfg.weight_path, cfg.streams, cfg.pinned_budget_bytes
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
         if not 1 <= window_chunks <= 1024:
@@ -168,93 +126,65 @@ class WeightSubscriber:
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.path = path
         self.streams = streams
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.copy_threads = cfg.copy_threads
         self.host_key = host_key()
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
-        self.bulk = bulk_enabled() if bulk is None else bulk
-        """Take a server's bulk lane on the network path when its manifest names one (`rollpool.weights.bulk`;
-        unset: ``ROLLPOOL_WEIGHT_BULK``, default on)."""
-        self.bytes_received = 0
-        """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
-        self.bulk_bytes = 0
-        """Of `bytes_received`, those received over the bulk lane."""
-        self._counts_lock = threading.Lock()
-        self._bulk_unreachable: set[tuple[str, int]] = set()
-        self.shm_bytes = 0
-        """Bucket bytes copied from a publisher's shared-memory segments."""
-        self.ipc_bytes = 0
-        """Bucket bytes copied device-to-device from a publisher's exported GPU buffer (the same-GPU path)."""
-        self.buckets_refetched = 0
-        self.protocol_errors = 0
+        self.config = cfg
+        """Every weight-path knob (the path plan reads it: `rollpool.weights.manifest.plan`)."""
+        self.counters = FetchCounters()
+        """Bytes per path and refetches (`bytes_received`, `shm_bytes`, ... read them)."""
+        self._prefix = uuid.uuid4().hex[:8]
+        peer = f"{self.worker_id}/{self._prefix}"[:250]
+        self.dealers = DealerSet(sockets, peer)
+        """The DEALER sockets (one per stream) and the request router over them."""
+        self.ctx = FetchContext(worker_id=self.worker_id, metrics=self.metrics, manifests=self, counters=self.counters,
+                                fetch_timeout_s=fetch_timeout_s, window_chunks=window_chunks, max_refetch=max_refetch,
+                                streams=streams, copy_threads=self.copy_threads)
+        self._network = NetworkPath(self.ctx, self.dealers)
+        self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
+        self._protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
         """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
-        self._gpus: dict[str, int] | None = None
-        self.stage_device: str | None = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
-        """The device the engine loads from (its ``cuda`` device, set by the worker when its engine stages to CUDA): on
-        the shared-memory path each bucket is copied from the publisher's segment straight to it and verified there
-        (`BucketInfo.host_mix64`, on the GPU). None: the CPU shared-memory path (copy + CPU checksum)."""
-        self.device_ops: Callable[[str, DeviceSlabs], Any] = CudaStaging
-        """Makes the staging edge for `stage_device` (tests put a fake device here, named so)."""
-        self._ops: Any = None
-        self.device_stage_bytes = 0
-        """Bucket bytes copied from shared memory straight to `stage_device` and verified there."""
-        self._ipc_open: dict[tuple[bytes, int], torch.Tensor] = {}
-        """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
         self._dev_slabs = DeviceSlabs()
+        self.ipc = CudaIpcPath(self.ctx, self._dev_slabs, path)
+        """The same-GPU path (its `gpus` is the device edge tests fake)."""
+        self.segments = ShmSegments(self.host_key, path, self._dev_slabs)
+        """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
+        self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
+        self._shm = ShmPath(self.ctx, self.segments)
+        self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._latest = -1
         self._hint = -1
         self._forgets = 0
         """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
         self._changed = asyncio.Event()
-        self._dealer: Any = None
-        self._dealers: list[Any] = []
-        self._next_stream = 0
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_up: asyncio.Task[None] | None = None
-        self._routes: dict[str, Callable[[Any], None]] = {}
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
         self._errlog = RateLimitedLog(log)
         self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
         self._reserved_versions = 0
-        self._copy_exec: ThreadPoolExecutor | None = None
-        self._verify_exec: ThreadPoolExecutor | None = None
-        """One thread that waits for staged buckets' digests, in the order they were queued (`_fetch_shm_device`)."""
-        self._readers: dict[str, ShmReader] = {}
-        self._readers_lock = threading.RLock()
-        """`_readers` is also filled by the registering thread (`_register_ahead`)."""
-        self.segment_maps = 0
-        """Segments mapped so far (a warm subscriber maps none per version: the publisher reuses its segments)."""
-        self._ahead: tuple[tuple[str, int], ...] = ()
-        """The publisher's segments last named (`Manifest.shm_reserved`) and handed to the registering thread."""
-        self._ahead_thread: threading.Thread | None = None
         self._shm_generation = 0
-        self.segments_registered_ahead = 0
-        """Segments mapped (and page-locked, on a device that registers) by the registering thread before a version used them."""
+        self._known: Manifest | None = None
+        """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
+        `fetch` of that version takes it instead of asking again (one manifest request per version)."""
         self._reserving: threading.Thread | None = None
         self._warned_reserve = False
-        if reserve_bytes:
-            self.reserve_in_background(reserve_bytes)
+        if cfg.weight_reserve_bytes:
+            self.reserve_in_background(cfg.weight_reserve_bytes)
 
     # -- connection
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None = None) -> None:
         """Connect (or reconnect to new endpoints) and ask for the latest version. Needs a running loop."""
-        if (router_endpoint, pub_endpoint) == (self.router_endpoint, self.pub_endpoint) and self._dealer is not None:
+        if (router_endpoint, pub_endpoint) == (self.router_endpoint, self.pub_endpoint) and self.dealers.connected:
             return
         self._close_sockets()
         self.router_endpoint, self.pub_endpoint = router_endpoint, pub_endpoint
-        for i in range(self.streams):
-            # one subscriber, several connections: the server counts them as one peer (the part before '#')
-            identity = f"{self.worker_id}/{self._prefix}"[:250].encode() + f"#{i}".encode()
-            dealer = self.sockets.dealer(router_endpoint, identity=identity)
-            self._dealers.append(dealer)
-            self._spawn(self._recv_loop(dealer), f"_recv_loop[{i}]")
-        self._dealer = self._dealers[0]
+        self.dealers.open(router_endpoint, self.streams)
         if pub_endpoint:
             self._sub = self.sockets.sub(pub_endpoint)
             self._spawn(self._announce_loop(self._sub), "_announce_loop")
@@ -262,27 +192,37 @@ class WeightSubscriber:
 
     @property
     def connected(self) -> bool:
-        return self._dealer is not None
+        return self.dealers.connected
+
+    # counters by path (the worker reports them), and the shared-memory part's state, under their public names
+    bytes_received: Attr[int] = Attr("counters", "Bucket bytes received on the network path (over ZeroMQ or the bulk lane).")
+    bulk_bytes: Attr[int] = Attr("counters", "Of `bytes_received`, those received over the bulk lane.")
+    shm_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from a publisher's shared-memory segments.")
+    device_stage_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from shared memory straight to `stage_device`, verified there.")
+    ipc_bytes: Attr[int] = Attr("counters", "Bucket bytes copied device-to-device from a publisher's exported GPU buffer.")
+    buckets_refetched: Attr[int] = Attr("counters")
+    stage_device: Attr[str | None] = Attr("segments", "The engine's ``cuda`` device when it stages to CUDA (the worker sets it): shared-memory "
+                                          "buckets are copied straight to it and verified there. None: the CPU copy.", writable=True)
+    device_ops: Attr[Callable[[str, DeviceSlabs], Any]] = Attr("segments", "Makes the staging edge for `stage_device` (tests put a fake "
+                                                               "device here, named so).", writable=True)
+    segment_maps: Attr[int] = Attr("segments", "Segments mapped so far (a warm subscriber maps none per version).")
+    segments_registered_ahead: Attr[int] = Attr("segments", "Segments mapped (and page-locked) ahead of the version that used them.")
+
+    @property
+    def protocol_errors(self) -> int:
+        return self._protocol_errors + self.dealers.protocol_errors
 
     def close(self) -> None:
         self._close_sockets()
         self._pool.close()
-        self._ahead = ()  # a registering thread stops at its next segment
-        with self._readers_lock:
-            for r in self._readers.values():
-                r.close()
-            self._readers = {}
-        self._ipc_open = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
+        self.segments.close()
+        self.ipc.close()
         self._dev_slabs.trim(0)
-        if self._copy_exec is not None:
-            self._copy_exec.shutdown(wait=False, cancel_futures=True)
-            self._copy_exec = None
-        if self._verify_exec is not None:
-            self._verify_exec.shutdown(wait=False, cancel_futures=True)
-            self._verify_exec = None
+        self._shm.close()
+        self._shm_device.close()
 
     async def aclose(self) -> None:
-        tasks = list(self._tasks)
+        tasks = [*self._tasks, *self.dealers.tasks]
         self.close()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -295,16 +235,15 @@ class WeightSubscriber:
         await self.aclose()
 
     def _close_sockets(self) -> None:
+        self._known = None
         for t in list(self._tasks):
             t.cancel()
         self._tasks.clear()
         self._catch_up = None
-        self._routes.clear()
-        for s in (*self._dealers, self._sub):
-            if s is not None:
-                s.close(linger=0)
-        self._dealers = []
-        self._dealer = self._sub = None
+        self.dealers.close()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._sub = None
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=f"WeightSubscriber.{name}")
@@ -329,6 +268,7 @@ class WeightSubscriber:
         publisher asked for its latest again (a restarted publisher may start lower); a waiting `wait_for_newer`
         returns what is known now so its caller can look again."""
         if self._latest > version or version < -1:
+            self._known = None
             self._latest = -1
             self._hint = -1
             self._forgets += 1
@@ -358,33 +298,17 @@ class WeightSubscriber:
             self._changed.set()
 
     def _ask_latest(self) -> None:
-        if self._dealer is None or (self._catch_up is not None and not self._catch_up.done()):
+        if not self.dealers.connected or (self._catch_up is not None and not self._catch_up.done()):
             return
         self._catch_up = self._spawn(self._catch_up_once(), "_catch_up")
 
     async def _catch_up_once(self) -> None:
         try:
-            await self.fetch_manifest(None, attempts=1)
+            self._known = await self.fetch_manifest(None, attempts=1)  # what `fetch` takes, not asking again
         except WeightSyncError as exc:
             self._errlog.warning("latest", "asking %s for the latest weight version failed: %s", self.router_endpoint, exc)
 
     # -- loops
-
-    async def _recv_loop(self, dealer: Any) -> None:
-        while True:
-            frames = await dealer.recv_multipart(copy=False)
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                self.protocol_errors += 1
-                self._errlog.warning("recv", "malformed message from weight publisher %s: %s", self.router_endpoint, exc)
-                continue
-            rid = getattr(msg, "request_id", None)
-            route = self._routes.get(rid) if isinstance(rid, str) else None
-            if route is not None:
-                route(msg)
-            elif isinstance(msg, Error):
-                self._errlog.warning("error", "weight publisher error without a pending request: %s: %s", msg.code, msg.message)
 
     async def _announce_loop(self, sub: Any) -> None:
         while True:
@@ -392,43 +316,19 @@ class WeightSubscriber:
             try:
                 msg = decode(frames)
             except ProtocolError as exc:
-                self.protocol_errors += 1
+                self._protocol_errors += 1
                 self._errlog.warning("sub", "malformed announcement from %s: %s", self.pub_endpoint, exc)
                 continue
             if isinstance(msg, Announce):
                 self._observe(msg.version)
-                if msg.shm_generation != self._shm_generation and self._registers_ahead():
+                if msg.shm_generation != self._shm_generation and self.segments.registers_ahead():
                     # the publisher's segments changed (a reserve, a new layout): the manifest names them
                     self._shm_generation = msg.shm_generation
                     self._ask_latest()
 
-    # -- requests
-
-    def _request_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
-
-    def _send(self, msg: Any, *, spread: bool = False) -> bool:
-        """Send on the first stream, or (`spread`: chunk requests) on the streams in turn."""
-        import zmq
-
-        if self._dealer is None:
-            raise WeightSyncError("the weight subscriber is not connected")
-        dealer = self._dealer
-        if spread and len(self._dealers) > 1:
-            self._next_stream = (self._next_stream + 1) % len(self._dealers)
-            dealer = self._dealers[self._next_stream]
-        return send_now(dealer, encode(msg), flags=zmq.DONTWAIT) is None
-
     def gpu_uuids(self) -> dict[str, int]:
         """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA."""
-        if self._gpus is None:
-            from rollpool.weights.cuda_ipc import device_uuids
-
-            self._gpus = device_uuids() if self.path in ("auto", "cuda_ipc") else {}
-            if self._gpus:
-                # the first same-GPU version should not pay the checksum kernels' first load: warmed in a thread now
-                threading.Thread(target=_warm_current_device, name="weights-ipc-warm", daemon=True).start()
-        return self._gpus
+        return self.ipc.gpu_uuids()
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False) -> Manifest:
@@ -438,23 +338,18 @@ class WeightSubscriber:
         bucket's chunks); False waits for a manifest whose checksums all exist.
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
-        loop = asyncio.get_running_loop()
+        gpus = tuple(self.gpu_uuids())
         for _attempt in range(tries):
-            rid = self._request_id()
-            fut: asyncio.Future[Any] = loop.create_future()
-            self._routes[rid] = _resolver(fut)
             try:
-                self._send(ManifestRequest(request_id=rid, version=version, streamed=streamed, host_key=self.host_key,
-                                           gpu_uuids=tuple(self.gpu_uuids()), wait_ipc=wait_ipc))
-                reply = await asyncio.wait_for(fut, self.fetch_timeout_s)
+                reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
+                                                                               host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc),
+                                                   self.fetch_timeout_s)
             except TimeoutError:
                 continue
-            finally:
-                self._routes.pop(rid, None)
             if isinstance(reply, Manifest):
                 if reply.version >= 0:
                     self._observe(reply.version)
-                self._register_ahead(reply)
+                self.segments.register_ahead(reply)
                 return reply
             if isinstance(reply, Error):
                 if reply.code == "gone":
@@ -464,64 +359,97 @@ class WeightSubscriber:
         what = "latest" if version is None else str(version)
         raise WeightSyncError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {self.fetch_timeout_s} s")
 
+    def facts(self) -> FetchFacts:
+        """This side of the hello, as the path plan reads it."""
+        return FetchFacts(host_key=self.host_key, gpu_uuids=frozenset(self.gpu_uuids()), stage_device=self.stage_device is not None,
+                          lane_host=lane_host(self.router_endpoint), unreachable_lanes=frozenset(self._bulk.unreachable))
+
     async def fetch(self, version: int | None = None, *, on_bucket: BucketCallback | None = None) -> WeightVersion:
         """Fetch and verify a whole version (None: the latest). Raises `WeightSyncError`; never returns part of one.
 
-        The path is chosen per version from the manifest: shared memory when the
-        publisher offers segments on this host (``auto``/``shm``), else the
-        network (a fallback that is logged and counted in `fallbacks`).
+        The paths are tried in the order `rollpool.weights.manifest.plan` gives
+        for the version's manifest (the same GPU, shared memory staged to the
+        engine's GPU, shared memory, the bulk lane, the ROUTER); a path passed
+        over for a reason the user must hear, or one that fails during the
+        fetch, is a fallback that is logged and counted in `fallbacks`.
         `on_bucket(index, tensors)` is called as each bucket verifies, so an
         engine can stage it onto its device while the next one arrives; the
         version is still only complete (and applicable) when `fetch` returns.
         """
         moves = 0
         while True:
-            manifest = _checked(await self.fetch_manifest(version))
+            manifest = check_manifest(self._take_known(version) or await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
-                on_gpu = await self._try_device(manifest, on_bucket)
+                return await self._fetch_planned(manifest, on_bucket)
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
+
+    def _take_known(self, version: int | None) -> Manifest | None:
+        """The catch-up's manifest when it is of the version asked for (None: the latest known), once."""
+        known, self._known = self._known, None
+        if known is None or known.version < 0 or known.version != (self._latest if version is None else version):
+            return None
+        return known
+
+    async def _fetch_planned(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
+        """Walk the plan: each path to try is tried; each reason to pass one over is reported when the walk reaches it."""
+        steps = plan(manifest, self.facts(), self.config)
+        if steps.refusal:
+            raise WeightSyncError(steps.refusal)
+        job = FetchJob(manifest, on_bucket)
+        try:
+            return self._fetched(await self._walk(steps, job))
+        except BaseException:
+            if job.slab is not None:
+                self._pool.give([job.slab])
+            raise
+
+    async def _walk(self, steps: Plan, job: FetchJob) -> Fetched:
+        """The first path of `steps` that serves `job`; a fallback is reported and the walk goes on."""
+        for step in steps.steps:
+            if step.why_not:
+                if step.counted:
+                    self._fallback(job.manifest.version, step.why_not, path=step.path)
                 continue
-            if on_gpu is not None:
-                return on_gpu
-            await self._reserved()
-            slab, buffers = self._buffers_for(manifest)
+            path = self._path(step.path)
+            if path.host_buffers and job.buffers is None:
+                await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
+                job.slab, job.buffers = self._buffers_for(job.manifest)
             try:
-                use_shm, why = self._shm_choice(manifest)
-                path = "network"
-                if use_shm:
-                    try:
-                        manifest = await self._fetch_shm(manifest, buffers, on_bucket)
-                        path = "shm"
-                    except _ShmFallback as exc:
-                        self._fallback(manifest.version, str(exc))
-                elif why:
-                    self._fallback(manifest.version, why)
-                if path == "network":
-                    manifest = await self.fetch_into(manifest, buffers, on_bucket=on_bucket)
-            except WeightVersionGoneError:
-                self._pool.give([slab])
-                if version is not None or moves >= self.max_refetch:
-                    raise
-                moves += 1
-                log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-                continue
-            except BaseException:
-                self._pool.give([slab])
-                raise
-            self.last_path = path
-            log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, "bytes": sum(b.nbytes for b in manifest.buckets),
-                                                       "bytes_received": self.bytes_received, "bulk_bytes": self.bulk_bytes, "shm_bytes": self.shm_bytes,
-                                                       "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
-            tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-            self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version,
-                                                   "bytes": sum(b.nbytes for b in manifest.buckets), "path": path})
-            return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
+                return await path.fetch(job)
+            except PathFallbackError as exc:
+                self._fallback(job.manifest.version, exc.reason, path=step.path)
+                if exc.resume is not None:
+                    job.manifest, job.skip = exc.resume
+        raise WeightSyncError(f"weight version {job.manifest.version}: no path left to fetch it")  # (network is always last)
+
+    def _path(self, name: str) -> FetchPath:
+        paths: dict[str, FetchPath] = {CUDA_IPC: self.ipc, SHM_DEVICE: self._shm_device, SHM: self._shm, BULK: self._bulk,
+                                       NETWORK: self._network}
+        return paths[name]
+
+    def _fetched(self, got: Fetched) -> WeightVersion:
+        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version."""
+        manifest, path, details = got.manifest, got.path, got.details
+        self.last_path = path
+        nbytes = sum(b.nbytes for b in manifest.buckets)
+        c = self.counters
+        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": path, **details, "bytes": nbytes,
+                                                   "bytes_received": c.bytes_received, "bulk_bytes": c.bulk_bytes,
+                                                   "shm_bytes": c.shm_bytes, "device_stage_bytes": c.device_stage_bytes,
+                                                   "ipc_bytes": c.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
+                                                   "at": time.time()}))
+        event = {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": path}
+        if "staged_to" in details:
+            event["staged_to"] = details["staged_to"]
+        self.metrics.event("version_fetched", event)
+        tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
+        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
 
     # -- memory
 
@@ -542,7 +470,7 @@ class WeightSubscriber:
         if total_bytes is None:
             if named_shapes is None:
                 raise ValueError("reserve needs named_shapes or total_bytes")
-            from rollpool.weights.publisher import layout_of
+            from rollpool.weights.snapshot import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
         t0 = time.perf_counter()
@@ -635,119 +563,7 @@ class WeightSubscriber:
     def _buffer(self, nbytes: int) -> torch.Tensor:
         return self._pool.take(nbytes)
 
-    # -- the same-GPU path (CUDA IPC)
-
-    def _ipc_choice(self, manifest: Manifest) -> tuple[bool, str]:
-        """(use the publisher's device buffer, else why not: "" when there is nothing to explain).
-
-        On ``auto`` a version without a device buffer needs no explaining (the publisher offers one once a subscriber
-        on its host said it sees the GPU); on ``cuda_ipc`` it is a counted fallback like any other reason."""
-        if self.path not in ("auto", "cuda_ipc") or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
-            return False, ""
-        ipc = manifest.cuda_ipc
-        if ipc is None:
-            return False, ("the publisher offers no device buffer for this version" if self.path == "cuda_ipc" else "")
-        if not manifest.host_key or manifest.host_key != self.host_key:
-            return False, "the publisher's GPU buffer is on another host"
-        if ipc.device_uuid not in self.gpu_uuids():
-            return False, "the publisher's GPU is not visible to this process"
-        if any(b.ipc_offset < 0 for b in manifest.buckets):
-            return False, "a bucket is missing from the publisher's device buffer"
-        return True, ""
-
-    async def _try_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version over the same-GPU path, or None after a counted fallback (or where that path does not apply)."""
-        use_ipc, why = self._ipc_choice(manifest)
-        if use_ipc:
-            try:
-                return await self._fetch_ipc(manifest, on_bucket)
-            except _IpcFallback as exc:
-                why = str(exc)
-        if why:
-            self._fallback(manifest.version, why, path="cuda_ipc")
-        return None
-
-    def _open_ipc(self, info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
-        from rollpool.weights.cuda_ipc import open_buffer
-
-        key = (info.handle, info.storage_offset)
-        t = self._ipc_open.get(key)
-        if t is None:
-            try:
-                t = open_buffer(info, device_index)
-            except Exception as exc:
-                raise _IpcFallback(f"cannot open the publisher's GPU buffer ({type(exc).__name__}: {exc})") from exc
-            self._ipc_open[key] = t
-            while len(self._ipc_open) > 4:  # the publisher keeps K arenas; older ones were freed
-                self._ipc_open.pop(next(iter(self._ipc_open)))
-        return t
-
-    def _bucket_failed(self, version: int, i: int, failures: list[int], path: str, where: str, what: str) -> None:
-        """One failed checksum of bucket `i` on a same-host path: counted, logged, evented; past `max_refetch` the
-        version is refused whole (raises)."""
-        failures[i] += 1
-        self.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d %s failed its checksum (attempt %d)", version, i, where, failures[i])
-        self.metrics.event("bucket_refetched", {"worker_id": self.worker_id, "version": version, "bucket": i, "path": path})
-        if failures[i] > self.max_refetch:
-            raise WeightSyncError(f"weight version {version}: bucket {i} failed its checksum {failures[i]} times ({what})")
-
-    async def _fetch_ipc(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
-        """Copy each bucket device-to-device out of the publisher's buffer into our own, and verify the GPU checksum
-        of our copy (the bytes the engine loads). A bad bucket is copied again after the manifest is asked for again
-        (a version evicted meanwhile answers ``gone``), at most `max_refetch` times; the version is never returned in part."""
-        if not all(b.ipc_checksum for b in manifest.buckets):
-            manifest = _checked(await self.fetch_manifest(manifest.version, wait_ipc=True))
-        ipc = manifest.cuda_ipc
-        if ipc is None:
-            raise _IpcFallback("the publisher withdrew the device buffer")
-        index = self.gpu_uuids()[ipc.device_uuid]
-        src = self._open_ipc(ipc, index)
-        sizes = [b.nbytes for b in manifest.buckets]
-        offsets, total = arena_offsets(sizes)
-        slab = self._dev_slabs.take_at_least(total, f"cuda:{index}")
-        buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-        failures = [0] * len(sizes)
-        todo = list(range(len(sizes)))
-        try:
-            while todo:
-                bad = await asyncio.to_thread(_copy_ipc, src, manifest, buffers, todo)
-                for i in todo:
-                    if i not in bad:
-                        self.ipc_bytes += sizes[i]
-                        if on_bucket is not None:
-                            on_bucket(i, unpack_bucket(manifest.buckets[i], buffers[i]))
-                for i in bad:
-                    self._bucket_failed(manifest.version, i, failures, "cuda_ipc", "from the GPU buffer", "CUDA IPC")
-                if bad:
-                    await self.fetch_manifest(manifest.version, wait_ipc=True)  # still served? (gone: the caller moves on)
-                todo = bad
-        except BaseException:
-            self._dev_slabs.give(slab)
-            raise
-        self.last_path = "cuda_ipc"
-        nbytes = sum(sizes)
-        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "cuda_ipc", "bytes": nbytes,
-                                                   "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
-                                                   "ipc_bytes": self.ipc_bytes, "fallbacks": sum(self.fallbacks.values()), "at": time.time()}))
-        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "cuda_ipc"})
-        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
-
     # -- the shared-memory path
-
-    def _shm_choice(self, manifest: Manifest) -> tuple[bool, str]:
-        """(use shared memory, else why not: "" when there is nothing to explain)."""
-        if self.path == "network" or not manifest.buckets or sum(b.nbytes for b in manifest.buckets) == 0:
-            return False, ""
-        why = ""
-        if not manifest.host_key or not all(b.shm_segment for b in manifest.buckets):
-            why = "the publisher offers no shared memory for this version"
-        elif manifest.host_key != self.host_key:
-            why = "the publisher is on another host (or another /dev/shm)"
-        if why and self.path == "shm":
-            raise WeightSyncError(f"weight path 'shm': {why}")
-        return not why, why
 
     def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
         """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
@@ -758,895 +574,14 @@ class WeightSubscriber:
         if self.path == "shm" and path == "shm":
             raise WeightSyncError(f"weight path 'shm': {why}")
 
-    async def _fetch_shm(self, manifest: Manifest, buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> Manifest:
-        """Copy each bucket out of the publisher's segment into our buffer, checksumming our copy (what the engine loads).
-
-        Returns the manifest with every checksum."""
-        if not all(b.checksum for b in manifest.buckets):
-            # a streamed publish still checksumming: wait for the manifest with every checksum (small, on the socket)
-            manifest = _checked(await self.fetch_manifest(manifest.version, streamed=False))
-        readers: list[ShmReader] = []
-        try:
-            for b in manifest.buckets:
-                try:
-                    readers.append(self._reader(b.shm_segment, b.nbytes))
-                except ShmUnavailableError as exc:
-                    raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
-            loop = asyncio.get_running_loop()
-            if self._copy_exec is None:
-                self._copy_exec = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-shm")
-            exec_ = self._copy_exec
-            failures = [0] * len(readers)
-
-            async def one(i: int) -> None:
-                info = manifest.buckets[i]
-                while True:
-                    outcome = await loop.run_in_executor(exec_, _copy_verified, readers[i], manifest.version, info.checksum, buffers[i])
-                    if outcome == "torn":
-                        raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
-                    if outcome == "ok":
-                        self.shm_bytes += info.nbytes
-                        if on_bucket is not None:
-                            on_bucket(i, unpack_bucket(info, buffers[i]))
-                        return
-                    self._bucket_failed(manifest.version, i, failures, "shm", "from shared memory", "shared memory")
-
-            results = await asyncio.gather(*(one(i) for i in range(len(readers))), return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            # a real failure (checksum, gone) wins over a reason to fall back to the network
-            errors.sort(key=lambda e: isinstance(e, _ShmFallback))
-            if errors:
-                raise errors[0]
-        finally:
-            # the publisher reuses its segments across versions (K sets, in turn): keep every live one mapped, not only this
-            # version's (no page-table faults next time); unlinked ones are dropped
-            self._drop_dead_readers()
-        return manifest
-
-    # -- the shared-memory path staged to the engine's GPU
-
-    def _shm_device_choice(self, manifest: Manifest) -> bool:
-        """Whether to stage this version from the segments straight to `stage_device` (the GPU checksums, `host_mix64`,
-        are then awaited per bucket; a publisher that gives none is a counted fallback found during the fetch)."""
-        if self.stage_device is None or self.path not in ("auto", "shm"):
-            return False
-        use_shm, _why = self._shm_choice(manifest)  # the reasons against shared memory are the CPU path's to log
-        return use_shm
-
-    async def _try_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version onto a device (the same-GPU path, else shared memory staged to the engine's GPU), or None. These
-        paths need no host buffer: they do not wait for the host reserve."""
-        on_gpu = await self._try_ipc(manifest, on_bucket)
-        return on_gpu if on_gpu is not None else await self._try_shm_device(manifest, on_bucket)
-
-    async def _try_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion | None:
-        """The version staged from shared memory to the engine's device, or None (the CPU paths then serve it)."""
-        if not self._shm_device_choice(manifest):
-            return None
-        try:
-            return await self._fetch_shm_device(manifest, on_bucket)
-        except _ShmFallback as exc:
-            self._fallback(manifest.version, str(exc), path="shm_device")
-            return None
-
-    def _staging(self) -> Any:
-        assert self.stage_device is not None
-        with self._readers_lock:  # made once, by the loop or the registering thread
-            if self._ops is None:
-                self._ops = self.device_ops(self.stage_device, self._dev_slabs)
-            return self._ops
-
-    async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
-        """Copy each bucket host-to-device from the publisher's segment (registered here once, when first mapped) into a
-        device buffer and verify the mix64 of the device copy (the bytes the engine loads) on the GPU against the
-        publisher's `host_mix64`. Buckets are staged as their mix64 appears in the manifest (asked for again every few
-        ms while some are pending), so the copies overlap the publisher's snapshot. A bad bucket is copied again (at
-        most `max_refetch` times), then the version is refused whole; a torn read, a publisher that gives no GPU
-        checksums, or a segment that cannot be mapped is a `_ShmFallback` (the CPU paths serve the version)."""
-        ops = self._staging()
-        loop = asyncio.get_running_loop()
-        timeline = _Timeline(loop.time(), len(manifest.buckets))
-        try:
-            readers = await asyncio.to_thread(lambda: [self._reader(b.shm_segment, b.nbytes, True) for b in manifest.buckets])
-        except ShmUnavailableError as exc:
-            raise _ShmFallback(f"cannot map the publisher's segment ({exc})") from exc
-        timeline.mark("mapped", loop.time())
-        sizes = [b.nbytes for b in manifest.buckets]
-        offsets, total = arena_offsets(sizes)
-        slab = ops.alloc(total)
-        timeline.mark("slab", loop.time())
-        buffers = [slab[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-        done: set[int] = set()
-        verifying: dict[int, asyncio.Future[str]] = {}
-        """Buckets whose copy is queued: the verifying thread waits for each one's digest (in the order they were queued),
-        while this loop goes on asking for the next buckets' GPU checksums."""
-        failures = [0] * len(sizes)
-        deadline = loop.time() + self.fetch_timeout_s
-        try:
-            while len(done) < len(sizes):
-                ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done and i not in verifying]
-                if ready:
-                    timeline.seen(ready, loop.time())
-                    queued = await asyncio.to_thread(_stage_queue, ops, readers, manifest.version, ready, buffers)
-                    timeline.queued(ready, loop.time())
-                    for i, state, handle in queued:
-                        verifying[i] = loop.run_in_executor(self._verifier(), timeline.digested, i, _stage_outcome, ops, readers[i],
-                                                            state, handle, manifest.buckets[i].host_mix64)
-                for i in sorted(i for i, f in verifying.items() if f.done()):
-                    timeline.verified(i, loop.time())
-                    if self._staged_bucket(manifest, i, verifying.pop(i).result(), buffers[i], failures, on_bucket):
-                        done.add(i)
-                    timeline.handed_s += loop.time() - timeline.t0 - timeline.verified_ms[i] / 1000
-                if len(done) < len(sizes):
-                    t_poll = loop.time()
-                    manifest = await self._next_mix64(manifest, done, verifying, deadline)
-                    timeline.waited(t_poll, loop.time())
-        except BaseException:
-            if verifying:  # copies still queued into the slab: it goes back once they are done
-                asyncio.gather(*verifying.values(), return_exceptions=True).add_done_callback(lambda _f: ops.give(slab))
-            else:
-                ops.give(slab)
-            raise
-        finally:
-            self._drop_dead_readers()  # unlinked segments (keep the live ones mapped)
-        self.last_path = "shm"
-        nbytes = sum(sizes)
-        log.info("weights fetched %s", json.dumps({"version": manifest.version, "path": "shm", "staged_to": str(self.stage_device),
-                                                   "bytes": nbytes, "bytes_received": self.bytes_received, "shm_bytes": self.shm_bytes,
-                                                   "device_stage_bytes": self.device_stage_bytes, "ipc_bytes": self.ipc_bytes,
-                                                   "segments_mapped": len(self._readers), "segment_maps": self.segment_maps,
-                                                   "segments_registered": sum(1 for r in list(self._readers.values()) if r.registered),
-                                                   "segments_registered_ahead": self.segments_registered_ahead,
-                                                   "fallbacks": sum(self.fallbacks.values()), "at": time.time(),
-                                                   "timeline": timeline.as_dict(loop.time())}))
-        self.metrics.event("version_fetched", {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": "shm",
-                                               "staged_to": str(self.stage_device)})
-        tensors = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(buffers), slab=slab)
-
-    async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]], deadline: float) -> Manifest:
-        """`_fetch_shm_device` has nothing to queue: wait for the next verdict where every bucket left is queued (a bad
-        one is queued again after it), else ask for the manifest again after a few ms (more buckets' GPU checksums)."""
-        if not any(not b.host_mix64 for i, b in enumerate(manifest.buckets) if i not in done and i not in verifying):
-            if verifying:
-                await asyncio.wait(list(verifying.values()), return_when=asyncio.FIRST_COMPLETED)
-            return manifest
-        if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
-            raise _ShmFallback("the publisher gives no GPU checksum (host_mix64) for this version")
-        if asyncio.get_running_loop().time() > deadline:
-            raise _ShmFallback(f"the publisher's GPU checksums did not come within {self.fetch_timeout_s} s")
-        await asyncio.sleep(_MIX64_POLL_S)
-        again = _checked(await self.fetch_manifest(manifest.version))
-        if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
-            raise _ShmFallback("the publisher's segments changed under the fetch")
-        return again
-
-    def _verifier(self) -> ThreadPoolExecutor:
-        if self._verify_exec is None:
-            self._verify_exec = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
-        return self._verify_exec
-
-    def _staged_bucket(self, manifest: Manifest, i: int, outcome: str, buffer: torch.Tensor, failures: list[int],
-                       on_bucket: BucketCallback | None) -> bool:
-        """One bucket's staging outcome: True when verified (handed to `on_bucket`); a bad one is counted (and refused
-        after `max_refetch` copies), a torn read falls back."""
-        if outcome == "torn":
-            raise _ShmFallback(f"bucket {i}: the publisher reused its segment while it was read (version {manifest.version} evicted)")
-        info = manifest.buckets[i]
-        if outcome == "ok":
-            self.shm_bytes += info.nbytes
-            self.device_stage_bytes += info.nbytes
-            if on_bucket is not None:
-                on_bucket(i, unpack_bucket(info, buffer))
-            return True
-        self._bucket_failed(manifest.version, i, failures, "shm_device", "staged from shared memory", "shared memory staged to the GPU")
-        return False
-
-    def _reader(self, name: str, nbytes: int, register: bool = False) -> ShmReader:
-        with self._readers_lock:
-            r = self._readers.get(name)
-            if r is not None and r.nbytes == nbytes and r.alive():
-                if register and not r.registered:
-                    self._register(r)
-                return self._readers[name]
-            if r is not None:
-                self._readers.pop(name).close()
-            r = self._readers[name] = ShmReader(name, nbytes)
-            self.segment_maps += 1
-            if register:
-                self._register(r)
-            return self._readers[name]
-
-    def _drop_dead_readers(self) -> None:
-        with self._readers_lock:
-            for name in [n for n, r in self._readers.items() if not r.alive()]:
-                self._readers.pop(name).close()
-
-    # -- registering the publisher's segments ahead of use (minor 11)
-
-    def _registers_ahead(self) -> bool:
-        return self.stage_device is not None and self.path in ("auto", "shm")
-
-    def _register_ahead(self, manifest: Manifest) -> None:
-        """A manifest named the publisher's segments (`Manifest.shm_reserved`): a subscriber that stages from shared
-        memory to its GPU maps and page-locks them now, in a thread (page-locking runs at about 2.5 GB/s: 2 x 14.5 GB
-        would cost the first version 12 s), so no version pays it and the event loop and generation go on."""
-        if not self._registers_ahead() or (manifest.shm_reserved and manifest.host_key != self.host_key):
-            return
-        want = tuple((seg.name, seg.nbytes) for seg in manifest.shm_reserved)
-        if want == self._ahead:
-            return  # (an empty list the first time: a publisher of minor 10, or one without segments)
-        self._ahead = want
-        self._ahead_thread = threading.Thread(target=self._register_segments, args=(want,), name="weights-register", daemon=True)
-        self._ahead_thread.start()
-
-    def _register_segments(self, want: tuple[tuple[str, int], ...]) -> None:
-        """Registering thread: map and page-lock each named segment not mapped yet (a newer list supersedes this one)."""
-        t0 = time.perf_counter()
-        made = nbytes = 0
-        registers = self._staging().registers
-        for name, n in want:
-            if self._ahead != want:
-                return  # superseded by a newer list, or closed
-            with self._readers_lock:
-                known = self._readers.get(name)
-                if known is not None and known.nbytes == n and (known.registered or not registers) and known.alive():
-                    continue
-            try:
-                self._reader(name, n, True)
-            except ShmUnavailableError as exc:
-                log.debug("segment %s not mapped ahead: %s", name, exc)
-                continue
-            made += 1
-            nbytes += n
-            self.segments_registered_ahead += 1
-        self._drop_dead_readers()
-        if made:
-            self._warm_staging([name for name, _n in want])
-        with self._readers_lock:
-            registered = sum(1 for r in self._readers.values() if r.registered)
-        log.info("weight segments registered %s", json.dumps({"segments": len(want), "mapped_now": made, "bytes_now": nbytes,
-                                                              "registered": registered, "seconds": round(time.perf_counter() - t0, 3),
-                                                              "at": time.time()}))
-
-    def _warm_staging(self, names: list[str]) -> None:
-        """Registering thread: one staged copy and checksum from every named segment (64 KiB each, and one full mix64
-        slice) into a scratch buffer, so the first version does not pay the staging's first kernels, index tensors and
-        first copies out of each freshly registered segment (version 1 of the shm row took 0.45 s to fetch against 0.33
-        s warm, 2026-12-04). Best effort: a failure is logged at debug level and the fetch pays it instead."""
-        try:
-            ops = self._staging()
-            with self._readers_lock:
-                readers = [r for r in (self._readers.get(n) for n in names) if r is not None and r.nbytes]
-            if not readers:
-                return
-            big = max(readers, key=lambda r: r.nbytes)
-            scratch = ops.scratch(min(big.nbytes, _WARM_SLICE_BYTES))  # not a version's slab: a fetch may run meanwhile
-            handles = [ops.stage(r.host_tensor()[: min(r.nbytes, _WARM_PIECE_BYTES)], scratch[: min(r.nbytes, _WARM_PIECE_BYTES)])
-                       for r in readers]
-            handles.append(ops.stage(big.host_tensor()[: scratch.numel()], scratch))
-            for h in handles:
-                ops.digest(h)
-        except Exception:
-            log.debug("warming the shm staging path up failed", exc_info=True)
-
-    def _register(self, r: ShmReader) -> None:
-        """Page-lock a mapped segment for the staging device, once per mapping (it is kept across versions)."""
-        ops = self._staging()
-        if not ops.registers:
-            return
-        if r.register():
-            return
-        # this CUDA cannot register a read-only mapping: map it again read-write (never written here) and register that
-        rw = ShmReader(r.name, r.nbytes, writable=True)
-        if rw.register():
-            self._readers[r.name] = rw
-            r.close()
-            return
-        rw.close()
-        self._errlog.warning("register", "weight segment %s could not be page-locked here; copies to the GPU run from pageable memory", r.name)
-
     async def fetch_into(self, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None = None, *,
                          on_bucket: BucketCallback | None = None) -> Manifest:
-        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network and verify each one.
-
-        Returns the manifest with the checksums it verified (a streamed one's pending checksums filled in)."""
-        _checked(manifest)
+        """Fill `buffers` (1-D uint8, one per bucket) with `manifest`'s buckets over the network (the bulk lane where the
+        plan takes it, else the ROUTER) and verify each one. Returns the manifest with the checksums it verified (a
+        streamed one's pending checksums filled in)."""
+        check_manifest(manifest)
         if len(buffers) != len(manifest.buckets):
             raise ValueError("one buffer per bucket")
-        host = lane_host(self.router_endpoint)
-        if manifest.bulk_port and host is not None and self.bulk and (host, manifest.bulk_port) not in self._bulk_unreachable:
-            bulk = _BulkTransfer(self, manifest, buffers, sink, on_bucket, host, manifest.bulk_port)
-            try:
-                await bulk.run()
-            except BulkUnavailable as exc:
-                # the rest of the version over the ROUTER: the buckets the lane verified are kept (and were staged);
-                # the others start again (a relay's downstream forgets what it was told had arrived of them)
-                if exc.unreachable:
-                    self._bulk_unreachable.add((host, manifest.bulk_port))  # not tried again: a firewall stays shut
-                self._fallback(manifest.version, "bulk lane unavailable", path="bulk")
-                log.info("weight version %d: %s (%d of %d buckets verified over it)", manifest.version, exc, len(bulk.verified), len(buffers))
-                if sink is not None:
-                    for i in range(len(buffers)):
-                        if i not in bulk.verified:
-                            sink.on_bucket_reset(i)
-                manifest = replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
-                skip = bulk.verified
-            else:
-                return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, bulk.expected, strict=True)))
-        else:
-            skip = set()
-        transfer = _Transfer(self, manifest, buffers, sink, on_bucket, skip=skip)
-        await transfer.run()
-        return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, transfer.expected, strict=True)))
-
-
-def _warm_current_device() -> None:
-    from rollpool.weights.cuda_ipc import warm_up
-
-    try:
-        warm_up(torch.device("cuda", torch.cuda.current_device()))
-    except Exception:
-        log.debug("warming the same-GPU path up failed", exc_info=True)
-
-
-class _IpcFallback(Exception):
-    """The same-GPU path cannot serve this version: take shared memory or the network."""
-
-
-def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
-    """Worker thread: copy buckets `which` device-to-device from the publisher's buffer and checksum each copy on the
-    GPU (on a side stream of this thread); the buckets whose checksum differs."""
-    from rollpool.weights.cuda_ipc import side_stream
-
-    stream = side_stream(src.device)
-    bad = []
-    with torch.cuda.stream(stream):
-        for i in which:
-            b = manifest.buckets[i]
-            if b.ipc_offset + b.nbytes > int(src.numel()):
-                raise _IpcFallback(f"bucket {i} lies beyond the publisher's GPU buffer")
-            buffers[i].copy_(src[b.ipc_offset : b.ipc_offset + b.nbytes], non_blocking=True)
-        for i in which:
-            if mix64_checksum(buffers[i]) != manifest.buckets[i].ipc_checksum:
-                bad.append(i)
-    stream.synchronize()
-    return bad
-
-
-class _Timeline:
-    """When each bucket of a staged fetch was seen with its GPU checksum, queued and verified (ms from the start of
-    `_fetch_shm_device`), for the ``weights fetched`` log line: where a slow version spent its time."""
-
-    def __init__(self, t0: float, buckets: int) -> None:
-        self.t0 = t0
-        self.marks: dict[str, float] = {}
-        self.seen_ms = [-1.0] * buckets
-        self.queued_ms = [-1.0] * buckets
-        self.verified_ms = [-1.0] * buckets
-        self.digest_ms = [-1.0] * buckets
-        self.waits_ms: list[tuple[float, float]] = []
-        """Each `_next_mix64` (a verdict awaited, or a manifest poll): when it began and how long it took."""
-        self.handed_s = 0.0
-        """Time spent in ``on_bucket`` (the engine's staging of each verified bucket), on the loop."""
-
-    def _ms(self, t: float) -> float:
-        return round((t - self.t0) * 1000, 1)
-
-    def mark(self, what: str, t: float) -> None:
-        self.marks[what] = self._ms(t)
-
-    def seen(self, which: list[int], t: float) -> None:
-        for i in which:
-            self.seen_ms[i] = self._ms(t)
-
-    def queued(self, which: list[int], t: float) -> None:
-        for i in which:
-            self.queued_ms[i] = self._ms(t)
-
-    def digested(self, i: int, fn: Callable[..., str], *args: Any) -> str:
-        """Verifying thread: `fn(*args)` (`_stage_outcome`), noting when its digest came back."""
-        try:
-            return fn(*args)
-        finally:
-            self.digest_ms[i] = self._ms(time.monotonic())  # the event loop's clock (asyncio's loop.time())
-
-    def waited(self, t0: float, t1: float) -> None:
-        self.waits_ms.append((self._ms(t0), round((t1 - t0) * 1000, 1)))
-
-    def verified(self, i: int, t: float) -> None:
-        self.verified_ms[i] = self._ms(t)
-
-    def as_dict(self, t_end: float) -> dict[str, Any]:
-        return {"total_ms": self._ms(t_end), "waits": len(self.waits_ms), "on_bucket_ms": round(self.handed_s * 1000, 1),
-                **{f"{k}_ms": v for k, v in self.marks.items()}, "seen_ms": self.seen_ms, "queued_ms": self.queued_ms,
-                "digest_ms": self.digest_ms, "verified_ms": self.verified_ms, "waits_ms": self.waits_ms}
-
-
-_WARM_PIECE_BYTES = 64 * 1024
-_WARM_SLICE_BYTES = 64 * 1024 * 1024
-"""`_warm_staging`: what is copied from each segment, and the largest copy (one full mix64 slice)."""
-_MIX64_POLL_S = 0.002
-"""How often the manifest is asked for again while some buckets' GPU checksums are pending."""
-
-
-class CudaStaging:
-    """The staging edge of the shared-memory path on CUDA: host-to-device copies on one stream, the mix64 of each copy
-    on another (waiting on the copy's event), device buffers from the subscriber's reused slabs."""
-
-    registers = True
-
-    def __init__(self, device: str, slabs: DeviceSlabs) -> None:
-        from rollpool.weights.cuda_ipc import side_stream
-
-        d = torch.device(device)
-        self.device = d if d.index is not None else torch.device("cuda", torch.cuda.current_device())  # slabs match by index
-        self.slabs = slabs
-        self.copy_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        self.mix_stream = side_stream(self.device)
-
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        return self.slabs.take_at_least(nbytes, self.device)
-
-    def give(self, slab: torch.Tensor) -> None:
-        self.slabs.give(slab)
-
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def stage(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        """Queue the copy of `src` (registered host memory) into `dst` and the mix64 of `dst`; a handle for `digest`."""
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copied.record(self.copy_stream)
-        with torch.cuda.stream(self.mix_stream):
-            self.mix_stream.wait_event(copied)
-            return mix64_partial(dst, 0)
-
-    def digest(self, handle: Any) -> str:
-        with torch.cuda.stream(self.mix_stream):
-            return mix64_format(int(handle.item()))
-
-
-def _stage_queue(ops: Any, readers: list[ShmReader], version: int, which: list[int],
-                 buffers: list[torch.Tensor]) -> list[tuple[int, tuple[int, int] | None, Any]]:
-    """Worker thread: queue the copies and checksums of buckets `which` (nothing waited on): per bucket its segment's
-    state before the copy and the handle of its digest (state None: the segment does not hold `version`)."""
-    out: list[tuple[int, tuple[int, int] | None, Any]] = []
-    for i in which:
-        state = readers[i].state()
-        out.append((i, None, None) if state[0] != version else (i, state, ops.stage(readers[i].host_tensor(), buffers[i])))
-    return out
-
-
-def _stage_outcome(ops: Any, reader: ShmReader, state: tuple[int, int] | None, handle: Any, expected: str) -> str:
-    """Verifying thread: wait for a queued bucket's digest: ``"ok"``, ``"bad"`` (the device copy's mix64 differs) or
-    ``"torn"`` (the segment did not hold the version, or was rewritten while it was copied)."""
-    if state is None:
-        return "torn"
-    digest = ops.digest(handle)  # waits for the bucket's copy and checksum
-    if reader.state() != state:
-        return "torn"
-    return "ok" if digest == expected else "bad"
-
-
-class _ShmFallback(Exception):
-    """The shared-memory path cannot serve this version: take the network path."""
-
-
-_SHM_PIECE_BYTES = 4 * 1024 * 1024
-
-
-def _copy_verified(reader: ShmReader, version: int, expected: str, dst: torch.Tensor) -> str:
-    """Worker thread: copy a bucket out of shared memory, checksumming the copy piece by piece while it is in cache.
-
-    ``"ok"``, ``"bad"`` (checksum) or ``"torn"`` (the segment does not hold `version`, or was rewritten meanwhile).
-    """
-    v0, g0 = reader.state()
-    if v0 != version:
-        return "torn"
-    n = int(dst.numel())
-    out = dst.numpy()
-    summer = Checksummer.for_digest(expected)
-    for off in range(0, n, _SHM_PIECE_BYTES):
-        end = min(n, off + _SHM_PIECE_BYTES)
-        out[off:end] = np.frombuffer(reader.bytes(off, end - off), dtype=np.uint8)
-        summer.update(out[off:end])
-    v1, g1 = reader.state()
-    if (v1, g1) != (v0, g0):
-        return "torn"
-    return "ok" if verify_checksum(expected, running=summer) else "bad"
-
-
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {text!r}") from None
-
-
-def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
-    def resolve(msg: Any) -> None:
-        if not fut.done():
-            fut.set_result(msg)
-
-    return resolve
-
-
-def _checked(manifest: Manifest) -> Manifest:
-    try:
-        for i, b in enumerate(manifest.buckets):
-            if b.index != i:
-                raise ValueError(f"bucket {i} has index {b.index}")
-            check_bucket_info(b)
-            if not b.checksum:
-                continue  # a streamed publish: the checksum follows on the bucket's chunks
-            algo = b.checksum.partition(":")[0]
-            if not checksum_supported(algo):
-                raise ValueError(f"bucket {i}: checksum algorithm {algo!r} cannot be verified here (xxh3_64 needs the xxhash package)")
-    except ValueError as exc:
-        raise WeightSyncError(f"manifest of version {manifest.version} is invalid: {exc}") from exc
-    return manifest
-
-
-def _taken(queue: deque[tuple[int, list[tuple[int, int]]]]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """A stream thread's jobs: the next one from the shared queue each time it is free (``popleft`` is atomic)."""
-    while True:
-        try:
-            yield queue.popleft()
-        except IndexError:
-            return
-
-
-class _BulkTransfer:
-    """The network path over a server's bulk lane (`rollpool.weights.bulk`): as `_Transfer`, without a copy per byte.
-
-    The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
-    `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
-    ahead and receives each one straight into its bucket's buffer. A whole bucket is folded into its running
-    checksum chunk by chunk while in cache; a bucket cut into parts is checksummed in one pass by the thread that
-    lands its last part. A bucket that fails is fetched again whole
-    by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
-    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
-    `BulkUnavailable` (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the loop.
-    """
-
-    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None, host: str, port: int) -> None:
-        self.sub = sub
-        self.manifest = manifest
-        self.buffers = buffers
-        self.views = [memoryview(b.numpy().data).cast("B") if b.numel() else memoryview(b"") for b in buffers]
-        self.sink = sink
-        self.on_bucket = on_bucket
-        self.host, self.port = host, port
-        self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        self.expected = [b.checksum for b in manifest.buckets]
-        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
-        n = len(manifest.buckets)
-        self.failures = [0] * n
-        self.parts_left = [0] * n
-        self.folding = [True] * n
-        """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
-        self.verified: set[int] = set()
-        """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.loop = asyncio.get_running_loop()
-
-    def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
-        """The version's jobs, (bucket, its chunks), in bucket order, for `streams` threads to take one by one.
-
-        A bucket with at least `streams` times its bytes left from its start to the version's end is one job
-        (fetched and checksummed in order, in cache); nearer the end a bucket is cut into about streams * its
-        bytes / bytes left jobs (the last one into `streams`), so the streams finish together. Taken in order from
-        one queue, the streams work on the buckets a streamed publish makes ready first (contiguous spans per
-        stream, the first design, left the later streams waiting for their first bucket: up to a whole snapshot's
-        copy, 0.28 s on the H200). Empty buckets get no job."""
-        sizes = [b.nbytes for b in self.manifest.buckets]
-        left = sum(sizes)
-        k = max(1, streams)
-        jobs: list[tuple[int, list[tuple[int, int]]]] = []
-        for i, n in enumerate(sizes):
-            if n == 0:
-                continue
-            chunks = self._chunks_of(i)
-            pieces = 1 if left >= k * n else min(len(chunks), -(-k * n // left))
-            per = -(-len(chunks) // pieces)
-            cut = [chunks[j : j + per] for j in range(0, len(chunks), per)]
-            jobs.extend((i, part) for part in cut)
-            self.parts_left[i] += len(cut)
-            self.folding[i] = len(cut) == 1
-            left -= n
-        return jobs
-
-    async def run(self) -> None:
-        sub, version = self.sub, self.manifest.version
-        for i, b in enumerate(self.manifest.buckets):
-            if b.nbytes == 0:
-                self.parts_left[i] = 1
-                if self._part_done(i):
-                    raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
-        queue = deque(self.plan(sub.streams))
-        peer = f"{sub.worker_id}/{sub._prefix}"[:250].encode()
-        n = max(1, min(sub.streams, len(queue)))
-        pool = ThreadPoolExecutor(n, thread_name_prefix="weights-bulk")
-        futures = [
-            self.loop.run_in_executor(pool, functools.partial(
-                fetch_bucket_range, self.host, self.port, peer, version, _taken(queue), self.views, timeout_s=sub.fetch_timeout_s,
-                window=sub.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop))
-            for _ in range(n)
-        ] if queue else []
-        try:
-            await asyncio.gather(*futures)
-        except BulkError as exc:
-            if exc.code == "gone":
-                raise WeightVersionGoneError(version, exc.message) from None
-            if exc.code == "busy":
-                raise BulkUnavailable(str(exc)) from None
-            raise WeightSyncError(f"weight version {version}: the bulk lane refused a fetch: {exc}") from None
-        finally:
-            self.stop.set()
-            await asyncio.gather(*futures, return_exceptions=True)  # each thread ends at its next chunk
-            pool.shutdown(wait=False)
-
-    def _chunks_of(self, bucket: int) -> list[tuple[int, int]]:
-        n = self.manifest.buckets[bucket].nbytes
-        return [(off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
-
-    def _on_chunk(self, bucket: int, offset: int, nbytes: int, checksum: str, data: memoryview) -> None:
-        """Stream thread: a chunk is in its bucket; fold it into the running checksum when the bucket is folded."""
-        if checksum and checksum != self.expected[bucket]:
-            with self.lock:
-                if checksum != self.expected[bucket]:
-                    if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
-                        raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum "
-                                              f"{checksum!r}, not {self.expected[bucket]!r}")
-                    self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
-                    self.sums[bucket] = Checksummer.for_digest(checksum)
-                    if self.sink is not None:
-                        self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
-        summer = self.sums[bucket]
-        if self.folding[bucket] and summer is not None:
-            summer.update(data)
-        with self.sub._counts_lock:
-            self.sub.bytes_received += nbytes
-            self.sub.bulk_bytes += nbytes
-        if self.sink is not None:
-            self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
-
-    def _part_done(self, bucket: int) -> list[tuple[int, int]]:
-        """Stream thread: its part of a bucket landed. When the bucket is whole, verify it; the chunks to fetch
-        again (all of the bucket's, on this thread, folded in order), or none."""
-        with self.lock:
-            self.parts_left[bucket] -= 1
-            if self.parts_left[bucket] > 0:
-                return []  # another thread lands the rest and verifies
-        info, expected, summer = self.manifest.buckets[bucket], self.expected[bucket], self.sums[bucket]
-        if info.nbytes == 0:
-            ok = not expected or verify_checksum(expected, b"")
-        elif not expected:
-            ok = False  # no chunk named the pending checksum: nothing to verify against
-        elif self.folding[bucket]:
-            ok = summer is not None and verify_checksum(expected, running=summer)
-        else:
-            ok = verify_checksum(expected, self.views[bucket])  # cut into parts: one pass over the whole bucket
-        if ok:
-            with self.lock:
-                self.verified.add(bucket)
-            if self.on_bucket is not None:
-                self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
-            return []
-        self.failures[bucket] += 1
-        with self.sub._counts_lock:
-            self.sub.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d failed its checksum (attempt %d, bulk lane)", self.manifest.version, bucket, self.failures[bucket])
-        self.loop.call_soon_threadsafe(self.sub.metrics.event, "bucket_refetched",
-                                       {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
-        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
-        self.folding[bucket] = True
-        self.parts_left[bucket] = 1
-        if self.sink is not None:
-            self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)
-        return self._chunks_of(bucket)
-
-
-class _Transfer:
-    """One windowed, verified transfer of a manifest's buckets into buffers (the network path).
-
-    The window is `window_chunks` per stream, requests spread over the
-    subscriber's streams. Chunks are copied into their buckets by `lanes`
-    single-thread executors (one lane per bucket, so a bucket's running
-    checksum is fed in offset order; chunks that arrive early are folded in
-    when the gap before them closes); with several lanes the requests
-    interleave that many buckets so every lane has work.
-    """
-
-    def __init__(self, sub: WeightSubscriber, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None = None, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        """`skip`: buckets already in `buffers` and verified (by the bulk lane before it failed): not fetched."""
-        self.sub = sub
-        self.manifest = manifest
-        self.buffers = buffers
-        self.views = [b.numpy() for b in buffers]
-        self.sink = sink
-        self.on_bucket = on_bucket
-        self.window = sub.window_chunks * max(1, len(sub._dealers))
-        self.chunk = min(max(manifest.chunk_bytes, _MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        self.todo: deque[tuple[int, int, int]] = deque()
-        self.outstanding: dict[str, tuple[int, int, int]] = {}
-        self.received = [0] * len(buffers)
-        self.expected = [b.checksum for b in manifest.buckets]
-        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
-        self.summed_to = [0] * len(buffers)
-        self.early: list[dict[int, int]] = [{} for _ in buffers]
-        self.failures = [0] * len(buffers)
-        self.replies: asyncio.Queue[Any] = asyncio.Queue()
-        # Copying a chunk into its bucket and folding it into the checksum run in worker threads
-        # (both release the GIL) while the loop keeps receiving.
-        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix="weights-absorb") for _ in range(max(1, min(len(sub._dealers), sub.copy_threads, len(buffers) or 1)))]
-        self.pending: deque[tuple[asyncio.Future[None], int, int, int]] = deque()
-        n = len(self.lanes)
-        for i in skip:
-            self.received[i] = manifest.buckets[i].nbytes
-        for first in range(0, len(buffers), n):
-            group = [self._chunks_of(i) for i in range(first, min(first + n, len(buffers))) if i not in skip]
-            for k in range(max((len(g) for g in group), default=0)):
-                self.todo.extend(g[k] for g in group if k < len(g))
-        for i, b in enumerate(manifest.buckets):
-            if b.nbytes == 0 and i not in skip:
-                self._verify(i)
-
-    def _chunks_of(self, bucket: int) -> list[tuple[int, int, int]]:
-        n = self.manifest.buckets[bucket].nbytes
-        return [(bucket, off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
-
-    async def run(self) -> None:
-        sub = self.sub
-        stalls = 0
-        try:
-            while self.todo or self.outstanding or self.pending:
-                while self.todo and len(self.outstanding) < self.window:
-                    self._request(self.todo.popleft())
-                if self.pending and (len(self.pending) >= self.window or not self.outstanding):
-                    await self.pending[0][0]  # a memcpy and a checksum: bounded, no network wait
-                    self._settle()
-                    continue
-                try:
-                    msg = await asyncio.wait_for(self.replies.get(), sub.fetch_timeout_s)
-                except TimeoutError:
-                    stalls += 1
-                    if stalls > sub.max_refetch:
-                        raise WeightSyncError(
-                            f"weight version {self.manifest.version}: no reply from {sub.router_endpoint} "
-                            f"for {stalls} x {sub.fetch_timeout_s} s ({len(self.outstanding)} chunks outstanding)"
-                        ) from None
-                    self._requeue_outstanding()
-                    continue
-                if self._handle(msg):
-                    stalls = 0
-                self._settle()
-        finally:
-            for rid in self.outstanding:
-                sub._routes.pop(rid, None)
-            for lane in self.lanes:
-                lane.shutdown(wait=True, cancel_futures=True)
-
-    def _request(self, req: tuple[int, int, int]) -> None:
-        rid = self.sub._request_id()
-        bucket, offset, nbytes = req
-        self.outstanding[rid] = req
-        self.sub._routes[rid] = self.replies.put_nowait
-        # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.sub._send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
-
-    def _requeue_outstanding(self) -> None:
-        reqs = sorted(self.outstanding.values())
-        for rid in self.outstanding:
-            self.sub._routes.pop(rid, None)
-        self.outstanding.clear()
-        self.todo.extendleft(reversed(reqs))
-
-    def _handle(self, msg: Any) -> bool:
-        """Apply one reply; True if it was progress."""
-        req = self.outstanding.pop(msg.request_id, None)
-        self.sub._routes.pop(msg.request_id, None)
-        if req is None:
-            return False
-        bucket, offset, nbytes = req
-        if isinstance(msg, Error):
-            if msg.code == "gone":
-                raise WeightVersionGoneError(self.manifest.version, msg.message)
-            raise WeightSyncError(f"weight version {self.manifest.version}: publisher refused a fetch: {msg.code}: {msg.message}")
-        if not isinstance(msg, Chunk) or (msg.version, msg.bucket, msg.offset) != (self.manifest.version, bucket, offset) or memoryview(msg.data).nbytes != nbytes:
-            self._fail_chunk(req, "a reply that does not match its request")
-            return True
-        if msg.checksum and msg.checksum != self.expected[bucket]:
-            if self.expected[bucket] or not checksum_supported(msg.checksum.partition(":")[0]):
-                self._fail_chunk(req, f"a chunk naming checksum {msg.checksum!r}, not the bucket's {self.expected[bucket]!r}")
-                return True
-            # a streamed manifest's pending checksum: the bucket's chunks carry it
-            self.expected[bucket] = msg.checksum
-            self.sums[bucket] = Checksummer.for_digest(msg.checksum)
-            if self.sink is not None:
-                self.sink.on_checksum(bucket, msg.checksum)
-        lane = self.lanes[bucket % len(self.lanes)]
-        fut = asyncio.get_running_loop().run_in_executor(lane, self._absorb, bucket, offset, msg.data)
-        self.pending.append((fut, bucket, offset, nbytes))
-        self.sub.bytes_received += nbytes
-        return True
-
-    def _absorb(self, bucket: int, offset: int, data: Any) -> None:
-        """Lane thread: copy one chunk into its bucket and fold what is now contiguous into the running checksum."""
-        n = len(data)
-        view = self.views[bucket]
-        view[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
-        summer = self.sums[bucket]
-        if summer is None:
-            return
-        if self.summed_to[bucket] != offset:
-            self.early[bucket][offset] = n  # folded in once the chunks before it are
-            return
-        summer.update(data)
-        pos = offset + n
-        early = self.early[bucket]
-        while pos in early:
-            m = early.pop(pos)
-            summer.update(view[pos : pos + m])
-            pos += m
-        self.summed_to[bucket] = pos
-
-    def _settle(self) -> None:
-        """Account for the chunks the lanes have finished, in order; verify completed buckets."""
-        while self.pending and self.pending[0][0].done():
-            fut, bucket, offset, nbytes = self.pending.popleft()
-            fut.result()
-            self.received[bucket] += nbytes
-            if self.sink is not None:
-                self.sink.on_chunk(bucket, offset, nbytes)
-            if self.received[bucket] == self.manifest.buckets[bucket].nbytes:
-                self._verify(bucket)
-
-    def _verify(self, bucket: int) -> None:
-        info = self.manifest.buckets[bucket]
-        expected = self.expected[bucket]
-        summer = self.sums[bucket]
-        if info.nbytes == 0:
-            ok = not expected or verify_checksum(expected, b"")
-        elif not expected or summer is None:
-            ok = False  # no chunk named the pending checksum: nothing to verify against
-        elif self.summed_to[bucket] == info.nbytes:
-            ok = verify_checksum(expected, running=summer)
-        else:  # cannot happen (every chunk is folded in order); verify the assembled buffer
-            ok = verify_checksum(expected, self.views[bucket])
-        if ok:
-            if self.on_bucket is not None:
-                self.on_bucket(bucket, unpack_bucket(info, self.buffers[bucket]))
-            return
-        self.failures[bucket] += 1
-        self.sub.buckets_refetched += 1
-        log.warning("weight version %d: bucket %d failed its checksum (attempt %d)", self.manifest.version, bucket, self.failures[bucket])
-        self.sub.metrics.event("bucket_refetched", {"worker_id": self.sub.worker_id, "version": self.manifest.version, "bucket": bucket, "path": "network"})
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket} failed its checksum {self.failures[bucket]} times")
-        self.received[bucket] = 0
-        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
-        self.summed_to[bucket] = 0
-        self.early[bucket] = {}
-        if self.sink is not None:
-            self.sink.on_bucket_reset(bucket)
-        self.todo.extendleft(reversed(self._chunks_of(bucket)))
-
-    def _fail_chunk(self, req: tuple[int, int, int], why: str) -> None:
-        bucket = req[0]
-        self.failures[bucket] += 1
-        log.warning("weight version %d: bucket %d: %s", self.manifest.version, bucket, why)
-        if self.failures[bucket] > self.sub.max_refetch:
-            raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: {why}, {self.failures[bucket]} times")
-        self.todo.appendleft(req)
+        network = plan(manifest, self.facts(), replace(self.config, weight_path=NETWORK))
+        got = await self._walk(network, FetchJob(manifest, on_bucket, buffers=buffers, sink=sink))
+        return got.manifest

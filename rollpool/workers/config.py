@@ -19,7 +19,7 @@ from typing import Any
 from rollpool.protocol.config import help_ as _h
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import ApplyMode
-from rollpool.weights.config import check_path_fields
+from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.engines.options import OPTIONS_BY_ENGINE, parse_options, split_options
 
 __all__ = ["WorkerConfig", "parse_engine_options"]
@@ -68,9 +68,8 @@ class WorkerConfig:
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
     weight_endpoint: str | None = field(default=None, metadata=_h("fetch weights here (a relay on this node) instead of where the broker says"))
     weight_announce_endpoint: str | None = field(default=None, metadata=_h("announcements from here (with --weight-endpoint)"))
-    weight_path: str = field(default="auto", metadata=_h("how weight bytes travel: auto, network, shm or cuda_ipc"))
-    weight_streams: int = field(default=0, metadata=_h("sockets the weight fetch spreads chunk requests over, 1..16 (0: automatic)"))
-    pinned_budget_bytes: int | None = field(default=None, metadata=_h("most page-locked bucket memory (None: no bound)"))
+    weights: WeightPathConfig = field(default_factory=WeightPathConfig.from_env,
+                                      metadata=_h("every weight-path knob (flat flags --weight-path, --weight-streams, ...; [worker.weights] in TOML)"))
     weight_reserve_versions: int = field(
         default=2,
         metadata=_h("weight versions an engine on a GPU has its fetch buffers reserved for at its start, sized by its own "
@@ -106,7 +105,6 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.max_restarts and weight_retries must be >= 1, got {self.max_restarts} and {self.weight_retries}")
         if self.window_chunks < 1 or self.max_refetch < 0:
             raise ConfigError("WorkerConfig.window_chunks must be >= 1 and max_refetch >= 0")
-        check_path_fields("WorkerConfig", self.weight_path, self.weight_streams, self.pinned_budget_bytes)
         if not 0 <= self.weight_reserve_versions <= 4:
             raise ConfigError(f"WorkerConfig.weight_reserve_versions must be in [0, 4], got {self.weight_reserve_versions}")
         for name in (

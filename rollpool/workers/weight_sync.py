@@ -42,24 +42,23 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import inspect
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rollpool.protocol.errors import EngineError, WeightsRefusedError, WeightSyncError
 from rollpool.protocol.messages import ApplyDone, ApplyRequest
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.engine_supervisor import EngineSupervisor
 from rollpool.workers.engines.base import Engine, SizedEngine, StagingEngine
 from rollpool.workers.link import BrokerLink
 
-__all__ = ["FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
+__all__ = ["BucketHook", "BucketStagingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +73,10 @@ class FetchedVersion(Protocol):
     def tensors(self) -> Mapping[str, Any]: ...
 
 
+BucketHook = Callable[[int, Mapping[str, Any]], Any]
+"""``on_bucket(index, tensors)``: one bucket of the version being fetched verified (the version is not whole yet)."""
+
+
 class Subscriber(Protocol):
     """What the worker uses of `rollpool.weights.WeightSubscriber`."""
 
@@ -81,21 +84,37 @@ class Subscriber(Protocol):
 
     def note_version(self, version: int) -> None: ...
 
+    def forget_newer(self, version: int) -> None:
+        """The pool was rebased to `version`: versions known above it are forgotten."""
+
     async def wait_for_newer(self, than: int) -> int: ...
 
-    async def fetch(self, version: int | None = None) -> FetchedVersion: ...
+    async def fetch(self, version: int | None = None, *, on_bucket: BucketHook | None = None) -> FetchedVersion: ...
 
     def recycle(self, old: Any) -> None: ...
+
+    def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
+        """Allocate buffers for `versions` versions of `total_bytes` in a thread; the next fetch waits for it."""
 
     def close(self) -> None: ...
 
 
-SubscriberFactory = Callable[..., Subscriber]
-"""Called as ``factory(sockets, worker_id=, fetch_timeout_s=, window_chunks=, max_refetch=[, pin_memory=][, stage_device=]
-[, path=, streams=, pinned_budget_bytes=])`` (``stage_device`` and the three weight-path fields only to a factory that names
-them: the engine's CUDA device when the engine stages bucket by bucket; `WorkerConfig`'s ``weight_path``,
-``weight_streams``, ``pinned_budget_bytes``). A subscriber with ``reserve_in_background(total_bytes, versions)`` is made at
-engine start when the engine is on a GPU and says its `weight_bytes` (`WorkerConfig.weight_reserve_versions`)."""
+class SubscriberFactory(Protocol):
+    """Makes the worker's subscriber (`rollpool.weights.WeightSubscriber` itself, or a fake of that edge).
+
+    ``pin_memory``: the engine is on a GPU (page-locked buckets). ``stage_device``: its CUDA device, when the engine
+    stages bucket by bucket (`BucketStagingEngine`) and `WeightPathConfig.weight_shm_to_device` is on: shared-memory
+    buckets are then copied straight to it. ``weights``: `WorkerConfig.weights`, every weight-path knob."""
+
+    def __call__(self, sockets: SocketFactory, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
+                 pin_memory: bool, stage_device: str | None, weights: WeightPathConfig) -> Subscriber: ...
+
+
+@runtime_checkable
+class BucketStagingEngine(Protocol):
+    """An engine that copies each verified bucket to its device while the next one arrives (the SGLang engine)."""
+
+    def stage_bucket(self, version: int, tensors: Mapping[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +181,7 @@ class WeightSync:
     def engine_started(self) -> None:
         """The engine is up. On a GPU, with `weight_bytes` known, the subscriber is made now (connected when the broker
         names a publisher) and page-locks its buffers for `weight_reserve_versions` versions in a thread: a trainer's
-        first version then finds them ready, instead of waiting seconds per GB for them (no cold first version)."""
+        first version then finds them ready, instead of waiting seconds per GB for them (docs/weights.md, "No cold version")."""
         versions = self.config.weight_reserve_versions
         engine = self.supervisor.engine
         if self.subscriber is not None or versions < 1 or engine is None:
@@ -177,13 +196,12 @@ class WeightSync:
             return
         sub = self._make_subscriber()
         self.subscriber = sub
-        reserve = getattr(sub, "reserve_in_background", None)
-        if os.environ.get("ROLLPOOL_WEIGHT_RESERVE_BYTES", "").strip():
+        if self.config.weights.weight_reserve_bytes:
             return  # an explicit size: the subscriber reserved that at its making
-        if nbytes > 0 and reserve is not None:
+        if nbytes > 0:
             log.info("weight sync: reserving buffers for %d versions of %.2f GB at engine start", versions, nbytes / 1e9,
                      extra={"worker": self.worker_id})
-            reserve(nbytes, versions)
+            sub.reserve_in_background(nbytes, versions)
 
     def note_weights(self, version: int, endpoint: str | None, announce: str | None) -> None:
         """The broker named the newest version and the publisher's endpoints (welcome, heartbeat)."""
@@ -218,9 +236,8 @@ class WeightSync:
             self._reapply_target = None
         if self._served is not None and (self._served.version > version or version < -1):
             self._served_abandoned = True  # a fresh engine still gets these weights, but not their number
-        forget = getattr(self.subscriber, "forget_newer", None)  # optional in the Subscriber protocol
-        if forget is not None:
-            forget(version)
+        if self.subscriber is not None:
+            self.subscriber.forget_newer(version)
 
     def on_grant(self, version: int) -> None:
         fut = self._grants.get(version)
@@ -258,12 +275,12 @@ class WeightSync:
                 await self._skip(int(fetched.version), str(exc))
 
     async def _fetch(self, sub: Subscriber, target: int) -> FetchedVersion:
-        """Fetch `target`; an engine that stages bucket by bucket (``stage_bucket``) gets each bucket as it verifies,
-        so its copy to the device overlaps the fetch of the next one (a subscriber whose `fetch` takes ``on_bucket``)."""
+        """Fetch `target`; an engine that stages bucket by bucket (`BucketStagingEngine`) gets each bucket as it
+        verifies, so its copy to the device overlaps the fetch of the next one."""
         engine = self.supervisor.engine
-        hook = getattr(engine, "stage_bucket", None) if engine is not None else None
-        if hook is None or not _takes_on_bucket(sub):
+        if not isinstance(engine, BucketStagingEngine):
             return await sub.fetch(target)
+        hook = engine.stage_bucket
         broken = False
 
         def on_bucket(_index: int, tensors: Mapping[str, Any]) -> None:
@@ -277,8 +294,7 @@ class WeightSync:
                 log.warning("staging weight version %d bucket by bucket failed (%s); it is staged whole after the fetch", target, exc,
                             extra={"worker": self.worker_id})
 
-        fetch: Any = sub.fetch
-        return await fetch(target, on_bucket=on_bucket)  # type: ignore[no-any-return]
+        return await sub.fetch(target, on_bucket=on_bucket)
 
     def fetch_backoff_s(self, failures: int) -> float:
         return float(min(self.config.reconnect_backoff_s * 2 ** (failures - 1), self.config.reconnect_backoff_max_s))
@@ -451,41 +467,23 @@ class WeightSync:
         await self.link.send(ApplyDone(version=version, ok=False, error=_short(why), skipped=True))
 
     def _make_subscriber(self) -> Subscriber:
-        factory = self._subscriber_factory
+        factory: SubscriberFactory | None = self._subscriber_factory
         if factory is None:
             from rollpool.weights import WeightSubscriber
             from rollpool.weights.memory import sweep_stale_segments
 
             sweep_stale_segments()  # segments of publishers gone from this host (judged by their owners' locks)
             factory = WeightSubscriber
-        extra: dict[str, Any] = {}
+        cfg = self.config
         engine = self.supervisor.engine
         device = str(engine.info().device or "") if engine is not None else ""
-        if device.startswith("cuda"):
-            # page-locked buckets: the copy to the GPU (staging) runs at full PCIe speed, asynchronously
-            extra["pin_memory"] = True
-            if (os.environ.get("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "1") != "0" and getattr(engine, "stage_bucket", None) is not None
-                    and _takes(factory, "stage_device")):
-                # the engine stages to CUDA and takes device tensors: on the shared-memory path the subscriber copies each
-                # bucket from the publisher's segment straight to this device and verifies it there. The default since its
-                # warm run (docs/weights.md, 2026-12-04 third round: 0.50 s against 1.78 s for the CPU copy + CPU checksum);
-                # ROLLPOOL_WEIGHT_SHM_TO_DEVICE=0 keeps the CPU copy (which stays the counted fallback either way)
-                extra["stage_device"] = device
-        cfg = self.config
-        # the weight-path fields that are set, to a factory that takes them (the defaults, auto / 0 / None, leave the
-        # subscriber to read ROLLPOOL_WEIGHT_PATH etc. itself, as it did before the worker had these fields)
-        for name, value in (("path", None if cfg.weight_path == "auto" else cfg.weight_path), ("streams", cfg.weight_streams or None),
-                            ("pinned_budget_bytes", cfg.pinned_budget_bytes)):
-            if value is not None and _takes(factory, name):
-                extra[name] = value
-        return factory(
-            self.sockets,
-            worker_id=self.worker_id,
-            fetch_timeout_s=cfg.fetch_timeout_s,
-            window_chunks=cfg.window_chunks,
-            max_refetch=cfg.max_refetch,
-            **extra,
-        )
+        on_cuda = device.startswith("cuda")
+        # an engine that stages to CUDA bucket by bucket takes device tensors: on the shared-memory path each bucket is
+        # copied from the publisher's segment straight to its device and verified there (weight_shm_to_device off: the
+        # CPU copy, which stays the counted fallback either way)
+        stages = on_cuda and cfg.weights.weight_shm_to_device and isinstance(engine, BucketStagingEngine)
+        return factory(self.sockets, worker_id=self.worker_id, fetch_timeout_s=cfg.fetch_timeout_s, window_chunks=cfg.window_chunks,
+                       max_refetch=cfg.max_refetch, pin_memory=on_cuda, stage_device=device if stages else None, weights=cfg.weights)
 
     def close(self) -> None:
         if self.subscriber is not None:
@@ -493,21 +491,6 @@ class WeightSync:
                 self.subscriber.close()
             except Exception:  # closing anyway
                 log.warning("weight subscriber close raised", exc_info=True)
-
-
-def _takes(fn: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params
-
-
-def _takes_on_bucket(sub: Subscriber) -> bool:
-    try:
-        return "on_bucket" in inspect.signature(sub.fetch).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 _MAX_ERROR_CHARS = 2000

@@ -34,7 +34,7 @@ import asyncio, json, sys
 import torch, zmq.asyncio
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.subscriber import WeightSubscriber
-from rollpool.weights.cuda_ipc import mix64_checksum
+from rollpool.weights.gpu import mix64_checksum
 from rollpool.weights.bucketing import flat_bytes
 
 async def main(router):
@@ -82,7 +82,7 @@ async def _run() -> dict[str, Any]:
 
     from rollpool.protocol.sockets import SocketFactory
     from rollpool.weights.bucketing import flat_bytes
-    from rollpool.weights.cuda_ipc import mix64_checksum
+    from rollpool.weights.gpu import mix64_checksum
     from rollpool.weights.publisher import WeightPublisher
 
     ctx = zmq.asyncio.Context()
@@ -125,7 +125,7 @@ async def _run() -> dict[str, Any]:
         # a corrupted arena: refetched, then refused (never returned); restored, the version arrives whole
         want = {k: mix64_checksum(flat_bytes(t).clone()) for k, t in w.items()}
         await pub.publish(w, 4, wait_ready=True)
-        arena = pub._ipc_of_version[4]
+        arena = pub._ipc.of_version[4]
         arena[100] = arena[100] ^ 0x5A
         torch.cuda.synchronize()
         bad = await ask(4)

@@ -36,7 +36,7 @@ import asyncio, json, sys
 import torch, zmq.asyncio
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.subscriber import WeightSubscriber
-from rollpool.weights.cuda_ipc import mix64_checksum
+from rollpool.weights.gpu import mix64_checksum
 from rollpool.weights.bucketing import flat_bytes
 
 async def main(router):
@@ -61,11 +61,11 @@ async def main(router):
         if not line.strip():
             break
         if line.strip() == "ahead":
-            while sub._ahead_thread is None:
+            while sub.segments.ahead_thread is None:
                 await asyncio.sleep(0.01)
-            await loop.run_in_executor(None, sub._ahead_thread.join)
-            print(json.dumps({"ahead": sub.segments_registered_ahead, "maps": sub.segment_maps, "mapped": len(sub._readers),
-                              "registered": sum(1 for r in sub._readers.values() if r.registered),
+            await loop.run_in_executor(None, sub.segments.ahead_thread.join)
+            print(json.dumps({"ahead": sub.segments_registered_ahead, "maps": sub.segment_maps, "mapped": len(sub.segments.readers),
+                              "registered": sum(1 for r in sub.segments.readers.values() if r.registered),
                               "max_loop_gap_s": round(max(gaps, default=0.0), 4)}), flush=True)
             continue
         v = int(line)
@@ -73,7 +73,7 @@ async def main(router):
             wv = await sub.fetch(v)
             out = {"ok": True, "version": wv.version, "path": sub.last_path, "fallbacks": sub.fallbacks, "ipc_bytes": sub.ipc_bytes,
                    "bytes_received": sub.bytes_received, "shm_bytes": sub.shm_bytes, "device_stage_bytes": sub.device_stage_bytes,
-                   "registered": sum(1 for r in sub._readers.values() if r.registered), "mapped": len(sub._readers),
+                   "registered": sum(1 for r in sub.segments.readers.values() if r.registered), "mapped": len(sub.segments.readers),
                    "maps": sub.segment_maps,
                    "devices": sorted({str(t.device) for t in wv.tensors.values()}),
                    "sums": {k: mix64_checksum(flat_bytes(t).clone()) for k, t in wv.tensors.items()}}
@@ -106,7 +106,7 @@ async def _run() -> dict[str, Any]:
 
     from rollpool.protocol.sockets import SocketFactory
     from rollpool.weights.bucketing import flat_bytes
-    from rollpool.weights.cuda_ipc import mix64_checksum, mix64_reference
+    from rollpool.weights.gpu import mix64_checksum, mix64_reference
     from rollpool.weights.publisher import WeightPublisher
     from tests.integration.weights.segments import bucket_bytes, flip_byte
 

@@ -132,6 +132,66 @@ def test_worker_modules_import_one_way(rel: str, path: pathlib.Path) -> None:
             assert target in WORKER_MODULES[me], f"{rel} imports {mod}: workers.{me} -> workers.{target} is not in the order"
 
 
+# inside rollpool/weights: module -> the weights modules it may import (one way; review 2026-12-05, section 4). The pure
+# core (config, manifest) at the bottom; each transport path (paths/) below the facades and never importing them; the
+# server half (serving) below the paths' publisher ends; the facades (subscriber, publisher, relay) at the top.
+WEIGHT_MODULES: dict[str, set[str]] = {
+    "config": set(),
+    "manifest": {"config"},
+    "bucketing": {"manifest"},
+    "gpu": set(),
+    "memory": set(),
+    "paths": set(),  # the package's docstring
+    "paths.base": set(),
+    "paths.network": {"paths.base", "manifest", "bucketing"},
+    "paths.bulk": {"paths.base", "manifest", "bucketing"},
+    "serving": {"paths.base", "paths.bulk", "manifest"},
+    "snapshot": {"serving", "bucketing", "gpu", "memory"},
+    "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},
+    "paths.cuda_ipc": {"paths.base", "manifest", "bucketing", "gpu", "serving", "snapshot"},
+    "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "manifest", "config", "bucketing", "gpu",
+                   "memory", "snapshot"},
+    "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory"},
+    "relay": {"subscriber", "serving", "paths.base", "manifest", "config"},
+    "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports
+    "__main__": set(),
+}
+
+
+def _weights_module(rel: str) -> str:
+    """``weights/paths/bulk.py`` -> ``paths.bulk``; ``weights/paths/__init__.py`` -> ``paths``; ``weights/serving.py`` -> ``serving``."""
+    name = rel[len("weights/"):-3].replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def test_the_weights_module_order_is_acyclic() -> None:
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"cycle: {' -> '.join((*path, node))}"
+        if node in done:
+            return
+        for dep in WEIGHT_MODULES[node]:
+            visit(dep, (*path, node))
+        done.add(node)
+
+    for node in WEIGHT_MODULES:
+        visit(node, ())
+
+
+@pytest.mark.parametrize("rel,path", [m for m in _modules() if m[0].startswith("weights/")], ids=lambda x: str(x))
+def test_weights_modules_import_one_way(rel: str, path: pathlib.Path) -> None:
+    me = _weights_module(rel)
+    assert me in WEIGHT_MODULES, f"{rel}: add its place in the order to WEIGHT_MODULES"
+    for mod, _top in _imports(path):
+        parts = mod.split(".")
+        if parts[:2] != ["rollpool", "weights"] or len(parts) < 3:
+            continue
+        target = ".".join(parts[2:])
+        if target != me:
+            assert target in WEIGHT_MODULES[me], f"{rel} imports {mod}: weights.{me} -> weights.{target} is not in the order"
+
+
 @pytest.mark.parametrize("rel,path", [m for m in _modules() if m[0].startswith(("protocol/", "broker/"))], ids=lambda x: str(x))
 def test_protocol_and_broker_import_nothing_heavy(rel: str, path: pathlib.Path) -> None:
     for mod, top in _imports(path):

@@ -23,6 +23,7 @@ import pytest
 
 from rollpool.chaos.zmtp_proxy import FaultRule
 from rollpool.protocol import Credit, EngineError, Result, Task, WeightsRefusedError, trajectory_staleness
+from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.engines.sim import SimEngine
 from tests.integration.broker.peers import make_group, make_prompt
 from tests.integration.reliability.conftest import Pool, sim_engine, wait_until
@@ -139,7 +140,7 @@ async def test_a_worker_reports_how_its_weights_arrived(pool: Pool) -> None:
     # rollpool top and the exporter read these from the worker's state: the path, the bytes per lane, the fallbacks
     torch = pytest.importorskip("torch")
     broker = await pool.start_broker()
-    worker = await pool.worker(broker.worker_endpoint, "w1", weight_path="network")  # on this host auto would take shm
+    worker = await pool.worker(broker.worker_endpoint, "w1", weights=WeightPathConfig(weight_path="network"))  # on this host auto would take shm
     trainer = await pool.fake_client(broker.client_endpoint)
     pub = await pool.publisher()
     manifest = await pub.publish(_tensors(torch, 1.0), 1)

@@ -233,7 +233,9 @@ async def test_cancel_ends_live_groups_cancelled_reported_once_beside_a_later_ba
 async def test_reserve_weights_at_set_up_leaves_the_publishes_nothing_to_allocate(inproc_pool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("ROLLPOOL_WEIGHT_PATH", raising=False)
-    client = await inproc_pool.client(weight_path="network", pinned_budget_bytes=0, pool="p7")
+    from rollpool.weights.config import WeightPathConfig
+
+    client = await inproc_pool.client(weights=WeightPathConfig(weight_path="network", pinned_budget_bytes=0), pool="p7")
     tensors = {"w": torch.arange(1024, dtype=torch.float32), "b": torch.zeros(8, dtype=torch.bfloat16)}
     nbytes = 1024 * 4 + 8 * 2
     assert await client.reserve_weights(tensors) == 2 * nbytes  # keep_versions versions of the layout
@@ -245,7 +247,7 @@ async def test_reserve_weights_at_set_up_leaves_the_publishes_nothing_to_allocat
         await client.publish_weights(tensors, version=v)
     assert pub.stats["buffers_allocated"] == made and pub.stats["pinned_bytes"] == 0
     with pytest.raises(Exception, match="weight_path"):
-        await inproc_pool.client(weight_path="smoke-signals")
+        await inproc_pool.client(weights=WeightPathConfig(weight_path="smoke-signals"))
 
 
 @pytest.mark.parametrize("broker_minor", [0, p.PROTOCOL_MINOR])

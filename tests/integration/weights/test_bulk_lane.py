@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rollpool.protocol import WeightSyncError
-from rollpool.weights.bulk import lane_host
+from rollpool.weights.paths.bulk import lane_host
 from tests.integration.weights.test_channel import assert_same, model, wrap_sources
 
 from .counters import settled
@@ -71,28 +71,8 @@ async def test_a_corrupted_chunk_on_the_lane_is_refetched_and_never_applied(make
     assert sub.buckets_refetched >= 2 and sub.bulk_bytes > got.total_bytes  # bad buckets came again, over the lane
 
 
-async def test_streams_take_buckets_in_order_the_last_ones_cut_and_a_cut_bucket_is_verified_whole(make_publisher: Any, make_subscriber: Any) -> None:
-    from rollpool.protocol.messages import BucketInfo, Manifest
-    from rollpool.weights.subscriber import _BulkTransfer
-
-    # buckets of 5, 1, 1, 1 chunks over 2 streams: bucket 0 has less than 2x its bytes left after its start, so it is
-    # cut in two (both streams start on it, the first bucket a streamed publish makes ready); the rest are whole
-    manifest = Manifest(request_id="", version=1, chunk_bytes=1 << 20,
-                        buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=n << 20, checksum="") for i, n in enumerate((5, 1, 1, 1))))
-    sub = make_subscriber()
-    t = _BulkTransfer(sub, manifest, [], None, None, "127.0.0.1", 1)
-    assert [(b, len(c)) for b, c in t.plan(2)] == [(0, 3), (0, 2), (1, 1), (2, 1), (3, 1)]
-    assert t.parts_left == [2, 1, 1, 1] and t.folding == [False, True, True, True]
-    # 33 equal buckets over 8 streams (the 8B-shaped model): the first 26 whole, the last 7 cut finer toward the end
-    manifest = Manifest(request_id="", version=1, chunk_bytes=1 << 20,
-                        buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=64 << 20, checksum="") for i in range(33)))
-    t = _BulkTransfer(sub, manifest, [], None, None, "127.0.0.1", 1)
-    jobs = t.plan(8)
-    assert [b for b, _c in jobs][:26] == list(range(26)) and t.parts_left[:26] == [1] * 26
-    assert t.parts_left[26:] == [2, 2, 2, 2, 3, 4, 8] and sum(len(c) for _b, c in jobs) == 33 * 64
-    assert [len(c) for b, c in jobs if b == 32] == [8] * 8
-
-    # the real thing: 3 streams, every bucket's first chunk corrupted once; cut buckets are fetched again whole
+async def test_a_cut_bucket_is_verified_whole_and_fetched_again_whole(make_publisher: Any, make_subscriber: Any) -> None:
+    # (the cut is `stream_jobs`, tests/unit/weights/test_manifest.py) 3 streams, every bucket's first chunk corrupted once; cut buckets are fetched again whole
     pub = await make_publisher(**TCP)
     w = model(12)
     manifest = await pub.publish(w, 1)
@@ -209,7 +189,7 @@ async def test_a_lane_that_cannot_be_reached_is_not_tried_again(make_publisher: 
 
 
 def test_the_lane_port_follows_a_fixed_router_port() -> None:
-    from rollpool.weights.bulk import lane_port
+    from rollpool.weights.paths.bulk import lane_port
 
     assert lane_port("tcp://0.0.0.0:6100") == 6102  # the PUB is on 6101 by convention: containers publish 6100-6102
     assert lane_port("tcp://127.0.0.1:*") == lane_port("tcp://127.0.0.1:0") == lane_port("ipc:///tmp/w") == 0

@@ -131,6 +131,30 @@ async def test_note_version_from_a_heartbeat_makes_the_subscriber_ask(make_publi
     assert await sub.wait_for_newer(-1, timeout_s=5) == 4
 
 
+async def test_a_version_learnt_by_asking_is_fetched_with_one_manifest_request(make_publisher: Any, make_subscriber: Any) -> None:
+    """The catch-up request's manifest (on connect, or a heartbeat naming a newer version) is the one the fetch uses."""
+    pub = await make_publisher()
+    asked: list[int | None] = []
+    hello = pub._server.on_manifest_request
+    assert hello is not None
+
+    def counting(req: Any) -> None:
+        asked.append(req.version)
+        hello(req)
+
+    pub._server.on_manifest_request = counting
+    await pub.publish(model(5), 5)
+    sub = make_subscriber(pub.router_endpoint, None)
+    assert await sub.wait_for_newer(-1, timeout_s=5) == 5
+    assert_same((await sub.fetch(5)).tensors, model(5))
+    assert asked == [None]  # the catch-up's, and no second one for the same version
+    await pub.publish(model(6), 6)
+    sub.note_version(6)
+    assert await sub.wait_for_newer(5, timeout_s=5) == 6
+    assert_same((await sub.fetch()).tensors, model(6))
+    assert asked == [None, None]
+
+
 async def test_zero_byte_versions(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher()
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)

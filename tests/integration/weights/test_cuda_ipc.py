@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
 from rollpool.protocol.messages import CudaIpcBuffer  # noqa: E402
-from rollpool.weights.cuda_ipc import arena_offsets  # noqa: E402
+from rollpool.weights.gpu import arena_offsets  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
@@ -48,17 +48,17 @@ async def test_the_hello_tells_the_publisher_which_gpus_a_subscriber_on_its_host
     pub = await make_publisher()
     await pub.publish(model(1), 1, wait_ready=True)
     near = make_subscriber(path="auto")
-    near._gpus = {"GPU-near": 0}  # fake of the device edge: the GPUs this process would see
+    near.ipc.gpus = {"GPU-near": 0}  # fake of the device edge: the GPUs this process would see
     near.connect(pub.router_endpoint)
     await near.fetch_manifest(1)
     far = make_subscriber(path="auto")
-    far._gpus = {"GPU-far": 0}
+    far.ipc.gpus = {"GPU-far": 0}
     far.host_key = "another-boot/another-shm"
     far.connect(pub.router_endpoint)
     await far.fetch_manifest(1)
-    assert pub._ipc_peers == {"GPU-near"}  # only a subscriber on this host makes `auto` export to its GPU
+    assert pub._ipc.peers == {"GPU-near"}  # only a subscriber on this host makes `auto` export to its GPU
     # CPU tensors are never exported, whatever the path says
-    assert pub._ipc_device(list(model(2).items())) is None
+    assert pub._ipc.device_for(list(model(2).items())) is None
 
 
 async def test_a_wait_ipc_manifest_waits_for_the_gpu_checksums_only(make_publisher: Any, make_subscriber: Any) -> None:
@@ -92,14 +92,14 @@ async def test_a_device_buffer_this_process_cannot_use_falls_back_to_shared_memo
     _offer_fake_buffer(pub, 1, "GPU-x")
     # its GPU is not one this process sees
     blind = make_subscriber(path="auto")
-    blind._gpus = {"GPU-other": 0}
+    blind.ipc.gpus = {"GPU-other": 0}
     blind.connect(pub.router_endpoint)
     got = await blind.fetch(1)
     assert blind.last_path == "shm" and all(torch.equal(got.tensors[k], t) for k, t in w.items())
     assert blind.fallbacks == {"the publisher's GPU is not visible to this process": 1} and blind.ipc_bytes == 0
     # it sees the GPU, but the buffer cannot be opened (no CUDA here; a stale handle on a GPU host)
     sees = make_subscriber(path="cuda_ipc")
-    sees._gpus = {"GPU-x": 0}
+    sees.ipc.gpus = {"GPU-x": 0}
     sees.connect(pub.router_endpoint)
     got = await sees.fetch(1)
     assert sees.last_path == "shm" and all(torch.equal(got.tensors[k], t) for k, t in w.items())
@@ -112,12 +112,12 @@ async def test_an_arena_that_cannot_be_exported_leaves_the_host_path_serving(mak
                                                                                monkeypatch: Any) -> None:
     pub = await make_publisher()
     # fake of the device edge: the publisher believes these (CPU) tensors are to be exported; export_buffer refuses
-    monkeypatch.setattr(pub, "_ipc_device", lambda items: torch.device("cpu"))
+    monkeypatch.setattr(pub._ipc, "device_for", lambda items: torch.device("cpu"))
     w = model(7)
     m = await pub.publish(w, 1, wait_ready=True)
-    assert m.cuda_ipc is None and pub._ipc_broken.startswith("ValueError") and pub._ipc_of_version == {}
+    assert m.cuda_ipc is None and pub._ipc.broken.startswith("ValueError") and pub._ipc.of_version == {}
     sub = make_subscriber(pub.router_endpoint, path="auto")
     got = await sub.fetch(1)
     assert sub.last_path == "shm" and all(torch.equal(got.tensors[k], t) for k, t in w.items())
     monkeypatch.undo()
-    assert pub._ipc_device(list(w.items())) is None  # never offered again by this publisher
+    assert pub._ipc.device_for(list(w.items())) is None  # never offered again by this publisher

@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool.protocol.errors import WeightSyncError  # noqa: E402
-from rollpool.protocol.messages import BucketInfo, Manifest  # noqa: E402
+from rollpool.protocol.messages import Manifest  # noqa: E402
 from rollpool.protocol.metrics import MemoryMetricsSink  # noqa: E402
-from rollpool.weights.cuda_ipc import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
+from rollpool.weights.gpu import DeviceSlabs, mix64_checksum, mix64_reference  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
 from rollpool.weights.serving import WeightServer  # noqa: E402
 from rollpool.weights.subscriber import WeightSubscriber  # noqa: E402
@@ -72,7 +72,7 @@ def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
 
 
-def staging(make_subscriber: Any, router: str, **kw: Any) -> WeightSubscriber:
+def staging(make_subscriber: Any, router: str | None, **kw: Any) -> WeightSubscriber:
     """A subscriber as a worker whose engine stages to CUDA makes it, with the device faked."""
     sub: WeightSubscriber = make_subscriber(router, path=kw.pop("path", "auto"), **kw)
     sub.stage_device = "fake:0"
@@ -100,7 +100,7 @@ async def test_buckets_go_from_the_segments_to_the_device_verified_by_the_publis
         got = await sub.fetch(v)
         assert same(got.tensors, w) and sub.last_path == "shm"
     assert sub.device_stage_bytes == 4 * total and sub.fallbacks == {}
-    assert len(sub._readers) == 2 * len(manifest.buckets)  # both versions' segments stay mapped
+    assert len(sub.segments.readers) == 2 * len(manifest.buckets)  # both versions' segments stay mapped
 
 
 async def test_without_a_staging_device_the_cpu_shm_path_serves(make_publisher: Any, make_subscriber: Any) -> None:
@@ -151,30 +151,6 @@ async def test_a_segment_that_stays_corrupt_is_never_staged_into_an_applied_vers
     assert sub.buckets_refetched == 3
 
 
-def _manifest(**kw: Any) -> Manifest:
-    b = BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", shm_segment="rollpool-p-x-1-1", host_mix64="mix64:0123456789abcdef")
-    fields: dict[str, Any] = {"request_id": "m", "version": 3, "host_key": "boot/shm", "buckets": (b,)}
-    fields.update(kw)
-    return Manifest(**fields)
-
-
-def _chooser(path: str, device: str | None, host: str = "boot/shm") -> WeightSubscriber:
-    sub = WeightSubscriber.__new__(WeightSubscriber)  # the choice alone, no sockets
-    sub.path, sub.host_key, sub.stage_device = path, host, device
-    return sub
-
-
-def test_the_choice_needs_a_staging_device_a_shm_path_and_this_host() -> None:
-    m = _manifest()
-    assert _chooser("auto", "fake:0")._shm_device_choice(m)
-    assert _chooser("shm", "fake:0")._shm_device_choice(m)
-    assert not _chooser("auto", None)._shm_device_choice(m)  # no staging engine: the CPU shm path
-    assert not _chooser("network", "fake:0")._shm_device_choice(m)
-    assert not _chooser("cuda_ipc", "fake:0")._shm_device_choice(m)
-    assert not _chooser("auto", "fake:0", host="other/shm")._shm_device_choice(m)  # another host: the CPU path explains
-    assert not _chooser("auto", "fake:0")._shm_device_choice(_manifest(host_key=""))
-
-
 async def _until(cond: Any, what: str) -> None:
     import asyncio
 
@@ -196,7 +172,7 @@ async def test_a_staging_subscriber_maps_the_reserved_segments_before_the_first_
     assert len(segments) >= 2 and pub.latest_version == -1  # two versions' worth of segments, no version yet
     await _until(lambda: sub.segments_registered_ahead == len(segments), "every reserved segment mapped ahead")
     # and the staging path warmed before the first version: one small copy out of every segment and one full slice
-    await _until(lambda: sub._ops is not None and sub._ops.copies == len(segments) + 1, "the staging path warmed up")
+    await _until(lambda: sub.segments.ops is not None and sub.segments.ops.copies == len(segments) + 1, "the staging path warmed up")
     maps = sub.segment_maps
     assert maps == len(segments)
     for v in (1, 2, 3, 4):
@@ -218,13 +194,14 @@ async def test_segments_made_after_the_subscriber_connected_are_announced_and_ma
     w = model(2)
     pub.reserve(w)
     segments = {s.name for s in pub._server.shm_reserved}
-    await _until(lambda: segments <= set(sub._readers), "the new segments mapped ahead after the announce")
+    await _until(lambda: segments <= set(sub.segments.readers), "the new segments mapped ahead after the announce")
     maps = sub.segment_maps
     got = await sub.fetch((await pub.publish(w, 2, wait_ready=True)).version)
     assert same(got.tensors, w) and sub.last_path == "shm" and sub.segment_maps == maps
 
 
-async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_segments(make_publisher: Any, zmq_ctx: Any) -> None:
+async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_segments(make_publisher: Any, make_subscriber: Any,
+                                                                                           zmq_ctx: Any) -> None:
     """The previous minor: a raw minor-10 manifest request is answered (the new fields ride along; older decoders ignore
     fields they do not know), and a minor-10 manifest (no `shm_reserved`) makes a staging subscriber map nothing ahead."""
     import msgpack
@@ -248,7 +225,6 @@ async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_
     ann = decode([msgpack.packb([1, 10, "announce", {"version": 1, "publisher_id": "p", "total_bytes": 1, "num_buckets": 1}],
                                 use_bin_type=True)])
     assert ann.shm_generation == 0
-    sub = _chooser("auto", "fake:0")
-    sub._ahead, sub._ahead_thread = (), None
-    sub._register_ahead(old)
-    assert sub._ahead_thread is None  # nothing named: nothing to map ahead
+    sub = staging(make_subscriber, None)  # not connected: only this manifest names segments to it
+    sub.segments.register_ahead(old)
+    assert sub.segments.ahead_thread is None  # nothing named: nothing to map ahead

@@ -9,6 +9,7 @@ publisher and subscriber allocate nothing per version.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,8 +61,8 @@ def old_manifest_request(rid: str) -> list[bytes]:
 async def test_publish_returns_before_checksums_and_buckets_stream(make_publisher: Any, make_subscriber: Any, zmq_ctx: Any) -> None:
     pub = await make_publisher(bucket_bytes=1 * _MiB, chunk_bytes=256 * 1024)
     gated = GatedExecutor()
-    pub._sum_pool.shutdown()
-    pub._sum_pool = gated
+    pub._pools.sum.shutdown()
+    pub._pools = dataclasses.replace(pub._pools, sum=gated)  # the checksum threads, held back by the test
     w = big_model(1)
     snapshot = {k: t.clone() for k, t in w.items()}
     manifest = await pub.publish(w, 1)
@@ -101,8 +102,8 @@ async def test_an_old_peer_asking_for_the_latest_gets_the_newest_complete_versio
     pub = await make_publisher(bucket_bytes=1 * _MiB)
     await pub.publish(big_model(1), 1, wait_ready=True)
     gated = GatedExecutor()
-    pub._sum_pool.shutdown()
-    pub._sum_pool = gated
+    pub._pools.sum.shutdown()
+    pub._pools = dataclasses.replace(pub._pools, sum=gated)  # the checksum threads, held back by the test
     await pub.publish(big_model(2), 2)
     old = zmq_ctx.socket(zmq.DEALER)
     old.setsockopt(zmq.LINGER, 0)
@@ -196,7 +197,7 @@ async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publ
     w = big_model(4, n=6)
     pub = await make_publisher(bucket_bytes=1 * _MiB, chunk_bytes=128 * 1024, keep_versions=0, release_idle_s=30)
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=3, window_chunks=2)
-    assert len(sub._dealers) == 3
+    assert sub.dealers.streams == 3
     publish = asyncio.ensure_future(pub.publish(w, 1, expected_fetchers=1))
     await sub.wait_for_newer(0, timeout_s=10)  # the announce (PUB) of version 1
     got = await sub.fetch(1)
@@ -207,7 +208,7 @@ async def test_several_streams_fetch_one_version_and_count_as_one_peer(make_publ
 
 async def test_the_environment_tells_a_worker_to_reserve_before_its_first_fetch(make_publisher: Any, make_subscriber: Any,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker whose config predates these fields: ROLLPOOL_WEIGHT_* reach the subscriber it makes."""
+    """A subscriber made without a config reads ROLLPOOL_WEIGHT_* once, when it is made (`WeightPathConfig.from_env`)."""
     w = big_model(5)
     monkeypatch.setenv("ROLLPOOL_WEIGHT_RESERVE_BYTES", str(4 * _MiB))
     monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "2")

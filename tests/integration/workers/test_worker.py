@@ -106,7 +106,8 @@ async def fake_subscriber(worker: Worker, broker: ScriptedBroker) -> FakeWeightS
 class FakeWeightSubscriber:
     """Stands in for rollpool.weights.WeightSubscriber (same methods), serving versions from a dict."""
 
-    def __init__(self, sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int) -> None:
+    def __init__(self, sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
+                 pin_memory: bool = False, stage_device: str | None = None, weights: Any = None) -> None:
         self.versions: dict[int, dict[str, Any]] = {}
         self.connected: tuple[str, str | None] | None = None
         self.noted: list[int] = []
@@ -154,6 +155,12 @@ class FakeWeightSubscriber:
 
     def recycle(self, old: Any) -> None:
         self.recycled.append(old.version)
+
+    def forget_newer(self, version: int) -> None:
+        pass  # the versions are the test's to publish
+
+    def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
+        pass
 
     def close(self) -> None:
         self.closed = True

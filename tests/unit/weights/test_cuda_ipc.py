@@ -1,5 +1,6 @@
 """The same-GPU path's pieces that run on CPU: the GPU checksum (torch ops, the same on CPU), the handle record on
-the wire (raw bytes, never pickled; a minor-8 peer's manifest reads as "no device buffer"), and the path choice."""
+the wire (raw bytes, never pickled; a minor-8 peer's manifest reads as "no device buffer"). The path choice is
+tested in test_manifest.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from rollpool.protocol import PROTOCOL_MINOR, decode, encode  # noqa: E402
 from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest, TensorInfo  # noqa: E402
-from rollpool.weights import cuda_ipc  # noqa: E402
-from rollpool.weights.cuda_ipc import arena_offsets, mix64_checksum, mix64_reference  # noqa: E402
+from rollpool.weights import gpu as cuda_ipc  # noqa: E402
+from rollpool.weights.gpu import arena_offsets, mix64_checksum, mix64_reference  # noqa: E402
 
 
 def _u8(data: bytes) -> Any:
@@ -95,8 +96,8 @@ def test_a_minor9_manifest_reads_as_no_host_mix64() -> None:
 
 def test_parts_of_a_bucket_add_up_to_its_mix64() -> None:
     """The publisher sums a bucket tensor by tensor (each at its word offset, the last one with a tail)."""
-    from rollpool.weights.cuda_ipc import mix64_format, mix64_partial
-    from rollpool.weights.publisher import _word_aligned
+    from rollpool.weights.gpu import mix64_format, mix64_partial
+    from rollpool.weights.snapshot import word_aligned as _word_aligned
 
     data = torch.randint(0, 256, (4096 + 24 + 13,), dtype=torch.uint8)
     cuts = [0, 4096, 4096 + 24, data.numel()]
@@ -106,32 +107,3 @@ def test_parts_of_a_bucket_add_up_to_its_mix64() -> None:
     assert _word_aligned(t)
     assert not _word_aligned([TensorInfo(name="a", dtype="uint8", shape=(13,), offset=0, nbytes=13), t[1]])  # a tail mid-bucket
     assert not _word_aligned([TensorInfo(name="a", dtype="uint8", shape=(8,), offset=4, nbytes=8)])
-
-
-class _Choice:
-    """The subscriber's path choice without sockets (its GPU list is a fake of the device edge)."""
-
-    def __init__(self, path: str, gpus: dict[str, int], host: str = "boot/shm") -> None:
-        from rollpool.weights.subscriber import WeightSubscriber
-
-        self.sub = WeightSubscriber.__new__(WeightSubscriber)
-        self.sub.path = path
-        self.sub.host_key = host
-        self.sub._gpus = gpus
-
-    def __call__(self, m: Manifest) -> tuple[bool, str]:
-        return self.sub._ipc_choice(m)
-
-
-def test_the_path_choice_follows_hello_and_manifest() -> None:
-    m = _ipc_manifest()
-    assert _Choice("auto", {"GPU-a": 0})(m) == (True, "")
-    assert _Choice("cuda_ipc", {"GPU-b": 0, "GPU-a": 1})(m) == (True, "")
-    assert _Choice("auto", {"GPU-a": 0}, host="other/shm")(m) == (False, "the publisher's GPU buffer is on another host")
-    assert _Choice("auto", {"GPU-b": 0})(m) == (False, "the publisher's GPU is not visible to this process")
-    assert _Choice("auto", {})(m) == (False, "the publisher's GPU is not visible to this process")
-    plain = _ipc_manifest(cuda_ipc=None)
-    assert _Choice("auto", {"GPU-a": 0})(plain) == (False, "")  # nothing offered on auto: nothing to explain
-    assert _Choice("cuda_ipc", {"GPU-a": 0})(plain) == (False, "the publisher offers no device buffer for this version")
-    assert _Choice("network", {"GPU-a": 0})(m) == (False, "")
-    assert _Choice("shm", {"GPU-a": 0})(m) == (False, "")

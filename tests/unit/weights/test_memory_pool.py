@@ -8,19 +8,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rollpool.weights.config import weight_streams
+from rollpool.protocol.errors import ConfigError
+from rollpool.weights.config import WeightPathConfig
 
 
-def test_a_fetching_process_gets_one_io_thread_per_weight_stream(monkeypatch: Any) -> None:
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "8")
-    assert weight_streams() == 8 and weight_streams(3) == 3
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_STREAMS", "eight")
-    with pytest.raises(ValueError, match="ROLLPOOL_WEIGHT_STREAMS must be an integer"):
-        weight_streams()
-    with pytest.raises(ValueError, match=r"streams must be in \[1, 16\]"):
-        weight_streams(17)
-    monkeypatch.delenv("ROLLPOOL_WEIGHT_STREAMS")
-    assert 1 <= weight_streams() <= 4
+def test_a_fetching_process_gets_one_io_thread_per_weight_stream() -> None:
+    assert WeightPathConfig.from_env({"ROLLPOOL_WEIGHT_STREAMS": "8"}).streams == 8
+    assert WeightPathConfig(weight_streams=3).streams == 3
+    with pytest.raises(ConfigError, match="ROLLPOOL_WEIGHT_STREAMS: cannot parse 'eight'"):
+        WeightPathConfig.from_env({"ROLLPOOL_WEIGHT_STREAMS": "eight"})
+    with pytest.raises(ConfigError, match=r"weight_streams must be in \[0, 16\]"):
+        WeightPathConfig(weight_streams=17)
+    assert 1 <= WeightPathConfig.from_env({}).streams <= 4
 
 
 def test_a_dropped_registered_segment_gives_its_bytes_back_to_the_pinned_budget(monkeypatch: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 import zmq.asyncio
 
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.weight_sync import WeightSync
 
@@ -27,9 +28,9 @@ class FakeEngine:
         return SimpleNamespace(device=self.device)
 
 
-def made_with(engine: FakeEngine, factory: Any) -> dict[str, Any]:
+def made_with(engine: FakeEngine, factory: Any, config: WorkerConfig | None = None) -> dict[str, Any]:
     sync = WeightSync.__new__(WeightSync)  # the factory call alone: no link, no sockets
-    sync.config = WorkerConfig(broker="tcp://127.0.0.1:1", worker_id="w1")
+    sync.config = config or WorkerConfig(broker="tcp://127.0.0.1:1", worker_id="w1")
     sync.sockets = None  # type: ignore[assignment]
     sync.worker_id = "w1"
     sync.supervisor = SimpleNamespace(engine=engine)  # type: ignore[assignment]
@@ -38,13 +39,8 @@ def made_with(engine: FakeEngine, factory: Any) -> dict[str, Any]:
 
 
 def recording(sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
-              pin_memory: bool = False, stage_device: str | None = None) -> dict[str, Any]:
+              pin_memory: bool, stage_device: str | None, weights: WeightPathConfig) -> dict[str, Any]:
     return {"pin_memory": pin_memory, "stage_device": stage_device}
-
-
-def without_stage_device(sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
-                         pin_memory: bool = False) -> dict[str, Any]:
-    return {"pin_memory": pin_memory}
 
 
 def test_a_cuda_engine_that_stages_by_bucket_gets_a_staging_subscriber(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,16 +48,19 @@ def test_a_cuda_engine_that_stages_by_bucket_gets_a_staging_subscriber(monkeypat
     assert made_with(FakeEngine("cuda:0", stages=True), recording) == {"pin_memory": True, "stage_device": "cuda:0"}
 
 
-def test_no_staging_device_off_cuda_without_the_hook_or_for_an_older_factory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_staging_device_off_cuda_or_without_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", raising=False)
     assert made_with(FakeEngine("cpu", stages=True), recording) == {"pin_memory": False, "stage_device": None}
     assert made_with(FakeEngine("cuda", stages=False), recording) == {"pin_memory": True, "stage_device": None}
-    assert made_with(FakeEngine("cuda", stages=True), without_stage_device) == {"pin_memory": True}
 
 
 def test_the_staging_subscriber_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "0")
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "0")  # read once, when the worker's config is made
     assert made_with(FakeEngine("cuda:0", stages=True), recording) == {"pin_memory": True, "stage_device": None}
+    monkeypatch.delenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE")
+    off = worker_config("--no-weight-shm-to-device")
+    assert off.weights.weight_shm_to_device is False
+    assert made_with(FakeEngine("cuda:0", stages=True), recording, off) == {"pin_memory": True, "stage_device": None}
 
 
 # -- the weight-path flags and the reserve at engine start (issue 23: config and CLI; no cold version)

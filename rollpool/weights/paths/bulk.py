@@ -20,7 +20,8 @@ connects to the host of the ROUTER endpoint it already uses (and, when it cannot
 that lane again). A server
 whose sockets use CURVE, or whose ROUTER is not on TCP, offers no lane (the bytes would bypass the
 encryption); a subscriber that cannot reach the lane, or loses it mid-version, takes the ROUTER path for the
-version (logged, counted in `WeightSubscriber.fallbacks`). ``ROLLPOOL_WEIGHT_BULK=0`` turns it off on either side.
+version (logged, counted in `WeightSubscriber.fallbacks`). `WeightPathConfig.weight_bulk` off (``ROLLPOOL_WEIGHT_BULK=0`` at load) turns it off on
+that side.
 """
 
 from __future__ import annotations
@@ -28,19 +29,37 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
-import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from rollpool.weights.serving import WeightServer
+import torch
 
-__all__ = ["BulkError", "BulkServer", "BulkUnavailable", "bulk_enabled", "fetch_bucket_range", "lane_host", "lane_port"]
+from rollpool.protocol.errors import WeightSyncError
+from rollpool.protocol.messages import Manifest
+from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
+from rollpool.weights.manifest import BULK, NETWORK, chunk_bytes_of, stream_jobs
+from rollpool.weights.paths.base import (
+    BucketCallback,
+    ChunkRead,
+    FetchContext,
+    Fetched,
+    FetchJob,
+    PathFallbackError,
+    TransferSink,
+    WeightVersionGoneError,
+)
+
+__all__ = ["BulkError", "BulkPath", "BulkServer", "BulkUnavailableError", "VersionStore", "fetch_bucket_range",
+           "lane_host", "lane_port"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +69,6 @@ _REPLY = struct.Struct("<4sBIH")
 _MAX_PEER_ID = 512
 OK, GONE, UNKNOWN_VERSION, BAD_RANGE, BUSY, BAD_REQUEST = range(6)
 STATUS_CODES = ("ok", "gone", "unknown_version", "bad_range", "busy", "bad_request")
-
-
-def bulk_enabled() -> bool:
-    """``ROLLPOOL_WEIGHT_BULK`` (default on): ``0``, ``false`` or ``off`` turns the lane off on this side."""
-    return os.environ.get("ROLLPOOL_WEIGHT_BULK", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def lane_host(router_endpoint: str | None) -> str | None:
@@ -76,7 +90,7 @@ class BulkError(Exception):
         self.message = message
 
 
-class BulkUnavailable(Exception):
+class BulkUnavailableError(Exception):
     """The lane cannot be used for this version (unreachable, reset, silent): take the ROUTER path.
 
     `unreachable`: the connection could not be made at all (a firewall, a port not published); the subscriber
@@ -117,6 +131,19 @@ def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
 # ---------------------------------------------------------------------------------------------- the server
 
 
+class VersionStore(Protocol):
+    """What the lane serves from (`rollpool.weights.serving.WeightServer`), called on its event loop."""
+
+    name: str
+
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int) -> ChunkRead: ...
+
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None: ...
+
+
+_STATUS = {"gone": GONE, "unknown_version": UNKNOWN_VERSION, "bad_range": BAD_RANGE}
+
+
 class BulkServer:
     """The lane's server beside a `WeightServer`: one thread per connection, answering from its versions.
 
@@ -128,7 +155,7 @@ class BulkServer:
     for `notify`, then is answered ``busy``.
     """
 
-    def __init__(self, server: WeightServer, host: str, port: int = 0, *, wait_s: float = 30.0, idle_s: float = 120.0,
+    def __init__(self, server: VersionStore, host: str, port: int = 0, *, wait_s: float = 30.0, idle_s: float = 120.0,
                  max_connections: int = 256) -> None:
         self.server = server
         self.wait_s = wait_s
@@ -228,28 +255,13 @@ class BulkServer:
                 self._loop.call_soon_threadsafe(self.server.bulk_served, v, peer, nbytes, waited > 0)
 
     def _lookup(self, version: int, bucket: int, offset: int, nbytes: int) -> tuple[int, str, Any, Any] | None:
-        """On the loop, as the ROUTER's fetch: (status, checksum or message, bytes, version), None: not arrived yet."""
-        from rollpool.weights.serving import MAX_CHUNK_BYTES
-
-        srv = self.server
-        v = srv.versions.get(version)
-        if v is None:
-            latest = srv.latest
-            latest_v = latest.version if latest is not None else -1
-            if version <= max(srv.highest_dropped, latest_v):
-                return GONE, f"version {version} is no longer served (latest is {latest_v})", None, None
-            return UNKNOWN_VERSION, f"version {version} is not published (latest is {latest_v})", None, None
-        if v.released:
-            return GONE, f"version {version} was released by its publisher (keep_versions=0)", None, None
-        size = v.buckets[bucket].nbytes if 0 <= bucket < len(v.buckets) else -1
-        if size < 0 or nbytes < 1 or nbytes > MAX_CHUNK_BYTES or offset + nbytes > size:
-            return BAD_RANGE, f"[{offset}, +{nbytes}) is not a chunk of bucket {bucket} of version {version}", None, None
-        if self._loop is not None:
-            v.last_request_s = self._loop.time()  # as the ROUTER's fetch: keep_versions=0 releases after an idle spell
-        data = v.sources[bucket].read(offset, nbytes)
-        if data is None:
+        """On the loop, the ROUTER's own lookup: (status, checksum or message, bytes, version), None: not arrived yet."""
+        got = self.server.read_chunk(version, bucket, offset, nbytes)
+        if got.code:
+            return _STATUS.get(got.code, BAD_REQUEST), got.text, None, None
+        if got.data is None:
             return None
-        return OK, v.buckets[bucket].checksum, data, v
+        return OK, got.text, got.data, got.version
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the server's event loop (where its version store lives) and wait for the result."""
@@ -293,7 +305,7 @@ class _Lane:
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
-            raise BulkUnavailable(f"cannot reach the bulk lane at {host}:{port}: {exc}", unreachable=True) from exc
+            raise BulkUnavailableError(f"cannot reach the bulk lane at {host}:{port}: {exc}", unreachable=True) from exc
         self.sock.settimeout(timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(_HELLO.pack(b"RPBH", len(peer)) + peer)
@@ -322,7 +334,7 @@ def fetch_bucket_range(
     `on_chunk(bucket, offset, nbytes, checksum, data)` runs in this thread once a chunk is in its view (the caller
     folds it into the running checksum); `on_part_done(bucket)` runs when this job's chunks of the bucket have
     landed and returns the chunks to fetch again (a bucket that failed its checksum), or none. Raises `BulkError`
-    for an error status, `BulkUnavailable` when the connection fails or goes silent for `timeout_s`.
+    for an error status, `BulkUnavailableError` when the connection fails or goes silent for `timeout_s`.
     """
     lane = _Lane(host, port, peer, timeout_s)
     try:
@@ -334,7 +346,7 @@ def fetch_bucket_range(
                     return
                 todo = on_part_done(bucket)
     except (OSError, ConnectionError, struct.error) as exc:
-        raise BulkUnavailable(f"the bulk lane to {host}:{port} failed: {exc}") from exc
+        raise BulkUnavailableError(f"the bulk lane to {host}:{port} failed: {exc}") from exc
     finally:
         lane.close()
 
@@ -360,3 +372,184 @@ def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequen
         on_chunk(bucket, offset, nbytes, text, part)
         if stop.is_set():
             return
+
+
+# ---------------------------------------------------------------------------------------------- the subscriber's transfer
+
+
+def _taken(queue: deque[tuple[int, list[tuple[int, int]]]]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """A stream thread's jobs: the next one from the shared queue each time it is free (``popleft`` is atomic)."""
+    while True:
+        try:
+            yield queue.popleft()
+        except IndexError:
+            return
+
+
+class _BulkTransfer:
+    """The network path over a server's bulk lane: as the ROUTER's chunk window (`paths.network`), without a copy per byte.
+
+    The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
+    `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
+    ahead and receives each one straight into its bucket's buffer. A whole bucket is folded into its running
+    checksum chunk by chunk while in cache; a bucket cut into parts is checksummed in one pass by the thread that
+    lands its last part. A bucket that fails is fetched again whole
+    by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
+    `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
+    `BulkUnavailableError` (the caller takes the ROUTER for the version). `on_bucket` and the sink are told on the loop.
+    """
+
+    def __init__(self, ctx: FetchContext, peer: bytes, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
+                 on_bucket: BucketCallback | None, host: str, port: int) -> None:
+        self.ctx = ctx
+        self.peer = peer
+        self.manifest = manifest
+        self.buffers = buffers
+        self.views = [memoryview(b.numpy().data).cast("B") if b.numel() else memoryview(b"") for b in buffers]
+        self.sink = sink
+        self.on_bucket = on_bucket
+        self.host, self.port = host, port
+        self.chunk = chunk_bytes_of(manifest)
+        self.expected = [b.checksum for b in manifest.buckets]
+        self.sums: list[Checksummer | None] = [Checksummer.for_digest(c) if c else None for c in self.expected]
+        n = len(manifest.buckets)
+        self.failures = [0] * n
+        self.parts_left = [0] * n
+        self.folding = [True] * n
+        """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
+        self.verified: set[int] = set()
+        """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.loop = asyncio.get_running_loop()
+
+    def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The version's jobs for `streams` threads (`rollpool.weights.manifest.stream_jobs`)."""
+        jobs, self.parts_left, self.folding = stream_jobs([b.nbytes for b in self.manifest.buckets], self.chunk, streams)
+        return jobs
+
+    async def run(self) -> None:
+        ctx, version = self.ctx, self.manifest.version
+        queue = deque(self.plan(ctx.streams))
+        for i, b in enumerate(self.manifest.buckets):
+            if b.nbytes == 0:
+                self.parts_left[i] = 1
+                if self._part_done(i):
+                    raise WeightSyncError(f"weight version {version}: empty bucket {i} does not match its checksum")
+        n = max(1, min(ctx.streams, len(queue)))
+        pool = ThreadPoolExecutor(n, thread_name_prefix="weights-bulk")
+        futures = [
+            self.loop.run_in_executor(pool, functools.partial(
+                fetch_bucket_range, self.host, self.port, self.peer, version, _taken(queue), self.views, timeout_s=ctx.fetch_timeout_s,
+                window=ctx.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop))
+            for _ in range(n)
+        ] if queue else []
+        try:
+            await asyncio.gather(*futures)
+        except BulkError as exc:
+            if exc.code == "gone":
+                raise WeightVersionGoneError(version, exc.message) from None
+            if exc.code == "busy":
+                raise BulkUnavailableError(str(exc)) from None
+            raise WeightSyncError(f"weight version {version}: the bulk lane refused a fetch: {exc}") from None
+        finally:
+            self.stop.set()
+            await asyncio.gather(*futures, return_exceptions=True)  # each thread ends at its next chunk
+            pool.shutdown(wait=False)
+
+    def _chunks_of(self, bucket: int) -> list[tuple[int, int]]:
+        n = self.manifest.buckets[bucket].nbytes
+        return [(off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
+
+    def _on_chunk(self, bucket: int, offset: int, nbytes: int, checksum: str, data: memoryview) -> None:
+        """Stream thread: a chunk is in its bucket; fold it into the running checksum when the bucket is folded."""
+        if checksum and checksum != self.expected[bucket]:
+            with self.lock:
+                if checksum != self.expected[bucket]:
+                    if self.expected[bucket] or not checksum_supported(checksum.partition(":")[0]):
+                        raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum "
+                                              f"{checksum!r}, not {self.expected[bucket]!r}")
+                    self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
+                    self.sums[bucket] = Checksummer.for_digest(checksum)
+                    if self.sink is not None:
+                        self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
+        summer = self.sums[bucket]
+        if self.folding[bucket] and summer is not None:
+            summer.update(data)
+        counters = self.ctx.counters
+        with counters.lock:
+            counters.bytes_received += nbytes
+            counters.bulk_bytes += nbytes
+        if self.sink is not None:
+            self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
+
+    def _part_done(self, bucket: int) -> list[tuple[int, int]]:
+        """Stream thread: its part of a bucket landed. When the bucket is whole, verify it; the chunks to fetch
+        again (all of the bucket's, on this thread, folded in order), or none."""
+        with self.lock:
+            self.parts_left[bucket] -= 1
+            if self.parts_left[bucket] > 0:
+                return []  # another thread lands the rest and verifies
+        info, expected, summer = self.manifest.buckets[bucket], self.expected[bucket], self.sums[bucket]
+        if info.nbytes == 0:
+            ok = not expected or verify_checksum(expected, b"")
+        elif not expected:
+            ok = False  # no chunk named the pending checksum: nothing to verify against
+        elif self.folding[bucket]:
+            ok = summer is not None and verify_checksum(expected, running=summer)
+        else:
+            ok = verify_checksum(expected, self.views[bucket])  # cut into parts: one pass over the whole bucket
+        if ok:
+            with self.lock:
+                self.verified.add(bucket)
+            if self.on_bucket is not None:
+                self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
+            return []
+        self.ctx.bucket_failed(self.manifest.version, bucket, self.failures, NETWORK, "", "bulk lane", loop=self.loop)
+        self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
+        self.folding[bucket] = True
+        self.parts_left[bucket] = 1
+        if self.sink is not None:
+            self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)
+        return self._chunks_of(bucket)
+
+
+class BulkPath:
+    """The subscriber's end of the bulk lane: the version over the lane, or a `PathFallbackError` that keeps what the
+    lane verified (the ROUTER fetches the rest)."""
+
+    name = BULK
+    host_buffers = True
+
+    def __init__(self, ctx: FetchContext, peer: bytes, endpoint: Callable[[], str | None]) -> None:
+        self.ctx = ctx
+        self.peer = peer
+        self.endpoint = endpoint
+        """The ROUTER endpoint in use (the lane is on its host)."""
+        self.unreachable: set[tuple[str, int]] = set()
+        """Lanes that could not be connected to at all: not tried again (a firewall stays shut)."""
+
+    async def fetch(self, job: FetchJob) -> Fetched:
+        assert job.buffers is not None
+        manifest, buffers, sink = job.manifest, job.buffers, job.sink
+        host = lane_host(self.endpoint())
+        assert host is not None  # the plan takes the lane only on a TCP endpoint
+        bulk = _BulkTransfer(self.ctx, self.peer, manifest, buffers, sink, job.on_bucket, host, manifest.bulk_port)
+        try:
+            await bulk.run()
+        except BulkUnavailableError as exc:
+            # the rest of the version over the ROUTER: the buckets the lane verified are kept (and were staged);
+            # the others start again (a relay's downstream forgets what it was told had arrived of them)
+            if exc.unreachable:
+                self.unreachable.add((host, manifest.bulk_port))
+            log.info("weight version %d: %s (%d of %d buckets verified over it)", manifest.version, exc, len(bulk.verified), len(buffers))
+            if sink is not None:
+                for i in range(len(buffers)):
+                    if i not in bulk.verified:
+                        sink.on_bucket_reset(i)
+            raise PathFallbackError("bulk lane unavailable", resume=(_with_checksums(manifest, bulk.expected), frozenset(bulk.verified))) from None
+        return Fetched(_with_checksums(manifest, bulk.expected), buffers, job.slab, NETWORK)
+
+
+def _with_checksums(manifest: Manifest, checksums: list[str]) -> Manifest:
+    return replace(manifest, buckets=tuple(replace(b, checksum=c) for b, c in zip(manifest.buckets, checksums, strict=True)))

@@ -1,0 +1,571 @@
+"""The publisher's copy pipeline: one version's tensors snapshotted into its own buckets, and the bucket sources the
+server reads from.
+
+What it promises
+    - `Snapshot.copy` returns once the caller's tensors may change again: every copy landed (CUDA tensors on a side
+      stream, into page-locked buckets queued by one issuing thread and waited for by one landing thread, so the copy
+      engine never waits for a thread to be scheduled), and the GPU mix64 reads of them finished.
+    - Each bucket is checksummed (xxh3, in threads) as soon as its last copy lands, then made readable and its
+      checksum published (`SnapshotSink.complete_bucket`); on shared-memory versions its mix64 is published too
+      (`SnapshotSink.set_host_mix64`), summed on the GPU tensor by tensor where it can be, else on the CPU after the
+      xxh3, so the network and CPU shm paths never wait for it.
+    - An iterator is copied as it comes (at most 4 x copy_threads copies outstanding) and checked against the layout.
+    - A failed checksum thread withdraws the version (`Snapshot.checksummed` fails).
+
+A snapshot is given its knobs (`SnapshotKnobs`), the publisher's threads (`SnapshotPools`) and where to publish
+(`SnapshotSink`, the `WeightServer`); it never calls back into the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from rollpool.protocol.messages import BucketInfo
+from rollpool.weights.bucketing import BucketPlanner, Checksummer, dtype_from_name, dtype_name, flat_bytes, tensor_bytes
+from rollpool.weights.gpu import mix64_checksum, mix64_format, mix64_partial, side_stream
+from rollpool.weights.memory import ShmBuffer
+from rollpool.weights.serving import ServedVersion
+
+__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "Snapshot", "SnapshotKnobs",
+           "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
+
+log = logging.getLogger("rollpool.weights.publisher")
+
+_MiB = 1024 * 1024
+THREAD_COPY_BYTES = 1 * _MiB
+"""Tensors at least this large are copied in a worker thread (smaller ones inline: a thread hop costs more)."""
+_THREAD_COPY_BYTES = THREAD_COPY_BYTES
+
+
+class Place(NamedTuple):
+    """Where one tensor of a version goes."""
+
+    bucket: int
+    offset: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotKnobs:
+    publisher_id: str
+    chunk_bytes: int
+    host_key: str
+    pool: str
+    copy_threads: int
+    checksum_algorithm: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPools:
+    """The publisher's threads, made once: copies, the one issuing and one landing thread of CUDA copies into
+    page-locked memory, xxh3 checksums, and the GPU mix64 sums (never queued behind the xxh3 jobs)."""
+
+    copy: ThreadPoolExecutor
+    issue: ThreadPoolExecutor
+    land: ThreadPoolExecutor
+    sum: ThreadPoolExecutor
+    mix: ThreadPoolExecutor
+
+    @classmethod
+    def make(cls, copy_threads: int, checksum_threads: int) -> SnapshotPools:
+        return cls(copy=ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy"),
+                   issue=ThreadPoolExecutor(1, thread_name_prefix="weights-issue"),
+                   land=ThreadPoolExecutor(1, thread_name_prefix="weights-land"),
+                   sum=ThreadPoolExecutor(checksum_threads, thread_name_prefix="weights-checksum"),
+                   mix=ThreadPoolExecutor(1, thread_name_prefix="weights-mix"))
+
+    def shutdown(self) -> None:
+        for pool in (self.copy, self.issue, self.land, self.sum, self.mix):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+class SnapshotSink(Protocol):
+    """Where a snapshot publishes each bucket as it is ready (`rollpool.weights.serving.WeightServer`)."""
+
+    def complete_bucket(self, version: int, bucket: int, checksum: str) -> None: ...
+
+    def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None: ...
+
+
+class ContiguousSource:
+    """A bucket held as one contiguous uint8 CPU tensor: chunks are zero-copy slices.
+
+    Every chunk handed out is a numpy slice that holds a reference to
+    `array` until ZeroMQ has sent it, so `in_flight` tells when the buffer
+    may be written again (a recycled buffer must not change bytes still
+    queued for a slow peer).
+    """
+
+    __slots__ = ("data", "array")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.array = data.numpy()
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        return self.array[offset : offset + nbytes].data
+
+    def in_flight(self) -> bool:
+        # the attribute and getrefcount's own argument; anything more is a chunk still held
+        return sys.getrefcount(self.array) > 2
+
+
+class GatedSource(ContiguousSource):
+    """A streamed bucket: unreadable (fetches park) until it is copied and checksummed."""
+
+    __slots__ = ("ready",)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__(data)
+        self.ready = False
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        if not self.ready:
+            return None
+        return self.array[offset : offset + nbytes].data
+
+
+def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``(name, dtype name, shape, nbytes)`` per tensor, in order, of tensors (meta ones too) or ``(name, (shape, dtype))`` pairs."""
+    items: Any
+    if isinstance(named_shapes, torch.nn.Module):
+        items = named_shapes.state_dict(keep_vars=False).items()
+    elif isinstance(named_shapes, Mapping):
+        items = named_shapes.items()
+    else:
+        items = named_shapes
+    out: list[tuple[str, str, tuple[int, ...], int]] = []
+    for name, spec in items:
+        if isinstance(spec, torch.Tensor):
+            shape, dtype = tuple(int(x) for x in spec.shape), spec.dtype
+        else:
+            try:
+                shape_any, dtype_any = spec
+            except (TypeError, ValueError):
+                raise TypeError(f"{name!r}: expected a tensor or (shape, dtype), got {type(spec).__name__}") from None
+            shape = tuple(int(x) for x in shape_any)
+            dtype = dtype_any if isinstance(dtype_any, torch.dtype) else dtype_from_name(str(dtype_any))
+        numel = 1
+        for x in shape:
+            numel *= x
+        out.append((str(name), dtype_name(dtype), shape, numel * torch.empty(0, dtype=dtype).element_size()))
+    return out
+
+
+class Snapshot:
+    """One streamed snapshot: copies in threads (CUDA on a side stream), each bucket checksummed when its last copy lands,
+    then made readable and its checksum published (`WeightServer.complete_bucket`) on the loop."""
+
+    def __init__(self, knobs: SnapshotKnobs, pools: SnapshotPools, sink: SnapshotSink, version: int, places: list[Place],
+                 planner: BucketPlanner, buffers: list[torch.Tensor], segments: list[ShmBuffer | None]) -> None:
+        self.knobs = knobs
+        self.pools = pools
+        self.sink = sink
+        self.version = version
+        self.places = places
+        self.buffers = buffers
+        self.loop = asyncio.get_running_loop()
+        self.segments = segments
+        infos = tuple(
+            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors),
+                  shm_segment=seg.name if seg is not None else "")
+            for b, seg in zip(planner.buckets, self.segments, strict=True)
+        )
+        shm = bool(infos) and all(seg is not None for seg in self.segments)
+        if not shm:
+            infos = tuple(replace(i, shm_segment="") for i in infos)
+        self.planned = list(planner.buckets)
+        self.sources = [GatedSource(b) for b in buffers]
+        self.served = ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=infos, sources=list(self.sources),
+                                    chunk_bytes=knobs.chunk_bytes, host_key=knobs.host_key if shm else "", pool=knobs.pool)
+        self.left = [0] * len(buffers)
+        self.pending = len(buffers)
+        # the same-host path staged to a GPU (minor 10): a mix64 of each bucket's host bytes, on shm versions only.
+        # From CUDA tensors it is summed on the GPU per tensor as it is copied (`mix64_partial` at the tensor's word
+        # offset: every tensor of the bucket 8-byte aligned, only the last with a tail); otherwise on the CPU over the
+        # bucket after its xxh3 (so the network and CPU shm paths are never delayed by it).
+        self.mix = shm
+        self.mix_parts = [0] * len(buffers)
+        self.mix_dev: list[list[torch.Tensor]] = [[] for _ in buffers]
+        """Per bucket: its tensors' mix64 parts as int64 scalars on the GPU (summed on the mix stream, never waited on by
+        a copy thread: a checksum thread reads them once the bucket's last part was queued)."""
+        self.mix_aligned = [self.mix and word_aligned(b.tensors) for b in planner.buckets]
+        self.parts_left = [2 if self.mix else 1 for _ in buffers]
+        """Per bucket: its checksum, and its mix64 on shm versions; the bucket is finished when both exist."""
+        self.checksummed: asyncio.Future[None] = self.loop.create_future()
+        self.ipc_offsets: list[int] = []
+        """The buckets' offsets in the version's device arena (the same-GPU path), else empty."""
+        self.ipc_stream: Any = None
+        self.issued = [0] * len(buffers)
+        """Per bucket: its CUDA copies queued by the issuing thread."""
+        self.slots: torch.Tensor | None = None
+        """Page-locked int64 per bucket: its GPU mix64 sum, copied behind its copies (`_queue_digest`)."""
+        self.slotted = [False] * len(buffers)
+        self.pinned: list[bool | None] = [None] * len(buffers)
+        """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
+        self.marks: dict[str, float] = {}
+        """perf_counter of the copy's phases (`WeightPublisher.last_phases`)."""
+        if not buffers:
+            self.checksummed.set_result(None)
+        self._lock = threading.Lock()
+        for seg in self.segments:
+            if seg is not None:
+                seg.begin_write()
+
+    def abandon(self) -> None:
+        if not self.checksummed.done():
+            self.checksummed.cancel()
+
+    async def copy(self, items: Any) -> None:
+        """Copy every tensor into its place; return when the caller's tensors may change (all copies landed).
+
+        Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
+        copies are outstanding, so at most that many of its tensors are alive at once)."""
+        pools = self.pools
+        streams: dict[Any, Any] = {}
+        mix_streams: dict[Any, Any] = {}
+        it = iter(items)
+        inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
+        window = asyncio.Semaphore(4 * max(1, self.knobs.copy_threads))
+        futures: list[asyncio.Future[None]] = []
+        # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
+        for b in self.planned:
+            self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
+        self._finish_empty()
+        try:
+            for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
+                try:
+                    got_name, tensor = next(it)
+                except StopIteration:
+                    raise ValueError(f"the tensors ended before {name!r}; the reserved layout has {len(self.places)}") from None
+                if got_name != name or tuple(int(x) for x in tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+                    raise ValueError(f"tensor {count}: got {got_name!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
+                if not nbytes:
+                    continue
+                stream, mix_stream = self._streams_of(tensor, streams, mix_streams)
+                if inline:
+                    self._copy(idx, offset, tensor, stream, mix_stream)
+                    continue
+                await window.acquire()
+                if stream is not None and self._pinned(idx):
+                    # into page-locked memory: queued by the issuing thread, waited for by the landing thread (the copy
+                    # engine never waits for a copy thread to be scheduled, whatever else the host runs)
+                    landed: concurrent.futures.Future[None] = concurrent.futures.Future()
+                    pools.issue.submit(self._issue, idx, offset, tensor, stream, mix_stream, landed)
+                    fut = asyncio.wrap_future(landed)
+                else:
+                    fut = asyncio.wrap_future(pools.copy.submit(self._copy, idx, offset, tensor, stream, mix_stream))
+                fut.add_done_callback(lambda _f: window.release())
+                futures.append(fut)
+                del tensor  # only the copy job holds it now
+            for _extra in it:
+                raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
+            self.marks["issued"] = time.perf_counter()
+            await asyncio.gather(*futures)
+            self.marks["landed"] = time.perf_counter()
+            if mix_streams:
+                # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
+                # the whole version, not one per tensor)
+                await asyncio.to_thread(_synchronize_all, list(mix_streams.values()))
+            self.marks["mixed"] = time.perf_counter()
+        except BaseException:
+            await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
+            raise
+
+    def _finish_empty(self) -> None:
+        """Buckets with no bytes to copy are checksummed (and mixed) at once."""
+        for idx in range(len(self.buffers)):
+            if self.left[idx] == 0:
+                if self.mix:
+                    self._mix_ready(idx, mix64_format(0))
+                self._sum_later(idx)
+
+    def _streams_of(self, tensor: torch.Tensor, streams: dict[Any, Any], mix_streams: dict[Any, Any]) -> tuple[Any, Any]:
+        """(the copy stream, the mix64 stream) of a CUDA tensor's device, made on first use; (None, None) for CPU tensors."""
+        if tensor.device.type != "cuda":
+            return None, None
+        stream = streams.get(tensor.device)
+        if stream is None:
+            # the side stream first waits for the trainer's work on this device: the copy sees the latest values
+            stream = streams[tensor.device] = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            if self.mix:  # the GPU mix64 reads the same tensors beside the copy (compute beside the copy engine)
+                mix_streams[tensor.device] = side_stream(tensor.device)
+                mix_streams[tensor.device].wait_stream(torch.cuda.current_stream(tensor.device))
+        return stream, mix_streams.get(tensor.device)
+
+    def _pinned(self, idx: int) -> bool:
+        pinned = self.pinned[idx]
+        if pinned is None:
+            pinned = self.pinned[idx] = bool(self.buffers[idx].is_pinned())
+        return pinned
+
+    def _copy(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any = None) -> None:
+        """Copy thread: one tensor into its bucket, waited for here (CPU tensors, and CUDA tensors into pageable
+        memory, which the driver copies synchronously anyway); then `_landed`."""
+        src = flat_bytes(tensor)
+        dst = self.buffers[idx][offset : offset + int(src.numel())]
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=dst.is_pinned())
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            part = self._mix_part(idx, offset, src, mix_stream)
+            done.synchronize()
+            self._add_part(idx, part)
+        else:
+            dst.copy_(src)
+        self._landed(idx, mix_stream)
+
+    def _issue(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+        """Issuing thread (one per publisher, so copies are queued in the order they were planned): a CUDA tensor's
+        copy into page-locked memory queued on the side stream and its GPU mix64 part beside it, nothing waited on;
+        the landing thread waits for the copy."""
+        try:
+            src = flat_bytes(tensor)
+            dst = self.buffers[idx][offset : offset + int(src.numel())]
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            _keep_until_done(src, stream)
+            self._add_part(idx, self._mix_part(idx, offset, src, mix_stream))
+            self.issued[idx] += 1  # (only this thread counts them)
+            if self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]:
+                self._queue_digest(idx, stream, mix_stream)
+            with torch.cuda.stream(stream):
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
+                done.record(stream)
+        except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
+            landed.set_exception(exc)
+            return
+        self.pools.land.submit(self._land, idx, done, mix_stream, landed)
+
+    def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
+        """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
+        into this snapshot's page-locked digest slot on the copy stream, right behind the bucket's copies (so the landing
+        thread reads it when the bucket lands; a `.item()` would wait behind every copy queued by then)."""
+        try:
+            if self.slots is None:
+                self.slots = torch.zeros(len(self.buffers), dtype=torch.int64, pin_memory=True)
+            parts = self.mix_dev[idx]
+            with torch.cuda.stream(mix_stream):
+                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+                summed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                summed.record(mix_stream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(summed)
+                self.slots[idx : idx + 1].copy_(total.reshape(1), non_blocking=True)
+            _keep_until_done(total, stream)
+        except Exception:  # the parts stay: the landing thread sums them with a wait instead
+            log.warning("weight version %d: bucket %d's mix64 could not be queued behind its copies; summed after it lands",
+                        self.version, idx, exc_info=True)
+            return
+        self.mix_dev[idx] = []
+        self.slotted[idx] = True
+
+    def _land(self, idx: int, done: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+        """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
+        for in that order."""
+        try:
+            done.synchronize()
+            self._landed(idx, mix_stream)
+        except BaseException as exc:  # noqa: BLE001 - the publish fails with it
+            landed.set_exception(exc)
+            return
+        landed.set_result(None)
+
+    def _mix_part(self, idx: int, offset: int, src: torch.Tensor, mix_stream: Any) -> torch.Tensor | None:
+        """The tensor's GPU mix64 part, queued on the mix stream (the trainer's bytes, read before publish returns:
+        copy() waits for the mix stream), where the bucket is summed tensor by tensor."""
+        if mix_stream is None or not self.mix_aligned[idx] or src.data_ptr() % 8:
+            return None
+        with torch.cuda.stream(mix_stream):
+            part = mix64_partial(src, offset // 8)
+        _keep_until_done(src, mix_stream)
+        return part
+
+    def _add_part(self, idx: int, part: torch.Tensor | None) -> None:
+        """A tensor's GPU mix64 part joins its bucket's (before the tensor counts as landed)."""
+        if part is not None:
+            with self._lock:
+                self.mix_dev[idx].append(part)
+                self.mix_parts[idx] += 1
+
+    def _landed(self, idx: int, mix_stream: Any) -> None:
+        """A tensor's bytes are in its bucket: the bucket's last copy queues its checksum (and publishes the bucket's
+        GPU-summed mix64 where every part of it was summed on the GPU)."""
+        with self._lock:
+            self.left[idx] -= 1
+            last = self.left[idx] == 0
+        if last:
+            if self.slotted[idx]:
+                assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
+                self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))
+            elif self.mix and self.mix_parts[idx] == self._parts_of(idx):
+                # every part is queued on the mix stream: a checksum thread adds them up there and publishes the sum
+                assert mix_stream is not None
+                queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                queued.record(mix_stream)
+                self.pools.mix.submit(self._mix_from_device, idx, mix_stream, queued)
+            self._sum_later(idx)
+
+    def _mix_from_device(self, idx: int, mix_stream: Any, queued: Any) -> None:
+        """Checksum thread: the bucket's GPU mix64 parts added up on the mix stream, then published (`_mix_ready`)."""
+        try:
+            with torch.cuda.stream(mix_stream):
+                mix_stream.wait_event(queued)
+                parts = self.mix_dev[idx]
+                total = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+                digest = mix64_format(int(total.item()))
+            self.mix_dev[idx] = []
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+            self._call(self._failed, exc)
+            return
+        self._call(self._mix_ready, idx, digest)
+
+    def _parts_of(self, idx: int) -> int:
+        return sum(1 for t in self.planned[idx].tensors if t.nbytes)
+
+    def _sum_later(self, idx: int) -> None:
+        if self.buffers[idx].numel() < _THREAD_COPY_BYTES:
+            self._checksum(idx)
+        else:
+            self.pools.sum.submit(self._checksum, idx)
+
+    def _checksum(self, idx: int) -> None:
+        """Checksum thread (xxh3 releases the GIL, so buckets are summed in parallel)."""
+        try:
+            summer = Checksummer(self.knobs.checksum_algorithm)
+            if self.buffers[idx].numel():
+                summer.update(self.buffers[idx].numpy())
+            digest = summer.hexdigest()
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+            self._call(self._failed, exc)
+            return
+        self._call(self._ready, idx, digest)
+        if self.mix and self.mix_parts[idx] != self._parts_of(idx):
+            # not summed on the GPU (CPU tensors, or an unaligned bucket): the mix64 of the host bucket, on the CPU,
+            # after its checksum was published (the network and CPU shm paths do not wait for it)
+            try:
+                mixed = mix64_checksum(self.buffers[idx]) if self.buffers[idx].numel() else mix64_format(0)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+                self._call(self._failed, exc)
+                return
+            self._call(self._mix_ready, idx, mixed)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # a worker thread
+            on_loop = False
+        if on_loop:
+            fn(*args)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self.checksummed.done():
+            self.checksummed.set_exception(exc)
+
+    def _ready(self, idx: int, digest: str) -> None:
+        if self.checksummed.done():
+            return  # withdrawn or evicted meanwhile
+        self.sources[idx].ready = True
+        seg = self.segments[idx]
+        if seg is not None:
+            seg.end_write(self.version)
+        self.sink.complete_bucket(self.version, idx, digest)
+        self._part_done(idx)
+
+    def _mix_ready(self, idx: int, digest: str) -> None:
+        """The bucket's bytes are in its segment and their mix64 is known: a subscriber staging to a GPU may copy it
+        (the segment's header names the version from now on; the xxh3 checksum may still be pending)."""
+        if self.checksummed.done():
+            return
+        seg = self.segments[idx]
+        if seg is not None:
+            seg.end_write(self.version)
+        self.sink.set_host_mix64(self.version, idx, digest)
+        self._part_done(idx)
+
+    def _part_done(self, idx: int) -> None:
+        self.parts_left[idx] -= 1
+        if self.parts_left[idx] == 0:
+            self.pending -= 1
+            if self.pending == 0:
+                self.checksummed.set_result(None)
+
+
+def _keep_until_done(t: torch.Tensor, stream: Any) -> None:
+    """The caching allocator does not hand `t`'s memory out again before `stream`'s work queued so far is done (an
+    iterator's tensor may be freed by its producer while its copy or mix64 is still queued)."""
+    with contextlib.suppress(RuntimeError):  # memory the caching allocator does not own: the caller keeps it alive
+        t.record_stream(stream)
+
+
+def _synchronize_all(streams: list[Any]) -> None:
+    for st in streams:
+        st.synchronize()
+
+
+def word_aligned(tensors: Any) -> bool:
+    """Whether a bucket's mix64 can be summed tensor by tensor: every tensor starts at a multiple of 8 bytes and only
+    the last one has a tail (its zero padding is the bucket's own)."""
+    ts = [t for t in tensors if t.nbytes]
+    return all(t.offset % 8 == 0 for t in ts) and all(t.nbytes % 8 == 0 for t in ts[:-1])
+
+
+class PiecesSource:
+    """A bucket made of the caller's tensors (keep_versions=0): a chunk within one tensor is a zero-copy slice."""
+
+    __slots__ = ("pieces", "starts")
+
+    def __init__(self, pieces: list[tuple[int, memoryview]]) -> None:
+        self.pieces = pieces
+        self.starts = [p[0] for p in pieces]
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        import bisect
+
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        parts: list[memoryview] = []
+        end = offset + nbytes
+        pos = offset
+        while pos < end and i < len(self.pieces):
+            start, view = self.pieces[i]
+            stop = start + view.nbytes
+            if stop > pos:
+                parts.append(view[pos - start : min(end, stop) - start])
+                pos = min(end, stop)
+            i += 1
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
+
+
+def cpu_bytes(tensor: torch.Tensor) -> memoryview:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
