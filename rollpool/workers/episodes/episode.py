@@ -132,7 +132,8 @@ class Episode:
 
     def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
-                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None) -> None:
+                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None,
+                 end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.sample_index = sample_index
@@ -144,6 +145,7 @@ class Episode:
         self.stats = stats
         self.loop = loop
         self.tokenizer_executor = tokenizer_executor
+        self._eot_cache = {} if end_of_turn_cache is None else end_of_turn_cache
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
@@ -292,14 +294,25 @@ class Episode:
                 ids.add(v)
         return tuple(sorted(ids))
 
-    def _end_of_turn_id(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> int | None:
-        """The template's end-of-turn token (e.g. ``<|im_end|>``) when it is one special token."""
+    def _end_of_turn(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> tuple[str, int | None]:
+        """The template's end-of-turn text after `messages`, and its token (e.g. ``<|im_end|>``) when it is one special token.
+
+        Probed once per (tools, first and last role of the history) for the runner's tokenizer: a chat
+        template closes an assistant turn by where the turn stands, not by the words of earlier messages,
+        and the probe is a whole rendering of the conversation (a third of a turn's template work).
+        """
+        key = (chat.tools_key(tools), str(messages[0].get("role")), str(messages[-1].get("role")))
+        found = self._eot_cache.get(key)
+        if found is not None:
+            return found
         tok = self.tokenizer
-        eot = chat.end_of_turn(tok, messages, tools).strip()
-        if not eot:
-            return None
-        ids = tok.encode(eot, add_special_tokens=False)
-        return int(ids[0]) if len(ids) == 1 else None
+        text = chat.end_of_turn(tok, messages, tools)
+        eot = text.strip()
+        ids = tok.encode(eot, add_special_tokens=False) if eot else []
+        found = text, (int(ids[0]) if len(ids) == 1 else None)
+        if len(self._eot_cache) < 1024:
+            self._eot_cache[key] = found
+        return found
 
     def _strip_specials(self, text: str) -> str:
         for special in getattr(self.tokenizer, "all_special_tokens", ()) or ():
@@ -320,18 +333,20 @@ class Episode:
         return await self.loop.run_in_executor(self.tokenizer_executor, functools.partial(fn, *args))
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
-                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, int | None]:
-        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None, end-of-turn id)."""
+                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
+        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None,
+        end-of-turn text, end-of-turn id)."""
         prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
         delta = chat.extension(view, tok, messages, tools, prompt_text)
+        eot_text, eot_id = self._end_of_turn(messages, tools)
         if delta is not None:
-            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, self._end_of_turn_id(messages, tools)
-        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), self._end_of_turn_id(messages, tools)
+            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, eot_text, eot_id
+        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), eot_text, eot_id
 
     def _chat_reply(self, tok: Any, s: SampleOutput, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
-                    prompt_text: str, eot_id: int | None, stop_ids: set[int],
-                    parse: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
-        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text."""
+                    prompt_text: str, eot_text: str, eot_id: int | None, stop_ids: set[int], parse: bool,
+                    want_token_texts: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
+        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text (when wanted)."""
         content_ids = self._content_ids(s, stop_ids)
         calls: list[ToolCall] = []
         raw = ""
@@ -345,8 +360,9 @@ class Episode:
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
         view = chat.after_reply(tok, messages, reply, tools, prompt_text, tok.decode(s.output_ids, skip_special_tokens=False),
-                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
-        return reply, calls, view, [tok.decode([t], skip_special_tokens=False) for t in s.output_ids]
+                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
+        texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
+        return reply, calls, view, texts
 
     async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve one ``/v1/chat/completions`` body (not streamed); the response as a dict."""
@@ -368,7 +384,7 @@ class Episode:
             mark = self.recording.mark()
             seg = self.recording.current
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
-            prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
+            prompt_text, delta_ids, prompt_ids, eot_text, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
             self._check_open()
             if seg is not None and delta_ids is not None:
                 self._fits(len(seg) + len(delta_ids) + 1, seg)
@@ -386,7 +402,7 @@ class Episode:
             self.stats.reused_prefix_tokens += reused
             s = await self._sample(seg, sampling, mark)
             reply, calls, seg_view, token_texts = await self._off_loop(
-                self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
+                self._chat_reply, tok, s, messages, tools, prompt_text, eot_text, eot_id, stop_ids, parse, want_logprobs)
             self._check_open()
             seg.chat = seg_view
             if calls:

@@ -151,6 +151,7 @@ class EpisodeRunner:
         self._threads = ThreadPoolExecutor(max_workers=1)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
         self._started = False
+        self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
 
     async def start(self) -> None:
         if not self._started:
@@ -216,7 +217,7 @@ class EpisodeRunner:
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
                 model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
-                tokenizer_executor=self._tokenizer_thread)
+                tokenizer_executor=self._tokenizer_thread, end_of_turn_cache=self._end_of_turn_cache)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1
