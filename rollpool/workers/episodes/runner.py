@@ -152,6 +152,7 @@ class EpisodeRunner:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
         self._started = False
         self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
+        self._start_lock = asyncio.Lock()
 
     async def start(self) -> None:
         if not self._started:
@@ -208,8 +209,21 @@ class EpisodeRunner:
             raise
         return [t for r in results for t in r]
 
+    async def _turnstile(self) -> None:
+        """Let episodes start one per pass of the event loop.
+
+        Every episode of the groups a worker takes arrives at once, and an episode function's first
+        step is often long (an ``openai.AsyncOpenAI()`` builds a TLS context: tens of milliseconds).
+        Run in one pass, 128 of them held the loop for seconds, the worker's heartbeats with it, and
+        the broker declared the worker dead and handed its groups to be run again. One start per pass
+        lets timers and I/O (heartbeats, other episodes' turns) run between two starts.
+        """
+        async with self._start_lock:
+            await asyncio.sleep(0)
+
     async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str) -> list[Trajectory]:
         async with self._slots:
+            await self._turnstile()
             name = prompt.metadata.get("episode", DEFAULT_EPISODE) if isinstance(prompt.metadata, Mapping) else DEFAULT_EPISODE
             fn = self.functions.get(str(name))
             episode = Episode(

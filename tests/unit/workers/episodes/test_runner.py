@@ -326,3 +326,31 @@ def test_episode_flags_repeat_into_the_worker_config() -> None:
     args = parser.parse_args(["--episode", "a.b:c", "--episode", "x=d.e:f", "--max-episodes", "8", "--episode-timeout-s", "5"])
     cfg = load_config(WorkerConfig, args, environ={})
     assert cfg.episode == ("a.b:c", "x=d.e:f") and cfg.max_episodes == 8 and cfg.episode_timeout_s == 5.0
+
+
+async def test_episodes_start_one_per_pass_of_the_event_loop() -> None:
+    """Episodes whose first step is long (an SDK client's TLS set-up) must not all run in one pass of the loop:
+    the worker's heartbeats share it, and a loop held for seconds gets the worker declared dead."""
+    engine = ScriptedEngine([[10, EOS]] * 12, eos_id=EOS)
+    passes = 0
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal passes
+        while True:
+            passes += 1
+            await asyncio.sleep(0)
+
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> float:
+        seen.append(passes)  # the synchronous first step
+        await ctx.generate()
+        return 1.0
+
+    tick = asyncio.create_task(ticker())
+    try:
+        async with _runner(engine, episode) as runner:
+            results = await asyncio.gather(runner.run_group(_prompt(6)), runner.run_group(_prompt(6)))
+    finally:
+        tick.cancel()
+    assert sum(len(r) for r in results) == 12
+    assert len(set(seen)) == len(seen) == 12  # no two episodes started in the same pass
