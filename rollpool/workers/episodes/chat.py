@@ -184,9 +184,13 @@ class ChatView:
     """render(messages) without a generation prompt; None when the template cannot be extended."""
     owed: str
     """Template text after the last sampled token that is not yet in the sequence."""
+    key_cache: list[str] | None = None
+    """`keys`, computed once (a view's messages never change: the next turn makes a new view)."""
 
     def keys(self) -> list[str]:
-        return [message_key(m) for m in self.messages]
+        if self.key_cache is None:
+            self.key_cache = [message_key(m) for m in self.messages]
+        return self.key_cache
 
 
 def tools_key(tools: Sequence[Any] | None) -> str:
