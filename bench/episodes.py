@@ -66,30 +66,42 @@ async def sdk_loop(base_url: str, api_key: str, model: str, md: dict[str, Any], 
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                       {"role": "user", "content": str(md["task"])}]
     done = completion_tokens = 0
+    per_turn: list[dict[str, Any]] = []  # what bench/gpu_episodes.py's agent records, for its cache share
+    prev: tuple[int, int] | None = None
     try:
         for t in range(turns):
             r = await client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=1.0)
             msg = r.choices[0].message
-            completion_tokens += r.usage.completion_tokens if r.usage else 0
+            usage = r.usage
+            completion_tokens += usage.completion_tokens if usage else 0
+            cached = int(usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
+            rec = {"turn": t, "prompt_tokens": usage.prompt_tokens if usage else 0,
+                   "completion_tokens": usage.completion_tokens if usage else 0, "cached": cached,
+                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0}
+            per_turn.append(rec)
+            prev = (rec["prompt_tokens"], rec["completion_tokens"])
             messages.append(msg.model_dump(exclude_none=True))  # sent back unchanged
             obs = " ".join(rng.choice(WORDS) for _ in range(tool_words))
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
             done += 1
     finally:
         await client.close()
-    return {"turns": done, "completion_tokens": completion_tokens}
+    return {"turns": done, "completion_tokens": completion_tokens, "cache_turns": per_turn}
 
 
 async def agent(ctx: Any, prompt: Any) -> float:
     """The SDK agent in the worker's process."""
     res = await sdk_loop(ctx.openai_base_url, ctx.api_key, ctx.model, dict(prompt.metadata), f"{prompt.prompt_id}:{ctx.sample_index}")
+    ctx.metadata["cache_turns"] = res.pop("cache_turns")
     ctx.metadata["agent"] = res
     return 0.0
 
 
 async def remote_agent(ctx: Any, prompt: Any) -> float:
-    """A stub: hands the episode's endpoint to the bench's agent process and waits for its answer."""
-    reader, writer = await asyncio.open_unix_connection(os.environ[AGENT_SOCKET_ENV])
+    """A stub: hands the episode's endpoint to one of the bench's agent processes (``AGENT_SOCKET_ENV``: their
+    sockets, comma-separated; one per episode by its index) and waits for its answer."""
+    socks = os.environ[AGENT_SOCKET_ENV].split(",")
+    reader, writer = await asyncio.open_unix_connection(socks[(hash(prompt.prompt_id) + ctx.sample_index) % len(socks)])
     try:
         writer.write(json.dumps({"base_url": ctx.openai_base_url, "api_key": ctx.api_key, "model": ctx.model,
                                  "md": dict(prompt.metadata), "seed": f"{prompt.prompt_id}:{ctx.sample_index}"}).encode() + b"\n")
@@ -100,6 +112,7 @@ async def remote_agent(ctx: Any, prompt: Any) -> float:
     res = json.loads(line)
     if "error" in res:
         raise RuntimeError(res["error"])
+    ctx.metadata["cache_turns"] = res.pop("cache_turns")
     ctx.metadata["agent"] = res
     return 0.0
 
