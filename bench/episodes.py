@@ -232,19 +232,14 @@ async def _wait_workers(client: Any, n: int, procs: list[subprocess.Popen[bytes]
 
 
 async def _collect(client: Any, n_groups: int, timeout_s: float) -> list[Any]:
-    groups: list[Any] = []
-    t0 = time.time()
-    while len(groups) < n_groups:
-        try:
-            batch = await client.get_batch(1, timeout=1.0)
-        except TimeoutError:
-            if time.time() - t0 > timeout_s:
-                raise RuntimeError(f"{len(groups)} of {n_groups} groups after {timeout_s} s") from None
-            continue
-        groups += batch.groups
-        for other in batch.other:
-            raise RuntimeError(f"group {other.prompt_id} ended {other.state}: {other.reason}")
-    return groups
+    """Every group at once (one `get_batch` of all: a call per group rechecks the whole buffer each time)."""
+    try:
+        batch = await client.get_batch(n_groups, timeout=timeout_s)
+    except TimeoutError as exc:
+        raise RuntimeError(f"not all {n_groups} groups within {timeout_s} s: {exc}") from None
+    for other in batch.other:
+        raise RuntimeError(f"group {other.prompt_id} ended {other.state}: {other.reason}")
+    return list(batch.groups)
 
 
 # --------------------------------------------------------------------------- bench: CPU per turn
@@ -267,6 +262,8 @@ def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
 async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
     """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase."""
     pool = Pool(tree, work, label)
+    broker_log = work / f"broker-{label}.log"
+    dead0 = broker_log.read_text(errors="replace").count("declared dead") if broker_log.exists() else 0
     wep, cep, sg_port = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}", _port()
     sock = str(work / f"agents-{label}-{placement}.sock")
     agents: list[subprocess.Popen[bytes]] = []
@@ -281,7 +278,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
         opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
         pool.env[AGENT_SOCKET_ENV] = sock
-        worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
+        prof = ["/tmp/w41/profrun.py"] if os.environ.get("RP_BENCH_PROFILE") else []
+        worker = pool.spawn([*prof, *([] if prof else ["-m"]), "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
                              "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"],
                             f"worker-{label}-{placement}.log")
@@ -313,7 +311,9 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
     cpu = {k: after[k] - before[k] for k in pids}
     per_turn = {f"{k}_cpu_us_per_turn": round(1e6 * v / turns, 1) if turns else None for k, v in cpu.items()}
     per_turn["trainer_cpu_us_per_turn"] = round(1e6 * trainer_cpu / turns, 1) if turns else None
+    dead = broker_log.read_text(errors="replace").count("declared dead") - dead0
     row = {"tree": label, "placement": placement, "simulated": True, "wall_s": round(wall, 2), "join_s": round(join_s, 1),
+           "worker_declared_dead": dead,
            "episodes": episodes, "trajectories": len(trajs), "segments_per_episode": round(len(trajs) / max(1, episodes), 3),
            "turns": turns, "sampled_tokens": sampled, "turns_per_s": round(turns / wall, 1),
            "output_tokens_per_s": round(sampled / wall, 1), **per_turn,
@@ -370,11 +370,11 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
     wep, cep = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
     client = None
     try:
-        pool.spawn(["-m", "rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
-                    "--task-timeout-s", "3600", "--log-level", "WARNING"], f"broker-s{workers}.log")
-        opts = (f"capacity={args.engine_capacity},decode_s_per_token={args.decode_s_per_token},length=fixed,"
+        broker = pool.spawn(["-m", "rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
+                             "--task-timeout-s", "3600", "--log-level", "WARNING"], f"broker-s{workers}.log")
+        per_worker = -(-args.sessions // workers // args.n) * args.n  # every session held at once, across the workers
+        opts = (f"capacity={per_worker},decode_s_per_token={args.decode_s_per_token},length=fixed,"
                 f"length_median={args.tokens_per_turn}")
-        per_worker = args.sessions // workers + args.n
         wprocs = [pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sim", "--worker-id", f"w{i}",
                               "--engine-options", opts, "--episode", "rp_episodes_bench:token_agent", "--max-episodes", str(per_worker),
                               "--capacity", str(per_worker), "--log-level", "WARNING"], f"worker-s{workers}-{i}.log")
@@ -382,7 +382,9 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
         client = await _client(cep)
         await _wait_workers(client, workers, pool.procs, 120)
         n_groups = args.sessions // args.n
-        prompts = [Prompt(prompt_id=f"s{workers}-{i}", input_ids=[1, 2, 3, 4 + i % 50], group_size=args.n,
+        import numpy as np
+
+        prompts = [Prompt(prompt_id=f"s{workers}-{i}", input_ids=np.array([1, 2, 3, 4 + i % 50], dtype=np.int32), group_size=args.n,
                           sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
                           metadata={"turns": args.session_turns, "obs_tokens": 8})
                    for i in range(n_groups)]
@@ -393,13 +395,13 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
             while not stop.is_set():
                 with contextlib.suppress(Exception):
                     st = await client.status()
-                    for w in st.get("workers", []):
-                        wid = w.get("worker_id")
-                        if wid in held:
-                            held[wid] = max(held[wid], int(w.get("inflight", w.get("in_flight", 0)) or 0))
+                    for wid, w in st.get("workers", {}).items():
+                        if wid in held:  # leases are groups: n episodes each
+                            held[wid] = max(held[wid], int(w.get("inflight", 0)) * args.n)
                 await asyncio.sleep(0.5)
 
         watcher = asyncio.create_task(watch())
+        cpu0 = sum(_cpu(p.pid) for p in wprocs), _cpu(broker.pid), time.process_time()
         t0 = time.time()
         res = await client.submit(prompts)
         if res.rejected:
@@ -408,7 +410,7 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
         wall = time.time() - t0
         stop.set()
         await watcher
-        cpu = sum(_cpu(p.pid) for p in wprocs)
+        cpu = sum(_cpu(p.pid) for p in wprocs) - cpu0[0], _cpu(broker.pid) - cpu0[1], time.process_time() - cpu0[2]
     finally:
         if client is not None:
             with contextlib.suppress(Exception):
@@ -419,11 +421,13 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
     timed_out = sum(1 for g in groups for tr in g.trajectories if "timed out" in str(tr.metadata.get("episode_error", "")))
     failed = sum(1 for g in groups for tr in g.trajectories if tr.finish_reason in ("error", "abort"))
     turns = sum(int(tr.metadata.get("agent", {}).get("turns", 0)) for g in groups for tr in g.trajectories)
+    dead = (work / f"broker-s{workers}.log").read_text(errors="replace").count("declared dead")
     row = {"workers": workers, "simulated": True, "sessions": len(want), "delivered": len(ids), "lost": len(want - set(ids)),
+           "worker_declared_dead": dead,
            "duplicated": len(ids) - len(set(ids)), "unexpected": len(set(ids) - want), "timed_out": timed_out, "failed": failed,
            "wall_s": round(wall, 2), "turns": turns, "turns_per_s": round(turns / wall, 1), "episodes_per_s": round(len(set(ids)) / wall, 1),
            "max_held_by_one_worker": max(held.values()) if held else None, "held_per_worker": held,
-           "worker_cpu_s_total": round(cpu, 1)}
+           "workers_cpu_s": round(cpu[0], 1), "broker_cpu_s": round(cpu[1], 1), "trainer_cpu_s": round(cpu[2], 1)}
     print(f"  sessions: {json.dumps(row)}", flush=True)
     return row
 
@@ -462,7 +466,6 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=10_000)
     ap.add_argument("--workers", default="1,2,4", help="sessions bench: worker counts, one row each")
     ap.add_argument("--session-turns", type=int, default=3)
-    ap.add_argument("--engine-capacity", type=int, default=256, help="sessions bench: each sim engine's capacity (turns at once)")
     ap.add_argument("--decode-s-per-token", type=float, default=0.01, help="sessions bench: the sim engine's decode time")
     args = ap.parse_args()
     if args.agent_process:

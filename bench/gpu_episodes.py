@@ -34,7 +34,7 @@ the API notes' in-process recipe: the update waits for running requests, then fl
 worker's episode function hands its endpoint to an agent process, which runs the same SDK loop), so the
 worker's event loop holds only the pool's own work; 0 (the default) runs them in the worker.
 
-    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT                        -> h200-episodes.json
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT                        -> <card>-episodes.json (h100, h200)
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8    (agents beside the worker)
 """
 
@@ -399,6 +399,8 @@ def main() -> int:
         import torch
 
         result["machine"] = torch.cuda.get_device_name(0)
+        card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
+        gw.RESULT_NAME = f"{card}-episodes.json"
     result["agent_processes"] = args.agent_processes
     try:
         asyncio.run(main_async(args, result, gw.save))

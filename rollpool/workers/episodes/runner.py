@@ -42,7 +42,13 @@ from typing import Any
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import FinishReason, Prompt, Trajectory
 from rollpool.workers.engines.base import Engine
-from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeContext, EpisodeStats
+from rollpool.workers.episodes.episode import (
+    ContextLengthExceededError,
+    Episode,
+    EpisodeContext,
+    EpisodeStats,
+    decode_tokens,
+)
 from rollpool.workers.episodes.server import EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
 
@@ -277,8 +283,10 @@ class EpisodeRunner:
             if reward_error is not None:
                 metadata["reward_error"] = reward_error
             texts = None
-            if self.tokenizer is not None:
-                texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in episode.recording.segments]
+            if self.tokenizer is not None:  # in the tokenizer thread: an episode's whole output, off the event loop
+                tok, outputs = self.tokenizer, [s.output_ids for s in episode.recording.segments]
+                texts = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizer_thread, lambda: [decode_tokens(tok, ids, skip_special_tokens=True) for ids in outputs])
             if not episode.recording.segments and prompt.input_ids is not None:
                 episode.recording.begin(prompt.input_ids.tolist())  # recorded nothing: the prompt, no output
             return episode.recording.trajectories(finish_reason=finish, worker_id=self.worker_id, attempt=attempt,
