@@ -362,11 +362,11 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
 # --------------------------------------------------------------------------- bench: many sessions
 
 
-async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """`--sessions` token-level episodes on `workers` sim workers, all submitted at once."""
+async def sessions_row(workers: int, args: argparse.Namespace, work: Path, tree: Path = ROOT, label: str = "this") -> dict[str, Any]:
+    """`--sessions` token-level episodes on `workers` sim workers of `tree`, all submitted at once."""
     from rollpool.protocol import Prompt, SamplingParams
 
-    pool = Pool(ROOT, work, f"s{workers}")
+    pool = Pool(tree, work, f"s{workers}")
     wep, cep = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
     client = None
     try:
@@ -422,7 +422,7 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
     failed = sum(1 for g in groups for tr in g.trajectories if tr.finish_reason in ("error", "abort"))
     turns = sum(int(tr.metadata.get("agent", {}).get("turns", 0)) for g in groups for tr in g.trajectories)
     dead = (work / f"broker-s{workers}.log").read_text(errors="replace").count("declared dead")
-    row = {"workers": workers, "simulated": True, "sessions": len(want), "delivered": len(ids), "lost": len(want - set(ids)),
+    row = {"tree": label, "workers": workers, "simulated": True, "sessions": len(want), "delivered": len(ids), "lost": len(want - set(ids)),
            "worker_declared_dead": dead,
            "duplicated": len(ids) - len(set(ids)), "unexpected": len(set(ids) - want), "timed_out": timed_out, "failed": failed,
            "wall_s": round(wall, 2), "turns": turns, "turns_per_s": round(turns / wall, 1), "episodes_per_s": round(len(set(ids)) / wall, 1),
@@ -435,12 +435,23 @@ async def sessions_row(workers: int, args: argparse.Namespace, work: Path) -> di
 async def bench_sessions(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
     work = args.workdir
     rows: list[dict[str, Any]] = result.setdefault("rows", [])
+    counts = [int(x) for x in args.workers.split(",")]
     try:
-        for w in (int(x) for x in args.workers.split(",")):
-            rows.append(await sessions_row(w, args, work))
-            save()
+        for rep in range(args.reps):
+            for w in counts if rep % 2 == 0 else list(reversed(counts)):
+                for label, tree in args.tree_paths if rep % 2 == 0 else list(reversed(args.tree_paths)):
+                    row = await sessions_row(w, args, work, tree, label)
+                    row["rep"] = rep
+                    rows.append(row)
+                    save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    result["summary"] = {f"{label}/workers={w}": {k: _median([r[k] for r in rows if r["workers"] == w and r["tree"] == label])
+                                                   for k in ("wall_s", "turns_per_s", "episodes_per_s", "max_held_by_one_worker")}
+                         for w in counts for label, _ in args.tree_paths}
+    result["summary"]["lost_duplicated_timed_out_failed_dead"] = [
+        sum(r[k] for r in rows) for k in ("lost", "duplicated", "timed_out", "failed", "worker_declared_dead")]
+    print(json.dumps(result["summary"], indent=1))
 
 
 # --------------------------------------------------------------------------- main
