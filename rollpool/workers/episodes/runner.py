@@ -30,6 +30,8 @@ functions, else the default (the first given).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import importlib
 import inspect
 import logging
@@ -139,6 +141,65 @@ def _reward(value: Any) -> tuple[float | None, str | None]:
     return float(value), None
 
 
+class _StartGate:
+    """Admits callers in slices of at most `slice_s` of one pass of the event loop; the rest wait their turn, parked.
+
+    A caller that finds the slice used up (or others waiting) queues; an opening, one pass later, wakes
+    up to `batch` of them in order and starts a new slice, which the first of them to run begins to
+    time. A woken caller that finds the slice used up again queues at the front. So a slow start (a
+    TLS set-up) has a pass to itself, timers and I/O (heartbeats, other episodes' turns) run between
+    two slices, and quick starts go `batch` to a pass without anyone polling.
+    """
+
+    def __init__(self, slice_s: float, batch: int = 64) -> None:
+        self.slice_s = slice_s
+        self.batch = batch
+        self._slice_at = -math.inf
+        self._fresh = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._opening = False
+
+    def _room(self) -> bool:
+        if self._fresh:  # the first caller to run after an opening begins the slice's clock
+            self._fresh = False
+            self._slice_at = time.monotonic()
+        return time.monotonic() - self._slice_at < self.slice_s
+
+    async def enter(self) -> None:
+        if not self._waiters and self._room():
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        while True:
+            self._schedule_opening(loop)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+                raise
+            if self._room():
+                return
+            fut = loop.create_future()
+            self._waiters.appendleft(fut)
+
+    def _schedule_opening(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._opening:
+            self._opening = True
+            loop.call_soon(self._open, loop)
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._opening = False
+        self._fresh = True
+        for _ in range(min(self.batch, len(self._waiters))):
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+        if self._waiters:
+            self._schedule_opening(loop)
+
+
 class EpisodeRunner:
     """Runs episodes on one engine and serves their endpoint (see the module docstring)."""
 
@@ -161,8 +222,7 @@ class EpisodeRunner:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
         self._started = False
         self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
-        self._slice_at = 0.0
-        self._slice_no = 0
+        self._start_gate = _StartGate(START_SLICE_S)
 
     async def start(self) -> None:
         if not self._started:
@@ -220,22 +280,14 @@ class EpisodeRunner:
         return [t for r in results for t in r]
 
     async def _turnstile(self) -> None:
-        """Let episodes start in slices of at most `START_SLICE_S` of one pass of the event loop.
+        """Let episodes start in slices of at most `START_SLICE_S` of one pass of the event loop (`_StartGate`).
 
         Every episode of the groups a worker takes arrives at once, and an episode function's first
         step is often long (an ``openai.AsyncOpenAI()`` builds a TLS context: tens of milliseconds).
         Run in one pass, 128 of them held the loop for seconds, the worker's heartbeats with it, and
-        the broker declared the worker dead and handed its groups to be run again. Here a start that
-        finds the slice used up yields the pass (timers and I/O run: heartbeats, other episodes'
-        turns); the first of them to run in the next pass opens a new slice. Quick starts share a
-        pass (10,000 token-level episodes do not take 10,000 passes); a slow one has a pass to itself.
+        the broker declared the worker dead and handed its groups to be run again.
         """
-        while time.monotonic() - self._slice_at >= START_SLICE_S:
-            slice_no = self._slice_no
-            await asyncio.sleep(0)
-            if self._slice_no == slice_no:  # the first start of this pass: a new slice
-                self._slice_no += 1
-                self._slice_at = time.monotonic()
+        await self._start_gate.enter()
 
     async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str) -> list[Trajectory]:
         async with self._slots:
