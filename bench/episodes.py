@@ -278,8 +278,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
         opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
         pool.env[AGENT_SOCKET_ENV] = sock
-        prof = ["/tmp/w41/profrun.py"] if os.environ.get("RP_BENCH_PROFILE") else []
-        worker = pool.spawn([*prof, *([] if prof else ["-m"]), "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
+        worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
                              "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"],
                             f"worker-{label}-{placement}.log")
