@@ -21,7 +21,7 @@ def test_many_sessions_bench_delivers_every_episode_once(tmp_path: Path) -> None
     out = tmp_path / "sessions.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "episodes.py"), "--bench", "sessions", "--sessions", "400", "--n", "4",
-         "--workers", "2", "--session-turns", "2", "--json", str(out)],
+         "--workers", "2", "--session-turns", "2", "--reps", "1", "--json", str(out)],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
