@@ -18,6 +18,24 @@ sent back unchanged. Per turn after the first, the agent reads SGLang's ``cached
 prompt and output, less the one last sampled token (it has no KV yet). Phase ``no_update``: no weight
 update in the window. Phase ``one_update``: the same workload with one version published while it runs
 (SGLang flushes its cache on an update, so the turns right after it are recomputed).
+
+The peer, in the same run once the pool is stopped (``--peer``, on by default with ``--backend sglang``): the
+same agent loop on an in-process ``sglang.Engine`` in a child process of this bench (same model, capacity
+``--concurrency`` as ``max_running_requests``, ``--mem-fraction``, context, the engine kwargs the worker's
+child uses): ``--groups`` x ``--n`` episodes at once, each ``--turns`` turns where the chat template is
+re-rendered over the whole history and tokenized (the model directory's tokenizer), ``async_generate`` on the
+ids with the end-of-turn token as a stop token (as the endpoint sends), the reply decoded and appended with an
+observation of ``--tool-words`` words. Phases ``no_update`` and ``one_update`` (one
+``update_weights_from_tensor`` of every tensor +-0.01 from CUDA tensors at half the peer's no-update wall time,
+the API notes' in-process recipe: the update waits for running requests, then flushes the cache). The JSON's
+``pool_vs_inprocess_episodes`` is the pool's output tokens/s over the peer's, per phase.
+
+``--agent-processes N`` runs the pool's agents in N processes of their own (bench/episodes.py's stub: the
+worker's episode function hands its endpoint to an agent process, which runs the same SDK loop), so the
+worker's event loop holds only the pool's own work; 0 (the default) runs them in the worker.
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT                        -> <card>-episodes.json (h100, h200)
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8    (agents beside the worker)
 """
 
 from __future__ import annotations
@@ -142,6 +160,121 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
     return out
 
 
+# --------------------------------------------------------------------------- the peer: the same loop on an in-process sglang.Engine
+
+
+def _task(i: int) -> str:
+    rng = random.Random(i)
+    return f"Task {i}: " + " ".join(rng.choice(WORDS) for _ in range(40))
+
+
+async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, update_at: float | None,
+                      sd: dict[str, Any] | None) -> dict[str, Any]:
+    """`args.groups` x `args.n` episodes at once; the chat template re-rendered and tokenized every turn."""
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    stop = [eot] if isinstance(eot, int) and eot >= 0 else []
+    sampled = 0
+    turns = 0
+
+    async def episode(i: int, j: int) -> None:
+        nonlocal sampled, turns
+        rng = random.Random(f"{name}-{i}:{j}")
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
+                                          {"role": "user", "content": _task(i)}]
+        for t in range(args.turns):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+            out = await eng.async_generate(input_ids=ids, sampling_params={"max_new_tokens": args.tokens_per_turn, "temperature": 1.0,
+                                                                           "stop_token_ids": stop}, return_logprob=True)
+            sampled += len(out["output_ids"])
+            turns += 1
+            messages.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
+            obs = " ".join(rng.choice(WORDS) for _ in range(args.tool_words))
+            messages.append({"role": "user", "content": f"observation {t}: {obs}"})
+
+    async def update() -> float:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        try:
+            from sglang.srt.utils.common import MultiprocessingSerializer
+        except ImportError:
+            from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[no-redef]
+
+        assert update_at is not None and sd is not None
+        await asyncio.sleep(update_at)
+        import torch
+
+        for v in sd.values():
+            v.add_(0.01)
+        torch.cuda.synchronize()
+        t = time.time()
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(list(sd.items()))],
+                                              flush_cache=True, weight_version="1")
+        ok, msg = await eng.tokenizer_manager.update_weights_from_tensor(req, None)
+        if not ok:
+            raise RuntimeError(f"peer update failed: {msg}")
+        return round(time.time() - t, 3)
+
+    t0 = time.time()
+    upd = asyncio.ensure_future(update()) if update_at is not None else None
+    await asyncio.gather(*(episode(i, j) for i in range(args.groups) for j in range(args.n)))
+    wall = time.time() - t0
+    out: dict[str, Any] = {"wall_s": round(wall, 2), "episodes": args.groups * args.n, "turns": turns, "sampled_tokens": sampled,
+                           "output_tokens_per_s": round(sampled / wall, 1)}
+    if upd is not None:
+        out["update_s"] = await upd
+        out["published_at_s"] = update_at
+    return out
+
+
+def peer_main(args: argparse.Namespace) -> int:
+    """The in-process peer (a child of the bench, so the pool's processes are gone and its GPU memory is free)."""
+    gw.setup_env()
+    import sglang
+    from transformers import AutoTokenizer
+
+    model = str(gw.build_model(Path(args.work), args.shape)[0])
+    res: dict[str, Any] = {}
+    eng = sglang.Engine(model_path=model, dtype="bfloat16", mem_fraction_static=args.mem_fraction, max_running_requests=args.concurrency,
+                        random_seed=0, context_length=args.context, attention_backend="triton", sampling_backend="pytorch",
+                        log_level="warning", grammar_backend="none", cuda_graph_backend_prefill="disabled")
+    try:
+        tok = AutoTokenizer.from_pretrained(model)
+        sd = gw.load_on(Path(model), "cuda")
+        loop = eng.loop
+        res["warmup"] = loop.run_until_complete(_peer_phase(eng, tok, argparse.Namespace(**{**vars(args), "groups": 2, "turns": 2}),
+                                                            "warmup", None, None))
+        res["no_update"] = loop.run_until_complete(_peer_phase(eng, tok, args, "no-update", None, None))
+        Path(args.peer_out).write_text(json.dumps(res))
+        res["one_update"] = loop.run_until_complete(_peer_phase(eng, tok, args, "one-update", res["no_update"]["wall_s"] / 2, sd))
+        Path(args.peer_out).write_text(json.dumps(res))
+    finally:
+        eng.shutdown()
+    return 0
+
+
+def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    import subprocess
+
+    out = Path(args.out) / "peer.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-out", str(out)]
+    for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    try:
+        with (Path(args.out) / "peer.log").open("ab") as fh:
+            subprocess.run(cmd, cwd=ROOT, timeout=args.peer_timeout_s, check=True, stdout=fh, stderr=subprocess.STDOUT)
+    except Exception as exc:  # noqa: BLE001 - recorded; what the peer wrote stands
+        result["peer_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    if out.exists():
+        result["inprocess"] = json.loads(out.read_text())
+    ratios = {}
+    for phase in ("no_update", "one_update"):
+        pool, peer = result.get(phase, {}).get("output_tokens_per_s"), result.get("inprocess", {}).get(phase, {}).get("output_tokens_per_s")
+        ratios[phase] = round(pool / peer, 3) if pool and peer else None
+    result["pool_vs_inprocess_episodes"] = ratios
+    gw.note(f"pool_vs_inprocess_episodes: {ratios}")
+
+
 async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
     import zmq.asyncio
 
@@ -169,9 +302,20 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     if args.backend == "sglang":
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
+    fn, wenv = "bench.gpu_episodes:agent", {}
+    agents = []
+    if args.agent_processes:
+        from bench.episodes import AGENT_SOCKET_ENV
+
+        socks = [str(Path(args.work) / f"agents-{i}.sock") for i in range(args.agent_processes)]
+        for sock in socks:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sock)
+            agents.append(gw._spawn(["bench.episodes", "--agent-process", sock], out / "agents.log"))
+        fn, wenv = "bench.episodes:remote_agent", {AGENT_SOCKET_ENV: ",".join(socks)}
     worker = gw._spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "ep0",
-                        "--engine-options", opts, "--episode", "bench.gpu_episodes:agent", "--max-episodes", str(args.concurrency),
-                        "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"], wlog)
+                        "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
+                        "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"], wlog, env=wenv)
     zctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{gw._port()}",
                           pub_endpoint=f"tcp://127.0.0.1:{gw._port()}", keep_versions=2, pool="bench-episodes")
@@ -198,12 +342,15 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
         at = result["no_update"]["wall_s"] / 2
         result["one_update"] = await run_phase(client, "one-update", args, at, sd, 1)
         gw.note(f"one_update: {json.dumps(result['one_update'])}")
+        result["worker_declared_dead"] = (out / "broker.log").read_text(errors="replace").count("declared dead")
         save()
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 10)
         gw._stop(worker)
         gw._stop(broker)
+        for proc in agents:
+            gw._stop(proc)
         with contextlib.suppress(Exception):
             await pub.close()
         zctx.destroy(linger=0)
@@ -226,7 +373,13 @@ def main() -> int:
     ap.add_argument("--join-timeout-s", type=float, default=300)
     ap.add_argument("--phase-timeout-s", type=float, default=240)
     ap.add_argument("--deadline-s", type=float, default=560)
+    ap.add_argument("--agent-processes", type=int, default=0, help="run the pool's agents in N processes beside the worker (0: in it)")
+    ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
+    ap.add_argument("--peer-timeout-s", type=float, default=300)
+    ap.add_argument("--peer-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer_out:
+        return peer_main(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gw.OUT = out
@@ -246,11 +399,17 @@ def main() -> int:
         import torch
 
         result["machine"] = torch.cuda.get_device_name(0)
+        card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
+        gw.RESULT_NAME = f"{card}-episodes.json"
+    result["agent_processes"] = args.agent_processes
     try:
         asyncio.run(main_async(args, result, gw.save))
     except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
         gw.note(f"failed: {exc!r}")
+    if args.backend == "sglang" and args.peer == "on" and "error" not in result:
+        gw.save()
+        run_peer(args, result)
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     gw.save()
     return 0 if "error" not in result else 1

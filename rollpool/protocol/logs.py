@@ -85,6 +85,10 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+PER_REQUEST_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
+"""Libraries that log each HTTP request at INFO: kept at WARNING unless the level is DEBUG."""
+
+
 def configure_logging(level: str | None = None, json_lines: bool = False, stream: Any = None) -> None:
     """Install one handler on the root logger (idempotent)."""
     level_name = (level or os.environ.get("ROLLPOOL_LOG_LEVEL") or "INFO").upper()
@@ -105,6 +109,9 @@ def configure_logging(level: str | None = None, json_lines: bool = False, stream
         handler.setFormatter(fmt)
     root.addHandler(handler)
     root.setLevel(level_name)
+    # an HTTP client logs every request at INFO (httpx: one line per chat turn of every episode's SDK agent)
+    for name in PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if level_name == "DEBUG" else logging.WARNING)
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

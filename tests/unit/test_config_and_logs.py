@@ -71,3 +71,21 @@ def test_rate_limited_log_once_per_period() -> None:
     assert not log.warning("peer-a", "bad frame", now=30.0)
     assert log.warning("peer-b", "bad frame", now=30.0)
     assert log.warning("peer-a", "bad frame", now=61.0)
+
+
+def test_http_clients_per_request_lines_stay_out_of_an_info_log() -> None:
+    """An episode's SDK agent (httpx) logs each request at INFO: at level INFO the worker's log does not carry them."""
+    buf = io.StringIO()
+    configure_logging("INFO", stream=buf)
+    try:
+        logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1/v1/chat/completions "HTTP/1.1 200 OK"')
+        logging.getLogger("httpx").warning("a warning still shows")
+        logging.getLogger("rollpool.test").info("our own INFO still shows")
+        out = buf.getvalue()
+        assert "HTTP Request" not in out
+        assert "a warning still shows" in out and "our own INFO still shows" in out
+        configure_logging("DEBUG", stream=buf)
+        logging.getLogger("httpx").info("HTTP Request at DEBUG")
+        assert "HTTP Request at DEBUG" in buf.getvalue()
+    finally:
+        configure_logging("WARNING")

@@ -200,9 +200,13 @@ class ChatView:
     """render(messages) without a generation prompt; None when the template cannot be extended."""
     owed: str
     """Template text after the last sampled token that is not yet in the sequence."""
+    key_cache: list[str] | None = None
+    """`keys`, computed once (a view's messages never change: the next turn makes a new view)."""
 
     def keys(self) -> list[str]:
-        return [message_key(m) for m in self.messages]
+        if self.key_cache is None:
+            self.key_cache = [message_key(m) for m in self.messages]
+        return self.key_cache
 
 
 def tools_key(tools: Sequence[Any] | None) -> str:
@@ -223,11 +227,12 @@ def extension(view: ChatView | None, tokenizer: ChatTokenizer, messages: list[di
 
 
 def after_reply(tokenizer: ChatTokenizer, before: list[dict[str, Any]], reply: dict[str, Any], tools: Sequence[Any] | None,
-                prompt_text: str, sampled_text: str, finished_on_end_of_turn: bool) -> ChatView:
+                prompt_text: str, sampled_text: str, finished_on_end_of_turn: bool, *, eot_text: str | None = None) -> ChatView:
     """The view after sampling `reply` for `before` (whose rendered prompt was `prompt_text`).
 
     `sampled_text` is the sampled tokens decoded with special tokens; `finished_on_end_of_turn` is
-    True when the last sampled token is the template's end-of-turn token.
+    True when the last sampled token is the template's end-of-turn token; `eot_text`, when given,
+    is ``end_of_turn(tokenizer, before, tools)`` already computed for this turn (not rendered again).
     """
     messages = [*before, reply]
     tkey = tools_key(tools)
@@ -242,7 +247,7 @@ def after_reply(tokenizer: ChatTokenizer, before: list[dict[str, Any]], reply: d
         return ChatView(messages, tkey, full, turn[len(sampled_text):])
     # the template renders the turn otherwise (e.g. tool-call JSON re-formatted): the sampled tokens
     # stand for the turn up to its end-of-turn marker, and what the template puts after that is owed
-    eot = end_of_turn(tokenizer, before, tools)
+    eot = end_of_turn(tokenizer, before, tools) if eot_text is None else eot_text
     marker = eot.rstrip()
     if finished_on_end_of_turn and marker and eot.startswith(marker):
         return ChatView(messages, tkey, full, eot[len(marker):])

@@ -28,6 +28,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
@@ -37,9 +39,19 @@ from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment
 from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
 
-__all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats"]
+__all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "decode_tokens"]
 
 T = TypeVar("T")
+
+
+def decode_tokens(tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(token_ids)``, the ids handed over as an int64 array.
+
+    A Hugging Face tokenizer checks every element of a list in Python before it decodes (about a
+    microsecond a token: milliseconds for an episode's output), and converts an array in one call;
+    the text is the same.
+    """
+    return str(tokenizer.decode(np.asarray(token_ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
 
 
 class EpisodeClosedError(RollpoolError):
@@ -215,7 +227,8 @@ class Episode:
 
     def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
-                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None) -> None:
+                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None,
+                 end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.sample_index = sample_index
@@ -227,6 +240,8 @@ class Episode:
         self.stats = stats
         self.loop = loop
         self.tokenizer_executor = tokenizer_executor
+        self._eot_cache = {} if end_of_turn_cache is None else end_of_turn_cache
+        self._stop_ids_cache: tuple[int, ...] | None = None
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
@@ -389,21 +404,34 @@ class Episode:
         return self.tokenizer
 
     def _stop_ids(self) -> tuple[int, ...]:
-        ids = set()
-        for name in ("eos_token_id",):
-            v = getattr(self.tokenizer, name, None)
-            if isinstance(v, int):
-                ids.add(v)
-        return tuple(sorted(ids))
+        if self._stop_ids_cache is None:  # a tokenizer's eos_token_id is a property that converts on every read
+            ids = set()
+            for name in ("eos_token_id",):
+                v = getattr(self.tokenizer, name, None)
+                if isinstance(v, int):
+                    ids.add(v)
+            self._stop_ids_cache = tuple(sorted(ids))
+        return self._stop_ids_cache
 
-    def _end_of_turn_id(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> int | None:
-        """The template's end-of-turn token (e.g. ``<|im_end|>``) when it is one special token."""
+    def _end_of_turn(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> tuple[str, int | None]:
+        """The template's end-of-turn text after `messages`, and its token (e.g. ``<|im_end|>``) when it is one special token.
+
+        Probed once per (tools, first and last role of the history) for the runner's tokenizer: a chat
+        template closes an assistant turn by where the turn stands, not by the words of earlier messages,
+        and the probe is a whole rendering of the conversation (a third of a turn's template work).
+        """
+        key = (chat.tools_key(tools), str(messages[0].get("role")), str(messages[-1].get("role")))
+        found = self._eot_cache.get(key)
+        if found is not None:
+            return found
         tok = self.tokenizer
-        eot = chat.end_of_turn(tok, messages, tools).strip()
-        if not eot:
-            return None
-        ids = tok.encode(eot, add_special_tokens=False)
-        return int(ids[0]) if len(ids) == 1 else None
+        text = chat.end_of_turn(tok, messages, tools)
+        eot = text.strip()
+        ids = tok.encode(eot, add_special_tokens=False) if eot else []
+        found = text, (int(ids[0]) if len(ids) == 1 else None)
+        if len(self._eot_cache) < 1024:
+            self._eot_cache[key] = found
+        return found
 
     def _strip_specials(self, text: str) -> str:
         for special in getattr(self.tokenizer, "all_special_tokens", ()) or ():
@@ -424,33 +452,36 @@ class Episode:
         return await self.loop.run_in_executor(self.tokenizer_executor, functools.partial(fn, *args))
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
-                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, int | None]:
-        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None, end-of-turn id)."""
+                      view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
+        """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None,
+        end-of-turn text, end-of-turn id)."""
         prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
         delta = chat.extension(view, tok, messages, tools, prompt_text)
+        eot_text, eot_id = self._end_of_turn(messages, tools)
         if delta is not None:
-            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, self._end_of_turn_id(messages, tools)
-        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), self._end_of_turn_id(messages, tools)
+            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, eot_text, eot_id
+        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), eot_text, eot_id
 
     def _chat_reply(self, tok: Any, s: SampleOutput, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
-                    prompt_text: str, eot_id: int | None, stop_ids: set[int],
-                    parse: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
-        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text."""
+                    prompt_text: str, eot_text: str, eot_id: int | None, stop_ids: set[int], parse: bool,
+                    want_token_texts: bool) -> tuple[dict[str, Any], list[ToolCall], chat.ChatView, list[str]]:
+        """The assistant message for sample `s`, its tool calls, the segment's next view, each token's text (when wanted)."""
         content_ids = self._content_ids(s, stop_ids)
         calls: list[ToolCall] = []
         raw = ""
         if parse:
-            raw, calls = self.parser.parse(tok.decode(content_ids, skip_special_tokens=False))
+            raw, calls = self.parser.parse(decode_tokens(tok, content_ids, skip_special_tokens=False))
         if calls:
             content: str | None = self._strip_specials(raw).strip() or None
         else:
-            content = s.output_text if s.output_text is not None else tok.decode(content_ids, skip_special_tokens=True)
+            content = s.output_text if s.output_text is not None else decode_tokens(tok, content_ids, skip_special_tokens=True)
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
-        view = chat.after_reply(tok, messages, reply, tools, prompt_text, tok.decode(s.output_ids, skip_special_tokens=False),
-                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id)
-        return reply, calls, view, [tok.decode([t], skip_special_tokens=False) for t in s.output_ids]
+        view = chat.after_reply(tok, messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
+                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
+        texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
+        return reply, calls, view, texts
 
     def _engine_name(self) -> str:
         try:
@@ -550,7 +581,7 @@ class Episode:
             mark = self.recording.mark()
             seg = self.recording.current
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
-            prompt_text, delta_ids, prompt_ids, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
+            prompt_text, delta_ids, prompt_ids, eot_text, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
             self._check_open()
             if given is not None:
                 before, had = len(self.recording.segments), 0 if seg is None else len(seg)
@@ -575,7 +606,7 @@ class Episode:
             self.stats.reused_prefix_tokens += reused
             s = await self._sample(seg, sampling, mark, constraint)
             reply, calls, seg_view, token_texts = await self._off_loop(
-                self._chat_reply, tok, s, messages, tools, prompt_text, eot_id, stop_ids, parse)
+                self._chat_reply, tok, s, messages, tools, prompt_text, eot_text, eot_id, stop_ids, parse, want_logprobs)
             self._check_open()
             seg.chat = seg_view if given is None else None  # given ids need not be the template's: no view to extend
             if calls:
@@ -680,7 +711,7 @@ class Episode:
                 text = s.output_text
             elif tok is not None:
                 content_ids = self._content_ids(s, set(self._stop_ids()))
-                text = await self._off_loop(lambda: str(tok.decode(content_ids, skip_special_tokens=True)))
+                text = await self._off_loop(lambda: decode_tokens(tok, content_ids, skip_special_tokens=True))
             else:
                 text = ""
             seg.chat = _TextView(text_before + text) if text_before is not None else None

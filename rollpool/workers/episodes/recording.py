@@ -80,7 +80,7 @@ class Segment:
 
     def insert(self, token_ids: Sequence[int]) -> None:
         """Append tokens the model did not sample (loss mask 0, logprob 0)."""
-        ids = [int(t) for t in token_ids]
+        ids = list(map(int, token_ids))
         version = self.start_version if self.last_sampled_version is None else self.last_sampled_version
         self.output_ids += ids
         self.loss_mask += [0] * len(ids)
@@ -93,10 +93,10 @@ class Segment:
         if not len(token_ids) == len(logprobs) == len(versions):
             raise ValueError(f"a sampled turn needs one logprob and one version per token: {len(token_ids)} ids, "
                              f"{len(logprobs)} logprobs, {len(versions)} versions")
-        self.output_ids += [int(t) for t in token_ids]
+        self.output_ids += map(int, token_ids)
         self.loss_mask += [1] * len(token_ids)
-        self.logprobs += [float(x) for x in logprobs]
-        self.versions += [int(v) for v in versions]
+        self.logprobs += map(float, logprobs)
+        self.versions += map(int, versions)
         if len(versions):
             self.last_sampled_version = int(versions[-1])
         self.finish_reason = finish_reason
@@ -149,7 +149,7 @@ class EpisodeRecording:
 
     def begin(self, input_ids: Sequence[int], *, now: float = 0.0) -> Segment:
         """Open a new segment whose prompt is `input_ids`."""
-        seg = Segment(index=len(self.segments), input_ids=[int(t) for t in input_ids],
+        seg = Segment(index=len(self.segments), input_ids=list(map(int, input_ids)),
                       start_version=self.start_version, started_at=now)
         self.segments.append(seg)
         return seg
@@ -160,7 +160,7 @@ class EpisodeRecording:
         If `prompt_ids` starts with the current sequence, only the rest is inserted (mask 0); otherwise
         (no segment yet, or the history was rewritten) a new segment begins with `prompt_ids` as its prompt.
         """
-        ids = [int(t) for t in prompt_ids]
+        ids = list(map(int, prompt_ids))
         seg = self.current
         if seg is not None:
             have = seg.tokens

@@ -30,11 +30,14 @@ functions, else the default (the first given).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import importlib
 import inspect
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +46,13 @@ from typing import Any
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import FinishReason, Prompt, Trajectory
 from rollpool.workers.engines.base import Engine
-from rollpool.workers.episodes.episode import ContextLengthExceededError, Episode, EpisodeContext, EpisodeStats
+from rollpool.workers.episodes.episode import (
+    ContextLengthExceededError,
+    Episode,
+    EpisodeContext,
+    EpisodeStats,
+    decode_tokens,
+)
 from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
 
@@ -57,6 +66,8 @@ BODY_BYTES_PER_TOKEN = 64
 """Bytes of request body per context token that the default body limit allows: a token is a few characters of
 text, which JSON may escape to six bytes each (``\\uXXXX``), and tool definitions ride beside the messages."""
 MIN_BODY_BYTES = 1 << 20
+START_SLICE_S = 0.02
+"""Most seconds of one pass of the event loop that episode starts take before the pass is yielded (see `_turnstile`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +151,65 @@ def _reward(value: Any) -> tuple[float | None, str | None]:
     return float(value), None
 
 
+class _StartGate:
+    """Admits callers in slices of at most `slice_s` of one pass of the event loop; the rest wait their turn, parked.
+
+    A caller that finds the slice used up (or others waiting) queues; an opening, one pass later, wakes
+    up to `batch` of them in order and starts a new slice, which the first of them to run begins to
+    time. A woken caller that finds the slice used up again queues at the front. So a slow start (a
+    TLS set-up) has a pass to itself, timers and I/O (heartbeats, other episodes' turns) run between
+    two slices, and quick starts go `batch` to a pass without anyone polling.
+    """
+
+    def __init__(self, slice_s: float, batch: int = 64) -> None:
+        self.slice_s = slice_s
+        self.batch = batch
+        self._slice_at = -math.inf
+        self._fresh = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._opening = False
+
+    def _room(self) -> bool:
+        if self._fresh:  # the first caller to run after an opening begins the slice's clock
+            self._fresh = False
+            self._slice_at = time.monotonic()
+        return time.monotonic() - self._slice_at < self.slice_s
+
+    async def enter(self) -> None:
+        if not self._waiters and self._room():
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        while True:
+            self._schedule_opening(loop)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+                raise
+            if self._room():
+                return
+            fut = loop.create_future()
+            self._waiters.appendleft(fut)
+
+    def _schedule_opening(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._opening:
+            self._opening = True
+            loop.call_soon(self._open, loop)
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._opening = False
+        self._fresh = True
+        for _ in range(min(self.batch, len(self._waiters))):
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+        if self._waiters:
+            self._schedule_opening(loop)
+
+
 class EpisodeRunner:
     """Runs episodes on one engine and serves their endpoint (see the module docstring)."""
 
@@ -161,6 +231,8 @@ class EpisodeRunner:
         self._threads = ThreadPoolExecutor(max_workers=1)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
         self._started = False
+        self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
+        self._start_gate = _StartGate(START_SLICE_S)
 
     async def start(self) -> None:
         if not self._started:
@@ -228,8 +300,19 @@ class EpisodeRunner:
             raise
         return [t for r in results for t in r]
 
+    async def _turnstile(self) -> None:
+        """Let episodes start in slices of at most `START_SLICE_S` of one pass of the event loop (`_StartGate`).
+
+        Every episode of the groups a worker takes arrives at once, and an episode function's first
+        step is often long (an ``openai.AsyncOpenAI()`` builds a TLS context: tens of milliseconds).
+        Run in one pass, 128 of them held the loop for seconds, the worker's heartbeats with it, and
+        the broker declared the worker dead and handed its groups to be run again.
+        """
+        await self._start_gate.enter()
+
     async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str) -> list[Trajectory]:
         async with self._slots:
+            await self._turnstile()
             name = prompt.metadata.get("episode", DEFAULT_EPISODE) if isinstance(prompt.metadata, Mapping) else DEFAULT_EPISODE
             fn = self.functions.get(str(name))
             episode = Episode(
@@ -237,7 +320,7 @@ class EpisodeRunner:
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
                 model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
-                tokenizer_executor=self._tokenizer_thread)
+                tokenizer_executor=self._tokenizer_thread, end_of_turn_cache=self._end_of_turn_cache)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1
@@ -283,8 +366,10 @@ class EpisodeRunner:
             if reward_error is not None:
                 metadata["reward_error"] = reward_error
             texts = None
-            if self.tokenizer is not None:
-                texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in episode.recording.segments]
+            if self.tokenizer is not None:  # in the tokenizer thread: an episode's whole output, off the event loop
+                tok, outputs = self.tokenizer, [s.output_ids for s in episode.recording.segments]
+                texts = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizer_thread, lambda: [decode_tokens(tok, ids, skip_special_tokens=True) for ids in outputs])
             if not episode.recording.segments and prompt.input_ids is not None:
                 episode.recording.begin(prompt.input_ids.tolist())  # recorded nothing: the prompt, no output
             return episode.recording.trajectories(finish_reason=finish, worker_id=self.worker_id, attempt=attempt,

@@ -644,7 +644,7 @@ class SGLangEngine:
 
     async def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
         if input_ids is not None:
-            return [int(t) for t in input_ids]
+            return list(map(int, input_ids))
         assert text is not None  # check_request saw to it
         if self._tokenizer is None:
             from transformers import AutoTokenizer

@@ -79,7 +79,7 @@ def generate_body(
     if sampling.seed is not None:
         sp["sampling_seed"] = int(sampling.seed) + index
     return {
-        "input_ids": [int(t) for t in input_ids],
+        "input_ids": list(map(int, input_ids)),
         "sampling_params": sp,
         "return_logprob": True,
         "rid": rid,
@@ -119,7 +119,7 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
     ids = resp.get("output_ids")
     if ids is None:
         ids = [int(e[1]) for e in lp_entries]
-    ids = [int(t) for t in ids]
+    ids = list(map(int, ids))
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in lp_entries]
     if len(logprobs) != len(ids):
         if len(logprobs) > len(ids):

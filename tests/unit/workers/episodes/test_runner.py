@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from rollpool.workers.episodes import (
     load_episode_function,
     load_episode_functions,
 )
+from rollpool.workers.episodes.runner import START_SLICE_S
 from tests.unit.workers.episodes.scripted_engine import ScriptedEngine
 
 EOS = 99
@@ -326,3 +328,44 @@ def test_episode_flags_repeat_into_the_worker_config() -> None:
     args = parser.parse_args(["--episode", "a.b:c", "--episode", "x=d.e:f", "--max-episodes", "8", "--episode-timeout-s", "5"])
     cfg = load_config(WorkerConfig, args, environ={})
     assert cfg.episode == ("a.b:c", "x=d.e:f") and cfg.max_episodes == 8 and cfg.episode_timeout_s == 5.0
+
+
+async def _start_passes(first_step_s: float, n: int) -> list[int]:
+    """The pass of the event loop in which each of 2 groups x `n` episodes ran its first step (`first_step_s` of CPU)."""
+    engine = ScriptedEngine([[10, EOS]] * (2 * n), eos_id=EOS)
+    passes = 0
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal passes
+        while True:
+            passes += 1
+            await asyncio.sleep(0)
+
+    async def episode(ctx: EpisodeContext, prompt: Prompt) -> float:
+        seen.append(passes)
+        time.sleep(first_step_s)  # noqa: ASYNC251 - the point: a first step that holds the loop (an SDK client's TLS set-up)
+        await ctx.generate()
+        return 1.0
+
+    tick = asyncio.create_task(ticker())
+    try:
+        async with _runner(engine, episode) as runner:
+            results = await asyncio.gather(runner.run_group(_prompt(n)), runner.run_group(_prompt(n)))
+    finally:
+        tick.cancel()
+    assert sum(len(r) for r in results) == 2 * n
+    return seen
+
+
+async def test_episodes_with_long_first_steps_start_in_passes_of_their_own() -> None:
+    """Episodes whose first step is long must not all run in one pass of the loop: the worker's heartbeats share
+    it, and a loop held for seconds got the worker declared dead (and its groups run twice)."""
+    seen = await _start_passes(1.5 * START_SLICE_S, 6)
+    assert len(set(seen)) == len(seen) == 12  # no two long starts in the same pass
+
+
+async def test_quick_episode_starts_share_a_pass() -> None:
+    """... while quick starts are not spread one per pass (10,000 token-level episodes would wait 10,000 passes)."""
+    seen = await _start_passes(0.0, 50)
+    assert len(set(seen)) < len(seen) / 5

@@ -1,0 +1,519 @@
+"""Episodes on CPU: the pool's own CPU per chat turn, and many concurrent sessions (all simulated).
+
+Two benches, each with the ``sim`` engine (every figure labelled simulated):
+
+``--bench turns`` (default): the pool's own CPU-microseconds per chat turn. Broker, one worker
+(``--engine sglang`` with the sim engine as its child, so the hop to the engine is the same HTTP hop
+as on the GPU) and this process as the trainer, separate processes; the workload of
+`bench/gpu_episodes.py` (an `openai` SDK agent, ``--turns`` chat turns, a user observation after
+each, the history sent back unchanged). Two agent placements:
+
+- ``remote``: the episode function in the worker is a stub that hands its endpoint to an agent
+  process of this bench, which runs the SDK loop. The worker process then holds only the pool's own
+  work (endpoint, rendering, tokenization, recording, the hop to the engine, logging), so its CPU
+  per turn is the pool's own cost;
+- ``inworker``: the SDK agent runs in the worker (as `bench/gpu_episodes.py` and users do); its CPU
+  per turn is pool and agent together.
+
+``--trees before=/tmp/w41-before,after=.`` runs the same workload on several source trees (a
+checkout of the code before a change beside this one), interleaved rep by rep so a shared machine's
+load hits both alike. CPU is ``psutil`` user+system time of each process over the phase.
+
+``--bench sessions``: ``--sessions`` concurrent episodes (default 10,000) across ``--workers``
+sim workers (1, 2, 4), token-level (``ctx.generate`` / ``ctx.append``), all submitted at once:
+lost, duplicated and timed-out episodes, throughput, and the most episodes one worker held at once.
+
+    python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
+    python bench/episodes.py --bench sessions --json bench/results/cpu-episodes-sessions.json
+
+This module is also the episode functions' module in the worker (``--episode
+rp_episodes_bench:remote_agent`` through a link in a temporary directory), so its top level imports
+only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
+AGENT_SOCKET_ENV = "RP_BENCH_AGENT_SOCKET"
+
+
+# --------------------------------------------------------------------------- the agent (the shape of bench/gpu_episodes.py)
+
+
+async def sdk_loop(base_url: str, api_key: str, model: str, md: dict[str, Any], seed: str) -> dict[str, Any]:
+    """An unmodified `openai` SDK agent: fixed turns, an observation after each, the history sent back unchanged."""
+    import openai
+
+    turns, tokens, tool_words = int(md["turns"]), int(md["tokens_per_turn"]), int(md["tool_words"])
+    rng = random.Random(seed)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
+                                      {"role": "user", "content": str(md["task"])}]
+    done = completion_tokens = 0
+    per_turn: list[dict[str, Any]] = []  # what bench/gpu_episodes.py's agent records, for its cache share
+    prev: tuple[int, int] | None = None
+    try:
+        for t in range(turns):
+            r = await client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=1.0)
+            msg = r.choices[0].message
+            usage = r.usage
+            completion_tokens += usage.completion_tokens if usage else 0
+            cached = int(usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
+            rec = {"turn": t, "prompt_tokens": usage.prompt_tokens if usage else 0,
+                   "completion_tokens": usage.completion_tokens if usage else 0, "cached": cached,
+                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0}
+            per_turn.append(rec)
+            prev = (rec["prompt_tokens"], rec["completion_tokens"])
+            messages.append(msg.model_dump(exclude_none=True))  # sent back unchanged
+            obs = " ".join(rng.choice(WORDS) for _ in range(tool_words))
+            messages.append({"role": "user", "content": f"observation {t}: {obs}"})
+            done += 1
+    finally:
+        await client.close()
+    return {"turns": done, "completion_tokens": completion_tokens, "cache_turns": per_turn}
+
+
+async def agent(ctx: Any, prompt: Any) -> float:
+    """The SDK agent in the worker's process."""
+    res = await sdk_loop(ctx.openai_base_url, ctx.api_key, ctx.model, dict(prompt.metadata), f"{prompt.prompt_id}:{ctx.sample_index}")
+    ctx.metadata["cache_turns"] = res.pop("cache_turns")
+    ctx.metadata["agent"] = res
+    return 0.0
+
+
+async def remote_agent(ctx: Any, prompt: Any) -> float:
+    """A stub: hands the episode's endpoint to one of the bench's agent processes (``AGENT_SOCKET_ENV``: their
+    sockets, comma-separated; one per episode by its index) and waits for its answer."""
+    socks = os.environ[AGENT_SOCKET_ENV].split(",")
+    reader, writer = await asyncio.open_unix_connection(socks[(hash(prompt.prompt_id) + ctx.sample_index) % len(socks)])
+    try:
+        writer.write(json.dumps({"base_url": ctx.openai_base_url, "api_key": ctx.api_key, "model": ctx.model,
+                                 "md": dict(prompt.metadata), "seed": f"{prompt.prompt_id}:{ctx.sample_index}"}).encode() + b"\n")
+        await writer.drain()
+        line = await reader.readline()
+    finally:
+        writer.close()
+    res = json.loads(line)
+    if "error" in res:
+        raise RuntimeError(res["error"])
+    ctx.metadata["cache_turns"] = res.pop("cache_turns")
+    ctx.metadata["agent"] = res
+    return 0.0
+
+
+async def token_agent(ctx: Any, prompt: Any) -> float:
+    """A token-level agent for the many-sessions bench: turns of `ctx.generate`, an observation appended after each."""
+    md = prompt.metadata
+    turns = 0
+    for t in range(int(md["turns"])):
+        await ctx.generate()
+        ctx.append([5 + (t + i) % 50 for i in range(int(md["obs_tokens"]))])
+        turns += 1
+    ctx.metadata["agent"] = {"turns": turns}
+    return 1.0
+
+
+def _serve_agents(path: str) -> None:
+    """The agent process: one SDK loop per connection (``--agent-process PATH``)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            req = json.loads(await reader.readline())
+            try:
+                res = await sdk_loop(req["base_url"], req["api_key"], req["model"], req["md"], req["seed"])
+            except Exception as exc:  # noqa: BLE001 - reported to the episode, which fails with it
+                res = {"error": f"{type(exc).__name__}: {exc}"}
+            writer.write(json.dumps(res).encode() + b"\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_unix_server(handle, path, limit=1 << 20, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pool:
+    """Broker and workers of one source tree, started as `python -m` processes with that tree first on the path."""
+
+    def __init__(self, tree: Path, work: Path, label: str) -> None:
+        self.tree, self.work, self.label = tree, work, label
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = {**os.environ, "PYTHONPATH": f"{tree}:{work / 'agent'}", "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
+        fh = (self.work / log).open("ab")
+        proc = subprocess.Popen([sys.executable, *args], cwd=self.tree, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)
+        self.procs.clear()
+
+
+def _cpu(pid: int) -> float:
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(t.user + t.system)
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+async def _client(cep: str) -> Any:
+    from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
+
+    client = TrainerClient(config=TrainerClientConfig(broker=cep, pull_wait_s=0.5, request_timeout_s=60.0, keep_versions=2))
+    await client.connect()
+    await client.publish_weights({}, 0)
+    return client
+
+
+async def _wait_workers(client: Any, n: int, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> float:
+    t0 = time.time()
+    while (await client.status())["counters"].get("workers_alive", 0) < n:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a pool process exited {p.returncode} while joining")
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"fewer than {n} workers joined in {timeout_s} s")
+        await asyncio.sleep(0.2)
+    return time.time() - t0
+
+
+async def _collect(client: Any, n_groups: int, timeout_s: float) -> list[Any]:
+    """Every group at once (one `get_batch` of all: a call per group rechecks the whole buffer each time)."""
+    try:
+        batch = await client.get_batch(n_groups, timeout=timeout_s)
+    except TimeoutError as exc:
+        raise RuntimeError(f"not all {n_groups} groups within {timeout_s} s: {exc}") from None
+    for other in batch.other:
+        raise RuntimeError(f"group {other.prompt_id} ended {other.state}: {other.reason}")
+    return list(batch.groups)
+
+
+# --------------------------------------------------------------------------- bench: CPU per turn
+
+
+def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
+    from rollpool.protocol import Prompt, SamplingParams
+
+    def task(i: int) -> str:
+        rng = random.Random(i)
+        return f"Task {i}: " + " ".join(rng.choice(WORDS) for _ in range(40))
+
+    return [Prompt(prompt_id=f"{name}-{i}", text=task(i), group_size=args.n,
+                   sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
+                   metadata={"turns": args.turns, "tokens_per_turn": args.tokens_per_turn, "tool_words": args.tool_words,
+                             "task": task(i)})
+            for i in range(groups)]
+
+
+async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
+    """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase."""
+    pool = Pool(tree, work, label)
+    broker_log = work / f"broker-{label}.log"
+    dead0 = broker_log.read_text(errors="replace").count("declared dead") if broker_log.exists() else 0
+    wep, cep, sg_port = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}", _port()
+    sock = str(work / f"agents-{label}-{placement}.sock")
+    agents: list[subprocess.Popen[bytes]] = []
+    client = None
+    try:
+        broker = pool.spawn(["-m", "rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
+                             "--task-timeout-s", "3600", "--log-level", "WARNING"], f"broker-{label}.log")
+        if placement == "remote":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sock)
+            agents.append(pool.spawn([str(ROOT / "bench" / "episodes.py"), "--agent-process", sock], f"agents-{label}.log"))
+        fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
+        opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
+        pool.env[AGENT_SOCKET_ENV] = sock
+        worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
+                             f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
+                             "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"],
+                            f"worker-{label}-{placement}.log")
+        client = await _client(cep)
+        join_s = await _wait_workers(client, 1, pool.procs, 120)
+        await client.submit(_prompts(f"warm-{label}", argparse.Namespace(**{**vars(args), "turns": 2}), 2))
+        await _collect(client, 2, args.phase_timeout_s)
+        child = _children(worker.pid)
+        pids = {"worker": [worker.pid], "engine_child": child, "broker": [broker.pid], "agent_process": [a.pid for a in agents]}
+        before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        mine0 = time.process_time()
+        t0 = time.time()
+        res = await client.submit(_prompts(f"{placement}-{label}", args, args.groups))
+        if res.rejected:
+            raise RuntimeError(f"rejected: {res.rejected}")
+        groups = await _collect(client, args.groups, args.phase_timeout_s)
+        wall = time.time() - t0
+        after = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        trainer_cpu = time.process_time() - mine0
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 10)
+        pool.stop()
+    trajs = [tr for g in groups for tr in g.trajectories]
+    turns = sum(int(tr.metadata.get("agent", {}).get("turns", 0)) for tr in trajs)
+    episodes = len({(tr.prompt_id, tr.sample_index) for tr in trajs})
+    sampled = sum(int((tr.loss_mask == 1).sum()) for tr in trajs)
+    cpu = {k: after[k] - before[k] for k in pids}
+    per_turn = {f"{k}_cpu_us_per_turn": round(1e6 * v / turns, 1) if turns else None for k, v in cpu.items()}
+    per_turn["trainer_cpu_us_per_turn"] = round(1e6 * trainer_cpu / turns, 1) if turns else None
+    dead = broker_log.read_text(errors="replace").count("declared dead") - dead0
+    row = {"tree": label, "placement": placement, "simulated": True, "wall_s": round(wall, 2), "join_s": round(join_s, 1),
+           "worker_declared_dead": dead,
+           "episodes": episodes, "trajectories": len(trajs), "segments_per_episode": round(len(trajs) / max(1, episodes), 3),
+           "turns": turns, "sampled_tokens": sampled, "turns_per_s": round(turns / wall, 1),
+           "output_tokens_per_s": round(sampled / wall, 1), **per_turn,
+           "pool_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["broker"]) / turns, 1) if turns else None}
+    print(f"  {label:>8s} {placement:>8s}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
+    work, model, trees = args.workdir, Path(args.model_dir), args.tree_paths
+    placements = ["remote", "inworker"] if args.placement == "both" else [args.placement]
+    rows: list[dict[str, Any]] = result.setdefault("rows", [])
+    try:
+        for rep in range(args.reps):
+            for placement in placements:
+                order = trees if rep % 2 == 0 else list(reversed(trees))
+                for label, tree in order:
+                    row = await turns_row(tree, label, placement, args, work, model)
+                    row["rep"] = rep
+                    rows.append(row)
+                    save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary: dict[str, Any] = {}
+    for placement in placements:
+        for label, _ in trees:
+            mine = [r for r in rows if r["tree"] == label and r["placement"] == placement]
+            summary[f"{placement}/{label}"] = {
+                k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
+                                                           "agent_process_cpu_us_per_turn", "turns_per_s")}
+        if len(trees) == 2:
+            (a, _), (b, _) = trees
+            x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
+            summary[f"{placement}/{b}_vs_{a}"] = {
+                "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
+                "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+    result["summary"] = summary
+    print(json.dumps(summary, indent=1))
+
+
+# --------------------------------------------------------------------------- bench: many sessions
+
+
+async def sessions_row(workers: int, args: argparse.Namespace, work: Path, tree: Path = ROOT, label: str = "this") -> dict[str, Any]:
+    """`--sessions` token-level episodes on `workers` sim workers of `tree`, all submitted at once."""
+    from rollpool.protocol import Prompt, SamplingParams
+
+    pool = Pool(tree, work, f"s{workers}")
+    wep, cep = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    client = None
+    try:
+        broker = pool.spawn(["-m", "rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
+                             "--task-timeout-s", "3600", "--log-level", "WARNING"], f"broker-s{workers}.log")
+        per_worker = -(-args.sessions // workers // args.n) * args.n  # every session held at once, across the workers
+        opts = (f"capacity={per_worker},decode_s_per_token={args.decode_s_per_token},length=fixed,"
+                f"length_median={args.tokens_per_turn}")
+        wprocs = [pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sim", "--worker-id", f"w{i}",
+                              "--engine-options", opts, "--episode", "rp_episodes_bench:token_agent", "--max-episodes", str(per_worker),
+                              "--capacity", str(per_worker), "--log-level", "WARNING"], f"worker-s{workers}-{i}.log")
+                  for i in range(workers)]
+        client = await _client(cep)
+        await _wait_workers(client, workers, pool.procs, 120)
+        n_groups = args.sessions // args.n
+        import numpy as np
+
+        prompts = [Prompt(prompt_id=f"s{workers}-{i}", input_ids=np.array([1, 2, 3, 4 + i % 50], dtype=np.int32), group_size=args.n,
+                          sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
+                          metadata={"turns": args.session_turns, "obs_tokens": 8})
+                   for i in range(n_groups)]
+        held = {f"w{i}": 0 for i in range(workers)}
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    st = await client.status()
+                    for wid, w in st.get("workers", {}).items():
+                        if wid in held:  # leases are groups: n episodes each
+                            held[wid] = max(held[wid], int(w.get("inflight", 0)) * args.n)
+                await asyncio.sleep(0.5)
+
+        watcher = asyncio.create_task(watch())
+        cpu0 = sum(_cpu(p.pid) for p in wprocs), _cpu(broker.pid), time.process_time()
+        t0 = time.time()
+        res = await client.submit(prompts)
+        if res.rejected:
+            raise RuntimeError(f"rejected: {len(res.rejected)}")
+        groups = await _collect(client, n_groups, args.phase_timeout_s)
+        wall = time.time() - t0
+        stop.set()
+        await watcher
+        cpu = sum(_cpu(p.pid) for p in wprocs) - cpu0[0], _cpu(broker.pid) - cpu0[1], time.process_time() - cpu0[2]
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 10)
+        pool.stop()
+    ids = [(tr.prompt_id, tr.sample_index, tr.segment_index) for g in groups for tr in g.trajectories]
+    want = {(p.prompt_id, i, 0) for p in prompts for i in range(args.n)}
+    timed_out = sum(1 for g in groups for tr in g.trajectories if "timed out" in str(tr.metadata.get("episode_error", "")))
+    failed = sum(1 for g in groups for tr in g.trajectories if tr.finish_reason in ("error", "abort"))
+    turns = sum(int(tr.metadata.get("agent", {}).get("turns", 0)) for g in groups for tr in g.trajectories)
+    dead = (work / f"broker-s{workers}.log").read_text(errors="replace").count("declared dead")
+    row = {"tree": label, "workers": workers, "simulated": True, "sessions": len(want), "delivered": len(ids), "lost": len(want - set(ids)),
+           "worker_declared_dead": dead,
+           "duplicated": len(ids) - len(set(ids)), "unexpected": len(set(ids) - want), "timed_out": timed_out, "failed": failed,
+           "wall_s": round(wall, 2), "turns": turns, "turns_per_s": round(turns / wall, 1), "episodes_per_s": round(len(set(ids)) / wall, 1),
+           "max_held_by_one_worker": max(held.values()) if held else None, "held_per_worker": held,
+           "workers_cpu_s": round(cpu[0], 1), "broker_cpu_s": round(cpu[1], 1), "trainer_cpu_s": round(cpu[2], 1)}
+    print(f"  sessions: {json.dumps(row)}", flush=True)
+    return row
+
+
+async def bench_sessions(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
+    work = args.workdir
+    rows: list[dict[str, Any]] = result.setdefault("rows", [])
+    counts = [int(x) for x in args.workers.split(",")]
+    try:
+        for rep in range(args.reps):
+            for w in counts if rep % 2 == 0 else list(reversed(counts)):
+                for label, tree in args.tree_paths if rep % 2 == 0 else list(reversed(args.tree_paths)):
+                    row = await sessions_row(w, args, work, tree, label)
+                    row["rep"] = rep
+                    rows.append(row)
+                    save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["summary"] = {f"{label}/workers={w}": {k: _median([r[k] for r in rows if r["workers"] == w and r["tree"] == label])
+                                                   for k in ("wall_s", "turns_per_s", "episodes_per_s", "max_held_by_one_worker")}
+                         for w in counts for label, _ in args.tree_paths}
+    result["summary"]["lost_duplicated_timed_out_failed_dead"] = [
+        sum(r[k] for r in rows) for k in ("lost", "duplicated", "timed_out", "failed", "worker_declared_dead")]
+    print(json.dumps(result["summary"], indent=1))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", choices=("turns", "sessions"), default="turns")
+    ap.add_argument("--agent-process", metavar="SOCKET", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default="", help="write the result here")
+    ap.add_argument("--trees", default=f"this={ROOT}", help="label=path,... source trees to compare (interleaved)")
+    ap.add_argument("--placement", choices=("remote", "inworker", "both"), default="both")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4, help="episodes per group")
+    ap.add_argument("--concurrency", type=int, default=128, help="the engine's capacity and the worker's max_episodes")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--tokens-per-turn", type=int, default=128)
+    ap.add_argument("--tool-words", type=int, default=24)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--phase-timeout-s", type=float, default=600)
+    ap.add_argument("--sessions", type=int, default=10_000)
+    ap.add_argument("--workers", default="1,2,4", help="sessions bench: worker counts, one row each")
+    ap.add_argument("--session-turns", type=int, default=3)
+    ap.add_argument("--decode-s-per-token", type=float, default=0.01, help="sessions bench: the sim engine's decode time")
+    args = ap.parse_args()
+    if args.agent_process:
+        _serve_agents(args.agent_process)
+        return 0
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if args.bench == "sessions" and args.tokens_per_turn == 128:
+        args.tokens_per_turn = 16
+    result: dict[str, Any] = {"what": f"bench/episodes.py --bench {args.bench}", "simulated": True,
+                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "params": dict(vars(args)),
+                              "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start"}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
+    # the episode functions' module, importable in the workers of every tree (see the module docstring)
+    args.workdir = Path(tempfile.mkdtemp(prefix="rp-episodes-"))
+    (args.workdir / "agent").mkdir()
+    (args.workdir / "agent" / "rp_episodes_bench.py").symlink_to(Path(__file__).resolve())
+    args.tree_paths = [(label, Path(path).resolve()) for label, _, path in (t.partition("=") for t in args.trees.split(","))]
+    if args.bench == "turns" and not (Path(args.model_dir) / "config.json").exists():
+        from rollpool.workers.engines.tiny_model import build_tiny_model
+
+        build_tiny_model(Path(args.model_dir))
+    run = bench_turns if args.bench == "turns" else bench_sessions
+    try:
+        asyncio.run(run(args, result, save))
+    except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands
+        result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+        print(f"failed: {exc!r}", flush=True)
+    result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    result["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    save()
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
