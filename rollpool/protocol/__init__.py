@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rollpool.protocol.codec import (
     DEFAULT_INLINE_MAX_BYTES,
+    IMAGES_MINOR,
     INLINE_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
@@ -54,6 +55,7 @@ __all__ = [
     "Inline",
     "inline_for",
     "carry_entry",
+    "IMAGES_MINOR",
     "INLINE_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",

@@ -82,6 +82,7 @@ __all__ = [
     "inline_for",
     "carry_entry",
     "INLINE_MINOR",
+    "IMAGES_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -108,12 +109,15 @@ PROTOCOL_MAJOR = 1
 #   1.12 small arrays and blobs inline in the header (a msgpack bin where a frame index was); the minor in the
 #        hellos and welcomes: Hello/ClientHello.protocol_minor, Welcome/ClientWelcome.protocol_minor (settled)
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
-PROTOCOL_MINOR = 13
+#   1.14 images in prompts: Prompt.images (PromptImage), Trajectory.image_sha256 / image_grid_thw
+PROTOCOL_MINOR = 14
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 
 INLINE_MINOR = 12
 """The first minor whose decoders read an array or blob held inline in the header."""
+IMAGES_MINOR = 14
+"""The first minor that carries `Prompt.images` and the trajectory's image fields."""
 DEFAULT_INLINE_MAX_BYTES = 16 * 1024
 """Largest array or blob an encoder puts inline (`inline_for`'s default): measured in docs/broker.md (fifth pass)."""
 INLINE_BUDGET_MAX_BYTES = 256 * 1024

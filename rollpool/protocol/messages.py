@@ -33,6 +33,8 @@ feature (`FEATURES`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from collections.abc import Iterable
 from dataclasses import field
@@ -49,6 +51,7 @@ __all__ = [
     # records
     "SamplingParams",
     "Prompt",
+    "PromptImage",
     "Trajectory",
     "GroupResult",
     "InflightTask",
@@ -224,6 +227,43 @@ class SamplingParams:
 
 
 @record
+class PromptImage:
+    """One image of a prompt (protocol 1.14, `IMAGES_MINOR`): exactly one of `data`, `path`, `url`.
+
+    `data` is the encoded image file (PNG, JPEG, ...; a base64 data URI is decoded into it by
+    `PromptImage.of`); `path` a file the worker reads (the worker's file system, not the trainer's);
+    `url` an http(s) address the worker fetches only when its operator allows it (``image_fetch``),
+    under a size and a time limit. The worker refuses anything else with an error result naming why."""
+
+    data: Blob | None = None
+    path: str = ""
+    url: str = ""
+
+    @staticmethod
+    def of(value: PromptImage | bytes | bytearray | memoryview | str) -> PromptImage:
+        """An image from raw bytes, a ``data:image/...;base64,`` URI, an ``http(s)://`` URL or a local path.
+
+        A malformed data URI raises ValueError here (the caller's mistake, before anything is sent)."""
+        if isinstance(value, PromptImage):
+            return value
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return PromptImage(data=bytes(value))
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"an image is bytes, a data URI, a URL or a path, got {type(value).__name__}")
+        if value.startswith("data:"):
+            head, sep, payload = value.partition(",")
+            if not sep or not head.endswith(";base64"):
+                raise ValueError(f"an image data URI must be data:<type>;base64,<data>, got {value[:40]!r}...")
+            try:
+                return PromptImage(data=base64.b64decode(payload, validate=True))
+            except binascii.Error as exc:
+                raise ValueError(f"an image data URI holds invalid base64: {exc}") from exc
+        if value.startswith(("http://", "https://")):
+            return PromptImage(url=value)
+        return PromptImage(path=value)
+
+
+@record
 class Prompt:
     """One prompt group: `group_size` samples of the same input on one engine."""
 
@@ -245,6 +285,10 @@ class Prompt:
     """Dispatch only to a worker whose applied weight version is at least this (-1: any worker).
     Synchronous callers set it to the version they just published, so the next generation is
     served at that version or newer (added in protocol 1.1; older brokers ignore it)."""
+    images: tuple[PromptImage, ...] = ()
+    """Images the prompt shows the model, in the order of its image placeholders (docs/multimodal.md); they
+    travel once per group. Protocol 1.14 (`IMAGES_MINOR`); a worker whose engine takes no images refuses the
+    prompt (an error result), never ignores them."""
 
 
 @record
@@ -284,6 +328,12 @@ class Trajectory:
     input_logprobs: Float32Array | None = None
     """With `SamplingParams.logprob_start_len` s >= 0: the logprob of each prompt token from position s on
     (len(input_ids) - s values, the same log_softmax), NaN for position 0 (nothing precedes it); protocol 1.7."""
+    image_sha256: tuple[str, ...] = ()
+    """With `Prompt.images`: the sha256 (hex) of each image's encoded bytes as the engine decoded them, in order;
+    `input_ids` then hold each image's placeholder tokens expanded (as the model saw them). Protocol 1.14."""
+    image_grid_thw: Int32Array | None = None
+    """With `Prompt.images` on a Qwen2-VL-style model: the (t, h, w) patch grid of each image, row-major (3 per image),
+    to check a trainer's own preprocessing against; None otherwise. Protocol 1.14."""
 
     @property
     def trajectory_id(self) -> str:

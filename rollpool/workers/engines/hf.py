@@ -28,6 +28,13 @@ Guarantees:
 - Any exception inside the compute thread kills the engine: every pending
   and later call raises `EngineError` (the worker restarts it).
 
+- A vision-language model (a config with ``vision_config``, e.g. Qwen2-VL) loads with its image
+  processor and takes ``images=`` (encoded files, checked by the worker): the prompt holds one image
+  token per image (or none: ``<vision_start><image><vision_end>`` per image is put in front), each
+  expanded to the image's patch count as the model's processor does; the prefill runs the vision
+  tower and the model's 3-D rotary positions, and later tokens continue at the model's position
+  offset. ``GenerateOutput.input_ids`` are the expanded ids, ``image_grid_thw`` the patch grids.
+
 `stats` counts forward calls and the tokens each processed (tests use it to
 check that decoding is incremental).
 """
@@ -37,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import io
 import logging
 import math
 import pathlib
@@ -145,6 +153,18 @@ class _Group:
     seqs: list[_Seq] = field(default_factory=list)
     input_logprobs: list[float] | None = None
     """With ``sampling.logprob_start_len`` >= 0: the prompt's logprobs from that position (first prefill)."""
+    vision: _Vision | None = None
+
+
+@dataclass(eq=False)
+class _Vision:
+    """A group's images as the model takes them."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    """(images, 3) long."""
+    rope_delta: int = 0
+    """Position of a text token after the prompt minus its index (set by the first prefill)."""
 
 
 class HFEngine:
@@ -170,6 +190,12 @@ class HFEngine:
         self._eos_ids: frozenset[int] = frozenset()
         self._fingerprint = ""
         self._max_positions = 1 << 30
+        self._vocab = 0
+        self._image_processor: Any = None
+        """Set for a vision-language model (`_load`)."""
+        self._image_ids: tuple[int, int, int] = (-1, -1, -1)
+        """(vision start, image, vision end) token ids of a vision-language model."""
+        self._merge = 1
         self._cache_kw = "cache"
         self._cmds: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -220,6 +246,7 @@ class HFEngine:
             extra={"dtype": str(self.dtype).removeprefix("torch.")},
             top_logprobs=True,
             prompt_logprobs=True,
+            images=self._image_processor is not None,
         )
 
     @property
@@ -235,12 +262,22 @@ class HFEngine:
         *,
         text: str | None = None,
         apply_chat_template: bool = False,
+        images: Sequence[bytes] = (),
     ) -> GenerateOutput:
         self._check()
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=text)
+        vision: _Vision | None = None
+        if images:
+            if self._image_processor is None:
+                raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
+            if text is not None and input_ids is None and self._image_token not in text:
+                text = self._image_prefix * len(images) + text
+            vision = await asyncio.to_thread(self._process_images, images)
         prompt = self._tokenize(input_ids, text, apply_chat_template)
-        check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
-        result = await self._call("generate", (request_id, prompt, n, sampling, time.time()))
+        if vision is not None:
+            prompt = self._expand_images(prompt, vision.grid_thw)
+        check_prompt(prompt, sampling, vocab=self._vocab, max_prompt_tokens=self._max_positions)
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), vision))
         assert isinstance(result, GenerateOutput)
         return result
 
@@ -322,10 +359,53 @@ class HFEngine:
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
         return list(tok(text)["input_ids"])
 
+    @property
+    def _image_token(self) -> str:
+        return str(self._tokenizer.convert_ids_to_tokens(self._image_ids[1]))
+
+    @property
+    def _image_prefix(self) -> str:
+        start, image, end = (str(self._tokenizer.convert_ids_to_tokens(i)) for i in self._image_ids)
+        return start + image + end
+
+    def _process_images(self, images: Sequence[bytes]) -> _Vision:
+        """Decode and preprocess (the model's image processor); a failure here is the prompt's, not the engine's."""
+        from PIL import Image
+
+        try:
+            pics = []
+            for data in images:
+                with Image.open(io.BytesIO(data)) as im:
+                    pics.append(im.convert("RGB"))
+            out = self._image_processor(images=pics, return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - any failure to read one image refuses its prompt only
+            raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
+        return _Vision(out["pixel_values"].to(self.device, self.dtype), out["image_grid_thw"].to(torch.long))
+
+    def _expand_images(self, prompt: list[int], grid_thw: torch.Tensor) -> list[int]:
+        """Each image token of `prompt` repeated as many times as its image has merged patches (the processor's rule);
+        ids given without any image token get ``<vision_start><image><vision_end>`` per image in front."""
+        start, image, end = self._image_ids
+        count = grid_thw.shape[0]
+        if image not in prompt:
+            prompt = [start, image, end] * count + prompt
+        slots = [i for i, t in enumerate(prompt) if t == image]
+        if len(slots) != count:
+            raise RequestRefusedError(f"the prompt has {len(slots)} image tokens for {count} images (one token per image)")
+        sizes = [int(g.prod()) // (self._merge * self._merge) for g in grid_thw]
+        out: list[int] = []
+        last = 0
+        for slot, size in zip(slots, sizes, strict=True):
+            out.extend(prompt[last:slot])
+            out.extend([image] * size)
+            last = slot + 1
+        out.extend(prompt[last:])
+        return out
+
     # -- compute thread
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -333,12 +413,23 @@ class HFEngine:
             torch.set_num_threads(self.num_threads)
         path = pathlib.Path(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "vision_config", None) is not None:
+            from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
+            self._image_processor = AutoImageProcessor.from_pretrained(path)
+            self._image_ids = (int(config.vision_start_token_id), int(config.image_token_id), int(config.vision_end_token_id))
+            self._merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
         self._model = model.to(self.device).train(False)  # inference mode
         # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
-        cfg = self._model.config
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self._tokenizer.eos_token_id
+        cfg = self._model.config.get_text_config()
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = eos if eos is not None else self._tokenizer.eos_token_id
+        self._vocab = int(cfg.vocab_size)
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         self._fingerprint = model_fingerprint(path)
@@ -399,11 +490,11 @@ class HFEngine:
 
     def _command(self, kind: str, payload: Any, done: Callable[[Any], None]) -> Any:  # noqa: C901 - grandfathered: one branch per command of the engine's thread
         if kind == "generate":
-            request_id, prompt, n, sampling, started_at = payload
+            request_id, prompt, n, sampling, started_at, vision = payload
             if request_id in self._groups:  # checked before the call too; two calls may race here
                 raise RequestRefusedError(f"request id {request_id!r} is already running")
             stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._eos_ids
-            group = _Group(request_id, prompt, sampling, done, started_at, stop_ids)
+            group = _Group(request_id, prompt, sampling, done, started_at, stop_ids, vision=vision)
             for i in range(n):
                 gen: torch.Generator | None = None
                 if sampling.temperature >= _GREEDY_EPS:
@@ -513,7 +604,15 @@ class HFEngine:
         group = unit[0].group
         prompt_logprobs = group.sampling.logprob_start_len >= 0 and group.input_logprobs is None and not unit[0].out
         ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
-        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=0 if prompt_logprobs else 1, **{self._cache_kw: DynamicCache()})
+        extra: dict[str, Any] = {}
+        vision = group.vision
+        if vision is not None:
+            # the vision tower runs again on a re-prefill (interrupt mode): its output depends on the new weights too
+            mm_types = (ids == self._image_ids[1]).to(torch.int)
+            pos, delta = self._model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=vision.grid_thw)
+            vision.rope_delta = int(delta.reshape(-1)[0])
+            extra = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.grid_thw, "position_ids": pos}
+        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=0 if prompt_logprobs else 1, **{self._cache_kw: DynamicCache()}, **extra)
         self._count("prefill", 1, len(ctx))
         logits = out.logits[0, -1].float()
         if prompt_logprobs:
@@ -551,7 +650,9 @@ class HFEngine:
         assert self._mask is not None
         rows = len(self._running)
         ids = torch.tensor([[s.out[-1]] for s in self._running], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[s.kv_len] for s in self._running], dtype=torch.long, device=self.device)
+        # a vision-language prompt's text positions run `rope_delta` behind (or ahead of) its token count
+        pos = torch.tensor([[s.kv_len + (s.group.vision.rope_delta if s.group.vision else 0)] for s in self._running],
+                           dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
         out = self._model(
             input_ids=ids,
@@ -646,8 +747,9 @@ class HFEngine:
             )
             for s in group.seqs
         ]
+        grid = None if group.vision is None else [int(x) for x in group.vision.grid_thw.reshape(-1).tolist()]
         group.done(GenerateOutput(group.request_id, list(group.input_ids), samples, group.started_at, simulated=False,
-                                  input_logprobs=group.input_logprobs))
+                                  input_logprobs=group.input_logprobs, image_grid_thw=grid))
 
     def _output_text(self, seq: _Seq) -> str:
         ids = seq.out[:-1] if seq.finish == FinishReason.STOP and isinstance(seq.matched, int) else seq.out
