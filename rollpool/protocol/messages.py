@@ -174,9 +174,14 @@ class Feature:
     acts on them: a lease at or below the echo the worker does not hold (or one above it not echoed two heartbeat
     intervals after dispatch) is requeued burning no attempt, and credit is set from the free capacity. A worker
     without it only has its heartbeats recorded (issue 20)."""
+    IMAGES = "images"
+    """(minor 14, `IMAGES_MINOR`) The worker reads `Prompt.images`: the broker gives a prompt with images only to a
+    worker that lists it (an older one would drop the images and generate from the text alone); such a prompt
+    waits in the queue while no connected worker lists it."""
 
 
-FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE)
+FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE,
+                             Feature.IMAGES)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
