@@ -95,7 +95,7 @@ def test_a_url_is_fetched_only_when_allowed_and_then_under_its_size_limit() -> N
     body = png()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
