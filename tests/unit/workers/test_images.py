@@ -116,3 +116,16 @@ def test_a_url_is_fetched_only_when_allowed_and_then_under_its_size_limit() -> N
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_image_past_the_peers_message_limit_gets_the_named_limit_error_before_it_is_sent() -> None:
+    from rollpool.protocol import Prompt, Submit, encode
+    from rollpool.protocol.codec import check_size
+    from rollpool.protocol.errors import MessageTooLargeError
+
+    big = Prompt(prompt_id="p", text="x", images=(PromptImage(data=b"\0" * (2 << 20)),))
+    frames = encode(Submit(request_id="r", prompts=(big,)))
+    with pytest.raises(MessageTooLargeError) as info:
+        check_size(frames, 1 << 20, "submit")
+    assert info.value.limit == "max_msg_bytes"
+    check_size(frames, 4 << 20, "submit")  # within the limit: sent
