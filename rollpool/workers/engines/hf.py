@@ -29,9 +29,8 @@ Guarantees:
   and later call raises `EngineError` (the worker restarts it).
 
 - A vision-language model (a config with ``vision_config``, e.g. Qwen2-VL) loads with its image
-  processor and takes ``images=`` (encoded files, checked by the worker): the prompt holds one image
-  token per image (or none: ``<vision_start><image><vision_end>`` per image is put in front), each
-  expanded to the image's patch count as the model's processor does; the prefill runs the vision
+  processor and takes ``images=`` (encoded files, checked by the worker): placeholders expanded as
+  `rollpool.workers.engines.vision` says; the prefill runs the vision
   tower and the model's 3-D rotary positions, and later tokens continue at the model's position
   offset. ``GenerateOutput.input_ids`` are the expanded ids, ``image_grid_thw`` the patch grids.
 
@@ -44,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-import io
 import logging
 import math
 import pathlib
@@ -69,6 +67,7 @@ from rollpool.workers.engines.base import (
     check_request,
 )
 from rollpool.workers.engines.options import HFOptions, options_from
+from rollpool.workers.engines.vision import VisionSpec, load_vision_spec
 
 __all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token", "top_logprobs", "prompt_token_logprobs"]
 
@@ -191,11 +190,8 @@ class HFEngine:
         self._fingerprint = ""
         self._max_positions = 1 << 30
         self._vocab = 0
-        self._image_processor: Any = None
+        self._vision: VisionSpec | None = None
         """Set for a vision-language model (`_load`)."""
-        self._image_ids: tuple[int, int, int] = (-1, -1, -1)
-        """(vision start, image, vision end) token ids of a vision-language model."""
-        self._merge = 1
         self._cache_kw = "cache"
         self._cmds: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -246,7 +242,7 @@ class HFEngine:
             extra={"dtype": str(self.dtype).removeprefix("torch.")},
             top_logprobs=True,
             prompt_logprobs=True,
-            images=self._image_processor is not None,
+            images=self._vision is not None,
         )
 
     @property
@@ -267,15 +263,14 @@ class HFEngine:
         self._check()
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=text)
         vision: _Vision | None = None
-        if images:
-            if self._image_processor is None:
-                raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
-            if text is not None and input_ids is None and self._image_token not in text:
-                text = self._image_prefix * len(images) + text
-            vision = await asyncio.to_thread(self._process_images, images)
         prompt = self._tokenize(input_ids, text, apply_chat_template)
-        if vision is not None:
-            prompt = self._expand_images(prompt, vision.grid_thw)
+        if images:
+            spec = self._vision
+            if spec is None:
+                raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
+            pixels, grids = await asyncio.to_thread(spec.grids, images)
+            prompt = spec.expand(prompt, grids)
+            vision = _Vision(pixels["pixel_values"].to(self.device, self.dtype), pixels["image_grid_thw"].to(torch.long))
         check_prompt(prompt, sampling, vocab=self._vocab, max_prompt_tokens=self._max_positions)
         result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), vision))
         assert isinstance(result, GenerateOutput)
@@ -359,49 +354,6 @@ class HFEngine:
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
         return list(tok(text)["input_ids"])
 
-    @property
-    def _image_token(self) -> str:
-        return str(self._tokenizer.convert_ids_to_tokens(self._image_ids[1]))
-
-    @property
-    def _image_prefix(self) -> str:
-        start, image, end = (str(self._tokenizer.convert_ids_to_tokens(i)) for i in self._image_ids)
-        return start + image + end
-
-    def _process_images(self, images: Sequence[bytes]) -> _Vision:
-        """Decode and preprocess (the model's image processor); a failure here is the prompt's, not the engine's."""
-        from PIL import Image
-
-        try:
-            pics = []
-            for data in images:
-                with Image.open(io.BytesIO(data)) as im:
-                    pics.append(im.convert("RGB"))
-            out = self._image_processor(images=pics, return_tensors="pt")
-        except Exception as exc:  # noqa: BLE001 - any failure to read one image refuses its prompt only
-            raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
-        return _Vision(out["pixel_values"].to(self.device, self.dtype), out["image_grid_thw"].to(torch.long))
-
-    def _expand_images(self, prompt: list[int], grid_thw: torch.Tensor) -> list[int]:
-        """Each image token of `prompt` repeated as many times as its image has merged patches (the processor's rule);
-        ids given without any image token get ``<vision_start><image><vision_end>`` per image in front."""
-        start, image, end = self._image_ids
-        count = grid_thw.shape[0]
-        if image not in prompt:
-            prompt = [start, image, end] * count + prompt
-        slots = [i for i, t in enumerate(prompt) if t == image]
-        if len(slots) != count:
-            raise RequestRefusedError(f"the prompt has {len(slots)} image tokens for {count} images (one token per image)")
-        sizes = [int(g.prod()) // (self._merge * self._merge) for g in grid_thw]
-        out: list[int] = []
-        last = 0
-        for slot, size in zip(slots, sizes, strict=True):
-            out.extend(prompt[last:slot])
-            out.extend([image] * size)
-            last = slot + 1
-        out.extend(prompt[last:])
-        return out
-
     # -- compute thread
 
     def _load(self) -> None:
@@ -414,13 +366,11 @@ class HFEngine:
         path = pathlib.Path(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
-        if getattr(config, "vision_config", None) is not None:
-            from transformers import AutoImageProcessor, AutoModelForImageTextToText
+        self._vision = load_vision_spec(path, config)
+        if self._vision is not None:
+            from transformers import AutoModelForImageTextToText
 
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
-            self._image_processor = AutoImageProcessor.from_pretrained(path)
-            self._image_ids = (int(config.vision_start_token_id), int(config.image_token_id), int(config.vision_end_token_id))
-            self._merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
         self._model = model.to(self.device).train(False)  # inference mode
@@ -608,7 +558,8 @@ class HFEngine:
         vision = group.vision
         if vision is not None:
             # the vision tower runs again on a re-prefill (interrupt mode): its output depends on the new weights too
-            mm_types = (ids == self._image_ids[1]).to(torch.int)
+            assert self._vision is not None
+            mm_types = (ids == self._vision.image_id).to(torch.int)
             pos, delta = self._model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=vision.grid_thw)
             vision.rope_delta = int(delta.reshape(-1)[0])
             extra = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.grid_thw, "position_ids": pos}

@@ -60,10 +60,10 @@ async def test_an_image_prompt_reports_the_expanded_ids_and_logprobs_the_model_c
         vlm.generate(None, 1, sp, "blue", text="what colour?", images=[blue]),
         vlm.generate(None, 1, sp, "text", text="hello there"),
     )
-    image_id = vlm._image_ids[1]
+    image_id = vlm._vision.image_id
     # 64x64 resizes to 56x56: a 1x4x4 patch grid, 2x2 merged -> 4 image tokens, between vision start and end
     assert out.image_grid_thw == [1, 4, 4] and out.input_ids.count(image_id) == 4
-    assert out.input_ids[0] == vlm._image_ids[0] and out.input_ids[5] == vlm._image_ids[2]
+    assert vlm._vision is not None and out.input_ids[0] == vlm._vision.start_id and out.input_ids[5] == vlm._vision.end_id
     assert text.image_grid_thw is None and image_id not in text.input_ids
     for s in out.samples:
         ref = teacher_forced(vlm, red, out.input_ids, s.output_ids, sp.temperature)
@@ -76,7 +76,8 @@ async def test_an_image_prompt_reports_the_expanded_ids_and_logprobs_the_model_c
 
 
 async def test_image_tokens_in_the_prompt_place_the_images_and_a_count_mismatch_is_refused(vlm: HFEngine) -> None:
-    start, image, end = vlm._image_ids
+    assert vlm._vision is not None
+    start, image, end = vlm._vision.start_id, vlm._vision.image_id, vlm._vision.end_id
     red = png((255, 0, 0))
     out = await vlm.generate([5, 6, start, image, end, 7], 1, SamplingParams(max_new_tokens=2), "ids", images=[red])
     assert out.input_ids[:3] == [5, 6, start] and out.input_ids[3:7] == [image] * 4 and out.input_ids[7:] == [end, 7]
