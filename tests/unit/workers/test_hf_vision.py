@@ -98,3 +98,23 @@ async def test_a_text_model_refuses_images(tiny_model_dir: pathlib.Path) -> None
             await e.generate(None, 1, SamplingParams(max_new_tokens=2), "r", text="x", images=[png((0, 0, 0))])
     finally:
         await e.stop()
+
+
+async def test_the_sglang_engine_sends_one_token_per_image_with_the_images_and_reports_the_ids_hf_runs(
+        vlm: HFEngine, tiny_vlm_dir: pathlib.Path) -> None:
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.sglang.wire import generate_body
+
+    sg = SGLangEngine(model=str(tiny_vlm_dir), capacity=4)
+    sg._read_limits(tiny_vlm_dir)
+    assert sg.info().images and sg._vocab is not None
+    red = png((255, 0, 0))
+    sent, reported, grid = await sg._image_prompt([7, 8], [red, red])
+    assert vlm._vision is not None
+    start, image, end = vlm._vision.start_id, vlm._vision.image_id, vlm._vision.end_id
+    assert sent == [start, image, end, start, image, end, 7, 8] and grid == [1, 4, 4, 1, 4, 4]
+    ran = await vlm.generate([7, 8], 1, SamplingParams(max_new_tokens=1), "same", images=[red, red])
+    assert reported == ran.input_ids  # the two engines report the same ids for the same prompt
+    body = generate_body(sent, SamplingParams(), rid="r", index=0, image_data=["data:image/png;base64,AAAA"])
+    assert body["image_data"] == ["data:image/png;base64,AAAA"] and body["input_ids"] == sent
+    assert "image_data" not in generate_body(sent, SamplingParams(), rid="r", index=0)
