@@ -59,7 +59,7 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # is learned), and a slower heartbeat (each worker runs an HTTP endpoint and SDK clients beside its engine)
     "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
     # the vision task: a Qwen2-VL learns the colour of a square in its image (rollpool.demo.vision_task)
-    "vision": {"steps": 40, "prompts_per_step": 16, "group_size": 8, "lr": 1e-2, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
+    "vision": {"steps": 150, "prompts_per_step": 16, "group_size": 8, "lr": 5e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
 }
 
 
@@ -71,14 +71,14 @@ class DemoConfig:
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max and vision, 200 for tool)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
-    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 5e-3 for vision)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
