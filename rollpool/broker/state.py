@@ -38,6 +38,8 @@ Guarantees this class keeps (and its tests check):
   they serve it;
 * version convergence (`VersionConvergence`): per published version, when each live worker served it and
   how long until all did;
+* a group whose prompt has images goes only to a worker that lists
+  `Feature.IMAGES` (it reads them), skipped by the others the same way;
 * the first complete result of a group wins; any later one is a duplicate.
 
 Side effects the service must carry out (cancels to send, apply grants, metric
@@ -858,8 +860,9 @@ class BrokerState:
             g = self._pop_fitting(limit, w.credits, w.version if self._exact else None)
             if g is None:
                 break
-            if g.min_version > w.version:
-                # asks for newer weights than this worker has: skipped for it, not blocking the queue
+            if g.min_version > w.version or (g.prompt is not None and g.prompt.images and Feature.IMAGES not in w.features):
+                # asks for newer weights than this worker has, or shows images it would drop: skipped for it,
+                # not blocking the queue
                 too_new.append(g)
                 if len(too_new) >= _MAX_SKIPPED_PER_FILL:
                     break

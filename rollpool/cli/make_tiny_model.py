@@ -21,12 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads, dividing --heads (default 2)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: the architecture's rule from --hidden)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument("--vlm", action="store_true", help="a Qwen2-VL (tiny vision tower, image processor config); implies --arch qwen2")
 
 
 def run(args: argparse.Namespace) -> int:
     from rollpool.workers.engines.tiny_model import build_tiny_model
 
-    path = build_tiny_model(args.out, arch=args.arch, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                            heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate, seed=args.seed)
+    path = build_tiny_model(args.out, arch="qwen2" if args.vlm else args.arch, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                            heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate, seed=args.seed, vlm=args.vlm)
     print(path)
     return 0

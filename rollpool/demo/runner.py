@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.launch.supervisor import ProcessSpec, Supervisor, SupervisorThread
-from rollpool.protocol import ConfigError, SamplingParams
+from rollpool.protocol import ConfigError, PromptImage, SamplingParams
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DemoConfig", "run_demo"]
 
 
-TASKS = ("max", "tool")
+TASKS = ("max", "tool", "vision")
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
@@ -58,24 +58,27 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # group baseline), an entropy bonus (the answer must stay spread over the ten digits until the copy
     # is learned), and a slower heartbeat (each worker runs an HTTP endpoint and SDK clients beside its engine)
     "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
+    # the vision task: a Qwen2-VL learns the colour of a square in its image (rollpool.demo.vision_task)
+    "vision": {"steps": 150, "prompts_per_step": 16, "group_size": 8, "lr": 5e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
 }
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     task: str = field(default="max", metadata={"help": "max: name the largest of four digits; tool: a multi-turn episode "
-                                                       "that needs a tool call (openai SDK agent, --episode)"})
+                                                       "that needs a tool call (openai SDK agent, --episode); vision: name the colour "
+                                                       "of the square in an image (a tiny Qwen2-VL)"})
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max and vision, 200 for tool)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
-    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 5e-3 for vision)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
@@ -157,9 +160,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
     import torch
     from transformers import LlamaForCausalLM
 
-    from rollpool.demo import task, tool_task
+    from rollpool.demo import task, tool_task, vision_task
     from rollpool.demo.trainer import GRPOConfig, grpo_step
     from rollpool.trainer_client import SyncTrainerClient, TrainerClientConfig
+    from rollpool.trainer_client.client import make_prompt
 
     t_start = time.monotonic()
     cfg = cfg.resolved()
@@ -168,6 +172,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
     n_steps, prompts_per_step, group_size, lr = cfg.steps, cfg.prompts_per_step, cfg.group_size, cfg.lr
     heartbeat_s = cfg.heartbeat_interval_s
     tool = cfg.task == "tool"
+    vision = cfg.task == "vision"
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -182,6 +187,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
 
         hf_logging.disable_progress_bar()  # the demo's own progress lines are the output
     model_dir = (tool_task.build_tool_model(work / "model", seed=cfg.seed) if tool
+                 else vision_task.build_vision_model(work / "model", seed=cfg.seed) if vision
                  else task.build_demo_model(work / "model", seed=cfg.seed))
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = prompts_per_step * group_size
@@ -229,7 +235,25 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
 
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(1)
-        model = LlamaForCausalLM.from_pretrained(model_dir)
+        image_of: dict[str, bytes] = {}
+        """Vision: the image of every prompt submitted, by prompt id (the trainer recomputes logprobs with it)."""
+        extra_inputs = None
+        if vision:
+            from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+            model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir)
+            processor = AutoImageProcessor.from_pretrained(model_dir)
+
+            def extra_inputs(groups: Any, ids: Any) -> dict[str, Any]:
+                rows = [image_of[g.prompt_id] for g in groups for _ in g.trajectories]
+                # placeholders are the prompt's image tokens only: one the policy sampled is run as padding (it is the
+                # last token of its row here, so no scored position depends on it)
+                run_ids = ids.clone()
+                run_ids[:, len(vision_task.prompt_ids()) + 3:][run_ids[:, len(vision_task.prompt_ids()) + 3:] == vision_task.IMAGE_ID] = task.PAD_ID
+                return {**vision_task.batch_inputs(processor, rows), "mm_token_type_ids": (run_ids == vision_task.IMAGE_ID).int(),
+                        "model_input_ids": run_ids}
+        else:
+            model = LlamaForCausalLM.from_pretrained(model_dir)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
         half = max(1, n_steps // 2)
@@ -254,6 +278,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 prompts = [{**tool_task.make_prompt(eval_rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus, evaluation=True),
                             "group_size": 1, "sampling": sampling, "exempt_from_staleness": True}
                            for _ in range(cfg.eval_prompts)]
+            elif vision:
+                prompts = [{"input_ids": vision_task.prompt_ids(), "images": (PromptImage(data=png),), "group_size": 1, "sampling": sampling,
+                            "metadata": {"answer_id": ans, "eval": True}, "exempt_from_staleness": True}
+                           for png, ans in vision_task.held_out_set()[: cfg.eval_prompts]]
             else:
                 held = task.held_out_set()[: cfg.eval_prompts]
                 # evaluation rollouts are not training samples: outside staleness admission
@@ -272,18 +300,25 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         if redis_url:
             _progress(cfg, f"live view: rollpool top --redis-url {redis_url} --pool {cfg.pool}")
         task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
-                     if tool else "largest of four digits")
+                     if tool else "the colour of the square in the image (a tiny Qwen2-VL)" if vision else "largest of four digits")
         _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
                        f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
         heldout_first, calls_first = eval_held_out()
         _progress(cfg, f"held-out reward before training: {heldout_first:.3f}" + (f"  tool-call share {calls_first:.3f}" if tool else ""))
 
         def submit_more(count: int) -> None:
-            prompts = []
+            prompts: list[Any] = []
             for _ in range(count):
                 if tool:
                     prompts.append({**tool_task.make_prompt(rng, tool=not cfg.tool_disabled, call_bonus=cfg.call_bonus),
                                     "group_size": group_size, "sampling": sampling})
+                    continue
+                if vision:
+                    png, ans = vision_task.training_example(rng)
+                    p = make_prompt({"input_ids": vision_task.prompt_ids(), "images": (PromptImage(data=png),), "group_size": group_size,
+                                     "sampling": sampling, "metadata": {"answer_id": ans}})
+                    image_of[p.prompt_id] = png
+                    prompts.append(p)
                     continue
                 ids, ans = task.training_example(rng)
                 prompts.append({"input_ids": ids, "group_size": group_size, "sampling": sampling,
@@ -329,7 +364,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 stats["tool/correct"] = float(sum(bool(t.metadata.get("correct")) for t in trajs) / max(1, len(trajs)))
                 stats["tool/called"] = float(sum(bool(t.metadata.get("called")) for t in trajs) / max(1, len(trajs)))
             stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID,
-                                   config=GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef)))
+                                   config=GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef), extra_inputs=extra_inputs))
+            for g in batch.groups:
+                image_of.pop(g.prompt_id, None)
             scheduler.step()
             version += 1
             client.publish_weights(model, version)
@@ -405,7 +442,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             })
         if killed_at is not None:
             summary["recovered"] = True
-        vocab = tool_task.VOCAB if tool else task.VOCAB
+        vocab = tool_task.VOCAB if tool else vision_task.VOCAB if vision else task.VOCAB
         examples = [_example(t, vocab) for t in list(last_trajectories)[:16]]
         stem = report_stem(cfg)
         _write_report(out_dir, stem, summary, steps, examples)

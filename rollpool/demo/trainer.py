@@ -25,7 +25,7 @@ trajectory).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +79,11 @@ def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attn, gen_mask, behaviour, advantages
 
 
-def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, extra: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(token t+1), the entropy of the distribution over token t+1) at every position t."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :].float()
+    # a vision model may be given other ids to run (`model_input_ids`: a sampled image token is text, not a placeholder)
+    run = {k: v for k, v in extra.items() if k != "model_input_ids"}
+    logits = model(input_ids=extra.get("model_input_ids", ids), attention_mask=attn, **run).logits[:, :-1, :].float()
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
@@ -89,13 +91,18 @@ def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor) -> tuple[
 
 
 def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[GroupResult], *, pad_id: int,
-              config: GRPOConfig = GRPOConfig()) -> dict[str, float]:
-    """One optimizer step on a batch of whole groups; returns loss figures."""
+              config: GRPOConfig = GRPOConfig(),
+              extra_inputs: Callable[[Sequence[GroupResult], torch.Tensor], Mapping[str, Any]] | None = None) -> dict[str, float]:
+    """One optimizer step on a batch of whole groups; returns loss figures.
+
+    `extra_inputs(groups, ids)` gives more model inputs for the batch's rows (a trajectory per row, in group
+    order): a vision-language model's pixel values for the images each row's prompt showed."""
     ids, attn, mask, behaviour, adv = _tensors(groups, pad_id)
+    extra = extra_inputs(groups, ids) if extra_inputs is not None else {}
     model.train()
     with torch.no_grad():
-        proximal, _ = _token_logprobs(model, ids, attn)
-    current, entropy = _token_logprobs(model, ids, attn)
+        proximal, _ = _token_logprobs(model, ids, attn, extra)
+    current, entropy = _token_logprobs(model, ids, attn, extra)
     weight = torch.exp(proximal - behaviour).clamp(max=config.max_importance)
     ratio = torch.exp(current - proximal)
     a = adv.unsqueeze(1)

@@ -84,6 +84,7 @@ __all__ = [
     "INLINE_MINOR",
     "CONTRACT_MINOR",
     "EPOCH_MINOR",
+    "IMAGES_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -112,7 +113,8 @@ PROTOCOL_MAJOR = 1
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
 #   1.14 the versioned-service contract: Prompt.exact_weight_version (CONTRACT_MINOR)
 #   1.15 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
-PROTOCOL_MINOR = 15
+#   1.16 images in prompts: Prompt.images (PromptImage), Trajectory.image_sha256 / image_grid_thw (IMAGES_MINOR)
+PROTOCOL_MINOR = 16
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
@@ -125,6 +127,8 @@ which would ignore it and serve the group at any version)."""
 
 INLINE_MINOR = 12
 """The first minor whose decoders read an array or blob held inline in the header."""
+IMAGES_MINOR = 16
+"""The first minor that carries `Prompt.images` and the trajectory's image fields."""
 DEFAULT_INLINE_MAX_BYTES = 16 * 1024
 """Largest array or blob an encoder puts inline (`inline_for`'s default): measured in docs/broker.md (fifth pass)."""
 INLINE_BUDGET_MAX_BYTES = 256 * 1024

@@ -33,6 +33,8 @@ feature (`FEATURES`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from collections.abc import Iterable
 from dataclasses import field
@@ -51,6 +53,7 @@ __all__ = [
     # records
     "SamplingParams",
     "Prompt",
+    "PromptImage",
     "Trajectory",
     "GroupResult",
     "InflightTask",
@@ -173,9 +176,14 @@ class Feature:
     acts on them: a lease at or below the echo the worker does not hold (or one above it not echoed two heartbeat
     intervals after dispatch) is requeued burning no attempt, and credit is set from the free capacity. A worker
     without it only has its heartbeats recorded."""
+    IMAGES = "images"
+    """(minor 16, `IMAGES_MINOR`) The worker reads `Prompt.images`: the broker gives a prompt with images only to a
+    worker that lists it (an older one would drop the images and generate from the text alone); such a prompt
+    waits in the queue while no connected worker lists it."""
 
 
-FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE)
+FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE,
+                             Feature.IMAGES)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
@@ -239,6 +247,43 @@ class SamplingParams:
 
 
 @record
+class PromptImage:
+    """One image of a prompt (protocol 1.16, `IMAGES_MINOR`): exactly one of `data`, `path`, `url`.
+
+    `data` is the encoded image file (PNG, JPEG, ...; a base64 data URI is decoded into it by
+    `PromptImage.of`); `path` a file the worker reads (the worker's file system, not the trainer's);
+    `url` an http(s) address the worker fetches only when its operator allows it (``image_fetch``),
+    under a size and a time limit. The worker refuses anything else with an error result naming why."""
+
+    data: Blob | None = None
+    path: str = ""
+    url: str = ""
+
+    @staticmethod
+    def of(value: PromptImage | bytes | bytearray | memoryview | str) -> PromptImage:
+        """An image from raw bytes, a ``data:image/...;base64,`` URI, an ``http(s)://`` URL or a local path.
+
+        A malformed data URI raises ValueError here (the caller's mistake, before anything is sent)."""
+        if isinstance(value, PromptImage):
+            return value
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return PromptImage(data=bytes(value))
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"an image is bytes, a data URI, a URL or a path, got {type(value).__name__}")
+        if value.startswith("data:"):
+            head, sep, payload = value.partition(",")
+            if not sep or not head.endswith(";base64"):
+                raise ValueError(f"an image data URI must be data:<type>;base64,<data>, got {value[:40]!r}...")
+            try:
+                return PromptImage(data=base64.b64decode(payload, validate=True))
+            except binascii.Error as exc:
+                raise ValueError(f"an image data URI holds invalid base64: {exc}") from exc
+        if value.startswith(("http://", "https://")):
+            return PromptImage(url=value)
+        return PromptImage(path=value)
+
+
+@record
 class Prompt:
     """One prompt group: `group_size` samples of the same input on one engine."""
 
@@ -267,6 +312,10 @@ class Prompt:
     version, given up by every worker, or never published), the group fails at once with the reason; a
     version in the future by more than the staleness bound allows is refused at submit (protocol 1.14,
     `CONTRACT_MINOR`; the client refuses to send it to an older broker)."""
+    images: tuple[PromptImage, ...] = ()
+    """Images the prompt shows the model, in the order of its image placeholders (docs/multimodal.md); they
+    travel once per group. Protocol 1.16 (`IMAGES_MINOR`); a worker whose engine takes no images refuses the
+    prompt (an error result), never ignores them."""
 
 
 @record
@@ -321,6 +370,12 @@ class Trajectory:
     def version_end(self) -> int:
         """The weight version of the last sampled token (-1: no sampled token)."""
         return _edge_version(self.token_versions, self.loss_mask, first=False)
+    image_sha256: tuple[str, ...] = ()
+    """With `Prompt.images`: the sha256 (hex) of each image's encoded bytes as the engine decoded them, in order;
+    `input_ids` then hold each image's placeholder tokens expanded (as the model saw them). Protocol 1.16."""
+    image_grid_thw: Int32Array | None = None
+    """With `Prompt.images` on a Qwen2-VL-style model: the (t, h, w) patch grid of each image, row-major (3 per image),
+    to check a trainer's own preprocessing against; None otherwise. Protocol 1.16."""
 
     @property
     def trajectory_id(self) -> str:

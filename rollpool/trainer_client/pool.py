@@ -12,7 +12,7 @@ value or one per prompt. docs/porting.md maps each call.
 Guarantees:
 
 * Every parameter is honoured or refused: an argument or sampling key the pool
-  cannot honour raises `UnsupportedParameterError` naming it (images, LoRA,
+  cannot honour raises `UnsupportedParameterError` naming it (LoRA,
   custom logit processors, prompt logprobs, streaming, and any sampling key
   other than the neutral value of one SGLang knows). ``top_logprobs_num`` (0 to
   `MAX_TOP_LOGPROBS`, with ``return_logprob``) is honoured by engines that report
@@ -20,6 +20,12 @@ Guarantees:
   engine cannot fails the group with an error naming it. ``logprob_start_len``
   s >= 0 (with ``return_logprob``) likewise gives ``meta_info["input_token_logprobs"]``
   for the prompt's tokens from position s (``None`` for position 0).
+* ``image_data`` (SGLang's and LightRFT's forms): for one prompt an image or a
+  list of images; for several prompts a list with one such entry (or None) per
+  prompt. An image is bytes, a ``data:image/...;base64,`` URI, a plain base64
+  string, an ``http(s)://`` URL (fetched by the worker only where its operator
+  allows it) or a file name (read by the worker). They travel as
+  `Prompt.images`; a worker that cannot read one fails that prompt naming why.
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
@@ -54,6 +60,8 @@ requests (groups of another in-flight call are kept for it).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import math
 import time
@@ -65,6 +73,7 @@ from rollpool.protocol import (
     GroupResult,
     GroupState,
     MetricsSink,
+    PromptImage,
     RejectedError,
     SamplingParams,
     Trajectory,
@@ -196,13 +205,51 @@ def _normalise_inputs(prompt: Any, input_ids: Any) -> tuple[list[PromptLike], bo
                     + (" (token ids go in input_ids=)" if _is_token_list(prompt) else ""))
 
 
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM")
+
+
+def _image(value: Any) -> PromptImage:
+    """One image of `image_data` as SGLang reads it: a URL, a data URI, a file name, else base64 of the file."""
+    if isinstance(value, str) and not value.startswith(("data:", "http://", "https://")):
+        if not value.lower().endswith(_IMAGE_SUFFIXES):
+            try:
+                data = base64.b64decode(value, validate=True)
+            except binascii.Error:
+                data = b""
+            if data.startswith(_IMAGE_MAGIC):  # base64 of an image file, not a file name
+                return PromptImage(data=data)
+        return PromptImage(path=value)
+    try:
+        return PromptImage.of(value)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedParameterError("image_data", str(exc)) from None
+
+
+def _images_per_prompt(image_data: Any, count: int, single: bool) -> list[tuple[PromptImage, ...]]:
+    """`image_data` as each prompt's images (see the module docstring)."""
+    if image_data is None:
+        return [()] * count
+
+    def one(entry: Any) -> tuple[PromptImage, ...]:
+        if entry is None:
+            return ()
+        if isinstance(entry, (list, tuple)):
+            return tuple(_image(x) for x in entry if x is not None)
+        return (_image(entry),)
+
+    if single:
+        return [one(image_data)]
+    if not isinstance(image_data, (list, tuple)) or len(image_data) != count:
+        raise UnsupportedParameterError("image_data", f"for {count} prompts give a list of {count} entries (an image, a list of images or None each)")
+    return [one(entry) for entry in image_data]
+
+
 def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: Any, logprob_start_len: Any,
                        top_logprobs_num: Any, stream: bool, count: int) -> None:
     def given(v: Any) -> bool:
         return v is not None and not (isinstance(v, list) and all(x is None for x in v))
 
-    if given(image_data):
-        raise UnsupportedParameterError("image_data", "the pool's engines take text and token ids only")
     if given(lora_path):
         raise UnsupportedParameterError("lora_path", "the pool serves one set of weights per version (no LoRA adapters)")
     if given(custom_logit_processor):
@@ -275,8 +322,11 @@ class RolloutPool:
             self.commit_weights()
         required = self._required if self.synchronous else -1
         prompts = []
-        for item, (sp, n) in zip(items, sampling, strict=True):
+        images = _images_per_prompt(image_data, len(items), single)
+        for item, (sp, n), ims in zip(items, sampling, images, strict=True):
             p = make_prompt(item, group_size=n, sampling=sp)
+            if ims:
+                p = replace(p, images=ims)
             p = replace(p, min_weight_version=required) if required >= 0 else p
             prompts.append(replace(p, exact_weight_version=exact_weight_version) if exact_weight_version is not None else p)
         result = self._client.submit(prompts)

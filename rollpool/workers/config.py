@@ -21,6 +21,7 @@ from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import ApplyMode
 from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.engines.options import OPTIONS_BY_ENGINE, parse_options, split_options
+from rollpool.workers.images import ImagePolicy
 
 __all__ = ["WorkerConfig", "parse_engine_options"]
 
@@ -41,6 +42,11 @@ class WorkerConfig:
     episode_timeout_s: float = field(default=600.0, metadata=_h("most seconds one episode may run; then it ends with finish_reason abort"))
     tool_call_parser: str = field(default="hermes", metadata=_h("the episode endpoint's tool-call parser, by name"))
     max_context_tokens: int = field(default=0, metadata=_h("episodes: the context in tokens; 0 = what the engine states"))
+    image_fetch: bool = field(default=False, metadata=_h("fetch prompt images given as http(s) URLs (off: such a prompt fails, naming why)"))
+    image_fetch_timeout_s: float = field(default=10.0, metadata=_h("most seconds one image fetch may take"))
+    max_images_per_prompt: int = field(default=8, metadata=_h("most images in one prompt"))
+    max_image_bytes: int = field(default=8 * 1024 * 1024, metadata=_h("largest encoded image (bytes, data, file or fetched)"))
+    max_image_pixels: int = field(default=4096 * 4096, metadata=_h("most pixels (width x height) of one image"))
     heartbeat_interval_s: float = field(default=1.0, metadata=_h("seconds between heartbeats"))
     missed_heartbeats: int = field(default=3, metadata=_h("broker silent this many intervals -> reconnect"))
     drain_timeout_s: float = field(default=30.0, metadata=_h("on SIGTERM, finish in-flight work for this long"))
@@ -76,6 +82,11 @@ class WorkerConfig:
                     "parameters: page-locked host buffers, and device buffers when it stages to CUDA (0: at the first fetch)"),
     )
 
+    def image_policy(self) -> ImagePolicy:
+        """What this worker accepts as prompt images (`rollpool.workers.images`)."""
+        return ImagePolicy(max_images=self.max_images_per_prompt, max_image_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                           fetch=self.image_fetch, fetch_timeout_s=self.image_fetch_timeout_s)
+
     def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
@@ -95,6 +106,8 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.max_episodes must be >= 1, got {self.max_episodes}")
         if self.max_context_tokens < 0:
             raise ConfigError(f"WorkerConfig.max_context_tokens must be >= 0, got {self.max_context_tokens}")
+        if self.max_images_per_prompt < 0 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ConfigError("WorkerConfig.max_images_per_prompt must be >= 0, max_image_bytes and max_image_pixels >= 1")
         if self.missed_heartbeats < 1:
             raise ConfigError(f"WorkerConfig.missed_heartbeats must be >= 1, got {self.missed_heartbeats}")
         if self.count < 1:
@@ -119,6 +132,7 @@ class WorkerConfig:
             "apply_grant_timeout_s",
             "apply_timeout_s",
             "fetch_timeout_s",
+            "image_fetch_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -24,8 +24,9 @@ __all__ = ["build_trajectories", "score_trajectories"]
 log = logging.getLogger(__name__)
 
 
-def build_trajectories(task: Task, out: GenerateOutput, worker_id: str) -> list[Trajectory]:
+def build_trajectories(task: Task, out: GenerateOutput, worker_id: str, image_sha256: tuple[str, ...] = ()) -> list[Trajectory]:
     prompt = task.prompt
+    grid = None if out.image_grid_thw is None else np.asarray(out.image_grid_thw, dtype=np.int32)
     input_ids = np.asarray(out.input_ids, dtype=np.int32)
     base_meta = dict(prompt.metadata)
     if out.simulated:
@@ -56,6 +57,8 @@ def build_trajectories(task: Task, out: GenerateOutput, worker_id: str) -> list[
                 output_top_ids=None if s.top_ids is None else np.asarray(s.top_ids, dtype=np.int32).reshape(-1),
                 output_top_logprobs=None if s.top_logprobs is None else np.asarray(s.top_logprobs, dtype=np.float32).reshape(-1),
                 input_logprobs=input_logprobs,
+                image_sha256=image_sha256,
+                image_grid_thw=grid,
             )
         )
     return trajectories

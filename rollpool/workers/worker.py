@@ -58,6 +58,7 @@ from rollpool.workers.engine_supervisor import EngineFactory, EngineSupervisor
 from rollpool.workers.engines.base import Engine, EngineInfo
 from rollpool.workers.engines.tokenizer import load_tokenizer
 from rollpool.workers.episodes.runner import EpisodeConfig, EpisodeFn, EpisodeRunner, load_episode_functions
+from rollpool.workers.images import LoadedImage, load_images
 from rollpool.workers.link import BrokerLink
 from rollpool.workers.reward import RewardFn, load_reward
 from rollpool.workers.session import Effects, EngineFacts, SessionConfig, WorkerSession, WorkerState
@@ -313,7 +314,9 @@ class Worker:
             if self.episodes is not None:
                 await self._run_episodes(task)
                 return
+            loaded: list[LoadedImage] = []
             try:
+                loaded, extra = await self._images(task)
                 out = await engine.generate(
                     None if prompt.input_ids is None else prompt.input_ids.tolist(),
                     prompt.group_size,
@@ -321,6 +324,7 @@ class Worker:
                     task_id,
                     text=prompt.text,
                     apply_chat_template=prompt.apply_chat_template,
+                    **extra,
                 )
             except asyncio.CancelledError:
                 raise
@@ -341,7 +345,7 @@ class Worker:
                 self.session.output_discarded(sum(len(s.output_ids) for s in out.samples))  # reported as wasted (cancel)
                 return
             try:
-                trajectories = build_trajectories(task, out, self.worker_id)
+                trajectories = build_trajectories(task, out, self.worker_id, tuple(im.sha256 for im in loaded))
             except BaseException:
                 await self._do(ended)  # the credits are not lost with the result
                 raise
@@ -353,6 +357,15 @@ class Worker:
             if self._runners.get(task_id) is asyncio.current_task():
                 del self._runners[task_id]
 
+    async def _images(self, task: Task) -> tuple[list[LoadedImage], dict[str, Any]]:
+        """The prompt's images read and checked, and the engine's ``images=`` keyword (none without images).
+
+        Off the event loop (a path or a fetch may block); a bad image raises `RequestRefusedError`: this prompt only."""
+        if not task.prompt.images:
+            return [], {}
+        loaded = await asyncio.to_thread(load_images, task.prompt.images, self.config.image_policy())
+        return loaded, {"images": [im.data for im in loaded]}
+
     def _unsupported(self, task: Task, engine: Engine) -> str | None:
         """Why this worker cannot honour the task's sampling (top or prompt logprobs), or None."""
         sp, info = task.prompt.sampling, engine.info()
@@ -361,6 +374,8 @@ class Worker:
             return f"top_logprobs_num={sp.top_logprobs_num}: {what} does not report top logprobs"
         if sp.logprob_start_len >= 0 and (self.episodes is not None or not info.prompt_logprobs):
             return f"logprob_start_len={sp.logprob_start_len}: {what} does not report prompt logprobs"
+        if task.prompt.images and (self.episodes is not None or not info.images):
+            return f"{len(task.prompt.images)} images: {what} takes no images"
         return None
 
     async def _run_episodes(self, task: Task) -> None:

@@ -85,14 +85,15 @@ def test_imports_follow_the_arrows(rel: str, path: pathlib.Path) -> None:
 WORKER_MODULES: dict[str, set[str]] = {
     "session": set(),
     "link": set(),
-    "config": {"engines"},  # WorkerConfig validates engine_options by the engine's options dataclass
+    "config": {"engines", "images"},  # WorkerConfig validates engine_options by the engine's options dataclass
+    "images": set(),
     "reward": set(),
     "engines": set(),
     "episodes": {"engines"},
     "trajectories": {"engines", "reward"},
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},
-    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes"},
+    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes", "images"},
     "__init__": {"episodes"},  # the lazy EpisodeContext export
     "__main__": set(),
 }

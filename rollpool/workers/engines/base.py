@@ -107,6 +107,9 @@ class GenerateOutput:
     input_logprobs: list[float] | None = None
     """With ``sampling.logprob_start_len`` s >= 0 (engines with `EngineInfo.prompt_logprobs`): the logprob of
     each prompt token from position s on, NaN for position 0."""
+    image_grid_thw: list[int] | None = None
+    """With images (engines with `EngineInfo.images`), where the model has one: each image's (t, h, w) patch grid,
+    3 ints per image; ``input_ids`` then hold each image's placeholder tokens expanded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,8 @@ class EngineInfo:
     worker refuses such a task for an engine that does not."""
     prompt_logprobs: bool = False
     """It honours `SamplingParams.logprob_start_len` (fills `GenerateOutput.input_logprobs`)."""
+    images: bool = False
+    """It takes images (``generate(..., images=...)``); the worker refuses an image prompt for an engine that does not."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +149,7 @@ class EngineInfo:
             "device": self.device,
             "top_logprobs": self.top_logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "images": self.images,
             **dict(self.extra),
         }
 
@@ -165,7 +171,11 @@ class Engine(Protocol):
         text: str | None = None,
         apply_chat_template: bool = False,
     ) -> GenerateOutput:
-        """Generate `n` samples of one prompt (``input_ids``, or ``text`` through the tokenizer)."""
+        """Generate `n` samples of one prompt (``input_ids``, or ``text`` through the tokenizer).
+
+        An engine with `EngineInfo.images` also takes ``images=`` (a sequence of encoded image files the
+        worker has read and checked, `rollpool.workers.images`); the worker passes it only to such engines
+        and only when the prompt has images, so other engines need not accept the keyword."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -36,6 +36,12 @@ Guarantees:
   itself is broken), kills the engine: every pending and later call raises
   `EngineError` (the worker restarts it).
 
+- A vision-language model (a config with ``vision_config``, e.g. Qwen2-VL) loads with its image
+  processor and takes ``images=`` (encoded files, checked by the worker): placeholders expanded as
+  `rollpool.workers.engines.vision` says; the prefill runs the vision
+  tower and the model's 3-D rotary positions, and later tokens continue at the model's position
+  offset. ``GenerateOutput.input_ids`` are the expanded ids, ``image_grid_thw`` the patch grids.
+
 `stats` counts forward calls and the tokens each processed (tests use it to
 check that decoding is incremental).
 """
@@ -70,6 +76,7 @@ from rollpool.workers.engines.base import (
     check_request,
 )
 from rollpool.workers.engines.options import HFOptions, options_from
+from rollpool.workers.engines.vision import VisionSpec, load_vision_spec
 
 __all__ = ["HFEngine", "ENGINE_FACTORY", "sample_token", "top_logprobs", "prompt_token_logprobs"]
 
@@ -156,6 +163,18 @@ class _Group:
     seqs: list[_Seq] = field(default_factory=list)
     input_logprobs: list[float] | None = None
     """With ``sampling.logprob_start_len`` >= 0: the prompt's logprobs from that position (first prefill)."""
+    vision: _Vision | None = None
+
+
+@dataclass(eq=False)
+class _Vision:
+    """A group's images as the model takes them."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    """(images, 3) long."""
+    rope_delta: int = 0
+    """Position of a text token after the prompt minus its index (set by the first prefill)."""
 
 
 class HFEngine:
@@ -181,6 +200,9 @@ class HFEngine:
         self._eos_ids: frozenset[int] = frozenset()
         self._fingerprint = ""
         self._max_positions = 1 << 30
+        self._vocab = 0
+        self._vision: VisionSpec | None = None
+        """Set for a vision-language model (`_load`)."""
         self._cache_kw = "cache"
         self._cmds: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -234,6 +256,7 @@ class HFEngine:
                    "max_context_tokens": self._max_positions if self._max_positions < 1 << 30 else 0},
             top_logprobs=True,
             prompt_logprobs=True,
+            images=self._vision is not None,
         )
 
     @property
@@ -249,12 +272,21 @@ class HFEngine:
         *,
         text: str | None = None,
         apply_chat_template: bool = False,
+        images: Sequence[bytes] = (),
     ) -> GenerateOutput:
         self._check()
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=text)
+        vision: _Vision | None = None
         prompt = self._tokenize(input_ids, text, apply_chat_template)
-        check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
-        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), None))
+        if images:
+            spec = self._vision
+            if spec is None:
+                raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
+            pixels, grids = await asyncio.to_thread(spec.grids, images)
+            prompt = spec.expand(prompt, grids)
+            vision = _Vision(pixels["pixel_values"].to(self.device, self.dtype), pixels["image_grid_thw"].to(torch.long))
+        check_prompt(prompt, sampling, vocab=self._vocab, max_prompt_tokens=self._max_positions)
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), None, vision))
         assert isinstance(result, GenerateOutput)
         return result
 
@@ -264,11 +296,11 @@ class HFEngine:
         self._check()
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._groups, input_ids=input_ids, text=None)
         prompt = self._tokenize(input_ids, None, False)
-        check_prompt(prompt, sampling, vocab=int(self._model.config.vocab_size), max_prompt_tokens=self._max_positions)
+        check_prompt(prompt, sampling, vocab=self._vocab, max_prompt_tokens=self._max_positions)
         if sampling.ignore_eos:  # a finished grammar allows only a stop token: ignoring it would leave nothing to sample
             raise RequestRefusedError("ignore_eos cannot be combined with an output constraint")
         states = await asyncio.to_thread(self._grammar_states, constraint, sampling, n)
-        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), states))
+        result = await self._call("generate", (request_id, prompt, n, sampling, time.time(), states, None))
         assert isinstance(result, GenerateOutput)
         return result
 
@@ -276,7 +308,7 @@ class HFEngine:
         from rollpool.workers.engines.grammar import GrammarBackend
 
         if self._grammar is None:
-            self._grammar = GrammarBackend(self._tokenizer, int(self._model.config.vocab_size))
+            self._grammar = GrammarBackend(self._tokenizer, self._vocab)
         compiled = self._grammar.compile(constraint)
         stop_ids = set(sampling.stop_token_ids) | set(self._eos_ids)
         return [self._grammar.state(compiled, sorted(stop_ids)) for _ in range(n)]
@@ -362,7 +394,7 @@ class HFEngine:
     # -- compute thread
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -370,12 +402,21 @@ class HFEngine:
             torch.set_num_threads(self.num_threads)
         path = pathlib.Path(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
+        config = AutoConfig.from_pretrained(path)
+        self._vision = load_vision_spec(path, config)
+        if self._vision is not None:
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=self.attn_implementation)
         self._model = model.to(self.device).train(False)  # inference mode
         # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
-        cfg = self._model.config
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self._tokenizer.eos_token_id
+        cfg = self._model.config.get_text_config()
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = eos if eos is not None else self._tokenizer.eos_token_id
+        self._vocab = int(cfg.vocab_size)
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         self._fingerprint = model_fingerprint(path)
@@ -436,11 +477,11 @@ class HFEngine:
 
     def _command(self, kind: str, payload: Any, done: Callable[[Any], None]) -> Any:  # noqa: C901 - grandfathered: one branch per command of the engine's thread
         if kind == "generate":
-            request_id, prompt, n, sampling, started_at, states = payload
+            request_id, prompt, n, sampling, started_at, states, vision = payload
             if request_id in self._groups:  # checked before the call too; two calls may race here
                 raise RequestRefusedError(f"request id {request_id!r} is already running")
             stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._eos_ids
-            group = _Group(request_id, prompt, sampling, done, started_at, stop_ids)
+            group = _Group(request_id, prompt, sampling, done, started_at, stop_ids, vision=vision)
             for i in range(n):
                 gen: torch.Generator | None = None
                 if sampling.temperature >= _GREEDY_EPS:
@@ -564,7 +605,16 @@ class HFEngine:
         group = unit[0].group
         prompt_logprobs = group.sampling.logprob_start_len >= 0 and group.input_logprobs is None and not unit[0].out
         ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
-        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=0 if prompt_logprobs else 1, **{self._cache_kw: DynamicCache()})
+        extra: dict[str, Any] = {}
+        vision = group.vision
+        if vision is not None:
+            # the vision tower runs again on a re-prefill (interrupt mode): its output depends on the new weights too
+            assert self._vision is not None
+            mm_types = (ids == self._vision.image_id).to(torch.int)
+            pos, delta = self._model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=vision.grid_thw)
+            vision.rope_delta = int(delta.reshape(-1)[0])
+            extra = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.grid_thw, "position_ids": pos}
+        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=0 if prompt_logprobs else 1, **{self._cache_kw: DynamicCache()}, **extra)
         self._count("prefill", 1, len(ctx))
         logits = out.logits[0, -1].float()
         if prompt_logprobs:
@@ -604,7 +654,9 @@ class HFEngine:
         assert self._mask is not None
         rows = len(self._running)
         ids = torch.tensor([[s.out[-1]] for s in self._running], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[s.kv_len] for s in self._running], dtype=torch.long, device=self.device)
+        # a vision-language prompt's text positions run `rope_delta` behind (or ahead of) its token count
+        pos = torch.tensor([[s.kv_len + (s.group.vision.rope_delta if s.group.vision else 0)] for s in self._running],
+                           dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
         out = self._model(
             input_ids=ids,
@@ -715,8 +767,9 @@ class HFEngine:
             )
             for s in group.seqs
         ]
+        grid = None if group.vision is None else [int(x) for x in group.vision.grid_thw.reshape(-1).tolist()]
         group.done(GenerateOutput(group.request_id, list(group.input_ids), samples, group.started_at, simulated=False,
-                                  input_logprobs=group.input_logprobs))
+                                  input_logprobs=group.input_logprobs, image_grid_thw=grid))
 
     def _output_text(self, seq: _Seq) -> str:
         ids = seq.out[:-1] if seq.finish == FinishReason.STOP and isinstance(seq.matched, int) else seq.out

@@ -5,7 +5,11 @@
 load (and that SGLang can load): a Llama or Qwen2 config with random weights
 (seeded, so the same arguments give the same model), and a byte-level BPE
 tokenizer trained on a handful of strings with a chat template. Nothing is
-downloaded. The demo and the tests use it; so can ``rollpool make-tiny-model OUT``
+downloaded. With ``vlm=True`` it is a Qwen2-VL (``Qwen2VLForConditionalGeneration``, which
+transformers and SGLang both serve) with a one-block vision tower, the vision special tokens
+(``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``) and the Qwen2-VL
+image processor's config (``preprocessor_config.json``, small image sizes: 56x56 to 112x112 pixels
+after resizing, 4 to 16 image tokens). The demo and the tests use it; so can ``rollpool make-tiny-model OUT``
 (`rollpool.cli.make_tiny_model`).
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 __all__ = ["build_tiny_model"]
 
@@ -24,6 +29,11 @@ IM_END = "<|im_end|>"
 TOOL_CALL = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END)
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # ChatML with tools: the tool list is rendered into the system turn, an assistant's tool calls as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call> (the call markers are special tokens, the
@@ -72,14 +82,17 @@ def build_tiny_model(
     intermediate: int | None = None,
     max_positions: int = 2048,
     seed: int = 0,
+    vlm: bool = False,
 ) -> pathlib.Path:
-    """Write a random-weight model and its tokenizer to `path`; returns the path."""
+    """Write a random-weight model and its tokenizer to `path`; returns the path (`vlm`: a Qwen2-VL, see above)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if vlm and arch != "qwen2":
+        raise ValueError(f"a vlm is a Qwen2-VL: arch must be 'qwen2', got {arch!r}")
     if vocab < 256 + len(SPECIAL_TOKENS) + 8:
         raise ValueError(f"vocab must be >= {256 + len(SPECIAL_TOKENS) + 8} (byte-level BPE), got {vocab}")
     if hidden % heads or heads % kv_heads:
@@ -104,6 +117,8 @@ def build_tiny_model(
         pad_token=PAD,
         additional_special_tokens=[IM_START, IM_END, TOOL_CALL, TOOL_CALL_END],
     )
+    if vlm:
+        fast.add_tokens(list(VISION_TOKENS), special_tokens=True)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     real_vocab = max(vocab, len(fast))
@@ -123,8 +138,10 @@ def build_tiny_model(
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    if arch == "llama":
-        model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**common))
+    if vlm:
+        model: torch.nn.Module = _tiny_qwen2_vl(out, fast, common, hidden)
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     # random init is tiny; widen the logits a little so sampling is not uniform noise
@@ -132,6 +149,39 @@ def build_tiny_model(
         model.get_output_embeddings().weight.mul_(8.0)  # type: ignore[operator]
     model.save_pretrained(out)  # type: ignore[operator]
     (out / "rollpool_tiny.json").write_text(
-        json.dumps({"arch": arch, "vocab": real_vocab, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed})
+        json.dumps({"arch": "qwen2_vl" if vlm else arch, "vocab": real_vocab, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed})
     )
     return out
+
+
+def _tiny_qwen2_vl(out: pathlib.Path, tok: Any, common: dict[str, Any], hidden: int) -> Any:
+    """A Qwen2-VL of the text sizes in `common` with a one-block vision tower; writes the image processor's config."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in VISION_TOKENS}
+    heads = int(common["num_attention_heads"])
+    head_dim = hidden // heads
+    # mrope splits each head's rotary half-dimension over (t, h, w)
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    text = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+    text.pop("torch_dtype", None)
+    cfg = Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+        bos_token_id=common["bos_token_id"], eos_token_id=common["eos_token_id"], pad_token_id=common["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2VLForConditionalGeneration(cfg)
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    processor.save_pretrained(out)
+    # AutoProcessor (SGLang's loader) builds the full processor from the saved parts where torchvision is installed
+    cfg_path = out / "preprocessor_config.json"
+    pre = json.loads(cfg_path.read_text())
+    pre["processor_class"] = "Qwen2VLProcessor"
+    cfg_path.write_text(json.dumps(pre, indent=2))
+    return model

@@ -81,3 +81,14 @@ def sglang_sim_child(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.Temp
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A random-weight Qwen2-VL (one-block vision tower) with its tokenizer and image processor, built once per session."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL")
+    from rollpool.workers.engines.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vlm") / "model", arch="qwen2", vocab=320, hidden=32, layers=2, heads=4,
+                            kv_heads=2, vlm=True)

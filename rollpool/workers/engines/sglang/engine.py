@@ -50,6 +50,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -93,6 +94,7 @@ from rollpool.workers.engines.sglang.wire import (
     sample_rid,
     version_bytes,
 )
+from rollpool.workers.engines.vision import VisionSpec, load_vision_spec
 
 __all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODES", "engine_gpu_plan"]
 
@@ -150,6 +152,9 @@ class _Request:
     replica: int = 0
     """The data-parallel replica all samples of this request run on (one prefix cache)."""
     aborted: bool = False
+    image_data: list[str] | None = None
+    """With images: each as a base64 data URI, sent with every attempt; `input_ids` then hold one image token per
+    image, which SGLang's processor expands (the ids reported are expanded here by the same rule)."""
 
 
 @dataclass(eq=False)
@@ -239,6 +244,10 @@ class SGLangEngine:
         self._params: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._fingerprint = ""
         self._vocab: int | None = None
+        self._takes_images = False
+        """The checkpoint has a vision tower (``vision_config``)."""
+        self._vision: VisionSpec | None = None
+        """Loaded at the first image prompt (the image processor computes the grids the reported ids need)."""
         self._context_tokens: int | None = None
         self._tokenizer: Any = None
         self._released: set[str] = set()
@@ -339,9 +348,11 @@ class SGLangEngine:
             cfg = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             cfg = {}
-        vocab = cfg.get("vocab_size")
+        text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        self._takes_images = isinstance(cfg.get("vision_config"), dict)
+        vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
         self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
-        positions = cfg.get("max_position_embeddings")
+        positions = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
         ctx = self.options.context_length or (int(positions) if isinstance(positions, int) and positions > 0 else 0)
         self._context_tokens = ctx or None
 
@@ -500,6 +511,7 @@ class SGLangEngine:
                    "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
                    if self.gpu_plan is not None else [],
                    "max_context_tokens": self._context_tokens or 0},  # the episode endpoint's context_length_exceeded
+            images=self._takes_images,
         )
 
     # -- I/O helpers
@@ -552,19 +564,26 @@ class SGLangEngine:
         *,
         text: str | None = None,
         apply_chat_template: bool = False,
+        images: Sequence[bytes] = (),
     ) -> GenerateOutput:
         self._check()
         if not self._started:
             raise EngineError("sglang engine not started")
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
         prompt = await self._tokenize(input_ids, text, apply_chat_template)
-        check_prompt(prompt, sampling, vocab=self._vocab, context_tokens=self._context_tokens)
+        reported, image_data, grid = prompt, None, None
+        if images:
+            prompt, reported, grid = await self._image_prompt(prompt, images)
+            image_data = ["data:image/png;base64," + base64.b64encode(b).decode() if b.startswith(b"\x89PNG")
+                          else "data:image/jpeg;base64," + base64.b64encode(b).decode() for b in images]
+        check_prompt(reported, sampling, vocab=self._vocab, context_tokens=self._context_tokens)
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1
         # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
         child = min(self._children, key=lambda c: (c.running, c.replica))
-        req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica)
+        req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica,
+                       image_data=image_data)
         self._requests[request_id] = req
         child.running += n
         started = time.time()
@@ -585,7 +604,19 @@ class SGLangEngine:
                          finished_at=max(s.finished_at, s.first_token_at or started), cached_tokens=s.cached_tokens)
             for s in req.samples
         ]
-        return GenerateOutput(request_id, list(prompt), samples, started, simulated=self.options.backend == "sim")
+        return GenerateOutput(request_id, list(reported), samples, started, simulated=self.options.backend == "sim",
+                              image_grid_thw=grid)
+
+    async def _image_prompt(self, prompt: list[int], images: Sequence[bytes]) -> tuple[list[int], list[int], list[int]]:
+        """(the ids sent: one image token per image; the ids the model runs: expanded; the patch grids, flat)."""
+        if not self._takes_images:
+            raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
+        if self._vision is None:
+            self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
+        spec = self._vision
+        assert spec is not None  # the config has a vision tower
+        _pixels, grids = await asyncio.to_thread(spec.grids, images)
+        return spec.placeholders(prompt, len(images)), spec.expand(prompt, grids), [x for g in grids for x in g]
 
     async def _run_sample(self, req: _Request, s: _Sample) -> None:
         sp = req.sampling
@@ -600,7 +631,7 @@ class SGLangEngine:
                 return
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
-            body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining)
+            body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
             version_at_send = self.version
             self._in_sglang += 1
             self._idle.clear()

@@ -62,8 +62,10 @@ def generate_body(
     rid: str,
     index: int,
     max_new_tokens: int | None = None,
+    image_data: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does)."""
+    """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does);
+    ``image_data`` (data URIs, one per image token of `input_ids`) only when given."""
     sp: dict[str, Any] = {
         "max_new_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
         "temperature": float(sampling.temperature),
@@ -78,13 +80,16 @@ def generate_body(
         sp["stop"] = list(sampling.stop)
     if sampling.seed is not None:
         sp["sampling_seed"] = int(sampling.seed) + index
-    return {
+    body: dict[str, Any] = {
         "input_ids": list(map(int, input_ids)),
         "sampling_params": sp,
         "return_logprob": True,
         "rid": rid,
         "stream": False,
     }
+    if image_data:
+        body["image_data"] = list(image_data)
+    return body
 
 
 @dataclass(frozen=True, slots=True)

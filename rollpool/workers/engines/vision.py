@@ -1,0 +1,79 @@
+"""What a vision-language prompt looks like to the model: image placeholders and their expansion.
+
+Shared by the engines that take images (hf, sglang). A Qwen2-VL-style model marks each image of a prompt with
+one image token (``<|image_pad|>``, usually between ``<|vision_start|>`` and ``<|vision_end|>``), which its
+processor repeats once per merged patch of that image: ``t * h * w // merge**2`` times for a (t, h, w) patch
+grid. `VisionSpec.expand` applies that rule, so the ids an engine reports are the ids the model ran; a prompt
+with no image token gets ``<vision_start><image><vision_end>`` per image in front.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollpool.protocol.errors import RequestRefusedError
+
+__all__ = ["VisionSpec", "load_vision_spec"]
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    start_id: int
+    image_id: int
+    end_id: int
+    merge: int
+    """The vision tower's spatial merge size (2x2 patches per image token for Qwen2-VL)."""
+    processor: Any
+    """The model's image processor (transformers), for the patch grids."""
+
+    def grids(self, images: Sequence[bytes]) -> tuple[Any, list[list[int]]]:
+        """The processor's output (``pixel_values``, ``image_grid_thw``, torch tensors) and the grids as ints.
+
+        Any failure to read or preprocess an image refuses the prompt (`RequestRefusedError`), not the engine."""
+        from PIL import Image
+
+        try:
+            pics = []
+            for data in images:
+                with Image.open(io.BytesIO(data)) as im:
+                    pics.append(im.convert("RGB"))
+            out = self.processor(images=pics, return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - any failure to read one image refuses its prompt only
+            raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
+        return out, [[int(x) for x in row] for row in out["image_grid_thw"].tolist()]
+
+    def placeholders(self, prompt: list[int], count: int) -> list[int]:
+        """`prompt` with one image token per image: as given, or ``<start><image><end>`` per image put in front."""
+        if self.image_id not in prompt:
+            prompt = [self.start_id, self.image_id, self.end_id] * count + prompt
+        slots = sum(1 for t in prompt if t == self.image_id)
+        if slots != count:
+            raise RequestRefusedError(f"the prompt has {slots} image tokens for {count} images (one token per image)")
+        return prompt
+
+    def expand(self, prompt: list[int], grids: Sequence[Sequence[int]]) -> list[int]:
+        """Each image token of `prompt` (one per image, see `placeholders`) repeated for its image's merged patches."""
+        prompt = self.placeholders(prompt, len(grids))
+        sizes = iter([g[0] * g[1] * g[2] // (self.merge * self.merge) for g in grids])
+        out: list[int] = []
+        for t in prompt:
+            if t == self.image_id:
+                out.extend([t] * next(sizes))
+            else:
+                out.append(t)
+        return out
+
+
+def load_vision_spec(path: str | pathlib.Path, config: Any | None = None) -> VisionSpec | None:
+    """The spec of the model at `path`, or None for a model without a vision tower (``vision_config``)."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    cfg = config if config is not None else AutoConfig.from_pretrained(path)
+    if getattr(cfg, "vision_config", None) is None:
+        return None
+    return VisionSpec(int(cfg.vision_start_token_id), int(cfg.image_token_id), int(cfg.vision_end_token_id),
+                      int(getattr(cfg.vision_config, "spatial_merge_size", 1)), AutoImageProcessor.from_pretrained(path))

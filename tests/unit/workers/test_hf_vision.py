@@ -1,0 +1,120 @@
+"""The hf engine on a vision-language model: what it reports is what the model computes with the image."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+from rollpool.protocol.errors import RequestRefusedError  # noqa: E402
+from rollpool.protocol.messages import SamplingParams  # noqa: E402
+from rollpool.workers.engines.hf import HFEngine  # noqa: E402
+
+TOL = 1e-4
+
+
+def png(colour: tuple[int, int, int], size: int = 64) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+async def vlm(tiny_vlm_dir: pathlib.Path) -> AsyncIterator[HFEngine]:
+    e = HFEngine(model=str(tiny_vlm_dir), capacity=16, num_threads=1)
+    await e.start()
+    yield e
+    await e.stop()
+
+
+def teacher_forced(engine: HFEngine, image: bytes, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each output from one plain forward over prompt + output, the model placing the image."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model: Any = AutoModelForImageTextToText.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    pix = AutoImageProcessor.from_pretrained(engine.model_path)(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"],
+                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits[0].float()
+    t = 1.0 if temperature < 1e-5 else temperature
+    logp = torch.log_softmax(logits / t, dim=-1)
+    return [float(logp[len(prompt) - 1 + i, tok]) for i, tok in enumerate(output)]
+
+
+async def test_an_image_prompt_reports_the_expanded_ids_and_logprobs_the_model_computes_with_the_image(vlm: HFEngine) -> None:
+    assert vlm.info().images
+    red, blue = png((255, 0, 0)), png((0, 0, 255))
+    sp = SamplingParams(max_new_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+    # batched beside a text-only prompt and another image: each keeps its own positions
+    out, other, text = await asyncio.gather(
+        vlm.generate(None, 2, sp, "red", text="what colour?", images=[red]),
+        vlm.generate(None, 1, sp, "blue", text="what colour?", images=[blue]),
+        vlm.generate(None, 1, sp, "text", text="hello there"),
+    )
+    image_id = vlm._vision.image_id
+    # 64x64 resizes to 56x56: a 1x4x4 patch grid, 2x2 merged -> 4 image tokens, between vision start and end
+    assert out.image_grid_thw == [1, 4, 4] and out.input_ids.count(image_id) == 4
+    assert vlm._vision is not None and out.input_ids[0] == vlm._vision.start_id and out.input_ids[5] == vlm._vision.end_id
+    assert text.image_grid_thw is None and image_id not in text.input_ids
+    for s in out.samples:
+        ref = teacher_forced(vlm, red, out.input_ids, s.output_ids, sp.temperature)
+        assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < TOL
+    ref_blue = teacher_forced(vlm, blue, other.input_ids, other.samples[0].output_ids, sp.temperature)
+    assert max(abs(a - b) for a, b in zip(ref_blue, other.samples[0].logprobs, strict=True)) < TOL
+    # the image matters: the same tokens scored against the other image differ
+    wrong = teacher_forced(vlm, blue, out.input_ids, out.samples[0].output_ids, sp.temperature)
+    assert max(abs(a - b) for a, b in zip(wrong, out.samples[0].logprobs, strict=True)) > 1e-3
+
+
+async def test_image_tokens_in_the_prompt_place_the_images_and_a_count_mismatch_is_refused(vlm: HFEngine) -> None:
+    assert vlm._vision is not None
+    start, image, end = vlm._vision.start_id, vlm._vision.image_id, vlm._vision.end_id
+    red = png((255, 0, 0))
+    out = await vlm.generate([5, 6, start, image, end, 7], 1, SamplingParams(max_new_tokens=2), "ids", images=[red])
+    assert out.input_ids[:3] == [5, 6, start] and out.input_ids[3:7] == [image] * 4 and out.input_ids[7:] == [end, 7]
+    with pytest.raises(RequestRefusedError, match="2 image tokens for 1 images"):
+        await vlm.generate([image, 9, image], 1, SamplingParams(max_new_tokens=2), "two", images=[red])
+    with pytest.raises(RequestRefusedError, match="image processor refused"):
+        await vlm.generate(None, 1, SamplingParams(max_new_tokens=2), "bad", text="x", images=[b"not an image"])
+    ok = await vlm.generate(None, 1, SamplingParams(max_new_tokens=2), "after", text="x", images=[red])
+    assert len(ok.samples[0].output_ids) == 2  # the engine serves on
+
+
+async def test_a_text_model_refuses_images(tiny_model_dir: pathlib.Path) -> None:
+    e = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    await e.start()
+    try:
+        assert not e.info().images
+        with pytest.raises(RequestRefusedError, match="takes no images"):
+            await e.generate(None, 1, SamplingParams(max_new_tokens=2), "r", text="x", images=[png((0, 0, 0))])
+    finally:
+        await e.stop()
+
+
+async def test_the_sglang_engine_sends_one_token_per_image_with_the_images_and_reports_the_ids_hf_runs(
+        vlm: HFEngine, tiny_vlm_dir: pathlib.Path) -> None:
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.sglang.wire import generate_body
+
+    sg = SGLangEngine(model=str(tiny_vlm_dir), capacity=4)
+    sg._read_limits(tiny_vlm_dir)
+    assert sg.info().images and sg._vocab is not None
+    red = png((255, 0, 0))
+    sent, reported, grid = await sg._image_prompt([7, 8], [red, red])
+    assert vlm._vision is not None
+    start, image, end = vlm._vision.start_id, vlm._vision.image_id, vlm._vision.end_id
+    assert sent == [start, image, end, start, image, end, 7, 8] and grid == [1, 4, 4, 1, 4, 4]
+    ran = await vlm.generate([7, 8], 1, SamplingParams(max_new_tokens=1), "same", images=[red, red])
+    assert reported == ran.input_ids  # the two engines report the same ids for the same prompt
+    body = generate_body(sent, SamplingParams(), rid="r", index=0, image_data=["data:image/png;base64,AAAA"])
+    assert body["image_data"] == ["data:image/png;base64,AAAA"] and body["input_ids"] == sent
+    assert "image_data" not in generate_body(sent, SamplingParams(), rid="r", index=0)
