@@ -425,8 +425,13 @@ class WeightPublisher:
                 ipc_device = None
             else:
                 arena, snap.ipc_offsets, arena_items = got
-        self._path_note = {"version": version, "offered": "cuda_ipc" if ipc_device is not None else "host",
-                           "why_not_cuda_ipc": self._ipc.why_not}
+        note = {"version": version, "offered": "cuda_ipc" if ipc_device is not None else "host", "why_not_cuda_ipc": self._ipc.why_not}
+        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
+            # said when it changes: which path this publisher offers, and why the faster one is not (the trainer's log)
+            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
+                     "a same-GPU device buffer besides the host buckets" if ipc_device is not None
+                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
+        self._path_note = note
         previous, self._latest = self._latest, version
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
