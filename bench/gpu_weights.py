@@ -4,6 +4,16 @@ Two device calls of at most 10 minutes each:
 
     run one:  PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b  --out $OUT   -> h200-weights-8b.json
     run two:  PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 1p4 --out $OUT   -> h200-weights-1p4.json
+    (on an H100 the files are named h100-weights-*.json)
+
+What publishing costs the trainer (8B on an 80 GB card, the trainer holding an optimizer-sized allocation too):
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --optimizer-gib 8 --rows cuda_ipc_cuda,shm_cpu,tcp_cpu
+
+A goal is reported only for the path its row meant (`path_goal`): a row whose versions went over another path says
+``"met": null`` and ``"not_measured"``, with the paths taken and every fallback's reason (the worker's, per fetch, and
+the publisher's ``publisher_path_note``: why it offered no device buffer, e.g. its GPU budget).
 
 (``bash .sgkit/install.sh .sgkit /tmp/site`` first, as for bench/gpu_sglang.py.)
 
@@ -835,6 +845,8 @@ def main() -> int:
     import torch
 
     RESULT["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    if "H100" in RESULT["machine"]:  # an H100's figures do not overwrite the H200's file
+        RESULT_NAME = f"h100-weights-{args.run}.json"
     RESULT["run"] = args.run
     RESULT["params"] = vars(args)
     RESULT["how"] = HOW
