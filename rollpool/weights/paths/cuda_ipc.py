@@ -177,6 +177,8 @@ class IpcArenas:
         self.publisher_id = publisher_id
         self.budget = budget if budget is not None else GpuBudget(1 << 62)
         """The publisher's GPU budget: an arena that would pass it is not made (the version goes over the host paths)."""
+        self.allocated = 0
+        """Bytes of arenas allocated against the budget (held or free for reuse)."""
         self.why_not = ""
         """Why the last version was not offered on the same-GPU path ("" when it was), for the log and `path_note`."""
         self.host_key = host_key
@@ -199,8 +201,9 @@ class IpcArenas:
     def close(self) -> None:
         self.exports = []
         self.of_version = {}
-        self.budget.give(self.slabs.free_bytes)
         self.slabs.trim(0)
+        self.budget.give(self.allocated)
+        self.allocated = 0
 
     def hello(self, req: ManifestRequest) -> None:
         """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
@@ -248,6 +251,7 @@ class IpcArenas:
         buckets' offsets in it, its views in the layout's order). None when a new arena would pass the GPU budget (the
         reason in `why_not`, logged once a minute; the host paths serve the version). An arena that cannot be made or
         exported turns this path off for good (logged) and raises."""
+        self.why_not = ""
         _offsets, total = arena_offsets([b.nbytes for b in served.buckets])
         fresh = max(total, ARENA_ALIGN)
         if not self.slabs.fits(total, device):
@@ -263,6 +267,7 @@ class IpcArenas:
             got = self._begin(served, places, device)
             if fresh:
                 self.budget.take(fresh, "a whole-version same-GPU arena")
+                self.allocated += fresh
             return got
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"

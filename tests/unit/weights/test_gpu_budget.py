@@ -3,6 +3,8 @@ buffer that would pass it is not made, and the reason is said."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,12 +37,22 @@ def test_budget_bookkeeping_and_reasons() -> None:
     assert b.free_bytes() == 1 << 30 and b.peak == 600 << 20
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """A bucket record's fields the arenas read and rewrite (a stand-in for `BucketInfo`)."""
+
+    index: int
+    nbytes: int
+    ipc_offset: int = 0
+
+
 class _Served:
-    """A served version's fields the arenas read (the version's buckets), named as a stand-in."""
+    """A served version's fields the arenas read and write (a stand-in for `ServedVersion`)."""
 
     def __init__(self, version: int, sizes: list[int]) -> None:
         self.version = version
-        self.buckets = tuple(type("B", (), {"nbytes": n, "index": i})() for i, n in enumerate(sizes))
+        self.buckets = tuple(_Bucket(i, n) for i, n in enumerate(sizes))
+        self.cuda_ipc: object = None
 
 
 def test_an_arena_past_the_budget_is_not_made_and_says_why() -> None:
@@ -60,3 +72,30 @@ def test_the_publisher_offers_no_device_buffer_for_cpu_tensors_and_says_why() ->
         assert pub._ipc.why_not == "the tensors are on the CPU"
     finally:
         pub._pools.shutdown()
+
+
+
+def test_arenas_within_the_budget_are_made_counted_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of two versions' arenas: versions 1 and 2 get one each (counted), version 3 would need a third and is
+    refused with the reason, and once version 1 is released version 3 reuses its arena (nothing more counted). The
+    export is faked at the device edge (a CPU tensor cannot be shared by CUDA IPC)."""
+    import rollpool.weights.paths.cuda_ipc as cuda_ipc
+    from rollpool.protocol.messages import CudaIpcBuffer
+
+    def fake_export(buf: torch.Tensor) -> CudaIpcBuffer:  # the device edge, faked
+        return CudaIpcBuffer(device_uuid="GPU-fake", handle=bytes(64), storage_bytes=int(buf.numel()))
+
+    monkeypatch.setattr(cuda_ipc, "export_buffer", fake_export)
+    arenas = IpcArenas("p", "h", "cuda_ipc", GpuBudget(2 << 20))
+
+    def begin(v: int) -> object:
+        return arenas.begin(_Served(v, [1 << 20]), [], torch.device("cpu"))  # type: ignore[arg-type]
+
+    assert begin(1) is not None and arenas.budget.used == 1 << 20
+    assert begin(2) is not None and arenas.budget.used == 2 << 20
+    assert begin(3) is None and "would pass the publisher's GPU budget" in arenas.why_not
+    arenas.release(1)
+    assert begin(3) is not None and arenas.why_not == ""
+    assert arenas.budget.used == 2 << 20 and arenas.slabs.allocations == 2 and not arenas.broken
+    arenas.close()
+    assert arenas.budget.used == 0 and arenas.budget.free_bytes() == 2 << 20  # every arena given back at close
