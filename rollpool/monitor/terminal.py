@@ -73,6 +73,8 @@ def _weight_lines(state: PoolState, width: int, bold: str, red: str, reset: str)
         parts = [f"path {f['weights_last_path']}"]
         parts += [f"{label} {_fmt_bytes(f.get('weights_' + name))}" for name, label in _WEIGHT_LANES if f.get("weights_" + name)]
         parts += [f"{name} {_fmt(f.get('weights_' + name))}" for name in ("fallbacks", "refetched") if f.get("weights_" + name)]
+        if f.get("weights_fallbacks") and f.get("weights_last_fallback"):
+            parts.append(f"why: {f['weights_last_fallback']}")  # the faster path not taken, and why
         row = _cut("  " + wid + "  " + "  ".join(parts), width)
         lines.append(red + row + reset if f.get("weights_fallbacks") else row)
     return [*lines, ""]

@@ -662,13 +662,18 @@ class TrainerClient:
         return manifest
 
     async def status(self) -> dict[str, Any]:
-        """The broker's counters, its workers' live state, the client's counters, and ``versions``: per weight version,
+        """The broker's counters, its workers' live state, the client's counters, ``publisher`` (the hosted publisher's
+        last offer: ``offered``, ``why_not_cuda_ipc``, its GPU budget and what of it is used; once it exists), and ``versions``: per weight version,
         the recent converged ones (seconds from publish until every live worker served it, the slowest worker), the
         ones still converging and, under fleet activation, the recent rounds with their skew."""
         reply = _expect(await self._request(lambda rid: StatusRequest(request_id=rid)), StatusReply, "status_reply")
         counters = dict(reply.counters)
-        return {"epoch": reply.epoch, "counters": counters, "workers": dict(reply.workers),
-                "client": dict(self.counters), "versions": counters.get("versions", {})}
+        out = {"epoch": reply.epoch, "counters": counters, "workers": dict(reply.workers),
+               "client": dict(self.counters), "versions": counters.get("versions", {})}
+        if self._publisher is not None:  # the hosted publisher's offer: which path, why not the same-GPU one, its GPU budget
+            out["publisher"] = {**self._publisher.path_note, "gpu_budget_bytes": self._publisher.gpu_budget.budget,
+                                "gpu_budget_used_bytes": self._publisher.gpu_budget.used}
+        return out
 
     async def wait_for_version(self, version: int, fraction: float = 1.0, timeout: float | None = None,  # noqa: ASYNC109
                                poll_s: float = 0.1) -> dict[str, Any]:

@@ -25,6 +25,10 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
   verifies them there (off: the CPU copy and checksum).
 - ``weight_copy_threads``: threads that copy and checksum buckets on either side (0: up to 8, a core left to the
   event loop where there are few).
+- ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
+  arenas, and any other device work of the publisher, drawn from one `rollpool.weights.manifest.GpuBudget`); None:
+  two of its buckets. A device buffer that would pass it is not made: the version goes over the host paths, and the
+  publisher says why (log, `WeightPublisher.path_note`).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class WeightPathConfig:
     weight_reserve_bytes: int | None = field(default=None, metadata={"help": "a subscriber reserves buffers for two versions of this size when made (None: at engine start, else at the first fetch)"})
     weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
     weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})
+    publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets)"})
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -72,6 +77,8 @@ class WeightPathConfig:
             raise ConfigError(f"{owner}.pinned_budget_bytes must be >= 0 or None, got {self.pinned_budget_bytes}")
         if self.weight_reserve_bytes is not None and self.weight_reserve_bytes < 0:
             raise ConfigError(f"{owner}.weight_reserve_bytes must be >= 0 or None, got {self.weight_reserve_bytes}")
+        if self.publisher_gpu_budget_bytes is not None and self.publisher_gpu_budget_bytes < 0:
+            raise ConfigError(f"{owner}.publisher_gpu_budget_bytes must be >= 0 or None (two buckets), got {self.publisher_gpu_budget_bytes}")
         if not 0 <= self.weight_copy_threads <= 64:
             raise ConfigError(f"{owner}.weight_copy_threads must be in [0, 64] (0: automatic), got {self.weight_copy_threads}")
 

@@ -245,6 +245,11 @@ class DeviceSlabs:
         self.allocations += 1
         return torch.empty(max(nbytes, ARENA_ALIGN), dtype=torch.uint8, device=device)
 
+    def fits(self, nbytes: int, device: torch.device | str) -> bool:
+        """Whether `take_at_least(nbytes, device)` would reuse a free slab (allocate nothing)."""
+        with self._lock:
+            return any(t.numel() >= nbytes and t.device == torch.device(device) for t in self._free)
+
     def give(self, slab: torch.Tensor) -> None:
         with self._lock:
             if all(s is not slab for s in self._free):

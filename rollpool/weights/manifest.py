@@ -42,6 +42,7 @@ __all__ = [
     "SHM",
     "SHM_DEVICE",
     "FetchFacts",
+    "GpuBudget",
     "Plan",
     "Step",
     "check_bucket_info",
@@ -49,6 +50,7 @@ __all__ = [
     "checksum_supported",
     "chunk_bytes_of",
     "dtype_itemsize",
+    "gpu_budget_bytes",
     "plan",
     "stream_jobs",
     "total_bytes",
@@ -290,3 +292,53 @@ def stream_jobs(sizes: list[int], chunk_bytes: int, streams: int) -> tuple[list[
         folded[i] = len(cut) == 1
         left -= n
     return jobs, parts, folded
+
+
+# --------------------------------------------------------------------------- the publisher's GPU budget
+
+
+def gpu_budget_bytes(config: WeightPathConfig, bucket_bytes: int) -> int:
+    """The publisher's GPU budget: `config.publisher_gpu_budget_bytes`, or two buckets when it is None."""
+    return 2 * bucket_bytes if config.publisher_gpu_budget_bytes is None else config.publisher_gpu_budget_bytes
+
+
+class GpuBudget:
+    """The GPU memory a publisher may allocate on the trainer's GPU, shared by every user of it there (the same-GPU
+    path's arenas; a delta encoding on the GPU draws from the same budget). Pure bookkeeping of bytes allocated and
+    given back; thread-safe enough for one publisher's loop and its threads (ints under the GIL, one writer at a time).
+
+    `why_not(nbytes)` is "" when `nbytes` more fit, else the reason (said in the log and `path_note`)."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"a GPU budget must be >= 0, got {budget}")
+        self.budget = budget
+        self.used = 0
+        """Bytes allocated against the budget and not given back (held or kept for reuse)."""
+        self.peak = 0
+
+    def free_bytes(self) -> int:
+        """Bytes of the budget not allocated."""
+        return max(0, self.budget - self.used)
+
+    def why_not(self, nbytes: int, what: str = "a device buffer") -> str:
+        if nbytes <= self.free_bytes():
+            return ""
+        return (f"{what} of {_fmt(nbytes)} would pass the publisher's GPU budget ({_fmt(self.used)} of {_fmt(self.budget)} "
+                f"in use; publisher_gpu_budget_bytes)")
+
+    def take(self, nbytes: int, what: str = "a device buffer") -> None:
+        """Count `nbytes` allocated; ValueError (with the reason) when they do not fit."""
+        why = self.why_not(nbytes, what)
+        if why:
+            raise ValueError(why)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def give(self, nbytes: int) -> None:
+        """`nbytes` freed (the caller dropped its buffer)."""
+        self.used = max(0, self.used - nbytes)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -63,6 +63,7 @@ from rollpool.weights.gpu import (
     mix64_partial,
     side_stream,
 )
+from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
@@ -175,9 +176,13 @@ class WeightPublisher:
         self._lock = asyncio.Lock()
         self._served_event = asyncio.Event()
         self._server.on_served = lambda v: self._served_event.set()
-        self._ipc = IpcArenas(self.publisher_id, self.host_key, path)
+        self.gpu_budget = GpuBudget(gpu_budget_bytes(cfg, bucket_bytes))
+        """The GPU memory this publisher may allocate on the trainer's GPU (`publisher_gpu_budget_bytes`, default two
+        buckets), shared by its device users; `gpu_budget.free_bytes()` is what is left."""
+        self._ipc = IpcArenas(self.publisher_id, self.host_key, path, self.gpu_budget)
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._server.on_manifest_request = self._ipc.hello
+        self._path_note: dict[str, Any] = {}
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`_warm_snapshot`); a publish waits for it."""
         if reserve is not None:
@@ -223,6 +228,12 @@ class WeightPublisher:
     bytes_served: Attr[int] = Attr("_server")
 
     @property
+    def path_note(self) -> dict[str, Any]:
+        """The last planned version's offer: ``offered`` (``cuda_ipc``: a device buffer besides the host buckets, or
+        ``host``) and ``why_not_cuda_ipc`` (why no device buffer was offered; "" when one was)."""
+        return dict(self._path_note)
+
+    @property
     def ipc_versions(self) -> int:
         """Versions offered on the same-GPU path."""
         return self._ipc.versions
@@ -239,6 +250,8 @@ class WeightPublisher:
             "shm_fallbacks": self.shm_fallbacks,
             "ipc_versions": self._ipc.versions,
             "ipc_arenas": len(self._ipc.exports),
+            "gpu_budget_bytes": self.gpu_budget.budget,
+            "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
             "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
         }
@@ -403,11 +416,22 @@ class WeightPublisher:
         ipc_device = self._ipc.device_for(items)
         if ipc_device is not None:
             try:
-                arena, snap.ipc_offsets, arena_items = self._ipc.begin(snap.served, places, ipc_device)
+                got = self._ipc.begin(snap.served, places, ipc_device)
             except Exception:  # noqa: BLE001 - an arena that cannot be made or exported (logged there): the host path serves
                 self._ipc.release(version)
                 snap.served.cuda_ipc = None
+                got = None
+            if got is None:  # not offered (past the GPU budget, or failed): said in why_not
                 ipc_device = None
+            else:
+                arena, snap.ipc_offsets, arena_items = got
+        note = {"version": version, "offered": "cuda_ipc" if ipc_device is not None else "host", "why_not_cuda_ipc": self._ipc.why_not}
+        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
+            # said when it changes: which path this publisher offers, and why the faster one is not (the trainer's log)
+            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
+                     "a same-GPU device buffer besides the host buckets" if ipc_device is not None
+                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
+        self._path_note = note
         previous, self._latest = self._latest, version
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()

@@ -145,6 +145,10 @@ class WeightSubscriber:
         self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
         self._protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
+        self.last_fallback = ""
+        """The reason of the latest fallback ("" before any): `rollpool top` shows it beside the count."""
+        self._fetch_fallbacks: list[str] = []
+        """The fallback reasons of the fetch under way (its ``weights fetched`` line lists them)."""
         """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
@@ -399,6 +403,7 @@ class WeightSubscriber:
     async def _fetch_planned(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
         """Walk the plan: each path to try is tried; each reason to pass one over is reported when the walk reaches it."""
         steps = plan(manifest, self.facts(), self.config)
+        self._fetch_fallbacks = []
         if steps.refusal:
             raise WeightSyncError(steps.refusal)
         job = FetchJob(manifest, on_bucket)
@@ -443,6 +448,7 @@ class WeightSubscriber:
                                                    "bytes_received": c.bytes_received, "bulk_bytes": c.bulk_bytes,
                                                    "shm_bytes": c.shm_bytes, "device_stage_bytes": c.device_stage_bytes,
                                                    "ipc_bytes": c.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
+                                                   "fallback_reasons": list(self._fetch_fallbacks),
                                                    "at": time.time()}))
         event = {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": path}
         if "staged_to" in details:
@@ -568,6 +574,8 @@ class WeightSubscriber:
     def _fallback(self, version: int, why: str, *, path: str = "shm") -> None:
         """A same-host path (`path`) could not serve `version`: the next one down is taken (counted, logged)."""
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        self.last_fallback = why
+        self._fetch_fallbacks.append(why)
         nxt = {"cuda_ipc": "shared memory or the network", "shm_device": "shared memory copied on the CPU", "bulk": "the ROUTER"}.get(path, "the network path")
         self._errlog.warning("fallback:" + why, "weight version %d not on %s, over %s: %s (counted in fallbacks)", version, path, nxt, why)
         self.metrics.event("weights_fallback", {"worker_id": self.worker_id, "version": version, "reason": why, "from": path})

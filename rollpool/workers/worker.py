@@ -586,6 +586,9 @@ class Worker:
         fallbacks = getattr(sub, "fallbacks", None)
         if isinstance(fallbacks, dict):
             out["weights_fallbacks"] = sum(fallbacks.values())
+        last = getattr(sub, "last_fallback", None)
+        if isinstance(last, str) and last:
+            out["weights_last_fallback"] = last[:200]
         return out
 
     async def _close(self) -> None:

@@ -152,7 +152,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "paths.cuda_ipc": {"paths.base", "manifest", "bucketing", "gpu", "serving", "snapshot"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "manifest", "config", "bucketing", "gpu",
                    "memory", "snapshot"},
-    "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory"},
+    "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest"},
     "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory"},
     "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports
     "__main__": set(),

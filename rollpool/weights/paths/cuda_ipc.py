@@ -30,6 +30,7 @@ from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import CudaIpcBuffer, Manifest, ManifestRequest
 from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes, unpack_bucket
 from rollpool.weights.gpu import (
+    ARENA_ALIGN,
     DeviceSlabs,
     arena_offsets,
     device_uuids,
@@ -39,7 +40,7 @@ from rollpool.weights.gpu import (
     side_stream,
     warm_up,
 )
-from rollpool.weights.manifest import CUDA_IPC, check_manifest
+from rollpool.weights.manifest import CUDA_IPC, GpuBudget, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
 from rollpool.weights.serving import ServedVersion
 from rollpool.weights.snapshot import Place
@@ -172,8 +173,14 @@ def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor]
 class IpcArenas:
     """The publisher's end of the same-GPU path (see the module docstring)."""
 
-    def __init__(self, publisher_id: str, host_key: str, path: str) -> None:
+    def __init__(self, publisher_id: str, host_key: str, path: str, budget: GpuBudget | None = None) -> None:
         self.publisher_id = publisher_id
+        self.budget = budget if budget is not None else GpuBudget(1 << 62)
+        """The publisher's GPU budget: an arena that would pass it is not made (the version goes over the host paths)."""
+        self.allocated = 0
+        """Bytes of arenas allocated against the budget (held or free for reuse)."""
+        self.why_not = ""
+        """Why the last version was not offered on the same-GPU path ("" when it was), for the log and `path_note`."""
         self.host_key = host_key
         self.path = path
         """The publisher's weight path (`WeightPublisher.set_path` changes it)."""
@@ -195,6 +202,8 @@ class IpcArenas:
         self.exports = []
         self.of_version = {}
         self.slabs.trim(0)
+        self.budget.give(self.allocated)
+        self.allocated = 0
 
     def hello(self, req: ManifestRequest) -> None:
         """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
@@ -208,13 +217,23 @@ class IpcArenas:
     def device_for(self, items: Any) -> torch.device | None:
         """The device to export this version from: CUDA tensors, all on one device, on ``cuda_ipc``, or on ``auto``
         when a subscriber on this host said it sees that GPU; else None (host buckets only)."""
-        if self.path not in (CUDA_IPC, "auto") or not isinstance(items, list) or not items or self.broken:
+        self.why_not = ""
+        if self.path not in (CUDA_IPC, "auto"):
+            self.why_not = f"the publisher's path is {self.path!r}"
+            return None
+        if not isinstance(items, list) or not items:
+            self.why_not = "an iterator or an empty version is not exported"
+            return None
+        if self.broken:
+            self.why_not = f"the same-GPU path failed here before ({self.broken})"
             return None
         devices: set[torch.device] = {t.device for _n, t in items}
         if len(devices) != 1:
+            self.why_not = "the tensors are on several devices"
             return None
         device: torch.device = next(iter(devices))
         if device.type != "cuda":
+            self.why_not = "the tensors are on the CPU"
             if self.path == CUDA_IPC:
                 _errlog.warning("ipc-cpu", "weight publisher %s: path 'cuda_ipc' with CPU tensors: no device buffer "
                                 "offered (subscribers take shared memory or the network)", self.publisher_id)
@@ -222,15 +241,34 @@ class IpcArenas:
         if self.path == "auto":
             mine = {u for u, i in device_uuids().items() if i == device.index}
             if not mine & self.peers:
+                self.why_not = "no subscriber on this host said it sees this GPU"
                 return None
         return device
 
-    def begin(self, served: ServedVersion, places: Places, device: torch.device) -> tuple[torch.Tensor, list[int], list[tuple[str, torch.Tensor]]]:
+    def begin(self, served: ServedVersion, places: Places,
+              device: torch.device) -> tuple[torch.Tensor, list[int], list[tuple[str, torch.Tensor]]] | None:
         """An arena for the version (reused), named with its bucket offsets on `served`'s manifest; (the arena, the
-        buckets' offsets in it, its views in the layout's order). An arena that cannot be made or exported turns this
-        path off for good (logged) and raises."""
+        buckets' offsets in it, its views in the layout's order). None when a new arena would pass the GPU budget (the
+        reason in `why_not`, logged once a minute; the host paths serve the version). An arena that cannot be made or
+        exported turns this path off for good (logged) and raises."""
+        self.why_not = ""
+        _offsets, total = arena_offsets([b.nbytes for b in served.buckets])
+        fresh = max(total, ARENA_ALIGN)
+        if not self.slabs.fits(total, device):
+            self.why_not = self.budget.why_not(fresh, "a whole-version same-GPU arena")
+            if self.why_not:
+                _errlog.warning("ipc-budget", "weight publisher %s: version %d not offered on the same-GPU path: %s; same-host "
+                                "peers take shared memory (staged to their GPU where they can)", self.publisher_id, served.version,
+                                self.why_not)
+                return None
+        else:
+            fresh = 0
         try:
-            return self._begin(served, places, device)
+            got = self._begin(served, places, device)
+            if fresh:
+                self.budget.take(fresh, "a whole-version same-GPU arena")
+                self.allocated += fresh
+            return got
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             log.error("weight publisher %s: the same-GPU path failed (%s); no device buffer is offered from now on",

@@ -1,0 +1,82 @@
+"""bench/gpu_weights.py's goals on a CPU: a goal is reported only for the path its row meant; a row whose versions went
+over another path says "not measured", with the paths taken and the fallbacks' reasons (the summary can never
+report a figure of a path it did not take)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_weights_bench", ROOT / "bench" / "gpu_weights.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _version(v: int, path: str, *, reasons: list[str] | None = None, note: str = "", applied: float = 0.3) -> dict[str, Any]:
+    return {"version": v, "trainer_blocked_s": 0.2, "publish_to_applied_s": applied, "pause_s": 0.001, "torn_snapshot": False,
+            "fetched_path": path, "fallback_reasons": reasons or [], "publisher_path_note": note, "publisher_socket_bytes": 0,
+            "extra_gpu_bytes_peak": 1 << 30, "fetched_after_publish_s": applied, "model_bytes": 14 << 30}
+
+
+def _summarize(bench: ModuleType, rows: dict[str, Any]) -> dict[str, Any]:
+    bench.RESULT.clear()
+    bench.RESULT.update({"rows": rows, "how": {}, "model_bytes": 14 << 30})
+    bench.summarize()
+    return bench.RESULT  # type: ignore[no-any-return]
+
+
+def test_the_same_gpu_goal_is_not_measured_when_shm_served_it() -> None:
+    """The 8B failure: the arena was not made, every cuda_ipc row's version came over shared memory, and the summary
+    said `same_gpu_ipc_s` met. Now: not measured, with the path taken and the publisher's reason."""
+    bench = _bench()
+    why = "a whole-version same-GPU arena of 13.49 GiB would pass the publisher's GPU budget"
+    rows = {"cuda_ipc_cuda": {"versions": [_version(v, "shm_device", note=why) for v in range(1, 7)]}}
+    res = _summarize(bench, rows)
+    goal = res["goals"]["same_gpu_ipc_s"]
+    assert goal["met"] is None and "not cuda_ipc" in goal["not_measured"]
+    assert goal["paths_taken"] == ["shm_device"] and why in goal["fallback_reasons"]
+    assert res["same_gpu_ipc_paths_taken"] == ["shm_device"]
+
+
+def test_one_version_on_another_path_is_enough_to_not_measure() -> None:
+    bench = _bench()
+    vs = [_version(v, "cuda_ipc") for v in range(1, 7)]
+    vs[3] = _version(4, "shm_device", reasons=["cannot open the publisher's GPU buffer"])
+    goal = _summarize(bench, {"cuda_ipc_cuda": {"versions": vs}})["goals"]["same_gpu_ipc_s"]
+    assert goal["met"] is None and goal["fallback_reasons"] == ["cannot open the publisher's GPU buffer"]
+    assert "1 of 6" in goal["not_measured"]
+
+
+def test_a_goal_is_met_or_missed_only_on_its_own_path() -> None:
+    bench = _bench()
+    rows = {"cuda_ipc_cuda": {"versions": [_version(v, "cuda_ipc") for v in range(1, 7)]},
+            "shm_cpu": {"versions": [_version(v, "shm_device", applied=2.0) for v in range(7, 13)]},
+            "tcp_cpu": {"versions": [_version(v, "shm", applied=1.0) for v in range(13, 19)]}}
+    res = _summarize(bench, rows)
+    goals = res["goals"]
+    assert goals["same_gpu_ipc_s"]["met"] is True and goals["same_gpu_ipc_s"]["paths_taken"] == ["cuda_ipc"]
+    assert goals["cpu_tensors_shm_path_s"]["met"] is False  # 2.0 s over shared memory: measured, and missed
+    assert res["cpu_tensors_shm_path_s"] == 2.0 and res["ipc_extra_gpu_bytes"] == 1 << 30
+    # the tcp_cpu row went over shared memory: no tcp figure is claimed (and there is no tcp_cuda row to compare with)
+    assert "cpu_tensors_tcp_vs_cuda_tcp" not in goals or goals["cpu_tensors_tcp_vs_cuda_tcp"]["met"] is None
+
+
+def test_path_goal_is_pure_and_never_reports_an_untaken_path() -> None:
+    bench = _bench()
+    for taken in ("cuda_ipc", "shm_device", "shm", "network", None):
+        row = {"versions": [_version(1, str(taken)), _version(2, str(taken))]}
+        for meant in ("cuda_ipc", ("shm", "shm_device"), "network"):
+            goal = bench.path_goal(row, meant, 0.1, 0.5)
+            wanted = (meant,) if isinstance(meant, str) else meant
+            assert (goal["met"] is not None) == (str(taken) in wanted)
+    assert bench.path_goal({"versions": []}, "cuda_ipc", None, 0.5)["met"] is None
