@@ -12,6 +12,7 @@ from rollpool.protocol.codec import (
     DEFAULT_INLINE_MAX_BYTES,
     EPOCH_MINOR,
     INLINE_MINOR,
+    LORA_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
@@ -50,6 +51,7 @@ from rollpool.protocol.staleness import (
 __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "LORA_MINOR",
     "SUPPORTED_MAJORS",
     "encode",
     "decode",
