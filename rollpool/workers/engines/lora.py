@@ -66,7 +66,7 @@ class LoraBank:
                 raise WeightsRefusedError(f"adapter version {version}: the base model has no module {path!r}")
             if not isinstance(module, torch.nn.Linear):
                 raise WeightsRefusedError(
-                    f"adapter version {version}: module {path!r} is a {type(module).__name__}, not a Linear layer this engine can adapt")
+                    f"adapter version {version}: module {path!r} ({type(module).__name__}) is not a Linear layer this engine can adapt")
             if tuple(a.shape) != (spec.rank, module.in_features) or tuple(b.shape) != (module.out_features, spec.rank):
                 raise WeightsRefusedError(
                     f"adapter version {version}: {path!r} is Linear({module.in_features} -> {module.out_features}); "
