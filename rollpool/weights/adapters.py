@@ -26,7 +26,7 @@ from typing import Any
 from rollpool.protocol.errors import WeightsRefusedError
 from rollpool.protocol.messages import AdapterSpec
 
-__all__ = ["AdapterSpec", "PEFT_PREFIX", "adapter_spec", "lora_pairs"]
+__all__ = ["AdapterSpec", "PEFT_PREFIX", "adapter_spec", "lora_pairs", "read_peft_adapter"]
 
 PEFT_PREFIX = "base_model.model."
 
@@ -98,3 +98,30 @@ def lora_pairs(named: Mapping[str, Any], spec: AdapterSpec) -> dict[str, tuple[A
                 f"adapter version: module {module!r} is not among the spec's target modules {sorted(targets)}")
         pairs[module] = (a, b)
     return pairs
+
+
+def read_peft_adapter(path: str, *, base_fingerprint: str = "") -> tuple[dict[str, Any], AdapterSpec]:
+    """A PEFT adapter directory as `save_pretrained` writes it (``adapter_config.json`` and
+    ``adapter_model.safetensors``): its matrices (PEFT's names) and its spec. `ValueError` naming what is missing."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(path)
+    config_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{path!r} is not a PEFT adapter directory (adapter_config.json and adapter_model.safetensors needed)")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path!r}: peft_type {config.get('peft_type')!r}, only LORA adapters are served")
+    from safetensors.torch import load_file
+
+    tensors = dict(load_file(str(weights_file)))
+    base = str(config.get("base_model_name_or_path") or "")
+    if not base_fingerprint and base and pathlib.Path(base).is_dir():  # a local base: its fingerprint, as workers compute theirs
+        from rollpool.protocol.fingerprint import model_fingerprint
+
+        base_fingerprint = model_fingerprint(base)
+    spec = adapter_spec(int(config["r"]), float(config.get("lora_alpha", config["r"])), config.get("target_modules") or (),
+                        base_fingerprint=base_fingerprint, base_model=str(config.get("base_model_name_or_path") or ""))
+    lora_pairs(tensors, spec)
+    return tensors, spec
