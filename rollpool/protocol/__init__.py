@@ -13,6 +13,7 @@ from rollpool.protocol.codec import (
     EPOCH_MINOR,
     IMAGES_MINOR,
     INLINE_MINOR,
+    LORA_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
@@ -51,6 +52,7 @@ from rollpool.protocol.staleness import (
 __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "LORA_MINOR",
     "SUPPORTED_MAJORS",
     "encode",
     "decode",

@@ -64,6 +64,7 @@ from rollpool.protocol.limits import DEFAULT_LIMITS, DEFAULT_PEER_MAX_MSG_BYTES,
 __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "LORA_MINOR",
     "SUPPORTED_MAJORS",
     "Frame",
     "Int32Array",
@@ -114,7 +115,8 @@ PROTOCOL_MAJOR = 1
 #   1.14 the versioned-service contract: Prompt.exact_weight_version (CONTRACT_MINOR)
 #   1.15 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
 #   1.16 images in prompts: Prompt.images (PromptImage), Trajectory.image_sha256 / image_grid_thw (IMAGES_MINOR)
-PROTOCOL_MINOR = 16
+#   1.17 LoRA adapter versions: Manifest.adapter (AdapterSpec) (LORA_MINOR)
+PROTOCOL_MINOR = 17
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
@@ -124,6 +126,10 @@ SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 CONTRACT_MINOR = 14
 """The first minor whose brokers read `Prompt.exact_weight_version` (a client refuses to send one to an older broker,
 which would ignore it and serve the group at any version)."""
+
+LORA_MINOR = 17
+"""The first minor whose manifests may carry `Manifest.adapter` (a LoRA adapter version on the weight channel); an older
+subscriber ignores the field and would load the adapter's tensors as base weights, which its engine refuses by name."""
 
 INLINE_MINOR = 12
 """The first minor whose decoders read an array or blob held inline in the header."""

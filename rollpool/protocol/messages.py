@@ -61,6 +61,7 @@ __all__ = [
     "TensorInfo",
     "BucketInfo",
     "CudaIpcBuffer",
+    "AdapterSpec",
     "ShmSegment",
     # group terminal states and finish reasons
     "GroupState",
@@ -484,6 +485,22 @@ class CudaIpcBuffer:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+
+
+@record
+class AdapterSpec:
+    """A LoRA adapter version (minor 17, `LORA_MINOR`): the version's tensors are the adapter's ``lora_A`` / ``lora_B``
+    matrices (PEFT's names and layout: A is (rank, in_features), B is (out_features, rank)), applied as
+    ``y = base(x) + (x A^T B^T) * alpha / rank`` on each target module of the base model."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ()
+    """Module names as PEFT gives them (``q_proj``, ``down_proj``, ...): the last component of the targeted Linear layers."""
+    base_fingerprint: str = ""
+    """`model_fingerprint` of the base model the adapter applies to (``""``: not checked)."""
+    base_model: str = ""
+    """The base model's name or path, for error messages."""
 
 
 # --------------------------------------------------------------------------- worker flow
@@ -929,6 +946,9 @@ class Manifest:
     """(minor 13) The TCP port of the server's bulk lane (`rollpool.weights.paths.bulk`: chunk bytes over plain TCP, received
     straight into the subscriber's buffer), on the host of its ROUTER endpoint; 0: none (CURVE, not TCP, turned off,
     or a server of minor 12 or older), so chunks come over the ROUTER."""
+    adapter: AdapterSpec | None = None
+    """(minor 17, `LORA_MINOR`) The version is a LoRA adapter for the base model it names (its tensors are the adapter's);
+    None: a whole-model version."""
 
 
 @message("fetch")

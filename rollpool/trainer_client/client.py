@@ -120,7 +120,7 @@ from rollpool.weights.config import WeightPathConfig
 if TYPE_CHECKING:
     from rollpool.weights import WeightPublisher
 from rollpool.protocol.codec import check_size
-from rollpool.protocol.errors import MessageTooLargeError, RollpoolError
+from rollpool.protocol.errors import MessageTooLargeError, RollpoolError, WeightsRefusedError
 from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.sampling import sampling_problem
 
@@ -654,10 +654,18 @@ class TrainerClient:
         at set-up, before the first step; returns the bytes reserved. Without it the first publish allocates them."""
         return (await self._hosted_publisher()).reserve(model_or_named_shapes)
 
-    async def publish_weights(self, model_or_named_tensors: Any, version: int) -> Any:
-        """Publish a new weight version (hosting the publisher) and announce it to the broker."""
+    async def publish_weights(self, model_or_named_tensors: Any, version: int, *, adapter: Any = None) -> Any:
+        """Publish a new weight version (hosting the publisher) and announce it to the broker.
+
+        `adapter` (an `AdapterSpec`, `rollpool.weights.adapters.adapter_spec`): the version is a LoRA adapter and
+        `model_or_named_tensors` its matrices as PEFT names them (docs/lora.md). An adapter whose base fingerprint is
+        not the one this client requires of the pool's workers is refused here, naming both."""
+        if adapter is not None and self.fingerprint and adapter.base_fingerprint and adapter.base_fingerprint != self.fingerprint:
+            raise WeightsRefusedError(
+                f"adapter version {version} applies to base {adapter.base_model or '?'} (fingerprint {adapter.base_fingerprint}), "
+                f"the pool serves fingerprint {self.fingerprint}")
         publisher = await self._hosted_publisher()
-        manifest = await publisher.publish(model_or_named_tensors, version)
+        manifest = await publisher.publish(model_or_named_tensors, version, adapter=adapter)
         await self.set_version(version)
         return manifest
 

@@ -12,8 +12,8 @@ value or one per prompt. docs/porting.md maps each call.
 Guarantees:
 
 * Every parameter is honoured or refused: an argument or sampling key the pool
-  cannot honour raises `UnsupportedParameterError` naming it (LoRA,
-  custom logit processors, prompt logprobs, streaming, and any sampling key
+  cannot honour raises `UnsupportedParameterError` naming it (an unknown
+  LoRA adapter or several at once, custom logit processors, prompt logprobs, streaming, and any sampling key
   other than the neutral value of one SGLang knows). ``top_logprobs_num`` (0 to
   `MAX_TOP_LOGPROBS`, with ``return_logprob``) is honoured by engines that report
   top logprobs (hf) as ``meta_info["output_top_logprobs"]``; a worker whose
@@ -77,6 +77,7 @@ from rollpool.protocol import (
     RejectedError,
     SamplingParams,
     Trajectory,
+    WeightsRefusedError,
     WeightSyncError,
 )
 from rollpool.trainer_client.client import TrainerClientConfig, make_prompt
@@ -247,11 +248,10 @@ def _images_per_prompt(image_data: Any, count: int, single: bool) -> list[tuple[
 
 def _check_unsupported(image_data: Any, lora_path: Any, custom_logit_processor: Any, logprob_start_len: Any,
                        top_logprobs_num: Any, stream: bool, count: int) -> None:
+    """Arguments no pool can honour (`lora_path` is checked against the adapters loaded: `RolloutPool._lora_version`)."""
     def given(v: Any) -> bool:
         return v is not None and not (isinstance(v, list) and all(x is None for x in v))
 
-    if given(lora_path):
-        raise UnsupportedParameterError("lora_path", "the pool serves one set of weights per version (no LoRA adapters)")
     if given(custom_logit_processor):
         raise UnsupportedParameterError("custom_logit_processor", "the pool's engines run no custom logit processors")
     for start in _per_prompt("logprob_start_len", logprob_start_len, count):
@@ -299,6 +299,8 @@ class RolloutPool:
         self._released: set[str] = set()
         """Memory tags this object released on the workers and has not resumed."""
         self._closed = False
+        self._adapters: dict[str, int] = {}
+        """Adapter names and paths loaded through this object (`load_lora_adapter`) -> the version that published them."""
 
     # ------------------------------------------------------------------ generation
 
@@ -311,6 +313,7 @@ class RolloutPool:
                                "(or prepare_for_generation()) first")
         items, single = _normalise_inputs(prompt, input_ids)
         _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
+        adapter_version = self._lora_version(lora_path, len(items))
         sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
         logprobs = [bool(x) for x in _per_prompt("return_logprob", return_logprob, len(items))]
         # SGLang reports top logprobs with return_logprob only; they are asked of the workers only then
@@ -321,6 +324,8 @@ class RolloutPool:
         if self._staged:
             self.commit_weights()
         required = self._required if self.synchronous else -1
+        # a prompt naming an adapter is served on that adapter version or a newer one (the pool's one adapter, trained on)
+        required = max(required, adapter_version)
         prompts = []
         images = _images_per_prompt(image_data, len(items), single)
         for item, (sp, n), ims in zip(items, sampling, images, strict=True):
@@ -556,6 +561,52 @@ class RolloutPool:
         self.version = version
         self._required = version
         return version
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, *, tensors: Mapping[str, Any] | None = None,
+                          spec: Any = None) -> int:
+        """Publish a LoRA adapter as a new version (SGLang's ``load_lora_adapter(lora_name, lora_path)``): from a PEFT
+        directory (`lora_path`, default `lora_name`) or from its matrices and `AdapterSpec` (`tensors`, `spec`). The pool
+        serves one adapter at a time, the latest; prompts may name it (``lora_path=[name]``). Returns the version."""
+        from rollpool.weights.adapters import read_peft_adapter
+
+        if tensors is None:
+            tensors, spec = read_peft_adapter(lora_path or lora_name, base_fingerprint=self._client.client.fingerprint)
+        elif spec is None:
+            raise ValueError("load_lora_adapter with tensors needs their spec (rollpool.weights.adapters.adapter_spec)")
+        if spec.base_fingerprint:  # refused here, before anything is published, when a worker serves another base
+            workers = self._client.status()["workers"]
+            other = {w: st.get("fingerprint") for w, st in workers.items() if st.get("fingerprint") not in (None, "", spec.base_fingerprint)}
+            if other:
+                raise WeightsRefusedError(
+                    f"adapter {lora_name!r} applies to base {spec.base_model or '?'} (fingerprint {spec.base_fingerprint}), "
+                    f"the pool's workers serve fingerprint {sorted(other.items())}; nothing was published")
+        version = self._next_version()
+        self._client.publish_weights(tensors, version, adapter=spec)
+        self.version = version
+        self._required = version
+        self._adapters = {lora_name: version} | ({lora_path: version} if lora_path else {})
+        return version
+
+    def _lora_version(self, lora_path: Any, count: int) -> int:
+        """The adapter version prompts naming `lora_path` need (-1: none named). An entry that is a PEFT directory not
+        loaded yet is loaded (published) first; any other unknown name, or one of an adapter no longer served, is refused
+        by name before anything is submitted."""
+        names = {str(p) for p in _per_prompt("lora_path", lora_path, count) if p is not None}
+        if not names:
+            return -1
+        for name in sorted(names - set(self._adapters)):
+            import pathlib
+
+            if (pathlib.Path(name) / "adapter_config.json").is_file() and len(names) == 1:
+                self.load_lora_adapter(name, name)
+            else:
+                raise UnsupportedParameterError(
+                    "lora_path", f"unknown adapter {name!r}: load it first (load_lora_adapter); the pool serves "
+                    f"{sorted(self._adapters) or 'no adapter'}, one at a time")
+        versions = {self._adapters[n] for n in names}
+        if len(versions) > 1:
+            raise UnsupportedParameterError("lora_path", f"{sorted(names)}: the pool serves one adapter at a time")
+        return versions.pop()
 
     def update_weights_from_disk(self, path: str) -> int:
         """Workers load an HF checkpoint directory from a path they share with the trainer; a new version."""

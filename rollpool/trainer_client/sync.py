@@ -85,8 +85,8 @@ class SyncTrainerClient:
         return self._call(lambda: self.client.get_batch(n, max_staleness=max_staleness, timeout=timeout,
                                                         stale_policy=stale_policy, max_staleness_keep=max_staleness_keep))
 
-    def publish_weights(self, model_or_named_tensors: Any, version: int) -> Any:
-        return self._call(lambda: self.client.publish_weights(model_or_named_tensors, version))
+    def publish_weights(self, model_or_named_tensors: Any, version: int, *, adapter: Any = None) -> Any:
+        return self._call(lambda: self.client.publish_weights(model_or_named_tensors, version, adapter=adapter))
 
     def set_version(self, version: int) -> None:
         self._call(lambda: self.client.set_version(version))

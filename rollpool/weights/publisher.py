@@ -43,9 +43,10 @@ import torch
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import BucketInfo, Manifest, ShmSegment, TensorInfo
+from rollpool.protocol.messages import AdapterSpec, BucketInfo, Manifest, ShmSegment, TensorInfo
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.adapters import lora_pairs
 from rollpool.weights.bucketing import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -359,7 +360,8 @@ class WeightPublisher:
 
     # -- publishing
 
-    async def publish(self, named_tensors: Any, version: int, *, expected_fetchers: int | None = None, wait_ready: bool = False) -> Manifest:
+    async def publish(self, named_tensors: Any, version: int, *, expected_fetchers: int | None = None, wait_ready: bool = False,
+                      adapter: AdapterSpec | None = None) -> Manifest:
         """Publish `named_tensors` (a dict, an nn.Module or an iterator of (name, tensor)) as `version`.
 
         Versions must increase. Returns once the caller may change its tensors:
@@ -371,13 +373,23 @@ class WeightPublisher:
         waits for all of them). With ``keep_versions=0`` it returns once the
         version is released (see the module docstring; `expected_fetchers` is
         how many complete fetches release it early).
+
+        `adapter`: the version is a LoRA adapter with this spec (`rollpool.weights.adapters`): `named_tensors` must be
+        the adapter's matrices (a dict, as PEFT's ``get_peft_model_state_dict`` gives them), checked here
+        (`WeightsRefusedError` naming what is wrong); the manifest carries the spec.
         """
+        if adapter is not None:
+            if not isinstance(named_tensors, Mapping):
+                raise TypeError("an adapter version is published from a dict of its lora_A / lora_B tensors")
+            lora_pairs(named_tensors, adapter)
         if self._server.router_endpoint == "":
             raise RuntimeError("WeightPublisher.start() must be awaited before publish()")
         async with self._lock:
             if version <= self._latest:
                 raise ValueError(f"version {version} is not newer than the latest published version {self._latest}")
             t0 = time.perf_counter()
+            if adapter is not None:
+                self._server.pending_adapters[version] = adapter
             if self.keep_versions == 0:
                 served = await self._reference(named_tensors, version)
                 self._latest = version

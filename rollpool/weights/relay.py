@@ -237,6 +237,7 @@ class Relay:
             buckets=tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="") for b in manifest.buckets),
             sources=list(sources),
             chunk_bytes=manifest.chunk_bytes,
+            adapter=manifest.adapter,
         )
         self._server.add_version(served)
         try:

@@ -50,6 +50,7 @@ from rollpool.protocol.codec import decode, encode, peek_type
 from rollpool.protocol.errors import ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import (
+    AdapterSpec,
     Announce,
     BucketInfo,
     Chunk,
@@ -103,6 +104,8 @@ class ServedVersion:
     """Manifest requests (``wait_ipc``) parked until every GPU checksum exists."""
     bulk_port: int = 0
     """The server's bulk lane (`Manifest.bulk_port`), set when the version is added."""
+    adapter: AdapterSpec | None = None
+    """The version is a LoRA adapter (`Manifest.adapter`, rollpool.weights.adapters); None: whole-model weights."""
 
     @property
     def total_bytes(self) -> int:
@@ -126,7 +129,8 @@ class ServedVersion:
 
     def manifest(self, request_id: str) -> Manifest:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
-                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port)
+                     chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port,
+                        adapter=self.adapter)
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -163,6 +167,8 @@ class WeightServer:
         self.metrics: MetricsSink = metrics or NullMetricsSink()
         self.versions: dict[int, ServedVersion] = {}
         self.highest_dropped = -1
+        self.pending_adapters: dict[int, AdapterSpec] = {}
+        """Adapter specs of versions being published, taken by `add_version`."""
         self.router_endpoint = ""
         self.pub_endpoint: str | None = None
         self.bytes_served = 0
@@ -255,6 +261,8 @@ class WeightServer:
 
     def add_version(self, v: ServedVersion, *, announce: bool = True) -> None:
         v.bulk_port = self.bulk.port if self.bulk is not None else 0
+        if v.adapter is None:  # the publisher names an adapter version's spec before its snapshot makes the version
+            v.adapter = self.pending_adapters.pop(v.version, None)
         self.versions[v.version] = v
         if announce:
             self.announce(v)

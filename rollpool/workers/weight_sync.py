@@ -55,7 +55,7 @@ from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.config import WeightPathConfig
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.engine_supervisor import EngineSupervisor
-from rollpool.workers.engines.base import Engine, SizedEngine, StagingEngine
+from rollpool.workers.engines.base import AdapterEngine, Engine, SizedEngine, StagingEngine
 from rollpool.workers.link import BrokerLink
 
 __all__ = ["BucketHook", "BucketStagingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
@@ -390,8 +390,16 @@ class WeightSync:
         return False
 
     async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
+        manifest = getattr(target.fetched, "manifest", None)
+        adapter = getattr(manifest, "adapter", None)
+        if adapter is not None and not isinstance(engine, AdapterEngine):
+            raise WeightsRefusedError(f"version {target.version} is a LoRA adapter and the {engine.info().name} engine serves no adapters")
         await engine.pause(self._apply_mode(engine))
-        await engine.update_weights(target.tensors, target.version)
+        if adapter is not None:
+            assert isinstance(engine, AdapterEngine)
+            await engine.update_adapter(target.tensors, adapter, target.version)
+        else:
+            await engine.update_weights(target.tensors, target.version)
         await engine.resume()
 
     async def _reapply(self, engine: Engine) -> None:
@@ -424,7 +432,7 @@ class WeightSync:
             self.subscriber.recycle(previous.fetched)
 
     async def _stage(self, engine: Engine, target: _Version) -> None:
-        if not isinstance(engine, StagingEngine):
+        if not isinstance(engine, StagingEngine) or getattr(getattr(target.fetched, "manifest", None), "adapter", None) is not None:
             return
         try:
             await engine.stage_weights(target.tensors, target.version)

@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rollpool.protocol.errors import RequestRefusedError
-from rollpool.protocol.messages import ApplyMode, SamplingParams
+from rollpool.protocol.messages import AdapterSpec, ApplyMode, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
 
 __all__ = [
+    "AdapterEngine",
     "APPLY_MODES",
     "ConstrainedEngine",
     "Engine",
@@ -226,6 +227,15 @@ class StagingEngine(Engine, Protocol):
 
     async def stage_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Copy `named_tensors` to the device for `version`; raises `EngineError` on failure."""
+
+
+@runtime_checkable
+class AdapterEngine(Engine, Protocol):
+    """An engine that serves LoRA adapter versions (docs/lora.md) on its base model."""
+
+    async def update_adapter(self, named_tensors: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
+        """Serve adapter `version` (PEFT-named matrices, `spec`) from now on; `WeightsRefusedError`, nothing changed, for
+        an adapter of another base or one this engine cannot serve."""
 
 
 @runtime_checkable

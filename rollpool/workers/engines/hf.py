@@ -23,6 +23,11 @@ Guarantees:
 - Constrained decoding (`ConstrainedEngine`): ``generate_constrained`` holds every
   sample to an `OutputConstraint` through xgrammar (`grammar`); the reported
   logprob stays the model's, before the grammar's mask.
+- LoRA adapter versions (`update_adapter`, docs/lora.md): kept resident (``lora_resident`` of them, besides
+  any a running sequence still uses) through `LoraBank`; a sequence runs on the newest adapter version when it is
+  first prefilled and finishes on it (each of its tokens carries that version), while newer sequences run on
+  newer ones in the same batch. In ``interrupt`` mode a re-prefilled sequence moves to the newest. A whole-model
+  update drops every resident adapter.
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -65,7 +70,7 @@ import torch
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.fingerprint import model_fingerprint
-from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
+from rollpool.protocol.messages import AdapterSpec, ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import (
     APPLY_MODES,
     EngineInfo,
@@ -75,6 +80,7 @@ from rollpool.workers.engines.base import (
     check_prompt,
     check_request,
 )
+from rollpool.workers.engines.lora import LoraBank
 from rollpool.workers.engines.options import HFOptions, options_from
 from rollpool.workers.engines.vision import VisionSpec, load_vision_spec
 
@@ -142,6 +148,8 @@ class _Seq:
     kv_len: int = 0
     """Tokens of this sequence held in the KV cache (the last sampled token is not yet)."""
     finish: str | None = None
+    adapter: int | None = None
+    """The LoRA adapter version this sequence runs on (set at its first prefill; None: the base model alone)."""
     matched: int | str | None = None
     first_token_at: float = 0.0
     finished_at: float = 0.0
@@ -219,6 +227,7 @@ class HFEngine:
         self._drain_waiters: list[Callable[[Any], None]] = []
         self._released: set[str] = set()
         self._grammar: Any = None
+        self._lora: LoraBank | None = None
 
     # -- Engine protocol
 
@@ -327,6 +336,16 @@ class HFEngine:
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         await self._call("update", (dict(named_tensors), version))
+
+    async def update_adapter(self, named_tensors: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
+        """Keep LoRA adapter `version` resident and run new sequences on it (module docstring); `WeightsRefusedError`
+        (nothing changed) for an adapter of another base or one this engine cannot serve."""
+        self._check()
+        await self._call("adapter", (named_tensors, spec, version))
+
+    def adapter_versions(self) -> list[int]:
+        """The resident adapter versions (oldest first)."""
+        return sorted(self._lora.versions) if self._lora is not None else []
 
     async def release_memory(self, tags: Sequence[str] = ()) -> None:
         await self._call("release", tuple(tags) or ("weights", "kv_cache"))
@@ -514,6 +533,9 @@ class HFEngine:
             named, version = payload
             self._update(named, version)
             return None
+        if kind == "adapter":
+            self._update_adapter(*payload)
+            return None
         if kind == "flush":
             return None  # no prefix cache is kept beyond running sequences
         if kind == "release":
@@ -530,6 +552,7 @@ class HFEngine:
             # resubmit every running sequence as prompt + partial output, ahead of new work
             for seq in reversed(self._running):
                 seq.kv_len = 0
+                seq.adapter = None  # re-prefilled on the newest adapter version
                 self._waiting.appendleft([seq])
             self._running = []
             self._kv = []
@@ -558,6 +581,24 @@ class HFEngine:
         except Exception as exc:
             raise EngineError(f"update_weights failed part-way: {exc!r}") from exc
         self.version = version
+        if self._lora is not None and self._lora.versions:
+            # adapters were trained against the old base; a sequence pinned to one re-runs its next tokens on the base
+            self._lora.clear()
+            for seq in [*self._running, *(s for unit in self._waiting for s in unit)]:
+                seq.adapter = None
+
+    def _update_adapter(self, named: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
+        if spec.base_fingerprint and self._fingerprint and spec.base_fingerprint != self._fingerprint:
+            raise WeightsRefusedError(
+                f"adapter version {version} applies to base {spec.base_model or '?'} (fingerprint {spec.base_fingerprint}); "
+                f"this engine serves {self.model_path} (fingerprint {self._fingerprint})")
+        if version <= self.version and self._lora is not None and self._lora.versions:
+            raise WeightsRefusedError(f"adapter version {version} is not newer than the version served, {self.version}")
+        if self._lora is None:
+            self._lora = LoraBank(self._model, resident=self.options.lora_resident, max_rank=self.options.max_lora_rank)
+        self._lora.add(version, named, spec, dtype=self.dtype, device=self.device)
+        self.version = version
+        self._lora.evict(s.adapter for s in [*self._running, *(s for unit in self._waiting for s in unit)])
 
     def _release(self, tags: tuple[str, ...]) -> None:
         if "weights" in tags and self.device != "cpu":
@@ -605,6 +646,11 @@ class HFEngine:
         group = unit[0].group
         prompt_logprobs = group.sampling.logprob_start_len >= 0 and group.input_logprobs is None and not unit[0].out
         ids = torch.tensor([ctx], dtype=torch.long, device=self.device)
+        if self._lora is not None:
+            for seq in unit:
+                if seq.adapter is None:
+                    seq.adapter = self._lora.latest
+            self._lora.select([unit[0].adapter])
         extra: dict[str, Any] = {}
         vision = group.vision
         if vision is not None:
@@ -658,6 +704,8 @@ class HFEngine:
         pos = torch.tensor([[s.kv_len + (s.group.vision.rope_delta if s.group.vision else 0)] for s in self._running],
                            dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
+        if self._lora is not None:
+            self._lora.select([s.adapter for s in self._running])
         out = self._model(
             input_ids=ids,
             attention_mask=mask,
@@ -705,7 +753,7 @@ class HFEngine:
             ids, lps = top_logprobs(logits, sampling, sampling.top_logprobs_num)
             seq.top_ids.append(ids)
             seq.top_logprobs.append(lps)
-        seq.versions.append(self.version)
+        seq.versions.append(self.version if seq.adapter is None else seq.adapter)
         if not seq.first_token_at:
             seq.first_token_at = now
         if tok in seq.group.stop_ids:

@@ -91,11 +91,20 @@ class HFOptions:
     initial_version: int = 0
     num_threads: int | None = None
     attn_implementation: str = "sdpa"
+    lora_resident: int = 4
+    """LoRA adapter versions kept resident (besides any an in-flight sequence still runs on); at least the broker's
+    max_staleness + 1, so a request admitted on an older version finishes on it (docs/lora.md)."""
+    max_lora_rank: int = 64
+    """The largest adapter rank this engine accepts."""
 
     def __post_init__(self) -> None:
         c = type(self)
         if not self.model:
             raise _fail(c, "model", "is needed (a local model directory: --model)", self.model)
+        if self.lora_resident < 1:
+            raise _fail(c, "lora_resident", "must be >= 1", self.lora_resident)
+        if self.max_lora_rank < 1:
+            raise _fail(c, "max_lora_rank", "must be >= 1", self.max_lora_rank)
         if self.capacity < 1:
             raise _fail(c, "capacity", "must be >= 1", self.capacity)
         if self.dtype not in _HF_DTYPES:

@@ -523,3 +523,74 @@ def test_areal_engine_public_methods_with_their_documented_arguments(served: Ser
     finally:
         engine.__del__()
     assert engine.pool._closed  # __del__ closed the client
+
+
+def _peft_dir(root: pathlib.Path, model: pathlib.Path, seed: int) -> tuple[pathlib.Path, dict[str, Any]]:
+    """A LoRA adapter directory as PEFT's save_pretrained writes it (config and safetensors, PEFT's names)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    outs = {"q_proj": HIDDEN, "v_proj": 256}
+    tensors = {}
+    for m, out in outs.items():
+        tensors[f"base_model.model.model.layers.0.self_attn.{m}.lora_A.weight"] = torch.randn(2, HIDDEN, generator=g)
+        tensors[f"base_model.model.model.layers.0.self_attn.{m}.lora_B.weight"] = torch.randn(out, 2, generator=g)
+    root.mkdir()
+    save_file(tensors, str(root / "adapter_model.safetensors"))
+    (root / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": list(outs),
+                                                          "base_model_name_or_path": str(model)}))
+    return root, tensors
+
+
+def test_lightrft_lora_path_serves_the_adapter_and_bad_adapters_are_refused_by_name(served: Served) -> None:
+    from rollpool.protocol.errors import WeightsRefusedError
+    from rollpool.trainer_client.compat.lightrft import RLGenerationEngine
+    from rollpool.weights.adapters import adapter_spec
+
+    engine = RLGenerationEngine(tp_group_cpu=None, model=str(served.model), broker=served.pool.client_ep)
+    greedy = {"max_new_tokens": 4, "temperature": 0.0}
+    try:
+        base = engine.generate("Hello", sampling_params=greedy, return_logprob=True)
+        adir, tensors = _peft_dir(served.tmp / f"adapter-{time.monotonic_ns()}", served.model, seed=1)
+        # the seed's documented call: per-prompt adapter paths (a PEFT directory, loaded and published on first use)
+        res = engine.generate(prompt=["Hello"], sampling_params=greedy, return_logprob=True, lora_path=[str(adir)])
+        version = engine.pool.version
+        assert int(res[0]["meta_info"]["weight_version"]) >= version
+        assert res[0]["meta_info"]["output_token_logprobs"] != base["meta_info"]["output_token_logprobs"]  # the adapter is on
+        with pytest.raises(UnsupportedParameterError, match=r"lora_path.*unknown adapter 'nope'"):
+            engine.generate("Hello", sampling_params=greedy, lora_path=["nope"])
+        assert engine.pool.status()["counters"]["queued"] == 0  # refused before anything was submitted
+        spec = adapter_spec(2, 4, ["q_proj", "v_proj"], base_fingerprint="ffffffffffffffff", base_model="other-8b")
+        with pytest.raises(WeightsRefusedError, match=r"base other-8b \(fingerprint ffffffffffffffff\), the pool's workers serve fingerprint.*hf0.*nothing was published"):
+            engine.pool.load_lora_adapter("other", tensors=tensors, spec=spec)
+        again = engine.generate("Hello", sampling_params=greedy, lora_path=[str(adir)])  # the pool serves on
+        assert again["output_ids"] and engine.pool.version == version
+    finally:
+        engine.shutdown()
+
+
+def test_an_adapter_for_another_base_is_refused_by_the_workers_naming_both(served: Served) -> None:
+    from rollpool.trainer_client import SyncTrainerClient
+    from rollpool.weights.adapters import adapter_spec
+
+    # a trainer client publishing directly (no facade check before it): the workers are the ones to refuse
+    with SyncTrainerClient(served.pool.client_ep) as client:
+        _, tensors = _peft_dir(served.tmp / f"adapter-{time.monotonic_ns()}", served.model, seed=2)
+        spec = adapter_spec(2, 4, ["q_proj", "v_proj"], base_fingerprint="ffffffffffffffff", base_model="other-8b")
+        bad = client.status()["counters"]["version"] + 1
+        client.publish_weights(tensors, bad, adapter=spec)
+        with pytest.raises(WeightSyncError) as err:
+            client.wait_for_version(bad, timeout=60)
+        message = str(err.value)
+        assert "hf0" in message and "other-8b (fingerprint ffffffffffffffff)" in message, message
+        assert f"fingerprint {_fingerprint(served.model)}" in message, message
+        worker = client.status()["workers"]["hf0"]
+        assert worker["skipped_version"] == bad and worker["state"] == "ready"  # it serves its last good version on
+
+
+def _fingerprint(model: pathlib.Path) -> str:
+    from rollpool.protocol.fingerprint import model_fingerprint
+
+    return model_fingerprint(model)

@@ -118,6 +118,10 @@ def samples() -> dict[str, Any]:
         "manifest_bulk_port": p.Manifest(request_id="m6", version=8, publisher_id="pub", chunk_bytes=8 << 20, bulk_port=41234,
                                          buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=16, checksum="xxh3_64:0123456789abcdef",
                                                                tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(8,), offset=0, nbytes=16),)),)),
+        # minor 16: a LoRA adapter version (LORA_MINOR)
+        "manifest_adapter": p.Manifest(request_id="m7", version=9, publisher_id="pub",
+                                       adapter=p.AdapterSpec(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"),
+                                                             base_fingerprint="0123456789abcdef", base_model="Qwen/Qwen3-8B")),
         # minor 14: the versioned-service contract (a group served only at one exact weight version)
         "submit_exact_version": p.Submit(request_id="r9", prompts=(p.Prompt(prompt_id="p9", text="2+2=", exact_weight_version=5),)),
         # minor 12: the minor in hellos and welcomes (inline arrays: `inline_samples`)

@@ -74,7 +74,6 @@ def test_inputs_single_batch_tokens_and_the_nemo_dict_refused() -> None:
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    ({"lora_path": ["/l"]}, "lora_path"),
     ({"custom_logit_processor": "x"}, "custom_logit_processor"),
     ({"logprob_start_len": -2}, "logprob_start_len"),  # a position >= 0 is honoured (by engines that can), -1 means none
     ({"top_logprobs_num": 65}, "top_logprobs_num"),  # above MAX_TOP_LOGPROBS (0..64 are honoured by engines that can)

@@ -1,0 +1,145 @@
+"""LoRA adapter versions on the weight channel: publish to applied, and how long the trainer is blocked.
+
+One process: a `WeightPublisher` (the trainer side) and a `WeightSubscriber` (the worker side, network path
+over tcp loopback unless ``--path``) with a `LoraBank` on a skeleton of the base model's Linear layers (built on
+the ``meta`` device: no base weights are allocated, the bank checks names and shapes against it as the hf engine
+does). Per version, timed: ``publish()`` returning (`lora_trainer_blocked_s`: the trainer may step then), and
+publish start to the adapter resident in the bank on ``--device`` in ``--dtype`` (`lora_publish_to_applied_s`:
+announce, fetch, verify, copy into the bank). Medians of ``--versions`` after ``--warmup``.
+
+The 8B shape (default): 32 layers, hidden 4096, 8 KV heads of 128, MLP 14336; rank 16 on every attention and MLP
+projection (q, k, v, o, gate, up, down): 42 M parameters, 84 MB in bf16 per version.
+
+`pool_vs_direct` (SGLang tokens/s with the adapter active, pool vs direct) needs the sglang engine's LoRA path,
+which is not written yet: the JSON says so (null, with the reason) rather than a number.
+
+    python bench/lora.py [--layers 32] [--hidden 4096] [--kv 1024] [--mlp 14336] [--rank 16] [--versions 10]
+                         [--warmup 2] [--device cuda|cpu] [--dtype bfloat16] [--path network|auto|shm] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--kv", type=int, default=1024, help="k/v projection width (KV heads x head dim)")
+    ap.add_argument("--mlp", type=int, default=14336)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--versions", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default=None, help="the bank's device (default: cuda when available)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--path", default="network", choices=("network", "auto", "shm"))
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def shapes(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """Module path -> (in, out) of every targeted projection of the shape."""
+    io = {"q_proj": (a.hidden, a.hidden), "k_proj": (a.hidden, a.kv), "v_proj": (a.hidden, a.kv), "o_proj": (a.hidden, a.hidden),
+          "gate_proj": (a.hidden, a.mlp), "up_proj": (a.hidden, a.mlp), "down_proj": (a.mlp, a.hidden)}
+    out = {}
+    for i in range(a.layers):
+        for m, dims in io.items():
+            out[f"model.layers.{i}.{'self_attn' if m in TARGETS[:4] else 'mlp'}.{m}"] = dims
+    return out
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.adapters import adapter_spec
+    from rollpool.weights.publisher import WeightPublisher
+    from rollpool.weights.subscriber import WeightSubscriber
+    from rollpool.workers.engines.lora import LoraBank
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a.dtype)
+    dims = shapes(a)
+    with torch.device("meta"):
+        skeleton = torch.nn.Module()
+        for path, (i, o) in dims.items():
+            parent = skeleton
+            parts = path.split(".")
+            for p in parts[:-1]:
+                if not hasattr(parent, p):
+                    parent.add_module(p, torch.nn.Module())
+                parent = getattr(parent, p)
+            parent.add_module(parts[-1], torch.nn.Linear(i, o, bias=False))
+    bank = LoraBank(skeleton, resident=a.versions + a.warmup + 1, max_rank=max(64, a.rank))
+    spec = adapter_spec(a.rank, 2 * a.rank, TARGETS, base_model=f"{a.layers}x{a.hidden}")
+    src_device = device if device != "cpu" else "cpu"
+    named = {}
+    for path, (i, o) in dims.items():
+        named[f"base_model.model.{path}.lora_A.weight"] = torch.randn(a.rank, i, dtype=dtype, device=src_device) * 0.01
+        named[f"base_model.model.{path}.lora_B.weight"] = torch.zeros(o, a.rank, dtype=dtype, device=src_device)
+    nbytes = sum(t.numel() * t.element_size() for t in named.values())
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    pub = WeightPublisher(sockets, keep_versions=2, path=a.path)
+    await pub.start()
+    sub = WeightSubscriber(sockets, worker_id="bench", path=a.path)
+    sub.connect(pub.router_endpoint, pub.pub_endpoint)
+    blocked, applied = [], []
+    try:
+        for v in range(1, a.versions + a.warmup + 1):
+            for t in named.values():
+                t.add_(1e-3)  # a training step changed the adapter
+            if src_device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            await pub.publish(named, v, adapter=spec)
+            t1 = time.perf_counter()
+            wv = await sub.fetch(v)
+            assert wv.manifest.adapter == spec
+            bank.add(v, wv.tensors, spec, dtype=dtype, device=device)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            sub.recycle(wv)
+            bank.evict(())
+            if v > a.warmup:
+                blocked.append(t1 - t0)
+                applied.append(t2 - t0)
+    finally:
+        sub.close()
+        await pub.close()
+        ctx.term()
+    return {
+        "shape": {"layers": a.layers, "hidden": a.hidden, "kv": a.kv, "mlp": a.mlp, "rank": a.rank, "targets": list(TARGETS)},
+        "adapter_bytes": nbytes, "device": device, "dtype": a.dtype, "path": a.path, "versions": a.versions,
+        "lora_publish_to_applied_s": statistics.median(applied), "lora_publish_to_applied_s_range": [min(applied), max(applied)],
+        "lora_trainer_blocked_s": statistics.median(blocked), "lora_trainer_blocked_s_range": [min(blocked), max(blocked)],
+        "pool_vs_direct": None,
+        "pool_vs_direct_note": "not measured: the sglang engine's LoRA path is not written yet (docs/lora.md)",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    result = asyncio.run(run(a))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

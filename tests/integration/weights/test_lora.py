@@ -1,0 +1,146 @@
+"""LoRA adapter versions end to end on CPU: published with their spec, fetched direct and through a relay (real
+ZeroMQ), served by the hf engine (a real tiny Llama) exactly as the merged model computes, several versions resident,
+and bad adapters refused with the engine serving on."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from rollpool.protocol.errors import WeightsRefusedError  # noqa: E402
+from rollpool.protocol.fingerprint import model_fingerprint  # noqa: E402
+from rollpool.protocol.messages import AdapterSpec, SamplingParams  # noqa: E402
+from rollpool.weights.adapters import adapter_spec  # noqa: E402
+from rollpool.workers.engines.hf import HFEngine  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from rollpool.workers.engines.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", vocab=320, hidden=32, layers=2, heads=4, kv_heads=2)
+
+
+def _adapter(model_dir: pathlib.Path, seed: int, rank: int = 4) -> tuple[dict[str, torch.Tensor], AdapterSpec]:
+    """PEFT-named matrices (as get_peft_model_state_dict gives them) for every projection, random and non-zero."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    named: dict[str, torch.Tensor] = {}
+    for path, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and path.rsplit(".", 1)[-1] in TARGETS:
+            named[f"base_model.model.{path}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * 0.3
+            named[f"base_model.model.{path}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.3
+    return named, adapter_spec(rank, 2 * rank, TARGETS, base_fingerprint=model_fingerprint(model_dir), base_model="tiny")
+
+
+def _merged(model_dir: pathlib.Path, named: dict[str, torch.Tensor], spec: AdapterSpec) -> Any:
+    """The reference: the base with W + (alpha / r) B A merged in (what PEFT's merge_and_unload computes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for name, a in named.items():
+            if ".lora_A." in name:
+                path = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = named[name.replace(".lora_A.", ".lora_B.")]
+                mods[path].weight += (b @ a) * (spec.alpha / spec.rank)
+    return model
+
+
+def _teacher_forced(model: Any, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[len(prompt) - 1 + i, tok]) for i, tok in enumerate(output)]
+
+
+@pytest.fixture
+async def engine(model_dir: pathlib.Path) -> AsyncIterator[HFEngine]:
+    e = HFEngine(model=str(model_dir), capacity=8, num_threads=1, lora_resident=2, max_lora_rank=8)
+    await e.start()
+    yield e
+    await e.stop()
+
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT = [3, 40, 41, 42, 43, 44]
+
+
+async def test_an_adapter_version_travels_direct_and_through_a_relay_and_serves_exactly(
+        model_dir: pathlib.Path, engine: HFEngine, make_publisher: Any, make_subscriber: Any, make_relay: Any) -> None:
+    named, spec = _adapter(model_dir, seed=1)
+    pub = await make_publisher(keep_versions=2)
+    manifest = await pub.publish(named, 1, adapter=spec, wait_ready=True)
+    assert manifest.adapter == spec
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint)
+    direct = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    relayed = make_subscriber(relay.router_endpoint, relay.pub_endpoint)
+    for sub in (direct, relayed):
+        wv = await sub.fetch(1)
+        assert wv.manifest.adapter == spec  # verified bytes and the spec, end to end
+        assert all(torch.equal(wv.tensors[k], v) for k, v in named.items())
+    base_out = (await engine.generate(PROMPT, 1, GREEDY, "base")).samples[0]
+    await engine.update_adapter(wv.tensors, wv.manifest.adapter, 1)
+    relayed.recycle(wv)  # the engine keeps its own copy: the buffers may be reused at once
+    out = (await engine.generate(PROMPT, 1, GREEDY, "lora")).samples[0]
+    assert out.token_versions == [1] * 12
+    ref = _teacher_forced(_merged(model_dir, named, spec), PROMPT, out.output_ids)
+    assert max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)) < TOL
+    assert out.logprobs != base_out.logprobs or out.output_ids != base_out.output_ids  # the adapter changed the model
+
+
+async def test_in_flight_sequences_finish_on_their_adapter_version(model_dir: pathlib.Path, engine: HFEngine) -> None:
+    (n1, s1), (n2, s2), (n3, s3) = (_adapter(model_dir, seed=i) for i in (1, 2, 3))
+    await engine.update_adapter(n1, s1, 1)
+    long = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    first = asyncio.create_task(engine.generate(PROMPT, 1, long, "old"))
+    while engine.stats["decode_steps"] < 2:  # noqa: ASYNC110 - a counter of the engine's thread
+        await asyncio.sleep(0.005)
+    await engine.update_adapter(n2, s2, 2)
+    second = asyncio.create_task(engine.generate(PROMPT, 1, long, "new"))
+    while engine.stats["decode_steps"] < 8:  # noqa: ASYNC110 - a counter of the engine's thread
+        await asyncio.sleep(0.005)
+    await engine.update_adapter(n3, s3, 3)  # resident 2: version 1 stays while "old" still runs on it
+    assert 1 in engine.adapter_versions()
+    a, b = (await first).samples[0], (await second).samples[0]
+    assert a.token_versions == [1] * 120 and b.token_versions == [2] * 120  # one batch, two adapters, per row
+    assert max(abs(x - y) for x, y in zip(_teacher_forced(_merged(model_dir, n1, s1), PROMPT, a.output_ids), a.logprobs, strict=True)) < TOL
+    assert max(abs(x - y) for x, y in zip(_teacher_forced(_merged(model_dir, n2, s2), PROMPT, b.output_ids), b.logprobs, strict=True)) < TOL
+    await engine.update_adapter(*_adapter(model_dir, seed=4), 4)
+    assert engine.adapter_versions() == [3, 4]  # nothing pins 1 or 2 now: evicted down to lora_resident
+
+
+async def test_bad_adapters_are_refused_naming_why_and_the_engine_serves_on(model_dir: pathlib.Path, engine: HFEngine) -> None:
+    named, spec = _adapter(model_dir, seed=1)
+    await engine.update_adapter(named, spec, 1)
+    other = AdapterSpec(rank=spec.rank, alpha=spec.alpha, target_modules=spec.target_modules, base_fingerprint="ffffffffffffffff",
+                        base_model="other-8b")
+    fp = model_fingerprint(model_dir)
+    with pytest.raises(WeightsRefusedError, match=f"other-8b \\(fingerprint ffffffffffffffff\\).*fingerprint {fp}"):
+        await engine.update_adapter(named, other, 2)
+    big, big_spec = _adapter(model_dir, seed=1, rank=16)
+    with pytest.raises(WeightsRefusedError, match="rank 16 is above this engine's max_lora_rank 8"):
+        await engine.update_adapter(big, big_spec, 2)
+    emb = {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 320),
+           "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(32, 4)}
+    with pytest.raises(WeightsRefusedError, match=r"'model.embed_tokens' \(Embedding\) is not a Linear layer"):
+        await engine.update_adapter(emb, adapter_spec(4, 8, ["embed_tokens"]), 2)
+    wrong = {k: (v[:, :16] if ".lora_A." in k else v) for k, v in named.items()}
+    with pytest.raises(WeightsRefusedError, match=r"is Linear\(\d+ -> \d+\); A \(4, 16\) .* do not fit it at rank 4"):
+        await engine.update_adapter(wrong, spec, 2)
+    assert engine.adapter_versions() == [1] and engine.version == 1  # nothing of a refused version was kept
+    out = (await engine.generate(PROMPT, 1, GREEDY, "after")).samples[0]
+    assert out.token_versions == [1] * 12
