@@ -83,6 +83,7 @@ __all__ = [
     "carry_entry",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
+    "DELTA_MINOR",
     "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
@@ -112,10 +113,15 @@ PROTOCOL_MAJOR = 1
 #   1.13 the network path's bulk lane: Manifest.bulk_port (chunk bytes over plain TCP into the subscriber's buffer)
 #   1.14 the versioned-service contract: Prompt.exact_weight_version (CONTRACT_MINOR)
 #   1.15 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
-PROTOCOL_MINOR = 15
+#   1.16 delta weight versions: ManifestRequest/Manifest/Fetch.delta_base, BucketInfo.encoding / delta_nbytes /
+#        delta_checksum (DELTA_MINOR)
+PROTOCOL_MINOR = 16
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
+DELTA_MINOR = 16
+"""The first minor whose subscribers ask for delta weight versions (`ManifestRequest.delta_base`); an older one never
+asks and is always served full versions."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

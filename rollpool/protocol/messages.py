@@ -398,6 +398,15 @@ class BucketInfo:
     """Same-host path staged to a GPU (minor 10): ``"mix64:<hex>"`` of the bucket's host bytes (its `shm_segment`), so a
     subscriber that copies the segment host-to-device verifies its device copy on its GPU (``""``: pending or none;
     set once the bucket's bytes have landed in the segment)."""
+    encoding: str = ""
+    """Delta versions (minor 16, `DELTA_MINOR`), on a manifest naming `Manifest.delta_base`: how the bucket travels,
+    ``"whole"`` (its bytes), ``"unchanged"`` (nothing: the base's bucket is the result) or ``"sparse"`` (the changed
+    elements: int32 element indices, then their new values, `rollpool.weights.delta`). ``""``: a full version.
+    `checksum` is always of the resulting bytes."""
+    delta_nbytes: int = 0
+    """The bytes the bucket's encoding carries (fetched with `Fetch.delta_base`)."""
+    delta_checksum: str = ""
+    """Checksum of those encoded bytes (what arrives is checked before it is decoded)."""
 
 
 @record
@@ -850,6 +859,9 @@ class ManifestRequest:
     to the same-GPU path (`Manifest.cuda_ipc`)."""
     wait_ipc: bool = False
     """Answer once every bucket's `BucketInfo.ipc_checksum` exists (the same-GPU path; the host checksums may still be pending)."""
+    delta_base: int = -1
+    """(minor 16, `DELTA_MINOR`) The version the asker holds whole and verified: it accepts a delta against it. -1: full
+    versions only (a peer of minor 15 or older never says more)."""
 
 
 @message("manifest")
@@ -874,6 +886,8 @@ class Manifest:
     """(minor 13) The TCP port of the server's bulk lane (`rollpool.weights.paths.bulk`: chunk bytes over plain TCP, received
     straight into the subscriber's buffer), on the host of its ROUTER endpoint; 0: none (CURVE, not TCP, turned off,
     or a server of minor 12 or older), so chunks come over the ROUTER."""
+    delta_base: int = -1
+    """(minor 16) >= 0: a delta against that version (each bucket's `BucketInfo.encoding`); -1: a full version."""
 
 
 @message("fetch")
@@ -885,6 +899,8 @@ class Fetch:
     bucket: int
     offset: int
     nbytes: int
+    delta_base: int = -1
+    """(minor 16) >= 0: the bytes are of the bucket's encoding against that base (`BucketInfo.delta_nbytes`)."""
 
 
 @message("chunk")

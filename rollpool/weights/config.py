@@ -61,6 +61,8 @@ class WeightPathConfig:
     weight_reserve_bytes: int | None = field(default=None, metadata={"help": "a subscriber reserves buffers for two versions of this size when made (None: at engine start, else at the first fetch)"})
     weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
     weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})
+    weight_delta: bool = field(default=True, metadata={"help": "delta versions: a subscriber holding the previous version asks for the changed elements only; a server offers them"})
+    weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -72,6 +74,8 @@ class WeightPathConfig:
             raise ConfigError(f"{owner}.pinned_budget_bytes must be >= 0 or None, got {self.pinned_budget_bytes}")
         if self.weight_reserve_bytes is not None and self.weight_reserve_bytes < 0:
             raise ConfigError(f"{owner}.weight_reserve_bytes must be >= 0 or None, got {self.weight_reserve_bytes}")
+        if not 0.0 <= self.weight_delta_max_fraction <= 1.0:
+            raise ConfigError(f"{owner}.weight_delta_max_fraction must be in [0, 1], got {self.weight_delta_max_fraction}")
         if not 0 <= self.weight_copy_threads <= 64:
             raise ConfigError(f"{owner}.weight_copy_threads must be in [0, 64] (0: automatic), got {self.weight_copy_threads}")
 

@@ -168,6 +168,10 @@ class WeightPublisher:
             metrics=self.metrics,
             bulk=cfg.weight_bulk,
         )
+        self._server.delta_threads = self.copy_threads
+        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
+        self._deltas: set[asyncio.Task[Any]] = set()
+        """Delta computations running (`WeightServer.make_delta`): each version's against the one before, from the host copies."""
         self._latest = -1
         self._spare: list[ContiguousSource] = []
         """Buckets of evicted versions, reused by the next snapshot once nothing of theirs is in flight."""
@@ -192,6 +196,8 @@ class WeightPublisher:
     async def close(self) -> None:
         for fut in list(self._finishing.values()):
             fut.cancel()
+        for task in list(self._deltas):
+            task.cancel()
         await self._server.close()
         self._pools.shutdown()
         self._spare = []
@@ -409,6 +415,8 @@ class WeightPublisher:
                 snap.served.cuda_ipc = None
                 ipc_device = None
         previous, self._latest = self._latest, version
+        if ipc_device is None and self.config.weight_delta:
+            self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
@@ -456,6 +464,10 @@ class WeightPublisher:
         finally:
             self._finishing.pop(snap.version, None)
         self._after_publish(snap.served, t0, copied)
+        if snap.served.delta_state == "pending":
+            task = asyncio.ensure_future(self._server.make_delta(snap.version, algorithm=self.checksum_algorithm))
+            self._deltas.add(task)
+            task.add_done_callback(self._deltas.discard)
 
     def _after_publish(self, served: ServedVersion, t0: float, copied: float) -> None:
         now = time.perf_counter()
