@@ -114,6 +114,8 @@ def decode_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tenso
     if payload.numel() % (4 + width):
         raise DeltaError(f"sparse payload of {payload.numel()} bytes is not whole (index, value) pairs of {4 + width} bytes")
     k = payload.numel() // (4 + width)
+    if payload.storage_offset() % 8:
+        payload = payload.clone()  # the index and value views need their element alignment
     idx = payload[: 4 * k].view(torch.int32).to(torch.int64)
     if k and (int(idx.min()) < 0 or int(idx.max()) >= o.numel()):
         raise DeltaError(f"sparse payload names an element outside the bucket ({o.numel()} elements)")

@@ -427,11 +427,11 @@ class WeightSubscriber:
         carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
         payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
                                                            for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
-        scratch = torch.empty(sum(b.delta_nbytes for b in carried), dtype=torch.uint8)
+        scratch = torch.empty(sum(-(-b.delta_nbytes // 8) * 8 for b in carried), dtype=torch.uint8)
         views, at = [], 0
-        for b in carried:
+        for b in carried:  # each payload 8-byte aligned: decoded through int32 and element views
             views.append(scratch[at : at + b.delta_nbytes])
-            at += b.delta_nbytes
+            at += -(-b.delta_nbytes // 8) * 8
         if carried:
             await self._network.fetch(FetchJob(check_manifest(payload_manifest), buffers=views, slab=scratch))
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
@@ -461,7 +461,7 @@ class WeightSubscriber:
                 res = on_bucket(b.index, {n: tensors_of[n] for n in names})
                 if asyncio.iscoroutine(res):
                     await res
-        details = {"delta_base": manifest.delta_base, "delta_bytes": at}
+        details = {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in carried)}
         return self._fetched(Fetched(manifest, buffers, slab, NETWORK, details))
 
     def _delta_pool(self) -> ThreadPoolExecutor:

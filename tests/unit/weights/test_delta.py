@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollpool.protocol.messages import BucketInfo, TensorInfo
-from rollpool.weights.delta import SPARSE, UNCHANGED, WHOLE, DeltaError, compute_delta, decode_bucket, encode_bucket
+from rollpool.protocol.messages import BucketInfo, TensorInfo  # noqa: E402
+from rollpool.weights.delta import SPARSE, UNCHANGED, WHOLE, DeltaError, compute_delta, decode_bucket, encode_bucket  # noqa: E402
 
 
 def _bf16(n: int, seed: int) -> torch.Tensor:
