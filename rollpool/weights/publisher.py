@@ -247,6 +247,11 @@ class WeightPublisher:
             "ipc_arenas": len(self._ipc.exports),
             "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
             "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
+            "delta_manifests_served": s.deltas_served,
+            "full_manifests_to_delta_askers": s.full_served_to_delta_askers,
+            "last_delta_version": int(s.last_delta.get("version", -1)),
+            "last_delta_wire_bytes": int(s.last_delta.get("wire_bytes", 0)),
+            "last_delta_changed_ppm": round(float(s.last_delta.get("changed_fraction", 0.0)) * 1e6),
         }
 
     # -- memory

@@ -141,18 +141,19 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "bucketing": {"manifest"},
     "gpu": set(),
     "memory": set(),
+    "delta": set(),
     "paths": set(),  # the package's docstring
     "paths.base": set(),
     "paths.network": {"paths.base", "manifest", "bucketing"},
     "paths.bulk": {"paths.base", "manifest", "bucketing"},
-    "serving": {"paths.base", "paths.bulk", "manifest"},
+    "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta"},
     "snapshot": {"serving", "bucketing", "gpu", "memory"},
     "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},
     "paths.cuda_ipc": {"paths.base", "manifest", "bucketing", "gpu", "serving", "snapshot"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "manifest", "config", "bucketing", "gpu",
-                   "memory", "snapshot"},
+                   "memory", "snapshot", "delta"},
     "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory"},
-    "relay": {"subscriber", "serving", "paths.base", "manifest", "config"},
+    "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory"},
     "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports
     "__main__": set(),
 }

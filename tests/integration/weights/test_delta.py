@@ -70,7 +70,9 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert 0 < sub.bytes_received - before < total // 10
         sub.recycle(wv)
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
-    assert pub._server.last_delta["version"] == 4 and 0.005 < pub._server.last_delta["changed_fraction"] < 0.02
+    stats = pub.stats
+    assert stats["last_delta_version"] == 4 and 5_000 < stats["last_delta_changed_ppm"] < 20_000
+    assert stats["delta_manifests_served"] == 3 and 0 < stats["last_delta_wire_bytes"] < total // 10
 
 
 async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_versions(make_publisher: Any, sockets: Any) -> None:
