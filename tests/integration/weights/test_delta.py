@@ -70,6 +70,7 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert 0 < sub.bytes_received - before < total // 10
         sub.recycle(wv)
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
+    assert sub.buffers_allocated == 2  # the base and the version being rebuilt: recycled buffers come back a version later
     stats = pub.stats
     assert stats["last_delta_version"] == 4 and 5_000 < stats["last_delta_changed_ppm"] < 20_000
     assert stats["delta_manifests_served"] == 3 and 0 < stats["last_delta_wire_bytes"] < total // 10

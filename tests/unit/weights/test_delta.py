@@ -62,3 +62,13 @@ def test_no_delta_when_the_layouts_differ_or_it_passes_the_threshold() -> None:
     assert compute_delta([moved.view(torch.uint8)], [base.view(torch.uint8)], [info], [info], base_version=3) is None
     other = BucketInfo(index=0, dtype="float16", nbytes=8192, checksum="", tensors=info.tensors)
     assert compute_delta([small.view(torch.uint8)], [base.view(torch.uint8)], [info], [other], base_version=3) is None
+
+
+def test_the_delta_knobs_are_read_from_the_environment_and_checked() -> None:
+    from rollpool.protocol.errors import ConfigError
+    from rollpool.weights.config import WeightPathConfig
+
+    cfg = WeightPathConfig.from_env({"ROLLPOOL_WEIGHT_DELTA": "0", "ROLLPOOL_WEIGHT_DELTA_MAX_FRACTION": "0.25"})
+    assert (cfg.weight_delta, cfg.weight_delta_max_fraction) == (False, 0.25)
+    with pytest.raises(ConfigError, match="weight_delta_max_fraction"):
+        WeightPathConfig(weight_delta_max_fraction=1.5)
