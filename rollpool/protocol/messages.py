@@ -400,8 +400,9 @@ class BucketInfo:
     set once the bucket's bytes have landed in the segment)."""
     encoding: str = ""
     """Delta versions (minor 16, `DELTA_MINOR`), on a manifest naming `Manifest.delta_base`: how the bucket travels,
-    ``"whole"`` (its bytes), ``"unchanged"`` (nothing: the base's bucket is the result) or ``"sparse"`` (the changed
-    elements: int32 element indices, then their new values, `rollpool.weights.delta`). ``""``: a full version.
+    ``"whole"`` (its bytes), ``"unchanged"`` (nothing: the base's bucket is the result), ``"gaps"`` (the changed elements:
+    2-byte gaps between their indices, then their new values) or ``"sparse"`` (int32 indices, then the values); see
+    `rollpool.weights.delta`. ``""``: a full version.
     `checksum` is always of the resulting bytes."""
     delta_nbytes: int = 0
     """The bytes the bucket's encoding carries (fetched with `Fetch.delta_base`)."""

@@ -5,7 +5,8 @@ Contract
       bucket's dtype item size: bf16 elements are compared as 2-byte words, so a changed element is a changed bf16
       value, bit for bit). It returns the encoding and its payload: ``UNCHANGED`` (no bytes), ``SPARSE`` (the changed
       elements' indices as little-endian int32, then their new values, each of `itemsize` bytes) when that is smaller
-      than the bucket, else ``WHOLE`` (the bucket's bytes).
+      than the bucket, ``GAPS`` (the same with each index as its gap from the one before, minus one, as a 2-byte
+      little-endian unsigned) when every gap fits 2 bytes, else ``WHOLE`` (the bucket's bytes).
     - `decode_bucket(encoding, payload, base, out, itemsize)` writes the resulting bytes into `out` from `base` and
       the payload. It never trusts the payload: indices outside the bucket or a payload of the wrong size raise
       `DeltaError`; the caller then verifies `out` against the manifest's checksum of the *resulting* bytes, so a
@@ -15,9 +16,10 @@ Contract
       dtype, size or tensors changed) or the encoded bytes pass `max_fraction` of the version's bytes: then the
       version goes out full.
 
-Why index/value pairs: after an RL optimizer step at lr 1e-6..1e-5 a few percent of bf16 elements change, scattered
-(no runs to speak of), so a run-length or bitmap form costs at least a bit per element (1/16 of a bf16 bucket: above
-the 1/20 goal by itself) while index/value pairs cost 6 bytes per changed bf16 element: 3x the changed fraction.
+Why position/value pairs: after an RL optimizer step at lr 1e-6..1e-5 a few percent of bf16 elements change,
+scattered (no runs to speak of), so a run-length or bitmap form costs at least a bit per element (1/16 of a bf16
+bucket: above the 1/20 goal by itself) while gap/value pairs cost 4 bytes per changed bf16 element (2 x the changed
+fraction) and index/value pairs 6 (3 x), used when a gap passes 65536 elements.
 Decoding is one copy of the base and one scatter, the same op on the CPU and the GPU. Measured by `bench/weights.py`
 (``--delta``), which reports the changed fraction and the bytes of each encoding.
 """
@@ -34,12 +36,13 @@ from rollpool.protocol.messages import BucketInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "compute_delta", "decode_bucket", "encode_bucket", "itemsize_of"]
+__all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "compute_delta", "decode_bucket", "encode_bucket", "itemsize_of"]
 
 WHOLE = "whole"
 UNCHANGED = "unchanged"
 SPARSE = "sparse"
-ENCODINGS = (WHOLE, UNCHANGED, SPARSE)
+GAPS = "gaps"
+ENCODINGS = (WHOLE, UNCHANGED, SPARSE, GAPS)
 
 _MAX_ELEMENTS = (1 << 31) - 1
 """Element indices travel as int32: a bucket of more elements is sent whole."""
@@ -79,7 +82,16 @@ def encode_bucket(new: torch.Tensor, base: torch.Tensor, itemsize: int) -> tuple
     k = int(idx.numel())
     if k == 0:
         return UNCHANGED, None, 0
-    if k * (4 + itemsize) >= new.numel() or a.numel() > _MAX_ELEMENTS:
+    if k * (2 + itemsize) >= new.numel() or a.numel() > _MAX_ELEMENTS:
+        return WHOLE, new, k
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+    if int(gaps.max()) <= 0xFFFF:
+        # every gap between changed elements fits 2 bytes (the common case: changes are dense enough to be worth a delta)
+        payload = torch.empty(k * (2 + itemsize), dtype=torch.uint8, device=new.device)
+        payload[: 2 * k].view(torch.int16).copy_((gaps - 1).to(torch.int32).to(torch.int16))
+        payload[2 * k :].view(a.dtype).copy_(a[idx])
+        return GAPS, payload, k
+    if k * (4 + itemsize) >= new.numel():
         return WHOLE, new, k
     payload = torch.empty(k * (4 + itemsize), dtype=torch.uint8, device=new.device)
     payload[: 4 * k].view(torch.int32).copy_(idx)
@@ -89,7 +101,6 @@ def encode_bucket(new: torch.Tensor, base: torch.Tensor, itemsize: int) -> tuple
 
 def decode_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor, itemsize: int) -> None:
     """Write the resulting bucket into `out` (may be `base` itself); raises `DeltaError` on a payload that cannot be right."""
-    import torch
 
     n = int(out.numel())
     if encoding == UNCHANGED:
@@ -105,23 +116,35 @@ def decode_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tenso
             raise DeltaError(f"whole bucket of {payload.numel()} bytes, expected {n}")
         out.copy_(payload)
         return
-    if encoding != SPARSE:
+    if encoding not in (SPARSE, GAPS):
         raise DeltaError(f"unknown bucket encoding {encoding!r}")
     if base.numel() != n:
         raise DeltaError(f"sparse bucket of {n} bytes against a base of {base.numel()}")
     o = _words(out, itemsize)
-    width = o.element_size()
-    if payload.numel() % (4 + width):
-        raise DeltaError(f"sparse payload of {payload.numel()} bytes is not whole (index, value) pairs of {4 + width} bytes")
-    k = payload.numel() // (4 + width)
-    if payload.storage_offset() % 8:
-        payload = payload.clone()  # the index and value views need their element alignment
-    idx = payload[: 4 * k].view(torch.int32).to(torch.int64)
-    if k and (int(idx.min()) < 0 or int(idx.max()) >= o.numel()):
-        raise DeltaError(f"sparse payload names an element outside the bucket ({o.numel()} elements)")
+    idx, values = _positions(encoding, payload, o)
     if out.data_ptr() != base.data_ptr():
         out.copy_(base)
-    o[idx] = payload[4 * k :].view(o.dtype)
+    o[idx] = values
+
+
+def _positions(encoding: str, payload: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(element indices, new values) of a ``sparse`` or ``gaps`` payload against the words `o` it applies to."""
+    import torch
+
+    width = o.element_size()
+    pos = 4 if encoding == SPARSE else 2
+    if payload.numel() % (pos + width):
+        raise DeltaError(f"{encoding} payload of {payload.numel()} bytes is not whole (position, value) pairs of {pos + width} bytes")
+    k = payload.numel() // (pos + width)
+    if payload.storage_offset() % 8:
+        payload = payload.clone()  # the index and value views need their element alignment
+    if encoding == SPARSE:
+        idx = payload[: 4 * k].view(torch.int32).to(torch.int64)
+    else:  # gap - 1 as uint16 (stored in int16 bits)
+        idx = (payload[: 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF).add_(1).cumsum_(0).sub_(1)
+    if k and (int(idx.min()) < 0 or int(idx.max()) >= o.numel()):
+        raise DeltaError(f"{encoding} payload names an element outside the bucket ({o.numel()} elements)")
+    return idx, payload[pos * k :].view(o.dtype)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool.protocol.messages import BucketInfo, TensorInfo  # noqa: E402
-from rollpool.weights.delta import SPARSE, UNCHANGED, WHOLE, DeltaError, compute_delta, decode_bucket, encode_bucket  # noqa: E402
+from rollpool.weights.delta import (  # noqa: E402
+    GAPS,
+    SPARSE,
+    UNCHANGED,
+    WHOLE,
+    DeltaError,
+    compute_delta,
+    decode_bucket,
+    encode_bucket,
+)
 
 
 def _bf16(n: int, seed: int) -> torch.Tensor:
@@ -23,16 +32,29 @@ def _step(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("frac", "want"), [(0.0, UNCHANGED), (0.01, SPARSE), (1.0, WHOLE)])
+@pytest.mark.parametrize(("frac", "want"), [(0.0, UNCHANGED), (0.01, GAPS), (1.0, WHOLE)])
 def test_a_bucket_rebuilt_from_its_encoding_is_the_new_bucket_bit_for_bit(frac: float, want: str) -> None:
     base = _bf16(4096, 0)
     new = _step(base, frac, 1)
     enc, payload, changed = encode_bucket(new.view(torch.uint8), base.view(torch.uint8), 2)
     assert enc == want
     assert changed == int((new.view(torch.int16) != base.view(torch.int16)).sum())
-    if enc == SPARSE:
-        assert payload is not None and payload.numel() == changed * 6  # int32 index + a bf16 value per changed element
+    if enc == GAPS:
+        assert payload is not None and payload.numel() == changed * 4  # a 2-byte gap + a bf16 value per changed element
     out = torch.empty(new.numel() * 2, dtype=torch.uint8)
+    decode_bucket(enc, payload, base.view(torch.uint8), out, 2)
+    assert torch.equal(out, new.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("gap", "want"), [(40_000, GAPS), (70_000, SPARSE)])
+def test_gaps_past_two_bytes_take_int32_indices(gap: int, want: str) -> None:
+    base = _bf16(gap + 10, 0)
+    new = base.clone()
+    for i in (3, 3 + gap):  # one gap of `gap` elements (past int16's range, then past 2 bytes)
+        new[i] = new[i] + 1
+    enc, payload, changed = encode_bucket(new.view(torch.uint8), base.view(torch.uint8), 2)
+    assert (enc, changed) == (want, 2)
+    out = torch.empty_like(base.view(torch.uint8))
     decode_bucket(enc, payload, base.view(torch.uint8), out, 2)
     assert torch.equal(out, new.view(torch.uint8))
 
@@ -57,8 +79,8 @@ def test_no_delta_when_the_layouts_differ_or_it_passes_the_threshold() -> None:
     info = BucketInfo(index=0, dtype="bfloat16", nbytes=8192, checksum="", tensors=(TensorInfo("w", "bfloat16", (4096,), 0, 8192),))
     small = _step(base, 0.01, 1)
     ds = compute_delta([small.view(torch.uint8)], [base.view(torch.uint8)], [info], [info], base_version=3)
-    assert ds is not None and ds.base == 3 and ds.encodings == [SPARSE] and 0.005 < ds.changed_fraction < 0.015
-    moved = _step(base, 0.2, 1)  # 20% changed: 60% of the bytes as pairs, over the default 0.5
+    assert ds is not None and ds.base == 3 and ds.encodings == [GAPS] and 0.005 < ds.changed_fraction < 0.015
+    moved = _step(base, 0.3, 1)  # 30% changed: 60% of the bytes as pairs, over the default 0.5
     assert compute_delta([moved.view(torch.uint8)], [base.view(torch.uint8)], [info], [info], base_version=3) is None
     other = BucketInfo(index=0, dtype="float16", nbytes=8192, checksum="", tensors=info.tensors)
     assert compute_delta([small.view(torch.uint8)], [base.view(torch.uint8)], [info], [other], base_version=3) is None
