@@ -353,7 +353,9 @@ class WeightSubscriber:
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
-        base = self._base.version if delta and self.config.weight_delta and self._base is not None else -1
+        # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
+        asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
+        base = self._base.version if asks and self._base is not None else -1
         for _attempt in range(tries):
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
