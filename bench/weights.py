@@ -33,6 +33,7 @@ interleaved (`rollpool_router_gbps`, `ratio_vs_raw_router`), so the two lanes co
 The top-level keys (raw_zmq_gbps, rollpool_gbps, ratio_vs_raw, gloo_4_s, rollpool_4_s, vs_gloo)
 are the largest size on tcp; every set is under "rows".
 
+    python bench/weights.py --delta [--delta-mib 64] [--delta-versions 5] [--json PATH]   (the delta rows only)
     python bench/weights.py [--mib 256,1024] [--transports tcp,ipc] [--reps 3] [--chunk-mib 4] [--window 16]
                             [--peers 4] [--no-gloo] [--json PATH] [--quick]
 """
@@ -528,6 +529,151 @@ def run_set(mib: int, transport: str, args: argparse.Namespace, tmpdir: str) -> 
     return row
 
 
+# --------------------------------------------------------------------------- delta versions (--delta)
+
+
+class AdamWTrainer:
+    """A realistic RL trainer step for the delta rows: fp32 master weights (init 0.02 * randn, as LLM layers are),
+    torch AdamW (betas 0.9/0.999, weight decay 0.01) at `lr`, gradients of unit global norm (what gradient clipping at
+    1.0 leaves; per element about 1/sqrt(n)), cast to bf16 for publishing."""
+
+    def __init__(self, mib: int, lr: float, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        n_tensors = 8
+        per = mib * _MiB // 2 // n_tensors  # bf16 elements per tensor
+        self.params = [torch.nn.Parameter(torch.randn(per, generator=g) * 0.02) for _ in range(n_tensors)]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.01)
+        self.gen = g
+
+    def step(self, worst_case: bool = False) -> dict[str, Any]:
+        import torch
+
+        grads = [torch.randn(p.shape, generator=self.gen) for p in self.params]
+        norm = torch.sqrt(sum((x * x).sum() for x in grads))
+        for p, x in zip(self.params, grads, strict=True):
+            p.grad = x / norm
+        self.opt.step()
+        with torch.no_grad():
+            if worst_case:  # every element moves by far more than a bf16 ulp
+                for p in self.params:
+                    p.mul_(1.5).add_(0.01)
+            return {f"layer{i}.weight": p.detach().to(torch.bfloat16) for i, p in enumerate(self.params)}
+
+
+async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_bytes: int) -> dict[str, Any]:
+    """4 subscribers asking for deltas and 4 asking for full versions, all behind one relay, one process (the relay
+    computes the deltas it serves from the two versions it holds). Per version: publish, relay follows, then the full
+    group and the delta group fetch (their order alternating), each group timed until its last subscriber holds the
+    verified version, with its bytes received and the process CPU seconds. The last version is a worst case (every
+    element changes): the delta group must get the full version with no loss against the full group."""
+    import torch
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.config import WeightPathConfig
+    from rollpool.weights.publisher import WeightPublisher
+    from rollpool.weights.relay import Relay
+    from rollpool.weights.subscriber import WeightSubscriber
+
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    on = WeightPathConfig(weight_path="network", weight_delta=True)
+    off = WeightPathConfig(weight_path="network", weight_delta=False)
+    pub = WeightPublisher(sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
+                          bucket_bytes=64 * _MiB, chunk_bytes=chunk_bytes, weights=on)
+    await pub.start()
+    relay = Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
+                  pub_endpoint="tcp://127.0.0.1:*", weights=on, fetch_timeout_s=60.0)
+    await relay.start()
+    groups = {"full": [WeightSubscriber(sockets, worker_id=f"full{i}", weights=off, fetch_timeout_s=60.0) for i in range(n_subs)],
+              "delta": [WeightSubscriber(sockets, worker_id=f"delta{i}", weights=on, fetch_timeout_s=60.0) for i in range(n_subs)]}
+    for subs in groups.values():
+        for s in subs:
+            s.connect(relay.router_endpoint, relay.pub_endpoint)
+    trainer = AdamWTrainer(mib, lr)
+    model_bytes = mib * _MiB
+    rows: list[dict[str, Any]] = []
+    try:
+        for version in range(1, versions + 2):
+            worst = version == versions + 1
+            t_step = time.perf_counter()
+            model = trainer.step(worst_case=worst)
+            step_s = time.perf_counter() - t_step
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await pub.publish(model, version, wait_ready=True)
+            publish_s = time.perf_counter() - t0
+            await relay.follow_latest()
+            while relay._server.versions[version].delta_state == "pending":  # noqa: ASYNC110 - the delta has no event
+                await asyncio.sleep(0.001)
+            relay_s, relay_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            d = relay._server.versions[version].delta
+            row: dict[str, Any] = {"version": version, "worst_case": worst, "step_s": round(step_s, 3), "publish_s": round(publish_s, 4),
+                                   "relay_fetch_and_delta_s": round(relay_s, 4), "relay_fetch_and_delta_cpu_s": round(relay_cpu, 4),
+                                   "delta_offered": d is not None}
+            if d is not None:
+                row.update({"changed_fraction": round(d.changed_fraction, 6), "delta_wire_bytes": d.wire_bytes,
+                             "delta_bytes_fraction": round(d.wire_bytes / model_bytes, 6), "bytes_by_encoding": d.bytes_by_encoding})
+            order = ("full", "delta") if version % 2 else ("delta", "full")
+            for name in order:
+                subs = groups[name]
+                before = sum(s.bytes_received for s in subs)
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                got = await asyncio.gather(*(s.fetch(version) for s in subs))
+                row[f"{name}_s"] = round(time.perf_counter() - t0, 4)
+                row[f"{name}_cpu_s"] = round(time.process_time() - cpu0, 4)
+                row[f"{name}_bytes"] = sum(s.bytes_received for s in subs) - before
+                for w in got:
+                    for k, t in model.items():
+                        assert torch.equal(w.tensors[k].view(torch.int16), t.view(torch.int16)), f"{name} {k} differs"
+                for s, w in zip(subs, got, strict=True):
+                    s.recycle(w)
+            if version > 1 and row["full_bytes"]:
+                row["bytes_ratio"] = round(row["delta_bytes"] / row["full_bytes"], 4)
+                row["time_ratio"] = round(row["delta_s"] / row["full_s"], 4)
+                row["cpu_ratio"] = round(row["delta_cpu_s"] / row["full_cpu_s"], 4) if row["full_cpu_s"] else None
+            rows.append(row)
+            print(f"  [delta lr {lr:g} v{version}] {json.dumps(row)}", file=sys.stderr, flush=True)
+    finally:
+        for subs in groups.values():
+            for s in subs:
+                await s.aclose()
+        await relay.close()
+        await pub.close()
+        ctx.term()
+    steady = [r for r in rows if r["version"] > 1 and not r["worst_case"]]
+    worst = rows[-1]
+
+    def med(key: str) -> float | None:
+        xs = [r[key] for r in steady if r.get(key) is not None]
+        return round(statistics.median(xs), 6) if xs else None
+
+    return {"lr": lr, "mib": mib, "subscribers_per_group": n_subs, "steady_versions": len(steady),
+            "changed_fraction": med("changed_fraction"), "delta_bytes_fraction": med("delta_bytes_fraction"),
+            "bytes_ratio": med("bytes_ratio"), "time_ratio": med("time_ratio"), "cpu_ratio": med("cpu_ratio"),
+            "full_s": med("full_s"), "delta_s": med("delta_s"), "full_cpu_s": med("full_cpu_s"), "delta_cpu_s": med("delta_cpu_s"),
+            "relay_fetch_and_delta_s": med("relay_fetch_and_delta_s"),
+            "worst_case": {k: worst.get(k) for k in ("delta_offered", "full_s", "delta_s", "full_bytes", "delta_bytes", "time_ratio", "bytes_ratio")},
+            "rows": rows}
+
+
+def delta_main(args: argparse.Namespace) -> int:
+    out: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
+        "params": {"mib": args.delta_mib, "versions": args.delta_versions, "subscribers": args.peers, "chunk_mib": args.chunk_mib,
+                   "setup": "one process: publisher, relay, 4 delta + 4 full subscribers behind the relay, tcp loopback, network path"},
+        "runs": [asyncio.run(delta_compare(args.delta_mib, lr, args.delta_versions, args.peers, args.chunk_mib * _MiB))
+                 for lr in (1e-6, 1e-5)],
+    }
+    for r in out["runs"]:
+        print(json.dumps({k: v for k, v in r.items() if k != "rows"}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", default="256,1024", help="version sizes in MiB, comma-separated (the headline keys are the largest, tcp)")
@@ -542,7 +688,12 @@ def main() -> int:
     ap.add_argument("--no-gloo", action="store_true", help="skip the gloo peer (no torch.distributed)")
     ap.add_argument("--quick", action="store_true", help="64 MiB, fan-out 16 MiB (--mib given explicitly wins)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--delta", action="store_true", help="only the delta rows: delta vs full versions behind a relay, AdamW at lr 1e-6 and 1e-5")
+    ap.add_argument("--delta-mib", type=int, default=64, help="model size of the delta rows")
+    ap.add_argument("--delta-versions", type=int, default=5, help="versions of the delta rows (the first full, then steady; a worst case after)")
     args = ap.parse_args()
+    if args.delta:
+        return delta_main(args)
     if args.quick:
         if "--mib" not in sys.argv:
             args.mib = "64"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rollpool.protocol.codec import (
     CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
+    DELTA_MINOR,
     EPOCH_MINOR,
     IMAGES_MINOR,
     INLINE_MINOR,
@@ -62,6 +63,7 @@ __all__ = [
     "IMAGES_MINOR",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
+    "DELTA_MINOR",
     "EPOCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
     "peek_type",

@@ -84,6 +84,7 @@ __all__ = [
     "carry_entry",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
+    "DELTA_MINOR",
     "EPOCH_MINOR",
     "IMAGES_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
@@ -116,10 +117,15 @@ PROTOCOL_MAJOR = 1
 #   1.15 run epochs on results: Trajectory.version_epoch (EPOCH_MINOR)
 #   1.16 images in prompts: Prompt.images (PromptImage), Trajectory.image_sha256 / image_grid_thw (IMAGES_MINOR)
 #   1.17 LoRA adapter versions: Manifest.adapter (AdapterSpec) (LORA_MINOR)
-PROTOCOL_MINOR = 17
+#   1.18 delta weight versions: ManifestRequest/Manifest/Fetch.delta_base, BucketInfo.encoding / delta_nbytes /
+#        delta_checksum (DELTA_MINOR)
+PROTOCOL_MINOR = 18
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
+DELTA_MINOR = 18
+"""The first minor whose subscribers ask for delta weight versions (`ManifestRequest.delta_base`); an older one never
+asks and is always served full versions."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

@@ -454,6 +454,16 @@ class BucketInfo:
     """Same-host path staged to a GPU (minor 10): ``"mix64:<hex>"`` of the bucket's host bytes (its `shm_segment`), so a
     subscriber that copies the segment host-to-device verifies its device copy on its GPU (``""``: pending or none;
     set once the bucket's bytes have landed in the segment)."""
+    encoding: str = ""
+    """Delta versions (minor 18, `DELTA_MINOR`), on a manifest naming `Manifest.delta_base`: how the bucket travels,
+    ``"whole"`` (its bytes), ``"unchanged"`` (nothing: the base's bucket is the result), ``"gaps"`` (the changed elements:
+    2-byte gaps between their indices, then their new values) or ``"sparse"`` (int32 indices, then the values); see
+    `rollpool.weights.delta`. ``""``: a full version.
+    `checksum` is always of the resulting bytes."""
+    delta_nbytes: int = 0
+    """The bytes the bucket's encoding carries (fetched with `Fetch.delta_base`)."""
+    delta_checksum: str = ""
+    """Checksum of those encoded bytes (what arrives is checked before it is decoded)."""
 
 
 @record
@@ -922,6 +932,9 @@ class ManifestRequest:
     to the same-GPU path (`Manifest.cuda_ipc`)."""
     wait_ipc: bool = False
     """Answer once every bucket's `BucketInfo.ipc_checksum` exists (the same-GPU path; the host checksums may still be pending)."""
+    delta_base: int = -1
+    """(minor 18, `DELTA_MINOR`) The version the asker holds whole and verified: it accepts a delta against it. -1: full
+    versions only (a peer of minor 15 or older never says more)."""
 
 
 @message("manifest")
@@ -949,6 +962,8 @@ class Manifest:
     adapter: AdapterSpec | None = None
     """(minor 17, `LORA_MINOR`) The version is a LoRA adapter for the base model it names (its tensors are the adapter's);
     None: a whole-model version."""
+    delta_base: int = -1
+    """(minor 18, `DELTA_MINOR`) >= 0: a delta against that version (each bucket's `BucketInfo.encoding`); -1: a full version."""
 
 
 @message("fetch")
@@ -960,6 +975,8 @@ class Fetch:
     bucket: int
     offset: int
     nbytes: int
+    delta_base: int = -1
+    """(minor 18, `DELTA_MINOR`) >= 0: the bytes are of the bucket's encoding against that base (`BucketInfo.delta_nbytes`)."""
 
 
 @message("chunk")

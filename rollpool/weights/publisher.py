@@ -170,6 +170,10 @@ class WeightPublisher:
             metrics=self.metrics,
             bulk=cfg.weight_bulk,
         )
+        self._server.delta_threads = self.copy_threads
+        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
+        self._deltas: set[asyncio.Task[Any]] = set()
+        """Delta computations running (`WeightServer.make_delta`): each version's against the one before, from the host copies."""
         self._latest = -1
         self._spare: list[ContiguousSource] = []
         """Buckets of evicted versions, reused by the next snapshot once nothing of theirs is in flight."""
@@ -198,6 +202,8 @@ class WeightPublisher:
     async def close(self) -> None:
         for fut in list(self._finishing.values()):
             fut.cancel()
+        for task in list(self._deltas):
+            task.cancel()
         await self._server.close()
         self._pools.shutdown()
         self._spare = []
@@ -255,6 +261,11 @@ class WeightPublisher:
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
             "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
+            "delta_manifests_served": s.deltas_served,
+            "full_manifests_to_delta_askers": s.full_served_to_delta_askers,
+            "last_delta_version": int(s.last_delta.get("version", -1)),
+            "last_delta_wire_bytes": int(s.last_delta.get("wire_bytes", 0)),
+            "last_delta_changed_ppm": round(float(s.last_delta.get("changed_fraction", 0.0)) * 1e6),
         }
 
     # -- memory
@@ -437,14 +448,10 @@ class WeightPublisher:
                 ipc_device = None
             else:
                 arena, snap.ipc_offsets, arena_items = got
-        note = {"version": version, "offered": "cuda_ipc" if ipc_device is not None else "host", "why_not_cuda_ipc": self._ipc.why_not}
-        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
-            # said when it changes: which path this publisher offers, and why the faster one is not (the trainer's log)
-            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
-                     "a same-GPU device buffer besides the host buckets" if ipc_device is not None
-                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
-        self._path_note = note
+        self._note_path(version, ipc_device is not None)
         previous, self._latest = self._latest, version
+        if ipc_device is None and self.config.weight_delta:
+            self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
@@ -474,6 +481,15 @@ class WeightPublisher:
             await self.wait_ready(version)
         return snap.served.manifest("")
 
+    def _note_path(self, version: int, offered_ipc: bool) -> None:
+        """Which path this publisher offers from `version`, and why the faster one is not: logged when it changes."""
+        note = {"version": version, "offered": "cuda_ipc" if offered_ipc else "host", "why_not_cuda_ipc": self._ipc.why_not}
+        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
+            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
+                     "a same-GPU device buffer besides the host buckets" if offered_ipc
+                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
+        self._path_note = note
+
     async def wait_ready(self, version: int | None = None) -> None:
         """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""
         v = self._latest if version is None else version
@@ -492,6 +508,10 @@ class WeightPublisher:
         finally:
             self._finishing.pop(snap.version, None)
         self._after_publish(snap.served, t0, copied)
+        if snap.served.delta_state == "pending":
+            task = asyncio.ensure_future(self._server.make_delta(snap.version, algorithm=self.checksum_algorithm))
+            self._deltas.add(task)
+            task.add_done_callback(self._deltas.discard)
 
     def _after_publish(self, served: ServedVersion, t0: float, copied: float) -> None:
         now = time.perf_counter()

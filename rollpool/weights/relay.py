@@ -145,6 +145,10 @@ class Relay:
             metrics=self.metrics,
             bulk=cfg.weight_bulk,
         )
+        self._server.delta_threads = cfg.copy_threads
+        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
+        self._deltas: set[asyncio.Task[Any]] = set()
+        self._delta_on = cfg.weight_delta
         self._latest = -1
         self.versions_fetched = 0
         self._started = False
@@ -239,12 +243,20 @@ class Relay:
             chunk_bytes=manifest.chunk_bytes,
             adapter=manifest.adapter,
         )
+        if self._delta_on:
+            self._server.expect_delta(served)  # its subscribers holding the version before get the changed elements
         self._server.add_version(served)
         try:
             await self.upstream.fetch_into(manifest, buffers, sink=_Forwarder(self._server, version, sources))
         except BaseException:
             self._server.drop_version(version, code="unavailable")
             raise
+        if served.delta_state == "pending":
+            # bytes all here now; recomputed from the two versions the relay holds, so a relay that missed the base
+            # (it holds no version before this one) serves full versions only
+            task = asyncio.ensure_future(self._server.make_delta(version))
+            self._deltas.add(task)
+            task.add_done_callback(self._deltas.discard)
         self._latest = version
         self.versions_fetched += 1
         for old in sorted(self._server.versions)[: -self.keep_versions]:

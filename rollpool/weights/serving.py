@@ -106,6 +106,11 @@ class ServedVersion:
     """The server's bulk lane (`Manifest.bulk_port`), set when the version is added."""
     adapter: AdapterSpec | None = None
     """The version is a LoRA adapter (`Manifest.adapter`, rollpool.weights.adapters); None: whole-model weights."""
+    delta_state: str = "none"
+    """``"pending"``: the owner will compute a delta against the previous version (`WeightServer.make_delta`), manifest
+    requests for one wait for it; ``"ready"``: `delta` is served; ``"none"``: full versions only."""
+    delta: DeltaServed | None = None
+    waiting_delta: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -131,6 +136,34 @@ class ServedVersion:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
                      chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port,
                         adapter=self.adapter)
+
+
+class _TensorSource:
+    """A delta payload held as one uint8 CPU tensor (kept until its version is dropped)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, data: Any) -> None:
+        self.array = data.numpy()
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        return self.array[offset : offset + nbytes].data
+
+
+@dataclass(slots=True)
+class DeltaServed:
+    """A version's delta against `base`: the manifest's buckets with their encodings, and the encoded bytes served as
+    buckets of their own (`payload`, indexed densely over the buckets that carry bytes: `Fetch.delta_base`)."""
+
+    base: int
+    buckets: tuple[BucketInfo, ...]
+    payload: ServedVersion
+    changed_fraction: float
+    bytes_by_encoding: dict[str, int]
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(self.bytes_by_encoding.values())
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -194,6 +227,13 @@ class WeightServer:
         self.bulk: BulkServer | None = None
         """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
+        self.delta_threads = 2
+        self.delta_max_fraction = 0.5
+        """A delta whose encoded bytes pass this fraction of the version's goes out as a full version."""
+        self.deltas_served = 0
+        self.full_served_to_delta_askers = 0
+        self.last_delta: dict[str, Any] = {}
+        """The newest delta made: base, version, changed fraction, wire bytes by encoding (status and top read it)."""
 
     def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
         """The owner's segments changed (made by a reserve or a version, or freed): named on manifests from now on."""
@@ -282,6 +322,97 @@ class WeightServer:
         for ident, mreq in v.waiting_ipc:
             self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
         v.waiting_ipc = []
+        for ident, mreq in v.waiting_delta:
+            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
+        v.waiting_delta = []
+
+    # -- deltas
+
+    def expect_delta(self, v: ServedVersion) -> None:
+        """Before `add_version`: a delta of `v` against the version before it will be made (`make_delta`), so a manifest
+        request for one waits for it instead of getting the full version."""
+        base = self.versions.get(v.version - 1)
+        if base is not None and base.complete and not base.released:
+            v.delta_state = "pending"
+
+    async def make_delta(self, version: int, *, algorithm: str | None = None) -> DeltaServed | None:
+        """Compute `version`'s delta against the version before it from the bytes this server holds (off the loop, in
+        `delta_threads` threads) and serve it; the manifest requests waiting for it are answered (a delta, or the full
+        version when there is no base, the layouts differ or the delta passes `delta_max_fraction`)."""
+        v = self.versions.get(version)
+        if v is None:
+            return None
+        made: DeltaServed | None = None
+        try:
+            base = self.versions.get(version - 1)
+            if v.delta_state == "pending" and base is not None and not base.released and v.complete:
+                made = await asyncio.to_thread(self._build_delta, v, base, algorithm)
+                if self.versions.get(version - 1) is not base:
+                    made = None  # the base was dropped while it was read: its buffers may have been reused under us
+        except Exception as exc:  # noqa: BLE001 - a delta is an optimization: the full version is served instead
+            log.warning("%s: no delta for weight version %d (%s); full versions only", self.name, version, exc)
+            made = None
+        if self.versions.get(version) is not v:
+            return None
+        v.delta, v.delta_state = made, ("ready" if made is not None else "none")
+        if made is not None:
+            self.last_delta = {"version": version, "base": made.base, "changed_fraction": made.changed_fraction,
+                               "wire_bytes": made.wire_bytes, "model_bytes": v.total_bytes, "bytes_by_encoding": dict(made.bytes_by_encoding)}
+            self.metrics.event("weight_delta", {"publisher": self.name, **self.last_delta})
+        waiting, v.waiting_delta = v.waiting_delta, []
+        for ident, req in waiting:
+            self._answer_manifest(ident, req, v)
+        return made
+
+    def _build_delta(self, v: ServedVersion, base: ServedVersion, algorithm: str | None) -> DeltaServed | None:
+        import torch
+
+        from rollpool.weights.bucketing import checksum
+        from rollpool.weights.delta import WHOLE, compute_delta
+
+        def whole(src: BucketSource, n: int) -> torch.Tensor:
+            data = src.read(0, n) if n else memoryview(b"")
+            if data is None:
+                raise ValueError("a bucket's bytes are not all there")
+            return torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+        new = [whole(s, b.nbytes) for s, b in zip(v.sources, v.buckets, strict=True)]
+        old = [whole(s, b.nbytes) for s, b in zip(base.sources, base.buckets, strict=True)]
+        ds = compute_delta(new, old, v.buckets, base.buckets, base_version=base.version, threads=self.delta_threads,
+                           max_fraction=self.delta_max_fraction)
+        if ds is None:
+            return None
+        algo = algorithm or v.buckets[0].checksum.partition(":")[0] or None
+        infos: list[BucketInfo] = []
+        pinfos: list[BucketInfo] = []
+        psources: list[BucketSource] = []
+        for b, enc, payload in zip(v.buckets, ds.encodings, ds.payloads, strict=True):
+            if payload is None:
+                infos.append(replace(b, encoding=enc, delta_nbytes=0, delta_checksum=""))
+                continue
+            if enc == WHOLE:
+                src, digest = v.sources[b.index], b.checksum  # the version's own bytes: no second copy
+            else:
+                src, digest = _TensorSource(payload), checksum(payload.numpy().data, algo)
+            n = int(payload.numel())
+            infos.append(replace(b, encoding=enc, delta_nbytes=n, delta_checksum=digest))
+            pinfos.append(BucketInfo(index=len(pinfos), dtype="uint8", nbytes=n, checksum=digest))
+            psources.append(src)
+        payload_version = ServedVersion(version=v.version, publisher_id=v.publisher_id, buckets=tuple(pinfos), sources=psources,
+                                        chunk_bytes=v.chunk_bytes)
+        return DeltaServed(base=base.version, buckets=tuple(infos), payload=payload_version, changed_fraction=ds.changed_fraction,
+                           bytes_by_encoding=ds.bytes_by_encoding())
+
+    def _answer_manifest(self, ident: bytes, req: ManifestRequest, v: ServedVersion) -> None:
+        """A version's manifest for this asker: its delta when it holds the base and one is served, else the full one."""
+        d = v.delta
+        if req.delta_base >= 0 and d is not None and d.base == req.delta_base and not v.released:
+            self.deltas_served += 1
+            self._send(ident, replace(v.manifest(req.request_id), buckets=d.buckets, delta_base=d.base))
+            return
+        if req.delta_base >= 0:
+            self.full_served_to_delta_askers += 1
+        self._send(ident, v.manifest(req.request_id))
 
     def complete_ipc(self, version: int, bucket: int, checksum: str) -> None:
         """A bucket's GPU checksum exists (the same-GPU path): the manifest requests waiting for all of them are answered."""
@@ -417,9 +548,15 @@ class WeightServer:
                 return
             v.waiting_manifests.append((ident, req))
             return
-        self._send(ident, v.manifest(req.request_id))
+        if req.delta_base >= 0 and req.delta_base == v.version - 1 and v.delta_state == "pending":
+            if len(v.waiting_delta) >= self.max_parked:
+                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
+                return
+            v.waiting_delta.append((ident, req))
+            return
+        self._answer_manifest(ident, req, v)
 
-    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int) -> ChunkRead:
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead:
         """The one lookup of a chunk, for the ROUTER and the bulk lane alike: its bytes (None: not arrived yet) and its
         bucket's checksum, or an error code (``gone``, ``unknown_version``, ``bad_range``) and message. A version read
         from counts as requested now (``keep_versions=0`` releases after an idle spell)."""
@@ -427,6 +564,10 @@ class WeightServer:
         if v is None:
             err = self._missing(version, "", "fetch")
             return ChunkRead(err.code, err.message)
+        if delta_base >= 0:
+            if v.delta is None or v.delta.base != delta_base:
+                return ChunkRead("gone", f"version {version}'s delta against {delta_base} is not served")
+            v = v.delta.payload
         if v.released:
             return ChunkRead("gone", f"version {v.version} was released by its publisher (keep_versions=0)")
         if not 0 <= bucket < len(v.buckets):
@@ -439,7 +580,7 @@ class WeightServer:
         return ChunkRead("", v.buckets[bucket].checksum, v.sources[bucket].read(offset, nbytes), v)
 
     def _fetch(self, ident: bytes, req: Fetch) -> None:
-        got = self.read_chunk(req.version, req.bucket, req.offset, req.nbytes)
+        got = self.read_chunk(req.version, req.bucket, req.offset, req.nbytes, req.delta_base)
         if got.code:
             self._send(ident, Error(code=got.code, message=got.text, request_id=req.request_id, ref_type="fetch"))
             return

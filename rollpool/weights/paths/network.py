@@ -258,7 +258,8 @@ class _Transfer:
         self.outstanding[rid] = req
         self.dealers.route(rid, self.replies.put_nowait)
         # a send that cannot be queued is like a lost reply: the timeout asks again
-        self.dealers.send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes), spread=True)
+        self.dealers.send(Fetch(request_id=rid, version=self.manifest.version, bucket=bucket, offset=offset, nbytes=nbytes,
+                                delta_base=self.manifest.delta_base), spread=True)
 
     def _requeue_outstanding(self) -> None:
         reqs = sorted(self.outstanding.values())

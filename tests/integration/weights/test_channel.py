@@ -95,8 +95,12 @@ async def test_training_may_change_its_tensors_after_publish(make_publisher: Any
 
 
 async def test_recycled_buffers_are_reused_for_the_next_version(make_publisher: Any, make_subscriber: Any) -> None:
+    from rollpool.weights.config import WeightPathConfig
+
     pub = await make_publisher()
-    sub = make_subscriber(pub.router_endpoint)
+    # without deltas; with them the version just fetched is the next delta's base and its buffer is reused one version
+    # later (tests/integration/weights/test_delta.py)
+    sub = make_subscriber(pub.router_endpoint, weights=WeightPathConfig(weight_delta=False))
     await pub.publish(model(1), 1)
     first = await sub.fetch(1)
     ptrs = sorted(b.data_ptr() for b in first.buffers)

@@ -1,0 +1,234 @@
+"""Delta weight versions over real sockets: a subscriber holding the previous version gets the changed elements and
+rebuilds a version bit-identical to the trainer's; every fault ends in a verified full version, never a wrong tensor."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollpool.protocol import DELTA_MINOR, encode  # noqa: E402
+from rollpool.protocol.messages import Manifest, ManifestRequest  # noqa: E402
+from rollpool.weights.bucketing import checksum  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.w": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(3)} | {
+        "norm": torch.randn(256, generator=g)}
+
+
+def _step(model: dict[str, torch.Tensor], seed: int, frac: float = 0.01) -> dict[str, torch.Tensor]:
+    """A version where `frac` of each matrix's elements changed (the norm too, whole)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.items():
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * frac))]
+        flat[idx] = (flat[idx].float() + 0.5).to(t.dtype)
+        out[name] = t
+    return out
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[n].view(torch.uint8), want[n].contiguous().view(torch.uint8)) for n in want)
+
+
+async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> None:
+    await pub.publish(model, version, wait_ready=True)
+    for _ in range(500):  # the delta follows the checksums
+        if pub._server.versions[version].delta_state != "pending":
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    total = sum(t.numel() * t.element_size() for t in _model().values())
+    m1 = _model()
+    await _published(pub, m1, 1)
+    wv = await sub.fetch(1)
+    assert _same(wv.tensors, m1) and sub.delta_versions == 0
+    sub.recycle(wv)
+    model = m1
+    for version in (2, 3, 4):
+        model = _step(model, version)
+        await _published(pub, model, version)
+        before = sub.bytes_received
+        wv = await sub.fetch(version)
+        assert _same(wv.tensors, model)
+        assert wv.manifest.delta_base == version - 1
+        # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
+        assert 0 < sub.bytes_received - before < total // 10
+        sub.recycle(wv)
+    assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
+    assert sub.buffers_allocated == 2  # the base and the version being rebuilt: recycled buffers come back a version later
+    stats = pub.stats
+    assert stats["last_delta_version"] == 4 and 5_000 < stats["last_delta_changed_ppm"] < 20_000
+    assert stats["delta_manifests_served"] == 3 and 0 < stats["last_delta_wire_bytes"] < total // 10
+
+
+async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_versions(make_publisher: Any, sockets: Any) -> None:
+    import msgpack
+    import zmq
+
+    pub = await make_publisher()
+    m1 = _model()
+    await _published(pub, m1, 1)
+    await _published(pub, _step(m1, 2), 2)
+    assert pub._server.versions[2].delta is not None  # a delta is served to those who ask
+    frames = encode(ManifestRequest(request_id="old", version=2, streamed=True, delta_base=1))
+    header = msgpack.unpackb(frames[0])
+    header[1] = DELTA_MINOR - 1
+    del header[3]["delta_base"]  # the field did not exist then
+    dealer = sockets.context.socket(zmq.DEALER)  # a raw peer of the minor before
+    dealer.connect(pub.router_endpoint)
+    try:
+        await dealer.send_multipart([msgpack.packb(header), *frames[1:]])
+        from rollpool.protocol import decode
+        reply = decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+    finally:
+        dealer.close(linger=0)
+    assert isinstance(reply, Manifest) and reply.version == 2 and reply.delta_base == -1
+    assert all(b.encoding == "" and b.delta_nbytes == 0 for b in reply.buckets)
+
+
+async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_versions(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    early = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="early")
+    m1 = _model()
+    await _published(pub, m1, 1)
+    early.recycle(await early.fetch(1))
+    m2 = _step(m1, 2)
+    await _published(pub, m2, 2)
+    m3 = _step(m2, 3)
+    await _published(pub, m3, 3)
+    late = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="late")
+    for sub in (early, late):  # early holds 1, the delta of 3 is against 2; late holds nothing
+        wv = await sub.fetch(3)
+        assert _same(wv.tensors, m3) and wv.manifest.delta_base == -1
+    assert early.delta_versions == 0 and pub._server.full_served_to_delta_askers >= 1
+
+
+async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    m1 = _model()
+    await _published(pub, m1, 1)
+    sub.recycle(await sub.fetch(1))
+    m2 = _step(m1, 2)
+    await _published(pub, m2, 2)
+    return sub, m2
+
+
+async def test_a_delta_whose_base_the_subscriber_does_not_hold_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    delta_manifest = await sub.fetch_manifest(2)
+    assert delta_manifest.delta_base == 1
+    other = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="other")  # holds no version
+    other._known, other._latest = delta_manifest, 2  # handed the delta manifest (as a catch-up would)
+    wv = await other.fetch(2)
+    assert _same(wv.tensors, m2) and other.delta_fallbacks == 1 and other.delta_versions == 0
+
+
+@pytest.mark.parametrize("where", ["payload", "payload_and_its_checksum"])
+async def test_a_corrupt_delta_bucket_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any, where: str) -> None:
+    pub = await make_publisher()
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    served = pub._server.versions[2]
+    assert served.delta is not None
+    payload = served.delta.payload
+    i = next(j for j, b in enumerate(served.delta.buckets) if b.encoding in ("sparse", "gaps"))
+    k = sum(1 for b in served.delta.buckets[:i] if b.encoding != "unchanged")
+    src = payload.sources[k]
+    src.array[-1] ^= 0x40  # a changed value's bits flipped
+    if where == "payload_and_its_checksum":
+        # the encoded bytes check out, so only the checksum of the resulting bytes can catch it
+        digest = checksum(src.array.data)
+        payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
+        served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == i else b for b in served.delta.buckets)
+    wv = await sub.fetch(2)
+    assert _same(wv.tensors, m2)
+    assert sub.delta_fallbacks == 1 and sub.delta_versions == 0
+
+
+async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    through = sub._network.fetch
+    newer: dict[str, Any] = {}
+
+    async def evicting(job: Any) -> Any:
+        if job.manifest.delta_base >= 0 and not newer:
+            newer["m3"] = _step(m2, 3)
+            await _published(pub, newer["m3"], 3)
+            newer["m4"] = _step(newer["m3"], 4)
+            await _published(pub, newer["m4"], 4)  # keep_versions=2: versions 1 and 2, and 2's delta, are gone
+        return await through(job)
+
+    sub._network.fetch = evicting
+    wv = await sub.fetch()  # the latest: 2 was announced
+    assert wv.version == 4 and _same(wv.tensors, newer["m4"])
+    assert sub.delta_fallbacks == 1
+
+
+async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    pub = await make_publisher()
+    endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
+    sub, _m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    await pub.close()
+    restarted = await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+    # the new run publishes its own version 1 (other bytes) and then 2: a delta of 2 against *its* 1
+    r1 = _model(seed=7)
+    await _published(restarted, r1, 1)
+    r2 = _step(r1, 9)
+    await _published(restarted, r2, 2)
+    assert restarted._server.versions[2].delta is not None
+    wv = await sub.fetch(2)
+    assert _same(wv.tensors, r2) and sub.delta_versions == 0 and sub.delta_fallbacks == 1
+
+
+async def test_a_relay_that_missed_the_base_serves_the_full_version_then_deltas(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    from rollpool.weights.relay import Relay
+
+    pub = await make_publisher()
+    relay = Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
+                  pub_endpoint="tcp://127.0.0.1:*", announce_interval_s=0.1, fetch_timeout_s=2.0)
+    await relay.start()  # not run(): the test says when it follows upstream
+    try:
+        subs = [make_subscriber(relay.router_endpoint, relay.pub_endpoint, worker_id=f"w{i}") for i in range(2)]
+        model = _model()
+        await _published(pub, model, 1)
+        await relay.follow_latest()
+        for s in subs:
+            s.recycle(await s.fetch(1))
+        m2 = _step(model, 2)
+        await _published(pub, m2, 2)
+        m3 = _step(m2, 3)
+        await _published(pub, m3, 3)
+        assert await relay.follow_latest() == 3  # the relay never got 2
+        for s in subs:
+            wv = await s.fetch(3)
+            assert _same(wv.tensors, m3) and wv.manifest.delta_base == -1
+            s.recycle(wv)
+        m4 = _step(m3, 4)
+        await _published(pub, m4, 4)
+        await relay.follow_latest()
+        for _ in range(500):
+            if relay._server.versions[4].delta_state != "pending":
+                break
+            await asyncio.sleep(0.01)
+        for s in subs:
+            wv = await s.fetch(4)
+            assert _same(wv.tensors, m4) and wv.manifest.delta_base == 3
+        assert all(s.delta_versions == 1 for s in subs)
+    finally:
+        await relay.close()
