@@ -66,7 +66,7 @@ class WeightPathConfig:
     weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
     weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})
     publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets)"})
-    weight_delta: bool = field(default=True, metadata={"help": "delta versions: a subscriber holding the previous version asks for the changed elements only; a server offers them"})
+    weight_delta: bool = field(default=False, metadata={"help": "delta versions (off by default until measured at 8B on the GPU): a subscriber holding the previous version asks for the changed elements only; a server offers them"})
     weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
 
     def __post_init__(self) -> None:

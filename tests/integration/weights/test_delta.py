@@ -18,6 +18,13 @@ from rollpool.weights.bucketing import checksum  # noqa: E402
 pytestmark = pytest.mark.asyncio
 
 
+@pytest.fixture(autouse=True)
+def _deltas_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Delta versions are opt-in (`WeightPathConfig.weight_delta`); every publisher, relay and subscriber here reads it
+    from the environment, as a process started with ``ROLLPOOL_WEIGHT_DELTA=1`` would."""
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
+
+
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"layer{i}.w": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(3)} | {
