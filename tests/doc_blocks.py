@@ -28,8 +28,7 @@ KINDS = ("run", "slow", "serve", "illustrative")
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 _MARKER = re.compile(r"<!--\s*doc-test:\s*(\w+)\s*(?::\s*(.*?))?\s*-->")
 
-NOT_YET_MARKED = {"docs/weights.md": "being rewritten on another branch (its run logs move to bench/results/); "
-                                     "its blocks get markers when that lands"}
+NOT_YET_MARKED: dict[str, str] = {}
 """Pages whose blocks this harness does not hold to markers yet, with the reason."""
 
 

@@ -101,13 +101,11 @@ def test_the_index_maps_every_page() -> None:
 
 
 def test_code_comments_say_why_not_which_issue() -> None:
-    """A reader cannot look an issue number up; a comment says the reason itself. (rollpool/weights is left out
-    while its restructuring on another branch lands; the chaos CLI's ``issue20`` alias is a value, not a comment.)"""
+    """A reader cannot look an issue number up; a comment says the reason itself. (The chaos CLI's ``issue20`` alias
+    is a value, not a comment.)"""
     found = []
     for path in sorted((REPO / "rollpool").rglob("*.py")):
         rel = str(path.relative_to(REPO))
-        if rel.startswith("rollpool/weights/"):
-            continue
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"#.*\b[Ii]ssues? ?\d+\b", line):
                 found.append(f"{rel}:{lineno}: {line.strip()}")
