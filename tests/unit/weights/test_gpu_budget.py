@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from rollpool.protocol.errors import ConfigError
-from rollpool.weights.config import WeightPathConfig
-from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
-from rollpool.weights.paths.cuda_ipc import IpcArenas
-from rollpool.weights.publisher import WeightPublisher
+torch = pytest.importorskip("torch")  # the Python 3.12 unit job has no torch
+
+from rollpool.protocol.errors import ConfigError  # noqa: E402 - after the skip
+from rollpool.weights.config import WeightPathConfig  # noqa: E402 - after the skip
+from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes  # noqa: E402 - after the skip
+from rollpool.weights.paths.cuda_ipc import IpcArenas  # noqa: E402 - after the skip
+from rollpool.weights.publisher import WeightPublisher  # noqa: E402 - after the skip
 
 
 def test_default_budget_is_two_buckets_and_the_field_is_checked() -> None:
