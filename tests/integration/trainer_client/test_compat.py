@@ -552,6 +552,9 @@ def test_lightrft_lora_path_serves_the_adapter_and_bad_adapters_are_refused_by_n
     engine = RLGenerationEngine(tp_group_cpu=None, model=str(served.model), broker=served.pool.client_ep)
     greedy = {"max_new_tokens": 4, "temperature": 0.0}
     try:
+        # the model's own weights first: an earlier test of this module loads a checkpoint whose head is zero (uniform
+        # logits, which no adapter on the attention projections can change)
+        engine.pool.update_weights_from_disk(str(served.model))
         base = engine.generate("Hello", sampling_params=greedy, return_logprob=True)
         adir, tensors = _peft_dir(served.tmp / f"adapter-{time.monotonic_ns()}", served.model, seed=1)
         # the seed's documented call: per-prompt adapter paths (a PEFT directory, loaded and published on first use)
