@@ -17,6 +17,12 @@ episode's return value, and the trainer trains only the tokens the model
 sampled (the tool's and the template's tokens have loss mask 0).
 ``--no-tool`` is its control: the same run with the tool answering ``<none>``.
 
+``--lora`` trains the max task through a LoRA adapter (`rollpool.demo.lora`, rank ``--lora-rank`` on every
+attention and MLP projection) on a frozen base: the workers load the base from disk and every version the trainer
+publishes is the adapter's matrices only (an adapter version, docs/lora.md), served by the hf engine's resident
+adapter versions. The base is the same random-init Llama with its output layer drawn at 1/sqrt(hidden)
+(`task.build_demo_model`'s ``head_std`` says why the default 0.02 leaves an adapter nothing to learn with).
+
 The broker and workers run under the launcher's `Supervisor` (through
 `SupervisorThread`: the trainer loop here is synchronous): each in its own
 session with a parent-death signal, logs in ``--out``, terminated (then killed)
@@ -62,6 +68,9 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "vision": {"steps": 150, "prompts_per_step": 16, "group_size": 8, "lr": 5e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
 }
 
+LORA_HEAD_STD = 0.125
+"""--lora: the frozen base's output layer drawn at 1/sqrt(hidden 64) (`task.build_demo_model`'s head_std says why)."""
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -97,6 +106,10 @@ class DemoConfig:
     max_staleness_keep: int | None = field(default=None, metadata={"help": "stale_policy keep: most staleness trained (None: 2 x eta)"})
     slow_worker_s: float = field(default=0.0, metadata={"help": "seconds worker 0 waits before scoring each group: a slow "
                                                                 "worker whose groups arrive late (0: none)"})
+    lora: bool = field(default=False, metadata={"help": "--task max: train a LoRA adapter on the frozen base (every attention "
+                                                        "and MLP projection); each version published is the adapter only"})
+    lora_rank: int = field(default=8, metadata={"help": "--lora: the adapter's rank"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "--lora: the adapter's alpha (default: 2 x rank)"})
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -133,6 +146,12 @@ class DemoConfig:
             raise ConfigError(f"max_staleness_keep must be >= 0, got {self.max_staleness_keep}")
         if self.slow_worker_s < 0:
             raise ConfigError(f"slow_worker_s must be >= 0, got {self.slow_worker_s}")
+        if self.lora and self.task != "max":
+            raise ConfigError(f"lora trains an adapter for --task max only, got task {self.task!r}")
+        if not 1 <= self.lora_rank <= 64:
+            raise ConfigError(f"lora_rank must be in 1..64 (the hf engine's max_lora_rank), got {self.lora_rank}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
 
     def resolved(self) -> DemoConfig:
         """This config with every unset per-task field set to its task's default."""
@@ -188,7 +207,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         hf_logging.disable_progress_bar()  # the demo's own progress lines are the output
     model_dir = (tool_task.build_tool_model(work / "model", seed=cfg.seed) if tool
                  else vision_task.build_vision_model(work / "model", seed=cfg.seed) if vision
-                 else task.build_demo_model(work / "model", seed=cfg.seed))
+                 else task.build_demo_model(work / "model", seed=cfg.seed, head_std=LORA_HEAD_STD if cfg.lora else None))
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = prompts_per_step * group_size
     children: SupervisorThread | None = None
@@ -254,7 +273,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                         "model_input_ids": run_ids}
         else:
             model = LlamaForCausalLM.from_pretrained(model_dir)
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        adapter: Any = None
+        adapter_spec: Any = None
+        trained: Any = model.parameters()
+        if cfg.lora:
+            from rollpool.demo.lora import TrainableLora
+            from rollpool.protocol.fingerprint import model_fingerprint
+
+            # the workers keep the base from disk; the trainer freezes the same base and trains only the adapter
+            adapter = TrainableLora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank)
+            adapter_spec = adapter.spec(base_fingerprint=model_fingerprint(model_dir), base_model="rollpool demo base")
+            trained = adapter.parameters()
+        optimizer = torch.optim.Adam(trained, lr=lr)
         # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
         half = max(1, n_steps // 2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -265,7 +295,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         client = SyncTrainerClient(client_ep, config=TrainerClientConfig(broker=client_ep, request_timeout_s=30.0),
                                    metrics=metrics)
         version = 0
-        client.publish_weights(model, version)
+        publish_s: list[float] = []
+
+        def publish(v: int) -> None:
+            t0 = time.perf_counter()
+            if adapter is not None:
+                client.publish_weights(adapter.named_tensors(), v, adapter=adapter_spec)
+            else:
+                client.publish_weights(model, v)
+            publish_s.append(time.perf_counter() - t0)
+
+        publish(version)
         # the tool task's agent sets max_tokens per turn (2 for the call turn, 1 for the answer)
         sampling = SamplingParams(max_new_tokens=2 if tool else 1, temperature=1.0)
         rng = random.Random(cfg.seed)
@@ -300,7 +340,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         if redis_url:
             _progress(cfg, f"live view: rollpool top --redis-url {redis_url} --pool {cfg.pool}")
         task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
-                     if tool else "the colour of the square in the image (a tiny Qwen2-VL)" if vision else "largest of four digits")
+                     if tool else "the colour of the square in the image (a tiny Qwen2-VL)" if vision
+                     else f"largest of four digits, LoRA rank {cfg.lora_rank} on a frozen base" if cfg.lora else "largest of four digits")
         _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
                        f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
         heldout_first, calls_first = eval_held_out()
@@ -369,7 +410,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 image_of.pop(g.prompt_id, None)
             scheduler.step()
             version += 1
-            client.publish_weights(model, version)
+            publish(version)
             # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
             # (plus what the bound dropped: under drop a stale group is gone, its prompt not trained)
             want = prompts_per_step * (step + eta + 1) + int(client.counters.get("dropped_stale", 0)) - submitted_groups
@@ -442,6 +483,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             })
         if killed_at is not None:
             summary["recovered"] = True
+        if adapter is not None:
+            full_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            summary["lora"] = {
+                "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
+                "adapter_bytes_per_version": adapter.nbytes(), "full_bytes_per_version": full_bytes,
+                "trainable_params": sum(p.numel() for p in adapter.parameters()),
+                "publish_s_median": sorted(publish_s)[len(publish_s) // 2],
+                "base": "the demo's random-init Llama (build_demo_model, seed), frozen: the workers load it from disk",
+            }
         vocab = tool_task.VOCAB if tool else vision_task.VOCAB if vision else task.VOCAB
         examples = [_example(t, vocab) for t in list(last_trajectories)[:16]]
         stem = report_stem(cfg)
@@ -482,7 +532,7 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
         keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
-    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram")  # what the stale policy did with late groups
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram", "lora")  # what the stale policy did with late groups
     return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 
@@ -490,7 +540,7 @@ def report_stem(cfg: DemoConfig) -> str:
     """The report's file name without its suffix, one per task, so one demo's report does not overwrite another's:
     ``demo-report`` (max), ``demo-report-tool``, ``demo-report-tool-disabled`` (its control)."""
     if cfg.task == "max":
-        return "demo-report"
+        return "demo-report-lora" if cfg.lora else "demo-report"
     return f"demo-report-{cfg.task}" + ("-disabled" if cfg.tool_disabled else "")
 
 
@@ -507,6 +557,9 @@ def _print_summary(s: dict[str, Any], out_dir: pathlib.Path, stem: str) -> None:
         ("version lag histogram", " ".join(f"{k}:{v}" for k, v in s["lag_histogram"].items())),
         ("requeued / failed", f"{s['requeued']} / {s['failed']}"),
         ("lost / duplicated", f"{s['lost']} / {s['duplicated']}"),
+        *([("LoRA adapter", f"rank {s['lora']['rank']}: {s['lora']['adapter_bytes_per_version']:,} bytes per version "
+            f"(whole model {s['lora']['full_bytes_per_version']:,}), publish {s['lora']['publish_s_median'] * 1e3:.1f} ms")]
+          if "lora" in s else []),
     ]
     width = max(len(r[0]) for r in rows)
     print("\nrollpool demo summary")

@@ -94,14 +94,20 @@ async def slow_reward(metadata: Mapping[str, Any], trajectory: Any) -> float:
     return reward(metadata, trajectory)
 
 
-def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> pathlib.Path:
-    """A random-weight Llama over the task's 15-token word-level vocabulary, with its tokenizer."""
-    return build_word_model(path, VOCAB, hidden=hidden, layers=layers, heads=heads, seed=seed)
+def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
+                     head_std: float | None = None) -> pathlib.Path:
+    """A random-weight Llama over the task's 15-token word-level vocabulary, with its tokenizer.
+
+    `head_std`: the output layer's weights drawn with this standard deviation instead of the config's 0.02. The
+    LoRA demo's frozen base uses 1/sqrt(hidden): with 0.02 the logits of a normalised hidden state stay within
+    about +-1.3, so no adapter on the layers below can make the policy confident (its entropy stays near uniform);
+    at 1/sqrt(hidden) a hidden state the adapter writes can reach logits of several units."""
+    return build_word_model(path, VOCAB, hidden=hidden, layers=layers, heads=heads, seed=seed, head_std=head_std)
 
 
 def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_tokens: Sequence[str] = (),
                      chat_template: str | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     tie_embeddings: bool = False, seed: int = 0) -> pathlib.Path:
+                     tie_embeddings: bool = False, seed: int = 0, head_std: float | None = None) -> pathlib.Path:
     """A random-weight Llama over a word-level `vocab` (which starts with `SPECIALS`), with its tokenizer.
 
     `special_tokens` are more special tokens of `vocab` (never split, dropped by
@@ -131,5 +137,10 @@ def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=tie_embeddings,
     )
     model = LlamaForCausalLM(config)
+    if head_std is not None:
+        if tie_embeddings:
+            raise ValueError("head_std with tie_embeddings would rescale the input embedding too")
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, head_std)
     model.save_pretrained(out, safe_serialization=True)
     return out
