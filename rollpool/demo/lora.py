@@ -49,7 +49,8 @@ class TrainableLora:
 
     def _hook(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> Any:
         def hook(_module: torch.nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            return output + (inputs[0] @ a.T) @ b.T * self.scale
+            adapted: torch.Tensor = output + (inputs[0] @ a.T) @ b.T * self.scale
+            return adapted
 
         return hook
 

@@ -394,6 +394,11 @@ class WeightSync:
         adapter = getattr(manifest, "adapter", None)
         if adapter is not None and not isinstance(engine, AdapterEngine):
             raise WeightsRefusedError(f"version {target.version} is a LoRA adapter and the {engine.info().name} engine serves no adapters")
+        if adapter is not None and getattr(engine, "adapters_without_pause", False):
+            # the engine keeps several adapter versions loaded and each running sample names its own: nothing pauses
+            assert isinstance(engine, AdapterEngine)
+            await engine.update_adapter(target.tensors, adapter, target.version)
+            return
         await engine.pause(self._apply_mode(engine))
         if adapter is not None:
             assert isinstance(engine, AdapterEngine)

@@ -231,7 +231,10 @@ class StagingEngine(Engine, Protocol):
 
 @runtime_checkable
 class AdapterEngine(Engine, Protocol):
-    """An engine that serves LoRA adapter versions (docs/lora.md) on its base model."""
+    """An engine that serves LoRA adapter versions (docs/lora.md) on its base model.
+
+    An engine whose class sets ``adapters_without_pause = True`` gets adapter versions without a pause around
+    `update_adapter` (its running requests keep the adapter version they started on)."""
 
     async def update_adapter(self, named_tensors: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
         """Serve adapter `version` (PEFT-named matrices, `spec`) from now on; `WeightsRefusedError`, nothing changed, for

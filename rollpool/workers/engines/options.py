@@ -150,6 +150,22 @@ class SGLangOptions:
     request_timeout_s: float = 3600.0
     verify_updates: bool = True
     log_dir: str = ""
+    lora: bool = False
+    """Serve LoRA adapter versions (docs/lora.md): SGLang starts with ``enable_lora`` and the three settings below."""
+    max_lora_rank: int = 64
+    """The largest adapter rank served (SGLang's ``max_lora_rank``: its GPU memory pool is sized for it)."""
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated module names adapters may target (SGLang's ``lora_target_modules``), or ``all``."""
+    lora_resident: int = 4
+    """Adapter versions kept loaded (besides any a running sample still uses); at least the broker's max_staleness + 1."""
+    max_loras_per_batch: int = 0
+    """SGLang's ``max_loras_per_batch`` (adapters in its GPU pool at once, the base counts as one); 0: lora_resident + 1."""
+    lora_dir: str = ""
+    """Where adapter versions are written for SGLang to load (one PEFT directory each, removed once loaded); empty:
+    /dev/shm (a tmpfs) when present, else the system's temporary directory."""
+
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
 
     def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
         c = type(self)
@@ -157,6 +173,16 @@ class SGLangOptions:
             raise _fail(c, "model", "is needed (a local model directory: --model)", self.model)
         if self.capacity < 1:
             raise _fail(c, "capacity", "must be >= 1", self.capacity)
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise _fail(c, "max_lora_rank", "must be in [1, 1024]", self.max_lora_rank)
+        if self.lora_resident < 1:
+            raise _fail(c, "lora_resident", "must be >= 1", self.lora_resident)
+        if self.max_loras_per_batch < 0:
+            raise _fail(c, "max_loras_per_batch", "must be >= 0 (0: lora_resident + 1)", self.max_loras_per_batch)
+        if not self.lora_targets():
+            raise _fail(c, "lora_target_modules", "must name at least one module (or all)", self.lora_target_modules)
+        if "all" in self.lora_targets() and len(self.lora_targets()) > 1:
+            raise _fail(c, "lora_target_modules", "all must be the only entry", self.lora_target_modules)
         for name in ("tp_size", "dp_size"):
             if not 1 <= getattr(self, name) <= 64:
                 raise _fail(c, name, "must be in [1, 64]", getattr(self, name))

@@ -38,6 +38,15 @@ Guarantees:
   to the GPU while generation goes on (`tensors`), and it reaches SGLang as
   CUDA tensors (CUDA IPC handles, same host). The update is confirmed with
   ``get_weights_by_name`` (Llama) and a mismatch raises `EngineError`.
+- LoRA adapter versions (`AdapterEngine`, with the ``lora`` option; docs/lora.md): each version is checked
+  (`lora.check_adapter`: rank, target modules, modules and shapes against the checkpoint) before anything is sent,
+  written as a PEFT directory on a tmpfs and loaded into every replica under its own name
+  (``/load_lora_adapter``), without a restart and without a pause (``adapters_without_pause``: the worker does
+  not stop generation for an adapter version). A sample runs on the newest adapter version loaded when its first
+  attempt is sent and on that one to its end (every attempt names it, ``lora_path``), so each of its tokens
+  carries that version. ``lora_resident`` versions stay loaded, plus any a running sample names; older ones are
+  unloaded (``/unload_lora_adapter``) when the next version loads. A whole-model version unloads every adapter
+  (they were trained against the old base) and the samples that ran on one go on on the base.
 - Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
   (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
   ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
@@ -68,10 +77,11 @@ from typing import Any
 
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.fingerprint import model_fingerprint
-from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
+from rollpool.protocol.messages import AdapterSpec, ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
+from rollpool.workers.engines.sglang.lora import adapter_root, check_adapter, write_adapter
 from rollpool.workers.engines.sglang.ranks import GpuPlan, plan_gpus, visible_from_env
 from rollpool.workers.engines.sglang.tensors import (
     BucketStager,
@@ -126,6 +136,8 @@ class _Sample:
     finished_at: float = 0.0
     cached_tokens: int | None = None
     """SGLang's cached_tokens of the first attempt (a resubmit's prompt includes tokens this sample made)."""
+    adapter: int | None = None
+    """The LoRA adapter version every attempt of this sample runs on (set at its first attempt; None: the base)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +216,10 @@ def _free_port() -> int:
 class SGLangEngine:
     """SGLang's HTTP server in a child process (see the module docstring)."""
 
+    adapters_without_pause = True
+    """An adapter version changes nothing a running sample uses (each names its own): the worker applies one
+    without pausing generation."""
+
     def __init__(self, options: SGLangOptions | None = None, /, **kwargs: Any) -> None:
         """`SGLangOptions` (or its fields as keywords: ``SGLangEngine(model=..., url=...)``)."""
         opts = options if options is not None else options_from(SGLangOptions, kwargs)
@@ -255,6 +271,9 @@ class SGLangEngine:
         self._staged: _Staged | None = None
         self._stagers: dict[str, BucketStager] = {}
         """Per device, copies of the version being fetched, queued bucket by bucket (`stage_bucket`)."""
+        self._adapters: dict[int, str] = {}
+        """Adapter versions loaded in every replica -> their SGLang name."""
+        self._adapter_lock = asyncio.Lock()
 
     @property
     def _proc(self) -> asyncio.subprocess.Process | None:
@@ -381,6 +400,9 @@ class SGLangEngine:
                     kw["context_length"] = o.context_length
                 if o.cuda_graph_max_bs:
                     kw["cuda_graph_max_bs_decode"] = o.cuda_graph_max_bs
+            if o.lora:
+                kw.update({"enable_lora": True, "max_lora_rank": o.max_lora_rank, "lora_target_modules": list(o.lora_targets()),
+                           "max_loras_per_batch": o.max_loras_per_batch or o.lora_resident + 1})
             kw.update(o.server_kwargs())
             cmd = [self.python, "-m", "rollpool.workers.engines.sglang.server", "--backend", o.backend,
                    "--engine-kwargs", json.dumps(kw)]
@@ -510,7 +532,8 @@ class SGLangEngine:
                    "tp_size": self.tp_size, "dp_size": self.dp_size,
                    "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
                    if self.gpu_plan is not None else [],
-                   "max_context_tokens": self._context_tokens or 0},  # the episode endpoint's context_length_exceeded
+                   "max_context_tokens": self._context_tokens or 0,
+                   "lora": self.options.lora, "adapter_versions": sorted(self._adapters)},  # the episode endpoint's context_length_exceeded
             images=self._takes_images,
         )
 
@@ -629,9 +652,16 @@ class SGLangEngine:
                 s.finish = s.finish or (FinishReason.ABORT if req.aborted else FinishReason.LENGTH)
                 s.finished_at = time.time()
                 return
+            if s.attempt == 0 and self._adapters:
+                s.adapter = max(self._adapters)  # the newest adapter version, to this sample's end
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
             body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
+            if s.adapter is not None:
+                name = self._adapters.get(s.adapter)
+                if name is None:  # eviction skips versions a sample names: reaching here is a bookkeeping bug
+                    raise EngineError(f"sglang engine: adapter version {s.adapter} of a running sample is not loaded")
+                body["lora_path"] = name
             version_at_send = self.version
             self._in_sglang += 1
             self._idle.clear()
@@ -648,15 +678,15 @@ class SGLangEngine:
                 if self._in_sglang == 0:
                     self._idle.set()
             parsed = parse_generate_response(resp)
-            self._append(s, parsed, version_at_send, sent_at)
+            self._append(s, parsed, version_at_send, sent_at, adapter=s.adapter)
             if parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted:
                 self.stats["resubmits"] += 1
                 continue  # interrupted by a weight update (or by someone else's abort_all): go on from here
             s.finish, s.matched, s.finished_at = parsed.finish_reason, parsed.matched_stop, time.time()
             return
 
-    def _append(self, s: _Sample, p: ParsedSample, version_at_send: int, sent_at: float) -> None:
-        version = parse_weight_version(p.weight_version)
+    def _append(self, s: _Sample, p: ParsedSample, version_at_send: int, sent_at: float, adapter: int | None = None) -> None:
+        version = parse_weight_version(p.weight_version) if adapter is None else adapter
         if version is None:
             version = version_at_send
         elif version != version_at_send and p.output_ids:
@@ -867,6 +897,7 @@ class SGLangEngine:
                 await self._verify(ranks.first(), names, c.replica)
             verify_s = time.time() - t3
         self.version = version
+        await self._drop_adapters()
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
                                  "sglang_update_s": t2 - t1, "verify_s": verify_s, "ranks": float(self.tp_size * self.dp_size),
                                  "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
@@ -910,6 +941,93 @@ class SGLangEngine:
             return None
         return row
 
+    # -- LoRA adapter versions
+
+    def adapter_versions(self) -> list[int]:
+        """The adapter versions loaded (oldest first)."""
+        return sorted(self._adapters)
+
+    async def update_adapter(self, named_tensors: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
+        """Load adapter `version` into every replica, new samples run on it (module docstring); `WeightsRefusedError`,
+        nothing changed, for an adapter of another base or one this engine cannot serve."""
+        self._check()
+        if not self.options.lora:
+            raise WeightsRefusedError(f"adapter version {version}: this sglang engine was started without LoRA "
+                                      "(engine option lora=true starts SGLang with enable_lora)")
+        if spec.base_fingerprint and self._fingerprint and spec.base_fingerprint != self._fingerprint:
+            raise WeightsRefusedError(
+                f"adapter version {version} applies to base {spec.base_model or '?'} (fingerprint {spec.base_fingerprint}); "
+                f"this engine serves {self.model_path} (fingerprint {self._fingerprint})")
+        async with self._adapter_lock:
+            if self._adapters and version <= max(self._adapters):
+                raise WeightsRefusedError(f"adapter version {version} is not newer than the adapter version served, {max(self._adapters)}")
+            pairs = check_adapter(named_tensors, spec, version, params=self._params, targets=self.options.lora_targets(),
+                                  max_rank=self.options.max_lora_rank)
+            t0 = time.time()
+            name = f"rollpool-{self._tag}-{self.port}-v{version}"
+            root = adapter_root(self.options.lora_dir)
+            path = await asyncio.to_thread(write_adapter, root, name, pairs, spec, self.dtype)
+            t1 = time.time()
+            try:
+                answers = await asyncio.gather(*(self._load_adapter(name, path, c.replica) for c in self._children),
+                                               return_exceptions=True)
+            finally:
+                # SGLang holds the adapter in its own memory once loaded; the directory is not read again
+                await asyncio.to_thread(_remove_tree, path)
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if failed:
+                loaded = [c.replica for c, a in zip(self._children, answers, strict=True) if not isinstance(a, BaseException)]
+                for replica in loaded:  # refused somewhere: loaded nowhere
+                    with contextlib.suppress(HttpError, EngineError):
+                        await self._post("/unload_lora_adapter", {"lora_name": name}, replica=replica)
+                first = failed[0]
+                if isinstance(first, WeightsRefusedError | EngineError):
+                    raise first
+                raise EngineError(f"sglang engine: loading adapter version {version} failed: {first!r}") from first
+            self._adapters[version] = name
+            self.version = version
+            self.last_update = {"update_started_at": t0, "write_s": t1 - t0, "sglang_load_s": time.time() - t1,
+                                "bytes": float(sum(nbytes(a) + nbytes(b) for a, b in pairs.values()))}
+            await self._evict_adapters()
+
+    async def _load_adapter(self, name: str, path: pathlib.Path, replica: int) -> None:
+        try:
+            res = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "pinned": False},
+                                   timeout_s=600, replica=replica)
+        except HttpError as exc:
+            # checked ahead, so SGLang refusing it loaded nothing; the engine serves on
+            raise WeightsRefusedError(f"SGLang{self._which(replica)} refused adapter {name}: {exc}") from exc
+        if not isinstance(res, Mapping) or not res.get("success"):
+            raise WeightsRefusedError(f"SGLang{self._which(replica)} refused adapter {name}: {res!r:.300}")
+
+    def _pinned_adapters(self) -> set[int]:
+        return {s.adapter for req in self._requests.values() for s in req.samples if s.adapter is not None and s.finish is None}
+
+    async def _evict_adapters(self) -> None:
+        """Unload the oldest adapter versions beyond ``lora_resident``, never one a running sample names."""
+        pinned = self._pinned_adapters()
+        for version in sorted(self._adapters)[: -self.options.lora_resident]:
+            if version in pinned:
+                continue
+            name = self._adapters.pop(version)
+            await self._unload_everywhere(name)
+
+    async def _drop_adapters(self) -> None:
+        """A whole-model version: every adapter goes, and samples that ran on one go on on the base."""
+        for req in self._requests.values():
+            for s in req.samples:
+                s.adapter = None
+        adapters, self._adapters = self._adapters, {}
+        for name in adapters.values():
+            await self._unload_everywhere(name)
+
+    async def _unload_everywhere(self, name: str) -> None:
+        for c in self._children:
+            try:
+                await self._post("/unload_lora_adapter", {"lora_name": name}, replica=c.replica)
+            except HttpError as exc:  # not loaded there: nothing to free
+                log.warning("sglang engine: unloading adapter %s%s: %s", name, self._which(c.replica), exc)
+
     # -- memory and cache
 
     async def release_memory(self, tags: Sequence[str] = ()) -> None:
@@ -931,6 +1049,12 @@ class SGLangEngine:
     async def flush_cache(self) -> None:
         with contextlib.suppress(HttpError):  # refused while busy: not an error (SGLang flushes only when idle)
             await self._post_all("/flush_cache", method="GET")
+
+
+def _remove_tree(path: pathlib.Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def ENGINE_FACTORY(**options: Any) -> SGLangEngine:  # the registry's well-known name

@@ -24,6 +24,7 @@ names, bodies and answers (the subset rollpool uses):
   rest and exits, as a crashing SGLang scheduler takes its server down.
   ``rank_refuses: [rank, version]`` (an engine keyword) makes that rank refuse
   that version: the fault a test needs, applied before any rank changes.
+  LoRA (``enable_lora`` and SGLang's other LoRA keywords): `SimLora`, a fake of SGLang's adapter serving.
 
 A route answers 400 only for a request body that fails an explicit check
 (`BadRequest`); anything else raised is a 500 (see `http`).
@@ -45,7 +46,7 @@ from typing import Any
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, serve_routes
 
-__all__ = ["SimRanks", "sglang_routes", "sim_routes", "serve_main"]
+__all__ = ["SimLora", "SimRanks", "sglang_routes", "sim_routes", "serve_main"]
 
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed"}
 
@@ -67,8 +68,18 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         out = await engine.async_generate(input_ids=_need(b, "input_ids"), sampling_params=b.get("sampling_params"),
-                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"))
+                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"),
+                                          lora_path=b.get("lora_path"))
         return 200, out
+
+    async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
+        res = await tm.load_lora_adapter(io.LoadLoRAAdapterReqInput(lora_name=str(_need(b, "lora_name")), lora_path=str(_need(b, "lora_path")),
+                                                                    pinned=bool(b.get("pinned", False))), None)
+        return (200 if res.success else 400), {"success": bool(res.success), "error_message": res.error_message}
+
+    async def unload_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
+        res = await tm.unload_lora_adapter(io.UnloadLoRAAdapterReqInput(lora_name=str(_need(b, "lora_name"))), None)
+        return (200 if res.success else 400), {"success": bool(res.success), "error_message": res.error_message}
 
     async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
         tm.abort_request(rid=b.get("rid", ""), abort_all=bool(b.get("abort_all", False)))
@@ -123,7 +134,8 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
             "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
             "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
             "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
-            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
+            "/release_memory_occupation": release, "/resume_memory_occupation": resume,
+            "/load_lora_adapter": load_lora_adapter, "/unload_lora_adapter": unload_lora_adapter}
 
 
 # --------------------------------------------------------------------------- the sim engine, answering like SGLang
@@ -205,9 +217,63 @@ class SimRanks:
         return True, "Succeeded to update model weights.", decoded[0]
 
 
-def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None) -> dict[str, Route]:  # noqa: C901 - grandfathered: one handler per route
+class SimLora:
+    """The sim backend's fake of SGLang's LoRA serving (``enable_lora``): adapters loaded by name from PEFT
+    directories, refused as SGLang refuses them (LoRA not enabled, a rank above ``max_lora_rank``, target modules
+    outside ``lora_target_modules``, a name already loaded; an answer with ``success: false``), a ``/generate``
+    naming an adapter never loaded refused (400, as SGLang's ``_resolve_lora_path`` raises), and, its own
+    bookkeeping for tests, the tokens served per adapter name (``/model_info``'s ``lora_tokens``; the base is
+    ``""``). It does not change the tokens the sim samples."""
+
+    def __init__(self, enabled: bool, max_rank: int | None, targets: Sequence[str] | None) -> None:
+        self.enabled, self.max_rank, self.targets = enabled, max_rank, set(targets or ())
+        self.loaded: dict[str, dict[str, Any]] = {}
+        self.tokens: dict[str, int] = {}
+        self.loads = 0
+
+    def load(self, name: str, path: str) -> tuple[bool, str | None]:
+        if not self.enabled:
+            return False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        if name in self.loaded:
+            return False, f"The LoRA adapter with the name {name} has already been loaded."
+        root = Path(path)
+        try:
+            config = json.loads((root / "adapter_config.json").read_text())
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(root / "adapter_model.safetensors"))
+        except (OSError, ValueError) as exc:
+            return False, f"cannot read LoRA adapter at {path}: {exc}"
+        rank, targets = int(config["r"]), set(config.get("target_modules") or ())
+        if self.max_rank is not None and rank > self.max_rank:
+            return False, f"LoRA adapter {name} has rank {rank}, above max_lora_rank {self.max_rank}"
+        if self.targets and "all" not in self.targets and not targets <= self.targets:
+            return False, (f"LoRA adapter '{name}' contains target modules {sorted(targets - self.targets)} that are not included "
+                           f"in the specified --lora-target-modules {sorted(self.targets)}.")
+        self.loaded[name] = dict(tensors)
+        self.loads += 1
+        return True, None
+
+    def unload(self, name: str) -> tuple[bool, str | None]:
+        if self.loaded.pop(name, None) is None:
+            return False, f"LoRA adapter {name} is not loaded"
+        return True, None
+
+    def check(self, lora_path: Any) -> str:
+        """The adapter name a ``/generate`` runs on ("" for the base); `BadRequest` for one never loaded."""
+        if not lora_path:
+            return ""
+        if not self.enabled:
+            raise BadRequest(f"LoRA adapter {lora_path!r} requested but LoRA is not enabled. Please launch the server with --enable-lora")
+        if str(lora_path) not in self.loaded:
+            raise BadRequest(f"Got LoRA adapter that has never been loaded: {lora_path}\nAll loaded adapters: {sorted(self.loaded)}.")
+        return str(lora_path)
+
+
+def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: SimLora | None = None) -> dict[str, Route]:  # noqa: C901 - grandfathered: one handler per route
     """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
     ranks = ranks or SimRanks(1, sim.version)
+    lora = lora or SimLora(False, None, None)
     weights = ranks.weights[0]  # get_weights_by_name answers from TP rank 0, as in SGLang
     paused = False
     cache = _SimPrefixCache()
@@ -218,10 +284,12 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None) -> dict
             raise BadRequest("input_ids must be a non-empty list of ints")
         rid = str(b.get("rid") or os.urandom(8).hex())
         sp = _sim_sampling(dict(b.get("sampling_params") or {}))
+        adapter = lora.check(b.get("lora_path"))
         t0 = time.time()
         cached = cache.lookup(ids)
         out = await sim.generate(ids, 1, sp, rid)
         s = out.samples[0]
+        lora.tokens[adapter] = lora.tokens.get(adapter, 0) + len(s.output_ids)
         cache.insert(list(ids) + list(s.output_ids[:-1]))  # the last sampled token has no KV yet, as in SGLang
         if s.finish_reason == FinishReason.STOP:
             finish: dict[str, Any] = {"type": "stop", "matched": s.matched_stop}
@@ -293,7 +361,16 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None) -> dict
     async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
         # tp_size, rank_versions and rank_pids are the sim's own keys (real SGLang reports no per-rank state here)
         return 200, {"model_path": model_path, "weight_version": str(sim.version), "tp_size": ranks.tp_size,
-                     "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids)}
+                     "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids),
+                     "lora_loaded": sorted(lora.loaded), "lora_tokens": dict(lora.tokens), "lora_loads": lora.loads}
+
+    async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
+        ok, error = lora.load(str(_need(b, "lora_name")), str(_need(b, "lora_path")))
+        return (200 if ok else 400), {"success": ok, "error_message": error, "loaded_adapters": None}
+
+    async def unload_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
+        ok, error = lora.unload(str(_need(b, "lora_name")))
+        return (200 if ok else 400), {"success": ok, "error_message": error, "loaded_adapters": None}
 
     async def health(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, None
@@ -315,7 +392,8 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None) -> dict
             "/continue_generation": continue_generation, "/update_weights_from_tensor": update_weights_from_tensor,
             "/get_weights_by_name": get_weights_by_name, "/update_weight_version": update_weight_version,
             "/model_info": model_info, "/health_generate": health, "/health": health, "/flush_cache": flush_cache,
-            "/release_memory_occupation": release, "/resume_memory_occupation": resume}
+            "/release_memory_occupation": release, "/resume_memory_occupation": resume,
+            "/load_lora_adapter": load_lora_adapter, "/unload_lora_adapter": unload_lora_adapter}
 
 
 # --------------------------------------------------------------------------- entry point
@@ -391,6 +469,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         tp_size = int(kwargs.pop("tp_size", 1))
         refuses = kwargs.pop("rank_refuses", None)
         kwargs.pop("base_gpu_id", None)
+        lora = SimLora(bool(kwargs.pop("enable_lora", False)), kwargs.pop("max_lora_rank", None), kwargs.pop("lora_target_modules", None))
+        kwargs.pop("max_loras_per_batch", None)
         sim = SimEngine(parse_options(SimOptions, {**_sim_model_kwargs(a.model_path), **kwargs}))
         ranks = SimRanks(tp_size, sim.version, (int(refuses[0]), int(refuses[1])) if refuses else None)
 
@@ -398,7 +478,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             await sim.start()
             watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
             try:
-                await _serve_forever(sim_routes(sim, a.model_path, ranks), a.host, a.port, token)
+                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token)
             finally:
                 if watch is not None:
                     watch.cancel()
