@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -155,7 +156,8 @@ class SGLangOptions:
     max_lora_rank: int = 64
     """The largest adapter rank served (SGLang's ``max_lora_rank``: its GPU memory pool is sized for it)."""
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    """Comma-separated module names adapters may target (SGLang's ``lora_target_modules``), or ``all``."""
+    """Module names adapters may target (SGLang's ``lora_target_modules``), separated by ``,`` or ``+`` (``+`` inside
+    ``--engine-options``, whose entries ``,`` separates), or ``all``."""
     lora_resident: int = 4
     """Adapter versions kept loaded (besides any a running sample still uses); at least the broker's max_staleness + 1."""
     max_loras_per_batch: int = 0
@@ -165,7 +167,7 @@ class SGLangOptions:
     /dev/shm (a tmpfs) when present, else the system's temporary directory."""
 
     def lora_targets(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
+        return tuple(t for t in re.split(r"[,+\s]+", self.lora_target_modules) if t)
 
     def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
         c = type(self)

@@ -987,8 +987,9 @@ class SGLangEngine:
             self._adapters[version] = name
             self.version = version
             self.last_update = {"update_started_at": t0, "write_s": t1 - t0, "sglang_load_s": time.time() - t1,
-                                "bytes": float(sum(nbytes(a) + nbytes(b) for a, b in pairs.values()))}
+                                "bytes": float(sum(nbytes(a) + nbytes(b) for a, b in pairs.values())), "applied_at": time.time()}
             await self._evict_adapters()
+            log.info("sglang adapter apply %s", json.dumps({"version": version, **self.last_update}))
 
     async def _load_adapter(self, name: str, path: pathlib.Path, replica: int) -> None:
         try:
