@@ -10,8 +10,12 @@ announce, fetch, verify, copy into the bank). Medians of ``--versions`` after ``
 The 8B shape (default): 32 layers, hidden 4096, 8 KV heads of 128, MLP 14336; rank 16 on every attention and MLP
 projection (q, k, v, o, gate, up, down): 42 M parameters, 84 MB in bf16 per version.
 
-`pool_vs_direct` (SGLang tokens/s with the adapter active, pool vs direct) needs the sglang engine's LoRA path,
-which is not written yet: the JSON says so (null, with the reason) rather than a number.
+``--full``: the same run, side by side, with whole-model versions of the same shape (every targeted projection's
+weight, in ``--dtype``, copied into the base's tensors on arrival): bytes per version and the same two times, and
+the ratios. ``--demo-shape``: the shape of `rollpool demo --lora` (2 layers, hidden 64, MLP 256, rank 8).
+
+`pool_vs_direct` (SGLang tokens/s with the adapter active, pool vs direct) is bench/gpu_lora.py's (a GPU and
+SGLang); this JSON keeps it null, saying so.
 
     python bench/lora.py [--layers 32] [--hidden 4096] [--kv 1024] [--mlp 14336] [--rank 16] [--versions 10]
                          [--warmup 2] [--device cuda|cpu] [--dtype bfloat16] [--path network|auto|shm] [--json PATH]
@@ -42,6 +46,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="the bank's device (default: cuda when available)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--path", default="network", choices=("network", "auto", "shm"))
+    ap.add_argument("--full", action="store_true", help="also whole-model versions of the same shape, side by side")
+    ap.add_argument("--demo-shape", action="store_true", help="rollpool demo --lora's model: 2 layers, hidden 64, MLP 256, rank 8")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -58,6 +64,18 @@ def shapes(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.demo_shape:
+        a.layers, a.hidden, a.kv, a.mlp, a.rank = 2, 64, 64, 256, 8
+    lora = await run_one(a, full=False)
+    if not a.full:
+        return lora
+    full = await run_one(a, full=True)
+    return {**lora, "full": full, "full_vs_adapter_bytes": full["version_bytes"] / lora["version_bytes"],
+            "full_vs_adapter_publish_to_applied": full["publish_to_applied_s"] / lora["lora_publish_to_applied_s"],
+            "full_vs_adapter_trainer_blocked": full["trainer_blocked_s"] / lora["lora_trainer_blocked_s"]}
+
+
+async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
     import torch
     import zmq.asyncio
 
@@ -84,7 +102,12 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     spec = adapter_spec(a.rank, 2 * a.rank, TARGETS, base_model=f"{a.layers}x{a.hidden}")
     src_device = device if device != "cpu" else "cpu"
     named = {}
+    base: dict[str, Any] = {}
     for path, (i, o) in dims.items():
+        if full:
+            named[f"{path}.weight"] = torch.randn(o, i, dtype=dtype, device=src_device) * 0.01
+            base[f"{path}.weight"] = torch.empty(o, i, dtype=dtype, device=device)
+            continue
         named[f"base_model.model.{path}.lora_A.weight"] = torch.randn(a.rank, i, dtype=dtype, device=src_device) * 0.01
         named[f"base_model.model.{path}.lora_B.weight"] = torch.zeros(o, a.rank, dtype=dtype, device=src_device)
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
@@ -102,11 +125,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             if src_device != "cpu":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            await pub.publish(named, v, adapter=spec)
+            await pub.publish(named, v, adapter=None if full else spec)
             t1 = time.perf_counter()
             wv = await sub.fetch(v)
-            assert wv.manifest.adapter == spec
-            bank.add(v, wv.tensors, spec, dtype=dtype, device=device)
+            if full:
+                for name, t in wv.tensors.items():
+                    base[name].copy_(t)  # the engine's copy into its weights
+            else:
+                assert wv.manifest.adapter == spec
+                bank.add(v, wv.tensors, spec, dtype=dtype, device=device)
             if device != "cpu":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -119,13 +146,17 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         sub.close()
         await pub.close()
         ctx.term()
+    if full:
+        return {"version_bytes": nbytes, "publish_to_applied_s": statistics.median(applied),
+                "trainer_blocked_s": statistics.median(blocked), "what": "every targeted projection's weight, whole"}
     return {
+        "version_bytes": nbytes,
         "shape": {"layers": a.layers, "hidden": a.hidden, "kv": a.kv, "mlp": a.mlp, "rank": a.rank, "targets": list(TARGETS)},
         "adapter_bytes": nbytes, "device": device, "dtype": a.dtype, "path": a.path, "versions": a.versions,
         "lora_publish_to_applied_s": statistics.median(applied), "lora_publish_to_applied_s_range": [min(applied), max(applied)],
         "lora_trainer_blocked_s": statistics.median(blocked), "lora_trainer_blocked_s_range": [min(blocked), max(blocked)],
         "pool_vs_direct": None,
-        "pool_vs_direct_note": "not measured: the sglang engine's LoRA path is not written yet (docs/lora.md)",
+        "pool_vs_direct_note": "measured by bench/gpu_lora.py (SGLang on a GPU), not here",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 

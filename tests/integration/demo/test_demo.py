@@ -68,3 +68,19 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     while _procs_with(pool) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _procs_with(pool) == []
+
+
+@pytest.mark.slow
+def test_lora_demo_publishes_adapter_versions_only(tmp_path: Path) -> None:
+    pool = f"demo-ci-{uuid.uuid4().hex[:8]}"
+    out = subprocess.run(_demo(tmp_path, pool, "--steps", "3", "--quiet", "--lora"), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost"] == 0 and summary["duplicated"] == 0
+    lora = summary["lora"]
+    assert lora["rank"] == 8 and lora["adapter_bytes_per_version"] * 5 < lora["full_bytes_per_version"]
+    assert (tmp_path / "out" / "demo-report-lora.json").exists()
+    # every worker applied the adapter versions the trainer published (the hf engine's resident adapters)
+    for log in sorted((tmp_path / "out").glob("worker-*.log")):
+        assert "applied weight version 3" in log.read_text(), log.name
+    assert _procs_with(pool) == []
