@@ -242,7 +242,8 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-tests", action="store_true", help="stage 3 only (the figures)")
+    ap.add_argument("--tests-only", action="store_true", help="stages 1-2 only (the gpu tests), for a short device call")
     a = ap.parse_args()
     OUT = G.OUT = Path(a.out)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -257,7 +258,8 @@ def main() -> int:
     save()
     if not a.skip_tests:
         asyncio.run(run_tests(small))
-    asyncio.run(pool_stage(big, a))
+    if not a.tests_only:
+        asyncio.run(pool_stage(big, a))
     G.note(json.dumps({k: v for k, v in RESULT.items() if k != "stages"}))
     return 0
 

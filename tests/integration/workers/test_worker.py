@@ -109,6 +109,8 @@ class FakeWeightSubscriber:
     def __init__(self, sockets: Any, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
                  pin_memory: bool = False, stage_device: str | None = None, weights: Any = None) -> None:
         self.versions: dict[int, dict[str, Any]] = {}
+        self.manifests: dict[int, Any] = {}
+        """A version's manifest where a test gives one (an adapter version's carries its `AdapterSpec`)."""
         self.connected: tuple[str, str | None] | None = None
         self.noted: list[int] = []
         self._changed = asyncio.Event()
@@ -127,8 +129,9 @@ class FakeWeightSubscriber:
     def note_version(self, v: int) -> None:
         self.noted.append(v)
 
-    def publish(self, version: int, tensors: dict[str, Any]) -> None:
+    def publish(self, version: int, tensors: dict[str, Any], manifest: Any = None) -> None:
         self.versions[version] = tensors
+        self.manifests[version] = manifest
         self._changed.set()
 
     async def wait_for_newer(self, than: int) -> int:
@@ -150,7 +153,7 @@ class FakeWeightSubscriber:
             pass
 
         wv = WeightVersion()
-        wv.version, wv.tensors, wv.manifest = v, self.versions[v], None  # type: ignore[attr-defined]
+        wv.version, wv.tensors, wv.manifest = v, self.versions[v], self.manifests.get(v)  # type: ignore[attr-defined]
         return wv
 
     def recycle(self, old: Any) -> None:

@@ -1,0 +1,54 @@
+"""A worker whose sglang engine serves LoRA adapter versions (the sim child and its `SimLora` fake), against a
+scripted broker: an adapter version is applied without pausing generation, so a running sample is neither aborted
+nor resubmitted and finishes on the version it started on, while the next task runs on the adapter."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from rollpool.protocol.messages import ApplyDone, ApplyGrant, ApplyRequest, Result
+from rollpool.workers.engines.sglang.engine import SGLangEngine
+from tests.unit.workers.conftest import SIM_SERVER_ARGS
+from tests.unit.workers.test_sglang_lora import _adapter
+
+from .test_worker import fake_subscriber, harness, task
+
+__all__ = ["harness"]  # the fixture, used here by name
+
+
+@pytest.mark.timeout(90)  # one launch of the sim child (about 2 s on a loaded 2-core box)
+async def test_an_adapter_version_reaches_a_running_sglang_engine_without_a_pause(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    engines: list[SGLangEngine] = []
+
+    def factory() -> SGLangEngine:
+        e = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                         lora=True, lora_dir=str(tmp_path / "lora"), start_timeout_s=60,
+                         server_args=json.dumps({**SIM_SERVER_ARGS, "decode_s_per_token": 0.005}))
+        engines.append(e)
+        return e
+
+    _worker, broker, _run = await harness(factory, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=_worker, broker=broker)
+    await broker.send(task(1, n=2, max_new=300, ignore_eos=True))
+    await broker.until_inflight("p1@0")
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(1, named, manifest=types.SimpleNamespace(adapter=spec))
+    assert (await broker.expect(ApplyRequest)).version == 1
+    await broker.send(ApplyGrant(version=1))
+    done = await broker.expect(ApplyDone)
+    assert done.ok and done.version == 1
+    await broker.send(task(2, n=1, max_new=5, ignore_eos=True))
+    results = {r.task_id: r for r in (await broker.expect(Result, timeout_s=30), await broker.expect(Result, timeout_s=30))}
+    assert all(t.token_versions.tolist() == [0] * 300 for t in results["p1@0"].trajectories)  # began on the base, ran on
+    assert all(t.token_versions.tolist() == [1] * 5 for t in results["p2@0"].trajectories)
+    assert engines[0].stats["resubmits"] == 0 and len(engines) == 1  # nothing aborted, no restart
