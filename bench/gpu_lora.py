@@ -16,6 +16,8 @@ before the next starts:
 
 Run on the device:
 ``bash .sgkit/install.sh .sgkit /tmp/site && PYTHONPATH=/tmp/site:. python3 bench/gpu_lora.py --out $OUT``.
+``--sim`` is a dry run of stage 3 on a CPU: the same script over the sglang engine's sim child (`SimLora`, no SGLang,
+a tiny model, small sizes); its figures mean nothing, it checks the script.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ async def pool_stage(big: Path, a: argparse.Namespace) -> None:
                        "--max-staleness", "1000", "--max-applying", "1", "--task-timeout-s", "3600", "--log-level", "WARNING"],
                       OUT / "broker.log")
     opts = (f"port={sg_port},capacity={a.capacity},mem_fraction_static=0.6,log_dir={OUT},context_length=2048,"
-            f"lora=true,max_lora_rank={a.rank},lora_resident=4")
+            f"lora=true,max_lora_rank={a.rank},lora_resident=4" + (",backend=sim,device=cpu" if a.sim else ""))
     worker_log = OUT / "worker.log"
     worker = G._spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(big), "--worker-id", "sg0",
                        "--engine-options", opts, "--apply-mode", "interrupt", "--log-level", "INFO"], worker_log)
@@ -147,7 +149,7 @@ async def pool_stage(big: Path, a: argparse.Namespace) -> None:
         save()
 
         rng = random.Random(0)
-        prompts = [[rng.randrange(10, 31000) for _ in range(128)] for _ in range(a.prompts)]
+        prompts = [[rng.randrange(10, 1000 if a.sim else 31000) for _ in range(128)] for _ in range(a.prompts)]
         sampling = {"max_new_tokens": a.out_tokens, "temperature": 1.0, "ignore_eos": True}
         sp = SamplingParams(max_new_tokens=a.out_tokens, temperature=1.0, ignore_eos=True)
         counter = iter(range(10**9))
@@ -244,17 +246,34 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--skip-tests", action="store_true", help="stage 3 only (the figures)")
     ap.add_argument("--tests-only", action="store_true", help="stages 1-2 only (the gpu tests), for a short device call")
+    ap.add_argument("--sim", action="store_true", help="a CPU dry run of stage 3 on the sim child (checks the script only)")
     a = ap.parse_args()
     OUT = G.OUT = Path(a.out)
     OUT.mkdir(parents=True, exist_ok=True)
+    if a.sim:
+        from rollpool.workers.engines.tiny_model import build_tiny_model
+
+        RESULT["simulated"] = True
+        tiny = Path(a.work) / "tiny"
+        if not (tiny / "config.json").exists():
+            build_tiny_model(tiny, vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2)
+        asyncio.run(pool_stage(tiny, a))
+        G.note(json.dumps({k: v for k, v in RESULT.items() if k != "stages"}))
+        return 0
     G.setup_env()
     import torch
 
     RESULT["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    small, big, model_bytes = G.build_models(work)
-    RESULT["model_bytes"] = model_bytes
+    if a.tests_only:  # the small model only (the big one takes a minute to build)
+        from rollpool.workers.engines.tiny_model import build_tiny_model
+
+        small = build_tiny_model(work / "small", vocab=1024, hidden=256, layers=2, heads=4, kv_heads=2)
+        big = small
+    else:
+        small, big, model_bytes = G.build_models(work)
+        RESULT["model_bytes"] = model_bytes
     save()
     if not a.skip_tests:
         asyncio.run(run_tests(small))

@@ -61,7 +61,7 @@ def merged_logprobs(model_dir: pathlib.Path, named: dict[str, Any], spec: Any, p
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = dict(model.named_parameters())
     scale = spec.alpha / spec.rank
     with torch.no_grad():
