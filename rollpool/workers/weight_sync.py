@@ -169,6 +169,8 @@ class WeightSync:
         """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
         self._lock = asyncio.Lock()
         self._grants: dict[int, asyncio.Future[None]] = {}
+        self._paused_for_apply = False
+        """The apply in progress paused the engine (an adapter version for an `adapters_without_pause` engine does not)."""
         supervisor.reapply = self._reapply
 
     async def prepare(self) -> None:
@@ -352,7 +354,8 @@ class WeightSync:
         except WeightsRefusedError as exc:  # checked before anything was written: the engine serves its version intact
             error, refused = f"{type(exc).__name__}: {exc}", True
             try:
-                await engine.resume()
+                if getattr(self, "_paused_for_apply", True):  # an adapter applied without a pause has nothing to resume
+                    await engine.resume()
             except asyncio.CancelledError:
                 raise
             except Exception as rexc:  # noqa: BLE001 - an engine that cannot resume is failed after all
@@ -390,12 +393,14 @@ class WeightSync:
         return False
 
     async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
+        self._paused_for_apply = True  # until known otherwise: a refusal then resumes the engine, as it always has
         manifest = getattr(target.fetched, "manifest", None)
         adapter = getattr(manifest, "adapter", None)
         if adapter is not None and not isinstance(engine, AdapterEngine):
             raise WeightsRefusedError(f"version {target.version} is a LoRA adapter and the {engine.info().name} engine serves no adapters")
         if adapter is not None and getattr(engine, "adapters_without_pause", False):
             # the engine keeps several adapter versions loaded and each running sample names its own: nothing pauses
+            self._paused_for_apply = False
             assert isinstance(engine, AdapterEngine)
             await engine.update_adapter(target.tensors, adapter, target.version)
             return

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollpool.protocol.messages import ApplyDone, ApplyGrant, ApplyRequest, Result
+from rollpool.protocol.messages import ApplyDone, ApplyGrant, ApplyRequest, Credit, Result, WorkerHeartbeat
 from rollpool.workers.engines.sglang.engine import SGLangEngine
 from tests.unit.workers.conftest import SIM_SERVER_ARGS
 from tests.unit.workers.test_sglang_lora import _adapter
@@ -52,3 +52,13 @@ async def test_an_adapter_version_reaches_a_running_sglang_engine_without_a_paus
     assert all(t.token_versions.tolist() == [0] * 300 for t in results["p1@0"].trajectories)  # began on the base, ran on
     assert all(t.token_versions.tolist() == [1] * 5 for t in results["p2@0"].trajectories)
     assert engines[0].stats["resubmits"] == 0 and len(engines) == 1  # nothing aborted, no restart
+    # an adapter the engine cannot serve: refused by name, reported, and the worker serves on with version 1
+    big, big_spec = _adapter(tiny_model_dir, rank=128)
+    sub.publish(2, big, manifest=types.SimpleNamespace(adapter=big_spec))
+    assert (await broker.expect(ApplyRequest)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    refused = await broker.expect(ApplyDone)
+    assert not refused.ok and "max_lora_rank 64" in (refused.error or "")
+    await broker.send(task(3, n=1, max_new=4, ignore_eos=True))
+    after = await broker.expect(Result, timeout_s=30, skip=(WorkerHeartbeat, Credit, ApplyDone))  # and the skip notice
+    assert after.error is None and all(t.token_versions.tolist() == [1] * 4 for t in after.trajectories) and len(engines) == 1
