@@ -68,6 +68,7 @@ from rollpool.weights.paths.base import (
     Fetched,
     FetchJob,
     FetchPath,
+    ManifestTimeoutError,
     PathFallbackError,
     TransferSink,
     WeightVersion,
@@ -349,11 +350,15 @@ class WeightSubscriber:
         return self.ipc.gpu_uuids()
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
-                             wait_ipc: bool = False, delta: bool = True) -> Manifest:
-        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times.
+                             wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
+                             timeout_s: float | None = None) -> Manifest:
+        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times (or
+        `attempts`), each try waiting `timeout_s` (default `fetch_timeout_s`); none answered: `ManifestTimeoutError`.
 
         `streamed`: accept pending checksums (``""``, each following on its
         bucket's chunks); False waits for a manifest whose checksums all exist.
+        `after_mix64` >= 0: a parked request, answered once the version carries
+        more GPU checksums than that (`ManifestRequest.after_mix64`).
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
@@ -364,8 +369,8 @@ class WeightSubscriber:
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
                                                                                host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc,
-                                                                               delta_base=base),
-                                                   self.fetch_timeout_s)
+                                                                               delta_base=base, after_mix64=after_mix64),
+                                                   self.fetch_timeout_s if timeout_s is None else timeout_s)
             except TimeoutError:
                 continue
             if isinstance(reply, Manifest):
@@ -379,7 +384,8 @@ class WeightSubscriber:
                 raise WeightSyncError(f"publisher refused the manifest request: {reply.code}: {reply.message}")
             raise WeightSyncError(f"publisher answered a manifest request with {type(reply).__name__}")
         what = "latest" if version is None else str(version)
-        raise WeightSyncError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {self.fetch_timeout_s} s")
+        waited = self.fetch_timeout_s if timeout_s is None else timeout_s
+        raise ManifestTimeoutError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {waited:g} s")
 
     def facts(self) -> FetchFacts:
         """This side of the hello, as the path plan reads it."""

@@ -41,6 +41,7 @@ __all__ = [
     "FetchPath",
     "Fetched",
     "ManifestSource",
+    "ManifestTimeoutError",
     "PathFallbackError",
     "TransferSink",
     "WeightVersion",
@@ -103,6 +104,10 @@ class WeightVersionGoneError(WeightSyncError):
         self.version = version
 
 
+class ManifestTimeoutError(WeightSyncError):
+    """No manifest came within the tries asked for (a silent publisher, or an answer lost or late on the way)."""
+
+
 class TransferSink(Protocol):
     """Told of a transfer's progress (the relay forwards chunks as they arrive)."""
 
@@ -135,7 +140,8 @@ class ManifestSource(Protocol):
     """Where a path asks for a manifest again (the subscriber's request router)."""
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
-                             wait_ipc: bool = False) -> Manifest: ...
+                             wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
+                             timeout_s: float | None = None) -> Manifest: ...
 
 
 @dataclass(slots=True)
