@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -57,9 +56,9 @@ from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import unpack_buckets, verify_checksum
 from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import UNCHANGED, DeltaError, decode_bucket, itemsize_of, same_layout
-from rollpool.weights.gpu import DeviceSlabs, arena_offsets
+from rollpool.weights.gpu import DeviceSlabs
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
-from rollpool.weights.memory import BufferPool, host_key
+from rollpool.weights.memory import VersionBuffers, host_key
 from rollpool.weights.paths.base import (
     Attr,
     BucketCallback,
@@ -155,10 +154,11 @@ class WeightSubscriber:
         """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
-        self._dev_slabs = DeviceSlabs()
-        self.ipc = CudaIpcPath(self.ctx, self._dev_slabs, path)
+        self.buffers = VersionBuffers(pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes, slabs=DeviceSlabs())
+        """The host buffers, one per version, and the device slabs of the device paths (`reserve`, `recycle`)."""
+        self.ipc = CudaIpcPath(self.ctx, self.buffers.slabs, path)
         """The same-GPU path (its `gpus` is the device edge tests fake)."""
-        self.segments = ShmSegments(self.host_key, path, self._dev_slabs)
+        self.segments = ShmSegments(self.host_key, path, self.buffers.slabs)
         """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
         self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
         self._shm = ShmPath(self.ctx, self.segments)
@@ -172,8 +172,6 @@ class WeightSubscriber:
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_up: asyncio.Task[None] | None = None
         self._errlog = RateLimitedLog(log)
-        self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
-        self._reserved_versions = 0
         self._shm_generation = 0
         self._base: WeightVersion | None = None
         """The newest version fetched into host buffers: the base a delta version is rebuilt from (held until the next
@@ -186,9 +184,7 @@ class WeightSubscriber:
         self._known: Manifest | None = None
         """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
         `fetch` of that version takes it instead of asking again (one manifest request per version)."""
-        self._reserving: threading.Thread | None = None
         self._rebuild_pool: ThreadPoolExecutor | None = None
-        self._warned_reserve = False
         if cfg.weight_reserve_bytes:
             self.reserve_in_background(cfg.weight_reserve_bytes)
 
@@ -233,10 +229,9 @@ class WeightSubscriber:
         self._base = None
         if self._rebuild_pool is not None:
             self._rebuild_pool.shutdown(wait=False)
-        self._pool.close()
         self.segments.close()
         self.ipc.close()
-        self._dev_slabs.trim(0)
+        self.buffers.close()
         self._shm.close()
         self._shm_device.close()
 
@@ -449,8 +444,8 @@ class WeightSubscriber:
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, view in zip(carried, views, strict=True):
             payloads[b.index] = view
-        await self._reserved()
-        slab, buffers = self._buffers_for(manifest)
+        await self.buffers.reserved()
+        slab, buffers = self._take_buffers(manifest)
 
         def rebuild(i: int) -> bool:
             b = manifest.buckets[i]
@@ -463,7 +458,7 @@ class WeightSubscriber:
             if bad:
                 raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
         except BaseException:
-            self._pool.give([slab])
+            self.buffers.pool.give([slab])
             raise
         self.delta_versions += 1
         tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
@@ -489,7 +484,7 @@ class WeightSubscriber:
         old, recycled = self._base, self._base_recycled
         self._base, self._base_recycled = wv, False
         if old is not None and recycled and old.slab is not None:
-            self._recycle_buffers([old.slab])
+            self.buffers.give(old.slab)
         return wv
 
     def _take_known(self, version: int | None) -> Manifest | None:
@@ -510,7 +505,7 @@ class WeightSubscriber:
             return self._fetched(await self._walk(steps, job))
         except BaseException:
             if job.slab is not None:
-                self._pool.give([job.slab])
+                self.buffers.pool.give([job.slab])
             raise
 
     async def _walk(self, steps: Plan, job: FetchJob) -> Fetched:
@@ -522,8 +517,8 @@ class WeightSubscriber:
                 continue
             path = self._path(step.path)
             if path.host_buffers and job.buffers is None:
-                await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
-                job.slab, job.buffers = self._buffers_for(job.manifest)
+                await self.buffers.reserved()  # the device paths need no host buffer: they do not wait for the reserve
+                job.slab, job.buffers = self._take_buffers(job.manifest)
             try:
                 return await path.fetch(job)
             except PathFallbackError as exc:
@@ -569,6 +564,8 @@ class WeightSubscriber:
         by default: the one the engine serves (kept for a re-apply after a
         restart) and the one being fetched. Page-locked when the subscriber was
         made with ``pin_memory`` on a CUDA host, within `pinned_budget_bytes`.
+        With a `stage_device`, the device buffers the staged shared-memory path
+        and the same-GPU path copy into are allocated first.
         """
         if versions < 1:
             raise ValueError(f"versions must be >= 1, got {versions}")
@@ -578,56 +575,20 @@ class WeightSubscriber:
             from rollpool.weights.snapshot import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
-        t0 = time.perf_counter()
-        if self.stage_device is not None:
-            # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first
-            # version (first: it is quick, and those paths do not wait for the host buffers below)
-            self.reserve_device(total_bytes, self.stage_device, versions)
-        # free buffers that already fit a version count (a second reserve, e.g. ROLLPOOL_WEIGHT_RESERVE_BYTES and then
-        # the worker's own at engine start, tops up instead of doubling the page-locked memory)
-        have = sum(1 for n in self._pool.free_sizes() if n >= total_bytes)
-        self._pool.reserve([total_bytes] * max(0, versions - have))
-        self._reserved_versions = max(self._reserved_versions, versions)
-        log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self._pool.pinned_bytes,
-                                                    "device": str(self.stage_device), "seconds": round(time.perf_counter() - t0, 3),
-                                                    "at": time.time()}))
-        return total_bytes * versions
+        return self.buffers.reserve(total_bytes, versions, self.stage_device)
 
     def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
         """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on);
         the next fetch waits for it to finish before it takes a buffer."""
-        if self._reserving is not None:
-            self._reserving.join()
-        self._reserving = threading.Thread(target=self.reserve, kwargs={"total_bytes": total_bytes, "versions": versions},
-                                           name="weights-reserve", daemon=True)
-        self._reserving.start()
-
-    async def _reserved(self) -> None:
-        if self._reserving is not None:
-            await asyncio.to_thread(self._reserving.join)
-            self._reserving = None
-
-    @property
-    def buffers_allocated(self) -> int:
-        """Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version)."""
-        return self._pool.allocations
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._pool.pinned_bytes
-
-    @property
-    def pinned_budget_bytes(self) -> int | None:
-        """The most page-locked bucket memory this subscriber allocates (None: no bound)."""
-        return self._pool.pinned_budget_bytes
+        self.buffers.reserve_in_background(total_bytes, versions, self.stage_device)
 
     def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
         """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
-        # room for every bucket's alignment padding too (ARENA_ALIGN each; 1 MiB covers 4096 buckets)
-        slabs = [self._dev_slabs.take_at_least(arena_offsets([total_bytes])[1] + (1 << 20), device) for _ in range(versions)]
-        for s in slabs:
-            self._dev_slabs.give(s)
-        return sum(int(s.numel()) for s in slabs)
+        return self.buffers.reserve_device(total_bytes, device, versions)
+
+    buffers_allocated: Attr[int] = Attr("buffers", "Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version).")
+    pinned_bytes: Attr[int] = Attr("buffers")
+    pinned_budget_bytes: Attr[int | None] = Attr("buffers", "The most page-locked bucket memory this subscriber allocates (None: no bound).")
 
     def recycle(self, old: WeightVersion) -> None:
         """Hand back a version the caller no longer uses (its tensors were copied into the engine).
@@ -640,36 +601,10 @@ class WeightSubscriber:
         if self._base is not None and old.slab is not None and old.slab is self._base.slab:
             self._base_recycled = True  # still the base of the next delta: back to the pool when a newer version lands
             return
-        if old.slab is not None and old.slab.is_cuda:
-            self._dev_slabs.give(old.slab)
-            self._dev_slabs.trim(max(self._reserved_versions, 2))
-        elif old.slab is not None:
-            self._recycle_buffers([old.slab])
-        else:
-            self._recycle_buffers(list(old.buffers))
+        self.buffers.give(old.slab, old.buffers)
 
-    def _recycle_buffers(self, buffers: list[torch.Tensor]) -> None:
-        self._pool.give(buffers)
-        self._pool.trim(max(self._reserved_versions, 1) * max((int(b.numel()) for b in buffers), default=0))
-
-    def _buffers_for(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(one buffer of the version's total size, the bucket views carved from it in order)."""
-        total = sum(b.nbytes for b in manifest.buckets)
-        free = self._pool.free_sizes()
-        if self._reserved_versions and free and max(free) < total and not self._warned_reserve:
-            self._warned_reserve = True
-            log.warning("weight version %d takes %d bytes, more than the %d reserved per version: fresh buffers are "
-                        "allocated (and the reserved ones dropped when unused)", manifest.version, total, max(free))
-        slab = self._pool.take_at_least(total)
-        views: list[torch.Tensor] = []
-        pos = 0
-        for b in manifest.buckets:
-            views.append(slab[pos : pos + b.nbytes])
-            pos += b.nbytes
-        return slab, views
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        return self._pool.take(nbytes)
+    def _take_buffers(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
 
     # -- the shared-memory path
 

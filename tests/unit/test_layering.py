@@ -142,7 +142,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "manifest": {"config"},
     "bucketing": {"manifest"},
     "gpu": set(),
-    "memory": set(),
+    "memory": {"gpu"},
     "delta": set(),
     "paths": set(),  # the package's docstring
     "paths.base": set(),
