@@ -41,7 +41,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -50,12 +49,12 @@ import torch
 from rollpool.protocol.codec import decode
 from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, BucketInfo, Error, Manifest, ManifestRequest
+from rollpool.protocol.messages import Announce, Error, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import unpack_buckets, verify_checksum
+from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
-from rollpool.weights.delta import UNCHANGED, DeltaError, decode_bucket, itemsize_of, same_layout
+from rollpool.weights.delta import DeltaError
 from rollpool.weights.gpu import DeviceSlabs
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
 from rollpool.weights.memory import VersionBuffers, host_key
@@ -75,6 +74,7 @@ from rollpool.weights.paths.base import (
 )
 from rollpool.weights.paths.bulk import BulkPath, lane_host
 from rollpool.weights.paths.cuda_ipc import CudaIpcPath
+from rollpool.weights.paths.delta import DeltaPath
 from rollpool.weights.paths.network import DealerSet, NetworkPath
 from rollpool.weights.paths.shm import ShmDevicePath, ShmPath, ShmSegments
 
@@ -173,18 +173,11 @@ class WeightSubscriber:
         self._catch_up: asyncio.Task[None] | None = None
         self._errlog = RateLimitedLog(log)
         self._shm_generation = 0
-        self._base: WeightVersion | None = None
-        """The newest version fetched into host buffers: the base a delta version is rebuilt from (held until the next
-        version is verified, so its buffer goes back to the pool then, not at `recycle`)."""
-        self._base_recycled = False
-        self.delta_versions = 0
-        """Versions rebuilt from a delta."""
-        self.delta_fallbacks = 0
-        """Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched full instead."""
+        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
+        """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self._known: Manifest | None = None
         """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
         `fetch` of that version takes it instead of asking again (one manifest request per version)."""
-        self._rebuild_pool: ThreadPoolExecutor | None = None
         if cfg.weight_reserve_bytes:
             self.reserve_in_background(cfg.weight_reserve_bytes)
 
@@ -219,6 +212,9 @@ class WeightSubscriber:
                                                                "device here, named so).", writable=True)
     segment_maps: Attr[int] = Attr("segments", "Segments mapped so far (a warm subscriber maps none per version).")
     segments_registered_ahead: Attr[int] = Attr("segments", "Segments mapped (and page-locked) ahead of the version that used them.")
+    delta_versions: Attr[int] = Attr("delta", "Versions rebuilt from a delta.", field="versions")
+    delta_fallbacks: Attr[int] = Attr("delta", "Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched "
+                                      "full instead.", field="fallbacks")
 
     @property
     def protocol_errors(self) -> int:
@@ -226,9 +222,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         self._close_sockets()
-        self._base = None
-        if self._rebuild_pool is not None:
-            self._rebuild_pool.shutdown(wait=False)
+        self.delta.close()
         self.segments.close()
         self.ipc.close()
         self.buffers.close()
@@ -359,7 +353,7 @@ class WeightSubscriber:
         gpus = tuple(self.gpu_uuids())
         # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
         asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
-        base = self._base.version if asks and self._base is not None else -1
+        base = self.delta.base_version() if asks else -1
         for _attempt in range(tries):
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
@@ -407,85 +401,17 @@ class WeightSubscriber:
             try:
                 if manifest.delta_base >= 0:
                     try:
-                        return self._hold_base(await self._fetch_delta(manifest, on_bucket))
+                        return self.delta.hold(self._fetched(await self.delta.fetch(manifest, on_bucket)))
                     except (WeightSyncError, DeltaError) as exc:
-                        self.delta_fallbacks += 1
+                        self.delta.fallbacks += 1
                         self._fallback(manifest.version, f"delta against {manifest.delta_base}: {exc}", path="delta")
                         manifest = check_manifest(await self.fetch_manifest(manifest.version, delta=False))
-                return self._hold_base(await self._fetch_planned(manifest, on_bucket))
+                return self.delta.hold(await self._fetch_planned(manifest, on_bucket))
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-
-    async def _fetch_delta(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
-        """Rebuild `manifest`'s version from the base this subscriber holds and the encoded buckets (fetched over the
-        network path), each bucket verified against the checksum of its resulting bytes; raises `WeightSyncError` or
-        `DeltaError` (the caller then fetches the full version)."""
-        base = self._base
-        if base is None or base.version != manifest.delta_base:
-            held = "none" if base is None else str(base.version)
-            raise WeightSyncError(f"the base is not held here (holding {held})")
-        if base.manifest.publisher_id != manifest.publisher_id:
-            raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
-        if not same_layout(manifest.buckets, base.manifest.buckets):
-            raise WeightSyncError("the base's buckets do not line up with the delta's")
-        carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
-        payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
-                                                           for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
-        scratch = torch.empty(sum(-(-b.delta_nbytes // 8) * 8 for b in carried), dtype=torch.uint8)
-        views, at = [], 0
-        for b in carried:  # each payload 8-byte aligned: decoded through int32 and element views
-            views.append(scratch[at : at + b.delta_nbytes])
-            at += -(-b.delta_nbytes // 8) * 8
-        if carried:
-            await self._network.fetch(FetchJob(check_manifest(payload_manifest), buffers=views, slab=scratch))
-        payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
-        for b, view in zip(carried, views, strict=True):
-            payloads[b.index] = view
-        await self.buffers.reserved()
-        slab, buffers = self._take_buffers(manifest)
-
-        def rebuild(i: int) -> bool:
-            b = manifest.buckets[i]
-            decode_bucket(b.encoding, payloads[i], base.buffers[i], buffers[i], itemsize_of(b.dtype))
-            return verify_checksum(b.checksum, buffers[i].numpy().data if b.nbytes else b"")
-
-        try:
-            oks = await asyncio.to_thread(lambda: list(self._delta_pool().map(rebuild, range(len(manifest.buckets)))))
-            bad = [i for i, ok in enumerate(oks) if not ok]
-            if bad:
-                raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
-        except BaseException:
-            self.buffers.pool.give([slab])
-            raise
-        self.delta_versions += 1
-        tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        if on_bucket is not None:
-            for b in manifest.buckets:
-                names = {t.name for t in b.tensors}
-                res = on_bucket(b.index, {n: tensors_of[n] for n in names})
-                if asyncio.iscoroutine(res):
-                    await res
-        details = {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in carried)}
-        return self._fetched(Fetched(manifest, buffers, slab, NETWORK, details))
-
-    def _delta_pool(self) -> ThreadPoolExecutor:
-        if self._rebuild_pool is None:
-            self._rebuild_pool = ThreadPoolExecutor(max_workers=self.config.copy_threads, thread_name_prefix="weights-rebuild")
-        return self._rebuild_pool
-
-    def _hold_base(self, wv: WeightVersion) -> WeightVersion:
-        """A host version just fetched becomes the base of the next delta; the previous base's buffer goes back to the
-        pool if its caller already recycled it."""
-        if wv.slab is None or wv.slab.is_cuda or not self.config.weight_delta:
-            return wv
-        old, recycled = self._base, self._base_recycled
-        self._base, self._base_recycled = wv, False
-        if old is not None and recycled and old.slab is not None:
-            self.buffers.give(old.slab)
-        return wv
 
     def _take_known(self, version: int | None) -> Manifest | None:
         """The catch-up's manifest when it is of the version asked for (None: the latest known), once."""
@@ -598,9 +524,8 @@ class WeightSubscriber:
         the cost of the copy itself on first touch. The caller must not use
         `old`'s tensors afterwards.
         """
-        if self._base is not None and old.slab is not None and old.slab is self._base.slab:
-            self._base_recycled = True  # still the base of the next delta: back to the pool when a newer version lands
-            return
+        if self.delta.holds(old):
+            return  # still the base of the next delta: back to the buffers when a newer version lands
         self.buffers.give(old.slab, old.buffers)
 
     def _take_buffers(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:

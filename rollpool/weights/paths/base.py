@@ -56,26 +56,27 @@ T = TypeVar("T")
 
 class Attr(Generic[T]):
     """An attribute of a facade that is its part's: ``bytes_received: Attr[int] = Attr("counters")`` reads (and, made
-    with ``writable=True``, writes) ``self.counters.bytes_received``. The facades keep their public names while the
-    state lives in the part that owns it."""
+    with ``writable=True``, writes) ``self.counters.bytes_received`` (`field`: the part's name for it, when it differs).
+    The facades keep their public names while the state lives in the part that owns it."""
 
-    def __init__(self, part: str, doc: str = "", *, writable: bool = False) -> None:
+    def __init__(self, part: str, doc: str = "", *, writable: bool = False, field: str = "") -> None:
         self.part = part
         self.writable = writable
         self.__doc__ = doc
-        self.name = ""
+        self.name = self.field = field
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.field = self.field or name
 
     def __get__(self, obj: object, objtype: type | None = None) -> T:
-        value: T = getattr(getattr(obj, self.part), self.name)
+        value: T = getattr(getattr(obj, self.part), self.field)
         return value
 
     def __set__(self, obj: object, value: T) -> None:
         if not self.writable:
-            raise AttributeError(f"{self.name} is read-only (it is {self.part}.{self.name})")
-        setattr(getattr(obj, self.part), self.name, value)
+            raise AttributeError(f"{self.name} is read-only (it is {self.part}.{self.field})")
+        setattr(getattr(obj, self.part), self.field, value)
 
 
 @dataclass(frozen=True, slots=True)
