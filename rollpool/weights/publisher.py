@@ -51,9 +51,6 @@ from rollpool.weights.bucketing import (
     BucketPlanner,
     checksum_supported,
     default_checksum_algorithm,
-    dtype_name,
-    named_tensors_of,
-    tensor_bytes,
 )
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
@@ -69,6 +66,7 @@ from rollpool.weights.snapshot import (
     SnapshotPools,
     layout_of,
     packed_version,
+    plan_version,
     referenced_version,
     warm_segments,
 )
@@ -345,7 +343,7 @@ class WeightPublisher:
                 # ready and its buffers are kept as spares for the next publish.
                 for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
                     self._evict(old)
-            items, places, planner = self._plan(named_tensors)
+            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout)
             if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
                 served = await packed_version(items, version, self.bucket_bytes, self._knobs)
                 self._latest = version
@@ -449,27 +447,6 @@ class WeightPublisher:
         self.metrics.event("version_published", {"version": served.version, "bytes": served.total_bytes, "buckets": len(served.buckets),
                                                  "pack_s": round(now - t0, 6), "blocked_s": round(copied - t0, 6),
                                                  "memory": "shm" if any(b.shm_segment for b in served.buckets) else "host"})
-
-    def _plan(self, named_tensors: Any) -> tuple[Any, list[Place] | None, BucketPlanner]:
-        """(the tensors, where each goes: (bucket, offset, name, shape, dtype, nbytes) in order, the planner).
-
-        A dict or a module is planned from its sizes; an iterator is planned from
-        the reserved layout (`reserve`) and checked against it as it streams; an
-        iterator without one is planned as it comes (`places` None).
-        """
-        planner = BucketPlanner(self.bucket_bytes)
-        if isinstance(named_tensors, (Mapping, torch.nn.Module)):
-            items: Any = list(named_tensors_of(named_tensors))
-            layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
-        elif self._layout is not None:
-            items, layout = named_tensors_of(named_tensors), self._layout
-        else:
-            return named_tensors_of(named_tensors), None, planner
-        places: list[Place] = []
-        for name, dtype, shape, nbytes in layout:
-            idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
-            places.append(Place(idx, offset, name, shape, dtype, nbytes))
-        return items, places, planner
 
     def _begin(self, version: int, places: list[Place], planner: BucketPlanner) -> Snapshot:
         buffers = self._buffers.take([b.nbytes for b in planner.buckets], self.path)

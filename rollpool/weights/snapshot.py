@@ -53,7 +53,7 @@ from rollpool.weights.memory import BufferPool, ShmBuffer, shm_free_bytes, sweep
 from rollpool.weights.serving import ServedVersion
 
 __all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "Snapshot", "SnapshotBuffers", "SnapshotKnobs",
-           "packed_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
+           "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
 
 log = logging.getLogger("rollpool.weights.publisher")
 
@@ -179,6 +179,28 @@ def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
             numel *= x
         out.append((str(name), dtype_name(dtype), shape, numel * torch.empty(0, dtype=dtype).element_size()))
     return out
+
+
+def plan_version(named_tensors: Any, bucket_bytes: int, layout: list[tuple[str, str, tuple[int, ...], int]] | None
+                 ) -> tuple[Any, list[Place] | None, BucketPlanner]:
+    """(the tensors, where each goes in order, the planner) for one version.
+
+    A dict or a module is planned from its sizes; an iterator is planned from the reserved `layout` (`layout_of`) and
+    checked against it as it streams; an iterator without one is planned as it comes (`places` None: `packed_version`).
+    """
+    planner = BucketPlanner(bucket_bytes)
+    if isinstance(named_tensors, (Mapping, torch.nn.Module)):
+        items: Any = list(named_tensors_of(named_tensors))
+        layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
+    elif layout is not None:
+        items = named_tensors_of(named_tensors)
+    else:
+        return named_tensors_of(named_tensors), None, planner
+    places: list[Place] = []
+    for name, dtype, shape, nbytes in layout:
+        idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
+        places.append(Place(idx, offset, name, shape, dtype, nbytes))
+    return items, places, planner
 
 
 class Snapshot:

@@ -82,8 +82,6 @@ __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "Trans
 
 log = logging.getLogger(__name__)
 
-_MIN_CHUNK_BYTES = 4096
-
 
 class WeightSubscriber:
     """SUB (announcements) + DEALER (manifests, chunks) to one publisher or relay."""
@@ -147,11 +145,11 @@ class WeightSubscriber:
         self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
         self._protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
+        """Versions a faster path did not serve, by reason (each one a counted fallback to the next path)."""
         self.last_fallback = ""
         """The reason of the latest fallback ("" before any): `rollpool top` shows it beside the count."""
         self._fetch_fallbacks: list[str] = []
         """The fallback reasons of the fetch under way (its ``weights fetched`` line lists them)."""
-        """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
         self.buffers = VersionBuffers(pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes, slabs=DeviceSlabs())
@@ -164,7 +162,6 @@ class WeightSubscriber:
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._latest = -1
-        self._hint = -1
         self._forgets = 0
         """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
         self._changed = asyncio.Event()
@@ -268,7 +265,6 @@ class WeightSubscriber:
     def note_version(self, version: int) -> None:
         """A broker heartbeat (or welcome) names `version`: ask the publisher for its latest if it is new to us."""
         if version > self._latest:
-            self._hint = max(self._hint, version)
             self._ask_latest()
 
     def forget_newer(self, version: int) -> None:
@@ -278,7 +274,6 @@ class WeightSubscriber:
         if self._latest > version or version < -1:
             self._known = None
             self._latest = -1
-            self._hint = -1
             self._forgets += 1
             self._changed.set()
             self._ask_latest()
