@@ -230,3 +230,15 @@ async def test_a_subscriber_of_the_previous_minor_is_answered_at_once(make_publi
     assert isinstance(reply, Manifest) and not isinstance(reply, Error)
     assert reply.version == 1 and not any(b.host_mix64 for b in reply.buckets)  # answered at once, checksums pending
     held.release()
+
+
+async def test_a_server_with_no_room_to_park_answers_busy_and_the_cpu_copy_serves(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher(pool="tpark9", publisher_id="pubpark9")
+    w, held, _n = await held_version(pub, 20)
+    pub._server.max_parked = 0  # every parked request is refused: "busy"
+    sub = staging(make_subscriber, pub.router_endpoint)
+    got = await sub.fetch(1)
+    assert same(got.tensors, w) and sub.last_path == "shm" and sub.device_stage_bytes == 0
+    [(reason, count)] = sub.fallbacks.items()
+    assert count == 1 and reason.startswith("the publisher refused to park the manifest request") and "busy" in reason
+    held.release()
