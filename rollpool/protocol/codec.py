@@ -86,6 +86,7 @@ __all__ = [
     "CONTRACT_MINOR",
     "DELTA_MINOR",
     "EPOCH_MINOR",
+    "PARKED_MINOR",
     "IMAGES_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
@@ -119,13 +120,20 @@ PROTOCOL_MAJOR = 1
 #   1.17 LoRA adapter versions: Manifest.adapter (AdapterSpec) (LORA_MINOR)
 #   1.18 delta weight versions: ManifestRequest/Manifest/Fetch.delta_base, BucketInfo.encoding / delta_nbytes /
 #        delta_checksum (DELTA_MINOR)
-PROTOCOL_MINOR = 18
+#   1.19 parked manifest requests: ManifestRequest.after_mix64 (answered once the version carries more GPU checksums),
+#        Manifest.protocol_minor (the server's minor: a subscriber parks only with a server that parks) (PARKED_MINOR)
+PROTOCOL_MINOR = 19
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
 DELTA_MINOR = 18
 """The first minor whose subscribers ask for delta weight versions (`ManifestRequest.delta_base`); an older one never
 asks and is always served full versions."""
+PARKED_MINOR = 19
+"""The first minor whose weight servers park a manifest request that names `ManifestRequest.after_mix64` until the
+version carries more GPU checksums (`BucketInfo.host_mix64`), and say their minor on every manifest
+(`Manifest.protocol_minor`); a subscriber asks an older server again every few ms instead, as that server's own
+peers did."""
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 """Majors this build can decode; hello messages advertise min/max of these."""
 

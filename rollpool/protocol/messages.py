@@ -935,6 +935,11 @@ class ManifestRequest:
     delta_base: int = -1
     """(minor 18, `DELTA_MINOR`) The version the asker holds whole and verified: it accepts a delta against it. -1: full
     versions only (a peer of minor 15 or older never says more)."""
+    after_mix64: int = -1
+    """(minor 19, `PARKED_MINOR`) >= 0: a parked request: the answer waits until the version's manifest carries more
+    than this many GPU checksums (`BucketInfo.host_mix64`), or none will come (not a shared-memory version); the
+    version's eviction answers ``gone``. -1: answered at once. A server older than `PARKED_MINOR` ignores it and
+    answers at once (`Manifest.protocol_minor` tells the asker which it is talking to)."""
 
 
 @message("manifest")
@@ -964,6 +969,9 @@ class Manifest:
     None: a whole-model version."""
     delta_base: int = -1
     """(minor 18, `DELTA_MINOR`) >= 0: a delta against that version (each bucket's `BucketInfo.encoding`); -1: a full version."""
+    protocol_minor: int = 0
+    """(minor 19, `PARKED_MINOR`) The minor of the server that answered (the weight channel has no hello; 0: a server
+    older than `PARKED_MINOR`, which does not park `ManifestRequest.after_mix64`)."""
 
 
 @message("fetch")

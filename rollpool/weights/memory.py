@@ -33,10 +33,12 @@ Nothing here talks to a socket.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import mmap
 import os
@@ -46,10 +48,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from rollpool.weights.gpu import DeviceSlabs, arena_offsets
 
 __all__ = [
     "SHM_DIR",
@@ -58,6 +63,7 @@ __all__ = [
     "ShmBuffer",
     "ShmReader",
     "ShmUnavailableError",
+    "VersionBuffers",
     "host_key",
     "shm_free_bytes",
     "sweep_stale_segments",
@@ -67,6 +73,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_sub_log = logging.getLogger("rollpool.weights.subscriber")
+"""`VersionBuffers` logs as the subscriber it serves."""
 
 SHM_DIR = "/dev/shm"
 SHM_HEADER_BYTES = 4096
@@ -647,3 +655,108 @@ class BufferPool:
             _releaser().submit(_release, segs, held)
         else:
             _release(segs, held)
+
+
+# --------------------------------------------------------------------------- a subscriber's versions
+
+
+class VersionBuffers:
+    """A subscriber's buffers, one per version: a host buffer of the version's total size, carved into its buckets'
+    views (`take`), so neither the tensor order nor the publisher's bucket size has to match a reservation.
+
+    - `reserve` allocates (and touches) them for a number of versions ahead of the first (page-locked when made with
+      `pin`, within `pinned_budget_bytes`); free buffers that already fit a version count towards them, so a second
+      call tops up. `reserve_in_background` does it in a thread; `reserved` waits for that thread (a fetch does,
+      before it takes a buffer).
+    - Buffers given back (`give`) take the next versions; beyond the reserve they are freed.
+    - `slabs` are the device buffers of the device paths (the same GPU, shared memory staged to a GPU):
+      `reserve_device` allocates them ahead, and a device slab given back is trimmed to the reserve too.
+    """
+
+    def __init__(self, *, pin: bool, pinned_budget_bytes: int | None, slabs: DeviceSlabs) -> None:
+        self.pool = BufferPool(kind="host", pin=pin, pinned_budget_bytes=pinned_budget_bytes)
+        self.slabs = slabs
+        self.reserved_versions = 0
+        self._reserving: threading.Thread | None = None
+        self._warned = False
+
+    @property
+    def buffers_allocated(self) -> int:
+        """Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version)."""
+        return self.pool.allocations
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pool.pinned_bytes
+
+    @property
+    def pinned_budget_bytes(self) -> int | None:
+        """The most page-locked bucket memory allocated (None: no bound)."""
+        return self.pool.pinned_budget_bytes
+
+    def reserve(self, total_bytes: int, versions: int, device: Any = None) -> int:
+        """Host buffers for `versions` versions of `total_bytes` (and, with `device`, its device slabs first: quick,
+        and the device paths do not wait for the host buffers); returns the bytes."""
+        if versions < 1:
+            raise ValueError(f"versions must be >= 1, got {versions}")
+        t0 = time.perf_counter()
+        if device is not None:
+            self.reserve_device(total_bytes, device, versions)
+        have = sum(1 for n in self.pool.free_sizes() if n >= total_bytes)
+        self.pool.reserve([total_bytes] * max(0, versions - have))
+        self.reserved_versions = max(self.reserved_versions, versions)
+        _sub_log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self.pool.pinned_bytes,
+                                                    "device": str(device), "seconds": round(time.perf_counter() - t0, 3),
+                                                    "at": time.time()}))
+        return total_bytes * versions
+
+    def reserve_in_background(self, total_bytes: int, versions: int, device: Any = None) -> None:
+        """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on)."""
+        if self._reserving is not None:
+            self._reserving.join()
+        self._reserving = threading.Thread(target=self.reserve, args=(total_bytes, versions, device), name="weights-reserve", daemon=True)
+        self._reserving.start()
+
+    async def reserved(self) -> None:
+        """Wait for a reserve running in the background."""
+        if self._reserving is not None:
+            await asyncio.to_thread(self._reserving.join)
+            self._reserving = None
+
+    def reserve_device(self, total_bytes: int, device: Any, versions: int = 2) -> int:
+        """The device slabs for `versions` versions, allocated now (else the first such fetch does)."""
+        # room for every bucket's alignment padding too (ARENA_ALIGN each; 1 MiB covers 4096 buckets)
+        slabs = [self.slabs.take_at_least(arena_offsets([total_bytes])[1] + (1 << 20), device) for _ in range(versions)]
+        for s in slabs:
+            self.slabs.give(s)
+        return sum(int(s.numel()) for s in slabs)
+
+    def take(self, sizes: list[int], version: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(one buffer of the sizes' total, the views carved from it in order) for `version`'s buckets."""
+        total = sum(sizes)
+        free = self.pool.free_sizes()
+        if self.reserved_versions and free and max(free) < total and not self._warned:
+            self._warned = True
+            _sub_log.warning("weight version %d takes %d bytes, more than the %d reserved per version: fresh buffers are "
+                        "allocated (and the reserved ones dropped when unused)", version, total, max(free))
+        slab = self.pool.take_at_least(total)
+        views: list[torch.Tensor] = []
+        pos = 0
+        for n in sizes:
+            views.append(slab[pos : pos + n])
+            pos += n
+        return slab, views
+
+    def give(self, slab: torch.Tensor | None, buffers: Iterable[torch.Tensor] = ()) -> None:
+        """A version's buffer back (a device slab to the slabs): the next fetch takes it; beyond the reserve, freed."""
+        if slab is not None and slab.is_cuda:
+            self.slabs.give(slab)
+            self.slabs.trim(max(self.reserved_versions, 2))
+            return
+        bufs = [slab] if slab is not None else list(buffers)
+        self.pool.give(bufs)
+        self.pool.trim(max(self.reserved_versions, 1) * max((int(b.numel()) for b in bufs), default=0))
+
+    def close(self) -> None:
+        self.pool.close()
+        self.slabs.trim(0)

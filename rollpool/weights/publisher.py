@@ -41,53 +41,39 @@ from typing import Any
 
 import torch
 
-from rollpool.protocol.errors import WeightSyncError
-from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import AdapterSpec, BucketInfo, Manifest, ShmSegment, TensorInfo
+from rollpool.protocol.messages import AdapterSpec, Manifest, ShmSegment
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.adapters import lora_pairs
 from rollpool.weights.bucketing import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
-    BucketPacker,
     BucketPlanner,
-    Checksummer,
     checksum_supported,
     default_checksum_algorithm,
-    dtype_name,
-    named_tensors_of,
-    tensor_bytes,
 )
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
-from rollpool.weights.gpu import (
-    mix64_partial,
-    side_stream,
-)
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
-from rollpool.weights.memory import BufferPool, ShmBuffer, host_key, shm_free_bytes, sweep_stale_segments, wait_released
+from rollpool.weights.memory import host_key, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
-    THREAD_COPY_BYTES,
-    ContiguousSource,
-    PiecesSource,
     Place,
     Snapshot,
+    SnapshotBuffers,
     SnapshotKnobs,
     SnapshotPools,
-    cpu_bytes,
     layout_of,
+    packed_version,
+    plan_version,
+    referenced_version,
+    warm_segments,
 )
 
 __all__ = ["WeightPublisher", "layout_of"]
 
 log = logging.getLogger(__name__)
-
-_MiB = 1024 * 1024
-_SHM_HEADROOM_BYTES = 64 * _MiB
-"""Tensors at least this large are copied in a worker thread (smaller ones inline: a thread hop costs more)."""
 
 
 class WeightPublisher:
@@ -144,15 +130,9 @@ class WeightPublisher:
         self.config = cfg
         self.copy_threads = cfg.copy_threads
         self.checksum_threads = checksum_threads or default_copy_threads()
-        self.shm_fallbacks = 0
-        """Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm)."""
-        self._fallback_log = RateLimitedLog(log)
-        pin = torch.cuda.is_available()  # page-locked buckets: device-to-host copies at full speed
-        self._host_pool = BufferPool(kind="host", pin=pin, pinned_budget_bytes=pinned_budget_bytes)
-        self._shm_pool: BufferPool | None = None
-        if path != "network" and keep_versions > 0:
-            sweep_stale_segments(pool)
-            self._shm_pool = BufferPool(kind="shm", pin=pin, pinned_budget_bytes=pinned_budget_bytes, pool=pool, owner_id=self.publisher_id)
+        # page-locked buckets (device-to-host copies at full speed) where CUDA is available
+        self._buffers = SnapshotBuffers(pin=torch.cuda.is_available(), pinned_budget_bytes=pinned_budget_bytes,
+                                        shm=path != "network" and keep_versions > 0, pool=pool, owner_id=self.publisher_id)
         self._pools = SnapshotPools.make(self.copy_threads, self.checksum_threads)
         self._knobs = SnapshotKnobs(publisher_id=self.publisher_id, chunk_bytes=chunk_bytes, host_key=self.host_key, pool=pool,
                                     copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm)
@@ -175,8 +155,6 @@ class WeightPublisher:
         self._deltas: set[asyncio.Task[Any]] = set()
         """Delta computations running (`WeightServer.make_delta`): each version's against the one before, from the host copies."""
         self._latest = -1
-        self._spare: list[ContiguousSource] = []
-        """Buckets of evicted versions, reused by the next snapshot once nothing of theirs is in flight."""
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()
         self._served_event = asyncio.Event()
@@ -189,7 +167,7 @@ class WeightPublisher:
         self._server.on_manifest_request = self._ipc.hello
         self._path_note: dict[str, Any] = {}
         self._warming: threading.Thread | None = None
-        """The warm-up pass over freshly reserved segments (`_warm_snapshot`); a publish waits for it."""
+        """The warm-up pass over freshly reserved segments (`warm_segments`); a publish waits for it."""
         if reserve is not None:
             self.reserve(reserve)
 
@@ -206,11 +184,8 @@ class WeightPublisher:
             task.cancel()
         await self._server.close()
         self._pools.shutdown()
-        self._spare = []
         self._ipc.close()
-        self._host_pool.close()
-        if self._shm_pool is not None:
-            self._shm_pool.close()  # segments unlinked; mappings go with the last view
+        self._buffers.close()
         await asyncio.to_thread(wait_released)  # and those dropped in the background before
 
     async def __aenter__(self) -> WeightPublisher:
@@ -233,6 +208,7 @@ class WeightPublisher:
         return sorted(self._server.versions)
 
     bytes_served: Attr[int] = Attr("_server")
+    shm_fallbacks: Attr[int] = Attr("_buffers", "Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm).")
 
     @property
     def path_note(self) -> dict[str, Any]:
@@ -259,8 +235,8 @@ class WeightPublisher:
             "ipc_arenas": len(self._ipc.exports),
             "gpu_budget_bytes": self.gpu_budget.budget,
             "gpu_budget_used_bytes": self.gpu_budget.used,
-            "buffers_allocated": self._host_pool.allocations + (self._shm_pool.allocations if self._shm_pool else 0),
-            "pinned_bytes": self._host_pool.pinned_bytes + (self._shm_pool.pinned_bytes if self._shm_pool else 0),
+            "buffers_allocated": self._buffers.buffers_allocated,
+            "pinned_bytes": self._buffers.pinned_bytes,
             "delta_manifests_served": s.deltas_served,
             "full_manifests_to_delta_askers": s.full_served_to_delta_askers,
             "last_delta_version": int(s.last_delta.get("version", -1)),
@@ -288,52 +264,19 @@ class WeightPublisher:
         self._layout = layout
         sizes = [b.nbytes for b in planner.buckets]
         copies = max(1, self.keep_versions)
-        pool = self._pool_for(sum(sizes) * copies)
+        pool = self._buffers.pool_for(sum(sizes) * copies, self.path)
         made = pool.reserve([n for _ in range(copies) for n in sizes])
         total = sum(sizes) * copies
         log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
                  self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
         self._sync_segments()
         if pool.kind == "shm" and pool.pin and torch.cuda.is_available():
-            self._warm_snapshot(made)
+            self._warming = warm_segments(made, after=self._warming)
         return total
-
-    def _warm_snapshot(self, bufs: list[torch.Tensor]) -> None:
-        """In a thread (a publish waits for it): one device-to-host pass into every segment just reserved, and the GPU
-        mix64 at full slice size on the mix stream, so the first version of a shm snapshot from CUDA tensors does not pay
-        the first copies into the freshly registered pages nor the mix64's first temporaries (its first version was
-        0.64 s blocked against 0.35 s warm, 2026-12-04)."""
-        if self._warming is not None:
-            self._warming.join()
-
-        def warm() -> None:
-            try:
-                device = torch.device("cuda", torch.cuda.current_device())
-                stream = side_stream(device)
-                biggest = max((int(b.numel()) for b in bufs), default=0)
-                if not biggest:
-                    return
-                with torch.cuda.stream(stream):
-                    scratch = torch.zeros(min(biggest, 256 << 20), dtype=torch.uint8, device=device)
-                    step = int(scratch.numel())
-                    for b in bufs:
-                        n = int(b.numel())
-                        for off in range(0, n, step):
-                            b[off : min(n, off + step)].copy_(scratch[: min(step, n - off)], non_blocking=True)
-                    part = mix64_partial(scratch, 0)
-                    int(part.item())
-                stream.synchronize()
-            except Exception:
-                log.debug("warming the shm snapshot path up failed", exc_info=True)
-
-        self._warming = threading.Thread(target=warm, name="weights-snapshot-warm", daemon=True)
-        self._warming.start()
 
     def _sync_segments(self) -> None:
         """Name every segment held now on the manifests (minor 11), so staging workers register them ahead of use."""
-        segs: tuple[ShmSegment, ...] = ()
-        if self._shm_pool is not None:
-            segs = tuple(sorted((ShmSegment(name=b.name, nbytes=b.nbytes) for b in self._shm_pool.segments()), key=lambda x: x.name))
+        segs = tuple(sorted((ShmSegment(name=b.name, nbytes=b.nbytes) for b in self._buffers.segments()), key=lambda x: x.name))
         self._server.set_shm_reserved(segs, self.host_key)
 
     def set_path(self, path: str) -> None:
@@ -341,12 +284,10 @@ class WeightPublisher:
         ``auto``/``shm`` in shared memory (where the publisher was not made with ``network``)."""
         if path not in WEIGHT_PATHS:
             raise ValueError(f"path must be one of {WEIGHT_PATHS}, got {path!r}")
-        if path != "network" and self._shm_pool is None:
+        if path != "network" and self._buffers.shm is None:
             raise ValueError("this publisher was made with path='network' and has no shared-memory pool")
         if path != self.path:
-            # the other kind's idle buffers are freed now (served versions keep theirs until evicted)
-            self._trim_spares(0)
-            (self._host_pool if path != "network" else self._shm_pool or self._host_pool).trim(0)
+            self._buffers.switch(path)
             self._sync_segments()
         self.path = self._ipc.path = path
 
@@ -354,20 +295,6 @@ class WeightPublisher:
         """The manifest of a served version as it stands (checksums still pending show ``""``)."""
         v = self._server.versions.get(version)
         return v.manifest("") if v is not None else None
-
-    def _pool_for(self, fresh_bytes: int) -> BufferPool:
-        """The shared-memory pool where the path allows and /dev/shm has room for `fresh_bytes` more, else host memory."""
-        if self._shm_pool is None or self.path == "network":
-            return self._host_pool
-        if fresh_bytes <= 0 or shm_free_bytes() >= fresh_bytes + _SHM_HEADROOM_BYTES:
-            return self._shm_pool
-        self.shm_fallbacks += 1
-        self._fallback_log.warning("shm-room", "weight publisher %s: /dev/shm has %d bytes free, a version needs %d more: "
-                                   "buffering in ordinary memory (network path; give /dev/shm room, see docs/weights.md)",
-                                   self.publisher_id, shm_free_bytes(), fresh_bytes)
-        if self.path == "shm":
-            raise WeightSyncError(f"path 'shm': /dev/shm has {shm_free_bytes()} bytes free, a version needs {fresh_bytes}")
-        return self._host_pool
 
     # -- publishing
 
@@ -402,7 +329,7 @@ class WeightPublisher:
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
             if self.keep_versions == 0:
-                served = await self._reference(named_tensors, version)
+                served = await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
                 self._latest = version
                 self._server.add_version(served)
                 self._after_publish(served, t0, t0)
@@ -416,9 +343,9 @@ class WeightPublisher:
                 # ready and its buffers are kept as spares for the next publish.
                 for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
                     self._evict(old)
-            items, places, planner = self._plan(named_tensors)
+            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout)
             if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
-                served = await self._pack_unplanned(items, version)
+                served = await packed_version(items, version, self.bucket_bytes, self._knobs)
                 self._latest = version
                 self._server.add_version(served)
                 self._after_publish(served, t0, time.perf_counter())
@@ -463,7 +390,7 @@ class WeightPublisher:
             self._server.drop_version(version, code="unavailable")
             self._latest = previous
             snap.abandon()
-            self._spare.extend(snap.sources)  # its buffers serve the next publish
+            self._buffers.retire(list(snap.sources))  # its buffers serve the next publish
             if ipc_device is not None:
                 self._ipc.release(version)
             raise
@@ -521,44 +448,10 @@ class WeightPublisher:
                                                  "pack_s": round(now - t0, 6), "blocked_s": round(copied - t0, 6),
                                                  "memory": "shm" if any(b.shm_segment for b in served.buckets) else "host"})
 
-    def _plan(self, named_tensors: Any) -> tuple[Any, list[Place] | None, BucketPlanner]:
-        """(the tensors, where each goes: (bucket, offset, name, shape, dtype, nbytes) in order, the planner).
-
-        A dict or a module is planned from its sizes; an iterator is planned from
-        the reserved layout (`reserve`) and checked against it as it streams; an
-        iterator without one is planned as it comes (`places` None).
-        """
-        planner = BucketPlanner(self.bucket_bytes)
-        if isinstance(named_tensors, (Mapping, torch.nn.Module)):
-            items: Any = list(named_tensors_of(named_tensors))
-            layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
-        elif self._layout is not None:
-            items, layout = named_tensors_of(named_tensors), self._layout
-        else:
-            return named_tensors_of(named_tensors), None, planner
-        places: list[Place] = []
-        for name, dtype, shape, nbytes in layout:
-            idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
-            places.append(Place(idx, offset, name, shape, dtype, nbytes))
-        return items, places, planner
-
     def _begin(self, version: int, places: list[Place], planner: BucketPlanner) -> Snapshot:
-        sizes = [b.nbytes for b in planner.buckets]
-        spare = [int(s.data.numel()) for s in self._spare]
-        reserved = self._shm_pool.free_sizes() if self._shm_pool is not None else []
-        fresh = 0
-        for n in sizes:  # what this version needs beyond its spares and the reserved segments (their room is taken already)
-            if n in spare:
-                spare.remove(n)
-            elif n in reserved:
-                reserved.remove(n)
-            else:
-                fresh += n
-        pool = self._pool_for(fresh)
-        buffers = [self._buffer(n, pool) for n in sizes]
-        self._trim_spares(sum(sizes), kind=pool.kind)  # after a layout or path change, what no version reuses is freed
+        buffers = self._buffers.take([b.nbytes for b in planner.buckets], self.path)
         self._sync_segments()
-        return Snapshot(self._knobs, self._pools, self._server, version, places, planner, buffers, [self.segment_of(b) for b in buffers])
+        return Snapshot(self._knobs, self._pools, self._server, version, places, planner, buffers, [self._buffers.segment_of(b) for b in buffers])
 
     # -- the same-GPU path (CUDA IPC)
 
@@ -589,82 +482,7 @@ class WeightPublisher:
             else:
                 self._ipc.release(version)
         if served is not None:
-            self._spare.extend(s for s in served.sources if isinstance(s, ContiguousSource))
-
-    def _trim_spares(self, keep_bytes: int, *, kind: str | None = None) -> None:
-        """Free spare buffers (oldest first) down to `keep_bytes`, and every spare not of `kind` (``host``/``shm``:
-        the kind the next versions take), released in the background: after a path switch these are a whole
-        version of page-locked segments, whose release took 0.41 s of a trainer's publish on the H200."""
-        self._spare, host, shm = self._split_spares(keep_bytes, kind)
-        for pool, bufs in ((self._host_pool, host), (self._shm_pool, shm)):
-            if pool is not None and bufs:
-                pool.drop(bufs)  # takes the last references: the unmapping happens in its thread
-
-    def _split_spares(self, keep_bytes: int, kind: str | None) -> tuple[list[ContiguousSource], list[torch.Tensor], list[torch.Tensor]]:
-        """(the spares kept, the host buffers and the shm buffers to free) for `_trim_spares`."""
-        host: list[torch.Tensor] = []
-        shm: list[torch.Tensor] = []
-        keep: list[ContiguousSource] = []
-        for src in self._spare:
-            if kind is not None and (self.segment_of(src.data) is not None) != (kind == "shm"):
-                (shm if kind == "host" else host).append(src.data)
-            else:
-                keep.append(src)
-        held = sum(int(s.data.numel()) for s in keep)
-        while keep and held > keep_bytes:
-            src = keep.pop(0)
-            held -= int(src.data.numel())
-            (shm if self.segment_of(src.data) is not None else host).append(src.data)
-        return keep, host, shm
-
-    def _buffer(self, nbytes: int, pool: BufferPool) -> torch.Tensor:
-        """A bucket buffer: an evicted version's of the same size and kind that nothing still reads, else one of the
-        pool's (reserved, or fresh: page-locked when CUDA is available, within the budget)."""
-        for i, src in enumerate(self._spare):
-            if int(src.data.numel()) == nbytes and not src.in_flight() and (self.segment_of(src.data) is not None) == (pool.kind == "shm"):
-                del self._spare[i]
-                return src.data
-        return pool.take(nbytes)
-
-    def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
-        return self._shm_pool.segment_of(buf) if self._shm_pool is not None else None
-
-    async def _pack_unplanned(self, items: Any, version: int) -> ServedVersion:
-        packer = BucketPacker(self.bucket_bytes, checksum_algorithm=self.checksum_algorithm)
-        for name, tensor in items:
-            if tensor_bytes(tensor) >= THREAD_COPY_BYTES:
-                await asyncio.to_thread(packer.add, name, tensor)
-            else:
-                packer.add(name, tensor)
-        buckets = await asyncio.to_thread(packer.finish)
-        return ServedVersion(version=version, publisher_id=self.publisher_id, buckets=tuple(b.info for b in buckets),
-                             sources=[ContiguousSource(b.data) for b in buckets], chunk_bytes=self.chunk_bytes, pool=self.pool)
-
-    async def _reference(self, named_tensors: Any, version: int) -> ServedVersion:
-        planner = BucketPlanner(self.bucket_bytes)
-        pieces: dict[int, list[tuple[int, memoryview]]] = {}
-        sums: dict[int, Checksummer] = {}
-        for name, tensor in named_tensors_of(named_tensors):
-            nbytes = tensor_bytes(tensor)
-            idx, offset, _closed = planner.place(name, dtype_name(tensor.dtype), tuple(int(s) for s in tensor.shape), nbytes)
-            view = cpu_bytes(tensor)
-            pieces.setdefault(idx, []).append((offset, view))
-            summer = sums.setdefault(idx, Checksummer(self.checksum_algorithm))
-            if nbytes >= THREAD_COPY_BYTES:
-                await asyncio.to_thread(summer.update, view)
-            elif nbytes:
-                summer.update(view)
-        infos = tuple(
-            BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer(self.checksum_algorithm)).hexdigest(), tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
-            for b in planner.buckets
-        )
-        return ServedVersion(
-            version=version,
-            publisher_id=self.publisher_id,
-            buckets=infos,
-            sources=[PiecesSource(pieces.get(i, [])) for i in range(len(infos))],
-            chunk_bytes=self.chunk_bytes,
-        )
+            self._buffers.retire(served.sources)
 
     async def _hold(self, served: ServedVersion, expected_fetchers: int | None) -> None:
         """keep_versions=0: serve the caller's tensors until released, then drop the bytes."""

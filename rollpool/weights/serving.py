@@ -34,6 +34,14 @@ Guarantees
       with ``wait_ipc`` is parked until every GPU checksum exists (the host
       checksums may still be pending); `on_manifest_request` lets the owner
       read the asker's hello (`ManifestRequest.host_key`, ``gpu_uuids``).
+    - Parked manifest requests (minor 19, `PARKED_MINOR`): a request naming
+      ``after_mix64`` n is answered once the version carries more than n GPU
+      checksums of its host bytes (`BucketInfo.host_mix64`, pushed by
+      `set_host_mix64`), at once when it already does or none will come (not
+      a shared-memory version), ``gone`` when the version is dropped, and
+      ``busy`` past `max_parked`. The asker's own deadline bounds the wait; an
+      answer that was lost or came late is asked for again. Every manifest
+      says the server's minor (`Manifest.protocol_minor`).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from rollpool.protocol.codec import decode, encode, peek_type
+from rollpool.protocol.codec import PROTOCOL_MINOR, decode, encode, peek_type
 from rollpool.protocol.errors import ProtocolError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import (
@@ -111,6 +119,8 @@ class ServedVersion:
     requests for one wait for it; ``"ready"``: `delta` is served; ``"none"``: full versions only."""
     delta: DeltaServed | None = None
     waiting_delta: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
+    waiting_mix64: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
+    """Manifest requests (``after_mix64``) parked until the version carries more GPU checksums of its host bytes."""
 
     @property
     def total_bytes(self) -> int:
@@ -120,6 +130,17 @@ class ServedVersion:
     def complete(self) -> bool:
         """Every bucket's checksum exists."""
         return all(b.checksum for b in self.buckets)
+
+    @property
+    def mix64_count(self) -> int:
+        """Buckets whose GPU checksum of their host bytes (`BucketInfo.host_mix64`) exists."""
+        return sum(1 for b in self.buckets if b.host_mix64)
+
+    def mix64_waits(self, after: int) -> bool:
+        """A request parked at `after` GPU checksums still waits: this shared-memory version (only those get them) has
+        no more than that yet, and more will come."""
+        have = self.mix64_count
+        return bool(self.host_key) and have <= after and have < len(self.buckets)
 
     @property
     def ipc_complete(self) -> bool:
@@ -210,6 +231,8 @@ class WeightServer:
         self.protocol_errors = 0
         self.parked_served = 0
         """Fetches answered only once their bytes arrived (a relay forwarding as it receives)."""
+        self.parked_manifests_served = 0
+        """Manifest requests (``after_mix64``) answered once more GPU checksums existed (not at once)."""
         self.on_served: Callable[[ServedVersion], None] | None = None
         self.on_manifest_request: Callable[[ManifestRequest], None] | None = None
         """Told every manifest request (the publisher reads the asker's hello for the same-GPU path)."""
@@ -314,17 +337,13 @@ class WeightServer:
         self.highest_dropped = max(self.highest_dropped, version)
         if self.bulk is not None:
             self.bulk.notify()  # a bulk request waiting for this version's bytes answers gone now
+        gone = f"version {version} is no longer served"
         for ident, req in self._parked.pop(version, []):
-            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=req.request_id, ref_type="fetch"))
-        for ident, mreq in v.waiting_manifests:
-            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
-        v.waiting_manifests = []
-        for ident, mreq in v.waiting_ipc:
-            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
-        v.waiting_ipc = []
-        for ident, mreq in v.waiting_delta:
-            self._send(ident, Error(code=code, message=f"version {version} is no longer served", request_id=mreq.request_id, ref_type="manifest_request"))
-        v.waiting_delta = []
+            self._send(ident, Error(code=code, message=gone, request_id=req.request_id, ref_type="fetch"))
+        waiting = [*v.waiting_manifests, *v.waiting_ipc, *v.waiting_delta, *v.waiting_mix64]
+        v.waiting_manifests, v.waiting_ipc, v.waiting_delta, v.waiting_mix64 = [], [], [], []
+        for ident, mreq in waiting:
+            self._send(ident, Error(code=code, message=gone, request_id=mreq.request_id, ref_type="manifest_request"))
 
     # -- deltas
 
@@ -426,10 +445,20 @@ class WeightServer:
                 self._send(ident, v.manifest(req.request_id))
 
     def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None:
-        """A bucket's mix64 of its host bytes (minor 10): manifests answered from now on carry it."""
+        """A bucket's mix64 of its host bytes (minor 10): manifests answered from now on carry it, and the requests
+        parked for more of them (``after_mix64``) are answered now."""
         v = self.versions.get(version)
-        if v is not None:
-            v.buckets = tuple(replace(b, host_mix64=checksum) if b.index == bucket else b for b in v.buckets)
+        if v is None:
+            return
+        v.buckets = tuple(replace(b, host_mix64=checksum) if b.index == bucket else b for b in v.buckets)
+        if v.waiting_mix64:
+            waiting, v.waiting_mix64 = v.waiting_mix64, []
+            for ident, req in waiting:
+                if v.mix64_waits(req.after_mix64):
+                    v.waiting_mix64.append((ident, req))
+                else:
+                    self.parked_manifests_served += 1
+                    self._send(ident, v.manifest(req.request_id))
 
     def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
         """A streamed version's bucket is snapshotted and checksummed: serve it, and the manifest once all are."""
@@ -537,24 +566,25 @@ class WeightServer:
                 return
             v = found
         if req.wait_ipc and not v.ipc_complete:
-            if len(v.waiting_ipc) >= self.max_parked:
-                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
-                return
-            v.waiting_ipc.append((ident, req))
+            self._park(ident, req, v.waiting_ipc)
             return
         if not req.wait_ipc and not v.complete and not req.streamed:
-            if len(v.waiting_manifests) >= self.max_parked:
-                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
-                return
-            v.waiting_manifests.append((ident, req))
+            self._park(ident, req, v.waiting_manifests)
+            return
+        if req.after_mix64 >= 0 and v.mix64_waits(req.after_mix64):
+            self._park(ident, req, v.waiting_mix64)
             return
         if req.delta_base >= 0 and req.delta_base == v.version - 1 and v.delta_state == "pending":
-            if len(v.waiting_delta) >= self.max_parked:
-                self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
-                return
-            v.waiting_delta.append((ident, req))
+            self._park(ident, req, v.waiting_delta)
             return
         self._answer_manifest(ident, req, v)
+
+    def _park(self, ident: bytes, req: ManifestRequest, waiting: list[tuple[bytes, ManifestRequest]]) -> None:
+        """A manifest request waits in `waiting` (answered ``busy`` when `max_parked` already do)."""
+        if len(waiting) >= self.max_parked:
+            self._send(ident, Error(code="busy", message="too many manifest requests waiting", request_id=req.request_id, ref_type="manifest_request"))
+            return
+        waiting.append((ident, req))
 
     def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead:
         """The one lookup of a chunk, for the ROUTER and the bulk lane alike: its bytes (None: not arrived yet) and its
@@ -620,8 +650,11 @@ class WeightServer:
 
         if self._router is None:
             return False
-        if self.shm_reserved and isinstance(msg, Manifest):
-            msg = replace(msg, shm_reserved=self.shm_reserved, host_key=msg.host_key or self.shm_host_key)
+        if isinstance(msg, Manifest):
+            if self.shm_reserved:
+                msg = replace(msg, shm_reserved=self.shm_reserved, host_key=msg.host_key or self.shm_host_key, protocol_minor=PROTOCOL_MINOR)
+            else:
+                msg = replace(msg, protocol_minor=PROTOCOL_MINOR)
         exc = send_now(self._router, [ident, *encode(msg)], flags=zmq.DONTWAIT, copy=copy)
         if exc is None:
             return True

@@ -12,8 +12,11 @@ What it promises
     - An iterator is copied as it comes (at most 4 x copy_threads copies outstanding) and checked against the layout.
     - A failed checksum thread withdraws the version (`Snapshot.checksummed` fails).
 
-A snapshot is given its knobs (`SnapshotKnobs`), the publisher's threads (`SnapshotPools`) and where to publish
-(`SnapshotSink`, the `WeightServer`); it never calls back into the publisher.
+A snapshot is given its knobs (`SnapshotKnobs`), the publisher's threads (`SnapshotPools`), its buckets
+(`SnapshotBuffers`: evicted versions' buffers reused, else host memory or shared-memory segments) and where to publish
+(`SnapshotSink`, the `WeightServer`); it never calls back into the publisher. The versions that are not snapshotted
+this way are made here too: an iterator without a reserved layout packed as it comes (`packed_version`), and the
+caller's own tensors served in place (`referenced_version`, ``keep_versions=0``).
 """
 
 from __future__ import annotations
@@ -32,14 +35,25 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from rollpool.protocol.messages import BucketInfo
-from rollpool.weights.bucketing import BucketPlanner, Checksummer, dtype_from_name, dtype_name, flat_bytes, tensor_bytes
+from rollpool.protocol.errors import WeightSyncError
+from rollpool.protocol.logs import RateLimitedLog
+from rollpool.protocol.messages import BucketInfo, TensorInfo
+from rollpool.weights.bucketing import (
+    BucketPacker,
+    BucketPlanner,
+    Checksummer,
+    dtype_from_name,
+    dtype_name,
+    flat_bytes,
+    named_tensors_of,
+    tensor_bytes,
+)
 from rollpool.weights.gpu import mix64_checksum, mix64_format, mix64_partial, side_stream
-from rollpool.weights.memory import ShmBuffer
+from rollpool.weights.memory import BufferPool, ShmBuffer, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import ServedVersion
 
-__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "Snapshot", "SnapshotKnobs",
-           "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
+__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "Snapshot", "SnapshotBuffers", "SnapshotKnobs",
+           "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
 
 log = logging.getLogger("rollpool.weights.publisher")
 
@@ -165,6 +179,28 @@ def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
             numel *= x
         out.append((str(name), dtype_name(dtype), shape, numel * torch.empty(0, dtype=dtype).element_size()))
     return out
+
+
+def plan_version(named_tensors: Any, bucket_bytes: int, layout: list[tuple[str, str, tuple[int, ...], int]] | None
+                 ) -> tuple[Any, list[Place] | None, BucketPlanner]:
+    """(the tensors, where each goes in order, the planner) for one version.
+
+    A dict or a module is planned from its sizes; an iterator is planned from the reserved `layout` (`layout_of`) and
+    checked against it as it streams; an iterator without one is planned as it comes (`places` None: `packed_version`).
+    """
+    planner = BucketPlanner(bucket_bytes)
+    if isinstance(named_tensors, (Mapping, torch.nn.Module)):
+        items: Any = list(named_tensors_of(named_tensors))
+        layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
+    elif layout is not None:
+        items = named_tensors_of(named_tensors)
+    else:
+        return named_tensors_of(named_tensors), None, planner
+    places: list[Place] = []
+    for name, dtype, shape, nbytes in layout:
+        idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
+        places.append(Place(idx, offset, name, shape, dtype, nbytes))
+    return items, places, planner
 
 
 class Snapshot:
@@ -569,3 +605,201 @@ def cpu_bytes(tensor: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
+
+
+# --------------------------------------------------------------------------- the buckets snapshots copy into
+
+_SHM_HEADROOM_BYTES = 64 * _MiB
+"""Left free in /dev/shm beyond what a version's segments need (other users of the host)."""
+
+
+class SnapshotBuffers:
+    """The buckets a publisher's snapshots copy into: an evicted version's buffer of the same size and kind (a spare)
+    once no chunk of it is still queued for a peer, else one of the host pool or, where the path allows and /dev/shm
+    has room, of the shared-memory pool (page-locked where CUDA is available, within `pinned_budget_bytes`)."""
+
+    def __init__(self, *, pin: bool, pinned_budget_bytes: int | None, shm: bool, pool: str, owner_id: str) -> None:
+        self.owner_id = owner_id
+        self.host = BufferPool(kind="host", pin=pin, pinned_budget_bytes=pinned_budget_bytes)
+        self.shm: BufferPool | None = None
+        if shm:
+            sweep_stale_segments(pool)
+            self.shm = BufferPool(kind="shm", pin=pin, pinned_budget_bytes=pinned_budget_bytes, pool=pool, owner_id=owner_id)
+        self.spare: list[ContiguousSource] = []
+        """Buckets of evicted versions, reused by the next snapshot once nothing of theirs is in flight."""
+        self.shm_fallbacks = 0
+        """Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm)."""
+        self._fallback_log = RateLimitedLog(log)
+
+    @property
+    def buffers_allocated(self) -> int:
+        return self.host.allocations + (self.shm.allocations if self.shm else 0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.host.pinned_bytes + (self.shm.pinned_bytes if self.shm else 0)
+
+    def segments(self) -> list[ShmBuffer]:
+        """Every shared-memory segment held now (served, spare or reserved)."""
+        return self.shm.segments() if self.shm is not None else []
+
+    def segment_of(self, buf: torch.Tensor) -> ShmBuffer | None:
+        return self.shm.segment_of(buf) if self.shm is not None else None
+
+    def pool_for(self, fresh_bytes: int, path: str) -> BufferPool:
+        """The shared-memory pool where `path` allows and /dev/shm has room for `fresh_bytes` more, else host memory
+        (counted in `shm_fallbacks`; on the ``shm`` path, `WeightSyncError`)."""
+        if self.shm is None or path == "network":
+            return self.host
+        if fresh_bytes <= 0 or shm_free_bytes() >= fresh_bytes + _SHM_HEADROOM_BYTES:
+            return self.shm
+        self.shm_fallbacks += 1
+        self._fallback_log.warning("shm-room", "weight publisher %s: /dev/shm has %d bytes free, a version needs %d more: "
+                                   "buffering in ordinary memory (network path; give /dev/shm room, see docs/weights.md)",
+                                   self.owner_id, shm_free_bytes(), fresh_bytes)
+        if path == "shm":
+            raise WeightSyncError(f"path 'shm': /dev/shm has {shm_free_bytes()} bytes free, a version needs {fresh_bytes}")
+        return self.host
+
+    def take(self, sizes: list[int], path: str) -> list[torch.Tensor]:
+        """One buffer per bucket size for a version on `path`: spares first, then the reserved segments (their room is
+        taken already), then fresh memory of the kind /dev/shm has room for; what no version reuses is freed."""
+        spare = [int(src.data.numel()) for src in self.spare]
+        reserved = self.shm.free_sizes() if self.shm is not None else []
+        fresh = 0
+        for n in sizes:
+            if n in spare:
+                spare.remove(n)
+            elif n in reserved:
+                reserved.remove(n)
+            else:
+                fresh += n
+        pool = self.pool_for(fresh, path)
+        buffers = [self._buffer(n, pool) for n in sizes]
+        self.trim_spares(sum(sizes), kind=pool.kind)  # after a layout or path change, what no version reuses is freed
+        return buffers
+
+    def retire(self, sources: list[Any]) -> None:
+        """An evicted (or withdrawn) version's buckets become spares for the next snapshot."""
+        self.spare.extend(src for src in sources if isinstance(src, ContiguousSource))
+
+    def switch(self, path: str) -> None:
+        """The next versions go on `path`: the other kind's idle buffers are freed now (served versions keep theirs
+        until evicted)."""
+        self.trim_spares(0)
+        (self.host if path != "network" else self.shm or self.host).trim(0)
+
+    def trim_spares(self, keep_bytes: int, *, kind: str | None = None) -> None:
+        """Free spare buffers (oldest first) down to `keep_bytes`, and every spare not of `kind` (``host``/``shm``:
+        the kind the next versions take), released in the background: after a path switch these are a whole
+        version of page-locked segments, whose release took 0.41 s of a trainer's publish on the H200."""
+        self.spare, host, shm = self._split_spares(keep_bytes, kind)
+        for pool, bufs in ((self.host, host), (self.shm, shm)):
+            if pool is not None and bufs:
+                pool.drop(bufs)  # takes the last references: the unmapping happens in its thread
+
+    def close(self) -> None:
+        self.spare = []
+        self.host.close()
+        if self.shm is not None:
+            self.shm.close()  # segments unlinked; mappings go with the last view
+
+    def _split_spares(self, keep_bytes: int, kind: str | None) -> tuple[list[ContiguousSource], list[torch.Tensor], list[torch.Tensor]]:
+        """(the spares kept, the host buffers and the shm buffers to free) for `trim_spares`."""
+        host: list[torch.Tensor] = []
+        shm: list[torch.Tensor] = []
+        keep: list[ContiguousSource] = []
+        for src in self.spare:
+            if kind is not None and (self.segment_of(src.data) is not None) != (kind == "shm"):
+                (shm if kind == "host" else host).append(src.data)
+            else:
+                keep.append(src)
+        held = sum(int(s.data.numel()) for s in keep)
+        while keep and held > keep_bytes:
+            src = keep.pop(0)
+            held -= int(src.data.numel())
+            (shm if self.segment_of(src.data) is not None else host).append(src.data)
+        return keep, host, shm
+
+    def _buffer(self, nbytes: int, pool: BufferPool) -> torch.Tensor:
+        """A bucket buffer: an evicted version's of the same size and kind that nothing still reads, else one of the
+        pool's (reserved, or fresh: page-locked when CUDA is available, within the budget)."""
+        for i, src in enumerate(self.spare):
+            if int(src.data.numel()) == nbytes and not src.in_flight() and (self.segment_of(src.data) is not None) == (pool.kind == "shm"):
+                del self.spare[i]
+                return src.data
+        return pool.take(nbytes)
+
+
+def warm_segments(bufs: list[torch.Tensor], after: threading.Thread | None = None) -> threading.Thread:
+    """A thread (a publish waits for it; `after`, an earlier one, is waited for first): one device-to-host pass into
+    every segment just reserved, and the GPU mix64 at full slice size on the mix stream, so the first version of a shm
+    snapshot from CUDA tensors does not pay the first copies into the freshly registered pages nor the mix64's first
+    temporaries (its first version was 0.64 s blocked against 0.35 s warm, 2026-12-04)."""
+    if after is not None:
+        after.join()
+
+    def warm() -> None:
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            stream = side_stream(device)
+            biggest = max((int(b.numel()) for b in bufs), default=0)
+            if not biggest:
+                return
+            with torch.cuda.stream(stream):
+                scratch = torch.zeros(min(biggest, 256 << 20), dtype=torch.uint8, device=device)
+                step = int(scratch.numel())
+                for b in bufs:
+                    n = int(b.numel())
+                    for off in range(0, n, step):
+                        b[off : min(n, off + step)].copy_(scratch[: min(step, n - off)], non_blocking=True)
+                part = mix64_partial(scratch, 0)
+                int(part.item())
+            stream.synchronize()
+        except Exception:
+            log.debug("warming the shm snapshot path up failed", exc_info=True)
+
+    thread = threading.Thread(target=warm, name="weights-snapshot-warm", daemon=True)
+    thread.start()
+    return thread
+
+
+# --------------------------------------------------------------------------- versions not snapshotted by `Snapshot`
+
+
+async def packed_version(items: Any, version: int, bucket_bytes: int, knobs: SnapshotKnobs) -> ServedVersion:
+    """An iterator without a reserved layout: packed into buckets that grow as it comes, served once whole."""
+    packer = BucketPacker(bucket_bytes, checksum_algorithm=knobs.checksum_algorithm)
+    for name, tensor in items:
+        if tensor_bytes(tensor) >= THREAD_COPY_BYTES:
+            await asyncio.to_thread(packer.add, name, tensor)
+        else:
+            packer.add(name, tensor)
+    buckets = await asyncio.to_thread(packer.finish)
+    return ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=tuple(b.info for b in buckets),
+                         sources=[ContiguousSource(b.data) for b in buckets], chunk_bytes=knobs.chunk_bytes, pool=knobs.pool)
+
+
+async def referenced_version(named_tensors: Any, version: int, bucket_bytes: int, knobs: SnapshotKnobs) -> ServedVersion:
+    """``keep_versions=0``: the caller's own tensors served in place (contiguous CPU tensors; others copied once, to
+    CPU and contiguous), each bucket checksummed over its pieces."""
+    planner = BucketPlanner(bucket_bytes)
+    pieces: dict[int, list[tuple[int, memoryview]]] = {}
+    sums: dict[int, Checksummer] = {}
+    for name, tensor in named_tensors_of(named_tensors):
+        nbytes = tensor_bytes(tensor)
+        idx, offset, _closed = planner.place(name, dtype_name(tensor.dtype), tuple(int(s) for s in tensor.shape), nbytes)
+        view = cpu_bytes(tensor)
+        pieces.setdefault(idx, []).append((offset, view))
+        summer = sums.setdefault(idx, Checksummer(knobs.checksum_algorithm))
+        if nbytes >= THREAD_COPY_BYTES:
+            await asyncio.to_thread(summer.update, view)
+        elif nbytes:
+            summer.update(view)
+    infos = tuple(
+        BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum=sums.get(b.index, Checksummer(knobs.checksum_algorithm)).hexdigest(),
+                   tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes) for t in b.tensors))
+        for b in planner.buckets
+    )
+    return ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=infos,
+                         sources=[PiecesSource(pieces.get(i, [])) for i in range(len(infos))], chunk_bytes=knobs.chunk_bytes)

@@ -38,11 +38,9 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -51,15 +49,15 @@ import torch
 from rollpool.protocol.codec import decode
 from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, BucketInfo, Error, Manifest, ManifestRequest
+from rollpool.protocol.messages import Announce, Error, Manifest, ManifestRequest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.bucketing import unpack_buckets, verify_checksum
+from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
-from rollpool.weights.delta import UNCHANGED, DeltaError, decode_bucket, itemsize_of, same_layout
-from rollpool.weights.gpu import DeviceSlabs, arena_offsets
+from rollpool.weights.delta import DeltaError
+from rollpool.weights.gpu import DeviceSlabs
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
-from rollpool.weights.memory import BufferPool, host_key
+from rollpool.weights.memory import VersionBuffers, host_key
 from rollpool.weights.paths.base import (
     Attr,
     BucketCallback,
@@ -68,6 +66,7 @@ from rollpool.weights.paths.base import (
     Fetched,
     FetchJob,
     FetchPath,
+    ManifestTimeoutError,
     PathFallbackError,
     TransferSink,
     WeightVersion,
@@ -75,14 +74,13 @@ from rollpool.weights.paths.base import (
 )
 from rollpool.weights.paths.bulk import BulkPath, lane_host
 from rollpool.weights.paths.cuda_ipc import CudaIpcPath
+from rollpool.weights.paths.delta import DeltaPath
 from rollpool.weights.paths.network import DealerSet, NetworkPath
 from rollpool.weights.paths.shm import ShmDevicePath, ShmPath, ShmSegments
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
 log = logging.getLogger(__name__)
-
-_MIN_CHUNK_BYTES = 4096
 
 
 class WeightSubscriber:
@@ -147,23 +145,23 @@ class WeightSubscriber:
         self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
         self._protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
+        """Versions a faster path did not serve, by reason (each one a counted fallback to the next path)."""
         self.last_fallback = ""
         """The reason of the latest fallback ("" before any): `rollpool top` shows it beside the count."""
         self._fetch_fallbacks: list[str] = []
         """The fallback reasons of the fetch under way (its ``weights fetched`` line lists them)."""
-        """Versions fetched over the network although `path` allowed shared memory, by reason."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
-        self._dev_slabs = DeviceSlabs()
-        self.ipc = CudaIpcPath(self.ctx, self._dev_slabs, path)
+        self.buffers = VersionBuffers(pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes, slabs=DeviceSlabs())
+        """The host buffers, one per version, and the device slabs of the device paths (`reserve`, `recycle`)."""
+        self.ipc = CudaIpcPath(self.ctx, self.buffers.slabs, path)
         """The same-GPU path (its `gpus` is the device edge tests fake)."""
-        self.segments = ShmSegments(self.host_key, path, self._dev_slabs)
+        self.segments = ShmSegments(self.host_key, path, self.buffers.slabs)
         """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
         self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._latest = -1
-        self._hint = -1
         self._forgets = 0
         """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
         self._changed = asyncio.Event()
@@ -171,23 +169,12 @@ class WeightSubscriber:
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_up: asyncio.Task[None] | None = None
         self._errlog = RateLimitedLog(log)
-        self._pool = BufferPool(kind="host", pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes)
-        self._reserved_versions = 0
         self._shm_generation = 0
-        self._base: WeightVersion | None = None
-        """The newest version fetched into host buffers: the base a delta version is rebuilt from (held until the next
-        version is verified, so its buffer goes back to the pool then, not at `recycle`)."""
-        self._base_recycled = False
-        self.delta_versions = 0
-        """Versions rebuilt from a delta."""
-        self.delta_fallbacks = 0
-        """Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched full instead."""
+        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
+        """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self._known: Manifest | None = None
         """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
         `fetch` of that version takes it instead of asking again (one manifest request per version)."""
-        self._reserving: threading.Thread | None = None
-        self._rebuild_pool: ThreadPoolExecutor | None = None
-        self._warned_reserve = False
         if cfg.weight_reserve_bytes:
             self.reserve_in_background(cfg.weight_reserve_bytes)
 
@@ -222,6 +209,9 @@ class WeightSubscriber:
                                                                "device here, named so).", writable=True)
     segment_maps: Attr[int] = Attr("segments", "Segments mapped so far (a warm subscriber maps none per version).")
     segments_registered_ahead: Attr[int] = Attr("segments", "Segments mapped (and page-locked) ahead of the version that used them.")
+    delta_versions: Attr[int] = Attr("delta", "Versions rebuilt from a delta.", field="versions")
+    delta_fallbacks: Attr[int] = Attr("delta", "Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched "
+                                      "full instead.", field="fallbacks")
 
     @property
     def protocol_errors(self) -> int:
@@ -229,13 +219,10 @@ class WeightSubscriber:
 
     def close(self) -> None:
         self._close_sockets()
-        self._base = None
-        if self._rebuild_pool is not None:
-            self._rebuild_pool.shutdown(wait=False)
-        self._pool.close()
+        self.delta.close()
         self.segments.close()
         self.ipc.close()
-        self._dev_slabs.trim(0)
+        self.buffers.close()
         self._shm.close()
         self._shm_device.close()
 
@@ -278,7 +265,6 @@ class WeightSubscriber:
     def note_version(self, version: int) -> None:
         """A broker heartbeat (or welcome) names `version`: ask the publisher for its latest if it is new to us."""
         if version > self._latest:
-            self._hint = max(self._hint, version)
             self._ask_latest()
 
     def forget_newer(self, version: int) -> None:
@@ -288,7 +274,6 @@ class WeightSubscriber:
         if self._latest > version or version < -1:
             self._known = None
             self._latest = -1
-            self._hint = -1
             self._forgets += 1
             self._changed.set()
             self._ask_latest()
@@ -349,23 +334,27 @@ class WeightSubscriber:
         return self.ipc.gpu_uuids()
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
-                             wait_ipc: bool = False, delta: bool = True) -> Manifest:
-        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times.
+                             wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
+                             timeout_s: float | None = None) -> Manifest:
+        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times (or
+        `attempts`), each try waiting `timeout_s` (default `fetch_timeout_s`); none answered: `ManifestTimeoutError`.
 
         `streamed`: accept pending checksums (``""``, each following on its
         bucket's chunks); False waits for a manifest whose checksums all exist.
+        `after_mix64` >= 0: a parked request, answered once the version carries
+        more GPU checksums than that (`ManifestRequest.after_mix64`).
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
         # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
         asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
-        base = self._base.version if asks and self._base is not None else -1
+        base = self.delta.base_version() if asks else -1
         for _attempt in range(tries):
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
                                                                                host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc,
-                                                                               delta_base=base),
-                                                   self.fetch_timeout_s)
+                                                                               delta_base=base, after_mix64=after_mix64),
+                                                   self.fetch_timeout_s if timeout_s is None else timeout_s)
             except TimeoutError:
                 continue
             if isinstance(reply, Manifest):
@@ -379,7 +368,8 @@ class WeightSubscriber:
                 raise WeightSyncError(f"publisher refused the manifest request: {reply.code}: {reply.message}")
             raise WeightSyncError(f"publisher answered a manifest request with {type(reply).__name__}")
         what = "latest" if version is None else str(version)
-        raise WeightSyncError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {self.fetch_timeout_s} s")
+        waited = self.fetch_timeout_s if timeout_s is None else timeout_s
+        raise ManifestTimeoutError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {waited:g} s")
 
     def facts(self) -> FetchFacts:
         """This side of the hello, as the path plan reads it."""
@@ -406,85 +396,17 @@ class WeightSubscriber:
             try:
                 if manifest.delta_base >= 0:
                     try:
-                        return self._hold_base(await self._fetch_delta(manifest, on_bucket))
+                        return self.delta.hold(self._fetched(await self.delta.fetch(manifest, on_bucket)))
                     except (WeightSyncError, DeltaError) as exc:
-                        self.delta_fallbacks += 1
+                        self.delta.fallbacks += 1
                         self._fallback(manifest.version, f"delta against {manifest.delta_base}: {exc}", path="delta")
                         manifest = check_manifest(await self.fetch_manifest(manifest.version, delta=False))
-                return self._hold_base(await self._fetch_planned(manifest, on_bucket))
+                return self.delta.hold(await self._fetch_planned(manifest, on_bucket))
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-
-    async def _fetch_delta(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
-        """Rebuild `manifest`'s version from the base this subscriber holds and the encoded buckets (fetched over the
-        network path), each bucket verified against the checksum of its resulting bytes; raises `WeightSyncError` or
-        `DeltaError` (the caller then fetches the full version)."""
-        base = self._base
-        if base is None or base.version != manifest.delta_base:
-            held = "none" if base is None else str(base.version)
-            raise WeightSyncError(f"the base is not held here (holding {held})")
-        if base.manifest.publisher_id != manifest.publisher_id:
-            raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
-        if not same_layout(manifest.buckets, base.manifest.buckets):
-            raise WeightSyncError("the base's buckets do not line up with the delta's")
-        carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
-        payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
-                                                           for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
-        scratch = torch.empty(sum(-(-b.delta_nbytes // 8) * 8 for b in carried), dtype=torch.uint8)
-        views, at = [], 0
-        for b in carried:  # each payload 8-byte aligned: decoded through int32 and element views
-            views.append(scratch[at : at + b.delta_nbytes])
-            at += -(-b.delta_nbytes // 8) * 8
-        if carried:
-            await self._network.fetch(FetchJob(check_manifest(payload_manifest), buffers=views, slab=scratch))
-        payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
-        for b, view in zip(carried, views, strict=True):
-            payloads[b.index] = view
-        await self._reserved()
-        slab, buffers = self._buffers_for(manifest)
-
-        def rebuild(i: int) -> bool:
-            b = manifest.buckets[i]
-            decode_bucket(b.encoding, payloads[i], base.buffers[i], buffers[i], itemsize_of(b.dtype))
-            return verify_checksum(b.checksum, buffers[i].numpy().data if b.nbytes else b"")
-
-        try:
-            oks = await asyncio.to_thread(lambda: list(self._delta_pool().map(rebuild, range(len(manifest.buckets)))))
-            bad = [i for i, ok in enumerate(oks) if not ok]
-            if bad:
-                raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
-        except BaseException:
-            self._pool.give([slab])
-            raise
-        self.delta_versions += 1
-        tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        if on_bucket is not None:
-            for b in manifest.buckets:
-                names = {t.name for t in b.tensors}
-                res = on_bucket(b.index, {n: tensors_of[n] for n in names})
-                if asyncio.iscoroutine(res):
-                    await res
-        details = {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in carried)}
-        return self._fetched(Fetched(manifest, buffers, slab, NETWORK, details))
-
-    def _delta_pool(self) -> ThreadPoolExecutor:
-        if self._rebuild_pool is None:
-            self._rebuild_pool = ThreadPoolExecutor(max_workers=self.config.copy_threads, thread_name_prefix="weights-rebuild")
-        return self._rebuild_pool
-
-    def _hold_base(self, wv: WeightVersion) -> WeightVersion:
-        """A host version just fetched becomes the base of the next delta; the previous base's buffer goes back to the
-        pool if its caller already recycled it."""
-        if wv.slab is None or wv.slab.is_cuda or not self.config.weight_delta:
-            return wv
-        old, recycled = self._base, self._base_recycled
-        self._base, self._base_recycled = wv, False
-        if old is not None and recycled and old.slab is not None:
-            self._recycle_buffers([old.slab])
-        return wv
 
     def _take_known(self, version: int | None) -> Manifest | None:
         """The catch-up's manifest when it is of the version asked for (None: the latest known), once."""
@@ -504,7 +426,7 @@ class WeightSubscriber:
             return self._fetched(await self._walk(steps, job))
         except BaseException:
             if job.slab is not None:
-                self._pool.give([job.slab])
+                self.buffers.pool.give([job.slab])
             raise
 
     async def _walk(self, steps: Plan, job: FetchJob) -> Fetched:
@@ -516,8 +438,8 @@ class WeightSubscriber:
                 continue
             path = self._path(step.path)
             if path.host_buffers and job.buffers is None:
-                await self._reserved()  # the device paths need no host buffer: they do not wait for the reserve
-                job.slab, job.buffers = self._buffers_for(job.manifest)
+                await self.buffers.reserved()  # the device paths need no host buffer: they do not wait for the reserve
+                job.slab, job.buffers = self._take_buffers(job.manifest)
             try:
                 return await path.fetch(job)
             except PathFallbackError as exc:
@@ -563,6 +485,8 @@ class WeightSubscriber:
         by default: the one the engine serves (kept for a re-apply after a
         restart) and the one being fetched. Page-locked when the subscriber was
         made with ``pin_memory`` on a CUDA host, within `pinned_budget_bytes`.
+        With a `stage_device`, the device buffers the staged shared-memory path
+        and the same-GPU path copy into are allocated first.
         """
         if versions < 1:
             raise ValueError(f"versions must be >= 1, got {versions}")
@@ -572,56 +496,20 @@ class WeightSubscriber:
             from rollpool.weights.snapshot import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
-        t0 = time.perf_counter()
-        if self.stage_device is not None:
-            # the device buffers the staged shm path (and the same-GPU path) copies into: allocated now, not by the first
-            # version (first: it is quick, and those paths do not wait for the host buffers below)
-            self.reserve_device(total_bytes, self.stage_device, versions)
-        # free buffers that already fit a version count (a second reserve, e.g. ROLLPOOL_WEIGHT_RESERVE_BYTES and then
-        # the worker's own at engine start, tops up instead of doubling the page-locked memory)
-        have = sum(1 for n in self._pool.free_sizes() if n >= total_bytes)
-        self._pool.reserve([total_bytes] * max(0, versions - have))
-        self._reserved_versions = max(self._reserved_versions, versions)
-        log.info("weights reserved %s", json.dumps({"bytes": total_bytes * versions, "pinned_bytes": self._pool.pinned_bytes,
-                                                    "device": str(self.stage_device), "seconds": round(time.perf_counter() - t0, 3),
-                                                    "at": time.time()}))
-        return total_bytes * versions
+        return self.buffers.reserve(total_bytes, versions, self.stage_device)
 
     def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
         """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on);
         the next fetch waits for it to finish before it takes a buffer."""
-        if self._reserving is not None:
-            self._reserving.join()
-        self._reserving = threading.Thread(target=self.reserve, kwargs={"total_bytes": total_bytes, "versions": versions},
-                                           name="weights-reserve", daemon=True)
-        self._reserving.start()
-
-    async def _reserved(self) -> None:
-        if self._reserving is not None:
-            await asyncio.to_thread(self._reserving.join)
-            self._reserving = None
-
-    @property
-    def buffers_allocated(self) -> int:
-        """Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version)."""
-        return self._pool.allocations
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._pool.pinned_bytes
-
-    @property
-    def pinned_budget_bytes(self) -> int | None:
-        """The most page-locked bucket memory this subscriber allocates (None: no bound)."""
-        return self._pool.pinned_budget_bytes
+        self.buffers.reserve_in_background(total_bytes, versions, self.stage_device)
 
     def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
         """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
-        # room for every bucket's alignment padding too (ARENA_ALIGN each; 1 MiB covers 4096 buckets)
-        slabs = [self._dev_slabs.take_at_least(arena_offsets([total_bytes])[1] + (1 << 20), device) for _ in range(versions)]
-        for s in slabs:
-            self._dev_slabs.give(s)
-        return sum(int(s.numel()) for s in slabs)
+        return self.buffers.reserve_device(total_bytes, device, versions)
+
+    buffers_allocated: Attr[int] = Attr("buffers", "Host buffers made fresh so far (reserved ones included; a warm subscriber makes none per version).")
+    pinned_bytes: Attr[int] = Attr("buffers")
+    pinned_budget_bytes: Attr[int | None] = Attr("buffers", "The most page-locked bucket memory this subscriber allocates (None: no bound).")
 
     def recycle(self, old: WeightVersion) -> None:
         """Hand back a version the caller no longer uses (its tensors were copied into the engine).
@@ -631,39 +519,12 @@ class WeightSubscriber:
         the cost of the copy itself on first touch. The caller must not use
         `old`'s tensors afterwards.
         """
-        if self._base is not None and old.slab is not None and old.slab is self._base.slab:
-            self._base_recycled = True  # still the base of the next delta: back to the pool when a newer version lands
-            return
-        if old.slab is not None and old.slab.is_cuda:
-            self._dev_slabs.give(old.slab)
-            self._dev_slabs.trim(max(self._reserved_versions, 2))
-        elif old.slab is not None:
-            self._recycle_buffers([old.slab])
-        else:
-            self._recycle_buffers(list(old.buffers))
+        if self.delta.holds(old):
+            return  # still the base of the next delta: back to the buffers when a newer version lands
+        self.buffers.give(old.slab, old.buffers)
 
-    def _recycle_buffers(self, buffers: list[torch.Tensor]) -> None:
-        self._pool.give(buffers)
-        self._pool.trim(max(self._reserved_versions, 1) * max((int(b.numel()) for b in buffers), default=0))
-
-    def _buffers_for(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(one buffer of the version's total size, the bucket views carved from it in order)."""
-        total = sum(b.nbytes for b in manifest.buckets)
-        free = self._pool.free_sizes()
-        if self._reserved_versions and free and max(free) < total and not self._warned_reserve:
-            self._warned_reserve = True
-            log.warning("weight version %d takes %d bytes, more than the %d reserved per version: fresh buffers are "
-                        "allocated (and the reserved ones dropped when unused)", manifest.version, total, max(free))
-        slab = self._pool.take_at_least(total)
-        views: list[torch.Tensor] = []
-        pos = 0
-        for b in manifest.buckets:
-            views.append(slab[pos : pos + b.nbytes])
-            pos += b.nbytes
-        return slab, views
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        return self._pool.take(nbytes)
+    def _take_buffers(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
 
     # -- the shared-memory path
 

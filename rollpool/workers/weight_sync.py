@@ -34,6 +34,9 @@
 - Memory: at most two versions are held, the one served (kept to re-apply after a
   restart) and the one being fetched. Once a newer version is served, the previous
   one's buffers go back to the subscriber for the next fetch.
+- The served version has one owner, the worker's session (`WorkerSession.version`): this
+  class reads it through the ``served_version`` hook and reports each change through
+  ``on_apply_finished``; it keeps no copy of its own.
 
 Imports `engine_supervisor`, `link`, `engines` (the seam) and `config`; never the session.
 """
@@ -141,6 +144,7 @@ class WeightSync:
         supervisor: EngineSupervisor,
         metrics: MetricsSink,
         *,
+        served_version: Callable[[], int],
         subscriber_factory: SubscriberFactory | None = None,
         on_apply_started: Callable[[], None] = lambda: None,
         on_apply_finished: Callable[[int | None], None] = lambda version: None,
@@ -153,9 +157,8 @@ class WeightSync:
         self.metrics = metrics
         self.on_apply_started = on_apply_started
         self.on_apply_finished = on_apply_finished
-        """Told the version served after each apply (None: the apply failed)."""
-        self.version = -1
-        """The version the engine serves."""
+        """Told the version served after each apply (None: the apply failed): how the served version's owner learns it."""
+        self._served_version = served_version
         self.skipped = -1
         """The newest version given up on (its fetch, grant or apply kept failing)."""
         self.subscriber: Subscriber | None = None
@@ -172,6 +175,11 @@ class WeightSync:
         self._paused_for_apply = False
         """The apply in progress paused the engine (an adapter version for an `adapters_without_pause` engine does not)."""
         supervisor.reapply = self._reapply
+
+    @property
+    def version(self) -> int:
+        """The version the engine serves (read from its owner, the worker's session)."""
+        return self._served_version()
 
     async def prepare(self) -> None:
         """Import the real subscriber's module (torch) off the event loop, before the first hello."""
@@ -229,9 +237,8 @@ class WeightSync:
         """The pool was rebased to `version` (a trainer resumed from a checkpoint): a version above it, served,
         skipped or known to the subscriber, is of an abandoned run. Forgotten, so the next version the publisher
         offers is applied whatever its number; the engine serves the old weights until then (the broker gives
-        this worker nothing meanwhile when a staleness bound is set)."""
-        if self.version > version or version < -1:
-            self.version = -1
+        this worker nothing meanwhile when a staleness bound is set). The served version itself was forgotten by its
+        owner, the session, which asked for this rebase."""
         if self.skipped > version or version < -1:
             self.skipped = -1
         if self._reapply_target is not None and (self._reapply_target.version > version or version < -1):
@@ -429,12 +436,11 @@ class WeightSync:
             abandoned = self._served_abandoned
             await self._apply(self._served, engine=engine)
             if abandoned:
-                self.version = -1
                 self._served_abandoned = True
                 self.on_apply_finished(-1)
 
     def _served_now(self, target: _Version) -> None:
-        self.version = target.version
+        """`target` is served now (the caller tells the owner of the served version next, `on_apply_finished`)."""
         self._served_abandoned = False
         previous, self._served = self._served, target
         if previous is not None and previous.fetched is not None and previous.fetched is not target.fetched and self.subscriber is not None:

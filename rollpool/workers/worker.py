@@ -141,6 +141,7 @@ class Worker:
             self.link,
             self.supervisor,
             self.metrics,
+            served_version=lambda: self.session.version,
             subscriber_factory=subscriber_factory,
             on_apply_started=lambda: self.session.apply_started(self._now()),
             on_apply_finished=lambda version: self.session.apply_finished(self._now(), version),
@@ -204,7 +205,6 @@ class Worker:
         try:
             await self.weights.prepare()
             info = await self.supervisor.start()
-            self.weights.version = info.weight_version
             self.weights.engine_started()
             await self._start_episodes()
             self.link.connect()

@@ -41,6 +41,7 @@ __all__ = [
     "FetchPath",
     "Fetched",
     "ManifestSource",
+    "ManifestTimeoutError",
     "PathFallbackError",
     "TransferSink",
     "WeightVersion",
@@ -55,26 +56,27 @@ T = TypeVar("T")
 
 class Attr(Generic[T]):
     """An attribute of a facade that is its part's: ``bytes_received: Attr[int] = Attr("counters")`` reads (and, made
-    with ``writable=True``, writes) ``self.counters.bytes_received``. The facades keep their public names while the
-    state lives in the part that owns it."""
+    with ``writable=True``, writes) ``self.counters.bytes_received`` (`field`: the part's name for it, when it differs).
+    The facades keep their public names while the state lives in the part that owns it."""
 
-    def __init__(self, part: str, doc: str = "", *, writable: bool = False) -> None:
+    def __init__(self, part: str, doc: str = "", *, writable: bool = False, field: str = "") -> None:
         self.part = part
         self.writable = writable
         self.__doc__ = doc
-        self.name = ""
+        self.name = self.field = field
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.field = self.field or name
 
     def __get__(self, obj: object, objtype: type | None = None) -> T:
-        value: T = getattr(getattr(obj, self.part), self.name)
+        value: T = getattr(getattr(obj, self.part), self.field)
         return value
 
     def __set__(self, obj: object, value: T) -> None:
         if not self.writable:
-            raise AttributeError(f"{self.name} is read-only (it is {self.part}.{self.name})")
-        setattr(getattr(obj, self.part), self.name, value)
+            raise AttributeError(f"{self.name} is read-only (it is {self.part}.{self.field})")
+        setattr(getattr(obj, self.part), self.field, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,10 @@ class WeightVersionGoneError(WeightSyncError):
     def __init__(self, version: int, message: str) -> None:
         super().__init__(f"weight version {version} is gone: {message}")
         self.version = version
+
+
+class ManifestTimeoutError(WeightSyncError):
+    """No manifest came within the tries asked for (a silent publisher, or an answer lost or late on the way)."""
 
 
 class TransferSink(Protocol):
@@ -135,7 +141,8 @@ class ManifestSource(Protocol):
     """Where a path asks for a manifest again (the subscriber's request router)."""
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
-                             wait_ipc: bool = False) -> Manifest: ...
+                             wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
+                             timeout_s: float | None = None) -> Manifest: ...
 
 
 @dataclass(slots=True)

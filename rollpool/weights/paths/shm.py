@@ -5,7 +5,8 @@ Two subscriber ends, tried in this order by the plan (`rollpool.weights.manifest
     - `ShmDevicePath` (``shm_device``): each bucket is copied host-to-device from the segment (page-locked once,
       when first mapped) into a device buffer and verified there, on the GPU, against the publisher's mix64 of its
       host bytes (`BucketInfo.host_mix64`). Buckets are staged as their mix64 appears, so the copies overlap the
-      publisher's snapshot.
+      publisher's snapshot: the manifest with more of them is asked for once and the server parks the request until
+      they exist (`ManifestRequest.after_mix64`, minor 19); a server older than that is asked again every 2 ms.
     - `ShmPath` (``shm``): each bucket is copied on the CPU into the subscriber's host buffer and checksummed (xxh3)
       while in cache.
 
@@ -13,8 +14,10 @@ What they promise
     - The bytes verified are the subscriber's own copy (what the engine loads), never the shared segment.
     - A bucket that fails its checksum is copied again, at most `max_refetch` times, then the version is refused
       whole (`WeightSyncError`); a torn read (the publisher reused the segment: the version was evicted), a segment
-      that cannot be mapped, or a publisher that gives no GPU checksums is a `PathFallbackError` (the next path
-      serves the version).
+      that cannot be mapped, a publisher that gives no GPU checksums, or GPU checksums that do not come within
+      `fetch_timeout_s` is a `PathFallbackError` (the next path serves the version, so nothing is lost).
+    - A parked request unanswered after its share of that deadline (`fetch_timeout_s` / (`max_refetch` + 1): the
+      answer was lost or is late) is asked again; a late answer to the earlier one is dropped unread.
     - `ShmSegments` keeps the publisher's segments mapped across versions (the publisher reuses K sets in turn), and
       maps (and page-locks, on a device that registers) the segments a manifest names (`Manifest.shm_reserved`,
       minor 11) ahead of use, in a thread, so no version pays it.
@@ -34,13 +37,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollpool.protocol.codec import PARKED_MINOR
+from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Manifest
 from rollpool.weights.bucketing import Checksummer, unpack_bucket, verify_checksum
 from rollpool.weights.gpu import DeviceSlabs, arena_offsets, mix64_format, mix64_partial
 from rollpool.weights.manifest import SHM, SHM_DEVICE, check_manifest
 from rollpool.weights.memory import ShmReader, ShmUnavailableError
-from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
+from rollpool.weights.paths.base import (
+    BucketCallback,
+    FetchContext,
+    Fetched,
+    FetchJob,
+    ManifestTimeoutError,
+    PathFallbackError,
+    WeightVersionGoneError,
+)
 
 __all__ = ["CudaStaging", "ShmDevicePath", "ShmPath", "ShmSegments"]
 
@@ -294,8 +307,8 @@ class ShmDevicePath(_ShmEnd):
     async def _fetch_shm_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
         """Copy each bucket host-to-device from the publisher's segment (registered here once, when first mapped) into a
         device buffer and verify the mix64 of the device copy (the bytes the engine loads) on the GPU against the
-        publisher's `host_mix64`. Buckets are staged as their mix64 appears in the manifest (asked for again every few
-        ms while some are pending), so the copies overlap the publisher's snapshot. A bad bucket is copied again (at
+        publisher's `host_mix64`. Buckets are staged as their mix64 appears in the manifest (`_GpuChecksums`: one parked
+        request at a time), so the copies overlap the publisher's snapshot. A bad bucket is copied again (at
         most `max_refetch` times), then the version is refused whole; a torn read, a publisher that gives no GPU
         checksums, or a segment that cannot be mapped is a `PathFallbackError` (the CPU paths serve the version)."""
         ops = self.segments.staging()
@@ -316,7 +329,7 @@ class ShmDevicePath(_ShmEnd):
         """Buckets whose copy is queued: the verifying thread waits for each one's digest (in the order they were queued),
         while this loop goes on asking for the next buckets' GPU checksums."""
         failures = [0] * len(sizes)
-        deadline = loop.time() + self.ctx.fetch_timeout_s
+        checksums = _GpuChecksums(self.ctx, manifest.version, loop.time() + self.ctx.fetch_timeout_s)
         try:
             while len(done) < len(sizes):
                 ready = [i for i, b in enumerate(manifest.buckets) if b.host_mix64 and i not in done and i not in verifying]
@@ -334,9 +347,10 @@ class ShmDevicePath(_ShmEnd):
                     timeline.handed_s += loop.time() - timeline.t0 - timeline.verified_ms[i] / 1000
                 if len(done) < len(sizes):
                     t_poll = loop.time()
-                    manifest = await self._next_mix64(manifest, done, verifying, deadline)
+                    manifest = await self._next_mix64(manifest, done, verifying, checksums)
                     timeline.waited(t_poll, loop.time())
         except BaseException:
+            checksums.cancel()
             if verifying:  # copies still queued into the slab: it goes back once they are done
                 asyncio.gather(*verifying.values(), return_exceptions=True).add_done_callback(lambda _f: ops.give(slab))
             else:
@@ -345,21 +359,26 @@ class ShmDevicePath(_ShmEnd):
         finally:
             self.segments.drop_dead()  # unlinked segments (keep the live ones mapped)
         return Fetched(manifest, buffers, slab, SHM, {"staged_to": str(self.segments.stage_device), **self.segments.stats(),
+                                                      "manifest_asks": checksums.asks, "manifest_reasks": checksums.reasks,
                                                       "timeline": timeline.as_dict(loop.time())})
 
-    async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]], deadline: float) -> Manifest:
+    async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]],
+                          checksums: _GpuChecksums) -> Manifest:
         """`_fetch_shm_device` has nothing to queue: wait for the next verdict where every bucket left is queued (a bad
-        one is queued again after it), else ask for the manifest again after a few ms (more buckets' GPU checksums)."""
+        one is queued again after it), else for whichever comes first of a verdict and the manifest with more GPU
+        checksums (`checksums`: its request stays outstanding across verdicts)."""
         if not any(not b.host_mix64 for i, b in enumerate(manifest.buckets) if i not in done and i not in verifying):
             if verifying:
                 await asyncio.wait(list(verifying.values()), return_when=asyncio.FIRST_COMPLETED)
             return manifest
-        if all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
-            raise PathFallbackError("the publisher gives no GPU checksum (host_mix64) for this version")
-        if asyncio.get_running_loop().time() > deadline:
-            raise PathFallbackError(f"the publisher's GPU checksums did not come within {self.ctx.fetch_timeout_s} s")
-        await asyncio.sleep(_MIX64_POLL_S)
-        again = check_manifest(await self.ctx.manifests.fetch_manifest(manifest.version))
+        if manifest.protocol_minor < PARKED_MINOR and all(b.checksum for b in manifest.buckets) and not any(b.host_mix64 for b in manifest.buckets):
+            raise PathFallbackError(NO_GPU_CHECKSUM)  # (a newer server says so by answering with none new: `_GpuChecksums`)
+        asking = checksums.ask(manifest)
+        waits: list[asyncio.Future[Any]] = [asking, *verifying.values()]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not asking.done():
+            return manifest  # a verdict first: handed on while the request stays parked
+        again = check_manifest(checksums.take())
         if [(b.nbytes, b.shm_segment) for b in again.buckets] != [(b.nbytes, b.shm_segment) for b in manifest.buckets]:
             raise PathFallbackError("the publisher's segments changed under the fetch")
         return again
@@ -382,6 +401,69 @@ class ShmDevicePath(_ShmEnd):
 
 
 
+class _GpuChecksums:
+    """The manifest of one version with more GPU checksums than the fetch has, one request outstanding at a time.
+
+    A server of `PARKED_MINOR` or later (`Manifest.protocol_minor`) is asked once per new checksum: it parks the
+    request until the version carries more than the asker has (`ManifestRequest.after_mix64`). A try unanswered after
+    `fetch_timeout_s` / (`max_refetch` + 1) is asked again (its answer was lost or is late; a late one is dropped, its
+    request no longer routed), until the deadline. An older server is asked again every `_MIX64_POLL_S`, as before.
+    Past the deadline, or refused (``busy``), the fetch falls back to the next path (`PathFallbackError`)."""
+
+    def __init__(self, ctx: FetchContext, version: int, deadline: float) -> None:
+        self.ctx = ctx
+        self.version = version
+        self.deadline = deadline
+        self.try_s = ctx.fetch_timeout_s / (ctx.max_refetch + 1)
+        self.asks = 0
+        """Manifest requests sent (parked or polled)."""
+        self.reasks = 0
+        """Parked requests asked again after a try went unanswered."""
+        self._task: asyncio.Task[Manifest] | None = None
+
+    def ask(self, manifest: Manifest) -> asyncio.Task[Manifest]:
+        """The request outstanding for a manifest with more GPU checksums than `manifest` (made if none is)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._ask(manifest), name="weights-gpu-checksums")
+        return self._task
+
+    def take(self) -> Manifest:
+        """The answer of the finished request (or what it raised); the next `ask` sends a new one."""
+        assert self._task is not None and self._task.done()
+        task, self._task = self._task, None
+        return task.result()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _ask(self, manifest: Manifest) -> Manifest:
+        loop = asyncio.get_running_loop()
+        parks = manifest.protocol_minor >= PARKED_MINOR
+        have = sum(1 for b in manifest.buckets if b.host_mix64)
+        while True:
+            remaining = self.deadline - loop.time()
+            if remaining <= 0:
+                raise PathFallbackError(f"the publisher's GPU checksums did not come within {self.ctx.fetch_timeout_s} s")
+            self.asks += 1
+            if not parks:
+                await asyncio.sleep(_MIX64_POLL_S)
+                return await self.ctx.manifests.fetch_manifest(self.version, delta=False)
+            try:
+                again = await self.ctx.manifests.fetch_manifest(self.version, attempts=1, delta=False, after_mix64=have,
+                                                                timeout_s=min(remaining, self.try_s))
+                if sum(1 for b in again.buckets if b.host_mix64) <= have:
+                    raise PathFallbackError(NO_GPU_CHECKSUM)  # answered with none new: none will come
+                return again
+            except ManifestTimeoutError:
+                self.reasks += 1
+            except WeightVersionGoneError:
+                raise
+            except WeightSyncError as exc:  # refused (busy): the CPU copy serves the version
+                raise PathFallbackError(f"the publisher refused to park the manifest request ({exc})") from exc
+
+
 class _Timeline:
     """When each bucket of a staged fetch was seen with its GPU checksum, queued and verified (ms from the start of
     `_fetch_shm_device`), for the ``weights fetched`` log line: where a slow version spent its time."""
@@ -394,7 +476,7 @@ class _Timeline:
         self.verified_ms = [-1.0] * buckets
         self.digest_ms = [-1.0] * buckets
         self.waits_ms: list[tuple[float, float]] = []
-        """Each `_next_mix64` (a verdict awaited, or a manifest poll): when it began and how long it took."""
+        """Each `_next_mix64` (a verdict or the manifest with more GPU checksums awaited): when it began and how long it took."""
         self.handed_s = 0.0
         """Time spent in ``on_bucket`` (the engine's staging of each verified bucket), on the loop."""
 
@@ -434,8 +516,10 @@ class _Timeline:
 _WARM_PIECE_BYTES = 64 * 1024
 _WARM_SLICE_BYTES = 64 * 1024 * 1024
 """`_warm_staging`: what is copied from each segment, and the largest copy (one full mix64 slice)."""
+NO_GPU_CHECKSUM = "the publisher gives no GPU checksum (host_mix64) for this version"
 _MIX64_POLL_S = 0.002
-"""How often the manifest is asked for again while some buckets' GPU checksums are pending."""
+"""How often a server older than `PARKED_MINOR` is asked for the manifest again while some buckets' GPU checksums are
+pending (a newer one parks the request instead)."""
 
 
 class CudaStaging:

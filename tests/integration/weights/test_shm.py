@@ -109,9 +109,9 @@ async def test_another_host_takes_the_network_path_logged_and_counted(make_publi
 
 
 async def test_a_full_dev_shm_falls_back_to_ordinary_memory(make_publisher: Any, make_subscriber: Any, monkeypatch: Any) -> None:
-    import rollpool.weights.publisher as publisher
+    import rollpool.weights.snapshot as snapshot
 
-    monkeypatch.setattr(publisher, "shm_free_bytes", lambda: 1 * _MiB)  # a /dev/shm too small for a version
+    monkeypatch.setattr(snapshot, "shm_free_bytes", lambda: 1 * _MiB)  # a /dev/shm too small for a version (where the snapshot's buffers ask)
     pub = await make_publisher()
     w = model(5)
     manifest = await pub.publish(w, 1, wait_ready=True)

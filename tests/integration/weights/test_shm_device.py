@@ -114,8 +114,9 @@ async def test_without_a_staging_device_the_cpu_shm_path_serves(make_publisher: 
 
 async def test_a_publisher_without_gpu_checksums_is_a_counted_fallback_to_the_cpu_shm_path(make_publisher: Any, make_subscriber: Any,
                                                                                          monkeypatch: Any) -> None:
-    # an older publisher (minor 9) faked: it never publishes host_mix64
+    # an older publisher (minor 9) faked: it never publishes host_mix64, and says an older minor on its manifests
     monkeypatch.setattr(WeightServer, "set_host_mix64", lambda self, version, bucket, checksum: None)
+    monkeypatch.setattr("rollpool.weights.serving.PROTOCOL_MINOR", 9)
     pub = await make_publisher()
     w = model(3)
     await pub.publish(w, 1, wait_ready=True)

@@ -129,6 +129,9 @@ def samples() -> dict[str, Any]:
         "welcome_minor12": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, protocol_minor=12),
         "client_hello_minor12": p.ClientHello(client_id="c0", protocol_min=1, protocol_max=1, protocol_minor=12),
         "client_welcome_minor12": p.ClientWelcome(epoch="e1", protocol=1, weight_version=2, protocol_minor=12),
+        # minor 19: a parked manifest request (answered once the version carries more GPU checksums) and the server's minor
+        "manifest_request_parked": p.ManifestRequest(request_id="m8", version=7, streamed=True, host_key="boot/1.2", after_mix64=3),
+        "manifest_server_minor": p.Manifest(request_id="m8", version=7, publisher_id="pub", host_key="boot/1.2", protocol_minor=19),
     }
 
 

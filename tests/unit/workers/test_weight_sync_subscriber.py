@@ -145,9 +145,9 @@ async def test_an_engine_on_a_gpu_has_its_buffers_reserved_at_start_before_any_v
     assert sub is not None, "no subscriber made at engine start"
     try:
         assert not sub.connected  # no publisher named yet: nothing fetched, only the buffers
-        await sub._reserved()  # the reserve runs in a thread (page-locking takes seconds per GB on a GPU host)
+        await sub.buffers.reserved()  # the reserve runs in a thread (page-locking takes seconds per GB on a GPU host)
         assert sub.buffers_allocated == 2  # two versions (WorkerConfig.weight_reserve_versions)
-        assert sorted(sub._pool.free_sizes()) == [3 << 20, 3 << 20]
+        assert sorted(sub.buffers.pool.free_sizes()) == [3 << 20, 3 << 20]
         # the broker then names the publisher: the same subscriber connects (real sockets), no second one is made
         sync.note_weights(-1, "tcp://127.0.0.1:9", None)
         assert sync.subscriber is sub and sub.connected
