@@ -19,10 +19,11 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import math
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -52,6 +53,16 @@ def decode_tokens(tokenizer: Any, token_ids: Sequence[int], *, skip_special_toke
     the text is the same.
     """
     return str(tokenizer.decode(np.asarray(token_ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
+
+
+_ID_PREFIX = secrets.token_hex(8)
+_ids = itertools.count()
+
+
+def _response_id(prefix: str) -> str:
+    """``chatcmpl-`` / ``cmpl-`` and 32 hex digits, unique in this process and across processes (a random prefix and a
+    counter: `uuid.uuid4` reads the OS's random source on every call, a system call on every turn)."""
+    return f"{prefix}-{_ID_PREFIX}{next(_ids):016x}"
 
 
 class EpisodeClosedError(RollpoolError):
@@ -478,8 +489,8 @@ class Episode:
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
-        view = chat.after_reply(tok, messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
-                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
+        view = chat.deferred_view(messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
+                                  bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
         texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
         return reply, calls, view, texts
 
@@ -623,7 +634,7 @@ class Episode:
                 {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": alts}
                 for text, lp, alts in zip(token_texts, s.logprobs, tops, strict=True)]}
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": _response_id("chatcmpl"),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
@@ -725,7 +736,7 @@ class Episode:
             choice["logprobs"] = {"tokens": pieces, "token_logprobs": [float(x) for x in s.logprobs],
                                   "top_logprobs": None, "text_offset": offsets}
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": _response_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
