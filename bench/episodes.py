@@ -201,6 +201,16 @@ def _cpu(pid: int) -> float:
     return float(t.user + t.system)
 
 
+def _main_thread_cpu(pid: int) -> float:
+    """User+system CPU of the process's main thread (its event loop), from its thread id (the pid)."""
+    import psutil
+
+    try:
+        return next((float(t.user_time + t.system_time) for t in psutil.Process(pid).threads() if t.id == pid), 0.0)
+    except psutil.Error:
+        return 0.0
+
+
 def _children(pid: int) -> list[int]:
     import psutil
 
@@ -270,14 +280,15 @@ def profile_summary(raw: str, top: int = 25) -> dict[str, Any]:
 
 
 class Profiler:
-    """`py-spy record` on one process for the measured phase (``--profile PY_SPY``); stopped with SIGINT."""
+    """`py-spy record` on one process for the measured phase (``--profile PY_SPY``); stopped with SIGINT. Only the thread
+    holding the GIL is sampled (``--gil``): Python's own CPU, not threads waiting for it."""
 
-    def __init__(self, py_spy: str, pid: int, out: Path, rate_hz: int = 200) -> None:
+    def __init__(self, py_spy: str, pid: int, out: Path, rate_hz: int = 1000) -> None:
         self.out = out
         env = {**os.environ}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--format", "raw",
-                                      "--output", str(out), "--nonblocking", "--threads"],
+                                      "--output", str(out), "--nonblocking", "--threads", "--gil"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
     def stop(self) -> dict[str, Any]:
@@ -383,6 +394,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
                 profilers["engine_child"] = Profiler(args.profile, child[0], work / f"profile-{label}-{placement}-child.txt")
             await asyncio.sleep(1.0)  # py-spy attached
         before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        loop0 = _main_thread_cpu(worker.pid)
         mine0 = time.process_time()
         t0 = time.time()
         res = await client.submit(_prompts(f"{placement}-{label}", args, args.groups))
@@ -391,6 +403,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         groups = await _collect(client, args.groups, args.phase_timeout_s)
         wall = time.time() - t0
         after = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        loop_cpu = _main_thread_cpu(worker.pid) - loop0
         trainer_cpu = time.process_time() - mine0
         profiles = {k: prof.stop() for k, prof in profilers.items()}
     finally:
@@ -405,6 +418,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
     cpu = {k: after[k] - before[k] for k in pids}
     per_turn = {f"{k}_cpu_us_per_turn": round(1e6 * v / turns, 1) if turns else None for k, v in cpu.items()}
     per_turn["trainer_cpu_us_per_turn"] = round(1e6 * trainer_cpu / turns, 1) if turns else None
+    # the worker's event loop alone; the rest of the worker's CPU is its threads (tokenizer, ZeroMQ's I/O, tools)
+    per_turn["worker_loop_thread_cpu_us_per_turn"] = round(1e6 * loop_cpu / turns, 1) if turns else None
     dead = broker_log.read_text(errors="replace").count("declared dead") - dead0
     row = {"tree": label, "placement": placement, "simulated": True, "wall_s": round(wall, 2), "join_s": round(join_s, 1),
            "worker_declared_dead": dead,
@@ -444,9 +459,10 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
             for placement in placements:
                 for label, tree in trees:
                     row = await turns_row(tree, label, placement, args, work, model, profile=True)
-                    profiles[f"{placement}/{label}"] = {"what": "py-spy --nonblocking, 200 Hz, over the measured phase; share of "
-                                                                "samples by the leaf-most frame a category matches (bench/episodes.py "
-                                                                "PROFILE_CATEGORIES); simulated",
+                    profiles[f"{placement}/{label}"] = {"what": "py-spy --nonblocking --gil --threads, 1000 Hz, over the measured "
+                                                                "phase (samples of the thread holding the GIL: Python's CPU); share "
+                                                                "of samples by the leaf-most frame a category matches "
+                                                                "(bench/episodes.py PROFILE_CATEGORIES); simulated",
                                                         "worker_cpu_us_per_turn_while_profiled": row["worker_cpu_us_per_turn"],
                                                         **row["profile"]}
                     save()
@@ -461,7 +477,8 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
         for label, _ in trees:
             mine = [r for r in rows if r["tree"] == label and r["placement"] == placement]
             summary[f"{placement}/{label}"] = {
-                k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
+                k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "worker_loop_thread_cpu_us_per_turn",
+                                                           "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
                                                            "worker_and_engine_child_cpu_us_per_turn", "agent_process_cpu_us_per_turn",
                                                            "turns_per_s")}
         if len(trees) == 2 and args.reps:

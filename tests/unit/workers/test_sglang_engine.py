@@ -106,6 +106,39 @@ async def test_the_child_refuses_requests_without_the_launch_token(sglang_sim_ch
         await engine.start()
 
 
+async def test_the_hop_answers_as_http_does_and_refuses_calls_without_the_launch_token(sglang_sim_child: SimChild) -> None:
+    from rollpool.workers.engines.sglang.hop import HopClient
+
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "sampling_seed": 7},
+            "return_logprob": True, "rid": "hop-same-answer"}
+    http = _client(sglang_sim_child, token=sglang_sim_child.token)
+    hop = HopClient(sglang_sim_child.hop, token=sglang_sim_child.token)
+    try:
+        by_http, by_hop = await http.request("POST", "/generate", body), await hop.request("POST", "/generate", body)
+        assert by_hop["output_ids"] == by_http["output_ids"] and len(by_hop["output_ids"]) == 5
+        # the same ids reached the child: its prefix cache serves the whole prompt but its last token on the second call
+        assert by_hop["meta_info"]["prompt_tokens"] == 4 and by_hop["meta_info"]["cached_tokens"] == 3
+        for bad, status in (({"input_ids": [1, 2], "sampling_params": {"nope": 1}}, 400), ({}, 400)):
+            with pytest.raises(HttpError) as info:
+                await hop.request("POST", "/generate", bad)
+            assert info.value.status == status
+        with pytest.raises(HttpError) as info:
+            await hop.request("POST", "/no_such_route", {})
+        assert info.value.status == 404
+    finally:
+        await hop.close()
+        await http.close()
+    for token in ("", "not-the-token"):
+        hop = HopClient(sglang_sim_child.hop, token=token)
+        try:
+            for path in ("/generate", "/update_weights_from_tensor"):
+                with pytest.raises(HttpError) as info:
+                    await hop.request("POST", path, {"input_ids": [1, 2], "serialized_named_tensors": ["x"]}, timeout_s=10)
+                assert info.value.status == 401
+        finally:
+            await hop.close()
+
+
 async def test_a_refused_or_failed_generate_is_an_engine_error_not_a_refusal(tiny_model_dir: pathlib.Path) -> None:
     """F5: a 4xx/5xx after rollpool's own checks passed means the engine is broken: restart, don't blame the prompt."""
     answers = iter([(400, {"error": {"message": "ValueError: something inside"}}), (500, {"error": {"message": "KeyError"}})])
