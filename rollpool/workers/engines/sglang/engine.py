@@ -67,6 +67,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.fingerprint import model_fingerprint
 from rollpool.protocol.messages import ApplyMode, FinishReason, SamplingParams
@@ -154,6 +156,8 @@ class _Request:
     replica: int = 0
     """The data-parallel replica all samples of this request run on (one prefix cache)."""
     aborted: bool = False
+    ids: np.ndarray[Any, Any] | None = None
+    """`input_ids` as one int64 array, converted once per request (every attempt sends it: JSON, or the hop's frame)."""
     image_data: list[str] | None = None
     """With images: each as a base64 data URI, sent with every attempt; `input_ids` then hold one image token per
     image, which SGLang's processor expands (the ids reported are expanded here by the same rule)."""
@@ -656,7 +660,10 @@ class SGLangEngine:
                 return
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
-            body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
+            if req.ids is None:
+                req.ids = np.asarray(req.input_ids, dtype=np.int64)
+            ids = np.concatenate([req.ids, np.asarray(s.out, dtype=np.int64)]) if s.out else req.ids
+            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
             version_at_send = self.version
             self._in_sglang += 1
             self._idle.clear()
@@ -700,6 +707,9 @@ class SGLangEngine:
 
     async def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
         if input_ids is not None:
+            arr = np.asarray(input_ids)
+            if arr.ndim == 1 and arr.dtype.kind in "iu":  # a list of ints: one C pass each way, not int() on each
+                return list(arr.tolist())
             return list(map(int, input_ids))
         assert text is not None  # check_request saw to it
         if self._tokenizer is None:

@@ -50,10 +50,12 @@ _MAX_MSG_BYTES = 1 << 30  # a prompt of a very long context, with room to spare:
 def _pack_ids(ids: Any) -> bytes:
     import numpy as np
 
-    arr = np.asarray(ids, dtype="<i4")
-    if arr.ndim != 1:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError("input_ids must be a flat list of token ids")
-    return arr.tobytes()
+    if arr.size and (int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31):
+        raise ValueError("input_ids must fit int32")
+    return arr.astype("<i4", copy=False).tobytes()
 
 
 def _unpack_ids(frame: bytes) -> list[int]:
