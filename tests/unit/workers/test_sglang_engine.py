@@ -250,7 +250,8 @@ def test_the_sglang_engine_declares_staging() -> None:
 
 def test_options_are_typed_by_field_and_errors_name_the_field() -> None:
     o = parse_options(SGLangOptions, "model=/m,capacity=8,verify_updates=false,server_cmd=1,url=none,mem_fraction_static=0.3")
-    assert (o.capacity, o.verify_updates, o.server_cmd, o.url, o.mem_fraction_static) == (8, False, "1", None, 0.3)
+    assert (o.capacity, o.verify_updates, o.server_cmd, o.url, o.mem_fraction_static, o.hop) == (8, False, "1", None, 0.3, "auto")
+    assert parse_options(SGLangOptions, "model=/m,url=http://h:1,hop=ipc:///tmp/h").hop == "ipc:///tmp/h"
     assert parse_options(HFOptions, "model=/m,num_threads=2").num_threads == 2
     assert parse_options(SimOptions, "length=fixed,decode_s_per_token=0.01").decode_s_per_token == 0.01
     cases = [
@@ -260,6 +261,8 @@ def test_options_are_typed_by_field_and_errors_name_the_field() -> None:
         ("sglang", "server_args=[1]", "SGLangOptions.server_args must be a JSON object"),
         ("sglang", "backend=vllm", "SGLangOptions.backend must be one of"),
         ("sglang", "verify_updates=maybe", "SGLangOptions.verify_updates must be true or false"),
+        ("sglang", "hop=ipc:///tmp/x", "SGLangOptions.hop must be auto, off, or \\(with url=\\)"),  # an endpoint needs url=
+        ("sglang", "hop=on", "SGLangOptions.hop must be auto, off"),
         ("sim", "length=weird", "SimOptions.length must be one of"),
         ("hf", "dtype=float8", "HFOptions.dtype must be one of"),
     ]
