@@ -24,6 +24,11 @@ sim workers (1, 2, 4), token-level (``ctx.generate`` / ``ctx.append``), all subm
 lost, duplicated and timed-out episodes, throughput, and the most episodes one worker held at once.
 
     python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
+    python bench/episodes.py --trees base=/tmp/base,now=. --profile "$(which py-spy)"   # + 'profile': py-spy per tree
+
+``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker and
+the engine's child; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
+each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
     python bench/episodes.py --bench sessions --json bench/results/cpu-episodes-sessions.json
 
 This module is also the episode functions' module in the worker (``--episode
