@@ -24,6 +24,11 @@ sim workers (1, 2, 4), token-level (``ctx.generate`` / ``ctx.append``), all subm
 lost, duplicated and timed-out episodes, throughput, and the most episodes one worker held at once.
 
     python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
+    python bench/episodes.py --trees base=/tmp/base,now=. --profile "$(which py-spy)"   # + 'profile': py-spy per tree
+
+``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker and
+the engine's child; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
+each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
     python bench/episodes.py --bench sessions --json bench/results/cpu-episodes-sessions.json
 
 This module is also the episode functions' module in the worker (``--episode
@@ -201,6 +206,16 @@ def _cpu(pid: int) -> float:
     return float(t.user + t.system)
 
 
+def _main_thread_cpu(pid: int) -> float:
+    """User+system CPU of the process's main thread (its event loop), from its thread id (the pid)."""
+    import psutil
+
+    try:
+        return next((float(t.user_time + t.system_time) for t in psutil.Process(pid).threads() if t.id == pid), 0.0)
+    except psutil.Error:
+        return 0.0
+
+
 def _children(pid: int) -> list[int]:
     import psutil
 
@@ -208,6 +223,93 @@ def _children(pid: int) -> list[int]:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+# --------------------------------------------------------------------------- profile (py-spy, outside the process)
+
+# Where a sample's CPU went: the leaf-most frame of its stack that one of these matches (file path
+# fragment or function name), so json.dumps under aiohttp's response counts as JSON, a chat-template
+# render under the endpoint as the template; asyncio's own frames only when nothing else in the stack
+# matches (a socket write under aiohttp's client is the hop). Order matters only within one frame.
+PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the sim engine (the simulated model)", ("engines/sim.py", "_SimPrefixCache")),
+    ("tokenizer and chat template", ("/transformers/", "/tokenizers/", "/jinja2/", "episodes/chat.py")),
+    ("JSON", ("/json/", "orjson", "/msgpack/")),
+    ("logging", ("/logging/",)),
+    ("ZeroMQ and the broker link", ("/zmq/", "workers/link.py", "protocol/codec.py", "protocol/messages.py")),
+    ("hop to the engine (sglang engine, its HTTP client)", ("engines/sglang/", "aiohttp/client", "aiohttp/connector",
+                                                           "aiohttp/streams", "aiohttp/http_writer")),
+    ("endpoint HTTP server (aiohttp web)", ("aiohttp/web", "aiohttp/http_parser", "aiohttp/helpers", "aiohttp/multidict",
+                                           "/multidict/", "/yarl/", "episodes/server.py")),
+    ("the openai SDK agent", ("/openai/", "/httpx/", "/httpcore/", "/pydantic", "/anyio/", "/h11/", "/ssl.py")),
+    ("episode turn (recording, sampling checks)", ("episodes/episode.py", "episodes/recording.py", "protocol/sampling.py",
+                                                  "/dataclasses.py", "/numpy/")),
+    ("episode runner, worker, sessions", ("episodes/runner.py", "workers/worker.py", "workers/session.py", "rollpool/")),
+    ("tool and worker threads (hand-off)", ("/concurrent/futures/", "/threading.py", "/queue.py")),
+)
+FALLBACK_CATEGORY = ("asyncio scheduling and sockets", ("/asyncio/", "/selectors.py", "/socket.py"))
+# a thread waiting (py-spy --nonblocking reports some waits as running): not CPU, left out of the shares
+IDLE_LEAVES = ("select (selectors.py", "_worker (concurrent/futures/thread.py", "wait (threading.py", "poll (zmq/")
+
+
+def _category(stack: str) -> str:
+    frames = stack.split(";")
+    for frame in reversed(frames):
+        for name, marks in PROFILE_CATEGORIES:
+            if any(m in frame for m in marks):
+                return name
+    if any(m in frame for frame in frames for m in FALLBACK_CATEGORY[1]):
+        return FALLBACK_CATEGORY[0]
+    return "other"
+
+
+def profile_summary(raw: str, top: int = 25) -> dict[str, Any]:
+    """py-spy's raw (collapsed) stacks -> the share of samples per category and the top leaf functions."""
+    cats: dict[str, int] = {}
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        if any(m in stack.split(";")[-1] for m in IDLE_LEAVES):
+            continue
+        total += n
+        cats[_category(stack)] = cats.get(_category(stack), 0) + n
+        leaf = stack.split(";")[-1]
+        leaves[leaf] = leaves.get(leaf, 0) + n
+    share = {k: round(v / total, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])} if total else {}
+    top_leaves = [[k, round(v / total, 3)] for k, v in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]] if total else []
+    return {"samples": total, "share_by_category": share, "top_leaf_frames": top_leaves}
+
+
+class Profiler:
+    """`py-spy record` on one process for the measured phase (``--profile PY_SPY``); stopped with SIGINT. Only the thread
+    holding the GIL is sampled (``--gil``): Python's own CPU, not threads waiting for it."""
+
+    def __init__(self, py_spy: str, pid: int, out: Path, rate_hz: int = 1000) -> None:
+        self.out = out
+        env = {**os.environ}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--format", "raw",
+                                      "--output", str(out), "--nonblocking", "--threads", "--gil"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+    def stop(self) -> dict[str, Any]:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            return profile_summary(self.out.read_text())
+        except OSError as exc:
+            return {"error": f"py-spy wrote nothing: {exc}"}
 
 
 async def _client(cep: str) -> Any:
@@ -259,8 +361,10 @@ def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
             for i in range(groups)]
 
 
-async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
-    """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase."""
+async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path,
+                    profile: bool = False) -> dict[str, Any]:
+    """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase (`profile`: py-spy on
+    the worker and the engine's child over the phase, which costs them CPU: such a row is not one of the measured ones)."""
     pool = Pool(tree, work, label)
     broker_log = work / f"broker-{label}.log"
     dead0 = broker_log.read_text(errors="replace").count("declared dead") if broker_log.exists() else 0
@@ -288,7 +392,14 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         await _collect(client, 2, args.phase_timeout_s)
         child = _children(worker.pid)
         pids = {"worker": [worker.pid], "engine_child": child, "broker": [broker.pid], "agent_process": [a.pid for a in agents]}
+        profilers = {}
+        if profile:
+            profilers = {"worker": Profiler(args.profile, worker.pid, work / f"profile-{label}-{placement}-worker.txt")}
+            if child:
+                profilers["engine_child"] = Profiler(args.profile, child[0], work / f"profile-{label}-{placement}-child.txt")
+            await asyncio.sleep(1.0)  # py-spy attached
         before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        loop0 = _main_thread_cpu(worker.pid)
         mine0 = time.process_time()
         t0 = time.time()
         res = await client.submit(_prompts(f"{placement}-{label}", args, args.groups))
@@ -297,7 +408,9 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         groups = await _collect(client, args.groups, args.phase_timeout_s)
         wall = time.time() - t0
         after = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
+        loop_cpu = _main_thread_cpu(worker.pid) - loop0
         trainer_cpu = time.process_time() - mine0
+        profiles = {k: prof.stop() for k, prof in profilers.items()}
     finally:
         if client is not None:
             with contextlib.suppress(Exception):
@@ -310,18 +423,25 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
     cpu = {k: after[k] - before[k] for k in pids}
     per_turn = {f"{k}_cpu_us_per_turn": round(1e6 * v / turns, 1) if turns else None for k, v in cpu.items()}
     per_turn["trainer_cpu_us_per_turn"] = round(1e6 * trainer_cpu / turns, 1) if turns else None
+    # the worker's event loop alone; the rest of the worker's CPU is its threads (tokenizer, ZeroMQ's I/O, tools)
+    per_turn["worker_loop_thread_cpu_us_per_turn"] = round(1e6 * loop_cpu / turns, 1) if turns else None
     dead = broker_log.read_text(errors="replace").count("declared dead") - dead0
     row = {"tree": label, "placement": placement, "simulated": True, "wall_s": round(wall, 2), "join_s": round(join_s, 1),
            "worker_declared_dead": dead,
            "episodes": episodes, "trajectories": len(trajs), "segments_per_episode": round(len(trajs) / max(1, episodes), 3),
            "turns": turns, "sampled_tokens": sampled, "turns_per_s": round(turns / wall, 1),
            "output_tokens_per_s": round(sampled / wall, 1), **per_turn,
-           "pool_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["broker"]) / turns, 1) if turns else None}
+           "pool_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["broker"]) / turns, 1) if turns else None,
+           "worker_and_engine_child_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["engine_child"]) / turns, 1) if turns else None}
+    if profile:
+        row["profile"] = profiles
     print(f"  {label:>8s} {placement:>8s}: {json.dumps(row)}", flush=True)
     return row
 
 
-def _median(xs: list[float]) -> float:
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
@@ -339,20 +459,40 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                     row["rep"] = rep
                     rows.append(row)
                     save()
+        if args.profile:  # after the measured reps, one profiled row per tree and placement (py-spy costs CPU)
+            profiles = result.setdefault("profile", {})
+            for placement in placements:
+                for label, tree in trees:
+                    row = await turns_row(tree, label, placement, args, work, model, profile=True)
+                    profiles[f"{placement}/{label}"] = {"what": "py-spy --nonblocking --gil --threads, 1000 Hz, over the measured "
+                                                                "phase (samples of the thread holding the GIL: Python's CPU); share "
+                                                                "of samples by the leaf-most frame a category matches "
+                                                                "(bench/episodes.py PROFILE_CATEGORIES); simulated",
+                                                        "worker_cpu_us_per_turn_while_profiled": row["worker_cpu_us_per_turn"],
+                                                        **row["profile"]}
+                    save()
     finally:
+        if args.profile_raw:
+            Path(args.profile_raw).mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, after the rows
+            for f in work.glob("profile-*.txt"):
+                shutil.copy(f, args.profile_raw)
         shutil.rmtree(work, ignore_errors=True)
     summary: dict[str, Any] = {}
     for placement in placements:
         for label, _ in trees:
             mine = [r for r in rows if r["tree"] == label and r["placement"] == placement]
             summary[f"{placement}/{label}"] = {
-                k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
-                                                           "agent_process_cpu_us_per_turn", "turns_per_s")}
-        if len(trees) == 2:
+                k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "worker_loop_thread_cpu_us_per_turn",
+                                                           "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
+                                                           "worker_and_engine_child_cpu_us_per_turn", "agent_process_cpu_us_per_turn",
+                                                           "turns_per_s")}
+        if len(trees) == 2 and args.reps:
             (a, _), (b, _) = trees
             x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
             summary[f"{placement}/{b}_vs_{a}"] = {
                 "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
+                "worker_and_engine_child_cpu_per_turn_ratio": round(
+                    y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
                 "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
     result["summary"] = summary
     print(json.dumps(summary, indent=1))
@@ -464,6 +604,10 @@ def main() -> int:
     ap.add_argument("--trees", default=f"this={ROOT}", help="label=path,... source trees to compare (interleaved)")
     ap.add_argument("--placement", choices=("remote", "inworker", "both"), default="both")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--profile", default="", metavar="PY_SPY",
+                    help="turns bench: after the measured reps, one row per tree and placement under this py-spy binary "
+                         "(the JSON's 'profile': where the worker's and the engine child's CPU went)")
+    ap.add_argument("--profile-raw", default="", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--n", type=int, default=4, help="episodes per group")

@@ -30,6 +30,9 @@ observation of ``--tool-words`` words. Phases ``no_update`` and ``one_update`` (
 the API notes' in-process recipe: the update waits for running requests, then flushes the cache). The JSON's
 ``pool_vs_inprocess_episodes`` is the pool's output tokens/s over the peer's, per phase.
 
+``--hop off`` sends the worker's per-sample calls to its SGLang child over HTTP instead of the ZeroMQ hop (the
+sglang engine's ``hop`` option; the JSON's ``hop``), for the two side by side in two calls on one machine.
+
 ``--agent-processes N`` runs the pool's agents in N processes of their own (bench/episodes.py's stub: the
 worker's episode function hands its endpoint to an agent process, which runs the same SDK loop), so the
 worker's event loop holds only the pool's own work; 0 (the default) runs them in the worker.
@@ -298,7 +301,7 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     out = Path(args.out)
     broker = gw._spawn(["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
                         "--task-timeout-s", "3600", "--log-level", "WARNING"], out / "broker.log")
-    opts = f"port={sg_port},capacity={args.concurrency},backend={args.backend},context_length={args.context},log_dir={out}"
+    opts = f"port={sg_port},capacity={args.concurrency},backend={args.backend},context_length={args.context},log_dir={out},hop={args.hop}"
     if args.backend == "sglang":
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
@@ -375,6 +378,8 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=560)
     ap.add_argument("--agent-processes", type=int, default=0, help="run the pool's agents in N processes beside the worker (0: in it)")
     ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
+    ap.add_argument("--hop", choices=("auto", "off"), default="auto",
+                    help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
     ap.add_argument("--peer-timeout-s", type=float, default=300)
     ap.add_argument("--peer-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -402,6 +407,7 @@ def main() -> int:
         card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
         gw.RESULT_NAME = f"{card}-episodes.json"
     result["agent_processes"] = args.agent_processes
+    result["hop"] = args.hop
     try:
         asyncio.run(main_async(args, result, gw.save))
     except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands

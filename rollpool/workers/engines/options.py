@@ -168,6 +168,11 @@ class SGLangOptions:
 
     def lora_targets(self) -> tuple[str, ...]:
         return tuple(t for t in re.split(r"[,+\s]+", self.lora_target_modules) if t)
+    hop: str = "auto"
+    """Where the per-sample calls (``/generate``, ``/abort_request``) go: over one ZeroMQ socket pair (`hop`) instead of
+    one HTTP request each. ``auto``: a launched child gets a socket of its own, a server at `url` or run by
+    `server_cmd` none; ``off``: HTTP only; an ``ipc://`` or ``tcp://`` endpoint: with `url`, the socket that server
+    was started with (``--hop``). The other routes always go over HTTP."""
 
     def __post_init__(self) -> None:  # noqa: C901 - grandfathered: one check per field
         c = type(self)
@@ -206,6 +211,8 @@ class SGLangOptions:
             raise _fail(c, "backend", f"must be one of {SGLANG_BACKENDS}", self.backend)
         if self.url is not None and not self.url.startswith("http://"):
             raise _fail(c, "url", "must look like http://host:port", self.url)
+        if self.hop not in ("auto", "off") and not (self.url is not None and self.hop.startswith(("ipc://", "tcp://"))):
+            raise _fail(c, "hop", "must be auto, off, or (with url=) the ipc:// or tcp:// endpoint of that server's --hop", self.hop)
         if self.server_args:
             try:
                 parsed = json.loads(self.server_args)

@@ -14,6 +14,12 @@ not have sampled: a turn cut by ``max_tokens`` or ended by a stop string). A new
 - otherwise (a message edited or dropped, other tools, a template that re-renders history) starts a
   new segment whose prompt is the whole rendered conversation.
 
+One rendering a turn: after a reply the view is *deferred* (`deferred_view`): it holds the turn's
+prompt text and sampled text, and a next rendering that starts with both extends the segment by
+the rest, which is what the full view would insert whenever both apply. Only when it does not (a
+template that renders the reply otherwise than sampled, e.g. re-formatted tool-call JSON) is the
+conversation with the reply rendered (`resolve`) and the full rule above applied.
+
 `ChatTokenizer` is the part of a Hugging Face tokenizer this module uses; it is never imported here.
 """
 
@@ -28,10 +34,12 @@ __all__ = [
     "ChatTokenizer",
     "ChatView",
     "EndpointError",
+    "deferred_view",
     "end_of_turn",
     "message_key",
     "render",
     "render_message",
+    "resolve",
     "validate_messages",
 ]
 
@@ -202,11 +210,42 @@ class ChatView:
     """Template text after the last sampled token that is not yet in the sequence."""
     key_cache: list[str] | None = None
     """`keys`, computed once (a view's messages never change: the next turn makes a new view)."""
+    deferred: _Reply | None = None
+    """A deferred view (`deferred_view`): the reply it stands for; `text` and `owed` are then unset."""
+    resolved: ChatView | None = None
+    """A deferred view's full view, once `resolve` computed it."""
 
     def keys(self) -> list[str]:
         if self.key_cache is None:
             self.key_cache = [message_key(m) for m in self.messages]
         return self.key_cache
+
+    def starts(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """`messages` begin with this view's messages (by `message_key`; an unchanged dict is the same message)."""
+        k = len(self.messages)
+        if len(messages) < k:
+            return False
+        keys: list[str] | None = None
+        for i, (mine, theirs) in enumerate(zip(self.messages, messages, strict=False)):
+            if mine == theirs:
+                continue
+            keys = self.keys() if keys is None else keys
+            if message_key(theirs) != keys[i]:
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """What `after_reply` needs, kept by a deferred view until a next turn does not extend it by the fast rule."""
+
+    before: list[dict[str, Any]]
+    reply: dict[str, Any]
+    tools: Sequence[Any] | None
+    prompt_text: str
+    sampled_text: str
+    finished_on_end_of_turn: bool
+    eot_text: str | None
 
 
 def tools_key(tools: Sequence[Any] | None) -> str:
@@ -215,15 +254,39 @@ def tools_key(tools: Sequence[Any] | None) -> str:
 
 def extension(view: ChatView | None, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
               prompt_text: str) -> str | None:
-    """The text to insert when `messages` extends `view` (rendered as `prompt_text`), else None (a new segment)."""
-    if view is None or view.text is None or view.tools_key != tools_key(tools):
+    """The text to insert when `messages` extends `view` (rendered as `prompt_text`), else None (a new segment).
+
+    A deferred view extends by its fast rule when `prompt_text` starts with the turn's prompt and sampled
+    text, else it is resolved (one more rendering) and the full rule decides."""
+    if view is None or view.tools_key != tools_key(tools) or not view.starts(messages):
         return None
-    k = len(view.messages)
-    if len(messages) < k or [message_key(m) for m in messages[:k]] != view.keys():
-        return None
-    if not prompt_text.startswith(view.text):
+    if view.deferred is not None:
+        d = view.deferred
+        if prompt_text.startswith(d.prompt_text) and prompt_text.startswith(d.sampled_text, len(d.prompt_text)):
+            return prompt_text[len(d.prompt_text) + len(d.sampled_text):]
+        view = resolve(view, tokenizer)
+    if view.text is None or not prompt_text.startswith(view.text):
         return None
     return view.owed + prompt_text[len(view.text):]
+
+
+def deferred_view(before: list[dict[str, Any]], reply: dict[str, Any], tools: Sequence[Any] | None, prompt_text: str,
+                  sampled_text: str, finished_on_end_of_turn: bool, *, eot_text: str | None = None) -> ChatView:
+    """The view after sampling `reply`, without rendering: what `after_reply` would return, computed only if needed
+    (`resolve`). Same arguments as `after_reply`."""
+    return ChatView([*before, reply], tools_key(tools), None, "",
+                    deferred=_Reply(before, reply, tools, prompt_text, sampled_text, finished_on_end_of_turn, eot_text))
+
+
+def resolve(view: ChatView, tokenizer: ChatTokenizer) -> ChatView:
+    """A deferred view made whole (`after_reply`: one rendering of the conversation with the reply); others as they are."""
+    d = view.deferred
+    if d is None:
+        return view
+    if view.resolved is None:
+        view.resolved = after_reply(tokenizer, d.before, d.reply, d.tools, d.prompt_text, d.sampled_text,
+                                    d.finished_on_end_of_turn, eot_text=d.eot_text)
+    return view.resolved
 
 
 def after_reply(tokenizer: ChatTokenizer, before: list[dict[str, Any]], reply: dict[str, Any], tools: Sequence[Any] | None,

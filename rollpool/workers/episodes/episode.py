@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import inspect
+import itertools
 import json
 import math
+import queue
+import secrets
+import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -39,7 +41,8 @@ from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment
 from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
 
-__all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "decode_tokens"]
+__all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "TokenizerLane",
+           "decode_tokens"]
 
 T = TypeVar("T")
 
@@ -52,6 +55,75 @@ def decode_tokens(tokenizer: Any, token_ids: Sequence[int], *, skip_special_toke
     the text is the same.
     """
     return str(tokenizer.decode(np.asarray(token_ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
+
+
+_ID_PREFIX = secrets.token_hex(8)
+_ids = itertools.count()
+
+
+def _response_id(prefix: str) -> str:
+    """``chatcmpl-`` / ``cmpl-`` and 32 hex digits, unique in this process and across processes (a random prefix and a
+    counter: `uuid.uuid4` reads the OS's random source on every call, a system call on every turn)."""
+    return f"{prefix}-{_ID_PREFIX}{next(_ids):016x}"
+
+
+class TokenizerLane:
+    """One thread for a runner's tokenizer and chat-template work, off the event loop; calls run one at a time, in order.
+
+    ``loop.run_in_executor`` on a one-thread `ThreadPoolExecutor` costs, per call, a concurrent future (with a
+    lock and a condition), a work item, a thread-count check and a second future chained to it; every turn of
+    every episode makes two such calls. Here a call is a queue entry and one ``call_soon_threadsafe`` back.
+    A call whose caller was cancelled still runs (as in an executor); its result is dropped. After `shutdown`
+    queued calls do not run and their callers are cancelled.
+    """
+
+    def __init__(self, name: str = "rollpool-episode-tokenizer") -> None:
+        self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue())
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            loop, fut, fn, args = item
+            if self._closed:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(fut.cancel)
+                continue
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
+                error = exc
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._settle, fut, result, error)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise RuntimeError("the tokenizer lane is shut down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, fut, fn, args))
+        return await fut
+
+    def shutdown(self) -> None:
+        """Run nothing more (queued calls are cancelled) and let the thread end."""
+        self._closed = True
+        self._queue.put(None)
 
 
 class EpisodeClosedError(RollpoolError):
@@ -227,7 +299,7 @@ class Episode:
 
     def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
-                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_executor: Executor | None = None,
+                 stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_lane: TokenizerLane | None = None,
                  end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
@@ -239,7 +311,7 @@ class Episode:
         self.request_prefix = request_prefix
         self.stats = stats
         self.loop = loop
-        self.tokenizer_executor = tokenizer_executor
+        self.tokenizer_lane = tokenizer_lane
         self._eot_cache = {} if end_of_turn_cache is None else end_of_turn_cache
         self._stop_ids_cache: tuple[int, ...] | None = None
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
@@ -447,9 +519,9 @@ class Episode:
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop."""
-        if self.tokenizer_executor is None:
+        if self.tokenizer_lane is None:
             return fn(*args)
-        return await self.loop.run_in_executor(self.tokenizer_executor, functools.partial(fn, *args))
+        return await self.tokenizer_lane.call(fn, *args)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
@@ -478,8 +550,8 @@ class Episode:
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
-        view = chat.after_reply(tok, messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
-                                bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
+        view = chat.deferred_view(messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
+                                  bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
         texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
         return reply, calls, view, texts
 
@@ -623,7 +695,7 @@ class Episode:
                 {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": alts}
                 for text, lp, alts in zip(token_texts, s.logprobs, tops, strict=True)]}
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": _response_id("chatcmpl"),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
@@ -725,7 +797,7 @@ class Episode:
             choice["logprobs"] = {"tokens": pieces, "token_logprobs": [float(x) for x in s.logprobs],
                                   "top_logprobs": None, "text_offset": offsets}
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": _response_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,

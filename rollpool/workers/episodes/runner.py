@@ -51,6 +51,7 @@ from rollpool.workers.episodes.episode import (
     Episode,
     EpisodeContext,
     EpisodeStats,
+    TokenizerLane,
     decode_tokens,
 )
 from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
@@ -229,7 +230,7 @@ class EpisodeRunner:
         self._slots = asyncio.Semaphore(self.config.max_episodes)
         # sync episode functions and tools: a pool of our own, so they never wait on the default one
         self._threads = ThreadPoolExecutor(max_workers=1)
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
+        self._tokenizer_lane: TokenizerLane | None = None
         self._started = False
         self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
         self._start_gate = _StartGate(START_SLICE_S)
@@ -237,7 +238,7 @@ class EpisodeRunner:
     async def start(self) -> None:
         if not self._started:
             self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
-            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollpool-episode-tokenizer")
+            self._tokenizer_lane = TokenizerLane()
             if self.config.serve_openai:
                 self.server.max_request_bytes = self._max_request_bytes()
                 await self.server.start()
@@ -246,7 +247,9 @@ class EpisodeRunner:
     async def close(self) -> None:
         await self.server.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        if self._tokenizer_lane is not None:
+            self._tokenizer_lane.shutdown()
+            self._tokenizer_lane = None
         self._started = False
 
     async def __aenter__(self) -> EpisodeRunner:
@@ -320,7 +323,7 @@ class EpisodeRunner:
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
                 model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
-                tokenizer_executor=self._tokenizer_thread, end_of_turn_cache=self._end_of_turn_cache)
+                tokenizer_lane=self._tokenizer_lane, end_of_turn_cache=self._end_of_turn_cache)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1
@@ -365,15 +368,22 @@ class EpisodeRunner:
                 log.warning("episode %s:%d: %s", prompt.prompt_id, index, error)
             if reward_error is not None:
                 metadata["reward_error"] = reward_error
-            texts = None
-            if self.tokenizer is not None:  # in the tokenizer thread: an episode's whole output, off the event loop
-                tok, outputs = self.tokenizer, [s.output_ids for s in episode.recording.segments]
-                texts = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizer_thread, lambda: [decode_tokens(tok, ids, skip_special_tokens=True) for ids in outputs])
+            texts = await self._output_texts(episode)
             if not episode.recording.segments and prompt.input_ids is not None:
                 episode.recording.begin(prompt.input_ids.tolist())  # recorded nothing: the prompt, no output
             return episode.recording.trajectories(finish_reason=finish, worker_id=self.worker_id, attempt=attempt,
                                                   queued_at=queued_at, reward=reward, metadata=metadata, output_text=texts)
+
+    async def _output_texts(self, episode: Episode) -> list[str] | None:
+        """Each segment's output decoded, in the tokenizer thread (an episode's whole output, off the event loop)."""
+        if self.tokenizer is None:
+            return None
+        tok, outputs, lane = self.tokenizer, [s.output_ids for s in episode.recording.segments], self._tokenizer_lane
+
+        def decode() -> list[str]:
+            return [decode_tokens(tok, ids, skip_special_tokens=True) for ids in outputs]
+
+        return await lane.call(decode) if lane is not None else decode()
 
     async def _call(self, fn: EpisodeFn, ctx: EpisodeContext, prompt: Prompt) -> Any:
         if inspect.iscoroutinefunction(fn):

@@ -35,6 +35,8 @@ class SimChild:
     token: str
     model: str
     log: pathlib.Path
+    hop: str
+    """The child's per-sample socket (``--hop``): an engine attached with ``hop=`` sends /generate and /abort_request there."""
 
 
 def _free_port() -> int:
@@ -58,8 +60,9 @@ def sglang_sim_child(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.Temp
     eng = SGLangEngine(model=str(tiny_model_dir), port=port, capacity=16, backend="sim", server_args=json.dumps(SIM_SERVER_ARGS))
     token = secrets.token_urlsafe(16)
     log = tmp_path_factory.mktemp("sglang-sim") / "child.log"
+    hop = f"ipc://{log.parent}/hop"
     with log.open("ab") as fh:
-        proc = subprocess.Popen(eng.command(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+        proc = subprocess.Popen(eng.command(hop=hop), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, TOKEN_ENV: token})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -77,7 +80,7 @@ def sglang_sim_child(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.Temp
             if time.monotonic() > deadline:
                 raise RuntimeError("the sim child did not start")
             time.sleep(0.05)
-        yield SimChild(url, token, str(tiny_model_dir), log)
+        yield SimChild(url, token, str(tiny_model_dir), log, hop)
     finally:
         proc.kill()
         proc.wait()

@@ -63,7 +63,9 @@ async def _hf_case(model_dir: pathlib.Path) -> EngineCase:
 
 
 async def _sglang_sim_case(child: Any) -> EngineCase:
-    engine = get_engine("sglang")(model=child.model, url=child.url, api_key=child.token, capacity=16, device="cpu", backend="sim")
+    # over the hop, as a launched child is spoken to (the HTTP path of /generate: test_sglang_engine.py)
+    engine = get_engine("sglang")(model=child.model, url=child.url, api_key=child.token, capacity=16, device="cpu", backend="sim",
+                                  hop=child.hop)
 
     def new_weights() -> dict[str, Any]:
         import torch

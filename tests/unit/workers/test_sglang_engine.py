@@ -106,6 +106,39 @@ async def test_the_child_refuses_requests_without_the_launch_token(sglang_sim_ch
         await engine.start()
 
 
+async def test_the_hop_answers_as_http_does_and_refuses_calls_without_the_launch_token(sglang_sim_child: SimChild) -> None:
+    from rollpool.workers.engines.sglang.hop import HopClient
+
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "sampling_seed": 7},
+            "return_logprob": True, "rid": "hop-same-answer"}
+    http = _client(sglang_sim_child, token=sglang_sim_child.token)
+    hop = HopClient(sglang_sim_child.hop, token=sglang_sim_child.token)
+    try:
+        by_http, by_hop = await http.request("POST", "/generate", body), await hop.request("POST", "/generate", body)
+        assert by_hop["output_ids"] == by_http["output_ids"] and len(by_hop["output_ids"]) == 5
+        # the same ids reached the child: its prefix cache serves the whole prompt but its last token on the second call
+        assert by_hop["meta_info"]["prompt_tokens"] == 4 and by_hop["meta_info"]["cached_tokens"] == 3
+        for bad, status in (({"input_ids": [1, 2], "sampling_params": {"nope": 1}}, 400), ({}, 400)):
+            with pytest.raises(HttpError) as info:
+                await hop.request("POST", "/generate", bad)
+            assert info.value.status == status
+        with pytest.raises(HttpError) as info:
+            await hop.request("POST", "/no_such_route", {})
+        assert info.value.status == 404
+    finally:
+        await hop.close()
+        await http.close()
+    for token in ("", "not-the-token"):
+        hop = HopClient(sglang_sim_child.hop, token=token)
+        try:
+            for path in ("/generate", "/update_weights_from_tensor"):
+                with pytest.raises(HttpError) as info:
+                    await hop.request("POST", path, {"input_ids": [1, 2], "serialized_named_tensors": ["x"]}, timeout_s=10)
+                assert info.value.status == 401
+        finally:
+            await hop.close()
+
+
 async def test_a_refused_or_failed_generate_is_an_engine_error_not_a_refusal(tiny_model_dir: pathlib.Path) -> None:
     """F5: a 4xx/5xx after rollpool's own checks passed means the engine is broken: restart, don't blame the prompt."""
     answers = iter([(400, {"error": {"message": "ValueError: something inside"}}), (500, {"error": {"message": "KeyError"}})])
@@ -217,7 +250,8 @@ def test_the_sglang_engine_declares_staging() -> None:
 
 def test_options_are_typed_by_field_and_errors_name_the_field() -> None:
     o = parse_options(SGLangOptions, "model=/m,capacity=8,verify_updates=false,server_cmd=1,url=none,mem_fraction_static=0.3")
-    assert (o.capacity, o.verify_updates, o.server_cmd, o.url, o.mem_fraction_static) == (8, False, "1", None, 0.3)
+    assert (o.capacity, o.verify_updates, o.server_cmd, o.url, o.mem_fraction_static, o.hop) == (8, False, "1", None, 0.3, "auto")
+    assert parse_options(SGLangOptions, "model=/m,url=http://h:1,hop=ipc:///tmp/h").hop == "ipc:///tmp/h"
     assert parse_options(HFOptions, "model=/m,num_threads=2").num_threads == 2
     assert parse_options(SimOptions, "length=fixed,decode_s_per_token=0.01").decode_s_per_token == 0.01
     cases = [
@@ -227,6 +261,8 @@ def test_options_are_typed_by_field_and_errors_name_the_field() -> None:
         ("sglang", "server_args=[1]", "SGLangOptions.server_args must be a JSON object"),
         ("sglang", "backend=vllm", "SGLangOptions.backend must be one of"),
         ("sglang", "verify_updates=maybe", "SGLangOptions.verify_updates must be true or false"),
+        ("sglang", "hop=ipc:///tmp/x", "SGLangOptions.hop must be auto, off, or \\(with url=\\)"),  # an endpoint needs url=
+        ("sglang", "hop=on", "SGLangOptions.hop must be auto, off"),
         ("sim", "length=weird", "SimOptions.length must be one of"),
         ("hf", "dtype=float8", "HFOptions.dtype must be one of"),
     ]

@@ -74,6 +74,22 @@ def test_generate_body_uses_sglang_names_and_one_request_per_sample() -> None:
     assert "n" not in body["sampling_params"]  # n > 1 would make SGLang replace our rids
 
 
+def test_generate_body_ids_as_an_array_write_the_same_json_and_the_same_hop_frame() -> None:
+    import numpy as np
+
+    from rollpool.workers.engines.sglang.hop import _pack_ids, _unpack_ids
+    from rollpool.workers.engines.sglang.http import dumps, loads
+
+    sp = SamplingParams(max_new_tokens=7, temperature=0.5)
+    ids = [5, 0, 383, 2**31 - 1]
+    as_list, as_array = (generate_body(x, sp, rid="r", index=0) for x in (ids, np.asarray(ids, dtype=np.int64)))
+    assert loads(dumps(as_array)) == loads(dumps(as_list)) == {**as_list, "input_ids": ids}
+    assert _unpack_ids(_pack_ids(as_array["input_ids"])) == _unpack_ids(_pack_ids(as_list["input_ids"])) == ids
+    for bad in ([2**31], [-(2**31) - 1], [1.5], [[1, 2]]):
+        with pytest.raises(ValueError):
+            _pack_ids(bad)
+
+
 def test_verification_avoids_the_huge_embedding_tensors() -> None:
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
              "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"]

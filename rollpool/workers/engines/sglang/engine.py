@@ -66,6 +66,7 @@ import logging
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -75,11 +76,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.fingerprint import model_fingerprint
 from rollpool.protocol.messages import AdapterSpec, ApplyMode, FinishReason, SamplingParams
 from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
 from rollpool.workers.engines.options import SGLangOptions, options_from
+from rollpool.workers.engines.sglang.hop import HOP_PATHS, HopClient
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
 from rollpool.workers.engines.sglang.lora import adapter_root, check_adapter, write_adapter
 from rollpool.workers.engines.sglang.ranks import GpuPlan, plan_gpus, visible_from_env
@@ -164,6 +168,8 @@ class _Request:
     replica: int = 0
     """The data-parallel replica all samples of this request run on (one prefix cache)."""
     aborted: bool = False
+    ids: np.ndarray[Any, Any] | None = None
+    """`input_ids` as one int64 array, converted once per request (every attempt sends it: JSON, or the hop's frame)."""
     image_data: list[str] | None = None
     """With images: each as a base64 data URI, sent with every attempt; `input_ids` then hold one image token per
     image, which SGLang's processor expands (the ids reported are expanded here by the same rule)."""
@@ -176,6 +182,9 @@ class _Child:
     replica: int
     port: int
     http: HttpClient | None = None
+    hop: HopClient | None = None
+    """The per-sample calls' socket to a launched child (`hop`); None: every call over `http`."""
+    hop_dir: pathlib.Path | None = None
     proc: asyncio.subprocess.Process | None = None
     log_path: pathlib.Path | None = None
     log_fh: Any = None
@@ -318,7 +327,8 @@ class SGLangEngine:
                 await self._launch()
             else:
                 host, _, port = self.url.removeprefix("http://").rstrip("/").partition(":")
-                self._children = [_Child(0, int(port or 80), http=HttpClient(host, int(port or 80), token=self.token))]
+                self._children = [_Child(0, int(port or 80), http=HttpClient(host, int(port or 80), token=self.token),
+                                         hop=HopClient(self.options.hop, token=self.token) if "://" in self.options.hop else None)]
             await asyncio.gather(*(self._wait_ready(c) for c in self._children))
             if self.device.startswith("cuda"):
                 for dev in dict.fromkeys(d for replica in self.rank_devices() for d in replica):
@@ -380,8 +390,9 @@ class SGLangEngine:
         share, extra = divmod(self.capacity, self.dp_size)
         return share + (1 if replica < extra else 0)
 
-    def command(self, replica: int = 0, port: int | None = None) -> list[str]:
-        """The command line of replica `replica`'s child (the token travels in its environment, `http.TOKEN_ENV`).
+    def command(self, replica: int = 0, port: int | None = None, hop: str = "") -> list[str]:
+        """The command line of replica `replica`'s child (the token travels in its environment, `http.TOKEN_ENV`);
+        `hop`: the endpoint its per-sample socket binds (`hop`), none without.
 
         It keeps the worker's ``CUDA_VISIBLE_DEVICES``; its ranks start at ``base_gpu_id`` (`ranks`)."""
         o = self.options
@@ -406,6 +417,8 @@ class SGLangEngine:
             kw.update(o.server_kwargs())
             cmd = [self.python, "-m", "rollpool.workers.engines.sglang.server", "--backend", o.backend,
                    "--engine-kwargs", json.dumps(kw)]
+            if hop:
+                cmd += ["--hop", hop]
         return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port if port is None else port)]
 
     def new_token(self) -> str:
@@ -427,15 +440,22 @@ class SGLangEngine:
         ports = [self.port] + [self.port + d if self.options.port else _free_port() for d in range(1, self.dp_size)]
         self._children = [_Child(d, port, log_path=log_dir / f"sglang-{port}.log") for d, port in enumerate(ports)]
         env = {**os.environ, TOKEN_ENV: self.new_token()}
+        hop_on = self.options.hop == "auto" and not self.options.server_cmd  # a server_cmd's server need not know --hop
         for c in self._children:
             assert c.log_path is not None
             c.log_fh = c.log_path.open("ab")
-            cmd = self.command(c.replica, c.port)
+            hop = ""
+            if hop_on:  # ipc in a directory of its own (mode 0700: only this user can connect)
+                c.hop_dir = pathlib.Path(tempfile.mkdtemp(prefix="rollpool-hop-"))
+                hop = f"ipc://{c.hop_dir}/sglang-{c.port}"
+            cmd = self.command(c.replica, c.port, hop)
             log.info("starting SGLang replica %d: %s (log %s)", c.replica, " ".join(cmd), c.log_path)
             # own session: a scheduler crash kills this tree only, and stop() can end the whole tree
             c.proc = await asyncio.create_subprocess_exec(*cmd, stdout=c.log_fh, stderr=asyncio.subprocess.STDOUT,
                                                           stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env)
             c.http = HttpClient("127.0.0.1", c.port, token=self.token)
+            if hop:
+                c.hop = HopClient(hop, token=self.token)
             c.watch = asyncio.create_task(self._watch_loop(c), name=f"sglang-watch-{c.replica}")
 
     async def _watch_loop(self, child: _Child) -> None:
@@ -513,6 +533,12 @@ class SGLangEngine:
         if c.http is not None:
             await c.http.close()
             c.http = None
+        if c.hop is not None:
+            await c.hop.close()
+            c.hop = None
+        if c.hop_dir is not None:
+            shutil.rmtree(c.hop_dir, ignore_errors=True)
+            c.hop_dir = None
         if c.log_fh is not None:
             c.log_fh.close()
             c.log_fh = None
@@ -552,9 +578,12 @@ class SGLangEngine:
                     replica: int = 0) -> Any:
         """One HTTP call to replica `replica` that fails with `EngineError` as soon as any replica's server dies."""
         self._check()
-        http = self._children[replica].http if replica < len(self._children) else None
-        assert http is not None and self._died is not None
-        call = asyncio.ensure_future(http.request(method, path, body, timeout_s=timeout_s))
+        child = self._children[replica] if replica < len(self._children) else None
+        client: HttpClient | HopClient | None = None
+        if child is not None:
+            client = child.hop if child.hop is not None and path in HOP_PATHS else child.http
+        assert client is not None and self._died is not None
+        call = asyncio.ensure_future(client.request(method, path, body, timeout_s=timeout_s))
         try:
             await asyncio.wait({call, self._died}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -656,7 +685,10 @@ class SGLangEngine:
                 s.adapter = max(self._adapters)  # the newest adapter version, to this sample's end
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
-            body = generate_body(req.input_ids + s.out, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
+            if req.ids is None:
+                req.ids = np.asarray(req.input_ids, dtype=np.int64)
+            ids = np.concatenate([req.ids, np.asarray(s.out, dtype=np.int64)]) if s.out else req.ids
+            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
             if s.adapter is not None:
                 name = self._adapters.get(s.adapter)
                 if name is None:  # eviction skips versions a sample names: reaching here is a bookkeeping bug
@@ -705,6 +737,9 @@ class SGLangEngine:
 
     async def _tokenize(self, input_ids: Sequence[int] | None, text: str | None, chat: bool) -> list[int]:
         if input_ids is not None:
+            arr = np.asarray(input_ids)
+            if arr.ndim == 1 and arr.dtype.kind in "iu":  # a list of ints: one C pass each way, not int() on each
+                return list(arr.tolist())
             return list(map(int, input_ids))
         assert text is not None  # check_request saw to it
         if self._tokenizer is None:

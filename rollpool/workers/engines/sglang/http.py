@@ -35,7 +35,7 @@ from aiohttp import web
 
 from rollpool.protocol.errors import EngineError
 
-__all__ = ["BadRequest", "HttpClient", "HttpError", "Route", "TOKEN_ENV", "dumps", "loads", "serve_routes"]
+__all__ = ["BadRequest", "HttpClient", "HttpError", "Route", "TOKEN_ENV", "answer_route", "dumps", "loads", "serve_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,25 @@ class HttpClient:
         await self._session.close()
 
 
+async def answer_route(routes: Mapping[str, Route], path: str, body: Any) -> tuple[int, Any]:
+    """``(status, answer)`` of the route at `path` for `body` (a decoded JSON body, or the `ValueError` that decoding
+    raised): 404 for no such route, 400 for a body that is not an object or that the route refuses with `BadRequest`,
+    500 (logged with its traceback) for anything else the route raises. The HTTP front and the hop (`hop`) both answer
+    through it."""
+    route = routes.get(path)
+    if route is None:
+        return 404, {"error": {"message": f"no route {path}"}}
+    try:
+        if not isinstance(body, dict):
+            raise BadRequest(f"the body must be a JSON object: {body}")
+        return await route(body)
+    except BadRequest as exc:
+        return 400, {"error": {"message": str(exc)}}
+    except Exception as exc:  # the server's own fault: 500, logged, and the server keeps serving
+        log.exception("route %s failed", path)
+        return 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+
+
 def _app(routes: Mapping[str, Route], token: str) -> web.Application:
     expected = f"Bearer {token}".encode()
 
@@ -137,23 +156,15 @@ def _app(routes: Mapping[str, Route], token: str) -> web.Application:
         got = request.headers.get("Authorization", "").encode()
         if token and not hmac.compare_digest(got, expected):
             return web.Response(status=401, body=dumps({"error": {"message": "missing or wrong token"}}), content_type="application/json")
-        route = routes.get(request.path)
-        if route is None:
+        if request.path not in routes:
             return web.Response(status=404, body=dumps({"error": {"message": f"no route {request.path}"}}), content_type="application/json")
         raw = await request.read()
+        body: Any
         try:
             body = loads(raw) if raw else {}
         except ValueError as exc:
             body = exc
-        try:
-            if not isinstance(body, dict):
-                raise BadRequest(f"the body must be a JSON object: {body}")
-            status, answer = await route(body)
-        except BadRequest as exc:
-            status, answer = 400, {"error": {"message": str(exc)}}
-        except Exception as exc:  # the server's own fault: 500, logged, and the server keeps serving
-            log.exception("route %s failed", request.path)
-            status, answer = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+        status, answer = await answer_route(routes, request.path, body)
         return web.Response(status=status, body=dumps(answer), content_type="application/json")
 
     app = web.Application(client_max_size=1 << 31)  # weight payloads pickled by value (CPU) can be large

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpool.protocol.messages import FinishReason, SamplingParams
+from rollpool.workers.engines.sglang.hop import serve_hop
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, serve_routes
 
 __all__ = ["SimLora", "SimRanks", "sglang_routes", "sim_routes", "serve_main"]
@@ -399,11 +400,19 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
 # --------------------------------------------------------------------------- entry point
 
 
-async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: str) -> None:
+async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: str, hop: str = "") -> None:
+    """HTTP on `host`:`port` and, with `hop`, the same routes on the hop's socket (`hop`); a hop that fails ends the
+    server (and so the child), which the worker sees as the engine's death rather than as calls that never return."""
+    hop_task = asyncio.create_task(serve_hop(routes, hop, token), name="sglang-hop") if hop else None
     runner = await serve_routes(routes, host, port, token)
     try:
-        await asyncio.Event().wait()
+        if hop_task is not None:
+            await hop_task
+        else:
+            await asyncio.Event().wait()
     finally:
+        if hop_task is not None:
+            hop_task.cancel()
         await runner.cleanup()
 
 
@@ -459,6 +468,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--backend", choices=("sglang", "sim"), default="sglang")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON: keyword arguments of sglang.Engine, or SimOptions")
+    ap.add_argument("--hop", default="", help="also serve the routes on a ZeroMQ ROUTER bound here (the worker's per-sample hop)")
     a = ap.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # out of the environment, so SGLang's own children do not inherit it
     kwargs = json.loads(a.engine_kwargs)
@@ -478,7 +488,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             await sim.start()
             watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
             try:
-                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token)
+                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token, a.hop)
             finally:
                 if watch is not None:
                     watch.cancel()
@@ -492,7 +502,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
               "cuda_graph_backend_prefill": "disabled", **kwargs}
     engine = sglang.Engine(model_path=a.model_path, **kwargs)
-    engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token))
+    engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token, a.hop))
     return 0
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rollpool.protocol.messages import FinishReason, SamplingParams
 
 __all__ = [
@@ -56,7 +58,7 @@ def sample_rid(engine_tag: str, request_no: int, index: int, attempt: int) -> st
 
 
 def generate_body(
-    input_ids: Sequence[int],
+    input_ids: Sequence[int] | np.ndarray[Any, Any],
     sampling: SamplingParams,
     *,
     rid: str,
@@ -65,7 +67,8 @@ def generate_body(
     image_data: list[str] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does);
-    ``image_data`` (data URIs, one per image token of `input_ids`) only when given."""
+    ``image_data`` (data URIs, one per image token of `input_ids`) only when given. `input_ids` given as an integer
+    numpy array stay one (the caller converted them once: JSON writes them as a list, the hop as its int32 frame)."""
     sp: dict[str, Any] = {
         "max_new_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
         "temperature": float(sampling.temperature),
@@ -81,7 +84,7 @@ def generate_body(
     if sampling.seed is not None:
         sp["sampling_seed"] = int(sampling.seed) + index
     body: dict[str, Any] = {
-        "input_ids": list(map(int, input_ids)),
+        "input_ids": input_ids if isinstance(input_ids, np.ndarray) and input_ids.dtype.kind in "iu" else list(map(int, input_ids)),
         "sampling_params": sp,
         "return_logprob": True,
         "rid": rid,

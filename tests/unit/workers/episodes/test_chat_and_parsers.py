@@ -81,6 +81,49 @@ def test_extension_needs_the_same_messages_tools_and_rendered_prefix(tok: Any) -
     assert cut.owed == "<|im_end|>\n"
 
 
+class _CountingTokenizer:
+    """The tiny model's tokenizer, counting its chat-template renderings."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.renders = 0
+        self.chat_template = tok.chat_template
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self._tok.apply_chat_template(conversation, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def test_a_deferred_view_extends_as_the_full_view_does_and_renders_only_when_the_fast_rule_fails(tok: Any) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    cases = [  # (tools, reply, sampled text, finished on the end-of-turn token, next messages after the reply)
+        (None, {"role": "assistant", "content": "yo"}, "yo<|im_end|>", True, [{"role": "user", "content": "again"}]),
+        (None, {"role": "assistant", "content": "y"}, "y", False, [{"role": "user", "content": "again"}]),  # cut by max_tokens
+        # the model sampled compact JSON; the template renders it spaced: only the full rule extends it
+        (TOOLS, {"role": "assistant", "content": None, "tool_calls": [call]}, '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>',
+         False, [{"role": "tool", "tool_call_id": "c", "content": "2"}]),
+    ]
+    before = chat.validate_messages([{"role": "user", "content": "hi"}])
+    for tools, reply, sampled, on_eot, after in cases:
+        prompt_text = chat.render(tok, before, tools, add_generation_prompt=True)
+        eot = chat.end_of_turn(tok, before, tools)  # the episode probes it once per runner
+        full = chat.after_reply(tok, before, reply, tools, prompt_text, sampled, on_eot)
+        counting = _CountingTokenizer(tok)
+        deferred = chat.deferred_view(before, reply, tools, prompt_text, sampled, on_eot, eot_text=eot)
+        for nxt in ([*before, reply, *after], [{"role": "user", "content": "edited"}, reply, *after]):
+            text = chat.render(tok, chat.validate_messages(nxt), tools, add_generation_prompt=True)
+            want = chat.extension(full, tok, chat.validate_messages(nxt), tools, text)
+            assert chat.extension(deferred, counting, chat.validate_messages(nxt), tools, text) == want
+            assert chat.extension(deferred, counting, chat.validate_messages(nxt), None if tools else TOOLS, text) is None
+        assert counting.renders == (0 if sampled.endswith("<|im_end|>") or not tools else 1)
+        resolved = chat.resolve(deferred, tok)
+        assert (resolved.text, resolved.owed) == (full.text, full.owed)
+    assert want is None  # the edited history: a new segment
+
+
 def test_the_hermes_parser_finds_calls_and_leaves_the_rest_as_content() -> None:
     p = get_tool_call_parser("hermes")
     content, calls = p.parse('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'

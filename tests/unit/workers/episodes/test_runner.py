@@ -369,3 +369,45 @@ async def test_quick_episode_starts_share_a_pass() -> None:
     """... while quick starts are not spread one per pass (10,000 token-level episodes would wait 10,000 passes)."""
     seen = await _start_passes(0.0, 50)
     assert len(set(seen)) < len(seen) / 5
+
+
+async def test_the_tokenizer_lane_runs_calls_in_order_off_the_loop_and_runs_nothing_after_shutdown() -> None:
+    from rollpool.workers.episodes.episode import TokenizerLane
+
+    lane = TokenizerLane()
+    try:
+        loop_thread = threading.get_ident()
+        seen: list[tuple[int, bool]] = []
+
+        def work(i: int) -> int:
+            seen.append((i, threading.get_ident() != loop_thread))
+            return 2 * i
+
+        assert await asyncio.gather(*(lane.call(work, i) for i in range(50))) == [2 * i for i in range(50)]
+        assert seen == [(i, True) for i in range(50)]  # one at a time, in order, never on the loop
+
+        def bad_template() -> None:
+            raise ValueError("the template refused")
+
+        with pytest.raises(ValueError, match="the template refused"):
+            await lane.call(bad_template)
+        started, release = threading.Event(), threading.Event()
+
+        def slow() -> str:
+            started.set()
+            release.wait(10)
+            return "done"
+
+        running = asyncio.ensure_future(lane.call(slow))
+        queued = asyncio.ensure_future(lane.call(work, 99))
+        assert await asyncio.to_thread(started.wait, 10)
+        lane.shutdown()
+        release.set()
+        assert await running == "done"  # the call under way finishes
+        with pytest.raises(asyncio.CancelledError):
+            await queued  # the queued one never runs
+        assert (99, True) not in seen
+        with pytest.raises(RuntimeError, match="shut down"):
+            await lane.call(work, 1)
+    finally:
+        lane.shutdown()

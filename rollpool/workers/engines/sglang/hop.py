@@ -1,0 +1,191 @@
+"""The per-sample hop between the worker's `SGLangEngine` and its child, on one ZeroMQ socket pair (both ends).
+
+Every turn of every sample is a ``/generate`` call, and over HTTP each one paid for a request's
+setup on both sides (aiohttp's client and server: headers, a connection from the pool, a task, a
+parser) and for its prompt as JSON text (the whole sequence, thousands of ids, every turn). Here the
+worker holds one DEALER connected to the child's ROUTER for the engine's life, and a call is one
+multipart message each way: the prompt's ids travel as one int32 frame, the rest as JSON.
+
+Guarantees:
+
+- The same routes answer as over HTTP (`serve_hop` takes the child's route table; the same body
+  reaches the same function, the ids as a list of ints), with the same statuses: a status >= 300
+  raises `HttpError` at the caller, a route's `BadRequest` is a 400, anything else it raises a 500
+  (logged with its traceback). The sglang engine sends only ``/generate`` and ``/abort_request``
+  this way; the weight routes and the rest stay on HTTP.
+- Every request carries the per-launch token (`http.TOKEN_ENV`), compared in constant time; a
+  request without it is answered 401 and never reaches a route. The socket is ``ipc://`` in a
+  directory only the worker's user can enter (loopback, like the HTTP port).
+- A call waits at most its timeout (`TimeoutError`); a socket closed under a call fails it with
+  `ConnectionError`. The engine watches the child's process as it does for HTTP, so a dead child
+  fails every pending call at once (`SGLangEngine._post`).
+- Frames: request ``[token, request id (8 bytes), path, JSON body without input_ids, input_ids as
+  little-endian int32 (empty when the body has none)]``; answer ``[request id, status (ASCII),
+  JSON answer]`` (the ROUTER's identity frame in front on the child's side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from rollpool.workers.engines.sglang.http import HttpError, Route, answer_route, dumps, loads
+
+__all__ = ["HOP_PATHS", "HopClient", "serve_hop"]
+
+log = logging.getLogger(__name__)
+
+HOP_PATHS = frozenset({"/generate", "/abort_request"})
+"""The routes the sglang engine sends over the hop (every other one goes over HTTP)."""
+
+_MAX_MSG_BYTES = 1 << 30  # a prompt of a very long context, with room to spare: the hop carries no weights
+
+
+def _pack_ids(ids: Any) -> bytes:
+    import numpy as np
+
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError("input_ids must be a flat list of token ids")
+    if arr.size and (int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31):
+        raise ValueError("input_ids must fit int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def _unpack_ids(frame: bytes) -> list[int]:
+    import numpy as np
+
+    if len(frame) % 4:
+        raise ValueError("the input_ids frame is not whole int32 values")
+    return list(np.frombuffer(frame, dtype="<i4").tolist())
+
+
+class HopClient:
+    """The worker's end: one DEALER, calls matched to answers by request id (create and close it in a running loop)."""
+
+    def __init__(self, endpoint: str, *, token: str) -> None:
+        import zmq.asyncio
+
+        from rollpool.protocol.sockets import SocketFactory
+
+        self.endpoint = endpoint
+        self._token = token.encode()
+        self._context = zmq.asyncio.Context()
+        self._sock = SocketFactory(self._context).dealer(endpoint, max_msg_bytes=_MAX_MSG_BYTES)
+        self._ids = itertools.count(1)
+        self._pending: dict[bytes, asyncio.Future[tuple[int, bytes]]] = {}
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._recv_loop(), name="sglang-hop-recv")
+
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("sglang hop: an answer of %d frames dropped", len(frames))
+                    continue
+                fut = self._pending.pop(frames[0], None)
+                if fut is not None and not fut.done():
+                    try:
+                        status = int(frames[1])
+                    except ValueError:
+                        fut.set_exception(ConnectionError(f"sglang hop: a malformed status {frames[1][:20]!r}"))
+                        continue
+                    fut.set_result((status, frames[2]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket failed: every call waiting on it fails with it
+            self._fail_pending(ConnectionError(f"sglang hop: {exc!r}"))
+            raise
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        """One call: the route's JSON answer (None for an empty one); `HttpError` for a status >= 300."""
+        if self._closed:
+            raise ConnectionError(f"sglang hop: {path} on a closed hop")
+        body = dict(body or {})
+        ids = body.pop("input_ids", None)
+        rid = struct.pack("<Q", next(self._ids))
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self._sock.send_multipart([self._token, rid, path.encode(), dumps(body),
+                                             b"" if ids is None else _pack_ids(ids)], copy=False)
+            async with asyncio.timeout(timeout_s):
+                status, payload = await fut
+        except TimeoutError as exc:
+            raise TimeoutError(f"{method} {path}: no answer within {timeout_s} s") from exc
+        finally:
+            self._pending.pop(rid, None)
+        if status >= 300:
+            raise HttpError(status, payload)
+        return loads(payload) if payload else None
+
+    async def close(self) -> None:
+        self._closed = True
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+        self._fail_pending(ConnectionError("sglang hop closed"))
+        self._sock.close(linger=0)
+        self._context.term()
+
+
+async def serve_hop(routes: Mapping[str, Route], endpoint: str, token: str) -> None:
+    """The child's end: answer every request on a ROUTER bound at `endpoint` until cancelled (one task per request)."""
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+
+    context = zmq.asyncio.Context()
+    sock = SocketFactory(context).router(endpoint, max_msg_bytes=_MAX_MSG_BYTES)
+    expected = token.encode()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(identity: bytes, rid: bytes, path: str, header: bytes, ids: bytes) -> None:
+        status, answer = await answer_route(routes, path, _body(header, ids))
+        try:
+            await sock.send_multipart([identity, rid, str(status).encode(), dumps(answer) if answer is not None else b""],
+                                      copy=False)
+        except Exception as exc:  # noqa: BLE001 - the worker is gone (ROUTER_MANDATORY) or slow: its call times out
+            log.warning("sglang hop: an answer to %s could not be sent: %r", path, exc)
+
+    def _body(header: bytes, ids: bytes) -> Any:
+        try:
+            body = loads(header) if header else {}
+            if ids and isinstance(body, dict):
+                body["input_ids"] = _unpack_ids(ids)
+        except ValueError as exc:
+            return exc
+        return body
+
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 6:
+                log.warning("sglang hop: a request of %d frames dropped", len(frames))
+                continue
+            identity, given, rid, path, header, ids = frames
+            if token and not hmac.compare_digest(given, expected):
+                with contextlib.suppress(Exception):
+                    await sock.send_multipart([identity, rid, b"401", dumps({"error": {"message": "missing or wrong token"}})])
+                continue
+            task = asyncio.create_task(handle(identity, rid, path.decode(errors="replace"), header, ids))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        for task in tasks:
+            task.cancel()
+        sock.close(linger=0)
+        context.term()
