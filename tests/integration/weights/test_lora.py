@@ -110,8 +110,11 @@ async def test_in_flight_sequences_finish_on_their_adapter_version(model_dir: pa
     while engine.stats["decode_steps"] < 2:  # noqa: ASYNC110 - a counter of the engine's thread
         await asyncio.sleep(0.005)
     await engine.update_adapter(n2, s2, 2)
+    prefills = engine.stats["prefill_tokens"]
     second = asyncio.create_task(engine.generate(PROMPT, 1, long, "new"))
-    while engine.stats["decode_steps"] < 8:  # noqa: ASYNC110 - a counter of the engine's thread
+    # "new" takes its adapter version at its first prefill: version 3 must come after that (on a loaded box the
+    # first one alone can run 8 decode steps before "new" is admitted)
+    while engine.stats["prefill_tokens"] == prefills or engine.stats["decode_steps"] < 8:  # noqa: ASYNC110 - counters of the engine's thread
         await asyncio.sleep(0.005)
     await engine.update_adapter(n3, s3, 3)  # resident 2: version 1 stays while "old" still runs on it
     assert 1 in engine.adapter_versions()
