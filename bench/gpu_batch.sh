@@ -1,0 +1,45 @@
+#!/bin/bash
+# One device call that runs several GPU benches one after another, within the call's limit, and brings back
+# what matters in few files (the device tool returns at most a handful of files from $OUT; the rest are "left out").
+#
+#   bash bench/gpu_batch.sh BUDGET_S 'NAME|LIMIT_S|COMMAND' ['NAME|LIMIT_S|COMMAND' ...]
+#
+# From the checkout root, with the SGLang kit copied to .sgkit/ (see ../shared/sglang-kit/README.md) and carried.
+# It installs the kit, then runs each step as `timeout LIMIT_S bash -c COMMAND` in its own folder
+# ($W/NAME, given to the command as $STEP: write results there), never past BUDGET_S from its start (a step
+# that would start with less than 30 s left is skipped and said so). After each step: its *.json files are
+# copied to $OUT (flat, named as written), the tail of its log goes to $OUT/batch.log, and every process the
+# step left behind (its sglang children among them) is killed, so the next step starts on an empty GPU.
+# At the end every log is packed into $OUT/logs.tar.gz.
+#   bash bench/gpu_batch.sh 560 'episodes|240|python3 bench/gpu_episodes.py --out $STEP' \
+#                               'tp1|200|python3 bench/gpu_tp.py --tp-size 1 --pairs 3 --out $STEP'
+set -u
+BUDGET=${1:?budget in seconds}; shift
+R=$PWD W=/tmp/gpu_batch
+mkdir -p "$W" "$OUT"
+log() { echo "[batch $(date +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/batch.log"; }
+if ! bash .sgkit/install.sh .sgkit /tmp/site >"$W/install.log" 2>&1; then
+  log "kit install failed"; tail -20 "$W/install.log" | tee -a "$OUT/batch.log"; exit 1
+fi
+export PYTHONPATH=/tmp/site:$R TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/batch.log"
+log "kit installed"
+for step in "$@"; do
+  IFS='|' read -r name limit cmd <<<"$step"
+  left=$((BUDGET - SECONDS - 10))
+  if [ "$left" -lt 30 ]; then log "$name: skipped (${left} s left)"; continue; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  export STEP="$W/$name"; mkdir -p "$STEP"
+  log "$name: start (limit ${limit} s): $cmd"
+  s=$SECONDS
+  setsid timeout "$limit" bash -c "$cmd" >"$STEP/step.log" 2>&1 &
+  pid=$!
+  wait "$pid"; rc=$?
+  pkill -KILL -s "$pid" 2>/dev/null  # the step's session: whatever it started and left running
+  sleep 2
+  log "$name: rc=$rc in $((SECONDS - s)) s"
+  tail -c 3000 "$STEP/step.log" >>"$OUT/batch.log"; echo >>"$OUT/batch.log"
+  for f in "$STEP"/*.json; do [ -e "$f" ] && cp "$f" "$OUT/${name}--$(basename "$f")"; done
+done
+tar -czf "$OUT/logs.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' . 2>/dev/null
+log "done"
