@@ -388,6 +388,7 @@ class Episode:
         if self.max_context_tokens:
             room = self.max_context_tokens - seg.model_len()
             if room < 1:
+                self._undo_unrun_images(seg, mark)
                 self.recording.context_exceeded = True
                 seg.finish_reason = FinishReason.LENGTH
                 raise ContextLengthExceededError(f"no room left in the context of {self.max_context_tokens} tokens")
