@@ -63,9 +63,10 @@ _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # the vision task: a Qwen2-VL learns the colour of a square in its image (rollpool.demo.vision_task). Its one-token
     # policy turns deterministic within ~40 steps; without an entropy bonus it does so before it is right (every group
     # then answers alike: no advantage, no gradient), and trained two versions stale (eta 2, one optimizer step a
-    # batch, so PPO's clip never binds) it learns and then falls back (docs/multimodal.md has the runs): on-policy
-    # (eta 0) with the bonus and a lower rate it holds
-    "vision": {"steps": 150, "prompts_per_step": 16, "group_size": 8, "lr": 2e-3, "entropy_coef": 0.05, "heartbeat_interval_s": 0.5,
+    # batch, so PPO's clip never binds) it learns and then falls back (docs/multimodal.md has the runs); on-policy
+    # (eta 0) with the bonus and a lower rate it peaks by step ~50 and may still drift after, so the rate decays
+    # from step 40 and the run ends at 80
+    "vision": {"steps": 80, "prompts_per_step": 16, "group_size": 8, "lr": 2e-3, "entropy_coef": 0.05, "heartbeat_interval_s": 0.5,
                "max_staleness": 0},
 }
 
@@ -78,7 +79,7 @@ class DemoConfig:
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max and vision, 200 for tool)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool, 80 for vision)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int | None = field(default=None, metadata={"help": "eta: how many versions a sample may lag (async mode; "
                                                                          "default 2, 0 for vision: on-policy)"})
