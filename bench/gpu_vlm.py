@@ -14,7 +14,14 @@ One entry point for one device call (``--out $OUT``); the partial JSON (``--resu
    expanded image tokens its grid says (``versions_exact``).
 
 On a machine without a GPU or SGLang, ``--dry-run`` parses the arguments, builds the model and the
-images and writes the JSON with ``"dry_run": true`` (a check of the script before a device call).
+images, runs the worker's side of an image prompt (the model's image processor: grids and the expanded
+ids the pool reports) and writes the JSON with ``"dry_run": true`` (a check of the script before a device call).
+
+What the GPU run needs beyond the checkout: SGLang's kit (``.sgkit``, carried) and torchvision, which
+``import sglang`` and SGLang's Qwen2-VL processor import (``sglang/srt/utils/common.py``,
+``multimodal/processors/qwen_vl.py``): the kit does not carry it, the device image has it (torchvision 0.26.0
+beside torch 2.11.0). The vision tower's attention runs on triton (the engine's child sets
+``mm_attention_backend``; its Hopper default, fa3, is not in the kit).
 
 Run on the device: ``bash .sgkit/install.sh .sgkit /tmp/site && PYTHONPATH=/tmp/site:. python3 bench/gpu_vlm.py --out $OUT``.
 """
@@ -226,7 +233,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="parse, build the model and images, write the JSON; no GPU, no SGLang")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="text tokens per prompt (beside the image's)")
-    ap.add_argument("--image-px", type=int, default=224, help="side of each square image (224: 64 image tokens on Qwen2-VL)")
+    ap.add_argument("--image-px", type=int, default=224, help="side of each square image (the tiny model's processor resizes "
+                                                                "to at most 112x112: 16 image tokens)")
     ap.add_argument("--out-tokens", type=int, default=512)
     ap.add_argument("--long-tokens", type=int, default=1200)
     ap.add_argument("--pairs", type=int, default=5)
@@ -261,6 +269,14 @@ def main() -> int:
                        "vocab": args.vocab, "vision": "1 block, embed 32", "build_s": round(time.time() - t, 1)}
     save()
     note(f"model and {len(images)} images built")
+    from rollpool.workers.engines.vision import load_vision_spec
+
+    spec = load_vision_spec(model)  # what the worker does with each image prompt: grids, then the ids it reports
+    assert spec is not None
+    _pixels, grids = spec.grids(images[:2])
+    RESULT["image_tokens_per_image"] = spec.expand([7], grids[:1]).count(spec.image_id)
+    RESULT["image_processor"] = type(spec.processor).__name__
+    save()
     if not args.dry_run:
         try:
             asyncio.run(pool_stage(model, images, args))

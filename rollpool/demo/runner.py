@@ -59,13 +59,21 @@ __all__ = ["DemoConfig", "run_demo"]
 TASKS = ("max", "tool", "vision")
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
+    "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5,
+            "max_staleness": 2},
     # the tool task: bigger groups (the answer is random per episode: more samples per prompt steady the
     # group baseline), an entropy bonus (the answer must stay spread over the ten digits until the copy
     # is learned), and a slower heartbeat (each worker runs an HTTP endpoint and SDK clients beside its engine)
-    "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0},
-    # the vision task: a Qwen2-VL learns the colour of a square in its image (rollpool.demo.vision_task)
-    "vision": {"steps": 150, "prompts_per_step": 16, "group_size": 8, "lr": 5e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
+    "tool": {"steps": 200, "prompts_per_step": 8, "group_size": 16, "lr": 3e-3, "entropy_coef": 0.1, "heartbeat_interval_s": 1.0,
+             "max_staleness": 2},
+    # the vision task: a Qwen2-VL learns the colour of a square in its image (rollpool.demo.vision_task). Its one-token
+    # policy turns deterministic within ~40 steps; without an entropy bonus it does so before it is right (every group
+    # then answers alike: no advantage, no gradient), and trained two versions stale (eta 2, one optimizer step a
+    # batch, so PPO's clip never binds) it learns and then falls back (docs/multimodal.md has the runs); on-policy
+    # (eta 0) with the bonus and a lower rate it peaks by step ~50 and may still drift after, so the rate decays
+    # from step 40 and the run ends at 80
+    "vision": {"steps": 80, "prompts_per_step": 16, "group_size": 8, "lr": 2e-3, "entropy_coef": 0.05, "heartbeat_interval_s": 0.5,
+               "max_staleness": 0},
 }
 
 LORA_HEAD_STD = 0.125
@@ -80,16 +88,17 @@ class DemoConfig:
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max and vision, 200 for tool)"})
+    steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool, 80 for vision)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
-    max_staleness: int = field(default=2, metadata={"help": "eta: how many versions a sample may lag (async mode)"})
+    max_staleness: int | None = field(default=None, metadata={"help": "eta: how many versions a sample may lag (async mode; "
+                                                                         "default 2, 0 for vision: on-policy)"})
     sync: bool = field(default=False, metadata={"help": "synchronous RL (eta = 0) for comparison"})
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
-    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 5e-3 for vision)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 2e-3 for vision)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
-                                                                        "(default: 0 for max, 0.1 for tool)"})
+                                                                        "(default: 0 for max, 0.1 for tool, 0.05 for vision)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
     out: str = field(default="demo-out", metadata={"help": "folder for the report: demo-report.json and .png (--task tool: "
@@ -122,7 +131,7 @@ class DemoConfig:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if not 1 <= self.workers <= 64:
             raise ConfigError(f"workers must be in 1..64, got {self.workers}")
-        if self.max_staleness < 0:
+        if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if (self.prompts_per_step is not None and self.prompts_per_step < 1) or (self.group_size is not None and self.group_size < 2):
             raise ConfigError("prompts_per_step must be >= 1 and group_size >= 2 (GRPO compares samples of a group)")
@@ -208,6 +217,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
     model_dir = (tool_task.build_tool_model(work / "model", seed=cfg.seed) if tool
                  else vision_task.build_vision_model(work / "model", seed=cfg.seed) if vision
                  else task.build_demo_model(work / "model", seed=cfg.seed, head_std=LORA_HEAD_STD if cfg.lora else None))
+    assert cfg.max_staleness is not None
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = prompts_per_step * group_size
     children: SupervisorThread | None = None
@@ -342,7 +352,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
                      if tool else "the colour of the square in the image (a tiny Qwen2-VL)" if vision
                      else f"largest of four digits, LoRA rank {cfg.lora_rank} on a frozen base" if cfg.lora else "largest of four digits")
-        _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if cfg.sync else f'async (eta={eta})'}, "
+        _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if eta == 0 else f'async (eta={eta})'}, "
                        f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
         heldout_first, calls_first = eval_held_out()
         _progress(cfg, f"held-out reward before training: {heldout_first:.3f}" + (f"  tool-call share {calls_first:.3f}" if tool else ""))
@@ -439,7 +449,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         tail = rewards[-min(5, len(rewards)):]
         summary = {
             "task": cfg.task,
-            "mode": "sync" if cfg.sync else "async",
+            "mode": "sync" if eta == 0 else "async",
             "max_staleness": eta,
             "workers": cfg.workers,
             "steps": n_steps,

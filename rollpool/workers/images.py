@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from rollpool.protocol.errors import RequestRefusedError
 from rollpool.protocol.messages import PromptImage
 
-__all__ = ["DEFAULT_IMAGE_FORMATS", "ImagePolicy", "LoadedImage", "load_images"]
+__all__ = ["DEFAULT_IMAGE_FORMATS", "ImagePolicy", "LoadedImage", "load_image", "load_images"]
 
 DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
@@ -66,10 +66,11 @@ def load_images(images: Sequence[PromptImage], policy: ImagePolicy) -> list[Load
     """Each image's bytes, checked (see the module docstring); `RequestRefusedError` for the first bad one."""
     if len(images) > policy.max_images:
         raise RequestRefusedError(f"{len(images)} images in one prompt, limit {policy.max_images} (image max_images)")
-    return [_load_one(i, img, policy) for i, img in enumerate(images)]
+    return [load_image(i, img, policy) for i, img in enumerate(images)]
 
 
-def _load_one(index: int, img: PromptImage, policy: ImagePolicy) -> LoadedImage:
+def load_image(index: int, img: PromptImage, policy: ImagePolicy) -> LoadedImage:
+    """Image `index` of a prompt read and checked (every rule but the count); `RequestRefusedError` naming why."""
     what = f"image {index}"
     given = sum(1 for x in (img.data is not None, bool(img.path), bool(img.url)) if x)
     if given != 1:

@@ -411,6 +411,7 @@ class Worker:
             episode_timeout_s=self.config.episode_timeout_s,
             tool_call_parser=self.config.tool_call_parser,
             max_context_tokens=self.config.max_context_tokens,
+            image_policy=self.config.image_policy(),
         )
         watched = cast(Engine, _SupervisedEngine(self.supervisor))
         self.episodes = EpisodeRunner(watched, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id)

@@ -89,7 +89,7 @@ WORKER_MODULES: dict[str, set[str]] = {
     "images": set(),
     "reward": set(),
     "engines": set(),
-    "episodes": {"engines"},
+    "episodes": {"engines", "images"},  # the endpoint checks image_url parts by the worker's image rules
     "trajectories": {"engines", "reward"},
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},

@@ -262,11 +262,18 @@ class HFEngine:
             device=self.device,
             # the context it serves (its positions; 0 until loaded): the episode endpoint's context_length_exceeded
             extra={"dtype": str(self.dtype).removeprefix("torch."),
-                   "max_context_tokens": self._max_positions if self._max_positions < 1 << 30 else 0},
+                   "max_context_tokens": self._max_positions if self._max_positions < 1 << 30 else 0,
+                   **self._image_extra()},
             top_logprobs=True,
             prompt_logprobs=True,
             images=self._vision is not None,
         )
+
+    def _image_extra(self) -> dict[str, Any]:
+        """A vision-language model's ``image_placeholder_ids``: the ids one image stands as before expansion
+        (start, image token, end), what the episode endpoint renders an image part as."""
+        spec = self._vision
+        return {} if spec is None else {"image_placeholder_ids": [spec.start_id, spec.image_id, spec.end_id]}
 
     @property
     def tokenizer(self) -> Any:

@@ -75,5 +75,13 @@ def load_vision_spec(path: str | pathlib.Path, config: Any | None = None) -> Vis
     cfg = config if config is not None else AutoConfig.from_pretrained(path)
     if getattr(cfg, "vision_config", None) is None:
         return None
+    try:
+        processor = AutoImageProcessor.from_pretrained(path)
+    except ImportError:
+        # transformers 5.8 (SGLang's kit) asks torchvision for AutoImageProcessor; its Pillow twin computes the same
+        # pixels and grids without it
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        processor = Qwen2VLImageProcessorPil.from_pretrained(path)
     return VisionSpec(int(cfg.vision_start_token_id), int(cfg.image_token_id), int(cfg.vision_end_token_id),
-                      int(getattr(cfg.vision_config, "spatial_merge_size", 1)), AutoImageProcessor.from_pretrained(path))
+                      int(getattr(cfg.vision_config, "spatial_merge_size", 1)), processor)

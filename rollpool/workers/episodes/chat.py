@@ -20,6 +20,13 @@ the rest, which is what the full view would insert whenever both apply. Only whe
 template that renders the reply otherwise than sampled, e.g. re-formatted tool-call JSON) is the
 conversation with the reply rendered (`resolve`) and the full rule above applied.
 
+Images: a user message's ``image_url`` parts are kept as the message's ``image_urls`` (in order) and
+stand in its content as the model's image placeholder text (for a Qwen2-VL-style model
+``<|vision_start|><|image_pad|><|vision_end|>``, what its own chat template writes for an image part),
+so every chat template renders them where they were, as a string; the endpoint resolves the URLs to
+images and replaces ``image_urls`` by ``images`` (their sha256), which `message_key` compares: a
+conversation whose earlier image changed is a rewritten history.
+
 `ChatTokenizer` is the part of a Hugging Face tokenizer this module uses; it is never imported here.
 """
 
@@ -36,6 +43,7 @@ __all__ = [
     "EndpointError",
     "deferred_view",
     "end_of_turn",
+    "image_urls",
     "message_key",
     "render",
     "render_message",
@@ -77,17 +85,39 @@ def _bad(message: str, param: str | None = None) -> EndpointError:
     return EndpointError(400, message, param=param)
 
 
-def _content_text(content: Any, where: str) -> str | None:
+def _image_url(part: Mapping[str, Any], where: str) -> str:
+    raw = part.get("image_url")
+    url = raw.get("url") if isinstance(raw, Mapping) else raw  # the SDK sends {"url": ...}; some clients the string
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{where}: an image_url part needs image_url.url (a data: URL)", where)
+    if not url.startswith(("data:", "http://", "https://")):
+        raise _bad(f"{where}: image_url.url must be a data: URL (data:image/png;base64,...) or an http(s) URL, "
+                   f"got {url[:40]!r}", where)
+    return url
+
+
+def _content_text(content: Any, where: str, role: Any, image_text: str | None) -> tuple[str | None, list[str]]:
+    """(the content as text, each image part standing as `image_text`; the image parts' URLs in order)."""
     if content is None or isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
-        parts = []
+        parts, urls = [], []
         for i, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}.content[{i}]: only text parts are supported", f"{where}.content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url":
+                at = f"{where}.content[{i}]"
+                if role != "user":
+                    raise _bad(f"{at}: image parts are served in user messages only, not {role}", f"{where}.content")
+                urls.append(_image_url(part, at))
+                if image_text is None:
+                    raise _bad(f"{at}: this model takes no images (not a vision-language model)", f"{where}.content")
+                parts.append(image_text)
+            else:
+                raise _bad(f"{where}.content[{i}]: only text and image_url parts are supported", f"{where}.content")
+        return "".join(parts), urls
+    raise _bad(f"{where}.content must be a string, a list of text and image_url parts or null", f"{where}.content")
 
 
 def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
@@ -105,8 +135,10 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def validate_messages(raw: Any) -> list[dict[str, Any]]:
-    """The request's messages in a canonical shape (role, content, tool_calls, tool_call_id, name); 400 if malformed."""
+def validate_messages(raw: Any, *, image_text: str | None = None) -> list[dict[str, Any]]:
+    """The request's messages in a canonical shape (role, content, tool_calls, tool_call_id, name, and ``image_urls``
+    for a user message with image parts, which stand in its content as `image_text`); 400 if malformed, or if a
+    message has an image part and `image_text` is None (a model without images)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list", "messages")
     out = []
@@ -117,7 +149,10 @@ def validate_messages(raw: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if role not in _ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
-        clean: dict[str, Any] = {"role": role, "content": _content_text(msg.get("content"), where)}
+        text, urls = _content_text(msg.get("content"), where, role, image_text)
+        clean: dict[str, Any] = {"role": role, "content": text}
+        if urls:
+            clean["image_urls"] = urls
         if role == "assistant":
             calls = _tool_calls(msg.get("tool_calls"), where)
             if calls:
@@ -151,12 +186,19 @@ def message_key(msg: Mapping[str, Any]) -> str:
     """
     key = {"role": msg.get("role"), "content": msg.get("content") or "",
            "calls": [[c["function"]["name"], _arguments_key(c["function"]["arguments"])] for c in msg.get("tool_calls") or []]}
+    if msg.get("images"):  # the images a message shows, by sha256: the same text with another picture is another message
+        key["images"] = list(msg["images"])
     return json.dumps(key, sort_keys=True, ensure_ascii=False)
+
+
+def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The image URLs of `messages` (canonical, from `validate_messages`), in the order their placeholders render."""
+    return [url for m in messages for url in m.get("image_urls") or ()]
 
 
 def render_message(msg: Mapping[str, Any]) -> dict[str, Any]:
     """The message as chat templates expect it: content a string, tool-call arguments a mapping when they are JSON objects."""
-    out = dict(msg)
+    out = {k: v for k, v in msg.items() if k not in ("images", "image_urls")}
     out["content"] = out.get("content") or ""
     if "tool_calls" in out:
         calls = []

@@ -6,6 +6,13 @@ Both ways in record into the same `EpisodeRecording`:
   given ``input_ids``, by the prefix rule of `recording`), `EpisodeContext.append` inserts tokens;
 - OpenAI level: the endpoint calls `Episode.chat` / `Episode.completion` with the request body.
 
+Images (a vision-language engine, `EngineInfo.images`): a chat request's ``image_url`` parts (data: URLs; an
+http(s) URL only where the worker fetches images, ``--image-fetch``, else 400) are read and checked by the
+worker's image rules (`rollpool.workers.images`: count, bytes, pixels, format, a full decode) before any
+rendering; a bad one is a 400 naming the part, and records nothing. Each stands in the rendered prompt as the
+model's placeholder (one image token); the segment keeps the images and gives all of them to the engine
+every turn (`recording` says what the trajectory then holds).
+
 An episode runs one turn at a time (a lock): requests of one episode are served in order. Once the
 runner closes the episode (it returned, raised, timed out or was cancelled) its running turn is
 aborted and every later call is refused (HTTP 410 at the endpoint, `EpisodeClosedError` at the
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import itertools
 import json
@@ -33,13 +41,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
-from rollpool.protocol.messages import FinishReason, Prompt, SamplingParams
+from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
 from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
-from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment
+from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment, SegmentImage
 from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
+from rollpool.workers.images import ImagePolicy, LoadedImage, load_image
 
 __all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "TokenizerLane",
            "decode_tokens"]
@@ -300,7 +309,8 @@ class Episode:
     def __init__(self, *, engine: Engine, prompt: Prompt, sample_index: int, start_version: int, tokenizer: Any,
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
                  stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_lane: TokenizerLane | None = None,
-                 end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None) -> None:
+                 end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None,
+                 image_policy: ImagePolicy | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.sample_index = sample_index
@@ -313,6 +323,9 @@ class Episode:
         self.loop = loop
         self.tokenizer_lane = tokenizer_lane
         self._eot_cache = {} if end_of_turn_cache is None else end_of_turn_cache
+        self.image_policy = image_policy if image_policy is not None else ImagePolicy()
+        self._images: dict[str, LoadedImage] = {}
+        """Images this episode has checked, by sha256 (an agent sends its whole conversation every turn)."""
         self._stop_ids_cache: tuple[int, ...] | None = None
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
@@ -376,6 +389,38 @@ class Episode:
                 f"the request's {chars} characters of text are at least {chars // longest} tokens, past the context of "
                 f"{self.max_context_tokens}")
 
+    def _image_facts(self) -> tuple[int, str] | None:
+        """(the model's image token, the text one image's placeholder renders as), or None for an engine without images."""
+        try:
+            info = self.engine.info()
+        except Exception:  # noqa: BLE001 - an engine that cannot say takes no images here
+            return None
+        ids = info.extra.get("image_placeholder_ids") if info.images else None
+        if self.tokenizer is None or not isinstance(ids, list | tuple) or len(ids) != 3 or not all(isinstance(t, int) for t in ids):
+            return None
+        return int(ids[1]), decode_tokens(self.tokenizer, list(ids), skip_special_tokens=False)
+
+    def _load_images(self, urls: Sequence[str]) -> list[LoadedImage]:
+        """Each image_url read and checked by the worker's image rules; 400 naming the first bad one (in a thread)."""
+        policy = self.image_policy
+        if len(urls) > policy.max_images:
+            raise EndpointError(400, f"{len(urls)} images in this conversation, limit {policy.max_images} (the worker's "
+                                     "--max-images-per-prompt)", param="messages", code="too_many_images")
+        out = []
+        for i, url in enumerate(urls):
+            try:
+                image = PromptImage.of(url)
+                data = bytes(image.data) if image.data is not None else None
+                known = self._images.get(hashlib.sha256(data).hexdigest()) if data is not None else None
+                loaded = known if known is not None else load_image(i, image, policy)
+            except (ValueError, RequestRefusedError) as exc:
+                raise EndpointError(400, f"image_url {i} of the conversation: {exc}", param="messages",
+                                    code="invalid_image") from None
+            if len(self._images) < 4 * policy.max_images:
+                self._images[loaded.sha256] = loaded
+            out.append(loaded)
+        return out
+
     def _fits(self, length: int, seg: Segment | None = None) -> None:
         """Raise `ContextLengthExceededError` past the context; `seg`, the segment that would overflow, then ends with ``length``."""
         if self.max_context_tokens and length > self.max_context_tokens:
@@ -406,9 +451,16 @@ class Episode:
                       constraint: OutputConstraint | None = None) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
         prompt = seg.tokens
+        extra: dict[str, Any] = {}
+        if seg.images:
+            if constraint is not None:
+                raise RequestRefusedError("an output constraint (response_format, a forced tool_choice) is not served "
+                                          "with images")
+            extra["images"] = [im.data for im in seg.images]
         if self.max_context_tokens:
-            room = self.max_context_tokens - len(prompt)
+            room = self.max_context_tokens - seg.model_len()
             if room < 1:
+                self._undo_unrun_images(seg, mark)
                 self.recording.context_exceeded = True
                 seg.finish_reason = FinishReason.LENGTH
                 raise ContextLengthExceededError(f"no room left in the context of {self.max_context_tokens} tokens")
@@ -420,21 +472,27 @@ class Episode:
         self.stats.turns_in_flight += 1
         try:
             if constraint is None:
-                out = await self.engine.generate(prompt, 1, sampling, rid)
+                out = await self.engine.generate(prompt, 1, sampling, rid, **extra)
             else:
                 assert isinstance(self.engine, ConstrainedEngine)
                 out = await self.engine.generate_constrained(prompt, 1, sampling, rid, constraint)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort(rid))
+            self._undo_unrun_images(seg, mark)
             raise
         except (RequestRefusedError, ValueError):
             self._undo(mark)  # refused: nothing was sampled, so the turn leaves nothing (a retry continues the segment)
+            raise
+        except Exception:
+            self._undo_unrun_images(seg, mark)
             raise
         finally:
             self.stats.turns_in_flight -= 1
             self._running_request = None
         self._check_open()  # closed while sampling: the turn is not recorded
+        if seg.images:
+            self._note_images(seg, prompt, out.input_ids, out.image_grid_thw)
         s = out.samples[0]
         start = len(seg.output_ids)
         seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
@@ -445,6 +503,35 @@ class Episode:
         if s.cached_tokens is not None:
             self.stats.engine_cached_tokens += s.cached_tokens
         return s
+
+    def _undo_unrun_images(self, seg: Segment, mark: RecordingMark) -> None:
+        """A turn that failed or was cancelled after its images were added: no image stays that the model never ran
+        (its token count is unknown, so the trajectory could not say what the model would have seen)."""
+        if any(im.tokens == 0 for im in seg.images):
+            self._undo(mark)
+
+    @staticmethod
+    def _note_images(seg: Segment, sent: Sequence[int], ran: Sequence[int], grid: Sequence[int] | None) -> None:
+        """Each image's grid and token count from what the engine ran (`ran`: `sent` with its placeholders expanded).
+
+        Every image's token count is its patch count over one factor (the merge of 2x2 patches on Qwen2-VL), which
+        the lengths give; the expansion is then checked against `ran` token by token."""
+        n = len(seg.images)
+        if grid is None or len(grid) != 3 * n:
+            raise RollpoolError(f"the engine ran {n} images but reported {0 if grid is None else len(grid) // 3} patch grids")
+        grids = [(int(grid[3 * i]), int(grid[3 * i + 1]), int(grid[3 * i + 2])) for i in range(n)]
+        patches = [t * h * w for t, h, w in grids]
+        tokens = len(ran) - len(sent) + n
+        if tokens < n or any(p * tokens % sum(patches) for p in patches):
+            raise RollpoolError(f"the engine ran {len(ran)} ids for {len(sent)} sent with {n} images of {patches} patches")
+        counts = iter([p * tokens // sum(patches) for p in patches])
+        expanded: list[int] = []
+        for t in sent:
+            expanded += [t] * (next(counts, 1) if t == seg.image_token_id else 1)
+        if expanded != list(ran):
+            raise RollpoolError("the engine expanded the image placeholders otherwise than one run per image")
+        for im, g, p in zip(seg.images, grids, patches, strict=True):
+            im.grid_thw, im.tokens = g, p * tokens // sum(patches)
 
     async def generate(self, input_ids: Sequence[int] | None, sampling: SamplingParams) -> SampleOutput:
         async with self._lock:
@@ -635,12 +722,14 @@ class Episode:
         """
         tok = self._require_tokenizer()
         given = _token_ids(body.get("tokens")) if token_prompt else None
-        messages = chat.validate_messages(body.get("messages"))
+        vision = self._image_facts()
+        messages = chat.validate_messages(body.get("messages"), image_text=None if vision is None else vision[1])
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
             raise EndpointError(400, "tools must be a list of objects", param="tools")
         tool_choice = body.get("tool_choice", "auto")
         constraint = self._constraint(tools, tool_choice, body.get("response_format"))
+        loaded = await self._request_images(messages, body, token_prompt=given is not None, constrained=constraint is not None)
         want_logprobs = bool(body.get("logprobs"))
         sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
         top = self._top_logprobs(body.get("top_logprobs"))
@@ -662,21 +751,29 @@ class Episode:
                 self.stats.segments += len(self.recording.segments) - before
                 reused = 0 if new else had
             elif seg is not None and delta_ids is not None:
-                self._fits(len(seg) + len(delta_ids) + 1, seg)
-                reused = len(seg)
+                self._fits(seg.model_len() + len(delta_ids) + 1, seg)
+                reused = seg.model_len()
                 seg.insert(delta_ids)
             else:
                 assert prompt_ids is not None
                 seg = self._begin(prompt_ids)
                 reused = 0
-            engine_prompt = seg.tokens if body.get("return_token_ids") else None
+            if loaded or seg.images:
+                self._add_images(seg, loaded, vision, mark)
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
-            prompt_len = len(seg)
+            prompt_len = seg.model_len()
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
             self.stats.reused_prefix_tokens += reused
             s = await self._sample(seg, sampling, mark, constraint)
+            if seg.model_len() - len(s.output_ids) > prompt_len:  # the engine expanded this turn's new images
+                grown = seg.model_len() - len(s.output_ids) - prompt_len
+                self.recording.count_turn(grown, 0)
+                self.stats.prompt_tokens += grown
+                prompt_len += grown
+            # the ids the model ran (placeholders expanded): what a client that tokenizes for itself must hold
+            engine_prompt = seg.model_tokens()[:prompt_len] if body.get("return_token_ids") else None
             reply, calls, seg_view, token_texts = await self._off_loop(
                 self._chat_reply, tok, s, messages, tools, prompt_text, eot_text, eot_id, stop_ids, parse, want_logprobs)
             self._check_open()
@@ -704,6 +801,47 @@ class Episode:
             **({"prompt_token_ids": engine_prompt} if engine_prompt is not None else {}),
         }
 
+    async def _request_images(self, messages: list[dict[str, Any]], body: Mapping[str, Any], *, token_prompt: bool,
+                              constrained: bool) -> list[LoadedImage]:
+        """The request's images read and checked (400 for a bad one, before any rendering), their messages' ``image_urls``
+        replaced by ``images`` (sha256s, what `chat.message_key` compares); [] without image parts."""
+        urls = chat.image_urls(messages)
+        if not urls:
+            return []
+        if token_prompt:
+            raise EndpointError(400, "image parts are served on /v1/chat/completions, not with the prompt's tokens given",
+                                param="messages")
+        if constrained:
+            raise EndpointError(400, "response_format and a forced tool_choice are not served with images",
+                                param="response_format" if body.get("response_format") else "tool_choice")
+        self._fits_text(sum(len(m.get("content") or "") for m in messages))  # before any image is decoded
+        loaded = await asyncio.to_thread(self._load_images, urls)  # a path or a fetch may block: not on the loop
+        shas = iter([im.sha256 for im in loaded])
+        for m in messages:
+            if m.get("image_urls"):
+                m["images"] = [next(shas) for _ in m.pop("image_urls")]
+        return loaded
+
+    def _add_images(self, seg: Segment, loaded: Sequence[LoadedImage], vision: tuple[int, str] | None,
+                    mark: RecordingMark) -> None:
+        """Give `seg` this request's images (those past the ones it holds: the earlier messages matched, images
+        included), and check that its ids hold one image token per image (else 400, nothing recorded)."""
+        have = [im.sha256 for im in seg.images]
+        if [im.sha256 for im in loaded[: len(have)]] != have:
+            self._undo(mark)
+            raise RollpoolError("a continued conversation shows other images than its segment holds")
+        if vision is None:  # images recorded earlier, and the engine no longer says how it takes them
+            self._undo(mark)
+            raise EndpointError(400, "this engine takes no images now", param="messages")
+        seg.image_token_id = vision[0]
+        seg.images += [SegmentImage(im.data, im.sha256) for im in loaded[len(have):]]
+        slots = seg.tokens.count(seg.image_token_id)
+        if slots != len(seg.images):
+            self._undo(mark)
+            raise EndpointError(400, f"the rendered conversation holds {slots} image tokens for {len(seg.images)} images "
+                                     "(one per image: a message's text holds the image token itself, or the model sampled one)",
+                                param="messages")
+
     async def tokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Serve ``/tokenize`` (vLLM's shape, what prime-rl's verifiers client calls): ``prompt`` or ``messages``
         (with ``tools`` and ``add_generation_prompt``, default true) to token ids. Records nothing."""
@@ -713,7 +851,11 @@ class Episode:
             text = body["prompt"]
             add_special = True if special is None else bool(special)
         else:
-            messages = chat.validate_messages(body.get("messages"))
+            vision = self._image_facts()
+            messages = chat.validate_messages(body.get("messages"), image_text=None if vision is None else vision[1])
+            if chat.image_urls(messages):
+                raise EndpointError(400, "image parts are not served on /tokenize (the ids depend on each image's size)",
+                                    param="messages")
             tools = body.get("tools") or None
             text = await self._off_loop(lambda: chat.render(tok, messages, tools,
                                                             add_generation_prompt=bool(body.get("add_generation_prompt", True))))

@@ -13,6 +13,14 @@ segment becomes one `Trajectory`: ``input_ids`` (the first prompt of the segment
   sampled under a grammar (structured output, a forced tool call), so a trainer can tell that their
   sampling distribution was the model's masked by the grammar.
 
+Images (a vision-language model at the chat endpoint): a segment records each image it shows as one image
+token in its ids (what the engine is given, with the images, every turn) and the image itself
+(`SegmentImage`: bytes, sha256, and the patch grid and token count the engine reported). Its trajectory
+holds the ids as the model ran them: each such placeholder (in the prompt, or an inserted token) repeated
+once per image token, mask 0, logprob 0, the inserted token's version; ``image_sha256`` and
+``image_grid_thw`` in order; and ``metadata["episode_images"]`` (sha256 -> the encoded file), since the
+trainer never saw images an agent made.
+
 Token in, token out: sampled tokens are stored exactly as the engine returned them and are never
 re-derived from text. A new turn whose full prompt (as token ids) extends the current segment's
 sequence appends only the missing tokens (mask 0); a prompt that does not (the history was rewritten)
@@ -30,7 +38,7 @@ import numpy as np
 
 from rollpool.protocol.messages import FinishReason, Trajectory
 
-__all__ = ["EpisodeRecording", "RecordingMark", "Segment", "segment_id"]
+__all__ = ["EpisodeRecording", "RecordingMark", "Segment", "SegmentImage", "segment_id"]
 
 
 def segment_id(prompt_id: str, sample_index: int, segment_index: int) -> str:
@@ -40,6 +48,19 @@ def segment_id(prompt_id: str, sample_index: int, segment_index: int) -> str:
     if segment_index == 0:
         return f"{prompt_id}:{sample_index}"
     return f"{prompt_id}:{sample_index}:{segment_index}"
+
+
+@dataclass(slots=True)
+class SegmentImage:
+    """One image a segment shows the model (one image token stands for it in the recorded ids)."""
+
+    data: bytes
+    """The encoded image file, as checked by the worker."""
+    sha256: str
+    grid_thw: tuple[int, int, int] | None = None
+    """Its (t, h, w) patch grid, once the engine ran it."""
+    tokens: int = 0
+    """The image tokens the model ran for it (its placeholder expanded); 0 until the engine ran it."""
 
 
 @dataclass(slots=True)
@@ -65,6 +86,24 @@ class Segment:
     """The endpoint's view of this segment (messages, rendered text); opaque here."""
     constrained: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) ranges of `output_ids` sampled under a grammar (structured output, a forced tool call)."""
+    images: list[SegmentImage] = field(default_factory=list)
+    """The images the sequence shows, in the order of their placeholders."""
+    image_token_id: int = -1
+    """The model's image token (its placeholders in the ids); -1 without images."""
+
+    @property
+    def image_extra_tokens(self) -> int:
+        """How many more tokens the model runs than the recorded ids hold (each image's expansion, where known)."""
+        return sum(im.tokens - 1 for im in self.images if im.tokens > 1)
+
+    def model_len(self) -> int:
+        """The sequence's length as the model runs it (placeholders expanded, where known)."""
+        return len(self) + self.image_extra_tokens
+
+    def model_tokens(self) -> list[int]:
+        """The whole sequence as the model runs it (placeholders expanded, where known)."""
+        run = _as_run(self)
+        return run.input_ids + run.output_ids
 
     @property
     def tokens(self) -> list[int]:
@@ -114,6 +153,8 @@ class RecordingMark:
     segments: int
     outputs: int
     """The then-current segment's output length (-1 without a segment)."""
+    images: int
+    """The then-current segment's image count."""
     chat: Any
     finish_reason: str
     prompt_tokens: int
@@ -171,7 +212,8 @@ class EpisodeRecording:
 
     def mark(self) -> RecordingMark:
         seg = self.current
-        return RecordingMark(len(self.segments), -1 if seg is None else len(seg.output_ids), None if seg is None else seg.chat,
+        return RecordingMark(len(self.segments), -1 if seg is None else len(seg.output_ids), 0 if seg is None else len(seg.images),
+                             None if seg is None else seg.chat,
                              FinishReason.STOP if seg is None else seg.finish_reason, self.prompt_tokens, self.reused_prefix_tokens)
 
     def rollback(self, m: RecordingMark) -> None:
@@ -181,6 +223,7 @@ class EpisodeRecording:
         if seg is not None and m.outputs >= 0:
             for name in ("output_ids", "loss_mask", "logprobs", "versions"):
                 del getattr(seg, name)[m.outputs:]
+            del seg.images[m.images:]
             seg.chat, seg.finish_reason = m.chat, m.finish_reason
         self.prompt_tokens, self.reused_prefix_tokens = m.prompt_tokens, m.reused_prefix_tokens
 
@@ -209,15 +252,21 @@ class EpisodeRecording:
             if last and finish_reason is not None:
                 reason = finish_reason
             text = output_text[seg.index] if output_text is not None and seg.index < len(output_text) else None
+            ran = _as_run(seg)
+            meta = _segment_metadata(metadata, seg)
+            if ran.constrained is not None:
+                meta["constrained_tokens"] = ran.constrained
+            if seg.images:
+                meta["episode_images"] = {im.sha256: im.data for im in seg.images}
             out.append(Trajectory(
                 prompt_id=self.prompt_id,
                 sample_index=self.sample_index,
                 segment_index=seg.index,
-                input_ids=np.asarray(seg.input_ids, dtype=np.int32),
-                output_ids=np.asarray(seg.output_ids, dtype=np.int32),
-                output_logprobs=np.asarray(seg.logprobs, dtype=np.float32),
-                token_versions=np.asarray(seg.versions, dtype=np.int32),
-                loss_mask=np.asarray(seg.loss_mask, dtype=np.uint8),
+                input_ids=np.asarray(ran.input_ids, dtype=np.int32),
+                output_ids=np.asarray(ran.output_ids, dtype=np.int32),
+                output_logprobs=np.asarray(ran.logprobs, dtype=np.float32),
+                token_versions=np.asarray(ran.versions, dtype=np.int32),
+                loss_mask=np.asarray(ran.loss_mask, dtype=np.uint8),
                 finish_reason=reason,
                 worker_id=worker_id,
                 attempt=attempt,
@@ -227,6 +276,50 @@ class EpisodeRecording:
                 first_token_at=seg.first_token_at,
                 finished_at=seg.finished_at,
                 reward=reward,
-                metadata=_segment_metadata(metadata, seg),
+                metadata=meta,
+                image_sha256=tuple(im.sha256 for im in seg.images),
+                image_grid_thw=(np.asarray([x for im in seg.images for x in (im.grid_thw or (0, 0, 0))], dtype=np.int32)
+                                if seg.images else None),
             ))
         return out
+
+
+@dataclass(slots=True)
+class _Run:
+    """A segment's arrays as the model ran them (placeholders expanded)."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    constrained: list[list[int]] | None = None
+    """The constrained spans remapped onto the expanded outputs (None: unchanged)."""
+
+
+def _as_run(seg: Segment) -> _Run:
+    """`seg`'s ids with each image placeholder repeated once per image token (sampled image tokens are text, kept)."""
+    if not seg.images or not seg.image_extra_tokens:
+        return _Run(seg.input_ids, seg.output_ids, seg.loss_mask, seg.logprobs, seg.versions)
+    sizes = iter([max(1, im.tokens) for im in seg.images])
+    image_id = seg.image_token_id
+
+    def times(token: int, sampled: bool) -> int:
+        return next(sizes, 1) if token == image_id and not sampled else 1
+
+    input_ids: list[int] = []
+    for t in seg.input_ids:
+        input_ids += [t] * times(t, False)
+    run = _Run(input_ids, [], [], [], [])
+    where: list[int] = []
+    for t, m, lp, v in zip(seg.output_ids, seg.loss_mask, seg.logprobs, seg.versions, strict=True):
+        where.append(len(run.output_ids))
+        k = times(t, m == 1)
+        run.output_ids += [t] * k
+        run.loss_mask += [m] * k
+        run.logprobs += [lp] * k
+        run.versions += [v] * k
+    if seg.constrained:
+        where.append(len(run.output_ids))
+        run.constrained = [[where[a], where[b]] for a, b in seg.constrained]
+    return run

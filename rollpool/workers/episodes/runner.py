@@ -40,7 +40,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import ConfigError
@@ -56,6 +56,7 @@ from rollpool.workers.episodes.episode import (
 )
 from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
+from rollpool.workers.images import ImagePolicy
 
 __all__ = ["DEFAULT_EPISODE", "EpisodeConfig", "EpisodeFn", "EpisodeRunner", "load_episode_function", "load_episode_functions"]
 
@@ -92,6 +93,9 @@ class EpisodeConfig:
     """The endpoint's port; 0 picks a free one."""
     serve_openai: bool = True
     """False: no HTTP endpoint (token-level episodes only; ``ctx.openai_base_url`` is "")."""
+    image_policy: ImagePolicy = field(default_factory=ImagePolicy)
+    """What the endpoint accepts as ``image_url`` parts (the worker's image rules: count, bytes, pixels, formats,
+    fetching http(s) URLs or not)."""
 
     def __post_init__(self) -> None:
         if self.max_episodes < 1:
@@ -283,7 +287,15 @@ class EpisodeRunner:
         if self.config.max_request_bytes:
             return self.config.max_request_bytes
         context = self._max_context_tokens()
-        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context) if context else MAX_REQUEST_BYTES
+        limit = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context) if context else MAX_REQUEST_BYTES
+        try:
+            images = bool(self.engine.info().images)
+        except Exception:  # noqa: BLE001 - optional information
+            images = False
+        if images:  # room for the images' data URLs (base64: 4 bytes per 3), up to the endpoint's largest body
+            policy = self.config.image_policy
+            limit = min(max(limit, MAX_REQUEST_BYTES), limit + policy.max_images * (policy.max_image_bytes * 4 // 3 + 64))
+        return limit
 
     async def run_group(self, prompt: Prompt, n: int | None = None, *, attempt: int = 0, queued_at: float = 0.0,
                         request_prefix: str | None = None) -> list[Trajectory]:
@@ -323,7 +335,8 @@ class EpisodeRunner:
                 tokenizer=self.tokenizer, parser=get_tool_call_parser(self.config.tool_call_parser),
                 model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
-                tokenizer_lane=self._tokenizer_lane, end_of_turn_cache=self._end_of_turn_cache)
+                tokenizer_lane=self._tokenizer_lane, end_of_turn_cache=self._end_of_turn_cache,
+                image_policy=self.config.image_policy)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1

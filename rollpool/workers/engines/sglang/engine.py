@@ -273,6 +273,8 @@ class SGLangEngine:
         """The checkpoint has a vision tower (``vision_config``)."""
         self._vision: VisionSpec | None = None
         """Loaded at the first image prompt (the image processor computes the grids the reported ids need)."""
+        self._image_placeholder_ids: list[int] = []
+        """(vision start, image, vision end) token ids from config.json, for the episode endpoint."""
         self._context_tokens: int | None = None
         self._tokenizer: Any = None
         self._released: set[str] = set()
@@ -379,6 +381,8 @@ class SGLangEngine:
             cfg = {}
         text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
         self._takes_images = isinstance(cfg.get("vision_config"), dict)
+        marks = [cfg.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
+        self._image_placeholder_ids = [int(t) for t in marks] if self._takes_images and all(isinstance(t, int) for t in marks) else []
         vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
         self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         positions = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
@@ -558,8 +562,9 @@ class SGLangEngine:
                    "tp_size": self.tp_size, "dp_size": self.dp_size,
                    "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
                    if self.gpu_plan is not None else [],
-                   "max_context_tokens": self._context_tokens or 0,
-                   "lora": self.options.lora, "adapter_versions": sorted(self._adapters)},  # the episode endpoint's context_length_exceeded
+                   "max_context_tokens": self._context_tokens or 0,  # the episode endpoint's context_length_exceeded
+                   "lora": self.options.lora, "adapter_versions": sorted(self._adapters),
+                   **({"image_placeholder_ids": self._image_placeholder_ids} if self._image_placeholder_ids else {})},
             images=self._takes_images,
         )
 

@@ -498,9 +498,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     import sglang
 
     # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; no xgrammar in the kit; prefill
-    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay)
+    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay); a vision tower's attention
+    # defaults to fa3 on Hopper too, so it is triton as well (the setting is read only by multimodal models)
     kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
-              "cuda_graph_backend_prefill": "disabled", **kwargs}
+              "cuda_graph_backend_prefill": "disabled", "mm_attention_backend": "triton_attn", **kwargs}
     engine = sglang.Engine(model_path=a.model_path, **kwargs)
     engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token, a.hop))
     return 0

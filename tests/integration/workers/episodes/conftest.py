@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tests.unit.workers.conftest import tiny_model_dir
+from tests.unit.workers.conftest import tiny_model_dir, tiny_vlm_dir
 
-__all__ = ["tiny_model_dir", "tiny_tokenizer"]
+__all__ = ["tiny_model_dir", "tiny_tokenizer", "tiny_vlm_dir"]
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,10 @@ def test_malformed_messages_are_refused_with_a_400_naming_what(tok: Any) -> None
         "messages[0] must be an object": ["hi"],
         "messages[0].role must be one of": [{"role": "robot", "content": "x"}],
         "messages[1].content is required for role user": [{"role": "system", "content": "s"}, {"role": "user"}],
-        "only text parts": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "only text and image_url parts": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}],
+        "image_url.url must be a data: URL": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "this model takes no images": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,x"}}]}],
+        "image parts are served in user messages only": [{"role": "system", "content": [{"type": "image_url", "image_url": "data:,"}]}],
         "tool_calls[0] needs function.name": [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
     }
     for message, raw in cases.items():
@@ -50,6 +53,16 @@ def test_malformed_messages_are_refused_with_a_400_naming_what(tok: Any) -> None
         assert info.value.status == 400 and info.value.body()["error"]["type"] == "invalid_request_error"
     # text parts are joined
     assert chat.validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])[0]["content"] == "ab"
+
+
+def test_an_image_part_stands_as_the_placeholder_text_and_its_image_is_part_of_the_message_key() -> None:
+    raw = [{"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                        {"type": "text", "text": " and "}, {"type": "image_url", "image_url": "https://x/y.png"}]}]
+    (msg,) = chat.validate_messages(raw, image_text="<IMG>")
+    assert msg["content"] == "see <IMG> and <IMG>" and chat.image_urls([msg]) == ["data:image/png;base64,AA==", "https://x/y.png"]
+    assert "image_urls" not in chat.render_message(msg)
+    one, other = {**msg, "images": ["a", "b"]}, {**msg, "images": ["a", "c"]}
+    assert chat.message_key(one) != chat.message_key(other) and chat.message_key(one) == chat.message_key(dict(one))
 
 
 def test_a_message_sent_back_matches_whatever_null_fields_the_sdk_adds() -> None:

@@ -114,3 +114,32 @@ def test_a_trajectory_from_a_peer_without_segment_index_decodes_as_segment_0() -
     back = codec.decode(old)
     assert [t.segment_index for t in back.trajectories] == [0, 0]
     assert [t.trajectory_id for t in back.trajectories] == ["p:3", "p:3"]
+
+
+def test_image_placeholders_are_expanded_in_the_trajectory_and_a_sampled_image_token_is_kept_as_text() -> None:
+    from rollpool.workers.episodes.recording import SegmentImage
+
+    img = 99
+    rec = EpisodeRecording("p", 0, start_version=1)
+    seg, _ = rec.continue_with([5, img, 6])
+    seg.image_token_id = img
+    seg.images = [SegmentImage(b"a", "sha-a", (1, 2, 6), 3), SegmentImage(b"b", "sha-b", (1, 4, 2), 2)]
+    seg.sample([10, img], [-0.5, -0.25], [2, 2], "stop")  # the model sampled the image token: text, not a placeholder
+    seg.insert([7, img, 8])
+    seg.sample([11, 12], [-1.0, -2.0], [3, 3], "stop")
+    seg.constrained.append((5, 7))
+    assert seg.model_len() == len(seg) + 3 and seg.model_tokens()[:5] == [5, img, img, img, 6]
+    (t,) = rec.trajectories(metadata={"k": 1})
+    assert t.input_ids.tolist() == [5, img, img, img, 6]
+    assert t.output_ids.tolist() == [10, img, 7, img, img, 8, 11, 12]
+    assert t.loss_mask.tolist() == [1, 1, 0, 0, 0, 0, 1, 1]
+    assert t.output_logprobs.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0]
+    assert t.token_versions.tolist() == [2, 2, 2, 2, 2, 2, 3, 3]
+    assert t.metadata["constrained_tokens"] == [[6, 8]]  # the sampled span, moved past the expanded image
+    assert t.image_sha256 == ("sha-a", "sha-b") and t.image_grid_thw.tolist() == [1, 2, 6, 1, 4, 2]
+    assert t.metadata["episode_images"] == {"sha-a": b"a", "sha-b": b"b"} and t.metadata["k"] == 1
+    # a refused turn's images go with it
+    mark = rec.mark()
+    seg.images.append(SegmentImage(b"c", "sha-c"))
+    rec.rollback(mark)
+    assert [im.sha256 for im in seg.images] == ["sha-a", "sha-b"]
