@@ -239,3 +239,88 @@ async def test_a_relay_that_missed_the_base_serves_the_full_version_then_deltas(
         assert all(s.delta_versions == 1 for s in subs)
     finally:
         await relay.close()
+
+
+async def _relay_holding_v1(pub: Any, make_subscriber: Any, sockets: Any) -> tuple[Any, list[Any], dict[str, torch.Tensor]]:
+    """A relay (started, not run: the test says when it follows upstream) and two subscribers behind it, all holding 1."""
+    from rollpool.weights.relay import Relay
+
+    relay = Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
+                  pub_endpoint="tcp://127.0.0.1:*", announce_interval_s=0.1, fetch_timeout_s=2.0)
+    await relay.start()
+    subs = [make_subscriber(relay.router_endpoint, relay.pub_endpoint, worker_id=f"w{i}") for i in range(2)]
+    m1 = _model()
+    await _published(pub, m1, 1)
+    assert await relay.follow_latest() == 1
+    for s in subs:
+        s.recycle(await s.fetch(1))
+    return relay, subs, m1
+
+
+async def test_a_relay_holding_the_base_rebuilds_the_delta_verifies_it_and_forwards_it(make_publisher: Any, make_subscriber: Any,
+                                                                                      sockets: Any) -> None:
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    total = sum(t.numel() * t.element_size() for t in m1.values())
+    try:
+        model = m1
+        for version in (2, 3):
+            model = _step(model, version)
+            await _published(pub, model, version)
+            before = relay.upstream_bytes
+            assert await relay.follow_latest() == version
+            assert 0 < relay.upstream_bytes - before < total // 10  # the relay got the changed elements, not the version
+            served = relay._server.versions[version]
+            assert served.delta is not None and served.delta.base == version - 1
+            # the upstream's encoded buckets pass through as they came: the same checksums a subscriber verifies
+            def carried(buckets: Any) -> list[tuple[str, str, int, str]]:
+                return [(b.checksum, b.encoding, b.delta_nbytes, b.delta_checksum) for b in buckets]
+
+            assert carried(served.delta.buckets) == carried(pub._server.versions[version].delta.buckets)
+            for s in subs:
+                sub_before = s.bytes_received
+                wv = await s.fetch(version)
+                assert _same(wv.tensors, model) and wv.manifest.delta_base == version - 1
+                assert 0 < s.bytes_received - sub_before < total // 10
+                s.recycle(wv)
+        assert relay.delta_versions == 2 and relay.delta_fallbacks == 0
+        assert all(s.delta_versions == 2 and s.delta_fallbacks == 0 for s in subs)
+        late = make_subscriber(relay.router_endpoint, relay.pub_endpoint, worker_id="late")  # holds no base: the relay's full copy
+        wv = await late.fetch(3)
+        assert _same(wv.tensors, model) and wv.manifest.delta_base == -1 and late.bytes_received == total
+        assert relay._server.last_delta["version"] == 3 and 0 < relay._server.last_delta["wire_bytes"] < total // 10
+    finally:
+        await relay.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "payload_and_its_checksum"])
+async def test_a_corrupt_delta_at_the_relay_ends_in_the_full_version_downstream_too(make_publisher: Any, make_subscriber: Any,
+                                                                                    sockets: Any, where: str) -> None:
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        m2 = _step(m1, 2)
+        await _published(pub, m2, 2)
+        served = pub._server.versions[2]
+        assert served.delta is not None
+        payload = served.delta.payload
+        i = next(j for j, b in enumerate(served.delta.buckets) if b.encoding in ("sparse", "gaps"))
+        k = sum(1 for b in served.delta.buckets[:i] if b.encoding != "unchanged")
+        src = payload.sources[k]
+        src.array[-1] ^= 0x40
+        if where == "payload_and_its_checksum":  # only the checksum of the rebuilt bytes can catch it
+            digest = checksum(src.array.data)
+            payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
+            served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == i else b for b in served.delta.buckets)
+        assert await relay.follow_latest() == 2
+        assert relay.delta_fallbacks == 1 and relay.delta_versions == 0
+        for _ in range(500):  # the relay, holding 1 and the full 2, computes the delta between them itself
+            if relay._server.versions[2].delta_state != "pending":
+                break
+            await asyncio.sleep(0.01)
+        for s in subs:
+            wv = await s.fetch(2)
+            assert _same(wv.tensors, m2)
+            s.recycle(wv)
+    finally:
+        await relay.close()
