@@ -280,7 +280,10 @@ class Relay:
                 log.warning("relay %s: delta of version %d against %d not rebuilt (%s); fetching it full", self.relay_id, version,
                             manifest.delta_base, exc)
                 manifest = check_manifest(await self.upstream.fetch_manifest(version, delta=False))
-        return await self._follow_full(manifest)
+                return await self._follow_full(manifest, declined=False)
+        # upstream answered a request naming the base right before with the full version: it judged the delta no cheaper
+        # (or had none), and the same bytes compared here would judge the same, so none is computed here
+        return await self._follow_full(manifest, declined=base is not None and base.version == version - 1)
 
     async def _follow_delta(self, manifest: Manifest, base: ServedVersion | None) -> int:
         """Rebuild `manifest`'s version from the base held here and the upstream's encoded buckets, verify it, then serve
@@ -319,7 +322,9 @@ class Relay:
         self._serve(served, buffers)
         return version
 
-    async def _follow_full(self, manifest: Manifest) -> int:
+    async def _follow_full(self, manifest: Manifest, *, declined: bool) -> int:
+        """Fetch a full version, serving its chunks downstream as they arrive; the delta against the version before it
+        is computed here once it is all here, unless upstream `declined` to send one."""
         version = manifest.version
         chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
@@ -333,7 +338,7 @@ class Relay:
             chunk_bytes=manifest.chunk_bytes,
             adapter=manifest.adapter,
         )
-        if self._delta_on:
+        if self._delta_on and not declined:
             self._server.expect_delta(served)  # its subscribers holding the version before get the changed elements
         self._server.add_version(served)
         try:
