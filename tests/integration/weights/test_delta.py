@@ -75,6 +75,10 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert wv.manifest.delta_base == version - 1
         # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
         assert 0 < sub.bytes_received - before < total // 10
+        wire = sub.last_wire  # what status and top show: the bytes by encoding, the changed fraction carried
+        assert wire.version == version and wire.wire_bytes == sub.bytes_received - before and wire.model_bytes == total
+        assert wire.bytes_by_encoding["gaps"] + wire.bytes_by_encoding["sparse"] == wire.wire_bytes > 0  # scattered: no bucket whole
+        assert 0.009 < wire.changed_fraction < 0.011  # 1% of each tensor's elements changed
         sub.recycle(wv)
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
     assert sub.buffers_allocated == 2  # the base and the version being rebuilt: recycled buffers come back a version later
