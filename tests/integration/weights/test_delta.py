@@ -328,3 +328,60 @@ async def test_a_corrupt_delta_at_the_relay_ends_in_the_full_version_downstream_
             s.recycle(wv)
     finally:
         await relay.close()
+
+
+async def test_a_delta_evicted_while_the_relay_fetches_it_ends_in_the_full_latest(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    from rollpool.protocol.errors import WeightSyncError
+
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        m2 = _step(m1, 2)
+        await _published(pub, m2, 2)
+        through = relay.upstream._network.fetch
+        newer: dict[str, Any] = {}
+
+        async def evicting(job: Any) -> Any:
+            if job.manifest.delta_base >= 0 and not newer:
+                newer["m3"] = _step(m2, 3)
+                await _published(pub, newer["m3"], 3)
+                newer["m4"] = _step(newer["m3"], 4)
+                await _published(pub, newer["m4"], 4)  # keep_versions=2: 2 and its delta are gone mid-fetch
+            return await through(job)
+
+        relay.upstream._network.fetch = evicting
+        with pytest.raises(WeightSyncError):  # the follow loop logs it and looks again
+            await relay.follow_latest()
+        assert relay.latest_version == 1 and relay.delta_fallbacks == 1 and 2 not in relay._server.versions
+        assert await relay.follow_latest() == 4  # holding 1, not 3: the full version
+        assert relay._server.versions[4].delta is None
+        for s in subs:
+            wv = await s.fetch(4)
+            assert _same(wv.tensors, newer["m4"]) and wv.manifest.delta_base == -1
+    finally:
+        await relay.close()
+
+
+async def test_a_publisher_restarted_between_versions_is_never_a_relay_s_base(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    pub = await make_publisher()
+    endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
+    relay, subs, _m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        await pub.close()
+        restarted = await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+        r1 = _model(seed=7)  # the new run's own 1 (other bytes), then a delta of 2 against it
+        await _published(restarted, r1, 1)
+        r2 = _step(r1, 9)
+        await _published(restarted, r2, 2)
+        assert restarted._server.versions[2].delta is not None
+        assert await relay.follow_latest() == 2
+        assert relay.delta_versions == 0 and relay.delta_fallbacks == 1
+        for _ in range(500):
+            if relay._server.versions[2].delta_state != "pending":
+                break
+            await asyncio.sleep(0.01)
+        for s in subs:
+            wv = await s.fetch(2)
+            assert _same(wv.tensors, r2)
+    finally:
+        await relay.close()
