@@ -129,6 +129,21 @@ async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_ve
     assert early.delta_versions == 0 and pub._server.full_served_to_delta_askers >= 1
 
 
+async def _restarted(make_publisher: Any, endpoint: str, pub_endpoint: str) -> Any:
+    """A publisher on the endpoints of one just closed: ZeroMQ releases a closed socket's port in its I/O thread, a little
+    later, so the rebind is tried again while the port is still held."""
+    import zmq
+
+    for _ in range(100):
+        try:
+            return await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{endpoint} stayed in use")
+
+
 async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
     m1 = _model()
@@ -196,7 +211,7 @@ async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publi
     endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
     sub, _m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
     await pub.close()
-    restarted = await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+    restarted = await _restarted(make_publisher, endpoint, pub_endpoint)
     # the new run publishes its own version 1 (other bytes) and then 2: a delta of 2 against *its* 1
     r1 = _model(seed=7)
     await _published(restarted, r1, 1)
@@ -368,7 +383,7 @@ async def test_a_publisher_restarted_between_versions_is_never_a_relay_s_base(ma
     relay, subs, _m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
     try:
         await pub.close()
-        restarted = await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+        restarted = await _restarted(make_publisher, endpoint, pub_endpoint)
         r1 = _model(seed=7)  # the new run's own 1 (other bytes), then a delta of 2 against it
         await _published(restarted, r1, 1)
         r2 = _step(r1, 9)
