@@ -11,6 +11,15 @@ What publishing costs the trainer (8B on an 80 GB card, the trainer holding an o
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
         --optimizer-gib 8 --rows cuda_ipc_cuda,shm_cpu,tcp_cpu
 
+Delta versions at 8B (docs/weights.md "Delta versions"; the full rows beside them, one engine start):
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --rows tcp_cuda,tcp_cuda_delta,shm_cuda,shm_cuda_delta
+
+The delta rows' versions are `sparse_step`s (--delta-fraction of the bf16 elements, 0.0215 by default); the JSON
+gains changed_fraction, delta_bytes_fraction, delta_host_path_s, delta_shm_path_s, delta_trainer_blocked_s and
+their goals.
+
 A goal is reported only for the path its row meant (`path_goal`): a row whose versions went over another path says
 ``"met": null`` and ``"not_measured"``, with the paths taken and every fallback's reason (the worker's, per fetch, and
 the publisher's ``publisher_path_note``: why it offered no device buffer, e.g. its GPU budget).
@@ -439,6 +448,24 @@ def expected_checksums(sd: dict[str, Any], bucket_bytes: int) -> list[str]:
     return out
 
 
+def sparse_step(sd: dict[str, Any], v: int, fraction: float) -> None:
+    """The delta rows' step: `fraction` of each tensor's bf16 elements, scattered at random, move to a neighbouring bf16
+    value (their 16-bit pattern +-1, alternating by version), the rest stay bit-identical. A stand-in for AdamW at an
+    RL learning rate, whose fp32 master weights and moments (16 bytes a parameter) do not fit one card beside the 8B
+    engine; `fraction` defaults to the changed fraction bench/weights.py --delta measured for AdamW at lr 1e-6."""
+    import torch
+
+    gens: dict[Any, Any] = {}
+    with torch.no_grad():
+        for t in sd.values():
+            if t.dtype != torch.bfloat16:
+                continue
+            g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(v))
+            w = t.view(torch.int16).view(-1)
+            mask = torch.rand(w.shape, generator=g, device=w.device) < fraction
+            w[mask] += 1 if v % 2 else -1
+
+
 def optimizer_step(sd: dict[str, Any], v: int) -> None:
     """Every tensor changes: +-0.01 (alternating, so magnitudes stay put), right after publish returns."""
     import torch
@@ -450,8 +477,10 @@ def optimizer_step(sd: dict[str, Any], v: int) -> None:
 # --------------------------------------------------------------------------- the pool
 
 
-async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
-    """One engine start; `rows` = [(path, tensors_on)], each for args.versions versions."""
+async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, rows: list[tuple[str, str, bool]]) -> None:
+    """One engine start; `rows` = [(path, tensors_on, delta)], each for args.versions versions (delta: the publisher
+    offers delta versions and every version is a `sparse_step`; the worker asks for deltas on every row when any row
+    is a delta row: a publisher with them off answers full versions)."""
     import torch
     import zmq.asyncio
 
@@ -470,6 +499,8 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
     # the worker's ZeroMQ context gets one I/O thread per stream from ROLLPOOL_WEIGHT_STREAMS (WorkerConfig.weights.streams)
     wenv = {"ROLLPOOL_WEIGHT_PATH": "auto", "ROLLPOOL_WEIGHT_STREAMS": str(args.streams),
             "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
+    if any(delta for _p, _o, delta in rows):
+        wenv["ROLLPOOL_WEIGHT_DELTA"] = "1"
     if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)
         wenv["ROLLPOOL_WEIGHT_SHM_TO_DEVICE"] = "0"
     t_spawn = time.time()
@@ -517,11 +548,12 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         v, last_rx, last_ipc, last_dev, last_bulk = 0, 0, 0, 0, 0
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         t_joined = time.time()
-        for path, on in rows:
-            name = f"{path}_{on}"
+        for path, on, delta in rows:
+            name = f"{path}_{on}" + ("_delta" if delta else "")
             recs: list[dict[str, Any]] = []
-            stage[name] = {"path": path, "tensors_on": on, "versions": recs}
+            stage[name] = {"path": path, "tensors_on": on, "delta": delta, "versions": recs}
             pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto"}[path])
+            pub.config = dataclasses.replace(pub.config, weight_delta=delta)  # read at each publish
             sd = sd_cuda if on == "cuda" else {k: t.cpu() for k, t in sd_cuda.items()}
             kind = "host" if path == "tcp" else "shm"  # the cuda_ipc row's host buckets (for other peers) are shm too
             if kind != last_kind or on != last_on:
@@ -561,7 +593,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 await client.publish_weights(sd, v)
                 t_ret = time.time()
                 ret_manifest = pub.manifest_of(v)
-                optimizer_step(sd, v)
+                if delta:
+                    sparse_step(sd, v + 1, args.delta_fraction)  # the next version's changes
+                else:
+                    optimizer_step(sd, v)
                 await pub.wait_ready(v)
                 manifest = pub.manifest_of(v)
                 # the trainer's GPU memory the publisher took beyond what it held before this version (its arenas)
@@ -597,6 +632,11 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "publisher_path_note": pub.path_note.get("why_not_cuda_ipc"), "publisher_ipc_broken": pub._ipc.broken or None,
                     "extra_gpu_bytes_peak": extra_gpu, "publisher_gpu_budget_bytes": pub.gpu_budget.budget,
                 }
+                served_v = pub._server.versions.get(v)
+                made = served_v.delta if served_v is not None else None
+                rec.update({"delta_base": f.get("delta_base", -1), "delta_bytes": f.get("delta_bytes"),
+                            "changed_fraction": round(made.changed_fraction, 6) if made is not None else None,
+                            "delta_wire_bytes": made.wire_bytes if made is not None else None})
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
                 bulk = int(f.get("bulk_bytes", last_bulk))  # of those, over the bulk lane (minor 13)
@@ -779,6 +819,23 @@ def summarize() -> None:
         goals["first_over_warm"] = {"value": max(fow), "goal": "<= 1.2", "met": max(fow) <= 1.2}
     if pause is not None:
         goals["pause_s"] = {"value": pause, "goal": "<= 0.15", "met": pause <= 0.15}
+    delta_rows = [row for name, row in rows.items() if name.endswith("_delta") and row.get("versions")]
+    if delta_rows:
+        steady = [r for row in delta_rows for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
+        RESULT["changed_fraction"] = _median([r["changed_fraction"] for r in steady if r.get("changed_fraction") is not None])
+        RESULT["delta_bytes_fraction"] = _median([r["worker_socket_bytes"] / model_bytes for r in steady
+                                                  if model_bytes and r.get("worker_socket_bytes") is not None])
+        RESULT["delta_versions_rebuilt"] = len(steady)
+        dt, ds = rows.get("tcp_cuda_delta", {}), rows.get("shm_cuda_delta", {})
+        RESULT["delta_host_path_s"] = (dt.get("summary") or {}).get("publish_to_applied_s")
+        ds_s, ds_pause = (ds.get("summary") or {}).get("publish_to_applied_s"), (ds.get("summary") or {}).get("pause_s")
+        RESULT["delta_shm_path_s"] = round(ds_s - ds_pause, 4) if ds_s is not None and ds_pause is not None else None
+        RESULT["delta_shm_paths_taken"] = (ds.get("summary") or {}).get("paths_taken")
+        RESULT["delta_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for row in delta_rows for r in row["versions"][1:]])
+        for key, limit in (("delta_bytes_fraction", 0.05), ("delta_host_path_s", 0.35), ("delta_shm_path_s", 0.25),
+                           ("delta_trainer_blocked_s", 0.15)):
+            if RESULT.get(key) is not None:
+                goals[key] = {"value": RESULT[key], "goal": f"<= {limit}", "met": RESULT[key] <= limit}
     RESULT["goals"] = goals
 
 
@@ -803,6 +860,11 @@ HOW = {
     "ipc_extra_gpu_bytes": "row cuda_ipc_cuda: max over versions of torch.cuda.max_memory_allocated() during publish_weights..wait_ready less memory_allocated() before it, in the trainer's process",
     "bucket_bytes": "the publisher's bucket size (--bucket-mib)",
     "fallback_reasons": "per version: the worker subscriber's fallback reasons of that fetch (its 'weights fetched' line); publisher_path_note: why the publisher offered no device buffer",
+    "changed_fraction": "delta rows (--delta): median over the versions the worker rebuilt from a delta of the publisher's changed fraction (changed bf16 elements over all, WeightServer's delta); the step is sparse_step at --delta-fraction, a stand-in for AdamW (see its docstring)",
+    "delta_bytes_fraction": "delta rows: median over the versions rebuilt from a delta of the worker's socket bytes for that version over the model's bytes",
+    "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (deltas travel on the ROUTER)",
+    "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause; a delta is served over the ROUTER, not shared memory (delta_shm_paths_taken)",
+    "delta_trainer_blocked_s": "duration of publish_weights over the delta rows, versions 2..N (the delta is computed after publish returns, off the trainer's call)",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
 
@@ -833,6 +895,9 @@ def main() -> int:
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-raw", action="store_true", help="skip the raw ZeroMQ tcp probe (rows without tcp)")
     ap.add_argument("--peers-timeout-s", type=int, default=240)
+    ap.add_argument("--delta", action="store_true", help="add the delta rows tcp_cuda_delta, shm_cuda_delta (every version a sparse_step)")
+    ap.add_argument("--delta-fraction", type=float, default=0.0215,
+                    help="the delta rows' changed fraction per version (default: bench/weights.py --delta, AdamW at lr 1e-6, on CPU)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
     args = ap.parse_args()
     if args.versions < 6:
@@ -870,9 +935,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
             RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
         save()
-    rows = [("tcp", "cuda"), ("shm", "cuda"), ("cuda_ipc", "cuda"), ("tcp", "cpu"), ("shm", "cpu")]
+    rows = [("tcp", "cuda", False), ("shm", "cuda", False), ("cuda_ipc", "cuda", False), ("tcp", "cpu", False), ("shm", "cpu", False)]
+    delta_rows = [("tcp", "cuda", True), ("shm", "cuda", True)]
+    if args.delta:
+        rows += delta_rows
     if args.rows:  # the rows named, in the order named
-        by_name = {f"{r[0]}_{r[1]}": r for r in rows}
+        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in rows + delta_rows}
         rows = [by_name[n] for n in args.rows.split(",") if n in by_name]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")

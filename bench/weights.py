@@ -563,11 +563,13 @@ class AdamWTrainer:
 
 
 async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_bytes: int) -> dict[str, Any]:
-    """4 subscribers asking for deltas and 4 asking for full versions, all behind one relay, one process (the relay
-    computes the deltas it serves from the two versions it holds). Per version: publish, relay follows, then the full
-    group and the delta group fetch (their order alternating), each group timed until its last subscriber holds the
-    verified version, with its bytes received and the process CPU seconds. The last version is a worst case (every
-    element changes): the delta group must get the full version with no loss against the full group."""
+    """Delta vs full versions side by side, one process, tcp loopback, network path: one publisher (deltas on) feeds two
+    relays, one with deltas off (it and its `n_subs` subscribers take full versions) and one with deltas on (it gets the
+    changed elements from upstream, rebuilds and verifies the version, and forwards the delta to its `n_subs`
+    subscribers). Per version: publish, then each relay follows (its time, process CPU and upstream bytes), then each
+    group fetches (their order alternating), timed until its last subscriber holds the verified version, with its bytes
+    received and the process CPU seconds. The last version is a worst case (every element changes): the delta side must
+    get the full version with no loss against the full side."""
     import torch
     import zmq.asyncio
 
@@ -579,19 +581,19 @@ async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_b
 
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
-    on = WeightPathConfig(weight_path="network", weight_delta=True)
-    off = WeightPathConfig(weight_path="network", weight_delta=False)
+    cfg = {"delta": WeightPathConfig(weight_path="network", weight_delta=True), "full": WeightPathConfig(weight_path="network", weight_delta=False)}
     pub = WeightPublisher(sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
-                          bucket_bytes=64 * _MiB, chunk_bytes=chunk_bytes, weights=on)
+                          bucket_bytes=64 * _MiB, chunk_bytes=chunk_bytes, weights=cfg["delta"])
     await pub.start()
-    relay = Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
-                  pub_endpoint="tcp://127.0.0.1:*", weights=on, fetch_timeout_s=60.0)
-    await relay.start()
-    groups = {"full": [WeightSubscriber(sockets, worker_id=f"full{i}", weights=off, fetch_timeout_s=60.0) for i in range(n_subs)],
-              "delta": [WeightSubscriber(sockets, worker_id=f"delta{i}", weights=on, fetch_timeout_s=60.0) for i in range(n_subs)]}
-    for subs in groups.values():
+    relays = {name: Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
+                          pub_endpoint="tcp://127.0.0.1:*", weights=c, fetch_timeout_s=60.0, relay_id=f"relay-{name}") for name, c in cfg.items()}
+    for r in relays.values():
+        await r.start()
+    groups = {name: [WeightSubscriber(sockets, worker_id=f"{name}{i}", weights=cfg[name], fetch_timeout_s=60.0) for i in range(n_subs)]
+              for name in ("full", "delta")}
+    for name, subs in groups.items():
         for s in subs:
-            s.connect(relay.router_endpoint, relay.pub_endpoint)
+            s.connect(relays[name].router_endpoint, relays[name].pub_endpoint)
     trainer = AdamWTrainer(mib, lr)
     model_bytes = mib * _MiB
     rows: list[dict[str, Any]] = []
@@ -601,21 +603,29 @@ async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_b
             t_step = time.perf_counter()
             model = trainer.step(worst_case=worst)
             step_s = time.perf_counter() - t_step
-            cpu0, t0 = time.process_time(), time.perf_counter()
+            t0 = time.perf_counter()
             await pub.publish(model, version, wait_ready=True)
-            publish_s = time.perf_counter() - t0
-            await relay.follow_latest()
-            while relay._server.versions[version].delta_state == "pending":  # noqa: ASYNC110 - the delta has no event
+            while pub._server.versions[version].delta_state == "pending":  # noqa: ASYNC110 - the delta has no event
                 await asyncio.sleep(0.001)
-            relay_s, relay_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            d = relay._server.versions[version].delta
-            row: dict[str, Any] = {"version": version, "worst_case": worst, "step_s": round(step_s, 3), "publish_s": round(publish_s, 4),
-                                   "relay_fetch_and_delta_s": round(relay_s, 4), "relay_fetch_and_delta_cpu_s": round(relay_cpu, 4),
-                                   "delta_offered": d is not None}
+            row: dict[str, Any] = {"version": version, "worst_case": worst, "step_s": round(step_s, 3),
+                                   "publish_and_delta_s": round(time.perf_counter() - t0, 4)}
+            d = pub._server.versions[version].delta
+            row["delta_offered"] = d is not None
             if d is not None:
                 row.update({"changed_fraction": round(d.changed_fraction, 6), "delta_wire_bytes": d.wire_bytes,
-                             "delta_bytes_fraction": round(d.wire_bytes / model_bytes, 6), "bytes_by_encoding": d.bytes_by_encoding})
+                            "delta_bytes_fraction": round(d.wire_bytes / model_bytes, 6), "bytes_by_encoding": d.bytes_by_encoding})
             order = ("full", "delta") if version % 2 else ("delta", "full")
+            for name in order:
+                relay = relays[name]
+                before = relay.upstream_bytes
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                await relay.follow_latest()
+                while relay._server.versions[version].delta_state == "pending":  # noqa: ASYNC110 - a relay-made delta
+                    await asyncio.sleep(0.001)
+                row[f"relay_{name}_s"] = round(time.perf_counter() - t0, 4)
+                row[f"relay_{name}_cpu_s"] = round(time.process_time() - cpu0, 4)
+                row[f"relay_{name}_upstream_bytes"] = relay.upstream_bytes - before
+            row["relay_delta_rebuilt"] = relays["delta"].delta_versions
             for name in order:
                 subs = groups[name]
                 before = sum(s.bytes_received for s in subs)
@@ -629,17 +639,25 @@ async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_b
                         assert torch.equal(w.tensors[k].view(torch.int16), t.view(torch.int16)), f"{name} {k} differs"
                 for s, w in zip(subs, got, strict=True):
                     s.recycle(w)
+            for name in ("full", "delta"):  # the version from the publisher to the last subscriber of the node
+                row[f"{name}_node_s"] = round(row[f"relay_{name}_s"] + row[f"{name}_s"], 4)
+                row[f"{name}_node_cpu_s"] = round(row[f"relay_{name}_cpu_s"] + row[f"{name}_cpu_s"], 4)
+                row[f"{name}_node_bytes"] = row[f"relay_{name}_upstream_bytes"] + row[f"{name}_bytes"]
             if version > 1 and row["full_bytes"]:
                 row["bytes_ratio"] = round(row["delta_bytes"] / row["full_bytes"], 4)
                 row["time_ratio"] = round(row["delta_s"] / row["full_s"], 4)
                 row["cpu_ratio"] = round(row["delta_cpu_s"] / row["full_cpu_s"], 4) if row["full_cpu_s"] else None
+                row["node_bytes_ratio"] = round(row["delta_node_bytes"] / row["full_node_bytes"], 4)
+                row["node_time_ratio"] = round(row["delta_node_s"] / row["full_node_s"], 4)
+                row["node_cpu_ratio"] = round(row["delta_node_cpu_s"] / row["full_node_cpu_s"], 4) if row["full_node_cpu_s"] else None
             rows.append(row)
             print(f"  [delta lr {lr:g} v{version}] {json.dumps(row)}", file=sys.stderr, flush=True)
     finally:
         for subs in groups.values():
             for s in subs:
                 await s.aclose()
-        await relay.close()
+        for r in relays.values():
+            await r.close()
         await pub.close()
         ctx.term()
     steady = [r for r in rows if r["version"] > 1 and not r["worst_case"]]
@@ -649,12 +667,13 @@ async def delta_compare(mib: int, lr: float, versions: int, n_subs: int, chunk_b
         xs = [r[key] for r in steady if r.get(key) is not None]
         return round(statistics.median(xs), 6) if xs else None
 
-    return {"lr": lr, "mib": mib, "subscribers_per_group": n_subs, "steady_versions": len(steady),
-            "changed_fraction": med("changed_fraction"), "delta_bytes_fraction": med("delta_bytes_fraction"),
-            "bytes_ratio": med("bytes_ratio"), "time_ratio": med("time_ratio"), "cpu_ratio": med("cpu_ratio"),
-            "full_s": med("full_s"), "delta_s": med("delta_s"), "full_cpu_s": med("full_cpu_s"), "delta_cpu_s": med("delta_cpu_s"),
-            "relay_fetch_and_delta_s": med("relay_fetch_and_delta_s"),
-            "worst_case": {k: worst.get(k) for k in ("delta_offered", "full_s", "delta_s", "full_bytes", "delta_bytes", "time_ratio", "bytes_ratio")},
+    keys = ("changed_fraction", "delta_bytes_fraction", "bytes_ratio", "time_ratio", "cpu_ratio", "node_bytes_ratio", "node_time_ratio",
+            "node_cpu_ratio", "full_s", "delta_s", "full_cpu_s", "delta_cpu_s", "full_node_s", "delta_node_s", "full_node_cpu_s",
+            "delta_node_cpu_s", "relay_full_s", "relay_delta_s", "relay_full_upstream_bytes", "relay_delta_upstream_bytes")
+    return {"lr": lr, "mib": mib, "subscribers_per_group": n_subs, "steady_versions": len(steady), **{k: med(k) for k in keys},
+            "relay_delta_rebuilt": worst.get("relay_delta_rebuilt"),
+            "worst_case": {k: worst.get(k) for k in ("delta_offered", "full_s", "delta_s", "full_bytes", "delta_bytes", "time_ratio", "bytes_ratio",
+                                                     "relay_full_upstream_bytes", "relay_delta_upstream_bytes", "node_time_ratio")},
             "rows": rows}
 
 
@@ -662,7 +681,10 @@ def delta_main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": mp.cpu_count()},
         "params": {"mib": args.delta_mib, "versions": args.delta_versions, "subscribers": args.peers, "chunk_mib": args.chunk_mib,
-                   "setup": "one process: publisher, relay, 4 delta + 4 full subscribers behind the relay, tcp loopback, network path"},
+                   "setup": "one process: publisher (deltas on); a relay with deltas off and its 4 subscribers (full versions) beside "
+                            "a relay with deltas on (the delta from upstream, rebuilt and verified, forwarded) and its 4 subscribers; "
+                            "tcp loopback, network path",
+                   "how": "python bench/weights.py --delta --delta-mib MIB --json PATH (CPU, the 2-core development box)"},
         "runs": [asyncio.run(delta_compare(args.delta_mib, lr, args.delta_versions, args.peers, args.chunk_mib * _MiB))
                  for lr in (1e-6, 1e-5)],
     }

@@ -190,7 +190,22 @@ def render_prometheus(state: PoolState) -> str:  # noqa: C901 - grandfathered: o
             if _is_number(fields.get(f"weights_{lane}_bytes")):
                 add("rollpool_worker_weight_bytes_total", "counter", "Weight bytes a worker received, by lane (network: the whole network "
                     "path, the bulk lane's bytes included).", fields[f"weights_{lane}_bytes"], {**labels, "lane": lane})
+        for enc in ("full", "whole", "gaps", "sparse"):
+            if _is_number(fields.get(f"weights_wire_{enc}_bytes")):
+                add("rollpool_worker_weight_version_wire_bytes", "gauge", "Bytes a worker's last weight version took on the wire, by "
+                    "encoding (full: the version whole; whole, gaps, sparse: a delta's buckets).", fields[f"weights_wire_{enc}_bytes"],
+                    {**labels, "encoding": enc})
         for fname, name, help_text in (
+            ("weights_wire_changed_fraction", "rollpool_worker_weight_version_changed_fraction", "Fraction of the elements a worker's "
+             "last weight version carried as changed (1 for a full version; a delta's whole buckets count whole)."),
+            ("weights_wire_version", "rollpool_worker_weight_wire_version", "The weight version the wire gauges are of."),
+        ):
+            if _is_number(fields.get(fname)):
+                add(name, "gauge", help_text, fields[fname], labels)
+        for fname, name, help_text in (
+            ("weights_delta_versions", "rollpool_worker_weight_delta_versions_total", "Weight versions a worker rebuilt from a delta."),
+            ("weights_delta_fallbacks", "rollpool_worker_weight_delta_fallbacks_total", "Delta weight versions a worker could not "
+             "rebuild (fetched whole instead)."),
             ("weights_fallbacks", "rollpool_worker_weight_fallbacks_total", "Weight versions a worker fetched on a slower path than it asked for."),
             ("weights_refetched", "rollpool_worker_weight_buckets_refetched_total", "Weight buckets a worker fetched again (checksum failures)."),
             ("held_lists_sent", "rollpool_worker_held_lists_total", "Whole held lists a worker sent because its held digest disagreed."),

@@ -62,6 +62,27 @@ def _fmt_bytes(v: object) -> str:
     return f"{int(v)} B"
 
 
+_WIRE_ENCODINGS = ("full", "whole", "gaps", "sparse")
+"""Encodings a version's bytes travel in (`weights_wire_<encoding>_bytes`): ``full`` a version sent whole, the others a
+delta's buckets (rollpool.weights.delta)."""
+
+
+def _wire_parts(f: dict[str, object]) -> list[str]:
+    """The last version's bytes on the wire by encoding, over its size, and the fraction of elements it carried changed."""
+    version, wire, model = f.get("weights_wire_version"), f.get("weights_wire_bytes"), f.get("weights_wire_model_bytes")
+    if not isinstance(version, int) or not isinstance(wire, int):
+        return []
+    by = [f"{enc} {_fmt_bytes(f.get(f'weights_wire_{enc}_bytes'))}" for enc in _WIRE_ENCODINGS if f.get(f"weights_wire_{enc}_bytes")]
+    out = [f"v{version} wire {_fmt_bytes(wire)}" + (f" of {_fmt_bytes(model)}" if isinstance(model, int) and model != wire else "")
+           + (f" ({', '.join(by)})" if by else "")]
+    changed = f.get("weights_wire_changed_fraction")
+    if isinstance(changed, (int, float)) and not f.get("weights_wire_full_bytes"):
+        out.append(f"changed {100 * changed:.2f}%")
+    if f.get("weights_delta_versions"):
+        out.append(f"deltas {_fmt(f.get('weights_delta_versions'))}")
+    return out
+
+
 def _weight_lines(state: PoolState, width: int, bold: str, red: str, reset: str) -> list[str]:
     """WEIGHTS: how each worker's last weight version arrived, its bytes by lane since it started, its fallbacks (the
     row in red when there were any) and refetched buckets; nothing before any worker fetched a version."""
@@ -73,6 +94,7 @@ def _weight_lines(state: PoolState, width: int, bold: str, red: str, reset: str)
         parts = [f"path {f['weights_last_path']}"]
         parts += [f"{label} {_fmt_bytes(f.get('weights_' + name))}" for name, label in _WEIGHT_LANES if f.get("weights_" + name)]
         parts += [f"{name} {_fmt(f.get('weights_' + name))}" for name in ("fallbacks", "refetched") if f.get("weights_" + name)]
+        parts += _wire_parts(f)
         if f.get("weights_fallbacks") and f.get("weights_last_fallback"):
             parts.append(f"why: {f['weights_last_fallback']}")  # the faster path not taken, and why
         row = _cut("  " + wid + "  " + "  ".join(parts), width)

@@ -36,7 +36,8 @@ from rollpool.protocol.messages import BucketInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "compute_delta", "decode_bucket", "encode_bucket", "itemsize_of"]
+__all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "WireSummary", "compute_delta", "decode_bucket", "encode_bucket",
+           "itemsize_of", "wire_summary"]
 
 WHOLE = "whole"
 UNCHANGED = "unchanged"
@@ -170,6 +171,40 @@ class DeltaSet:
         for enc, p in zip(self.encodings, self.payloads, strict=True):
             out[enc] += int(p.numel()) if p is not None else 0
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class WireSummary:
+    """What one version cost on the wire, read from its manifest alone (a subscriber or relay that got it knows no more):
+    bytes by encoding (``full``: a version sent whole, not as a delta) and the fraction of elements it carried as changed
+    (a ``whole`` bucket counts all of its elements, so over a delta this is an upper bound of the changed fraction)."""
+
+    version: int
+    model_bytes: int
+    bytes_by_encoding: dict[str, int]
+    changed_fraction: float
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(self.bytes_by_encoding.values())
+
+
+def wire_summary(version: int, buckets: Sequence[BucketInfo], delta_base: int) -> WireSummary:
+    """The `WireSummary` of a manifest's buckets (`delta_base` < 0: a full version)."""
+    model = sum(b.nbytes for b in buckets)
+    if delta_base < 0:
+        return WireSummary(version, model, {"full": model}, 1.0 if model else 0.0)
+    by = dict.fromkeys(ENCODINGS, 0)
+    changed = total = 0
+    for b in buckets:
+        size = itemsize_of(b.dtype)
+        total += b.nbytes // size
+        by[b.encoding] = by.get(b.encoding, 0) + b.delta_nbytes
+        if b.encoding == WHOLE:
+            changed += b.nbytes // size
+        elif b.encoding in (SPARSE, GAPS):
+            changed += b.delta_nbytes // ((4 if b.encoding == SPARSE else 2) + size)
+    return WireSummary(version, model, by, changed / total if total else 0.0)
 
 
 def same_layout(a: Sequence[BucketInfo], b: Sequence[BucketInfo]) -> bool:

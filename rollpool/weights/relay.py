@@ -13,7 +13,24 @@ Verification stays end to end: the relay verifies each bucket (refetching a
 bad one) and passes the upstream manifest (checksums and publisher id)
 through unchanged, so every worker verifies what it receives too. A version
 the relay cannot complete is withdrawn: its parked and later fetches answer
-``unavailable``/``gone`` and the worker keeps its old weights.
+``unavailable``/``gone`` and the worker keeps its old weights. A full version's
+chunks are served downstream as they arrive, before their bucket is verified
+here: safe because a downstream subscriber verifies every bucket against the
+publisher's checksum itself (a bad chunk costs it a refetch, never a wrong
+tensor), and it lets the version flow through the node at wire speed.
+
+Delta versions (``weight_delta`` on): a relay holding the version before the
+upstream's latest names it as its base, gets the changed elements, rebuilds the
+version from its own copy of the base and verifies every bucket against the
+checksum of the resulting bytes *before* it announces the version downstream
+(a delta is small: waiting for it costs little). It then serves both: the
+upstream's encoded buckets as they came (its subscribers holding the base get
+the same delta, checksums and all) and the full version to the rest. A delta it
+cannot rebuild (a corrupt payload, another publisher's base, an evicted delta)
+is counted in `delta_fallbacks` and the full version fetched instead. A relay
+that missed the base (it holds no version right before the latest) gets the
+full version; once it holds two consecutive versions it computes the delta
+between them itself, so its subscribers holding the earlier one still get one.
 
 ``rollpool relay`` (or ``python -m rollpool.weights``) runs one; its flags are `RelayConfig`'s.
 """
@@ -28,13 +45,22 @@ from typing import Any
 import torch
 
 from rollpool.protocol.errors import WeightSyncError
+from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.config import WeightPathConfig, with_overrides
+from rollpool.weights.delta import DeltaError, same_layout, wire_summary
 from rollpool.weights.manifest import check_manifest
 from rollpool.weights.memory import sweep_stale_segments
 from rollpool.weights.paths.base import Attr
-from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.serving import (
+    MAX_CHUNK_BYTES,
+    DeltaServed,
+    ServedVersion,
+    TensorSource,
+    WeightServer,
+    new_server_id,
+)
 from rollpool.weights.subscriber import WeightSubscriber
 
 __all__ = ["Relay"]
@@ -150,7 +176,13 @@ class Relay:
         self._deltas: set[asyncio.Task[Any]] = set()
         self._delta_on = cfg.weight_delta
         self._latest = -1
+        self._held: dict[int, list[torch.Tensor]] = {}
+        """The bucket buffers of each version served (the base a delta is rebuilt from)."""
         self.versions_fetched = 0
+        self.delta_versions = 0
+        """Versions received as a delta from upstream, rebuilt and verified here."""
+        self.delta_fallbacks = 0
+        """Upstream deltas that could not be rebuilt here: the full version was fetched instead."""
         self._started = False
         self._stop = asyncio.Event()
 
@@ -225,12 +257,75 @@ class Relay:
                 log.warning("relay %s: could not relay the latest weight version: %s", self.relay_id, exc)
                 await asyncio.sleep(min(self.poll_interval_s, 1.0))
 
+    def _delta_base(self) -> ServedVersion | None:
+        """The version a delta from upstream would be rebuilt from: the newest held, complete, when deltas are on."""
+        if not self._delta_on:
+            return None
+        v = self._server.versions.get(self._latest)
+        return v if v is not None and v.complete and not v.released and self._latest in self._held else None
+
     async def follow_latest(self) -> int:
-        """Fetch the upstream's latest version if it is new, serving it downstream as it arrives."""
-        manifest = check_manifest(await self.upstream.fetch_manifest(None))
+        """Fetch the upstream's latest version if it is new, serving it downstream as it arrives (a delta: once rebuilt
+        and verified)."""
+        base = self._delta_base()
+        manifest = check_manifest(await self.upstream.fetch_manifest(None, delta_base=base.version if base is not None else -1))
         version = manifest.version
         if version <= self._latest:
             return self._latest
+        if manifest.delta_base >= 0:
+            try:
+                return await self._follow_delta(manifest, base)
+            except (WeightSyncError, DeltaError) as exc:
+                self.delta_fallbacks += 1
+                log.warning("relay %s: delta of version %d against %d not rebuilt (%s); fetching it full", self.relay_id, version,
+                            manifest.delta_base, exc)
+                manifest = check_manifest(await self.upstream.fetch_manifest(version, delta=False))
+                return await self._follow_full(manifest, declined=False)
+        # upstream answered a request naming the base right before with the full version: it judged the delta no cheaper
+        # (or had none), and the same bytes compared here would judge the same, so none is computed here
+        return await self._follow_full(manifest, declined=base is not None and base.version == version - 1)
+
+    async def _follow_delta(self, manifest: Manifest, base: ServedVersion | None) -> int:
+        """Rebuild `manifest`'s version from the base held here and the upstream's encoded buckets, verify it, then serve
+        it: the full version, and the same delta to the subscribers holding the base."""
+        version = manifest.version
+        if base is None or base.version != manifest.delta_base or base.version not in self._held:
+            raise WeightSyncError(f"the base {manifest.delta_base} is not held here")
+        if base.publisher_id != manifest.publisher_id:
+            raise WeightSyncError(f"the base came from publisher {base.publisher_id!r}, the delta from {manifest.publisher_id!r}")
+        if not same_layout(manifest.buckets, base.buckets):
+            raise WeightSyncError("the base's buckets do not line up with the delta's")
+        base_buffers = self._held[base.version]
+        payloads, carried = await self.upstream.delta.fetch_payloads(manifest)
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        await self.upstream.delta.rebuild(manifest, payloads, base_buffers, buffers)
+        chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
+        sources = [_FillingSource(b, chunk) for b in buffers]
+        for src, b in zip(sources, manifest.buckets, strict=True):
+            src.mark(0, b.nbytes)  # rebuilt and verified: every byte is here
+        # the full version's buckets as the publisher's (encodings off), its segments and device buffer not ours to name
+        plain = tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="", encoding="", delta_nbytes=0, delta_checksum="")
+                      for b in manifest.buckets)
+        served = ServedVersion(version=version, publisher_id=manifest.publisher_id, buckets=plain, sources=list(sources),
+                               chunk_bytes=manifest.chunk_bytes, adapter=manifest.adapter)
+        summary = wire_summary(version, manifest.buckets, manifest.delta_base)
+        payload = ServedVersion(version=version, publisher_id=manifest.publisher_id, chunk_bytes=manifest.chunk_bytes,
+                                buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
+                                              for i, b in enumerate(carried)),
+                                sources=[TensorSource(p) for p in (payloads[b.index] for b in carried) if p is not None])
+        served.delta = DeltaServed(base=base.version, buckets=tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="") for b in manifest.buckets),
+                                   payload=payload, changed_fraction=summary.changed_fraction,
+                                   bytes_by_encoding={k: n for k, n in summary.bytes_by_encoding.items() if k != "full"})
+        served.delta_state = "ready"
+        self.delta_versions += 1
+        self._server.note_delta(served)
+        self._serve(served, buffers)
+        return version
+
+    async def _follow_full(self, manifest: Manifest, *, declined: bool) -> int:
+        """Fetch a full version, serving its chunks downstream as they arrive; the delta against the version before it
+        is computed here once it is all here, unless upstream `declined` to send one."""
+        version = manifest.version
         chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
         sources = [_FillingSource(b, chunk) for b in buffers]
@@ -243,7 +338,7 @@ class Relay:
             chunk_bytes=manifest.chunk_bytes,
             adapter=manifest.adapter,
         )
-        if self._delta_on:
+        if self._delta_on and not declined:
             self._server.expect_delta(served)  # its subscribers holding the version before get the changed elements
         self._server.add_version(served)
         try:
@@ -257,11 +352,24 @@ class Relay:
             task = asyncio.ensure_future(self._server.make_delta(version))
             self._deltas.add(task)
             task.add_done_callback(self._deltas.discard)
+        self._held[version] = buffers
+        self._done(served)
+        return version
+
+    def _serve(self, served: ServedVersion, buffers: list[torch.Tensor]) -> None:
+        """A version rebuilt and verified here: served and announced downstream."""
+        self._server.add_version(served)
+        self._held[served.version] = buffers
+        self._done(served)
+
+    def _done(self, served: ServedVersion) -> None:
+        version = served.version
         self._latest = version
         self.versions_fetched += 1
         for old in sorted(self._server.versions)[: -self.keep_versions]:
             self._server.drop_version(old)
+        for old in [v for v in self._held if v not in self._server.versions]:
+            del self._held[old]
         self.metrics.event("version_relayed", {"relay": self.relay_id, "version": version, "bytes": served.total_bytes})
         log.info("relay %s: version %d complete (%d bytes)", self.relay_id, version, served.total_bytes)
-        return version
 

@@ -76,7 +76,7 @@ from rollpool.weights.manifest import MAX_CHUNK_BYTES
 from rollpool.weights.paths.base import ChunkRead
 from rollpool.weights.paths.bulk import BulkServer, lane_host, lane_port
 
-__all__ = ["MAX_CHUNK_BYTES", "BucketSource", "ServedVersion", "WeightServer", "peer_of"]
+__all__ = ["MAX_CHUNK_BYTES", "BucketSource", "DeltaServed", "ServedVersion", "TensorSource", "WeightServer", "peer_of"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class ServedVersion:
                         adapter=self.adapter)
 
 
-class _TensorSource:
+class TensorSource:
     """A delta payload held as one uint8 CPU tensor (kept until its version is dropped)."""
 
     __slots__ = ("array",)
@@ -374,14 +374,20 @@ class WeightServer:
         if self.versions.get(version) is not v:
             return None
         v.delta, v.delta_state = made, ("ready" if made is not None else "none")
-        if made is not None:
-            self.last_delta = {"version": version, "base": made.base, "changed_fraction": made.changed_fraction,
-                               "wire_bytes": made.wire_bytes, "model_bytes": v.total_bytes, "bytes_by_encoding": dict(made.bytes_by_encoding)}
-            self.metrics.event("weight_delta", {"publisher": self.name, **self.last_delta})
+        self.note_delta(v)
         waiting, v.waiting_delta = v.waiting_delta, []
         for ident, req in waiting:
             self._answer_manifest(ident, req, v)
         return made
+
+    def note_delta(self, v: ServedVersion) -> None:
+        """`v` carries a delta now (made here, or a relay's from upstream): `last_delta` and the ``weight_delta`` event."""
+        made = v.delta
+        if made is None:
+            return
+        self.last_delta = {"version": v.version, "base": made.base, "changed_fraction": made.changed_fraction,
+                           "wire_bytes": made.wire_bytes, "model_bytes": v.total_bytes, "bytes_by_encoding": dict(made.bytes_by_encoding)}
+        self.metrics.event("weight_delta", {"publisher": self.name, **self.last_delta})
 
     def _build_delta(self, v: ServedVersion, base: ServedVersion, algorithm: str | None) -> DeltaServed | None:
         import torch
@@ -412,7 +418,7 @@ class WeightServer:
             if enc == WHOLE:
                 src, digest = v.sources[b.index], b.checksum  # the version's own bytes: no second copy
             else:
-                src, digest = _TensorSource(payload), checksum(payload.numpy().data, algo)
+                src, digest = TensorSource(payload), checksum(payload.numpy().data, algo)
             n = int(payload.numel())
             infos.append(replace(b, encoding=enc, delta_nbytes=n, delta_checksum=digest))
             pinfos.append(BucketInfo(index=len(pinfos), dtype="uint8", nbytes=n, checksum=digest))

@@ -54,7 +54,7 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
-from rollpool.weights.delta import DeltaError
+from rollpool.weights.delta import DeltaError, WireSummary, wire_summary
 from rollpool.weights.gpu import DeviceSlabs
 from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
 from rollpool.weights.memory import VersionBuffers, host_key
@@ -172,6 +172,8 @@ class WeightSubscriber:
         self._shm_generation = 0
         self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
+        self.last_wire: WireSummary | None = None
+        """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
         self._known: Manifest | None = None
         """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
         `fetch` of that version takes it instead of asking again (one manifest request per version)."""
@@ -335,7 +337,7 @@ class WeightSubscriber:
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
-                             timeout_s: float | None = None) -> Manifest:
+                             timeout_s: float | None = None, delta_base: int | None = None) -> Manifest:
         """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times (or
         `attempts`), each try waiting `timeout_s` (default `fetch_timeout_s`); none answered: `ManifestTimeoutError`.
 
@@ -343,12 +345,14 @@ class WeightSubscriber:
         bucket's chunks); False waits for a manifest whose checksums all exist.
         `after_mix64` >= 0: a parked request, answered once the version carries
         more GPU checksums than that (`ManifestRequest.after_mix64`).
+        `delta_base`: the base to name when asking for a delta (a relay names the version it holds); None: the one held
+        here. Either way only with `delta` and `weight_delta` on.
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
         # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
         asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
-        base = self.delta.base_version() if asks else -1
+        base = (self.delta.base_version() if delta_base is None else delta_base) if asks else -1
         for _attempt in range(tries):
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
@@ -469,6 +473,7 @@ class WeightSubscriber:
         if "staged_to" in details:
             event["staged_to"] = details["staged_to"]
         self.metrics.event("version_fetched", event)
+        self.last_wire = wire_summary(manifest.version, manifest.buckets, manifest.delta_base)
         tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
         return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
 

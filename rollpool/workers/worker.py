@@ -590,6 +590,18 @@ class Worker:
         last = getattr(sub, "last_fallback", None)
         if isinstance(last, str) and last:
             out["weights_last_fallback"] = last[:200]
+        for key, attr in (("weights_delta_versions", "delta_versions"), ("weights_delta_fallbacks", "delta_fallbacks")):
+            value = getattr(sub, attr, None)
+            if isinstance(value, int):
+                out[key] = value
+        wire = getattr(sub, "last_wire", None)
+        if wire is not None:  # the last version on the wire: its bytes by encoding (``full``: not a delta), the changed fraction
+            out["weights_wire_version"] = wire.version
+            out["weights_wire_model_bytes"] = wire.model_bytes
+            out["weights_wire_bytes"] = wire.wire_bytes
+            out["weights_wire_changed_fraction"] = round(wire.changed_fraction, 6)
+            for enc, n in wire.bytes_by_encoding.items():
+                out[f"weights_wire_{enc}_bytes"] = n
         return out
 
     async def _close(self) -> None:

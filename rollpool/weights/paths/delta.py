@@ -19,6 +19,7 @@ What it promises
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -94,6 +95,27 @@ class DeltaPath:
             raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
         if not same_layout(manifest.buckets, base.manifest.buckets):
             raise WeightSyncError("the base's buckets do not line up with the delta's")
+        payloads, _carried = await self.fetch_payloads(manifest)
+        await self.buffers.reserved()
+        slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        try:
+            await self.rebuild(manifest, payloads, base.buffers, buffers)
+        except BaseException:
+            self.buffers.pool.give([slab])
+            raise
+        self.versions += 1
+        tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
+        if on_bucket is not None:
+            for b in manifest.buckets:
+                names = {t.name for t in b.tensors}
+                res = on_bucket(b.index, {n: tensors_of[n] for n in names})
+                if asyncio.iscoroutine(res):
+                    await res
+        return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets)})
+
+    async def fetch_payloads(self, manifest: Manifest) -> tuple[list[torch.Tensor | None], list[BucketInfo]]:
+        """A delta manifest's encoded buckets over the network path, each verified against its own checksum: per bucket
+        its payload (None: unchanged), and the buckets that carry bytes (the payload's dense numbering, as served)."""
         carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
         payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
                                                            for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
@@ -107,31 +129,24 @@ class DeltaPath:
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, view in zip(carried, views, strict=True):
             payloads[b.index] = view
-        await self.buffers.reserved()
-        slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        return payloads, carried
 
-        def rebuild(i: int) -> bool:
+    async def rebuild(self, manifest: Manifest, payloads: Sequence[torch.Tensor | None], base: Sequence[torch.Tensor],
+                      out: Sequence[torch.Tensor]) -> None:
+        """Write each bucket of `manifest`'s version into `out` from `base` and its payload (in `threads` threads) and
+        verify it against the checksum of the resulting bytes; `WeightSyncError` or `DeltaError` if any does not match."""
+        if len(base) != len(manifest.buckets) or len(out) != len(manifest.buckets):
+            raise WeightSyncError("the base's buckets do not line up with the delta's")
+
+        def one(i: int) -> bool:
             b = manifest.buckets[i]
-            decode_bucket(b.encoding, payloads[i], base.buffers[i], buffers[i], itemsize_of(b.dtype))
-            return verify_checksum(b.checksum, buffers[i].numpy().data if b.nbytes else b"")
+            decode_bucket(b.encoding, payloads[i], base[i], out[i], itemsize_of(b.dtype))
+            return verify_checksum(b.checksum, out[i].numpy().data if b.nbytes else b"")
 
-        try:
-            oks = await asyncio.to_thread(lambda: list(self._threads().map(rebuild, range(len(manifest.buckets)))))
-            bad = [i for i, ok in enumerate(oks) if not ok]
-            if bad:
-                raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
-        except BaseException:
-            self.buffers.pool.give([slab])
-            raise
-        self.versions += 1
-        tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        if on_bucket is not None:
-            for b in manifest.buckets:
-                names = {t.name for t in b.tensors}
-                res = on_bucket(b.index, {n: tensors_of[n] for n in names})
-                if asyncio.iscoroutine(res):
-                    await res
-        return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in carried)})
+        oks = await asyncio.to_thread(lambda: list(self._threads().map(one, range(len(manifest.buckets)))))
+        bad = [i for i, ok in enumerate(oks) if not ok]
+        if bad:
+            raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -153,6 +153,33 @@ async def test_a_worker_reports_how_its_weights_arrived(pool: Pool) -> None:
     assert state["held_lists_sent"] == 0
 
 
+async def test_a_worker_reports_each_version_s_bytes_on_the_wire_by_encoding_and_the_changed_fraction(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # status, top and the exporter read these: a delta version's bytes by encoding, the changed fraction it carried
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")  # the publisher's, read when it is made
+    broker = await pool.start_broker()
+    worker = await pool.worker(broker.worker_endpoint, "w1", weights=WeightPathConfig(weight_path="network", weight_delta=True))
+    trainer = await pool.fake_client(broker.client_endpoint)
+    pub = await pool.publisher()
+    v1 = {"w": torch.arange(1024, dtype=torch.float32)}
+    manifest = await pub.publish(v1, 1, wait_ready=True)
+    await trainer.set_version(1, pub.router_endpoint, pub.pub_endpoint)
+    assert await wait_until(lambda: worker.weight_version == 1, 10)
+    nbytes = sum(b.nbytes for b in manifest.buckets)
+    state = worker._state_fields("ready")
+    assert state["weights_wire_version"] == 1 and state["weights_wire_full_bytes"] == state["weights_wire_bytes"] == nbytes
+    v2 = {"w": v1["w"].clone()}
+    v2["w"][[3, 500]] += 0.5  # 2 of 1024 elements change
+    await pub.publish(v2, 2, wait_ready=True)
+    await trainer.set_version(2, pub.router_endpoint, pub.pub_endpoint)
+    assert await wait_until(lambda: worker.weight_version == 2, 10)
+    state = worker._state_fields("ready")
+    assert state["weights_wire_version"] == 2 and state["weights_wire_model_bytes"] == nbytes
+    assert state["weights_wire_gaps_bytes"] == 2 * (2 + 4) == state["weights_wire_bytes"]  # two (gap, fp32 value) pairs
+    assert state["weights_wire_changed_fraction"] == round(2 / 1024, 6) and state["weights_delta_versions"] == 1
+
+
 # ---------------------------------------------------------------------------------------------- break 4
 
 

@@ -8,7 +8,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import zmq
 
 torch = pytest.importorskip("torch")
 
@@ -76,6 +75,10 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert wv.manifest.delta_base == version - 1
         # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
         assert 0 < sub.bytes_received - before < total // 10
+        wire = sub.last_wire  # what status and top show: the bytes by encoding, the changed fraction carried
+        assert wire.version == version and wire.wire_bytes == sub.bytes_received - before and wire.model_bytes == total
+        assert wire.bytes_by_encoding["gaps"] + wire.bytes_by_encoding["sparse"] == wire.wire_bytes > 0  # scattered: no bucket whole
+        assert 0.009 < wire.changed_fraction < 0.011  # 1% of each tensor's elements changed
         sub.recycle(wv)
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
     assert sub.buffers_allocated == 2  # the base and the version being rebuilt: recycled buffers come back a version later
@@ -124,6 +127,21 @@ async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_ve
         wv = await sub.fetch(3)
         assert _same(wv.tensors, m3) and wv.manifest.delta_base == -1
     assert early.delta_versions == 0 and pub._server.full_served_to_delta_askers >= 1
+
+
+async def _restarted(make_publisher: Any, endpoint: str, pub_endpoint: str) -> Any:
+    """A publisher on the endpoints of one just closed: ZeroMQ releases a closed socket's port in its I/O thread, a little
+    later, so the rebind is tried again while the port is still held."""
+    import zmq
+
+    for _ in range(100):
+        try:
+            return await make_publisher(router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{endpoint} stayed in use")
 
 
 async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -188,25 +206,12 @@ async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_pu
     assert sub.delta_fallbacks == 1
 
 
-async def _rebound(make_publisher: Any, **endpoints: str) -> Any:
-    """A publisher bound to the endpoints a closed one had: ZeroMQ releases a closed socket's port in its I/O
-    thread, after `close` returns, so the bind is tried again for a while (a loaded machine takes longer)."""
-    for _ in range(100):
-        try:
-            return await make_publisher(**endpoints)
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE:
-                raise
-            await asyncio.sleep(0.05)
-    return await make_publisher(**endpoints)
-
-
 async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
     pub = await make_publisher()
     endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
     sub, _m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
     await pub.close()
-    restarted = await _rebound(make_publisher, router_endpoint=endpoint, pub_endpoint=pub_endpoint)
+    restarted = await _restarted(make_publisher, endpoint, pub_endpoint)
     # the new run publishes its own version 1 (other bytes) and then 2: a delta of 2 against *its* 1
     r1 = _model(seed=7)
     await _published(restarted, r1, 1)
@@ -251,5 +256,147 @@ async def test_a_relay_that_missed_the_base_serves_the_full_version_then_deltas(
             wv = await s.fetch(4)
             assert _same(wv.tensors, m4) and wv.manifest.delta_base == 3
         assert all(s.delta_versions == 1 for s in subs)
+    finally:
+        await relay.close()
+
+
+async def _relay_holding_v1(pub: Any, make_subscriber: Any, sockets: Any) -> tuple[Any, list[Any], dict[str, torch.Tensor]]:
+    """A relay (started, not run: the test says when it follows upstream) and two subscribers behind it, all holding 1."""
+    from rollpool.weights.relay import Relay
+
+    relay = Relay(sockets, upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, router_endpoint="tcp://127.0.0.1:*",
+                  pub_endpoint="tcp://127.0.0.1:*", announce_interval_s=0.1, fetch_timeout_s=2.0)
+    await relay.start()
+    subs = [make_subscriber(relay.router_endpoint, relay.pub_endpoint, worker_id=f"w{i}") for i in range(2)]
+    m1 = _model()
+    await _published(pub, m1, 1)
+    assert await relay.follow_latest() == 1
+    for s in subs:
+        s.recycle(await s.fetch(1))
+    return relay, subs, m1
+
+
+async def test_a_relay_holding_the_base_rebuilds_the_delta_verifies_it_and_forwards_it(make_publisher: Any, make_subscriber: Any,
+                                                                                      sockets: Any) -> None:
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    total = sum(t.numel() * t.element_size() for t in m1.values())
+    try:
+        model = m1
+        for version in (2, 3):
+            model = _step(model, version)
+            await _published(pub, model, version)
+            before = relay.upstream_bytes
+            assert await relay.follow_latest() == version
+            assert 0 < relay.upstream_bytes - before < total // 10  # the relay got the changed elements, not the version
+            served = relay._server.versions[version]
+            assert served.delta is not None and served.delta.base == version - 1
+            # the upstream's encoded buckets pass through as they came: the same checksums a subscriber verifies
+            def carried(buckets: Any) -> list[tuple[str, str, int, str]]:
+                return [(b.checksum, b.encoding, b.delta_nbytes, b.delta_checksum) for b in buckets]
+
+            assert carried(served.delta.buckets) == carried(pub._server.versions[version].delta.buckets)
+            for s in subs:
+                sub_before = s.bytes_received
+                wv = await s.fetch(version)
+                assert _same(wv.tensors, model) and wv.manifest.delta_base == version - 1
+                assert 0 < s.bytes_received - sub_before < total // 10
+                s.recycle(wv)
+        assert relay.delta_versions == 2 and relay.delta_fallbacks == 0
+        assert all(s.delta_versions == 2 and s.delta_fallbacks == 0 for s in subs)
+        late = make_subscriber(relay.router_endpoint, relay.pub_endpoint, worker_id="late")  # holds no base: the relay's full copy
+        wv = await late.fetch(3)
+        assert _same(wv.tensors, model) and wv.manifest.delta_base == -1 and late.bytes_received == total
+        assert relay._server.last_delta["version"] == 3 and 0 < relay._server.last_delta["wire_bytes"] < total // 10
+    finally:
+        await relay.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "payload_and_its_checksum"])
+async def test_a_corrupt_delta_at_the_relay_ends_in_the_full_version_downstream_too(make_publisher: Any, make_subscriber: Any,
+                                                                                    sockets: Any, where: str) -> None:
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        m2 = _step(m1, 2)
+        await _published(pub, m2, 2)
+        served = pub._server.versions[2]
+        assert served.delta is not None
+        payload = served.delta.payload
+        i = next(j for j, b in enumerate(served.delta.buckets) if b.encoding in ("sparse", "gaps"))
+        k = sum(1 for b in served.delta.buckets[:i] if b.encoding != "unchanged")
+        src = payload.sources[k]
+        src.array[-1] ^= 0x40
+        if where == "payload_and_its_checksum":  # only the checksum of the rebuilt bytes can catch it
+            digest = checksum(src.array.data)
+            payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
+            served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == i else b for b in served.delta.buckets)
+        assert await relay.follow_latest() == 2
+        assert relay.delta_fallbacks == 1 and relay.delta_versions == 0
+        for _ in range(500):  # the relay, holding 1 and the full 2, computes the delta between them itself
+            if relay._server.versions[2].delta_state != "pending":
+                break
+            await asyncio.sleep(0.01)
+        for s in subs:
+            wv = await s.fetch(2)
+            assert _same(wv.tensors, m2)
+            s.recycle(wv)
+    finally:
+        await relay.close()
+
+
+async def test_a_delta_evicted_while_the_relay_fetches_it_ends_in_the_full_latest(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    from rollpool.protocol.errors import WeightSyncError
+
+    pub = await make_publisher()
+    relay, subs, m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        m2 = _step(m1, 2)
+        await _published(pub, m2, 2)
+        through = relay.upstream._network.fetch
+        newer: dict[str, Any] = {}
+
+        async def evicting(job: Any) -> Any:
+            if job.manifest.delta_base >= 0 and not newer:
+                newer["m3"] = _step(m2, 3)
+                await _published(pub, newer["m3"], 3)
+                newer["m4"] = _step(newer["m3"], 4)
+                await _published(pub, newer["m4"], 4)  # keep_versions=2: 2 and its delta are gone mid-fetch
+            return await through(job)
+
+        relay.upstream._network.fetch = evicting
+        with pytest.raises(WeightSyncError):  # the follow loop logs it and looks again
+            await relay.follow_latest()
+        assert relay.latest_version == 1 and relay.delta_fallbacks == 1 and 2 not in relay._server.versions
+        assert await relay.follow_latest() == 4  # holding 1, not 3: the full version
+        assert relay._server.versions[4].delta is None
+        for s in subs:
+            wv = await s.fetch(4)
+            assert _same(wv.tensors, newer["m4"]) and wv.manifest.delta_base == -1
+    finally:
+        await relay.close()
+
+
+async def test_a_publisher_restarted_between_versions_is_never_a_relay_s_base(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+    pub = await make_publisher()
+    endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
+    relay, subs, _m1 = await _relay_holding_v1(pub, make_subscriber, sockets)
+    try:
+        await pub.close()
+        restarted = await _restarted(make_publisher, endpoint, pub_endpoint)
+        r1 = _model(seed=7)  # the new run's own 1 (other bytes), then a delta of 2 against it
+        await _published(restarted, r1, 1)
+        r2 = _step(r1, 9)
+        await _published(restarted, r2, 2)
+        assert restarted._server.versions[2].delta is not None
+        assert await relay.follow_latest() == 2
+        assert relay.delta_versions == 0 and relay.delta_fallbacks == 1
+        for _ in range(500):
+            if relay._server.versions[2].delta_state != "pending":
+                break
+            await asyncio.sleep(0.01)
+        for s in subs:
+            wv = await s.fetch(2)
+            assert _same(wv.tensors, r2)
     finally:
         await relay.close()

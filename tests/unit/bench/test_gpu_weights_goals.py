@@ -80,3 +80,21 @@ def test_path_goal_is_pure_and_never_reports_an_untaken_path() -> None:
             wanted = (meant,) if isinstance(meant, str) else meant
             assert (goal["met"] is not None) == (str(taken) in wanted)
     assert bench.path_goal({"versions": []}, "cuda_ipc", None, 0.5)["met"] is None
+
+
+def test_the_delta_rows_give_the_8b_delta_keys_from_the_versions_rebuilt_from_a_delta_only() -> None:
+    bench = _bench()
+    model = 14 << 30
+
+    def delta_version(v: int, base: int, nbytes: int, applied: float) -> dict[str, Any]:
+        return {**_version(v, "network", applied=applied), "delta_base": base, "worker_socket_bytes": nbytes,
+                "changed_fraction": 0.0215 if base >= 0 else None}
+
+    full_first = [delta_version(1, -1, model, 1.4)]  # the row's first version: no base held, the full version
+    rows = {"tcp_cuda_delta": {"versions": full_first + [delta_version(v, v - 1, model // 23, 0.3) for v in range(2, 6)]},
+            "shm_cuda_delta": {"versions": [delta_version(v, v - 1, model // 23, 0.2) for v in range(6, 11)]}}
+    out = _summarize(bench, rows)
+    assert out["changed_fraction"] == 0.0215 and out["delta_versions_rebuilt"] == 9
+    assert abs(out["delta_bytes_fraction"] - 1 / 23) < 1e-3
+    assert out["delta_host_path_s"] == 0.3 and out["delta_shm_path_s"] == round(0.2 - 0.001, 4)
+    assert out["goals"]["delta_bytes_fraction"]["met"] is True and out["goals"]["delta_host_path_s"]["met"] is True

@@ -165,6 +165,30 @@ def test_top_and_the_exporter_show_how_each_worker_s_weights_arrive() -> None:
     assert fams["rollpool_worker_weight_bytes_total"]["type"] == "counter"
 
 
+def test_top_and_the_exporter_show_a_version_s_bytes_on_the_wire_by_encoding_and_the_changed_fraction() -> None:
+    state = _state()
+    state.workers["w-1"].update({"weights_last_path": "network", "weights_network_bytes": 300_000_000, "weights_fallbacks": 0,
+                                 "weights_wire_version": 7, "weights_wire_model_bytes": 268_435_456, "weights_wire_bytes": 11_534_336,
+                                 "weights_wire_gaps_bytes": 11_000_000, "weights_wire_whole_bytes": 534_336, "weights_wire_sparse_bytes": 0,
+                                 "weights_wire_unchanged_bytes": 0, "weights_wire_changed_fraction": 0.0215, "weights_delta_versions": 6,
+                                 "weights_delta_fallbacks": 1})
+    state.workers["w-2"].update({"weights_last_path": "network", "weights_network_bytes": 268_435_456, "weights_wire_version": 7,
+                                 "weights_wire_model_bytes": 268_435_456, "weights_wire_bytes": 268_435_456,
+                                 "weights_wire_full_bytes": 268_435_456, "weights_wire_changed_fraction": 1.0})
+    frame = render_frame(state, width=200)
+    (w1,) = [x for x in frame.splitlines() if x.startswith("  w-1  path")]
+    assert "v7 wire 11.5 MB of 268.4 MB (whole 534.3 kB, gaps 11.0 MB)" in w1 and "changed 2.15%" in w1 and "deltas 6" in w1
+    (w2,) = [x for x in frame.splitlines() if x.startswith("  w-2  path")]
+    assert "v7 wire 268.4 MB (full 268.4 MB)" in w2 and "changed" not in w2  # a full version: no fraction to speak of
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_worker_weight_version_wire_bytes", worker="w-1", encoding="gaps") == 11_000_000
+    assert sample_value(fams, "rollpool_worker_weight_version_wire_bytes", worker="w-2", encoding="full") == 268_435_456
+    assert sample_value(fams, "rollpool_worker_weight_version_changed_fraction", worker="w-1") == 0.0215
+    assert sample_value(fams, "rollpool_worker_weight_delta_versions_total", worker="w-1") == 6
+    assert sample_value(fams, "rollpool_worker_weight_delta_fallbacks_total", worker="w-1") == 1
+    assert fams["rollpool_worker_weight_delta_versions_total"]["type"] == "counter"
+
+
 def test_top_and_prometheus_show_the_reconciliation_counters_in_a_narrow_frame() -> None:
     state = _state()
     assert "RECONCILIATION" not in render_frame(state)  # a broker from before the counters: no section
