@@ -415,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rec = run_record(summary, card=card, mode=mode, seed=seed, command=cmd, run_wall_s=wall,
                              engine_start_s=engine_start_s)
             rec["worker_kept_across_runs"] = bool(args.keep_worker)
+            rec["capacity"] = args.capacity
+            rec["group_size"] = args.group_size
             records.append(rec)
             sync = next((r for r in records if r["mode"] == "sync" and r["seed"] == seed), None)
             if sync is not None and mode != "sync":

@@ -568,6 +568,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             "steps_planned": n_steps,
             "stop_reason": stop_reason,
             "samples_per_step": batch_samples,
+            "prompts_per_step": prompts_per_step,
+            "group_size": group_size,
             "device": cfg.device,
             "engine": cfg.engine,
             "engine_options": cfg.engine_options,
