@@ -14,8 +14,8 @@ What one run is: ``python -m rollpool demo --task max --device cuda --lengths lo
 of this bench, killed with its process group when it overruns ``--per-run-timeout-s`` or the deadline):
 the trainer (the demo's GRPO, float32 master weights, bfloat16 autocast, micro-batches) on the GPU,
 its broker, and one ``--engine sglang`` worker on the same GPU (``mem_fraction_static`` 0.3 of the card:
-weights, KV cache; the trainer takes what is left). The task: the largest of four digits, answered by the
-first output token (reward 1 or 0 on the worker); the long tail: each prompt's output length is drawn
+weights, KV cache; the trainer takes what is left; capacity 512 sequences, twice a step's samples).
+The task: the largest of four digits, answered by the first output token (reward 1 or 0 on the worker); the long tail: each prompt's output length is drawn
 lognormal (median 32 tokens, sigma 1, capped at 512, EOS ignored), so a few groups run 10-15x longer than
 the median one, and the trainer runs the whole output through its forward and backward passes (it trains
 the answer token: ``--loss-tokens answer``; the tail stands in for a reasoning trace the reward does not
@@ -231,7 +231,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model-shape", default="s85m")
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the sglang worker's mem_fraction_static")
-    ap.add_argument("--capacity", type=int, default=256, help="the worker's engine capacity (sequences at once)")
+    ap.add_argument("--capacity", type=int, default=512,
+                    help="the worker's engine capacity (sequences at once): twice a step's 256 samples, so async can run "
+                         "ahead within its bound while sync fills half")
     ap.add_argument("--keep-worker", action=argparse.BooleanOptionalAction, default=True,
                     help="one worker for every run (the engine starts once); --no-keep-worker: the demo starts one per run")
     ap.add_argument("--steps", type=int, default=300, help="most steps per run (runs end at --stop-at-reward first)")

@@ -336,7 +336,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 return {**vision_task.batch_inputs(processor, rows), "mm_token_type_ids": (run_ids == vision_task.IMAGE_ID).int(),
                         "model_input_ids": run_ids}
         else:
-            model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(cfg.device)
+            model = LlamaForCausalLM.from_pretrained(model_dir).float().to(cfg.device)  # float32 master weights
         cuda = cfg.device == "cuda"
 
         def sync_device() -> None:
