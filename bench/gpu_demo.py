@@ -173,6 +173,18 @@ def pair_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                    "training loop, async / sync"}
 
 
+def gpu_name() -> str:
+    """The first GPU's name, asked of nvidia-smi (or torch in a child): this process makes no CUDA context of its own,
+    which would hold GPU memory for the whole call."""
+    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"]):
+        with contextlib.suppress(Exception):
+            name = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+            if name:
+                return name.splitlines()[0]
+    return ""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -296,7 +308,8 @@ def worker_command(args: argparse.Namespace, model: Path, endpoint: str, log_dir
     return [sys.executable, "-m", "rollpool.workers", "--broker", endpoint, "--engine", args.engine, "--model", str(model),
             "--worker-id", "gd-w0", "--reward", "rollpool.demo.task:reward", "--heartbeat-interval-s", "0.5",
             "--apply-mode", "interrupt", "--engine-options", f"seed=0,{engine_options(args, log_dir)}", "--log-level", "INFO",
-            "--pool", POOL]
+            # between runs the broker is gone for the seconds the next trainer takes to start: hello again soon
+            "--reconnect-backoff-s", "0.5", "--reconnect-backoff-max-s", "2", "--pool", POOL]
 
 
 def run_one(cmd: list[str], log: Path, timeout_s: float, prefix: str,
@@ -345,9 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _LOG = out / "gpu-demo.log"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else ""
+    device_name = gpu_name() if args.device == "cuda" else ""
     if args.device == "cuda" and not device_name:
         note("no CUDA device: use --smoke (CPU) or --device cpu")
         return 2

@@ -60,6 +60,19 @@ def test_a_measured_ratio_the_model_misses_by_more_than_15_percent_gets_a_correc
     assert out["simulator_error_shared_gpu"] < 0.02  # the measured contention times reproduce the measured ratio
     assert out["correction"]["decode_slowdown"] == pytest.approx(7 / 4, rel=1e-3)
     assert out["correction"]["trainer_slowdown"] == pytest.approx(1.5, rel=1e-3)
+    # the sync run was as fast as the zero-latency model: no per-step latency to add, the third variant agrees
+    assert row["sync_latency_s"] == pytest.approx(0.0, abs=1e-6)
+    assert row["shared_gpu_latency"] == pytest.approx(row["shared_gpu"], rel=1e-3)
+
+
+def test_a_sync_run_slower_than_the_model_shows_its_per_step_latency() -> None:
+    sync_rate = cs.simulated_rate(_workload(0.004, 2e-6), 0, 20)
+    slow_sync = 256 / (256 / sync_rate + 0.5)  # half a second per step the model does not have
+    async_rate = cs.simulated_rate(_workload(0.004, 2e-6), 2, 20)
+    out = cs.calibrate([_run("sync", 0, 0, 0.004, 2e-6, slow_sync), _run("async2", 2, 0, 0.004, 2e-6, async_rate)])
+    row = out["by_mode"]["async2"]
+    assert row["sync_latency_s"] == pytest.approx(0.5, rel=1e-3)
+    assert row["error_shared_gpu_latency"] < 0.01 < row["error_as_built"]
 
 
 def test_a_ratio_the_model_predicts_within_15_percent_needs_no_correction(tmp_path: Path) -> None:
