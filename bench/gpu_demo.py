@@ -133,6 +133,7 @@ def run_record(summary: dict[str, Any], *, card: str, mode: str, seed: int, comm
         "groups_dropped_stale": summary.get("groups_over_eta"),
         "train_s_mean": summary.get("train_s_mean"), "publish_s_mean": summary.get("publish_s_mean"),
         "model_parameters": summary.get("model_parameters"),
+        "first_version": summary.get("first_version"), "oldest_token_version": summary.get("oldest_token_version"),
         "engine_start_s": engine_start_s,
         "per_step": summary.get("per_step"), "group_timings": summary.get("group_timings"),
         "how": " ".join(command),
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s = min(args.per_run_timeout_s + (300 if engine_start_s is None and worker is not None else 0), left)
             note(f"{name}: starting (first version {first_version}, timeout {timeout_s:.0f} s)")
             code, wall = run_one(cmd, run_dir / "demo.log", timeout_s, name, worker)
-            first_version = next_first_version(first_version, args.steps)
+            run_first, first_version = first_version, next_first_version(first_version, args.steps)
             report = run_dir / "demo-report.json"
             if code != 0 or not report.exists():
                 note(f"{name}: failed (exit {code}) after {wall:.0f} s; see {run_dir / 'demo.log'}")
@@ -428,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rec = run_record(summary, card=card, mode=mode, seed=seed, command=cmd, run_wall_s=wall,
                              engine_start_s=engine_start_s)
             rec["worker_kept_across_runs"] = bool(args.keep_worker)
+            # the reset's proof: no token of this run came from weights older than its own first version
+            rec["reset_sound"] = rec["oldest_token_version"] is not None and rec["oldest_token_version"] >= run_first
             rec["capacity"] = args.capacity
             rec["group_size"] = args.group_size
             records.append(rec)
@@ -441,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             note(f"{name}: held-out {rec['reward_first']:.3f} -> {rec['reward_final']:.3f}, time to {args.reward_threshold} "
                  f"{rec['time_to_threshold_s']}, {rec['steps']} steps in {rec['wall_s']:.1f} s, samples/s {rec['samples_per_s']:.1f}, "
                  f"idle {rec['trainer_idle_share']:.0%}, lost {rec['lost']} duplicated {rec['duplicated']}, "
-                 f"staleness {rec['staleness_seen']}" + (f", async_over_sync {rec.get('async_over_sync')}" if "async_over_sync" in rec else ""))
+                 f"staleness {rec['staleness_seen']}, oldest token version {rec['oldest_token_version']} (first {run_first})" + (f", async_over_sync {rec.get('async_over_sync')}" if "async_over_sync" in rec else ""))
     finally:
         if worker is not None:
             _kill(worker)

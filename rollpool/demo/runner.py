@@ -387,6 +387,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             return SamplingParams(max_new_tokens=n_tokens, temperature=1.0, ignore_eos=True)
 
         held_out_examples = task.held_out_set() if cfg.task == "max" else []
+        oldest_version = [-1]
+        """The oldest weight version of any sampled token this run received (held-out ones too): never below the run's
+        first version (a worker kept from an earlier run must not answer with that run's weights)."""
+
+        def saw(trajectories: Any) -> None:
+            for t in trajectories:
+                if len(t.token_versions):
+                    v = int(t.token_versions.min())
+                    oldest_version[0] = v if oldest_version[0] < 0 else min(oldest_version[0], v)
 
         def eval_held_out() -> tuple[float, float]:
             """(held-out reward, share of held-out episodes that called the tool); the second is 0 for the max task."""
@@ -407,6 +416,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                             "exempt_from_staleness": True} for ids, ans in held]
             client.submit(prompts)
             batch = client.get_batch(len(prompts), timeout=300)
+            saw(batch.trajectories)
             if tool:
                 # unshaped: the answer, and whether turn 1 held a call the parser found
                 correct = [bool(t.metadata.get("correct")) for t in batch.trajectories]
@@ -478,6 +488,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                                      max_staleness_keep=cfg.max_staleness_keep)
             timing["wait_s"].append(time.monotonic() - t_wait)
             last_trajectories = batch.trajectories
+            saw(batch.trajectories)
             timing["tokens"].append(float(sum(len(t.output_ids) for t in batch.trajectories)))
             for g in batch.groups:
                 starts = [t.started_at for t in g.trajectories if t.started_at > 0]
@@ -582,6 +593,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             "lr": lr,
             "seed": cfg.seed,
             "first_version": cfg.first_version,
+            "oldest_token_version": oldest_version[0],
             "workers_ready_s": workers_ready_s,
             "reward_threshold": cfg.reward_threshold,
             "time_to_threshold_s": threshold_at[1] if threshold_at is not None else None,
