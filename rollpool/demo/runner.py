@@ -90,6 +90,9 @@ class DemoConfig:
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
+    lr_warmup_steps: int = field(default=0, metadata={"help": "steps of linear learning-rate warm-up (Adam's first steps move every "
+                                                               "weight by about lr whatever its gradient: a deep model's policy can "
+                                                               "collapse in one step without it)"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
     out: str = field(default="demo-out", metadata={"help": "folder for the report: demo-report.json and .png (--task tool: "
                                                            "demo-report-tool.*, its control demo-report-tool-disabled.*)"})
@@ -194,6 +197,8 @@ class DemoConfig:
             raise ConfigError(f"max_train_s must be > 0, got {self.max_train_s}")
         if self.first_version < 0:
             raise ConfigError(f"first_version must be >= 0, got {self.first_version}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         positions = MODEL_SHAPES[self.model_shape]["max_positions"]
         if self.lengths == "longtail" and self.model is None and self.tail_max_tokens + task_prompt_tokens() > positions:
             raise ConfigError(f"tail_max_tokens ({self.tail_max_tokens}) and the prompt do not fit the {self.model_shape} model's "
@@ -353,7 +358,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
         half = max(1, n_steps // 2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: 1.0 if s < half else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
+            optimizer, lambda s: (min(1.0, (s + 1) / cfg.lr_warmup_steps) if s < cfg.lr_warmup_steps else 1.0) if s < half
+            else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
         from rollpool.monitor.sink import sink_from_url
 
         metrics = sink_from_url(redis_url, cfg.pool, source="trainer")
@@ -591,6 +597,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                if cfg.lengths == "longtail" else {}),
             "loss_tokens": cfg.loss_tokens,
             "lr": lr,
+            "lr_warmup_steps": cfg.lr_warmup_steps,
             "seed": cfg.seed,
             "first_version": cfg.first_version,
             "oldest_token_version": oldest_version[0],
