@@ -252,9 +252,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300, help="most steps per run (runs end at --stop-at-reward first)")
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=None, help="default: the demo's for the shape (5e-6 for s85m)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
-    ap.add_argument("--lr-warmup-steps", type=int, default=5)
+    ap.add_argument("--lr-warmup-steps", type=int, default=0)
     ap.add_argument("--tail-median-tokens", type=int, default=32)
     ap.add_argument("--tail-sigma", type=float, default=1.0)
     ap.add_argument("--tail-max-tokens", type=int, default=512)
@@ -269,7 +269,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.engine, args.device, args.model_shape = "hf", "cpu", "tiny"
         args.runs, args.steps, args.prompts_per_step, args.eval_prompts = "sync,async2", 3, 8, 16
-        args.tail_median_tokens, args.tail_max_tokens, args.micro_batch_tokens, args.lr = 4, 32, 512, 3e-3
+        args.tail_median_tokens, args.tail_max_tokens, args.micro_batch_tokens = 4, 32, 512
         args.stop_at_reward, args.max_train_s, args.per_run_timeout_s, args.min_run_s = None, None, 150.0, 10.0
         args.lr_warmup_steps = 0
     args.run_list = parse_runs(args.runs)
@@ -285,8 +285,8 @@ def demo_command(args: argparse.Namespace, mode: str, seed: int, model: Path, ru
            "--tail-sigma", str(args.tail_sigma), "--tail-max-tokens", str(args.tail_max_tokens),
            "--loss-tokens", args.loss_tokens, "--micro-batch-tokens", str(args.micro_batch_tokens),
            "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-           "--lr", str(args.lr), "--lr-warmup-steps", str(args.lr_warmup_steps), "--entropy-coef", str(args.entropy_coef),
-           "--seed", str(seed),
+           *(["--lr", str(args.lr)] if args.lr is not None else []), "--model-shape", args.model_shape,
+           "--lr-warmup-steps", str(args.lr_warmup_steps), "--entropy-coef", str(args.entropy_coef), "--seed", str(seed),
            "--reward-threshold", str(args.reward_threshold), "--eval-prompts", str(args.eval_prompts),
            "--out", str(run_dir), "--worker-endpoint", endpoint, "--pool", POOL]
     cmd += ["--sync"] if eta == 0 else ["--max-staleness", str(eta)]

@@ -59,6 +59,11 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
     # minute or two; head dim 64 as the SGLang kit's kernels were built for; 1,024 positions for the long tail
     "s85m": {"hidden": 768, "layers": 12, "heads": 12, "max_positions": 1024},
 }
+SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s85m": 5e-6}
+"""--task max's learning rate per shape. Adam's first steps move every weight by about lr whatever its gradient, and
+the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers collapsed to one answer (entropy
+0.002 nats) within 5 steps at 3e-4 and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
+about 15 steps of 32 x 8 samples); 5e-6 is that rate scaled by the ratio of fan-in x width x depth (about 1/54)."""
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
@@ -86,7 +91,8 @@ class DemoConfig:
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
-    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 5e-3 for vision)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; "
+                                                          "5e-3 for vision; 5e-6 for --model-shape s85m)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
@@ -115,7 +121,7 @@ class DemoConfig:
                                                         "passes in bfloat16 under autocast, micro-batches of --micro-batch-tokens)"})
     micro_batch_tokens: int = field(default=0, metadata={"help": "most padded tokens per forward/backward pass of the trainer (0: the "
                                                                  "whole batch at once)"})
-    model_shape: str = field(default="tiny", metadata={"help": "the --task max model built here: tiny (hidden 64, 2 layers, 0.1 M "
+    model_shape: str = field(default="tiny", metadata={"help": "the --task max model (built here, or the shape of --model: it sets the default --lr): tiny (hidden 64, 2 layers, 0.1 M "
                                                                 "parameters, CPU) or s85m (hidden 768, 12 layers, 85 M, a GPU)"})
     model: str | None = field(default=None, metadata={"help": "--task max: a model directory built before (task.build_demo_model) "
                                                               "instead of building one (workers started elsewhere serve the same)"})
@@ -214,7 +220,9 @@ class DemoConfig:
 
     def resolved(self) -> DemoConfig:
         """This config with every unset per-task field set to its task's default."""
-        defaults = _TASK_DEFAULTS[self.task]
+        defaults = dict(_TASK_DEFAULTS[self.task])
+        if self.task == "max":
+            defaults["lr"] = SHAPE_LR[self.model_shape]
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
@@ -590,7 +598,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             "device": cfg.device,
             "engine": cfg.engine,
             "engine_options": cfg.engine_options,
-            "model_shape": cfg.model_shape if cfg.model is None else "given",
+            "model_shape": cfg.model_shape,
+            "model_given": cfg.model is not None,
             "model_parameters": int(sum(p.numel() for p in model.parameters())),
             "lengths": cfg.lengths,
             **({"tail_median_tokens": cfg.tail_median_tokens, "tail_sigma": cfg.tail_sigma, "tail_max_tokens": cfg.tail_max_tokens}
