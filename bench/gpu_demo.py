@@ -261,7 +261,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loss-tokens", choices=("all", "answer"), default="answer")
     ap.add_argument("--micro-batch-tokens", type=int, default=32768)
     ap.add_argument("--reward-threshold", type=float, default=0.8)
-    ap.add_argument("--stop-at-reward", type=float, default=0.85)
+    ap.add_argument("--stop-at-reward", type=float, default=0.82,
+                    help="end a run once the expected held-out reward reaches this (on CPU the 256-wide model levelled off near 0.85)")
     ap.add_argument("--max-train-s", type=float, default=110.0)
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="CPU: hf engine, tiny model, sync and async2 for 3 steps each")
