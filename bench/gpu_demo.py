@@ -242,7 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-run-s", type=float, default=60.0, help="do not start a run with less time than this left")
     ap.add_argument("--engine", choices=("sglang", "hf"), default="sglang")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--model-shape", default="s85m")
+    ap.add_argument("--model-shape", default="s113m")
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the sglang worker's mem_fraction_static")
     ap.add_argument("--capacity", type=int, default=512,
                     help="the worker's engine capacity (sequences at once): twice a step's 256 samples, so async can run "
@@ -252,7 +252,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300, help="most steps per run (runs end at --stop-at-reward first)")
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=None, help="default: the demo's for the shape (5e-6 for s85m)")
+    ap.add_argument("--lr", type=float, default=None, help="default: the demo's for the shape (5e-6 for s113m)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--lr-warmup-steps", type=int, default=0)
     ap.add_argument("--tail-median-tokens", type=int, default=32)

@@ -54,12 +54,12 @@ TASKS = ("max", "tool", "vision")
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     # the CPU demo's model: learns the max task in a few dozen steps on two cores
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "max_positions": 64},
-    # a GPU's: GPT-2-small-sized (85 M parameters without the 15-token embedding), large enough that a decode step
-    # and a training pass are real GPU work (not launch overhead), small enough to learn the task from scratch in a
+    # a GPU's: GPT-2 small's width and depth with a Llama (SwiGLU) MLP of 4x, 113 M parameters: large enough that a
+    # decode step and a training pass are real GPU work (not launch overhead), small enough to learn the task from scratch in a
     # minute or two; head dim 64 as the SGLang kit's kernels were built for; 1,024 positions for the long tail
-    "s85m": {"hidden": 768, "layers": 12, "heads": 12, "max_positions": 1024},
+    "s113m": {"hidden": 768, "layers": 12, "heads": 12, "max_positions": 1024},
 }
-SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s85m": 5e-6}
+SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6}
 """--task max's learning rate per shape. Adam's first steps move every weight by about lr whatever its gradient, and
 the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers collapsed to one answer (entropy
 0.002 nats) within 5 steps at 3e-4 and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
@@ -92,7 +92,7 @@ class DemoConfig:
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
     lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; "
-                                                          "5e-3 for vision; 5e-6 for --model-shape s85m)"})
+                                                          "5e-3 for vision; 5e-6 for --model-shape s113m)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
@@ -122,7 +122,7 @@ class DemoConfig:
     micro_batch_tokens: int = field(default=0, metadata={"help": "most padded tokens per forward/backward pass of the trainer (0: the "
                                                                  "whole batch at once)"})
     model_shape: str = field(default="tiny", metadata={"help": "the --task max model (built here, or the shape of --model: it sets the default --lr): tiny (hidden 64, 2 layers, 0.1 M "
-                                                                "parameters, CPU) or s85m (hidden 768, 12 layers, 85 M, a GPU)"})
+                                                                "parameters, CPU) or s113m (hidden 768, 12 layers, 113 M, a GPU)"})
     model: str | None = field(default=None, metadata={"help": "--task max: a model directory built before (task.build_demo_model) "
                                                               "instead of building one (workers started elsewhere serve the same)"})
     lengths: str = field(default="one", metadata={"help": "--task max output lengths: one (the answer token) or longtail (the answer, "
@@ -208,7 +208,7 @@ class DemoConfig:
         positions = MODEL_SHAPES[self.model_shape]["max_positions"]
         if self.lengths == "longtail" and self.model is None and self.tail_max_tokens + task_prompt_tokens() > positions:
             raise ConfigError(f"tail_max_tokens ({self.tail_max_tokens}) and the prompt do not fit the {self.model_shape} model's "
-                              f"{positions} positions (--model-shape s85m has 1024)")
+                              f"{positions} positions (--model-shape s113m has 1024)")
 
     def _check_staleness(self) -> None:
         if self.stale_policy not in ("drop", "regenerate", "keep"):

@@ -22,7 +22,7 @@ def test_workers_started_elsewhere_need_the_endpoint_they_dial() -> None:
 def test_a_long_tail_that_does_not_fit_the_model_is_refused() -> None:
     with pytest.raises(ConfigError, match="tail_max_tokens"):
         DemoConfig(lengths="longtail", tail_max_tokens=512)  # the tiny model has 64 positions
-    assert DemoConfig(lengths="longtail", tail_max_tokens=512, model_shape="s85m").tail_max_tokens == 512
+    assert DemoConfig(lengths="longtail", tail_max_tokens=512, model_shape="s113m").tail_max_tokens == 512
 
 
 @pytest.mark.parametrize("field, value", [("engine", "vllm"), ("device", "tpu"), ("lengths", "short"), ("loss_tokens", "some"),
@@ -33,8 +33,8 @@ def test_bad_gpu_fields_are_refused_by_name(field: str, value: object) -> None:
 
 
 def test_the_large_shape_gets_its_own_learning_rate_unless_one_is_given() -> None:
-    assert DemoConfig(model_shape="s85m").resolved().lr == 5e-6
-    assert DemoConfig(model_shape="s85m", lr=1e-4).resolved().lr == 1e-4
+    assert DemoConfig(model_shape="s113m").resolved().lr == 5e-6
+    assert DemoConfig(model_shape="s113m", lr=1e-4).resolved().lr == 1e-4
     assert DemoConfig().resolved().lr == 3e-3
 
 
