@@ -3,9 +3,10 @@
 One device call (``bash .sgkit/install.sh .sgkit /tmp/site`` first, as for bench/gpu_sglang.py)::
 
     PYTHONPATH=/tmp/site:$PWD TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache python3 bench/gpu_demo.py \\
-        --runs sync,async1,async2,async4 --seeds 0 --deadline-s 560 --out $OUT
+        --runs sync,async1,async2,async4 --seeds 0,1 --deadline-s 540 --out $OUT
 
-writes, as it goes, ``<card>-demo-<mode>-s<seed>.json`` per run (card from ``torch.cuda.get_device_name``:
+(seed 1's runs only as far as the deadline allows: they start only with ``--min-run-s`` left) writes, as it
+goes, ``<card>-demo-<mode>-s<seed>.json`` per run (card from ``torch.cuda.get_device_name``:
 h100, h200) and ``<card>-demo-pairs.json`` (each async run against the sync run of its seed:
 ``async_over_sync``), re-written after every run, plus ``gpu-demo.log`` and each run's own folder
 (its demo report, the broker's log).
@@ -237,8 +238,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (model initialisation, prompts, sampling)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--work", default="/tmp/gpu_demo")
-    ap.add_argument("--deadline-s", type=float, default=560.0, help="the whole call; runs that cannot start are skipped")
-    ap.add_argument("--per-run-timeout-s", type=float, default=170.0)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="the whole call; runs that cannot start are skipped")
+    ap.add_argument("--per-run-timeout-s", type=float, default=150.0)
     ap.add_argument("--min-run-s", type=float, default=60.0, help="do not start a run with less time than this left")
     ap.add_argument("--engine", choices=("sglang", "hf"), default="sglang")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -263,7 +264,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reward-threshold", type=float, default=0.8)
     ap.add_argument("--stop-at-reward", type=float, default=0.82,
                     help="end a run once the expected held-out reward reaches this (on CPU the 256-wide model levelled off near 0.85)")
-    ap.add_argument("--max-train-s", type=float, default=110.0)
+    ap.add_argument("--max-train-s", type=float, default=85.0,
+                    help="end a run after this much training (four runs and an engine start fit a 540 s deadline)")
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="CPU: hf engine, tiny model, sync and async2 for 3 steps each")
     args = ap.parse_args(argv)
