@@ -61,8 +61,8 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 }
 SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6}
 """--task max's learning rate per shape. Adam's first steps move every weight by about lr whatever its gradient, and
-the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers collapsed to one answer (entropy
-0.002 nats) within 5 steps at 3e-4 and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
+the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers settled on one answer ("9", expected
+held-out reward 0.31) within 5 steps at 3e-4 (entropy 0.002 nats) and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
 about 15 steps of 32 x 8 samples); 5e-6 is that rate scaled by the ratio of fan-in x width x depth (about 1/54)."""
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
