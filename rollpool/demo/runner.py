@@ -58,12 +58,17 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
     # decode step and a training pass are real GPU work (not launch overhead), small enough to learn the task from scratch in a
     # minute or two; head dim 64 as the SGLang kit's kernels were built for; 1,024 positions for the long tail
     "s113m": {"hidden": 768, "layers": 12, "heads": 12, "max_positions": 1024},
+    # wide and shallow (hidden 1024, 2 layers, 34 M parameters): a deep random transformer's last position carries
+    # little of the digits at first, and its policy settles on the most frequent answer; two layers learn as the tiny
+    # model does
+    "w34m": {"hidden": 1024, "layers": 2, "heads": 16, "max_positions": 1024},
 }
-SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6}
+SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6, "w34m": 2e-5}
 """--task max's learning rate per shape. Adam's first steps move every weight by about lr whatever its gradient, and
 the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers settled on one answer ("9", expected
 held-out reward 0.31) within 5 steps at 3e-4 (entropy 0.002 nats) and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
-about 15 steps of 32 x 8 samples); 5e-6 is that rate scaled by the ratio of fan-in x width x depth (about 1/54)."""
+about 15 steps of 32 x 8 samples); 5e-6 is that rate scaled by the ratio of fan-in x width x depth (about 1/54), and
+2e-5 for hidden 1024 x 2 layers (1/16)."""
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
@@ -122,7 +127,8 @@ class DemoConfig:
     micro_batch_tokens: int = field(default=0, metadata={"help": "most padded tokens per forward/backward pass of the trainer (0: the "
                                                                  "whole batch at once)"})
     model_shape: str = field(default="tiny", metadata={"help": "the --task max model (built here, or the shape of --model: it sets the default --lr): tiny (hidden 64, 2 layers, 0.1 M "
-                                                                "parameters, CPU) or s113m (hidden 768, 12 layers, 113 M, a GPU)"})
+                                                                "parameters, CPU), s113m (hidden 768, 12 layers, 113 M, a GPU) or w34m (hidden "
+                                                                "1024, 2 layers, 34 M, a GPU)"})
     model: str | None = field(default=None, metadata={"help": "--task max: a model directory built before (task.build_demo_model) "
                                                               "instead of building one (workers started elsewhere serve the same)"})
     lengths: str = field(default="one", metadata={"help": "--task max output lengths: one (the answer token) or longtail (the answer, "
