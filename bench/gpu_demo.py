@@ -16,6 +16,7 @@ of this bench, killed with its process group when it overruns ``--per-run-timeou
 the trainer (the demo's GRPO, float32 master weights, bfloat16 autocast, micro-batches) on the GPU,
 its broker, and one ``--engine sglang`` worker on the same GPU (``mem_fraction_static`` 0.3 of the card:
 weights, KV cache; the trainer takes what is left; capacity 512 sequences, twice a step's samples).
+The model: ``--model-shape w34m``, a random-init Llama of hidden 1024 and 2 layers (34 M parameters), lr 2e-5.
 The task: the largest of four digits, answered by the first output token (reward 1 or 0 on the worker); the long tail: each prompt's output length is drawn
 lognormal (median 32 tokens, sigma 1, capped at 512, EOS ignored), so a few groups run 10-15x longer than
 the median one, and the trainer runs the whole output through its forward and backward passes (it trains
@@ -243,7 +244,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-run-s", type=float, default=100.0, help="do not start a run with less time than this left")
     ap.add_argument("--engine", choices=("sglang", "hf"), default="sglang")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--model-shape", default="s113m")
+    ap.add_argument("--model-shape", default="w34m", help="w34m (hidden 1024, 2 layers, 34 M parameters: learns on CPU at its "
+                                                          "rate) or s113m (768 x 12, 113 M: settled on one answer on CPU)")
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the sglang worker's mem_fraction_static")
     ap.add_argument("--capacity", type=int, default=512,
                     help="the worker's engine capacity (sequences at once): twice a step's 256 samples, so async can run "
@@ -253,7 +255,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300, help="most steps per run (runs end at --stop-at-reward first)")
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=None, help="default: the demo's for the shape (5e-6 for s113m)")
+    ap.add_argument("--lr", type=float, default=None, help="default: the demo's for the shape (2e-5 for w34m)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--lr-warmup-steps", type=int, default=0)
     ap.add_argument("--tail-median-tokens", type=int, default=32)

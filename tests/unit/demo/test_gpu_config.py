@@ -34,6 +34,7 @@ def test_bad_gpu_fields_are_refused_by_name(field: str, value: object) -> None:
 
 def test_the_large_shape_gets_its_own_learning_rate_unless_one_is_given() -> None:
     assert DemoConfig(model_shape="s113m").resolved().lr == 5e-6
+    assert DemoConfig(model_shape="w34m").resolved().lr == 2e-5
     assert DemoConfig(model_shape="s113m", lr=1e-4).resolved().lr == 1e-4
     assert DemoConfig().resolved().lr == 3e-3
 
