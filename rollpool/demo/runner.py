@@ -68,7 +68,7 @@ SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6, "w34m": 2e-5}
 the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers settled on one answer ("9", expected
 held-out reward 0.31) within 5 steps at 3e-4 (entropy 0.002 nats) and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
 about 15 steps of 32 x 8 samples). Scaled by the ratio of fan-in x width x depth: 2e-5 for hidden 1024 x 2 layers (1/16;
-on CPU 0.71 after 8 steps) and 5e-6 for 768 x 12 (1/54; on CPU still on "9" after 7 steps)."""
+on CPU 0.80 after 10 steps) and 5e-6 for 768 x 12 (1/54; on CPU still on "9" after 7 steps)."""
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5},
