@@ -173,6 +173,9 @@ class Workload:
     batch_size: int = 512
     train_s_per_token_gpu: float = 0.05e-3
     train_fraction: float = 1 / 8
+    shared_group_length: bool = False
+    """Every sample of a group has the group's one drawn length (the GPU demo's long tail: a length per prompt);
+    False: a length per sample (the sim engine's)."""
 
     def describe(self) -> str:
         return (
@@ -216,7 +219,7 @@ def fluid_window_bound(w: Workload, eta: int, group_s: float, train_s: float) ->
 def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
                hard_bound: bool = True, warmup_s: float = 0.0, cancel_doomed: bool = False,
                start_behind_at_bump: bool = False, fresh_dispatch_hold_s: float | None = None, apply_s: float = 0.0,
-               stale_policy: str = "drop", max_staleness_keep: int | None = None) -> dict[str, Any]:
+               stale_policy: str = "drop", max_staleness_keep: int | None = None, return_steps: bool = False) -> dict[str, Any]:
     """The pool's rules with every latency zero: a discrete-event model, for reference only.
 
     Same rules as the real run: AReaL admission ``accepted + running + n <= (v + eta + 1) B`` over
@@ -244,7 +247,8 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     ``cancelled_share`` of the groups that ended; ``wasted_share`` (generated tokens never trained,
     over all generated tokens) and ``wasted_share_by_reason`` (stale_drop, cancel, failure,
     duplicate: the last two are zero here, nothing fails or repeats in this model);
-    ``older_than_eta_share`` of the trained samples; ``max_staleness_seen`` among them.
+    ``older_than_eta_share`` of the trained samples; ``max_staleness_seen`` among them; with `return_steps`,
+    ``step_at_s``: when each step ended (every step, the warm-up included).
     """
     if stale_policy not in ("drop", "keep"):
         raise ValueError(f"stale_policy must be drop or keep, got {stale_policy!r}")
@@ -253,6 +257,8 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     bound = eta if stale_policy == "drop" else (2 * eta if max_staleness_keep is None else max_staleness_keep)
     n, per_step = w.group_size, w.batch_size // w.group_size
     draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
+    if w.shared_group_length:
+        draws = np.repeat(draws[:, :1], n, axis=1)
     slots = gen * w.capacity // n
     version = accepted = running = 0
     now = 0.0
@@ -352,7 +358,8 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
             "wasted_share_by_reason": {"stale_drop": tokens["stale_drop"] / gen_tokens, "cancel": tokens["cancel"] / gen_tokens,
                                        "failure": 0.0, "duplicate": 0.0},
             "older_than_eta_share": float((lags > eta).mean()),
-            "max_staleness_seen": int(lags.max())}
+            "max_staleness_seen": int(lags.max()),
+            **({"step_at_s": [float(x) for x in t]} if return_steps else {})}
 
 
 def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float, rule_models: bool = True) -> dict[str, Any]:

@@ -57,6 +57,24 @@ __all__ = ["DemoConfig", "run_demo"]
 
 
 TASKS = ("max", "tool", "vision")
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    # the CPU demo's model: learns the max task in a few dozen steps on two cores
+    "tiny": {"hidden": 64, "layers": 2, "heads": 4, "max_positions": 64},
+    # GPT-2 small's width and depth with a Llama (SwiGLU) MLP of 4x, 113 M parameters, head dim 64 as the SGLang kit's
+    # kernels were built for, 1,024 positions for the long tail. On CPU its policy settled on the most frequent answer
+    # at every learning rate tried (bench/results/cpu-demo-lr-probe.json): kept for trying, not the GPU demo's default
+    "s113m": {"hidden": 768, "layers": 12, "heads": 12, "max_positions": 1024},
+    # the GPU demo's: wide and shallow (hidden 1024, 2 layers, 34 M parameters), so that a decode step and a training
+    # pass are real GPU work and the task is learnt in tens of steps (a deep random model's policy settles on the most
+    # frequent answer first)
+    "w34m": {"hidden": 1024, "layers": 2, "heads": 16, "max_positions": 1024},
+}
+SHAPE_LR: dict[str, float] = {"tiny": 3e-3, "s113m": 5e-6, "w34m": 2e-5}
+"""--task max's learning rate per shape. Adam's first steps move every weight by about lr whatever its gradient, and
+the move of a logit grows with fan-in x width x depth: on CPU, hidden 768 x 12 layers settled on one answer ("9", expected
+held-out reward 0.31) within 5 steps at 3e-4 (entropy 0.002 nats) and within 2 at 3e-5, while hidden 256 x 2 layers learned at 3e-4 (held-out 0.8 in
+about 15 steps of 32 x 8 samples). Scaled by the ratio of fan-in x width x depth: 2e-5 for hidden 1024 x 2 layers (1/16;
+on CPU 0.80 after 10 steps) and 5e-6 for 768 x 12 (1/54; on CPU still on "9" after 7 steps)."""
 # per task: what an unset flag means
 _TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "max": {"steps": 150, "prompts_per_step": 32, "group_size": 8, "lr": 3e-3, "entropy_coef": 0.0, "heartbeat_interval_s": 0.5,
@@ -96,10 +114,14 @@ class DemoConfig:
     kill_worker_at: int | None = field(default=None, metadata={"help": "SIGKILL worker 0 at this step (it is restarted two steps later)"})
     prompts_per_step: int | None = field(default=None, metadata={"help": "groups per optimizer step (default: 32 for max, 8 for tool)"})
     group_size: int | None = field(default=None, metadata={"help": "samples per prompt, GRPO group (default: 8 for max, 16 for tool)"})
-    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; 2e-3 for vision)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate, constant for half the steps, then decayed (default: 3e-3; "
+                                                          "2e-3 for vision; 5e-6 for --model-shape s113m)"})
     entropy_coef: float | None = field(default=None, metadata={"help": "weight of the policy's entropy in the objective "
                                                                         "(default: 0 for max, 0.1 for tool, 0.05 for vision)"})
     lr_final_ratio: float = field(default=0.2, metadata={"help": "learning rate at the last step, as a fraction of --lr"})
+    lr_warmup_steps: int = field(default=0, metadata={"help": "steps of linear learning-rate warm-up (Adam's first steps move every "
+                                                               "weight by about lr whatever its gradient: a deep model's policy can "
+                                                               "collapse in one step without it)"})
     seed: int = field(default=0, metadata={"help": "seed for the model, prompts and sampling"})
     out: str = field(default="demo-out", metadata={"help": "folder for the report: demo-report.json and .png (--task tool: "
                                                            "demo-report-tool.*, its control demo-report-tool-disabled.*)"})
@@ -119,6 +141,37 @@ class DemoConfig:
                                                         "and MLP projection); each version published is the adapter only"})
     lora_rank: int = field(default=8, metadata={"help": "--lora: the adapter's rank"})
     lora_alpha: float | None = field(default=None, metadata={"help": "--lora: the adapter's alpha (default: 2 x rank)"})
+    engine: str = field(default="hf", metadata={"help": "engine of the workers the demo starts: hf (CPU or CUDA) or sglang (a GPU)"})
+    engine_options: str = field(default="", metadata={"help": "more --engine-options for the workers the demo starts, k=v,... "
+                                                               "(e.g. mem_fraction_static=0.3 for sglang beside a trainer on the same GPU)"})
+    device: str = field(default="cpu", metadata={"help": "where the trainer runs: cpu or cuda (the model in float32, the forward "
+                                                        "passes in bfloat16 under autocast, micro-batches of --micro-batch-tokens)"})
+    micro_batch_tokens: int = field(default=0, metadata={"help": "most padded tokens per forward/backward pass of the trainer (0: the "
+                                                                 "whole batch at once)"})
+    model_shape: str = field(default="tiny", metadata={"help": "the --task max model (built here, or the shape of --model: it sets the default --lr): tiny (hidden 64, 2 layers, 0.1 M "
+                                                                "parameters, CPU), s113m (hidden 768, 12 layers, 113 M, a GPU) or w34m (hidden "
+                                                                "1024, 2 layers, 34 M, a GPU)"})
+    model: str | None = field(default=None, metadata={"help": "--task max: a model directory built before (task.build_demo_model) "
+                                                              "instead of building one (workers started elsewhere serve the same)"})
+    lengths: str = field(default="one", metadata={"help": "--task max output lengths: one (the answer token) or longtail (the answer, "
+                                                          "then a tail of a length drawn per prompt, lognormal, ignore_eos)"})
+    tail_median_tokens: int = field(default=32, metadata={"help": "--lengths longtail: median output length of a prompt (tokens)"})
+    tail_sigma: float = field(default=1.0, metadata={"help": "--lengths longtail: sigma of the lognormal output length"})
+    tail_max_tokens: int = field(default=512, metadata={"help": "--lengths longtail: cap on the output length (max_new_tokens)"})
+    loss_tokens: str = field(default="all", metadata={"help": "tokens the trainer trains: all sampled tokens, or answer (the first "
+                                                              "sampled token, the only one the reward reads)"})
+    reward_threshold: float = field(default=0.8, metadata={"help": "held-out reward whose first crossing is reported "
+                                                                   "(time_to_threshold_s; the trainer's expected held-out reward)"})
+    stop_at_reward: float | None = field(default=None, metadata={"help": "end training once the trainer's expected held-out "
+                                                                          "reward reaches this (None: run every step)"})
+    max_train_s: float | None = field(default=None, metadata={"help": "end training after this many seconds of the training loop"})
+    worker_endpoint: str | None = field(default=None, metadata={"help": "the broker's worker endpoint (default: ipc in a temporary "
+                                                                        "folder); workers started elsewhere dial it"})
+    external_workers: int = field(default=0, metadata={"help": "workers started elsewhere that dial --worker-endpoint; the demo "
+                                                               "waits for them to join (--workers may then be 0)"})
+    first_version: int = field(default=0, metadata={"help": "the run's first weight version; above 0 the pool is rebased to it and "
+                                                            "no prompt goes out before every worker serves it (workers kept from "
+                                                            "an earlier run hold that run's weights until then)"})
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -129,8 +182,6 @@ class DemoConfig:
             raise ConfigError(f"call_bonus must be in [0, 1), got {self.call_bonus}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if not 1 <= self.workers <= 64:
-            raise ConfigError(f"workers must be in 1..64, got {self.workers}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if (self.prompts_per_step is not None and self.prompts_per_step < 1) or (self.group_size is not None and self.group_size < 2):
@@ -147,6 +198,45 @@ class DemoConfig:
         if not 1 <= self.eval_prompts <= 200:
             raise ConfigError(f"eval_prompts must be in 1..200, got {self.eval_prompts}")
         self._check_staleness()
+        self._check_gpu_fields()
+
+    def _check_gpu_fields(self) -> None:  # noqa: C901 - one check per field
+        if not 0 <= self.workers <= 64 or not 0 <= self.external_workers <= 64 or self.workers + self.external_workers < 1:
+            raise ConfigError(f"workers and external_workers must be in 0..64 with at least one worker, got {self.workers} "
+                              f"and {self.external_workers}")
+        if self.external_workers and not self.worker_endpoint:
+            raise ConfigError("external_workers needs worker_endpoint (the endpoint those workers dial)")
+        if self.engine not in ("hf", "sglang"):
+            raise ConfigError(f"engine must be hf or sglang, got {self.engine!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"micro_batch_tokens must be >= 0, got {self.micro_batch_tokens}")
+        if self.model_shape not in MODEL_SHAPES:
+            raise ConfigError(f"model_shape must be one of {', '.join(MODEL_SHAPES)}, got {self.model_shape!r}")
+        if self.lengths not in ("one", "longtail"):
+            raise ConfigError(f"lengths must be one or longtail, got {self.lengths!r}")
+        if self.loss_tokens not in ("all", "answer"):
+            raise ConfigError(f"loss_tokens must be all or answer, got {self.loss_tokens!r}")
+        if self.task != "max" and (self.engine != "hf" or self.device != "cpu" or self.model is not None or self.lengths != "one"
+                                   or self.model_shape != "tiny"):
+            raise ConfigError("engine, device, model, model_shape and lengths other than the defaults are for --task max")
+        if not 1 <= self.tail_median_tokens <= self.tail_max_tokens:
+            raise ConfigError(f"tail_median_tokens must be in 1..tail_max_tokens ({self.tail_max_tokens}), got {self.tail_median_tokens}")
+        if not 0 <= self.tail_sigma <= 3:
+            raise ConfigError(f"tail_sigma must be in [0, 3], got {self.tail_sigma}")
+        if not 0 < self.reward_threshold <= 1 or (self.stop_at_reward is not None and not 0 < self.stop_at_reward <= 1):
+            raise ConfigError("reward_threshold and stop_at_reward must be in (0, 1]")
+        if self.max_train_s is not None and not self.max_train_s > 0:
+            raise ConfigError(f"max_train_s must be > 0, got {self.max_train_s}")
+        if self.first_version < 0:
+            raise ConfigError(f"first_version must be >= 0, got {self.first_version}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        positions = MODEL_SHAPES[self.model_shape]["max_positions"]
+        if self.lengths == "longtail" and self.model is None and self.tail_max_tokens + task_prompt_tokens() > positions:
+            raise ConfigError(f"tail_max_tokens ({self.tail_max_tokens}) and the prompt do not fit the {self.model_shape} model's "
+                              f"{positions} positions (--model-shape s113m has 1024)")
 
     def _check_staleness(self) -> None:
         if self.stale_policy not in ("drop", "regenerate", "keep"):
@@ -164,8 +254,17 @@ class DemoConfig:
 
     def resolved(self) -> DemoConfig:
         """This config with every unset per-task field set to its task's default."""
-        defaults = _TASK_DEFAULTS[self.task]
+        defaults = dict(_TASK_DEFAULTS[self.task])
+        if self.task == "max":
+            defaults["lr"] = SHAPE_LR[self.model_shape]
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+
+def task_prompt_tokens() -> int:
+    """Tokens of a --task max prompt: <s>, the digits, <sep>."""
+    from rollpool.demo.task import NUM_DIGITS
+
+    return NUM_DIGITS + 2
 
 
 def demo_process_specs(broker_args: list[str], broker_env: dict[str, str],
@@ -216,7 +315,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         hf_logging.disable_progress_bar()  # the demo's own progress lines are the output
     model_dir = (tool_task.build_tool_model(work / "model", seed=cfg.seed) if tool
                  else vision_task.build_vision_model(work / "model", seed=cfg.seed) if vision
-                 else task.build_demo_model(work / "model", seed=cfg.seed, head_std=LORA_HEAD_STD if cfg.lora else None))
+                 else pathlib.Path(cfg.model) if cfg.model is not None
+                 else task.build_demo_model(work / "model", seed=cfg.seed, head_std=LORA_HEAD_STD if cfg.lora else None,
+                                            **MODEL_SHAPES[cfg.model_shape]))
     assert cfg.max_staleness is not None
     eta = 0 if cfg.sync else cfg.max_staleness
     batch_samples = prompts_per_step * group_size
@@ -224,7 +325,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
     redis = None
     client: SyncTrainerClient | None = None
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # beside os.environ
-    worker_ep = f"ipc://{work}/workers"
+    worker_ep = cfg.worker_endpoint or f"ipc://{work}/workers"
     client_ep = f"ipc://{work}/clients"
     summary: dict[str, Any] = {}
     try:
@@ -249,10 +350,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
 
         def worker_args(i: int) -> list[str]:
             reward = "rollpool.demo.task:slow_reward" if i == 0 and cfg.slow_worker_s > 0 else "rollpool.demo.task:reward"
-            return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", "hf",
+            options = f"seed={cfg.seed + i}" + (f",{cfg.engine_options}" if cfg.engine_options else "")
+            return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", cfg.engine,
                     "--model", str(model_dir), "--worker-id", f"demo-w{i}", *(task_args if tool else ["--reward", reward]),
                     "--heartbeat-interval-s", str(heartbeat_s), "--apply-mode", "interrupt",
-                    "--engine-options", f"seed={cfg.seed + i}", "--pool", cfg.pool, *redis_args]
+                    "--engine-options", options, "--pool", cfg.pool, *redis_args]
 
         def worker_env(i: int) -> dict[str, str]:
             return {**env, task.SLOW_ENV: str(cfg.slow_worker_s)} if i == 0 and cfg.slow_worker_s > 0 else env
@@ -263,7 +365,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         supervisor.start()
 
         torch.manual_seed(cfg.seed)
-        torch.set_num_threads(1)
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
         image_of: dict[str, bytes] = {}
         """Vision: the image of every prompt submitted, by prompt id (the trainer recomputes logprobs with it)."""
         extra_inputs = None
@@ -282,7 +385,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 return {**vision_task.batch_inputs(processor, rows), "mm_token_type_ids": (run_ids == vision_task.IMAGE_ID).int(),
                         "model_input_ids": run_ids}
         else:
-            model = LlamaForCausalLM.from_pretrained(model_dir)
+            model = LlamaForCausalLM.from_pretrained(model_dir).float().to(cfg.device)  # float32 master weights
+        cuda = cfg.device == "cuda"
+
+        def sync_device() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+
         adapter: Any = None
         adapter_spec: Any = None
         trained: Any = model.parameters()
@@ -294,31 +403,72 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             adapter = TrainableLora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank)
             adapter_spec = adapter.spec(base_fingerprint=model_fingerprint(model_dir), base_model="rollpool demo base")
             trained = adapter.parameters()
+
+        def published() -> Any:
+            # an sglang engine serves bfloat16: send what it keeps (half the bytes of the float32 master weights)
+            if cfg.engine == "sglang":
+                return {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+            return model
+
         optimizer = torch.optim.Adam(trained, lr=lr)
         # constant for the first half, then linear decay to lr_final_ratio: keeps the converged policy stable
         half = max(1, n_steps // 2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: 1.0 if s < half else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
+            optimizer, lambda s: (min(1.0, (s + 1) / cfg.lr_warmup_steps) if s < cfg.lr_warmup_steps else 1.0) if s < half
+            else max(cfg.lr_final_ratio, 1.0 - (1.0 - cfg.lr_final_ratio) * (s - half) / half))
         from rollpool.monitor.sink import sink_from_url
 
         metrics = sink_from_url(redis_url, cfg.pool, source="trainer")
         client = SyncTrainerClient(client_ep, config=TrainerClientConfig(broker=client_ep, request_timeout_s=30.0),
                                    metrics=metrics)
-        version = 0
+        version = cfg.first_version
         publish_s: list[float] = []
 
-        def publish(v: int) -> None:
+        def publish(v: int) -> float:
             t0 = time.perf_counter()
             if adapter is not None:
                 client.publish_weights(adapter.named_tensors(), v, adapter=adapter_spec)
             else:
-                client.publish_weights(model, v)
+                client.publish_weights(published(), v)
             publish_s.append(time.perf_counter() - t0)
+            return publish_s[-1]
 
+        if version > 0:
+            client.rebase_version(version)  # the pool's admission account starts at this run's first version
         publish(version)
+        expected_workers = cfg.workers + cfg.external_workers
+        t_join = time.monotonic()
+        while int(client.status()["counters"].get("workers_alive", 0)) < expected_workers:
+            if time.monotonic() - t_join > 900:
+                raise RuntimeError(f"fewer than {expected_workers} workers joined in 900 s (logs in {out_dir})")
+            time.sleep(0.2)
+        if version > 0:
+            # a worker kept from an earlier run holds that run's weights: nothing is generated before it serves these
+            client.wait_for_version(version, 1.0, timeout=300)
+        workers_ready_s = time.monotonic() - t_start
         # the tool task's agent sets max_tokens per turn (2 for the call turn, 1 for the answer)
         sampling = SamplingParams(max_new_tokens=2 if tool else 1, temperature=1.0)
+        longtail = cfg.lengths == "longtail"
         rng = random.Random(cfg.seed)
+        length_rng = random.Random(f"lengths:{cfg.seed}")
+
+        def train_sampling() -> SamplingParams:
+            """Per prompt: the answer token, or (long tail) the answer and a tail of a drawn length, EOS ignored."""
+            if not longtail:
+                return sampling
+            n_tokens = task.tail_length(length_rng, cfg.tail_median_tokens, cfg.tail_sigma, cfg.tail_max_tokens)
+            return SamplingParams(max_new_tokens=n_tokens, temperature=1.0, ignore_eos=True)
+
+        held_out_examples = task.held_out_set() if cfg.task == "max" else []
+        oldest_version = [-1]
+        """The oldest weight version of any sampled token this run received (held-out ones too): never below the run's
+        first version (a worker kept from an earlier run must not answer with that run's weights)."""
+
+        def saw(trajectories: Any) -> None:
+            for t in trajectories:
+                if len(t.token_versions):
+                    v = int(t.token_versions.min())
+                    oldest_version[0] = v if oldest_version[0] < 0 else min(oldest_version[0], v)
 
         def eval_held_out() -> tuple[float, float]:
             """(held-out reward, share of held-out episodes that called the tool); the second is 0 for the max task."""
@@ -339,6 +489,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                             "exempt_from_staleness": True} for ids, ans in held]
             client.submit(prompts)
             batch = client.get_batch(len(prompts), timeout=300)
+            saw(batch.trajectories)
             if tool:
                 # unshaped: the answer, and whether turn 1 held a call the parser found
                 correct = [bool(t.metadata.get("correct")) for t in batch.trajectories]
@@ -352,7 +503,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         task_name = (("tool disabled (control): " if cfg.tool_disabled else "") + "look a secret digit up with a tool, then say it (episodes)"
                      if tool else "the colour of the square in the image (a tiny Qwen2-VL)" if vision
                      else f"largest of four digits, LoRA rank {cfg.lora_rank} on a frozen base" if cfg.lora else "largest of four digits")
-        _progress(cfg, f"rollpool demo: {cfg.workers} hf workers, {'sync (eta=0)' if eta == 0 else f'async (eta={eta})'}, "
+        _progress(cfg, f"rollpool demo: {expected_workers} {cfg.engine} workers, trainer on {cfg.device}, {'sync (eta=0)' if eta == 0 else f'async (eta={eta})'}, "
                        f"{n_steps} steps x {prompts_per_step} groups x {group_size} samples; task: {task_name}")
         heldout_first, calls_first = eval_held_out()
         _progress(cfg, f"held-out reward before training: {heldout_first:.3f}" + (f"  tool-call share {calls_first:.3f}" if tool else ""))
@@ -372,7 +523,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                     prompts.append(p)
                     continue
                 ids, ans = task.training_example(rng)
-                prompts.append({"input_ids": ids, "group_size": group_size, "sampling": sampling,
+                prompts.append({"input_ids": ids, "group_size": group_size, "sampling": train_sampling(),
                                 "metadata": {"answer_id": ans}})
             client.submit(prompts)
 
@@ -387,6 +538,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         killed_at: float | None = None
         trained_over_eta = 0
         last_trajectories: Any = ()
+        grpo = GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef, micro_batch_tokens=cfg.micro_batch_tokens, autocast=cuda,
+                          loss_first_tokens=1 if cfg.loss_tokens == "answer" else None)
+        timing: dict[str, list[float]] = {"wait_s": [], "train_s": [], "publish_s": [], "eval_s": [], "tokens": [],
+                                          "heldout_expected": []}
+        group_timings: list[list[float]] = []
+        """Per trained group: [step, output tokens of its longest sample, its seconds from first start to last finish,
+        samples]: what the simulator's calibration reads (bench/calibrate_sim.py)."""
+        threshold_at: tuple[int, float] | None = None
+        steps_run = 0
+        stop_reason = "steps"
         t_train = time.monotonic()
         for step in range(1, n_steps + 1):
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at:
@@ -396,9 +557,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             if cfg.kill_worker_at is not None and step == cfg.kill_worker_at + 2:
                 supervisor.start_child("worker-0")
                 _progress(cfg, f"step {step}: restarted worker demo-w0")
+            t_wait = time.monotonic()
             batch = client.get_batch(prompts_per_step, max_staleness=eta, timeout=300, stale_policy=cfg.stale_policy,
                                      max_staleness_keep=cfg.max_staleness_keep)
+            timing["wait_s"].append(time.monotonic() - t_wait)
             last_trajectories = batch.trajectories
+            saw(batch.trajectories)
+            timing["tokens"].append(float(sum(len(t.output_ids) for t in batch.trajectories)))
+            for g in batch.groups:
+                starts = [t.started_at for t in g.trajectories if t.started_at > 0]
+                ends = [t.finished_at for t in g.trajectories if t.finished_at > 0]
+                group_timings.append([step, max((len(t.output_ids) for t in g.trajectories), default=0),
+                                      round(max(ends) - min(starts), 4) if starts and ends else -1.0, len(g.trajectories)])
             for t in batch.trajectories:
                 if t.trajectory_id in seen_traj:
                     duplicated += 1
@@ -414,17 +584,35 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                 trajs = batch.trajectories
                 stats["tool/correct"] = float(sum(bool(t.metadata.get("correct")) for t in trajs) / max(1, len(trajs)))
                 stats["tool/called"] = float(sum(bool(t.metadata.get("called")) for t in trajs) / max(1, len(trajs)))
-            stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID,
-                                   config=GRPOConfig(lr=lr, entropy_coef=cfg.entropy_coef), extra_inputs=extra_inputs))
+            sync_device()
+            t_step = time.monotonic()
+            stats.update(grpo_step(model, optimizer, batch.groups, pad_id=task.PAD_ID, config=grpo, extra_inputs=extra_inputs))
+            sync_device()
+            timing["train_s"].append(time.monotonic() - t_step)
             for g in batch.groups:
                 image_of.pop(g.prompt_id, None)
             scheduler.step()
             version += 1
-            publish(version)
+            timing["publish_s"].append(publish(version))
+            steps_run = step
+            if held_out_examples:
+                # the trained policy's expected held-out reward (one forward pass, no sampling noise): when it crosses
+                # the threshold is the run's time to threshold, whatever versions the workers serve meanwhile
+                t_eval = time.monotonic()
+                expected = task.expected_reward(model, held_out_examples[: cfg.eval_prompts], autocast=cuda)
+                timing["eval_s"].append(time.monotonic() - t_eval)
+                timing["heldout_expected"].append(expected)
+                stats["heldout/expected_reward"] = expected
+                if threshold_at is None and expected >= cfg.reward_threshold:
+                    threshold_at = (step, time.monotonic() - t_train)
+                if cfg.stop_at_reward is not None and expected >= cfg.stop_at_reward:
+                    stop_reason = "stop_at_reward"
+            if cfg.max_train_s is not None and time.monotonic() - t_train >= cfg.max_train_s and stop_reason == "steps":
+                stop_reason = "max_train_s"
             # keep eta + 1 steps of prompts in the pool (sync: exactly the next step's)
             # (plus what the bound dropped: under drop a stale group is gone, its prompt not trained)
             want = prompts_per_step * (step + eta + 1) + int(client.counters.get("dropped_stale", 0)) - submitted_groups
-            if step < n_steps and want > 0:
+            if step < n_steps and want > 0 and stop_reason == "steps":
                 submit_more(want)
                 submitted_groups += want
             stats["step"] = float(step)
@@ -433,8 +621,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             tool_line = f"answer {stats['tool/correct']:.3f}  calls {stats['tool/called']:.3f}  " if tool else ""
             _progress(cfg, f"step {step:3d}  v{version:<3d} reward {stats['rollout/reward_mean']:.3f}  {tool_line}"
                            f"lag max {stats['rollout/staleness_max']:.0f}  tokens/s {stats['rollout/tokens_per_s']:7.1f}  "
-                           f"loss {stats['train/loss']:+.4f}  {stats['elapsed_s']:6.1f} s")
+                           f"loss {stats['train/loss']:+.4f}  {stats['elapsed_s']:6.1f} s"
+                           + (f"  held-out expected {stats['heldout/expected_reward']:.3f}" if held_out_examples else ""))
+            if stop_reason != "steps":
+                _progress(cfg, f"step {step}: training ends ({stop_reason})")
+                break
         train_wall = time.monotonic() - t_train
+        if stop_reason != "steps" and client.pending():
+            # ended early: the prompts submitted ahead are not needed (each still reaches a terminal state: CANCELLED)
+            client.cancel(client.pending_ids())
         # drain what is still in the pool, so the held-out evaluation sees only its own groups
         leftover = client.pending()
         while leftover > 0:
@@ -452,8 +647,39 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             "mode": "sync" if eta == 0 else "async",
             "max_staleness": eta,
             "workers": cfg.workers,
-            "steps": n_steps,
+            "steps": steps_run,
+            "steps_planned": n_steps,
+            "stop_reason": stop_reason,
             "samples_per_step": batch_samples,
+            "prompts_per_step": prompts_per_step,
+            "group_size": group_size,
+            "device": cfg.device,
+            "engine": cfg.engine,
+            "engine_options": cfg.engine_options,
+            "model_shape": cfg.model_shape,
+            "model_given": cfg.model is not None,
+            "model_parameters": int(sum(p.numel() for p in model.parameters())),
+            "lengths": cfg.lengths,
+            **({"tail_median_tokens": cfg.tail_median_tokens, "tail_sigma": cfg.tail_sigma, "tail_max_tokens": cfg.tail_max_tokens}
+               if cfg.lengths == "longtail" else {}),
+            "loss_tokens": cfg.loss_tokens,
+            "lr": lr,
+            "lr_warmup_steps": cfg.lr_warmup_steps,
+            "seed": cfg.seed,
+            "first_version": cfg.first_version,
+            "oldest_token_version": oldest_version[0],
+            "workers_ready_s": workers_ready_s,
+            "reward_threshold": cfg.reward_threshold,
+            "time_to_threshold_s": threshold_at[1] if threshold_at is not None else None,
+            "steps_to_threshold": threshold_at[0] if threshold_at is not None else None,
+            "heldout_expected_final": timing["heldout_expected"][-1] if timing["heldout_expected"] else None,
+            "trainer_wait_s": float(sum(timing["wait_s"])),
+            "trainer_idle_share": float(sum(timing["wait_s"]) / train_wall) if train_wall > 0 else 0.0,
+            "train_s_mean": float(sum(timing["train_s"]) / max(1, len(timing["train_s"]))),
+            "publish_s_mean": float(sum(timing["publish_s"]) / max(1, len(timing["publish_s"]))),
+            "tokens_trained": int(sum(timing["tokens"])),
+            "tokens_per_s": float(sum(timing["tokens"]) / train_wall) if train_wall > 0 else 0.0,
+            "samples_per_s": float(steps_run * batch_samples / train_wall) if train_wall > 0 else 0.0,
             "reward_first": rewards[0],
             "reward_final": float(sum(tail) / len(tail)),
             "heldout_reward_first": heldout_first,
@@ -475,11 +701,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
             # groups the trainer received staler than eta: dropped (drop, regenerate) or trained (keep)
             "groups_over_eta": int(client.counters.get("dropped_stale", 0)) + trained_over_eta,
             "groups_trained_over_eta": trained_over_eta,
-            "groups_received": int(client.counters.get("dropped_stale", 0)) + cfg.steps * cfg.prompts_per_step,
+            "groups_received": int(client.counters.get("dropped_stale", 0)) + steps_run * prompts_per_step,
             "stale_samples_trained": int(sum(n for lag, n in lag_hist.items() if lag > eta)),
             "reward_per_step": rewards,
             "tokens_per_s_per_step": [s["rollout/tokens_per_s"] for s in steps],
-            "note": "real hf engine on CPU; on two shared cores the trainer and workers contend for the CPU",
+            "per_step": {k: [round(x, 5) for x in v] for k, v in timing.items()},
+            "group_timings": group_timings,
+            "note": ("real hf engine on CPU; on two shared cores the trainer and workers contend for the CPU" if cfg.device == "cpu"
+                     else f"trainer on {cfg.device}, {cfg.engine} workers; on one GPU the trainer and the engine share it"),
         }
         if tool:
             summary.update({
@@ -542,7 +771,10 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
         keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
-    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram", "lora")  # what the stale policy did with late groups
+    # what the stale policy did with late groups; the run's device, lengths and timings; the adapter's figures
+    extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram", "lora", "device", "engine",
+             "model_parameters", "lengths", "time_to_threshold_s", "steps_to_threshold", "trainer_idle_share", "tokens_per_s",
+             "stop_reason")
     return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in extra if k in summary}}
 
 
@@ -564,6 +796,10 @@ def _print_summary(s: dict[str, Any], out_dir: pathlib.Path, stem: str) -> None:
             + (" (tool disabled: control)" if s["tool_disabled"] else ""))] if s["task"] == "tool" else []),
         ("wall time", f"{s['wall_s']:.1f} s (training loop {s['train_wall_s']:.1f} s)"),
         ("tokens/s (mean per step)", f"{s['tokens_per_s_mean']:.1f}"),
+        *([("time to held-out expected reward " + f"{s['reward_threshold']:g}",
+            f"{s['time_to_threshold_s']:.1f} s (step {s['steps_to_threshold']})" if s.get("time_to_threshold_s") is not None
+            else "not reached")] if s["task"] == "max" else []),
+        ("trainer idle (waiting for rollouts)", f"{s['trainer_idle_share']:.0%}"),
         ("version lag histogram", " ".join(f"{k}:{v}" for k, v in s["lag_histogram"].items())),
         ("requeued / failed", f"{s['requeued']} / {s['failed']}"),
         ("lost / duplicated", f"{s['lost']} / {s['duplicated']}"),
@@ -605,7 +841,8 @@ def _write_report(out_dir: pathlib.Path, stem: str, summary: dict[str, Any], ste
     axes[3].bar(["requeued", "failed", "lost", "duplicated"],
                 [summary["requeued"], summary["failed"], summary["lost"], summary["duplicated"]])
     axes[3].set(title="requeues and losses")
-    fig.suptitle(f"rollpool demo ({summary['mode']}, eta={summary['max_staleness']}, {summary['workers']} hf workers, CPU)")
+    fig.suptitle(f"rollpool demo ({summary['mode']}, eta={summary['max_staleness']}, {summary['workers']} {summary['engine']} workers, "
+                 f"trainer on {summary['device']})")
     fig.tight_layout()
     fig.savefig(out_dir / f"{stem}.png", dpi=90)
     plt.close(fig)

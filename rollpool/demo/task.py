@@ -14,6 +14,7 @@ seeded set of held-out prompts is never used in training.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import random
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,8 @@ __all__ = [
     "held_out_set",
     "build_demo_model",
     "build_word_model",
+    "expected_reward",
+    "tail_length",
 ]
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<sep>", "<unk>"]
@@ -95,19 +98,39 @@ async def slow_reward(metadata: Mapping[str, Any], trajectory: Any) -> float:
 
 
 def build_demo_model(path: str | pathlib.Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
-                     head_std: float | None = None) -> pathlib.Path:
+                     max_positions: int = 64, head_std: float | None = None) -> pathlib.Path:
     """A random-weight Llama over the task's 15-token word-level vocabulary, with its tokenizer.
 
     `head_std`: the output layer's weights drawn with this standard deviation instead of the config's 0.02. The
     LoRA demo's frozen base uses 1/sqrt(hidden): with 0.02 the logits of a normalised hidden state stay within
     about +-1.3, so no adapter on the layers below can make the policy confident (its entropy stays near uniform);
     at 1/sqrt(hidden) a hidden state the adapter writes can reach logits of several units."""
-    return build_word_model(path, VOCAB, hidden=hidden, layers=layers, heads=heads, seed=seed, head_std=head_std)
+    return build_word_model(path, VOCAB, hidden=hidden, layers=layers, heads=heads, seed=seed, max_positions=max_positions,
+                            head_std=head_std)
+
+
+def tail_length(rng: random.Random, median: int, sigma: float, cap: int) -> int:
+    """The long-tail setup's output length of one prompt (the answer token included): lognormal around `median`
+    with `sigma`, at least 1, at most `cap`."""
+    return max(1, min(cap, round(math.exp(math.log(median) + sigma * rng.gauss(0.0, 1.0)))))
+
+
+def expected_reward(model: Any, examples: Sequence[tuple[list[int], int]], *, autocast: bool = False) -> float:
+    """The mean probability the model gives each example's answer as its first output token: the expected reward
+    of sampling at temperature 1 (no sampling noise), from one forward pass on the model's device."""
+    import torch
+
+    device = next(iter(model.parameters())).device
+    ids = torch.tensor([e[0] for e in examples], device=device)
+    answers = torch.tensor([e[1] for e in examples], device=device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1, :].float()
+    return float(torch.softmax(logits, dim=-1)[torch.arange(len(examples), device=device), answers].mean().item())
 
 
 def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_tokens: Sequence[str] = (),
                      chat_template: str | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     tie_embeddings: bool = False, seed: int = 0, head_std: float | None = None) -> pathlib.Path:
+                     tie_embeddings: bool = False, seed: int = 0, max_positions: int = 64, head_std: float | None = None) -> pathlib.Path:
     """A random-weight Llama over a word-level `vocab` (which starts with `SPECIALS`), with its tokenizer.
 
     `special_tokens` are more special tokens of `vocab` (never split, dropped by
@@ -133,7 +156,7 @@ def build_word_model(path: str | pathlib.Path, vocab: Sequence[str], *, special_
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_positions,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=tie_embeddings,
     )
     model = LlamaForCausalLM(config)

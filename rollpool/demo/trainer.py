@@ -1,4 +1,4 @@
-"""GRPO with decoupled-PPO importance weights, on CPU, for the demo.
+"""GRPO with decoupled-PPO importance weights, for the demo (CPU, or the model's GPU).
 
 Advantages are group-relative (reward minus the group mean, over the group's
 standard deviation). The loss corrects for stale samples the way decoupled
@@ -21,6 +21,14 @@ not the policy's. An episode is one sample of its group: its advantage is
 computed from the rewards of the group's episodes (by ``sample_index``) and
 shared by all its segments (a history rewrite gives an episode more than one
 trajectory).
+
+On a GPU (the model's device is where the step runs) a batch with long outputs does not fit as one padded
+matrix: ``micro_batch_tokens`` splits it into micro-batches of rows of similar length (each padded to its own
+longest row, at most that many padded tokens each), whose gradients add up to the whole batch's (the loss is
+normalised by the whole batch's token count), and ``autocast`` runs the forward passes in bfloat16 on CUDA
+(the master weights and the optimizer stay in the model's dtype). ``loss_first_tokens`` trains only the first k
+sampled tokens of each trajectory: the demo's long-tail setup, whose reward reads the first token only and whose
+tail stands in for a reasoning trace (generated and run through the trainer like one, but not a target).
 """
 
 from __future__ import annotations
@@ -45,10 +53,20 @@ class GRPOConfig:
     adv_eps: float = 1e-4
     entropy_coef: float = 0.0
     """Weight of the policy's mean entropy at the trained positions, added to the objective (keeps exploring)."""
+    micro_batch_tokens: int = 0
+    """Most padded tokens per forward/backward pass (rows grouped by length); 0: the whole batch at once."""
+    autocast: bool = False
+    """Forward passes in bfloat16 under torch.autocast when the model is on CUDA (ignored on CPU)."""
+    loss_first_tokens: int | None = None
+    """Train only the first k sampled tokens of each trajectory (None: every sampled token)."""
 
 
-def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, ...]:
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
+Row = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+"""(input ids, output ids, output logprobs, loss mask, advantage) of one trajectory."""
+
+
+def _rows(groups: Sequence[GroupResult], loss_first_tokens: int | None = None) -> list[Row]:
+    rows: list[Row] = []
     for g in groups:
         # one reward per episode (its segments all carry it), normalised over the group's episodes
         episode_reward: dict[int, float] = {}
@@ -57,8 +75,17 @@ def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, 
         rewards = np.array(list(episode_reward.values()), dtype=np.float64)
         adv = dict(zip(episode_reward, (rewards - rewards.mean()) / (rewards.std() + GRPOConfig.adv_eps), strict=True))
         for t in g.trajectories:
+            loss_mask = np.asarray(t.loss_mask)
+            if loss_first_tokens is not None:
+                # the first k sampled tokens only (positions of later sampled tokens get mask 0)
+                sampled = np.cumsum(loss_mask != 0)
+                loss_mask = np.where(sampled <= loss_first_tokens, loss_mask, 0).astype(loss_mask.dtype)
             rows.append((np.asarray(t.input_ids), np.asarray(t.output_ids), np.asarray(t.output_logprobs),
-                         np.asarray(t.loss_mask), float(adv[t.sample_index])))
+                         loss_mask, float(adv[t.sample_index])))
+    return rows
+
+
+def _pad(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, ...]:
     length = max(len(r[0]) + len(r[1]) for r in rows)
     n = len(rows)
     ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -79,6 +106,27 @@ def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attn, gen_mask, behaviour, advantages
 
 
+def _tensors(groups: Sequence[GroupResult], pad_id: int) -> tuple[torch.Tensor, ...]:
+    return _pad(_rows(groups), pad_id)
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices in micro-batches: rows sorted by length, each micro-batch at most `max_tokens` padded tokens
+    (rows x its longest row; a row longer than `max_tokens` goes alone); 0: one batch of every row, in order."""
+    if max_tokens <= 0:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def _token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, extra: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(token t+1), the entropy of the distribution over token t+1) at every position t."""
     # a vision model may be given other ids to run (`model_input_ids`: a sampled image token is text, not a placeholder)
@@ -96,30 +144,43 @@ def grpo_step(model: Any, optimizer: torch.optim.Optimizer, groups: Sequence[Gro
     """One optimizer step on a batch of whole groups; returns loss figures.
 
     `extra_inputs(groups, ids)` gives more model inputs for the batch's rows (a trajectory per row, in group
-    order): a vision-language model's pixel values for the images each row's prompt showed."""
-    ids, attn, mask, behaviour, adv = _tensors(groups, pad_id)
-    extra = extra_inputs(groups, ids) if extra_inputs is not None else {}
+    order): a vision-language model's pixel values for the images each row's prompt showed (then the batch is
+    one pass: micro-batches need rows of one kind)."""
+    rows = _rows(groups, config.loss_first_tokens)
+    device = next(iter(model.parameters())).device
+    use_autocast = config.autocast and device.type == "cuda"
+    chunks = micro_batches([len(r[0]) + len(r[1]) for r in rows], 0 if extra_inputs is not None else config.micro_batch_tokens)
+    tokens = torch.tensor(float(sum(int((r[3] != 0).sum()) for r in rows))).clamp(min=1.0).to(device)
     model.train()
-    with torch.no_grad():
-        proximal, _ = _token_logprobs(model, ids, attn, extra)
-    current, entropy = _token_logprobs(model, ids, attn, extra)
-    weight = torch.exp(proximal - behaviour).clamp(max=config.max_importance)
-    ratio = torch.exp(current - proximal)
-    a = adv.unsqueeze(1)
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps) * a)
-    tokens = mask.sum().clamp(min=1.0)
-    mean_entropy = (entropy * mask).sum() / tokens
-    loss = -(weight * surrogate * mask).sum() / tokens - config.entropy_coef * mean_entropy
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
+    sums = {"loss": 0.0, "weight": 0.0, "gap": 0.0, "entropy": 0.0}
+    for chunk in chunks:
+        ids, attn, mask, behaviour, adv = (t.to(device) for t in _pad([rows[i] for i in chunk], pad_id))
+        extra = extra_inputs(groups, ids) if extra_inputs is not None else {}
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_autocast):
+            with torch.no_grad():
+                proximal, _ = _token_logprobs(model, ids, attn, extra)
+            current, entropy = _token_logprobs(model, ids, attn, extra)
+        weight = torch.exp(proximal - behaviour).clamp(max=config.max_importance)
+        ratio = torch.exp(current - proximal)
+        a = adv.unsqueeze(1)
+        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps) * a)
+        entropy_sum = (entropy * mask).sum()
+        loss = -(weight * surrogate * mask).sum() / tokens - config.entropy_coef * entropy_sum / tokens
+        loss.backward()  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            sums["loss"] += float(loss.item())
+            sums["weight"] += float((weight * mask).sum().item())
+            sums["gap"] += float(((proximal - behaviour).abs() * mask).sum().item())
+            sums["entropy"] += float(entropy_sum.item())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    with torch.no_grad():
-        behaviour_gap = ((proximal - behaviour).abs() * mask).sum() / tokens
+    n = float(tokens.item())
     return {
-        "train/loss": float(loss.item()),
-        "train/importance_mean": float(((weight * mask).sum() / tokens).item()),
-        "train/behaviour_gap": float(behaviour_gap.item()),
-        "train/tokens": float(tokens.item()),
-        "train/entropy": float(mean_entropy.item()),
+        "train/loss": sums["loss"],
+        "train/importance_mean": sums["weight"] / n,
+        "train/behaviour_gap": sums["gap"] / n,
+        "train/tokens": n,
+        "train/entropy": sums["entropy"] / n,
+        "train/micro_batches": float(len(chunks)),
     }

@@ -83,3 +83,40 @@ def test_each_demo_task_writes_its_own_report_so_none_overwrites_another() -> No
 
     stems = [report_stem(DemoConfig()), report_stem(DemoConfig(task="tool")), report_stem(DemoConfig(task="tool", tool_disabled=True))]
     assert stems == ["demo-report", "demo-report-tool", "demo-report-tool-disabled"]
+
+
+def _long_groups() -> list[GroupResult]:
+    rng = np.random.default_rng(0)
+    groups = []
+    for p in range(3):
+        trajs = []
+        for i in range(4):
+            q = int(rng.integers(1, 9))
+            trajs.append(Trajectory(prompt_id=f"p{p}", sample_index=i, input_ids=np.array([1, 5, 3], dtype=np.int32),
+                                    output_ids=rng.integers(3, 12, q).astype(np.int32),
+                                    output_logprobs=np.full(q, -2.0, dtype=np.float32), token_versions=np.zeros(q, dtype=np.int32),
+                                    loss_mask=np.ones(q, dtype=np.uint8), finish_reason="length", reward=float(i % 2)))
+        groups.append(GroupResult(prompt_id=f"p{p}", state="done", trajectories=tuple(trajs)))
+    return groups
+
+
+def _params_after(config: GRPOConfig) -> tuple[dict[str, float], list[object]]:
+    m = copy.deepcopy(_model())
+    optimizer = torch.optim.SGD(m.parameters(), lr=0.1)  # type: ignore[attr-defined]
+    figures = grpo_step(m, optimizer, _long_groups(), pad_id=0, config=config)
+    return figures, [p.detach().clone() for p in m.parameters()]  # type: ignore[attr-defined]
+
+
+def test_micro_batches_train_exactly_what_the_whole_batch_trains() -> None:
+    whole, whole_params = _params_after(GRPOConfig())
+    split, split_params = _params_after(GRPOConfig(micro_batch_tokens=24))
+    assert split["train/micro_batches"] > 1
+    assert split["train/tokens"] == whole["train/tokens"]
+    assert split["train/loss"] == pytest.approx(whole["train/loss"], abs=1e-5)
+    for a, b in zip(whole_params, split_params, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)  # type: ignore[attr-defined]
+
+
+def test_loss_first_tokens_trains_only_the_answer_token_of_each_sample() -> None:
+    figures, _ = _params_after(GRPOConfig(loss_first_tokens=1))
+    assert figures["train/tokens"] == 12.0  # 3 groups x 4 samples, one token each
