@@ -87,6 +87,7 @@ __all__ = [
     "DELTA_MINOR",
     "EPOCH_MINOR",
     "IMAGES_MINOR",
+    "REPLAY_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -119,7 +120,11 @@ PROTOCOL_MAJOR = 1
 #   1.17 LoRA adapter versions: Manifest.adapter (AdapterSpec) (LORA_MINOR)
 #   1.18 delta weight versions: ManifestRequest/Manifest/Fetch.delta_base, BucketInfo.encoding / delta_nbytes /
 #        delta_checksum (DELTA_MINOR)
-PROTOCOL_MINOR = 18
+#   1.20 the replay of a redelivered episode: TurnRecords, RecordedTurn, Task.replay, Feature.REPLAY (REPLAY_MINOR)
+PROTOCOL_MINOR = 20
+REPLAY_MINOR = 20
+"""The first minor whose workers stream finished episode turns to the broker (`TurnRecords`) and whose brokers hand them
+to the next attempt (`Task.replay`); both sides also list `Feature.REPLAY`. An older peer gets neither."""
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""
