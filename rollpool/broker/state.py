@@ -1793,6 +1793,8 @@ class BrokerState:
         c.update({k: round(v, 6) for k, v in self.wasted_shares().items()})
         c["held_for_fresh"] = self._hold_reserved
         c["replay_bytes"] = self.replay_bytes
+        lost = self.counters["workers_lost"]
+        c["tokens_regenerated_per_worker_lost"] = round(self.counters["tokens_regenerated"] / lost, 1) if lost else 0.0
         c.update(self.convergence.figures())
         c["activation"] = self.config.activation
         if self._fleet:
