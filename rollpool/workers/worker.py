@@ -617,9 +617,15 @@ class Worker:
             "simulated": bool(info.simulated) if info else False,
             "restarts": self.supervisor.restarts,
             **{f"refused.limit.{k}": v for k, v in self.link.refused.items()},
-            **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
+            **(self._episode_fields() if self.episodes is not None else {}),
             **self._weight_fields(),
         }
+
+    def _episode_fields(self) -> dict[str, Any]:
+        assert self.episodes is not None
+        out = {f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()}
+        out["episodes_turns_not_streamed"] = self.turns_dropped
+        return out
 
     def _weight_fields(self) -> dict[str, Any]:
         """How the weights arrive (`rollpool top` and the exporter show them): the last path, the bytes per lane,
