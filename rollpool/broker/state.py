@@ -1125,6 +1125,9 @@ class BrokerState:
             return ()
         out = tuple(t for i in sorted(g.turns) for t in g.turns[i])
         self.counters["replay_turns_sent"] += len(out)
+        oldest = min((int(t.token_versions.min()) for t in out if t.token_versions.size), default=g.start_version)
+        if 0 <= oldest < g.start_version:
+            g.start_version = oldest  # served turns keep their versions: early cancellation judges the lease by the oldest
         return out
 
     def _forget_turns(self, g: Group) -> None:

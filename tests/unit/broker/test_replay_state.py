@@ -96,3 +96,18 @@ def test_a_rebase_and_a_cancel_forget_the_turns() -> None:
     s.rebase(2, 1, 0.3)  # the worker's version 5 belonged to the abandoned run: its lease is requeued, its turns void
     assert s.groups["p"].phase == Phase.QUEUED and s.groups["p"].turns is None and s.replay_bytes == 0
     s.check_invariants()
+
+
+def test_a_lease_sent_older_turns_is_judged_by_their_oldest_version() -> None:
+    s = make()
+    a = join(s, "a", version=3)
+    tid = leased(s, a)
+    t = turn(0, 0)
+    t.token_versions[:] = 3
+    s.record_turns(a, tid, "p", [t], 0.1)
+    s.remove_worker("a", 1.0, reason="dead")
+    join(s, "b", now=1.0, version=6)
+    ((_, g),) = s.dispatch(1.0)
+    assert g.start_version == 6
+    s.replay_for(g)
+    assert g.start_version == 3  # no token of this attempt is older than what early cancellation judges it by
