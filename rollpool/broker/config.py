@@ -17,6 +17,11 @@ __all__ = ["ACTIVATION_MODES", "BrokerConfig"]
 ACTIVATION_MODES = ("rolling", "fleet")
 
 
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"BrokerConfig.{name} must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
     worker_endpoint: str = field(default="tcp://127.0.0.1:5555", metadata=_h("ROUTER endpoint workers dial"))
@@ -76,6 +81,10 @@ class BrokerConfig:
         "to a peer of protocol minor 12 or later, arrays of at most this many bytes travel inline in the message header "
         "instead of in their own frame (fewer socket operations per message); 0: every array in a frame"))
     latency_samples: int = field(default=65_536, metadata=_h("delivered groups whose broker-side timestamps are kept (a ring)"))
+    replay_max_group_bytes: int = field(default=8 << 20, metadata=_h(
+        "episodes: most bytes of finished turns kept per running group, to serve back to the next attempt if its worker "
+        "dies (turns past it are not kept and are sampled again); 0: keep none"))
+    replay_max_bytes: int = field(default=512 << 20, metadata=_h("episodes: most bytes of finished turns kept for all groups together"))
     curve_dir: str | None = field(default=None, metadata=_h("CURVE key directory from `rollpool keys gen` (None: plaintext)"))
 
     def __post_init__(self) -> None:
@@ -107,8 +116,8 @@ class BrokerConfig:
             positive(name, 0.001)
         for name in ("max_pull_wait_s", "drain_timeout_s", "fresh_dispatch_hold_s", "coalesce_s"):
             positive(name, 0)
-        if isinstance(self.inline_max_bytes, bool) or not isinstance(self.inline_max_bytes, int) or self.inline_max_bytes < 0:
-            raise ConfigError(f"BrokerConfig.inline_max_bytes must be an int >= 0, got {self.inline_max_bytes!r}")
+        for name in ("inline_max_bytes", "replay_max_group_bytes", "replay_max_bytes"):
+            _non_negative_int(name, getattr(self, name))
         if self.activation not in ACTIVATION_MODES:
             raise ConfigError(f"BrokerConfig.activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):

@@ -13,7 +13,7 @@ burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
 checked again and a drain is scheduled for any socket with messages waiting.
 
 Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
-ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone; the
+ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone, TurnRecords (episode turns kept for a re-run); the
 broker sends Task (TaskBatch to a worker that lists it: one message per worker
 per burst), Cancel, BrokerHeartbeat, Control, ApplyGrant, Goodbye. Fewer, larger
 messages are the main saving: each send costs a wake-up of ZeroMQ's I/O thread.
@@ -26,6 +26,7 @@ per minute; the broker keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import logging
@@ -77,6 +78,7 @@ from rollpool.protocol import (
     SubmitReply,
     Task,
     TaskBatch,
+    TurnRecords,
     Welcome,
     WorkerHeartbeat,
     carry_entry,
@@ -445,6 +447,7 @@ class Broker:
                     queued_at=g.queued_at + self._wall_offset,
                     min_version=min_version,
                     seq=g.dispatch_seq,
+                    replay=self.state.replay_for(g) if g.turns and Feature.REPLAY in w.features else (),
                 )
                 for g in groups
             ]
@@ -470,6 +473,9 @@ class Broker:
         inline = self._peer_inline.get(w.worker_id)
         for g, t in zip(groups, tasks, strict=True):
             frames = encode(t, inline)
+            if t.replay and self._over_limits(w.worker_id, frames):  # the turns are a saving, not a need: the task goes without
+                t = dataclasses.replace(t, replay=())
+                frames = encode(t, inline)
             if self._refuse_oversize(w.worker_id, frames, "task", g):  # roles: failed with the reason, counted
                 continue
             if not self._send(self._w, w.identity, frames):
@@ -483,6 +489,14 @@ class Broker:
             self._peer_inline.pop(peer)
         else:
             self._peer_inline[peer] = policy
+
+    def _over_limits(self, peer: str | bytes, frames: list[Any]) -> bool:
+        max_msg, max_header = self._peer_limits.get(peer) or (0, 0)
+        try:
+            check_size(frames, max_msg, "task", max_header)
+        except MessageTooLargeError:
+            return True
+        return False
 
     def _refuse_oversize(self, peer: str | bytes, frames: list[Any], what: str, g: Group | None = None) -> bool:
         """True if `frames` are over what `peer` said it accepts: counted, and the group failed with the reason."""
@@ -601,6 +615,8 @@ class Broker:
             st.note_tokens_cancelled(w, msg.tokens_cancelled)
         elif kind is Nack:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
+        elif kind is TurnRecords:
+            st.record_turns(w, msg.task_id, msg.prompt_id, msg.turns, now)
         elif kind is ControlReply:
             st.touch(w, now)
             self._on_control_reply(w, msg)

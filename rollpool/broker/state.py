@@ -40,7 +40,12 @@ Guarantees this class keeps (and its tests check):
   how long until all did;
 * a group whose prompt has images goes only to a worker that lists
   `Feature.IMAGES` (it reads them), skipped by the others the same way;
-* the first complete result of a group wins; any later one is a duplicate.
+* the first complete result of a group wins; any later one is a duplicate;
+* episode turns (`TurnRecords`) are kept only from the worker holding the group's current lease, per episode
+  in turn order, within ``replay_max_group_bytes`` per group and ``replay_max_bytes`` in all; the next attempt's
+  task carries them (`replay_for`), a turn a later attempt records again replaces the kept one and every turn
+  after it (counted as ``tokens_regenerated``), and they are forgotten when the group reaches a terminal state
+  or the pool is rebased.
 
 Side effects the service must carry out (cancels to send, apply grants, metric
 events) accumulate in `effects` and are drained by the caller.
@@ -66,6 +71,7 @@ set from the absolute free capacity less what was sent after the echo
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -83,6 +89,7 @@ from rollpool.protocol.messages import (
     GroupState,
     InflightTask,
     Prompt,
+    RecordedTurn,
     Rejection,
     Trajectory,
     WorkerState,
@@ -163,6 +170,12 @@ class Group:
     (early cancellation judges a lease by it)."""
     digest: int = -1
     """`task_digest(task_id)` of the current lease, when its worker keeps a held digest (-1: not computed)."""
+    turns: dict[int, list[RecordedTurn]] | None = None
+    """Episode turns recorded by this and earlier attempts, per sample index in turn order (None: none kept)."""
+    turn_bytes: int = 0
+    turns_before: dict[int, int] | None = None
+    """Per sample index: how many turns earlier attempts had kept when the current lease began (a turn below it that
+    this attempt records was sampled again: ``tokens_regenerated``)."""
     wire: Any = None
     """The result's trajectories as their received maps (`codec.carry_entry`), when every array in them travelled
     inline: a Batch to a client of minor 12 sends them as they came instead of encoding them again (the service's)."""
@@ -309,6 +322,12 @@ _COUNTERS = (
     "fleet_activations",
     "fleet_deadline_activations",
     "fleet_holdouts",
+    # the replay of redelivered episodes
+    "replay_turns_kept",
+    "replay_turns_refused",
+    "replay_turns_ignored",
+    "replay_turns_sent",
+    "tokens_regenerated",
 )
 
 WASTE_REASONS = ("stale_drop", "cancel", "failure", "duplicate")
@@ -389,6 +408,8 @@ class BrokerState:
         """When the first worker staged a version above `fleet_version` (the stage deadline counts from it)."""
         self.fleet_rounds: deque[FleetRound] = deque(maxlen=64)
         self._skews_ms: deque[float] = deque(maxlen=256)
+        self.replay_bytes = 0
+        """Bytes of episode turns kept for every group together (`replay_max_bytes`)."""
 
     # ------------------------------------------------------------------ workers
 
@@ -898,6 +919,7 @@ class BrokerState:
         g.dispatched_at = now
         g.echo_due = now + 2 * self.config.heartbeat_interval_s
         g.start_version = w.version
+        g.turns_before = {i: len(per) for i, per in g.turns.items()} if g.turns else None
         w.leases[task_id] = g
         if Feature.HELD_DIGEST in w.features:
             g.digest = task_digest(task_id)  # kept for the lease's end: one hash per lease, not two
@@ -954,6 +976,7 @@ class BrokerState:
     def _terminal(self, g: Group, phase: str, reason: str = "", trajectories: tuple[Trajectory, ...] = ()) -> None:
         g.phase = phase
         g.worker_id = None
+        self._forget_turns(g)
         metadata = g.prompt.metadata if g.prompt is not None else {}
         g.result = GroupResult(
             prompt_id=g.prompt_id,
@@ -1053,6 +1076,65 @@ class BrokerState:
             self._check_exact(now, only=g.exact_version)
         return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.FAILED
 
+    # ------------------------------------------------------------------ episode turns (replay)
+
+    def record_turns(self, w: WorkerInfo | None, task_id: str, prompt_id: str, turns: Sequence[RecordedTurn], now: float) -> int:
+        """Keep finished episode turns of the lease `task_id` (see the module docstring); returns how many were kept.
+
+        A turn from any lease but the group's current one (an earlier attempt, a worker declared dead, a group
+        already done) is ignored; so is one that would leave a gap in its episode's turns."""
+        g = self.groups.get(prompt_id)
+        if w is not None:
+            w.last_seen = now
+        if g is None or g.phase != Phase.LEASED or g.task_id != task_id or w is None or g.worker_id != w.worker_id:
+            self.counters["replay_turns_ignored"] += len(turns)
+            return 0
+        return sum(self._keep_turn(g, t) for t in turns)
+
+    def _keep_turn(self, g: Group, t: RecordedTurn) -> bool:
+        if g.turns is None:
+            g.turns = {}
+        if not 0 <= t.sample_index < g.size:
+            self.counters["replay_turns_ignored"] += 1
+            return False
+        per = g.turns.setdefault(t.sample_index, [])
+        if g.turns_before is not None and t.turn < g.turns_before.get(t.sample_index, 0):
+            # an earlier attempt had finished this turn: sampled again (its request differed, or the worker does not replay)
+            self.counters["tokens_regenerated"] += len(t.output_ids)
+        if t.turn < len(per):
+            freed = sum(_turn_bytes(old) for old in per[t.turn:])
+            del per[t.turn:]  # the turns after it followed from the old one
+            g.turn_bytes -= freed
+            self.replay_bytes -= freed
+        elif t.turn > len(per):  # an earlier turn was not kept (a bound, a message lost): the record has a gap
+            self.counters["replay_turns_refused"] += 1
+            return False
+        size = _turn_bytes(t)
+        if g.turn_bytes + size > self.config.replay_max_group_bytes or self.replay_bytes + size > self.config.replay_max_bytes:
+            self.counters["replay_turns_refused"] += 1
+            return False
+        per.append(dataclasses.replace(t, attempt=g.attempt))
+        g.turn_bytes += size
+        self.replay_bytes += size
+        self.counters["replay_turns_kept"] += 1
+        return True
+
+    def replay_for(self, g: Group) -> tuple[RecordedTurn, ...]:
+        """The turns kept for `g`, to send with its task (episode by episode, in turn order); counted as sent."""
+        if not g.turns:
+            return ()
+        out = tuple(t for i in sorted(g.turns) for t in g.turns[i])
+        self.counters["replay_turns_sent"] += len(out)
+        oldest = min((int(t.token_versions.min()) for t in out if t.token_versions.size), default=g.start_version)
+        if 0 <= oldest < g.start_version:
+            g.start_version = oldest  # served turns keep their versions: early cancellation judges the lease by the oldest
+        return out
+
+    def _forget_turns(self, g: Group) -> None:
+        if g.turns is not None:
+            self.replay_bytes -= g.turn_bytes
+            g.turns, g.turn_bytes, g.turns_before = None, 0, None
+
     def nack(self, w: WorkerInfo, task_ids: Iterable[str], now: float, reason: str) -> list[str]:
         """The worker hands tasks back: requeued now, attempt + 1."""
         w.last_seen = now
@@ -1150,6 +1232,7 @@ class BrokerState:
                     self._waste("failure", g.result.trajectories)
                 if g.phase == Phase.DONE and not g.exempt:
                     self.staleness.on_drop(g.size)
+            self._forget_turns(g)
             del self.groups[pid]
             self._remember(pid)
             self.counters["orphans_dropped"] += 1
@@ -1328,6 +1411,8 @@ class BrokerState:
                     cancelled += 1
             self._refresh(w)
         self._hold_reserved = 0  # a hold for a version of the abandoned run is void
+        for g in self.groups.values():
+            self._forget_turns(g)  # turns sampled on the abandoned run's weights are never served again
         self.convergence.reset()
         self.convergence.published(version, now, {wid: w.version for wid, w in self.workers.items()})
         self.fleet_version = -1  # versions of the new epoch start over
@@ -1710,6 +1795,9 @@ class BrokerState:
         c.update(self.latency.summary())
         c.update({k: round(v, 6) for k, v in self.wasted_shares().items()})
         c["held_for_fresh"] = self._hold_reserved
+        c["replay_bytes"] = self.replay_bytes
+        lost = self.counters["workers_lost"]
+        c["tokens_regenerated_per_worker_lost"] = round(self.counters["tokens_regenerated"] / lost, 1) if lost else 0.0
         c.update(self.convergence.figures())
         c["activation"] = self.config.activation
         if self._fleet:
@@ -1754,9 +1842,22 @@ class BrokerState:
                 assert w.digest == held_digest(w.leases), (w.worker_id, w.digest)
             assert self._ready.get(w.worker_id, w) is w and self._ready_behind.get(w.worker_id, w) is w
             assert not (w.worker_id in self._ready and w.worker_id in self._ready_behind)
+        kept = sum(g.turn_bytes for g in self.groups.values())
+        assert kept == self.replay_bytes, (kept, self.replay_bytes)
+        assert all(g.turns is None for g in self.groups.values() if g.phase in Phase.TERMINAL)
 
 
 _U8 = np.dtype(np.uint8)
+
+
+def _turn_bytes(t: RecordedTurn) -> int:
+    """What one kept turn costs the broker, roughly: its arrays, its text and a fixed share for the rest."""
+    size = 128 + t.output_ids.nbytes + t.logprobs.nbytes + t.token_versions.nbytes + len(t.output_text or "")
+    if t.top_ids is not None:
+        size += t.top_ids.nbytes
+    if t.top_logprobs is not None:
+        size += t.top_logprobs.nbytes
+    return size
 
 
 def _sampled_tokens(trajectories: Iterable[Trajectory]) -> int:

@@ -32,6 +32,9 @@ BROKER_GAUGES: dict[str, tuple[str, str]] = {
     "convergence_p50_s": ("rollpool_version_convergence_p50_seconds", "Median version convergence time over the recent versions."),
     "convergence_p95_s": ("rollpool_version_convergence_p95_seconds", "95th percentile version convergence time over the recent versions."),
     "convergence_open": ("rollpool_versions_converging", "Published versions not yet served by every live worker."),
+    "replay_bytes": ("rollpool_replay_bytes", "Bytes of finished episode turns the broker keeps to serve back to a re-run group."),
+    "tokens_regenerated_per_worker_lost": ("rollpool_tokens_regenerated_per_worker_lost",
+                                           "Tokens of finished episode turns sampled again, per worker declared dead."),
     "fleet_version": ("rollpool_fleet_version", "Fleet activation: the newest version every worker was told to switch to."),
     "fleet_held_out": ("rollpool_fleet_held_out_workers", "Fleet activation: workers below the fleet's version, given no work until they serve it."),
     "fleet_activation_skew_p95_ms": ("rollpool_fleet_activation_skew_p95_seconds", "Fleet activation: 95th percentile of last switch minus first."),
@@ -61,6 +64,12 @@ BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "doomed_cancelled": ("rollpool_doomed_cancelled_total", "In-flight groups cancelled because they could no longer be consumed within the staleness bound."),
     "fresh_dispatched": ("rollpool_fresh_dispatched_total", "Groups dispatched from capacity held for workers on the newest version."),
     "fresh_holds_expired": ("rollpool_fresh_holds_expired_total", "Version-aware dispatch holds that ran out (the rest went to workers behind)."),
+    # the replay of redelivered episodes
+    "tokens_regenerated": ("rollpool_tokens_regenerated_total", "Tokens of episode turns an earlier attempt had finished, sampled again by a "
+                                                               "re-run (its request differed from the record, or replay is off)."),
+    "replay_turns_kept": ("rollpool_replay_turns_kept_total", "Finished episode turns the broker kept for a re-run of their group."),
+    "replay_turns_sent": ("rollpool_replay_turns_sent_total", "Kept episode turns sent with a re-run of their group."),
+    "replay_turns_refused": ("rollpool_replay_turns_refused_total", "Episode turns not kept (past the replay bounds, or after one not kept)."),
     # the versioned-service contract
     "versions_converged": ("rollpool_versions_converged_total", "Published versions every live worker came to serve."),
     "exact_rejected": ("rollpool_exact_version_rejected_total", "Prompts refused at submit: their exact weight version could not be served."),

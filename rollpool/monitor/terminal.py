@@ -306,8 +306,13 @@ def _wasted_lines(broker: dict[str, Any], width: int, bold: str, reset: str) -> 
     extra = [f"{label} {_fmt(broker.get(k))}" for k, label in (("doomed_cancelled", "doomed cancelled"),
                                                              ("fresh_dispatched", "fresh dispatches"),
                                                              ("fresh_holds_expired", "holds expired")) if k in broker]
+    replay = []
+    if broker.get("replay_turns_kept") or broker.get("tokens_regenerated"):
+        replay = [_cut(f"  after worker loss: {_fmt(broker.get('tokens_regenerated', 0))} tokens sampled again "
+                       f"({_fmt(broker.get('tokens_regenerated_per_worker_lost', 0))} per worker lost), "
+                       f"{_fmt(broker.get('replay_turns_sent', 0))} turns served back", width)]
     return [bold + "WASTED (tokens never trained)" + reset, _cut(head + "  " + "  ".join(parts), width),
-            *([_cut("  " + "  ".join(extra), width)] if extra else []), ""]
+            *([_cut("  " + "  ".join(extra), width)] if extra else []), *replay, ""]
 
 
 _REFUSAL_PREFIXES = (

@@ -88,6 +88,7 @@ __all__ = [
     "EPOCH_MINOR",
     "PARKED_MINOR",
     "IMAGES_MINOR",
+    "REPLAY_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -122,7 +123,11 @@ PROTOCOL_MAJOR = 1
 #        delta_checksum (DELTA_MINOR)
 #   1.19 parked manifest requests: ManifestRequest.after_mix64 (answered once the version carries more GPU checksums),
 #        Manifest.protocol_minor (the server's minor: a subscriber parks only with a server that parks) (PARKED_MINOR)
-PROTOCOL_MINOR = 19
+#   1.20 the replay of a redelivered episode: TurnRecords, RecordedTurn, Task.replay, Feature.REPLAY (REPLAY_MINOR)
+PROTOCOL_MINOR = 20
+REPLAY_MINOR = 20
+"""The first minor whose workers stream finished episode turns to the broker (`TurnRecords`) and whose brokers hand them
+to the next attempt (`Task.replay`); both sides also list `Feature.REPLAY`. An older peer gets neither."""
 EPOCH_MINOR = 15
 """The first minor whose workers say which version epoch (run) the weights that made a trajectory belong to
 (`Trajectory.version_epoch`); an older worker's trajectories carry -1, and the trainer client cannot tell their run."""

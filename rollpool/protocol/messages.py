@@ -74,6 +74,8 @@ __all__ = [
     "Welcome",
     "Credit",
     "Task",
+    "RecordedTurn",
+    "TurnRecords",
     "TaskBatch",
     "Result",
     "ResultBatch",
@@ -181,10 +183,14 @@ class Feature:
     """(minor 16, `IMAGES_MINOR`) The worker reads `Prompt.images`: the broker gives a prompt with images only to a
     worker that lists it (an older one would drop the images and generate from the text alone); such a prompt
     waits in the queue while no connected worker lists it."""
+    REPLAY = "replay"
+    """(minor 20, `REPLAY_MINOR`) Episode turns are kept off the worker: a broker that lists it reads `TurnRecords`
+    (each finished turn of a running episode, streamed as it ends) and a worker that lists it reads `Task.replay`
+    (the turns an earlier attempt of the group recorded). Each side sends them only to a peer that lists it."""
 
 
 FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE,
-                             Feature.IMAGES)
+                             Feature.IMAGES, Feature.REPLAY)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
@@ -597,6 +603,37 @@ class Credit:
     credits: int
 
 
+@record
+class RecordedTurn:
+    """One finished turn of an episode (one engine call), as the engine returned it (protocol 1.20, `REPLAY_MINOR`).
+
+    A worker streams them to the broker while the episode runs (`TurnRecords`); when the group is run again after
+    its worker died, the broker hands them to the next attempt (`Task.replay`), which serves a turn from its record
+    instead of sampling it when the request is the same (`request_digest`)."""
+
+    sample_index: int
+    """The episode (sample of the group)."""
+    turn: int
+    """0, 1, ...: the episode's sampled turns in order (a refused request is not a turn)."""
+    request_digest: int
+    """63-bit blake2b of what the engine was asked: the whole token sequence, the sampling and any grammar."""
+    output_ids: Int32Array
+    logprobs: Float32Array
+    token_versions: Int32Array
+    finish_reason: str
+    output_text: str | None = None
+    matched_stop_id: int = -1
+    """The stop token that ended the turn (-1: none, or a stop string: `matched_stop_text`)."""
+    matched_stop_text: str = ""
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    top_ids: Int32Array | None = None
+    """With top logprobs asked: k ids per output token, row-major; None otherwise."""
+    top_logprobs: Float32Array | None = None
+    attempt: int = 0
+    """The attempt of the group that sampled the turn (set by the broker when it stores it)."""
+
+
 @message("task")
 class Task:
     """Broker -> worker: one prompt group to generate."""
@@ -612,6 +649,10 @@ class Task:
     seq: int = 0
     """Per-worker dispatch sequence number (1, 2, ... within one broker epoch; 0: not numbered).
     The worker echoes the highest it has received in `WorkerHeartbeat.dispatch_seq`."""
+    replay: tuple[RecordedTurn, ...] = ()
+    """(minor 20, `REPLAY_MINOR`; only to a worker listing `Feature.REPLAY`) Turns earlier attempts of this group
+    recorded, by episode and turn: an episode whose request matches the recorded one is served the record instead
+    of a new sample (docs/episodes.md, "When a worker dies")."""
 
 
 @message("task_batch")
@@ -638,6 +679,18 @@ class Result:
     """Sequences freed with this result, as if a `Credit(credits)` followed it; only to a
     broker listing `Feature.RESULT_CREDITS` (an older one would ignore it and the credit
     would be lost)."""
+
+
+@message("turn_records")
+class TurnRecords:
+    """Worker -> broker (only to a broker listing `Feature.REPLAY`): turns of a running episode group, as they end.
+
+    The broker keeps them while the task's lease is the current one (a record from any other attempt is ignored),
+    within its replay bounds, and forgets them when the group reaches a terminal state."""
+
+    task_id: str
+    prompt_id: str
+    turns: tuple[RecordedTurn, ...]
 
 
 @message("result_batch")

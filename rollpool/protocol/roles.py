@@ -58,7 +58,8 @@ class ServerSocket:
 
 
 _WORKER_PORT = frozenset(
-    {"hello", "credit", "result", "result_batch", "worker_heartbeat", "nack", "goodbye", "control_reply", "apply_request", "apply_done"}
+    {"hello", "credit", "result", "result_batch", "worker_heartbeat", "nack", "goodbye", "control_reply", "apply_request", "apply_done",
+     "turn_records"}
 )
 _CLIENT_PORT = frozenset(
     {"client_hello", "submit", "pull", "ack", "set_version", "status_request", "control", "cancel_prompts"}

@@ -42,6 +42,8 @@ class WorkerConfig:
     episode_timeout_s: float = field(default=600.0, metadata=_h("most seconds one episode may run; then it ends with finish_reason abort"))
     tool_call_parser: str = field(default="hermes", metadata=_h("the episode endpoint's tool-call parser, by name"))
     max_context_tokens: int = field(default=0, metadata=_h("episodes: the context in tokens; 0 = what the engine states"))
+    episode_replay: bool = field(default=True, metadata=_h("episodes: a group run again after its worker died is served the turns "
+                                                          "the earlier attempt recorded where its requests match (off: every turn sampled again)"))
     image_fetch: bool = field(default=False, metadata=_h("fetch prompt images given as http(s) URLs (off: such a prompt fails, naming why)"))
     image_fetch_timeout_s: float = field(default=10.0, metadata=_h("most seconds one image fetch may take"))
     max_images_per_prompt: int = field(default=8, metadata=_h("most images in one prompt"))

@@ -87,7 +87,10 @@ class BrokerLink:
             raise
         async with self._lock:
             try:
-                await asyncio.wait_for(self._sock.send_multipart(frames), self.send_timeout_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that lands as the send completes,
+                # and the loop that sent (a worker being stopped) then runs on instead of ending
+                async with asyncio.timeout(self.send_timeout_s):
+                    await self._sock.send_multipart(frames)
             except TimeoutError:
                 self.send_failures += 1
                 self._bad.warning(f"send:{type(msg).__name__}", "send of %s to the broker at %s timed out after %.1f s "

@@ -599,7 +599,7 @@ class WorkerSession:
             host=self.config.host,
             pid=self.config.pid,
             pool=self.config.pool,
-            features=(Feature.TASK_BATCH, Feature.HELD_DIGEST, Feature.RECONCILE, Feature.IMAGES),
+            features=(Feature.TASK_BATCH, Feature.HELD_DIGEST, Feature.RECONCILE, Feature.IMAGES, Feature.REPLAY),
             version_epoch=self.version_epoch,
             protocol_minor=PROTOCOL_MINOR,
             max_msg_bytes=self.config.max_msg_bytes,

@@ -31,6 +31,8 @@ parts (their docstrings, docs/workers.md):
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import math
 import os
@@ -50,7 +52,18 @@ from rollpool.protocol.errors import (
 )
 from rollpool.protocol.limits import DEFAULT_LIMITS
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import ApplyGrant, Control, ControlReply, Error, Result, Task, Welcome
+from rollpool.protocol.messages import (
+    ApplyGrant,
+    Control,
+    ControlReply,
+    Error,
+    Feature,
+    RecordedTurn,
+    Result,
+    Task,
+    TurnRecords,
+    Welcome,
+)
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.workers.config import WorkerConfig
@@ -70,6 +83,8 @@ __all__ = ["Worker", "freeze_start_up_heap"]
 log = logging.getLogger(__name__)
 
 _REFUSED_BROKER = ("wrong_pool", "version")
+_MAX_PENDING_TURNS = 4096
+"""Finished episode turns waiting to be streamed to the broker; past it a turn is not streamed (counted)."""
 """Errors answering a Hello that no retry can change: the worker stops and `run` raises `ConfigError`."""
 
 
@@ -164,6 +179,11 @@ class Worker:
         self._bad_msgs = RateLimitedLog(log)
         self._fatal: RollpoolError | None = None
         self.stopped_cleanly = False
+        # finished episode turns on their way to the broker (best effort: a turn not sent is sampled again on a re-run)
+        self._turns: collections.deque[tuple[str, str, RecordedTurn]] = collections.deque()
+        self._turns_ready = asyncio.Event()
+        self.turns_dropped = 0
+        """Episode turns not streamed to the broker (the queue was full, or the broker did not take them)."""
 
     # -- public API
 
@@ -218,6 +238,8 @@ class Worker:
                     tg.create_task(self._weights_loop(), name="_weights_loop"),
                     tg.create_task(self._engine_loop(), name="_engine_loop"),
                 ]
+                if self._episode_fns:
+                    self._loops.append(tg.create_task(self._turns_loop(), name="_turns_loop"))
                 tg.create_task(self._drain_loop(), name="_drain_loop")
                 await self._do(self.session.engine_started(self._now(), _facts(info)))
         finally:
@@ -383,7 +405,9 @@ class Worker:
         engine failure) cancels every episode and its awaited tools; the session hands the group back."""
         assert self.episodes is not None
         trajectories = await self.episodes.run_group(
-            task.prompt, task.prompt.group_size, attempt=task.attempt, queued_at=task.queued_at, request_prefix=task.task_id
+            task.prompt, task.prompt.group_size, attempt=task.attempt, queued_at=task.queued_at, request_prefix=task.task_id,
+            replay=task.replay, serve_replay=self.config.episode_replay, min_version=task.min_version,
+            on_turn=functools.partial(self._turn_finished, task.task_id, task.prompt.prompt_id),
         )
         await self._do(self.session.generation_finished(self._now(), task.task_id))
         if not self.session.wants_result(task.task_id):
@@ -396,6 +420,33 @@ class Worker:
                     self._reward_fn, task, unscored, self.config.reward_timeout_s), strict=True)}
                 trajectories = [scored.get(id(t), t) for t in trajectories]
         await self._do(self.session.task_finished(self._now(), task.task_id, trajectories))
+
+    def _turn_finished(self, task_id: str, prompt_id: str, turn: RecordedTurn) -> None:
+        """An episode's turn ended: stream it to a broker that keeps turns (`Feature.REPLAY`), in `_turns_loop`."""
+        if Feature.REPLAY not in self.session.broker_features:
+            return
+        if len(self._turns) >= _MAX_PENDING_TURNS:
+            self.turns_dropped += 1
+            return
+        self._turns.append((task_id, prompt_id, turn))
+        self._turns_ready.set()
+
+    async def _turns_loop(self) -> None:
+        """Send finished turns, one `TurnRecords` per task in order, as they come."""
+        while True:
+            await self._turns_ready.wait()
+            self._turns_ready.clear()
+            batches: dict[str, tuple[str, list[RecordedTurn]]] = {}
+            while self._turns:
+                task_id, prompt_id, turn = self._turns.popleft()
+                batches.setdefault(task_id, (prompt_id, []))[1].append(turn)
+            for task_id, (prompt_id, turns) in batches.items():
+                try:
+                    sent = await self.link.send(TurnRecords(task_id=task_id, prompt_id=prompt_id, turns=tuple(turns)))
+                except MessageTooLargeError:
+                    sent = False
+                if not sent:
+                    self.turns_dropped += len(turns)
 
     async def _start_episodes(self) -> None:
         if not self._episode_fns:
@@ -567,9 +618,15 @@ class Worker:
             "simulated": bool(info.simulated) if info else False,
             "restarts": self.supervisor.restarts,
             **{f"refused.limit.{k}": v for k, v in self.link.refused.items()},
-            **({f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()} if self.episodes is not None else {}),
+            **(self._episode_fields() if self.episodes is not None else {}),
             **self._weight_fields(),
         }
+
+    def _episode_fields(self) -> dict[str, Any]:
+        assert self.episodes is not None
+        out = {f"episodes_{k}": v for k, v in self.episodes.stats.as_dict().items()}
+        out["episodes_turns_not_streamed"] = self.turns_dropped
+        return out
 
     def _weight_fields(self) -> dict[str, Any]:
         """How the weights arrive (`rollpool top` and the exporter show them): the last path, the bytes per lane,

@@ -17,6 +17,15 @@ An episode runs one turn at a time (a lock): requests of one episode are served 
 runner closes the episode (it returned, raised, timed out or was cancelled) its running turn is
 aborted and every later call is refused (HTTP 410 at the endpoint, `EpisodeClosedError` at the
 token level), so a thread that outlives its episode cannot change what was recorded.
+
+Replay: every sampled turn is handed to ``on_turn`` as a `RecordedTurn` (the worker streams them to the
+broker). An episode given the turns an earlier attempt recorded (``replay``) serves turn k from its
+record, without sampling, when its request to the engine is the one recorded (`request_digest`: the
+whole token sequence, the sampling and any grammar) and the record's versions are still acceptable;
+the first turn whose request differs (a non-deterministic tool, a clock in the prompt, a random
+choice) ends the replay, and from it on every turn is sampled as usual. A replayed turn records the
+tokens, logprobs and versions of the record: the trajectory is the one the first attempt would have
+delivered.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
@@ -41,7 +51,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
-from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, SamplingParams
+from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, RecordedTurn, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
 from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput
 from rollpool.workers.episodes import chat
@@ -51,7 +61,7 @@ from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
 from rollpool.workers.images import ImagePolicy, LoadedImage, load_image
 
 __all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "TokenizerLane",
-           "decode_tokens"]
+           "decode_tokens", "recorded_turn", "request_digest"]
 
 T = TypeVar("T")
 
@@ -135,6 +145,45 @@ class TokenizerLane:
         self._queue.put(None)
 
 
+def request_digest(prompt_ids: Sequence[int], sampling: SamplingParams, constraint: OutputConstraint | None = None) -> int:
+    """A 63-bit blake2b of one engine request: the token sequence, every sampling field and the grammar (if any).
+
+    Two requests with the same digest ask the engine for the same thing; a replayed turn is served only then."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.asarray(prompt_ids, dtype="<i4").tobytes())
+    h.update(repr(sampling).encode())
+    h.update(repr(constraint).encode())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def recorded_turn(sample_index: int, turn: int, digest: int, s: SampleOutput) -> RecordedTurn:
+    """The wire record of one sampled turn (what a later attempt can be served instead of sampling it)."""
+    k = len(s.top_ids[0]) if s.top_ids else 0
+    return RecordedTurn(
+        sample_index=sample_index, turn=turn, request_digest=digest,
+        output_ids=np.asarray(s.output_ids, dtype=np.int32), logprobs=np.asarray(s.logprobs, dtype=np.float32),
+        token_versions=np.asarray(s.token_versions, dtype=np.int32), finish_reason=s.finish_reason, output_text=s.output_text,
+        matched_stop_id=s.matched_stop if isinstance(s.matched_stop, int) else -1,
+        matched_stop_text=s.matched_stop if isinstance(s.matched_stop, str) else "",
+        first_token_at=s.first_token_at, finished_at=s.finished_at,
+        top_ids=np.asarray(s.top_ids, dtype=np.int32).reshape(-1) if k and s.top_ids is not None else None,
+        top_logprobs=np.asarray(s.top_logprobs, dtype=np.float32).reshape(-1) if k and s.top_logprobs is not None else None)
+
+
+def _replayed_sample(rec: RecordedTurn) -> SampleOutput:
+    ids = [int(t) for t in rec.output_ids]
+    top_ids = top_lps = None
+    if rec.top_ids is not None and rec.top_logprobs is not None and ids:
+        k = len(rec.top_ids) // len(ids)
+        top_ids = [[int(t) for t in rec.top_ids[i * k:(i + 1) * k]] for i in range(len(ids))]
+        top_lps = [[float(x) for x in rec.top_logprobs[i * k:(i + 1) * k]] for i in range(len(ids))]
+    stop: int | str | None = rec.matched_stop_id if rec.matched_stop_id >= 0 else (rec.matched_stop_text or None)
+    return SampleOutput(index=0, output_ids=ids, logprobs=[float(x) for x in rec.logprobs],
+                        token_versions=[int(v) for v in rec.token_versions], finish_reason=rec.finish_reason,
+                        output_text=rec.output_text, matched_stop=stop, first_token_at=rec.first_token_at,
+                        finished_at=rec.finished_at, top_ids=top_ids, top_logprobs=top_lps)
+
+
 class EpisodeClosedError(RollpoolError):
     """The episode is over (returned, failed, timed out or cancelled): nothing more is recorded."""
 
@@ -161,6 +210,14 @@ class EpisodeStats:
     """Prompt tokens of turns that were already in the episode's sequence (a prefix cache can serve them)."""
     engine_cached_tokens: int = 0
     """Prompt tokens the engine says its prefix cache served (SGLang's ``cached_tokens``; 0 where it does not say)."""
+    turns_replayed: int = 0
+    """Turns of a re-run episode served from what an earlier attempt recorded (no sampling)."""
+    tokens_replayed: int = 0
+    """Their tokens."""
+    tokens_regenerated: int = 0
+    """Tokens sampled again for turns an earlier attempt had recorded (its request differed, or replay is off)."""
+    replays_diverged: int = 0
+    """Re-run episodes whose request differed from the record at some turn (from there on sampled as usual)."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
@@ -310,7 +367,9 @@ class Episode:
                  parser: ToolCallParser, model_name: str, max_context_tokens: int, request_prefix: str,
                  stats: EpisodeStats, loop: asyncio.AbstractEventLoop, tokenizer_lane: TokenizerLane | None = None,
                  end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] | None = None,
-                 image_policy: ImagePolicy | None = None) -> None:
+                 image_policy: ImagePolicy | None = None,
+                 replay: Sequence[RecordedTurn] = (), serve_replay: bool = True, min_version: int = -1,
+                 on_turn: Callable[[RecordedTurn], None] | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.sample_index = sample_index
@@ -335,6 +394,12 @@ class Episode:
         self._lock = asyncio.Lock()
         self._turn = 0
         self._running_request: str | None = None
+        self._sampled = 0
+        """Turns recorded so far (the index of the next one, as `RecordedTurn.turn` counts)."""
+        self._replay = sorted((r for r in replay if r.sample_index == sample_index), key=lambda r: r.turn)
+        self._replaying = serve_replay and bool(self._replay)
+        self._min_version = min_version
+        self.on_turn = on_turn
 
     # -- lifecycle
 
@@ -466,6 +531,30 @@ class Episode:
                 raise ContextLengthExceededError(f"no room left in the context of {self.max_context_tokens} tokens")
             if sampling.max_new_tokens > room:
                 sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        turn = self._sampled
+        digest = request_digest(prompt, sampling, constraint)
+        if seg.images:
+            self._replaying = False  # the digest does not cover images, and a replay would not expand them: sample from here
+        s = self._from_record(turn, digest)
+        if s is None:
+            s = await self._engine_turn(seg, prompt, sampling, mark, constraint, extra)
+            if turn < len(self._replay):
+                self.stats.tokens_regenerated += len(s.output_ids)
+            if self.on_turn is not None:
+                self.on_turn(recorded_turn(self.sample_index, turn, digest, s))
+        self._sampled += 1
+        start = len(seg.output_ids)
+        seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
+                   first_token_at=s.first_token_at, finished_at=s.finished_at or time.time())
+        if constraint is not None and s.output_ids:
+            seg.constrained.append((start, len(seg.output_ids)))
+        self.stats.turns += 1
+        if s.cached_tokens is not None:
+            self.stats.engine_cached_tokens += s.cached_tokens
+        return s
+
+    async def _engine_turn(self, seg: Segment, prompt: list[int], sampling: SamplingParams, mark: RecordingMark,
+                           constraint: OutputConstraint | None, extra: dict[str, Any]) -> SampleOutput:
         self._turn += 1
         rid = f"{self.request_prefix}:{self.sample_index}:t{self._turn}"
         self._running_request = rid
@@ -493,16 +582,26 @@ class Episode:
         self._check_open()  # closed while sampling: the turn is not recorded
         if seg.images:
             self._note_images(seg, prompt, out.input_ids, out.image_grid_thw)
-        s = out.samples[0]
-        start = len(seg.output_ids)
-        seg.sample(s.output_ids, s.logprobs, s.token_versions, s.finish_reason,
-                   first_token_at=s.first_token_at, finished_at=s.finished_at or time.time())
-        if constraint is not None and s.output_ids:
-            seg.constrained.append((start, len(seg.output_ids)))
-        self.stats.turns += 1
-        if s.cached_tokens is not None:
-            self.stats.engine_cached_tokens += s.cached_tokens
-        return s
+        return out.samples[0]
+
+    def _from_record(self, turn: int, digest: int) -> SampleOutput | None:
+        """Turn `turn` as an earlier attempt recorded it, when its request was this one (else None: the replay ends)."""
+        if not self._replaying:
+            return None
+        rec = self._replay[turn] if turn < len(self._replay) else None
+        if rec is None:
+            self._replaying = False  # past the record: the turn the earlier attempt did not finish
+            return None
+        versions = rec.token_versions
+        exact = self.prompt.exact_weight_version
+        if (rec.turn != turn or rec.request_digest != digest or (versions.size and int(versions.min()) < self._min_version)
+                or (exact >= 0 and versions.size and (int(versions.min()) != exact or int(versions.max()) != exact))):
+            self._replaying = False
+            self.stats.replays_diverged += 1
+            return None
+        self.stats.turns_replayed += 1
+        self.stats.tokens_replayed += len(rec.output_ids)
+        return _replayed_sample(rec)
 
     def _undo_unrun_images(self, seg: Segment, mark: RecordingMark) -> None:
         """A turn that failed or was cancelled after its images were added: no image stays that the model never ran

@@ -18,7 +18,9 @@ per-episode outcome is data: an exception in the episode function gives that epi
 `EpisodeConfig.episode_timeout_s` is cut (``abort``, its partial recording kept); one that went past
 the context ends with ``length``. `run_group` raises only `asyncio.CancelledError` (the worker
 cancelled the group: drain deadline, broker cancel, engine restart), after closing every episode
-of the group; the worker then hands the group back, to be re-run from the start.
+of the group; the worker then hands the group back, to be re-run from the start. A re-run is given
+the turns the earlier attempts recorded (``replay``): each episode is served them back while its
+requests match (see `episode`), so only the turn that was not finished is sampled again.
 
 The episode function is ``fn(ctx, prompt)``, async or sync (a sync one runs in the runner's own
 thread pool, never on the event loop), and returns the reward (a number) or None. At most
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpool.protocol.errors import ConfigError
-from rollpool.protocol.messages import FinishReason, Prompt, Trajectory
+from rollpool.protocol.messages import FinishReason, Prompt, RecordedTurn, Trajectory
 from rollpool.workers.engines.base import Engine
 from rollpool.workers.episodes.episode import (
     ContextLengthExceededError,
@@ -215,6 +217,16 @@ class _StartGate:
             self._schedule_opening(loop)
 
 
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """What a group's episodes are given of an earlier attempt's turns (`run_group`'s replay arguments)."""
+
+    turns: tuple[RecordedTurn, ...] = ()
+    serve: bool = True
+    min_version: int = -1
+    on_turn: Callable[[RecordedTurn], None] | None = None
+
+
 class EpisodeRunner:
     """Runs episodes on one engine and serves their endpoint (see the module docstring)."""
 
@@ -298,13 +310,18 @@ class EpisodeRunner:
         return limit
 
     async def run_group(self, prompt: Prompt, n: int | None = None, *, attempt: int = 0, queued_at: float = 0.0,
-                        request_prefix: str | None = None) -> list[Trajectory]:
-        """Run `n` (default ``prompt.group_size``) episodes of `prompt` concurrently; every segment's trajectory."""
+                        request_prefix: str | None = None, replay: Sequence[RecordedTurn] = (), serve_replay: bool = True,
+                        min_version: int = -1, on_turn: Callable[[RecordedTurn], None] | None = None) -> list[Trajectory]:
+        """Run `n` (default ``prompt.group_size``) episodes of `prompt` concurrently; every segment's trajectory.
+
+        `replay`: turns an earlier attempt recorded (served back where the requests match, unless `serve_replay` is
+        False; a record with a token older than `min_version` is not served); `on_turn` is given every turn sampled."""
         if not self._started:
             await self.start()
         count = prompt.group_size if n is None else n
         prefix = request_prefix or f"{prompt.prompt_id}@{attempt}"
-        tasks = [asyncio.create_task(self._run_episode(prompt, i, attempt, queued_at, prefix), name=f"episode-{prompt.prompt_id}:{i}")
+        play = _Replay(tuple(replay), serve_replay, min_version, on_turn)
+        tasks = [asyncio.create_task(self._run_episode(prompt, i, attempt, queued_at, prefix, play), name=f"episode-{prompt.prompt_id}:{i}")
                  for i in range(count)]
         try:
             results = await asyncio.gather(*tasks)
@@ -325,7 +342,9 @@ class EpisodeRunner:
         """
         await self._start_gate.enter()
 
-    async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str) -> list[Trajectory]:
+    async def _run_episode(self, prompt: Prompt, index: int, attempt: int, queued_at: float, prefix: str,
+                           play: _Replay | None = None) -> list[Trajectory]:
+        play = play or _Replay()
         async with self._slots:
             await self._turnstile()
             name = prompt.metadata.get("episode", DEFAULT_EPISODE) if isinstance(prompt.metadata, Mapping) else DEFAULT_EPISODE
@@ -336,7 +355,8 @@ class EpisodeRunner:
                 model_name=self._model_name(), max_context_tokens=self._max_context_tokens(),
                 request_prefix=prefix, stats=self.stats, loop=asyncio.get_running_loop(),
                 tokenizer_lane=self._tokenizer_lane, end_of_turn_cache=self._end_of_turn_cache,
-                image_policy=self.config.image_policy)
+                image_policy=self.config.image_policy,
+                replay=play.turns, serve_replay=play.serve, min_version=play.min_version, on_turn=play.on_turn)
             base_url, key = self.server.register(episode) if self.config.serve_openai else ("", "")
             ctx = EpisodeContext(episode, openai_base_url=base_url, api_key=key, executor=self._threads)
             self.stats.in_flight += 1

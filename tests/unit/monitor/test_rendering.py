@@ -273,3 +273,17 @@ def test_an_ordinary_disconnect_is_a_broker_line_not_a_refusal() -> None:
 def test_the_frame_names_the_command_that_printed_it() -> None:
     assert render_frame(_state()).startswith("rollpool top  pool p1")
     assert render_frame(_state(), title="status").startswith("rollpool status  pool p1")
+
+
+def test_top_and_the_exporter_show_the_tokens_sampled_again_after_a_worker_loss() -> None:
+    state = _state()
+    assert state.broker is not None
+    state.broker.update({"generated_tokens": 2000, "tokens_regenerated": 96, "workers_lost": 2, "tokens_regenerated_per_worker_lost": 48.0,
+                         "replay_turns_kept": 40, "replay_turns_sent": 30, "replay_bytes": 4096})
+    frame = render_frame(state, width=100)
+    assert "after worker loss: 96 tokens sampled again (48 per worker lost), 30 turns served back" in frame, frame
+    fams = parse_prometheus(render_prometheus(state))
+    assert sample_value(fams, "rollpool_tokens_regenerated_total") == 96
+    assert fams["rollpool_tokens_regenerated_total"]["type"] == "counter"
+    assert sample_value(fams, "rollpool_tokens_regenerated_per_worker_lost") == 48.0
+    assert sample_value(fams, "rollpool_replay_bytes") == 4096

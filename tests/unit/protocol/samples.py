@@ -21,6 +21,15 @@ def header_bins(v: Any) -> int:
     return 0
 
 
+def _turn(sample_index: int, turn: int, *, top: bool = False) -> Any:
+    return p.RecordedTurn(sample_index=sample_index, turn=turn, request_digest=0x1234_5678_9ABC_DEF0 + turn,
+                          output_ids=np.array([11, 12, 2], dtype=np.int32), logprobs=np.array([-0.5, -1.0, -0.25], dtype=np.float32),
+                          token_versions=np.array([3, 3, 4], dtype=np.int32), finish_reason="stop", output_text="hi",
+                          matched_stop_id=2, first_token_at=1.5, finished_at=2.0,
+                          top_ids=np.arange(6, dtype=np.int32) if top else None,
+                          top_logprobs=np.full(6, -2.0, dtype=np.float32) if top else None, attempt=0)
+
+
 def samples() -> dict[str, Any]:
     ids = np.array([1, 2, 3, 50_000], dtype=np.int32)
     traj = p.Trajectory(
@@ -124,6 +133,9 @@ def samples() -> dict[str, Any]:
                                                              base_fingerprint="0123456789abcdef", base_model="Qwen/Qwen3-8B")),
         # minor 14: the versioned-service contract (a group served only at one exact weight version)
         "submit_exact_version": p.Submit(request_id="r9", prompts=(p.Prompt(prompt_id="p9", text="2+2=", exact_weight_version=5),)),
+        # minor 20: the replay of a redelivered episode (REPLAY_MINOR): finished turns streamed, handed to the next attempt
+        "turn_records": p.TurnRecords(task_id="p1@0", prompt_id="p1", turns=(_turn(0, 0), _turn(1, 0))),
+        "task_replay": p.Task(task_id="p1@1", prompt=prompt, attempt=1, seq=9, replay=(_turn(0, 0), _turn(0, 1, top=True))),
         # minor 12: the minor in hellos and welcomes (inline arrays: `inline_samples`)
         "hello_minor12": p.Hello(worker_id="w0", protocol_min=1, protocol_max=1, engine="hf", capacity=8, credits=8, protocol_minor=12),
         "welcome_minor12": p.Welcome(epoch="e1", protocol=1, heartbeat_interval_s=1.0, features=p.FEATURES, protocol_minor=12),
@@ -144,4 +156,4 @@ def inline_samples() -> dict[str, Any]:
     referenced twice in one message (the prompt of both tasks of `task_batch`) still travels once, in a frame."""
     s = samples()
     return {name + INLINE: s[name] for name in ("task", "task_batch", "result", "result_batch", "submit", "batch", "chunk",
-                                                "result_top_logprobs")}
+                                                "result_top_logprobs", "turn_records", "task_replay")}

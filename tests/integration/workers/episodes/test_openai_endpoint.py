@@ -456,3 +456,37 @@ async def test_changed_tool_call_arguments_still_start_a_new_segment(tiny_tokeni
 
     out, _ = await _tool_round_trip(tiny_tokenizer, edit)
     assert [t.trajectory_id for t in out] == ["p:0", "p:0:1", "p:0:2"]
+
+
+async def test_an_sdk_agent_rerun_after_a_worker_death_is_served_its_finished_turns(tiny_tokenizer: Any) -> None:
+    """The chat endpoint's turns replay like token-level ones: the agent gets the same replies (tool call parsed)."""
+    tok = tiny_tokenizer
+    replies: list[list[Any]] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        got: list[Any] = []
+        async with _client(ctx) as client:
+            messages: list[Any] = [{"role": "user", "content": "What is 19 + 23?"}]
+            for content in ("42", "ok"):
+                r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+                msg = r.choices[0].message
+                got.append((r.choices[0].finish_reason, msg.content, [c.function.arguments for c in msg.tool_calls or []]))
+                messages.append(msg)
+                messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": content} if msg.tool_calls
+                                else {"role": "user", "content": content})
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+            got.append((r.choices[0].finish_reason, r.choices[0].message.content, []))
+        replies.append(got)
+        return 1.0
+
+    script = [CALL, "It is 42.<|im_end|>", "Bye.<|im_end|>"]
+    recorded: list[Any] = []
+    engine = ScriptedEngine(list(script), tokenizer=tok, version=3)
+    async with EpisodeRunner(engine, agent, EpisodeConfig(), tokenizer=tok, worker_id="w") as runner:
+        (whole,) = await runner.run_group(_prompt(), on_turn=recorded.append)
+    again = ScriptedEngine(script[2:], tokenizer=tok, version=4)
+    async with EpisodeRunner(again, agent, EpisodeConfig(), tokenizer=tok, worker_id="w") as runner:
+        (t,) = await runner.run_group(_prompt(), attempt=1, replay=recorded[:2])
+    assert replies[0] == replies[1] and replies[0][0][0] == "tool_calls"
+    assert again.prompts == engine.prompts[2:] and runner.stats.turns_replayed == 2
+    assert t.output_ids.tolist() == whole.output_ids.tolist() and t.loss_mask.tolist() == whole.loss_mask.tolist()

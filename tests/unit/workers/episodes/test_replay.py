@@ -1,0 +1,123 @@
+"""The replay of a re-run episode: the turns an earlier attempt recorded are served back where the requests match.
+
+The engine is `ScriptedEngine`, a FAKE at the process edge: every call it gets is in `engine.prompts`, so a turn
+served from the record is one the engine never saw.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rollpool.protocol.messages import Prompt, RecordedTurn, SamplingParams
+from rollpool.workers import EpisodeContext
+from rollpool.workers.episodes import EpisodeConfig, EpisodeRunner
+from tests.unit.workers.episodes.scripted_engine import ScriptedEngine
+
+EOS = 99
+SCRIPT = [[10, 11, EOS], [12, 13, EOS], [14, EOS], [15, EOS]]
+
+
+def _prompt(n: int = 1) -> Prompt:
+    return Prompt(prompt_id="p", input_ids=np.array([1, 2, 3], dtype=np.int32), group_size=n, sampling=SamplingParams(max_new_tokens=8))
+
+
+def _agent(tool_output: list[list[int]]) -> Any:
+    """Four turns with a tool result between them; `tool_output[k]` is what the tool gives after turn k."""
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        for k in range(4):
+            await ctx.generate()
+            if k < 3:
+                ctx.append(tool_output[k])
+        return 1.0
+
+    return agent
+
+
+async def _run(engine: ScriptedEngine, agent: Any, *, n: int = 1, **replay: Any) -> tuple[list[Any], list[RecordedTurn], EpisodeRunner]:
+    recorded: list[RecordedTurn] = []
+    async with EpisodeRunner(engine, agent, EpisodeConfig(serve_openai=False), worker_id="w") as runner:
+        out = await runner.run_group(_prompt(n), attempt=1, on_turn=recorded.append, **replay)
+    return out, recorded, runner
+
+
+def _same(a: Any, b: Any) -> None:
+    for name in ("input_ids", "output_ids", "output_logprobs", "token_versions", "loss_mask"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert a.finish_reason == b.finish_reason and a.reward == b.reward
+
+
+async def test_a_rerun_is_served_the_recorded_turns_and_samples_only_the_unfinished_one() -> None:
+    tools = [[50], [51, 52], [53]]
+    first = ScriptedEngine(list(SCRIPT), eos_id=EOS, version=2)
+    (whole,), recorded, _ = await _run(first, _agent(tools))
+    assert [r.turn for r in recorded] == [0, 1, 2, 3] and len(first.prompts) == 4
+    # the first attempt's worker died during turn 2: turns 0 and 1 had been recorded
+    again = ScriptedEngine([SCRIPT[2], SCRIPT[3]], eos_id=EOS, version=3)
+    (t,), streamed, runner = await _run(again, _agent(tools), replay=recorded[:2])
+    assert again.prompts == first.prompts[2:]  # only the unfinished turn and the one after it reached the engine
+    assert [r.turn for r in streamed] == [2, 3]  # the replayed turns are not streamed again
+    assert t.token_versions.tolist() == [2] * 9 + [3] * 5  # served turns keep the versions that sampled them
+    for name in ("input_ids", "output_ids", "output_logprobs", "loss_mask"):
+        assert getattr(t, name).tolist() == getattr(whole, name).tolist(), name
+    st = runner.stats
+    assert (st.turns_replayed, st.tokens_replayed, st.tokens_regenerated, st.replays_diverged) == (2, 6, 0, 0)
+
+
+async def test_every_recorded_turn_served_leaves_the_engine_unused() -> None:
+    first = ScriptedEngine(list(SCRIPT), eos_id=EOS)
+    (whole,), recorded, _ = await _run(first, _agent([[50], [51], [52]]))
+    again = ScriptedEngine([], eos_id=EOS, version=7)
+    (t,), _, _ = await _run(again, _agent([[50], [51], [52]]), replay=recorded)
+    assert again.prompts == []
+    _same(t, whole)
+
+
+async def test_a_non_deterministic_tool_ends_the_replay_at_the_turn_its_output_changed() -> None:
+    first = ScriptedEngine(list(SCRIPT), eos_id=EOS)
+    _, recorded, _ = await _run(first, _agent([[50], [51], [52]]))
+    # the tool's answer after turn 0 differs on the re-run (a clock, a random pick, a live service)
+    again = ScriptedEngine([[20, EOS], [21, EOS], [22, EOS]], eos_id=EOS)
+    (t,), streamed, runner = await _run(again, _agent([[77], [51], [52]]), replay=recorded)
+    assert len(again.prompts) == 3  # turn 0 from the record; turns 1..3 sampled, the old turns 2 and 3 not served
+    assert t.output_ids.tolist() == [10, 11, EOS, 77, 20, EOS, 51, 21, EOS, 52, 22, EOS]
+    assert [r.turn for r in streamed] == [1, 2, 3]
+    st = runner.stats
+    assert (st.turns_replayed, st.replays_diverged, st.tokens_regenerated) == (1, 1, 6)
+
+
+async def test_with_replay_off_every_turn_is_sampled_again_and_counted_as_regenerated() -> None:
+    first = ScriptedEngine(list(SCRIPT), eos_id=EOS)
+    _, recorded, _ = await _run(first, _agent([[50], [51], [52]]))
+    again = ScriptedEngine(list(SCRIPT), eos_id=EOS)
+    _, _, runner = await _run(again, _agent([[50], [51], [52]]), replay=recorded[:3], serve_replay=False)
+    assert len(again.prompts) == 4
+    assert (runner.stats.turns_replayed, runner.stats.tokens_regenerated) == (0, 3 + 3 + 2)
+
+
+async def test_a_record_older_than_the_oldest_version_the_broker_accepts_is_sampled_again() -> None:
+    first = ScriptedEngine(list(SCRIPT), eos_id=EOS, version=1)
+    _, recorded, _ = await _run(first, _agent([[50], [51], [52]]))
+    again = ScriptedEngine(list(SCRIPT), eos_id=EOS, version=5)
+    (t,), _, _ = await _run(again, _agent([[50], [51], [52]]), replay=recorded, min_version=3)
+    assert len(again.prompts) == 4 and set(t.token_versions.tolist()) == {5}
+
+
+async def test_each_episode_of_a_group_is_served_its_own_turns() -> None:
+    counter = iter(range(100))
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        await ctx.generate()
+        ctx.append([60 + ctx.sample_index])
+        await ctx.generate()
+        return 0.0
+
+    first = ScriptedEngine([[next(counter), EOS] for _ in range(4)], eos_id=EOS)
+    out, recorded, _ = await _run(first, agent, n=2)
+    again = ScriptedEngine([], eos_id=EOS)
+    out2, _, _ = await _run(again, agent, n=2, replay=recorded)
+    assert again.prompts == []
+    for a, b in zip(out, out2, strict=True):
+        _same(a, b)
