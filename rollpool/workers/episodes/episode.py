@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import inspect
 import itertools
