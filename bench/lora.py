@@ -105,6 +105,10 @@ async def compare(a: argparse.Namespace) -> dict[str, Any]:
         out[arm] = {k: statistics.median(x for r in runs for x in r["samples"][k]) for k in keys}
         out[arm]["phases_median_s"] = {p: statistics.median(r["phases_median_s"][p] for r in runs)
                                        for p in runs[0]["phases_median_s"]}
+        ph = out[arm]["phases_median_s"]
+        # where publish to applied goes (medians of each phase's time from publish's call)
+        out[arm]["profile_s"] = {"snapshot_copy_trainer_blocked": ph["returned"], "checksums_after_return": ph["checksummed"] - ph["returned"],
+                                 "manifest_chunks_and_verify": ph["fetched"] - ph["checksummed"], "bank_copy": ph["applied"] - ph["fetched"]}
     for k in keys:
         out[k] = out["after"][k]
         out[f"{k}_after_vs_before"] = out["after"][k] / out["before"][k]

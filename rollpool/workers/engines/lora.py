@@ -137,12 +137,14 @@ class LoraBank:
         return hook
 
 
-def _copied(tensors: list[Any], *, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
+def _copied(tensors: list[Any], *, dtype: torch.dtype, device: Any, span: bool | None = None) -> list[torch.Tensor]:
     """Engine-owned copies of `tensors` in `dtype` on `device` (the channel's buffers are recycled for the next fetch).
 
-    Tensors that are contiguous views of one buffer (a fetched bucket) in one dtype are copied as that buffer's span,
-    once, and handed out as views of the copy: one transfer instead of one per matrix (hundreds, each a synchronous
-    host-to-device copy on a GPU). Anything else is copied tensor by tensor."""
+    Tensors that are contiguous views of one buffer (a fetched bucket) in one dtype, bound for another device, are
+    copied as that buffer's span, once, and handed out as views of the copy: one transfer instead of one per matrix
+    (hundreds, each a synchronous host-to-device copy). Anything else is copied tensor by tensor (on the CPU one
+    fresh 84 MB block page-faults on every version, where per-matrix blocks reuse the evicted version's memory).
+    `span` forces the choice (None: the span when the device type differs)."""
     ts = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
     spans: dict[int, list[int]] = {}
     for i, t in enumerate(ts):
@@ -155,7 +157,8 @@ def _copied(tensors: list[Any], *, dtype: torch.dtype, device: Any) -> list[torc
         lo = min(t.storage_offset() for t in group) * esize
         hi = max((t.storage_offset() + t.numel()) * esize for t in group)
         nbytes = sum(t.numel() * esize for t in group)
-        one_span = (_SPAN_COPY and len(group) > 1 and all(t.dtype == first.dtype and t.is_contiguous() for t in group) and hi - lo <= 2 * nbytes)
+        crossing = torch.device(device).type != first.device.type if span is None else span
+        one_span = (_SPAN_COPY and crossing and len(group) > 1 and all(t.dtype == first.dtype and t.is_contiguous() for t in group) and hi - lo <= 2 * nbytes)
         if not one_span:
             for i in members:
                 out[i] = ts[i].detach().to(device=device, dtype=dtype, copy=True)

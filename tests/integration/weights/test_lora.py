@@ -147,9 +147,9 @@ async def test_bad_adapters_are_refused_naming_why_and_the_engine_serves_on(mode
 
 
 def test_the_bank_keeps_its_own_copy_of_a_fetched_bucket_in_its_dtype() -> None:
-    """Matrices that are views of one fetched bucket are copied once, as the bucket's span, and handed out as views of
-    that copy: equal to what came, in the engine's dtype, untouched when the channel reuses the bucket."""
-    from rollpool.workers.engines.lora import LoraBank
+    """Matrices that are views of one fetched bucket are copied (to a GPU: once, as the bucket's span, handed out as
+    views of that copy): equal to what came, in the engine's dtype, untouched when the channel reuses the bucket."""
+    from rollpool.workers.engines.lora import LoraBank, _copied
 
     model = torch.nn.Sequential()
     model.add_module("q_proj", torch.nn.Linear(24, 16, bias=False))
@@ -173,5 +173,13 @@ def test_the_bank_keeps_its_own_copy_of_a_fetched_bucket_in_its_dtype() -> None:
         assert torch.equal(a, want["q_proj.lora_A.weight"].to(dtype)) and torch.equal(b, want["q_proj.lora_B.weight"].to(dtype))
         a, b, _ = bank.versions[1]["v_proj"]
         assert torch.equal(a, want["v_proj.lora_A.weight"].to(dtype)) and torch.equal(b, want["v_proj.lora_B.weight"].to(dtype))
+        for k, t in want.items():
+            named[k].copy_(t)
+        # the span copy itself (a GPU's path), forced on the CPU: views of one copy, not of the bucket
+        got = _copied(list(named.values()), dtype=dtype, device="cpu", span=True)
+        storages = {t.untyped_storage().data_ptr() for t in got}
+        assert bucket.data_ptr() not in storages and (len(storages) == 1 or dtype != torch.bfloat16)  # (converted: its own)
+        bucket.zero_()
+        assert all(torch.equal(g, w.to(dtype)) for g, w in zip(got, want.values(), strict=True))
         for k, t in want.items():
             named[k].copy_(t)
