@@ -244,7 +244,7 @@ class SimLora:
 
             # the shapes only, read without torch: the fake keeps no weights (importing torch cost the child seconds)
             with safe_open(str(root / "adapter_model.safetensors"), framework="numpy") as f:
-                tensors = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+                tensors = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         except (OSError, ValueError) as exc:
             return False, f"cannot read LoRA adapter at {path}: {exc}"
         rank, targets = int(config["r"]), set(config.get("target_modules") or ())
