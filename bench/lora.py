@@ -48,6 +48,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--path", default="network", choices=("network", "auto", "shm"))
     ap.add_argument("--full", action="store_true", help="also whole-model versions of the same shape, side by side")
     ap.add_argument("--demo-shape", action="store_true", help="rollpool demo --lora's model: 2 layers, hidden 64, MLP 256, rank 8")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="the publisher's bucket_bytes in MiB (default: its own)")
+    ap.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                    help="ROUNDS alternating runs of the previous snapshot and bank copies (one job and one copy per matrix) "
+                         "and the current ones (matrices batched into copy jobs of up to 4 MiB; one copy of each fetched "
+                         "bucket into the bank), medians and ratios side by side")
+    ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (1: a shared 2-core box's copies are "
+                    "not slowed by threads spinning for cores they do not get)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -66,6 +73,8 @@ def shapes(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.demo_shape:
         a.layers, a.hidden, a.kv, a.mlp, a.rank = 2, 64, 64, 256, 8
+    if a.compare:
+        return await compare(a)
     lora = await run_one(a, full=False)
     if not a.full:
         return lora
@@ -73,6 +82,38 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return {**lora, "full": full, "full_vs_adapter_bytes": full["version_bytes"] / lora["version_bytes"],
             "full_vs_adapter_publish_to_applied": full["publish_to_applied_s"] / lora["lora_publish_to_applied_s"],
             "full_vs_adapter_trainer_blocked": full["trainer_blocked_s"] / lora["lora_trainer_blocked_s"]}
+
+
+async def compare(a: argparse.Namespace) -> dict[str, Any]:
+    """The previous copies against the current ones, alternating rounds in one process (module docstring)."""
+    from rollpool.weights import snapshot
+    from rollpool.workers.engines import lora
+
+    batch_bytes, span = snapshot._BATCH_BYTES, lora._SPAN_COPY
+    arms: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    try:
+        for r in range(a.compare):
+            for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):  # neither arm always second
+                # before: every matrix its own copy job (a thread hop each) and its own copy into the bank
+                snapshot._BATCH_BYTES, lora._SPAN_COPY = (0, False) if arm == "before" else (batch_bytes, span)
+                arms[arm].append(await run_one(a, full=False))
+    finally:
+        snapshot._BATCH_BYTES, lora._SPAN_COPY = batch_bytes, span
+    out: dict[str, Any] = {k: v for k, v in arms["after"][0].items() if not k.startswith(("lora_", "phases"))}
+    keys = ("lora_publish_to_applied_s", "lora_trainer_blocked_s")
+    for arm, runs in arms.items():
+        out[arm] = {k: statistics.median(x for r in runs for x in r["samples"][k]) for k in keys}
+        out[arm]["phases_median_s"] = {p: statistics.median(r["phases_median_s"][p] for r in runs)
+                                       for p in runs[0]["phases_median_s"]}
+        ph = out[arm]["phases_median_s"]
+        # where publish to applied goes (medians of each phase's time from publish's call)
+        out[arm]["profile_s"] = {"snapshot_copy_trainer_blocked": ph["returned"], "checksums_after_return": ph["checksummed"] - ph["returned"],
+                                 "manifest_chunks_and_verify": ph["fetched"] - ph["checksummed"], "bank_copy": ph["applied"] - ph["fetched"]}
+    for k in keys:
+        out[k] = out["after"][k]
+        out[f"{k}_after_vs_before"] = out["after"][k] / out["before"][k]
+    out["rounds"] = a.compare
+    return out
 
 
 async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
@@ -85,6 +126,7 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
     from rollpool.weights.subscriber import WeightSubscriber
     from rollpool.workers.engines.lora import LoraBank
 
+    torch.set_num_threads(a.threads)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
     dims = shapes(a)
@@ -98,7 +140,7 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
                     parent.add_module(p, torch.nn.Module())
                 parent = getattr(parent, p)
             parent.add_module(parts[-1], torch.nn.Linear(i, o, bias=False))
-    bank = LoraBank(skeleton, resident=a.versions + a.warmup + 1, max_rank=max(64, a.rank))
+    bank = LoraBank(skeleton, resident=4, max_rank=max(64, a.rank))  # the hf engine's default lora_resident
     spec = adapter_spec(a.rank, 2 * a.rank, TARGETS, base_model=f"{a.layers}x{a.hidden}")
     src_device = device if device != "cpu" else "cpu"
     named = {}
@@ -113,11 +155,13 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
-    pub = WeightPublisher(sockets, keep_versions=2, path=a.path)
+    extra = {} if a.bucket_mb is None else {"bucket_bytes": int(a.bucket_mb * 2**20)}
+    pub = WeightPublisher(sockets, keep_versions=2, path=a.path, **extra)
     await pub.start()
     sub = WeightSubscriber(sockets, worker_id="bench", path=a.path)
     sub.connect(pub.router_endpoint, pub.pub_endpoint)
     blocked, applied = [], []
+    phases: list[dict[str, float]] = []
     try:
         for v in range(1, a.versions + a.warmup + 1):
             for t in named.values():
@@ -127,7 +171,12 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
             t0 = time.perf_counter()
             await pub.publish(named, v, adapter=None if full else spec)
             t1 = time.perf_counter()
+            marks = {k: round(at, 4) for k, at in pub.last_phases.items()}
+            fin = pub._finishing.get(v)
+            if fin is not None:
+                fin.add_done_callback(lambda _f, m=marks, t0=t0: m.__setitem__("checksummed", round(time.perf_counter() - t0, 4)))
             wv = await sub.fetch(v)
+            marks["fetched"] = round(time.perf_counter() - t0, 4)
             if full:
                 for name, t in wv.tensors.items():
                     base[name].copy_(t)  # the engine's copy into its weights
@@ -137,11 +186,13 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
             if device != "cpu":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
+            marks["applied"] = round(t2 - t0, 4)
             sub.recycle(wv)
             bank.evict(())
             if v > a.warmup:
                 blocked.append(t1 - t0)
                 applied.append(t2 - t0)
+                phases.append(marks)
     finally:
         sub.close()
         await pub.close()
@@ -158,6 +209,9 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
         "pool_vs_direct": None,
         "pool_vs_direct_note": "measured by bench/gpu_lora.py (SGLang on a GPU), not here",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "bucket_bytes": pub.bucket_bytes,
+        "samples": {"lora_publish_to_applied_s": applied, "lora_trainer_blocked_s": blocked},
+        "phases_median_s": {k: statistics.median(p[k] for p in phases if k in p) for k in sorted({k for p in phases for k in p})},
     }
 
 

@@ -9,7 +9,8 @@ What it promises
       checksum published (`SnapshotSink.complete_bucket`); on shared-memory versions its mix64 is published too
       (`SnapshotSink.set_host_mix64`), summed on the GPU tensor by tensor where it can be, else on the CPU after the
       xxh3, so the network and CPU shm paths never wait for it.
-    - An iterator is copied as it comes (at most 4 x copy_threads copies outstanding) and checked against the layout.
+    - An iterator is copied as it comes (at most 4 x copy_threads copies outstanding) and checked against the layout;
+      a dict's or module's small tensors are copied in jobs of up to 4 MiB (one thread hop per job, not per tensor).
     - A failed checksum thread withdraws the version (`Snapshot.checksummed` fails).
 
 A snapshot is given its knobs (`SnapshotKnobs`), the publisher's threads (`SnapshotPools`), its buckets
@@ -61,6 +62,18 @@ _MiB = 1024 * 1024
 THREAD_COPY_BYTES = 1 * _MiB
 """Tensors at least this large are copied in a worker thread (smaller ones inline: a thread hop costs more)."""
 _THREAD_COPY_BYTES = THREAD_COPY_BYTES
+_BATCH_BYTES = 4 * _MiB
+"""Tensors smaller than this go to a copy thread together, up to this many bytes a job."""
+
+
+class _Job(NamedTuple):
+    """One tensor's copy into its bucket."""
+
+    idx: int
+    offset: int
+    tensor: torch.Tensor
+    stream: Any
+    mix_stream: Any
 
 
 class Place(NamedTuple):
@@ -271,8 +284,8 @@ class Snapshot:
         """Copy every tensor into its place; return when the caller's tensors may change (all copies landed).
 
         Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
-        copies are outstanding, so at most that many of its tensors are alive at once)."""
-        pools = self.pools
+        copies are outstanding, so at most that many of its tensors are alive at once). A dict's or a module's small
+        tensors (all alive anyway) are copied in jobs of up to `_BATCH_BYTES` (`_Batches`)."""
         streams: dict[Any, Any] = {}
         mix_streams: dict[Any, Any] = {}
         it = iter(items)
@@ -283,6 +296,8 @@ class Snapshot:
         for b in self.planned:
             self.left[b.index] = sum(1 for t in b.tensors if t.nbytes)
         self._finish_empty()
+        # an iterator's tensors are copied one job each: its memory bound counts tensors alive, not bytes
+        batches = _Batches(self, window, futures, _BATCH_BYTES if isinstance(items, list) else 0)
         try:
             for count, (idx, offset, name, shape, dtype, nbytes) in enumerate(self.places):
                 try:
@@ -297,18 +312,9 @@ class Snapshot:
                 if inline:
                     self._copy(idx, offset, tensor, stream, mix_stream)
                     continue
-                await window.acquire()
-                if stream is not None and self._pinned(idx):
-                    # into page-locked memory: queued by the issuing thread, waited for by the landing thread (the copy
-                    # engine never waits for a copy thread to be scheduled, whatever else the host runs)
-                    landed: concurrent.futures.Future[None] = concurrent.futures.Future()
-                    pools.issue.submit(self._issue, idx, offset, tensor, stream, mix_stream, landed)
-                    fut = asyncio.wrap_future(landed)
-                else:
-                    fut = asyncio.wrap_future(pools.copy.submit(self._copy, idx, offset, tensor, stream, mix_stream))
-                fut.add_done_callback(lambda _f: window.release())
-                futures.append(fut)
+                await batches.add(_Job(idx, offset, tensor, stream, mix_stream), nbytes, stream is not None and self._pinned(idx))
                 del tensor  # only the copy job holds it now
+            await batches.flush()
             for _extra in it:
                 raise ValueError(f"more tensors than the reserved layout's {len(self.places)}")
             self.marks["issued"] = time.perf_counter()
@@ -368,27 +374,35 @@ class Snapshot:
             dst.copy_(src)
         self._landed(idx, mix_stream)
 
-    def _issue(self, idx: int, offset: int, tensor: torch.Tensor, stream: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
-        """Issuing thread (one per publisher, so copies are queued in the order they were planned): a CUDA tensor's
-        copy into page-locked memory queued on the side stream and its GPU mix64 part beside it, nothing waited on;
-        the landing thread waits for the copy."""
+    def _copy_many(self, jobs: list[_Job]) -> None:
+        """Copy thread: a batch of tensors, one after the other (`_copy`)."""
+        for job in jobs:
+            self._copy(job.idx, job.offset, job.tensor, job.stream, job.mix_stream)
+
+    def _issue(self, jobs: list[_Job], landed: concurrent.futures.Future[None]) -> None:
+        """Issuing thread (one per publisher, so copies are queued in the order they were planned): a batch of CUDA
+        tensors' copies into page-locked memory queued on their side stream and their GPU mix64 parts beside them,
+        nothing waited on; the landing thread waits for the batch's last copy (one event per batch)."""
         try:
-            src = flat_bytes(tensor)
-            dst = self.buffers[idx][offset : offset + int(src.numel())]
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            _keep_until_done(src, stream)
-            self._add_part(idx, self._mix_part(idx, offset, src, mix_stream))
-            self.issued[idx] += 1  # (only this thread counts them)
-            if self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]:
-                self._queue_digest(idx, stream, mix_stream)
+            stream = jobs[0].stream
+            for job in jobs:
+                idx, offset, mix_stream = job.idx, job.offset, job.mix_stream
+                src = flat_bytes(job.tensor)
+                dst = self.buffers[idx][offset : offset + int(src.numel())]
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                _keep_until_done(src, stream)
+                self._add_part(idx, self._mix_part(idx, offset, src, mix_stream))
+                self.issued[idx] += 1  # (only this thread counts them)
+                if self.mix and self.issued[idx] == self._parts_of(idx) and self.mix_parts[idx] == self.issued[idx]:
+                    self._queue_digest(idx, stream, mix_stream)
             with torch.cuda.stream(stream):
                 done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # waited for asleep, not spinning
                 done.record(stream)
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
             landed.set_exception(exc)
             return
-        self.pools.land.submit(self._land, idx, done, mix_stream, landed)
+        self.pools.land.submit(self._land, [(j.idx, j.mix_stream) for j in jobs], done, landed)
 
     def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
         """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
@@ -413,12 +427,13 @@ class Snapshot:
         self.mix_dev[idx] = []
         self.slotted[idx] = True
 
-    def _land(self, idx: int, done: Any, mix_stream: Any, landed: concurrent.futures.Future[None]) -> None:
+    def _land(self, jobs: list[tuple[int, Any]], done: Any, landed: concurrent.futures.Future[None]) -> None:
         """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
-        for in that order."""
+        for in that order (a batch's last copy done: all of them are)."""
         try:
             done.synchronize()
-            self._landed(idx, mix_stream)
+            for idx, mix_stream in jobs:
+                self._landed(idx, mix_stream)
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it
             landed.set_exception(exc)
             return
@@ -545,6 +560,48 @@ class Snapshot:
             self.pending -= 1
             if self.pending == 0:
                 self.checksummed.set_result(None)
+
+
+class _Batches:
+    """The copy jobs of one `Snapshot.copy`: small tensors (an adapter's matrices: hundreds of a few hundred KB each)
+    go to a thread together, up to `_BATCH_BYTES` a job, since a thread hop per tensor cost more than its bytes (most
+    of an adapter version's snapshot); at most the window's count of jobs are outstanding."""
+
+    def __init__(self, snap: Snapshot, window: asyncio.Semaphore, futures: list[asyncio.Future[None]], batch_bytes: int) -> None:
+        self.snap = snap
+        self.batch_bytes = batch_bytes
+        self.window = window
+        self.futures = futures
+        self.jobs: list[_Job] = []
+        self.nbytes = 0
+        self.issued = False
+        """The jobs are CUDA copies into page-locked memory (the issuing and landing threads), else copy-thread jobs."""
+
+    async def add(self, job: _Job, nbytes: int, issued: bool) -> None:
+        if self.jobs and (issued != self.issued or self.jobs[-1].stream is not job.stream):
+            await self.flush()
+        self.issued = issued
+        self.jobs.append(job)
+        self.nbytes += nbytes
+        if self.nbytes >= self.batch_bytes:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self.jobs:
+            return
+        jobs, self.jobs, self.nbytes = self.jobs, [], 0
+        pools = self.snap.pools
+        await self.window.acquire()
+        if self.issued:
+            # into page-locked memory: queued by the issuing thread, waited for by the landing thread (the copy
+            # engine never waits for a copy thread to be scheduled, whatever else the host runs)
+            landed: concurrent.futures.Future[None] = concurrent.futures.Future()
+            pools.issue.submit(self.snap._issue, jobs, landed)
+            fut = asyncio.wrap_future(landed)
+        else:
+            fut = asyncio.wrap_future(pools.copy.submit(self.snap._copy_many, jobs))
+        fut.add_done_callback(lambda _f: self.window.release())
+        self.futures.append(fut)
 
 
 def _keep_until_done(t: torch.Tensor, stream: Any) -> None:

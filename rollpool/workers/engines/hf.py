@@ -26,8 +26,10 @@ Guarantees:
 - LoRA adapter versions (`update_adapter`, docs/lora.md): kept resident (``lora_resident`` of them, besides
   any a running sequence still uses) through `LoraBank`; a sequence runs on the newest adapter version when it is
   first prefilled and finishes on it (each of its tokens carries that version), while newer sequences run on
-  newer ones in the same batch. In ``interrupt`` mode a re-prefilled sequence moves to the newest. A whole-model
-  update drops every resident adapter.
+  newer ones in the same batch. The worker applies an adapter version without a pause (``adapters_without_pause``:
+  it is added between two steps on the compute thread), so no running sequence is interrupted or re-prefilled for
+  it, whatever the apply mode; a sequence re-prefilled for another reason (a whole-model update in ``interrupt``
+  mode) moves to the newest. A whole-model update drops every resident adapter.
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -188,6 +190,10 @@ class _Vision:
 class HFEngine:
     """A transformers causal LM served with continuous batching (see the module docstring)."""
 
+    adapters_without_pause = True
+    """An adapter version is added between two steps on the engine's thread, and every sequence keeps the version it
+    began on: the worker does not pause (nor, in ``interrupt`` mode, re-prefill) running sequences for it."""
+
     def __init__(self, options: HFOptions | None = None, /, **kwargs: Any) -> None:
         """`HFOptions` (or its fields as keywords: ``HFEngine(model=..., capacity=...)``)."""
         opts = options if options is not None else options_from(HFOptions, kwargs)
@@ -198,6 +204,8 @@ class HFEngine:
         self.dtype = getattr(torch, opts.dtype)
         self.seed = opts.seed
         self.version = opts.initial_version
+        self._base_version = opts.initial_version
+        """The version of the base weights (the last whole-model version): what a token sampled on no adapter carries."""
         self.num_threads = opts.num_threads
         self.attn_implementation = opts.attn_implementation
         self.stats: dict[str, int] = {"forward_calls": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
@@ -587,7 +595,7 @@ class HFEngine:
                 target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
         except Exception as exc:
             raise EngineError(f"update_weights failed part-way: {exc!r}") from exc
-        self.version = version
+        self.version = self._base_version = version
         if self._lora is not None and self._lora.versions:
             # adapters were trained against the old base; a sequence pinned to one re-runs its next tokens on the base
             self._lora.clear()
@@ -760,7 +768,8 @@ class HFEngine:
             ids, lps = top_logprobs(logits, sampling, sampling.top_logprobs_num)
             seq.top_ids.append(ids)
             seq.top_logprobs.append(lps)
-        seq.versions.append(self.version if seq.adapter is None else seq.adapter)
+        # a sequence on no adapter runs on the base weights, whatever adapter versions arrived since it began
+        seq.versions.append(self._base_version if seq.adapter is None else seq.adapter)
         if not seq.first_token_at:
             seq.first_token_at = now
         if tok in seq.group.stop_ids:

@@ -32,6 +32,10 @@ __all__ = ["LoraBank"]
 
 _Weights = dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
+_SPAN_COPY = True
+"""Copy a fetched bucket's matrices as one span (`_copied`); False copies them one by one (bench/lora.py's
+``--compare`` runs both)."""
+
 
 class LoraBank:
     """Resident adapter versions of one model and the per-row choice of the next forward (module docstring)."""
@@ -73,12 +77,8 @@ class LoraBank:
                     f"A {tuple(a.shape)} / B {tuple(b.shape)} do not fit it at rank {spec.rank}")
             plan.append((path, a, b))
         scale = float(spec.alpha) / float(spec.rank)
-        weights: _Weights = {}
-        for path, a, b in plan:
-            ta = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
-            tb = b if isinstance(b, torch.Tensor) else torch.as_tensor(b)
-            # copies: the channel's buffers are recycled for the next fetch
-            weights[path] = (ta.to(device=device, dtype=dtype, copy=True), tb.to(device=device, dtype=dtype, copy=True), scale)
+        copies = _copied([t for _, a, b in plan for t in (a, b)], dtype=dtype, device=device)
+        weights: _Weights = {path: (copies[2 * i], copies[2 * i + 1], scale) for i, (path, _a, _b) in enumerate(plan)}
         for path in weights:
             if path not in self._hooked:
                 self._modules[path].register_forward_hook(self._hook(path))
@@ -135,3 +135,40 @@ class LoraBank:
             return output
 
         return hook
+
+
+def _copied(tensors: list[Any], *, dtype: torch.dtype, device: Any, span: bool | None = None) -> list[torch.Tensor]:
+    """Engine-owned copies of `tensors` in `dtype` on `device` (the channel's buffers are recycled for the next fetch).
+
+    Tensors that are contiguous views of one buffer (a fetched bucket) in one dtype, bound for another device, are
+    copied as that buffer's span, once, and handed out as views of the copy: one transfer instead of one per matrix
+    (hundreds, each a synchronous host-to-device copy). Anything else is copied tensor by tensor (on the CPU one
+    fresh 84 MB block page-faults on every version, where per-matrix blocks reuse the evicted version's memory).
+    `span` forces the choice (None: the span when the device type differs)."""
+    ts = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+    spans: dict[int, list[int]] = {}
+    for i, t in enumerate(ts):
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(ts)
+    for members in spans.values():
+        group = [ts[i] for i in members]
+        first = group[0]
+        esize = first.element_size()
+        lo = min(t.storage_offset() for t in group) * esize
+        hi = max((t.storage_offset() + t.numel()) * esize for t in group)
+        nbytes = sum(t.numel() * esize for t in group)
+        crossing = torch.device(device).type != first.device.type if span is None else span
+        one_span = (_SPAN_COPY and crossing and len(group) > 1 and all(t.dtype == first.dtype and t.is_contiguous() for t in group) and hi - lo <= 2 * nbytes)
+        if not one_span:
+            for i in members:
+                out[i] = ts[i].detach().to(device=device, dtype=dtype, copy=True)
+            continue
+        raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+        raw.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+        moved = raw.to(device=device, copy=True)
+        for i in members:
+            t = ts[i]
+            at = t.storage_offset() * esize - lo
+            view = moved[at : at + t.numel() * esize].view(t.dtype).view(t.shape)
+            out[i] = view if t.dtype == dtype else view.to(dtype)
+    return [t for t in out if t is not None]

@@ -147,3 +147,42 @@ async def test_bad_adapters_are_refused_naming_why_and_the_engine_serves_on(mode
     assert engine.adapter_versions() == [1] and engine.version == 1  # nothing of a refused version was kept
     out = (await engine.generate(PROMPT, 1, GREEDY, "after")).samples[0]
     assert out.token_versions == [1] * 12
+
+
+def test_the_bank_keeps_its_own_copy_of_a_fetched_bucket_in_its_dtype() -> None:
+    """Matrices that are views of one fetched bucket are copied (to a GPU: once, as the bucket's span, handed out as
+    views of that copy): equal to what came, in the engine's dtype, untouched when the channel reuses the bucket."""
+    from rollpool.workers.engines.lora import LoraBank, _copied
+
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", torch.nn.Linear(24, 16, bias=False))
+    model.add_module("v_proj", torch.nn.Linear(24, 8, bias=False))
+    spec = adapter_spec(4, 8, ("q_proj", "v_proj"))
+    shapes = {"q_proj.lora_A.weight": (4, 24), "q_proj.lora_B.weight": (16, 4), "v_proj.lora_A.weight": (4, 24),
+              "v_proj.lora_B.weight": (8, 4)}
+    bucket = torch.zeros(sum(r * c for r, c in shapes.values()) * 2, dtype=torch.uint8)
+    named, at = {}, 0
+    for name, (r, c) in shapes.items():
+        named[name] = bucket[at : at + r * c * 2].view(torch.bfloat16).view(r, c)
+        named[name].copy_(torch.randn(r, c))
+        at += r * c * 2
+    want = {k: t.clone() for k, t in named.items()}
+    for dtype in (torch.bfloat16, torch.float32):
+        bank = LoraBank(model)
+        bank.add(1, named, spec, dtype=dtype, device="cpu")
+        bucket.zero_()  # the channel recycles the bucket for the next fetch
+        a, b, scale = bank.versions[1]["q_proj"]
+        assert a.dtype == b.dtype == dtype and scale == 2.0
+        assert torch.equal(a, want["q_proj.lora_A.weight"].to(dtype)) and torch.equal(b, want["q_proj.lora_B.weight"].to(dtype))
+        a, b, _ = bank.versions[1]["v_proj"]
+        assert torch.equal(a, want["v_proj.lora_A.weight"].to(dtype)) and torch.equal(b, want["v_proj.lora_B.weight"].to(dtype))
+        for k, t in want.items():
+            named[k].copy_(t)
+        # the span copy itself (a GPU's path), forced on the CPU: views of one copy, not of the bucket
+        got = _copied(list(named.values()), dtype=dtype, device="cpu", span=True)
+        storages = {t.untyped_storage().data_ptr() for t in got}
+        assert bucket.data_ptr() not in storages and (len(storages) == 1 or dtype != torch.bfloat16)  # (converted: its own)
+        bucket.zero_()
+        assert all(torch.equal(g, w.to(dtype)) for g, w in zip(got, want.values(), strict=True))
+        for k, t in want.items():
+            named[k].copy_(t)

@@ -219,3 +219,33 @@ async def test_the_environment_tells_a_worker_to_reserve_before_its_first_fetch(
     got = await sub.fetch(1)
     assert all(torch.equal(got.tensors[k], t) for k, t in w.items())
     assert sub.buffers_allocated == 2  # the two reserved, nothing fresh for the first version
+
+
+async def test_hundreds_of_small_tensors_are_copied_together_and_arrive_intact(make_publisher: Any, make_subscriber: Any) -> None:
+    """An adapter's shape: hundreds of small matrices, copied in jobs of several tensors (across bucket boundaries,
+    odd sizes included); every byte arrives where it belongs, and training may change them once publish returned."""
+    from rollpool.weights import snapshot
+
+    g = torch.Generator().manual_seed(11)
+    w = {f"m.{i}.lora_{'AB'[i % 2]}.weight": torch.randn(4 + i % 3, 1000 + i, generator=g) for i in range(300)}  # ~15 MB
+    pub = await make_publisher(bucket_bytes=3 * _MiB, copy_threads=2)
+    copy_jobs = 0
+    copy_many = snapshot.Snapshot._copy_many
+
+    def counted(self: Any, jobs: Any) -> None:
+        nonlocal copy_jobs
+        copy_jobs += 1
+        copy_many(self, jobs)
+
+    snapshot.Snapshot._copy_many = counted  # type: ignore[method-assign]
+    try:
+        await pub.publish(w, 1)
+    finally:
+        snapshot.Snapshot._copy_many = copy_many  # type: ignore[method-assign]
+    expected = {k: t.clone() for k, t in w.items()}
+    for t in w.values():
+        t.add_(1.0)  # a training step after publish returned
+    got = await make_subscriber(pub.router_endpoint).fetch(1)
+    assert got.tensors.keys() == expected.keys()
+    assert all(torch.equal(got.tensors[k], t) for k, t in expected.items())
+    assert copy_jobs < 20  # not a job (a thread hop) per tensor

@@ -4,6 +4,7 @@ nor resubmitted and finishes on the version it started on, while the next task r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import types
@@ -62,3 +63,34 @@ async def test_an_adapter_version_reaches_a_running_sglang_engine_without_a_paus
     await broker.send(task(3, n=1, max_new=4, ignore_eos=True))
     after = await broker.expect(Result, timeout_s=30, skip=(WorkerHeartbeat, Credit, ApplyDone))  # and the skip notice
     assert after.error is None and all(t.token_versions.tolist() == [1] * 4 for t in after.trajectories) and len(engines) == 1
+
+
+@pytest.mark.timeout(90)
+async def test_an_adapter_version_reaches_the_hf_engine_without_interrupting_a_running_sample(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """In ``interrupt`` mode too: the running sample is not re-prefilled onto the new adapter (it finishes on the version
+    it began on, every token saying so) and the next sample runs on the adapter."""
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    _worker, broker, _run = await harness(lambda: engine, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=_worker, broker=broker)
+    await broker.send(task(1, n=1, max_new=400, ignore_eos=True))
+    await broker.until_inflight("p1@0")
+    for _ in range(3000):  # until the sample is decoding
+        if engine.stats["decode_steps"] >= 5:
+            break
+        await asyncio.sleep(0.01)
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(1, named, manifest=types.SimpleNamespace(adapter=spec))
+    assert (await broker.expect(ApplyRequest)).version == 1
+    await broker.send(ApplyGrant(version=1))
+    done = await broker.expect(ApplyDone)
+    assert done.ok and done.version == 1
+    steps_at_apply = engine.stats["decode_steps"]
+    await broker.send(task(2, n=1, max_new=5, ignore_eos=True))
+    results = {r.task_id: r for r in (await broker.expect(Result, timeout_s=60), await broker.expect(Result, timeout_s=60))}
+    assert steps_at_apply < 400  # applied while the first sample ran
+    assert [t.token_versions.tolist() for t in results["p1@0"].trajectories] == [[0] * 400]
+    assert [t.token_versions.tolist() for t in results["p2@0"].trajectories] == [[1] * 5]

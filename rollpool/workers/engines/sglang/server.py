@@ -228,7 +228,8 @@ class SimLora:
 
     def __init__(self, enabled: bool, max_rank: int | None, targets: Sequence[str] | None) -> None:
         self.enabled, self.max_rank, self.targets = enabled, max_rank, set(targets or ())
-        self.loaded: dict[str, dict[str, Any]] = {}
+        self.loaded: dict[str, dict[str, tuple[int, ...]]] = {}
+        """Adapter name -> its tensors' shapes."""
         self.tokens: dict[str, int] = {}
         self.loads = 0
 
@@ -240,9 +241,11 @@ class SimLora:
         root = Path(path)
         try:
             config = json.loads((root / "adapter_config.json").read_text())
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            tensors = load_file(str(root / "adapter_model.safetensors"))
+            # the shapes only, read without torch: the fake keeps no weights (importing torch cost the child seconds)
+            with safe_open(str(root / "adapter_model.safetensors"), framework="numpy") as f:
+                tensors = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         except (OSError, ValueError) as exc:
             return False, f"cannot read LoRA adapter at {path}: {exc}"
         rank, targets = int(config["r"]), set(config.get("target_modules") or ())
