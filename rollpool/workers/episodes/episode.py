@@ -152,6 +152,8 @@ class EpisodeStats:
     """Prompt tokens of turns that were already in the episode's sequence (a prefix cache can serve them)."""
     engine_cached_tokens: int = 0
     """Prompt tokens the engine says its prefix cache served (SGLang's ``cached_tokens``; 0 where it does not say)."""
+    agent_process_restarts: int = 0
+    """Agent processes started again after they died (``--agent-processes``)."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
