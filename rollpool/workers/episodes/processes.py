@@ -12,8 +12,10 @@ Contract:
   ``api_key``, ``model``, ``sample_index``, ``prompt``, ``metadata`` (set in the child, echoed on the
   trajectories as in the worker) and the reward the function returns. ``await ctx.generate(...)``,
   ``ctx.append(...)`` and ``await ctx.tool(...)`` are forwarded to the worker's episode over the same
-  socket (``generate_sync`` from a synchronous function); ``ctx.token_ids`` is refused (it would ship the
-  whole sequence every call); ``ctx.segment_index`` is the segment after the last forwarded call;
+  socket (``generate_sync`` from a synchronous function), in order; an ``append`` the worker refuses
+  raises at the episode's next forwarded call, or fails the episode when it returns. ``ctx.token_ids`` is
+  refused (it would ship the whole sequence every call); ``ctx.segment_index`` is the segment after the
+  last forwarded call;
 - an exception in the child's episode function is the episode's error as in the worker: the same
   exception (pickled back; its text where it cannot be) ends it with ``error``, or ``length`` for
   `ContextLengthExceededError`;
@@ -535,5 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path:  # the worker's episode paths import from its working directory, as in the worker
         sys.path.insert(0, os.getcwd())
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s agent-process-{args.index} %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_child_main(args.socket, args.index, args.episode, args.max_episodes))
+    rc = asyncio.run(_child_main(args.socket, args.index, args.episode, args.max_episodes))
+    logging.shutdown()
+    # not a normal exit: a synchronous episode function's thread may still wait on the closed loop, and the
+    # interpreter would join it forever (the worker is gone; nothing is left to report)
+    os._exit(rc)
 

@@ -56,5 +56,9 @@ async def held_agent(ctx: Any, prompt: Any) -> float:
     ctx.metadata["pid"] = os.getpid()
     pathlib.Path(prompt.metadata["pid_dir"], f"{prompt.prompt_id}-{ctx.sample_index}-{os.getpid()}").touch()  # noqa: ASYNC240 - one tiny file
     if prompt.metadata.get("hold") and ctx.sample_index == 0:
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pathlib.Path(prompt.metadata["pid_dir"], f"cancelled-{prompt.prompt_id}-{os.getpid()}").touch()  # noqa: ASYNC240 - one tiny file
+            raise
     return 1.0

@@ -121,6 +121,23 @@ async def test_an_agent_process_killed_mid_episode_fails_that_episode_once_and_i
     assert c.get("duplicates", 0) == 0 and c.get("requeued", 0) == 0 and c.get("workers_lost", 0) == 0
 
 
+@pytest.mark.timeout(60)  # about 3 s
+async def test_an_episode_past_its_timeout_is_cut_and_cancelled_in_its_agent_process(pool: Pool, tmp_path: pathlib.Path) -> None:
+    await pool.start_broker()
+    w, _ = start_worker(pool, "w", None, episode=(f"{FNS}:held_agent",), agent_processes=1, episode_timeout_s=1.0)
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([Prompt(prompt_id="p", input_ids=np.arange(3, 9, dtype=np.int32), group_size=2,
+                                sampling=SamplingParams(max_new_tokens=4), metadata={"pid_dir": str(tmp_path), "hold": True})])
+    (group,) = (await client.get_batch(1, timeout=20)).groups
+    by = {t.sample_index: t for t in group.trajectories}
+    assert by[0].finish_reason == "abort" and "timed out" in by[0].metadata["episode_error"] and len(by[0].output_ids) == 4
+    assert by[1].reward == 1.0
+    assert w.episodes is not None and w.episodes.agents is not None
+    (pid,) = w.episodes.agents.pids
+    assert await wait_until(lambda: (tmp_path / f"cancelled-p-{pid}").exists(), 10)  # the child's task was cancelled
+    assert w.episodes.agents.stats.agent_process_restarts == 0
+
+
 async def test_an_episode_path_that_does_not_load_in_the_agent_process_stops_the_start() -> None:
     agents = AgentProcesses([f"{FNS}:held_agent"], 1)
     os.environ["RP_TEST_FAIL_IN_AGENT_PROCESS"] = "1"
