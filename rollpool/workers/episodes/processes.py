@@ -178,8 +178,10 @@ class AgentProcesses:
             async with asyncio.timeout(self.start_timeout_s):
                 for fut in first:
                     await fut
-        except BaseException:
+        except BaseException as exc:
             await self.close()
+            if isinstance(exc, TimeoutError):
+                raise AgentProcessError(f"--agent-processes: the agent processes were not ready within {self.start_timeout_s} s") from None
             raise
 
     async def close(self) -> None:
@@ -187,8 +189,7 @@ class AgentProcesses:
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)
-        for child in self._children:
-            await self._stop_child(child)
+        await asyncio.gather(*(self._stop_child(c) for c in self._children))
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -287,6 +288,9 @@ class AgentProcesses:
                 if proc is not None:  # its exit code, for the episodes' error, when it is dying
                     with contextlib.suppress(TimeoutError):
                         rc = await asyncio.wait_for(proc.wait(), 2.0)
+                    if rc is None:  # alive without its socket: of no use; the supervisor starts it again
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.kill()
                 pid = proc.pid if proc is not None else 0
                 how = f"died during the episode (exit code {rc})" if rc is not None else "closed its socket during the episode"
                 self._fail_running(child, f"the agent process {child.index} (pid {pid}) {how}")
