@@ -12,8 +12,13 @@ each, the history sent back unchanged). Two agent placements:
   process of this bench, which runs the SDK loop. The worker process then holds only the pool's own
   work (endpoint, rendering, tokenization, recording, the hop to the engine, logging), so its CPU
   per turn is the pool's own cost;
-- ``inworker``: the SDK agent runs in the worker (as `bench/gpu_episodes.py` and users do); its CPU
-  per turn is pool and agent together.
+- ``inworker``: the SDK agent runs in the worker (as `bench/gpu_episodes.py` and users do by default); its
+  CPU per turn is pool and agent together;
+- ``children``: the same SDK agent in ``--agent-processes`` (default 2) child processes of the worker, the
+  worker's own option (``rollpool worker --agent-processes N``); the worker's CPU per turn is then the pool's
+  own again, the children's is reported as ``agent_process``.
+
+``--placement`` takes a comma-separated list (``both`` is ``remote,inworker``), run side by side rep by rep.
 
 ``--trees before=/tmp/w41-before,after=.`` runs the same workload on several source trees (a
 checkout of the code before a change beside this one), interleaved rep by rep so a shared machine's
@@ -216,6 +221,18 @@ def _main_thread_cpu(pid: int) -> float:
         return 0.0
 
 
+def _agent_children(pids: list[int]) -> list[int]:
+    """Those of `pids` that are a worker's agent processes."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if "rollpool.workers.episodes" in psutil.Process(pid).cmdline():
+                out.append(pid)
+    return out
+
+
 def _children(pid: int) -> list[int]:
     import psutil
 
@@ -380,18 +397,24 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
                 os.unlink(sock)
             agents.append(pool.spawn([str(ROOT / "bench" / "episodes.py"), "--agent-process", sock], f"agents-{label}.log"))
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
+        agent_processes = args.agent_processes if placement == "children" else 0
         opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
         pool.env[AGENT_SOCKET_ENV] = sock
         worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
-                             "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"],
+                             "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO",
+                             *(["--agent-processes", str(agent_processes)] if agent_processes else [])],
                             f"worker-{label}-{placement}.log")
         client = await _client(cep)
         join_s = await _wait_workers(client, 1, pool.procs, 120)
         await client.submit(_prompts(f"warm-{label}", argparse.Namespace(**{**vars(args), "turns": 2}), 2))
         await _collect(client, 2, args.phase_timeout_s)
-        child = _children(worker.pid)
-        pids = {"worker": [worker.pid], "engine_child": child, "broker": [broker.pid], "agent_process": [a.pid for a in agents]}
+        # the worker's children: the engine's child, and its agent processes (``python -m rollpool.workers.episodes``)
+        kids = _children(worker.pid)
+        mine = set(_agent_children(kids))
+        child = [p for p in kids if p not in mine]
+        pids = {"worker": [worker.pid], "engine_child": child, "broker": [broker.pid],
+                "agent_process": [a.pid for a in agents] + sorted(mine)}
         profilers = {}
         if profile:
             profilers = {"worker": Profiler(args.profile, worker.pid, work / f"profile-{label}-{placement}-worker.txt")}
@@ -432,7 +455,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
            "turns": turns, "sampled_tokens": sampled, "turns_per_s": round(turns / wall, 1),
            "output_tokens_per_s": round(sampled / wall, 1), **per_turn,
            "pool_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["broker"]) / turns, 1) if turns else None,
-           "worker_and_engine_child_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["engine_child"]) / turns, 1) if turns else None}
+           "worker_and_engine_child_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["engine_child"]) / turns, 1) if turns else None,
+           "worker_and_agent_processes_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["agent_process"]) / turns, 1) if turns else None}
     if profile:
         row["profile"] = profiles
     print(f"  {label:>8s} {placement:>8s}: {json.dumps(row)}", flush=True)
@@ -448,7 +472,9 @@ def _median(xs: list[float]) -> float | None:
 
 async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
     work, model, trees = args.workdir, Path(args.model_dir), args.tree_paths
-    placements = ["remote", "inworker"] if args.placement == "both" else [args.placement]
+    placements = ["remote", "inworker"] if args.placement == "both" else args.placement.split(",")
+    if bad := set(placements) - {"remote", "inworker", "children"}:
+        raise SystemExit(f"--placement: unknown {sorted(bad)} (remote, inworker, children, both)")
     rows: list[dict[str, Any]] = result.setdefault("rows", [])
     try:
         for rep in range(args.reps):
@@ -485,7 +511,8 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                 k: _median([r[k] for r in mine]) for k in ("worker_cpu_us_per_turn", "worker_loop_thread_cpu_us_per_turn",
                                                            "pool_cpu_us_per_turn", "engine_child_cpu_us_per_turn",
                                                            "worker_and_engine_child_cpu_us_per_turn", "agent_process_cpu_us_per_turn",
-                                                           "turns_per_s")}
+                                                           "worker_and_agent_processes_cpu_us_per_turn", "turns_per_s",
+                                                           "output_tokens_per_s")}
         if len(trees) == 2 and args.reps:
             (a, _), (b, _) = trees
             x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
@@ -493,6 +520,15 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                 "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
                 "worker_and_engine_child_cpu_per_turn_ratio": round(
                     y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
+                "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+    if {"inworker", "children"} <= set(placements) and args.reps:
+        for label, _ in trees:
+            x, y = summary[f"inworker/{label}"], summary[f"children/{label}"]
+            summary[f"children_vs_inworker/{label}"] = {
+                "agent_processes": args.agent_processes,
+                "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
+                "worker_loop_thread_cpu_per_turn_ratio": round(
+                    y["worker_loop_thread_cpu_us_per_turn"] / x["worker_loop_thread_cpu_us_per_turn"], 3),
                 "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
     result["summary"] = summary
     print(json.dumps(summary, indent=1))
@@ -602,7 +638,8 @@ def main() -> int:
     ap.add_argument("--agent-process", metavar="SOCKET", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="write the result here")
     ap.add_argument("--trees", default=f"this={ROOT}", help="label=path,... source trees to compare (interleaved)")
-    ap.add_argument("--placement", choices=("remote", "inworker", "both"), default="both")
+    ap.add_argument("--placement", default="both", help="comma-separated: remote, inworker, children; both = remote,inworker")
+    ap.add_argument("--agent-processes", type=int, default=2, help="the children placement's worker --agent-processes")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", default="", metavar="PY_SPY",
                     help="turns bench: after the measured reps, one row per tree and placement under this py-spy binary "

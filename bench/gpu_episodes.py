@@ -33,12 +33,13 @@ the API notes' in-process recipe: the update waits for running requests, then fl
 ``--hop off`` sends the worker's per-sample calls to its SGLang child over HTTP instead of the ZeroMQ hop (the
 sglang engine's ``hop`` option; the JSON's ``hop``), for the two side by side in two calls on one machine.
 
-``--agent-processes N`` runs the pool's agents in N processes of their own (bench/episodes.py's stub: the
-worker's episode function hands its endpoint to an agent process, which runs the same SDK loop), so the
-worker's event loop holds only the pool's own work; 0 (the default) runs them in the worker.
+``--agent-processes N`` is the worker's own option: the agents run in N child processes of the worker,
+each with its own event loop (``rollpool worker --agent-processes``), so the worker's event loop holds only
+the pool's own work; 0 (the default) runs them in the worker.
 
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT                        -> <card>-episodes.json (h100, h200)
-    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8    (agents beside the worker)
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8    -> <card>-episodes-ap8.json
+                                                                             (agents in 8 child processes of the worker)
 """
 
 from __future__ import annotations
@@ -305,20 +306,11 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     if args.backend == "sglang":
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
-    fn, wenv = "bench.gpu_episodes:agent", {}
-    agents = []
-    if args.agent_processes:
-        from bench.episodes import AGENT_SOCKET_ENV
-
-        socks = [str(Path(args.work) / f"agents-{i}.sock") for i in range(args.agent_processes)]
-        for sock in socks:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(sock)
-            agents.append(gw._spawn(["bench.episodes", "--agent-process", sock], out / "agents.log"))
-        fn, wenv = "bench.episodes:remote_agent", {AGENT_SOCKET_ENV: ",".join(socks)}
+    fn = "bench.gpu_episodes:agent"
     worker = gw._spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "ep0",
                         "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
-                        "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO"], wlog, env=wenv)
+                        "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--agent-processes", str(args.agent_processes),
+                        "--log-level", "INFO"], wlog)
     zctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{gw._port()}",
                           pub_endpoint=f"tcp://127.0.0.1:{gw._port()}", keep_versions=2, pool="bench-episodes")
@@ -352,8 +344,6 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
             await asyncio.wait_for(client.close(), 10)
         gw._stop(worker)
         gw._stop(broker)
-        for proc in agents:
-            gw._stop(proc)
         with contextlib.suppress(Exception):
             await pub.close()
         zctx.destroy(linger=0)
@@ -376,7 +366,7 @@ def main() -> int:
     ap.add_argument("--join-timeout-s", type=float, default=300)
     ap.add_argument("--phase-timeout-s", type=float, default=240)
     ap.add_argument("--deadline-s", type=float, default=560)
-    ap.add_argument("--agent-processes", type=int, default=0, help="run the pool's agents in N processes beside the worker (0: in it)")
+    ap.add_argument("--agent-processes", type=int, default=0, help="the worker's --agent-processes: its episode functions in N child processes (0: in the worker)")
     ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
@@ -405,7 +395,7 @@ def main() -> int:
 
         result["machine"] = torch.cuda.get_device_name(0)
         card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
-        gw.RESULT_NAME = f"{card}-episodes.json"
+        gw.RESULT_NAME = f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}.json"
     result["agent_processes"] = args.agent_processes
     result["hop"] = args.hop
     try:

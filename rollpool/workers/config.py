@@ -39,6 +39,8 @@ class WorkerConfig:
     reward_timeout_s: float = field(default=30.0, metadata=_h("most seconds one reward call may take"))
     episode: tuple[str, ...] = field(default=(), metadata=_h("episode function as package.module:function or name=package.module:function; a prompt picks by metadata['episode'], else the first"))
     max_episodes: int = field(default=64, metadata=_h("most episodes running at once on this worker (beside the engine's capacity)"))
+    agent_processes: int = field(default=0, metadata=_h("run the --episode functions in this many child processes, each with its own event loop "
+                                                         "(restarted if they die); 0 = in the worker's process"))
     episode_timeout_s: float = field(default=600.0, metadata=_h("most seconds one episode may run; then it ends with finish_reason abort"))
     tool_call_parser: str = field(default="hermes", metadata=_h("the episode endpoint's tool-call parser, by name"))
     max_context_tokens: int = field(default=0, metadata=_h("episodes: the context in tokens; 0 = what the engine states"))
@@ -104,6 +106,10 @@ class WorkerConfig:
             path = spec.partition("=")[2] if "=" in spec else spec
             if ":" not in path:
                 raise ConfigError(f"WorkerConfig.episode must look like package.module:function or name=package.module:function, got {spec!r}")
+        if not 0 <= self.agent_processes <= 256:
+            raise ConfigError(f"WorkerConfig.agent_processes must be in [0, 256], got {self.agent_processes}")
+        if self.agent_processes and not self.episode:
+            raise ConfigError("WorkerConfig.agent_processes needs --episode: the agent processes run the episode functions")
         if self.max_episodes < 1:
             raise ConfigError(f"WorkerConfig.max_episodes must be >= 1, got {self.max_episodes}")
         if self.max_context_tokens < 0:

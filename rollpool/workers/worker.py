@@ -463,9 +463,13 @@ class Worker:
             tool_call_parser=self.config.tool_call_parser,
             max_context_tokens=self.config.max_context_tokens,
             image_policy=self.config.image_policy(),
+            agent_processes=self.config.agent_processes,
+            agent_restart_backoff_s=self.config.restart_backoff_s,
+            agent_restart_backoff_max_s=max(self.config.restart_backoff_s, self.config.restart_backoff_max_s),
         )
         watched = cast(Engine, _SupervisedEngine(self.supervisor))
-        self.episodes = EpisodeRunner(watched, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id)
+        self.episodes = EpisodeRunner(watched, self._episode_fns, cfg, tokenizer=tokenizer, worker_id=self.worker_id,
+                                      specs=self.config.episode)
         await self.episodes.start()
 
     # -- loops

@@ -217,6 +217,8 @@ class EpisodeStats:
     """Tokens sampled again for turns an earlier attempt had recorded (its request differed, or replay is off)."""
     replays_diverged: int = 0
     """Re-run episodes whose request differed from the record at some turn (from there on sampled as usual)."""
+    agent_process_restarts: int = 0
+    """Agent processes started again after they died (``--agent-processes``)."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)

@@ -27,6 +27,11 @@ thread pool, never on the event loop), and returns the reward (a number) or None
 `EpisodeConfig.max_episodes` episodes run at once per runner; the engine's own capacity bounds the
 turns sampled at once. Which function runs: ``prompt.metadata["episode"]`` names one of the loaded
 functions, else the default (the first given).
+
+With `EpisodeConfig.agent_processes` N > 0 the episode functions run in N child processes of the
+runner (`processes.AgentProcesses`, given the ``--episode`` paths as `specs`), each with its own event
+loop; the episode, its recording and its endpoint stay here, and the outcomes are the same (a child
+that dies fails its episodes as an exception would).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from rollpool.workers.episodes.episode import (
     TokenizerLane,
     decode_tokens,
 )
+from rollpool.workers.episodes.processes import AgentProcesses
 from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
 from rollpool.workers.images import ImagePolicy
@@ -70,6 +76,7 @@ BODY_BYTES_PER_TOKEN = 64
 """Bytes of request body per context token that the default body limit allows: a token is a few characters of
 text, which JSON may escape to six bytes each (``\\uXXXX``), and tool definitions ride beside the messages."""
 MIN_BODY_BYTES = 1 << 20
+MAX_AGENT_PROCESSES = 256
 START_SLICE_S = 0.02
 """Most seconds of one pass of the event loop that episode starts take before the pass is yielded (see `_turnstile`)."""
 
@@ -98,6 +105,13 @@ class EpisodeConfig:
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
     """What the endpoint accepts as ``image_url`` parts (the worker's image rules: count, bytes, pixels, formats,
     fetching http(s) URLs or not)."""
+    agent_processes: int = 0
+    """Run the episode functions in this many child processes of the worker, each with its own event loop
+    (`rollpool.workers.episodes.processes`); 0: in the worker's process, on its event loop."""
+    agent_restart_backoff_s: float = 1.0
+    """First wait before an agent process that died is started again (doubling)."""
+    agent_restart_backoff_max_s: float = 30.0
+    """Longest wait between starts of an agent process; one that lived this long starts its next row at the first wait."""
 
     def __post_init__(self) -> None:
         if self.max_episodes < 1:
@@ -108,6 +122,11 @@ class EpisodeConfig:
             raise ConfigError(f"EpisodeConfig.max_context_tokens must be >= 0, got {self.max_context_tokens}")
         if self.max_request_bytes < 0:
             raise ConfigError(f"EpisodeConfig.max_request_bytes must be >= 0, got {self.max_request_bytes}")
+        if not 0 <= self.agent_processes <= MAX_AGENT_PROCESSES:
+            raise ConfigError(f"EpisodeConfig.agent_processes must be in [0, {MAX_AGENT_PROCESSES}], got {self.agent_processes}")
+        if not 0 < self.agent_restart_backoff_s <= self.agent_restart_backoff_max_s:
+            raise ConfigError("EpisodeConfig.agent_restart_backoff_s must be > 0 and <= agent_restart_backoff_max_s, got "
+                              f"{self.agent_restart_backoff_s} and {self.agent_restart_backoff_max_s}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"EpisodeConfig.port must be in [0, 65535], got {self.port}")
         get_tool_call_parser(self.tool_call_parser)
@@ -231,7 +250,7 @@ class EpisodeRunner:
     """Runs episodes on one engine and serves their endpoint (see the module docstring)."""
 
     def __init__(self, engine: Engine, functions: Mapping[str, EpisodeFn] | EpisodeFn, config: EpisodeConfig | None = None,
-                 *, tokenizer: Any = None, worker_id: str = "") -> None:
+                 *, tokenizer: Any = None, worker_id: str = "", specs: Sequence[str] = ()) -> None:
         self.engine = engine
         self.functions: dict[str, EpisodeFn] = (
             {DEFAULT_EPISODE: functions} if callable(functions) else dict(functions))
@@ -250,6 +269,13 @@ class EpisodeRunner:
         self._started = False
         self._end_of_turn_cache: dict[tuple[str, str, str], tuple[str, int | None]] = {}
         self._start_gate = _StartGate(START_SLICE_S)
+        # with agent_processes, the children import the functions by these paths (the worker loaded them too: a
+        # bad path fails at the worker's start)
+        self.agents: AgentProcesses | None = None
+        if self.config.agent_processes:
+            self.agents = AgentProcesses(specs, self.config.agent_processes, max_episodes=self.config.max_episodes, stats=self.stats,
+                                         restart_backoff_s=self.config.agent_restart_backoff_s,
+                                         restart_backoff_max_s=self.config.agent_restart_backoff_max_s)
 
     async def start(self) -> None:
         if not self._started:
@@ -258,9 +284,13 @@ class EpisodeRunner:
             if self.config.serve_openai:
                 self.server.max_request_bytes = self._max_request_bytes()
                 await self.server.start()
+            if self.agents is not None:
+                await self.agents.start()
             self._started = True
 
     async def close(self) -> None:
+        if self.agents is not None:
+            await self.agents.close()
         await self.server.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_lane is not None:
@@ -369,7 +399,10 @@ class EpisodeRunner:
                 if fn is None:
                     raise ConfigError(f"the prompt names episode function {name!r}; this worker has {sorted(self.functions)}")
                 async with scope:
-                    value = await self._call(fn, ctx, prompt)
+                    if self.agents is not None:
+                        value = await self.agents.run(str(name), ctx, prompt)
+                    else:
+                        value = await self._call(fn, ctx, prompt)
             except TimeoutError as exc:
                 if scope.expired():
                     finish, error = FinishReason.ABORT, f"the episode timed out after {self.config.episode_timeout_s}s"

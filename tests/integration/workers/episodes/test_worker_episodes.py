@@ -34,7 +34,7 @@ async def pool(zmq_ctx: Any, tmp_path: Any) -> AsyncIterator[Pool]:
         await p.close()
 
 
-def start_worker(p: Pool, worker_id: str, episodes: Mapping[str, Any], *, engine_factory: Callable[[], Any] | None = None,
+def start_worker(p: Pool, worker_id: str, episodes: Mapping[str, Any] | None, *, engine_factory: Callable[[], Any] | None = None,
                  metrics: MemoryMetricsSink | None = None, **kw: Any) -> tuple[Worker, asyncio.Task[None]]:
     """A real worker with episode functions; `kill()` of the returned task is a death (no drain, no Goodbye)."""
     assert p.broker is not None
