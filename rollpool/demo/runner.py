@@ -180,12 +180,6 @@ class DemoConfig:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.tool_disabled and self.task != "tool":
             raise ConfigError("tool_disabled is the control run of --task tool")
-        if self.agent_processes:
-            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES
-
-            if self.task != "tool" or not 0 < self.agent_processes <= MAX_AGENT_PROCESSES:
-                raise ConfigError(f"agent_processes must be in 0..{MAX_AGENT_PROCESSES} and is for --task tool, got "
-                                  f"{self.agent_processes} with task {self.task!r}")
         if not 0.0 <= self.call_bonus < 1.0:
             raise ConfigError(f"call_bonus must be in [0, 1), got {self.call_bonus}")
         if self.steps is not None and self.steps < 1:
@@ -259,6 +253,12 @@ class DemoConfig:
             raise ConfigError(f"lora_rank must be in 1..64 (the hf engine's max_lora_rank), got {self.lora_rank}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if self.agent_processes:
+            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES
+
+            if self.task != "tool" or not 0 < self.agent_processes <= MAX_AGENT_PROCESSES:
+                raise ConfigError(f"agent_processes must be in 0..{MAX_AGENT_PROCESSES} and is for --task tool, got "
+                                  f"{self.agent_processes} with task {self.task!r}")
 
     def resolved(self) -> DemoConfig:
         """This config with every unset per-task field set to its task's default."""
@@ -784,7 +784,7 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys: tuple[str, ...] = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
-        keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
+        keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus", "agent_processes")
     # what the stale policy did with late groups; the run's device, lengths and timings; the adapter's figures
     extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram", "lora", "device", "engine",
              "model_parameters", "lengths", "time_to_threshold_s", "steps_to_threshold", "trainer_idle_share", "tokens_per_s",

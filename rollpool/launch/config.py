@@ -44,7 +44,8 @@ class LaunchWorker:
         if self.gpus_needed > 1 and self.engine != "sglang":
             raise ConfigError(f"LaunchWorker.tp_size and dp_size above 1 need engine sglang, got {self.engine!r}")
         if self.agent_processes:
-            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES  # only then: it imports the episode machinery
+            # imported only then: it imports the episode machinery
+            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES
 
             if not 0 < self.agent_processes <= MAX_AGENT_PROCESSES:
                 raise ConfigError(f"LaunchWorker.agent_processes must be in [0, {MAX_AGENT_PROCESSES}], got {self.agent_processes}")
