@@ -106,6 +106,8 @@ class DemoConfig:
     tool_disabled: bool = field(default=False, metadata={"help": "--task tool: the control run, the tool answers <none> to every call (the answer stays at chance)"})
     call_bonus: float = field(default=0.3, metadata={"help": "--task tool: training reward of an episode that called the tool and "
                                                                "answered wrong (shaping; what is reported is unshaped)"})
+    agent_processes: int = field(default=0, metadata={"help": "--task tool: each worker runs its episodes in this many child "
+                                                               "processes (the worker's --agent-processes); 0: in the worker"})
     steps: int | None = field(default=None, metadata={"help": "optimizer steps (default: 150 for max, 200 for tool, 80 for vision)"})
     workers: int = field(default=2, metadata={"help": "rollout worker processes (hf engine)"})
     max_staleness: int | None = field(default=None, metadata={"help": "eta: how many versions a sample may lag (async mode; "
@@ -251,6 +253,12 @@ class DemoConfig:
             raise ConfigError(f"lora_rank must be in 1..64 (the hf engine's max_lora_rank), got {self.lora_rank}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if self.agent_processes:
+            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES
+
+            if self.task != "tool" or not 0 < self.agent_processes <= MAX_AGENT_PROCESSES:
+                raise ConfigError(f"agent_processes must be in 0..{MAX_AGENT_PROCESSES} and is for --task tool, got "
+                                  f"{self.agent_processes} with task {self.task!r}")
 
     def resolved(self) -> DemoConfig:
         """This config with every unset per-task field set to its task's default."""
@@ -265,6 +273,16 @@ def task_prompt_tokens() -> int:
     from rollpool.demo.task import NUM_DIGITS
 
     return NUM_DIGITS + 2
+
+
+def worker_task_args(cfg: DemoConfig, index: int) -> list[str]:
+    """Worker `index`'s task flags: --task tool's episode function (run in ``--agent-processes`` child processes of the
+    worker when set), else the reward scored on the worker (worker 0's slowed by ``--slow-worker-s``)."""
+    if cfg.task == "tool":
+        episode = ["--episode", "rollpool.demo.tool_task:solve", "--tool-call-parser", "compact"]
+        return episode + (["--agent-processes", str(cfg.agent_processes)] if cfg.agent_processes else [])
+    slow = index == 0 and cfg.slow_worker_s > 0
+    return ["--reward", "rollpool.demo.task:slow_reward" if slow else "rollpool.demo.task:reward"]
 
 
 def demo_process_specs(broker_args: list[str], broker_env: dict[str, str],
@@ -344,15 +362,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
                        "--heartbeat-interval-s", str(heartbeat_s),
                        "--task-timeout-s", "60", "--pool", cfg.pool, *redis_args]
 
-        # the max task is scored on the workers (--reward); the tool task's episodes return their reward
-        task_args = (["--episode", "rollpool.demo.tool_task:solve", "--tool-call-parser", "compact"] if tool
-                     else ["--reward", "rollpool.demo.task:reward"])
-
         def worker_args(i: int) -> list[str]:
-            reward = "rollpool.demo.task:slow_reward" if i == 0 and cfg.slow_worker_s > 0 else "rollpool.demo.task:reward"
             options = f"seed={cfg.seed + i}" + (f",{cfg.engine_options}" if cfg.engine_options else "")
             return [sys.executable, "-m", "rollpool.workers", *common, "--broker", worker_ep, "--engine", cfg.engine,
-                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", *(task_args if tool else ["--reward", reward]),
+                    "--model", str(model_dir), "--worker-id", f"demo-w{i}", *worker_task_args(cfg, i),
                     "--heartbeat-interval-s", str(heartbeat_s), "--apply-mode", "interrupt",
                     "--engine-options", options, "--pool", cfg.pool, *redis_args]
 
@@ -713,6 +726,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         if tool:
             summary.update({
                 "tool_disabled": cfg.tool_disabled,
+                "agent_processes": cfg.agent_processes,
                 "entropy_coef": cfg.entropy_coef,
                 "call_bonus": cfg.call_bonus,
                 "tool_call_share_first": calls_first,
@@ -770,7 +784,7 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys: tuple[str, ...] = ("reward_first", "reward_final", "heldout_reward_first", "heldout_reward_final", "steps", "wall_s",
             "lost", "duplicated", "max_lag", "requeued", "mode", "task")
     if summary["task"] == "tool":
-        keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus")
+        keys += ("tool_call_share_first", "tool_call_share_final", "tool_disabled", "call_bonus", "agent_processes")
     # what the stale policy did with late groups; the run's device, lengths and timings; the adapter's figures
     extra = ("stale_policy", "groups_over_eta", "groups_received", "stale_samples_trained", "lag_histogram", "lora", "device", "engine",
              "model_parameters", "lengths", "time_to_threshold_s", "steps_to_threshold", "trainer_idle_share", "tokens_per_s",

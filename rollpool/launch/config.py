@@ -2,7 +2,7 @@
 
 ``LocalLaunchConfig.worker`` and ``RayLaunchConfig.worker`` are a `LaunchWorker`;
 their ``restart`` is a `RestartPolicy` (rollpool.launch.policy). The flags stay
-flat (``--engine``, ``--model``, ``--engine-options``, ``--worker-args``;
+flat (``--engine``, ``--model``, ``--engine-options``, ``--agent-processes``, ``--worker-args``;
 ``--restart-backoff-s`` ...), the TOML file nests them (``[launch.worker]``,
 ``[launch.restart]``; see rollpool.protocol.config).
 """
@@ -31,6 +31,8 @@ class LaunchWorker:
     engine_options: str = field(default="", metadata=help_("engine keyword options for every worker: key=value,..."))
     tp_size: int = field(default=1, metadata=help_("sglang: tensor-parallel GPUs of each worker's engine replica"))
     dp_size: int = field(default=1, metadata=help_("sglang: data-parallel replicas of each worker's engine"))
+    agent_processes: int = field(default=0, metadata=help_(
+        "run each worker's --episode functions (given in --worker-args) in this many child processes of it; 0: in the worker"))
     args: str = field(default="", metadata={**help_("extra flags for every worker, one shell-quoted string"),
                                             "flag": "worker_args"})
 
@@ -41,13 +43,19 @@ class LaunchWorker:
             raise ConfigError(f"LaunchWorker.tp_size and dp_size must be >= 1, got {self.tp_size} and {self.dp_size}")
         if self.gpus_needed > 1 and self.engine != "sglang":
             raise ConfigError(f"LaunchWorker.tp_size and dp_size above 1 need engine sglang, got {self.engine!r}")
+        if self.agent_processes:
+            # imported only then: it imports the episode machinery
+            from rollpool.workers.episodes.runner import MAX_AGENT_PROCESSES
+
+            if not 0 < self.agent_processes <= MAX_AGENT_PROCESSES:
+                raise ConfigError(f"LaunchWorker.agent_processes must be in [0, {MAX_AGENT_PROCESSES}], got {self.agent_processes}")
         try:
             shlex.split(self.args)
         except ValueError as exc:
             raise ConfigError(f"LaunchWorker.args (--worker-args): {exc}") from exc
 
     def argv(self) -> list[str]:
-        """``--engine``, ``--model`` and ``--engine-options`` as worker flags (``args`` go last: `extra_argv`)."""
+        """``--engine``, ``--model``, ``--engine-options`` ... as worker flags (``args`` go last: `extra_argv`)."""
         out = ["--engine", self.engine]
         if self.model:
             out += ["--model", self.model]
@@ -57,6 +65,8 @@ class LaunchWorker:
             out += ["--tp-size", str(self.tp_size)]
         if self.dp_size != 1:
             out += ["--dp-size", str(self.dp_size)]
+        if self.agent_processes:
+            out += ["--agent-processes", str(self.agent_processes)]
         return out
 
     @property

@@ -180,3 +180,23 @@ def test_the_default_log_folder_of_launch_local_is_ignored_by_git() -> None:
     log_dir = LocalLaunchConfig().log_dir
     out = subprocess.run(["git", "check-ignore", "-q", f"{log_dir}/launch.json"], cwd=repo, capture_output=True)
     assert out.returncode == 0, f"{log_dir}/ is not in .gitignore: a first `rollpool launch local` leaves it untracked"
+
+
+def test_agent_processes_reach_every_worker_of_both_launchers(tmp_path: pathlib.Path) -> None:
+    """``--agent-processes`` (flag, environment or ``[launch.worker]``) is on every worker's command line, before
+    ``--worker-args``; 0 (the default) adds nothing."""
+    episode = "--episode pkg.mod:fn"
+    cfg = _cli_config(LocalLaunchConfig, ["--workers", "2", "--agent-processes", "3", "--worker-args", episode])
+    assert isinstance(cfg, LocalLaunchConfig)
+    workers = [s.argv for s in local_process_specs(cfg, python="py") if s.name.startswith("worker")]
+    assert len(workers) == 2 and all(w[w.index("--agent-processes") + 1] == "3" and w[-2:] == ("--episode", "pkg.mod:fn")
+                                     for w in workers)
+    toml = _cli_config(LocalLaunchConfig, [], "[launch.worker]\nagent_processes = 2\n", tmp_path)
+    assert isinstance(toml, LocalLaunchConfig) and toml.worker.agent_processes == 2
+    ray = _cli_config(RayLaunchConfig, ["--broker", "tcp://h:5555"], environ={"ROLLPOOL_AGENT_PROCESSES": "4"})
+    assert isinstance(ray, RayLaunchConfig)
+    argv = worker_command(ray, 0)
+    assert argv[argv.index("--agent-processes") + 1] == "4"
+    assert "--agent-processes" not in local_process_specs(LocalLaunchConfig(), python="py")[-1].argv
+    with pytest.raises(ConfigError, match=r"agent_processes must be in \[0, 256\], got -1"):
+        _cli_config(LocalLaunchConfig, ["--agent-processes", "-1"])

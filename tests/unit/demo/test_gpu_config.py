@@ -45,3 +45,17 @@ def test_long_tail_lengths_are_long_tailed_and_capped() -> None:
     median, p99 = lengths[len(lengths) // 2], lengths[int(len(lengths) * 0.99)]
     assert 28 <= median <= 36 and p99 >= 8 * median  # a few answers are many times the median one
     assert lengths[0] >= 1 and lengths[-1] == 512
+
+
+def test_agent_processes_reach_the_tool_task_s_workers_and_only_theirs() -> None:
+    from rollpool.demo.runner import worker_task_args
+
+    argv = worker_task_args(DemoConfig(task="tool", agent_processes=2), 1)
+    assert argv[argv.index("--episode") + 1] == "rollpool.demo.tool_task:solve" and argv[argv.index("--agent-processes") + 1] == "2"
+    assert "--agent-processes" not in worker_task_args(DemoConfig(task="tool"), 0)
+    assert worker_task_args(DemoConfig(slow_worker_s=1.0), 0) == ["--reward", "rollpool.demo.task:slow_reward"]
+    assert worker_task_args(DemoConfig(slow_worker_s=1.0), 1) == ["--reward", "rollpool.demo.task:reward"]
+    with pytest.raises(ConfigError, match="agent_processes .* is for --task tool"):
+        DemoConfig(agent_processes=2)
+    with pytest.raises(ConfigError, match="agent_processes must be in 0..256"):
+        DemoConfig(task="tool", agent_processes=-1)
