@@ -423,6 +423,7 @@ class SGLangEngine:
                    "--engine-kwargs", json.dumps(kw)]
             if hop:
                 cmd += ["--hop", hop]
+            cmd += ["--parent-pid", str(os.getpid())]  # the child ends when this worker is gone, however it went
         return [*cmd, "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port if port is None else port)]
 
     def new_token(self) -> str:

@@ -47,6 +47,8 @@ from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.engines.sglang.hop import serve_hop
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, serve_routes
 
+log = logging.getLogger(__name__)
+
 __all__ = ["SimLora", "SimRanks", "sglang_routes", "sim_routes", "serve_main"]
 
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed"}
@@ -403,19 +405,37 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
 # --------------------------------------------------------------------------- entry point
 
 
-async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: str, hop: str = "") -> None:
+PARENT_POLL_S = 0.5
+"""How often a server started with ``--parent-pid`` checks that the process that started it is still its parent."""
+
+
+async def _parent_gone(parent_pid: int) -> None:
+    """Returns once this process is no longer a child of `parent_pid` (it died, however: the orphan is re-parented)."""
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 - no event tells a process its parent died (a poll, as SGLang's own)
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the worker that started this server (pid %d) is gone: shutting down", parent_pid)
+
+
+async def _serve_forever(routes: dict[str, Route], host: str, port: int, token: str, hop: str = "", parent_pid: int = 0) -> None:
     """HTTP on `host`:`port` and, with `hop`, the same routes on the hop's socket (`hop`); a hop that fails ends the
-    server (and so the child), which the worker sees as the engine's death rather than as calls that never return."""
-    hop_task = asyncio.create_task(serve_hop(routes, hop, token), name="sglang-hop") if hop else None
+    server (and so the child), which the worker sees as the engine's death rather than as calls that never return.
+    With `parent_pid` the server also ends when that process is no longer its parent: a worker killed outright
+    (SIGKILL, the OOM killer) cannot stop the child it started in a session of its own, and a real SGLang server left
+    behind holds its GPU memory from the worker that restarts in its place."""
+    tasks = [asyncio.create_task(serve_hop(routes, hop, token), name="sglang-hop")] if hop else []
+    if parent_pid:
+        tasks.append(asyncio.create_task(_parent_gone(parent_pid), name="sglang-parent-watch"))
     runner = await serve_routes(routes, host, port, token)
     try:
-        if hop_task is not None:
-            await hop_task
+        if tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # a hop that failed raises here, as before
         else:
             await asyncio.Event().wait()
     finally:
-        if hop_task is not None:
-            hop_task.cancel()
+        for t in tasks:
+            t.cancel()
         await runner.cleanup()
 
 
@@ -472,6 +492,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("sglang", "sim"), default="sglang")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON: keyword arguments of sglang.Engine, or SimOptions")
     ap.add_argument("--hop", default="", help="also serve the routes on a ZeroMQ ROUTER bound here (the worker's per-sample hop)")
+    ap.add_argument("--parent-pid", type=int, default=0,
+                    help="end when this process is no longer the parent (the worker that launched it; 0: never)")
     a = ap.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # out of the environment, so SGLang's own children do not inherit it
     kwargs = json.loads(a.engine_kwargs)
@@ -491,7 +513,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             await sim.start()
             watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
             try:
-                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token, a.hop)
+                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token, a.hop, a.parent_pid)
             finally:
                 if watch is not None:
                     watch.cancel()
@@ -506,7 +528,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
               "cuda_graph_backend_prefill": "disabled", "mm_attention_backend": "triton_attn", **kwargs}
     engine = sglang.Engine(model_path=a.model_path, **kwargs)
-    engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token, a.hop))
+    try:
+        engine.loop.run_until_complete(_serve_forever(sglang_routes(engine), a.host, a.port, token, a.hop, a.parent_pid))
+    finally:
+        engine.shutdown()  # its scheduler processes with it
     return 0
 
 
