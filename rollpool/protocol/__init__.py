@@ -8,11 +8,11 @@ these types.
 from __future__ import annotations
 
 from rollpool.protocol.codec import (
+    ADAPTER_GRANT_MINOR,
     CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
     DELTA_MINOR,
     EPOCH_MINOR,
-    ADAPTER_GRANT_MINOR,
     IMAGES_MINOR,
     INLINE_MINOR,
     LORA_MINOR,

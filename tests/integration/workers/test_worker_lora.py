@@ -18,7 +18,16 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from rollpool.protocol import ADAPTER_GRANT_MINOR, PROTOCOL_MINOR
-from rollpool.protocol.messages import FEATURES, ApplyDone, ApplyGrant, ApplyRequest, Credit, Feature, Result, WorkerHeartbeat
+from rollpool.protocol.messages import (
+    FEATURES,
+    ApplyDone,
+    ApplyGrant,
+    ApplyRequest,
+    Credit,
+    Feature,
+    Result,
+    WorkerHeartbeat,
+)
 from rollpool.workers.engines.sglang.engine import SGLangEngine
 from tests.unit.workers.conftest import SIM_SERVER_ARGS
 from tests.unit.workers.test_sglang_lora import _adapter
