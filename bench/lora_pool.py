@@ -14,7 +14,8 @@ did before. Per version: from the publish call until the last worker serves it (
 the workers in this process every 2 ms) and until the first does. Medians per arm after ``--warmup`` rounds, and the
 ratio. ``--load`` keeps each worker generating (one sample of 64 tokens in flight per worker) while versions land.
 
-    python bench/lora_pool.py [--workers 4] [--versions 6] [--warmup 1] [--rank 8] [--max-applying 1] [--load] [--json PATH]
+    python bench/lora_pool.py [--workers 4] [--versions 6] [--warmup 1] [--rank 8] [--hidden 64] [--layers 2]
+                              [--max-applying 1] [--load] [--json PATH]
 
 On the shared 2-core box the broker, the workers and the client share two cores: the times are of that box; the
 side-by-side ratio is the claim.
@@ -49,6 +50,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--versions", type=int, default=6, help="versions per arm (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1, help="versions per arm not counted")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64, help="the tiny model's hidden size (MLP 4x)")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--max-applying", type=int, default=1)
     ap.add_argument("--load", action="store_true", help="keep one 64-token sample per worker in flight")
     ap.add_argument("--json", default=None)
@@ -72,7 +75,15 @@ def _adapter(model_dir: Path, rank: int, seed: int) -> tuple[dict[str, Any], Any
     return named, adapter_spec(rank, 2 * rank, TARGETS, base_fingerprint=model_fingerprint(model_dir), base_model="tiny")
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C901 - one linear script
+def _spawn_broker(bw: str, bc: str, max_applying: int, log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rollpool.cli", "--log-level", "WARNING", "broker", "--worker-endpoint", bw, "--client-endpoint", bc,
+             "--activation", "rolling", "--max-applying", str(max_applying), "--heartbeat-interval-s", "0.2"],
+            stdout=out, stderr=subprocess.STDOUT)
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import zmq.asyncio
 
     from rollpool.protocol import Prompt, SamplingParams
@@ -84,12 +95,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
     from rollpool.workers.worker import Worker
 
     model_dir = tmp / "tiny"
-    build_tiny_model(model_dir)
+    build_tiny_model(model_dir, hidden=args.hidden, layers=args.layers, intermediate=4 * args.hidden)
     bw, bc = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "rollpool.cli", "--log-level", "WARNING", "broker", "--worker-endpoint", bw, "--client-endpoint", bc,
-         "--activation", "rolling", "--max-applying", str(args.max_applying), "--heartbeat-interval-s", "0.2"],
-        stdout=open(tmp / "broker.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child owns it
+    broker = _spawn_broker(bw, bc, args.max_applying, tmp / "broker.log")
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
     workers = [Worker(WorkerConfig(broker=bw, worker_id=f"lp{i}", engine="hf", model=str(model_dir), heartbeat_interval_s=0.2,
@@ -101,6 +109,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
     client = TrainerClient(config=TrainerClientConfig(broker=bc, client_id="lora-pool", pull_wait_s=0.2))
     rows: dict[str, list[dict[str, float]]] = {"slot": [], "no_slot": []}
     loader: asyncio.Task[None] | None = None
+    loaded = [0]
+    adapter_bytes = 0
     try:
         await client.connect()
         for _ in range(600):
@@ -123,6 +133,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
                             await client.get_batch(1, timeout=30)
                         except TimeoutError:
                             break
+                        loaded[0] += 1
             loader = asyncio.create_task(load())
         version = 0
         for i in range(args.warmup + args.versions):
@@ -131,6 +142,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
                     w.weights.adapters_need_grant = (lambda: True) if arm == "slot" else own
                 version += 1
                 named, spec = _adapter(model_dir, args.rank, version)
+                adapter_bytes = sum(int(t.numel()) * t.element_size() for t in named.values())
                 asks_before = sum(w.weights.grants_skipped for w in workers)
                 t0 = time.monotonic()
                 await client.publish_weights(named, version, adapter=spec)
@@ -150,6 +162,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
                     rows[arm].append({"version": version, "publish_to_first_applied_s": round(first or last, 4),
                                       "publish_to_all_applied_s": round(last, 4), "slots_skipped": skipped})
         counters = (await client.status())["counters"]
+        if loader is not None and loader.done():
+            loader.result()  # the load died: say why instead of reporting an unloaded run as loaded
     finally:
         if loader is not None:
             loader.cancel()
@@ -166,6 +180,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
 
     out: dict[str, Any] = {
         "bench": "lora_pool", "workers": args.workers, "max_applying": args.max_applying, "rank": args.rank,
+        "hidden": args.hidden, "layers": args.layers, "adapter_bytes": adapter_bytes,
         "load": args.load, "versions_per_arm": args.versions, "warmup": args.warmup,
         "obtained": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "slot": {"publish_to_all_applied_s": med("slot", "publish_to_all_applied_s"),
@@ -173,6 +188,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:  # noqa: C
         "no_slot": {"publish_to_all_applied_s": med("no_slot", "publish_to_all_applied_s"),
                     "publish_to_first_applied_s": med("no_slot", "publish_to_first_applied_s"), "rows": rows["no_slot"]},
         "broker_versions_converged": counters.get("versions_converged"),
+        "load_groups_done": loaded[0],
     }
     out["all_applied_ratio_no_slot_over_slot"] = round(out["no_slot"]["publish_to_all_applied_s"] / out["slot"]["publish_to_all_applied_s"], 3)
     return out
