@@ -161,7 +161,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 if i >= args.warmup:
                     rows[arm].append({"version": version, "publish_to_first_applied_s": round(first or last, 4),
                                       "publish_to_all_applied_s": round(last, 4), "slots_skipped": skipped})
-        counters = (await client.status())["counters"]
+        for _ in range(100):  # the last ApplyDone and this status request travel on two sockets: wait for it
+            counters = (await client.status())["counters"]
+            if counters.get("versions_converged", 0) >= version:
+                break
+            await asyncio.sleep(0.05)
         if loader is not None and loader.done():
             loader.result()  # the load died: say why instead of reporting an unloaded run as loaded
     finally:
