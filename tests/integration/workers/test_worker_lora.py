@@ -12,7 +12,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("aiohttp")
@@ -152,12 +151,22 @@ async def test_an_adapter_version_needs_no_apply_slot_only_when_the_broker_says_
     assert [t.token_versions.tolist() for t in results["p2@0"].trajectories] == [[1] * 5]
 
 
-async def test_a_whole_model_version_still_asks_for_an_apply_slot_from_a_broker_that_lists_it(harness: Callable[..., Any]) -> None:
-    worker, scripted, _run = await harness()
+@pytest.mark.timeout(90)
+async def test_a_whole_model_version_still_asks_for_an_apply_slot_from_a_broker_that_lists_it(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The same hf engine (it serves adapters without a pause) pauses for a whole-model version: that takes a slot."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, scripted, _run = await harness(lambda: engine)
     await scripted.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
                            protocol_minor=PROTOCOL_MINOR, features=FEATURES)
     sub = await fake_subscriber(worker=worker, broker=scripted)
-    sub.publish(1, {"w": np.zeros(4, dtype=np.float32)})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sub.publish(1, {k: v.detach().clone() for k, v in model.named_parameters()})
     assert (await scripted.expect(ApplyRequest)).version == 1
     await scripted.send(ApplyGrant(version=1))
     done = await scripted.expect(ApplyDone)
