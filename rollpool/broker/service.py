@@ -175,6 +175,10 @@ class Broker:
         """Set once both sockets are bound (`worker_endpoint`/`client_endpoint` are then the bound addresses)."""
         self.weight_endpoint: str | None = None
         self.announce_endpoint: str | None = None
+        # fleet activation switches the workers together on their apply asks, so there an adapter version asks too
+        self._welcome_features = FEATURES if config.activation != "fleet" else tuple(
+            f for f in FEATURES if f != Feature.ADAPTER_NO_GRANT)
+        """The features each Welcome lists (`Feature.ADAPTER_NO_GRANT` only where the activation mode allows it)."""
         self._stop = asyncio.Event()
         self._stopping = False
         self._wsock: Any = None
@@ -684,7 +688,7 @@ class Broker:
                     weight_version=self.state.version, weight_endpoint=self.weight_endpoint,
                     announce_endpoint=self.announce_endpoint, adopted=tuple(adopted), refused=tuple(refused + over),
                     max_msg_bytes=self.sockets.options.max_msg_bytes, max_header_bytes=guard.BROKER_LIMITS.max_header_bytes,
-                    features=FEATURES, dispatch_seq=self.state.workers[msg.worker_id].dispatch_seq,
+                    features=self._welcome_features, dispatch_seq=self.state.workers[msg.worker_id].dispatch_seq,
                     version_epoch=self.state.version_epoch, rebase_version=self.state.rebase_floor(msg.version_epoch),
                     protocol_minor=minor,
                 )

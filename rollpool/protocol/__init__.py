@@ -8,6 +8,7 @@ these types.
 from __future__ import annotations
 
 from rollpool.protocol.codec import (
+    ADAPTER_GRANT_MINOR,
     CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
     DELTA_MINOR,
@@ -64,6 +65,7 @@ __all__ = [
     "carry_entry",
     "IMAGES_MINOR",
     "REPLAY_MINOR",
+    "ADAPTER_GRANT_MINOR",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
     "DELTA_MINOR",

@@ -89,6 +89,7 @@ __all__ = [
     "PARKED_MINOR",
     "IMAGES_MINOR",
     "REPLAY_MINOR",
+    "ADAPTER_GRANT_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -124,7 +125,12 @@ PROTOCOL_MAJOR = 1
 #   1.19 parked manifest requests: ManifestRequest.after_mix64 (answered once the version carries more GPU checksums),
 #        Manifest.protocol_minor (the server's minor: a subscriber parks only with a server that parks) (PARKED_MINOR)
 #   1.20 the replay of a redelivered episode: TurnRecords, RecordedTurn, Task.replay, Feature.REPLAY (REPLAY_MINOR)
-PROTOCOL_MINOR = 20
+#   1.21 adapter versions without an apply slot: Feature.ADAPTER_NO_GRANT in the broker's Welcome (ADAPTER_GRANT_MINOR)
+PROTOCOL_MINOR = 21
+ADAPTER_GRANT_MINOR = 21
+"""The first minor whose brokers may list `Feature.ADAPTER_NO_GRANT` in their Welcome (not in fleet activation): a worker
+that settled on it and whose engine serves adapter versions without a pause applies one without asking for an apply
+slot (no `ApplyRequest` / `ApplyGrant`), and still reports it (`ApplyDone`). With an older broker it asks as before."""
 REPLAY_MINOR = 20
 """The first minor whose workers stream finished episode turns to the broker (`TurnRecords`) and whose brokers hand them
 to the next attempt (`Task.replay`); both sides also list `Feature.REPLAY`. An older peer gets neither."""

@@ -187,10 +187,15 @@ class Feature:
     """(minor 20, `REPLAY_MINOR`) Episode turns are kept off the worker: a broker that lists it reads `TurnRecords`
     (each finished turn of a running episode, streamed as it ends) and a worker that lists it reads `Task.replay`
     (the turns an earlier attempt of the group recorded). Each side sends them only to a peer that lists it."""
+    ADAPTER_NO_GRANT = "adapter_no_grant"
+    """(minor 21, `ADAPTER_GRANT_MINOR`; the broker's Welcome only) An adapter version needs no apply slot: a worker whose
+    engine serves adapter versions without a pause (``adapters_without_pause``) applies one without `ApplyRequest` /
+    `ApplyGrant` and reports it with `ApplyDone` as always. Listed only when the broker's activation allows it: not in
+    fleet activation, where the workers' asks are how the broker switches them together."""
 
 
 FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE,
-                             Feature.IMAGES, Feature.REPLAY)
+                             Feature.IMAGES, Feature.REPLAY, Feature.ADAPTER_NO_GRANT)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1

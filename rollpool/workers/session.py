@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpool.protocol import PROTOCOL_MINOR, SUPPORTED_MAJORS
+from rollpool.protocol import ADAPTER_GRANT_MINOR, PROTOCOL_MINOR, SUPPORTED_MAJORS, settle_minor
 from rollpool.protocol.messages import (
     BrokerHeartbeat,
     Cancel,
@@ -175,6 +175,8 @@ class WorkerSession:
         """A Welcome answered the last hello, and nothing since asked for a new one."""
         self.broker_features: frozenset[str] = frozenset()
         """The optional wire features the last Welcome listed (`Feature`)."""
+        self.broker_minor = 0
+        """The protocol minor settled with the broker in the last Welcome (0: before it, or a broker of minor 11 or older)."""
         self.held_lists_sent = 0
         """Heartbeats that carried the whole held list because the broker asked (`BrokerHeartbeat.send_held`)."""
         self.seen_seq = 0
@@ -283,6 +285,11 @@ class WorkerSession:
             eff.stop_runners += handed
         return eff
 
+    def adapters_need_grant(self) -> bool:
+        """Whether an adapter version asks for an apply slot: unless the broker said it needs none
+        (`Feature.ADAPTER_NO_GRANT`, minor `ADAPTER_GRANT_MINOR` on), as every version did before."""
+        return not (Feature.ADAPTER_NO_GRANT in self.broker_features and self.broker_minor >= ADAPTER_GRANT_MINOR)
+
     def apply_started(self, now: float) -> None:
         self.applying = True
 
@@ -329,6 +336,7 @@ class WorkerSession:
         self.epoch = msg.epoch
         self.welcomed = True
         self.broker_features = frozenset(msg.features)
+        self.broker_minor = settle_minor(msg.protocol_minor)
         self.seen_seq = msg.dispatch_seq  # where the broker's numbering of this worker's tasks stands
         self._hello_backoff_s = self.config.reconnect_backoff_s
         eff = Effects(weights=(msg.weight_version, msg.weight_endpoint, msg.announce_endpoint))

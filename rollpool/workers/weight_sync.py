@@ -11,6 +11,9 @@
 - Grant: the broker grants apply slots, so only a bounded number of workers pause at
   once. The ask is repeated after ``apply_grant_timeout_s``, the wait doubling up to
   4x that, at most ``weight_retries`` times. A version whose grant never comes is skipped.
+  An adapter version for an engine that serves it without a pause (``adapters_without_pause``)
+  asks for no slot when the broker said it needs none (``adapters_need_grant``,
+  `Feature.ADAPTER_NO_GRANT`: not in fleet activation); its `ApplyDone` is sent all the same.
 - Apply and done: pause in the configured mode (or the engine's first mode), update,
   resume, then `ApplyDone` with the outcome.
 - A version the engine refuses after checking it, before writing anything
@@ -148,6 +151,7 @@ class WeightSync:
         subscriber_factory: SubscriberFactory | None = None,
         on_apply_started: Callable[[], None] = lambda: None,
         on_apply_finished: Callable[[int | None], None] = lambda version: None,
+        adapters_need_grant: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -159,6 +163,10 @@ class WeightSync:
         self.on_apply_finished = on_apply_finished
         """Told the version served after each apply (None: the apply failed): how the served version's owner learns it."""
         self._served_version = served_version
+        self.adapters_need_grant = adapters_need_grant
+        """Whether an adapter version asks for an apply slot (False: the broker said it needs none, `Feature.ADAPTER_NO_GRANT`)."""
+        self.grants_skipped = 0
+        """Adapter versions applied without asking for an apply slot."""
         self.skipped = -1
         """The newest version given up on (its fetch, grant or apply kept failing)."""
         self.subscriber: Subscriber | None = None
@@ -348,7 +356,10 @@ class WeightSync:
             assert engine is not None
         await self._stage(engine, target)
         if not fresh:
-            await self._wait_grant(version)
+            if self._needs_grant(engine, target):
+                await self._wait_grant(version)
+            else:
+                self.grants_skipped += 1
             await self.supervisor.ok.wait()  # a restart while waiting: apply to its engine
             engine = self.supervisor.engine
             assert engine is not None
@@ -398,6 +409,13 @@ class WeightSync:
         self._reapply_target = target
         await self.supervisor.fail(f"apply failed: {error}")
         return False
+
+    def _needs_grant(self, engine: Engine, target: _Version) -> bool:
+        """An adapter version for an engine that serves it without a pause needs no apply slot when the broker
+        says so (nothing pauses, so nothing to bound); every other version asks."""
+        adapter = getattr(getattr(target.fetched, "manifest", None), "adapter", None)
+        no_pause = adapter is not None and isinstance(engine, AdapterEngine) and getattr(engine, "adapters_without_pause", False)
+        return not no_pause or self.adapters_need_grant()
 
     async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
         self._paused_for_apply = True  # until known otherwise: a refusal then resumes the engine, as it always has

@@ -160,6 +160,7 @@ class Worker:
             subscriber_factory=subscriber_factory,
             on_apply_started=lambda: self.session.apply_started(self._now()),
             on_apply_finished=lambda version: self.session.apply_finished(self._now(), version),
+            adapters_need_grant=lambda: self.session.adapters_need_grant(),
         )
         self._reward_fn = reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
         # episodes: the functions load here, so a bad --episode path fails before anything starts (ConfigError)

@@ -1,6 +1,7 @@
 """A worker whose sglang engine serves LoRA adapter versions (the sim child and its `SimLora` fake), against a
 scripted broker: an adapter version is applied without pausing generation, so a running sample is neither aborted
-nor resubmitted and finishes on the version it started on, while the next task runs on the adapter."""
+nor resubmitted and finishes on the version it started on, while the next task runs on the adapter. The same for the
+hf engine, and without an apply slot where the broker says an adapter version needs none (`Feature.ADAPTER_NO_GRANT`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollpool.protocol.messages import ApplyDone, ApplyGrant, ApplyRequest, Credit, Result, WorkerHeartbeat
+from rollpool.protocol import ADAPTER_GRANT_MINOR, PROTOCOL_MINOR
+from rollpool.protocol.messages import (
+    FEATURES,
+    ApplyDone,
+    ApplyGrant,
+    ApplyRequest,
+    Credit,
+    Feature,
+    Result,
+    WorkerHeartbeat,
+)
 from rollpool.workers.engines.sglang.engine import SGLangEngine
 from tests.unit.workers.conftest import SIM_SERVER_ARGS
 from tests.unit.workers.test_sglang_lora import _adapter
@@ -94,3 +105,69 @@ async def test_an_adapter_version_reaches_the_hf_engine_without_interrupting_a_r
     assert steps_at_apply < 400  # applied while the first sample ran
     assert [t.token_versions.tolist() for t in results["p1@0"].trajectories] == [[0] * 400]
     assert [t.token_versions.tolist() for t in results["p2@0"].trajectories] == [[1] * 5]
+
+
+OLD_BROKER_FEATURES = tuple(f for f in FEATURES if f != Feature.ADAPTER_NO_GRANT)
+"""What a broker of the previous minor lists: every feature but the one it does not know."""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("broker", ["lists_it", "fleet", "previous_minor"])
+async def test_an_adapter_version_needs_no_apply_slot_only_when_the_broker_says_so(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path, broker: str) -> None:
+    """A broker that lists `Feature.ADAPTER_NO_GRANT` (minor `ADAPTER_GRANT_MINOR`, rolling activation) gets no
+    ApplyRequest for an adapter version, only its ApplyDone; a fleet-activation broker (same minor, not listed) and a
+    broker of the previous minor are asked as before. The tokens' versions are exact across the switch either way."""
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, scripted, _run = await harness(lambda: engine, apply_mode="interrupt")
+    minor = ADAPTER_GRANT_MINOR - 1 if broker == "previous_minor" else PROTOCOL_MINOR
+    features = FEATURES if broker == "lists_it" else OLD_BROKER_FEATURES
+    await scripted.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
+                           protocol_minor=minor, features=features)
+    sub = await fake_subscriber(worker=worker, broker=scripted)
+    await scripted.send(task(1, n=1, max_new=400, ignore_eos=True))
+    for _ in range(3000):  # until the sample is decoding
+        if engine.stats["decode_steps"] >= 5:
+            break
+        await asyncio.sleep(0.01)
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(1, named, manifest=types.SimpleNamespace(adapter=spec))
+    if broker == "lists_it":
+        done = await scripted.expect(ApplyDone, timeout_s=30, skip=(WorkerHeartbeat, Credit))  # an ApplyRequest fails here
+    else:
+        assert (await scripted.expect(ApplyRequest, timeout_s=30)).version == 1
+        await scripted.send(ApplyGrant(version=1))
+        done = await scripted.expect(ApplyDone, timeout_s=30)
+    assert done.ok and done.version == 1
+    await scripted.send(task(2, n=1, max_new=5, ignore_eos=True))
+    results = {r.task_id: r for r in (await scripted.expect(Result, timeout_s=60), await scripted.expect(Result, timeout_s=60))}
+    asks = sum(isinstance(m, ApplyRequest) for _, m in scripted.received)
+    dones = sum(isinstance(m, ApplyDone) for _, m in scripted.received)
+    assert (asks, dones) == ((0, 1) if broker == "lists_it" else (1, 1))
+    assert worker.weights.grants_skipped == (1 if broker == "lists_it" else 0)
+    assert [t.token_versions.tolist() for t in results["p1@0"].trajectories] == [[0] * 400]  # began on the base
+    assert [t.token_versions.tolist() for t in results["p2@0"].trajectories] == [[1] * 5]
+
+
+@pytest.mark.timeout(90)
+async def test_a_whole_model_version_still_asks_for_an_apply_slot_from_a_broker_that_lists_it(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The same hf engine (it serves adapters without a pause) pauses for a whole-model version: that takes a slot."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, scripted, _run = await harness(lambda: engine)
+    await scripted.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
+                           protocol_minor=PROTOCOL_MINOR, features=FEATURES)
+    sub = await fake_subscriber(worker=worker, broker=scripted)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sub.publish(1, {k: v.detach().clone() for k, v in model.named_parameters()})
+    assert (await scripted.expect(ApplyRequest)).version == 1
+    await scripted.send(ApplyGrant(version=1))
+    done = await scripted.expect(ApplyDone)
+    assert done.ok and done.version == 1 and worker.weights.grants_skipped == 0
