@@ -77,6 +77,7 @@ def test_generate_body_uses_sglang_names_and_one_request_per_sample() -> None:
 def test_generate_body_ids_as_an_array_write_the_same_json_and_the_same_hop_frame() -> None:
     import numpy as np
 
+    pytest.importorskip("aiohttp")  # the http module (its JSON helpers) needs the sglang extra's aiohttp
     from rollpool.workers.engines.sglang.hop import _pack_ids, _unpack_ids
     from rollpool.workers.engines.sglang.http import dumps, loads
 
