@@ -17,7 +17,7 @@ Contract:
   refused (it would ship the whole sequence every call); ``ctx.segment_index`` is the segment after the
   last forwarded call;
 - an exception in the child's episode function is the episode's error as in the worker: the same
-  exception (pickled back; its text where it cannot be) ends it with ``error``, or ``length`` for
+  exception (by its type's name and text, see Transport) ends it with ``error``, or ``length`` for
   `ContextLengthExceededError`;
 - a child that dies fails the episodes it was running with `AgentProcessError` (``finish_reason``
   ``error``, the message in ``metadata["episode_error"]``: exactly what an episode that raised gets;
@@ -27,9 +27,12 @@ Contract:
 - a child exits when its socket to the worker closes (the worker stopped or died).
 
 Transport: one unix socket in a private (0700) directory of the worker; every frame is a 4-byte
-length and a pickle. Pickle because the frames carry the worker's own records (a `Prompt` with its
-arrays and images, a `SampleOutput`) and the episode's exceptions between two processes of the same
-program and user; nobody else can reach the socket.
+length and a msgpack map of plain values, never code: the prompt travels as the wire codec's frames of
+a `Task` (decoded with its checks and limits), a `SampleOutput` as its fields, an exception as its type's
+name and its text (rebuilt as that class where it is one of `_KNOWN_ERRORS`, so an agent can catch
+`ContextLengthExceededError`; otherwise as an `AgentProcessError` subclass of the same name, so the
+episode's ``episode_error`` reads as in the worker). Metadata and the reward must be plain values (what a
+trajectory carries on the wire anyway).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import inspect
 import itertools
 import logging
 import os
-import pickle
 import shutil
 import struct
 import sys
@@ -51,10 +53,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rollpool.protocol.errors import ConfigError, RollpoolError
-from rollpool.protocol.messages import Prompt
+import msgpack
+
+from rollpool.protocol.codec import decode, encode
+from rollpool.protocol.errors import ConfigError, RequestRefusedError, RollpoolError
+from rollpool.protocol.messages import Prompt, Task
 from rollpool.workers.engines.base import SampleOutput
-from rollpool.workers.episodes.episode import EpisodeClosedError, EpisodeContext, EpisodeStats
+from rollpool.workers.episodes.episode import (
+    ContextLengthExceededError,
+    EpisodeClosedError,
+    EpisodeContext,
+    EpisodeStats,
+)
 
 __all__ = ["AgentProcessError", "AgentProcesses", "ChildEpisodeContext", "main"]
 
@@ -78,34 +88,62 @@ async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         body = await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
-    frame: dict[str, Any] = pickle.loads(body)  # a frame of this program's own processes (module docstring)
+    try:
+        frame = msgpack.unpackb(body, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        log.warning("a malformed agent-process frame (%s): the connection is closed", exc)
+        return None
+    if not isinstance(frame, dict):
+        log.warning("an agent-process frame that is not a map (%s): the connection is closed", type(frame).__name__)
+        return None
     return frame
 
 
 def _write_frame(writer: asyncio.StreamWriter, frame: dict[str, Any]) -> None:
-    body = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+    body: bytes = msgpack.packb(frame, use_bin_type=True)
     writer.write(_HEADER.pack(len(body)) + body)
 
 
+def _prompt_fields(prompt: Prompt) -> list[bytes]:
+    """A prompt as the wire codec's frames (of a `Task` that carries it)."""
+    return [bytes(f) for f in encode(Task(task_id="agent-process", prompt=prompt))]
+
+
+def _prompt_from(frames: Sequence[bytes]) -> Prompt:
+    task = decode(list(frames), accept=("task",))
+    assert isinstance(task, Task)
+    return task.prompt
+
+
+def _sample_fields(out: SampleOutput) -> dict[str, Any]:
+    return {f: getattr(out, f) for f in SampleOutput.__dataclass_fields__}
+
+
+def _sample_from(fields: dict[str, Any]) -> SampleOutput:
+    return SampleOutput(**{k: v for k, v in fields.items() if k in SampleOutput.__dataclass_fields__})
+
+
+_KNOWN_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    ValueError, TypeError, RuntimeError, TimeoutError, AssertionError, NotImplementedError, ConnectionError, OSError,
+    ContextLengthExceededError, EpisodeClosedError, RequestRefusedError, ConfigError, AgentProcessError)}
+"""Exceptions rebuilt as themselves from a frame (each takes its message as its one argument)."""
+
+
 def _exception_fields(exc: BaseException) -> dict[str, Any]:
-    """An exception as frame fields: pickled when it can be, and always its text."""
-    try:
-        blob: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
-        blob = None
-    return {"exc": blob, "text": f"{type(exc).__name__}: {exc}"}
+    """An exception as frame fields: its type's name and its text."""
+    return {"exc_type": type(exc).__name__, "text": str(exc)}
 
 
 def _exception_from(frame: dict[str, Any]) -> BaseException:
-    blob = frame.get("exc")
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)  # see the module docstring
-        except Exception:  # noqa: BLE001 - a class this side cannot import: its text
-            exc = None
-        if isinstance(exc, BaseException):
-            return exc
-    return AgentProcessError(str(frame.get("text", "the agent process failed")))
+    name, text = str(frame.get("exc_type") or "AgentProcessError"), str(frame.get("text", "the agent process failed"))
+    known = _KNOWN_ERRORS.get(name)
+    if known is not None:
+        return known(text)
+    if not name.isidentifier():
+        return AgentProcessError(f"{name}: {text}")
+    # a class of the agent's own: an AgentProcessError under its name, so the episode's error reads as in the worker
+    cls: type[AgentProcessError] = type(name, (AgentProcessError,), {"__module__": __name__})
+    return cls(text)
 
 
 # --------------------------------------------------------------------------- the worker's side
@@ -329,7 +367,7 @@ class AgentProcesses:
             if running.append_error is not None:
                 raise running.append_error
             out = await running.ctx.generate(frame.get("input_ids"), **frame.get("kwargs", {}))
-            reply.update(out=out, segment=running.ctx.segment_index)
+            reply.update(out=_sample_fields(out), segment=running.ctx.segment_index)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - raised in the child, where the episode function sees it
@@ -357,7 +395,7 @@ class AgentProcesses:
         running = _Running(asyncio.get_running_loop().create_future(), ctx)
         child.running[eid] = running
         try:
-            _write_frame(child.writer, {"op": "run", "id": eid, "name": name, "prompt": prompt, "base_url": ctx.openai_base_url,
+            _write_frame(child.writer, {"op": "run", "id": eid, "name": name, "prompt": _prompt_fields(prompt), "base_url": ctx.openai_base_url,
                                         "api_key": ctx.api_key, "model": ctx.model, "sample_index": ctx.sample_index,
                                         "metadata": ctx.metadata})
             value, metadata = await running.future
@@ -386,7 +424,7 @@ class ChildEpisodeContext:
         self.openai_base_url: str = frame["base_url"]
         self.api_key: str = frame["api_key"]
         self.model: str = frame["model"]
-        self.prompt: Prompt = frame["prompt"]
+        self.prompt: Prompt = _prompt_from(frame["prompt"])
         self.sample_index: int = frame["sample_index"]
         self.metadata: dict[str, Any] = dict(frame["metadata"])
         self._segment_index = 0
@@ -413,8 +451,7 @@ class ChildEpisodeContext:
         reply = await self._link.call({"op": "generate", "id": self._id, "input_ids": None if input_ids is None else list(input_ids),
                                        "kwargs": sampling})
         self._segment_index = int(reply["segment"])
-        out: SampleOutput = reply["out"]
-        return out
+        return _sample_from(reply["out"])
 
     def generate_sync(self, input_ids: Sequence[int] | None = None, **sampling: Any) -> SampleOutput:
         if self._on_loop():
@@ -496,7 +533,7 @@ class _ChildLink:
             reply: dict[str, Any] = {"op": "done", "id": eid, "value": value, "metadata": ctx.metadata}
             try:
                 self.send(reply)
-            except Exception as exc:  # noqa: BLE001 - a reward or metadata that does not pickle is the episode's error
+            except Exception as exc:  # noqa: BLE001 - a reward or metadata that is not plain values is the episode's error
                 self.send({"op": "error", "id": eid, **_exception_fields(exc)})
         except asyncio.CancelledError:
             pass  # the worker cancelled it, or is gone: it reports nothing
