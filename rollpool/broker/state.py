@@ -1617,15 +1617,18 @@ class BrokerState:
             wid = next(iter(self._apply_waiting))
             version = self._apply_waiting.pop(wid)
             w = self.workers.get(wid)
-            if w is None:
-                continue
-            self._applying.add(wid)
-            self._apply_since[wid] = self._now
-            w.applying = True
-            w.apply_version = version
-            self._unready(wid)
-            self.effects.grants.append((wid, version))
-            self.effects.events.append(("apply_granted", {"worker_id": wid, "version": version}))
+            if w is not None:
+                self._grant(w, version)
+
+    def _grant(self, w: WorkerInfo, version: int) -> None:
+        """Worker `w` may apply `version` now (it holds an apply slot until its ApplyDone)."""
+        self._applying.add(w.worker_id)
+        self._apply_since[w.worker_id] = self._now
+        w.applying = True
+        w.apply_version = version
+        self._unready(w.worker_id)
+        self.effects.grants.append((w.worker_id, version))
+        self.effects.events.append(("apply_granted", {"worker_id": w.worker_id, "version": version}))
 
     @property
     def applying(self) -> frozenset[str]:
@@ -1753,15 +1756,8 @@ class BrokerState:
         for wid, version in grants.items():
             w = self.workers.get(wid)
             self._apply_waiting.pop(wid, None)
-            if w is None:
-                continue
-            self._applying.add(wid)
-            self._apply_since[wid] = self._now
-            w.applying = True
-            w.apply_version = version
-            self._unready(wid)
-            self.effects.grants.append((wid, version))
-            self.effects.events.append(("apply_granted", {"worker_id": wid, "version": version}))
+            if w is not None:
+                self._grant(w, version)
 
     def _fleet_switched(self, worker_id: str, ok: bool, now: float) -> None:
         """An activated worker reported its switch (ApplyDone): its time goes into the round's skew."""
