@@ -632,6 +632,17 @@ async def bench_sessions(args: argparse.Namespace, result: dict[str, Any], save:
 # --------------------------------------------------------------------------- main
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The episode workload's flags (this bench and bench/gpu_episodes.py run the same one)."""
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4, help="episodes per group")
+    ap.add_argument("--concurrency", type=int, default=128, help="the engine's capacity and the worker's max_episodes")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--tokens-per-turn", type=int, default=128)
+    ap.add_argument("--tool-words", type=int, default=24)
+    ap.add_argument("--context", type=int, default=4096)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", choices=("turns", "sessions"), default="turns")
@@ -646,13 +657,7 @@ def main() -> int:
                          "(the JSON's 'profile': where the worker's and the engine child's CPU went)")
     ap.add_argument("--profile-raw", default="", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--n", type=int, default=4, help="episodes per group")
-    ap.add_argument("--concurrency", type=int, default=128, help="the engine's capacity and the worker's max_episodes")
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--tokens-per-turn", type=int, default=128)
-    ap.add_argument("--tool-words", type=int, default=24)
-    ap.add_argument("--context", type=int, default=4096)
+    add_workload_args(ap)
     ap.add_argument("--phase-timeout-s", type=float, default=600)
     ap.add_argument("--sessions", type=int, default=10_000)
     ap.add_argument("--workers", default="1,2,4", help="sessions bench: worker counts, one row each")

@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import gpu_weights as gw  # noqa: E402 - the model builder, process helpers and kit setup
+from bench.episodes import add_workload_args  # noqa: E402 - the workload both episode benches run
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
 
@@ -355,13 +356,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=tuple(gw.SHAPES), default="1p4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--work", default="/tmp/gpu_episodes")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--n", type=int, default=4, help="episodes per group")
-    ap.add_argument("--concurrency", type=int, default=128, help="the engine's capacity and the worker's max_episodes")
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--tokens-per-turn", type=int, default=128)
-    ap.add_argument("--tool-words", type=int, default=24)
-    ap.add_argument("--context", type=int, default=4096)
+    add_workload_args(ap)
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--join-timeout-s", type=float, default=300)
     ap.add_argument("--phase-timeout-s", type=float, default=240)
