@@ -186,19 +186,26 @@ async def test_a_corrupt_delta_bucket_ends_in_the_full_version(make_publisher: A
     assert sub.delta_fallbacks == 1 and sub.delta_versions == 0
 
 
-async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_publisher: Any, make_subscriber: Any) -> None:
-    pub = await make_publisher()
-    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
-    through = sub._network.fetch
-    newer: dict[str, Any] = {}
+def _evicting(through: Any, pub: Any, m2: Any, newer: dict[str, Any]) -> Any:
+    """A fetch that, on the first delta asked for, has versions 3 and 4 published first (the delta's version and its
+    base evicted while it is being fetched); `newer` gets their models."""
 
     async def evicting(job: Any) -> Any:
         if job.manifest.delta_base >= 0 and not newer:
             newer["m3"] = _step(m2, 3)
             await _published(pub, newer["m3"], 3)
             newer["m4"] = _step(newer["m3"], 4)
-            await _published(pub, newer["m4"], 4)  # keep_versions=2: versions 1 and 2, and 2's delta, are gone
+            await _published(pub, newer["m4"], 4)
         return await through(job)
+
+    return evicting
+
+
+async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_publisher: Any, make_subscriber: Any) -> None:
+    pub = await make_publisher()
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    newer: dict[str, Any] = {}
+    evicting = _evicting(sub._network.fetch, pub, m2, newer)  # keep_versions=2: versions 1 and 2, and 2's delta, go
 
     sub._network.fetch = evicting
     wv = await sub.fetch()  # the latest: 2 was announced
@@ -353,16 +360,8 @@ async def test_a_delta_evicted_while_the_relay_fetches_it_ends_in_the_full_lates
     try:
         m2 = _step(m1, 2)
         await _published(pub, m2, 2)
-        through = relay.upstream._network.fetch
         newer: dict[str, Any] = {}
-
-        async def evicting(job: Any) -> Any:
-            if job.manifest.delta_base >= 0 and not newer:
-                newer["m3"] = _step(m2, 3)
-                await _published(pub, newer["m3"], 3)
-                newer["m4"] = _step(newer["m3"], 4)
-                await _published(pub, newer["m4"], 4)  # keep_versions=2: 2 and its delta are gone mid-fetch
-            return await through(job)
+        evicting = _evicting(relay.upstream._network.fetch, pub, m2, newer)  # keep_versions=2: 2 and its delta go mid-fetch
 
         relay.upstream._network.fetch = evicting
         with pytest.raises(WeightSyncError):  # the follow loop logs it and looks again
