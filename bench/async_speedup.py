@@ -1,4 +1,4 @@
-"""Async vs sync RL through the pool, with simulated GPUs (issue 11). SIMULATED.
+"""Async vs sync RL through the pool, with simulated GPUs. SIMULATED.
 
 Every figure this writes is simulated: `sim` engines stand in for GPUs and a
 sleep stands in for the optimizer step. The pool itself is real: the broker
@@ -98,7 +98,7 @@ generation GPUs' sequence slots holding a group that was trained, from the
 trained groups' start/finish times; dropped groups' slot time is not counted),
 the staleness histogram, groups dropped by the hard bound, and the bounds.
 
-Issue 24, staleness without wasted generation. `ideal_pool` also models the new rule sets with
+Staleness without wasted generation. `ideal_pool` also models the new rule sets with
 options only (version-aware dispatch ``fresh_dispatch_hold_s``, early cancellation ``cancel_doomed``,
 ``stale_policy="keep"`` with ``max_staleness_keep``) and reports wasted tokens by reason and the
 share of trained samples older than eta; `analytic` stores, per eta, ``model_today`` (today's
@@ -154,7 +154,7 @@ from rollpool.trainer_client import TrainerClient, TrainerClientConfig  # noqa: 
 
 AREAL_SPEEDUP = 2.77
 HOLD_S = 5.0
-"""The model's ``fresh_dispatch_hold_s`` for the new rules (issue 24)."""
+"""The model's ``fresh_dispatch_hold_s`` for the new rules."""
 APPLY_S = 1.0
 """The model's weight-apply latency for the rule sets that need one (simulated seconds): with it, today's
 broker starts the groups a bump opens one version behind; the new rules hold them for at most HOLD_S."""
@@ -227,7 +227,7 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
     groups taken in completion order, the trainer's hard bound judging a group's version lag when it
     is taken, training ``tokens x 0.05 ms / train`` GPUs, then the version moves on.
 
-    Rule options (each a rule set of issue 24 this model prices):
+    Rule options (each a rule set this model prices):
 
     * ``start_behind_at_bump``: today's broker. The capacity a version bump opens is dispatched at
       once, before any worker has applied the new version, so those groups start one version behind.
@@ -363,7 +363,7 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
 
 
 def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float, rule_models: bool = True) -> dict[str, Any]:
-    """The bounds and the zero-latency models at each eta (`rule_models`: also the issue-24 rule sets)."""
+    """The bounds and the zero-latency models at each eta (`rule_models`: also the new rule sets)."""
     per_sample = draw_lengths(w, 400_000)
     mean_tokens = float(per_sample.mean())
     groups = draw_lengths(w, (100_000, w.group_size), seed=2).max(axis=1)
@@ -444,7 +444,7 @@ class RunResult:
     kept_stale: int = 0
     older_than_eta_share: float = 0.0
     rules: str = "today"
-    """The broker's rules: ``today`` (no hold, no cancellation) or ``new`` (issue 24: ``--fresh-dispatch-hold-s``
+    """The broker's rules: ``today`` (no hold, no cancellation) or ``new`` (``--fresh-dispatch-hold-s``
     and ``--cancel-stale-inflight``, the trainer's bound told with every version)."""
     client_wasted_share: float = 0.0
     """Tokens the trainer client received and did not train on, over all it received."""
@@ -684,14 +684,14 @@ def summarise(out: dict[str, Any]) -> None:
 
 ISSUE24_KEYS = ("keep_fraction_of_bound", "keep_wasted_share", "keep_older_than_eta_share", "drop_wasted_share",
                 "drop_model_wasted_share", "drop_fraction_of_model", "keep_max_staleness_seen")
-"""The issue-24 figures (with ``max_staleness_seen``): keep_* and drop_wasted_share, drop_fraction_of_model and the
+"""The staleness-rule figures (with ``max_staleness_seen``): keep_* and drop_wasted_share, drop_fraction_of_model and the
 staleness maxima are MEASURED through the real pool with today's broker (the client's stale_policy; the new broker
-rules (``rules`` on each run: ``new``, issue 24's broker: fresh_dispatch_hold_s and early cancellation); the wasted
+rules (``rules`` on each run: ``new``, the broker's fresh_dispatch_hold_s and early cancellation); the wasted
 shares are the broker's counters (generated tokens never delivered to training, by reason, whole run);
 drop_model_wasted_share is the MODEL (ideal_pool) of the new drop rules."""
 TODAY_KEYS = ("today_fraction_of_bound", "today_wasted_share", "today_max_staleness_seen", "today_keep_fraction_of_bound",
               "today_keep_wasted_share", "today_keep_max_staleness_seen")
-"""MEASURED with today's broker rules (``--rules today``, or runs stored before issue 24's broker work)."""
+"""MEASURED with today's broker rules (``--rules today``, or runs stored before the broker had those rules)."""
 MODEL_KEYS = ("model_today_wasted_share", "model_today_fraction_of_bound", "model_drop_fraction_of_bound",
               "model_drop_wasted_share_of_today", "model_drop_max_staleness_seen", "model_keep_fraction_of_bound",
               "model_keep_wasted_share", "model_keep_older_than_eta_share", "model_keep_max_staleness_seen")
@@ -739,7 +739,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="64 GPUs, sync and eta 4 (drop and keep), 16 steps (under nine minutes)")
     ap.add_argument("--policies", default="drop,keep", help="trainer stale policies run through the pool at each eta")
     ap.add_argument("--rules", default="new", choices=("new", "today"),
-                    help="broker rules: new (issue 24: fresh dispatch hold and early cancellation) or today's")
+                    help="broker rules: new (fresh dispatch hold and early cancellation) or today's")
     ap.add_argument("--hold-s", type=float, default=3.0,
                     help="the broker's fresh_dispatch_hold_s under --rules new, REAL seconds (it must cover a real apply)")
     ap.add_argument("--smoke", action="store_true", help="a tiny non-standard workload for the test suite")
@@ -803,7 +803,7 @@ def main() -> int:
         if old.get("workload", {}).get("description") != out["workload"]["description"] or old.get("steps") != steps:
             raise SystemExit(f"--merge: {args.json} holds another workload or step count")
         out["runs"] = old.get("runs", {})
-        for runs_ in out["runs"].values():  # runs stored before issue 24's broker rules: today's
+        for runs_ in out["runs"].values():  # runs stored before the new broker rules: today's
             for k in [k for k, r in runs_.items() if k.startswith(("async_eta", "keep_eta")) and "rules" not in r]:
                 runs_[("today_eta" if k.startswith("async") else "todaykeep_eta") + k.split("_eta")[1]] = {**runs_.pop(k), "rules": "today"}
         out["commands"] = [*old.get("commands", []), command]

@@ -1,4 +1,4 @@
-"""Multi-turn episodes on SGLang: how much of each turn's prompt the prefix cache serves (issue 22).
+"""Multi-turn episodes on SGLang: how much of each turn's prompt the prefix cache serves.
 
 One device call (H200, kit installed as for bench/gpu_sglang.py):
 

@@ -1,4 +1,4 @@
-"""Weight updates at real model sizes on one H200: every path, both peers, JSON after every version (issue 23, item 7).
+"""Weight updates at real model sizes on one H200: every path, both peers, JSON after every version.
 
 Two device calls of at most 10 minutes each:
 

@@ -100,7 +100,7 @@ def samples() -> dict[str, Any]:
             traj, output_top_ids=np.array([7, 9, 8, 7, 2, 5], dtype=np.int32),
             output_top_logprobs=np.array([-0.5, -2.0, -1.25, -1.5, -0.125, -3.0], dtype=np.float32),
             input_logprobs=np.array([-4.0, -2.5, -0.75], dtype=np.float32)),)),  # from position 1 (no NaN: it never equals itself)
-        # minor 8: the trainer's staleness bound, the worker's cancelled tokens (issue 24)
+        # minor 8: the trainer's staleness bound, the worker's cancelled tokens
         "set_version_bound": p.SetVersion(request_id="r3", version=5, stale_bound=8),
         "worker_heartbeat_cancelled": p.WorkerHeartbeat(worker_id="w0", weight_version=2, epoch="e1", tokens_cancelled=640),
         # minor 9: the same-GPU weight path (CUDA IPC handles as raw bytes, a GPU checksum per bucket)
