@@ -117,7 +117,7 @@ class PreviousMinorWorker(FakeWorker):
     """A worker of the minor before `REPLAY_MINOR`'s (it does not list `Feature.REPLAY`)."""
 
     def _hello(self) -> p.Hello:
-        return dataclasses.replace(super()._hello(), protocol_minor=p.PROTOCOL_MINOR - 1, features=(p.Feature.TASK_BATCH,))
+        return dataclasses.replace(super()._hello(), protocol_minor=p.REPLAY_MINOR - 1, features=(p.Feature.TASK_BATCH,))
 
 
 async def test_a_worker_of_the_previous_minor_reruns_the_group_whole_and_it_is_delivered_once(pool: Pool) -> None:
