@@ -79,7 +79,7 @@ def build_vision_model(path: str | pathlib.Path, *, hidden: int = 64, layers: in
                 num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
                 bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]})
-    cfg = Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2),
+    cfg = Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, in_chans=3),
                         image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=VISION_START_ID,
                         vision_end_token_id=VISION_END_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                         tie_word_embeddings=False)

@@ -167,10 +167,12 @@ def _tiny_qwen2_vl(out: pathlib.Path, tok: Any, common: dict[str, Any], hidden: 
     section = [half - 2 * (half // 3), half // 3, half // 3]
     text = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
     text.pop("torch_dtype", None)
+    # `in_chans` beside transformers' own `in_channels`: released Qwen2-VL checkpoints carry it and SGLang's
+    # vision tower reads it (without it SGLang's loader fails with an AttributeError)
     cfg = Qwen2VLConfig(
         text_config=text,
         vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
         image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
         vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
         bos_token_id=common["bos_token_id"], eos_token_id=common["eos_token_id"], pad_token_id=common["pad_token_id"],

@@ -118,3 +118,13 @@ async def test_the_sglang_engine_sends_one_token_per_image_with_the_images_and_r
     body = generate_body(sent, SamplingParams(), rid="r", index=0, image_data=["data:image/png;base64,AAAA"])
     assert body["image_data"] == ["data:image/png;base64,AAAA"] and body["input_ids"] == sent
     assert "image_data" not in generate_body(sent, SamplingParams(), rid="r", index=0)
+
+
+def test_tiny_vlm_config_names_what_sglang_vision_tower_reads(tiny_vlm_dir: pathlib.Path) -> None:
+    """SGLang's Qwen2-VL vision tower reads ``vision_config.in_chans`` (released checkpoints carry it; transformers 5
+    names the field ``in_channels``), so a tiny VLM without it cannot start on the sglang engine."""
+    import json
+
+    vision = json.loads((tiny_vlm_dir / "config.json").read_text())["vision_config"]
+    assert vision.get("in_chans") == 3
+    assert {"patch_size", "temporal_patch_size", "spatial_merge_size", "embed_dim", "depth", "num_heads", "mlp_ratio"} <= set(vision)
