@@ -295,6 +295,27 @@ def demo_process_specs(broker_args: list[str], broker_env: dict[str, str],
             *(ProcessSpec(name, tuple(args), env=env, restart=False) for name, args, env in workers)]
 
 
+def _drain(client: Any, timeout_s: float = 300.0) -> None:
+    """Take every group of this client still in the pool, so that the held-out evaluation sees only its own.
+
+    No count of DONE groups can be asked for up front: a prompt cancelled a moment ago still counts as pending
+    until its CANCELLED arrives, and it brings no group (a `get_batch(pending)` then waits for its timeout). So:
+    pull until nothing is pending (`take_ended` keeps the DONE groups buffered and reports the other ends), then
+    take the buffered groups one by one until none can come."""
+    from rollpool.trainer_client import UnfillableBatchError
+
+    deadline = time.monotonic() + timeout_s
+    while client.pending() > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{client.pending()} prompts still pending after {timeout_s} s of draining")
+        client.take_ended(timeout=1.0)
+    while True:
+        try:
+            client.get_batch(1)
+        except UnfillableBatchError:
+            return
+
+
 def _progress(cfg: DemoConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, flush=True)
@@ -643,12 +664,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:  # noqa: C901 - grandfathered: 
         if stop_reason != "steps" and client.pending():
             # ended early: the prompts submitted ahead are not needed (each still reaches a terminal state: CANCELLED)
             client.cancel(client.pending_ids())
-        # drain what is still in the pool, so the held-out evaluation sees only its own groups
-        leftover = client.pending()
-        while leftover > 0:
-            b = client.get_batch(min(leftover, prompts_per_step), timeout=300)
-            leftover -= len(b.groups) + len(b.other)
-            leftover = min(leftover, client.pending())
+        _drain(client)
         heldout_final, calls_final = eval_held_out()
         status = client.status()
         counters = status["counters"]

@@ -58,6 +58,22 @@ def test_short_demo_completes_with_a_report_and_no_process_left(tmp_path: Path) 
     assert _procs_with(pool) == []
 
 
+
+@pytest.mark.slow
+def test_async_demo_stopped_early_cancels_its_lookahead_and_completes(tmp_path: Path) -> None:
+    """``--stop-at-reward`` in async mode ends training with the next steps' prompts still in the pool: they are
+    cancelled and the pool drained before the held-out evaluation. (It used to ask for as many DONE groups as
+    prompts were pending, cancelled ones included, and wait until its 300 s timeout.)"""
+    pool = f"demo-ci-{uuid.uuid4().hex[:8]}"
+    out = subprocess.run(_demo(tmp_path, pool, "--steps", "20", "--quiet", "--stop-at-reward", "0.01"),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"] == "stop_at_reward" and summary["steps"] == 1
+    assert summary["mode"] == "async" and summary["lost"] == 0 and summary["duplicated"] == 0
+    assert 0.0 <= summary["heldout_reward_final"] <= 1.0
+    assert _procs_with(pool) == []
+
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     pool = f"demo-ci-{uuid.uuid4().hex[:8]}"
