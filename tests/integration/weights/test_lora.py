@@ -45,13 +45,18 @@ def _adapter(model_dir: pathlib.Path, seed: int, rank: int = 4) -> tuple[dict[st
     return named, adapter_spec(rank, 2 * rank, TARGETS, base_fingerprint=model_fingerprint(model_dir), base_model="tiny")
 
 
-def _merged(model_dir: pathlib.Path, named: dict[str, torch.Tensor], spec: AdapterSpec) -> Any:
-    """The reference: the base with W + (alpha / r) B A merged in (what PEFT's merge_and_unload computes)."""
+def _merged(model_dir: pathlib.Path, named: dict[str, torch.Tensor] | None, spec: AdapterSpec | None,
+            base: dict[str, torch.Tensor] | None = None) -> Any:
+    """The reference: the base (with the whole-model tensors `base` loaded over it) with W + (alpha / r) B A merged in
+    (what PEFT's merge_and_unload computes); `named` None: the base alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     mods = dict(model.named_modules())
     with torch.no_grad():
+        model.load_state_dict(base or {}, strict=False)
+        if named is None or spec is None:
+            return model
         for name, a in named.items():
             if ".lora_A." in name:
                 path = name.removeprefix("base_model.model.").split(".lora_A.")[0]
@@ -124,6 +129,51 @@ async def test_in_flight_sequences_finish_on_their_adapter_version(model_dir: pa
     assert max(abs(x - y) for x, y in zip(_teacher_forced(_merged(model_dir, n2, s2), PROMPT, b.output_ids), b.logprobs, strict=True)) < TOL
     await engine.update_adapter(*_adapter(model_dir, seed=4), 4)
     assert engine.adapter_versions() == [3, 4]  # nothing pins 1 or 2 now: evicted down to lora_resident
+
+
+def _base_version(model_dir: pathlib.Path, seed: int) -> dict[str, torch.Tensor]:
+    """A whole-model version: two projections an adapter also targets, changed."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    return {n: weights[n].float() + torch.randn(weights[n].shape, generator=g) * 0.3 for n in names}
+
+
+def _gap(model: Any, out: Any, positions: range | None = None) -> float:
+    ref = _teacher_forced(model, PROMPT, out.output_ids)
+    at = positions or range(len(ref))
+    return max(abs(ref[i] - out.logprobs[i]) for i in at)
+
+
+async def test_a_whole_model_version_keeps_the_current_adapter_on_top_of_the_new_base(model_dir: pathlib.Path, engine: HFEngine) -> None:
+    """The sequence of the sglang engine's test (tests/unit/workers/test_sglang_lora.py): adapter 1, then whole-model
+    version 2 while a sequence runs on the adapter (interrupt mode). The sequence and every later one run on the new
+    base with adapter 1 still on (the merged model of base 2 and adapter 1 computes their logprobs), and their tokens
+    carry 2: the policy of version 2 is base 2 plus adapter 1. Before the fix the engine dropped the adapter and later
+    tokens ran on the base alone."""
+    named, spec = _adapter(model_dir, seed=1)
+    await engine.update_adapter(named, spec, 1)
+    long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    running = asyncio.create_task(engine.generate(PROMPT, 1, long, "long"))
+    while engine.stats["decode_steps"] < 3:  # noqa: ASYNC110 - a counter of the engine's thread
+        await asyncio.sleep(0.005)
+    base2 = _base_version(model_dir, seed=7)
+    await engine.pause("interrupt")
+    await engine.update_weights(base2, 2)
+    await engine.resume()
+    after = (await engine.generate(PROMPT, 1, GREEDY, "after")).samples[0]
+    assert after.token_versions == [2] * 12
+    on_new_base = _merged(model_dir, named, spec, base=base2)
+    assert _gap(on_new_base, after) < TOL  # the adapter is on, on the new base
+    assert _gap(_merged(model_dir, None, None, base=base2), after) > 100 * TOL  # (not the new base alone)
+    seq = (await running).samples[0]
+    cut = seq.token_versions.index(2)
+    assert 0 < cut and seq.token_versions == [1] * cut + [2] * (60 - cut)
+    assert _gap(_merged(model_dir, named, spec), seq, range(cut)) < TOL  # base 1 + adapter 1 before the update
+    assert _gap(on_new_base, seq, range(cut, 60)) < TOL  # re-prefilled under base 2 + adapter 1 after it
+    assert engine.adapter_versions() == [1] and engine.version == 2
 
 
 async def test_bad_adapters_are_refused_naming_why_and_the_engine_serves_on(model_dir: pathlib.Path, engine: HFEngine) -> None:
