@@ -236,3 +236,30 @@ def test_the_bank_keeps_its_own_copy_of_a_fetched_bucket_in_its_dtype() -> None:
         assert all(torch.equal(g, w.to(dtype)) for g, w in zip(got, want.values(), strict=True))
         for k, t in want.items():
             named[k].copy_(t)
+
+
+async def test_the_publisher_plans_and_checks_anew_when_names_or_shapes_change(model_dir: pathlib.Path, make_publisher: Any,
+                                                                               make_subscriber: Any) -> None:
+    """A trainer publishes the same matrices every version, so the publisher reuses the previous version's plan and
+    adapter check while the names, shapes and dtypes stay the same; any change is planned and checked again."""
+    pub = await make_publisher(keep_versions=2)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    named, spec = _adapter(model_dir, seed=1)
+    planned: Any = None
+    for version in (1, 2):
+        named = {k: v + 1 for k, v in named.items()}  # a training step: new values, the same tensors' layout
+        await pub.publish(named, version, adapter=spec, wait_ready=True)
+        got = await sub.fetch(version)
+        assert all(torch.equal(got.tensors[k], v) for k, v in named.items())
+        planned = planned or pub._plan.planner
+        assert planned is not None and pub._plan.planner is planned  # version 2 reused version 1's plan
+        sub.recycle(got)
+    wrong = dict(named)
+    first_a = next(k for k in named if ".lora_A." in k)
+    wrong[first_a] = torch.zeros(8, named[first_a].shape[1])  # rank 8 against the spec's 4: checked again, refused
+    with pytest.raises(WeightsRefusedError, match="the spec says rank 4"):
+        await pub.publish(wrong, 3, adapter=spec)
+    wider, wider_spec = _adapter(model_dir, seed=2, rank=8)
+    await pub.publish(wider, 3, adapter=wider_spec, wait_ready=True)
+    got = await sub.fetch(3)
+    assert all(torch.equal(got.tensors[k], v) for k, v in wider.items()) and pub._plan.planner is not planned
