@@ -38,7 +38,8 @@ def tiny_model(where: pathlib.Path) -> pathlib.Path:
 
 
 def base_version(model_dir: pathlib.Path, seed: int) -> dict[str, Any]:
-    """A whole-model version: two projections an adapter also targets, changed (float32; the engine casts them)."""
+    """A whole-model version: two projections an adapter also targets, changed (in bfloat16, the engine's dtype, so the
+    reference computes with exactly the weights SGLang holds)."""
     import torch
     from safetensors import safe_open
 
@@ -49,7 +50,7 @@ def base_version(model_dir: pathlib.Path, seed: int) -> dict[str, Any]:
         with safe_open(str(shard), framework="pt") as f:
             for name in set(names) & set(f.keys()):
                 w = f.get_tensor(name).float()
-                out[name] = w + torch.randn(w.shape, generator=g) * float(w.std())
+                out[name] = (w + torch.randn(w.shape, generator=g) * float(w.std())).to(torch.bfloat16)
     assert set(out) == set(names), f"{model_dir} has no {sorted(set(names) - set(out))}"
     return out
 
