@@ -44,6 +44,7 @@ import torch
 from rollpool.protocol.messages import AdapterSpec, Manifest, ShmSegment
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights import snapshot as _snapshot
 from rollpool.weights.adapters import lora_pairs
 from rollpool.weights.bucketing import (
     DEFAULT_BUCKET_BYTES,
@@ -60,10 +61,12 @@ from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
     Place,
+    PlanMemo,
     Snapshot,
     SnapshotBuffers,
     SnapshotKnobs,
     SnapshotPools,
+    layout_key,
     layout_of,
     packed_version,
     plan_version,
@@ -141,6 +144,10 @@ class WeightPublisher:
         ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
+        self._plan = PlanMemo()
+        """The previous dict's or module's plan (reused while the names, shapes and dtypes stay the same)."""
+        self._adapter_checked: tuple[AdapterSpec, Any] | None = None
+        """The spec and `layout_key` of the last adapter version checked (`lora_pairs` depends on nothing else)."""
         self._server = WeightServer(
             sockets,
             router_endpoint=router_endpoint,
@@ -319,7 +326,10 @@ class WeightPublisher:
         if adapter is not None:
             if not isinstance(named_tensors, Mapping):
                 raise TypeError("an adapter version is published from a dict of its lora_A / lora_B tensors")
-            lora_pairs(named_tensors, adapter)
+            checked = (adapter, layout_key(named_tensors.items()))
+            if not (_snapshot._MEMO_PLAN and checked == self._adapter_checked):  # the same names and shapes: passed before
+                lora_pairs(named_tensors, adapter)
+                self._adapter_checked = checked
         if self._server.router_endpoint == "":
             raise RuntimeError("WeightPublisher.start() must be awaited before publish()")
         async with self._lock:
@@ -343,7 +353,7 @@ class WeightPublisher:
                 # ready and its buffers are kept as spares for the next publish.
                 for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
                     self._evict(old)
-            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout)
+            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout, self._plan)
             if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
                 served = await packed_version(items, version, self.bucket_bytes, self._knobs)
                 self._latest = version

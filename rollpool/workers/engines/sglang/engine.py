@@ -45,8 +45,10 @@ Guarantees:
   not stop generation for an adapter version). A sample runs on the newest adapter version loaded when its first
   attempt is sent and on that one to its end (every attempt names it, ``lora_path``), so each of its tokens
   carries that version. ``lora_resident`` versions stay loaded, plus any a running sample names; older ones are
-  unloaded (``/unload_lora_adapter``) when the next version loads. A whole-model version unloads every adapter
-  (they were trained against the old base) and the samples that ran on one go on on the base.
+  unloaded (``/unload_lora_adapter``) when the next version loads. A whole-model version leaves the newest adapter
+  version loaded and on, on top of the new base (SGLang's update leaves loaded adapters as they were): every sample
+  that began moves to it, and its later tokens carry the whole-model version (that version's policy is the new
+  base plus that adapter); older adapter versions are unloaded.
 - Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
   (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
   ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
@@ -141,7 +143,11 @@ class _Sample:
     cached_tokens: int | None = None
     """SGLang's cached_tokens of the first attempt (a resubmit's prompt includes tokens this sample made)."""
     adapter: int | None = None
-    """The LoRA adapter version every attempt of this sample runs on (set at its first attempt; None: the base)."""
+    """The LoRA adapter version every attempt of this sample runs on (set at its first attempt, and again by a
+    whole-model version; None: the base alone)."""
+    tag: int = -1
+    """The version the tokens of this sample carry while it runs on `adapter`: the engine's version when the adapter
+    was set (the adapter version itself, or a later whole-model version under it)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -688,7 +694,8 @@ class SGLangEngine:
                 s.finished_at = time.time()
                 return
             if s.attempt == 0 and self._adapters:
-                s.adapter = max(self._adapters)  # the newest adapter version, to this sample's end
+                # the newest adapter version, to this sample's end (or until a whole-model version moves it)
+                s.adapter, s.tag = max(self._adapters), self.version
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
             if req.ids is None:
@@ -716,7 +723,7 @@ class SGLangEngine:
                 if self._in_sglang == 0:
                     self._idle.set()
             parsed = parse_generate_response(resp)
-            self._append(s, parsed, version_at_send, sent_at, adapter=s.adapter)
+            self._append(s, parsed, version_at_send, sent_at, adapter=None if s.adapter is None else s.tag)
             if parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted:
                 self.stats["resubmits"] += 1
                 continue  # interrupted by a weight update (or by someone else's abort_all): go on from here
@@ -724,6 +731,7 @@ class SGLangEngine:
             return
 
     def _append(self, s: _Sample, p: ParsedSample, version_at_send: int, sent_at: float, adapter: int | None = None) -> None:
+        """`adapter`: the version the attempt's tokens carry when it ran on an adapter (SGLang's label is the base's)."""
         version = parse_weight_version(p.weight_version) if adapter is None else adapter
         if version is None:
             version = version_at_send
@@ -903,8 +911,9 @@ class SGLangEngine:
         names = self._check_names(named_tensors)
         staged, self._staged = self._staged, None
         if not names:
-            self.version = version
             await self._post_all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            self.version = version
+            await self._keep_adapter_on_new_base()
             return
         if staged is not None and staged.version == version and staged.names == tuple(names):
             ranks, h2d_s = staged.payloads, 0.0
@@ -938,7 +947,7 @@ class SGLangEngine:
                 await self._verify(ranks.first(), names, c.replica)
             verify_s = time.time() - t3
         self.version = version
-        await self._drop_adapters()
+        await self._keep_adapter_on_new_base()
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
                                  "sglang_update_s": t2 - t1, "verify_s": verify_s, "ranks": float(self.tp_size * self.dp_size),
                                  "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
@@ -1054,14 +1063,19 @@ class SGLangEngine:
             name = self._adapters.pop(version)
             await self._unload_everywhere(name)
 
-    async def _drop_adapters(self) -> None:
-        """A whole-model version: every adapter goes, and samples that ran on one go on on the base."""
+    async def _keep_adapter_on_new_base(self) -> None:
+        """A whole-model version was applied (no sample is in SGLang): the newest adapter version stays on, on top of
+        the new base, as SGLang keeps it (its update writes the base weights in place and leaves loaded adapters as
+        they were). Every unfinished sample that began moves to it, its later tokens tagged with the new version (the
+        policy of that version: the new base plus that adapter); older adapter versions are unloaded, as nothing can
+        name them any more."""
+        latest = max(self._adapters) if self._adapters else None
         for req in self._requests.values():
             for s in req.samples:
-                s.adapter = None
-        adapters, self._adapters = self._adapters, {}
-        for name in adapters.values():
-            await self._unload_everywhere(name)
+                if s.attempt and s.finish is None:
+                    s.adapter, s.tag = latest, self.version
+        for version in [v for v in self._adapters if v != latest]:
+            await self._unload_everywhere(self._adapters.pop(version))
 
     async def _unload_everywhere(self, name: str) -> None:
         for c in self._children:

@@ -226,7 +226,10 @@ class SimLora:
     outside ``lora_target_modules``, a name already loaded; an answer with ``success: false``), a ``/generate``
     naming an adapter never loaded refused (400, as SGLang's ``_resolve_lora_path`` raises), and, its own
     bookkeeping for tests, the tokens served per adapter name (``/model_info``'s ``lora_tokens``; the base is
-    ``""``). It does not change the tokens the sim samples."""
+    ``""``). It does not change the tokens the sim samples. A weight update leaves loaded adapters as they are, as in
+    SGLang 0.5.14: ``update_weights_from_tensor`` runs ``model.load_weights`` on the named base parameters only
+    (sglang-kit API-NOTES section 3.2), which a LoRA-wrapped layer shares with its base layer
+    (``sglang/srt/lora/layers.py``, ``BaseLayerWithLoRA``), and never calls the LoRA manager."""
 
     def __init__(self, enabled: bool, max_rank: int | None, targets: Sequence[str] | None) -> None:
         self.enabled, self.max_rank, self.targets = enabled, max_rank, set(targets or ())
