@@ -37,6 +37,11 @@ sglang engine's ``hop`` option; the JSON's ``hop``), for the two side by side in
 each with its own event loop (``rollpool worker --agent-processes``), so the worker's event loop holds only
 the pool's own work; 0 (the default) runs them in the worker.
 
+``--agent-client shared``: the agent takes one ``openai.AsyncOpenAI`` per process and copies it per episode
+(``with_options(base_url=..., api_key=...)``: one TLS context and one connection pool) instead of a new client per
+episode (the default, as most agents are written: each builds a TLS context, tens of ms of CPU); the JSON's
+``agent_client``, the file name's ``-shared-client``. It tells the SDK's per-episode cost from the pool's.
+
 ``--profile-s S``: after the measured phases, phase ``profiled`` runs the no_update workload round after round
 while py-spy (bench/profiling.py; the ``py-spy`` on PATH or the wheel in ``.gpuextra/``, which must travel with
 the checkout: the device call's ``carry: [".gpuextra"]``) samples for S seconds the worker, one agent process (with
@@ -88,7 +93,10 @@ async def agent(ctx: Any, prompt: Any) -> float:
     md = prompt.metadata
     turns, tokens, tool_words = int(md["turns"]), int(md["tokens_per_turn"]), int(md["tool_words"])
     rng = random.Random(f"{prompt.prompt_id}:{ctx.sample_index}")
-    client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0, timeout=600)
+    if md.get("agent_client") == "shared":  # one SDK client per process, copied per episode: one TLS context, one pool
+        client = _shared_client().with_options(base_url=ctx.openai_base_url, api_key=ctx.api_key)
+    else:  # a client per episode, as most agents are written: each builds its own TLS context (certifi's bundle)
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0, timeout=600)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                       {"role": "user", "content": str(md["task"])}]
     per_turn: list[dict[str, Any]] = []
@@ -109,9 +117,23 @@ async def agent(ctx: Any, prompt: Any) -> float:
             obs = " ".join(rng.choice(WORDS) for _ in range(tool_words))
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
     finally:
-        await client.close()
+        if md.get("agent_client") != "shared":
+            await client.close()
     ctx.metadata["cache_turns"] = per_turn
     return 0.0
+
+
+_SHARED: dict[int, Any] = {}
+
+
+def _shared_client() -> Any:
+    """This event loop's one `openai.AsyncOpenAI` (``--agent-client shared``); never closed: it lives as long as the process."""
+    import openai
+
+    key = id(asyncio.get_running_loop())
+    if key not in _SHARED:
+        _SHARED[key] = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=600)
+    return _SHARED[key]
 
 
 # --------------------------------------------------------------------------- the trainer side
@@ -144,7 +166,7 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
     prompts = [Prompt(prompt_id=f"{name}-{i}", text=task(i), group_size=args.n,
                       sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
                       metadata={"turns": args.turns, "tokens_per_turn": args.tokens_per_turn, "tool_words": args.tool_words,
-                                "task": task(i)})
+                                "task": task(i), "agent_client": args.agent_client})
                for i in range(args.groups)]
     t0 = time.time()
     res = await client.submit(prompts)
@@ -430,6 +452,9 @@ def main() -> int:
     ap.add_argument("--phase-timeout-s", type=float, default=240)
     ap.add_argument("--deadline-s", type=float, default=560)
     ap.add_argument("--agent-processes", type=int, default=0, help="the worker's --agent-processes: its episode functions in N child processes (0: in the worker)")
+    ap.add_argument("--agent-client", choices=("per-episode", "shared"), default="per-episode",
+                    help="the agent's openai client: a new AsyncOpenAI per episode (each builds a TLS context), or one per "
+                         "process copied per episode with with_options (the JSON's agent_client)")
     ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
@@ -463,8 +488,10 @@ def main() -> int:
 
         result["machine"] = torch.cuda.get_device_name(0)
         card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
-        gw.RESULT_NAME = f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}.json"
+        gw.RESULT_NAME = (f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}"
+                          f"{'-shared-client' if args.agent_client == 'shared' else ''}.json")
     result["agent_processes"] = args.agent_processes
+    result["agent_client"] = args.agent_client
     if args.profile_s > 0:
         result["how"]["profile"] = ("phase 'profiled', after the measured ones: the no_update workload round after round while py-spy "
                                     "samples each process for --profile-s s (idle threads left out); profile-<role>.txt per process, "
