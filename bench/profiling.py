@@ -177,8 +177,7 @@ def summarize_raw(text: str, top: int = TOP) -> dict[str, Any]:
             continue
         total += count
         own[frames[-1]] += count
-        # py-spy shortens a file to its package part ("json/__init__.py"); the categories' marks start at a "/"
-        cats[_category(";".join(f.replace(" (", " (/", 1) for f in frames))] += count
+        cats[_category(stack)] += count
         for f in set(frames):
             cum[f] += count
     share = (lambda c: round(c / total, 4)) if total else (lambda c: 0.0)

@@ -81,3 +81,12 @@ def test_a_busy_process_is_sampled_and_summarized(tmp_path: Path) -> None:
     assert res["cpu_s"] > 0
     assert "spin_here" in (tmp_path / "profile-spinner.txt").read_text()
     assert "spin_here" in (tmp_path / "profile-spinner-dump.txt").read_text()
+
+
+def test_categories_match_the_file_names_py_spy_prints() -> None:
+    from bench.episodes import _category
+
+    # py-spy prints a file by its package part, without the leading "/" of the full path
+    assert _category("agent (bench/gpu_episodes.py);create_default_context (ssl.py)") == "the openai SDK agent"
+    assert _category("x (rollpool/workers/episodes/server.py);dumps (json/__init__.py)") == "JSON"
+    assert _category("run (asyncio/runners.py);select (selectors.py)") == "asyncio scheduling and sockets"
