@@ -208,7 +208,8 @@ async def profile_pool(client: Any, args: argparse.Namespace, worker_pid: int, r
     roles["sglang"] = sg = profiling.find_child(worker_pid, "rollpool.workers.engines.sglang.server")
     if sg is not None and args.backend == "sglang":
         roles["sglang-scheduler"] = profiling.find_child(sg, "scheduler")
-    sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil)
+    sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil,
+                                  native=args.profile_native)
     await asyncio.to_thread(sampler.start, roles)
     rounds: list[dict[str, Any]] = []
     try:
@@ -321,7 +322,8 @@ def peer_main(args: argparse.Namespace) -> int:
         if args.profile_s > 0:  # the same rounds-under-py-spy as the pool's profiled phase, on this process
             profiling.allow_ptrace_self()
             me = os.getpid()
-            sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil)
+            sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil,
+                                  native=args.profile_native)
             sampler.start({"peer": me, "peer-scheduler": profiling.find_child(me, "scheduler")})
             rounds: list[float] = []
             try:
@@ -344,8 +346,8 @@ def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
     for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction", "out",
               "profile_s", "profile_rate"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    if args.profile_gil:
-        cmd.append("--profile-gil")
+    cmd += ["--profile-gil"] if args.profile_gil else []
+    cmd += ["--profile-native"] if args.profile_native else []
     try:
         with (Path(args.out) / "peer.log").open("ab") as fh:
             env = {**os.environ, **(profiling.ptrace_hook_env(Path(args.work)) if args.profile_s > 0 else {})}
@@ -464,6 +466,8 @@ def main() -> int:
                          "peer's process) for this many seconds while the no_update workload runs again: profile-<role>.txt; 0: off")
     ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (--profile-s)")
     ap.add_argument("--profile-gil", action="store_true", help="py-spy --gil: only the thread holding the GIL (Python's own CPU)")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="py-spy --native: C and Rust frames too (the collector, waits for the GIL, the tokenizer's Rust)")
     ap.add_argument("--peer-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_out:

@@ -9,6 +9,13 @@ role, a dict for the result JSON: ``samples``, ``top_self`` and ``top_cum`` ([fu
 ``cpu_s`` and ``cpu_share`` (CPU seconds over the window, all threads, over the window's wall time), or ``error``
 (why sampling failed: no py-spy, no ptrace rights, the process gone) -- a failed profile never fails the bench.
 
+Idle: py-spy leaves out threads it sees waiting, but counts some waits as running (a thread blocked in C under a
+Python frame, one waiting for the GIL or for a core on a loaded host): the summary drops the known waiting leaves
+(bench/episodes.py's ``IDLE_LEAVES`` and those below). With ``native`` (py-spy ``--native``) the leaf is the C call
+itself, so waits are told apart better: blocking system calls and lock waits are dropped, and a condition wait under
+any other frame is counted as a wait for the GIL (``gil_wait_share``, ``top_gil_wait``: the frames that waited) and
+left out of the shares.
+
 py-spy: the ``py-spy`` on PATH, else the manylinux wheel in ``<repo>/.gpuextra/`` (a GPU machine has no network:
 that folder travels with the checkout), unpacked once into a temporary folder; the binary is the wheel's
 ``*.data/scripts/py-spy``.
@@ -42,6 +49,13 @@ PR_SET_PTRACER_ANY = -1  # (unsigned long)-1 in the kernel
 # threads blocked in C that py-spy reports as running (beside bench/episodes.py's IDLE_LEAVES): a leaf frame that is
 # the child watcher's waitpid or a lane thread's queue get
 MORE_IDLE_LEAVES = ("_do_waitpid (asyncio/unix_events.py", "TokenizerLane._run (")
+# with --native the leaf is the C call a thread waits in: the blocking system calls, and any wait under a Python lock
+# (a thread pool's idle workers, a queue's get)
+NATIVE_IDLE_LEAVES = ("wait4 (", "epoll_wait (", "poll (libc", "select (libc", "accept (libc", "accept4 (libc",
+                      "nanosleep (libc", "clock_nanosleep (libc", "sigtimedwait (", "pause (libc")
+LOCK_WAIT = ("PyThread_acquire_lock_timed (", "_queue_SimpleQueue_get_impl (")
+# with --native, a condition wait right under any other frame is (on CPython 3.11-3.12) a thread taking the GIL back
+GIL_WAIT_LEAVES = ("pthread_cond_wait (", "pthread_cond_timedwait (")
 
 _HOOK = '''"""Written by bench/profiling.py: lets py-spy attach to this process where Yama's ptrace_scope is 1."""
 import ctypes, importlib.machinery, importlib.util, os, sys
@@ -165,6 +179,7 @@ def summarize_raw(text: str, top: int = TOP) -> dict[str, Any]:
     own: Counter[str] = Counter()
     cum: Counter[str] = Counter()
     cats: Counter[str] = Counter()
+    gil: Counter[str] = Counter()
     total = idle = 0
     for line in text.splitlines():
         stack, _, n = line.rpartition(" ")
@@ -172,8 +187,13 @@ def summarize_raw(text: str, top: int = TOP) -> dict[str, Any]:
             continue
         count = int(n)
         frames = stack.split(";")
-        if any(m in frames[-1] for m in (*IDLE_LEAVES, *MORE_IDLE_LEAVES)):  # a wait py-spy took for running: not CPU
-            idle += count
+        if any(m in frames[-1] for m in (*IDLE_LEAVES, *MORE_IDLE_LEAVES, *NATIVE_IDLE_LEAVES)) \
+                or (frames[-1].endswith("(libc.so.6)") and any(f.startswith(LOCK_WAIT) for f in frames[-3:])):
+            idle += count  # a wait py-spy took for running: not CPU
+            continue
+        cond = next((i for i in (len(frames) - 1, len(frames) - 2) if i > 0 and frames[i].startswith(GIL_WAIT_LEAVES)), None)
+        if cond is not None:  # the libc frames under it are the futex call itself
+            gil[frames[cond - 1]] += count
             continue
         total += count
         own[frames[-1]] += count
@@ -181,7 +201,10 @@ def summarize_raw(text: str, top: int = TOP) -> dict[str, Any]:
         for f in set(frames):
             cum[f] += count
     share = (lambda c: round(c / total, 4)) if total else (lambda c: 0.0)
-    return {"samples": total, "idle_samples_left_out": idle, "share_by_category": {k: share(c) for k, c in cats.most_common()},
+    waits = sum(gil.values())
+    out_gil = {"gil_wait_samples": waits, "gil_wait_share": round(waits / (total + waits), 4) if total + waits else 0.0,
+               "top_gil_wait": [[f, round(c / waits, 4)] for f, c in gil.most_common(10)]} if waits else {}
+    return {"samples": total, "idle_samples_left_out": idle, **out_gil, "share_by_category": {k: share(c) for k, c in cats.most_common()},
             "top_self": [[f, share(c)] for f, c in own.most_common(top)], "top_cum": [[f, share(c)] for f, c in cum.most_common(top)]}
 
 
@@ -190,6 +213,10 @@ def render(role: str, pid: int, info: dict[str, Any]) -> str:
              f"{info.get('window_s')} s, idle threads left out; CPU {info.get('cpu_s')} s ({info.get('cpu_share')} of one core)"]
     if info.get("error"):
         lines.append(f"sampling failed: {info['error']}")
+    if info.get("gil_wait_samples"):
+        lines += ["", f"waiting for the GIL (--native): {info['gil_wait_samples']} samples, {info['gil_wait_share']:.1%} of the "
+                      "non-idle ones, left out of the shares below; the frames that waited:"]
+        lines += [f"  {s:6.1%} {f}" for f, s in info.get("top_gil_wait", [])]
     if info.get("share_by_category"):
         lines += ["", "by category (bench/episodes.py's PROFILE_CATEGORIES, the leaf-most frame that matches):"]
         lines += [f"  {s:6.1%} {c}" for c, s in info["share_by_category"].items()]
@@ -203,8 +230,8 @@ def render(role: str, pid: int, info: dict[str, Any]) -> str:
 class Sampler:
     """py-spy on several processes at once for one window; see the module docstring."""
 
-    def __init__(self, out: Path, duration_s: float, rate: int = 100, gil: bool = False) -> None:
-        self.out, self.duration_s, self.rate, self.gil = out, duration_s, rate, gil
+    def __init__(self, out: Path, duration_s: float, rate: int = 100, gil: bool = False, native: bool = False) -> None:
+        self.out, self.duration_s, self.rate, self.gil, self.native = out, duration_s, rate, gil, native
         self.binary, self.source = find_pyspy()
         self._procs: dict[str, tuple[int, subprocess.Popen[bytes] | None, float | None]] = {}
         self.results: dict[str, dict[str, Any]] = {}
@@ -213,7 +240,7 @@ class Sampler:
     def start(self, pids: dict[str, int | None]) -> None:
         self.t0 = time.time()
         for role, pid in pids.items():
-            info: dict[str, Any] = {"pid": pid, "rate": self.rate, "gil_only": self.gil, "pyspy": self.source}
+            info: dict[str, Any] = {"pid": pid, "rate": self.rate, "gil_only": self.gil, "native": self.native, "pyspy": self.source}
             self.results[role] = info
             if pid is None:
                 info["error"] = "process not found"
@@ -230,7 +257,8 @@ class Sampler:
                         info["dump_error"] = (dump.stderr or dump.stdout).decode(errors="replace").strip()[-500:]
                     proc = subprocess.Popen([self.binary, "record", "--pid", str(pid), "--duration", str(max(1, round(self.duration_s))),
                                              "--rate", str(self.rate), "--format", "raw", "--nolineno",
-                                             "-o", str(self.out / f"profile-{role}.raw"), *(["--gil"] if self.gil else [])],
+                                             "-o", str(self.out / f"profile-{role}.raw"), *(["--gil"] if self.gil else []),
+                                             *(["--native"] if self.native else [])],
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 except (OSError, subprocess.SubprocessError) as exc:
                     info["error"] = f"py-spy: {type(exc).__name__}: {exc}"

@@ -90,3 +90,19 @@ def test_categories_match_the_file_names_py_spy_prints() -> None:
     assert _category("agent (bench/gpu_episodes.py);create_default_context (ssl.py)") == "the openai SDK agent"
     assert _category("x (rollpool/workers/episodes/server.py);dumps (json/__init__.py)") == "JSON"
     assert _category("run (asyncio/runners.py);select (selectors.py)") == "asyncio scheduling and sockets"
+
+
+def test_native_stacks_tell_cpu_from_waits_and_count_waits_for_the_gil() -> None:
+    raw = "\n".join([
+        "main (m.py);run (asyncio/runners.py);epoll_wait (libc.so.6) 50",  # the loop idle
+        "Thread.run (threading.py);_worker (m.py);PyThread_acquire_lock_timed (libpython3.11.so.1.0);0x7f00 (libc.so.6) 20",
+        "lane (m.py);_queue_SimpleQueue_get_impl (_queuemodule.c);pthread_cond_timedwait (libc.so.6);0x7f00 (libc.so.6) 10",
+        "main (m.py);Episode.chat (rollpool/workers/episodes/episode.py);pthread_cond_wait (libc.so.6);0x7f01 (libc.so.6) 3",
+        "lane (m.py);encode (tokenizers/tokenizers.abi3.so);pthread_cond_timedwait (libc.so.6) 1",
+        "main (m.py);Episode.chat (rollpool/workers/episodes/episode.py) 6",
+    ])
+    s = profiling.summarize_raw(raw)
+    assert (s["samples"], s["idle_samples_left_out"], s["gil_wait_samples"]) == (6, 80, 4)
+    assert s["gil_wait_share"] == 0.4
+    assert s["top_gil_wait"][0] == ["Episode.chat (rollpool/workers/episodes/episode.py)", 0.75]
+    assert s["top_self"] == [["Episode.chat (rollpool/workers/episodes/episode.py)", 1.0]]
