@@ -88,12 +88,13 @@ WORKER_MODULES: dict[str, set[str]] = {
     "config": {"engines", "images"},  # WorkerConfig validates engine_options by the engine's options dataclass
     "images": set(),
     "reward": set(),
+    "heap": set(),  # the collector's settings of a worker or agent process
     "engines": set(),
-    "episodes": {"engines", "images"},  # the endpoint checks image_url parts by the worker's image rules
+    "episodes": {"engines", "images", "heap"},  # the endpoint checks image_url parts by the worker's image rules
     "trajectories": {"engines", "reward"},
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},
-    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes", "images"},
+    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes", "images", "heap"},
     "__init__": {"episodes"},  # the lazy EpisodeContext export
     "__main__": set(),
 }
