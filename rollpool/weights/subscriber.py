@@ -400,12 +400,12 @@ class WeightSubscriber:
             try:
                 if manifest.delta_base >= 0:
                     try:
-                        return self.delta.hold(self._fetched(await self.delta.fetch(manifest, on_bucket)))
+                        return self._fetched(await self.delta.fetch(manifest, on_bucket))
                     except (WeightSyncError, DeltaError) as exc:
                         self.delta.fallbacks += 1
                         self._fallback(manifest.version, f"delta against {manifest.delta_base}: {exc}", path="delta")
                         manifest = check_manifest(await self.fetch_manifest(manifest.version, delta=False))
-                return self.delta.hold(await self._fetch_planned(manifest, on_bucket))
+                return await self._fetch_planned(manifest, on_bucket)
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
@@ -458,7 +458,8 @@ class WeightSubscriber:
         return paths[name]
 
     def _fetched(self, got: Fetched) -> WeightVersion:
-        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version."""
+        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version (held as
+        the next delta's base when it is in host buffers)."""
         manifest, path, details = got.manifest, got.path, got.details
         self.last_path = path
         nbytes = sum(b.nbytes for b in manifest.buckets)
@@ -475,7 +476,8 @@ class WeightSubscriber:
         self.metrics.event("version_fetched", event)
         self.last_wire = wire_summary(manifest.version, manifest.buckets, manifest.delta_base)
         tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
+        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
+        return self.delta.hold(wv, on_device=got.on_device)
 
     # -- memory
 

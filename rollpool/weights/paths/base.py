@@ -220,6 +220,9 @@ class Fetched:
     """The path's name in the ``weights fetched`` line and `WeightSubscriber.last_path` (the bulk lane says ``network``)."""
     details: dict[str, Any] = field(default_factory=dict)
     """Extra fields for the ``weights fetched`` log line (the staged path's timeline)."""
+    on_device: bool = False
+    """The buffers are the device path's own (the same GPU, shared memory staged to a GPU), not host buffers of the
+    subscriber's: the version cannot be a delta's base (a delta is rebuilt on the host)."""
 
 
 class PathFallbackError(Exception):

@@ -145,7 +145,7 @@ class CudaIpcPath:
         except BaseException:
             self.slabs.give(slab)
             raise
-        return Fetched(manifest, buffers, slab, CUDA_IPC)
+        return Fetched(manifest, buffers, slab, CUDA_IPC, on_device=True)
 
 
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
