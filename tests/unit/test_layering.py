@@ -153,8 +153,9 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "snapshot": {"serving", "bucketing", "gpu", "memory"},
     "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},
     "paths.cuda_ipc": {"paths.base", "manifest", "bucketing", "gpu", "serving", "snapshot"},
+    "watch": {"paths.base", "paths.network", "manifest", "config"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "paths.delta", "manifest", "config",
-                   "bucketing", "gpu", "memory", "snapshot", "delta"},
+                   "bucketing", "gpu", "memory", "snapshot", "delta", "watch"},
     "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters"},
     "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory", "delta"},
     "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports

@@ -178,6 +178,14 @@ class FetchContext:
     streams: int
     copy_threads: int
 
+    def __post_init__(self) -> None:
+        if self.fetch_timeout_s <= 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        if not 1 <= self.window_chunks <= 1024:
+            raise ValueError(f"window_chunks must be in [1, 1024], got {self.window_chunks}")
+        if self.max_refetch < 0:
+            raise ValueError(f"max_refetch must be >= 0, got {self.max_refetch}")
+
     def bucket_failed(self, version: int, i: int, failures: list[int], path: str, where: str = "", what: str = "", *,
                       loop: asyncio.AbstractEventLoop | None = None) -> None:
         """One failed checksum of bucket `i`: counted, logged, evented (through `loop` from another thread); past
