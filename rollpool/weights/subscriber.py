@@ -133,7 +133,8 @@ class WeightSubscriber:
         self.segments = ShmSegments(host_key(), path, self.buffers.slabs)
         """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
         self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
-        self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key, config=cfg,
+        self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key,
+                                    asks_deltas=cfg.weight_delta and path in ("auto", NETWORK),  # deltas ride the network path
                                     fetch_timeout_s=fetch_timeout_s, max_refetch=max_refetch,
                                     gpu_uuids=self.gpu_uuids, delta_base=lambda: self.delta.base_version())
         """The versions the publisher is known to hold, and the manifest requests to it (the paths' `ManifestSource`)."""

@@ -32,8 +32,6 @@ from rollpool.protocol.errors import ProtocolError, WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Announce, Error, Manifest, ManifestRequest
 from rollpool.protocol.sockets import SocketFactory
-from rollpool.weights.config import WeightPathConfig
-from rollpool.weights.manifest import NETWORK
 from rollpool.weights.paths.base import ManifestTimeoutError, WeightVersionGoneError
 from rollpool.weights.paths.network import DealerSet
 
@@ -55,19 +53,22 @@ class SegmentHints(Protocol):
 class PublisherWatch:
     """The versions one publisher (or relay) is known to hold, and the manifest requests to it (see the module docstring)."""
 
-    def __init__(self, sockets: SocketFactory, dealers: DealerSet, segments: SegmentHints, *, host_key: str,
-                 config: WeightPathConfig, fetch_timeout_s: float, max_refetch: int,
-                 gpu_uuids: Callable[[], dict[str, int]], delta_base: Callable[[], int]) -> None:
-        """`gpu_uuids`: this side's GPUs (the same-GPU path's hello); `delta_base`: the version held as a delta's base."""
+    def __init__(self, sockets: SocketFactory, dealers: DealerSet, segments: SegmentHints, *, host_key: str, asks_deltas: bool,
+                 fetch_timeout_s: float, max_refetch: int, gpu_uuids: Callable[[], dict[str, int]], delta_base: Callable[[], int]) -> None:
         self.sockets = sockets
         self.dealers = dealers
         self.segments = segments
         self.host_key = host_key
-        self.config = config
+        """This host's key, sent with `gpu_uuids` in every request (the same-host paths' hello)."""
+        self.gpu_uuids = gpu_uuids
+        """This side's GPUs by UUID (empty: none, or a path that never uses them)."""
+        self.asks_deltas = asks_deltas
+        """Whether requests name a delta base (`weight_delta` on, and deltas travel on the network path: a subscriber
+        held to shm or cuda_ipc never asks for one)."""
+        self.delta_base = delta_base
+        """The version held as a delta's base (-1: none)."""
         self.fetch_timeout_s = fetch_timeout_s
         self.max_refetch = max_refetch
-        self.gpu_uuids = gpu_uuids
-        self.delta_base = delta_base
         self.router_endpoint: str | None = None
         self.pub_endpoint: str | None = None
         self.latest = -1
@@ -202,9 +203,7 @@ class PublisherWatch:
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
-        # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
-        asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
-        base = (self.delta_base() if delta_base is None else delta_base) if asks else -1
+        base = (self.delta_base() if delta_base is None else delta_base) if delta and self.asks_deltas else -1
         waited = self.fetch_timeout_s if timeout_s is None else timeout_s
         for _attempt in range(tries):
             try:
