@@ -58,7 +58,7 @@ from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import host_key, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
-from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, ServingFace, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
     Place,
     PlanMemo,
@@ -79,7 +79,7 @@ __all__ = ["WeightPublisher", "layout_of"]
 log = logging.getLogger(__name__)
 
 
-class WeightPublisher:
+class WeightPublisher(ServingFace):
     """Versioned tensor buckets served over ROUTER, announced on PUB."""
 
     def __init__(
@@ -155,24 +155,17 @@ class WeightPublisher:
             name="publisher",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
-            bulk=cfg.weight_bulk,
+            weights=cfg,
         )
-        self._server.delta_threads = self.copy_threads
-        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
-        self._deltas: set[asyncio.Task[Any]] = set()
-        """Delta computations running (`WeightServer.make_delta`): each version's against the one before, from the host copies."""
         self._latest = -1
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()
-        self._served_event = asyncio.Event()
-        self._server.on_served = lambda v: self._served_event.set()
         self.gpu_budget = GpuBudget(gpu_budget_bytes(cfg, bucket_bytes))
         """The GPU memory this publisher may allocate on the trainer's GPU (`publisher_gpu_budget_bytes`, default two
         buckets), shared by its device users; `gpu_budget.free_bytes()` is what is left."""
         self._ipc = IpcArenas(self.publisher_id, self.host_key, path, self.gpu_budget)
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._server.on_manifest_request = self._ipc.hello
-        self._path_note: dict[str, Any] = {}
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`warm_segments`); a publish waits for it."""
         if reserve is not None:
@@ -187,41 +180,24 @@ class WeightPublisher:
     async def close(self) -> None:
         for fut in list(self._finishing.values()):
             fut.cancel()
-        for task in list(self._deltas):
-            task.cancel()
         await self._server.close()
         self._pools.shutdown()
         self._ipc.close()
         self._buffers.close()
         await asyncio.to_thread(wait_released)  # and those dropped in the background before
 
-    async def __aenter__(self) -> WeightPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
-    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
-
-    @property
-    def latest_version(self) -> int:
-        return self._latest
-
     @property
     def versions(self) -> list[int]:
         """Versions whose bytes are served now, oldest first."""
         return sorted(self._server.versions)
 
-    bytes_served: Attr[int] = Attr("_server")
     shm_fallbacks: Attr[int] = Attr("_buffers", "Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm).")
 
     @property
     def path_note(self) -> dict[str, Any]:
         """The last planned version's offer: ``offered`` (``cuda_ipc``: a device buffer besides the host buckets, or
         ``host``) and ``why_not_cuda_ipc`` (why no device buffer was offered; "" when one was)."""
-        return dict(self._path_note)
+        return dict(self._ipc.note)
 
     @property
     def ipc_versions(self) -> int:
@@ -230,13 +206,9 @@ class WeightPublisher:
 
     @property
     def stats(self) -> dict[str, int]:
-        s = self._server
         return {
             "latest_version": self._latest,
-            "bytes_served": s.bytes_served,
-            "chunks_served": s.chunks_served,
-            "dropped_replies": s.dropped_replies,
-            "protocol_errors": s.protocol_errors,
+            **self._server.stats(),
             "shm_fallbacks": self.shm_fallbacks,
             "ipc_versions": self._ipc.versions,
             "ipc_arenas": len(self._ipc.exports),
@@ -244,11 +216,6 @@ class WeightPublisher:
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._buffers.buffers_allocated,
             "pinned_bytes": self._buffers.pinned_bytes,
-            "delta_manifests_served": s.deltas_served,
-            "full_manifests_to_delta_askers": s.full_served_to_delta_askers,
-            "last_delta_version": int(s.last_delta.get("version", -1)),
-            "last_delta_wire_bytes": int(s.last_delta.get("wire_bytes", 0)),
-            "last_delta_changed_ppm": round(float(s.last_delta.get("changed_fraction", 0.0)) * 1e6),
         }
 
     # -- memory
@@ -264,21 +231,11 @@ class WeightPublisher:
         (a sharded trainer's rank 0 streaming layer by layer). Returns the bytes
         reserved.
         """
-        layout = layout_of(named_shapes)
-        planner = BucketPlanner(self.bucket_bytes)
-        for name, dtype, shape, nbytes in layout:
-            planner.place(name, dtype, shape, nbytes)
-        self._layout = layout
-        sizes = [b.nbytes for b in planner.buckets]
-        copies = max(1, self.keep_versions)
-        pool = self._buffers.pool_for(sum(sizes) * copies, self.path)
-        made = pool.reserve([n for _ in range(copies) for n in sizes])
-        total = sum(sizes) * copies
-        log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
-                 self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        self._layout = layout_of(named_shapes)
+        total, to_warm = self._buffers.reserve(self._layout, self.bucket_bytes, max(1, self.keep_versions), self.path)
         self._sync_segments()
-        if pool.kind == "shm" and pool.pin and torch.cuda.is_available():
-            self._warming = warm_segments(made, after=self._warming)
+        if to_warm:
+            self._warming = warm_segments(to_warm, after=self._warming)
         return total
 
     def _sync_segments(self) -> None:
@@ -344,7 +301,8 @@ class WeightPublisher:
                 self._server.add_version(served)
                 self._after_publish(served, t0, t0)
                 manifest = served.manifest("")
-                await self._hold(served, expected_fetchers)
+                await self._server.serve_until_released(served, expected_fetchers, max_hold_s=self.max_hold_s,
+                                                        release_idle_s=self.release_idle_s)
                 return manifest
             if self.keep_versions >= 2:
                 # evict first what this version evicts anyway (a complete newer one stays served):
@@ -385,7 +343,7 @@ class WeightPublisher:
                 ipc_device = None
             else:
                 arena, snap.ipc_offsets, arena_items = got
-        self._note_path(version, ipc_device is not None)
+        self._ipc.note_offer(version, ipc_device is not None)
         previous, self._latest = self._latest, version
         if ipc_device is None and self.config.weight_delta:
             self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
@@ -418,15 +376,6 @@ class WeightPublisher:
             await self.wait_ready(version)
         return snap.served.manifest("")
 
-    def _note_path(self, version: int, offered_ipc: bool) -> None:
-        """Which path this publisher offers from `version`, and why the faster one is not: logged when it changes."""
-        note = {"version": version, "offered": "cuda_ipc" if offered_ipc else "host", "why_not_cuda_ipc": self._ipc.why_not}
-        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
-            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
-                     "a same-GPU device buffer besides the host buckets" if offered_ipc
-                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
-        self._path_note = note
-
     async def wait_ready(self, version: int | None = None) -> None:
         """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""
         v = self._latest if version is None else version
@@ -445,10 +394,7 @@ class WeightPublisher:
         finally:
             self._finishing.pop(snap.version, None)
         self._after_publish(snap.served, t0, copied)
-        if snap.served.delta_state == "pending":
-            task = asyncio.ensure_future(self._server.make_delta(snap.version, algorithm=self.checksum_algorithm))
-            self._deltas.add(task)
-            task.add_done_callback(self._deltas.discard)
+        self._server.start_delta(snap.version, algorithm=self.checksum_algorithm)  # against the previous host copy
 
     def _after_publish(self, served: ServedVersion, t0: float, copied: float) -> None:
         now = time.perf_counter()
@@ -493,31 +439,3 @@ class WeightPublisher:
                 self._ipc.release(version)
         if served is not None:
             self._buffers.retire(served.sources)
-
-    async def _hold(self, served: ServedVersion, expected_fetchers: int | None) -> None:
-        """keep_versions=0: serve the caller's tensors until released, then drop the bytes."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        served.last_request_s = start
-        total = served.total_bytes
-        try:
-            while True:
-                done = sum(1 for n in served.served_by_peer.values() if n >= total)
-                if expected_fetchers is not None and done >= expected_fetchers:
-                    break
-                now = loop.time()
-                if now - start >= self.max_hold_s or now - served.last_request_s >= self.release_idle_s:
-                    break
-                if total == 0:
-                    break  # nothing to serve: the manifest alone is the version
-                self._served_event.clear()
-                wait_s = min(self.max_hold_s - (now - start), self.release_idle_s - (now - served.last_request_s))
-                try:
-                    await asyncio.wait_for(self._served_event.wait(), timeout=max(0.001, wait_s))
-                except TimeoutError:
-                    pass
-        finally:
-            if total:
-                # the manifest stays answerable (subscribers learn the number); fetches answer "gone"
-                served.released = True
-                served.sources = []

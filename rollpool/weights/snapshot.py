@@ -751,6 +751,21 @@ class SnapshotBuffers:
             raise WeightSyncError(f"path 'shm': /dev/shm has {shm_free_bytes()} bytes free, a version needs {fresh_bytes}")
         return self.host
 
+    def reserve(self, layout: list[tuple[str, str, tuple[int, ...], int]], bucket_bytes: int, copies: int, path: str
+                ) -> tuple[int, list[torch.Tensor]]:
+        """Allocate (and touch) the buckets of `layout` (`layout_of`) for `copies` versions on `path`; (the bytes
+        reserved, the shared-memory buffers to warm up: page-locked segments where CUDA is available, else none)."""
+        planner = BucketPlanner(bucket_bytes)
+        for name, dtype, shape, nbytes in layout:
+            planner.place(name, dtype, shape, nbytes)
+        sizes = [b.nbytes for b in planner.buckets]
+        total = sum(sizes) * copies
+        pool = self.pool_for(total, path)
+        made = pool.reserve([n for _ in range(copies) for n in sizes])
+        log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
+                 self.owner_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        return total, (made if pool.kind == "shm" and pool.pin and torch.cuda.is_available() else [])
+
     def take(self, sizes: list[int], path: str) -> list[torch.Tensor]:
         """One buffer per bucket size for a version on `path`: spares first, then the reserved segments (their room is
         taken already), then fresh memory of the kind /dev/shm has room for; what no version reuses is freed."""

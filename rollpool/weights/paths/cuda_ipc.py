@@ -145,7 +145,7 @@ class CudaIpcPath:
         except BaseException:
             self.slabs.give(slab)
             raise
-        return Fetched(manifest, buffers, slab, CUDA_IPC)
+        return Fetched(manifest, buffers, slab, CUDA_IPC, on_device=True)
 
 
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
@@ -195,6 +195,8 @@ class IpcArenas:
         """Versions offered on the same-GPU path."""
         self.broken = ""
         """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self.note: dict[str, Any] = {}
+        """The last planned version's offer (`note_offer`; the publisher's `path_note`)."""
         if path == CUDA_IPC:
             warm_in_background()
 
@@ -204,6 +206,16 @@ class IpcArenas:
         self.slabs.trim(0)
         self.budget.give(self.allocated)
         self.allocated = 0
+
+    def note_offer(self, version: int, offered: bool) -> None:
+        """Which path the publisher offers from `version` (``cuda_ipc``: a device buffer besides the host buckets, or
+        ``host``), and why the faster one is not: logged when it changes."""
+        note = {"version": version, "offered": "cuda_ipc" if offered else "host", "why_not_cuda_ipc": self.why_not}
+        if (note["offered"], note["why_not_cuda_ipc"]) != (self.note.get("offered"), self.note.get("why_not_cuda_ipc")):
+            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
+                     "a same-GPU device buffer besides the host buckets" if offered
+                     else f"host buckets only (no same-GPU buffer: {self.why_not or 'not asked for'})")
+        self.note = note
 
     def hello(self, req: ManifestRequest) -> None:
         """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
