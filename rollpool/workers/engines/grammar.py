@@ -1,4 +1,5 @@
-"""Grammar-constrained sampling for the `hf` engine, through xgrammar (the grammar library SGLang uses).
+"""Grammar-constrained sampling through xgrammar (the grammar library SGLang uses): the `hf` engine's masks, and
+the grammar text the `sglang` engine sends to SGLang's grammar backend.
 
 `GrammarBackend` compiles an `OutputConstraint` for one tokenizer (cached by value, so an episode's
 repeated schema compiles once) and gives each constrained sample a `GrammarState`: ``mask(logits)``
@@ -6,6 +7,11 @@ returns the logits with every token the grammar forbids at ``-inf``, ``accept(to
 Once the grammar is complete only the request's stop tokens are allowed, so a constrained turn ends
 with one. JSON is compiled without free whitespace (compact separators): a model cannot spend its
 token budget on blanks.
+
+`constraint_ebnf` writes the same grammar as EBNF text for an engine that compiles grammars itself (SGLang's
+``ebnf`` sampling parameter, compiled there by the same library): the request's stop tokens are allowed, once,
+after the constrained text (``Token(id)``), so a constrained chat turn can end with the template's end-of-turn as
+on the `hf` engine; the model's own end-of-sequence tokens end it too (a finished grammar allows them).
 
 xgrammar is imported here only, lazily (extra ``rollpool[grammar]``); a constraint that does not
 compile (a malformed schema) raises `RequestRefusedError`, failing that request only.
@@ -23,17 +29,43 @@ import torch
 from rollpool.protocol.errors import RequestRefusedError
 from rollpool.workers.engines.base import OutputConstraint
 
-__all__ = ["GrammarBackend", "GrammarState"]
+__all__ = ["GrammarBackend", "GrammarState", "constraint_ebnf"]
 
 _ANY_OBJECT = '{"type": "object"}'
 
 
-def _xgrammar() -> Any:
+def _xgrammar(engine: str = "hf") -> Any:
     try:
         import xgrammar
     except ImportError as exc:
-        raise RequestRefusedError("constrained decoding on the hf engine needs xgrammar: pip install 'rollpool[grammar]'") from exc
+        raise RequestRefusedError(f"constrained decoding on the {engine} engine needs xgrammar in the worker: "
+                                  "pip install 'rollpool[grammar]'") from exc
     return xgrammar
+
+
+def _grammar(xgr: Any, constraint: OutputConstraint) -> Any:
+    """`constraint` as one uncompiled xgrammar ``Grammar``: `begin`, the JSON value (no free whitespace), `end`."""
+    schema = constraint.json_schema or _ANY_OBJECT
+    try:
+        json.loads(schema)
+        body = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.begin,) if text]
+        parts.append(body)
+        parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.end,) if text]
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else body
+    except Exception as exc:  # the request's schema, not the engine, is at fault
+        raise RequestRefusedError(f"the output constraint does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+def constraint_ebnf(constraint: OutputConstraint, stop_token_ids: Sequence[int] = (), engine: str = "sglang") -> str:
+    """`constraint` as xgrammar EBNF text, then at most one of `stop_token_ids` (see the module docstring);
+    `RequestRefusedError` for a schema that does not compile or without xgrammar (naming `engine`)."""
+    xgr = _xgrammar(engine)
+    grammar = _grammar(xgr, constraint)
+    stops = sorted({int(t) for t in stop_token_ids})
+    if stops:
+        grammar = xgr.Grammar.concat(grammar, xgr.Grammar.from_ebnf(f"root ::= ({' | '.join(f'Token({t})' for t in stops)})?"))
+    return str(grammar)
 
 
 class GrammarState:
@@ -76,15 +108,8 @@ class GrammarBackend:
             return compiled
 
     def _compile(self, constraint: OutputConstraint) -> Any:
-        xgr = self._xgr
-        schema = constraint.json_schema or _ANY_OBJECT
+        grammar = _grammar(self._xgr, constraint)
         try:
-            json.loads(schema)
-            body = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-            parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.begin,) if text]
-            parts.append(body)
-            parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.end,) if text]
-            grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else body
             return self._compiler.compile_grammar(grammar)
         except Exception as exc:  # the request's schema, not the engine, is at fault
             raise RequestRefusedError(f"the output constraint does not compile: {type(exc).__name__}: {exc}") from exc
