@@ -9,9 +9,10 @@ with one. JSON is compiled without free whitespace (compact separators): a model
 token budget on blanks.
 
 `constraint_ebnf` writes the same grammar as EBNF text for an engine that compiles grammars itself (SGLang's
-``ebnf`` sampling parameter, compiled there by the same library): the request's stop tokens are allowed, once,
-after the constrained text (``Token(id)``), so a constrained chat turn can end with the template's end-of-turn as
-on the `hf` engine; the model's own end-of-sequence tokens end it too (a finished grammar allows them).
+``ebnf`` sampling parameter, compiled there by the same library). Such an engine ends a finished grammar with the
+model's end-of-sequence token only, so the tokens given as `end_tokens` (a chat turn's end-of-turn, e.g.
+``<|im_end|>``: the request's stop tokens that are not end-of-sequence) are made the grammar's last token
+(``Token(id)``): the turn ends as the chat template renders it, and the next turn extends the same sequence.
 
 xgrammar is imported here only, lazily (extra ``rollpool[grammar]``); a constraint that does not
 compile (a malformed schema) raises `RequestRefusedError`, failing that request only.
@@ -57,14 +58,14 @@ def _grammar(xgr: Any, constraint: OutputConstraint) -> Any:
         raise RequestRefusedError(f"the output constraint does not compile: {type(exc).__name__}: {exc}") from exc
 
 
-def constraint_ebnf(constraint: OutputConstraint, stop_token_ids: Sequence[int] = (), engine: str = "sglang") -> str:
-    """`constraint` as xgrammar EBNF text, then at most one of `stop_token_ids` (see the module docstring);
+def constraint_ebnf(constraint: OutputConstraint, end_tokens: Sequence[int] = (), engine: str = "sglang") -> str:
+    """`constraint` as xgrammar EBNF text, then one of `end_tokens` when given (see the module docstring);
     `RequestRefusedError` for a schema that does not compile or without xgrammar (naming `engine`)."""
     xgr = _xgrammar(engine)
     grammar = _grammar(xgr, constraint)
-    stops = sorted({int(t) for t in stop_token_ids})
-    if stops:
-        grammar = xgr.Grammar.concat(grammar, xgr.Grammar.from_ebnf(f"root ::= ({' | '.join(f'Token({t})' for t in stops)})?"))
+    ends = sorted({int(t) for t in end_tokens})
+    if ends:
+        grammar = xgr.Grammar.concat(grammar, xgr.Grammar.from_ebnf(f"root ::= {' | '.join(f'Token({t})' for t in ends)}"))
     return str(grammar)
 
 

@@ -51,7 +51,8 @@ Guarantees:
   the constraint as an xgrammar EBNF grammar (`grammar.constraint_ebnf`, built in the worker: xgrammar, extra
   ``rollpool[grammar]``) in SGLang's ``ebnf`` sampling parameter, compiled and applied by SGLang's grammar backend
   (engine option ``grammar_backend``: ``auto`` is xgrammar where the child can import it); the logprob reported is
-  SGLang's, before the grammar's mask. A child without a grammar backend answers `RequestRefusedError` naming the
+  SGLang's, which applies the grammar's mask to the logits first: the log-probability in the masked, renormalised
+  distribution the token was drawn from (the `hf` engine reports the model's, before the mask). A child without a grammar backend answers `RequestRefusedError` naming the
   engine. A grammar cannot resume inside a sample's partial output, so an ``interrupt`` update does not abort a
   constrained sample: it waits for it to finish (the tokens keep the version they began on), and a constrained sample
   aborted by anyone else starts over from its prompt.
@@ -293,6 +294,8 @@ class SGLangEngine:
         self._image_placeholder_ids: list[int] = []
         """(vision start, image, vision end) token ids from config.json, for the episode endpoint."""
         self._context_tokens: int | None = None
+        self._eos_ids: set[int] = set()
+        """The model's end-of-sequence ids (config.json, generation_config.json): SGLang's grammar backend stops on them."""
         self._tokenizer: Any = None
         self._released: set[str] = set()
         self._pause_started = 0.0
@@ -412,6 +415,13 @@ class SGLangEngine:
         self._takes_images = isinstance(cfg.get("vision_config"), dict)
         marks = [cfg.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
         self._image_placeholder_ids = [int(t) for t in marks] if self._takes_images and all(isinstance(t, int) for t in marks) else []
+        gen_cfg: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            gen_cfg = json.loads((path / "generation_config.json").read_text())
+        self._eos_ids = set()
+        for where in (cfg, text_cfg, gen_cfg if isinstance(gen_cfg, dict) else {}):
+            eos = where.get("eos_token_id")
+            self._eos_ids |= {eos} if isinstance(eos, int) else {t for t in eos if isinstance(t, int)} if isinstance(eos, list) else set()
         vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
         self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         positions = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
@@ -670,7 +680,10 @@ class SGLangEngine:
             raise RequestRefusedError("ignore_eos cannot be combined with an output constraint")
         from rollpool.workers.engines.grammar import constraint_ebnf
 
-        ebnf = await asyncio.to_thread(constraint_ebnf, constraint, sampling.stop_token_ids, "sglang")
+        # SGLang ends a finished grammar only with the model's end-of-sequence: the request's other stop tokens (a chat
+        # turn's end-of-turn) become the grammar's last token, so the turn ends as the template renders it
+        ends = [t for t in sampling.stop_token_ids if t not in self._eos_ids]
+        ebnf = await asyncio.to_thread(constraint_ebnf, constraint, ends, "sglang")
         return await self._generate(input_ids, n, sampling, request_id, ebnf=ebnf)
 
     async def _generate(

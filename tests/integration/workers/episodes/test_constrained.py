@@ -183,3 +183,16 @@ async def test_a_constraint_that_cannot_hold_is_refused_and_the_episode_goes_on(
     (t,) = await _episode(hf_engine_factory, agent)
     assert len(errors) == 2 and "does not compile" in errors[0] and "ignore_eos" in errors[1]
     assert t.reward == 3.0 and "constrained_tokens" not in t.metadata
+
+
+async def test_the_gpu_tests_agent_holds_on_the_sglang_engines_cpu_child(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """tests/gpu/test_sglang_constrained_gpu.py's agent and checks, on the sglang engine whose child is the sim backend
+    (its grammar backend a fake: uniform among the tokens xgrammar allows): the engine's request, the endpoint's
+    forced calls and schema, and the trajectory's marks, without a GPU."""
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from tests.gpu.test_sglang_constrained_gpu import check, run_agent
+    from tests.unit.workers.conftest import SIM_SERVER_ARGS
+
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          start_timeout_s=60, grammar_backend="xgrammar", server_args=json.dumps(SIM_SERVER_ARGS))
+    check(await run_agent(engine))
