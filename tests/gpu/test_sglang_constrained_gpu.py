@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
+pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.timeout(900)]
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "sunny": {"type": "boolean"}},
         "required": ["city", "sunny"], "additionalProperties": False}
