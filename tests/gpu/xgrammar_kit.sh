@@ -29,9 +29,13 @@ case "${1:-}" in
   install)
     DIR="${2:?usage: install DIR TARGET}"
     TARGET="${3:?usage: install DIR TARGET}"
-    (cd "$DIR" && sha256sum -c --quiet "$NAME.sha256")
+    if command -v sha256sum >/dev/null; then (cd "$DIR" && sha256sum -c --quiet "$NAME.sha256"); fi
     mkdir -p "$TARGET"
-    xz -dc "$DIR/$NAME" | tar -C "$TARGET" -xf -
+    if command -v xz >/dev/null; then
+      xz -dc "$DIR/$NAME" | tar -C "$TARGET" -xf -
+    else
+      "${PYTHON:-python3}" -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$DIR/$NAME" "$TARGET"
+    fi
     PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -c \
       'import importlib.metadata as m, xgrammar; print("xgrammar_kit.sh: xgrammar", m.version("xgrammar"), "from", xgrammar.__file__)'
     ;;
