@@ -50,12 +50,12 @@ Guarantees:
 - Constrained decoding (`ConstrainedEngine`: forced tool calls, structured output): ``generate_constrained`` sends
   the constraint as an xgrammar EBNF grammar (`grammar.constraint_ebnf`, built in the worker: xgrammar, extra
   ``rollpool[grammar]``) in SGLang's ``ebnf`` sampling parameter, compiled and applied by SGLang's grammar backend
-  (engine option ``grammar_backend``: ``auto`` is xgrammar where the child can import it); the logprob reported is
-  SGLang's, which applies the grammar's mask to the logits first: the log-probability in the masked, renormalised
-  distribution the token was drawn from (the `hf` engine reports the model's, before the mask). A child without a grammar backend answers `RequestRefusedError` naming the
-  engine. A grammar cannot resume inside a sample's partial output, so an ``interrupt`` update does not abort a
-  constrained sample: it waits for it to finish (the tokens keep the version they began on), and a constrained sample
-  aborted by anyone else starts over from its prompt.
+  (engine option ``grammar_backend``: ``auto`` is xgrammar where the child can import it). The logprob reported is
+  SGLang's, which masks the logits first: the token's log-probability in the masked, renormalised distribution it
+  was drawn from (the `hf` engine reports the model's, before the mask). A child without a grammar backend: the
+  request is refused (`RequestRefusedError`, naming the engine). A grammar cannot resume inside a sample's partial
+  output, so an ``interrupt`` update does not abort a constrained sample: it waits for it to finish (its tokens keep
+  the version they began on); a constrained sample aborted by anyone else starts over from its prompt.
 - Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
   (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
   ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
@@ -420,8 +420,8 @@ class SGLangEngine:
             gen_cfg = json.loads((path / "generation_config.json").read_text())
         self._eos_ids = set()
         for where in (cfg, text_cfg, gen_cfg if isinstance(gen_cfg, dict) else {}):
-            eos = where.get("eos_token_id")
-            self._eos_ids |= {eos} if isinstance(eos, int) else {t for t in eos if isinstance(t, int)} if isinstance(eos, list) else set()
+            eos = where.get("eos_token_id")  # an int or a list of ints
+            self._eos_ids.update(t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int))
         vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
         self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         positions = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
