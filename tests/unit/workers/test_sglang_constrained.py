@@ -151,3 +151,15 @@ async def test_a_constrained_sample_aborted_by_someone_else_starts_over(grammar_
     assert grammar_engine.stats["restarts"] - before["restarts"] == 1 and grammar_engine.stats["attempts"] - before["attempts"] == 2
     answer = json.loads(tok.decode(s.output_ids[:-1]))  # the whole output is one run of the grammar
     assert set(answer) == {"city", "sunny"}
+
+
+async def test_the_grammar_backend_option_is_checked_and_reaches_the_child() -> None:
+    from rollpool.protocol.errors import ConfigError
+    from rollpool.workers.config import WorkerConfig
+
+    with pytest.raises(ConfigError, match="SGLangOptions.grammar_backend must be one of"):
+        WorkerConfig(engine="sglang", model="/m", engine_options="grammar_backend=xgrammer")
+    cmd = SGLangEngine(model="/m", grammar_backend="none").command()
+    assert json.loads(cmd[cmd.index("--engine-kwargs") + 1])["grammar_backend"] == "none"
+    cmd = SGLangEngine(model="/m").command()
+    assert json.loads(cmd[cmd.index("--engine-kwargs") + 1])["grammar_backend"] == "auto"  # the child resolves it
