@@ -4,7 +4,8 @@ The worker's path: an `SGLangEngine` that launches SGLang as its child (grammar 
 Llama, an `EpisodeRunner` over it, and an agent on the real ``openai`` SDK. A random model follows no format, so
 every parse below holds only because SGLang's grammar backend held the tokens to the grammar the engine sent.
 
-The device kit has no xgrammar: add it first (tests/gpu/xgrammar_kit.sh), else this skips, saying so. The tests are
+The device kit has no xgrammar: add it first (tests/gpu/xgrammar_kit.sh), else this skips, saying so. With
+``ROLLPOOL_SGLANG_LOG_DIR`` the SGLang child's log is written there. The tests are
 plain functions around ``asyncio.run`` (the device has no pytest-asyncio); ``python3 tests/gpu/test_sglang_constrained_gpu.py``
 runs them without pytest too. What runs on a CPU against the sim child is in tests/unit/workers/test_sglang_constrained.py.
 """
@@ -46,6 +47,7 @@ def gpu_engine(model: pathlib.Path, log_dir: pathlib.Path) -> Any:
     """The worker's engine: SGLang launched as its child, on the GPU, with xgrammar as its grammar backend."""
     from rollpool.workers.engines.sglang.engine import SGLangEngine
 
+    log_dir = pathlib.Path(os.environ.get("ROLLPOOL_SGLANG_LOG_DIR") or log_dir)  # $OUT on the device: the child's log comes back
     return SGLangEngine(model=str(model), capacity=8, mem_fraction_static=0.15, cuda_graph_max_bs=16, log_dir=str(log_dir),
                         grammar_backend="xgrammar")
 
