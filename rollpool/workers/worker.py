@@ -678,15 +678,24 @@ class _SupervisedEngine:
         return engine
 
     def __getattr__(self, name: str) -> Any:
+        if name == "generate_constrained":  # only where the engine has it (`ConstrainedEngine` is checked by attribute)
+            getattr(self._engine(), name)
+            return self._generate_constrained
         return getattr(self._engine(), name)
 
     def info(self) -> EngineInfo:
         return self._engine().info()
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watched("generate", *args, **kwargs)
+
+    async def _generate_constrained(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watched("generate_constrained", *args, **kwargs)
+
+    async def _watched(self, method: str, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine()
         try:
-            return await engine.generate(*args, **kwargs)
+            return await getattr(engine, method)(*args, **kwargs)
         except (asyncio.CancelledError, RequestRefusedError):
             raise
         except Exception as exc:
