@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -165,6 +165,7 @@ class WeightPublisher:
         self._ipc = IpcArenas(self.publisher_id, self.host_key, path, self.gpu_budget)
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._server.on_manifest_request = self._ipc.hello
+        self._server.ring = self._ipc.ring  # the same-GPU ring's takers and who may see its buffer
         self._path_note: dict[str, Any] = {}
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`warm_segments`); a publish waits for it."""
@@ -212,9 +213,11 @@ class WeightPublisher:
 
     @property
     def path_note(self) -> dict[str, Any]:
-        """The last planned version's offer: ``offered`` (``cuda_ipc``: a device buffer besides the host buckets, or
-        ``host``) and ``why_not_cuda_ipc`` (why no device buffer was offered; "" when one was)."""
-        return dict(self._path_note)
+        """The last planned version's offer: ``offered`` (``cuda_ipc``: a whole-version device arena besides the host
+        buckets, ``cuda_ipc_ring``: the version streamed through the same-GPU ring, or ``host``), ``why_not_cuda_ipc``
+        (why no arena was offered; "" when one was), ``why_not_ring`` (why no ring either) and ``last_ring`` (the last
+        ring's outcome: buckets released, its taker, why it was abandoned)."""
+        return {**self._path_note, "last_ring": dict(self._ipc.ring.last)}
 
     @property
     def ipc_versions(self) -> int:
@@ -233,6 +236,9 @@ class WeightPublisher:
             "shm_fallbacks": self.shm_fallbacks,
             "ipc_versions": self._ipc.versions,
             "ipc_arenas": len(self._ipc.exports),
+            "ipc_ring_versions": self._ipc.ring.versions,
+            "ipc_ring_abandoned": self._ipc.ring.abandoned,
+            "ipc_ring_bytes": self._ipc.ring.allocated,
             "gpu_budget_bytes": self.gpu_budget.budget,
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._buffers.buffers_allocated,
@@ -364,6 +370,7 @@ class WeightPublisher:
         snap = self._begin(version, places, planner)
         snap.marks["begun"] = time.perf_counter()
         ipc_device = self._ipc.device_for(items)
+        offered, why_not_ring, arena = "host", "", cast(Any, None)
         if ipc_device is not None:
             try:
                 got = self._ipc.begin(snap.served, places, ipc_device)
@@ -371,21 +378,19 @@ class WeightPublisher:
                 self._ipc.release(version)
                 snap.served.cuda_ipc = None
                 got = None
-            if got is None:  # not offered (past the GPU budget, or failed): said in why_not
+            if got is None:  # no arena (past the GPU budget, or failed): said in why_not; the ring, where its slots fit
+                offered, why_not_ring = self._ipc.offer_ring(snap.served, ipc_device)
                 ipc_device = None
             else:
-                arena, snap.ipc_offsets, arena_items = got
-        self._note_path(version, ipc_device is not None)
+                offered, (arena, snap.ipc_offsets, arena_items) = "cuda_ipc", got
+        self._note_path(version, offered, why_not_ring)
         previous, self._latest = self._latest, version
         if ipc_device is None and self.config.weight_delta:
             self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
-            if ipc_device is not None:
-                snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
-            else:
-                await snap.copy(items)
+            await self._copy(snap, offered, arena, places, items)
         except BaseException:
             self._server.drop_version(version, code="unavailable")
             self._latest = previous
@@ -408,13 +413,26 @@ class WeightPublisher:
             await self.wait_ready(version)
         return snap.served.manifest("")
 
-    def _note_path(self, version: int, offered_ipc: bool) -> None:
-        """Which path this publisher offers from `version`, and why the faster one is not: logged when it changes."""
-        note = {"version": version, "offered": "cuda_ipc" if offered_ipc else "host", "why_not_cuda_ipc": self._ipc.why_not}
-        if (note["offered"], note["why_not_cuda_ipc"]) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc")):
+    async def _copy(self, snap: Snapshot, offered: str, arena: Any, places: list[Place], items: Any) -> None:
+        """The snapshot's copy for the path offered (the call's blocking part: the trainer may step once it returns)."""
+        if offered == "cuda_ipc":
+            snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
+        elif offered == "cuda_ipc_ring":  # the host snapshot and the ring read the trainer's tensors side by side
+            await self._ipc.ring.beside(snap.copy(items), snap.version, places, items, self._server.complete_ipc)
+        else:
+            await snap.copy(items)
+
+    def _note_path(self, version: int, offered: str, why_not_ring: str = "") -> None:
+        """Which path this publisher offers from `version` (``cuda_ipc`` arena, ``cuda_ipc_ring``, ``host``), and why the
+        faster ones are not: logged when it changes."""
+        note = {"version": version, "offered": offered, "why_not_cuda_ipc": self._ipc.why_not, "why_not_ring": why_not_ring}
+        if (offered, note["why_not_cuda_ipc"], why_not_ring) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc"),
+                                                                 self._path_note.get("why_not_ring")):
+            said = {"cuda_ipc": "a same-GPU device arena besides the host buckets",
+                    "cuda_ipc_ring": f"the same-GPU ring besides the host buckets (no whole-version arena: {self._ipc.why_not})"}
             log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
-                     "a same-GPU device buffer besides the host buckets" if offered_ipc
-                     else f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'})")
+                     said.get(offered) or f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'}"
+                     + (f"; no ring: {why_not_ring}" if why_not_ring else "") + ")")
         self._path_note = note
 
     async def wait_ready(self, version: int | None = None) -> None:

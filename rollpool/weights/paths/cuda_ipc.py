@@ -42,6 +42,7 @@ from rollpool.weights.gpu import (
 )
 from rollpool.weights.manifest import CUDA_IPC, GpuBudget, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
+from rollpool.weights.paths.ipc_ring import IpcRing, RingReader
 from rollpool.weights.serving import ServedVersion
 from rollpool.weights.snapshot import Place
 
@@ -82,9 +83,12 @@ class CudaIpcPath:
         """The GPUs this process sees by UUID (None: not asked yet; tests put a fake device list here, named so)."""
         self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
         """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
+        self.ring = RingReader(ctx, slabs)
+        """The same-GPU ring's reader (`rollpool.weights.paths.ipc_ring`), for a version that streams through one."""
 
     def close(self) -> None:
         self._opened = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
+        self.ring.close()
 
     def gpu_uuids(self) -> dict[str, int]:
         """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA. The
@@ -97,6 +101,9 @@ class CudaIpcPath:
         return self.gpus
 
     async def fetch(self, job: FetchJob) -> Fetched:
+        ipc = job.manifest.cuda_ipc
+        if ipc is not None and ipc.ring_slots:
+            return await self.ring.fetch(job.manifest, self.gpu_uuids()[ipc.device_uuid], job.on_bucket)
         return await self._fetch_ipc(job.manifest, job.on_bucket)
 
     def _open(self, info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
@@ -195,6 +202,9 @@ class IpcArenas:
         """Versions offered on the same-GPU path."""
         self.broken = ""
         """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self.ring = IpcRing(publisher_id, self.budget)
+        """The bucket-by-bucket ring (`rollpool.weights.paths.ipc_ring`), offered when a whole-version arena would pass
+        the budget; its `device` is the device edge `device_for` asks too (the CPU tests fake it, named so)."""
         if path == CUDA_IPC:
             warm_in_background()
 
@@ -204,6 +214,7 @@ class IpcArenas:
         self.slabs.trim(0)
         self.budget.give(self.allocated)
         self.allocated = 0
+        self.ring.close()
 
     def hello(self, req: ManifestRequest) -> None:
         """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""
@@ -232,14 +243,14 @@ class IpcArenas:
             self.why_not = "the tensors are on several devices"
             return None
         device: torch.device = next(iter(devices))
-        if device.type != "cuda":
+        if not self.ring.device.accepts(device):
             self.why_not = "the tensors are on the CPU"
             if self.path == CUDA_IPC:
                 _errlog.warning("ipc-cpu", "weight publisher %s: path 'cuda_ipc' with CPU tensors: no device buffer "
                                 "offered (subscribers take shared memory or the network)", self.publisher_id)
             return None
         if self.path == "auto":
-            mine = {u for u, i in device_uuids().items() if i == device.index}
+            mine = self.ring.device.uuids(device)
             if not mine & self.peers:
                 self.why_not = "no subscriber on this host said it sees this GPU"
                 return None
@@ -296,6 +307,11 @@ class IpcArenas:
             views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
         self.versions += 1
         return arena, offsets, views
+
+    def offer_ring(self, served: ServedVersion, device: torch.device) -> tuple[str, str]:
+        """No arena for `served`: (``cuda_ipc_ring``, "") when it streams through the ring, else (``host``, why not)."""
+        why = self.broken or self.ring.offer(served, device)
+        return ("host", why) if why else ("cuda_ipc_ring", "")
 
     def release(self, version: int) -> None:
         arena = self.of_version.pop(version, None)
