@@ -75,8 +75,11 @@ RING_PATH = "cuda_ipc_ring"
 """The path a ring fetch names (`Fetched.path`, the ``weights fetched`` line, `WeightSubscriber.last_path`)."""
 RING_MAX_SLOTS = 4
 """The most slots a ring takes, however large the budget (two already pipeline: one filled while one is copied out)."""
-CLAIM_TIMEOUT_S = 2.0
-"""How long a version's ring waits for a subscriber to claim it before the version goes over the host path alone."""
+CLAIM_TIMEOUT_S = 0.5
+"""How long a version's ring waits, from the publish, for a subscriber to claim it before the version goes over the host
+path alone. A same-GPU worker claims within milliseconds of the announce; one busy applying the previous version (a
+``drain`` apply) claims late and takes the host path. Short, because the trainer waits it out whenever nobody claims: at
+8B the host snapshot beside the ring takes about as long anyway."""
 RELEASE_TIMEOUT_S = 2.0
 """How long the ring waits for its taker to release a slot (a dead or stuck subscriber) before it is abandoned."""
 MIX64_PART_BYTES = 16 << 20
