@@ -335,12 +335,16 @@ class WeightPublisher:
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
             if self.keep_versions == 0:
-                served = await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
+                # on the same GPU, the ring alone (no copy of the tensors; held until its taker has them all)
+                ringed, why_not_ring = await self._ipc.ring_only(named_tensors, version, self.bucket_bytes, self._knobs, self._server)
+                self._note_path(version, "host" if ringed is None else "cuda_ipc_ring", why_not_ring)
+                served = ringed or await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
                 self._latest = version
                 self._server.add_version(served)
                 self._after_publish(served, t0, t0)
                 manifest = served.manifest("")
-                await self._hold(served, expected_fetchers)
+                if not served.released:
+                    await self._hold(served, expected_fetchers)
                 return manifest
             if self.keep_versions >= 2:
                 # evict first what this version evicts anyway (a complete newer one stays served):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import CudaIpcBuffer, Manifest, ManifestRequest
+from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest
 from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes, unpack_bucket
 from rollpool.weights.gpu import (
     ARENA_ALIGN,
@@ -43,8 +43,8 @@ from rollpool.weights.gpu import (
 from rollpool.weights.manifest import CUDA_IPC, GpuBudget, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
 from rollpool.weights.paths.ipc_ring import IpcRing, RingReader
-from rollpool.weights.serving import ServedVersion
-from rollpool.weights.snapshot import Place
+from rollpool.weights.serving import ServedVersion, WeightServer
+from rollpool.weights.snapshot import Place, SnapshotKnobs, plan_version, referenced_version
 
 __all__ = ["CudaIpcPath", "IpcArenas", "warm_in_background"]
 
@@ -153,6 +153,13 @@ class CudaIpcPath:
             self.slabs.give(slab)
             raise
         return Fetched(manifest, buffers, slab, CUDA_IPC)
+
+
+class _NotYet:
+    """A ring-only version's bucket on the host: not there (fetches wait) until an abandoned ring makes the host copy."""
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        return None
 
 
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
@@ -307,6 +314,36 @@ class IpcArenas:
             views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
         self.versions += 1
         return arena, offsets, views
+
+    async def ring_only(self, named_tensors: Any, version: int, bucket_bytes: int, knobs: SnapshotKnobs,
+                        server: WeightServer) -> tuple[ServedVersion | None, str]:
+        """``keep_versions=0`` on the same GPU: the caller's CUDA tensors go through the ring alone, no host copy. Returns
+        (the served version, "") once the ring ended: ``released`` when its taker copied every bucket out (the version's
+        bytes are gone from here, as after any keep_versions=0 release); else abandoned, and the host copy of the
+        still unchanged tensors now serves it (`referenced_version`, held as keep_versions=0 holds). (None, why not)
+        when no ring can carry it (the caller serves its tensors as before)."""
+        items, places, planner = plan_version(named_tensors, bucket_bytes, None)
+        device = self.device_for(items) if places is not None else None
+        if device is None or places is None:
+            return None, ""
+        buckets = tuple(BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors))
+                        for b in planner.buckets)
+        served = ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=buckets, sources=[_NotYet()] * len(buckets),
+                               chunk_bytes=knobs.chunk_bytes, host_key=knobs.host_key, pool=knobs.pool)
+        self.why_not = "keep_versions=0: the caller's tensors go through the ring, no arena"
+        why = self.broken or self.ring.offer(served, device)
+        if why:
+            return None, why
+        server.add_version(served)  # announced: the same-GPU subscriber claims the ring
+        await self.ring.stream(version, places, items, server.complete_ipc)
+        if await self.ring.until_ended(version):
+            served.released, served.sources = True, []
+            return served, ""
+        ref = await referenced_version(named_tensors, version, bucket_bytes, knobs)  # the tensors have not changed yet
+        served.sources = ref.sources
+        for b in ref.buckets:
+            server.complete_bucket(version, b.index, b.checksum)
+        return served, ""
 
     def offer_ring(self, served: ServedVersion, device: torch.device) -> tuple[str, str]:
         """No arena for `served`: (``cuda_ipc_ring``, "") when it streams through the ring, else (``host``, why not)."""

@@ -343,6 +343,16 @@ class IpcRing:
             streaming.cancel()
             raise
 
+    async def until_ended(self, version: int) -> bool:
+        """Wait until the ring of `version` ended (its taker released every bucket, or it was abandoned); whether it
+        was done (not abandoned)."""
+        sched = self.rings.get(version)
+        if sched is None:
+            return False
+        while not sched.ended:
+            await self._wait(sched)
+        return not sched.abandoned
+
     @staticmethod
     def _pieces(n: int, places: list[Place], items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n)]

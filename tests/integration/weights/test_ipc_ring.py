@@ -255,3 +255,43 @@ async def test_a_subscriber_of_the_previous_minor_is_never_shown_the_ring(make_p
     got = await sub.fetch(1)
     await asyncio.wait_for(publishing, 10)
     assert sub.last_path == "cuda_ipc_ring" and same(got.tensors, {k: t for k, t in w.items()})
+
+
+async def test_keep_versions_0_the_ring_alone_carries_the_version_and_the_trainer_waits_for_its_taker(make_publisher: Any,
+                                                                                                       make_subscriber: Any) -> None:
+    """keep_versions=0 on the same GPU: no host copy at all; publish returns once the taker copied every bucket out,
+    then the version's bytes are gone from the publisher (as after any keep_versions=0 release)."""
+    pub = await ring_publisher(make_publisher, pool="tring7", keep_versions=0)
+    sub = ring_subscriber(make_subscriber, pub)
+    await sub.fetch_manifest()
+    w = model(7)
+    for v in (1, 2):
+        want, (got,) = await publish_while_fetching(pub, [sub], w, v)
+        assert not isinstance(got, BaseException) and same(got.tensors, want), got
+        assert sub.last_path == "cuda_ipc_ring" and sub.fallbacks == {}
+        assert pub.path_note["offered"] == "cuda_ipc_ring" and pub.path_note["last_ring"]["released"] == len(got.manifest.buckets)
+        sub.recycle(got)
+    assert pub.bytes_served == 0 and pub.stats["ipc_ring_versions"] == 2 and pub.gpu_budget.peak == pub.stats["ipc_ring_bytes"]
+    late = ring_subscriber(make_subscriber, pub)
+    from rollpool.weights.paths.base import WeightVersionGoneError
+
+    with pytest.raises(WeightVersionGoneError):
+        await late.fetch(2)  # nothing else holds it: the ring carried it to its one taker
+
+
+async def test_keep_versions_0_a_dead_taker_leaves_the_host_copy_of_the_unchanged_tensors(make_publisher: Any,
+                                                                                          make_subscriber: Any) -> None:
+    pub = await ring_publisher(make_publisher, pool="tring8", keep_versions=0, release_idle_s=5.0)
+    pub._ipc.ring.release_timeout_s = 0.3
+    dead = ring_subscriber(make_subscriber, pub)
+    await dead.fetch_manifest()
+    w = model(8)
+    want = {k: t.clone() for k, t in w.items()}
+    publishing = asyncio.ensure_future(pub.publish(w, 1, expected_fetchers=1))
+    await dead.wait_for_newer(0, timeout_s=10)
+    await dead.fetch_manifest(1, ring_done=0)  # claims, then dies
+    late = ring_subscriber(make_subscriber, pub)
+    got = await late.fetch(1)  # waits for the host copy the abandoned ring leaves behind
+    assert same(got.tensors, want) and late.last_path == "network"
+    assert "released no ring slot" in pub.path_note["last_ring"]["abandoned"]
+    await asyncio.wait_for(publishing, 10)  # released once its one expected fetcher had every byte
