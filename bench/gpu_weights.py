@@ -18,6 +18,13 @@ holding an optimizer-sized 8 GiB too:
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
         --optimizer-gib 8 --rows shm_cuda,cuda_ipc_cuda
 
+The row ``ring_only_cuda`` (only when named in ``--rows``) is the same GPU at ``keep_versions=0``: the ring alone, no
+host snapshot beside it (the trainer's call returns once the worker copied every bucket out; no other peer can fetch
+the version). Side by side in one run:
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --optimizer-gib 8 --rows shm_cuda,cuda_ipc_cuda,ring_only_cuda
+
 The JSON's ``same_gpu_ipc_paths_taken`` says which ran (``cuda_ipc``: an arena; ``cuda_ipc_ring``: the ring),
 ``ipc_extra_gpu_bytes`` the trainer's extra GPU memory (peak over versions) and ``ipc_gpu_budget_peak_bytes`` the
 budget's peak; ``goals`` holds ``same_gpu_ipc_s`` (<= 0.5), ``same_gpu_trainer_blocked_s`` (<= 0.3) and
@@ -566,8 +573,12 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
             name = f"{path}_{on}" + ("_delta" if delta else "")
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "delta": delta, "versions": recs}
-            pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto"}[path])
+            pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto", "ring_only": "auto"}[path])
             pub.config = dataclasses.replace(pub.config, weight_delta=delta)  # read at each publish
+            # ring_only: the same GPU at keep_versions=0 (the ring alone, no host copy; the call returns once the worker
+            # copied every bucket out); every other row keeps its 2 versions (read at each publish)
+            pub.keep_versions = 0 if path == "ring_only" else 2
+            stage[name]["keep_versions"] = pub.keep_versions
             sd = sd_cuda if on == "cuda" else {k: t.cpu() for k, t in sd_cuda.items()}
             kind = "host" if path == "tcp" else "shm"  # the cuda_ipc row's host buckets (for other peers) are shm too
             if kind != last_kind or on != last_on:
@@ -616,7 +627,9 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 # the trainer's GPU memory the publisher took beyond what it held before this version (its arenas)
                 extra_gpu = (torch.cuda.max_memory_allocated() - gpu_before) if torch.cuda.is_available() else 0
                 mixed_at_return = sum(1 for b in (ret_manifest.buckets if ret_manifest is not None else ()) if b.host_mix64)
-                torn = manifest is None or [b.checksum for b in manifest.buckets] != want
+                # keep_versions=0 through the ring: no host copy, so no host checksum to compare (the worker verified the
+                # GPU checksum of every bucket it copied out of the ring): not checked, not counted as torn
+                torn = None if pub.keep_versions == 0 else manifest is None or [b.checksum for b in manifest.buckets] != want
                 deadline = time.time() + 300
                 while True:
                     applied = _json_lines(worker_log, "sglang apply ")
@@ -824,6 +837,19 @@ def summarize() -> None:
         if bucket:
             goals["ipc_extra_gpu_bytes"] = path_goal(ipc, same_gpu, RESULT["ipc_extra_gpu_bytes"], 2 * bucket,
                                                      goal=f"<= 2 buckets ({2 * bucket} bytes)")
+    ro = rows.get("ring_only_cuda", {})
+    if ro.get("versions"):  # keep_versions=0 through the ring alone: the same goals, on the ring only
+        ro_s, ro_pause = (ro.get("summary") or {}).get("publish_to_applied_s"), (ro.get("summary") or {}).get("pause_s")
+        RESULT["ring_only_ipc_s"] = round(ro_s - ro_pause, 4) if ro_s is not None and ro_pause is not None else None
+        RESULT["ring_only_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for r in ro["versions"][1:]])
+        RESULT["ring_only_extra_gpu_bytes"] = (ro.get("summary") or {}).get("extra_gpu_bytes_peak")
+        RESULT["ring_only_paths_taken"] = (ro.get("summary") or {}).get("paths_taken")
+        goals["ring_only_ipc_s"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_ipc_s"], 0.5)
+        goals["ring_only_trainer_blocked_s"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_trainer_blocked_s"], 0.3)
+        bucket = RESULT.get("bucket_bytes")
+        if bucket:
+            goals["ring_only_extra_gpu_bytes"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_extra_gpu_bytes"], 2 * bucket,
+                                                           goal=f"<= 2 buckets ({2 * bucket} bytes)")
     cpu_shm, cpu_tcp = rows.get("shm_cpu", {}), rows.get("tcp_cpu", {})
     RESULT["cpu_tensors_shm_path_s"] = (cpu_shm.get("summary") or {}).get("publish_to_applied_s")
     RESULT["cpu_tensors_tcp_path_s"] = (cpu_tcp.get("summary") or {}).get("publish_to_applied_s")
@@ -886,6 +912,7 @@ HOW = {
     "same_gpu_ipc_paths_taken": "row cuda_ipc_cuda: the paths the worker's 'weights fetched' lines named: cuda_ipc (a whole-version arena) or cuda_ipc_ring (the bucket-by-bucket ring); the same-GPU goals are 'not measured' unless every version came over one of those",
     "same_gpu_trainer_blocked_s": "row cuda_ipc_cuda: duration of publish_weights, versions 2..N (the ring: until every bucket is out of the trainer's tensors, into its slot and into the host snapshot)",
     "ipc_extra_gpu_bytes": "row cuda_ipc_cuda: max over versions of torch.cuda.max_memory_allocated() during publish_weights..wait_ready less memory_allocated() before it, in the trainer's process (version 1 includes the ring's or arena's allocation; every version the checksums' temporaries)",
+    "ring_only_ipc_s": "row ring_only_cuda (keep_versions=0 on the same GPU: the ring alone, no host copy): median publish -> applied over versions 3..N less the row's median pause_s; ring_only_trainer_blocked_s, ring_only_extra_gpu_bytes and ring_only_paths_taken as for the cuda_ipc row",
     "ipc_gpu_budget_peak_bytes": "row cuda_ipc_cuda: the publisher's GpuBudget.peak (the ring's or arenas' bytes, never past publisher_gpu_budget_bytes)",
     "bucket_bytes": "the publisher's bucket size (--bucket-mib)",
     "fallback_reasons": "per version: the worker subscriber's fallback reasons of that fetch (its 'weights fetched' line); publisher_path_note: why the publisher offered no device buffer",
@@ -969,7 +996,7 @@ def main() -> int:
     if args.delta:
         rows += delta_rows
     if args.rows:  # the rows named, in the order named
-        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in rows + delta_rows}
+        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in [*rows, *delta_rows, ("ring_only", "cuda", False)]}
         rows = [by_name[n] for n in args.rows.split(",") if n in by_name]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")

@@ -263,6 +263,24 @@ async def _run_ring() -> dict[str, Any]:
         assert stats["ipc_ring_versions"] == 4 and stats["ipc_arenas"] == 0 and stats["ipc_ring_abandoned"] == 0, stats
         assert pub.gpu_budget.peak <= stats["ipc_ring_bytes"] <= pub.gpu_budget.budget, report
         assert pub.bytes_served == 0  # the only subscriber took the ring: no bucket byte on a socket
+        # keep_versions=0: the ring alone, no host copy; publish returns once the child copied every bucket out
+        pub.keep_versions = 0
+        report["ring_only"] = []
+        for v in (5, 6):
+            want = {k: mix64_checksum(flat_bytes(t).clone()) for k, t in w.items()}
+            torch.cuda.synchronize()
+            fetching = asyncio.ensure_future(ask(v))
+            t0 = time.perf_counter()
+            await pub.publish(w, v)
+            blocked = time.perf_counter() - t0
+            with torch.no_grad():
+                for t in w.values():
+                    t.add_(1.0)
+            got = await fetching
+            report["ring_only"].append({"version": v, "blocked_s": round(blocked, 4), **{k: got.get(k) for k in ("ok", "path", "fallbacks")}})
+            assert got["ok"] and got["path"] == "cuda_ipc_ring" and got["fallbacks"] == {}, got
+            assert got["sums"] == want, "the bytes the engine gets differ from the tensors at publish time"
+        assert pub.bytes_served == 0 and pub.stats["ipc_ring_versions"] == 6
     finally:
         if child.stdin is not None:
             child.stdin.write(b"\n")

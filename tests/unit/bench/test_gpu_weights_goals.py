@@ -122,3 +122,20 @@ def test_the_ring_counts_for_the_same_gpu_goals_and_says_which_ran() -> None:
     for key in ("same_gpu_ipc_s", "same_gpu_trainer_blocked_s", "ipc_extra_gpu_bytes"):
         assert goals[key]["met"] is None and "1 of 6" in goals[key]["not_measured"], goals[key]
     assert bench.RESULT["same_gpu_ipc_paths_taken"] == ["cuda_ipc_ring", "shm_device"]
+
+
+def test_the_ring_only_row_is_measured_on_the_ring_alone() -> None:
+    """keep_versions=0 through the ring (row ring_only_cuda): its goals count only when the ring served every version."""
+    bench = _bench()
+    rows = {"ring_only_cuda": {"versions": [_version(v, "cuda_ipc_ring") for v in range(1, 7)]},
+            "cuda_ipc_cuda": {"versions": [_version(v, "cuda_ipc_ring") for v in range(7, 13)]}}
+    bench.RESULT.clear()
+    bench.RESULT.update({"rows": rows, "how": {}, "model_bytes": 14 << 30, "bucket_bytes": 512 << 20})
+    bench.summarize()
+    goals = bench.RESULT["goals"]
+    assert goals["ring_only_ipc_s"]["met"] is True and goals["ring_only_trainer_blocked_s"]["met"] is True
+    assert bench.RESULT["ring_only_paths_taken"] == ["cuda_ipc_ring"]
+    rows["ring_only_cuda"]["versions"][0] = _version(1, "network", reasons=["the publisher's same-GPU ring of version 1 ended"])
+    bench.summarize()
+    assert bench.RESULT["goals"]["ring_only_ipc_s"]["met"] is None
+    assert bench.RESULT["goals"]["ring_only_extra_gpu_bytes"]["met"] is None
