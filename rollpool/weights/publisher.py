@@ -28,6 +28,8 @@ for `release_idle_s`, or `max_hold_s` passed). The caller must not change the
 tensors until then. After release the manifest stays the latest (so
 subscribers learn the version number) but fetches answer ``gone``. Contiguous
 CPU tensors are served in place; others are copied once (to CPU, contiguous).
+On the same GPU the ring carries CUDA tensors instead, with no copy
+(`paths/ipc_ring.py`).
 """
 
 from __future__ import annotations

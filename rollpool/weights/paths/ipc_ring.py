@@ -13,6 +13,8 @@ The publisher (`IpcRing`)
       into its slot (the ring) and into the host buckets (the ordinary snapshot, run beside the ring so the version is
       kept whole for every other peer, late joiners and a fallback: `keep_versions` means what it always meant). The
       last S buckets are then still in their slots; the next version's ring waits for them to be released.
+    - ``keep_versions=0`` (`IpcArenas.ring_only`): the ring alone, no host snapshot; `publish` returns once the taker
+      copied every bucket out, and a ring abandoned meanwhile leaves the host copy of the still unchanged tensors.
     - One subscriber takes a version's ring: the first to claim it (`ManifestRequest.ring_done` >= 0). Every other one
       is answered without the device buffer and takes the host path (shared memory staged to its GPU, or the network):
       a ring that waited for the slowest of several readers would stall on any one of them, and the host copy is
