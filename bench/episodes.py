@@ -270,7 +270,9 @@ IDLE_LEAVES = ("select (selectors.py", "_worker (concurrent/futures/thread.py", 
 
 
 def _category(stack: str) -> str:
-    frames = stack.split(";")
+    # py-spy names a file by its package part ("json/__init__.py", "transformers/..."); a "/" in front lets the
+    # marks that start with one ("/json/", "/transformers/", "/ssl.py") match it
+    frames = [f.replace(" (", " (/", 1) for f in stack.split(";")]
     for frame in reversed(frames):
         for name, marks in PROFILE_CATEGORIES:
             if any(m in frame for m in marks):

@@ -37,9 +37,26 @@ sglang engine's ``hop`` option; the JSON's ``hop``), for the two side by side in
 each with its own event loop (``rollpool worker --agent-processes``), so the worker's event loop holds only
 the pool's own work; 0 (the default) runs them in the worker.
 
+``--agent-client shared``: the agent takes one ``openai.AsyncOpenAI`` per process and copies it per episode
+(``with_options(base_url=..., api_key=...)``: one TLS context and one connection pool) instead of a new client per
+episode (the default, as most agents are written: each builds a TLS context, tens of ms of CPU); the JSON's
+``agent_client``, the file name's ``-shared-client``. It tells the SDK's per-episode cost from the pool's.
+
+``--profile-s S``: after the measured phases, phase ``profiled`` runs the no_update workload round after round
+while py-spy (bench/profiling.py; the ``py-spy`` on PATH or the wheel in ``.gpuextra/``, which must travel with
+the checkout: the device call's ``carry: [".gpuextra"]``) samples for S seconds the worker, one agent process (with
+``--agent-processes``), the worker's SGLang child and its scheduler, and likewise the peer's process and its
+scheduler once the peer's phases are done. Per process ``profile-<role>.txt`` (top 25 functions by own and by
+cumulative samples, shares by category, CPU seconds over the window), ``.raw`` (py-spy's collapsed stacks) and
+``-dump.txt`` (one ``py-spy dump``); in the JSON, ``profile`` (all of it per role) and ``profile_top_self`` (the
+top 10 [function, share] per role). Sampling that fails (no py-spy, no ptrace rights) is recorded in the role's
+``error`` with the ptrace facts (``ptrace``), never failing the run.
+
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT                        -> <card>-episodes.json (h100, h200)
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8    -> <card>-episodes-ap8.json
                                                                              (agents in 8 child processes of the worker)
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8 --profile-s 20 --deadline-s 420
+                                                                          -> the same + profile-<role>.txt, profile_top_self
 """
 
 from __future__ import annotations
@@ -60,6 +77,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import gpu_weights as gw  # noqa: E402 - the model builder, process helpers and kit setup
+from bench import profiling  # noqa: E402 - py-spy on the pool's and the peer's processes (--profile-s)
 from bench.episodes import add_workload_args  # noqa: E402 - the workload both episode benches run
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
@@ -75,7 +93,10 @@ async def agent(ctx: Any, prompt: Any) -> float:
     md = prompt.metadata
     turns, tokens, tool_words = int(md["turns"]), int(md["tokens_per_turn"]), int(md["tool_words"])
     rng = random.Random(f"{prompt.prompt_id}:{ctx.sample_index}")
-    client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0, timeout=600)
+    if md.get("agent_client") == "shared":  # one SDK client per process, copied per episode: one TLS context, one pool
+        client = _shared_client().with_options(base_url=ctx.openai_base_url, api_key=ctx.api_key)
+    else:  # a client per episode, as most agents are written: each builds its own TLS context (certifi's bundle)
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0, timeout=600)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                       {"role": "user", "content": str(md["task"])}]
     per_turn: list[dict[str, Any]] = []
@@ -96,9 +117,23 @@ async def agent(ctx: Any, prompt: Any) -> float:
             obs = " ".join(rng.choice(WORDS) for _ in range(tool_words))
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
     finally:
-        await client.close()
+        if md.get("agent_client") != "shared":
+            await client.close()
     ctx.metadata["cache_turns"] = per_turn
     return 0.0
+
+
+_SHARED: dict[int, Any] = {}
+
+
+def _shared_client() -> Any:
+    """This event loop's one `openai.AsyncOpenAI` (``--agent-client shared``); never closed: it lives as long as the process."""
+    import openai
+
+    key = id(asyncio.get_running_loop())
+    if key not in _SHARED:
+        _SHARED[key] = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=600)
+    return _SHARED[key]
 
 
 # --------------------------------------------------------------------------- the trainer side
@@ -131,7 +166,7 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
     prompts = [Prompt(prompt_id=f"{name}-{i}", text=task(i), group_size=args.n,
                       sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
                       metadata={"turns": args.turns, "tokens_per_turn": args.tokens_per_turn, "tool_words": args.tool_words,
-                                "task": task(i)})
+                                "task": task(i), "agent_client": args.agent_client})
                for i in range(args.groups)]
     t0 = time.time()
     res = await client.submit(prompts)
@@ -163,6 +198,37 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
     out["sampled_tokens"] = sum(int((tr.loss_mask == 1).sum()) for g in groups for tr in g.trajectories)
     out["output_tokens_per_s"] = round(out["sampled_tokens"] / wall, 1)
     return out
+
+
+async def profile_pool(client: Any, args: argparse.Namespace, worker_pid: int, result: dict[str, Any]) -> None:
+    """Phase ``profiled``: the no_update workload again, round after round, while py-spy samples the pool's processes."""
+    roles: dict[str, int | None] = {"worker": worker_pid}
+    if args.agent_processes:
+        roles["agent"] = profiling.find_child(worker_pid, "rollpool.workers.episodes", "--index")
+    roles["sglang"] = sg = profiling.find_child(worker_pid, "rollpool.workers.engines.sglang.server")
+    if sg is not None and args.backend == "sglang":
+        roles["sglang-scheduler"] = profiling.find_child(sg, "scheduler")
+    sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil,
+                                  native=args.profile_native)
+    await asyncio.to_thread(sampler.start, roles)
+    rounds: list[dict[str, Any]] = []
+    try:
+        while not rounds or sampler.running():
+            rounds.append(await run_phase(client, f"profile{len(rounds)}", args, None, None, 0))
+    finally:
+        prof = await asyncio.to_thread(sampler.finish)
+        record_profile(result, prof)
+    result["profiled"] = {"rounds": len(rounds), "output_tokens_per_s": [r["output_tokens_per_s"] for r in rounds],
+                          "note": "the no_update workload with py-spy attached (its overhead included); not a measured phase"}
+
+
+def record_profile(result: dict[str, Any], prof: dict[str, dict[str, Any]]) -> None:
+    result.setdefault("profile", {}).update(prof)
+    top = result.setdefault("profile_top_self", {})
+    for role, info in prof.items():
+        top[role] = info.get("top_self", [])[:10] if info.get("samples") else f"no samples: {info.get('error', 'unknown')}"
+        gw.note(f"profile {role}: {info.get('samples', 0)} samples, cpu_share {info.get('cpu_share')}, "
+                f"top {info.get('top_self', [])[:3]} {info.get('error', '')}")
 
 
 # --------------------------------------------------------------------------- the peer: the same loop on an in-process sglang.Engine
@@ -253,6 +319,20 @@ def peer_main(args: argparse.Namespace) -> int:
         Path(args.peer_out).write_text(json.dumps(res))
         res["one_update"] = loop.run_until_complete(_peer_phase(eng, tok, args, "one-update", res["no_update"]["wall_s"] / 2, sd))
         Path(args.peer_out).write_text(json.dumps(res))
+        if args.profile_s > 0:  # the same rounds-under-py-spy as the pool's profiled phase, on this process
+            profiling.allow_ptrace_self()
+            me = os.getpid()
+            sampler = profiling.Sampler(Path(args.out), args.profile_s, rate=args.profile_rate, gil=args.profile_gil,
+                                  native=args.profile_native)
+            sampler.start({"peer": me, "peer-scheduler": profiling.find_child(me, "scheduler")})
+            rounds: list[float] = []
+            try:
+                while not rounds or sampler.running():
+                    rounds.append(loop.run_until_complete(_peer_phase(eng, tok, args, f"profile{len(rounds)}", None, None))["output_tokens_per_s"])
+            finally:
+                res["profile"] = sampler.finish()
+            res["profiled"] = {"rounds": len(rounds), "output_tokens_per_s": rounds}
+            Path(args.peer_out).write_text(json.dumps(res))
     finally:
         eng.shutdown()
     return 0
@@ -263,15 +343,22 @@ def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
     out = Path(args.out) / "peer.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-out", str(out)]
-    for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction"):
+    for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction", "out",
+              "profile_s", "profile_rate"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    cmd += ["--profile-gil"] if args.profile_gil else []
+    cmd += ["--profile-native"] if args.profile_native else []
     try:
         with (Path(args.out) / "peer.log").open("ab") as fh:
-            subprocess.run(cmd, cwd=ROOT, timeout=args.peer_timeout_s, check=True, stdout=fh, stderr=subprocess.STDOUT)
+            env = {**os.environ, **(profiling.ptrace_hook_env(Path(args.work)) if args.profile_s > 0 else {})}
+            subprocess.run(cmd, cwd=ROOT, timeout=args.peer_timeout_s + args.profile_s, check=True, stdout=fh,
+                           stderr=subprocess.STDOUT, env=env)
     except Exception as exc:  # noqa: BLE001 - recorded; what the peer wrote stands
         result["peer_error"] = f"{type(exc).__name__}: {exc}"[:2000]
     if out.exists():
         result["inprocess"] = json.loads(out.read_text())
+        if "profile" in result["inprocess"]:
+            record_profile(result, result["inprocess"].pop("profile"))
     ratios = {}
     for phase in ("no_update", "one_update"):
         pool, peer = result.get(phase, {}).get("output_tokens_per_s"), result.get("inprocess", {}).get(phase, {}).get("output_tokens_per_s")
@@ -308,10 +395,11 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
     fn = "bench.gpu_episodes:agent"
+    env = profiling.ptrace_hook_env(work) if args.profile_s > 0 else {}
     worker = gw._spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "ep0",
                         "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
                         "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--agent-processes", str(args.agent_processes),
-                        "--log-level", "INFO"], wlog)
+                        "--log-level", "INFO"], wlog, env=env)
     zctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{gw._port()}",
                           pub_endpoint=f"tcp://127.0.0.1:{gw._port()}", keep_versions=2, pool="bench-episodes")
@@ -338,6 +426,10 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
         at = result["no_update"]["wall_s"] / 2
         result["one_update"] = await run_phase(client, "one-update", args, at, sd, 1)
         gw.note(f"one_update: {json.dumps(result['one_update'])}")
+        save()
+        if args.profile_s > 0:
+            await profile_pool(client, args, worker.pid, result)
+            save()
         result["worker_declared_dead"] = (out / "broker.log").read_text(errors="replace").count("declared dead")
         save()
     finally:
@@ -362,10 +454,20 @@ def main() -> int:
     ap.add_argument("--phase-timeout-s", type=float, default=240)
     ap.add_argument("--deadline-s", type=float, default=560)
     ap.add_argument("--agent-processes", type=int, default=0, help="the worker's --agent-processes: its episode functions in N child processes (0: in the worker)")
+    ap.add_argument("--agent-client", choices=("per-episode", "shared"), default="per-episode",
+                    help="the agent's openai client: a new AsyncOpenAI per episode (each builds a TLS context), or one per "
+                         "process copied per episode with with_options (the JSON's agent_client)")
     ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
     ap.add_argument("--peer-timeout-s", type=float, default=300)
+    ap.add_argument("--profile-s", type=float, default=0,
+                    help="after the measured phases, py-spy samples the worker, one agent process, the SGLang child (and the "
+                         "peer's process) for this many seconds while the no_update workload runs again: profile-<role>.txt; 0: off")
+    ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (--profile-s)")
+    ap.add_argument("--profile-gil", action="store_true", help="py-spy --gil: only the thread holding the GIL (Python's own CPU)")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="py-spy --native: C and Rust frames too (the collector, waits for the GIL, the tokenizer's Rust)")
     ap.add_argument("--peer-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_out:
@@ -390,8 +492,15 @@ def main() -> int:
 
         result["machine"] = torch.cuda.get_device_name(0)
         card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
-        gw.RESULT_NAME = f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}.json"
+        gw.RESULT_NAME = (f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}"
+                          f"{'-shared-client' if args.agent_client == 'shared' else ''}.json")
     result["agent_processes"] = args.agent_processes
+    result["agent_client"] = args.agent_client
+    if args.profile_s > 0:
+        result["how"]["profile"] = ("phase 'profiled', after the measured ones: the no_update workload round after round while py-spy "
+                                    "samples each process for --profile-s s (idle threads left out); profile-<role>.txt per process, "
+                                    "profile_top_self: the top 10 functions by own samples, [function, share of the role's samples]")
+        result["ptrace"] = profiling.ptrace_facts()
     result["hop"] = args.hop
     try:
         asyncio.run(main_async(args, result, gw.save))

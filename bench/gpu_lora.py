@@ -5,7 +5,7 @@ before the next starts:
 
 1. the models of bench/gpu_sglang.py (a small Llama for the tests; a ~0.85 B-parameter bf16 Llama for the figures);
 2. tests/gpu/test_sglang_lora_gpu.py, run directly (SGLang serves the adapter as the merged model; two adapter
-   versions side by side without a pause);
+   versions side by side without a pause; a whole-model version leaves the adapter on, on top of the new base);
 3. broker + one worker (``sglang`` engine, ``lora=true``) + a trainer client. The trainer publishes adapter
    version 1 (rank ``--rank`` on every attention and MLP projection); the same adapter is loaded into the same
    SGLang server under another name for the direct run. ``pool_vs_direct``: output tokens/s through the pool
@@ -62,7 +62,8 @@ async def run_tests(small: Path) -> dict[str, str]:
 
     os.environ["ROLLPOOL_SGLANG_TEST_MODEL"] = str(small)
     results: dict[str, str] = {}
-    for name in ("check_adapter_is_served_as_the_merged_model", "check_two_adapter_versions_serve_side_by_side_without_a_pause"):
+    for name in ("check_adapter_is_served_as_the_merged_model", "check_two_adapter_versions_serve_side_by_side_without_a_pause",
+                 "check_a_base_version_keeps_the_adapter_on"):
         work = OUT / name
         work.mkdir(exist_ok=True)
         try:

@@ -53,6 +53,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ROUNDS alternating runs of the previous snapshot and bank copies (one job and one copy per matrix) "
                          "and the current ones (matrices batched into copy jobs of up to 4 MiB; one copy of each fetched "
                          "bucket into the bank), medians and ratios side by side")
+    ap.add_argument("--compare-what", default="copies", choices=("copies", "plan"),
+                    help="--compare's arms: copies (above), or plan: every version planned and its adapter checked (before) "
+                         "against the previous version's plan and check reused when the names and shapes are the same (after)")
     ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (1: a shared 2-core box's copies are "
                     "not slowed by threads spinning for cores they do not get)")
     ap.add_argument("--json", default=None)
@@ -89,16 +92,18 @@ async def compare(a: argparse.Namespace) -> dict[str, Any]:
     from rollpool.weights import snapshot
     from rollpool.workers.engines import lora
 
-    batch_bytes, span = snapshot._BATCH_BYTES, lora._SPAN_COPY
+    batch_bytes, span, memo = snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN
     arms: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     try:
         for r in range(a.compare):
             for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):  # neither arm always second
-                # before: every matrix its own copy job (a thread hop each) and its own copy into the bank
-                snapshot._BATCH_BYTES, lora._SPAN_COPY = (0, False) if arm == "before" else (batch_bytes, span)
+                if a.compare_what == "plan":  # before: every version planned and its adapter checked from scratch
+                    snapshot._MEMO_PLAN = arm == "after"
+                else:  # before: every matrix its own copy job (a thread hop each) and its own copy into the bank
+                    snapshot._BATCH_BYTES, lora._SPAN_COPY = (0, False) if arm == "before" else (batch_bytes, span)
                 arms[arm].append(await run_one(a, full=False))
     finally:
-        snapshot._BATCH_BYTES, lora._SPAN_COPY = batch_bytes, span
+        snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN = batch_bytes, span, memo
     out: dict[str, Any] = {k: v for k, v in arms["after"][0].items() if not k.startswith(("lora_", "phases"))}
     keys = ("lora_publish_to_applied_s", "lora_trainer_blocked_s")
     for arm, runs in arms.items():
@@ -113,6 +118,7 @@ async def compare(a: argparse.Namespace) -> dict[str, Any]:
         out[k] = out["after"][k]
         out[f"{k}_after_vs_before"] = out["after"][k] / out["before"][k]
     out["rounds"] = a.compare
+    out["compare_what"] = a.compare_what
     return out
 
 

@@ -4,7 +4,8 @@ The broker runs elsewhere (``--broker ENDPOINT``, its worker endpoint); this
 launcher only places and keeps workers. Each bundle asks for
 ``gpus_per_worker`` GPUs (by default the engine's ``tp_size * dp_size``; a
 cluster with fewer GPUs than the workers need is refused at once) and
-``cpus_per_worker`` CPUs; the placement group's
+``cpus_per_worker`` CPUs (by default 1 + the worker's ``agent_processes``: one for the worker, one for each
+process it runs its agents in); the placement group's
 strategy is PACK, SPREAD, STRICT_PACK or STRICT_SPREAD. Each actor runs the
 same worker CLI as everywhere else (``python -m rollpool worker``) as its
 child process, with the GPUs Ray assigned it (Ray sets
@@ -53,7 +54,8 @@ class RayLaunchConfig:
     workers: int = field(default=1, metadata=_h("worker actors, one per placement-group bundle"))
     gpus_per_worker: float = field(default=-1.0, metadata=_h(
         "GPUs per bundle (Ray num_gpus; 0 for the sim engine); -1: the engine's tp_size x dp_size (1 for a one-GPU engine)"))
-    cpus_per_worker: float = field(default=1.0, metadata=_h("CPUs per bundle"))
+    cpus_per_worker: float = field(default=-1.0, metadata=_h(
+        "CPUs per bundle (Ray num_cpus); -1: 1 + the worker's --agent-processes (the worker and each agent process)"))
     strategy: str = field(default="PACK", metadata=_h("placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"))
     worker: LaunchWorker = field(default_factory=lambda: LaunchWorker(engine="sglang"),
                                  metadata=_h("what every worker runs ([launch_ray.worker])"))
@@ -71,13 +73,31 @@ class RayLaunchConfig:
         """GPUs per bundle, ``-1`` resolved to the engine's ``tp_size * dp_size``."""
         return float(self.worker.gpus_needed) if self.gpus_per_worker == -1 else self.gpus_per_worker
 
+    @property
+    def cpus(self) -> float:
+        """CPUs per bundle, ``-1`` resolved to 1 + the worker's ``agent_processes``.
+
+        Ray's CPUs are a reservation, not a limit: the engine's own processes (SGLang's scheduler and tokenizer)
+        are not counted, as they were not before agent processes; give more with an explicit value."""
+        return float(1 + self.worker.agent_processes) if self.cpus_per_worker == -1 else self.cpus_per_worker
+
+    def bundle(self) -> dict[str, float]:
+        """One placement-group bundle: the resources each worker actor holds."""
+        out: dict[str, float] = {}
+        if self.cpus:
+            out["CPU"] = self.cpus
+        if self.gpus:
+            out["GPU"] = self.gpus
+        return out
+
     def __post_init__(self) -> None:
         if "://" not in self.broker:
             raise ConfigError(f"RayLaunchConfig.broker must be the broker's worker endpoint, got {self.broker!r}")
         if not 1 <= self.workers <= 4096:
             raise ConfigError(f"RayLaunchConfig.workers must be in 1..4096, got {self.workers}")
-        if (self.gpus_per_worker < 0 and self.gpus_per_worker != -1) or self.cpus_per_worker < 0 or self.gpus + self.cpus_per_worker == 0:
-            raise ConfigError("RayLaunchConfig: gpus_per_worker (or -1) and cpus_per_worker must be >= 0, not both 0")
+        if (self.gpus_per_worker < 0 and self.gpus_per_worker != -1) or (self.cpus_per_worker < 0 and self.cpus_per_worker != -1) \
+                or self.gpus + self.cpus == 0:
+            raise ConfigError("RayLaunchConfig: gpus_per_worker and cpus_per_worker must be >= 0 (or -1), not both 0")
         if self.gpus > 1 and self.gpus != int(self.gpus):
             raise ConfigError(f"RayLaunchConfig.gpus_per_worker above 1 must be a whole number (Ray), got {self.gpus}")
         if 0 < self.gpus < self.worker.gpus_needed or (self.gpus == 0 and self.worker.gpus_needed > 1):
@@ -180,11 +200,8 @@ class RayLauncher:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         if on_ready is not None:
             on_ready()  # after ray.init, which installs signal handlers of its own
-        bundle: dict[str, float] = {}
-        if cfg.cpus_per_worker:
-            bundle["CPU"] = cfg.cpus_per_worker
+        bundle = cfg.bundle()
         if cfg.gpus:
-            bundle["GPU"] = cfg.gpus
             have = float(ray.cluster_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
             if cfg.workers * cfg.gpus > have:
                 # a placement group Ray cannot fill would only time out after placement_timeout_s
@@ -233,7 +250,7 @@ class RayLauncher:
                                                     placement_group_capture_child_tasks=True)
         # the bundle's resources go to the actor, so Ray assigns it (and its worker) the bundle's GPUs
         slot.actor = self._actor_cls.options(
-            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus, scheduling_strategy=strategy,
+            num_cpus=cfg.cpus, num_gpus=cfg.gpus, scheduling_strategy=strategy,
             name=f"rollpool-{cfg.pool}-worker-{slot.index}-{slot.tracker.restarts}",
         ).remote(worker_command(cfg, slot.index, redis_url=self.redis_url, log_level=self.log_level), {})
         slot.info = ray.get(slot.actor.info.remote(), timeout=cfg.placement_timeout_s)

@@ -46,6 +46,7 @@ import torch
 from rollpool.protocol.messages import AdapterSpec, Manifest, ShmSegment
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights import snapshot as _snapshot
 from rollpool.weights.adapters import lora_pairs
 from rollpool.weights.bucketing import (
     DEFAULT_BUCKET_BYTES,
@@ -59,13 +60,15 @@ from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import host_key, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
-from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, WeightServer, new_server_id
+from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, ServingFace, WeightServer, new_server_id
 from rollpool.weights.snapshot import (
     Place,
+    PlanMemo,
     Snapshot,
     SnapshotBuffers,
     SnapshotKnobs,
     SnapshotPools,
+    layout_key,
     layout_of,
     packed_version,
     plan_version,
@@ -78,7 +81,7 @@ __all__ = ["WeightPublisher", "layout_of"]
 log = logging.getLogger(__name__)
 
 
-class WeightPublisher:
+class WeightPublisher(ServingFace):
     """Versioned tensor buckets served over ROUTER, announced on PUB."""
 
     def __init__(
@@ -143,6 +146,10 @@ class WeightPublisher:
         ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
+        self._plan = PlanMemo()
+        """The previous dict's or module's plan (reused while the names, shapes and dtypes stay the same)."""
+        self._adapter_checked: tuple[AdapterSpec, Any] | None = None
+        """The spec and `layout_key` of the last adapter version checked (`lora_pairs` depends on nothing else)."""
         self._server = WeightServer(
             sockets,
             router_endpoint=router_endpoint,
@@ -150,17 +157,11 @@ class WeightPublisher:
             name="publisher",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
-            bulk=cfg.weight_bulk,
+            weights=cfg,
         )
-        self._server.delta_threads = self.copy_threads
-        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
-        self._deltas: set[asyncio.Task[Any]] = set()
-        """Delta computations running (`WeightServer.make_delta`): each version's against the one before, from the host copies."""
         self._latest = -1
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()
-        self._served_event = asyncio.Event()
-        self._server.on_served = lambda v: self._served_event.set()
         self.gpu_budget = GpuBudget(gpu_budget_bytes(cfg, bucket_bytes))
         """The GPU memory this publisher may allocate on the trainer's GPU (`publisher_gpu_budget_bytes`, default two
         buckets), shared by its device users; `gpu_budget.free_bytes()` is what is left."""
@@ -168,7 +169,6 @@ class WeightPublisher:
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._server.on_manifest_request = self._ipc.hello
         self._server.ring = self._ipc.ring  # the same-GPU ring's takers and who may see its buffer
-        self._path_note: dict[str, Any] = {}
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`warm_segments`); a publish waits for it."""
         if reserve is not None:
@@ -183,34 +183,17 @@ class WeightPublisher:
     async def close(self) -> None:
         for fut in list(self._finishing.values()):
             fut.cancel()
-        for task in list(self._deltas):
-            task.cancel()
         await self._server.close()
         self._pools.shutdown()
         self._ipc.close()
         self._buffers.close()
         await asyncio.to_thread(wait_released)  # and those dropped in the background before
 
-    async def __aenter__(self) -> WeightPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
-    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
-
-    @property
-    def latest_version(self) -> int:
-        return self._latest
-
     @property
     def versions(self) -> list[int]:
         """Versions whose bytes are served now, oldest first."""
         return sorted(self._server.versions)
 
-    bytes_served: Attr[int] = Attr("_server")
     shm_fallbacks: Attr[int] = Attr("_buffers", "Versions buffered in ordinary memory although the path asked for shared memory (no room in /dev/shm).")
 
     @property
@@ -219,7 +202,7 @@ class WeightPublisher:
         buckets, ``cuda_ipc_ring``: the version streamed through the same-GPU ring, or ``host``), ``why_not_cuda_ipc``
         (why no arena was offered; "" when one was), ``why_not_ring`` (why no ring either) and ``last_ring`` (the last
         ring's outcome: buckets released, its taker, why it was abandoned)."""
-        return {**self._path_note, "last_ring": dict(self._ipc.ring.last)}
+        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last)}
 
     @property
     def ipc_versions(self) -> int:
@@ -228,13 +211,9 @@ class WeightPublisher:
 
     @property
     def stats(self) -> dict[str, int]:
-        s = self._server
         return {
             "latest_version": self._latest,
-            "bytes_served": s.bytes_served,
-            "chunks_served": s.chunks_served,
-            "dropped_replies": s.dropped_replies,
-            "protocol_errors": s.protocol_errors,
+            **self._server.stats(),
             "shm_fallbacks": self.shm_fallbacks,
             "ipc_versions": self._ipc.versions,
             "ipc_arenas": len(self._ipc.exports),
@@ -245,11 +224,6 @@ class WeightPublisher:
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._buffers.buffers_allocated,
             "pinned_bytes": self._buffers.pinned_bytes,
-            "delta_manifests_served": s.deltas_served,
-            "full_manifests_to_delta_askers": s.full_served_to_delta_askers,
-            "last_delta_version": int(s.last_delta.get("version", -1)),
-            "last_delta_wire_bytes": int(s.last_delta.get("wire_bytes", 0)),
-            "last_delta_changed_ppm": round(float(s.last_delta.get("changed_fraction", 0.0)) * 1e6),
         }
 
     # -- memory
@@ -265,21 +239,11 @@ class WeightPublisher:
         (a sharded trainer's rank 0 streaming layer by layer). Returns the bytes
         reserved.
         """
-        layout = layout_of(named_shapes)
-        planner = BucketPlanner(self.bucket_bytes)
-        for name, dtype, shape, nbytes in layout:
-            planner.place(name, dtype, shape, nbytes)
-        self._layout = layout
-        sizes = [b.nbytes for b in planner.buckets]
-        copies = max(1, self.keep_versions)
-        pool = self._buffers.pool_for(sum(sizes) * copies, self.path)
-        made = pool.reserve([n for _ in range(copies) for n in sizes])
-        total = sum(sizes) * copies
-        log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
-                 self.publisher_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        self._layout = layout_of(named_shapes)
+        total, to_warm = self._buffers.reserve(self._layout, self.bucket_bytes, max(1, self.keep_versions), self.path)
         self._sync_segments()
-        if pool.kind == "shm" and pool.pin and torch.cuda.is_available():
-            self._warming = warm_segments(made, after=self._warming)
+        if to_warm:
+            self._warming = warm_segments(to_warm, after=self._warming)
         return total
 
     def _sync_segments(self) -> None:
@@ -327,7 +291,10 @@ class WeightPublisher:
         if adapter is not None:
             if not isinstance(named_tensors, Mapping):
                 raise TypeError("an adapter version is published from a dict of its lora_A / lora_B tensors")
-            lora_pairs(named_tensors, adapter)
+            checked = (adapter, layout_key(named_tensors.items()))
+            if not (_snapshot._MEMO_PLAN and checked == self._adapter_checked):  # the same names and shapes: passed before
+                lora_pairs(named_tensors, adapter)
+                self._adapter_checked = checked
         if self._server.router_endpoint == "":
             raise RuntimeError("WeightPublisher.start() must be awaited before publish()")
         async with self._lock:
@@ -337,17 +304,7 @@ class WeightPublisher:
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
             if self.keep_versions == 0:
-                # on the same GPU, the ring alone (no copy of the tensors; held until its taker has them all)
-                ringed, why_not_ring = await self._ipc.ring_only(named_tensors, version, self.bucket_bytes, self._knobs, self._server)
-                self._note_path(version, "host" if ringed is None else "cuda_ipc_ring", why_not_ring)
-                served = ringed or await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
-                self._latest = version
-                self._server.add_version(served)
-                self._after_publish(served, t0, t0)
-                manifest = served.manifest("")
-                if not served.released:
-                    await self._hold(served, expected_fetchers)
-                return manifest
+                return await self._publish_referenced(named_tensors, version, t0, expected_fetchers)
             if self.keep_versions >= 2:
                 # evict first what this version evicts anyway (a complete newer one stays served):
                 # its buffers are reused (no page faults of fresh memory) and memory peaks at K
@@ -355,7 +312,7 @@ class WeightPublisher:
                 # ready and its buffers are kept as spares for the next publish.
                 for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
                     self._evict(old)
-            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout)
+            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout, self._plan)
             if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
                 served = await packed_version(items, version, self.bucket_bytes, self._knobs)
                 self._latest = version
@@ -366,6 +323,21 @@ class WeightPublisher:
                         self._evict(old)
                 return served.manifest("")
             return await self._publish_planned(items, places, planner, version, t0, wait_ready)
+
+    async def _publish_referenced(self, named_tensors: Any, version: int, t0: float, expected_fetchers: int | None) -> Manifest:
+        """``keep_versions=0``: the caller's tensors served until released; on the same GPU the ring alone carries them
+        (no copy; held until its taker has them all)."""
+        ringed, why_not_ring = await self._ipc.ring_only(named_tensors, version, self.bucket_bytes, self._knobs, self._server)
+        self._ipc.note_offer(version, "host" if ringed is None else "cuda_ipc_ring", why_not_ring)
+        served = ringed or await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
+        self._latest = version
+        self._server.add_version(served)
+        self._after_publish(served, t0, t0)
+        manifest = served.manifest("")
+        if not served.released:  # (a version the ring carried whole is released already)
+            await self._server.serve_until_released(served, expected_fetchers, max_hold_s=self.max_hold_s,
+                                                    release_idle_s=self.release_idle_s)
+        return manifest
 
     async def _publish_planned(self, items: Any, places: list[Place], planner: BucketPlanner,
                                version: int, t0: float, wait_ready: bool) -> Manifest:
@@ -389,7 +361,7 @@ class WeightPublisher:
                 ipc_device = None
             else:
                 offered, (arena, snap.ipc_offsets, arena_items) = "cuda_ipc", got
-        self._note_path(version, offered, why_not_ring)
+        self._ipc.note_offer(version, offered, why_not_ring)
         previous, self._latest = self._latest, version
         if ipc_device is None and self.config.weight_delta:
             self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
@@ -428,19 +400,6 @@ class WeightPublisher:
         else:
             await snap.copy(items)
 
-    def _note_path(self, version: int, offered: str, why_not_ring: str = "") -> None:
-        """Which path this publisher offers from `version` (``cuda_ipc`` arena, ``cuda_ipc_ring``, ``host``), and why the
-        faster ones are not: logged when it changes."""
-        note = {"version": version, "offered": offered, "why_not_cuda_ipc": self._ipc.why_not, "why_not_ring": why_not_ring}
-        if (offered, note["why_not_cuda_ipc"], why_not_ring) != (self._path_note.get("offered"), self._path_note.get("why_not_cuda_ipc"),
-                                                                 self._path_note.get("why_not_ring")):
-            said = {"cuda_ipc": "a same-GPU device arena besides the host buckets",
-                    "cuda_ipc_ring": f"the same-GPU ring besides the host buckets (no whole-version arena: {self._ipc.why_not})"}
-            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
-                     said.get(offered) or f"host buckets only (no same-GPU buffer: {self._ipc.why_not or 'not asked for'}"
-                     + (f"; no ring: {why_not_ring}" if why_not_ring else "") + ")")
-        self._path_note = note
-
     async def wait_ready(self, version: int | None = None) -> None:
         """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""
         v = self._latest if version is None else version
@@ -459,10 +418,7 @@ class WeightPublisher:
         finally:
             self._finishing.pop(snap.version, None)
         self._after_publish(snap.served, t0, copied)
-        if snap.served.delta_state == "pending":
-            task = asyncio.ensure_future(self._server.make_delta(snap.version, algorithm=self.checksum_algorithm))
-            self._deltas.add(task)
-            task.add_done_callback(self._deltas.discard)
+        self._server.start_delta(snap.version, algorithm=self.checksum_algorithm)  # against the previous host copy
 
     def _after_publish(self, served: ServedVersion, t0: float, copied: float) -> None:
         now = time.perf_counter()
@@ -507,31 +463,3 @@ class WeightPublisher:
                 self._ipc.release(version)
         if served is not None:
             self._buffers.retire(served.sources)
-
-    async def _hold(self, served: ServedVersion, expected_fetchers: int | None) -> None:
-        """keep_versions=0: serve the caller's tensors until released, then drop the bytes."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        served.last_request_s = start
-        total = served.total_bytes
-        try:
-            while True:
-                done = sum(1 for n in served.served_by_peer.values() if n >= total)
-                if expected_fetchers is not None and done >= expected_fetchers:
-                    break
-                now = loop.time()
-                if now - start >= self.max_hold_s or now - served.last_request_s >= self.release_idle_s:
-                    break
-                if total == 0:
-                    break  # nothing to serve: the manifest alone is the version
-                self._served_event.clear()
-                wait_s = min(self.max_hold_s - (now - start), self.release_idle_s - (now - served.last_request_s))
-                try:
-                    await asyncio.wait_for(self._served_event.wait(), timeout=max(0.001, wait_s))
-                except TimeoutError:
-                    pass
-        finally:
-            if total:
-                # the manifest stays answerable (subscribers learn the number); fetches answer "gone"
-                served.released = True
-                served.sources = []

@@ -52,11 +52,11 @@ from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import DeltaError, same_layout, wire_summary
 from rollpool.weights.manifest import check_manifest
 from rollpool.weights.memory import sweep_stale_segments
-from rollpool.weights.paths.base import Attr
 from rollpool.weights.serving import (
     MAX_CHUNK_BYTES,
     DeltaServed,
     ServedVersion,
+    ServingFace,
     TensorSource,
     WeightServer,
     new_server_id,
@@ -116,7 +116,7 @@ class _Forwarder:
         self.server.complete_bucket(self.version, bucket, checksum)
 
 
-class Relay:
+class Relay(ServingFace):
     """Serves local workers from one upstream fetch per version."""
 
     def __init__(
@@ -169,11 +169,8 @@ class Relay:
             name="relay",
             announce_interval_s=announce_interval_s,
             metrics=self.metrics,
-            bulk=cfg.weight_bulk,
+            weights=cfg,
         )
-        self._server.delta_threads = cfg.copy_threads
-        self._server.delta_max_fraction = cfg.weight_delta_max_fraction
-        self._deltas: set[asyncio.Task[Any]] = set()
         self._delta_on = cfg.weight_delta
         self._latest = -1
         self._held: dict[int, list[torch.Tensor]] = {}
@@ -213,26 +210,6 @@ class Relay:
     async def close(self) -> None:
         await self.upstream.aclose()
         await self._server.close()
-
-    async def __aenter__(self) -> Relay:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
-    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
-
-    @property
-    def latest_version(self) -> int:
-        """The newest version held complete and verified."""
-        return self._latest
-
-    @property
-    def bytes_served(self) -> int:
-        """Bytes served downstream."""
-        return self._server.bytes_served
 
     @property
     def upstream_bytes(self) -> int:
@@ -346,12 +323,9 @@ class Relay:
         except BaseException:
             self._server.drop_version(version, code="unavailable")
             raise
-        if served.delta_state == "pending":
-            # bytes all here now; recomputed from the two versions the relay holds, so a relay that missed the base
-            # (it holds no version before this one) serves full versions only
-            task = asyncio.ensure_future(self._server.make_delta(version))
-            self._deltas.add(task)
-            task.add_done_callback(self._deltas.discard)
+        # bytes all here now; recomputed from the two versions the relay holds, so a relay that missed the base
+        # (it holds no version before this one) serves full versions only
+        self._server.start_delta(version)
         self._held[version] = buffers
         self._done(served)
         return version

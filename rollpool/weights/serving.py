@@ -52,7 +52,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from rollpool.protocol.codec import PROTOCOL_MINOR, decode, encode, peek_type
 from rollpool.protocol.errors import ProtocolError
@@ -72,8 +72,9 @@ from rollpool.protocol.messages import (
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory, send_now
+from rollpool.weights.config import WeightPathConfig
 from rollpool.weights.manifest import MAX_CHUNK_BYTES
-from rollpool.weights.paths.base import ChunkRead
+from rollpool.weights.paths.base import Attr, ChunkRead
 from rollpool.weights.paths.bulk import BulkServer, lane_host, lane_port
 
 __all__ = ["MAX_CHUNK_BYTES", "BucketSource", "DeltaServed", "ServedVersion", "TensorSource", "WeightServer", "peer_of"]
@@ -202,6 +203,36 @@ def peer_of(ident: bytes) -> bytes:
     return ident.split(b"#", 1)[0]
 
 
+class ServingFace:
+    """What an owner of a `WeightServer` (`_server`: the publisher, the relay) shows of it: its endpoints, the bytes
+    served, the newest version (`_latest`), and ``async with`` (`start`, then `close`)."""
+
+    _server: WeightServer
+    _latest: int
+
+    async def start(self) -> None:
+        await self._server.start()
+
+    async def close(self) -> None:
+        await self._server.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    router_endpoint: Attr[str] = Attr("_server", "The bound ROUTER endpoint.")
+    pub_endpoint: Attr[str | None] = Attr("_server", "The bound PUB endpoint.")
+    bytes_served: Attr[int] = Attr("_server", "Bucket bytes served (to subscribers, or downstream).")
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version published (a relay's: held complete and verified)."""
+        return self._latest
+
+
 class WeightServer:
     """ROUTER + PUB around a store of versions (the owner adds and drops versions)."""
 
@@ -216,10 +247,13 @@ class WeightServer:
         send_hwm: int = 256,
         max_parked: int = 4096,
         metrics: MetricsSink | None = None,
-        bulk: bool = True,
+        weights: WeightPathConfig | None = None,
     ) -> None:
+        """`weights`: the knobs it reads are ``weight_bulk``, ``weight_copy_threads`` (the delta's threads) and
+        ``weight_delta_max_fraction`` (None: their defaults)."""
+        cfg = weights or WeightPathConfig()
         self.sockets = sockets
-        self.offer_bulk = bulk
+        self.offer_bulk = cfg.weight_bulk
         """Offer the bulk lane beside a TCP ROUTER (`WeightPathConfig.weight_bulk`; never under CURVE)."""
         self._router_bind = router_endpoint
         self._pub_bind = pub_endpoint
@@ -243,7 +277,8 @@ class WeightServer:
         """Fetches answered only once their bytes arrived (a relay forwarding as it receives)."""
         self.parked_manifests_served = 0
         """Manifest requests (``after_mix64``) answered once more GPU checksums existed (not at once)."""
-        self.on_served: Callable[[ServedVersion], None] | None = None
+        self._served = asyncio.Event()
+        """Set whenever a chunk went out (`serve_until_released` waits on it)."""
         self.on_manifest_request: Callable[[ManifestRequest], None] | None = None
         """Told every manifest request (the publisher reads the asker's hello for the same-GPU path)."""
         self.ring: RingHook | None = None
@@ -262,9 +297,11 @@ class WeightServer:
         self.bulk: BulkServer | None = None
         """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
-        self.delta_threads = 2
-        self.delta_max_fraction = 0.5
+        self.delta_threads = cfg.copy_threads
+        self.delta_max_fraction = cfg.weight_delta_max_fraction
         """A delta whose encoded bytes pass this fraction of the version's goes out as a full version."""
+        self._deltas: set[asyncio.Task[Any]] = set()
+        """Delta computations running (`start_delta`), cancelled by `close`."""
         self.deltas_served = 0
         self.full_served_to_delta_askers = 0
         self.last_delta: dict[str, Any] = {}
@@ -311,7 +348,7 @@ class WeightServer:
         ]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._deltas]:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -365,6 +402,14 @@ class WeightServer:
         base = self.versions.get(v.version - 1)
         if base is not None and base.complete and not base.released:
             v.delta_state = "pending"
+
+    def start_delta(self, version: int, *, algorithm: str | None = None) -> None:
+        """`make_delta` in the background when `version` expects one (`expect_delta`); `close` cancels it."""
+        v = self.versions.get(version)
+        if v is not None and v.delta_state == "pending":
+            task = asyncio.ensure_future(self.make_delta(version, algorithm=algorithm))
+            self._deltas.add(task)
+            task.add_done_callback(self._deltas.discard)
 
     async def make_delta(self, version: int, *, algorithm: str | None = None) -> DeltaServed | None:
         """Compute `version`'s delta against the version before it from the bytes this server holds (off the loop, in
@@ -649,10 +694,7 @@ class WeightServer:
         if self._send(ident, msg, copy=False):
             self.bytes_served += req.nbytes
             self.chunks_served += 1
-            peer = peer_of(ident)
-            v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + req.nbytes
-            if self.on_served is not None:
-                self.on_served(v)
+            self._served_to(v, peer_of(ident), req.nbytes)
 
     def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None:
         """A chunk went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
@@ -661,9 +703,46 @@ class WeightServer:
         self.bytes_served += nbytes
         self.bulk_bytes_served += nbytes
         self.chunks_served += 1
+        self._served_to(v, peer, nbytes)
+
+    def _served_to(self, v: ServedVersion, peer: bytes, nbytes: int) -> None:
         v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + nbytes
-        if self.on_served is not None:
-            self.on_served(v)
+        self._served.set()
+
+    async def serve_until_released(self, served: ServedVersion, expected_fetchers: int | None, *, max_hold_s: float,
+                                   release_idle_s: float) -> None:
+        """A version served from its owner's own tensors (``keep_versions=0``): wait until it is released (every
+        `expected_fetchers` peer got every byte, no request for `release_idle_s`, or `max_hold_s` passed), then stop
+        serving its bytes; its manifest stays answerable (subscribers learn the number) and fetches answer ``gone``."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        served.last_request_s = start
+        total = served.total_bytes
+        try:
+            while total:  # nothing to serve: the manifest alone is the version
+                done = sum(1 for n in served.served_by_peer.values() if n >= total)
+                if expected_fetchers is not None and done >= expected_fetchers:
+                    break
+                now = loop.time()
+                if now - start >= max_hold_s or now - served.last_request_s >= release_idle_s:
+                    break
+                self._served.clear()
+                wait_s = min(max_hold_s - (now - start), release_idle_s - (now - served.last_request_s))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._served.wait(), timeout=max(0.001, wait_s))
+        finally:
+            if total:
+                served.released = True
+                served.sources = []
+
+    def stats(self) -> dict[str, int]:
+        """What this server served (the publisher's and the relay's `stats` include it)."""
+        d = self.last_delta
+        return {"bytes_served": self.bytes_served, "chunks_served": self.chunks_served, "dropped_replies": self.dropped_replies,
+                "protocol_errors": self.protocol_errors, "delta_manifests_served": self.deltas_served,
+                "full_manifests_to_delta_askers": self.full_served_to_delta_askers,
+                "last_delta_version": int(d.get("version", -1)), "last_delta_wire_bytes": int(d.get("wire_bytes", 0)),
+                "last_delta_changed_ppm": round(float(d.get("changed_fraction", 0.0)) * 1e6)}
 
     def _send(self, ident: bytes, msg: Any, *, copy: bool = True) -> bool:
         import zmq

@@ -53,8 +53,8 @@ from rollpool.weights.gpu import mix64_checksum, mix64_format, mix64_partial, si
 from rollpool.weights.memory import BufferPool, ShmBuffer, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import ServedVersion
 
-__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "Snapshot", "SnapshotBuffers", "SnapshotKnobs",
-           "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
+__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "PlanMemo", "Snapshot", "SnapshotBuffers",
+           "SnapshotKnobs", "layout_key", "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
 
 log = logging.getLogger("rollpool.weights.publisher")
 
@@ -64,6 +64,9 @@ THREAD_COPY_BYTES = 1 * _MiB
 _THREAD_COPY_BYTES = THREAD_COPY_BYTES
 _BATCH_BYTES = 4 * _MiB
 """Tensors smaller than this go to a copy thread together, up to this many bytes a job."""
+_MEMO_PLAN = True
+"""Reuse the previous version's plan (and a publisher its adapter check) when the names, shapes and dtypes are the same
+(`PlanMemo`); False plans and checks every version (bench/lora.py's ``--compare plan`` runs both)."""
 
 
 class _Job(NamedTuple):
@@ -194,26 +197,56 @@ def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
     return out
 
 
-def plan_version(named_tensors: Any, bucket_bytes: int, layout: list[tuple[str, str, tuple[int, ...], int]] | None
-                 ) -> tuple[Any, list[Place] | None, BucketPlanner]:
+def layout_key(items: Any) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
+    """What a plan depends on, of ``(name, tensor)`` pairs: each name, shape and dtype in order (cheap to build and
+    compare: no sizes computed)."""
+    return tuple((n, t.shape, t.dtype) for n, t in items)
+
+
+class PlanMemo:
+    """The previous dict's or module's plan, kept by its publisher: a trainer publishes the same tensors every version,
+    so the next one with the same `layout_key` (and bucket size) reuses it (the places and the planner are only read)."""
+
+    __slots__ = ("key", "places", "planner")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, tuple[tuple[str, torch.Size, torch.dtype], ...]] | None = None
+        self.places: list[Place] = []
+        self.planner: BucketPlanner | None = None
+
+
+def plan_version(named_tensors: Any, bucket_bytes: int, layout: list[tuple[str, str, tuple[int, ...], int]] | None,
+                 memo: PlanMemo | None = None) -> tuple[Any, list[Place] | None, BucketPlanner]:
     """(the tensors, where each goes in order, the planner) for one version.
 
-    A dict or a module is planned from its sizes; an iterator is planned from the reserved `layout` (`layout_of`) and
+    A dict or a module is planned from its sizes (`memo`: the previous plan, reused when the names, shapes and dtypes
+    are the same, and replaced otherwise); an iterator is planned from the reserved `layout` (`layout_of`) and
     checked against it as it streams; an iterator without one is planned as it comes (`places` None: `packed_version`).
     """
     planner = BucketPlanner(bucket_bytes)
     if isinstance(named_tensors, (Mapping, torch.nn.Module)):
         items: Any = list(named_tensors_of(named_tensors))
+        key = (bucket_bytes, layout_key(items)) if memo is not None and _MEMO_PLAN else None
+        if key is not None and memo is not None and memo.planner is not None and key == memo.key:
+            return items, memo.places, memo.planner
         layout = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape), tensor_bytes(t)) for n, t in items]
+        places = _place(planner, layout)
+        if key is not None and memo is not None:
+            memo.key, memo.places, memo.planner = key, places, planner
+        return items, places, planner
     elif layout is not None:
         items = named_tensors_of(named_tensors)
     else:
         return named_tensors_of(named_tensors), None, planner
+    return items, _place(planner, layout), planner
+
+
+def _place(planner: BucketPlanner, layout: list[tuple[str, str, tuple[int, ...], int]]) -> list[Place]:
     places: list[Place] = []
     for name, dtype, shape, nbytes in layout:
         idx, offset, _closed = planner.place(name, dtype, shape, nbytes)
         places.append(Place(idx, offset, name, shape, dtype, nbytes))
-    return items, places, planner
+    return places
 
 
 class Snapshot:
@@ -717,6 +750,21 @@ class SnapshotBuffers:
         if path == "shm":
             raise WeightSyncError(f"path 'shm': /dev/shm has {shm_free_bytes()} bytes free, a version needs {fresh_bytes}")
         return self.host
+
+    def reserve(self, layout: list[tuple[str, str, tuple[int, ...], int]], bucket_bytes: int, copies: int, path: str
+                ) -> tuple[int, list[torch.Tensor]]:
+        """Allocate (and touch) the buckets of `layout` (`layout_of`) for `copies` versions on `path`; (the bytes
+        reserved, the shared-memory buffers to warm up: page-locked segments where CUDA is available, else none)."""
+        planner = BucketPlanner(bucket_bytes)
+        for name, dtype, shape, nbytes in layout:
+            planner.place(name, dtype, shape, nbytes)
+        sizes = [b.nbytes for b in planner.buckets]
+        total = sum(sizes) * copies
+        pool = self.pool_for(total, path)
+        made = pool.reserve([n for _ in range(copies) for n in sizes])
+        log.info("weight publisher %s reserved %d bytes (%d buckets x %d versions, %s memory, %d page-locked)",
+                 self.owner_id, total, len(sizes), copies, pool.kind, pool.pinned_bytes)
+        return total, (made if pool.kind == "shm" and pool.pin and torch.cuda.is_available() else [])
 
     def take(self, sizes: list[int], path: str) -> list[torch.Tensor]:
         """One buffer per bucket size for a version on `path`: spares first, then the reserved segments (their room is

@@ -6,7 +6,7 @@ What it promises
       names a version newer than any it knows (a broker heartbeat). So a
       worker that joins late, or missed announcements, catches up. The
       manifest such a request got is the one the next `fetch` of that version
-      uses: one manifest request per version.
+      uses: one manifest request per version (`rollpool.weights.watch`).
     - `fetch()` walks `rollpool.weights.manifest.plan` for the version's
       manifest: each path to try (`rollpool.weights.paths`) in turn, each
       reason to pass one over logged and counted in `fallbacks` when the walk
@@ -46,10 +46,9 @@ from typing import Any
 
 import torch
 
-from rollpool.protocol.codec import decode
-from rollpool.protocol.errors import ProtocolError, WeightSyncError
+from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import Announce, Error, Manifest, ManifestRequest
+from rollpool.protocol.messages import Manifest
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import unpack_buckets
@@ -66,7 +65,6 @@ from rollpool.weights.paths.base import (
     Fetched,
     FetchJob,
     FetchPath,
-    ManifestTimeoutError,
     PathFallbackError,
     TransferSink,
     WeightVersion,
@@ -77,6 +75,7 @@ from rollpool.weights.paths.cuda_ipc import CudaIpcPath
 from rollpool.weights.paths.delta import DeltaPath
 from rollpool.weights.paths.network import DealerSet, NetworkPath
 from rollpool.weights.paths.shm import ShmDevicePath, ShmPath, ShmSegments
+from rollpool.weights.watch import PublisherWatch
 
 __all__ = ["WeightVersion", "WeightSubscriber", "WeightVersionGoneError", "TransferSink"]
 
@@ -110,12 +109,6 @@ class WeightSubscriber:
         cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
                              weight_copy_threads=copy_threads, weight_reserve_bytes=reserve_bytes, weight_bulk=bulk)
         path, streams, pinned_budget_bytes = cfg.weight_path, cfg.streams, cfg.pinned_budget_bytes
-        if fetch_timeout_s <= 0:
-            raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
-        if not 1 <= window_chunks <= 1024:
-            raise ValueError(f"window_chunks must be in [1, 1024], got {window_chunks}")
-        if max_refetch < 0:
-            raise ValueError(f"max_refetch must be >= 0, got {max_refetch}")
         self.sockets = sockets
         self.worker_id = worker_id or f"sub-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.fetch_timeout_s = fetch_timeout_s
@@ -127,9 +120,6 @@ class WeightSubscriber:
         self.path = path
         self.streams = streams
         self.copy_threads = cfg.copy_threads
-        self.host_key = host_key()
-        self.router_endpoint: str | None = None
-        self.pub_endpoint: str | None = None
         self.config = cfg
         """Every weight-path knob (the path plan reads it: `rollpool.weights.manifest.plan`)."""
         self.counters = FetchCounters()
@@ -138,12 +128,21 @@ class WeightSubscriber:
         peer = f"{self.worker_id}/{self._prefix}"[:250]
         self.dealers = DealerSet(sockets, peer)
         """The DEALER sockets (one per stream) and the request router over them."""
-        self.ctx = FetchContext(worker_id=self.worker_id, metrics=self.metrics, manifests=self, counters=self.counters,
+        self.buffers = VersionBuffers(pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes, slabs=DeviceSlabs())
+        """The host buffers, one per version, and the device slabs of the device paths (`reserve`, `recycle`)."""
+        self.segments = ShmSegments(host_key(), path, self.buffers.slabs)
+        """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
+        self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
+        self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key,
+                                    asks_deltas=cfg.weight_delta and path in ("auto", NETWORK),  # deltas ride the network path
+                                    fetch_timeout_s=fetch_timeout_s, max_refetch=max_refetch,
+                                    gpu_uuids=self.gpu_uuids, delta_base=lambda: self.delta.base_version())
+        """The versions the publisher is known to hold, and the manifest requests to it (the paths' `ManifestSource`)."""
+        self.ctx = FetchContext(worker_id=self.worker_id, metrics=self.metrics, manifests=self.watch, counters=self.counters,
                                 fetch_timeout_s=fetch_timeout_s, window_chunks=window_chunks, max_refetch=max_refetch,
                                 streams=streams, copy_threads=self.copy_threads)
         self._network = NetworkPath(self.ctx, self.dealers)
         self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint)
-        self._protocol_errors = 0
         self.fallbacks: dict[str, int] = {}
         """Versions a faster path did not serve, by reason (each one a counted fallback to the next path)."""
         self.last_fallback = ""
@@ -152,31 +151,15 @@ class WeightSubscriber:
         """The fallback reasons of the fetch under way (its ``weights fetched`` line lists them)."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
-        self.buffers = VersionBuffers(pin=self.pin_memory, pinned_budget_bytes=pinned_budget_bytes, slabs=DeviceSlabs())
-        """The host buffers, one per version, and the device slabs of the device paths (`reserve`, `recycle`)."""
         self.ipc = CudaIpcPath(self.ctx, self.buffers.slabs, path)
         """The same-GPU path (its `gpus` is the device edge tests fake)."""
-        self.segments = ShmSegments(self.host_key, path, self.buffers.slabs)
-        """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
-        self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
-        self._latest = -1
-        self._forgets = 0
-        """Bumped by `forget_newer` (a waiting `wait_for_newer` returns to let its caller look again)."""
-        self._changed = asyncio.Event()
-        self._sub: Any = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._catch_up: asyncio.Task[None] | None = None
         self._errlog = RateLimitedLog(log)
-        self._shm_generation = 0
         self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
-        self._known: Manifest | None = None
-        """The manifest the catch-up request got (a broker heartbeat or the connect named a newer version): the next
-        `fetch` of that version takes it instead of asking again (one manifest request per version)."""
         if cfg.weight_reserve_bytes:
             self.reserve_in_background(cfg.weight_reserve_bytes)
 
@@ -186,17 +169,15 @@ class WeightSubscriber:
         """Connect (or reconnect to new endpoints) and ask for the latest version. Needs a running loop."""
         if (router_endpoint, pub_endpoint) == (self.router_endpoint, self.pub_endpoint) and self.dealers.connected:
             return
-        self._close_sockets()
-        self.router_endpoint, self.pub_endpoint = router_endpoint, pub_endpoint
-        self.dealers.open(router_endpoint, self.streams)
-        if pub_endpoint:
-            self._sub = self.sockets.sub(pub_endpoint)
-            self._spawn(self._announce_loop(self._sub), "_announce_loop")
-        self._ask_latest()
+        self.watch.open(router_endpoint, pub_endpoint, self.streams)
 
     @property
     def connected(self) -> bool:
         return self.dealers.connected
+
+    router_endpoint: Attr[str | None] = Attr("watch", "The publisher's (or relay's) ROUTER, once connected.")
+    pub_endpoint: Attr[str | None] = Attr("watch", "Its PUB (None: no announcements heard, versions learned by asking).")
+    host_key: Attr[str] = Attr("watch", "This host's key (boot and /dev/shm): the same-host paths' hello.", writable=True)
 
     # counters by path (the worker reports them), and the shared-memory part's state, under their public names
     bytes_received: Attr[int] = Attr("counters", "Bucket bytes received on the network path (over ZeroMQ or the bulk lane).")
@@ -217,10 +198,10 @@ class WeightSubscriber:
 
     @property
     def protocol_errors(self) -> int:
-        return self._protocol_errors + self.dealers.protocol_errors
+        return self.watch.protocol_errors + self.dealers.protocol_errors
 
     def close(self) -> None:
-        self._close_sockets()
+        self.watch.close()
         self.delta.close()
         self.segments.close()
         self.ipc.close()
@@ -229,7 +210,7 @@ class WeightSubscriber:
         self._shm_device.close()
 
     async def aclose(self) -> None:
-        tasks = [*self._tasks, *self.dealers.tasks]
+        tasks = [*self.watch.tasks, *self.dealers.tasks]
         self.close()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -241,95 +222,26 @@ class WeightSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _close_sockets(self) -> None:
-        self._known = None
-        for t in list(self._tasks):
-            t.cancel()
-        self._tasks.clear()
-        self._catch_up = None
-        self.dealers.close()
-        if self._sub is not None:
-            self._sub.close(linger=0)
-        self._sub = None
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=f"WeightSubscriber.{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    # -- what is known
+    # -- what is known (the watch's)
 
     def latest_known(self) -> int:
         """The newest version the publisher is known to hold (-1: none yet)."""
-        return self._latest
+        return self.watch.latest
 
     def note_version(self, version: int) -> None:
         """A broker heartbeat (or welcome) names `version`: ask the publisher for its latest if it is new to us."""
-        if version > self._latest:
-            self._ask_latest()
+        self.watch.note_version(version)
 
     def forget_newer(self, version: int) -> None:
         """The pool was rebased to `version`: versions known above it are of an abandoned run. Forgotten, and the
         publisher asked for its latest again (a restarted publisher may start lower); a waiting `wait_for_newer`
         returns what is known now so its caller can look again."""
-        if self._latest > version or version < -1:
-            self._known = None
-            self._latest = -1
-            self._forgets += 1
-            self._changed.set()
-            self._ask_latest()
+        self.watch.forget_newer(version)
 
     async def wait_for_newer(self, than: int, timeout_s: float | None = None) -> int:
         """Wait until a version newer than `than` is known; return it. `WeightSyncError` after `timeout_s`.
         Returns early (maybe not newer) when `forget_newer` forgot versions meanwhile."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        forgets = self._forgets
-        while self._latest <= than and self._forgets == forgets:
-            self._changed.clear()
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise WeightSyncError(f"no weight version newer than {than} within {timeout_s} s")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                continue
-        return self._latest
-
-    def _observe(self, version: int) -> None:
-        if version > self._latest:
-            self._latest = version
-            self._changed.set()
-
-    def _ask_latest(self) -> None:
-        if not self.dealers.connected or (self._catch_up is not None and not self._catch_up.done()):
-            return
-        self._catch_up = self._spawn(self._catch_up_once(), "_catch_up")
-
-    async def _catch_up_once(self) -> None:
-        try:
-            self._known = await self.fetch_manifest(None, attempts=1)  # what `fetch` takes, not asking again
-        except WeightSyncError as exc:
-            self._errlog.warning("latest", "asking %s for the latest weight version failed: %s", self.router_endpoint, exc)
-
-    # -- loops
-
-    async def _announce_loop(self, sub: Any) -> None:
-        while True:
-            frames = await sub.recv_multipart()
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                self._protocol_errors += 1
-                self._errlog.warning("sub", "malformed announcement from %s: %s", self.pub_endpoint, exc)
-                continue
-            if isinstance(msg, Announce):
-                self._observe(msg.version)
-                if msg.shm_generation != self._shm_generation and self.segments.registers_ahead():
-                    # the publisher's segments changed (a reserve, a new layout): the manifest names them
-                    self._shm_generation = msg.shm_generation
-                    self._ask_latest()
+        return await self.watch.wait_for_newer(than, timeout_s)
 
     def gpu_uuids(self) -> dict[str, int]:
         """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA."""
@@ -338,44 +250,10 @@ class WeightSubscriber:
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
                              timeout_s: float | None = None, delta_base: int | None = None, ring_done: int = -1) -> Manifest:
-        """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times (or
-        `attempts`), each try waiting `timeout_s` (default `fetch_timeout_s`); none answered: `ManifestTimeoutError`.
-
-        `streamed`: accept pending checksums (``""``, each following on its
-        bucket's chunks); False waits for a manifest whose checksums all exist.
-        `after_mix64` >= 0: a parked request, answered once the version carries
-        more GPU checksums than that (`ManifestRequest.after_mix64`).
-        `delta_base`: the base to name when asking for a delta (a relay names the version it holds); None: the one held
-        here. Either way only with `delta` and `weight_delta` on.
-        `ring_done`: a same-GPU ring taker's claim and release (`ManifestRequest.ring_done`, `paths/ipc_ring.py`).
-        """
-        tries = (self.max_refetch + 1) if attempts is None else attempts
-        gpus = tuple(self.gpu_uuids())
-        # deltas travel on the network path: a subscriber held to shm or cuda_ipc never asks for one
-        asks = delta and self.config.weight_delta and self.config.weight_path in ("auto", NETWORK)
-        base = (self.delta.base_version() if delta_base is None else delta_base) if asks else -1
-        for _attempt in range(tries):
-            try:
-                reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
-                                                                               host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc,
-                                                                               delta_base=base, after_mix64=after_mix64,
-                                                                               ring=bool(gpus), ring_done=ring_done),
-                                                   self.fetch_timeout_s if timeout_s is None else timeout_s)
-            except TimeoutError:
-                continue
-            if isinstance(reply, Manifest):
-                if reply.version >= 0:
-                    self._observe(reply.version)
-                self.segments.register_ahead(reply)
-                return reply
-            if isinstance(reply, Error):
-                if reply.code == "gone":
-                    raise WeightVersionGoneError(-1 if version is None else version, reply.message)
-                raise WeightSyncError(f"publisher refused the manifest request: {reply.code}: {reply.message}")
-            raise WeightSyncError(f"publisher answered a manifest request with {type(reply).__name__}")
-        what = "latest" if version is None else str(version)
-        waited = self.fetch_timeout_s if timeout_s is None else timeout_s
-        raise ManifestTimeoutError(f"no manifest ({what}) from {self.router_endpoint} within {tries} x {waited:g} s")
+        """The manifest of `version` (None: the latest): `PublisherWatch.fetch_manifest` says how it is asked for."""
+        return await self.watch.fetch_manifest(version, attempts=attempts, streamed=streamed, wait_ipc=wait_ipc, delta=delta,
+                                               after_mix64=after_mix64, timeout_s=timeout_s, delta_base=delta_base,
+                                               ring_done=ring_done)
 
     def facts(self) -> FetchFacts:
         """This side of the hello, as the path plan reads it."""
@@ -396,30 +274,23 @@ class WeightSubscriber:
         """
         moves = 0
         while True:
-            manifest = check_manifest(self._take_known(version) or await self.fetch_manifest(version))
+            manifest = check_manifest(self.watch.take_known(version) or await self.fetch_manifest(version))
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
                 if manifest.delta_base >= 0:
                     try:
-                        return self.delta.hold(self._fetched(await self.delta.fetch(manifest, on_bucket)))
+                        return self._fetched(await self.delta.fetch(manifest, on_bucket))
                     except (WeightSyncError, DeltaError) as exc:
                         self.delta.fallbacks += 1
                         self._fallback(manifest.version, f"delta against {manifest.delta_base}: {exc}", path="delta")
                         manifest = check_manifest(await self.fetch_manifest(manifest.version, delta=False))
-                return self.delta.hold(await self._fetch_planned(manifest, on_bucket))
+                return await self._fetch_planned(manifest, on_bucket)
             except WeightVersionGoneError:
                 if version is not None or moves >= self.max_refetch:
                     raise
                 moves += 1
                 log.info("weight version %d was evicted while being fetched; moving to the latest", manifest.version)
-
-    def _take_known(self, version: int | None) -> Manifest | None:
-        """The catch-up's manifest when it is of the version asked for (None: the latest known), once."""
-        known, self._known = self._known, None
-        if known is None or known.version < 0 or known.version != (self._latest if version is None else version):
-            return None
-        return known
 
     async def _fetch_planned(self, manifest: Manifest, on_bucket: BucketCallback | None) -> WeightVersion:
         """Walk the plan: each path to try is tried; each reason to pass one over is reported when the walk reaches it."""
@@ -460,7 +331,8 @@ class WeightSubscriber:
         return paths[name]
 
     def _fetched(self, got: Fetched) -> WeightVersion:
-        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version."""
+        """The one tail of every fetch: the path noted, the ``weights fetched`` log line and event, the version (held as
+        the next delta's base when it is in host buffers)."""
         manifest, path, details = got.manifest, got.path, got.details
         self.last_path = path
         nbytes = sum(b.nbytes for b in manifest.buckets)
@@ -477,7 +349,8 @@ class WeightSubscriber:
         self.metrics.event("version_fetched", event)
         self.last_wire = wire_summary(manifest.version, manifest.buckets, manifest.delta_base)
         tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
-        return WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
+        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
+        return self.delta.hold(wv, on_device=got.on_device)
 
     # -- memory
 

@@ -35,8 +35,11 @@
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
-  restart) and the one being fetched. Once a newer version is served, the previous
-  one's buffers go back to the subscriber for the next fetch.
+  restart) and the one being fetched, plus, while a whole-model version is served over a
+  LoRA adapter version, that adapter version (the engines keep it on across whole-model
+  versions, docs/lora.md): a restarted engine is given it first, then the whole-model
+  version, so it serves what the engine it replaces served. Once a newer version is served,
+  the previous one's buffers go back to the subscriber for the next fetch.
 - The served version has one owner, the worker's session (`WorkerSession.version`): this
   class reads it through the ``served_version`` hook and reports each change through
   ``on_apply_finished``; it keeps no copy of its own.
@@ -131,6 +134,11 @@ class _Version:
     """The subscriber's version object holding the buffers (None for tensors given directly)."""
 
 
+def _adapter_of(version: _Version) -> Any:
+    """The version's `AdapterSpec` when it is a LoRA adapter version, else None."""
+    return getattr(getattr(version.fetched, "manifest", None), "adapter", None)
+
+
 async def _import_subscriber_module() -> None:
     # importing the weight channel imports torch (seconds): off the loop, so heartbeats keep their beat
     await asyncio.to_thread(importlib.import_module, "rollpool.weights.subscriber")
@@ -175,6 +183,8 @@ class WeightSync:
         self._endpoints: tuple[str | None, str | None] = (None, None)
         """(weight endpoint, announce endpoint) the subscriber is connected to."""
         self._served: _Version | None = None
+        self._adapter_on: _Version | None = None
+        """The adapter version still on under `_served` when that is a whole-model version applied after it."""
         self._reapply_target: _Version | None = None
         self._served_abandoned = False
         """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
@@ -443,6 +453,7 @@ class WeightSync:
         self._reapply_target = None  # tried once on a fresh engine; then the last good version
         if target is not None and target.version > self.version:
             try:
+                await self._restore_adapter(engine, target)
                 await self._apply(target, engine=engine)
                 return
             except WeightsRefusedError:
@@ -452,18 +463,40 @@ class WeightSync:
                 raise
         if self._served is not None:
             abandoned = self._served_abandoned
+            await self._restore_adapter(engine, self._served)
             await self._apply(self._served, engine=engine)
             if abandoned:
                 self._served_abandoned = True
                 self.on_apply_finished(-1)
 
+    async def _restore_adapter(self, engine: Engine, target: _Version) -> None:
+        """Before a fresh engine gets whole-model version `target`: the adapter version that is on under it (the one
+        served, when `target` is newer, else `_adapter_on`), as the engine being replaced had it."""
+        if _adapter_of(target) is not None or not isinstance(engine, AdapterEngine):
+            return
+        under = self._served if self._served is not None and self._served is not target and _adapter_of(self._served) else self._adapter_on
+        spec = _adapter_of(under) if under is not None else None
+        if under is not None and spec is not None:
+            await engine.update_adapter(under.tensors, spec, under.version)
+            log.info("gave the restarted engine adapter version %d, on under version %d", under.version, target.version,
+                     extra={"worker": self.worker_id})
+
     def _served_now(self, target: _Version) -> None:
         """`target` is served now (the caller tells the owner of the served version next, `on_apply_finished`)."""
         self._served_abandoned = False
         previous, self._served = self._served, target
-        if previous is not None and previous.fetched is not None and previous.fetched is not target.fetched and self.subscriber is not None:
-            # the engine copied the previous version: its buffers take the next fetch (no fresh pages)
-            self.subscriber.recycle(previous.fetched)
+        done_with = [previous]
+        if _adapter_of(target) is not None:
+            done_with.append(self._adapter_on)  # a newer adapter replaces the one that was on
+            self._adapter_on = None
+        elif previous is not None and _adapter_of(previous) is not None:
+            # a whole-model version over an adapter version: the engine keeps the adapter on, a fresh one needs it too
+            done_with = [self._adapter_on]
+            self._adapter_on = previous
+        for old in done_with:
+            if old is not None and old.fetched is not None and old.fetched is not target.fetched and self.subscriber is not None:
+                # the engine copied the version: its buffers take the next fetch (no fresh pages)
+                self.subscriber.recycle(old.fetched)
 
     async def _stage(self, engine: Engine, target: _Version) -> None:
         if not isinstance(engine, StagingEngine) or getattr(getattr(target.fetched, "manifest", None), "adapter", None) is not None:

@@ -71,6 +71,7 @@ from rollpool.workers.engine_supervisor import EngineFactory, EngineSupervisor
 from rollpool.workers.engines.base import Engine, EngineInfo
 from rollpool.workers.engines.tokenizer import load_tokenizer
 from rollpool.workers.episodes.runner import EpisodeConfig, EpisodeFn, EpisodeRunner, load_episode_functions
+from rollpool.workers.heap import freeze_start_up_heap
 from rollpool.workers.images import LoadedImage, load_images
 from rollpool.workers.link import BrokerLink
 from rollpool.workers.reward import RewardFn, load_reward
@@ -90,24 +91,6 @@ _MAX_PENDING_TURNS = 4096
 
 def _facts(info: EngineInfo) -> EngineFacts:
     return EngineFacts(info.name, info.capacity, tuple(info.apply_modes), info.fingerprint, info.weight_version, info.as_dict())
-
-
-def freeze_start_up_heap() -> int:
-    """For a process that runs workers and nothing else (`rollpool worker`), once their engines are up: everything
-    alive then (torch, the tokenizer, the engine's client: 197,619 objects on the H200 SGLang worker, frozen in 0.1 s) is collected
-    once and frozen out of the collector, so a later full collection walks only what was made since. Without it, a
-    full collection of that heap (118 ms on the H200 worker) came due around the first weight version and held the
-    event loop and every thread that needs the GIL: version 1 of the shared-memory path took 0.43 s against 0.32 s
-    warm (2026-12-05). Returns the objects frozen. Not for a worker embedded in another program (its collector is its
-    own)."""
-    import gc
-
-    t0 = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    log.info("froze %d start-up objects out of the garbage collector in %.3f s", frozen, time.perf_counter() - t0)
-    return frozen
 
 
 class Worker:
@@ -695,15 +678,24 @@ class _SupervisedEngine:
         return engine
 
     def __getattr__(self, name: str) -> Any:
+        if name == "generate_constrained":  # only where the engine has it (`ConstrainedEngine` is checked by attribute)
+            getattr(self._engine(), name)
+            return self._generate_constrained
         return getattr(self._engine(), name)
 
     def info(self) -> EngineInfo:
         return self._engine().info()
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watched("generate", *args, **kwargs)
+
+    async def _generate_constrained(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watched("generate_constrained", *args, **kwargs)
+
+    async def _watched(self, method: str, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine()
         try:
-            return await engine.generate(*args, **kwargs)
+            return await getattr(engine, method)(*args, **kwargs)
         except (asyncio.CancelledError, RequestRefusedError):
             raise
         except Exception as exc:

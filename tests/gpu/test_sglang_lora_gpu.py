@@ -3,8 +3,10 @@
 Each test starts its own engine (the worker's path: the engine launches SGLang as its child, with ``lora=true``)
 on a tiny random Llama. What runs on a CPU against the sim child (tests/unit/workers/test_sglang_lora.py) is not
 repeated; here: SGLang loads what the engine writes and serves it (the adapter changes the output, and its
-logprobs are those of the merged model), and two adapter versions serve side by side without a pause.
-bench/gpu_lora.py runs these functions directly (the device has no pytest-asyncio).
+logprobs are those of the merged model), two adapter versions serve side by side without a pause, and a whole-model
+version leaves the adapter on, on top of the new base (SGLang keeps loaded adapters across ``update_weights_from_tensor``;
+the CPU tests model it so). bench/gpu_lora.py runs these functions directly (the device may lack pytest-asyncio: the
+last test is a plain function around ``asyncio.run``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,24 @@ def tiny_model(where: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(model) if model else build_tiny_model(where / "model", vocab=1024, hidden=256, layers=2, heads=4, kv_heads=2)
 
 
+def base_version(model_dir: pathlib.Path, seed: int) -> dict[str, Any]:
+    """A whole-model version: two projections an adapter also targets, changed (in bfloat16, the engine's dtype, so the
+    reference computes with exactly the weights SGLang holds)."""
+    import torch
+    from safetensors import safe_open
+
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in set(names) & set(f.keys()):
+                w = f.get_tensor(name).float()
+                out[name] = (w + torch.randn(w.shape, generator=g) * float(w.std())).to(torch.bfloat16)
+    assert set(out) == set(names), f"{model_dir} has no {sorted(set(names) - set(out))}"
+    return out
+
+
 def make_adapter(model_dir: pathlib.Path, seed: int, rank: int = 8) -> tuple[dict[str, Any], Any]:
     import torch
 
@@ -56,8 +76,10 @@ async def start_engine(model_dir: pathlib.Path, log_dir: pathlib.Path) -> SGLang
     return engine
 
 
-def merged_logprobs(model_dir: pathlib.Path, named: dict[str, Any], spec: Any, prompt: list[int], output: list[int]) -> list[float]:
-    """Teacher-forced logprobs of `output` under the base with the adapter merged in (float32, CPU)."""
+def merged_logprobs(model_dir: pathlib.Path, named: dict[str, Any] | None, spec: Any, prompt: list[int], output: list[int],
+                    base: dict[str, Any] | None = None) -> list[float]:
+    """Teacher-forced logprobs of `output` under the base (with the whole-model tensors `base` loaded over it) with the
+    adapter merged in (float32, CPU); `named` None: the base alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +87,9 @@ def merged_logprobs(model_dir: pathlib.Path, named: dict[str, Any], spec: Any, p
     params = dict(model.named_parameters())
     scale = spec.alpha / spec.rank
     with torch.no_grad():
-        for name, a in named.items():
+        for name, w in (base or {}).items():
+            params[name].copy_(w)
+        for name, a in (named or {}).items():
             if ".lora_A." in name:
                 module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
                 b = named[name.replace(".lora_A.", ".lora_B.")]
@@ -114,6 +138,40 @@ async def check_two_adapter_versions_serve_side_by_side_without_a_pause(work: pa
         await engine.stop()
 
 
+async def check_a_base_version_keeps_the_adapter_on(work: pathlib.Path) -> None:
+    """Adapter version 1, then whole-model version 2 (interrupt mode) while a sample runs on the adapter: later samples
+    are served as the merged model of base 2 and adapter 1, not base 2 alone, and carry version 2; the running sample's
+    tokens carry 1 up to the update and 2 after it."""
+    model_dir = tiny_model(work)
+    engine = await start_engine(model_dir, work)
+    try:
+        named, spec = make_adapter(model_dir, seed=1)
+        await engine.update_adapter(named, spec, 1)
+        running = asyncio.create_task(engine.generate(list(range(5, 20)), 1, SamplingParams(max_new_tokens=1500, ignore_eos=True), "long"))
+        await asyncio.sleep(0.3)
+        assert not running.done()
+        base2 = base_version(model_dir, seed=7)
+        await engine.pause("interrupt")
+        await engine.update_weights(base2, 2)
+        await engine.resume()
+        prompt = list(range(10, 42))
+        after = (await engine.generate(prompt, 1, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True), "after")).samples[0]
+        assert after.token_versions == [2] * 16
+        want = merged_logprobs(model_dir, named, spec, prompt, after.output_ids, base=base2)
+        alone = merged_logprobs(model_dir, None, spec, prompt, after.output_ids, base=base2)
+        apart = max(abs(a - b) for a, b in zip(want, alone, strict=True))
+        assert apart > 0.5, f"the adapter moves the new base's logprobs by only {apart:.3f}: this check cannot tell them apart"
+        worst = max(abs(a - b) for a, b in zip(after.logprobs, want, strict=True))
+        assert worst < 0.1, (f"after the whole-model version SGLang's logprobs differ from base 2 + adapter 1 merged by up to "
+                             f"{worst:.3f} (from base 2 alone by {max(abs(a - b) for a, b in zip(after.logprobs, alone, strict=True)):.3f})")
+        versions = (await asyncio.wait_for(running, 300)).samples[0].token_versions
+        cut = versions.index(2) if 2 in versions else -1
+        assert 0 < cut and versions == [1] * cut + [2] * (1500 - cut), f"token versions {sorted(set(versions))}, cut at {cut}"
+        assert engine.adapter_versions() == [1] and engine.version == 2
+    finally:
+        await engine.stop()
+
+
 async def test_an_adapter_is_served_as_the_merged_model() -> None:
     with tempfile.TemporaryDirectory() as d:
         await check_adapter_is_served_as_the_merged_model(pathlib.Path(d))
@@ -122,3 +180,8 @@ async def test_an_adapter_is_served_as_the_merged_model() -> None:
 async def test_two_adapter_versions_serve_side_by_side_without_a_pause() -> None:
     with tempfile.TemporaryDirectory() as d:
         await check_two_adapter_versions_serve_side_by_side_without_a_pause(pathlib.Path(d))
+
+
+def test_a_base_version_keeps_the_adapter_on() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        asyncio.run(check_a_base_version_keeps_the_adapter_on(pathlib.Path(d)))

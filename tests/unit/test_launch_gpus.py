@@ -66,3 +66,18 @@ def test_ray_bundles_ask_for_the_engines_gpus() -> None:
         RayLaunchConfig(broker="tcp://h:5555", gpus_per_worker=1, worker=TP2)
     with pytest.raises(ConfigError, match="above 1 must be a whole number"):
         RayLaunchConfig(broker="tcp://h:5555", gpus_per_worker=1.5)
+
+
+def test_ray_bundles_ask_for_a_cpu_per_agent_process_beside_the_workers() -> None:
+    agents = LaunchWorker(engine="sglang", model="/m", agent_processes=8, args="--episode my_agents:solve")
+    cfg = RayLaunchConfig(broker="tcp://h:5555", worker=agents)
+    assert cfg.bundle() == {"CPU": 9.0, "GPU": 1.0}  # -1 (the default): the worker and its 8 agent processes
+    assert "--agent-processes" in worker_command(cfg, 0)
+    assert RayLaunchConfig(broker="tcp://h:5555").bundle() == {"CPU": 1.0, "GPU": 1.0}  # no agent processes: as before
+    assert RayLaunchConfig(broker="tcp://h:5555", cpus_per_worker=4, worker=agents).bundle() == {"CPU": 4.0, "GPU": 1.0}
+    sim = LaunchWorker(engine="sim")
+    assert RayLaunchConfig(broker="tcp://h:5555", gpus_per_worker=0, cpus_per_worker=0.5, worker=sim).bundle() == {"CPU": 0.5}
+    with pytest.raises(ConfigError, match="not both 0"):
+        RayLaunchConfig(broker="tcp://h:5555", gpus_per_worker=0, cpus_per_worker=0, worker=sim)
+    with pytest.raises(ConfigError, match=r"must be >= 0 \(or -1\)"):
+        RayLaunchConfig(broker="tcp://h:5555", cpus_per_worker=-2)

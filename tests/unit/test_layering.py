@@ -88,12 +88,13 @@ WORKER_MODULES: dict[str, set[str]] = {
     "config": {"engines", "images"},  # WorkerConfig validates engine_options by the engine's options dataclass
     "images": set(),
     "reward": set(),
+    "heap": set(),  # the collector's settings of a worker or agent process
     "engines": set(),
-    "episodes": {"engines", "images"},  # the endpoint checks image_url parts by the worker's image rules
+    "episodes": {"engines", "images", "heap"},  # the endpoint checks image_url parts by the worker's image rules
     "trajectories": {"engines", "reward"},
     "engine_supervisor": {"engines", "link", "config"},
     "weight_sync": {"engine_supervisor", "link", "engines", "config"},
-    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes", "images"},
+    "worker": {"weight_sync", "engine_supervisor", "session", "link", "engines", "config", "reward", "trajectories", "episodes", "images", "heap"},
     "__init__": {"episodes"},  # the lazy EpisodeContext export
     "__main__": set(),
 }
@@ -149,13 +150,14 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "paths.network": {"paths.base", "manifest", "bucketing"},
     "paths.bulk": {"paths.base", "manifest", "bucketing"},
     "paths.delta": {"paths.base", "paths.network", "manifest", "bucketing", "delta", "memory"},
-    "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta"},
+    "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta", "config"},
     "snapshot": {"serving", "bucketing", "gpu", "memory"},
     "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},
     "paths.ipc_ring": {"paths.base", "manifest", "bucketing", "gpu", "serving", "snapshot", "ring"},
     "paths.cuda_ipc": {"paths.base", "paths.ipc_ring", "manifest", "bucketing", "gpu", "serving", "snapshot"},
+    "watch": {"paths.base", "paths.network"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "paths.delta", "manifest", "config",
-                   "bucketing", "gpu", "memory", "snapshot", "delta"},
+                   "bucketing", "gpu", "memory", "snapshot", "delta", "watch"},
     "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters"},
     "ring": set(),
     "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory", "delta"},

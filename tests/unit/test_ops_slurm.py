@@ -65,8 +65,21 @@ def test_dry_run_gives_a_tensor_parallel_worker_its_gpus_per_task() -> None:
     assert "--ntasks-per-node=2" in explicit and "--gpus-per-task=4" in explicit
 
 
+def test_dry_run_gives_each_worker_a_cpu_per_agent_process_or_its_share_of_the_node() -> None:
+    def cpus(**env: str) -> str:
+        *_, workers = _dry_run(SLURM_JOB_NODELIST="n1", ROLLPOOL_GPUS_PER_NODE="8", **env)
+        return next(a for a in workers if a.startswith("--cpus-per-task="))
+
+    assert cpus() == "--cpus-per-task=1"  # no agent processes, node size unknown: the worker's own CPU
+    assert cpus(ROLLPOOL_AGENT_PROCESSES="8") == "--cpus-per-task=9"  # as rollpool launch ray's default bundle
+    assert cpus(ROLLPOOL_AGENT_PROCESSES="8", SLURM_CPUS_ON_NODE="128") == "--cpus-per-task=16"  # the node shared evenly
+    assert cpus(ROLLPOOL_AGENT_PROCESSES="8", ROLLPOOL_CPUS_PER_WORKER="4") == "--cpus-per-task=4"
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"ROLLPOOL_GPUS_PER_NODE": "2", "ROLLPOOL_TP_SIZE": "4"}, "2 GPUs per node cannot hold workers of 4 GPUs each"),
+    ({"ROLLPOOL_GPUS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "32", "ROLLPOOL_AGENT_PROCESSES": "4"},
+     "32 CPUs per node give each of 8 workers 4, but a worker with ROLLPOOL_AGENT_PROCESSES=4 needs 5"),
     ({"ROLLPOOL_GPUS_PER_NODE": "8", "ROLLPOOL_GPUS_PER_WORKER": "1", "ROLLPOOL_TP_SIZE": "2"}, "engine spans tp_size x dp_size = 2 GPUs"),
 ])
 def test_dry_run_refuses_workers_the_nodes_cannot_hold(env: dict[str, str], message: str) -> None:

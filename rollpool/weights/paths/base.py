@@ -178,6 +178,14 @@ class FetchContext:
     streams: int
     copy_threads: int
 
+    def __post_init__(self) -> None:
+        if self.fetch_timeout_s <= 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        if not 1 <= self.window_chunks <= 1024:
+            raise ValueError(f"window_chunks must be in [1, 1024], got {self.window_chunks}")
+        if self.max_refetch < 0:
+            raise ValueError(f"max_refetch must be >= 0, got {self.max_refetch}")
+
     def bucket_failed(self, version: int, i: int, failures: list[int], path: str, where: str = "", what: str = "", *,
                       loop: asyncio.AbstractEventLoop | None = None) -> None:
         """One failed checksum of bucket `i`: counted, logged, evented (through `loop` from another thread); past
@@ -220,6 +228,9 @@ class Fetched:
     """The path's name in the ``weights fetched`` line and `WeightSubscriber.last_path` (the bulk lane says ``network``)."""
     details: dict[str, Any] = field(default_factory=dict)
     """Extra fields for the ``weights fetched`` log line (the staged path's timeline)."""
+    on_device: bool = False
+    """The buffers are the device path's own (the same GPU, shared memory staged to a GPU), not host buffers of the
+    subscriber's: the version cannot be a delta's base (a delta is rebuilt on the host)."""
 
 
 class PathFallbackError(Exception):

@@ -152,7 +152,7 @@ class CudaIpcPath:
         except BaseException:
             self.slabs.give(slab)
             raise
-        return Fetched(manifest, buffers, slab, CUDA_IPC)
+        return Fetched(manifest, buffers, slab, CUDA_IPC, on_device=True)
 
 
 class _NotYet:
@@ -212,6 +212,8 @@ class IpcArenas:
         self.ring = IpcRing(publisher_id, self.budget)
         """The bucket-by-bucket ring (`rollpool.weights.paths.ipc_ring`), offered when a whole-version arena would pass
         the budget; its `device` is the device edge `device_for` asks too (the CPU tests fake it, named so)."""
+        self.note: dict[str, Any] = {}
+        """The last planned version's offer (`note_offer`; the publisher's `path_note`)."""
         if path == CUDA_IPC:
             warm_in_background()
 
@@ -222,6 +224,19 @@ class IpcArenas:
         self.budget.give(self.allocated)
         self.allocated = 0
         self.ring.close()
+
+    def note_offer(self, version: int, offered: str, why_not_ring: str = "") -> None:
+        """Which path the publisher offers from `version` (``cuda_ipc`` arena, ``cuda_ipc_ring``, ``host``), and why the
+        faster ones are not: logged when it changes."""
+        note = {"version": version, "offered": offered, "why_not_cuda_ipc": self.why_not, "why_not_ring": why_not_ring}
+        if (offered, note["why_not_cuda_ipc"], why_not_ring) != (self.note.get("offered"), self.note.get("why_not_cuda_ipc"),
+                                                                 self.note.get("why_not_ring")):
+            said = {"cuda_ipc": "a same-GPU device arena besides the host buckets",
+                    "cuda_ipc_ring": f"the same-GPU ring besides the host buckets (no whole-version arena: {self.why_not})"}
+            log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
+                     said.get(offered) or f"host buckets only (no same-GPU buffer: {self.why_not or 'not asked for'}"
+                     + (f"; no ring: {why_not_ring}" if why_not_ring else "") + ")")
+        self.note = note
 
     def hello(self, req: ManifestRequest) -> None:
         """A subscriber's hello: on this host, the GPUs it sees (so ``auto`` knows a same-GPU peer exists)."""

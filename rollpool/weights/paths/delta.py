@@ -5,9 +5,11 @@ before it, computed from the host copies, answered to a manifest request that na
 holds the subscriber's end, `DeltaPath`: the base it holds and the rebuild of a version from it.
 
 What it promises
-    - The base is the newest version fetched whole into host buffers (`hold`); it is held until the next version is
-      verified, so its buffer goes back to the subscriber's buffers then, not when its caller recycles it (`holds`
-      tells the caller so).
+    - The base is the newest version fetched, when it was fetched whole into host buffers (`hold`); it is held until
+      the next version is verified, so its buffer goes back to the subscriber's buffers then, not when its caller
+      recycles it (`holds` tells the caller so). A version that lands on a device (the same GPU, shared memory staged
+      to a GPU) leaves no base: the host copy of the version before it is stale (servers offer a delta against the
+      version just before only), so no request names it and its buffer goes back.
     - A delta's encoded buckets travel on the network path (`NetworkPath`, each payload verified against its own
       checksum); each rebuilt bucket is verified against the checksum of the resulting bytes, so a rebuilt version is
       bit-identical to the full one or refused.
@@ -59,13 +61,15 @@ class DeltaPath:
         """The version a manifest request names as its base (-1: none held)."""
         return self.base.version if self.base is not None else -1
 
-    def hold(self, wv: WeightVersion) -> WeightVersion:
-        """A host version just fetched becomes the base of the next delta; the previous base's buffer goes back to the
-        buffers if its caller already recycled it."""
-        if wv.slab is None or wv.slab.is_cuda or not self.enabled:
+    def hold(self, wv: WeightVersion, *, on_device: bool = False) -> WeightVersion:
+        """A version just fetched: in host buffers, it becomes the base of the next delta; on a device (`on_device`),
+        no base is held after it. The previous base's buffer goes back to the buffers if its caller already recycled it
+        (else when it does)."""
+        if not self.enabled:
             return wv
+        host = wv.slab is not None and not on_device and not wv.slab.is_cuda
         old, recycled = self.base, self._base_recycled
-        self.base, self._base_recycled = wv, False
+        self.base, self._base_recycled = (wv if host else None), False
         if old is not None and recycled and old.slab is not None:
             self.buffers.give(old.slab)
         return wv

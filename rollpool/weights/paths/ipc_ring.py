@@ -552,4 +552,4 @@ class RingReader:
             raise
         done = replace(manifest, buckets=tuple(replace(mb, ipc_offset=b.ipc_offset, ipc_checksum=b.ipc_checksum)
                                                for mb, b in zip(manifest.buckets, verified, strict=True)))
-        return Fetched(done, buffers, slab, RING_PATH, details={"ring_slots": slots, "ring_s": round(time.perf_counter() - t0, 4)})
+        return Fetched(done, buffers, slab, RING_PATH, on_device=True, details={"ring_slots": slots, "ring_s": round(time.perf_counter() - t0, 4)})

@@ -360,7 +360,7 @@ class ShmDevicePath(_ShmEnd):
             self.segments.drop_dead()  # unlinked segments (keep the live ones mapped)
         return Fetched(manifest, buffers, slab, SHM, {"staged_to": str(self.segments.stage_device), **self.segments.stats(),
                                                       "manifest_asks": checksums.asks, "manifest_reasks": checksums.reasks,
-                                                      "timeline": timeline.as_dict(loop.time())})
+                                                      "timeline": timeline.as_dict(loop.time())}, on_device=True)
 
     async def _next_mix64(self, manifest: Manifest, done: set[int], verifying: dict[int, asyncio.Future[str]],
                           checksums: _GpuChecksums) -> Manifest:

@@ -1,4 +1,5 @@
-"""Grammar-constrained sampling for the `hf` engine, through xgrammar (the grammar library SGLang uses).
+"""Grammar-constrained sampling through xgrammar (the grammar library SGLang uses): the `hf` engine's masks, and
+the grammar text the `sglang` engine sends to SGLang's grammar backend.
 
 `GrammarBackend` compiles an `OutputConstraint` for one tokenizer (cached by value, so an episode's
 repeated schema compiles once) and gives each constrained sample a `GrammarState`: ``mask(logits)``
@@ -6,6 +7,12 @@ returns the logits with every token the grammar forbids at ``-inf``, ``accept(to
 Once the grammar is complete only the request's stop tokens are allowed, so a constrained turn ends
 with one. JSON is compiled without free whitespace (compact separators): a model cannot spend its
 token budget on blanks.
+
+`constraint_ebnf` writes the same grammar as EBNF text for an engine that compiles grammars itself (SGLang's
+``ebnf`` sampling parameter, compiled there by the same library). Such an engine ends a finished grammar with the
+model's end-of-sequence token only, so the tokens given as `end_tokens` (a chat turn's end-of-turn, e.g.
+``<|im_end|>``: the request's stop tokens that are not end-of-sequence) are made the grammar's last token
+(``Token(id)``): the turn ends as the chat template renders it, and the next turn extends the same sequence.
 
 xgrammar is imported here only, lazily (extra ``rollpool[grammar]``); a constraint that does not
 compile (a malformed schema) raises `RequestRefusedError`, failing that request only.
@@ -23,17 +30,43 @@ import torch
 from rollpool.protocol.errors import RequestRefusedError
 from rollpool.workers.engines.base import OutputConstraint
 
-__all__ = ["GrammarBackend", "GrammarState"]
+__all__ = ["GrammarBackend", "GrammarState", "constraint_ebnf"]
 
 _ANY_OBJECT = '{"type": "object"}'
 
 
-def _xgrammar() -> Any:
+def _xgrammar(engine: str = "hf") -> Any:
     try:
         import xgrammar
     except ImportError as exc:
-        raise RequestRefusedError("constrained decoding on the hf engine needs xgrammar: pip install 'rollpool[grammar]'") from exc
+        raise RequestRefusedError(f"constrained decoding on the {engine} engine needs xgrammar in the worker: "
+                                  "pip install 'rollpool[grammar]'") from exc
     return xgrammar
+
+
+def _grammar(xgr: Any, constraint: OutputConstraint) -> Any:
+    """`constraint` as one uncompiled xgrammar ``Grammar``: `begin`, the JSON value (no free whitespace), `end`."""
+    schema = constraint.json_schema or _ANY_OBJECT
+    try:
+        json.loads(schema)
+        body = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.begin,) if text]
+        parts.append(body)
+        parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.end,) if text]
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else body
+    except Exception as exc:  # the request's schema, not the engine, is at fault
+        raise RequestRefusedError(f"the output constraint does not compile: {type(exc).__name__}: {exc}") from exc
+
+
+def constraint_ebnf(constraint: OutputConstraint, end_tokens: Sequence[int] = (), engine: str = "sglang") -> str:
+    """`constraint` as xgrammar EBNF text, then one of `end_tokens` when given (see the module docstring);
+    `RequestRefusedError` for a schema that does not compile or without xgrammar (naming `engine`)."""
+    xgr = _xgrammar(engine)
+    grammar = _grammar(xgr, constraint)
+    ends = sorted({int(t) for t in end_tokens})
+    if ends:
+        grammar = xgr.Grammar.concat(grammar, xgr.Grammar.from_ebnf(f"root ::= {' | '.join(f'Token({t})' for t in ends)}"))
+    return str(grammar)
 
 
 class GrammarState:
@@ -76,15 +109,8 @@ class GrammarBackend:
             return compiled
 
     def _compile(self, constraint: OutputConstraint) -> Any:
-        xgr = self._xgr
-        schema = constraint.json_schema or _ANY_OBJECT
+        grammar = _grammar(self._xgr, constraint)
         try:
-            json.loads(schema)
-            body = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-            parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.begin,) if text]
-            parts.append(body)
-            parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") for text in (constraint.end,) if text]
-            grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else body
             return self._compiler.compile_grammar(grammar)
         except Exception as exc:  # the request's schema, not the engine, is at fault
             raise RequestRefusedError(f"the output constraint does not compile: {type(exc).__name__}: {exc}") from exc

@@ -29,7 +29,9 @@ Guarantees:
   newer ones in the same batch. The worker applies an adapter version without a pause (``adapters_without_pause``:
   it is added between two steps on the compute thread), so no running sequence is interrupted or re-prefilled for
   it, whatever the apply mode; a sequence re-prefilled for another reason (a whole-model update in ``interrupt``
-  mode) moves to the newest. A whole-model update drops every resident adapter.
+  mode) moves to the newest. A whole-model update keeps the newest adapter version on, on top of the new base:
+  every sequence that began moves to it and its later tokens carry the whole-model version (that version's
+  policy is the new base plus that adapter); older adapter versions are dropped.
 - Weight updates by HF parameter name happen between decode steps, every
   name and shape checked first; pause modes as in `base`. Every output token
   carries the version current when it was sampled; in ``interrupt`` mode the
@@ -151,7 +153,11 @@ class _Seq:
     """Tokens of this sequence held in the KV cache (the last sampled token is not yet)."""
     finish: str | None = None
     adapter: int | None = None
-    """The LoRA adapter version this sequence runs on (set at its first prefill; None: the base model alone)."""
+    """The LoRA adapter version this sequence runs on (set at its first prefill, and again by a whole-model version;
+    None: the base model alone)."""
+    tag: int = -1
+    """The version this sequence's tokens carry while it runs on `adapter`: the engine's version when the adapter was
+    set (the adapter version itself, or a later whole-model version under it)."""
     matched: int | str | None = None
     first_token_at: float = 0.0
     finished_at: float = 0.0
@@ -596,11 +602,14 @@ class HFEngine:
         except Exception as exc:
             raise EngineError(f"update_weights failed part-way: {exc!r}") from exc
         self.version = self._base_version = version
-        if self._lora is not None and self._lora.versions:
-            # adapters were trained against the old base; a sequence pinned to one re-runs its next tokens on the base
-            self._lora.clear()
+        latest = self._lora.latest if self._lora is not None else None
+        if self._lora is not None and latest is not None:
+            # the newest adapter stays on, on top of the new base (as SGLang keeps it); every sequence that began moves
+            # to it, its next tokens tagged with this version, whose policy is the new base plus that adapter
             for seq in [*self._running, *(s for unit in self._waiting for s in unit)]:
-                seq.adapter = None
+                if seq.adapter is not None or seq.kv_len:
+                    seq.adapter, seq.tag = latest, version
+            self._lora.retain({latest})
 
     def _update_adapter(self, named: Mapping[str, Any], spec: AdapterSpec, version: int) -> None:
         if spec.base_fingerprint and self._fingerprint and spec.base_fingerprint != self._fingerprint:
@@ -664,7 +673,7 @@ class HFEngine:
         if self._lora is not None:
             for seq in unit:
                 if seq.adapter is None:
-                    seq.adapter = self._lora.latest
+                    seq.adapter, seq.tag = self._lora.latest, self.version
             self._lora.select([unit[0].adapter])
         extra: dict[str, Any] = {}
         vision = group.vision
@@ -769,7 +778,7 @@ class HFEngine:
             seq.top_ids.append(ids)
             seq.top_logprobs.append(lps)
         # a sequence on no adapter runs on the base weights, whatever adapter versions arrived since it began
-        seq.versions.append(self._base_version if seq.adapter is None else seq.adapter)
+        seq.versions.append(self._base_version if seq.adapter is None else seq.tag)
         if not seq.first_token_at:
             seq.first_token_at = now
         if tok in seq.group.stop_ids:

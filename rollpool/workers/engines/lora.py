@@ -97,9 +97,11 @@ class LoraBank:
                 dropped.append(v)
         return dropped
 
-    def clear(self) -> None:
-        self.versions.clear()
-        self.specs.clear()
+    def retain(self, keep: set[int]) -> None:
+        """Drop every version not in `keep` (the caller knows no sequence names them)."""
+        for v in [v for v in self.versions if v not in keep]:
+            del self.versions[v]
+            del self.specs[v]
         self._groups = []
 
     def select(self, rows: list[int | None]) -> None:

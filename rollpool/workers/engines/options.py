@@ -28,6 +28,7 @@ __all__ = [
     "OPTIONS_BY_ENGINE",
     "SIM_LENGTHS",
     "SGLANG_BACKENDS",
+    "SGLANG_GRAMMAR_BACKENDS",
     "options_from",
     "parse_options",
     "split_options",
@@ -35,6 +36,7 @@ __all__ = [
 
 SIM_LENGTHS = ("fixed", "uniform", "lognormal")
 SGLANG_BACKENDS = ("sglang", "sim")
+SGLANG_GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 _HF_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 OptionsT = TypeVar("OptionsT")
@@ -165,6 +167,10 @@ class SGLangOptions:
     lora_dir: str = ""
     """Where adapter versions are written for SGLang to load (one PEFT directory each, removed once loaded); empty:
     /dev/shm (a tmpfs) when present, else the system's temporary directory."""
+    grammar_backend: str = "auto"
+    """SGLang's grammar backend, which constrained decoding (forced tool calls, structured output) needs: ``auto`` is
+    ``xgrammar`` where the child can import it, else ``none`` (constrained requests are refused); or ``xgrammar``,
+    ``llguidance``, ``outlines``, ``none``. The sim child's ``xgrammar`` is a fake: uniform among the allowed tokens."""
 
     def lora_targets(self) -> tuple[str, ...]:
         return tuple(t for t in re.split(r"[,+\s]+", self.lora_target_modules) if t)
@@ -207,6 +213,8 @@ class SGLangOptions:
         for name in ("start_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise _fail(c, name, "must be > 0", getattr(self, name))
+        if self.grammar_backend not in SGLANG_GRAMMAR_BACKENDS:
+            raise _fail(c, "grammar_backend", f"must be one of {SGLANG_GRAMMAR_BACKENDS}", self.grammar_backend)
         if self.backend not in SGLANG_BACKENDS:
             raise _fail(c, "backend", f"must be one of {SGLANG_BACKENDS}", self.backend)
         if self.url is not None and not self.url.startswith("http://"):

@@ -760,7 +760,7 @@ class Episode:
         if constraint is not None and not isinstance(self.engine, ConstrainedEngine):
             param = "tool_choice" if forced is not None else "response_format"
             raise EndpointError(400, f"{param} needs constrained decoding, which the {self._engine_name()} engine does not serve "
-                                     "(the hf engine does)", param=param)
+                                     "(the hf and sglang engines do)", param=param)
         return constraint
 
     def _forced_tool(self, tools: Sequence[Any] | None, tool_choice: Any) -> OutputConstraint:

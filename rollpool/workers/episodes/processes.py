@@ -65,6 +65,7 @@ from rollpool.workers.episodes.episode import (
     EpisodeContext,
     EpisodeStats,
 )
+from rollpool.workers.heap import freeze_start_up_heap
 
 __all__ = ["AgentProcessError", "AgentProcesses", "ChildEpisodeContext", "main"]
 
@@ -555,6 +556,9 @@ async def _child_main(path: str, index: int, specs: Sequence[str], max_episodes:
         await writer.drain()
         writer.close()
         return 2
+    # this process runs episode functions and nothing else: its start-up heap (the functions' modules) leaves the
+    # collector, and the collections of the episodes' objects come rarer, as in the worker
+    freeze_start_up_heap()
     _write_frame(writer, hello)
     link = _ChildLink(reader, writer, dict(functions), max_episodes)
     try:

@@ -160,7 +160,7 @@ async def test_a_delta_whose_base_the_subscriber_does_not_hold_ends_in_the_full_
     delta_manifest = await sub.fetch_manifest(2)
     assert delta_manifest.delta_base == 1
     other = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="other")  # holds no version
-    other._known, other._latest = delta_manifest, 2  # handed the delta manifest (as a catch-up would)
+    other.watch.known, other.watch.latest = delta_manifest, 2  # handed the delta manifest (as a catch-up would)
     wv = await other.fetch(2)
     assert _same(wv.tensors, m2) and other.delta_fallbacks == 1 and other.delta_versions == 0
 

@@ -45,13 +45,18 @@ def _adapter(model_dir: pathlib.Path, seed: int, rank: int = 4) -> tuple[dict[st
     return named, adapter_spec(rank, 2 * rank, TARGETS, base_fingerprint=model_fingerprint(model_dir), base_model="tiny")
 
 
-def _merged(model_dir: pathlib.Path, named: dict[str, torch.Tensor], spec: AdapterSpec) -> Any:
-    """The reference: the base with W + (alpha / r) B A merged in (what PEFT's merge_and_unload computes)."""
+def _merged(model_dir: pathlib.Path, named: dict[str, torch.Tensor] | None, spec: AdapterSpec | None,
+            base: dict[str, torch.Tensor] | None = None) -> Any:
+    """The reference: the base (with the whole-model tensors `base` loaded over it) with W + (alpha / r) B A merged in
+    (what PEFT's merge_and_unload computes); `named` None: the base alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     mods = dict(model.named_modules())
     with torch.no_grad():
+        model.load_state_dict(base or {}, strict=False)
+        if named is None or spec is None:
+            return model
         for name, a in named.items():
             if ".lora_A." in name:
                 path = name.removeprefix("base_model.model.").split(".lora_A.")[0]
@@ -126,6 +131,51 @@ async def test_in_flight_sequences_finish_on_their_adapter_version(model_dir: pa
     assert engine.adapter_versions() == [3, 4]  # nothing pins 1 or 2 now: evicted down to lora_resident
 
 
+def _base_version(model_dir: pathlib.Path, seed: int) -> dict[str, torch.Tensor]:
+    """A whole-model version: two projections an adapter also targets, changed."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    return {n: weights[n].float() + torch.randn(weights[n].shape, generator=g) * 0.3 for n in names}
+
+
+def _gap(model: Any, out: Any, positions: range | None = None) -> float:
+    ref = _teacher_forced(model, PROMPT, out.output_ids)
+    at = positions or range(len(ref))
+    return max(abs(ref[i] - out.logprobs[i]) for i in at)
+
+
+async def test_a_whole_model_version_keeps_the_current_adapter_on_top_of_the_new_base(model_dir: pathlib.Path, engine: HFEngine) -> None:
+    """The sequence of the sglang engine's test (tests/unit/workers/test_sglang_lora.py): adapter 1, then whole-model
+    version 2 while a sequence runs on the adapter (interrupt mode). The sequence and every later one run on the new
+    base with adapter 1 still on (the merged model of base 2 and adapter 1 computes their logprobs), and their tokens
+    carry 2: the policy of version 2 is base 2 plus adapter 1. Before the fix the engine dropped the adapter and later
+    tokens ran on the base alone."""
+    named, spec = _adapter(model_dir, seed=1)
+    await engine.update_adapter(named, spec, 1)
+    long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    running = asyncio.create_task(engine.generate(PROMPT, 1, long, "long"))
+    while engine.stats["decode_steps"] < 3:  # noqa: ASYNC110 - a counter of the engine's thread
+        await asyncio.sleep(0.005)
+    base2 = _base_version(model_dir, seed=7)
+    await engine.pause("interrupt")
+    await engine.update_weights(base2, 2)
+    await engine.resume()
+    after = (await engine.generate(PROMPT, 1, GREEDY, "after")).samples[0]
+    assert after.token_versions == [2] * 12
+    on_new_base = _merged(model_dir, named, spec, base=base2)
+    assert _gap(on_new_base, after) < TOL  # the adapter is on, on the new base
+    assert _gap(_merged(model_dir, None, None, base=base2), after) > 100 * TOL  # (not the new base alone)
+    seq = (await running).samples[0]
+    cut = seq.token_versions.index(2)
+    assert 0 < cut and seq.token_versions == [1] * cut + [2] * (60 - cut)
+    assert _gap(_merged(model_dir, named, spec), seq, range(cut)) < TOL  # base 1 + adapter 1 before the update
+    assert _gap(on_new_base, seq, range(cut, 60)) < TOL  # re-prefilled under base 2 + adapter 1 after it
+    assert engine.adapter_versions() == [1] and engine.version == 2
+
+
 async def test_bad_adapters_are_refused_naming_why_and_the_engine_serves_on(model_dir: pathlib.Path, engine: HFEngine) -> None:
     named, spec = _adapter(model_dir, seed=1)
     await engine.update_adapter(named, spec, 1)
@@ -186,3 +236,30 @@ def test_the_bank_keeps_its_own_copy_of_a_fetched_bucket_in_its_dtype() -> None:
         assert all(torch.equal(g, w.to(dtype)) for g, w in zip(got, want.values(), strict=True))
         for k, t in want.items():
             named[k].copy_(t)
+
+
+async def test_the_publisher_plans_and_checks_anew_when_names_or_shapes_change(model_dir: pathlib.Path, make_publisher: Any,
+                                                                               make_subscriber: Any) -> None:
+    """A trainer publishes the same matrices every version, so the publisher reuses the previous version's plan and
+    adapter check while the names, shapes and dtypes stay the same; any change is planned and checked again."""
+    pub = await make_publisher(keep_versions=2)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    named, spec = _adapter(model_dir, seed=1)
+    planned: Any = None
+    for version in (1, 2):
+        named = {k: v + 1 for k, v in named.items()}  # a training step: new values, the same tensors' layout
+        await pub.publish(named, version, adapter=spec, wait_ready=True)
+        got = await sub.fetch(version)
+        assert all(torch.equal(got.tensors[k], v) for k, v in named.items())
+        planned = planned or pub._plan.planner
+        assert planned is not None and pub._plan.planner is planned  # version 2 reused version 1's plan
+        sub.recycle(got)
+    wrong = dict(named)
+    first_a = next(k for k in named if ".lora_A." in k)
+    wrong[first_a] = torch.zeros(8, named[first_a].shape[1])  # rank 8 against the spec's 4: checked again, refused
+    with pytest.raises(WeightsRefusedError, match="the spec says rank 4"):
+        await pub.publish(wrong, 3, adapter=spec)
+    wider, wider_spec = _adapter(model_dir, seed=2, rank=8)
+    await pub.publish(wider, 3, adapter=wider_spec, wait_ready=True)
+    got = await sub.fetch(3)
+    assert all(torch.equal(got.tensors[k], v) for k, v in wider.items()) and pub._plan.planner is not planned

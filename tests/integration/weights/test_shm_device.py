@@ -60,6 +60,21 @@ class FakeDevice:
         return mix64_checksum(handle)
 
 
+class DeviceMemory(torch.Tensor):
+    """A CPU tensor that says it is CUDA memory (`is_cuda`), as a real device's buffers do (fake, named so)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+class FakeCudaDevice(FakeDevice):
+    """`FakeDevice` whose buffers say they are CUDA memory, as the real edge's are."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8).as_subclass(DeviceMemory)
+
+
 def model(seed: int, n: int = 4) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {f"layers.{i}.w": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(n)}
@@ -229,3 +244,43 @@ async def test_a_minor10_peer_gets_its_manifest_from_a_publisher_that_names_its_
     sub = staging(make_subscriber, None)  # not connected: only this manifest names segments to it
     sub.segments.register_ahead(old)
     assert sub.segments.ahead_thread is None  # nothing named: nothing to map ahead
+
+
+@pytest.mark.parametrize("device", [FakeDevice, FakeCudaDevice], ids=["device_fake", "cuda_like_fake"])
+async def test_a_version_staged_on_the_device_leaves_no_stale_delta_base(make_publisher: Any, make_subscriber: Any,
+                                                                         monkeypatch: Any, device: Any) -> None:
+    """A subscriber whose version 1 sits in host buffers and version 2 on the device holds no delta base: its request
+    for version 3 names none (not the stale 1, which no server offers a delta against), and version 1's host buffer
+    goes back when the worker hands it back."""
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
+    pub = await make_publisher()
+    named: list[tuple[int | None, int]] = []
+    hello = pub._server.on_manifest_request
+
+    def note(req: Any) -> None:
+        named.append((req.version, req.delta_base))
+        if hello is not None:
+            hello(req)
+
+    pub._server.on_manifest_request = note
+    sub = make_subscriber(pub.router_endpoint, path="auto")  # no staging device yet: version 1 lands in host buffers
+    w1 = model(21)
+    await pub.publish(w1, 1, wait_ready=True)
+    v1 = await sub.fetch(1)
+    assert same(v1.tensors, w1) and sub.device_stage_bytes == 0
+    sub.stage_device, sub.device_ops = "fake:0", device  # the engine now stages to its device
+    w2 = model(22)  # every element new: no delta against 1 (past weight_delta_max_fraction), the full version is staged
+    await pub.publish(w2, 2, wait_ready=True)
+    v2 = await sub.fetch(2)
+    assert same(v2.tensors, w2) and sub.device_stage_bytes > 0 and sub.delta_versions == 0
+    free_before = len(sub.buffers.pool.free_sizes())
+    sub.recycle(v1)  # the worker hands back the version its engine no longer serves
+    assert len(sub.buffers.pool.free_sizes()) == free_before + 1
+    w3 = model(23)
+    await pub.publish(w3, 3, wait_ready=True)
+    named.clear()
+    asked = pub.stats["full_manifests_to_delta_askers"]
+    v3 = await sub.fetch(3)
+    assert same(v3.tensors, w3) and sub.last_path == "shm"
+    assert named and all(base == -1 for _version, base in named), named
+    assert pub.stats["full_manifests_to_delta_askers"] == asked

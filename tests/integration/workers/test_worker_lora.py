@@ -171,3 +171,54 @@ async def test_a_whole_model_version_still_asks_for_an_apply_slot_from_a_broker_
     await scripted.send(ApplyGrant(version=1))
     done = await scripted.expect(ApplyDone)
     assert done.ok and done.version == 1 and worker.weights.grants_skipped == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_model_version(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The engines keep the newest adapter on across a whole-model version (docs/lora.md), so an engine restarted to
+    apply one must get that adapter too: adapter version 1, then whole-model version 2 whose apply fails on the serving
+    engine (a fault injected at the engine's edge): the restarted engine is given adapter 1 and then version 2; then
+    version 3 fails the same way and the engine restarted again is given adapter 1 under it as well. Before, a restarted
+    engine served the whole-model version alone while its tokens claimed the policy of base and adapter."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rollpool.protocol.errors import EngineError
+    from rollpool.workers.engines.hf import HFEngine
+
+    fail_once = {2, 3}
+    engines: list[HFEngine] = []
+
+    class FailsOnce(HFEngine):
+        async def update_weights(self, named_tensors: Any, version: int) -> None:
+            if version in fail_once:
+                fail_once.discard(version)
+                raise EngineError(f"injected: the update to version {version} failed on this engine")
+            await super().update_weights(named_tensors, version)
+
+    def factory() -> HFEngine:
+        engines.append(FailsOnce(model=str(tiny_model_dir), capacity=4, num_threads=1))
+        return engines[-1]
+
+    worker, broker, _run = await harness(factory, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(1, named, manifest=types.SimpleNamespace(adapter=spec))
+    assert (await broker.expect(ApplyRequest)).version == 1
+    await broker.send(ApplyGrant(version=1))
+    assert (await broker.expect(ApplyDone)).ok
+    norm = next(k for k in load_file(str(tiny_model_dir / "model.safetensors")) if k.endswith("norm.weight"))
+    for version in (2, 3):
+        sub.publish(version, {norm: torch.full((32,), float(version))}, manifest=types.SimpleNamespace(adapter=None))
+        assert (await broker.expect(ApplyRequest)).version == version
+        await broker.send(ApplyGrant(version=version))
+        failed = await broker.expect(ApplyDone)
+        assert not failed.ok and "injected" in (failed.error or "")
+        hello = await broker.welcome()  # the restarted engine was given the version before the worker says hello again
+        assert hello.weight_version == version and len(engines) == version
+        assert engines[-1].adapter_versions() == [1] and engines[-1].version == version  # adapter 1 on the new base
+        await broker.send(task(version * 10, n=1, max_new=4, ignore_eos=True))
+        result = await broker.expect(Result, timeout_s=30)
+        assert [t.token_versions.tolist() for t in result.trajectories] == [[version] * 4]

@@ -77,3 +77,36 @@ async def test_an_engine_that_cannot_start_is_given_up_after_max_restarts() -> N
     with pytest.raises(EngineError, match="3 times in a row"):
         await asyncio.wait_for(sup.run(), 5)
     assert len(made) == 1 + 3 and not sup.ok.is_set()
+
+
+class BrokenConstrainedEngine(SimEngine):
+    """A sim engine whose constrained turns fail as a dead engine does."""
+
+    async def generate_constrained(self, *args: object, **kwargs: object) -> object:
+        raise EngineError("the engine died mid-turn")
+
+
+async def test_a_constrained_turn_that_fails_is_an_engine_failure_as_a_plain_turn_is() -> None:
+    """The episodes' view of the engine forwards `generate_constrained` only where the engine has it, and a failure of
+    it (not a refusal) fails the engine, as a failed `generate` does."""
+    from rollpool.protocol.messages import SamplingParams
+    from rollpool.workers.engines.base import ConstrainedEngine, OutputConstraint
+    from rollpool.workers.worker import _SupervisedEngine
+
+    downs: list[str] = []
+
+    async def on_down(reason: str) -> None:
+        downs.append(reason)
+
+    sup = EngineSupervisor(config(), BrokenConstrainedEngine, MemoryMetricsSink(), on_down=on_down)
+    await sup.start()
+    watched = _SupervisedEngine(sup)
+    assert isinstance(watched, ConstrainedEngine)
+    with pytest.raises(EngineError, match="died mid-turn"):
+        await watched.generate_constrained([1, 2], 1, SamplingParams(max_new_tokens=2), "r", OutputConstraint())
+    assert downs == ["EngineError: the engine died mid-turn"]
+    await sup.stop()
+    plain = EngineSupervisor(config(), SimEngine, MemoryMetricsSink())
+    await plain.start()
+    assert not isinstance(_SupervisedEngine(plain), ConstrainedEngine)  # the endpoint then answers 400 naming the engine
+    await plain.stop()

@@ -132,13 +132,65 @@ async def test_an_engine_without_lora_refuses_an_adapter_version_by_name(tiny_mo
         await engine.stop()
 
 
-async def test_a_whole_model_version_unloads_every_adapter(lora_engine: SGLangEngine, tiny_model_dir: pathlib.Path) -> None:
-    await lora_engine.update_adapter(*_adapter(tiny_model_dir), 1)
-    params = read_safetensors_index(tiny_model_dir)
+def _base_version(model_dir: pathlib.Path) -> dict[str, Any]:
+    """A whole-model version: one norm weight changed (what it holds does not matter to the sim)."""
+    params = read_safetensors_index(model_dir)
     name = next(n for n, (_d, shape) in params.items() if len(shape) == 1)
-    await lora_engine.pause("drain")
-    await lora_engine.update_weights({name: torch.ones(params[name][1])}, 2)
+    return {name: torch.ones(params[name][1])}
+
+
+def _tokens_by_adapter(served: dict[str, Any]) -> dict[int | None, int]:
+    """The child's count of tokens served per adapter version (None: the base alone)."""
+    return {(int(n.rsplit("-v", 1)[1]) if n else None): k for n, k in served["lora_tokens"].items()}
+
+
+async def test_a_whole_model_version_keeps_the_current_adapter_on_top_of_the_new_base(
+        lora_engine: SGLangEngine, tiny_model_dir: pathlib.Path) -> None:
+    """Adapter version 1, then whole-model version 2 while a sample runs on the adapter (interrupt mode): the sample
+    and every later one run on the new base with adapter 1 still on, and their tokens carry 2 (the policy of version 2
+    is base 2 + adapter 1). The child models what SGLang 0.5.14 does to loaded adapters on a base update: nothing.
+    ``update_weights_from_tensor`` only runs ``model.load_weights`` on the named base parameters (sglang-kit API-NOTES
+    section 3.2); with ``enable_lora`` each wrapped layer shares its base layer's ``weight`` (the kit's
+    ``sglang/srt/lora/layers.py``, ``BaseLayerWithLoRA``), so the load writes the base in place and the LoRA manager's
+    adapters, and its GPU pool, are left as they were: `SimLora` keeps them loaded and servable (the GPU check of the same
+    sequence is tests/gpu/test_sglang_lora_gpu.py). Before the fix the engine unloaded adapter 1 itself and ran every
+    later token on the base alone: what a prompt naming the adapter got after a base version."""
+    await lora_engine.update_adapter(*_adapter(tiny_model_dir), 1)
+    long = asyncio.create_task(lora_engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=120, ignore_eos=True), "long"))
+    await asyncio.sleep(0.1)
+    await lora_engine.pause("interrupt")
+    await lora_engine.update_weights(_base_version(tiny_model_dir), 2)
     await lora_engine.resume()
-    assert lora_engine.adapter_versions() == [] and (await _served(lora_engine))["lora_loaded"] == []
-    out = await lora_engine.generate([1, 2], 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "base-again")
-    assert out.samples[0].token_versions == [2, 2, 2]
+    after = await lora_engine.generate([1, 2], 2, SamplingParams(max_new_tokens=5, ignore_eos=True), "after")
+    assert all(s.token_versions == [2] * 5 for s in after.samples)
+    versions = (await asyncio.wait_for(long, 30)).samples[0].token_versions
+    cut = versions.index(2)  # interrupted: tokens before the base version carry 1, after it 2, nothing else
+    assert 0 < cut and versions == [1] * cut + [2] * (120 - cut)
+    # every token, before and after the base version, ran on adapter 1: none on the base alone
+    assert _tokens_by_adapter(await _served(lora_engine)) == {1: 130}
+    assert lora_engine.stats["resubmits"] == 1 and lora_engine.adapter_versions() == [1] and lora_engine.version == 2
+
+
+async def test_after_a_base_version_new_adapter_versions_serve_and_a_pinned_sample_keeps_its_version(
+        lora_engine: SGLangEngine, tiny_model_dir: pathlib.Path) -> None:
+    """Adapter 1, base 2 (drain), a long sample begun then (adapter 1 on base 2: tokens carry 2), adapter 3 while it
+    runs: the long sample finishes on adapter 1 carrying 2, a new one runs on adapter 3 carrying 3; a base version
+    with no tensors re-tags as one with tensors does."""
+    await lora_engine.update_adapter(*_adapter(tiny_model_dir), 1)
+    await lora_engine.pause("drain")
+    await lora_engine.update_weights(_base_version(tiny_model_dir), 2)
+    await lora_engine.resume()
+    long = asyncio.create_task(lora_engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=150, ignore_eos=True), "long"))
+    await asyncio.sleep(0.1)
+    await lora_engine.update_adapter(*_adapter(tiny_model_dir), 3)  # no pause: the long sample runs on
+    assert lora_engine.adapter_versions() == [1, 3]  # lora_resident 1, but adapter 1 is named by the long sample
+    short = await lora_engine.generate([4, 5], 1, SamplingParams(max_new_tokens=5, ignore_eos=True), "short")
+    assert short.samples[0].token_versions == [3] * 5
+    assert (await asyncio.wait_for(long, 30)).samples[0].token_versions == [2] * 150
+    assert _tokens_by_adapter(await _served(lora_engine)) == {1: 150, 3: 5}
+    await lora_engine.pause("drain")
+    await lora_engine.update_weights({}, 4)  # a whole-model version with no tensors: only SGLang's version label moves
+    await lora_engine.resume()
+    assert lora_engine.adapter_versions() == [3]
+    last = await lora_engine.generate([6], 1, SamplingParams(max_new_tokens=3, ignore_eos=True), "last")
+    assert last.samples[0].token_versions == [4] * 3 and _tokens_by_adapter(await _served(lora_engine)) == {1: 150, 3: 8}

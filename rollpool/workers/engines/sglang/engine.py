@@ -45,8 +45,19 @@ Guarantees:
   not stop generation for an adapter version). A sample runs on the newest adapter version loaded when its first
   attempt is sent and on that one to its end (every attempt names it, ``lora_path``), so each of its tokens
   carries that version. ``lora_resident`` versions stay loaded, plus any a running sample names; older ones are
-  unloaded (``/unload_lora_adapter``) when the next version loads. A whole-model version unloads every adapter
-  (they were trained against the old base) and the samples that ran on one go on on the base.
+  unloaded (``/unload_lora_adapter``) when the next version loads. A whole-model version leaves the newest adapter
+  version loaded and on, on top of the new base (SGLang's update leaves loaded adapters as they were): every sample
+  that began moves to it, and its later tokens carry the whole-model version (that version's policy is the new
+  base plus that adapter); older adapter versions are unloaded.
+- Constrained decoding (`ConstrainedEngine`: forced tool calls, structured output): ``generate_constrained`` sends
+  the constraint as an xgrammar EBNF grammar (`grammar.constraint_ebnf`, built in the worker: xgrammar, extra
+  ``rollpool[grammar]``) in SGLang's ``ebnf`` sampling parameter, compiled and applied by SGLang's grammar backend
+  (engine option ``grammar_backend``: ``auto`` is xgrammar where the child can import it). The logprob reported is
+  SGLang's, which masks the logits first: the token's log-probability in the masked, renormalised distribution it
+  was drawn from (the `hf` engine reports the model's, before the mask). A child without a grammar backend: the
+  request is refused (`RequestRefusedError`, naming the engine). A grammar cannot resume inside a sample's partial
+  output, so an ``interrupt`` update does not abort a constrained sample: it waits for it to finish (its tokens keep
+  the version they began on); a constrained sample aborted by anyone else starts over from its prompt.
 - Several GPUs: ``tp_size`` ranks per SGLang server and ``dp_size`` servers
   (replicas, one child each) on the worker's GPUs (`ranks`; fewer GPUs than
   ``tp_size * dp_size`` is a `ConfigError` before any child starts). Each
@@ -81,7 +92,14 @@ import numpy as np
 from rollpool.protocol.errors import EngineError, RequestRefusedError, WeightsRefusedError
 from rollpool.protocol.fingerprint import model_fingerprint
 from rollpool.protocol.messages import AdapterSpec, ApplyMode, FinishReason, SamplingParams
-from rollpool.workers.engines.base import EngineInfo, GenerateOutput, SampleOutput, check_prompt, check_request
+from rollpool.workers.engines.base import (
+    EngineInfo,
+    GenerateOutput,
+    OutputConstraint,
+    SampleOutput,
+    check_prompt,
+    check_request,
+)
 from rollpool.workers.engines.options import SGLangOptions, options_from
 from rollpool.workers.engines.sglang.hop import HOP_PATHS, HopClient
 from rollpool.workers.engines.sglang.http import TOKEN_ENV, HttpClient, HttpError
@@ -141,7 +159,11 @@ class _Sample:
     cached_tokens: int | None = None
     """SGLang's cached_tokens of the first attempt (a resubmit's prompt includes tokens this sample made)."""
     adapter: int | None = None
-    """The LoRA adapter version every attempt of this sample runs on (set at its first attempt; None: the base)."""
+    """The LoRA adapter version every attempt of this sample runs on (set at its first attempt, and again by a
+    whole-model version; None: the base alone)."""
+    tag: int = -1
+    """The version the tokens of this sample carry while it runs on `adapter`: the engine's version when the adapter
+    was set (the adapter version itself, or a later whole-model version under it)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,6 +195,8 @@ class _Request:
     image_data: list[str] | None = None
     """With images: each as a base64 data URI, sent with every attempt; `input_ids` then hold one image token per
     image, which SGLang's processor expands (the ids reported are expanded here by the same rule)."""
+    ebnf: str | None = None
+    """The grammar every sample is held to (`generate_constrained`), sent with every attempt."""
 
 
 @dataclass(eq=False)
@@ -247,7 +271,7 @@ class SGLangEngine:
         self.token_path: pathlib.Path | None = None
         self.last_update: dict[str, float] = {}
         """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s."""
-        self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "version_mismatches": 0}
+        self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "restarts": 0, "version_mismatches": 0}
         self.tp_size = opts.tp_size
         self.dp_size = opts.dp_size
         self.gpu_plan: GpuPlan | None = None
@@ -276,6 +300,8 @@ class SGLangEngine:
         self._image_placeholder_ids: list[int] = []
         """(vision start, image, vision end) token ids from config.json, for the episode endpoint."""
         self._context_tokens: int | None = None
+        self._eos_ids: set[int] = set()
+        """The model's end-of-sequence ids (config.json, generation_config.json): SGLang's grammar backend stops on them."""
         self._tokenizer: Any = None
         self._released: set[str] = set()
         self._pause_started = 0.0
@@ -285,6 +311,8 @@ class SGLangEngine:
         self._adapters: dict[int, str] = {}
         """Adapter versions loaded in every replica -> their SGLang name."""
         self._adapter_lock = asyncio.Lock()
+        self.grammar_backend = "none"
+        """The grammar backend the child's SGLang runs (its ``/model_info``; ``none``: constrained requests refused)."""
 
     @property
     def _proc(self) -> asyncio.subprocess.Process | None:
@@ -336,6 +364,7 @@ class SGLangEngine:
                 for dev in dict.fromkeys(d for replica in self.rank_devices() for d in replica):
                     await asyncio.to_thread(init_cuda, dev)  # so the first update does not pay for CUDA init
             await self._post_all("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
+            self.grammar_backend = await self._read_grammar_backend()
             if self.device.startswith("cuda"):
                 await self._warm_update()
         except BaseException:
@@ -373,6 +402,15 @@ class SGLangEngine:
         log.info("sglang engine: warm-up update of %s (%d values, the same ones) %s in %.3f s", name, n,
                  "done" if ok else f"refused: {res!r:.200}", time.time() - t0)
 
+    async def _read_grammar_backend(self) -> str:
+        """The grammar backend every replica runs (``/model_info``); ``none`` where one has none or does not say."""
+        try:
+            infos = await self._post_all("/model_info", method="GET")
+        except HttpError:
+            return "none"
+        backends = {str(i.get("grammar_backend") or "none") if isinstance(i, Mapping) else "none" for i in infos}
+        return backends.pop() if len(backends) == 1 else "none"
+
     def _read_limits(self, path: pathlib.Path) -> None:
         """Vocabulary and context length for the request checks, from the checkpoint's config.json."""
         try:
@@ -383,6 +421,13 @@ class SGLangEngine:
         self._takes_images = isinstance(cfg.get("vision_config"), dict)
         marks = [cfg.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
         self._image_placeholder_ids = [int(t) for t in marks] if self._takes_images and all(isinstance(t, int) for t in marks) else []
+        gen_cfg: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            gen_cfg = json.loads((path / "generation_config.json").read_text())
+        self._eos_ids = set()
+        for where in (cfg, text_cfg, gen_cfg if isinstance(gen_cfg, dict) else {}):
+            eos = where.get("eos_token_id")  # an int or a list of ints
+            self._eos_ids.update(t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int))
         vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
         self._vocab = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         positions = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
@@ -418,6 +463,7 @@ class SGLangEngine:
             if o.lora:
                 kw.update({"enable_lora": True, "max_lora_rank": o.max_lora_rank, "lora_target_modules": list(o.lora_targets()),
                            "max_loras_per_batch": o.max_loras_per_batch or o.lora_resident + 1})
+            kw["grammar_backend"] = o.grammar_backend
             kw.update(o.server_kwargs())
             cmd = [self.python, "-m", "rollpool.workers.engines.sglang.server", "--backend", o.backend,
                    "--engine-kwargs", json.dumps(kw)]
@@ -564,7 +610,7 @@ class SGLangEngine:
                    "gpus": list(self.gpu_plan.visible[self.gpu_plan.first : self.gpu_plan.first + self.gpu_plan.gpus_needed])
                    if self.gpu_plan is not None else [],
                    "max_context_tokens": self._context_tokens or 0,  # the episode endpoint's context_length_exceeded
-                   "lora": self.options.lora, "adapter_versions": sorted(self._adapters),
+                   "lora": self.options.lora, "adapter_versions": sorted(self._adapters), "grammar_backend": self.grammar_backend,
                    **({"image_placeholder_ids": self._image_placeholder_ids} if self._image_placeholder_ids else {})},
             images=self._takes_images,
         )
@@ -624,6 +670,40 @@ class SGLangEngine:
         apply_chat_template: bool = False,
         images: Sequence[bytes] = (),
     ) -> GenerateOutput:
+        return await self._generate(input_ids, n, sampling, request_id, text=text, apply_chat_template=apply_chat_template,
+                                    images=images)
+
+    async def generate_constrained(self, input_ids: Sequence[int], n: int, sampling: SamplingParams, request_id: str,
+                                   constraint: OutputConstraint) -> GenerateOutput:
+        """`generate`, every sample held to `constraint` by SGLang's grammar backend (see the module docstring)."""
+        self._check()
+        if self.grammar_backend == "none":
+            raise RequestRefusedError(
+                "constrained decoding (response_format, a forced tool_choice) is not served by the sglang engine here: its "
+                "SGLang runs without a grammar backend (grammar_backend none; install xgrammar beside SGLang, or set the "
+                "engine option grammar_backend)")
+        if sampling.ignore_eos:  # a finished grammar allows only a stop token: ignoring it would leave nothing to sample
+            raise RequestRefusedError("ignore_eos cannot be combined with an output constraint")
+        from rollpool.workers.engines.grammar import constraint_ebnf
+
+        # SGLang ends a finished grammar only with the model's end-of-sequence: the request's other stop tokens (a chat
+        # turn's end-of-turn) become the grammar's last token, so the turn ends as the template renders it
+        ends = [t for t in sampling.stop_token_ids if t not in self._eos_ids]
+        ebnf = await asyncio.to_thread(constraint_ebnf, constraint, ends, "sglang")
+        return await self._generate(input_ids, n, sampling, request_id, ebnf=ebnf)
+
+    async def _generate(
+        self,
+        input_ids: Sequence[int] | None,
+        n: int,
+        sampling: SamplingParams,
+        request_id: str,
+        *,
+        text: str | None = None,
+        apply_chat_template: bool = False,
+        images: Sequence[bytes] = (),
+        ebnf: str | None = None,
+    ) -> GenerateOutput:
         self._check()
         if not self._started:
             raise EngineError("sglang engine not started")
@@ -641,7 +721,7 @@ class SGLangEngine:
         # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
         child = min(self._children, key=lambda c: (c.running, c.replica))
         req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica,
-                       image_data=image_data)
+                       image_data=image_data, ebnf=ebnf)
         self._requests[request_id] = req
         child.running += n
         started = time.time()
@@ -688,13 +768,15 @@ class SGLangEngine:
                 s.finished_at = time.time()
                 return
             if s.attempt == 0 and self._adapters:
-                s.adapter = max(self._adapters)  # the newest adapter version, to this sample's end
+                # the newest adapter version, to this sample's end (or until a whole-model version moves it)
+                s.adapter, s.tag = max(self._adapters), self.version
             s.rid = sample_rid(self._tag, req.number, s.index, s.attempt)
             s.attempt += 1
             if req.ids is None:
                 req.ids = np.asarray(req.input_ids, dtype=np.int64)
             ids = np.concatenate([req.ids, np.asarray(s.out, dtype=np.int64)]) if s.out else req.ids
-            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data)
+            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data,
+                                 ebnf=req.ebnf)
             if s.adapter is not None:
                 name = self._adapters.get(s.adapter)
                 if name is None:  # eviction skips versions a sample names: reaching here is a bookkeeping bug
@@ -708,6 +790,8 @@ class SGLangEngine:
             try:
                 resp = await self._post("/generate", body, timeout_s=self.options.request_timeout_s, replica=req.replica)
             except HttpError as exc:
+                if req.ebnf is not None and exc.status == 400:  # SGLang's grammar backend refused the grammar
+                    raise RequestRefusedError(f"sglang engine: the grammar backend refused the output constraint: {exc}") from exc
                 # the request passed rollpool's checks: a refusal now is the engine's fault, not the prompt's
                 raise EngineError(f"sglang engine: /generate failed on a request that passed the checks: {exc}") from exc
             finally:
@@ -716,14 +800,21 @@ class SGLangEngine:
                 if self._in_sglang == 0:
                     self._idle.set()
             parsed = parse_generate_response(resp)
-            self._append(s, parsed, version_at_send, sent_at, adapter=s.adapter)
-            if parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted:
+            resubmit = parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted
+            if resubmit and req.ebnf is not None:
+                # a grammar starts at the beginning of the output: the sample starts over from its prompt
+                s.out, s.logprobs, s.versions, s.texts, s.first_token_at = [], [], [], [], 0.0
+                self.stats["restarts"] += 1
+                continue
+            self._append(s, parsed, version_at_send, sent_at, adapter=None if s.adapter is None else s.tag)
+            if resubmit:
                 self.stats["resubmits"] += 1
                 continue  # interrupted by a weight update (or by someone else's abort_all): go on from here
             s.finish, s.matched, s.finished_at = parsed.finish_reason, parsed.matched_stop, time.time()
             return
 
     def _append(self, s: _Sample, p: ParsedSample, version_at_send: int, sent_at: float, adapter: int | None = None) -> None:
+        """`adapter`: the version the attempt's tokens carry when it ran on an adapter (SGLang's label is the base's)."""
         version = parse_weight_version(p.weight_version) if adapter is None else adapter
         if version is None:
             version = version_at_send
@@ -792,7 +883,13 @@ class SGLangEngine:
             # our own abort_all + wait: pause_generation(abort) alone polls once a second
             deadline = time.monotonic() + 120
             while not self._idle.is_set():
-                await self._post_all("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
+                held = self._constrained_in_sglang()
+                if not held:
+                    await self._post_all("/abort_request", {"rid": "", "abort_all": True}, timeout_s=30)
+                else:  # a constrained sample cannot resume mid-grammar: abort the others one by one, let it finish
+                    for replica, rids in self._unconstrained_rids().items():
+                        await self._abort_rids(rids, replica)
+                    deadline = time.monotonic() + 120
                 with contextlib.suppress(asyncio.TimeoutError):
                     # a request still on its way into SGLang misses an abort_all: ask again soon
                     await asyncio.wait_for(self._idle.wait(), 0.05)
@@ -812,6 +909,19 @@ class SGLangEngine:
                     idle.cancel()
                 self._check()
         self.last_update = {"pause_s": time.time() - self._pause_started}
+
+    def _constrained_in_sglang(self) -> bool:
+        return any(s.rid for r in self._requests.values() if r.ebnf is not None for s in r.samples)
+
+    def _unconstrained_rids(self) -> dict[int, list[str]]:
+        """Per replica, the rids of the unconstrained samples now in SGLang."""
+        out: dict[int, list[str]] = {}
+        for r in self._requests.values():
+            if r.ebnf is None:
+                rids = [s.rid for s in r.samples if s.rid]
+                if rids:
+                    out.setdefault(r.replica, []).extend(rids)
+        return out
 
     async def resume(self) -> None:
         t0 = time.time()
@@ -903,8 +1013,9 @@ class SGLangEngine:
         names = self._check_names(named_tensors)
         staged, self._staged = self._staged, None
         if not names:
-            self.version = version
             await self._post_all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            self.version = version
+            await self._keep_adapter_on_new_base()
             return
         if staged is not None and staged.version == version and staged.names == tuple(names):
             ranks, h2d_s = staged.payloads, 0.0
@@ -938,7 +1049,7 @@ class SGLangEngine:
                 await self._verify(ranks.first(), names, c.replica)
             verify_s = time.time() - t3
         self.version = version
-        await self._drop_adapters()
+        await self._keep_adapter_on_new_base()
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
                                  "sglang_update_s": t2 - t1, "verify_s": verify_s, "ranks": float(self.tp_size * self.dp_size),
                                  "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
@@ -1054,14 +1165,19 @@ class SGLangEngine:
             name = self._adapters.pop(version)
             await self._unload_everywhere(name)
 
-    async def _drop_adapters(self) -> None:
-        """A whole-model version: every adapter goes, and samples that ran on one go on on the base."""
+    async def _keep_adapter_on_new_base(self) -> None:
+        """A whole-model version was applied (no sample is in SGLang): the newest adapter version stays on, on top of
+        the new base, as SGLang keeps it (its update writes the base weights in place and leaves loaded adapters as
+        they were). Every unfinished sample that began moves to it, its later tokens tagged with the new version (the
+        policy of that version: the new base plus that adapter); older adapter versions are unloaded, as nothing can
+        name them any more."""
+        latest = max(self._adapters) if self._adapters else None
         for req in self._requests.values():
             for s in req.samples:
-                s.adapter = None
-        adapters, self._adapters = self._adapters, {}
-        for name in adapters.values():
-            await self._unload_everywhere(name)
+                if s.attempt and s.finish is None:
+                    s.adapter, s.tag = latest, self.version
+        for version in [v for v in self._adapters if v != latest]:
+            await self._unload_everywhere(self._adapters.pop(version))
 
     async def _unload_everywhere(self, name: str) -> None:
         for c in self._children:

@@ -25,6 +25,10 @@ names, bodies and answers (the subset rollpool uses):
   ``rank_refuses: [rank, version]`` (an engine keyword) makes that rank refuse
   that version: the fault a test needs, applied before any rank changes.
   LoRA (``enable_lora`` and SGLang's other LoRA keywords): `SimLora`, a fake of SGLang's adapter serving.
+  Grammars (``grammar_backend``): `SimGrammar`, a fake of SGLang's grammar backend.
+
+Both report the grammar backend they run in ``/model_info`` (``grammar_backend``; ``auto`` resolves to
+``xgrammar`` when the child can import it, else ``none``), and refuse an ``ebnf`` request without one with 400.
 
 A route answers 400 only for a request body that fails an explicit check
 (`BadRequest`); anything else raised is a 500 (see `http`).
@@ -49,9 +53,22 @@ from rollpool.workers.engines.sglang.http import TOKEN_ENV, BadRequest, Route, s
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SimLora", "SimRanks", "sglang_routes", "sim_routes", "serve_main"]
+__all__ = ["SimGrammar", "SimLora", "SimRanks", "resolve_grammar_backend", "sglang_routes", "sim_routes", "serve_main"]
 
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed"}
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "stop", "sampling_seed",
+                  "ebnf"}
+_NO_GRAMMAR = ("Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the server is "
+               "launched with --grammar-backend none")
+"""SGLang 0.5.14's refusal of a grammar without a grammar backend."""
+
+
+def resolve_grammar_backend(name: str) -> str:
+    """``auto``: ``xgrammar`` when this process can import it, else ``none``; any other name as given."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    return "xgrammar" if importlib.util.find_spec("xgrammar") is not None else "none"
 
 
 def _need(body: dict[str, Any], key: str) -> Any:
@@ -70,9 +87,15 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
     tm = engine.tokenizer_manager
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
-        out = await engine.async_generate(input_ids=_need(b, "input_ids"), sampling_params=b.get("sampling_params"),
-                                          return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"),
-                                          lora_path=b.get("lora_path"))
+        sp = b.get("sampling_params")
+        try:
+            out = await engine.async_generate(input_ids=_need(b, "input_ids"), sampling_params=sp,
+                                              return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"),
+                                              lora_path=b.get("lora_path"))
+        except ValueError as exc:
+            if isinstance(sp, dict) and sp.get("ebnf") is not None:  # SGLang refuses a grammar it cannot hold this way
+                raise BadRequest(str(exc)) from exc
+            raise
         return 200, out
 
     async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
@@ -116,7 +139,7 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
 
     async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version,
-                     "context_length": getattr(tm, "context_len", None)}
+                     "context_length": getattr(tm, "context_len", None), "grammar_backend": tm.server_args.grammar_backend}
 
     async def health(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, None
@@ -226,7 +249,10 @@ class SimLora:
     outside ``lora_target_modules``, a name already loaded; an answer with ``success: false``), a ``/generate``
     naming an adapter never loaded refused (400, as SGLang's ``_resolve_lora_path`` raises), and, its own
     bookkeeping for tests, the tokens served per adapter name (``/model_info``'s ``lora_tokens``; the base is
-    ``""``). It does not change the tokens the sim samples."""
+    ``""``). It does not change the tokens the sim samples. A weight update leaves loaded adapters as they are, as in
+    SGLang 0.5.14: ``update_weights_from_tensor`` runs ``model.load_weights`` on the named base parameters only
+    (sglang-kit API-NOTES section 3.2), which a LoRA-wrapped layer shares with its base layer
+    (``sglang/srt/lora/layers.py``, ``BaseLayerWithLoRA``), and never calls the LoRA manager."""
 
     def __init__(self, enabled: bool, max_rank: int | None, targets: Sequence[str] | None) -> None:
         self.enabled, self.max_rank, self.targets = enabled, max_rank, set(targets or ())
@@ -276,10 +302,92 @@ class SimLora:
         return str(lora_path)
 
 
-def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: SimLora | None = None) -> dict[str, Route]:  # noqa: C901 - grandfathered: one handler per route
+class SimGrammar:
+    """The sim backend's fake of SGLang's grammar backend. With ``xgrammar`` an ``ebnf`` request is compiled by
+    xgrammar for the model directory's tokenizer (its end-of-sequence id the stop token, as SGLang's backend does) and
+    each sample is drawn here, one token per decode step of the sim, uniformly among the tokens the grammar allows,
+    until the grammar is complete, a stop token, or ``max_new_tokens``; an abort ends it with its partial output.
+    Not a model: it checks what the engine sends and what comes back, not what a model would sample. With ``none``
+    a grammar is refused as SGLang refuses it (400)."""
+
+    def __init__(self, backend: str, model_path: str, vocab: int | None, eos_id: int | None) -> None:
+        self.backend = backend
+        self.model_path, self.vocab, self.eos_id = model_path, vocab, eos_id
+        self._compiler: Any = None
+        self._compiled: dict[str, Any] = {}
+        self.running: set[str] = set()
+        self.aborted: set[str] = set()
+        self.served = 0
+        """Grammar requests served (``/model_info``'s ``grammar_requests``)."""
+
+    def _compile(self, ebnf: str) -> Any:
+        if self.backend != "xgrammar":
+            raise BadRequest(_NO_GRAMMAR)
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_path)
+            vocab = self.vocab or len(tok)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+            self._compiler, self.vocab = xgr.GrammarCompiler(info, max_threads=1), vocab
+        if ebnf not in self._compiled:
+            try:
+                self._compiled[ebnf] = self._compiler.compile_grammar(ebnf)
+            except RuntimeError as exc:
+                raise BadRequest(f"invalid ebnf: {exc}") from exc
+        return self._compiled[ebnf]
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        self.aborted |= set(self.running) if abort_all else ({rid} & self.running)
+
+    async def generate(self, sim: Any, ids: list[int], sp: dict[str, Any], rid: str) -> tuple[list[int], list[float], dict[str, Any], int]:
+        """(output ids, their logprobs, SGLang's finish_reason, the weight version of the last token)."""
+        import random
+
+        import numpy as np
+        import xgrammar as xgr
+
+        compiled = self._compile(str(sp["ebnf"]))
+        assert self.vocab is not None
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab)
+        seed = sp.get("sampling_seed")
+        rng = random.Random(int(seed) if seed is not None else rid)
+        stops = {int(t) for t in sp.get("stop_token_ids") or ()} | ({self.eos_id} if self.eos_id is not None else set())
+        out: list[int] = []
+        logprobs: list[float] = []
+        finish: dict[str, Any] = {"type": "length", "length": int(sp.get("max_new_tokens", 128))}
+        self.running.add(rid)
+        self.served += 1
+        try:
+            while len(out) < int(sp.get("max_new_tokens", 128)):
+                await asyncio.sleep(sim.decode_s_per_token)
+                if rid in self.aborted:
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                    break
+                matcher.fill_next_token_bitmask(bitmask)
+                allowed = np.flatnonzero(np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab])
+                tok = int(allowed[rng.randrange(len(allowed))])
+                matcher.accept_token(tok)
+                out.append(tok)
+                logprobs.append(-rng.expovariate(1.0))
+                if matcher.is_terminated() or tok in stops:
+                    finish = {"type": "stop", "matched": tok}
+                    break
+        finally:
+            self.running.discard(rid)
+            self.aborted.discard(rid)
+        return out, logprobs, finish, sim.version
+
+
+def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: SimLora | None = None,  # noqa: C901 - grandfathered: one handler per route
+               grammar: SimGrammar | None = None) -> dict[str, Route]:
     """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
     ranks = ranks or SimRanks(1, sim.version)
     lora = lora or SimLora(False, None, None)
+    grammar = grammar or SimGrammar("none", model_path, None, None)
     weights = ranks.weights[0]  # get_weights_by_name answers from TP rank 0, as in SGLang
     paused = False
     cache = _SimPrefixCache()
@@ -293,28 +401,34 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         adapter = lora.check(b.get("lora_path"))
         t0 = time.time()
         cached = cache.lookup(ids)
-        out = await sim.generate(ids, 1, sp, rid)
-        s = out.samples[0]
-        lora.tokens[adapter] = lora.tokens.get(adapter, 0) + len(s.output_ids)
-        cache.insert(list(ids) + list(s.output_ids[:-1]))  # the last sampled token has no KV yet, as in SGLang
-        if s.finish_reason == FinishReason.STOP:
-            finish: dict[str, Any] = {"type": "stop", "matched": s.matched_stop}
-        elif s.finish_reason == FinishReason.LENGTH:
-            finish = {"type": "length", "length": len(s.output_ids)}
+        raw_sp = dict(b.get("sampling_params") or {})
+        if raw_sp.get("ebnf") is not None:
+            output_ids, logprobs, finish, version = await grammar.generate(sim, ids, raw_sp, rid)
         else:
-            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-        version = s.token_versions[-1] if s.token_versions else sim.version
+            out = await sim.generate(ids, 1, sp, rid)
+            s = out.samples[0]
+            output_ids, logprobs = list(s.output_ids), list(s.logprobs)
+            if s.finish_reason == FinishReason.STOP:
+                finish = {"type": "stop", "matched": s.matched_stop}
+            elif s.finish_reason == FinishReason.LENGTH:
+                finish = {"type": "length", "length": len(s.output_ids)}
+            else:
+                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            version = s.token_versions[-1] if s.token_versions else sim.version
+        lora.tokens[adapter] = lora.tokens.get(adapter, 0) + len(output_ids)
+        cache.insert(list(ids) + output_ids[:-1])  # the last sampled token has no KV yet, as in SGLang
         meta = {
             "id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": str(version),
             "num_retractions": 0, "input_token_logprobs": [],
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(s.logprobs, s.output_ids, strict=True)],
-            "output_token_logprobs_length": len(s.output_ids), "reasoning_tokens": 0,
-            "completion_tokens": len(s.output_ids), "cached_tokens": cached, "cached_tokens_details": {"device": cached, "host": 0},
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
+            "output_token_logprobs_length": len(output_ids), "reasoning_tokens": 0,
+            "completion_tokens": len(output_ids), "cached_tokens": cached, "cached_tokens_details": {"device": cached, "host": 0},
             "dp_rank": None, "e2e_latency": time.time() - t0, "response_sent_to_client_ts": time.time(),
         }
-        return 200, {"text": "", "output_ids": list(s.output_ids), "meta_info": meta}
+        return 200, {"text": "", "output_ids": output_ids, "meta_info": meta}
 
     async def abort_request(b: dict[str, Any]) -> tuple[int, Any]:
+        grammar.abort(str(b.get("rid", "")), bool(b.get("abort_all")))
         rids = sim.running_request_ids() if b.get("abort_all") else [str(b.get("rid", ""))]
         for rid in rids:
             await sim.abort(rid)
@@ -368,7 +482,8 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         # tp_size, rank_versions and rank_pids are the sim's own keys (real SGLang reports no per-rank state here)
         return 200, {"model_path": model_path, "weight_version": str(sim.version), "tp_size": ranks.tp_size,
                      "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids),
-                     "lora_loaded": sorted(lora.loaded), "lora_tokens": dict(lora.tokens), "lora_loads": lora.loads}
+                     "lora_loaded": sorted(lora.loaded), "lora_tokens": dict(lora.tokens), "lora_loads": lora.loads,
+                     "grammar_backend": grammar.backend, "grammar_requests": grammar.served}
 
     async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
         ok, error = lora.load(str(_need(b, "lora_name")), str(_need(b, "lora_path")))
@@ -506,14 +621,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         kwargs.pop("base_gpu_id", None)
         lora = SimLora(bool(kwargs.pop("enable_lora", False)), kwargs.pop("max_lora_rank", None), kwargs.pop("lora_target_modules", None))
         kwargs.pop("max_loras_per_batch", None)
-        sim = SimEngine(parse_options(SimOptions, {**_sim_model_kwargs(a.model_path), **kwargs}))
+        model_kwargs = _sim_model_kwargs(a.model_path)
+        grammar = SimGrammar(resolve_grammar_backend(str(kwargs.pop("grammar_backend", "none"))), a.model_path,
+                             model_kwargs.get("vocab"), model_kwargs.get("eos_id"))
+        sim = SimEngine(parse_options(SimOptions, {**model_kwargs, **kwargs}))
         ranks = SimRanks(tp_size, sim.version, (int(refuses[0]), int(refuses[1])) if refuses else None)
 
         async def run_sim() -> None:
             await sim.start()
             watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
             try:
-                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora), a.host, a.port, token, a.hop, a.parent_pid)
+                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora, grammar), a.host, a.port, token, a.hop, a.parent_pid)
             finally:
                 if watch is not None:
                     watch.cancel()
@@ -522,10 +640,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         return 0
     import sglang
 
-    # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; no xgrammar in the kit; prefill
-    # CUDA graphs compile for ~2 min at start and are skipped (decode graphs stay); a vision tower's attention
-    # defaults to fa3 on Hopper too, so it is triton as well (the setting is read only by multimodal models)
-    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning", "grammar_backend": "none",
+    # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; the grammar backend only where
+    # xgrammar imports (the kit has none: tests/gpu/xgrammar_kit.sh adds it); prefill CUDA graphs compile for ~2 min
+    # at start and are skipped (decode graphs stay); a vision tower's attention defaults to fa3 on Hopper too, so it
+    # is triton as well (the setting is read only by multimodal models)
+    kwargs["grammar_backend"] = resolve_grammar_backend(str(kwargs.get("grammar_backend", "auto")))
+    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "log_level": "warning",
               "cuda_graph_backend_prefill": "disabled", "mm_attention_backend": "triton_attn", **kwargs}
     engine = sglang.Engine(model_path=a.model_path, **kwargs)
     try:

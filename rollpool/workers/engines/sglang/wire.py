@@ -65,9 +65,11 @@ def generate_body(
     index: int,
     max_new_tokens: int | None = None,
     image_data: list[str] | None = None,
+    ebnf: str | None = None,
 ) -> dict[str, Any]:
     """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does);
-    ``image_data`` (data URIs, one per image token of `input_ids`) only when given. `input_ids` given as an integer
+    ``image_data`` (data URIs, one per image token of `input_ids`) and ``ebnf`` (a grammar for SGLang's grammar
+    backend, ``sampling_params.ebnf``) only when given. `input_ids` given as an integer
     numpy array stay one (the caller converted them once: JSON writes them as a list, the hop as its int32 frame)."""
     sp: dict[str, Any] = {
         "max_new_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
@@ -83,6 +85,8 @@ def generate_body(
         sp["stop"] = list(sampling.stop)
     if sampling.seed is not None:
         sp["sampling_seed"] = int(sampling.seed) + index
+    if ebnf is not None:
+        sp["ebnf"] = ebnf
     body: dict[str, Any] = {
         "input_ids": input_ids if isinstance(input_ids, np.ndarray) and input_ids.dtype.kind in "iu" else list(map(int, input_ids)),
         "sampling_params": sp,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pathlib
 import sys
@@ -54,6 +55,7 @@ async def held_agent(ctx: Any, prompt: Any) -> float:
     """One turn, then its pid in ``metadata["pid_dir"]``; sample 0 of a prompt with ``hold`` then waits (to be killed)."""
     await ctx.generate(seed=ctx.sample_index)
     ctx.metadata["pid"] = os.getpid()
+    ctx.metadata["gc"] = [*gc.get_threshold(), gc.get_freeze_count()]
     pathlib.Path(prompt.metadata["pid_dir"], f"{prompt.prompt_id}-{ctx.sample_index}-{os.getpid()}").touch()  # noqa: ASYNC240 - one tiny file
     if prompt.metadata.get("hold") and ctx.sample_index == 0:
         try:

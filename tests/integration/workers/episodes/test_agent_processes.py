@@ -22,6 +22,7 @@ import pytest
 from rollpool.protocol.errors import ConfigError
 from rollpool.protocol.messages import Prompt, SamplingParams
 from rollpool.workers.episodes.processes import AgentProcesses
+from rollpool.workers.heap import GC_THRESHOLDS
 from tests.integration.reliability.conftest import Pool, wait_until
 from tests.integration.workers.episodes.test_worker_episodes import broker_counters, pool, start_worker
 
@@ -132,6 +133,8 @@ async def test_an_episode_past_its_timeout_is_cut_and_cancelled_in_its_agent_pro
     by = {t.sample_index: t for t in group.trajectories}
     assert by[0].finish_reason == "abort" and "timed out" in by[0].metadata["episode_error"] and len(by[0].output_ids) == 4
     assert by[1].reward == 1.0
+    *thresholds, frozen = by[1].metadata["gc"]  # the child froze its start-up heap and collects less often, as the worker
+    assert tuple(thresholds) == GC_THRESHOLDS and frozen > 10_000
     assert w.episodes is not None and w.episodes.agents is not None
     (pid,) = w.episodes.agents.pids
     assert await wait_until(lambda: (tmp_path / f"cancelled-p-{pid}").exists(), 10)  # the child's task was cancelled

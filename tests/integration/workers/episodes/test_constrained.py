@@ -183,3 +183,47 @@ async def test_a_constraint_that_cannot_hold_is_refused_and_the_episode_goes_on(
     (t,) = await _episode(hf_engine_factory, agent)
     assert len(errors) == 2 and "does not compile" in errors[0] and "ignore_eos" in errors[1]
     assert t.reward == 3.0 and "constrained_tokens" not in t.metadata
+
+
+async def test_the_gpu_tests_agent_holds_on_the_sglang_engines_cpu_child(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """tests/gpu/test_sglang_constrained_gpu.py's agent and checks, on the sglang engine whose child is the sim backend
+    (its grammar backend a fake: uniform among the tokens xgrammar allows): the engine's request, the endpoint's
+    forced calls and schema, and the trajectory's marks, without a GPU."""
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from tests.gpu.test_sglang_constrained_gpu import check, run_agent
+    from tests.unit.workers.conftest import SIM_SERVER_ARGS
+
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          start_timeout_s=60, grammar_backend="xgrammar", server_args=json.dumps(SIM_SERVER_ARGS))
+    check(await run_agent(engine))
+
+
+async def test_the_sglang_engine_without_a_grammar_backend_answers_400_naming_it(tiny_model_dir: pathlib.Path,
+                                                                                   tmp_path: pathlib.Path) -> None:
+    """Its SGLang runs with grammar_backend none: a constrained request is a 400 naming the engine and records
+    nothing, and the episode goes on."""
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.tokenizer import load_tokenizer
+    from tests.unit.workers.conftest import SIM_SERVER_ARGS
+
+    errors: list[Any] = []
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> None:
+        async with _client(ctx) as client:
+            try:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                                     tool_choice="required")
+            except openai.BadRequestError as exc:
+                errors.append(exc.body)
+            await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x"}], max_tokens=4)
+
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          start_timeout_s=60, grammar_backend="none", server_args=json.dumps(SIM_SERVER_ARGS))
+    await engine.start()
+    try:
+        async with EpisodeRunner(engine, agent, EpisodeConfig(), tokenizer=load_tokenizer(str(tiny_model_dir)), worker_id="w") as runner:
+            (t,) = await runner.run_group(Prompt(prompt_id="c", text="x", group_size=1, sampling=SamplingParams(max_new_tokens=8)))
+    finally:
+        await engine.stop()
+    assert len(errors) == 1 and "not served by the sglang engine here" in errors[0]["message"], errors
+    assert "constrained_tokens" not in t.metadata and int(t.loss_mask.sum()) == 4
