@@ -87,8 +87,12 @@ async def _run() -> dict[str, Any]:
     from rollpool.weights.publisher import WeightPublisher
 
     ctx = zmq.asyncio.Context()
+    from rollpool.weights.config import WeightPathConfig
+
+    # a budget that holds two whole-version arenas (2 x 24 MiB): the default (two 8 MiB buckets) would take the ring
     pub = WeightPublisher(SocketFactory(ctx), router_endpoint="tcp://127.0.0.1:*", pub_endpoint=None, path="cuda_ipc",
-                          keep_versions=2, bucket_bytes=8 << 20, pool="gputest")
+                          keep_versions=2, bucket_bytes=8 << 20, pool="gputest",
+                          weights=WeightPathConfig(publisher_gpu_budget_bytes=256 << 20))
     await pub.start()
     g = torch.Generator(device="cuda").manual_seed(0)
     w = {f"layers.{i}.w": torch.randn(1024, 1536, device="cuda", generator=g).to(torch.bfloat16) for i in range(8)}
