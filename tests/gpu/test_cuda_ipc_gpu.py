@@ -177,6 +177,8 @@ async def main(router, pub):
     ctx = zmq.asyncio.Context()
     sub = WeightSubscriber(SocketFactory(ctx), worker_id="gpu-ring-child", path="auto", fetch_timeout_s=20, max_refetch=1)
     sub.connect(router, pub)
+    await sub.fetch_manifest()  # the hello (CUDA initialised, the GPUs named) before the first version
+    print(json.dumps({"ready": True}), flush=True)
     loop = asyncio.get_running_loop()
     held = []
     while True:
@@ -229,6 +231,9 @@ async def _run_ring() -> dict[str, Any]:
                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
     assert child.stdin is not None and child.stdout is not None
     report: dict[str, Any] = {"model_bytes": model_bytes, "budget_bytes": pub.gpu_budget.budget, "versions": []}
+    ready = json.loads(await asyncio.wait_for(child.stdout.readline(), 120))  # its imports and CUDA start are done
+    assert ready == {"ready": True}, ready
+    pub._ipc.ring.claim_timeout_s = 5.0  # the child claims on the announce; slack for a loaded machine, not the point here
 
     async def ask(v: int) -> dict[str, Any]:
         assert child.stdin is not None and child.stdout is not None
