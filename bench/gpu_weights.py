@@ -11,6 +11,25 @@ What publishing costs the trainer (8B on an 80 GB card, the trainer holding an o
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
         --optimizer-gib 8 --rows cuda_ipc_cuda,shm_cpu,tcp_cpu
 
+The same-GPU ring within the default GPU budget (two 512 MiB buckets: the 8B version is 27 buckets, so no whole-version
+arena fits and it streams through a ring of two slots), beside the shm row from the same CUDA tensors, the trainer
+holding an optimizer-sized 8 GiB too:
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --optimizer-gib 8 --rows shm_cuda,cuda_ipc_cuda
+
+The row ``ring_only_cuda`` (only when named in ``--rows``) is the same GPU at ``keep_versions=0``: the ring alone, no
+host snapshot beside it (the trainer's call returns once the worker copied every bucket out; no other peer can fetch
+the version). Side by side in one run:
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --optimizer-gib 8 --rows shm_cuda,cuda_ipc_cuda,ring_only_cuda
+
+The JSON's ``same_gpu_ipc_paths_taken`` says which ran (``cuda_ipc``: an arena; ``cuda_ipc_ring``: the ring),
+``ipc_extra_gpu_bytes`` the trainer's extra GPU memory (peak over versions) and ``ipc_gpu_budget_peak_bytes`` the
+budget's peak; ``goals`` holds ``same_gpu_ipc_s`` (<= 0.5), ``same_gpu_trainer_blocked_s`` (<= 0.3) and
+``ipc_extra_gpu_bytes`` (<= 2 buckets), each "not measured" unless every version of the row came over the same GPU.
+
 Delta versions at 8B (docs/weights.md "Delta versions"; the full rows beside them, one engine start):
 
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
@@ -45,7 +64,9 @@ tensors). Paths, each for ``--versions`` (>= 6) versions:
   (``staged_to`` in the row; a counted fallback to the CPU copy + checksum otherwise);
 - ``cuda_ipc``: the publisher on ``auto``: the worker's hello named the GPU it sees, so the publisher snapshots
   the CUDA tensors device-to-device into an exported arena and the worker (on ``auto``) copies from it
-  device-to-device and verifies the GPU checksum of its copy, which SGLang then maps (``same_gpu_ipc_s``).
+  device-to-device and verifies the GPU checksum of its copy, which SGLang then maps (``same_gpu_ipc_s``). When the
+  arena would pass the publisher's GPU budget (``--gpu-budget-mib``; default two buckets) the version streams through
+  the same-GPU ring instead (two bucket-sized slots; the worker's line says ``cuda_ipc_ring``).
 
 Per version: every tensor changes (the "optimizer step" adds +-0.01 to every tensor right after
 ``publish_weights`` returns); the expected checksum of every bucket is computed from the tensors'
@@ -552,8 +573,12 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
             name = f"{path}_{on}" + ("_delta" if delta else "")
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "delta": delta, "versions": recs}
-            pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto"}[path])
+            pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto", "ring_only": "auto"}[path])
             pub.config = dataclasses.replace(pub.config, weight_delta=delta)  # read at each publish
+            # ring_only: the same GPU at keep_versions=0 (the ring alone, no host copy; the call returns once the worker
+            # copied every bucket out); every other row keeps its 2 versions (read at each publish)
+            pub.keep_versions = 0 if path == "ring_only" else 2
+            stage[name]["keep_versions"] = pub.keep_versions
             sd = sd_cuda if on == "cuda" else {k: t.cpu() for k, t in sd_cuda.items()}
             kind = "host" if path == "tcp" else "shm"  # the cuda_ipc row's host buckets (for other peers) are shm too
             if kind != last_kind or on != last_on:
@@ -602,7 +627,9 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 # the trainer's GPU memory the publisher took beyond what it held before this version (its arenas)
                 extra_gpu = (torch.cuda.max_memory_allocated() - gpu_before) if torch.cuda.is_available() else 0
                 mixed_at_return = sum(1 for b in (ret_manifest.buckets if ret_manifest is not None else ()) if b.host_mix64)
-                torn = manifest is None or [b.checksum for b in manifest.buckets] != want
+                # keep_versions=0 through the ring: no host copy, so no host checksum to compare (the worker verified the
+                # GPU checksum of every bucket it copied out of the ring): not checked, not counted as torn
+                torn = None if pub.keep_versions == 0 else manifest is None or [b.checksum for b in manifest.buckets] != want
                 deadline = time.time() + 300
                 while True:
                     applied = _json_lines(worker_log, "sglang apply ")
@@ -629,8 +656,12 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "trainer_loop_lags_ms": lag.lags[:40],
                     # every fallback with its reason: the worker's for this fetch, the publisher's same-GPU decision
                     "fallback_reasons": f.get("fallback_reasons", []), "worker_fallbacks_total": f.get("fallbacks"),
-                    "publisher_path_note": pub.path_note.get("why_not_cuda_ipc"), "publisher_ipc_broken": pub._ipc.broken or None,
+                    "publisher_path_note": "; no ring: ".join(x for x in (pub.path_note.get("why_not_cuda_ipc"), pub.path_note.get("why_not_ring")) if x),
+                    "publisher_ipc_broken": pub._ipc.broken or pub._ipc.ring.broken or None,
+                    "publisher_offered": pub.path_note.get("offered"), "publisher_last_ring": pub.path_note.get("last_ring"),
                     "extra_gpu_bytes_peak": extra_gpu, "publisher_gpu_budget_bytes": pub.gpu_budget.budget,
+                    "publisher_gpu_budget_peak_bytes": pub.gpu_budget.peak, "ipc_ring_bytes": pub.stats.get("ipc_ring_bytes"),
+                    "ring_s": f.get("ring_s"), "ring_slots": f.get("ring_slots"),
                 }
                 served_v = pub._server.versions.get(v)
                 made = served_v.delta if served_v is not None else None
@@ -795,8 +826,30 @@ def summarize() -> None:
             RESULT["transfer_efficiency_vs_" + k] = round(model_bytes / (host - pause) / 1e9 / v, 3)
     RESULT["same_gpu_ipc_paths_taken"] = (ipc.get("summary") or {}).get("paths_taken")
     RESULT["ipc_extra_gpu_bytes"] = (ipc.get("summary") or {}).get("extra_gpu_bytes_peak")
+    RESULT["same_gpu_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for r in ipc.get("versions", [])[1:]])
+    RESULT["ipc_gpu_budget_peak_bytes"] = max((int(r.get("publisher_gpu_budget_peak_bytes") or 0) for r in ipc.get("versions", [])), default=None)
     if ipc.get("versions"):
-        goals["same_gpu_ipc_s"] = path_goal(ipc, "cuda_ipc", RESULT["same_gpu_ipc_s"], 0.5)
+        # the same-GPU goals count for the path that ran, arena (cuda_ipc) or ring (cuda_ipc_ring), and only for it
+        same_gpu = ("cuda_ipc", "cuda_ipc_ring")
+        goals["same_gpu_ipc_s"] = path_goal(ipc, same_gpu, RESULT["same_gpu_ipc_s"], 0.5)
+        goals["same_gpu_trainer_blocked_s"] = path_goal(ipc, same_gpu, RESULT["same_gpu_trainer_blocked_s"], 0.3)
+        bucket = RESULT.get("bucket_bytes")
+        if bucket:
+            goals["ipc_extra_gpu_bytes"] = path_goal(ipc, same_gpu, RESULT["ipc_extra_gpu_bytes"], 2 * bucket,
+                                                     goal=f"<= 2 buckets ({2 * bucket} bytes)")
+    ro = rows.get("ring_only_cuda", {})
+    if ro.get("versions"):  # keep_versions=0 through the ring alone: the same goals, on the ring only
+        ro_s, ro_pause = (ro.get("summary") or {}).get("publish_to_applied_s"), (ro.get("summary") or {}).get("pause_s")
+        RESULT["ring_only_ipc_s"] = round(ro_s - ro_pause, 4) if ro_s is not None and ro_pause is not None else None
+        RESULT["ring_only_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for r in ro["versions"][1:]])
+        RESULT["ring_only_extra_gpu_bytes"] = (ro.get("summary") or {}).get("extra_gpu_bytes_peak")
+        RESULT["ring_only_paths_taken"] = (ro.get("summary") or {}).get("paths_taken")
+        goals["ring_only_ipc_s"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_ipc_s"], 0.5)
+        goals["ring_only_trainer_blocked_s"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_trainer_blocked_s"], 0.3)
+        bucket = RESULT.get("bucket_bytes")
+        if bucket:
+            goals["ring_only_extra_gpu_bytes"] = path_goal(ro, "cuda_ipc_ring", RESULT["ring_only_extra_gpu_bytes"], 2 * bucket,
+                                                           goal=f"<= 2 buckets ({2 * bucket} bytes)")
     cpu_shm, cpu_tcp = rows.get("shm_cpu", {}), rows.get("tcp_cpu", {})
     RESULT["cpu_tensors_shm_path_s"] = (cpu_shm.get("summary") or {}).get("publish_to_applied_s")
     RESULT["cpu_tensors_tcp_path_s"] = (cpu_tcp.get("summary") or {}).get("publish_to_applied_s")
@@ -856,8 +909,11 @@ HOW = {
     "cpu_tensors_trainer_blocked_s": "duration of publish_weights over the *_cpu rows (the trainer's tensors on the host), versions 2..N",
     "cpu_tensors_shm_path_s": "row shm_cpu: median over versions 3..N of publish -> applied (pause included); its goal counts only if every version came over shm/shm_device",
     "cpu_tensors_tcp_path_s": "row tcp_cpu: the same median; goal <= 1.2 x host_path_s (tcp_cuda), counted only if every version came over the network",
-    "same_gpu_ipc_paths_taken": "row cuda_ipc_cuda: the paths the worker's 'weights fetched' lines named; same_gpu_ipc_s's goal is 'not measured' unless that is cuda_ipc alone",
-    "ipc_extra_gpu_bytes": "row cuda_ipc_cuda: max over versions of torch.cuda.max_memory_allocated() during publish_weights..wait_ready less memory_allocated() before it, in the trainer's process",
+    "same_gpu_ipc_paths_taken": "row cuda_ipc_cuda: the paths the worker's 'weights fetched' lines named: cuda_ipc (a whole-version arena) or cuda_ipc_ring (the bucket-by-bucket ring); the same-GPU goals are 'not measured' unless every version came over one of those",
+    "same_gpu_trainer_blocked_s": "row cuda_ipc_cuda: duration of publish_weights, versions 2..N (the ring: until every bucket is out of the trainer's tensors, into its slot and into the host snapshot)",
+    "ipc_extra_gpu_bytes": "row cuda_ipc_cuda: max over versions of torch.cuda.max_memory_allocated() during publish_weights..wait_ready less memory_allocated() before it, in the trainer's process (version 1 includes the ring's or arena's allocation; every version the checksums' temporaries)",
+    "ring_only_ipc_s": "row ring_only_cuda (keep_versions=0 on the same GPU: the ring alone, no host copy): median publish -> applied over versions 3..N less the row's median pause_s; ring_only_trainer_blocked_s, ring_only_extra_gpu_bytes and ring_only_paths_taken as for the cuda_ipc row",
+    "ipc_gpu_budget_peak_bytes": "row cuda_ipc_cuda: the publisher's GpuBudget.peak (the ring's or arenas' bytes, never past publisher_gpu_budget_bytes)",
     "bucket_bytes": "the publisher's bucket size (--bucket-mib)",
     "fallback_reasons": "per version: the worker subscriber's fallback reasons of that fetch (its 'weights fetched' line); publisher_path_note: why the publisher offered no device buffer",
     "changed_fraction": "delta rows (--delta): median over the versions the worker rebuilt from a delta of the publisher's changed fraction (changed bf16 elements over all, WeightServer's delta); the step is sparse_step at --delta-fraction, a stand-in for AdamW (see its docstring)",
@@ -940,7 +996,7 @@ def main() -> int:
     if args.delta:
         rows += delta_rows
     if args.rows:  # the rows named, in the order named
-        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in rows + delta_rows}
+        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in [*rows, *delta_rows, ("ring_only", "cuda", False)]}
         rows = [by_name[n] for n in args.rows.split(",") if n in by_name]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")

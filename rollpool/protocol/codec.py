@@ -90,6 +90,7 @@ __all__ = [
     "IMAGES_MINOR",
     "REPLAY_MINOR",
     "ADAPTER_GRANT_MINOR",
+    "RING_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -126,7 +127,12 @@ PROTOCOL_MAJOR = 1
 #        Manifest.protocol_minor (the server's minor: a subscriber parks only with a server that parks) (PARKED_MINOR)
 #   1.20 the replay of a redelivered episode: TurnRecords, RecordedTurn, Task.replay, Feature.REPLAY (REPLAY_MINOR)
 #   1.21 adapter versions without an apply slot: Feature.ADAPTER_NO_GRANT in the broker's Welcome (ADAPTER_GRANT_MINOR)
-PROTOCOL_MINOR = 21
+#   1.22 the same-GPU ring: CudaIpcBuffer.ring_slots, ManifestRequest.ring / ring_done (RING_MINOR)
+PROTOCOL_MINOR = 22
+RING_MINOR = 22
+"""The first minor whose weight servers may stream a version through a same-GPU ring (`CudaIpcBuffer.ring_slots`) and
+whose subscribers take one (`ManifestRequest.ring`, `ring_done`); an older subscriber never says `ring` and is answered
+without the ring's device buffer (it takes shared memory or the network), an older server never offers a ring."""
 ADAPTER_GRANT_MINOR = 21
 """The first minor whose brokers may list `Feature.ADAPTER_NO_GRANT` in their Welcome (not in fleet activation): a worker
 that settled on it and whose engine serves adapter versions without a pause applies one without asking for an apply

@@ -506,6 +506,10 @@ class CudaIpcBuffer:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+    ring_slots: int = 0
+    """(minor 22, `RING_MINOR`) > 0: the buffer is a ring of that many bucket-sized slots through which the version streams
+    (bucket k in slot k % ring_slots, at its `BucketInfo.ipc_offset`, each `ipc_checksum` valid while the bucket is in
+    its slot); one subscriber takes it, asking bucket by bucket (`ManifestRequest.ring_done`). 0: a whole-version arena."""
 
 
 @record
@@ -998,6 +1002,15 @@ class ManifestRequest:
     than this many GPU checksums (`BucketInfo.host_mix64`), or none will come (not a shared-memory version); the
     version's eviction answers ``gone``. -1: answered at once. A server older than `PARKED_MINOR` ignores it and
     answers at once (`Manifest.protocol_minor` tells the asker which it is talking to)."""
+    ring: bool = False
+    """(minor 22, `RING_MINOR`) The asker can take a same-GPU ring (`CudaIpcBuffer.ring_slots`). A version that streams
+    through a ring is answered without its device buffer to an asker that does not say so (an older subscriber would
+    read the slots as an arena)."""
+    ring_done: int = -1
+    """(minor 22, `RING_MINOR`) >= 0: the asker takes the version's ring (the first to ask is its one taker) and has
+    copied every bucket below this out of it, releasing their slots; the answer waits until bucket `ring_done` is in its
+    slot or the ring ended (then the manifest names no device buffer). -2 (`rollpool.weights.ring.RING_LEFT`): the taker
+    leaves the ring. -1: not a ring request."""
 
 
 @message("manifest")

@@ -671,7 +671,7 @@ class TrainerClient:
 
     async def status(self) -> dict[str, Any]:
         """The broker's counters, its workers' live state, the client's counters, ``publisher`` (the hosted publisher's
-        last offer: ``offered``, ``why_not_cuda_ipc``, its GPU budget and what of it is used; once it exists), and ``versions``: per weight version,
+        last offer: ``offered``, ``why_not_cuda_ipc``, ``why_not_ring``, ``last_ring``, its GPU budget and what of it is used; once it exists), and ``versions``: per weight version,
         the recent converged ones (seconds from publish until every live worker served it, the slowest worker), the
         ones still converging and, under fleet activation, the recent rounds with their skew."""
         reply = _expect(await self._request(lambda rid: StatusRequest(request_id=rid)), StatusReply, "status_reply")

@@ -26,9 +26,10 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
 - ``weight_copy_threads``: threads that copy and checksum buckets on either side (0: up to 8, a core left to the
   event loop where there are few).
 - ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
-  arenas, and any other device work of the publisher, drawn from one `rollpool.weights.manifest.GpuBudget`); None:
-  two of its buckets. A device buffer that would pass it is not made: the version goes over the host paths, and the
-  publisher says why (log, `WeightPublisher.path_note`).
+  arenas and ring, and any other device work of the publisher, drawn from one `rollpool.weights.manifest.GpuBudget`);
+  None: two of its buckets. A whole-version arena that would pass it is not made: the version streams through the
+  same-GPU ring when two slots of its largest bucket fit, else over the host paths, and the publisher says why (log,
+  `WeightPublisher.path_note`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ for `release_idle_s`, or `max_hold_s` passed). The caller must not change the
 tensors until then. After release the manifest stays the latest (so
 subscribers learn the version number) but fetches answer ``gone``. Contiguous
 CPU tensors are served in place; others are copied once (to CPU, contiguous).
+On the same GPU the ring carries CUDA tensors instead, with no copy
+(`paths/ipc_ring.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -166,6 +168,7 @@ class WeightPublisher(ServingFace):
         self._ipc = IpcArenas(self.publisher_id, self.host_key, path, self.gpu_budget)
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._server.on_manifest_request = self._ipc.hello
+        self._server.ring = self._ipc.ring  # the same-GPU ring's takers and who may see its buffer
         self._warming: threading.Thread | None = None
         """The warm-up pass over freshly reserved segments (`warm_segments`); a publish waits for it."""
         if reserve is not None:
@@ -195,9 +198,11 @@ class WeightPublisher(ServingFace):
 
     @property
     def path_note(self) -> dict[str, Any]:
-        """The last planned version's offer: ``offered`` (``cuda_ipc``: a device buffer besides the host buckets, or
-        ``host``) and ``why_not_cuda_ipc`` (why no device buffer was offered; "" when one was)."""
-        return dict(self._ipc.note)
+        """The last planned version's offer: ``offered`` (``cuda_ipc``: a whole-version device arena besides the host
+        buckets, ``cuda_ipc_ring``: the version streamed through the same-GPU ring, or ``host``), ``why_not_cuda_ipc``
+        (why no arena was offered; "" when one was), ``why_not_ring`` (why no ring either) and ``last_ring`` (the last
+        ring's outcome: buckets released, its taker, why it was abandoned)."""
+        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last)}
 
     @property
     def ipc_versions(self) -> int:
@@ -212,6 +217,9 @@ class WeightPublisher(ServingFace):
             "shm_fallbacks": self.shm_fallbacks,
             "ipc_versions": self._ipc.versions,
             "ipc_arenas": len(self._ipc.exports),
+            "ipc_ring_versions": self._ipc.ring.versions,
+            "ipc_ring_abandoned": self._ipc.ring.abandoned,
+            "ipc_ring_bytes": self._ipc.ring.allocated,
             "gpu_budget_bytes": self.gpu_budget.budget,
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._buffers.buffers_allocated,
@@ -296,14 +304,7 @@ class WeightPublisher(ServingFace):
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
             if self.keep_versions == 0:
-                served = await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
-                self._latest = version
-                self._server.add_version(served)
-                self._after_publish(served, t0, t0)
-                manifest = served.manifest("")
-                await self._server.serve_until_released(served, expected_fetchers, max_hold_s=self.max_hold_s,
-                                                        release_idle_s=self.release_idle_s)
-                return manifest
+                return await self._publish_referenced(named_tensors, version, t0, expected_fetchers)
             if self.keep_versions >= 2:
                 # evict first what this version evicts anyway (a complete newer one stays served):
                 # its buffers are reused (no page faults of fresh memory) and memory peaks at K
@@ -323,6 +324,21 @@ class WeightPublisher(ServingFace):
                 return served.manifest("")
             return await self._publish_planned(items, places, planner, version, t0, wait_ready)
 
+    async def _publish_referenced(self, named_tensors: Any, version: int, t0: float, expected_fetchers: int | None) -> Manifest:
+        """``keep_versions=0``: the caller's tensors served until released; on the same GPU the ring alone carries them
+        (no copy; held until its taker has them all)."""
+        ringed, why_not_ring = await self._ipc.ring_only(named_tensors, version, self.bucket_bytes, self._knobs, self._server)
+        self._ipc.note_offer(version, "host" if ringed is None else "cuda_ipc_ring", why_not_ring)
+        served = ringed or await referenced_version(named_tensors, version, self.bucket_bytes, self._knobs)
+        self._latest = version
+        self._server.add_version(served)
+        self._after_publish(served, t0, t0)
+        manifest = served.manifest("")
+        if not served.released:  # (a version the ring carried whole is released already)
+            await self._server.serve_until_released(served, expected_fetchers, max_hold_s=self.max_hold_s,
+                                                    release_idle_s=self.release_idle_s)
+        return manifest
+
     async def _publish_planned(self, items: Any, places: list[Place], planner: BucketPlanner,
                                version: int, t0: float, wait_ready: bool) -> Manifest:
         """The streamed snapshot of a planned version (see `publish`); on the same-GPU path a device snapshot first."""
@@ -332,6 +348,7 @@ class WeightPublisher(ServingFace):
         snap = self._begin(version, places, planner)
         snap.marks["begun"] = time.perf_counter()
         ipc_device = self._ipc.device_for(items)
+        offered, why_not_ring, arena = "host", "", cast(Any, None)
         if ipc_device is not None:
             try:
                 got = self._ipc.begin(snap.served, places, ipc_device)
@@ -339,21 +356,19 @@ class WeightPublisher(ServingFace):
                 self._ipc.release(version)
                 snap.served.cuda_ipc = None
                 got = None
-            if got is None:  # not offered (past the GPU budget, or failed): said in why_not
+            if got is None:  # no arena (past the GPU budget, or failed): said in why_not; the ring, where its slots fit
+                offered, why_not_ring = self._ipc.offer_ring(snap.served, ipc_device)
                 ipc_device = None
             else:
-                arena, snap.ipc_offsets, arena_items = got
-        self._ipc.note_offer(version, ipc_device is not None)
+                offered, (arena, snap.ipc_offsets, arena_items) = "cuda_ipc", got
+        self._ipc.note_offer(version, offered, why_not_ring)
         previous, self._latest = self._latest, version
         if ipc_device is None and self.config.weight_delta:
             self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
-            if ipc_device is not None:
-                snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
-            else:
-                await snap.copy(items)
+            await self._copy(snap, offered, arena, places, items)
         except BaseException:
             self._server.drop_version(version, code="unavailable")
             self._latest = previous
@@ -375,6 +390,15 @@ class WeightPublisher(ServingFace):
         if wait_ready:
             await self.wait_ready(version)
         return snap.served.manifest("")
+
+    async def _copy(self, snap: Snapshot, offered: str, arena: Any, places: list[Place], items: Any) -> None:
+        """The snapshot's copy for the path offered (the call's blocking part: the trainer may step once it returns)."""
+        if offered == "cuda_ipc":
+            snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
+        elif offered == "cuda_ipc_ring":  # the host snapshot and the ring read the trainer's tensors side by side
+            await self._ipc.ring.beside(snap.copy(items), snap.version, places, items, self._server.complete_ipc)
+        else:
+            await snap.copy(items)
 
     async def wait_ready(self, version: int | None = None) -> None:
         """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""

@@ -85,6 +85,16 @@ REQUEST_MAX_BYTES = 64 * 1024
 """MAXMSGSIZE of the server's ROUTER: requests are small."""
 
 
+class RingHook(Protocol):
+    """The same-GPU ring's say in manifest requests (`rollpool.weights.paths.ipc_ring.IpcRing`, minor 22)."""
+
+    def take_request(self, ident: bytes, req: ManifestRequest, v: ServedVersion, send: Callable[[bytes, Any], Any]) -> bool:
+        """True when the ring answered or parked the request (a taker's claim or release)."""
+
+    def outgoing(self, ident: bytes, m: Manifest) -> Manifest:
+        """The manifest as `ident` may see it (a ring's buffer only for a subscriber that takes rings)."""
+
+
 class BucketSource(Protocol):
     """Bytes of one bucket: `read` returns a bytes-like slice, or None if not arrived yet."""
 
@@ -271,6 +281,8 @@ class WeightServer:
         """Set whenever a chunk went out (`serve_until_released` waits on it)."""
         self.on_manifest_request: Callable[[ManifestRequest], None] | None = None
         """Told every manifest request (the publisher reads the asker's hello for the same-GPU path)."""
+        self.ring: RingHook | None = None
+        """The publisher's same-GPU ring: its takers' requests are its, and a ring's buffer is named only to ring takers."""
         self._parked: dict[int, list[tuple[bytes, Fetch]]] = {}
         self._router: Any = None
         self._pub: Any = None
@@ -616,6 +628,8 @@ class WeightServer:
                 self._send(ident, self._missing(req.version, req.request_id, "manifest_request"))
                 return
             v = found
+        if self.ring is not None and self.ring.take_request(ident, req, v, self._send):
+            return
         if req.wait_ipc and not v.ipc_complete:
             self._park(ident, req, v.waiting_ipc)
             return
@@ -736,6 +750,8 @@ class WeightServer:
         if self._router is None:
             return False
         if isinstance(msg, Manifest):
+            if self.ring is not None:
+                msg = self.ring.outgoing(ident, msg)
             if self.shm_reserved:
                 msg = replace(msg, shm_reserved=self.shm_reserved, host_key=msg.host_key or self.shm_host_key, protocol_minor=PROTOCOL_MINOR)
             else:

@@ -249,10 +249,11 @@ class WeightSubscriber:
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
-                             timeout_s: float | None = None, delta_base: int | None = None) -> Manifest:
+                             timeout_s: float | None = None, delta_base: int | None = None, ring_done: int = -1) -> Manifest:
         """The manifest of `version` (None: the latest): `PublisherWatch.fetch_manifest` says how it is asked for."""
         return await self.watch.fetch_manifest(version, attempts=attempts, streamed=streamed, wait_ipc=wait_ipc, delta=delta,
-                                               after_mix64=after_mix64, timeout_s=timeout_s, delta_base=delta_base)
+                                               after_mix64=after_mix64, timeout_s=timeout_s, delta_base=delta_base,
+                                               ring_done=ring_done)
 
     def facts(self) -> FetchFacts:
         """This side of the hello, as the path plan reads it."""

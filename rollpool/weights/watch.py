@@ -190,7 +190,7 @@ class PublisherWatch:
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
-                             timeout_s: float | None = None, delta_base: int | None = None) -> Manifest:
+                             timeout_s: float | None = None, delta_base: int | None = None, ring_done: int = -1) -> Manifest:
         """The manifest of `version` (None: the latest). Retries a silent publisher up to `max_refetch` times (or
         `attempts`), each try waiting `timeout_s` (default `fetch_timeout_s`); none answered: `ManifestTimeoutError`.
 
@@ -200,6 +200,7 @@ class PublisherWatch:
         more GPU checksums than that (`ManifestRequest.after_mix64`).
         `delta_base`: the base to name when asking for a delta (a relay names the version it holds); None: the one held
         here. Either way only with `delta` and `weight_delta` on.
+        `ring_done`: a same-GPU ring taker's claim and release (`ManifestRequest.ring_done`, `paths/ipc_ring.py`).
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
@@ -209,7 +210,8 @@ class PublisherWatch:
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
                                                                                host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc,
-                                                                               delta_base=base, after_mix64=after_mix64), waited)
+                                                                               delta_base=base, after_mix64=after_mix64,
+                                                                               ring=bool(gpus), ring_done=ring_done), waited)
             except TimeoutError:
                 continue
             if isinstance(reply, Manifest):

@@ -142,7 +142,7 @@ class ManifestSource(Protocol):
 
     async def fetch_manifest(self, version: int | None = None, *, attempts: int | None = None, streamed: bool = True,
                              wait_ipc: bool = False, delta: bool = True, after_mix64: int = -1,
-                             timeout_s: float | None = None) -> Manifest: ...
+                             timeout_s: float | None = None, ring_done: int = -1) -> Manifest: ...
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.logs import RateLimitedLog
-from rollpool.protocol.messages import CudaIpcBuffer, Manifest, ManifestRequest
+from rollpool.protocol.messages import BucketInfo, CudaIpcBuffer, Manifest, ManifestRequest
 from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes, unpack_bucket
 from rollpool.weights.gpu import (
     ARENA_ALIGN,
@@ -42,8 +42,9 @@ from rollpool.weights.gpu import (
 )
 from rollpool.weights.manifest import CUDA_IPC, GpuBudget, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
-from rollpool.weights.serving import ServedVersion
-from rollpool.weights.snapshot import Place
+from rollpool.weights.paths.ipc_ring import IpcRing, RingReader
+from rollpool.weights.serving import ServedVersion, WeightServer
+from rollpool.weights.snapshot import Place, SnapshotKnobs, plan_version, referenced_version
 
 __all__ = ["CudaIpcPath", "IpcArenas", "warm_in_background"]
 
@@ -82,9 +83,12 @@ class CudaIpcPath:
         """The GPUs this process sees by UUID (None: not asked yet; tests put a fake device list here, named so)."""
         self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
         """The publisher's arenas opened here (kept across versions: the publisher reuses them)."""
+        self.ring = RingReader(ctx, slabs)
+        """The same-GPU ring's reader (`rollpool.weights.paths.ipc_ring`), for a version that streams through one."""
 
     def close(self) -> None:
         self._opened = {}  # the publisher's arenas unmapped (torch closes a handle with its last tensor)
+        self.ring.close()
 
     def gpu_uuids(self) -> dict[str, int]:
         """The GPUs this process sees by UUID (the same-GPU path's hello); empty on ``network``/``shm`` or without CUDA. The
@@ -97,6 +101,9 @@ class CudaIpcPath:
         return self.gpus
 
     async def fetch(self, job: FetchJob) -> Fetched:
+        ipc = job.manifest.cuda_ipc
+        if ipc is not None and ipc.ring_slots:
+            return await self.ring.fetch(job.manifest, self.gpu_uuids()[ipc.device_uuid], job.on_bucket)
         return await self._fetch_ipc(job.manifest, job.on_bucket)
 
     def _open(self, info: CudaIpcBuffer, device_index: int) -> torch.Tensor:
@@ -148,6 +155,13 @@ class CudaIpcPath:
         return Fetched(manifest, buffers, slab, CUDA_IPC, on_device=True)
 
 
+class _NotYet:
+    """A ring-only version's bucket on the host: not there (fetches wait) until an abandoned ring makes the host copy."""
+
+    def read(self, offset: int, nbytes: int) -> Any:
+        return None
+
+
 def _copy_ipc(src: torch.Tensor, manifest: Manifest, buffers: list[torch.Tensor], which: list[int]) -> list[int]:
     """Worker thread: copy buckets `which` device-to-device from the publisher's buffer and checksum each copy on the
     GPU (on a side stream of this thread); the buckets whose checksum differs."""
@@ -195,6 +209,9 @@ class IpcArenas:
         """Versions offered on the same-GPU path."""
         self.broken = ""
         """Why the same-GPU path failed here (then it is never offered again), or ""."""
+        self.ring = IpcRing(publisher_id, self.budget)
+        """The bucket-by-bucket ring (`rollpool.weights.paths.ipc_ring`), offered when a whole-version arena would pass
+        the budget; its `device` is the device edge `device_for` asks too (the CPU tests fake it, named so)."""
         self.note: dict[str, Any] = {}
         """The last planned version's offer (`note_offer`; the publisher's `path_note`)."""
         if path == CUDA_IPC:
@@ -206,15 +223,19 @@ class IpcArenas:
         self.slabs.trim(0)
         self.budget.give(self.allocated)
         self.allocated = 0
+        self.ring.close()
 
-    def note_offer(self, version: int, offered: bool) -> None:
-        """Which path the publisher offers from `version` (``cuda_ipc``: a device buffer besides the host buckets, or
-        ``host``), and why the faster one is not: logged when it changes."""
-        note = {"version": version, "offered": "cuda_ipc" if offered else "host", "why_not_cuda_ipc": self.why_not}
-        if (note["offered"], note["why_not_cuda_ipc"]) != (self.note.get("offered"), self.note.get("why_not_cuda_ipc")):
+    def note_offer(self, version: int, offered: str, why_not_ring: str = "") -> None:
+        """Which path the publisher offers from `version` (``cuda_ipc`` arena, ``cuda_ipc_ring``, ``host``), and why the
+        faster ones are not: logged when it changes."""
+        note = {"version": version, "offered": offered, "why_not_cuda_ipc": self.why_not, "why_not_ring": why_not_ring}
+        if (offered, note["why_not_cuda_ipc"], why_not_ring) != (self.note.get("offered"), self.note.get("why_not_cuda_ipc"),
+                                                                 self.note.get("why_not_ring")):
+            said = {"cuda_ipc": "a same-GPU device arena besides the host buckets",
+                    "cuda_ipc_ring": f"the same-GPU ring besides the host buckets (no whole-version arena: {self.why_not})"}
             log.info("weight publisher %s: from version %d, %s", self.publisher_id, version,
-                     "a same-GPU device buffer besides the host buckets" if offered
-                     else f"host buckets only (no same-GPU buffer: {self.why_not or 'not asked for'})")
+                     said.get(offered) or f"host buckets only (no same-GPU buffer: {self.why_not or 'not asked for'}"
+                     + (f"; no ring: {why_not_ring}" if why_not_ring else "") + ")")
         self.note = note
 
     def hello(self, req: ManifestRequest) -> None:
@@ -244,14 +265,14 @@ class IpcArenas:
             self.why_not = "the tensors are on several devices"
             return None
         device: torch.device = next(iter(devices))
-        if device.type != "cuda":
+        if not self.ring.device.accepts(device):
             self.why_not = "the tensors are on the CPU"
             if self.path == CUDA_IPC:
                 _errlog.warning("ipc-cpu", "weight publisher %s: path 'cuda_ipc' with CPU tensors: no device buffer "
                                 "offered (subscribers take shared memory or the network)", self.publisher_id)
             return None
         if self.path == "auto":
-            mine = {u for u, i in device_uuids().items() if i == device.index}
+            mine = self.ring.device.uuids(device)
             if not mine & self.peers:
                 self.why_not = "no subscriber on this host said it sees this GPU"
                 return None
@@ -308,6 +329,41 @@ class IpcArenas:
             views.append((name, arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
         self.versions += 1
         return arena, offsets, views
+
+    async def ring_only(self, named_tensors: Any, version: int, bucket_bytes: int, knobs: SnapshotKnobs,
+                        server: WeightServer) -> tuple[ServedVersion | None, str]:
+        """``keep_versions=0`` on the same GPU: the caller's CUDA tensors go through the ring alone, no host copy. Returns
+        (the served version, "") once the ring ended: ``released`` when its taker copied every bucket out (the version's
+        bytes are gone from here, as after any keep_versions=0 release); else abandoned, and the host copy of the
+        still unchanged tensors now serves it (`referenced_version`, held as keep_versions=0 holds). (None, why not)
+        when no ring can carry it (the caller serves its tensors as before)."""
+        items, places, planner = plan_version(named_tensors, bucket_bytes, None)
+        device = self.device_for(items) if places is not None else None
+        if device is None or places is None:
+            return None, ""
+        buckets = tuple(BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors))
+                        for b in planner.buckets)
+        served = ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=buckets, sources=[_NotYet()] * len(buckets),
+                               chunk_bytes=knobs.chunk_bytes, host_key=knobs.host_key, pool=knobs.pool)
+        self.why_not = "keep_versions=0: the caller's tensors go through the ring, no arena"
+        why = self.broken or self.ring.offer(served, device)
+        if why:
+            return None, why
+        server.add_version(served)  # announced: the same-GPU subscriber claims the ring
+        await self.ring.stream(version, places, items, server.complete_ipc)
+        if await self.ring.until_ended(version):
+            served.released, served.sources = True, []
+            return served, ""
+        ref = await referenced_version(named_tensors, version, bucket_bytes, knobs)  # the tensors have not changed yet
+        served.sources = ref.sources
+        for b in ref.buckets:
+            server.complete_bucket(version, b.index, b.checksum)
+        return served, ""
+
+    def offer_ring(self, served: ServedVersion, device: torch.device) -> tuple[str, str]:
+        """No arena for `served`: (``cuda_ipc_ring``, "") when it streams through the ring, else (``host``, why not)."""
+        why = self.broken or self.ring.offer(served, device)
+        return ("host", why) if why else ("cuda_ipc_ring", "")
 
     def release(self, version: int) -> None:
         arena = self.of_version.pop(version, None)

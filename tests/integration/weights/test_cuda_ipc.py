@@ -125,21 +125,23 @@ async def test_an_arena_that_cannot_be_exported_leaves_the_host_path_serving(mak
 
 async def test_a_version_past_the_gpu_budget_gets_no_arena_and_the_publisher_says_why(make_publisher: Any, make_subscriber: Any,
                                                                                      monkeypatch: Any, caplog: Any) -> None:
-    """The default budget (two buckets) is smaller than this version: no arena is made (nothing allocated, the path not
-    broken), the host path serves it, and the publisher's log and `path_note` say which path it offers and why."""
+    """A budget smaller than this version and than two of its buckets: no arena and no ring is made (nothing allocated,
+    the path not broken), the host path serves it, and the publisher's log and `path_note` say which path it offers and
+    why (a budget of two buckets streams it through the ring: tests/integration/weights/test_ipc_ring.py)."""
     from rollpool.weights.config import WeightPathConfig
 
-    pub = await make_publisher(path="auto", weights=WeightPathConfig(), bucket_bytes=128 * 1024)
+    pub = await make_publisher(path="auto", weights=WeightPathConfig(publisher_gpu_budget_bytes=192 * 1024), bucket_bytes=128 * 1024)
     # fake of the device edge: the publisher believes these (CPU) tensors are to be exported to a same-GPU peer
     monkeypatch.setattr(pub._ipc, "device_for", lambda items: torch.device("cpu"))
     w = model(8)
-    assert pub.gpu_budget.budget == 2 * pub.bucket_bytes < sum(t.numel() * t.element_size() for t in w.values())
+    assert pub.gpu_budget.budget < 2 * pub.bucket_bytes < sum(t.numel() * t.element_size() for t in w.values())
     with caplog.at_level("INFO", logger="rollpool.weights"):
         m = await pub.publish(w, 1, wait_ready=True)
     assert m.cuda_ipc is None and not pub._ipc.broken and pub._ipc.slabs.allocations == 0 and pub.gpu_budget.used == 0
     note = pub.path_note
     assert note["offered"] == "host" and "would pass the publisher's GPU budget" in note["why_not_cuda_ipc"]
-    assert "host buckets only (no same-GPU buffer: a whole-version same-GPU arena" in caplog.text
+    assert "a same-GPU ring of 2 slots" in note["why_not_ring"] and not pub._ipc.ring.broken
+    assert "host buckets only (no same-GPU buffer: a whole-version same-GPU arena" in caplog.text and "; no ring: " in caplog.text
     sub = make_subscriber(pub.router_endpoint, path="auto")
     got = await sub.fetch(1)
     assert sub.last_path == "shm" and all(torch.equal(got.tensors[k], t) for k, t in w.items())

@@ -98,3 +98,44 @@ def test_the_delta_rows_give_the_8b_delta_keys_from_the_versions_rebuilt_from_a_
     assert abs(out["delta_bytes_fraction"] - 1 / 23) < 1e-3
     assert out["delta_host_path_s"] == 0.3 and out["delta_shm_path_s"] == round(0.2 - 0.001, 4)
     assert out["goals"]["delta_bytes_fraction"]["met"] is True and out["goals"]["delta_host_path_s"]["met"] is True
+
+
+def test_the_ring_counts_for_the_same_gpu_goals_and_says_which_ran() -> None:
+    """Past the budget the version streams through the ring: its row says cuda_ipc_ring, and the three same-GPU goals
+    (publish to applied, trainer blocked, extra GPU bytes within two buckets) are measured on it; a row where the ring
+    served some versions and shared memory others reports none of them."""
+    bench = _bench()
+    rows = {"cuda_ipc_cuda": {"versions": [_version(v, "cuda_ipc_ring") for v in range(1, 7)]}}
+    bench.RESULT.clear()
+    bench.RESULT.update({"rows": rows, "how": {}, "model_bytes": 14 << 30, "bucket_bytes": 512 << 20})
+    bench.summarize()
+    res, goals = bench.RESULT, bench.RESULT["goals"]
+    assert res["same_gpu_ipc_paths_taken"] == ["cuda_ipc_ring"]
+    assert goals["same_gpu_ipc_s"]["met"] is True and goals["same_gpu_trainer_blocked_s"]["met"] is True
+    assert goals["ipc_extra_gpu_bytes"]["met"] is True and goals["ipc_extra_gpu_bytes"]["value"] == 1 << 30
+    vs = [_version(v, "cuda_ipc_ring") for v in range(1, 7)]
+    vs[2] = _version(3, "shm_device", reasons=["the publisher's same-GPU ring of version 3 ended after 4 of 27 buckets"])
+    rows = {"cuda_ipc_cuda": {"versions": vs}}
+    bench.RESULT.update({"rows": rows})
+    bench.summarize()
+    goals = bench.RESULT["goals"]
+    for key in ("same_gpu_ipc_s", "same_gpu_trainer_blocked_s", "ipc_extra_gpu_bytes"):
+        assert goals[key]["met"] is None and "1 of 6" in goals[key]["not_measured"], goals[key]
+    assert bench.RESULT["same_gpu_ipc_paths_taken"] == ["cuda_ipc_ring", "shm_device"]
+
+
+def test_the_ring_only_row_is_measured_on_the_ring_alone() -> None:
+    """keep_versions=0 through the ring (row ring_only_cuda): its goals count only when the ring served every version."""
+    bench = _bench()
+    rows = {"ring_only_cuda": {"versions": [_version(v, "cuda_ipc_ring") for v in range(1, 7)]},
+            "cuda_ipc_cuda": {"versions": [_version(v, "cuda_ipc_ring") for v in range(7, 13)]}}
+    bench.RESULT.clear()
+    bench.RESULT.update({"rows": rows, "how": {}, "model_bytes": 14 << 30, "bucket_bytes": 512 << 20})
+    bench.summarize()
+    goals = bench.RESULT["goals"]
+    assert goals["ring_only_ipc_s"]["met"] is True and goals["ring_only_trainer_blocked_s"]["met"] is True
+    assert bench.RESULT["ring_only_paths_taken"] == ["cuda_ipc_ring"]
+    rows["ring_only_cuda"]["versions"][0] = _version(1, "network", reasons=["the publisher's same-GPU ring of version 1 ended"])
+    bench.summarize()
+    assert bench.RESULT["goals"]["ring_only_ipc_s"]["met"] is None
+    assert bench.RESULT["goals"]["ring_only_extra_gpu_bytes"]["met"] is None

@@ -144,6 +144,14 @@ def samples() -> dict[str, Any]:
         # minor 19: a parked manifest request (answered once the version carries more GPU checksums) and the server's minor
         "manifest_request_parked": p.ManifestRequest(request_id="m8", version=7, streamed=True, host_key="boot/1.2", after_mix64=3),
         "manifest_server_minor": p.Manifest(request_id="m8", version=7, publisher_id="pub", host_key="boot/1.2", protocol_minor=19),
+        # minor 22: the same-GPU ring (RING_MINOR): a ring of slots, a taker's request releasing the buckets below 3
+        "manifest_request_ring": p.ManifestRequest(request_id="m9", version=7, streamed=True, host_key="boot/1.2",
+                                                   gpu_uuids=("GPU-5f0c",), ring=True, ring_done=3),
+        "manifest_ring": p.Manifest(request_id="m9", version=7, publisher_id="pub", host_key="boot/1.2", protocol_minor=22,
+                                    cuda_ipc=p.CudaIpcBuffer(device_uuid="GPU-5f0c", handle=bytes(range(64)), storage_bytes=1 << 21,
+                                                             ring_slots=2),
+                                    buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", ipc_offset=1 << 20,
+                                                          ipc_checksum="mix64:0123456789abcdef"),)),
     }
 
 
