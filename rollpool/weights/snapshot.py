@@ -6,8 +6,9 @@ What it promises
       stream, into page-locked buckets queued by one issuing thread and waited for by one landing thread, so the copy
       engine never waits for a thread to be scheduled), and the GPU mix64 reads of them finished.
     - Each bucket is checksummed (xxh3, in threads) as its copies land: its bytes are folded into a running checksum
-      in offset order, a range at a time once its tensors are all in place (`_Fold`; a bucket under 1 MiB is summed
-      whole after its last copy), so the checksum is done about when the last copy lands; then the bucket is made
+      in offset order, a range at a time once its tensors are all in place (`_Fold`), so the checksum is done about
+      when the last copy lands; summed whole after its last copy instead for a bucket under 1 MiB, and for CPU tensors
+      on a host without a core to spare beyond the copy threads (there a fold would only slow the copy); then made
       readable and its checksum published (`SnapshotSink.complete_bucket`); on shared-memory versions its mix64 is published too
       (`SnapshotSink.set_host_mix64`), summed on the GPU tensor by tensor where it can be, else on the CPU after the
       xxh3, so the network and CPU shm paths never wait for it.
@@ -28,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -69,9 +71,10 @@ _BATCH_BYTES = 4 * _MiB
 _MEMO_PLAN = True
 """Reuse the previous version's plan (and a publisher its adapter check) when the names, shapes and dtypes are the same
 (`PlanMemo`); False plans and checks every version (bench/lora.py's ``--compare plan`` runs both)."""
-_FOLD_CHECKSUMS = True
+_FOLD_CHECKSUMS: bool | None = None
 """Fold each bucket's bytes into its checksum as its copies land (`_Fold`), so the checksum is done about when the last
-copy lands; False sums the whole bucket after its last copy (bench/lora.py's ``--compare-what checksums`` runs both)."""
+copy lands: None where it overlaps the copies (`Snapshot._fold_wanted`), True always, False never (the whole bucket
+summed after its last copy; bench/lora.py's ``--compare-what checksums`` and ``--fold`` set it)."""
 _FOLD_MIN_BYTES = 1 * _MiB
 """A fold is handed to a checksum thread once this many contiguous bytes wait (or the bucket's last copy landed): a
 thread hop per small tensor would cost more than its bytes."""
@@ -85,6 +88,14 @@ class _Job(NamedTuple):
     tensor: torch.Tensor
     stream: Any
     mix_stream: Any
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class _Fold:
@@ -350,7 +361,7 @@ class Snapshot:
         """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
         self.marks: dict[str, float] = {}
         """perf_counter of the copy's phases (`WeightPublisher.last_phases`)."""
-        self.folds = [_Fold(knobs.checksum_algorithm, b.nbytes, b.tensors) if _FOLD_CHECKSUMS and b.nbytes >= _THREAD_COPY_BYTES else None
+        self.folds = [_Fold(knobs.checksum_algorithm, b.nbytes, b.tensors) if _FOLD_CHECKSUMS is not False and b.nbytes >= _THREAD_COPY_BYTES else None
                       for b in planner.buckets]
         """Per bucket: its checksum folded as its copies land (`_Fold`), or None: summed whole after its last copy
         (a small bucket, summed inline)."""
@@ -373,6 +384,8 @@ class Snapshot:
         Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
         copies are outstanding, so at most that many of its tensors are alive at once). A dict's or a module's small
         tensors (all alive anyway) are copied in jobs of up to `_BATCH_BYTES` (`_Batches`)."""
+        if not self._fold_wanted(items):
+            self.folds = [None] * len(self.folds)
         streams: dict[Any, Any] = {}
         mix_streams: dict[Any, Any] = {}
         it = iter(items)
@@ -415,6 +428,16 @@ class Snapshot:
         except BaseException:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
+
+    def _fold_wanted(self, items: Any) -> bool:
+        """Whether folding the checksums during the copies overlaps them: CUDA tensors are copied by the copy engine
+        (the host's cores are free), CPU tensors by `copy_threads` threads, so a fold needs a core beyond those and the
+        event loop's; without one it only moves the checksum's time into the copy's (the trainer waits longer)."""
+        if _FOLD_CHECKSUMS is not None:
+            return _FOLD_CHECKSUMS
+        if isinstance(items, list) and items and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cuda":
+            return True
+        return host_cores() > self.knobs.copy_threads + 1
 
     def _finish_empty(self) -> None:
         """Buckets with no bytes to copy are checksummed (and mixed) at once."""

@@ -38,11 +38,12 @@ def adapter_like(seed: int, n: int = 32) -> dict[str, torch.Tensor]:
     return {f"m.{i}.lora_{'AB'[i % 2]}.weight": torch.randn(16, 3000 + 37 * i, generator=g).to(torch.bfloat16) for i in range(n)}
 
 
-def made(named: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[Snapshot, list[Any], SnapshotPools, RecordingSink]:
+def made(named: dict[str, torch.Tensor], bucket_bytes: int, copy_threads: int = 1) -> tuple[Snapshot, list[Any], SnapshotPools, RecordingSink]:
     _items, places, planner = plan_version(named, bucket_bytes, None)
     assert places is not None
     algorithm = default_checksum_algorithm()
-    knobs = SnapshotKnobs(publisher_id="p", chunk_bytes=1 * _MiB, host_key="", pool="t", copy_threads=1, checksum_algorithm=algorithm)
+    knobs = SnapshotKnobs(publisher_id="p", chunk_bytes=1 * _MiB, host_key="", pool="t", copy_threads=copy_threads,
+                          checksum_algorithm=algorithm)
     pools = SnapshotPools.make(1, 1)  # one checksum thread: a no-op submitted after the folds runs after them
     sink = RecordingSink()
     buffers = [torch.full((b.nbytes,), 0xAB, dtype=torch.uint8) for b in planner.buckets]  # stale bytes of a reused buffer
@@ -129,3 +130,19 @@ def test_fold_ranges_cover_the_bucket_once_in_order_gaps_and_tail_included() -> 
     f.land(300)
     assert f.take(10**6) == (208, 512)  # the bucket's end is handed out whatever its size
     assert f.take(0) is None
+
+
+@pytest.mark.parametrize(("cores", "folded"), [(2, False), (16, True)])
+async def test_cpu_tensors_are_folded_only_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch, cores: int, folded: bool) -> None:
+    """CPU tensors are copied by the copy threads: a fold beside them needs a core of its own, else it only slows the copy
+    the trainer waits for. Either way the digest is the bucket's."""
+    monkeypatch.setattr(snapshot, "host_cores", lambda: cores)
+    named = adapter_like(6)
+    snap, _places, pools, sink = made(named, bucket_bytes=64 * _MiB, copy_threads=2)
+    try:
+        await snap.copy(list(named.items()))
+        await asyncio.wait_for(snap.checksummed, 10)
+    finally:
+        pools.shutdown()
+    assert (snap.folds[0] is not None) is folded
+    assert sink.checksums[0] == checksum(snap.buffers[0].numpy(), default_checksum_algorithm())
