@@ -365,7 +365,6 @@ class Snapshot:
                       for b in planner.buckets]
         """Per bucket: its checksum folded as its copies land (`_Fold`), or None: summed whole after its last copy
         (a small bucket, summed inline)."""
-        self.abandoned = False
         if not buffers:
             self.checksummed.set_result(None)
         self._lock = threading.Lock()
@@ -374,7 +373,6 @@ class Snapshot:
                 seg.begin_write()
 
     def abandon(self) -> None:
-        self.abandoned = True  # a fold under way stops at its next range (the buffers go back to the publisher)
         if not self.checksummed.done():
             self.checksummed.cancel()
 
@@ -624,7 +622,8 @@ class Snapshot:
         fold = self.folds[idx]
         assert fold is not None
         try:
-            while rng is not None and not self.abandoned:
+            # withdrawn, abandoned or evicted (its buffers may serve the next version): stop at the next range
+            while rng is not None and not self.checksummed.done():
                 lo, hi = rng
                 fold.summer.update(self.buffers[idx][lo:hi].numpy())
                 if hi == fold.nbytes:
