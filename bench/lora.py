@@ -19,6 +19,10 @@ SGLang); this JSON keeps it null, saying so.
 
     python bench/lora.py [--layers 32] [--hidden 4096] [--kv 1024] [--mlp 14336] [--rank 16] [--versions 10]
                          [--warmup 2] [--device cuda|cpu] [--dtype bfloat16] [--path network|auto|shm] [--json PATH]
+                         [--pin auto|on|off] [--compare ROUNDS --compare-what copies|plan|checksums|pinned|checksums+pinned]
+
+The subscriber's receive buffers are page-locked when the bank is on CUDA (``--pin auto``), as a worker's are (its
+engine on a GPU); before 2026-12-06 this bench left them pageable, so its bank copy ran at pageable speed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import time
 from typing import Any
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FOLD = {"auto": None, "always": True, "never": False}
+COMPARE_WHAT = ("copies", "plan", "checksums", "pinned", "checksums+pinned")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,9 +59,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ROUNDS alternating runs of the previous snapshot and bank copies (one job and one copy per matrix) "
                          "and the current ones (matrices batched into copy jobs of up to 4 MiB; one copy of each fetched "
                          "bucket into the bank), medians and ratios side by side")
-    ap.add_argument("--compare-what", default="copies", choices=("copies", "plan"),
-                    help="--compare's arms: copies (above), or plan: every version planned and its adapter checked (before) "
-                         "against the previous version's plan and check reused when the names and shapes are the same (after)")
+    ap.add_argument("--compare-what", default="copies", choices=COMPARE_WHAT,
+                    help="--compare's arms: copies (above); plan: every version planned and its adapter checked (before) "
+                         "against the previous version's plan and check reused when the names and shapes are the same (after); "
+                         "checksums: each bucket summed whole after its last copy lands (before) against folded as its copies "
+                         "land (after); pinned: the subscriber's receive buffers pageable (before) against page-locked, as a "
+                         "worker on a GPU has them (after; the same on a CPU: nothing is page-locked without CUDA); "
+                         "checksums+pinned: both changes together")
+    ap.add_argument("--fold", default="auto", choices=("auto", "always", "never"),
+                    help="the publisher folds each bucket's checksum as its copies land: auto (where that overlaps the copies: "
+                         "CUDA tensors, or a core to spare beyond the copy threads), always, never; with --compare-what "
+                         "checksums it is the after arm's (the before arm never folds)")
+    ap.add_argument("--pin", default="auto", choices=("auto", "on", "off"),
+                    help="the subscriber's receive buffers page-locked (auto: when the bank is on CUDA, as a worker's are)")
     ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (1: a shared 2-core box's copies are "
                     "not slowed by threads spinning for cores they do not get)")
     ap.add_argument("--json", default=None)
@@ -76,6 +92,9 @@ def shapes(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.demo_shape:
         a.layers, a.hidden, a.kv, a.mlp, a.rank = 2, 64, 64, 256, 8
+    from rollpool.weights import snapshot
+
+    snapshot._FOLD_CHECKSUMS = _FOLD[a.fold]
     if a.compare:
         return await compare(a)
     lora = await run_one(a, full=False)
@@ -92,22 +111,29 @@ async def compare(a: argparse.Namespace) -> dict[str, Any]:
     from rollpool.weights import snapshot
     from rollpool.workers.engines import lora
 
-    batch_bytes, span, memo = snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN
+    batch_bytes, span, memo, fold, pin = snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN, snapshot._FOLD_CHECKSUMS, a.pin
     arms: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     try:
         for r in range(a.compare):
             for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):  # neither arm always second
+                after = arm == "after"
                 if a.compare_what == "plan":  # before: every version planned and its adapter checked from scratch
-                    snapshot._MEMO_PLAN = arm == "after"
+                    snapshot._MEMO_PLAN = after
+                elif a.compare_what in ("checksums", "pinned", "checksums+pinned"):
+                    if "checksums" in a.compare_what:  # before: each bucket summed whole after its last copy
+                        snapshot._FOLD_CHECKSUMS = _FOLD[a.fold] if after else False
+                    if "pinned" in a.compare_what:  # before: pageable receive buffers (what this bench had before)
+                        a.pin = "auto" if after else "off"
                 else:  # before: every matrix its own copy job (a thread hop each) and its own copy into the bank
                     snapshot._BATCH_BYTES, lora._SPAN_COPY = (0, False) if arm == "before" else (batch_bytes, span)
                 arms[arm].append(await run_one(a, full=False))
     finally:
-        snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN = batch_bytes, span, memo
+        snapshot._BATCH_BYTES, lora._SPAN_COPY, snapshot._MEMO_PLAN, snapshot._FOLD_CHECKSUMS, a.pin = batch_bytes, span, memo, fold, pin
     out: dict[str, Any] = {k: v for k, v in arms["after"][0].items() if not k.startswith(("lora_", "phases"))}
     keys = ("lora_publish_to_applied_s", "lora_trainer_blocked_s")
     for arm, runs in arms.items():
         out[arm] = {k: statistics.median(x for r in runs for x in r["samples"][k]) for k in keys}
+        out[arm]["receive_pinned"], out[arm]["checksums_folded"] = runs[0]["receive_pinned"], runs[0]["checksums_folded"]
         out[arm]["phases_median_s"] = {p: statistics.median(r["phases_median_s"][p] for r in runs)
                                        for p in runs[0]["phases_median_s"]}
         ph = out[arm]["phases_median_s"]
@@ -164,7 +190,9 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
     extra = {} if a.bucket_mb is None else {"bucket_bytes": int(a.bucket_mb * 2**20)}
     pub = WeightPublisher(sockets, keep_versions=2, path=a.path, **extra)
     await pub.start()
-    sub = WeightSubscriber(sockets, worker_id="bench", path=a.path)
+    # a worker's subscriber has page-locked receive buffers when its engine is on CUDA (`WeightSync._make_subscriber`)
+    pin = a.pin == "on" or (a.pin == "auto" and str(device).startswith("cuda"))
+    sub = WeightSubscriber(sockets, worker_id="bench", path=a.path, pin_memory=pin)
     sub.connect(pub.router_endpoint, pub.pub_endpoint)
     blocked, applied = [], []
     phases: list[dict[str, float]] = []
@@ -210,6 +238,7 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
         "version_bytes": nbytes,
         "shape": {"layers": a.layers, "hidden": a.hidden, "kv": a.kv, "mlp": a.mlp, "rank": a.rank, "targets": list(TARGETS)},
         "adapter_bytes": nbytes, "device": device, "dtype": a.dtype, "path": a.path, "versions": a.versions,
+        "receive_pinned": sub.pin_memory, "checksums_folded": _folded(),
         "lora_publish_to_applied_s": statistics.median(applied), "lora_publish_to_applied_s_range": [min(applied), max(applied)],
         "lora_trainer_blocked_s": statistics.median(blocked), "lora_trainer_blocked_s_range": [min(blocked), max(blocked)],
         "pool_vs_direct": None,
@@ -219,6 +248,12 @@ async def run_one(a: argparse.Namespace, *, full: bool) -> dict[str, Any]:
         "samples": {"lora_publish_to_applied_s": applied, "lora_trainer_blocked_s": blocked},
         "phases_median_s": {k: statistics.median(p[k] for p in phases if k in p) for k in sorted({k for p in phases for k in p})},
     }
+
+
+def _folded() -> str:
+    from rollpool.weights import snapshot
+
+    return {None: "auto", True: "always", False: "never"}[snapshot._FOLD_CHECKSUMS]
 
 
 def main(argv: list[str] | None = None) -> int:

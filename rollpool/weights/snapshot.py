@@ -5,8 +5,11 @@ What it promises
     - `Snapshot.copy` returns once the caller's tensors may change again: every copy landed (CUDA tensors on a side
       stream, into page-locked buckets queued by one issuing thread and waited for by one landing thread, so the copy
       engine never waits for a thread to be scheduled), and the GPU mix64 reads of them finished.
-    - Each bucket is checksummed (xxh3, in threads) as soon as its last copy lands, then made readable and its
-      checksum published (`SnapshotSink.complete_bucket`); on shared-memory versions its mix64 is published too
+    - Each bucket is checksummed (xxh3, in threads) as its copies land: its bytes are folded into a running checksum
+      in offset order, a range at a time once its tensors are all in place (`_Fold`), so the checksum is done about
+      when the last copy lands; summed whole after its last copy instead for a bucket under 1 MiB, and for CPU tensors
+      on a host without a core to spare beyond the copy threads (there a fold would only slow the copy); then made
+      readable and its checksum published (`SnapshotSink.complete_bucket`); on shared-memory versions its mix64 is published too
       (`SnapshotSink.set_host_mix64`), summed on the GPU tensor by tensor where it can be, else on the CPU after the
       xxh3, so the network and CPU shm paths never wait for it.
     - An iterator is copied as it comes (at most 4 x copy_threads copies outstanding) and checked against the layout;
@@ -26,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -67,6 +71,13 @@ _BATCH_BYTES = 4 * _MiB
 _MEMO_PLAN = True
 """Reuse the previous version's plan (and a publisher its adapter check) when the names, shapes and dtypes are the same
 (`PlanMemo`); False plans and checks every version (bench/lora.py's ``--compare plan`` runs both)."""
+_FOLD_CHECKSUMS: bool | None = None
+"""Fold each bucket's bytes into its checksum as its copies land (`_Fold`), so the checksum is done about when the last
+copy lands: None where it overlaps the copies (`Snapshot._fold_wanted`), True always, False never (the whole bucket
+summed after its last copy; bench/lora.py's ``--compare-what checksums`` and ``--fold`` set it)."""
+_FOLD_MIN_BYTES = 1 * _MiB
+"""A fold is handed to a checksum thread once this many contiguous bytes wait (or the bucket's last copy landed): a
+thread hop per small tensor would cost more than its bytes."""
 
 
 class _Job(NamedTuple):
@@ -77,6 +88,54 @@ class _Job(NamedTuple):
     tensor: torch.Tensor
     stream: Any
     mix_stream: Any
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Fold:
+    """One bucket's running checksum, fed in offset order while its tensors land in any order.
+
+    `land` marks a tensor's bytes as in place; `take` hands out the next range to fold: from where folding stopped to
+    the end of the contiguous run of landed tensors (gaps between tensors included: nothing writes them), and the
+    bucket's tail once every tensor landed. Each byte is folded once, in order, after it landed and never changes
+    again, so the digest is the one of the whole bucket summed after its last copy. Bookkeeping only: the caller
+    holds a lock around `land` and `take` and folds one range at a time (`running`)."""
+
+    __slots__ = ("ends", "landed", "nbytes", "next", "pos", "running", "starts", "summer")
+
+    def __init__(self, algorithm: str, nbytes: int, tensors: Any) -> None:
+        spans = sorted((t.offset, t.offset + t.nbytes) for t in tensors if t.nbytes)
+        self.starts = {s: i for i, (s, _e) in enumerate(spans)}
+        self.ends = [e for _s, e in spans]
+        self.landed = [False] * len(spans)
+        self.nbytes = nbytes
+        self.next = 0
+        """Tensors before it are folded (or handed out to be)."""
+        self.pos = 0
+        """Bytes folded (or handed out to be)."""
+        self.running = False
+        """A range is being folded (by one thread: a bucket's bytes go into its summer in order)."""
+        self.summer = Checksummer(algorithm)
+
+    def land(self, offset: int) -> None:
+        self.landed[self.starts[offset]] = True
+
+    def take(self, min_bytes: int) -> tuple[int, int] | None:
+        """The next range to fold, once at least `min_bytes` are ready (or it reaches the bucket's end); None: not yet."""
+        k = self.next
+        while k < len(self.landed) and self.landed[k]:
+            k += 1
+        hi = self.nbytes if k == len(self.landed) else (self.ends[k - 1] if k > self.next else self.pos)
+        if hi <= self.pos or (hi - self.pos < min_bytes and hi < self.nbytes):
+            return None
+        lo, self.pos, self.next = self.pos, hi, k
+        return lo, hi
 
 
 class Place(NamedTuple):
@@ -302,6 +361,10 @@ class Snapshot:
         """Per bucket: whether its buffer is page-locked (asked once, on its first CUDA copy)."""
         self.marks: dict[str, float] = {}
         """perf_counter of the copy's phases (`WeightPublisher.last_phases`)."""
+        self.folds = [_Fold(knobs.checksum_algorithm, b.nbytes, b.tensors) if _FOLD_CHECKSUMS is not False and b.nbytes >= _THREAD_COPY_BYTES else None
+                      for b in planner.buckets]
+        """Per bucket: its checksum folded as its copies land (`_Fold`), or None: summed whole after its last copy
+        (a small bucket, summed inline)."""
         if not buffers:
             self.checksummed.set_result(None)
         self._lock = threading.Lock()
@@ -319,6 +382,8 @@ class Snapshot:
         Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
         copies are outstanding, so at most that many of its tensors are alive at once). A dict's or a module's small
         tensors (all alive anyway) are copied in jobs of up to `_BATCH_BYTES` (`_Batches`)."""
+        if not self._fold_wanted(items):
+            self.folds = [None] * len(self.folds)
         streams: dict[Any, Any] = {}
         mix_streams: dict[Any, Any] = {}
         it = iter(items)
@@ -361,6 +426,16 @@ class Snapshot:
         except BaseException:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
+
+    def _fold_wanted(self, items: Any) -> bool:
+        """Whether folding the checksums during the copies overlaps them: CUDA tensors are copied by the copy engine
+        (the host's cores are free), CPU tensors by `copy_threads` threads, so a fold needs a core beyond those and the
+        event loop's; without one it only moves the checksum's time into the copy's (the trainer waits longer)."""
+        if _FOLD_CHECKSUMS is not None:
+            return _FOLD_CHECKSUMS
+        if isinstance(items, list) and items and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cuda":
+            return True
+        return host_cores() > self.knobs.copy_threads + 1
 
     def _finish_empty(self) -> None:
         """Buckets with no bytes to copy are checksummed (and mixed) at once."""
@@ -405,7 +480,7 @@ class Snapshot:
             self._add_part(idx, part)
         else:
             dst.copy_(src)
-        self._landed(idx, mix_stream)
+        self._landed(idx, mix_stream, offset)
 
     def _copy_many(self, jobs: list[_Job]) -> None:
         """Copy thread: a batch of tensors, one after the other (`_copy`)."""
@@ -435,7 +510,7 @@ class Snapshot:
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it (copy() gathers every copy)
             landed.set_exception(exc)
             return
-        self.pools.land.submit(self._land, [(j.idx, j.mix_stream) for j in jobs], done, landed)
+        self.pools.land.submit(self._land, [(j.idx, j.mix_stream, j.offset) for j in jobs], done, landed)
 
     def _queue_digest(self, idx: int, stream: Any, mix_stream: Any) -> None:
         """Issuing thread, after a bucket's last copy: its GPU mix64 parts added up on the mix stream and the sum copied
@@ -460,13 +535,13 @@ class Snapshot:
         self.mix_dev[idx] = []
         self.slotted[idx] = True
 
-    def _land(self, jobs: list[tuple[int, Any]], done: Any, landed: concurrent.futures.Future[None]) -> None:
+    def _land(self, jobs: list[tuple[int, Any, int]], done: Any, landed: concurrent.futures.Future[None]) -> None:
         """Landing thread: copies complete in the order they were queued on the one side stream, so they are waited
         for in that order (a batch's last copy done: all of them are)."""
         try:
             done.synchronize()
-            for idx, mix_stream in jobs:
-                self._landed(idx, mix_stream)
+            for idx, mix_stream, offset in jobs:
+                self._landed(idx, mix_stream, offset)
         except BaseException as exc:  # noqa: BLE001 - the publish fails with it
             landed.set_exception(exc)
             return
@@ -489,12 +564,22 @@ class Snapshot:
                 self.mix_dev[idx].append(part)
                 self.mix_parts[idx] += 1
 
-    def _landed(self, idx: int, mix_stream: Any) -> None:
-        """A tensor's bytes are in its bucket: the bucket's last copy queues its checksum (and publishes the bucket's
-        GPU-summed mix64 where every part of it was summed on the GPU)."""
+    def _landed(self, idx: int, mix_stream: Any, offset: int) -> None:
+        """A tensor's bytes (at `offset`) are in its bucket: folded into its checksum once enough are contiguous; the
+        bucket's last copy finishes its checksum (and publishes the bucket's GPU-summed mix64 where every part of it
+        was summed on the GPU)."""
+        fold = self.folds[idx]
+        rng = None
         with self._lock:
             self.left[idx] -= 1
             last = self.left[idx] == 0
+            if fold is not None:
+                fold.land(offset)
+                if not fold.running:
+                    rng = fold.take(0 if last else _FOLD_MIN_BYTES)
+                    fold.running = rng is not None
+        if rng is not None:
+            self.pools.sum.submit(self._fold, idx, rng)
         if last:
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
@@ -505,7 +590,8 @@ class Snapshot:
                 queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 queued.record(mix_stream)
                 self.pools.mix.submit(self._mix_from_device, idx, mix_stream, queued)
-            self._sum_later(idx)
+            if fold is None:
+                self._sum_later(idx)
 
     def _mix_from_device(self, idx: int, mix_stream: Any, queued: Any) -> None:
         """Checksum thread: the bucket's GPU mix64 parts added up on the mix stream, then published (`_mix_ready`)."""
@@ -530,8 +616,31 @@ class Snapshot:
         else:
             self.pools.sum.submit(self._checksum, idx)
 
+    def _fold(self, idx: int, rng: tuple[int, int] | None) -> None:
+        """Checksum thread: fold the bucket's landed bytes into its checksum, range after range while more are ready;
+        the range that reaches the bucket's end publishes the digest (`_digest_ready`)."""
+        fold = self.folds[idx]
+        assert fold is not None
+        try:
+            # withdrawn, abandoned or evicted (its buffers may serve the next version): stop at the next range
+            while rng is not None and not self.checksummed.done():
+                lo, hi = rng
+                fold.summer.update(self.buffers[idx][lo:hi].numpy())
+                if hi == fold.nbytes:
+                    digest = fold.summer.hexdigest()
+                    break
+                with self._lock:
+                    rng = fold.take(0 if self.left[idx] == 0 else _FOLD_MIN_BYTES)
+                    fold.running = rng is not None
+            else:
+                return
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
+            self._call(self._failed, exc)
+            return
+        self._digest_ready(idx, digest)
+
     def _checksum(self, idx: int) -> None:
-        """Checksum thread (xxh3 releases the GIL, so buckets are summed in parallel)."""
+        """Checksum thread (xxh3 releases the GIL, so buckets are summed in parallel): the whole bucket at once."""
         try:
             summer = Checksummer(self.knobs.checksum_algorithm)
             if self.buffers[idx].numel():
@@ -540,6 +649,10 @@ class Snapshot:
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which withdraws the version
             self._call(self._failed, exc)
             return
+        self._digest_ready(idx, digest)
+
+    def _digest_ready(self, idx: int, digest: str) -> None:
+        """Checksum thread: the bucket's checksum published (it becomes readable), then its CPU mix64 where needed."""
         self._call(self._ready, idx, digest)
         if self.mix and self.mix_parts[idx] != self._parts_of(idx):
             # not summed on the GPU (CPU tensors, or an unaligned bucket): the mix64 of the host bucket, on the CPU,
