@@ -52,6 +52,7 @@ __all__ = [
     "AdapterEngine",
     "APPLY_MODES",
     "ConstrainedEngine",
+    "can_constrain",
     "Engine",
     "EngineInfo",
     "GenerateOutput",
@@ -272,6 +273,13 @@ class ConstrainedEngine(Engine, Protocol):
                                    constraint: OutputConstraint) -> GenerateOutput:
         """`generate` on token ids, every sample held to `constraint`; `RequestRefusedError` if it does not compile."""
         ...
+
+
+def can_constrain(engine: object) -> bool:
+    """Whether `engine` serves `generate_constrained`, by attribute lookup: a proxy that forwards by ``__getattr__``
+    (the worker's `_SupervisedEngine`) counts. ``isinstance(engine, ConstrainedEngine)`` does not see such a proxy
+    from Python 3.12 on, where runtime protocol checks look attributes up statically."""
+    return callable(getattr(engine, "generate_constrained", None))
 
 
 def validate_sampling(sampling: SamplingParams, n: int) -> None:

@@ -45,14 +45,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, RecordedTurn, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
-from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput
+from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput, can_constrain
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment, SegmentImage
@@ -564,8 +564,7 @@ class Episode:
             if constraint is None:
                 out = await self.engine.generate(prompt, 1, sampling, rid, **extra)
             else:
-                assert isinstance(self.engine, ConstrainedEngine)
-                out = await self.engine.generate_constrained(prompt, 1, sampling, rid, constraint)
+                out = await cast(ConstrainedEngine, self.engine).generate_constrained(prompt, 1, sampling, rid, constraint)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort(rid))
@@ -757,7 +756,7 @@ class Episode:
             if fmt is not None:
                 raise EndpointError(400, "a forced tool_choice and a JSON response_format cannot be held at once", param="response_format")
         constraint = forced or fmt
-        if constraint is not None and not isinstance(self.engine, ConstrainedEngine):
+        if constraint is not None and not can_constrain(self.engine):
             param = "tool_choice" if forced is not None else "response_format"
             raise EndpointError(400, f"{param} needs constrained decoding, which the {self._engine_name()} engine does not serve "
                                      "(the hf and sglang engines do)", param=param)
