@@ -46,6 +46,8 @@ def test_stop_all_lets_the_worker_say_goodbye_to_a_live_broker(tmp_path: Path) -
     children.start()
     try:
         _wait_for(tmp_path / "broker.log", "worker demo-w0 joined", 30)
+        # and the worker has its Welcome (a worker stopped before it has one says no Goodbye: it never joined in its view)
+        _wait_for(tmp_path / "worker-0.log", "joined the broker", 30)
     finally:
         status = children.stop()
     broker_log = (tmp_path / "broker.log").read_text(errors="replace")
