@@ -519,6 +519,9 @@ async def update_phase(client: Any, label: str, placement: str, args: argparse.N
     sampled = sum(int((tr.loss_mask == 1).sum()) for tr in trajs)
     versions = sorted({int(v) for tr in trajs for v, m in zip(tr.token_versions, tr.loss_mask, strict=True) if m == 1})
     keys = ("stopped_s", "pause_s", "serialize_s", "sglang_update_s", "verify_s", "resume_s", "staged")
+    if applies and "stopped_s" not in applies[0] and {"applied_at", "update_started_at", "pause_s"} <= set(applies[0]):
+        a = applies[0]  # a tree from before stopped_s: the pause, then update start to the resume's end
+        a["stopped_s"] = float(a["pause_s"]) + float(a["applied_at"]) - float(a["update_started_at"])
     return {"wall_s": round(wall, 2), "published_s": published, "sampled_tokens": sampled,
             "output_tokens_per_s": round(sampled / wall, 1), "token_versions_seen": versions,
             "apply": {k: round(float(applies[0][k]), 4) for k in keys if k in applies[0]} if applies else None,
