@@ -587,6 +587,13 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                 "worker_and_engine_child_cpu_per_turn_ratio": round(
                     y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
                 "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+    if args.update:  # the one-update phase: its throughput over the no-update phase's, and how long the engine stopped
+        for placement in placements:
+            for label, _ in trees:
+                mine = [r for r in rows if r["tree"] == label and r["placement"] == placement and r.get("one_update")]
+                summary[f"{placement}/{label}"]["one_update_vs_no_update"] = _median([r["one_update_vs_no_update"] for r in mine])
+                summary[f"{placement}/{label}"]["update_stopped_s"] = _median(
+                    [r["one_update"]["apply"]["stopped_s"] for r in mine if (r["one_update"].get("apply") or {}).get("stopped_s") is not None])
     if {"inworker", "children"} <= set(placements) and args.reps:
         for label, _ in trees:
             x, y = summary[f"inworker/{label}"], summary[f"children/{label}"]
