@@ -215,6 +215,8 @@ def main() -> int:
     if len(trees) == 2 and all(summary.values()):
         (a, _), (b, _) = trees
         summary[f"{b}_vs_{a}"] = {k: round(summary[b][k] / summary[a][k], 3) if summary[a][k] else None for k in STAGES}
+        tps = {label: statistics.median(r["turns_per_s"] for r in result["rows"] if r["tree"] == label) for label, _ in trees}
+        summary["turns_per_s"] = {**tps, f"{b}_vs_{a}": round(tps[b] / tps[a], 3)}
     result["summary_median_us"] = summary
     result["load_average_at_end"] = round(os.getloadavg()[0], 1)
     print(json.dumps(summary, indent=1))
