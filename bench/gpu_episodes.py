@@ -57,6 +57,14 @@ top 10 [function, share] per role). Sampling that fails (no py-spy, no ptrace ri
                                                                              (agents in 8 child processes of the worker)
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8 --profile-s 20 --deadline-s 420
                                                                           -> the same + profile-<role>.txt, profile_top_self
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8 --apply-mode drain
+                                                                 -> <card>-episodes-ap8-drain.json (the worker drains for the
+                                                                    update, as the peer's update does, instead of interrupting)
+
+``one_update`` also reports what the update cost the pool: ``apply`` (the worker's sglang engine's own timings of it:
+``stopped_s``, how long it sent nothing; ``pause_s``, ``sglang_update_s``, ``verify_s``; ``*_at`` in seconds after the
+phase's start), ``publish_called_at_s`` .. ``published_at_s`` (the trainer's publish call), and in every phase
+``longest_gap_s`` (the longest stretch with no turn ending) and ``turns_ended_per_s``.
 """
 
 from __future__ import annotations
