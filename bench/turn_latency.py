@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await runner.close()
         await engine.stop()
+        shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in spans.items() if v}
     derived = {  # the stages between the spans above, from their medians
         "endpoint_and_episode": med["endpoint_handler"] - med["engine_generate"],
