@@ -400,17 +400,20 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
             agents.append(pool.spawn([str(ROOT / "bench" / "episodes.py"), "--agent-process", sock], f"agents-{label}.log"))
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
         agent_processes = args.agent_processes if placement == "children" else 0
-        opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
+        opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}{args.engine_extra}"
         pool.env[AGENT_SOCKET_ENV] = sock
         worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
-                             "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--log-level", "INFO",
+                             "--max-context-tokens", str(args.context), "--apply-mode", args.apply_mode, "--log-level", "INFO",
                              *(["--agent-processes", str(agent_processes)] if agent_processes else [])],
                             f"worker-{label}-{placement}.log")
         client = await _client(cep)
         join_s = await _wait_workers(client, 1, pool.procs, 120)
         await client.submit(_prompts(f"warm-{label}", argparse.Namespace(**{**vars(args), "turns": 2}), 2))
         await _collect(client, 2, args.phase_timeout_s)
+        if args.update:  # a first version, applied while idle: what loads lazily on the first update (torch in the sim child) is in
+            await client.publish_weights(_bumped(model), 1)
+            await client.wait_for_version(1, timeout=120)
         # the worker's children: the engine's child, and its agent processes (``python -m rollpool.workers.episodes``)
         kids = _children(worker.pid)
         mine = set(_agent_children(kids))
@@ -436,6 +439,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         loop_cpu = _main_thread_cpu(worker.pid) - loop0
         trainer_cpu = time.process_time() - mine0
         profiles = {k: prof.stop() for k, prof in profilers.items()}
+        update = await update_phase(client, label, placement, args, model, work / f"worker-{label}-{placement}.log", wall) \
+            if args.update and not profile else None
     finally:
         if client is not None:
             with contextlib.suppress(Exception):
@@ -461,8 +466,66 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
            "worker_and_agent_processes_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["agent_process"]) / turns, 1) if turns else None}
     if profile:
         row["profile"] = profiles
+    if update is not None:
+        row["one_update"] = update
+        row["one_update_vs_no_update"] = round(update["output_tokens_per_s"] / row["output_tokens_per_s"], 3)
     print(f"  {label:>8s} {placement:>8s}: {json.dumps(row)}", flush=True)
     return row
+
+
+def _apply_lines(log: Path) -> list[dict[str, Any]]:
+    """The sglang engine's ``sglang apply {...}`` log lines (one per weight update: pause, update, resume timings)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        _, mark, rest = line.partition("sglang apply ")
+        if mark:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(rest[rest.index("{"):rest.rindex("}") + 1]))
+    return out
+
+
+def _bumped(model: Path) -> dict[str, Any]:
+    """The model's tensors, each +0.01: a version to publish."""
+    from safetensors.torch import load_file
+
+    return {k: v + 0.01 for k, v in load_file(str(model / "model.safetensors")).items()}
+
+
+async def update_phase(client: Any, label: str, placement: str, args: argparse.Namespace, model: Path, log: Path,
+                       no_update_wall_s: float) -> dict[str, Any]:
+    """The measured workload again on the same pool, with one weight version (every tensor of the model +0.01) published
+    at half the no-update phase's wall time, as bench/gpu_episodes.py's ``one_update`` (version 2: version 1 was applied
+    before the measured phases, while idle); the engine's own timings of the
+    apply (how long it generated nothing: ``stopped_s``) from its log."""
+    sd, version = _bumped(model), 2
+    applied0 = len(_apply_lines(log))
+    t0 = time.time()
+    res = await client.submit(_prompts(f"{placement}-{label}-u{version}", args, args.groups))
+    if res.rejected:
+        raise RuntimeError(f"rejected: {res.rejected}")
+    collect = asyncio.ensure_future(_collect(client, args.groups, args.phase_timeout_s))
+    await asyncio.sleep(max(0.0, no_update_wall_s / 2 - (time.time() - t0)))
+    p0 = time.time()
+    await client.publish_weights(sd, version)
+    published = (round(p0 - t0, 3), round(time.time() - t0, 3))
+    groups = await collect
+    wall = time.time() - t0
+    for _ in range(50):  # the apply's log line comes after the resume
+        if len(_apply_lines(log)) > applied0:
+            break
+        await asyncio.sleep(0.1)
+    applies = _apply_lines(log)[applied0:]
+    trajs = [tr for g in groups for tr in g.trajectories]
+    sampled = sum(int((tr.loss_mask == 1).sum()) for tr in trajs)
+    versions = sorted({int(v) for tr in trajs for v, m in zip(tr.token_versions, tr.loss_mask, strict=True) if m == 1})
+    keys = ("stopped_s", "pause_s", "serialize_s", "sglang_update_s", "verify_s", "resume_s", "staged")
+    if applies and "stopped_s" not in applies[0] and {"applied_at", "update_started_at", "pause_s"} <= set(applies[0]):
+        a = applies[0]  # a tree from before stopped_s: the pause, then update start to the resume's end
+        a["stopped_s"] = float(a["pause_s"]) + float(a["applied_at"]) - float(a["update_started_at"])
+    return {"wall_s": round(wall, 2), "published_s": published, "sampled_tokens": sampled,
+            "output_tokens_per_s": round(sampled / wall, 1), "token_versions_seen": versions,
+            "apply": {k: round(float(applies[0][k]), 4) for k in keys if k in applies[0]} if applies else None,
+            "applied_at_s": round(float(applies[0]["applied_at"]) - t0, 3) if applies and "applied_at" in applies[0] else None}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -504,7 +567,8 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
             Path(args.profile_raw).mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, after the rows
             for f in work.glob("profile-*.txt"):
                 shutil.copy(f, args.profile_raw)
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
     summary: dict[str, Any] = {}
     for placement in placements:
         for label, _ in trees:
@@ -523,6 +587,13 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                 "worker_and_engine_child_cpu_per_turn_ratio": round(
                     y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
                 "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+    if args.update:  # the one-update phase: its throughput over the no-update phase's, and how long the engine stopped
+        for placement in placements:
+            for label, _ in trees:
+                mine = [r for r in rows if r["tree"] == label and r["placement"] == placement and r.get("one_update")]
+                summary[f"{placement}/{label}"]["one_update_vs_no_update"] = _median([r["one_update_vs_no_update"] for r in mine])
+                summary[f"{placement}/{label}"]["update_stopped_s"] = _median(
+                    [r["one_update"]["apply"]["stopped_s"] for r in mine if (r["one_update"].get("apply") or {}).get("stopped_s") is not None])
     if {"inworker", "children"} <= set(placements) and args.reps:
         for label, _ in trees:
             x, y = summary[f"inworker/{label}"], summary[f"children/{label}"]
@@ -659,6 +730,12 @@ def main() -> int:
                          "(the JSON's 'profile': where the worker's and the engine child's CPU went)")
     ap.add_argument("--profile-raw", default="", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
+    ap.add_argument("--update", action="store_true",
+                    help="turns bench: after each measured phase, the workload again with one weight version published at half "
+                         "its wall time (row key one_update: throughput, the engine's stopped_s and apply timings)")
+    ap.add_argument("--apply-mode", default="interrupt", help="the worker's --apply-mode (interrupt, drain)")
+    ap.add_argument("--keep-work", action="store_true", help="keep the work directory (the pool's logs); its path is printed")
+    ap.add_argument("--engine-extra", default="", help="appended to the sglang engine's options, e.g. ',engine_kwargs=...'")
     add_workload_args(ap)
     ap.add_argument("--phase-timeout-s", type=float, default=600)
     ap.add_argument("--sessions", type=int, default=10_000)
@@ -684,6 +761,8 @@ def main() -> int:
 
     # the episode functions' module, importable in the workers of every tree (see the module docstring)
     args.workdir = Path(tempfile.mkdtemp(prefix="rp-episodes-"))
+    if args.keep_work:
+        print(f"work directory: {args.workdir}", flush=True)
     (args.workdir / "agent").mkdir()
     (args.workdir / "agent" / "rp_episodes_bench.py").symlink_to(Path(__file__).resolve())
     args.tree_paths = [(label, Path(path).resolve()) for label, _, path in (t.partition("=") for t in args.trees.split(","))]

@@ -57,6 +57,14 @@ top 10 [function, share] per role). Sampling that fails (no py-spy, no ptrace ri
                                                                              (agents in 8 child processes of the worker)
     PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8 --profile-s 20 --deadline-s 420
                                                                           -> the same + profile-<role>.txt, profile_top_self
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_episodes.py --out $OUT --agent-processes 8 --apply-mode drain
+                                                                 -> <card>-episodes-ap8-drain.json (the worker drains for the
+                                                                    update, as the peer's update does, instead of interrupting)
+
+``one_update`` also reports what the update cost the pool: ``apply`` (the worker's sglang engine's own timings of it:
+``stopped_s``, how long it sent nothing; ``pause_s``, ``sglang_update_s``, ``verify_s``; ``*_at`` in seconds after the
+phase's start), ``publish_called_at_s`` .. ``published_at_s`` (the trainer's publish call), and in every phase
+``longest_gap_s`` (the longest stretch with no turn ending) and ``turns_ended_per_s``.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_weights as gw  # noqa: E402 - the model builder, process helpers and kit setup
 from bench import profiling  # noqa: E402 - py-spy on the pool's and the peer's processes (--profile-s)
-from bench.episodes import add_workload_args  # noqa: E402 - the workload both episode benches run
+from bench.episodes import _apply_lines, add_workload_args  # noqa: E402 - the workload both episode benches run
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
 
@@ -110,7 +118,7 @@ async def agent(ctx: Any, prompt: Any) -> float:
             cached = int(usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
             rec = {"turn": t, "prompt_tokens": usage.prompt_tokens if usage else 0,
                    "completion_tokens": usage.completion_tokens if usage else 0, "cached": cached,
-                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0, "s": round(time.time() - t0, 4)}
+                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0, "s": round(time.time() - t0, 4), "end": round(time.time(), 4)}
             per_turn.append(rec)
             prev = (rec["prompt_tokens"], rec["completion_tokens"])
             messages.append(msg.model_dump(exclude_none=True))  # sent back unchanged
@@ -155,6 +163,21 @@ def cache_share(groups: list[Any]) -> dict[str, Any]:
             "turns_counted": turns, "turns_fully_cached": full}
 
 
+def turn_gaps(groups: list[Any], t0: float) -> dict[str, Any]:
+    """When the phase's turns ended (the agents' clocks, this host's): the longest stretch with no turn ending (after the
+    first and before the last), where it began (s after the phase's start), and turns ended per second of the phase. A weight
+    update that stops generation shows as a gap."""
+    ends = sorted(float(rec["end"]) - t0 for g in groups for tr in g.trajectories for rec in tr.metadata.get("cache_turns", [])
+                  if "end" in rec)
+    if len(ends) < 2:
+        return {}
+    gap, at = max((b - a, a) for a, b in zip(ends, ends[1:], strict=False))
+    per_s = [0] * (int(ends[-1]) + 1)
+    for e in ends:
+        per_s[max(0, int(e))] += 1
+    return {"longest_gap_s": round(gap, 3), "longest_gap_at_s": round(at, 3), "turns_ended_per_s": per_s}
+
+
 async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at: float | None, sd: dict[str, Any] | None,
                     version: int) -> dict[str, Any]:
     from rollpool.protocol import Prompt, SamplingParams
@@ -174,13 +197,24 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
         raise RuntimeError(f"rejected: {res.rejected}")
     groups: list[Any] = []
     published_at = None
+    publish_call: list[float] = []
+
+    async def publish() -> None:
+        # at publish_at exactly, as the peer's update (a check between get_batch calls came up to a second late)
+        nonlocal published_at
+        assert publish_at is not None
+        await asyncio.sleep(max(0.0, publish_at - (time.time() - t0)))
+        if sd is not None:
+            gw.optimizer_step(sd, version)
+        publish_call.append(round(time.time() - t0, 3))
+        await client.publish_weights(sd if sd is not None else {}, version)
+        published_at = round(time.time() - t0, 3)
+        gw.note(f"{name}: published version {version} at {published_at} s")
+
+    publisher = asyncio.ensure_future(publish()) if publish_at is not None else None
     while len(groups) < args.groups:
-        if publish_at is not None and published_at is None and time.time() - t0 >= publish_at:
-            if sd is not None:
-                gw.optimizer_step(sd, version)
-            await client.publish_weights(sd if sd is not None else {}, version)
-            published_at = round(time.time() - t0, 3)
-            gw.note(f"{name}: published version {version} at {published_at} s")
+        if publisher is not None and publisher.done():
+            publisher.result()  # a failed publish fails the phase
         try:
             batch = await client.get_batch(1, timeout=1.0)
         except TimeoutError:
@@ -191,8 +225,17 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
         for other in batch.other:
             raise RuntimeError(f"{name}: group {other.prompt_id} ended {other.state}: {other.reason}")
     wall = time.time() - t0
+    if publisher is not None:
+        await publisher
     out = {"wall_s": round(wall, 2), "episodes": sum(len(g.trajectories) for g in groups), "published_at_s": published_at,
-           **cache_share(groups)}
+           **cache_share(groups), **turn_gaps(groups, t0)}
+    if publish_call:  # the publish call's start (its end is published_at_s), and the worker's apply as its engine logged it
+        out["publish_called_at_s"] = publish_call[0]
+        applies = _apply_lines(Path(args.out) / "worker.log")
+        if applies:
+            a = applies[-1]
+            out["apply"] = {k: (round(float(v) - t0, 3) if k.endswith("_at") else round(float(v), 4)) for k, v in a.items()
+                            if isinstance(v, int | float)}
     versions = sorted({int(v) for g in groups for tr in g.trajectories for v in tr.token_versions})
     out["token_versions_seen"] = versions
     out["sampled_tokens"] = sum(int((tr.loss_mask == 1).sum()) for g in groups for tr in g.trajectories)
@@ -398,7 +441,7 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     env = profiling.ptrace_hook_env(work) if args.profile_s > 0 else {}
     worker = gw._spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "ep0",
                         "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
-                        "--max-context-tokens", str(args.context), "--apply-mode", "interrupt", "--agent-processes", str(args.agent_processes),
+                        "--max-context-tokens", str(args.context), "--apply-mode", args.apply_mode, "--agent-processes", str(args.agent_processes),
                         "--log-level", "INFO"], wlog, env=env)
     zctx = zmq.asyncio.Context()
     pub = WeightPublisher(SocketFactory(zctx), router_endpoint=f"tcp://127.0.0.1:{gw._port()}",
@@ -457,6 +500,8 @@ def main() -> int:
     ap.add_argument("--agent-client", choices=("per-episode", "shared"), default="per-episode",
                     help="the agent's openai client: a new AsyncOpenAI per episode (each builds a TLS context), or one per "
                          "process copied per episode with with_options (the JSON's agent_client)")
+    ap.add_argument("--apply-mode", choices=("interrupt", "drain"), default="interrupt",
+                    help="the worker's --apply-mode for the one_update phase (the JSON's apply_mode)")
     ap.add_argument("--peer", choices=("on", "off"), default="on", help="the in-process sglang.Engine peer (sglang backend only)")
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
@@ -493,9 +538,16 @@ def main() -> int:
         result["machine"] = torch.cuda.get_device_name(0)
         card = next((c for c in ("h100", "h200", "a100", "b200") if c in result["machine"].lower()), "gpu")
         gw.RESULT_NAME = (f"{card}-episodes{f'-ap{args.agent_processes}' if args.agent_processes else ''}"
-                          f"{'-shared-client' if args.agent_client == 'shared' else ''}.json")
+                          f"{'-shared-client' if args.agent_client == 'shared' else ''}"
+                          f"{'-drain' if args.apply_mode == 'drain' else ''}.json")
     result["agent_processes"] = args.agent_processes
     result["agent_client"] = args.agent_client
+    result["apply_mode"] = args.apply_mode
+    result["how"]["apply"] = ("one_update.apply: the worker's sglang engine's apply (its 'sglang apply' log line): stopped_s from "
+                              "the pause's start until samples may be sent again, pause_s (abort and wait, or drain), "
+                              "sglang_update_s, verify_s, ...; *_at in s after the phase's start. longest_gap_s: the longest "
+                              "stretch of the phase with no turn ending; publish_called_at_s .. published_at_s: the trainer's "
+                              "publish_weights call")
     if args.profile_s > 0:
         result["how"]["profile"] = ("phase 'profiled', after the measured ones: the no_update workload round after round while py-spy "
                                     "samples each process for --profile-s s (idle threads left out); profile-<role>.txt per process, "

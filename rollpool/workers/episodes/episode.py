@@ -93,12 +93,27 @@ class TokenizerLane:
     every episode makes two such calls. Here a call is a queue entry and one ``call_soon_threadsafe`` back.
     A call whose caller was cancelled still runs (as in an executor); its result is dropped. After `shutdown`
     queued calls do not run and their callers are cancelled.
+
+    `call(..., small=True)` runs the call at once on the caller's thread (the event loop) when the lane is idle:
+    nothing queued and nothing running, so the tokenizer is never used by two threads at once. A small call
+    (a turn's rendering and tokenizing within `INLINE_CHARS`, well under a millisecond) costs less there than the
+    two hand-offs between threads, which under a busy loop each wait for the GIL (up to its 5 ms switch
+    interval); a large one, or any call while the lane holds work, goes to the thread as before.
     """
+
+    INLINE_CHARS = 16_384
+    """The most characters of text a call may render or tokenize and still count as small (`call`'s ``small``)."""
 
     def __init__(self, name: str = "rollpool-episode-tokenizer") -> None:
         self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue())
         self._closed = False
+        self._submitted = 0
+        """Calls given to the thread (written on the loop only)."""
+        self._completed = 0
+        """Calls the thread finished (written by the thread only): the lane is idle when it equals `_submitted`."""
+        self.inline_calls = 0
+        """Calls run at once on the caller's thread (`call`'s ``small``)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,6 +133,7 @@ class TokenizerLane:
                 return
             loop, fut, fn, args = item
             if self._closed:
+                self._completed += 1
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     loop.call_soon_threadsafe(fut.cancel)
                 continue
@@ -127,14 +143,19 @@ class TokenizerLane:
                 result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
                 error = exc
+            self._completed += 1  # after the work: an inline call never overlaps this one
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._settle, fut, result, error)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any, small: bool = False) -> T:
         if self._closed:
             raise RuntimeError("the tokenizer lane is shut down")
+        if small and self._completed == self._submitted:
+            self.inline_calls += 1
+            return fn(*args)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+        self._submitted += 1
         self._queue.put((loop, fut, fn, args))
         return await fut
 
@@ -703,11 +724,13 @@ class Episode:
             ids = ids[:-1]
         return ids
 
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop."""
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, chars: int | None = None) -> T:
+        """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop;
+        `chars` (the text it renders or tokenizes) within `TokenizerLane.INLINE_CHARS`: on the loop when that thread is idle."""
         if self.tokenizer_lane is None:
             return fn(*args)
-        return await self.tokenizer_lane.call(fn, *args)
+        small = chars is not None and chars <= TokenizerLane.INLINE_CHARS
+        return await self.tokenizer_lane.call(fn, *args, small=small)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
@@ -835,13 +858,16 @@ class Episode:
         if top:
             sampling = dataclasses.replace(sampling, top_logprobs_num=top)
         parse = bool(tools) and tool_choice != "none"
-        self._fits_text(sum(len(m.get("content") or "") for m in messages))
+        chars = sum(len(m.get("content") or "") for m in messages)
+        self._fits_text(chars)
+        chars += len(str(tools)) if tools else 0  # rendered too
         async with self._lock:
             self._check_open()
             mark = self.recording.mark()
             seg = self.recording.current
             view = seg.chat if seg is not None and isinstance(seg.chat, chat.ChatView) else None
-            prompt_text, delta_ids, prompt_ids, eot_text, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view)
+            prompt_text, delta_ids, prompt_ids, eot_text, eot_id = await self._off_loop(self._chat_prepare, tok, messages, tools, view,
+                                                                                        chars=chars)
             self._check_open()
             if given is not None:
                 before, had = len(self.recording.segments), 0 if seg is None else len(seg)
@@ -874,7 +900,8 @@ class Episode:
             # the ids the model ran (placeholders expanded): what a client that tokenizes for itself must hold
             engine_prompt = seg.model_tokens()[:prompt_len] if body.get("return_token_ids") else None
             reply, calls, seg_view, token_texts = await self._off_loop(
-                self._chat_reply, tok, s, messages, tools, prompt_text, eot_text, eot_id, stop_ids, parse, want_logprobs)
+                self._chat_reply, tok, s, messages, tools, prompt_text, eot_text, eot_id, stop_ids, parse, want_logprobs,
+                chars=chars + 8 * len(s.output_ids))  # decodes the output; may render the conversation with the reply
             self._check_open()
             seg.chat = seg_view if given is None else None  # given ids need not be the template's: no view to extend
             if calls:

@@ -193,6 +193,44 @@ async def test_sglangs_cached_tokens_reach_the_sample(sglang_sim_child: SimChild
         await engine.stop()
 
 
+async def test_an_interrupt_update_uses_sglangs_update_without_pause(sglang_sim_child: SimChild) -> None:
+    # SGLang 0.5.14's pause_generation(abort) re-checks for running calls only once a second; with every sample
+    # aborted and back, the update needs no pause: it takes the model-update lock at once (nothing generating) and
+    # flushes an idle cache. The sim child counts the control calls and the updates that found samples generating.
+    import torch
+
+    engine = SGLangEngine(model=sglang_sim_child.model, url=sglang_sim_child.url, api_key=sglang_sim_child.token, device="cpu",
+                          capacity=8)
+    await engine.start()
+    try:
+        before = (await engine._post("/model_info", method="GET"))["control_calls"]
+        v0 = engine.version
+        sp = SamplingParams(max_new_tokens=60, ignore_eos=True, seed=5)
+        running = asyncio.create_task(engine.generate([5, 6, 7, 8], 4, sp, "running"))
+        for _ in range(2000):  # every sample sent
+            if engine.stats["attempts"] >= 4 and engine._in_sglang == 4:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # some tokens decoded on v0
+        await engine.pause("interrupt")
+        new = {k: torch.zeros(shape) for k, (_dt, shape) in engine._params.items()}
+        await engine.update_weights(new, v0 + 1)
+        await engine.resume()
+        out = await asyncio.wait_for(running, 30)
+        after = (await engine._post("/model_info", method="GET"))["control_calls"]
+        assert after["updates_while_generating"] == before["updates_while_generating"]  # nothing was in SGLang
+        assert after["pause_generation"] == before["pause_generation"]
+        assert after["continue_generation"] == before["continue_generation"]
+        assert engine.stats["resubmits"] >= 4
+        for s in out.samples:  # per-token versions stay exact: v0 before the update, v0 + 1 after
+            assert len(s.output_ids) == 60
+            assert s.token_versions[0] == v0 and s.token_versions[-1] == v0 + 1
+            assert s.token_versions == sorted(s.token_versions)
+        assert engine.last_update["stopped_s"] >= engine.last_update["pause_s"] > 0
+    finally:
+        await engine.stop()
+
+
 @pytest.fixture
 async def owned(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> AsyncIterator[SGLangEngine]:
     """An engine that launches its own child (the worker's path), sim backend."""

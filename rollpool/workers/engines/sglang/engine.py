@@ -25,9 +25,13 @@ Guarantees:
 - Apply modes ``interrupt`` and ``drain`` (``in_place`` is refused: on 0.5.14
   pausing in place and then updating crashes the scheduler, API notes fact 7).
   ``interrupt``: stop sending, abort every running sample, wait until each has
-  returned its partial output, ``pause_generation(abort)``, update, continue,
-  resubmit prompt + partial output. ``drain``: stop sending, wait for running
-  samples to finish, update (SGLang is idle, nothing to pause).
+  returned its partial output, update, continue, resubmit prompt + partial
+  output. ``drain``: stop sending, wait for running samples to finish, update.
+  In neither is SGLang's ``pause_generation`` called: with nothing in SGLang its
+  update takes the model-update writer lock at once (the API notes' "update
+  without pausing" recipe, the one an in-process ``sglang.Engine`` user relies
+  on) and flushes an idle cache, while ``pause_generation(abort)`` re-checks for
+  running calls only once a second.
   In both modes no sample is in SGLang while weights change, so the version of
   every token is exact: an attempt's tokens carry the ``weight_version`` SGLang
   reports for it (set to ``str(version)`` with each update), checked against
@@ -284,7 +288,6 @@ class SGLangEngine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._mode: str | None = None
-        self._sglang_paused = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_sglang = 0
@@ -896,8 +899,7 @@ class SGLangEngine:
                 self._check()
                 if time.monotonic() > deadline:
                     raise EngineError("sglang engine: running samples did not return within 120 s of abort_all")
-            await self._post_all("/pause_generation", {"mode": "abort"})
-            self._sglang_paused = True
+            # SGLang holds nothing of ours now and the gate keeps it so: no pause_generation (see the module docstring)
         else:
             assert self._died is not None
             while not self._idle.is_set():
@@ -925,13 +927,13 @@ class SGLangEngine:
 
     async def resume(self) -> None:
         t0 = time.time()
-        if self._sglang_paused:
-            await self._post_all("/continue_generation", {"torch_empty_cache": False})
-            self._sglang_paused = False
         self._mode = None
         self._gate.set()
-        self.last_update["resume_s"] = time.time() - t0
-        self.last_update["applied_at"] = time.time()
+        now = time.time()
+        self.last_update["resume_s"] = now - t0
+        self.last_update["applied_at"] = now
+        # from the pause's start until samples may be sent again: how long this engine generated nothing
+        self.last_update["stopped_s"] = now - self._pause_started if self._pause_started else 0.0
         if "update_started_at" in self.last_update:
             log.info("sglang apply %s", json.dumps({"version": self.version, **self.last_update}))
 

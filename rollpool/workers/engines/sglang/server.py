@@ -391,6 +391,9 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
     weights = ranks.weights[0]  # get_weights_by_name answers from TP rank 0, as in SGLang
     paused = False
     cache = _SimPrefixCache()
+    # the sim's own counters (/model_info): the control calls served, and the updates that found samples generating
+    # (SGLang 0.5.14 makes such an update wait for them behind its model-update lock unless paused; so does the sim)
+    calls = {"pause_generation": 0, "continue_generation": 0, "updates_while_generating": 0}
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         ids = _need(b, "input_ids")
@@ -438,6 +441,7 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         nonlocal paused
         if b.get("mode", "abort") != "abort":
             raise BadRequest("the sim backend pauses in mode abort only (what rollpool sends)")
+        calls["pause_generation"] += 1
         for rid in sim.running_request_ids():
             await sim.abort(rid)
         await sim.pause("drain")  # returns once the aborted requests are out; new ones wait for continue
@@ -446,6 +450,7 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
 
     async def continue_generation(b: dict[str, Any]) -> tuple[int, Any]:
         nonlocal paused
+        calls["continue_generation"] += 1
         if paused:
             await sim.resume()
             paused = False
@@ -454,6 +459,12 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
     async def update_weights_from_tensor(b: dict[str, Any]) -> tuple[int, Any]:
         raw = b.get("weight_version")
         version = int(raw) if raw is not None else sim.version
+        if not paused and sim.running_request_ids():
+            calls["updates_while_generating"] += 1
+            while True:  # SGLang's writer lock: the update waits for the running generate calls
+                await asyncio.sleep(0.005)
+                if not sim.running_request_ids():
+                    break
         ok, message, named = ranks.update(_need(b, "serialized_named_tensors"), version)
         if not ok:
             return 400, {"success": False, "message": message}
@@ -483,7 +494,7 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         return 200, {"model_path": model_path, "weight_version": str(sim.version), "tp_size": ranks.tp_size,
                      "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids),
                      "lora_loaded": sorted(lora.loaded), "lora_tokens": dict(lora.tokens), "lora_loads": lora.loads,
-                     "grammar_backend": grammar.backend, "grammar_requests": grammar.served}
+                     "grammar_backend": grammar.backend, "grammar_requests": grammar.served, "control_calls": dict(calls)}
 
     async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
         ok, error = lora.load(str(_need(b, "lora_name")), str(_need(b, "lora_path")))

@@ -411,3 +411,43 @@ async def test_the_tokenizer_lane_runs_calls_in_order_off_the_loop_and_runs_noth
             await lane.call(work, 1)
     finally:
         lane.shutdown()
+
+
+async def test_a_small_tokenizer_call_runs_on_the_loop_only_while_the_lane_is_idle() -> None:
+    """A small call (a turn's rendering) costs less on the loop than two hand-offs between threads, each waiting for
+    the GIL under a busy loop; but the tokenizer must never be used by two threads at once: while the lane's thread
+    holds a call, a small call queues behind it, in order."""
+    from rollpool.workers.episodes.episode import TokenizerLane
+
+    lane = TokenizerLane()
+    try:
+        loop_thread = threading.get_ident()
+        seen: list[tuple[str, bool]] = []
+
+        def work(name: str) -> str:
+            seen.append((name, threading.get_ident() == loop_thread))
+            return name
+
+        assert await lane.call(work, "idle", small=True) == "idle"
+        assert await lane.call(work, "large") == "large"
+        assert seen == [("idle", True), ("large", False)]
+        started, release = threading.Event(), threading.Event()
+
+        def slow() -> str:
+            started.set()
+            release.wait(10)
+            seen.append(("slow", False))
+            return "slow"
+
+        running = asyncio.ensure_future(lane.call(slow))
+        assert await asyncio.to_thread(started.wait, 10)
+        behind = asyncio.ensure_future(lane.call(work, "behind", small=True))
+        await asyncio.sleep(0.05)
+        assert not behind.done()  # not run beside the thread's call
+        release.set()
+        assert await running == "slow" and await behind == "behind"
+        assert seen[-2:] == [("slow", False), ("behind", False)]  # in order, on the lane's thread
+        assert await lane.call(work, "idle again", small=True) == "idle again"
+        assert seen[-1] == ("idle again", True) and lane.inline_calls == 2
+    finally:
+        lane.shutdown()
