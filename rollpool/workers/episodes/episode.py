@@ -1078,8 +1078,8 @@ class EpisodeContext:
     """What an episode function is given (public as ``rollpool.workers.EpisodeContext``).
 
     - `openai_base_url`, `api_key`, `model`: an OpenAI-compatible endpoint bound to this episode
-      (``openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)``); every request
-      records into this episode;
+      (``openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)``, or ``ctx.openai_client()``:
+      the same over the process's one HTTP client); every request records into this episode;
     - `metadata`: a dict, the prompt's metadata to start with, echoed on the trajectories;
     - ``await generate(...)``: sample one turn at the token level, returns the `SampleOutput`;
     - ``append(token_ids)``: insert tokens the model did not sample (loss mask 0);
@@ -1099,6 +1099,14 @@ class EpisodeContext:
         self.sample_index = episode.sample_index
         self.metadata: dict[str, Any] = dict(episode.prompt.metadata)
         self._executor = executor
+
+    def openai_client(self, **options: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` bound to this episode, over the process's one HTTP client (no TLS context and no
+        connection pool per episode; closing it is harmless): `rollpool.workers.episodes.sdk`. `options` go to
+        ``AsyncOpenAI`` (``max_retries``, ``timeout``, ...)."""
+        from rollpool.workers.episodes.sdk import episode_client
+
+        return episode_client(self.openai_base_url, self.api_key, **options)
 
     @property
     def segment_index(self) -> int:

@@ -65,6 +65,7 @@ from rollpool.workers.episodes.episode import (
     EpisodeContext,
     EpisodeStats,
 )
+from rollpool.workers.episodes.sdk import close_shared_http_client
 from rollpool.workers.heap import freeze_start_up_heap
 
 __all__ = ["AgentProcessError", "AgentProcesses", "ChildEpisodeContext", "main"]
@@ -432,6 +433,14 @@ class ChildEpisodeContext:
         self._executor = executor
         self._loop = asyncio.get_running_loop()
 
+    def openai_client(self, **options: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` bound to this episode, over the process's one HTTP client (no TLS context and no
+        connection pool per episode; closing it is harmless): `rollpool.workers.episodes.sdk`. `options` go to
+        ``AsyncOpenAI`` (``max_retries``, ``timeout``, ...)."""
+        from rollpool.workers.episodes.sdk import episode_client
+
+        return episode_client(self.openai_base_url, self.api_key, **options)
+
     @property
     def segment_index(self) -> int:
         return self._segment_index
@@ -564,6 +573,8 @@ async def _child_main(path: str, index: int, specs: Sequence[str], max_episodes:
     try:
         await link.serve()
     finally:
+        with contextlib.suppress(Exception):
+            await close_shared_http_client()  # the episodes' `ctx.openai_client()` connections
         link.executor.shutdown(wait=False, cancel_futures=True)
         writer.close()
     return 0

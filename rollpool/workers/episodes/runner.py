@@ -62,6 +62,7 @@ from rollpool.workers.episodes.episode import (
     decode_tokens,
 )
 from rollpool.workers.episodes.processes import AgentProcesses
+from rollpool.workers.episodes.sdk import close_shared_http_client
 from rollpool.workers.episodes.server import MAX_REQUEST_BYTES, EpisodeServer
 from rollpool.workers.episodes.toolcalls import get_tool_call_parser
 from rollpool.workers.images import ImagePolicy
@@ -292,6 +293,7 @@ class EpisodeRunner:
         if self.agents is not None:
             await self.agents.close()
         await self.server.close()
+        await close_shared_http_client()  # the episodes' `ctx.openai_client()` connections (in this process)
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_lane is not None:
             self._tokenizer_lane.shutdown()

@@ -7,6 +7,7 @@ encodes text one character at a time, so its sampled ids are not the tokenizer's
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import Any
@@ -490,3 +491,34 @@ async def test_an_sdk_agent_rerun_after_a_worker_death_is_served_its_finished_tu
     assert replies[0] == replies[1] and replies[0][0][0] == "tool_calls"
     assert again.prompts == engine.prompts[2:] and runner.stats.turns_replayed == 2
     assert t.output_ids.tolist() == whole.output_ids.tolist() and t.loss_mask.tolist() == whole.loss_mask.tolist()
+
+
+async def test_episode_clients_share_one_http_client_and_closing_one_leaves_the_others_working(tiny_tokenizer: Any) -> None:
+    """``ctx.openai_client()``: each episode's requests record into that episode, over one HTTP client per event loop
+    (one TLS context and connection pool per process, not one per episode); an episode that closes its client (as
+    ``async with`` does) does not close it for the episodes still running; the runner's close does."""
+    from rollpool.workers.episodes import sdk
+
+    http_clients: list[Any] = []
+    first_closed = asyncio.Event()
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        async with ctx.openai_client(max_retries=0, timeout=30) as client:
+            http_clients.append(client._client)
+            if ctx.sample_index != 0:
+                await first_closed.wait()  # the others ask only after episode 0 closed its client
+            r = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": f"hi {ctx.sample_index}"}])
+            assert r.choices[0].message.content == "ok"
+        if ctx.sample_index == 0:
+            first_closed.set()
+        return float(ctx.sample_index)
+
+    out, engine, runner = await _run(tiny_tokenizer, ["ok<|im_end|>"] * 4, agent, n=4)
+    assert sorted(t.reward for t in out) == [0.0, 1.0, 2.0, 3.0] and runner.stats.turns == 4
+    for t in out:  # each episode's one turn is in its own trajectory, with its own user message
+        assert f"hi {int(t.reward)}" in tiny_tokenizer.decode(t.input_ids.tolist())
+    assert len(http_clients) == 4 and all(c is http_clients[0] for c in http_clients)
+    # the runner's close closed it (its kept-alive connections with it); the next episode makes a new one
+    assert http_clients[0].is_closed and asyncio.get_running_loop() not in sdk._CLIENTS
+    with pytest.raises(TypeError, match="no http_client"):
+        sdk.episode_client("http://127.0.0.1/v1", "k", http_client=http_clients[0])
