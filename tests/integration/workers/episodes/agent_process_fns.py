@@ -19,7 +19,10 @@ async def sdk_agent(ctx: Any, prompt: Any) -> float:
     import openai
 
     ctx.metadata["pid"] = os.getpid()
-    async with openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0) as sdk:
+    # one prompt through the context's client (over the process's one HTTP client), the other through a client of its own
+    own = "1 plus" not in prompt.text
+    client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0) if own else ctx.openai_client(max_retries=0)
+    async with client as sdk:
         messages: list[Any] = [{"role": "user", "content": prompt.text}]
         for turn in range(2):
             r = await sdk.chat.completions.create(model=ctx.model, messages=messages, max_tokens=4, seed=ctx.sample_index * 10 + turn)
