@@ -128,3 +128,56 @@ def test_tiny_vlm_config_names_what_sglang_vision_tower_reads(tiny_vlm_dir: path
     vision = json.loads((tiny_vlm_dir / "config.json").read_text())["vision_config"]
     assert vision.get("in_chans") == 3
     assert {"patch_size", "temporal_patch_size", "spatial_merge_size", "embed_dim", "depth", "num_heads", "mlp_ratio"} <= set(vision)
+
+
+async def test_concurrent_first_image_prompts_load_the_vision_spec_once(tiny_vlm_dir: pathlib.Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch of image prompts arrives at once (256 on the H100 run): each loading the image processor in its
+    own thread raced transformers' lazy imports (``cannot import name 'AutoConfig'``) and restarted the engine under
+    every group. One load, shared by every prompt that waits for it."""
+    from rollpool.workers.engines import vision
+    from rollpool.workers.engines.sglang import engine as sglang_engine
+
+    calls = 0
+    real = vision.load_vision_spec
+
+    def counted(path: Any, config: Any = None) -> Any:
+        nonlocal calls
+        calls += 1
+        import time
+
+        time.sleep(0.05)  # a real load takes longer: every prompt of the batch arrives while it runs
+        return real(path, config)
+
+    monkeypatch.setattr(sglang_engine, "load_vision_spec", counted)
+    sg = sglang_engine.SGLangEngine(model=str(tiny_vlm_dir), capacity=4)
+    sg._read_limits(tiny_vlm_dir)
+    red = png((255, 0, 0))
+    results = await asyncio.gather(*[sg._image_prompt([7, 8], [red]) for _ in range(8)])
+    assert calls == 1
+    assert all(r == results[0] for r in results)
+
+
+async def test_concurrent_first_text_prompts_load_the_tokenizer_once(tiny_vlm_dir: pathlib.Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for text prompts: the first batch loads the tokenizer once."""
+    import time
+
+    import transformers
+
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+
+    calls = 0
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    sg = SGLangEngine(model=str(tiny_vlm_dir), capacity=4)
+    results = await asyncio.gather(*[sg._tokenize(None, "the red square", False) for _ in range(8)])
+    assert calls == 1
+    assert all(r == results[0] and r for r in results)

@@ -300,6 +300,10 @@ class SGLangEngine:
         """The checkpoint has a vision tower (``vision_config``)."""
         self._vision: VisionSpec | None = None
         """Loaded at the first image prompt (the image processor computes the grids the reported ids need)."""
+        self._load_lock = asyncio.Lock()
+        """One load of the tokenizer or the image processor for the prompts that arrive together (loads in several
+        threads at once raced transformers' lazy imports: ``cannot import name 'AutoConfig'``, and the engine restarted
+        under every group)."""
         self._image_placeholder_ids: list[int] = []
         """(vision start, image, vision end) token ids from config.json, for the episode endpoint."""
         self._context_tokens: int | None = None
@@ -752,8 +756,9 @@ class SGLangEngine:
         """(the ids sent: one image token per image; the ids the model runs: expanded; the patch grids, flat)."""
         if not self._takes_images:
             raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
-        if self._vision is None:
-            self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
+        async with self._load_lock:
+            if self._vision is None:
+                self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
         spec = self._vision
         assert spec is not None  # the config has a vision tower
         _pixels, grids = await asyncio.to_thread(spec.grids, images)
@@ -842,10 +847,11 @@ class SGLangEngine:
                 return list(arr.tolist())
             return list(map(int, input_ids))
         assert text is not None  # check_request saw to it
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        async with self._load_lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
 
-            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
+                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
         tok = self._tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
