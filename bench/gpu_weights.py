@@ -419,6 +419,20 @@ class LoopLag:
                 self.lags.append((round((t - self.t0) * 1000, 1), round(late * 1000, 1)))
 
 
+_REFUSALS = ("Loaded weights leave no GPU memory", "Not enough memory", "CUDA out of memory")
+
+
+def engine_refused(worker_log: Path) -> str:
+    """The line of the worker's log that says its SGLang cannot start at these settings ('' if none): the worker
+    retries the start every 30 s, which would only run the bench into its deadline."""
+    if not worker_log.exists():
+        return ""
+    for line in worker_log.read_text(errors="replace").splitlines():
+        if any(r in line for r in _REFUSALS):
+            return line.strip()[:500]
+    return ""
+
+
 def _json_lines(log_path: Path, marker: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for line in log_path.read_text(errors="replace").splitlines():
@@ -524,16 +538,21 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         wenv["ROLLPOOL_WEIGHT_DELTA"] = "1"
     if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)
         wenv["ROLLPOOL_WEIGHT_SHM_TO_DEVICE"] = "0"
-    t_spawn = time.time()
-    worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
-                     "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
-    zctx = zmq.asyncio.Context(io_threads=args.streams)
-    lag = LoopLag()
+    # the trainer's GPU memory (its model, an optimizer's state) is taken before the worker's SGLang starts: SGLang sizes
+    # its KV cache from the memory free before and after its own model load, so a trainer allocating during that load
+    # counts as SGLang's weights (seen on the H100 with --optimizer-gib 8: "Loaded weights leave no GPU memory for the
+    # KV cache under --mem-fraction-static=0.3", retried every 30 s until the deadline)
     sd_cuda = load_on(model, "cuda")
     held = None
     if args.optimizer_gib > 0:  # the trainer's optimizer state on the same GPU, held for the whole run
         held = torch.empty(int(args.optimizer_gib * (1 << 30)), dtype=torch.uint8, device="cuda")
         RESULT["optimizer_bytes_held"] = int(held.numel())
+    torch.cuda.synchronize()
+    t_spawn = time.time()
+    worker = _spawn(["rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id", "sg0",
+                     "--engine-options", opts, "--apply-mode", "interrupt", "--window-chunks", "16", "--log-level", "INFO"], worker_log, wenv)
+    zctx = zmq.asyncio.Context(io_threads=args.streams)
+    lag = LoopLag()
     from rollpool.weights.config import WeightPathConfig
 
     budget = None if args.gpu_budget_mib is None else args.gpu_budget_mib * _MiB
@@ -561,6 +580,9 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 raise RuntimeError(f"worker exited {worker.returncode}: {worker_log.read_text(errors='replace')[-3000:]}")
             if time.time() - t0 > 400:
                 raise RuntimeError("the sglang worker never joined")
+            refused = engine_refused(worker_log)
+            if refused:
+                raise RuntimeError(f"the worker's SGLang refused to start: {refused}")
             await asyncio.sleep(0.2)
         RESULT["worker_join_s"] = round(time.time() - t0, 1)
         RESULT["worker_spawned_before_join_s"] = round(time.time() - t_spawn, 1)
@@ -635,8 +657,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     applied = _json_lines(worker_log, "sglang apply ")
                     if v in applied:
                         break
-                    if time.time() > deadline or worker.poll() is not None:
-                        raise RuntimeError(f"version {v} never applied; worker log: {worker_log.read_text(errors='replace')[-2000:]}")
+                    refused = engine_refused(worker_log)
+                    if time.time() > deadline or worker.poll() is not None or refused:
+                        raise RuntimeError(f"version {v} never applied ({refused or 'no apply line'}); worker log: "
+                                           f"{worker_log.read_text(errors='replace')[-2000:]}")
                     await asyncio.sleep(0.02)
                 a = applied[v]
                 f = _json_lines(worker_log, "weights fetched ").get(v, {})
