@@ -176,6 +176,9 @@ class Workload:
     shared_group_length: bool = False
     """Every sample of a group has the group's one drawn length (the GPU demo's long tail: a length per prompt);
     False: a length per sample (the sim engine's)."""
+    group_latency_s: float = 0.0
+    """Seconds a group takes beyond its longest sample's decode steps (dispatch, prefill, the first token, the result's
+    way back): fitted from the GPU demo's group timings by `bench/calibrate_sim.py`; 0 in the simulated tables."""
 
     def describe(self) -> str:
         return (
@@ -283,7 +286,7 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
             next_id += 1
             live[next_id] = (start, float(lengths.sum()), now, k)
             running += n
-            heapq.heappush(events, (now + float(lengths.max()) * w.decode_s_per_step, next_id))
+            heapq.heappush(events, (now + w.group_latency_s + float(lengths.max()) * w.decode_s_per_step, next_id))
 
     def counted() -> bool:
         return now >= warmup_s
@@ -314,7 +317,7 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
                     running -= n
                     if counted():
                         ended["cancelled"] += 1
-                        made = float(np.minimum(draws[k], (now - t0) / w.decode_s_per_step).sum())
+                        made = float(np.minimum(draws[k], max(0.0, now - t0 - w.group_latency_s) / w.decode_s_per_step).sum())
                         tokens["cancel"] += made
                         tokens["generated"] += made
         elif gid == -2:

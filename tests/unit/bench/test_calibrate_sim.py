@@ -103,3 +103,19 @@ def test_pairs_put_each_async_run_against_the_sync_run_of_its_seed() -> None:
     assert (a2["mean"], a2["min"], a2["max"], a2["n"]) == (0.55, 0.5, 0.6, 2)
     assert out["by_mode"]["async4"]["async_over_sync"] is None  # never reached the threshold: no ratio made up
     assert out["by_mode"]["async4"]["async_over_sync_samples_per_s"]["mean"] == 2.5
+
+
+def test_fitted_times_separate_the_fixed_seconds_of_a_group_from_its_seconds_per_token() -> None:
+    """Group timings of 0.15 s + 1.6 ms per token (the H100 sync runs' fit): the fit recovers both, where the median
+    of seconds over tokens folds the fixed part in and comes out several times too slow per token."""
+    rec = _run("sync", 0, 0, decode_s=0.0016, trainer_s_per_token=2e-6, samples_per_s=100.0)
+    for g in rec["group_timings"]:
+        g[2] += 0.15
+    fitted = cs.fitted_times(rec)
+    assert fitted["decode_s_per_token"] == pytest.approx(0.0016, rel=1e-6)
+    assert fitted["group_latency_s"] == pytest.approx(0.15, rel=1e-6)
+    assert cs.measured_times(rec)["decode_s_per_token"] > 3 * 0.0016
+    w = cs.workload_of(rec, fitted)
+    assert w.group_latency_s == pytest.approx(0.15)
+    # the latency is on every group's clock: a step of the sync model takes longer with it than without it
+    assert cs.simulated_rate(w, 0, 10) < cs.simulated_rate(cs.workload_of(rec, {**fitted, "group_latency_s": 0.0}), 0, 10)
