@@ -64,3 +64,34 @@ async def test_a_worker_that_joins_after_a_whole_model_version_over_an_adapter_s
     assert publisher is not None and publisher.versions == [1, 2, 3]  # adapter 1 kept while it is on
     manifest = publisher.manifest_of(3)
     assert manifest is not None and manifest.adapter_on == 1 and manifest.adapter is None
+
+
+async def test_the_adapter_on_is_kept_past_keep_versions_and_a_relay_that_joins_late_serves_it_too(
+        model_dir: pathlib.Path, make_publisher: Any, make_subscriber: Any, make_relay: Any) -> None:
+    """The publisher keeps the adapter version on (one adapter's bytes besides its `keep_versions`) until a newer adapter
+    version replaces it; a relay that starts after the whole-model versions fetches the adapter version on under the
+    latest too, and serves both to the workers behind it, the field passed through."""
+    pub = await make_publisher(keep_versions=2)
+    named, spec = _adapter(model_dir, seed=1)
+    await pub.publish(named, 1, adapter=spec, wait_ready=True)
+    for version in (2, 3):
+        manifest = await pub.publish(_base_version(model_dir, seed=version), version, wait_ready=True)
+        assert manifest.adapter_on == 1
+    assert pub.versions == [1, 2, 3] and pub.adapter_on == 1
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, keep_versions=1)
+    assert await wait_until(lambda: relay.latest_version == 3, 30)
+    relayed = make_subscriber(relay.router_endpoint, relay.pub_endpoint)
+    latest = await relayed.fetch()
+    assert (latest.version, latest.manifest.adapter_on, latest.manifest.adapter) == (3, 1, None)
+    assert sorted(relay._server.versions) == [1, 3]  # keep_versions=1 and the adapter version on under the latest
+    relayed.recycle(latest)
+    adapter = await relayed.fetch(1)
+    assert adapter.manifest.adapter == spec and all(torch.equal(adapter.tensors[k], v) for k, v in named.items())
+    # a newer adapter version replaces it: version 1 is evicted like any version past the window
+    named4, spec4 = _adapter(model_dir, seed=4)
+    await pub.publish(named4, 4, adapter=spec4, wait_ready=True)
+    assert pub.versions == [3, 4] and pub.adapter_on == 4
+    manifest = await pub.publish(_base_version(model_dir, seed=5), 5, wait_ready=True)
+    assert manifest.adapter_on == 4 and pub.versions == [4, 5]
+    assert await wait_until(lambda: relay.latest_version == 5, 30)
+    assert sorted(relay._server.versions) == [4, 5]  # the relay dropped adapter 1 too, and holds adapter 4 under 5

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollpool.protocol import ADAPTER_GRANT_MINOR, PROTOCOL_MINOR
+from rollpool.protocol import ADAPTER_GRANT_MINOR, ADAPTER_ON_MINOR, PROTOCOL_MINOR, decode
 from rollpool.protocol.messages import (
     FEATURES,
     ApplyDone,
@@ -24,6 +24,7 @@ from rollpool.protocol.messages import (
     ApplyRequest,
     Credit,
     Feature,
+    Manifest,
     Result,
     WorkerHeartbeat,
 )
@@ -222,3 +223,76 @@ async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_mode
         await broker.send(task(version * 10, n=1, max_new=4, ignore_eos=True))
         result = await broker.expect(Result, timeout_s=30)
         assert [t.token_versions.tolist() for t in result.trajectories] == [[version] * 4]
+
+
+def _whole_model(tiny_model_dir: pathlib.Path, version: int) -> dict[str, Any]:
+    """A whole-model version: the final norm's weight, set to `version`."""
+    import torch
+    from safetensors.torch import load_file
+
+    norm = next(k for k in load_file(str(tiny_model_dir / "model.safetensors")) if k.endswith("norm.weight"))
+    return {norm: torch.full((32,), float(version))}
+
+
+@pytest.mark.timeout(90)
+async def test_a_joiner_that_cannot_get_the_adapter_on_under_a_version_skips_it_saying_why_and_serves_on(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """A worker joins at whole-model version 2, whose manifest names adapter version 1 as on under it
+    (`Manifest.adapter_on`), and the publisher no longer serves version 1 (evicted): version 2 is not served without
+    the adapter (its tokens would name a policy they were not sampled under). It is skipped, reported with the reason,
+    counted; the worker serves its version on and applies the next one it can."""
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.gone.add(1)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
+    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
+    assert "adapter version 1" in (skipped.error or "") and "no longer served" in (skipped.error or "")
+    assert sub.fetches == [2, 1] and worker.weights.adapter_on_fallbacks == 1 and worker.weights.skipped == 2
+    assert engine.adapter_versions() == [] and engine.version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    # the next adapter version is served (a newer adapter replaces the one that was on)
+    named3, spec3 = _adapter(tiny_model_dir)
+    sub.publish(3, named3, manifest=types.SimpleNamespace(adapter=spec3))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 3
+    await broker.send(ApplyGrant(version=3))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert engine.adapter_versions() == [3]
+
+
+@pytest.mark.timeout(90)
+async def test_a_broker_and_a_publisher_of_the_previous_minor_work_with_a_joiner_as_before(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """Peers of the minor before `ADAPTER_ON_MINOR`: a broker of that minor, and a publisher whose manifests carry no
+    `adapter_on` (decoded here from its wire form). The joining worker applies the whole-model version as before,
+    fetching nothing else; the adapter version, also served, is not looked for."""
+    import msgpack
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
+                         protocol_minor=PROTOCOL_MINOR - 1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    fields = {"request_id": "m", "version": 2, "buckets": []}
+    old = decode([msgpack.packb([1, ADAPTER_ON_MINOR - 1, "manifest", fields], use_bin_type=True)])
+    assert isinstance(old, Manifest) and old.adapter_on == -1 and old.adapter is None
+    named, spec = _adapter(tiny_model_dir)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=old)
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert sub.fetches == [2] and engine.adapter_versions() == [] and engine.version == 2
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
