@@ -7,7 +7,14 @@ threads so the event loop keeps serving; training may change its tensors as
 soon as publish returns), computes each bucket's checksum, keeps the newest
 `keep_versions` versions, announces the new one on PUB and serves manifests
 and chunks on ROUTER and the bulk lane (see `serving.py` for the serving
-guarantees). CUDA tensors on the same-GPU path are snapshotted into a device
+guarantees). A whole-model version published after a LoRA adapter version
+names that adapter version (the newest one), which the engines keep on under
+it (`Manifest.adapter_on`); that adapter version is kept served past
+`keep_versions` until a newer adapter version replaces it (one adapter
+version's bytes besides the K versions), so a late joiner fetches it with the
+whole-model version. Not with ``keep_versions=0``: the adapter's bytes are
+released like any version's, and a joiner then skips the whole-model versions
+over it (docs/lora.md, "Late joiners"). CUDA tensors on the same-GPU path are snapshotted into a device
 arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated

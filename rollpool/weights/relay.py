@@ -32,6 +32,11 @@ that missed the base (it holds no version right before the latest) gets the
 full version; once it holds two consecutive versions it computes the delta
 between them itself, so its subscribers holding the earlier one still get one.
 
+A whole-model version that names an adapter version on under it (`Manifest.adapter_on`, passed through) is
+relayed with that adapter version: fetched first when the relay does not hold it (a relay that started late), and
+kept past `keep_versions` while the latest names it, so the workers behind the relay that join get both. One the
+upstream no longer serves is counted (`adapter_on_missing`) and the whole-model version relayed all the same.
+
 ``rollpool relay`` (or ``python -m rollpool.weights``) runs one; its flags are `RelayConfig`'s.
 """
 

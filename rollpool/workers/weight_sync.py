@@ -34,6 +34,13 @@
   it reconnects there.
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
+- A whole-model version whose manifest names an adapter version on under it
+  (`Manifest.adapter_on`) that the engine does not have on (the worker joined after
+  it) is applied with that adapter version: fetched and verified like any version,
+  given to the engine first inside the same pause (no sample runs on that adapter over
+  the old base), counted in ``adapters_joined``. One that cannot be fetched (evicted) or
+  that the engine refuses: the whole-model version is skipped (reported, counted in
+  ``adapter_on_fallbacks``), never served without the adapter its tokens would claim.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
   restart) and the one being fetched, plus, while a whole-model version is served over a
   LoRA adapter version, that adapter version (the engines keep it on across whole-model

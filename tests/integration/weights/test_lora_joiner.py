@@ -19,7 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rollpool.protocol.messages import SamplingParams  # noqa: E402
+from rollpool.protocol import ADAPTER_ON_MINOR, decode, encode  # noqa: E402
+from rollpool.protocol.messages import Manifest, ManifestRequest, SamplingParams  # noqa: E402
 from rollpool.workers.engines.hf import HFEngine  # noqa: E402
 from tests.integration.reliability.conftest import Pool, pool, wait_until  # noqa: E402
 from tests.integration.weights.test_lora import PROMPT, _adapter, _base_version, model_dir  # noqa: E402
@@ -66,8 +67,28 @@ async def test_a_worker_that_joins_after_a_whole_model_version_over_an_adapter_s
     assert manifest is not None and manifest.adapter_on == 1 and manifest.adapter is None
 
 
+async def _ask_as_minor(endpoint: str, minor: int, zmq_ctx: Any) -> Manifest:
+    """The latest manifest, asked for by a raw DEALER whose message says it is of `minor`."""
+    import msgpack
+    import zmq
+
+    frames = encode(ManifestRequest(request_id=f"m{minor}", streamed=True))
+    header = msgpack.unpackb(frames[0])
+    header[1] = minor
+    dealer = zmq_ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        await dealer.send_multipart([msgpack.packb(header), *frames[1:]])
+        reply = decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+    finally:
+        dealer.close(linger=0)
+    assert isinstance(reply, Manifest)
+    return reply
+
+
 async def test_the_adapter_on_is_kept_past_keep_versions_and_a_relay_that_joins_late_serves_it_too(
-        model_dir: pathlib.Path, make_publisher: Any, make_subscriber: Any, make_relay: Any) -> None:
+        model_dir: pathlib.Path, make_publisher: Any, make_subscriber: Any, make_relay: Any, zmq_ctx: Any) -> None:
     """The publisher keeps the adapter version on (one adapter's bytes besides its `keep_versions`) until a newer adapter
     version replaces it; a relay that starts after the whole-model versions fetches the adapter version on under the
     latest too, and serves both to the workers behind it, the field passed through."""
@@ -78,6 +99,8 @@ async def test_the_adapter_on_is_kept_past_keep_versions_and_a_relay_that_joins_
         manifest = await pub.publish(_base_version(model_dir, seed=version), version, wait_ready=True)
         assert manifest.adapter_on == 1
     assert pub.versions == [1, 2, 3] and pub.adapter_on == 1
+    old = await _ask_as_minor(pub.router_endpoint, ADAPTER_ON_MINOR - 1, zmq_ctx)  # a subscriber of the previous minor
+    assert (old.version, len(old.buckets)) == (3, len(manifest.buckets))  # answered as before (it ignores adapter_on)
     relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, keep_versions=1)
     assert await wait_until(lambda: relay.latest_version == 3, 30)
     relayed = make_subscriber(relay.router_endpoint, relay.pub_endpoint)
