@@ -40,7 +40,9 @@
   given to the engine first inside the same pause (no sample runs on that adapter over
   the old base), counted in ``adapters_joined``. One that cannot be fetched (evicted) or
   that the engine refuses: the whole-model version is skipped (reported, counted in
-  ``adapter_on_fallbacks``), never served without the adapter its tokens would claim.
+  ``adapter_on_fallbacks``), never served without the adapter its tokens would claim. A
+  whole-model version the engine refuses after that adapter was given to it takes the
+  engine out of service (the adapter is on over a base no version names).
 - Memory: at most two versions are held, the one served (kept to re-apply after a
   restart) and the one being fetched, plus, while a whole-model version is served over a
   LoRA adapter version, that adapter version (the engines keep it on across whole-model
@@ -528,16 +530,23 @@ class WeightSync:
         if adapter is not None:
             assert isinstance(engine, AdapterEngine)
             await engine.update_adapter(target.tensors, adapter, target.version)
+        elif under is not None:  # first, inside the pause: no sample runs on that adapter over the old base
+            assert isinstance(engine, AdapterEngine)
+            try:
+                await engine.update_adapter(under.tensors, _adapter_of(under), under.version)
+            except WeightsRefusedError as exc:
+                self.adapter_on_fallbacks += 1
+                raise WeightsRefusedError(f"version {target.version} runs on adapter version {under.version} "
+                                          f"(Manifest.adapter_on), which the engine refused: {exc}") from exc
+            self.adapters_joined += 1
+            try:
+                await engine.update_weights(target.tensors, target.version)
+            except WeightsRefusedError as exc:
+                # the adapter is on in this engine now, over the base it served: not a state to serve on (its tokens
+                # would carry the adapter's version), so the engine is replaced as after a failed apply
+                raise EngineError(f"version {target.version} refused after adapter version {under.version} was given to the "
+                                  f"engine with it ({exc}); the engine is restarted without it") from exc
         else:
-            if under is not None:  # first, inside the pause: no sample runs on that adapter over the old base
-                assert isinstance(engine, AdapterEngine)
-                try:
-                    await engine.update_adapter(under.tensors, _adapter_of(under), under.version)
-                except WeightsRefusedError as exc:
-                    self.adapter_on_fallbacks += 1
-                    raise WeightsRefusedError(f"version {target.version} runs on adapter version {under.version} "
-                                              f"(Manifest.adapter_on), which the engine refused: {exc}") from exc
-                self.adapters_joined += 1
             await engine.update_weights(target.tensors, target.version)
         await engine.resume()
 

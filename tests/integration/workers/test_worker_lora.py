@@ -322,3 +322,48 @@ async def test_a_joiner_on_the_sglang_engine_loads_the_adapter_on_under_the_vers
     result = await broker.expect(Result, timeout_s=30)
     assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
     assert engine.stats["resubmits"] == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_joiner_whose_engine_refuses_the_version_after_its_adapter_is_restarted_without_the_adapter(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The adapter on under version 2 is given to the engine first; if the engine then refuses version 2 itself (a
+    tensor it does not have), the adapter is on over the base it served, which no version names: the engine is
+    replaced, and the fresh one (given version 2 once more, refused again) serves its last good version without the
+    adapter; version 2 is skipped and the tokens say the version they were sampled under."""
+    import torch
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engines: list[HFEngine] = []
+
+    def factory() -> HFEngine:
+        engines.append(HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1))
+        return engines[-1]
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, {"model.no_such_layer.weight": torch.zeros(4)}, manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    failed = await broker.expect(ApplyDone, timeout_s=30)
+    assert not failed.ok and "restarted without it" in (failed.error or "")
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # refused again on the fresh engine: given up, reported
+    assert skipped.skipped and skipped.version == 2 and "restarted one" in (skipped.error or "")
+    await broker.welcome()  # the engine was replaced
+    assert await _until(lambda: worker.weights.skipped == 2 and len(engines) >= 2 and worker.supervisor.ok.is_set())
+    assert engines[-1].adapter_versions() == [] and engines[-1].version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30, skip=(WorkerHeartbeat, Credit, ApplyDone))
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]
+
+
+async def _until(pred: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()
