@@ -91,6 +91,7 @@ __all__ = [
     "REPLAY_MINOR",
     "ADAPTER_GRANT_MINOR",
     "RING_MINOR",
+    "ADAPTER_ON_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -128,7 +129,13 @@ PROTOCOL_MAJOR = 1
 #   1.20 the replay of a redelivered episode: TurnRecords, RecordedTurn, Task.replay, Feature.REPLAY (REPLAY_MINOR)
 #   1.21 adapter versions without an apply slot: Feature.ADAPTER_NO_GRANT in the broker's Welcome (ADAPTER_GRANT_MINOR)
 #   1.22 the same-GPU ring: CudaIpcBuffer.ring_slots, ManifestRequest.ring / ring_done (RING_MINOR)
-PROTOCOL_MINOR = 22
+#   1.23 the adapter version on under a whole-model version: Manifest.adapter_on (ADAPTER_ON_MINOR)
+PROTOCOL_MINOR = 23
+ADAPTER_ON_MINOR = 23
+"""The first minor whose weight servers name, on a whole-model version published after a LoRA adapter version, the
+adapter version that stays on under it (`Manifest.adapter_on`), and keep that adapter version served while it is on;
+its subscribers fetch and apply that adapter version with the whole-model version when they do not have it on (a late
+joiner). An older subscriber ignores the field (it serves the base alone, as before); an older server never names one."""
 RING_MINOR = 22
 """The first minor whose weight servers may stream a version through a same-GPU ring (`CudaIpcBuffer.ring_slots`) and
 whose subscribers take one (`ManifestRequest.ring`, `ring_done`); an older subscriber never says `ring` and is answered

@@ -1043,6 +1043,11 @@ class Manifest:
     protocol_minor: int = 0
     """(minor 19, `PARKED_MINOR`) The minor of the server that answered (the weight channel has no hello; 0: a server
     older than `PARKED_MINOR`, which does not park `ManifestRequest.after_mix64`)."""
+    adapter_on: int = -1
+    """(minor 23, `ADAPTER_ON_MINOR`) On a whole-model version published after a LoRA adapter version: that adapter
+    version, which the engines keep on under this one (the policy of this version is its base plus that adapter,
+    docs/lora.md); the server keeps it served while it is on, so a subscriber that does not have it on (a late joiner)
+    fetches it and applies it with this version. -1: no adapter is on (or a server older than `ADAPTER_ON_MINOR`)."""
 
 
 @message("fetch")

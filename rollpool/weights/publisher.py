@@ -7,7 +7,14 @@ threads so the event loop keeps serving; training may change its tensors as
 soon as publish returns), computes each bucket's checksum, keeps the newest
 `keep_versions` versions, announces the new one on PUB and serves manifests
 and chunks on ROUTER and the bulk lane (see `serving.py` for the serving
-guarantees). CUDA tensors on the same-GPU path are snapshotted into a device
+guarantees). A whole-model version published after a LoRA adapter version
+names that adapter version (the newest one), which the engines keep on under
+it (`Manifest.adapter_on`); that adapter version is kept served past
+`keep_versions` until a newer adapter version replaces it (one adapter
+version's bytes besides the K versions), so a late joiner fetches it with the
+whole-model version. Not with ``keep_versions=0``: the adapter's bytes are
+released like any version's, and a joiner then skips the whole-model versions
+over it (docs/lora.md, "Late joiners"). CUDA tensors on the same-GPU path are snapshotted into a device
 arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
@@ -148,6 +155,9 @@ class WeightPublisher(ServingFace):
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._plan = PlanMemo()
         """The previous dict's or module's plan (reused while the names, shapes and dtypes stay the same)."""
+        self._adapter_on = -1
+        """The newest adapter version published: the engines keep it on under every whole-model version published after
+        it (docs/lora.md), so those name it (`Manifest.adapter_on`) and it is kept served past `keep_versions`."""
         self._adapter_checked: tuple[AdapterSpec, Any] | None = None
         """The spec and `layout_key` of the last adapter version checked (`lora_pairs` depends on nothing else)."""
         self._server = WeightServer(
@@ -303,26 +313,48 @@ class WeightPublisher(ServingFace):
             t0 = time.perf_counter()
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
-            if self.keep_versions == 0:
-                return await self._publish_referenced(named_tensors, version, t0, expected_fetchers)
-            if self.keep_versions >= 2:
-                # evict first what this version evicts anyway (a complete newer one stays served):
-                # its buffers are reused (no page faults of fresh memory) and memory peaks at K
-                # versions, not K + 1. With K = 1 the old version is served until the new one is
-                # ready and its buffers are kept as spares for the next publish.
-                for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
-                    self._evict(old)
-            items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout, self._plan)
-            if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
-                served = await packed_version(items, version, self.bucket_bytes, self._knobs)
-                self._latest = version
-                self._server.add_version(served)
-                self._after_publish(served, t0, time.perf_counter())
-                for old in sorted(self._server.versions)[: -self.keep_versions or None]:
-                    if old != version:
-                        self._evict(old)
-                return served.manifest("")
-            return await self._publish_planned(items, places, planner, version, t0, wait_ready)
+            elif self._adapter_on >= 0:
+                self._server.pending_adapter_on[version] = self._adapter_on
+            try:
+                manifest = await self._publish_locked(named_tensors, version, t0, expected_fetchers, wait_ready)
+            finally:
+                self._server.pending_adapters.pop(version, None)
+                self._server.pending_adapter_on.pop(version, None)
+            if adapter is not None:
+                previous, self._adapter_on = self._adapter_on, version
+                if previous >= 0 and self.keep_versions > 0 and previous in sorted(self._server.versions)[: -self.keep_versions]:
+                    self._evict(previous)  # kept past the window while it was on; the new adapter replaces it
+            return manifest
+
+    @property
+    def adapter_on(self) -> int:
+        """The adapter version on under the next whole-model version (-1: none published), kept served while it is on:
+        one adapter version's bytes besides the `keep_versions` versions."""
+        return self._adapter_on
+
+    async def _publish_locked(self, named_tensors: Any, version: int, t0: float, expected_fetchers: int | None,
+                              wait_ready: bool) -> Manifest:
+        """`publish` under its lock, the adapter bookkeeping done."""
+        if self.keep_versions == 0:
+            return await self._publish_referenced(named_tensors, version, t0, expected_fetchers)
+        if self.keep_versions >= 2:
+            # evict first what this version evicts anyway (a complete newer one stays served):
+            # its buffers are reused (no page faults of fresh memory) and memory peaks at K
+            # versions, not K + 1. With K = 1 the old version is served until the new one is
+            # ready and its buffers are kept as spares for the next publish.
+            for old in sorted(self._server.versions)[: -(self.keep_versions - 1)]:
+                self._evict_past_window(old)
+        items, places, planner = plan_version(named_tensors, self.bucket_bytes, self._layout, self._plan)
+        if places is None:  # an iterator and no reserved layout: packed as it comes, served once whole
+            served = await packed_version(items, version, self.bucket_bytes, self._knobs)
+            self._latest = version
+            self._server.add_version(served)
+            self._after_publish(served, t0, time.perf_counter())
+            for old in sorted(self._server.versions)[: -self.keep_versions or None]:
+                if old != version:
+                    self._evict_past_window(old)
+            return served.manifest("")
+        return await self._publish_planned(items, places, planner, version, t0, wait_ready)
 
     async def _publish_referenced(self, named_tensors: Any, version: int, t0: float, expected_fetchers: int | None) -> Manifest:
         """``keep_versions=0``: the caller's tensors served until released; on the same GPU the ring alone carries them
@@ -386,7 +418,7 @@ class WeightPublisher(ServingFace):
             self._finishing[version] = asyncio.ensure_future(self._finish(snap, t0, copied))
         for old in sorted(self._server.versions)[: -self.keep_versions or None]:
             if old != version:
-                self._evict(old)
+                self._evict_past_window(old)
         if wait_ready:
             await self.wait_ready(version)
         return snap.served.manifest("")
@@ -449,6 +481,12 @@ class WeightPublisher(ServingFace):
             self._finishing.pop(snap.version, None)
             raise
         await self._finish(snap, t0, copied)
+
+    def _evict_past_window(self, version: int) -> None:
+        """`version` is past the `keep_versions` window: evicted, unless it is the adapter version on under the newest
+        versions (a joiner fetches it with them: `Manifest.adapter_on`)."""
+        if version != self._adapter_on:
+            self._evict(version)
 
     def _evict(self, version: int) -> None:
         served = self._server.versions.get(version)

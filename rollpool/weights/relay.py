@@ -32,6 +32,11 @@ that missed the base (it holds no version right before the latest) gets the
 full version; once it holds two consecutive versions it computes the delta
 between them itself, so its subscribers holding the earlier one still get one.
 
+A whole-model version that names an adapter version on under it (`Manifest.adapter_on`, passed through) is
+relayed with that adapter version: fetched first when the relay does not hold it (a relay that started late), and
+kept past `keep_versions` while the latest names it, so the workers behind the relay that join get both. One the
+upstream no longer serves is counted (`adapter_on_missing`) and the whole-model version relayed all the same.
+
 ``rollpool relay`` (or ``python -m rollpool.weights``) runs one; its flags are `RelayConfig`'s.
 """
 
@@ -52,6 +57,7 @@ from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import DeltaError, same_layout, wire_summary
 from rollpool.weights.manifest import check_manifest
 from rollpool.weights.memory import sweep_stale_segments
+from rollpool.weights.paths.base import WeightVersionGoneError
 from rollpool.weights.serving import (
     MAX_CHUNK_BYTES,
     DeltaServed,
@@ -180,6 +186,8 @@ class Relay(ServingFace):
         """Versions received as a delta from upstream, rebuilt and verified here."""
         self.delta_fallbacks = 0
         """Upstream deltas that could not be rebuilt here: the full version was fetched instead."""
+        self.adapter_on_missing = 0
+        """Whole-model versions relayed without the adapter version on under them (upstream no longer served it)."""
         self._started = False
         self._stop = asyncio.Event()
 
@@ -249,6 +257,7 @@ class Relay(ServingFace):
         version = manifest.version
         if version <= self._latest:
             return self._latest
+        await self._hold_adapter_on(manifest)
         if manifest.delta_base >= 0:
             try:
                 return await self._follow_delta(manifest, base)
@@ -261,6 +270,27 @@ class Relay(ServingFace):
         # upstream answered a request naming the base right before with the full version: it judged the delta no cheaper
         # (or had none), and the same bytes compared here would judge the same, so none is computed here
         return await self._follow_full(manifest, declined=base is not None and base.version == version - 1)
+
+    async def _hold_adapter_on(self, manifest: Manifest) -> None:
+        """Before a whole-model version that names an adapter version on under it (`Manifest.adapter_on`): that adapter
+        version held and served here too (a worker joining behind this relay fetches it with the whole-model version),
+        kept past `keep_versions` while it is on. One the upstream no longer serves is counted in `adapter_on_missing`
+        and the whole-model version relayed all the same (its workers then skip it, saying why)."""
+        wanted = manifest.adapter_on
+        if manifest.adapter is not None or wanted < 0 or wanted in self._server.versions:
+            return
+        try:
+            got = check_manifest(await self.upstream.fetch_manifest(wanted, delta=False))
+        except WeightVersionGoneError as exc:
+            self.adapter_on_missing += 1
+            log.warning("relay %s: version %d runs on adapter version %d, which upstream no longer serves (%s); its workers "
+                        "will skip version %d", self.relay_id, manifest.version, wanted, exc, manifest.version)
+            return
+        if got.version != wanted or got.adapter is None:
+            raise WeightSyncError(f"version {manifest.version} names adapter version {wanted} as on under it, and upstream "
+                                  f"answered version {got.version}, which is not that adapter")
+        await self._follow_full(got, declined=True, latest=False)
+        log.info("relay %s: holds adapter version %d, on under version %d", self.relay_id, wanted, manifest.version)
 
     async def _follow_delta(self, manifest: Manifest, base: ServedVersion | None) -> int:
         """Rebuild `manifest`'s version from the base held here and the upstream's encoded buckets, verify it, then serve
@@ -284,7 +314,7 @@ class Relay(ServingFace):
         plain = tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="", encoding="", delta_nbytes=0, delta_checksum="")
                       for b in manifest.buckets)
         served = ServedVersion(version=version, publisher_id=manifest.publisher_id, buckets=plain, sources=list(sources),
-                               chunk_bytes=manifest.chunk_bytes, adapter=manifest.adapter)
+                               chunk_bytes=manifest.chunk_bytes, adapter=manifest.adapter, adapter_on=manifest.adapter_on)
         summary = wire_summary(version, manifest.buckets, manifest.delta_base)
         payload = ServedVersion(version=version, publisher_id=manifest.publisher_id, chunk_bytes=manifest.chunk_bytes,
                                 buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
@@ -299,9 +329,10 @@ class Relay(ServingFace):
         self._serve(served, buffers)
         return version
 
-    async def _follow_full(self, manifest: Manifest, *, declined: bool) -> int:
+    async def _follow_full(self, manifest: Manifest, *, declined: bool, latest: bool = True) -> int:
         """Fetch a full version, serving its chunks downstream as they arrive; the delta against the version before it
-        is computed here once it is all here, unless upstream `declined` to send one."""
+        is computed here once it is all here, unless upstream `declined` to send one. `latest` False: an older version
+        fetched besides the latest (the adapter version on under it), not announced."""
         version = manifest.version
         chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
@@ -314,10 +345,11 @@ class Relay(ServingFace):
             sources=list(sources),
             chunk_bytes=manifest.chunk_bytes,
             adapter=manifest.adapter,
+            adapter_on=manifest.adapter_on,
         )
         if self._delta_on and not declined:
             self._server.expect_delta(served)  # its subscribers holding the version before get the changed elements
-        self._server.add_version(served)
+        self._server.add_version(served, announce=latest)
         try:
             await self.upstream.fetch_into(manifest, buffers, sink=_Forwarder(self._server, version, sources))
         except BaseException:
@@ -327,7 +359,8 @@ class Relay(ServingFace):
         # (it holds no version before this one) serves full versions only
         self._server.start_delta(version)
         self._held[version] = buffers
-        self._done(served)
+        if latest:
+            self._done(served)
         return version
 
     def _serve(self, served: ServedVersion, buffers: list[torch.Tensor]) -> None:
@@ -341,7 +374,8 @@ class Relay(ServingFace):
         self._latest = version
         self.versions_fetched += 1
         for old in sorted(self._server.versions)[: -self.keep_versions]:
-            self._server.drop_version(old)
+            if old != served.adapter_on:  # the adapter version on under the latest: kept while it is on
+                self._server.drop_version(old)
         for old in [v for v in self._held if v not in self._server.versions]:
             del self._held[old]
         self.metrics.event("version_relayed", {"relay": self.relay_id, "version": version, "bytes": served.total_bytes})

@@ -125,6 +125,8 @@ class ServedVersion:
     """The server's bulk lane (`Manifest.bulk_port`), set when the version is added."""
     adapter: AdapterSpec | None = None
     """The version is a LoRA adapter (`Manifest.adapter`, rollpool.weights.adapters); None: whole-model weights."""
+    adapter_on: int = -1
+    """A whole-model version: the adapter version on under it (`Manifest.adapter_on`); -1: none."""
     delta_state: str = "none"
     """``"pending"``: the owner will compute a delta against the previous version (`WeightServer.make_delta`), manifest
     requests for one wait for it; ``"ready"``: `delta` is served; ``"none"``: full versions only."""
@@ -167,7 +169,7 @@ class ServedVersion:
     def manifest(self, request_id: str) -> Manifest:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
                      chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port,
-                        adapter=self.adapter)
+                        adapter=self.adapter, adapter_on=self.adapter_on)
 
 
 class TensorSource:
@@ -267,6 +269,9 @@ class WeightServer:
         self.highest_dropped = -1
         self.pending_adapters: dict[int, AdapterSpec] = {}
         """Adapter specs of versions being published, taken by `add_version`."""
+        self.pending_adapter_on: dict[int, int] = {}
+        """The adapter version on under each whole-model version being published (`Manifest.adapter_on`), taken by
+        `add_version`."""
         self.router_endpoint = ""
         self.pub_endpoint: str | None = None
         self.bytes_served = 0
@@ -375,6 +380,8 @@ class WeightServer:
         v.bulk_port = self.bulk.port if self.bulk is not None else 0
         if v.adapter is None:  # the publisher names an adapter version's spec before its snapshot makes the version
             v.adapter = self.pending_adapters.pop(v.version, None)
+        if v.adapter_on < 0:
+            v.adapter_on = self.pending_adapter_on.pop(v.version, -1)
         self.versions[v.version] = v
         if announce:
             self.announce(v)

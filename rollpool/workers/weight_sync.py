@@ -34,6 +34,15 @@
   it reconnects there.
 - A fetch that fails is retried with a backoff (``reconnect_backoff_s`` doubling to
   ``reconnect_backoff_max_s``), at most ``weight_retries`` times, then the version is skipped.
+- A whole-model version whose manifest names an adapter version on under it
+  (`Manifest.adapter_on`) that the engine does not have on (the worker joined after
+  it) is applied with that adapter version: fetched and verified like any version,
+  given to the engine first inside the same pause (no sample runs on that adapter over
+  the old base), counted in ``adapters_joined``. One that cannot be fetched (evicted) or
+  that the engine refuses: the whole-model version is skipped (reported, counted in
+  ``adapter_on_fallbacks``), never served without the adapter its tokens would claim. A
+  whole-model version the engine refuses after that adapter was given to it takes the
+  engine out of service (the adapter is on over a base no version names).
 - Memory: at most two versions are held, the one served (kept to re-apply after a
   restart) and the one being fetched, plus, while a whole-model version is served over a
   LoRA adapter version, that adapter version (the engines keep it on across whole-model
@@ -62,6 +71,7 @@ from rollpool.protocol.messages import ApplyDone, ApplyRequest
 from rollpool.protocol.metrics import MetricsSink
 from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.config import WeightPathConfig
+from rollpool.weights.paths.base import WeightVersionGoneError
 from rollpool.workers.config import WorkerConfig
 from rollpool.workers.engine_supervisor import EngineSupervisor
 from rollpool.workers.engines.base import AdapterEngine, Engine, SizedEngine, StagingEngine
@@ -132,11 +142,22 @@ class _Version:
     version: int
     fetched: FetchedVersion | None = None
     """The subscriber's version object holding the buffers (None for tensors given directly)."""
+    under: _Version | None = None
+    """A whole-model version: the adapter version its manifest names as on under it (`Manifest.adapter_on`), fetched
+    because this worker did not have it on; applied first, in the same pause."""
 
 
 def _adapter_of(version: _Version) -> Any:
     """The version's `AdapterSpec` when it is a LoRA adapter version, else None."""
     return getattr(getattr(version.fetched, "manifest", None), "adapter", None)
+
+
+def _adapter_on_of(fetched: FetchedVersion) -> int:
+    """The adapter version a fetched whole-model version names as on under it (`Manifest.adapter_on`), else -1."""
+    manifest = getattr(fetched, "manifest", None)
+    if getattr(manifest, "adapter", None) is not None:
+        return -1
+    return int(getattr(manifest, "adapter_on", -1))
 
 
 async def _import_subscriber_module() -> None:
@@ -175,6 +196,12 @@ class WeightSync:
         """Whether an adapter version asks for an apply slot (False: the broker said it needs none, `Feature.ADAPTER_NO_GRANT`)."""
         self.grants_skipped = 0
         """Adapter versions applied without asking for an apply slot."""
+        self.adapters_joined = 0
+        """Adapter versions fetched and applied with a whole-model version whose manifest names them as on under it
+        (`Manifest.adapter_on`): this worker did not have them on (it joined, or missed them)."""
+        self.adapter_on_fallbacks = 0
+        """Whole-model versions skipped because the adapter version on under them could not be fetched (evicted) or
+        was refused: never served without it (their tokens would name a policy they were not sampled under)."""
         self.skipped = -1
         """The newest version given up on (its fetch, grant or apply kept failing)."""
         self.subscriber: Subscriber | None = None
@@ -295,11 +322,64 @@ class WeightSync:
                 log.warning("weight version %d not fetched (%s); retrying in %.1fs", target, exc, delay, extra={"worker": self.worker_id})
                 await asyncio.sleep(delay)
                 continue
+            try:
+                under = await self._fetch_adapter_on(sub, fetched)
+            except WeightVersionGoneError as exc:  # not served any more: retrying cannot help
+                failures = 0
+                await self._adapter_on_missing(sub, fetched, f"the publisher no longer serves it ({exc})")
+                continue
+            except WeightSyncError as exc:
+                failures += 1
+                if failures >= self.config.weight_retries:
+                    failures = 0
+                    await self._adapter_on_missing(sub, fetched, f"its fetch failed {self.config.weight_retries} times ({exc})")
+                    continue
+                self._recycle(fetched)
+                delay = self.fetch_backoff_s(failures)
+                log.warning("adapter version %d (on under version %d) not fetched (%s); retrying in %.1fs", _adapter_on_of(fetched),
+                            target, exc, delay, extra={"worker": self.worker_id})
+                await asyncio.sleep(delay)
+                continue
             failures = 0
             try:
-                await self.apply(fetched.tensors, int(fetched.version), fetched=fetched)
+                await self.apply(fetched.tensors, int(fetched.version), fetched=fetched, under=under)
             except WeightSyncError as exc:
                 await self._skip(int(fetched.version), str(exc))
+
+    def _adapter_on_now(self) -> int:
+        """The adapter version the engine has on now (the served version, or the one under it), else -1."""
+        if self._served is not None and _adapter_of(self._served) is not None:
+            return self._served.version
+        return self._adapter_on.version if self._adapter_on is not None else -1
+
+    async def _fetch_adapter_on(self, sub: Subscriber, fetched: FetchedVersion) -> _Version | None:
+        """The adapter version `fetched` names as on under it (`Manifest.adapter_on`), fetched and verified like any
+        version, when the engine does not have it on (a late joiner); None when nothing is to be fetched."""
+        wanted = _adapter_on_of(fetched)
+        if wanted < 0 or wanted == self._adapter_on_now():
+            return None
+        got = await sub.fetch(wanted)
+        if int(got.version) != wanted or getattr(getattr(got, "manifest", None), "adapter", None) is None:
+            self._recycle(got)
+            raise WeightSyncError(f"version {fetched.version} names adapter version {wanted} as on under it, and the publisher "
+                                  f"served version {got.version}, which is not that adapter")
+        log.info("weight version %d runs on adapter version %d, which this worker does not have on: fetched, applied with it",
+                 fetched.version, wanted, extra={"worker": self.worker_id})
+        return _Version(got.tensors, wanted, got)
+
+    async def _adapter_on_missing(self, sub: Subscriber, fetched: FetchedVersion, why: str) -> None:
+        """Whole-model version `fetched` runs on an adapter version this worker cannot get: skipped (reported, the last
+        good version served on), never served without that adapter."""
+        self.adapter_on_fallbacks += 1
+        version, wanted = int(fetched.version), _adapter_on_of(fetched)
+        self.metrics.event("adapter_on_missing", {"worker_id": self.worker_id, "version": version, "adapter_version": wanted, "why": why})
+        self._recycle(fetched)
+        await self._skip(version, f"it runs on adapter version {wanted} (Manifest.adapter_on), which this worker does not have on "
+                                  f"and could not get: {why}; not served without it")
+
+    def _recycle(self, fetched: Any) -> None:
+        if fetched is not None and self.subscriber is not None:
+            self.subscriber.recycle(fetched)
 
     async def _fetch(self, sub: Subscriber, target: int) -> FetchedVersion:
         """Fetch `target`; an engine that stages bucket by bucket (`BucketStagingEngine`) gets each bucket as it
@@ -333,8 +413,10 @@ class WeightSync:
 
     # ------------------------------------------------------------------ the one apply path
 
-    async def apply(self, named_tensors: Mapping[str, Any], version: int, *, fetched: FetchedVersion | None = None) -> bool:
-        """Apply a whole version through the rolling-update flow; True when the engine serves it.
+    async def apply(self, named_tensors: Mapping[str, Any], version: int, *, fetched: FetchedVersion | None = None,
+                    under: _Version | None = None) -> bool:
+        """Apply a whole version through the rolling-update flow; True when the engine serves it. `under`: the adapter
+        version on under it, which the engine does not have on (`_fetch_adapter_on`), applied first in the same pause.
 
         Raises `WeightSyncError` when no grant came after ``weight_retries`` asks.
         """
@@ -342,7 +424,7 @@ class WeightSync:
             if version <= self.version:
                 return True
             await self.supervisor.ok.wait()
-            applied = await self._apply(_Version(named_tensors, version, fetched), engine=None)
+            applied = await self._apply(_Version(named_tensors, version, fetched, under), engine=None)
             if applied:
                 return True
             if self.skipped >= version:
@@ -439,10 +521,31 @@ class WeightSync:
             assert isinstance(engine, AdapterEngine)
             await engine.update_adapter(target.tensors, adapter, target.version)
             return
+        under = target.under
+        if under is not None and not isinstance(engine, AdapterEngine):
+            self.adapter_on_fallbacks += 1
+            raise WeightsRefusedError(f"version {target.version} runs on adapter version {under.version} (Manifest.adapter_on) and the "
+                                      f"{engine.info().name} engine serves no adapters")
         await engine.pause(self._apply_mode(engine))
         if adapter is not None:
             assert isinstance(engine, AdapterEngine)
             await engine.update_adapter(target.tensors, adapter, target.version)
+        elif under is not None:  # first, inside the pause: no sample runs on that adapter over the old base
+            assert isinstance(engine, AdapterEngine)
+            try:
+                await engine.update_adapter(under.tensors, _adapter_of(under), under.version)
+            except WeightsRefusedError as exc:
+                self.adapter_on_fallbacks += 1
+                raise WeightsRefusedError(f"version {target.version} runs on adapter version {under.version} "
+                                          f"(Manifest.adapter_on), which the engine refused: {exc}") from exc
+            self.adapters_joined += 1
+            try:
+                await engine.update_weights(target.tensors, target.version)
+            except WeightsRefusedError as exc:
+                # the adapter is on in this engine now, over the base it served: not a state to serve on (its tokens
+                # would carry the adapter's version), so the engine is replaced as after a failed apply
+                raise EngineError(f"version {target.version} refused after adapter version {under.version} was given to the "
+                                  f"engine with it ({exc}); the engine is restarted without it") from exc
         else:
             await engine.update_weights(target.tensors, target.version)
         await engine.resume()
@@ -472,8 +575,8 @@ class WeightSync:
     async def _restore_adapter(self, engine: Engine, target: _Version) -> None:
         """Before a fresh engine gets whole-model version `target`: the adapter version that is on under it (the one
         served, when `target` is newer, else `_adapter_on`), as the engine being replaced had it."""
-        if _adapter_of(target) is not None or not isinstance(engine, AdapterEngine):
-            return
+        if _adapter_of(target) is not None or target.under is not None or not isinstance(engine, AdapterEngine):
+            return  # (an adapter version fetched with `target` is applied with it, by `_pause_update_resume`)
         under = self._served if self._served is not None and self._served is not target and _adapter_of(self._served) else self._adapter_on
         spec = _adapter_of(under) if under is not None else None
         if under is not None and spec is not None:
@@ -489,12 +592,16 @@ class WeightSync:
         if _adapter_of(target) is not None:
             done_with.append(self._adapter_on)  # a newer adapter replaces the one that was on
             self._adapter_on = None
+        elif target.under is not None:  # the adapter version fetched with it is on under it now (a late joiner)
+            done_with.append(self._adapter_on)
+            self._adapter_on = target.under
         elif previous is not None and _adapter_of(previous) is not None:
             # a whole-model version over an adapter version: the engine keeps the adapter on, a fresh one needs it too
             done_with = [self._adapter_on]
             self._adapter_on = previous
         for old in done_with:
-            if old is not None and old.fetched is not None and old.fetched is not target.fetched and self.subscriber is not None:
+            if (old is not None and old.fetched is not None and old.fetched is not target.fetched and old is not self._adapter_on
+                    and self.subscriber is not None):
                 # the engine copied the version: its buffers take the next fetch (no fresh pages)
                 self.subscriber.recycle(old.fetched)
 

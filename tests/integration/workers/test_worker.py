@@ -124,6 +124,8 @@ class FakeWeightSubscriber:
         self.recycled: list[int] = []
         self.fetches: list[int] = []
         self.broken: set[int] = set()
+        self.gone: set[int] = set()
+        """Versions the fake publisher no longer serves (evicted): their fetch raises `WeightVersionGoneError`."""
         self.fetched = asyncio.Event()
 
     def connect(self, router_endpoint: str, pub_endpoint: str | None) -> None:
@@ -152,6 +154,10 @@ class FakeWeightSubscriber:
         self.fetched.set()
         if v in self.broken:
             raise WeightSyncError(f"bucket 0 of version {v} failed verification")
+        if v in self.gone:
+            from rollpool.weights.paths.base import WeightVersionGoneError
+
+            raise WeightVersionGoneError(v, f"version {v} is no longer served (latest is {self.latest_known()})")
         if on_bucket is not None:
             on_bucket(0, self.versions[v])  # the whole version as one verified bucket
 

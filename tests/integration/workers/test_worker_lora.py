@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollpool.protocol import ADAPTER_GRANT_MINOR, PROTOCOL_MINOR
+from rollpool.protocol import ADAPTER_GRANT_MINOR, ADAPTER_ON_MINOR, PROTOCOL_MINOR, decode
 from rollpool.protocol.messages import (
     FEATURES,
     ApplyDone,
@@ -24,6 +24,7 @@ from rollpool.protocol.messages import (
     ApplyRequest,
     Credit,
     Feature,
+    Manifest,
     Result,
     WorkerHeartbeat,
 )
@@ -222,3 +223,147 @@ async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_mode
         await broker.send(task(version * 10, n=1, max_new=4, ignore_eos=True))
         result = await broker.expect(Result, timeout_s=30)
         assert [t.token_versions.tolist() for t in result.trajectories] == [[version] * 4]
+
+
+def _whole_model(tiny_model_dir: pathlib.Path, version: int) -> dict[str, Any]:
+    """A whole-model version: the final norm's weight, set to `version`."""
+    import torch
+    from safetensors.torch import load_file
+
+    norm = next(k for k in load_file(str(tiny_model_dir / "model.safetensors")) if k.endswith("norm.weight"))
+    return {norm: torch.full((32,), float(version))}
+
+
+@pytest.mark.timeout(90)
+async def test_a_joiner_that_cannot_get_the_adapter_on_under_a_version_skips_it_saying_why_and_serves_on(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """A worker joins at whole-model version 2, whose manifest names adapter version 1 as on under it
+    (`Manifest.adapter_on`), and the publisher no longer serves version 1 (evicted): version 2 is not served without
+    the adapter (its tokens would name a policy they were not sampled under). It is skipped, reported with the reason,
+    counted; the worker serves its version on and applies the next one it can."""
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.gone.add(1)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
+    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
+    assert "adapter version 1" in (skipped.error or "") and "no longer served" in (skipped.error or "")
+    assert sub.fetches == [2, 1] and worker.weights.adapter_on_fallbacks == 1 and worker.weights.skipped == 2
+    assert engine.adapter_versions() == [] and engine.version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    # the next adapter version is served (a newer adapter replaces the one that was on)
+    named3, spec3 = _adapter(tiny_model_dir)
+    sub.publish(3, named3, manifest=types.SimpleNamespace(adapter=spec3))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 3
+    await broker.send(ApplyGrant(version=3))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert engine.adapter_versions() == [3]
+
+
+@pytest.mark.timeout(90)
+async def test_a_broker_and_a_publisher_of_the_previous_minor_work_with_a_joiner_as_before(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """Peers of the minor before `ADAPTER_ON_MINOR`: a broker of that minor, and a publisher whose manifests carry no
+    `adapter_on` (decoded here from its wire form). The joining worker applies the whole-model version as before,
+    fetching nothing else; the adapter version, also served, is not looked for."""
+    import msgpack
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
+                         protocol_minor=PROTOCOL_MINOR - 1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    fields = {"request_id": "m", "version": 2, "buckets": []}
+    old = decode([msgpack.packb([1, ADAPTER_ON_MINOR - 1, "manifest", fields], use_bin_type=True)])
+    assert isinstance(old, Manifest) and old.adapter_on == -1 and old.adapter is None
+    named, spec = _adapter(tiny_model_dir)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=old)
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert sub.fetches == [2] and engine.adapter_versions() == [] and engine.version == 2
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
+
+
+@pytest.mark.timeout(90)  # one launch of the sim child
+async def test_a_joiner_on_the_sglang_engine_loads_the_adapter_on_under_the_version_it_joins_at(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The sglang engine (its sim child and `SimLora`): a worker joining at whole-model version 2, whose manifest names
+    adapter version 1 as on under it, loads adapter 1 and then version 2 in one pause; its samples run on adapter 1
+    and carry version 2, as on a worker that applied both in turn."""
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          lora=True, lora_dir=str(tmp_path / "lora"), start_timeout_s=60,
+                          server_args=json.dumps({**SIM_SERVER_ARGS, "decode_s_per_token": 0.002}))
+    worker, broker, _run = await harness(lambda: engine, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    done = await broker.expect(ApplyDone, timeout_s=30)
+    assert done.ok and done.version == 2 and sub.fetches == [2, 1] and worker.weights.adapters_joined == 1
+    assert sorted(engine._adapters) == [1] and engine.version == 2
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
+    assert engine.stats["resubmits"] == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_joiner_whose_engine_refuses_the_version_after_its_adapter_is_restarted_without_the_adapter(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The adapter on under version 2 is given to the engine first; if the engine then refuses version 2 itself (a
+    tensor it does not have), the adapter is on over the base it served, which no version names: the engine is
+    replaced, and the fresh one (given version 2 once more, refused again) serves its last good version without the
+    adapter; version 2 is skipped and the tokens say the version they were sampled under."""
+    import torch
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engines: list[HFEngine] = []
+
+    def factory() -> HFEngine:
+        engines.append(HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1))
+        return engines[-1]
+
+    worker, broker, _run = await harness(factory)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
+    sub.publish(2, {"model.no_such_layer.weight": torch.zeros(4)}, manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    failed = await broker.expect(ApplyDone, timeout_s=30)
+    assert not failed.ok and "restarted without it" in (failed.error or "")
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # refused again on the fresh engine: given up, reported
+    assert skipped.skipped and skipped.version == 2 and "restarted one" in (skipped.error or "")
+    await broker.welcome()  # the engine was replaced
+    assert await _until(lambda: worker.weights.skipped == 2 and len(engines) >= 2 and worker.supervisor.ok.is_set())
+    assert engines[-1].adapter_versions() == [] and engines[-1].version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30, skip=(WorkerHeartbeat, Credit, ApplyDone))
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]
+
+
+async def _until(pred: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()

@@ -152,6 +152,10 @@ def samples() -> dict[str, Any]:
                                                              ring_slots=2),
                                     buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="", ipc_offset=1 << 20,
                                                           ipc_checksum="mix64:0123456789abcdef"),)),
+        # minor 23: a whole-model version published after adapter version 9, which stays on under it (ADAPTER_ON_MINOR)
+        "manifest_adapter_on": p.Manifest(request_id="m10", version=11, publisher_id="pub", protocol_minor=23, adapter_on=9,
+                                          buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="xxh3_64:0123456789abcdef",
+                                                                tensors=(p.TensorInfo(name="w", dtype="float32", shape=(8,), offset=0, nbytes=32),)),)),
     }
 
 
