@@ -159,6 +159,7 @@ class WeightPublisher(ServingFace):
             metrics=self.metrics,
             weights=cfg,
         )
+        self._server.early_delta = True  # a snapshot's bucket is final once checksummed: its delta is encoded then
         self._latest = -1
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()
