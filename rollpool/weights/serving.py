@@ -286,7 +286,7 @@ class WeightServer:
         metrics: MetricsSink | None = None,
         weights: WeightPathConfig | None = None,
     ) -> None:
-        """`weights`: the knobs it reads are ``weight_bulk``, ``weight_copy_threads`` (the delta's threads) and
+        """`weights`: the knobs it reads are ``weight_bulk``, ``weight_delta_threads`` (the delta's threads) and
         ``weight_delta_max_fraction`` (None: their defaults)."""
         cfg = weights or WeightPathConfig()
         self.sockets = sockets
@@ -334,7 +334,7 @@ class WeightServer:
         self.bulk: BulkServer | None = None
         """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
-        self.delta_threads = cfg.copy_threads
+        self.delta_threads = cfg.delta_threads
         self.delta_max_fraction = cfg.weight_delta_max_fraction
         """A delta whose encoded bytes pass this fraction of the version's goes out as a full version."""
         self._deltas: set[asyncio.Task[Any]] = set()

@@ -158,7 +158,7 @@ class WeightSubscriber:
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._errlog = RateLimitedLog(log)
-        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
+        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads)
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""

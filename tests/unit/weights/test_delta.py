@@ -94,6 +94,11 @@ def test_the_delta_knobs_are_read_from_the_environment_and_checked() -> None:
     assert (cfg.weight_delta, cfg.weight_delta_max_fraction) == (False, 0.25)
     with pytest.raises(ConfigError, match="weight_delta_max_fraction"):
         WeightPathConfig(weight_delta_max_fraction=1.5)
+    threads = WeightPathConfig.from_env({"ROLLPOOL_WEIGHT_DELTA_THREADS": "12", "ROLLPOOL_WEIGHT_COPY_THREADS": "3"})
+    assert (threads.delta_threads, threads.copy_threads) == (12, 3)
+    assert WeightPathConfig(weight_copy_threads=3).delta_threads == 3  # 0: the copy threads
+    with pytest.raises(ConfigError, match="weight_delta_threads"):
+        WeightPathConfig(weight_delta_threads=65)
 
 
 def _reference(new: torch.Tensor, base: torch.Tensor) -> tuple[str, bytes]:
