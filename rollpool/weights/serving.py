@@ -139,6 +139,9 @@ class ServedVersion:
     """`WeightServer.early_delta`: per bucket, the base it is encoded against and its encoding under way or done."""
     delta_started: float = 0.0
     """When the delta's first bucket began to be encoded (perf_counter; 0: not begun)."""
+    delta_hold: bool = False
+    """`WeightServer.early_delta` waits (`release_delta`): the owner's snapshot is still copying (the trainer waits on
+    it, and the encode would compete with it for cores and memory bandwidth)."""
 
     @property
     def total_bytes(self) -> int:
@@ -458,12 +461,24 @@ class WeightServer:
         """`early_delta`: bucket `bucket` of `v` is final (snapshotted and checksummed): its delta against the same bucket
         of the version before is encoded now, in the delta's threads, while the rest of the snapshot lands."""
         base = self.versions.get(v.version - 1)
-        if base is None or base.released or not base.complete or bucket in v.delta_parts or len(base.buckets) != len(v.buckets):
+        if v.delta_hold or base is None or base.released or not base.complete or bucket in v.delta_parts or len(base.buckets) != len(v.buckets):
             return
         if v.delta_started == 0.0:
             v.delta_started = time.perf_counter()
         algo = v.buckets[bucket].checksum.partition(":")[0] or None
         v.delta_parts[bucket] = (base, self._delta_threads().submit(_encode_bucket_of, v, base, bucket, algo))
+
+    def release_delta(self, version: int) -> None:
+        """`version`'s snapshot copy is done (`ServedVersion.delta_hold`): its buckets checksummed so far are encoded now,
+        the others as their checksums come."""
+        v = self.versions.get(version)
+        if v is None or not v.delta_hold:
+            return
+        v.delta_hold = False
+        if self.early_delta and v.delta_state == "pending":
+            for b in v.buckets:
+                if b.checksum:
+                    self._encode_early(v, b.index)
 
     def start_delta(self, version: int, *, algorithm: str | None = None) -> None:
         """`make_delta` in the background when `version` expects one (`expect_delta`); `close` cancels it."""
