@@ -8,20 +8,24 @@ Contract
       than the bucket, ``GAPS`` (the same with each index as its gap from the one before, minus one, as a 2-byte
       little-endian unsigned) when every gap fits 2 bytes, else ``WHOLE`` (the bucket's bytes).
     - `decode_bucket(encoding, payload, base, out, itemsize)` writes the resulting bytes into `out` from `base` and
-      the payload. It never trusts the payload: indices outside the bucket or a payload of the wrong size raise
-      `DeltaError`; the caller then verifies `out` against the manifest's checksum of the *resulting* bytes, so a
-      reconstruction is bit-identical to the publisher's version or it is not applied.
-    - `compute_delta(new, base, buckets, ...)` encodes every bucket in `threads` threads (torch's comparison,
-      nonzero and gather release the GIL) and returns a `DeltaSet`, or None when the layouts differ (a bucket's
-      dtype, size or tensors changed) or the encoded bytes pass `max_fraction` of the version's bytes: then the
-      version goes out full.
+      the payload; `rebuild_bucket(..., summer)` does the same and feeds the resulting bytes to a running checksum in
+      the same pass. Neither trusts the payload: indices outside the bucket or out of order, or a payload of the wrong
+      size, raise `DeltaError`; the caller then verifies `out` against the manifest's checksum of the *resulting*
+      bytes, so a reconstruction is bit-identical to the publisher's version or it is not applied.
+    - `compute_delta(new, base, buckets, ...)` encodes every bucket in `threads` threads and returns a `DeltaSet`
+      (with the seconds of its compare and encode passes), or None when the layouts differ (a bucket's dtype, size or
+      tensors changed) or the encoded bytes pass `max_fraction` of the version's bytes: then the version goes out full.
+    - Work is done in pieces of `PIECE_BYTES` (numpy, which releases the GIL on these arrays): each piece's changed
+      indices are found, then written, independently, so the pieces of every bucket spread over the threads; a
+      rebuild copies, scatters into and checksums one piece at a time, while it is in cache. The wire form does not
+      depend on the pieces (a gap may span them).
 
 Why position/value pairs: after an RL optimizer step at lr 1e-6..1e-5 a few percent of bf16 elements change,
 scattered (no runs to speak of), so a run-length or bitmap form costs at least a bit per element (1/16 of a bf16
 bucket: above the 1/20 goal by itself) while gap/value pairs cost 4 bytes per changed bf16 element (2 x the changed
 fraction) and index/value pairs 6 (3 x), used when a gap passes 65536 elements.
-Decoding is one copy of the base and one scatter, the same op on the CPU and the GPU. Measured by `bench/weights.py`
-(``--delta``), which reports the changed fraction and the bytes of each encoding.
+Decoding is one copy of the base and one scatter. Measured by `bench/weights.py` (``--delta``: the changed fraction
+and the bytes of each encoding) and `bench/delta_profile.py` (where a version's time goes).
 """
 
 from __future__ import annotations

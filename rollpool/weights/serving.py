@@ -503,6 +503,7 @@ class WeightServer:
             base = self.versions.get(version - 1)
             if v.delta_state == "pending" and base is not None and not base.released and v.complete:
                 if self.early_delta and same_layout(v.buckets, base.buckets):
+                    v.delta_hold = False  # (the version is complete: its snapshot's copy is long done)
                     for i in range(len(v.buckets)):
                         self._encode_early(v, i)  # (any bucket not encoded yet)
                     parts = v.delta_parts
