@@ -22,11 +22,6 @@ What it promises
       version the engine serves, kept for a re-apply on a restarted engine until the next one is applied, so it stays
       intact whatever the delta holds. A buffer a failed rebuild wrote goes back to the buffers only once no rebuild
       thread writes into it any more.
-    - When the buffer taken last held, whole and verified, the version before the base, and the base was itself
-      rebuilt from a delta against that version (the delta's payloads are kept while it is the base: 2 x the changed
-      fraction of the model's bytes), a bucket is patched in place with that delta and then with the new one instead of
-      copied from the base; it is verified the same way, and one that does not match (the buffer held something else)
-      is rebuilt from the base, not refused. Nothing but the speed depends on what the buffer held.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,7 +39,7 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
-from rollpool.weights.delta import GAPS, SPARSE, UNCHANGED, DeltaError, itemsize_of, rebuild_bucket, same_layout
+from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, rebuild_bucket, same_layout
 from rollpool.weights.manifest import NETWORK, check_manifest
 from rollpool.weights.memory import VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, WeightVersion
@@ -70,12 +65,6 @@ class DeltaPath:
         self.fallbacks = 0
         """Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched full instead."""
         self._pool: ThreadPoolExecutor | None = None
-        self._link: _Link | None = None
-        """The delta that made the base (its version before, its encodings and payloads), kept while it is the base."""
-        self._slab_held: dict[int, int] = {}
-        """Per host buffer (its address) the version whose bytes it was last given whole and verified."""
-        self.patched = 0
-        """Buckets rebuilt by patching a buffer that held the version before the base (no copy of the base)."""
 
     def base_version(self) -> int:
         """The version a manifest request names as its base (-1: none held)."""
@@ -90,10 +79,6 @@ class DeltaPath:
         host = wv.slab is not None and not on_device and not wv.slab.is_cuda
         old, recycled = self.base, self._base_recycled
         self.base, self._base_recycled = (wv if host else None), False
-        if self._link is not None and (not host or self._link.version != wv.version):
-            self._link = None  # the base was not made by the delta kept
-        if host and wv.slab is not None:
-            self._slab_held[wv.slab.data_ptr()] = wv.version
         if old is not None and recycled and old.slab is not None:
             self.buffers.give(old.slab)
         return wv
@@ -107,7 +92,6 @@ class DeltaPath:
 
     def close(self) -> None:
         self.base = None
-        self._link = None
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -134,25 +118,15 @@ class DeltaPath:
             raise WeightSyncError("the base's buckets do not line up with the delta's")
         await self.buffers.reserved()
         slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
-        # a buffer that holds the version before the base (the one the engine served before it, given back) is
-        # patched with the delta that made the base, then with this one: two scatters instead of a copy of the base
-        link = self._link
-        stale = self._slab_held.pop(slab.data_ptr(), None)
-        if link is None or link.version != base.version or stale != link.base or len(link.encodings) != len(manifest.buckets):
-            link = None
         loop = asyncio.get_running_loop()
         pool = self._threads()
-        work: dict[int, Future[tuple[bool, float, float, bool]]] = {}
+        work: dict[int, Future[tuple[bool, float, float]]] = {}
         done: asyncio.Queue[int] = asyncio.Queue()
-        payloads_seen: list[torch.Tensor | None] = [None] * len(manifest.buckets)
-        patched0 = self.patched
 
         def start(i: int, payload: torch.Tensor | None) -> None:
             if i in work:
                 return
-            payloads_seen[i] = payload
-            before = (link.encodings[i], link.payloads[i]) if link is not None else None
-            work[i] = f = pool.submit(_rebuild_one, manifest.buckets[i], payload, base.buffers[i], buffers[i], before)
+            work[i] = f = pool.submit(_rebuild_one, manifest.buckets[i], payload, base.buffers[i], buffers[i])
             f.add_done_callback(lambda _f: _call_soon(loop, done.put_nowait, i))
 
         try:
@@ -169,13 +143,12 @@ class DeltaPath:
             raise
         now = time.perf_counter()
         self.versions += 1
-        self._link = _Link(base.version, manifest.version, [b.encoding for b in manifest.buckets], payloads_seen)
         return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
                                                           "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
                                                           "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
-                                                          "delta_total_s": round(now - t0, 4), "patched_buckets": self.patched - patched0})
+                                                          "delta_total_s": round(now - t0, 4)})
 
-    async def _collect(self, manifest: Manifest, work: dict[int, Future[tuple[bool, float, float, bool]]], done: asyncio.Queue[int],
+    async def _collect(self, manifest: Manifest, work: dict[int, Future[tuple[bool, float, float]]], done: asyncio.Queue[int],
                        buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> tuple[float, float]:
         """Every bucket's rebuild as it ends (`done` names it): a verified one to `on_bucket` (until one failed), then
         the seconds spent (rebuild, checksum); raises the first `DeltaError`, else `WeightSyncError` naming the buckets
@@ -186,8 +159,7 @@ class DeltaPath:
         for _ in range(len(manifest.buckets)):
             i = await done.get()
             try:
-                ok, spent, hashed, patched = work[i].result()
-                self.patched += patched
+                ok, spent, hashed = work[i].result()
             except DeltaError as exc:
                 errors.append(exc)
                 continue
@@ -204,7 +176,7 @@ class DeltaPath:
             raise WeightSyncError(f"buckets {sorted(bad)} rebuilt from the delta do not match their checksums")
         return rebuild_s, verify_s
 
-    def _give_when_done(self, slab: torch.Tensor, work: list[Future[tuple[bool, float, float, bool]]]) -> None:
+    def _give_when_done(self, slab: torch.Tensor, work: list[Future[tuple[bool, float, float]]]) -> None:
         """`slab` back to the buffers once no rebuild writes into it any more (now, or when the last one ends)."""
         running = [f for f in work if not f.done() and not f.cancel()]
         if not running:
@@ -213,7 +185,7 @@ class DeltaPath:
         left = [len(running)]
         loop = asyncio.get_running_loop()
 
-        def one_ended(_f: Future[tuple[bool, float, float, bool]]) -> None:
+        def one_ended(_f: Future[tuple[bool, float, float]]) -> None:
             left[0] -= 1
             if left[0] == 0:
                 _call_soon(loop, self.buffers.pool.give, [slab])
@@ -278,43 +250,16 @@ class _TimedSummer:
         self.seconds += time.perf_counter() - t
 
 
-_PATCHABLE = (UNCHANGED, GAPS, SPARSE)
-
-
-@dataclass(slots=True)
-class _Link:
-    """The delta that made version `version` from version `base`: per bucket its encoding and payload."""
-
-    base: int
-    version: int
-    encodings: list[str]
-    payloads: list[torch.Tensor | None]
-
-
-def _rebuild_one(b: BucketInfo, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor,
-                 before: tuple[str, torch.Tensor | None] | None = None) -> tuple[bool, float, float, bool]:
+def _rebuild_one(b: BucketInfo, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor) -> tuple[bool, float, float]:
     """Bucket `b` rebuilt into `out` and its resulting bytes checksummed in the same pass: (whether they match
-    `b.checksum`, seconds, seconds of them checksumming, whether `before` made it). An unknown checksum algorithm is a
-    mismatch, never a pass.
-
-    `before`: `out` holds the version before `base` and this is the delta (encoding, payload) that made `base` from
-    it: `out` is patched with it, then with `payload`, instead of copied from `base`; should the result not match
-    (the buffer held something else), the bucket is rebuilt from `base` as without it."""
+    `b.checksum`, seconds, seconds of them checksumming). An unknown checksum algorithm is a mismatch, never a pass."""
     algo = b.checksum.partition(":")[0]
     if not checksum_supported(algo):
-        return False, 0.0, 0.0, False
+        return False, 0.0, 0.0
     t = time.perf_counter()
-    size = itemsize_of(b.dtype)
-    if before is not None and before[0] in _PATCHABLE and b.encoding in _PATCHABLE:
-        summer = _TimedSummer(Checksummer(algo))
-        with contextlib.suppress(DeltaError):  # (a link that does not apply: rebuilt from the base below)
-            rebuild_bucket(before[0], before[1], out, out, size)
-            rebuild_bucket(b.encoding, payload, out, out, size, summer)
-            if verify_checksum(b.checksum, running=summer.inner):
-                return True, time.perf_counter() - t, summer.seconds, True
     summer = _TimedSummer(Checksummer(algo))
-    rebuild_bucket(b.encoding, payload, base, out, size, summer)
-    return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds, False
+    rebuild_bucket(b.encoding, payload, base, out, itemsize_of(b.dtype), summer)
+    return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
