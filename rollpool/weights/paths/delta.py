@@ -160,8 +160,8 @@ class DeltaPath:
             i = await done.get()
             try:
                 ok, spent, hashed = work[i].result()
-            except DeltaError as exc:
-                errors.append(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever broke a rebuild, the full version is fetched instead
+                errors.append(exc if isinstance(exc, DeltaError) else DeltaError(f"bucket {i} not rebuilt: {exc!r}"))
                 continue
             rebuild_s, verify_s = rebuild_s + spent, verify_s + hashed
             if not ok:
