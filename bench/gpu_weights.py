@@ -501,6 +501,28 @@ def sparse_step(sd: dict[str, Any], v: int, fraction: float) -> None:
             w[mask] += 1 if v % 2 else -1
 
 
+DELTA_PHASES = ("delta_compare_s", "delta_encode_s", "delta_checksum_s", "delta_made_s", "delta_after_complete_s",
+                "delta_ready_after_publish_s", "manifest_after_publish_s", "manifest_wait_s", "fetch_s", "rebuild_s", "verify_s",
+                "rebuild_after_fetch_s", "delta_total_s")
+
+
+def delta_phases(made: Any, f: dict[str, Any], t_pub: float) -> dict[str, Any]:
+    """Where a delta version's time went: the server's phases (`WeightServer.note_delta`: compare, encode and checksum
+    seconds summed over the buckets, the delta made from its first bucket's encode and from the version's last
+    checksum, ready after publish) and the worker's (its ``weights fetched`` line: the manifest in hand after publish
+    and its wait, the encoded bytes' fetch, the rebuild and its checksum summed over the buckets, what the rebuild
+    added after the fetch, the whole delta fetch)."""
+    tm = dict(made.timings) if made is not None else {}
+    out: dict[str, Any] = {"delta_compare_s": tm.get("compare_s"), "delta_encode_s": tm.get("encode_s"), "delta_checksum_s": tm.get("checksum_s"),
+                           "delta_made_s": tm.get("delta_made_s"), "delta_after_complete_s": tm.get("delta_after_complete_s"),
+                           "delta_ready_after_publish_s": round(tm["made_at"] - t_pub, 4) if "made_at" in tm else None,
+                           "manifest_after_publish_s": round(f["manifest_at"] - t_pub, 4) if "manifest_at" in f else None,
+                           "manifest_wait_s": f.get("manifest_s")}
+    for k in ("fetch_s", "rebuild_s", "verify_s", "rebuild_after_fetch_s", "delta_total_s"):
+        out[k] = f.get(k)
+    return out
+
+
 def optimizer_step(sd: dict[str, Any], v: int) -> None:
     """Every tensor changes: +-0.01 (alternating, so magnitudes stay put), right after publish returns."""
     import torch
@@ -692,6 +714,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 rec.update({"delta_base": f.get("delta_base", -1), "delta_bytes": f.get("delta_bytes"),
                             "changed_fraction": round(made.changed_fraction, 6) if made is not None else None,
                             "delta_wire_bytes": made.wire_bytes if made is not None else None})
+                rec["delta_phases"] = delta_phases(made, f, t_pub) if delta else None
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
                 bulk = int(f.get("bulk_bytes", last_bulk))  # of those, over the bulk lane (minor 13)
@@ -817,6 +840,9 @@ def summarize() -> None:
             row["summary"]["fallback_reasons"] = sorted({str(x) for r in row["versions"] for x in (r.get("fallback_reasons") or [])})
             for k in ("update_started_after_publish_s", "sglang_update_s"):
                 row["summary"][k] = warm(row, k) if all(r.get(k) is not None for r in row["versions"]) else None
+            if row.get("delta"):  # medians of each phase over the versions rebuilt from a delta
+                rebuilt = [r["delta_phases"] for r in row["versions"] if r.get("delta_phases") and isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
+                row["summary"]["delta_phases"] = {k: _median([p[k] for p in rebuilt if p.get(k) is not None]) for k in DELTA_PHASES}
     tcp, shm = rows.get("tcp_cuda", {}), rows.get("shm_cuda", {})
     host = (tcp.get("summary") or {}).get("publish_to_applied_s")
     pause = (tcp.get("summary") or {}).get("pause_s")
@@ -909,6 +935,8 @@ def summarize() -> None:
         RESULT["delta_shm_path_s"] = round(ds_s - ds_pause, 4) if ds_s is not None and ds_pause is not None else None
         RESULT["delta_shm_paths_taken"] = (ds.get("summary") or {}).get("paths_taken")
         RESULT["delta_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for row in delta_rows for r in row["versions"][1:]])
+        RESULT["delta_phases"] = {k: _median([r["delta_phases"][k] for r in steady if (r.get("delta_phases") or {}).get(k) is not None])
+                                  for k in DELTA_PHASES}
         for key, limit in (("delta_bytes_fraction", 0.05), ("delta_host_path_s", 0.35), ("delta_shm_path_s", 0.25),
                            ("delta_trainer_blocked_s", 0.15)):
             if RESULT.get(key) is not None:
@@ -945,6 +973,7 @@ HOW = {
     "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (deltas travel on the ROUTER)",
     "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause; a delta is served over the ROUTER, not shared memory (delta_shm_paths_taken)",
     "delta_trainer_blocked_s": "duration of publish_weights over the delta rows, versions 2..N (the delta is computed after publish returns, off the trainer's call)",
+    "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s; the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
 

@@ -25,6 +25,9 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
   verifies them there (off: the CPU copy and checksum).
 - ``weight_copy_threads``: threads that copy and checksum buckets on either side (0: up to 8, a core left to the
   event loop where there are few).
+- ``weight_delta_threads``: threads that make a delta version (a server: compare and pack, the publisher's beside its
+  snapshot's copy threads) and rebuild one (a subscriber); 0: ``weight_copy_threads``. The delta reads two versions'
+  bytes and the rebuild writes one, so where cores are idle more threads shorten both (docs/weights.md).
 - ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
   arenas and ring, and any other device work of the publisher, drawn from one `rollpool.weights.manifest.GpuBudget`);
   None: two of its buckets. A whole-version arena that would pass it is not made: the version streams through the
@@ -69,6 +72,7 @@ class WeightPathConfig:
     publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets)"})
     weight_delta: bool = field(default=False, metadata={"help": "delta versions (off by default until measured at 8B on the GPU): a subscriber holding the previous version asks for the changed elements only; a server offers them"})
     weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
+    weight_delta_threads: int = field(default=0, metadata={"help": "threads that make a delta version (a server) and rebuild one (a subscriber), 0..64 (0: weight_copy_threads)"})
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -86,6 +90,8 @@ class WeightPathConfig:
             raise ConfigError(f"{owner}.weight_delta_max_fraction must be in [0, 1], got {self.weight_delta_max_fraction}")
         if not 0 <= self.weight_copy_threads <= 64:
             raise ConfigError(f"{owner}.weight_copy_threads must be in [0, 64] (0: automatic), got {self.weight_copy_threads}")
+        if not 0 <= self.weight_delta_threads <= 64:
+            raise ConfigError(f"{owner}.weight_delta_threads must be in [0, 64] (0: weight_copy_threads), got {self.weight_delta_threads}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WeightPathConfig:
@@ -104,6 +110,11 @@ class WeightPathConfig:
     def copy_threads(self) -> int:
         """`weight_copy_threads`, or the default (up to 8) when it is 0."""
         return self.weight_copy_threads or default_copy_threads()
+
+    @property
+    def delta_threads(self) -> int:
+        """`weight_delta_threads`, or `copy_threads` when it is 0."""
+        return self.weight_delta_threads or self.copy_threads
 
 
 def with_overrides(weights: WeightPathConfig | None, **given: Any) -> WeightPathConfig:

@@ -8,28 +8,35 @@ Contract
       than the bucket, ``GAPS`` (the same with each index as its gap from the one before, minus one, as a 2-byte
       little-endian unsigned) when every gap fits 2 bytes, else ``WHOLE`` (the bucket's bytes).
     - `decode_bucket(encoding, payload, base, out, itemsize)` writes the resulting bytes into `out` from `base` and
-      the payload. It never trusts the payload: indices outside the bucket or a payload of the wrong size raise
-      `DeltaError`; the caller then verifies `out` against the manifest's checksum of the *resulting* bytes, so a
-      reconstruction is bit-identical to the publisher's version or it is not applied.
-    - `compute_delta(new, base, buckets, ...)` encodes every bucket in `threads` threads (torch's comparison,
-      nonzero and gather release the GIL) and returns a `DeltaSet`, or None when the layouts differ (a bucket's
-      dtype, size or tensors changed) or the encoded bytes pass `max_fraction` of the version's bytes: then the
-      version goes out full.
+      the payload; `rebuild_bucket(..., summer)` does the same and feeds the resulting bytes to a running checksum in
+      the same pass. Neither trusts the payload: indices outside the bucket or out of order, or a payload of the wrong
+      size, raise `DeltaError`; the caller then verifies `out` against the manifest's checksum of the *resulting*
+      bytes, so a reconstruction is bit-identical to the publisher's version or it is not applied.
+    - `compute_delta(new, base, buckets, ...)` encodes every bucket in `threads` threads and returns a `DeltaSet`
+      (with the seconds of its compare and encode passes), or None when the layouts differ (a bucket's dtype, size or
+      tensors changed) or the encoded bytes pass `max_fraction` of the version's bytes: then the version goes out full.
+    - Work is done in pieces of `PIECE_BYTES` (numpy, which releases the GIL on these arrays): each piece's changed
+      indices are found, then written, independently, so the pieces of every bucket spread over the threads; a
+      rebuild copies, scatters into and checksums one piece at a time, while it is in cache. The wire form does not
+      depend on the pieces (a gap may span them).
 
 Why position/value pairs: after an RL optimizer step at lr 1e-6..1e-5 a few percent of bf16 elements change,
 scattered (no runs to speak of), so a run-length or bitmap form costs at least a bit per element (1/16 of a bf16
 bucket: above the 1/20 goal by itself) while gap/value pairs cost 4 bytes per changed bf16 element (2 x the changed
 fraction) and index/value pairs 6 (3 x), used when a gap passes 65536 elements.
-Decoding is one copy of the base and one scatter, the same op on the CPU and the GPU. Measured by `bench/weights.py`
-(``--delta``), which reports the changed fraction and the bytes of each encoding.
+Decoding is one copy of the base and one scatter. Measured by `bench/weights.py` (``--delta``: the changed fraction
+and the bytes of each encoding) and `bench/delta_profile.py` (where a version's time goes).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from rollpool.protocol.messages import BucketInfo
 
@@ -48,6 +55,11 @@ ENCODINGS = (WHOLE, UNCHANGED, SPARSE, GAPS)
 _MAX_ELEMENTS = (1 << 31) - 1
 """Element indices travel as int32: a bucket of more elements is sent whole."""
 
+PIECE_BYTES = 16 << 20
+"""A bucket is compared, packed and rebuilt in pieces of this many bytes: a piece's temporaries (its comparison mask)
+stay cache-sized and are reused instead of a fresh bucket-sized array per step (whose page faults cost more than the
+comparison), and `compute_delta` gives each piece to any of its threads, so even one bucket keeps them all busy."""
+
 
 class DeltaError(ValueError):
     """A delta payload that cannot be decoded (wrong size, index out of range, unknown encoding)."""
@@ -61,91 +73,168 @@ def itemsize_of(dtype_name: str) -> int:
     return int(dt.itemsize) if isinstance(dt, torch.dtype) else 1
 
 
-def _words(t: torch.Tensor, itemsize: int) -> torch.Tensor:
-    import torch
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(itemsize)
-    if word is None or t.numel() % itemsize:
-        return t
-    return t.view(word)
+
+def _words(t: torch.Tensor, itemsize: int) -> np.ndarray[Any, Any]:
+    """A 1-D uint8 CPU tensor as an array of its elements' bit patterns (bytes when `itemsize` does not divide it)."""
+    a = t.numpy()
+    word = _WORD.get(itemsize)
+    if word is None or a.size % itemsize:
+        return a
+    return a.view(word)
+
+
+def _pieces(n: int, width: int) -> list[tuple[int, int]]:
+    """[lo, hi) element ranges of at most `PIECE_BYTES` bytes covering `n` elements of `width` bytes."""
+    step = max(1, PIECE_BYTES // width)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+
+
+def scan_piece(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], lo: int, hi: int) -> np.ndarray[Any, Any]:
+    """The indices (int64, ascending) of the elements in [lo, hi) where `a` and `b` differ bit for bit."""
+    idx = np.flatnonzero(a[lo:hi] != b[lo:hi])
+    idx += lo
+    return idx
+
+
+@dataclass(slots=True)
+class _Packing:
+    """One bucket's encoding, planned from its pieces' changed indices, and its payload (being) written."""
+
+    encoding: str
+    changed: int
+    width: int
+    parts: list[np.ndarray[Any, Any]]
+    payload: np.ndarray[Any, Any] | None = None
+
+
+def _plan(parts: list[np.ndarray[Any, Any]], n: int, width: int) -> _Packing:
+    """UNCHANGED, WHOLE, GAPS or SPARSE for a bucket of `n` elements of `width` bytes whose changed indices are `parts`
+    (ascending, piece by piece); for GAPS and SPARSE an empty payload of the right size."""
+    k = sum(int(p.size) for p in parts)
+    if k == 0:
+        return _Packing(UNCHANGED, 0, width, parts)
+    if k * (2 + width) >= n * width or n > _MAX_ELEMENTS:
+        return _Packing(WHOLE, k, width, parts)
+    widest, last = 0, -1
+    for p in parts:
+        if p.size:
+            widest = max(widest, int(p[0]) - last, int(np.diff(p).max()) if p.size > 1 else 0)
+            last = int(p[-1])
+    if widest <= 0x10000:
+        # every gap between changed elements fits 2 bytes (the common case: changes are dense enough to be worth a delta)
+        return _Packing(GAPS, k, width, parts, np.empty(k * (2 + width), dtype=np.uint8))
+    if k * (4 + width) >= n * width:
+        return _Packing(WHOLE, k, width, parts)
+    return _Packing(SPARSE, k, width, parts, np.empty(k * (4 + width), dtype=np.uint8))
+
+
+def _pack_piece(plan: _Packing, a: np.ndarray[Any, Any], j: int) -> None:
+    """Write piece `j`'s positions and values into `plan.payload` (pieces are independent: any order, any thread)."""
+    p, payload = plan.parts[j], plan.payload
+    if payload is None or not p.size:
+        return
+    at = sum(int(x.size) for x in plan.parts[:j])
+    k, m = plan.changed, int(p.size)
+    pos = 2 if plan.encoding == GAPS else 4
+    if plan.encoding == GAPS:
+        prev = next((int(x[-1]) for x in reversed(plan.parts[:j]) if x.size), -1)
+        gaps = payload[: 2 * k].view(np.uint16)
+        gaps[at] = int(p[0]) - prev - 1
+        if m > 1:
+            np.subtract(p[1:], p[:-1], out=gaps[at + 1 : at + m], casting="unsafe")
+            gaps[at + 1 : at + m] -= 1
+    else:
+        payload[: 4 * k].view(np.int32)[at : at + m] = p
+    np.take(a, p, out=payload[pos * k :].view(a.dtype)[at : at + m])
 
 
 def encode_bucket(new: torch.Tensor, base: torch.Tensor, itemsize: int) -> tuple[str, torch.Tensor | None, int]:
     """(encoding, payload or None for unchanged, changed elements) of one bucket (1-D uint8 tensors of one size)."""
-    import torch
 
     if new.numel() != base.numel():
         raise DeltaError(f"bucket of {new.numel()} bytes against a base of {base.numel()}")
     a, b = _words(new, itemsize), _words(base, itemsize)
-    if a.dtype == torch.uint8:
-        itemsize = 1
-    idx = torch.ne(a, b).nonzero().squeeze(1)
-    k = int(idx.numel())
-    if k == 0:
+    ranges = _pieces(a.size, a.itemsize)
+    plan = _plan([scan_piece(a, b, lo, hi) for lo, hi in ranges], a.size, a.itemsize)
+    for j in range(len(ranges)):
+        _pack_piece(plan, a, j)
+    return _result(plan, new)
+
+
+def _result(plan: _Packing, new: torch.Tensor) -> tuple[str, torch.Tensor | None, int]:
+    import torch
+
+    if plan.encoding == UNCHANGED:
         return UNCHANGED, None, 0
-    if k * (2 + itemsize) >= new.numel() or a.numel() > _MAX_ELEMENTS:
-        return WHOLE, new, k
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
-    if int(gaps.max()) <= 0xFFFF:
-        # every gap between changed elements fits 2 bytes (the common case: changes are dense enough to be worth a delta)
-        payload = torch.empty(k * (2 + itemsize), dtype=torch.uint8, device=new.device)
-        payload[: 2 * k].view(torch.int16).copy_((gaps - 1).to(torch.int32).to(torch.int16))
-        payload[2 * k :].view(a.dtype).copy_(a[idx])
-        return GAPS, payload, k
-    if k * (4 + itemsize) >= new.numel():
-        return WHOLE, new, k
-    payload = torch.empty(k * (4 + itemsize), dtype=torch.uint8, device=new.device)
-    payload[: 4 * k].view(torch.int32).copy_(idx)
-    payload[4 * k :].view(a.dtype).copy_(a[idx])
-    return SPARSE, payload, k
+    if plan.encoding == WHOLE:
+        return WHOLE, new, plan.changed
+    assert plan.payload is not None
+    return plan.encoding, torch.from_numpy(plan.payload), plan.changed
+
+
+def _positions(encoding: str, payload: torch.Tensor, n: int, width: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(element indices, strictly ascending and inside [0, n); new values) of a ``sparse`` or ``gaps`` payload."""
+    pos = 4 if encoding == SPARSE else 2
+    raw = payload.numpy()
+    if raw.size % (pos + width):
+        raise DeltaError(f"{encoding} payload of {raw.size} bytes is not whole (position, value) pairs of {pos + width} bytes")
+    k = raw.size // (pos + width)
+    if encoding == SPARSE:
+        idx = raw[: 4 * k].view(np.int32).astype(np.int64)
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise DeltaError("sparse payload's indices are not ascending")
+    else:  # gap - 1 as uint16: ascending by construction
+        idx = raw[: 2 * k].view(np.uint16).astype(np.int64)
+        idx += 1
+        np.cumsum(idx, out=idx)
+        idx -= 1
+    if k and (int(idx[0]) < 0 or int(idx[-1]) >= n):
+        raise DeltaError(f"{encoding} payload names an element outside the bucket ({n} elements)")
+    return idx, raw[pos * k :].view(_WORD.get(width, np.uint8))
+
+
+def rebuild_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor, itemsize: int,
+                   summer: Any = None) -> None:
+    """Write the resulting bucket into `out` (may be `base` itself) and feed its bytes to `summer` (a running checksum,
+    `rollpool.weights.bucketing.Checksummer`) in the same pass, piece by piece while each is in cache; raises
+    `DeltaError` on a payload that cannot be right (the caller then refuses `out`: a failed checksum is its to judge)."""
+    n = int(out.numel())
+    same = out.data_ptr() == base.data_ptr()
+    if encoding == UNCHANGED or encoding in (SPARSE, GAPS):
+        if base.numel() != n:
+            raise DeltaError(f"{encoding} bucket of {n} bytes against a base of {base.numel()}")
+    elif encoding == WHOLE:
+        if payload is None or payload.numel() != n:
+            raise DeltaError(f"whole bucket of {0 if payload is None else payload.numel()} bytes, expected {n}")
+    else:
+        raise DeltaError(f"unknown bucket encoding {encoding!r}")
+    o, b = _words(out, itemsize), _words(base, itemsize)
+    src = b if encoding != WHOLE else _words(payload, itemsize)  # type: ignore[arg-type]
+    idx = values = None
+    if encoding in (SPARSE, GAPS):
+        if payload is None:
+            raise DeltaError(f"{encoding!r} bucket without its bytes")
+        idx, values = _positions(encoding, payload, o.size, o.itemsize)
+    ranges = _pieces(o.size, o.itemsize)
+    cuts = np.searchsorted(idx, [hi for _lo, hi in ranges]) if idx is not None else None
+    start = 0
+    for j, (lo, hi) in enumerate(ranges):
+        if not same or encoding == WHOLE:
+            np.copyto(o[lo:hi], src[lo:hi])
+        if idx is not None and values is not None and cuts is not None:
+            end = int(cuts[j])
+            if end > start:
+                o[idx[start:end]] = values[start:end]
+            start = end
+        if summer is not None:
+            summer.update(o[lo:hi].view(np.uint8))
 
 
 def decode_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor, itemsize: int) -> None:
     """Write the resulting bucket into `out` (may be `base` itself); raises `DeltaError` on a payload that cannot be right."""
-
-    n = int(out.numel())
-    if encoding == UNCHANGED:
-        if base.numel() != n:
-            raise DeltaError(f"unchanged bucket of {n} bytes against a base of {base.numel()}")
-        if out.data_ptr() != base.data_ptr():
-            out.copy_(base)
-        return
-    if payload is None:
-        raise DeltaError(f"{encoding!r} bucket without its bytes")
-    if encoding == WHOLE:
-        if payload.numel() != n:
-            raise DeltaError(f"whole bucket of {payload.numel()} bytes, expected {n}")
-        out.copy_(payload)
-        return
-    if encoding not in (SPARSE, GAPS):
-        raise DeltaError(f"unknown bucket encoding {encoding!r}")
-    if base.numel() != n:
-        raise DeltaError(f"sparse bucket of {n} bytes against a base of {base.numel()}")
-    o = _words(out, itemsize)
-    idx, values = _positions(encoding, payload, o)
-    if out.data_ptr() != base.data_ptr():
-        out.copy_(base)
-    o[idx] = values
-
-
-def _positions(encoding: str, payload: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(element indices, new values) of a ``sparse`` or ``gaps`` payload against the words `o` it applies to."""
-    import torch
-
-    width = o.element_size()
-    pos = 4 if encoding == SPARSE else 2
-    if payload.numel() % (pos + width):
-        raise DeltaError(f"{encoding} payload of {payload.numel()} bytes is not whole (position, value) pairs of {pos + width} bytes")
-    k = payload.numel() // (pos + width)
-    if payload.storage_offset() % 8:
-        payload = payload.clone()  # the index and value views need their element alignment
-    if encoding == SPARSE:
-        idx = payload[: 4 * k].view(torch.int32).to(torch.int64)
-    else:  # gap - 1 as uint16 (stored in int16 bits)
-        idx = (payload[: 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF).add_(1).cumsum_(0).sub_(1)
-    if k and (int(idx.min()) < 0 or int(idx.max()) >= o.numel()):
-        raise DeltaError(f"{encoding} payload names an element outside the bucket ({o.numel()} elements)")
-    return idx, payload[pos * k :].view(o.dtype)
+    rebuild_bucket(encoding, payload, base, out, itemsize)
 
 
 @dataclass(slots=True)
@@ -157,6 +246,8 @@ class DeltaSet:
     payloads: list[torch.Tensor | None]
     changed_elements: int
     total_elements: int
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each phase: ``compare_s`` (finding the changed elements), ``encode_s`` (writing positions and values)."""
 
     @property
     def wire_bytes(self) -> int:
@@ -215,19 +306,37 @@ def same_layout(a: Sequence[BucketInfo], b: Sequence[BucketInfo]) -> bool:
 def compute_delta(new: Sequence[torch.Tensor], base: Sequence[torch.Tensor], buckets: Sequence[BucketInfo], base_buckets: Sequence[BucketInfo],
                   *, base_version: int, threads: int = 2, max_fraction: float = 0.5) -> DeltaSet | None:
     """The delta of `new` against `base` (per bucket 1-D uint8 tensors), or None when a full version is cheaper or the
-    layouts differ (see the module docstring)."""
+    layouts differ (see the module docstring). Every bucket's pieces are compared, then packed, in `threads` threads."""
     if not same_layout(buckets, base_buckets):
         return None
-    sizes = [itemsize_of(b.dtype) for b in buckets]
-
-    def one(i: int) -> tuple[str, Any, int]:
-        return encode_bucket(new[i], base[i], sizes[i])
-
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-delta") as ex:
-        results = list(ex.map(one, range(len(buckets))))
+        return encode_buckets(new, base, buckets, base_version=base_version, run=ex.map, max_fraction=max_fraction)
+
+
+def encode_buckets(new: Sequence[torch.Tensor], base: Sequence[torch.Tensor], buckets: Sequence[BucketInfo], *, base_version: int,
+                   run: Any = map, max_fraction: float = 1.0) -> DeltaSet | None:
+    """`compute_delta`'s work, with `run` (a ``map``: an executor's spreads the pieces over its threads) for both passes;
+    the layouts must line up (`same_layout`)."""
+    sizes = [itemsize_of(b.dtype) for b in buckets]
+    words = [(_words(n, s), _words(o, s)) for n, o, s in zip(new, base, sizes, strict=True)]
+    for (a, b), bi in zip(words, buckets, strict=True):
+        if a.size != b.size:
+            raise DeltaError(f"bucket {bi.index}: {a.nbytes} bytes against a base of {b.nbytes}")
+    items = [(i, j, lo, hi) for i, (a, _b) in enumerate(words) for j, (lo, hi) in enumerate(_pieces(a.size, a.itemsize))]
+    t0 = time.perf_counter()
+    found = list(run(lambda it: scan_piece(words[it[0]][0], words[it[0]][1], it[2], it[3]), items))
+    parts: list[list[np.ndarray[Any, Any]]] = [[] for _ in buckets]
+    for it, idx in zip(items, found, strict=True):
+        parts[it[0]].append(idx)
+    plans = [_plan(p, a.size, a.itemsize) for p, (a, _b) in zip(parts, words, strict=True)]
+    t1 = time.perf_counter()
+    list(run(lambda it: _pack_piece(plans[it[0]], words[it[0]][0], it[1]), [it for it in items if plans[it[0]].payload is not None]))
+    t2 = time.perf_counter()
+    results = [_result(plan, n) for plan, n in zip(plans, new, strict=True)]
     total = sum(b.nbytes for b in buckets)
     ds = DeltaSet(base=base_version, encodings=[r[0] for r in results], payloads=[r[1] for r in results],
-                  changed_elements=sum(r[2] for r in results), total_elements=sum(b.nbytes // s for b, s in zip(buckets, sizes, strict=True)))
+                  changed_elements=sum(r[2] for r in results), total_elements=sum(b.nbytes // s for b, s in zip(buckets, sizes, strict=True)),
+                  timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4)})
     if total and ds.wire_bytes > max_fraction * total:
         return None
     return ds

@@ -169,6 +169,7 @@ class WeightPublisher(ServingFace):
             metrics=self.metrics,
             weights=cfg,
         )
+        self._server.early_delta = True  # a snapshot's bucket is final once checksummed: its delta is encoded then
         self._latest = -1
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()
@@ -397,6 +398,7 @@ class WeightPublisher(ServingFace):
         previous, self._latest = self._latest, version
         if ipc_device is None and self.config.weight_delta:
             self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
+            snap.served.delta_hold = True  # each bucket's delta is encoded once the trainer is free (after the copy)
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
@@ -411,6 +413,7 @@ class WeightPublisher(ServingFace):
             raise
         copied = time.perf_counter()
         snap.marks["returned"] = copied
+        self._server.release_delta(version)
         self.last_phases = {k: round(at - t0, 4) for k, at in sorted(snap.marks.items(), key=lambda kv: kv[1])}
         if ipc_device is not None:
             self._finishing[version] = asyncio.ensure_future(self._finish_ipc(snap, arena, arena_items, t0, copied))

@@ -49,8 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Self
 
@@ -73,6 +75,7 @@ from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.roles import server_socket
 from rollpool.protocol.sockets import SocketFactory, send_now
 from rollpool.weights.config import WeightPathConfig
+from rollpool.weights.delta import WHOLE, DeltaSet, encode_buckets, same_layout
 from rollpool.weights.manifest import MAX_CHUNK_BYTES
 from rollpool.weights.paths.base import Attr, ChunkRead
 from rollpool.weights.paths.bulk import BulkServer, lane_host, lane_port
@@ -134,6 +137,13 @@ class ServedVersion:
     waiting_delta: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     waiting_mix64: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     """Manifest requests (``after_mix64``) parked until the version carries more GPU checksums of its host bytes."""
+    delta_parts: dict[int, tuple[ServedVersion, Future[tuple[DeltaSet, str]]]] = field(default_factory=dict)
+    """`WeightServer.early_delta`: per bucket, the base it is encoded against and its encoding under way or done."""
+    delta_started: float = 0.0
+    """When the delta's first bucket began to be encoded (perf_counter; 0: not begun)."""
+    delta_hold: bool = False
+    """`WeightServer.early_delta` waits (`release_delta`): the owner's snapshot is still copying (the trainer waits on
+    it, and the encode would compete with it for cores and memory bandwidth)."""
 
     @property
     def total_bytes(self) -> int:
@@ -194,10 +204,40 @@ class DeltaServed:
     payload: ServedVersion
     changed_fraction: float
     bytes_by_encoding: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
+    """Where it was made here: seconds of its phases (`WeightServer.note_delta`)."""
 
     @property
     def wire_bytes(self) -> int:
         return sum(self.bytes_by_encoding.values())
+
+
+def _whole(src: BucketSource, n: int) -> Any:
+    """A bucket's bytes (all there) as a 1-D uint8 tensor over the source's memory."""
+    import torch
+
+    data = src.read(0, n) if n else memoryview(b"")
+    if data is None:
+        raise ValueError("a bucket's bytes are not all there")
+    return torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+
+def _encode_bucket_of(v: ServedVersion, base: ServedVersion, i: int, algorithm: str | None) -> tuple[DeltaSet, str]:
+    """Bucket `i` of `v` encoded against `base`'s (a one-bucket `DeltaSet`, its timings) and its payload's checksum
+    (``""`` when it carries none or is the bucket itself); run in the server's delta threads."""
+    from rollpool.weights.bucketing import checksum
+
+    b = v.buckets[i]
+    if not same_layout([b], [base.buckets[i]]):
+        raise ValueError(f"bucket {i} does not line up with the base's")
+    ds = encode_buckets([_whole(v.sources[i], b.nbytes)], [_whole(base.sources[i], base.buckets[i].nbytes)], [b], base_version=base.version)
+    assert ds is not None
+    payload, digest = ds.payloads[0], ""
+    if payload is not None and ds.encodings[0] != WHOLE:
+        t = time.perf_counter()
+        digest = checksum(payload.numpy().data, algorithm)
+        ds.timings["checksum_s"] = time.perf_counter() - t
+    return ds, digest
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -251,7 +291,7 @@ class WeightServer:
         metrics: MetricsSink | None = None,
         weights: WeightPathConfig | None = None,
     ) -> None:
-        """`weights`: the knobs it reads are ``weight_bulk``, ``weight_copy_threads`` (the delta's threads) and
+        """`weights`: the knobs it reads are ``weight_bulk``, ``weight_delta_threads`` (the delta's threads) and
         ``weight_delta_max_fraction`` (None: their defaults)."""
         cfg = weights or WeightPathConfig()
         self.sockets = sockets
@@ -302,11 +342,17 @@ class WeightServer:
         self.bulk: BulkServer | None = None
         """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
-        self.delta_threads = cfg.copy_threads
+        self.delta_threads = cfg.delta_threads
         self.delta_max_fraction = cfg.weight_delta_max_fraction
         """A delta whose encoded bytes pass this fraction of the version's goes out as a full version."""
         self._deltas: set[asyncio.Task[Any]] = set()
         """Delta computations running (`start_delta`), cancelled by `close`."""
+        self._delta_pool: ThreadPoolExecutor | None = None
+        self.early_delta = False
+        """Encode each bucket's delta as soon as the bucket is final (`complete_bucket`), while the rest of the version
+        lands, instead of all after the version completes: the owner sets it when `complete_bucket` means the bucket's
+        bytes are final (the publisher's snapshot; not a relay's streamed upstream checksums, whose bytes may still be
+        arriving or be refetched)."""
         self.deltas_served = 0
         self.full_served_to_delta_askers = 0
         self.last_delta: dict[str, Any] = {}
@@ -360,6 +406,9 @@ class WeightServer:
                 await t
         self._tasks = []
         self._close_sockets()
+        if self._delta_pool is not None:
+            self._delta_pool.shutdown(wait=False, cancel_futures=True)
+            self._delta_pool = None
         if self.bulk is not None:
             self.bulk.close()
             self.bulk = None
@@ -410,6 +459,34 @@ class WeightServer:
         if base is not None and base.complete and not base.released:
             v.delta_state = "pending"
 
+    def _delta_threads(self) -> ThreadPoolExecutor:
+        if self._delta_pool is None:
+            self._delta_pool = ThreadPoolExecutor(max_workers=max(1, self.delta_threads), thread_name_prefix="weights-delta")
+        return self._delta_pool
+
+    def _encode_early(self, v: ServedVersion, bucket: int) -> None:
+        """`early_delta`: bucket `bucket` of `v` is final (snapshotted and checksummed): its delta against the same bucket
+        of the version before is encoded now, in the delta's threads, while the rest of the snapshot lands."""
+        base = self.versions.get(v.version - 1)
+        if v.delta_hold or base is None or base.released or not base.complete or bucket in v.delta_parts or len(base.buckets) != len(v.buckets):
+            return
+        if v.delta_started == 0.0:
+            v.delta_started = time.perf_counter()
+        algo = v.buckets[bucket].checksum.partition(":")[0] or None
+        v.delta_parts[bucket] = (base, self._delta_threads().submit(_encode_bucket_of, v, base, bucket, algo))
+
+    def release_delta(self, version: int) -> None:
+        """`version`'s snapshot copy is done (`ServedVersion.delta_hold`): its buckets checksummed so far are encoded now,
+        the others as their checksums come."""
+        v = self.versions.get(version)
+        if v is None or not v.delta_hold:
+            return
+        v.delta_hold = False
+        if self.early_delta and v.delta_state == "pending":
+            for b in v.buckets:
+                if b.checksum:
+                    self._encode_early(v, b.index)
+
     def start_delta(self, version: int, *, algorithm: str | None = None) -> None:
         """`make_delta` in the background when `version` expects one (`expect_delta`); `close` cancels it."""
         v = self.versions.get(version)
@@ -420,24 +497,44 @@ class WeightServer:
 
     async def make_delta(self, version: int, *, algorithm: str | None = None) -> DeltaServed | None:
         """Compute `version`'s delta against the version before it from the bytes this server holds (off the loop, in
-        `delta_threads` threads) and serve it; the manifest requests waiting for it are answered (a delta, or the full
-        version when there is no base, the layouts differ or the delta passes `delta_max_fraction`)."""
+        `delta_threads` threads; with `early_delta` the buckets encoded as they landed are taken as they are) and serve
+        it; the manifest requests waiting for it are answered (a delta, or the full version when there is no base, the
+        layouts differ or the delta passes `delta_max_fraction`)."""
         v = self.versions.get(version)
         if v is None:
             return None
         made: DeltaServed | None = None
+        t_complete = time.perf_counter()
+        timings: dict[str, float] = {}
         try:
             base = self.versions.get(version - 1)
             if v.delta_state == "pending" and base is not None and not base.released and v.complete:
-                made = await asyncio.to_thread(self._build_delta, v, base, algorithm)
+                if self.early_delta and same_layout(v.buckets, base.buckets):
+                    v.delta_hold = False  # (the version is complete: its snapshot's copy is long done)
+                    for i in range(len(v.buckets)):
+                        self._encode_early(v, i)  # (any bucket not encoded yet)
+                    parts = v.delta_parts
+                    got = [await asyncio.wrap_future(parts[i][1]) for i in range(len(v.buckets))] if len(parts) == len(v.buckets) else None
+                    if got is not None and all(parts[i][0] is base for i in range(len(v.buckets))):
+                        made = self._delta_served(v, base, got, timings)
+                else:
+                    if v.delta_started == 0.0:
+                        v.delta_started = t_complete
+                    made = await asyncio.to_thread(self._build_delta, v, base, algorithm, timings)
                 if self.versions.get(version - 1) is not base:
                     made = None  # the base was dropped while it was read: its buffers may have been reused under us
         except Exception as exc:  # noqa: BLE001 - a delta is an optimization: the full version is served instead
             log.warning("%s: no delta for weight version %d (%s); full versions only", self.name, version, exc)
             made = None
+        finally:
+            v.delta_parts = {}
         if self.versions.get(version) is not v:
             return None
+        now = time.perf_counter()
         v.delta, v.delta_state = made, ("ready" if made is not None else "none")
+        if made is not None:
+            made.timings = {**timings, "delta_made_s": round(now - (v.delta_started or t_complete), 4),
+                            "delta_after_complete_s": round(now - t_complete, 4), "made_at": time.time()}
         self.note_delta(v)
         waiting, v.waiting_delta = v.waiting_delta, []
         for ident, req in waiting:
@@ -445,44 +542,57 @@ class WeightServer:
         return made
 
     def note_delta(self, v: ServedVersion) -> None:
-        """`v` carries a delta now (made here, or a relay's from upstream): `last_delta` and the ``weight_delta`` event."""
+        """`v` carries a delta now (made here, or a relay's from upstream): `last_delta` and the ``weight_delta`` event
+        (with the phases' seconds where it was made here: ``compare_s``, ``encode_s`` and ``checksum_s`` summed over the
+        buckets, ``delta_made_s`` from its first bucket's encode to ready, ``delta_after_complete_s`` from the version's
+        last checksum to ready, ``made_at`` the wall clock then)."""
         made = v.delta
         if made is None:
             return
         self.last_delta = {"version": v.version, "base": made.base, "changed_fraction": made.changed_fraction,
-                           "wire_bytes": made.wire_bytes, "model_bytes": v.total_bytes, "bytes_by_encoding": dict(made.bytes_by_encoding)}
+                           "wire_bytes": made.wire_bytes, "model_bytes": v.total_bytes, "bytes_by_encoding": dict(made.bytes_by_encoding),
+                           **made.timings}
         self.metrics.event("weight_delta", {"publisher": self.name, **self.last_delta})
 
-    def _build_delta(self, v: ServedVersion, base: ServedVersion, algorithm: str | None) -> DeltaServed | None:
-        import torch
-
+    def _build_delta(self, v: ServedVersion, base: ServedVersion, algorithm: str | None, timings: dict[str, float]) -> DeltaServed | None:
         from rollpool.weights.bucketing import checksum
-        from rollpool.weights.delta import WHOLE, compute_delta
+        from rollpool.weights.delta import compute_delta
 
-        def whole(src: BucketSource, n: int) -> torch.Tensor:
-            data = src.read(0, n) if n else memoryview(b"")
-            if data is None:
-                raise ValueError("a bucket's bytes are not all there")
-            return torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-
-        new = [whole(s, b.nbytes) for s, b in zip(v.sources, v.buckets, strict=True)]
-        old = [whole(s, b.nbytes) for s, b in zip(base.sources, base.buckets, strict=True)]
+        new = [_whole(s, b.nbytes) for s, b in zip(v.sources, v.buckets, strict=True)]
+        old = [_whole(s, b.nbytes) for s, b in zip(base.sources, base.buckets, strict=True)]
         ds = compute_delta(new, old, v.buckets, base.buckets, base_version=base.version, threads=self.delta_threads,
                            max_fraction=self.delta_max_fraction)
         if ds is None:
             return None
         algo = algorithm or v.buckets[0].checksum.partition(":")[0] or None
+        t = time.perf_counter()
+        digests = [checksum(p.numpy().data, algo) if p is not None and enc != WHOLE else "" for enc, p in zip(ds.encodings, ds.payloads, strict=True)]
+        timings.update(ds.timings, checksum_s=round(time.perf_counter() - t, 4))
+        return self._served_payload(v, base, ds, digests)
+
+    def _delta_served(self, v: ServedVersion, base: ServedVersion, got: list[tuple[DeltaSet, str]], timings: dict[str, float]) -> DeltaServed | None:
+        """The buckets encoded one by one (`_encode_early`) as one delta, unless it passes `delta_max_fraction`."""
+        ds = DeltaSet(base=base.version, encodings=[d.encodings[0] for d, _ in got], payloads=[d.payloads[0] for d, _ in got],
+                      changed_elements=sum(d.changed_elements for d, _ in got), total_elements=sum(d.total_elements for d, _ in got))
+        for key in ("compare_s", "encode_s", "checksum_s"):
+            timings[key] = round(sum(d.timings.get(key, 0.0) for d, _ in got), 4)
+        total = v.total_bytes
+        if total and ds.wire_bytes > self.delta_max_fraction * total:
+            return None
+        return self._served_payload(v, base, ds, [digest for _, digest in got])
+
+    def _served_payload(self, v: ServedVersion, base: ServedVersion, ds: DeltaSet, digests: list[str]) -> DeltaServed:
         infos: list[BucketInfo] = []
         pinfos: list[BucketInfo] = []
         psources: list[BucketSource] = []
-        for b, enc, payload in zip(v.buckets, ds.encodings, ds.payloads, strict=True):
+        for b, enc, payload, digest in zip(v.buckets, ds.encodings, ds.payloads, digests, strict=True):
             if payload is None:
                 infos.append(replace(b, encoding=enc, delta_nbytes=0, delta_checksum=""))
                 continue
             if enc == WHOLE:
                 src, digest = v.sources[b.index], b.checksum  # the version's own bytes: no second copy
             else:
-                src, digest = TensorSource(payload), checksum(payload.numpy().data, algo)
+                src = TensorSource(payload)
             n = int(payload.numel())
             infos.append(replace(b, encoding=enc, delta_nbytes=n, delta_checksum=digest))
             pinfos.append(BucketInfo(index=len(pinfos), dtype="uint8", nbytes=n, checksum=digest))
@@ -537,6 +647,8 @@ class WeightServer:
             return
         v.set_checksum(bucket, checksum)
         self.notify_arrived(version)
+        if self.early_delta and v.delta_state == "pending":
+            self._encode_early(v, bucket)
         if v.complete and v.waiting_manifests:
             waiting, v.waiting_manifests = v.waiting_manifests, []
             for ident, req in waiting:

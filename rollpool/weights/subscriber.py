@@ -149,6 +149,8 @@ class WeightSubscriber:
         """The reason of the latest fallback ("" before any): `rollpool top` shows it beside the count."""
         self._fetch_fallbacks: list[str] = []
         """The fallback reasons of the fetch under way (its ``weights fetched`` line lists them)."""
+        self._manifest_wait: dict[str, Any] = {}
+        """This fetch's wait for its manifest (`fetch`), for the ``weights fetched`` line."""
         self.last_path = ""
         """The path of the last completed fetch: ``cuda_ipc``, ``shm`` or ``network``."""
         self.ipc = CudaIpcPath(self.ctx, self.buffers.slabs, path)
@@ -156,7 +158,7 @@ class WeightSubscriber:
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._errlog = RateLimitedLog(log)
-        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.copy_threads)
+        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads)
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
@@ -274,7 +276,13 @@ class WeightSubscriber:
         """
         moves = 0
         while True:
-            manifest = check_manifest(self.watch.take_known(version) or await self.fetch_manifest(version))
+            t_manifest = time.perf_counter()
+            known = self.watch.take_known(version)
+            manifest = check_manifest(known or await self.fetch_manifest(version))
+            # how long this fetch waited for its manifest (a delta's waits for the server to make it; a manifest the
+            # catch-up already holds waited before this fetch began): the ``weights fetched`` line's manifest_s
+            self._manifest_wait = {"manifest_s": round(time.perf_counter() - t_manifest, 4), "manifest_at": time.time(),
+                                   "manifest_known": known is not None}
             if manifest.version < 0:
                 raise WeightSyncError(f"publisher {self.router_endpoint} holds no weight version yet")
             try:
@@ -342,7 +350,7 @@ class WeightSubscriber:
                                                    "shm_bytes": c.shm_bytes, "device_stage_bytes": c.device_stage_bytes,
                                                    "ipc_bytes": c.ipc_bytes, "fallbacks": sum(self.fallbacks.values()),
                                                    "fallback_reasons": list(self._fetch_fallbacks),
-                                                   "at": time.time()}))
+                                                   **self._manifest_wait, "at": time.time()}))
         event = {"worker_id": self.worker_id, "version": manifest.version, "bytes": nbytes, "path": path}
         if "staged_to" in details:
             event["staged_to"] = details["staged_to"]

@@ -15,22 +15,31 @@ What it promises
       bit-identical to the full one or refused.
     - Anything that keeps the version from being rebuilt (no base, another publisher's base, buckets that do not line
       up, a corrupt delta) raises `WeightSyncError` or `rollpool.weights.delta.DeltaError`, and the caller fetches
-      the full version instead (counted). Nothing is handed to ``on_bucket`` before every bucket verified.
+      the full version instead (counted). A bucket is handed to ``on_bucket`` only once its resulting bytes verified
+      (bit-identical to the publisher's), as the network path hands its own; the version is whole only when `fetch`
+      returns, and a fallback hands every bucket again.
+    - The rebuild writes a buffer of its own (taken from the subscriber's buffers), never the base's: the base is the
+      version the engine serves, kept for a re-apply on a restarted engine until the next one is applied, so it stays
+      intact whatever the delta holds. A buffer a failed rebuild wrote goes back to the buffers only once no rebuild
+      thread writes into it any more.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
-from rollpool.weights.bucketing import unpack_buckets, verify_checksum
-from rollpool.weights.delta import UNCHANGED, decode_bucket, itemsize_of, same_layout
+from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
+from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, rebuild_bucket, same_layout
 from rollpool.weights.manifest import NETWORK, check_manifest
 from rollpool.weights.memory import VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, WeightVersion
@@ -90,36 +99,105 @@ class DeltaPath:
     async def fetch(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
         """Rebuild `manifest`'s version from the base held here and the encoded buckets (fetched over the network
         path), each bucket verified against the checksum of its resulting bytes; raises `WeightSyncError` or
-        `DeltaError` (the caller then fetches the full version)."""
+        `DeltaError` (the caller then fetches the full version).
+
+        Each bucket is rebuilt as soon as its encoded bytes verified (an unchanged one at once), in `threads` threads,
+        while the others arrive, and handed to `on_bucket` once its resulting bytes verified (as the network path hands
+        its buckets: the version is whole only when this returns). The phases' seconds go into the ``weights fetched``
+        line: ``fetch_s`` (the encoded bytes), ``rebuild_s`` and ``verify_s`` (decode and checksum, summed over the
+        buckets: the checksum is taken in the same pass), ``rebuild_after_fetch_s`` (the last encoded bytes to the last
+        bucket verified: what the rebuild adds after the fetch) and ``delta_total_s``."""
+        t0 = time.perf_counter()
         base = self.base
         if base is None or base.version != manifest.delta_base:
             held = "none" if base is None else str(base.version)
             raise WeightSyncError(f"the base is not held here (holding {held})")
         if base.manifest.publisher_id != manifest.publisher_id:
             raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
-        if not same_layout(manifest.buckets, base.manifest.buckets):
+        if not same_layout(manifest.buckets, base.manifest.buckets) or len(base.buffers) != len(manifest.buckets):
             raise WeightSyncError("the base's buckets do not line up with the delta's")
-        payloads, _carried = await self.fetch_payloads(manifest)
         await self.buffers.reserved()
         slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        loop = asyncio.get_running_loop()
+        pool = self._threads()
+        work: dict[int, Future[tuple[bool, float, float]]] = {}
+        done: asyncio.Queue[int] = asyncio.Queue()
+
+        def start(i: int, payload: torch.Tensor | None) -> None:
+            if i in work:
+                return
+            work[i] = f = pool.submit(_rebuild_one, manifest.buckets[i], payload, base.buffers[i], buffers[i])
+            f.add_done_callback(lambda _f: _call_soon(loop, done.put_nowait, i))
+
         try:
-            await self.rebuild(manifest, payloads, base.buffers, buffers)
-        except BaseException:
-            self.buffers.pool.give([slab])
-            raise
-        self.versions += 1
-        tensors_of = unpack_buckets(zip(manifest.buckets, buffers, strict=True))
-        if on_bucket is not None:
             for b in manifest.buckets:
-                names = {t.name for t in b.tensors}
-                res = on_bucket(b.index, {n: tensors_of[n] for n in names})
+                if b.encoding == UNCHANGED:
+                    start(b.index, None)  # no bytes to wait for
+            payloads, _carried = await self.fetch_payloads(manifest, on_payload=start)
+            fetched = time.perf_counter()
+            for i, p in enumerate(payloads):
+                start(i, p)
+            rebuild_s, verify_s = await self._collect(manifest, work, done, buffers, on_bucket)
+        except BaseException:
+            self._give_when_done(slab, list(work.values()))  # (a rebuild still writing keeps its buffer until it ends)
+            raise
+        now = time.perf_counter()
+        self.versions += 1
+        return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
+                                                          "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
+                                                          "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
+                                                          "delta_total_s": round(now - t0, 4)})
+
+    async def _collect(self, manifest: Manifest, work: dict[int, Future[tuple[bool, float, float]]], done: asyncio.Queue[int],
+                       buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> tuple[float, float]:
+        """Every bucket's rebuild as it ends (`done` names it): a verified one to `on_bucket` (until one failed), then
+        the seconds spent (rebuild, checksum); raises the first `DeltaError`, else `WeightSyncError` naming the buckets
+        whose resulting bytes do not match."""
+        bad: list[int] = []
+        errors: list[DeltaError] = []
+        rebuild_s = verify_s = 0.0
+        for _ in range(len(manifest.buckets)):
+            i = await done.get()
+            try:
+                ok, spent, hashed = work[i].result()
+            except Exception as exc:  # noqa: BLE001 - whatever broke a rebuild, the full version is fetched instead
+                errors.append(exc if isinstance(exc, DeltaError) else DeltaError(f"bucket {i} not rebuilt: {exc!r}"))
+                continue
+            rebuild_s, verify_s = rebuild_s + spent, verify_s + hashed
+            if not ok:
+                bad.append(i)
+            elif on_bucket is not None and not bad and not errors:
+                res = on_bucket(i, unpack_bucket(manifest.buckets[i], buffers[i]))
                 if asyncio.iscoroutine(res):
                     await res
-        return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets)})
+        if errors:
+            raise errors[0]
+        if bad:
+            raise WeightSyncError(f"buckets {sorted(bad)} rebuilt from the delta do not match their checksums")
+        return rebuild_s, verify_s
 
-    async def fetch_payloads(self, manifest: Manifest) -> tuple[list[torch.Tensor | None], list[BucketInfo]]:
+    def _give_when_done(self, slab: torch.Tensor, work: list[Future[tuple[bool, float, float]]]) -> None:
+        """`slab` back to the buffers once no rebuild writes into it any more (now, or when the last one ends)."""
+        running = [f for f in work if not f.done() and not f.cancel()]
+        if not running:
+            self.buffers.pool.give([slab])
+            return
+        left = [len(running)]
+        loop = asyncio.get_running_loop()
+
+        def one_ended(_f: Future[tuple[bool, float, float]]) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                _call_soon(loop, self.buffers.pool.give, [slab])
+
+        for f in running:
+            f.add_done_callback(one_ended)
+
+    async def fetch_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None
+                             ) -> tuple[list[torch.Tensor | None], list[BucketInfo]]:
         """A delta manifest's encoded buckets over the network path, each verified against its own checksum: per bucket
-        its payload (None: unchanged), and the buckets that carry bytes (the payload's dense numbering, as served)."""
+        its payload (None: unchanged), and the buckets that carry bytes (the payload's dense numbering, as served).
+        `on_payload(bucket, payload)` is told each one as it verifies (`bucket`: its index in `manifest`)."""
         carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
         payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
                                                            for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
@@ -128,8 +206,9 @@ class DeltaPath:
         for b in carried:  # each payload 8-byte aligned: decoded through int32 and element views
             views.append(scratch[at : at + b.delta_nbytes])
             at += -(-b.delta_nbytes // 8) * 8
+        told = None if on_payload is None else (lambda j, _tensors: on_payload(carried[j].index, views[j]))
         if carried:
-            await self.network.fetch(FetchJob(check_manifest(payload_manifest), buffers=views, slab=scratch))
+            await self.network.fetch(FetchJob(check_manifest(payload_manifest), on_bucket=told, buffers=views, slab=scratch))
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, view in zip(carried, views, strict=True):
             payloads[b.index] = view
@@ -138,14 +217,13 @@ class DeltaPath:
     async def rebuild(self, manifest: Manifest, payloads: Sequence[torch.Tensor | None], base: Sequence[torch.Tensor],
                       out: Sequence[torch.Tensor]) -> None:
         """Write each bucket of `manifest`'s version into `out` from `base` and its payload (in `threads` threads) and
-        verify it against the checksum of the resulting bytes; `WeightSyncError` or `DeltaError` if any does not match."""
+        verify it against the checksum of the resulting bytes (taken in the same pass); `WeightSyncError` or
+        `DeltaError` if any does not match."""
         if len(base) != len(manifest.buckets) or len(out) != len(manifest.buckets):
             raise WeightSyncError("the base's buckets do not line up with the delta's")
 
         def one(i: int) -> bool:
-            b = manifest.buckets[i]
-            decode_bucket(b.encoding, payloads[i], base[i], out[i], itemsize_of(b.dtype))
-            return verify_checksum(b.checksum, out[i].numpy().data if b.nbytes else b"")
+            return _rebuild_one(manifest.buckets[i], payloads[i], base[i], out[i])[0]
 
         oks = await asyncio.to_thread(lambda: list(self._threads().map(one, range(len(manifest.buckets)))))
         bad = [i for i, ok in enumerate(oks) if not ok]
@@ -156,3 +234,34 @@ class DeltaPath:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="weights-rebuild")
         return self._pool
+
+
+class _TimedSummer:
+    """A running checksum that counts the seconds spent in it (the ``verify_s`` of a rebuild)."""
+
+    __slots__ = ("inner", "seconds")
+
+    def __init__(self, inner: Checksummer) -> None:
+        self.inner, self.seconds = inner, 0.0
+
+    def update(self, data: Any) -> None:
+        t = time.perf_counter()
+        self.inner.update(data)
+        self.seconds += time.perf_counter() - t
+
+
+def _rebuild_one(b: BucketInfo, payload: torch.Tensor | None, base: torch.Tensor, out: torch.Tensor) -> tuple[bool, float, float]:
+    """Bucket `b` rebuilt into `out` and its resulting bytes checksummed in the same pass: (whether they match
+    `b.checksum`, seconds, seconds of them checksumming). An unknown checksum algorithm is a mismatch, never a pass."""
+    algo = b.checksum.partition(":")[0]
+    if not checksum_supported(algo):
+        return False, 0.0, 0.0
+    t = time.perf_counter()
+    summer = _TimedSummer(Checksummer(algo))
+    rebuild_bucket(b.encoding, payload, base, out, itemsize_of(b.dtype), summer)
+    return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+        loop.call_soon_threadsafe(fn, *args)

@@ -186,6 +186,40 @@ async def test_a_corrupt_delta_bucket_ends_in_the_full_version(make_publisher: A
     assert sub.delta_fallbacks == 1 and sub.delta_versions == 0
 
 
+@pytest.mark.parametrize("where", ["values", "positions"])
+async def test_a_bucket_that_fails_while_others_are_rebuilt_and_handed_on_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any,
+                                                                                                   where: str) -> None:
+    """Buckets are rebuilt as their encoded bytes arrive and handed on as each verifies: one whose encoded bytes check
+    out but whose result cannot be right (a value's bits flipped, or positions past the bucket) ends in the full
+    version; nothing handed on, before or after, differs from the trainer's tensors, and the failed rebuild's buffer
+    serves the next delta."""
+    pub = await make_publisher(bucket_bytes=64 * 1024)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    served = pub._server.versions[2]
+    assert served.delta is not None
+    payload = served.delta.payload
+    carried = [b for b in served.delta.buckets if b.encoding != "unchanged"]
+    assert len(carried) >= 3 and carried[-1].encoding == "gaps"
+    k = len(carried) - 1
+    src = payload.sources[k]
+    if where == "values":
+        src.array[-1] ^= 0x40
+    else:
+        src.array[:2] = 0xFF  # the first gap 65535: past the bucket's 32768 elements
+    digest = checksum(src.array.data)  # the encoded bytes check out
+    payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
+    served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == carried[-1].index else b for b in served.delta.buckets)
+    handed: list[dict[str, torch.Tensor]] = []
+    wv = await sub.fetch(2, on_bucket=lambda _i, tensors: handed.append({n: t.clone() for n, t in tensors.items()}))
+    assert _same(wv.tensors, m2) and sub.delta_fallbacks == 1 and sub.delta_versions == 0
+    assert handed and all(torch.equal(t.view(torch.uint8), m2[n].contiguous().view(torch.uint8)) for h in handed for n, t in h.items())
+    sub.recycle(wv)
+    m3 = _step(m2, 3)
+    await _published(pub, m3, 3)
+    wv3 = await sub.fetch(3)
+    assert _same(wv3.tensors, m3) and sub.delta_versions == 1 and sub.delta_fallbacks == 1
+
+
 def _evicting(through: Any, pub: Any, m2: Any, newer: dict[str, Any]) -> Any:
     """A fetch that, on the first delta asked for, has versions 3 and 4 published first (the delta's version and its
     base evicted while it is being fetched); `newer` gets their models."""

@@ -94,3 +94,74 @@ def test_the_delta_knobs_are_read_from_the_environment_and_checked() -> None:
     assert (cfg.weight_delta, cfg.weight_delta_max_fraction) == (False, 0.25)
     with pytest.raises(ConfigError, match="weight_delta_max_fraction"):
         WeightPathConfig(weight_delta_max_fraction=1.5)
+    threads = WeightPathConfig.from_env({"ROLLPOOL_WEIGHT_DELTA_THREADS": "12", "ROLLPOOL_WEIGHT_COPY_THREADS": "3"})
+    assert (threads.delta_threads, threads.copy_threads) == (12, 3)
+    assert WeightPathConfig(weight_copy_threads=3).delta_threads == 3  # 0: the copy threads
+    with pytest.raises(ConfigError, match="weight_delta_threads"):
+        WeightPathConfig(weight_delta_threads=65)
+
+
+def _reference(new: torch.Tensor, base: torch.Tensor) -> tuple[str, bytes]:
+    """The documented wire form of a bf16 bucket's delta, computed the plain way (one pass over the whole bucket)."""
+    import numpy as np
+
+    a, b = new.view(torch.int16).numpy(), base.view(torch.int16).numpy()
+    idx = np.flatnonzero(a != b)
+    gaps = np.diff(idx, prepend=-1)
+    if int(gaps.max()) <= 0xFFFF:
+        return GAPS, (gaps - 1).astype("<u2").tobytes() + a[idx].tobytes()
+    return SPARSE, idx.astype("<i4").tobytes() + a[idx].tobytes()
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_a_bucket_encoded_in_pieces_is_the_documented_form_and_rebuilds_with_its_checksum_in_one_pass(
+        monkeypatch: pytest.MonkeyPatch, far: bool) -> None:
+    """Pieces of 32 elements: changes on both sides of piece boundaries, a gap across several pieces (past 2 bytes when
+    `far`); the payload is byte for byte the plain encoding (what an older peer decodes), from one thread or three, and
+    the rebuild's running checksum is the checksum of the bytes it left in `out`."""
+    import rollpool.weights.delta as delta
+    from rollpool.weights.bucketing import Checksummer, checksum
+
+    monkeypatch.setattr(delta, "PIECE_BYTES", 64)
+    n = 70_100 if far else 1000
+    base = _bf16(n, 0)
+    new = base.clone()
+    at = [0, 31, 32, 33, 63, 64, 65, 200, n - 33, n - 32, n - 1] + ([100, 100 + 66_000] if far else [])
+    for i in at:
+        new[i] = new[i] + 1
+    want_enc, want = _reference(new, base)
+    enc, payload, changed = encode_bucket(new.view(torch.uint8), base.view(torch.uint8), 2)
+    assert (enc, changed) == (want_enc, len(set(at)))
+    assert payload is not None and payload.numpy().tobytes() == want
+    info = BucketInfo(index=0, dtype="bfloat16", nbytes=2 * n, checksum="", tensors=(TensorInfo("w", "bfloat16", (n,), 0, 2 * n),))
+    ds = compute_delta([new.view(torch.uint8)], [base.view(torch.uint8)], [info], [info], base_version=1, threads=3)
+    assert ds is not None and ds.encodings == [want_enc] and ds.payloads[0] is not None
+    assert ds.payloads[0].numpy().tobytes() == want and set(ds.timings) == {"compare_s", "encode_s"}
+    out = torch.zeros(2 * n, dtype=torch.uint8)
+    summer = Checksummer()
+    delta.rebuild_bucket(enc, payload, base.view(torch.uint8), out, 2, summer)
+    assert torch.equal(out, new.view(torch.uint8))
+    assert summer.hexdigest() == checksum(new.view(torch.uint8).numpy().data)
+
+
+def test_sparse_positions_out_of_order_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket is rebuilt piece by piece, each piece checksummed once written: a position that belongs to a piece
+    already checksummed would leave bytes that differ from those checked, so positions must ascend."""
+    import rollpool.weights.delta as delta
+
+    monkeypatch.setattr(delta, "PIECE_BYTES", 64)
+    base = _bf16(100, 0).view(torch.uint8)
+    payload = torch.empty(12, dtype=torch.uint8)
+    payload[:8].view(torch.int32).copy_(torch.tensor([80, 5], dtype=torch.int32))
+    with pytest.raises(DeltaError, match="ascending"):
+        decode_bucket(SPARSE, payload, base, torch.empty_like(base), 2)
+
+
+def test_an_unchanged_bucket_rebuilt_over_its_base_is_checksummed_without_a_copy() -> None:
+    from rollpool.weights.bucketing import Checksummer, checksum
+    from rollpool.weights.delta import rebuild_bucket
+
+    base = _bf16(4096, 0).view(torch.uint8)
+    summer = Checksummer()
+    rebuild_bucket(UNCHANGED, None, base, base, 2, summer)
+    assert summer.hexdigest() == checksum(base.numpy().data)

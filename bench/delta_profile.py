@@ -1,0 +1,327 @@
+"""Where a delta version's time goes, on CPU: the real publisher -> subscriber delta path, phase by phase.
+
+One process, tcp loopback, network path: a `WeightPublisher` (keep_versions=2, deltas on, `--bucket-mib` buckets) and
+one `WeightSubscriber` (deltas on) that keeps the version it serves and recycles the one before, as a worker does.
+The model is `--mib` of bf16 tensors; version 1 goes out full, then every version is a `sparse_step` (`--fraction` of
+the bf16 elements move by one ulp, scattered: what bench/gpu_weights.py's delta rows do, the changed fraction AdamW
+at lr 1e-6 gave in bench/weights.py --delta). Per version, from the moment `publish` is called:
+
+- ``publish_s``: publish returned (the trainer's blocked time);
+- ``delta_ready_s``: the server's delta was made (its version left ``pending``);
+- ``manifest_s``: the subscriber held the delta manifest (its request waited for the delta);
+- ``fetched_s``: the subscriber returned the rebuilt, verified version (publish -> fetched);
+- the server's phases (``server``): the delta's own timers where the code reports them (`WeightServer.last_delta`),
+  else the wall time of `WeightServer._build_delta`;
+- the subscriber's phases (``subscriber``): the payload fetch (`DeltaPath.fetch_payloads`) and the rebuild with its
+  verify (`DeltaPath.rebuild`), timed around those calls, and the subscriber's own timers where the code reports them
+  (the ``weights fetched`` log line).
+
+Every fetched tensor is compared with the trainer's, bit for bit (outside the timings). ``--kernel`` adds a
+single-threaded cProfile of one bucket's encode, decode and checksum (the op-level split).
+
+``--ab TREE`` runs this script alternately against TREE (another checkout's root: its ``rollpool``) and this tree,
+``--reps`` times each, one at a time, and writes both sides' runs and the ratios of their medians (this tree over
+TREE) to ``--json``:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py [--mib 2048] [--bucket-mib 512] [--versions 4] [--kernel] [--json PATH]
+    PYTHONPATH=$PWD python bench/delta_profile.py --ab /path/to/other/tree --reps 3 --json bench/results/cpu-delta-profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import logging
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_MiB = 1024 * 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_model(mib: int, n_tensors: int = 16) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    per = mib * _MiB // 2 // n_tensors
+    return {f"layer{i}.weight": (torch.randn(per, generator=g) * 0.02).to(torch.bfloat16) for i in range(n_tensors)}
+
+
+def sparse_step(sd: dict[str, Any], v: int, fraction: float) -> None:
+    """`fraction` of each tensor's bf16 elements, scattered at random, move by one ulp (+-1 alternating by version)."""
+    import torch
+
+    g = torch.Generator().manual_seed(v)
+    with torch.no_grad():
+        for t in sd.values():
+            w = t.view(torch.int16)
+            mask = torch.rand(w.shape, generator=g) < fraction
+            w[mask] += 1 if v % 2 else -1
+
+
+class _Timed:
+    """Wall time of each call of a coroutine method or function, by name (patched on the class or module)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = {}
+
+    def wrap_async(self, owner: Any, attr: str, name: str) -> None:
+        orig = getattr(owner, attr)
+
+        async def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await orig(*a, **kw)
+            finally:
+                self.calls.setdefault(name, []).append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        orig = getattr(owner, attr)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self.calls.setdefault(name, []).append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out = {k: round(sum(v), 4) for k, v in self.calls.items()}
+        self.calls = {}
+        return out
+
+
+class _FetchedLog(logging.Handler):
+    """The subscriber's ``weights fetched {json}`` lines, as the GPU bench reads them from a worker's log."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("weights fetched "):
+            self.lines.append(json.loads(msg[len("weights fetched "):]))
+
+
+def kernel_profile(bucket_mib: int, fraction: float) -> dict[str, Any]:
+    """cProfile of one bucket's encode, decode and checksum, single-threaded (torch and numpy held to one thread)."""
+    import torch
+
+    from rollpool.weights.bucketing import checksum
+    from rollpool.weights.delta import decode_bucket, encode_bucket
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = bucket_mib * _MiB
+        g = torch.Generator().manual_seed(1)
+        base = torch.randint(-30000, 30000, (n // 2,), dtype=torch.int16, generator=g)
+        new = base.clone()
+        new[torch.rand(n // 2, generator=g) < fraction] += 1
+        out = torch.empty(n, dtype=torch.uint8)
+        out.fill_(0)  # touched, as a subscriber's reserved buffers are
+        b8, n8 = base.view(torch.uint8), new.view(torch.uint8)
+        prof = cProfile.Profile()
+        t = {}
+        prof.enable()
+        t0 = time.perf_counter()
+        enc, payload, _k = encode_bucket(n8, b8, 2)
+        t["encode_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        decode_bucket(enc, payload, b8, out, 2)
+        t["decode_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        checksum(out.numpy().data)
+        t["checksum_s"] = time.perf_counter() - t0
+        prof.disable()
+        assert torch.equal(out, n8)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+        return {"bucket_mib": bucket_mib, "encoding": enc, **{k: round(v, 4) for k, v in t.items()},
+                "top_tottime": [ln.strip() for ln in s.getvalue().splitlines() if ln.strip()][-16:]}
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights.config import WeightPathConfig
+    from rollpool.weights.paths.delta import DeltaPath
+    from rollpool.weights.publisher import WeightPublisher
+    from rollpool.weights.serving import WeightServer
+    from rollpool.weights.subscriber import WeightSubscriber
+
+    timed = _Timed()
+    timed.wrap_async(DeltaPath, "fetch_payloads", "fetch_payloads_s")
+    timed.wrap_async(DeltaPath, "rebuild", "rebuild_call_s")
+    timed.wrap(WeightServer, "_build_delta", "build_delta_s")
+    fetched_log = _FetchedLog()
+    logging.getLogger("rollpool.weights.subscriber").addHandler(fetched_log)
+    logging.getLogger("rollpool.weights.subscriber").setLevel(logging.INFO)
+
+    sd = make_model(args.mib)
+    model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    cfg = WeightPathConfig(weight_path="network", weight_delta=True, weight_copy_threads=args.threads)
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    pub = WeightPublisher(sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
+                          bucket_bytes=args.bucket_mib * _MiB, chunk_bytes=4 * _MiB, weights=cfg)
+    pub.reserve(sd)
+    await pub.start()
+    sub = WeightSubscriber(sockets, worker_id="prof0", weights=cfg, fetch_timeout_s=120.0)
+    sub.reserve(total_bytes=model_bytes)
+    sub.connect(pub.router_endpoint, pub.pub_endpoint)
+    rows: list[dict[str, Any]] = []
+    served = None
+    try:
+        for v in range(1, args.versions + 2):
+            if v > 1:
+                sparse_step(sd, v, args.fraction)
+            timed.take()
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            await pub.publish(sd, v)
+            t_ret = time.perf_counter()
+            ready: dict[str, float] = {}
+
+            async def watch_delta(v: int = v, t0: float = t0, ready: dict[str, float] = ready) -> None:
+                while True:
+                    sv = pub._server.versions.get(v)
+                    if sv is None or sv.delta_state != "pending":
+                        ready["delta_ready_s"] = time.perf_counter() - t0
+                        return
+                    await asyncio.sleep(0.001)
+
+            watcher = asyncio.ensure_future(watch_delta())
+            manifest_at: dict[str, float] = {}
+            orig_fm = sub.fetch_manifest
+
+            async def fm(*a: Any, _orig: Any = orig_fm, _t0: float = t0, _at: dict[str, float] = manifest_at, **kw: Any) -> Any:
+                m = await _orig(*a, **kw)
+                _at.setdefault("manifest_s", time.perf_counter() - _t0)
+                return m
+
+            sub.fetch_manifest = fm  # type: ignore[method-assign]
+            got = await sub.fetch(v)
+            t_fetched = time.perf_counter()
+            del sub.fetch_manifest
+            await watcher
+            cpu = time.process_time() - cpu0
+            for k, t in sd.items():
+                assert torch.equal(got.tensors[k].view(torch.int16), t.view(torch.int16)), f"v{v} {k} differs from the trainer's"
+            if served is not None:
+                sub.recycle(served)  # the engine took the new one: the one it served goes back (the base is held)
+            served = got
+            line = fetched_log.lines[-1] if fetched_log.lines else {}
+            calls = timed.take()
+            sv = pub._server.versions.get(v)
+            d = sv.delta if sv is not None else None
+            row: dict[str, Any] = {
+                "version": v, "delta": line.get("delta_base", -1) >= 0,
+                "publish_s": round(t_ret - t0, 4), "delta_ready_s": round(ready.get("delta_ready_s", float("nan")), 4),
+                "manifest_s": round(manifest_at.get("manifest_s", float("nan")), 4), "fetched_s": round(t_fetched - t0, 4),
+                "process_cpu_s": round(cpu, 3),
+                "changed_fraction": round(d.changed_fraction, 6) if d is not None else None,
+                "delta_bytes_fraction": round(d.wire_bytes / model_bytes, 6) if d is not None else None,
+                "server": {**{k: calls[k] for k in ("build_delta_s",) if k in calls},
+                           **{k: x for k, x in pub._server.last_delta.items() if k.endswith("_s")}} if d is not None else {},
+                "subscriber": {**{k: calls[k] for k in ("fetch_payloads_s", "rebuild_call_s") if k in calls},
+                               **{k: x for k, x in line.items() if k.endswith("_s") and k != "at"}},
+            }
+            rows.append(row)
+            print(f"  v{v} {json.dumps(row)}", file=sys.stderr, flush=True)
+    finally:
+        sub.close()
+        await pub.close()
+        ctx.destroy(linger=0)
+    steady = [r for r in rows if r["delta"]]
+
+    def med(get: Any) -> float | None:
+        xs = [x for x in (get(r) for r in steady) if isinstance(x, (int, float))]
+        return round(statistics.median(xs), 4) if xs else None
+
+    keys = ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "process_cpu_s", "changed_fraction", "delta_bytes_fraction")
+    summary: dict[str, Any] = {k: med(lambda r, k=k: r[k]) for k in keys}
+    for side in ("server", "subscriber"):
+        names = sorted({k for r in steady for k in r[side]})
+        summary[side] = {k: med(lambda r, k=k, side=side: r[side].get(k)) for k in names}
+    out: dict[str, Any] = {"summary": summary, "versions": rows, "model_bytes": model_bytes}
+    if args.kernel:
+        out["kernel"] = kernel_profile(args.bucket_mib, args.fraction)
+    return out
+
+
+def ab(args: argparse.Namespace) -> dict[str, Any]:
+    """This script against `args.ab` and this tree, alternately, `args.reps` times each."""
+    trees = {"A": str(Path(args.ab).resolve()), "B": str(ROOT)}
+    runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+    for rep in range(args.reps):
+        for side in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+            out = Path(f"/tmp/delta-profile-{os.getpid()}-{side}{rep}.json")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--mib", str(args.mib), "--bucket-mib", str(args.bucket_mib),
+                   "--versions", str(args.versions), "--fraction", str(args.fraction), "--threads", str(args.threads),
+                   "--json", str(out)]
+            if args.kernel:
+                cmd.append("--kernel")
+            env = {**os.environ, "PYTHONPATH": trees[side]}
+            print(f"[{side}{rep}] {trees[side]}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, env=env, check=True, cwd=trees[side])
+            runs[side].append(json.loads(out.read_text()))
+            out.unlink()
+
+    def med(side: str, get: Any) -> float | None:
+        xs = [x for x in (get(r["summary"]) for r in runs[side]) if isinstance(x, (int, float))]
+        return statistics.median(xs) if xs else None
+
+    ratios: dict[str, Any] = {}
+    for k in ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "process_cpu_s"):
+        a, b = med("A", lambda s, k=k: s[k]), med("B", lambda s, k=k: s[k])
+        ratios[k] = {"A": round(a, 4) if a else a, "B": round(b, 4) if b else b, "B_over_A": round(b / a, 3) if a and b else None}
+    return {"trees": trees, "ratios_B_over_A": ratios, "runs": runs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=2048, help="model size (bf16)")
+    ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--versions", type=int, default=4, help="delta versions after the first (full) one")
+    ap.add_argument("--fraction", type=float, default=0.0215, help="changed fraction of bf16 elements per version")
+    ap.add_argument("--threads", type=int, default=2, help="weight_copy_threads on both sides (the delta's and the rebuild's)")
+    ap.add_argument("--kernel", action="store_true", help="add a single-threaded cProfile of one bucket's encode/decode/checksum")
+    ap.add_argument("--ab", default=None, help="another tree's root: run it and this tree alternately (--reps each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.ab:
+        result = ab(args)
+    else:
+        result = asyncio.run(run(args))
+    result["params"] = {k: getattr(args, k) for k in ("mib", "bucket_mib", "versions", "fraction", "threads", "reps")}
+    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(json.dumps(result.get("ratios_B_over_A") or result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
