@@ -10,6 +10,7 @@ from __future__ import annotations
 from rollpool.protocol.codec import (
     ADAPTER_GRANT_MINOR,
     ADAPTER_ON_MINOR,
+    BASE_ON_MINOR,
     CONTRACT_MINOR,
     DEFAULT_INLINE_MAX_BYTES,
     DELTA_MINOR,
@@ -70,6 +71,7 @@ __all__ = [
     "ADAPTER_GRANT_MINOR",
     "RING_MINOR",
     "ADAPTER_ON_MINOR",
+    "BASE_ON_MINOR",
     "INLINE_MINOR",
     "CONTRACT_MINOR",
     "DELTA_MINOR",

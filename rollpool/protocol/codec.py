@@ -92,6 +92,7 @@ __all__ = [
     "ADAPTER_GRANT_MINOR",
     "RING_MINOR",
     "ADAPTER_ON_MINOR",
+    "BASE_ON_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -130,7 +131,14 @@ PROTOCOL_MAJOR = 1
 #   1.21 adapter versions without an apply slot: Feature.ADAPTER_NO_GRANT in the broker's Welcome (ADAPTER_GRANT_MINOR)
 #   1.22 the same-GPU ring: CudaIpcBuffer.ring_slots, ManifestRequest.ring / ring_done (RING_MINOR)
 #   1.23 the adapter version on under a whole-model version: Manifest.adapter_on (ADAPTER_ON_MINOR)
-PROTOCOL_MINOR = 23
+#   1.24 the whole-model version a LoRA adapter version applies over: Manifest.base_on (BASE_ON_MINOR)
+PROTOCOL_MINOR = 24
+BASE_ON_MINOR = 24
+"""The first minor whose weight servers name, on a LoRA adapter version, the whole-model version it applies over
+(`Manifest.base_on`), and keep that whole-model version served while it is the base of the newest adapter version; its
+subscribers whose engine does not serve that whole-model version (a late joiner) fetch it and apply it, then the adapter,
+in one pause. An older subscriber ignores the field (it applies the adapter over its engine's base, as before); an older
+server never names one."""
 ADAPTER_ON_MINOR = 23
 """The first minor whose weight servers name, on a whole-model version published after a LoRA adapter version, the
 adapter version that stays on under it (`Manifest.adapter_on`), and keep that adapter version served while it is on;

@@ -1048,6 +1048,11 @@ class Manifest:
     version, which the engines keep on under this one (the policy of this version is its base plus that adapter,
     docs/lora.md); the server keeps it served while it is on, so a subscriber that does not have it on (a late joiner)
     fetches it and applies it with this version. -1: no adapter is on (or a server older than `ADAPTER_ON_MINOR`)."""
+    base_on: int = -1
+    """(minor 24, `BASE_ON_MINOR`) On a LoRA adapter version: the whole-model version it applies over (the policy of
+    this version is that version plus this adapter, docs/lora.md); the server keeps it served while it is the base of the
+    newest adapter version, so a subscriber whose engine does not serve it (a late joiner) fetches it and applies it,
+    then this adapter, in one pause. -1: the engines' model from disk (or a server older than `BASE_ON_MINOR`)."""
 
 
 @message("fetch")

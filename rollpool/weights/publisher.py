@@ -14,7 +14,12 @@ it (`Manifest.adapter_on`); that adapter version is kept served past
 version's bytes besides the K versions), so a late joiner fetches it with the
 whole-model version. Not with ``keep_versions=0``: the adapter's bytes are
 released like any version's, and a joiner then skips the whole-model versions
-over it (docs/lora.md, "Late joiners"). CUDA tensors on the same-GPU path are snapshotted into a device
+over it (docs/lora.md, "Late joiners"). The other way round, an adapter
+version names the whole-model version it applies over (the newest one,
+`Manifest.base_on`), kept served past `keep_versions` while it is the base
+of the newest adapter version (one whole model's bytes besides the K
+versions, only once adapter versions have pushed it out of them), so a late
+joiner applies it before the adapter. CUDA tensors on the same-GPU path are snapshotted into a device
 arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
@@ -158,6 +163,10 @@ class WeightPublisher(ServingFace):
         self._adapter_on = -1
         """The newest adapter version published: the engines keep it on under every whole-model version published after
         it (docs/lora.md), so those name it (`Manifest.adapter_on`) and it is kept served past `keep_versions`."""
+        self._base_on = -1
+        """The newest whole-model version published (-1: none): every adapter version published after it applies over it
+        (docs/lora.md), so those name it (`Manifest.base_on`) and it is kept served past `keep_versions` while it is the
+        base of the newest adapter version."""
         self._adapter_checked: tuple[AdapterSpec, Any] | None = None
         """The spec and `layout_key` of the last adapter version checked (`lora_pairs` depends on nothing else)."""
         self._server = WeightServer(
@@ -314,6 +323,8 @@ class WeightPublisher(ServingFace):
             t0 = time.perf_counter()
             if adapter is not None:
                 self._server.pending_adapters[version] = adapter
+                if self._base_on >= 0:
+                    self._server.pending_base_on[version] = self._base_on
             elif self._adapter_on >= 0:
                 self._server.pending_adapter_on[version] = self._adapter_on
             try:
@@ -321,10 +332,15 @@ class WeightPublisher(ServingFace):
             finally:
                 self._server.pending_adapters.pop(version, None)
                 self._server.pending_adapter_on.pop(version, None)
+                self._server.pending_base_on.pop(version, None)
             if adapter is not None:
                 previous, self._adapter_on = self._adapter_on, version
                 if previous >= 0 and self.keep_versions > 0 and previous in sorted(self._server.versions)[: -self.keep_versions]:
                     self._evict(previous)  # kept past the window while it was on; the new adapter replaces it
+            else:
+                previous, self._base_on = self._base_on, version
+                if previous >= 0 and self.keep_versions > 0 and previous in sorted(self._server.versions)[: -self.keep_versions]:
+                    self._evict(previous)  # kept past the window while adapters applied over it; this one replaces it
             return manifest
 
     @property
@@ -332,6 +348,13 @@ class WeightPublisher(ServingFace):
         """The adapter version on under the next whole-model version (-1: none published), kept served while it is on:
         one adapter version's bytes besides the `keep_versions` versions."""
         return self._adapter_on
+
+    @property
+    def base_on(self) -> int:
+        """The whole-model version the next adapter version applies over (-1: none published, the engines' model from
+        disk), kept served while it is the base of the newest adapter version: one whole model's bytes besides the
+        `keep_versions` versions, only once it has fallen out of them (adapter versions published after it)."""
+        return self._base_on
 
     async def _publish_locked(self, named_tensors: Any, version: int, t0: float, expected_fetchers: int | None,
                               wait_ready: bool) -> Manifest:
@@ -487,8 +510,9 @@ class WeightPublisher(ServingFace):
 
     def _evict_past_window(self, version: int) -> None:
         """`version` is past the `keep_versions` window: evicted, unless it is the adapter version on under the newest
-        versions (a joiner fetches it with them: `Manifest.adapter_on`)."""
-        if version != self._adapter_on:
+        versions (a joiner fetches it with them: `Manifest.adapter_on`), or the whole-model version the newest adapter
+        versions apply over (`Manifest.base_on`)."""
+        if version not in (self._adapter_on, self._base_on):
             self._evict(version)
 
     def _evict(self, version: int) -> None:

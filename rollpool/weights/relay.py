@@ -36,6 +36,8 @@ A whole-model version that names an adapter version on under it (`Manifest.adapt
 relayed with that adapter version: fetched first when the relay does not hold it (a relay that started late), and
 kept past `keep_versions` while the latest names it, so the workers behind the relay that join get both. One the
 upstream no longer serves is counted (`adapter_on_missing`) and the whole-model version relayed all the same.
+The other way round, an adapter version names the whole-model version it applies over (`Manifest.base_on`, passed
+through): held the same way (fetched first when missing, kept while the latest names it, `base_on_missing` counted).
 
 ``rollpool relay`` (or ``python -m rollpool.weights``) runs one; its flags are `RelayConfig`'s.
 """
@@ -188,6 +190,8 @@ class Relay(ServingFace):
         """Upstream deltas that could not be rebuilt here: the full version was fetched instead."""
         self.adapter_on_missing = 0
         """Whole-model versions relayed without the adapter version on under them (upstream no longer served it)."""
+        self.base_on_missing = 0
+        """Adapter versions relayed without the whole-model version they apply over (upstream no longer served it)."""
         self._started = False
         self._stop = asyncio.Event()
 
@@ -258,6 +262,7 @@ class Relay(ServingFace):
         if version <= self._latest:
             return self._latest
         await self._hold_adapter_on(manifest)
+        await self._hold_base_on(manifest)
         if manifest.delta_base >= 0:
             try:
                 return await self._follow_delta(manifest, base)
@@ -292,6 +297,27 @@ class Relay(ServingFace):
         await self._follow_full(got, declined=True, latest=False)
         log.info("relay %s: holds adapter version %d, on under version %d", self.relay_id, wanted, manifest.version)
 
+    async def _hold_base_on(self, manifest: Manifest) -> None:
+        """Before an adapter version that names the whole-model version it applies over (`Manifest.base_on`): that
+        version held and served here too (a worker joining behind this relay applies it before the adapter), kept past
+        `keep_versions` while the latest names it. One the upstream no longer serves is counted in `base_on_missing` and
+        the adapter version relayed all the same (its joining workers then skip it, saying why)."""
+        wanted = manifest.base_on
+        if manifest.adapter is None or wanted < 0 or wanted in self._server.versions:
+            return
+        try:
+            got = check_manifest(await self.upstream.fetch_manifest(wanted, delta=False))
+        except WeightVersionGoneError as exc:
+            self.base_on_missing += 1
+            log.warning("relay %s: adapter version %d applies over version %d, which upstream no longer serves (%s); its "
+                        "joining workers will skip it", self.relay_id, manifest.version, wanted, exc)
+            return
+        if got.version != wanted or got.adapter is not None:
+            raise WeightSyncError(f"adapter version {manifest.version} names version {wanted} as its base, and upstream "
+                                  f"answered version {got.version}, which is not that whole-model version")
+        await self._follow_full(got, declined=True, latest=False)
+        log.info("relay %s: holds version %d, the base of adapter version %d", self.relay_id, wanted, manifest.version)
+
     async def _follow_delta(self, manifest: Manifest, base: ServedVersion | None) -> int:
         """Rebuild `manifest`'s version from the base held here and the upstream's encoded buckets, verify it, then serve
         it: the full version, and the same delta to the subscribers holding the base."""
@@ -314,7 +340,8 @@ class Relay(ServingFace):
         plain = tuple(replace(b, shm_segment="", ipc_offset=-1, ipc_checksum="", encoding="", delta_nbytes=0, delta_checksum="")
                       for b in manifest.buckets)
         served = ServedVersion(version=version, publisher_id=manifest.publisher_id, buckets=plain, sources=list(sources),
-                               chunk_bytes=manifest.chunk_bytes, adapter=manifest.adapter, adapter_on=manifest.adapter_on)
+                               chunk_bytes=manifest.chunk_bytes, adapter=manifest.adapter, adapter_on=manifest.adapter_on,
+                               base_on=manifest.base_on)
         summary = wire_summary(version, manifest.buckets, manifest.delta_base)
         payload = ServedVersion(version=version, publisher_id=manifest.publisher_id, chunk_bytes=manifest.chunk_bytes,
                                 buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
@@ -346,6 +373,7 @@ class Relay(ServingFace):
             chunk_bytes=manifest.chunk_bytes,
             adapter=manifest.adapter,
             adapter_on=manifest.adapter_on,
+            base_on=manifest.base_on,
         )
         if self._delta_on and not declined:
             self._server.expect_delta(served)  # its subscribers holding the version before get the changed elements
@@ -374,7 +402,7 @@ class Relay(ServingFace):
         self._latest = version
         self.versions_fetched += 1
         for old in sorted(self._server.versions)[: -self.keep_versions]:
-            if old != served.adapter_on:  # the adapter version on under the latest: kept while it is on
+            if old not in (served.adapter_on, served.base_on):  # the adapter on under the latest, or its base: kept
                 self._server.drop_version(old)
         for old in [v for v in self._held if v not in self._server.versions]:
             del self._held[old]

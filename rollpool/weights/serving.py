@@ -130,6 +130,8 @@ class ServedVersion:
     """The version is a LoRA adapter (`Manifest.adapter`, rollpool.weights.adapters); None: whole-model weights."""
     adapter_on: int = -1
     """A whole-model version: the adapter version on under it (`Manifest.adapter_on`); -1: none."""
+    base_on: int = -1
+    """An adapter version: the whole-model version it applies over (`Manifest.base_on`); -1: the model from disk."""
     delta_state: str = "none"
     """``"pending"``: the owner will compute a delta against the previous version (`WeightServer.make_delta`), manifest
     requests for one wait for it; ``"ready"``: `delta` is served; ``"none"``: full versions only."""
@@ -179,7 +181,8 @@ class ServedVersion:
     def manifest(self, request_id: str) -> Manifest:
         return Manifest(request_id=request_id, version=self.version, publisher_id=self.publisher_id, buckets=self.buckets,
                      chunk_bytes=self.chunk_bytes, host_key=self.host_key, pool=self.pool, cuda_ipc=self.cuda_ipc, bulk_port=self.bulk_port,
-                        adapter=self.adapter, adapter_on=self.adapter_on)
+                        adapter=self.adapter, adapter_on=self.adapter_on,
+                        base_on=self.base_on)
 
 
 class TensorSource:
@@ -312,6 +315,9 @@ class WeightServer:
         self.pending_adapter_on: dict[int, int] = {}
         """The adapter version on under each whole-model version being published (`Manifest.adapter_on`), taken by
         `add_version`."""
+        self.pending_base_on: dict[int, int] = {}
+        """The whole-model version each adapter version being published applies over (`Manifest.base_on`), taken by
+        `add_version`."""
         self.router_endpoint = ""
         self.pub_endpoint: str | None = None
         self.bytes_served = 0
@@ -431,6 +437,8 @@ class WeightServer:
             v.adapter = self.pending_adapters.pop(v.version, None)
         if v.adapter_on < 0:
             v.adapter_on = self.pending_adapter_on.pop(v.version, -1)
+        if v.base_on < 0:
+            v.base_on = self.pending_base_on.pop(v.version, -1)
         self.versions[v.version] = v
         if announce:
             self.announce(v)

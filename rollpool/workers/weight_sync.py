@@ -43,6 +43,14 @@
   ``adapter_on_fallbacks``), never served without the adapter its tokens would claim. A
   whole-model version the engine refuses after that adapter was given to it takes the
   engine out of service (the adapter is on over a base no version names).
+- The other way round, an adapter version whose manifest names the whole-model version it
+  applies over (`Manifest.base_on`) that the engine does not serve (the worker joined
+  after adapter versions over it) is applied with that whole-model version: fetched and
+  verified like any version, given to the engine first inside the same pause, counted
+  in ``bases_joined``. One that cannot be fetched or that the engine refuses: the
+  adapter version is skipped (reported, counted in ``base_on_fallbacks``), never served
+  over another base. An adapter refused after its base was given to the engine takes
+  the engine out of service.
 - Memory: at most two versions are held, the one served (kept to re-apply after a
   restart) and the one being fetched, plus, while a whole-model version is served over a
   LoRA adapter version, that adapter version (the engines keep it on across whole-model
@@ -143,8 +151,9 @@ class _Version:
     fetched: FetchedVersion | None = None
     """The subscriber's version object holding the buffers (None for tensors given directly)."""
     under: _Version | None = None
-    """A whole-model version: the adapter version its manifest names as on under it (`Manifest.adapter_on`), fetched
-    because this worker did not have it on; applied first, in the same pause."""
+    """Applied first, in the same pause. A whole-model version: the adapter version its manifest names as on under it
+    (`Manifest.adapter_on`), fetched because this worker did not have it on. An adapter version: the whole-model version
+    its manifest names as its base (`Manifest.base_on`), fetched because the engine did not serve it."""
 
 
 def _adapter_of(version: _Version) -> Any:
@@ -158,6 +167,14 @@ def _adapter_on_of(fetched: FetchedVersion) -> int:
     if getattr(manifest, "adapter", None) is not None:
         return -1
     return int(getattr(manifest, "adapter_on", -1))
+
+
+def _base_on_of(fetched: FetchedVersion) -> int:
+    """The whole-model version a fetched adapter version names as its base (`Manifest.base_on`), else -1."""
+    manifest = getattr(fetched, "manifest", None)
+    if getattr(manifest, "adapter", None) is None:
+        return -1
+    return int(getattr(manifest, "base_on", -1))
 
 
 async def _import_subscriber_module() -> None:
@@ -202,6 +219,12 @@ class WeightSync:
         self.adapter_on_fallbacks = 0
         """Whole-model versions skipped because the adapter version on under them could not be fetched (evicted) or
         was refused: never served without it (their tokens would name a policy they were not sampled under)."""
+        self.bases_joined = 0
+        """Whole-model versions fetched and applied with an adapter version whose manifest names them as its base
+        (`Manifest.base_on`): the engine did not serve them (this worker joined after them, or missed them)."""
+        self.base_on_fallbacks = 0
+        """Adapter versions skipped because the whole-model version they apply over could not be fetched (evicted) or
+        was refused: never served over another base (their tokens would name a policy they were not sampled under)."""
         self.skipped = -1
         """The newest version given up on (its fetch, grant or apply kept failing)."""
         self.subscriber: Subscriber | None = None
@@ -212,6 +235,9 @@ class WeightSync:
         self._served: _Version | None = None
         self._adapter_on: _Version | None = None
         """The adapter version still on under `_served` when that is a whole-model version applied after it."""
+        self._base_under = -1
+        """The whole-model version the engine serves under `_served` when that is an adapter version (-1: its model
+        from disk)."""
         self._reapply_target: _Version | None = None
         self._served_abandoned = False
         """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
@@ -323,21 +349,21 @@ class WeightSync:
                 await asyncio.sleep(delay)
                 continue
             try:
-                under = await self._fetch_adapter_on(sub, fetched)
+                under = await (self._fetch_base_on(sub, fetched) if _base_on_of(fetched) >= 0 else self._fetch_adapter_on(sub, fetched))
             except WeightVersionGoneError as exc:  # not served any more: retrying cannot help
                 failures = 0
-                await self._adapter_on_missing(sub, fetched, f"the publisher no longer serves it ({exc})")
+                await self._under_missing(fetched, f"the publisher no longer serves it ({exc})")
                 continue
             except WeightSyncError as exc:
                 failures += 1
                 if failures >= self.config.weight_retries:
                     failures = 0
-                    await self._adapter_on_missing(sub, fetched, f"its fetch failed {self.config.weight_retries} times ({exc})")
+                    await self._under_missing(fetched, f"its fetch failed {self.config.weight_retries} times ({exc})")
                     continue
                 self._recycle(fetched)
                 delay = self.fetch_backoff_s(failures)
-                log.warning("adapter version %d (on under version %d) not fetched (%s); retrying in %.1fs", _adapter_on_of(fetched),
-                            target, exc, delay, extra={"worker": self.worker_id})
+                log.warning("version %d (applied with version %d) not fetched (%s); retrying in %.1fs",
+                            max(_adapter_on_of(fetched), _base_on_of(fetched)), target, exc, delay, extra={"worker": self.worker_id})
                 await asyncio.sleep(delay)
                 continue
             failures = 0
@@ -367,7 +393,46 @@ class WeightSync:
                  fetched.version, wanted, extra={"worker": self.worker_id})
         return _Version(got.tensors, wanted, got)
 
-    async def _adapter_on_missing(self, sub: Subscriber, fetched: FetchedVersion, why: str) -> None:
+    def _base_now(self) -> int:
+        """The whole-model version the engine serves now (the served version, or the one under it), else -1 (its model
+        from disk)."""
+        if self._served is None:
+            return -1
+        return self._base_under if _adapter_of(self._served) is not None else self._served.version
+
+    async def _fetch_base_on(self, sub: Subscriber, fetched: FetchedVersion) -> _Version | None:
+        """The whole-model version adapter version `fetched` names as its base (`Manifest.base_on`), fetched and verified
+        like any version, when the engine does not serve it (a late joiner); None when nothing is to be fetched."""
+        wanted = _base_on_of(fetched)
+        if wanted < 0 or wanted == self._base_now():
+            return None
+        got = await sub.fetch(wanted)
+        if int(got.version) != wanted or getattr(getattr(got, "manifest", None), "adapter", None) is not None:
+            self._recycle(got)
+            raise WeightSyncError(f"adapter version {fetched.version} names version {wanted} as its base, and the publisher "
+                                  f"served version {got.version}, which is not that whole-model version")
+        log.info("adapter version %d applies over version %d, which this worker's engine does not serve: fetched, applied "
+                 "first", fetched.version, wanted, extra={"worker": self.worker_id})
+        return _Version(got.tensors, wanted, got)
+
+    async def _under_missing(self, fetched: FetchedVersion, why: str) -> None:
+        """`fetched` is applied with a version this worker cannot get (`_Version.under`): skipped, reported."""
+        if _base_on_of(fetched) >= 0:
+            await self._base_on_missing(fetched, why)
+        else:
+            await self._adapter_on_missing(fetched, why)
+
+    async def _base_on_missing(self, fetched: FetchedVersion, why: str) -> None:
+        """Adapter version `fetched` applies over a whole-model version this worker cannot get: skipped (reported, the
+        last good version served on), never served over another base."""
+        self.base_on_fallbacks += 1
+        version, wanted = int(fetched.version), _base_on_of(fetched)
+        self.metrics.event("base_on_missing", {"worker_id": self.worker_id, "version": version, "base_version": wanted, "why": why})
+        self._recycle(fetched)
+        await self._skip(version, f"it applies over version {wanted} (Manifest.base_on), which this worker's engine does not serve "
+                                  f"and could not get: {why}; not served over another base")
+
+    async def _adapter_on_missing(self, fetched: FetchedVersion, why: str) -> None:
         """Whole-model version `fetched` runs on an adapter version this worker cannot get: skipped (reported, the last
         good version served on), never served without that adapter."""
         self.adapter_on_fallbacks += 1
@@ -506,7 +571,7 @@ class WeightSync:
         """An adapter version for an engine that serves it without a pause needs no apply slot when the broker
         says so (nothing pauses, so nothing to bound); every other version asks."""
         adapter = getattr(getattr(target.fetched, "manifest", None), "adapter", None)
-        no_pause = adapter is not None and isinstance(engine, AdapterEngine) and getattr(engine, "adapters_without_pause", False)
+        no_pause = adapter is not None and target.under is None and isinstance(engine, AdapterEngine) and getattr(engine, "adapters_without_pause", False)
         return not no_pause or self.adapters_need_grant()
 
     async def _pause_update_resume(self, engine: Engine, target: _Version) -> None:
@@ -515,7 +580,7 @@ class WeightSync:
         adapter = getattr(manifest, "adapter", None)
         if adapter is not None and not isinstance(engine, AdapterEngine):
             raise WeightsRefusedError(f"version {target.version} is a LoRA adapter and the {engine.info().name} engine serves no adapters")
-        if adapter is not None and getattr(engine, "adapters_without_pause", False):
+        if adapter is not None and target.under is None and getattr(engine, "adapters_without_pause", False):
             # the engine keeps several adapter versions loaded and each running sample names its own: nothing pauses
             self._paused_for_apply = False
             assert isinstance(engine, AdapterEngine)
@@ -529,7 +594,22 @@ class WeightSync:
         await engine.pause(self._apply_mode(engine))
         if adapter is not None:
             assert isinstance(engine, AdapterEngine)
-            await engine.update_adapter(target.tensors, adapter, target.version)
+            if under is not None:  # its base first, inside the pause: no sample runs on the adapter over another base
+                try:
+                    await engine.update_weights(under.tensors, under.version)
+                except WeightsRefusedError as exc:
+                    self.base_on_fallbacks += 1
+                    raise WeightsRefusedError(f"adapter version {target.version} applies over version {under.version} "
+                                              f"(Manifest.base_on), which the engine refused: {exc}") from exc
+                self.bases_joined += 1
+                try:
+                    await engine.update_adapter(target.tensors, adapter, target.version)
+                except WeightsRefusedError as exc:
+                    # the engine serves that base now, not the version this worker reports: replaced, as after a failed apply
+                    raise EngineError(f"adapter version {target.version} refused after its base, version {under.version}, was "
+                                      f"given to the engine ({exc}); the engine is restarted") from exc
+            else:
+                await engine.update_adapter(target.tensors, adapter, target.version)
         elif under is not None:  # first, inside the pause: no sample runs on that adapter over the old base
             assert isinstance(engine, AdapterEngine)
             try:
@@ -592,6 +672,11 @@ class WeightSync:
         if _adapter_of(target) is not None:
             done_with.append(self._adapter_on)  # a newer adapter replaces the one that was on
             self._adapter_on = None
+            if target.under is not None:  # the base fetched with it (a late joiner): the engine copied it
+                done_with.append(target.under)
+                self._base_under = target.under.version
+            elif previous is not None and _adapter_of(previous) is None:
+                self._base_under = previous.version
         elif target.under is not None:  # the adapter version fetched with it is on under it now (a late joiner)
             done_with.append(self._adapter_on)
             self._adapter_on = target.under

@@ -118,3 +118,38 @@ async def test_the_adapter_on_is_kept_past_keep_versions_and_a_relay_that_joins_
     assert manifest.adapter_on == 4 and pub.versions == [4, 5]
     assert await wait_until(lambda: relay.latest_version == 5, 30)
     assert sorted(relay._server.versions) == [4, 5]  # the relay dropped adapter 1 too, and holds adapter 4 under 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_that_joins_after_adapter_versions_over_a_whole_model_version_serves_them_over_that_version(
+        pool: Pool, model_dir: pathlib.Path) -> None:
+    """The reverse case: whole-model version 1, then adapter versions 2 and 3 over it (with ``keep_versions=2`` version 1
+    is past the window). The publisher names version 1 on adapter 3's manifest as its base (`Manifest.base_on`) and keeps
+    it served; a worker that joins at version 3 applies version 1 then adapter 3 in one pause. Before, it applied adapter
+    3 over its engine's model from disk, and its tokens said version 3 as the first worker's did."""
+    broker = await pool.start_broker()
+    client = await pool.client(broker.client_endpoint, keep_versions=2)
+    first = await pool.worker(broker.worker_endpoint, "w-first", engine_factory=lambda: _engine(model_dir))
+    assert await wait_until(lambda: first.engine is not None and first.engine.info() is not None, 60)
+    await client.publish_weights(_base_version(model_dir, seed=1), 1)
+    await _serves(first, 1)
+    for version in (2, 3):
+        named, spec = _adapter(model_dir, seed=version)
+        await client.publish_weights(named, version, adapter=spec)
+        await _serves(first, version)
+    joiner = await pool.worker(broker.worker_endpoint, "w-joiner", engine_factory=lambda: _engine(model_dir))
+    await _serves(joiner, 3)
+    engines = [first.engine, joiner.engine]
+    assert all(isinstance(e, HFEngine) for e in engines)
+    served = [(e._base_version, e.adapter_versions()[-1:]) for e in engines]  # type: ignore[union-attr]
+    assert served == [(1, [3]), (1, [3])]
+    outs = await asyncio.gather(*(e.generate(PROMPT, 1, GREEDY, f"same-{i}") for i, e in enumerate(engines)))  # type: ignore[union-attr]
+    a, b = (o.samples[0] for o in outs)
+    assert a.token_versions == b.token_versions == [3] * 8
+    assert a.output_ids == b.output_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5  # one policy: base 1 + adapter 3
+    assert joiner.weights.bases_joined == 1
+    publisher = client._publisher
+    assert publisher is not None and publisher.versions == [1, 2, 3]  # version 1 kept while it is the adapters' base
+    manifest = publisher.manifest_of(3)
+    assert manifest is not None and manifest.base_on == 1 and manifest.adapter is not None

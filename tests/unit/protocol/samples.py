@@ -156,6 +156,11 @@ def samples() -> dict[str, Any]:
         "manifest_adapter_on": p.Manifest(request_id="m10", version=11, publisher_id="pub", protocol_minor=23, adapter_on=9,
                                           buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="xxh3_64:0123456789abcdef",
                                                                 tensors=(p.TensorInfo(name="w", dtype="float32", shape=(8,), offset=0, nbytes=32),)),)),
+        # minor 24: an adapter version published over whole-model version 10, its base (BASE_ON_MINOR)
+        "manifest_base_on": p.Manifest(request_id="m11", version=12, publisher_id="pub", protocol_minor=24, base_on=10,
+                                       adapter=p.AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj",)),
+                                       buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="xxh3_64:0123456789abcdef",
+                                                             tensors=(p.TensorInfo(name="w", dtype="float32", shape=(8,), offset=0, nbytes=32),)),)),
     }
 
 
