@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rollpool.protocol import ADAPTER_ON_MINOR, decode, encode  # noqa: E402
+from rollpool.protocol import ADAPTER_ON_MINOR, BASE_ON_MINOR, decode, encode  # noqa: E402
 from rollpool.protocol.messages import Manifest, ManifestRequest, SamplingParams  # noqa: E402
 from rollpool.workers.engines.hf import HFEngine  # noqa: E402
 from tests.integration.reliability.conftest import Pool, pool, wait_until  # noqa: E402
@@ -153,3 +153,34 @@ async def test_a_worker_that_joins_after_adapter_versions_over_a_whole_model_ver
     assert publisher is not None and publisher.versions == [1, 2, 3]  # version 1 kept while it is the adapters' base
     manifest = publisher.manifest_of(3)
     assert manifest is not None and manifest.base_on == 1 and manifest.adapter is not None
+
+
+async def test_the_base_of_the_newest_adapter_is_kept_past_keep_versions_and_a_relay_that_joins_late_serves_it_too(
+        model_dir: pathlib.Path, make_publisher: Any, make_subscriber: Any, make_relay: Any, zmq_ctx: Any) -> None:
+    """The publisher keeps the whole-model version the newest adapter versions apply over (one whole model's bytes
+    besides its `keep_versions`, once they have pushed it out) until a newer whole-model version replaces it; a relay that
+    starts after the adapter versions fetches that base too and serves both, the field passed through."""
+    pub = await make_publisher(keep_versions=2)
+    base = _base_version(model_dir, seed=1)
+    await pub.publish(base, 1, wait_ready=True)
+    for version in (2, 3, 4):
+        named, spec = _adapter(model_dir, seed=version)
+        manifest = await pub.publish(named, version, adapter=spec, wait_ready=True)
+        assert manifest.base_on == 1
+    assert pub.versions == [1, 3, 4] and pub.base_on == 1
+    old = await _ask_as_minor(pub.router_endpoint, BASE_ON_MINOR - 1, zmq_ctx)  # a subscriber of the previous minor
+    assert (old.version, len(old.buckets)) == (4, len(manifest.buckets))  # answered as before (it ignores base_on)
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, keep_versions=1)
+    assert await wait_until(lambda: relay.latest_version == 4, 30)
+    relayed = make_subscriber(relay.router_endpoint, relay.pub_endpoint)
+    latest = await relayed.fetch()
+    assert (latest.version, latest.manifest.base_on, latest.manifest.adapter) == (4, 1, spec)
+    assert sorted(relay._server.versions) == [1, 4]  # keep_versions=1 and the base of the latest
+    relayed.recycle(latest)
+    got = await relayed.fetch(1)
+    assert got.manifest.adapter is None and all(torch.equal(got.tensors[k], v) for k, v in base.items())
+    # a newer whole-model version replaces it: version 1 is evicted like any version past the window
+    manifest = await pub.publish(_base_version(model_dir, seed=5), 5, wait_ready=True)
+    assert manifest.adapter_on == 4 and manifest.base_on == -1 and pub.versions == [4, 5] and pub.base_on == 5
+    assert await wait_until(lambda: relay.latest_version == 5, 30)
+    assert sorted(relay._server.versions) == [4, 5]  # the relay dropped version 1 too

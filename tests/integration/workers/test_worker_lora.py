@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollpool.protocol import ADAPTER_GRANT_MINOR, ADAPTER_ON_MINOR, PROTOCOL_MINOR, decode
+from rollpool.protocol import ADAPTER_GRANT_MINOR, ADAPTER_ON_MINOR, BASE_ON_MINOR, PROTOCOL_MINOR, decode
 from rollpool.protocol.messages import (
     FEATURES,
     ApplyDone,
@@ -367,3 +367,69 @@ async def _until(pred: Callable[[], bool], timeout_s: float = 30.0) -> bool:
             return True
         await asyncio.sleep(0.02)
     return pred()
+
+
+@pytest.mark.timeout(90)
+async def test_a_joiner_that_cannot_get_the_base_of_an_adapter_version_skips_it_saying_why_and_serves_on(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """A worker joins at adapter version 2, whose manifest names whole-model version 1 as its base (`Manifest.base_on`),
+    and the publisher no longer serves version 1: adapter version 2 is not served over the engine's model from disk (its
+    tokens would name a policy they were not sampled under). It is skipped, reported with the reason, counted; the
+    worker serves its version on and applies the next one it can."""
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    sub.gone.add(1)
+    sub.versions[1], sub.manifests[1] = _whole_model(tiny_model_dir, 1), types.SimpleNamespace(adapter=None)
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(2, named, manifest=types.SimpleNamespace(adapter=spec, base_on=1))
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
+    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
+    assert "version 1" in (skipped.error or "") and "no longer served" in (skipped.error or "")
+    assert sub.fetches == [2, 1] and worker.weights.base_on_fallbacks == 1 and worker.weights.skipped == 2
+    assert engine.adapter_versions() == [] and engine.version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    # the next whole-model version is served, and an adapter version over it needs nothing fetched besides
+    sub.publish(3, _whole_model(tiny_model_dir, 3), manifest=types.SimpleNamespace(adapter=None))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 3
+    await broker.send(ApplyGrant(version=3))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    named4, spec4 = _adapter(tiny_model_dir)
+    sub.publish(4, named4, manifest=types.SimpleNamespace(adapter=spec4, base_on=3))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 4
+    await broker.send(ApplyGrant(version=4))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert sub.fetches == [2, 1, 3, 4] and engine.adapter_versions() == [4] and worker.weights.bases_joined == 0
+
+
+@pytest.mark.timeout(90)
+async def test_a_publisher_of_the_previous_minor_gives_a_joiner_adapter_versions_as_before(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """A publisher of the minor before `BASE_ON_MINOR`, whose adapter manifests carry no `base_on` (decoded here from
+    its wire form), and a broker of that minor: the joining worker applies the adapter version over its engine's base as
+    before, fetching nothing else."""
+    import msgpack
+
+    from rollpool.workers.engines.hf import HFEngine
+
+    engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1,
+                         protocol_minor=BASE_ON_MINOR - 1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    named, spec = _adapter(tiny_model_dir)
+    fields = {"request_id": "m", "version": 2, "buckets": [], "adapter": {"rank": spec.rank, "alpha": spec.alpha,
+                                                                           "target_modules": list(spec.target_modules)}}
+    old = decode([msgpack.packb([1, BASE_ON_MINOR - 1, "manifest", fields], use_bin_type=True)])
+    assert isinstance(old, Manifest) and old.base_on == -1 and old.adapter is not None
+    sub.versions[1], sub.manifests[1] = _whole_model(tiny_model_dir, 1), types.SimpleNamespace(adapter=None)
+    sub.publish(2, named, manifest=old)
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2
+    await broker.send(ApplyGrant(version=2))
+    assert (await broker.expect(ApplyDone, timeout_s=30)).ok
+    assert sub.fetches == [2] and engine.adapter_versions() == [2] and worker.weights.bases_joined == 0
