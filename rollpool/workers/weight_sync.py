@@ -71,7 +71,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from rollpool.protocol.errors import EngineError, WeightsRefusedError, WeightSyncError
@@ -675,6 +675,8 @@ class WeightSync:
             if target.under is not None:  # the base fetched with it (a late joiner): the engine copied it
                 done_with.append(target.under)
                 self._base_under = target.under.version
+                # its buffers take the next fetch: not given again to a restarted engine (docs/lora.md, not covered)
+                self._served = replace(target, under=None)
             elif previous is not None and _adapter_of(previous) is None:
                 self._base_under = previous.version
         elif target.under is not None:  # the adapter version fetched with it is on under it now (a late joiner)
