@@ -433,3 +433,28 @@ async def test_a_publisher_of_the_previous_minor_gives_a_joiner_adapter_versions
     await broker.send(ApplyGrant(version=2))
     assert (await broker.expect(ApplyDone, timeout_s=30)).ok
     assert sub.fetches == [2] and engine.adapter_versions() == [2] and worker.weights.bases_joined == 0
+
+
+@pytest.mark.timeout(90)  # one launch of the sim child
+async def test_a_joiner_on_the_sglang_engine_applies_the_base_of_the_adapter_version_it_joins_at(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The sglang engine (its sim child and `SimLora`), which takes adapter versions without a pause: a worker joining
+    at adapter version 2, whose manifest names whole-model version 1 as its base, asks for the apply slot and gives the
+    engine version 1 and then adapter 2 in one pause; its samples run on adapter 2 and carry version 2."""
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          lora=True, lora_dir=str(tmp_path / "lora"), start_timeout_s=60,
+                          server_args=json.dumps({**SIM_SERVER_ARGS, "decode_s_per_token": 0.002}))
+    worker, broker, _run = await harness(lambda: engine, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    sub.versions[1], sub.manifests[1] = _whole_model(tiny_model_dir, 1), types.SimpleNamespace(adapter=None)
+    named, spec = _adapter(tiny_model_dir)
+    sub.publish(2, named, manifest=types.SimpleNamespace(adapter=spec, base_on=1))
+    assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 2  # a pause: it takes the slot
+    await broker.send(ApplyGrant(version=2))
+    done = await broker.expect(ApplyDone, timeout_s=30)
+    assert done.ok and done.version == 2 and sub.fetches == [2, 1] and worker.weights.bases_joined == 1
+    assert sorted(engine._adapters) == [2] and engine.version == 2
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
