@@ -261,8 +261,7 @@ class Relay(ServingFace):
         version = manifest.version
         if version <= self._latest:
             return self._latest
-        await self._hold_adapter_on(manifest)
-        await self._hold_base_on(manifest)
+        await self._hold_under(manifest)
         if manifest.delta_base >= 0:
             try:
                 return await self._follow_delta(manifest, base)
@@ -276,47 +275,32 @@ class Relay(ServingFace):
         # (or had none), and the same bytes compared here would judge the same, so none is computed here
         return await self._follow_full(manifest, declined=base is not None and base.version == version - 1)
 
-    async def _hold_adapter_on(self, manifest: Manifest) -> None:
-        """Before a whole-model version that names an adapter version on under it (`Manifest.adapter_on`): that adapter
-        version held and served here too (a worker joining behind this relay fetches it with the whole-model version),
-        kept past `keep_versions` while it is on. One the upstream no longer serves is counted in `adapter_on_missing`
-        and the whole-model version relayed all the same (its workers then skip it, saying why)."""
-        wanted = manifest.adapter_on
-        if manifest.adapter is not None or wanted < 0 or wanted in self._server.versions:
+    async def _hold_under(self, manifest: Manifest) -> None:
+        """Before a version that names the version it is served with: a whole-model version the adapter version on under
+        it (`Manifest.adapter_on`), an adapter version the whole-model version it applies over (`Manifest.base_on`).
+        That version is held and served here too (a worker joining behind this relay applies it first), kept past
+        `keep_versions` while the latest names it. One the upstream no longer serves is counted (`adapter_on_missing`,
+        `base_on_missing`) and `manifest` relayed all the same (its joining workers then skip it, saying why)."""
+        is_adapter = manifest.adapter is not None
+        wanted = manifest.base_on if is_adapter else manifest.adapter_on
+        what = "whole-model version" if is_adapter else "adapter version"
+        if wanted < 0 or wanted in self._server.versions:
             return
         try:
             got = check_manifest(await self.upstream.fetch_manifest(wanted, delta=False))
         except WeightVersionGoneError as exc:
-            self.adapter_on_missing += 1
-            log.warning("relay %s: version %d runs on adapter version %d, which upstream no longer serves (%s); its workers "
-                        "will skip version %d", self.relay_id, manifest.version, wanted, exc, manifest.version)
+            if is_adapter:
+                self.base_on_missing += 1
+            else:
+                self.adapter_on_missing += 1
+            log.warning("relay %s: version %d is served with %s %d, which upstream no longer serves (%s); its joining "
+                        "workers will skip version %d", self.relay_id, manifest.version, what, wanted, exc, manifest.version)
             return
-        if got.version != wanted or got.adapter is None:
-            raise WeightSyncError(f"version {manifest.version} names adapter version {wanted} as on under it, and upstream "
-                                  f"answered version {got.version}, which is not that adapter")
+        if got.version != wanted or (got.adapter is not None) == is_adapter:
+            raise WeightSyncError(f"version {manifest.version} names {what} {wanted} as served with it, and upstream "
+                                  f"answered version {got.version}, which is not that {what}")
         await self._follow_full(got, declined=True, latest=False)
-        log.info("relay %s: holds adapter version %d, on under version %d", self.relay_id, wanted, manifest.version)
-
-    async def _hold_base_on(self, manifest: Manifest) -> None:
-        """Before an adapter version that names the whole-model version it applies over (`Manifest.base_on`): that
-        version held and served here too (a worker joining behind this relay applies it before the adapter), kept past
-        `keep_versions` while the latest names it. One the upstream no longer serves is counted in `base_on_missing` and
-        the adapter version relayed all the same (its joining workers then skip it, saying why)."""
-        wanted = manifest.base_on
-        if manifest.adapter is None or wanted < 0 or wanted in self._server.versions:
-            return
-        try:
-            got = check_manifest(await self.upstream.fetch_manifest(wanted, delta=False))
-        except WeightVersionGoneError as exc:
-            self.base_on_missing += 1
-            log.warning("relay %s: adapter version %d applies over version %d, which upstream no longer serves (%s); its "
-                        "joining workers will skip it", self.relay_id, manifest.version, wanted, exc)
-            return
-        if got.version != wanted or got.adapter is not None:
-            raise WeightSyncError(f"adapter version {manifest.version} names version {wanted} as its base, and upstream "
-                                  f"answered version {got.version}, which is not that whole-model version")
-        await self._follow_full(got, declined=True, latest=False)
-        log.info("relay %s: holds version %d, the base of adapter version %d", self.relay_id, wanted, manifest.version)
+        log.info("relay %s: holds %s %d, served with version %d", self.relay_id, what, wanted, manifest.version)
 
     async def _follow_delta(self, manifest: Manifest, base: ServedVersion | None) -> int:
         """Rebuild `manifest`'s version from the base held here and the upstream's encoded buckets, verify it, then serve

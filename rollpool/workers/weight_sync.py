@@ -416,31 +416,23 @@ class WeightSync:
         return _Version(got.tensors, wanted, got)
 
     async def _under_missing(self, fetched: FetchedVersion, why: str) -> None:
-        """`fetched` is applied with a version this worker cannot get (`_Version.under`): skipped, reported."""
-        if _base_on_of(fetched) >= 0:
-            await self._base_on_missing(fetched, why)
+        """`fetched` is served with a version this worker cannot get (`_Version.under`): an adapter version over the
+        whole-model version it applies over (`Manifest.base_on`), or a whole-model version with the adapter version on
+        under it (`Manifest.adapter_on`). Skipped (reported, the last good version served on), never served without it."""
+        version, base = int(fetched.version), _base_on_of(fetched)
+        if base >= 0:
+            self.base_on_fallbacks += 1
+            event, key, wanted = "base_on_missing", "base_version", base
+            said = (f"it applies over version {base} (Manifest.base_on), which this worker's engine does not serve and "
+                    f"could not get: {why}; not served over another base")
         else:
-            await self._adapter_on_missing(fetched, why)
-
-    async def _base_on_missing(self, fetched: FetchedVersion, why: str) -> None:
-        """Adapter version `fetched` applies over a whole-model version this worker cannot get: skipped (reported, the
-        last good version served on), never served over another base."""
-        self.base_on_fallbacks += 1
-        version, wanted = int(fetched.version), _base_on_of(fetched)
-        self.metrics.event("base_on_missing", {"worker_id": self.worker_id, "version": version, "base_version": wanted, "why": why})
+            self.adapter_on_fallbacks += 1
+            event, key, wanted = "adapter_on_missing", "adapter_version", _adapter_on_of(fetched)
+            said = (f"it runs on adapter version {wanted} (Manifest.adapter_on), which this worker does not have on and "
+                    f"could not get: {why}; not served without it")
+        self.metrics.event(event, {"worker_id": self.worker_id, "version": version, key: wanted, "why": why})
         self._recycle(fetched)
-        await self._skip(version, f"it applies over version {wanted} (Manifest.base_on), which this worker's engine does not serve "
-                                  f"and could not get: {why}; not served over another base")
-
-    async def _adapter_on_missing(self, fetched: FetchedVersion, why: str) -> None:
-        """Whole-model version `fetched` runs on an adapter version this worker cannot get: skipped (reported, the last
-        good version served on), never served without that adapter."""
-        self.adapter_on_fallbacks += 1
-        version, wanted = int(fetched.version), _adapter_on_of(fetched)
-        self.metrics.event("adapter_on_missing", {"worker_id": self.worker_id, "version": version, "adapter_version": wanted, "why": why})
-        self._recycle(fetched)
-        await self._skip(version, f"it runs on adapter version {wanted} (Manifest.adapter_on), which this worker does not have on "
-                                  f"and could not get: {why}; not served without it")
+        await self._skip(version, said)
 
     def _recycle(self, fetched: Any) -> None:
         if fetched is not None and self.subscriber is not None:
