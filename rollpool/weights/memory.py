@@ -695,13 +695,16 @@ class VersionBuffers:
         return self.pool.pinned_budget_bytes
 
     def reserve(self, total_bytes: int, versions: int, device: Any = None) -> int:
-        """Host buffers for `versions` versions of `total_bytes` (and, with `device`, its device slabs first: quick,
-        and the device paths do not wait for the host buffers); returns the bytes."""
+        """Host buffers for `versions` versions of `total_bytes` (and, with `device`, one version's device slab first:
+        quick, and the device paths do not wait for the host buffers); returns the host bytes."""
         if versions < 1:
             raise ValueError(f"versions must be >= 1, got {versions}")
         t0 = time.perf_counter()
         if device is not None:
-            self.reserve_device(total_bytes, device, versions)
+            # one version's device slab: a second is made on demand, only while two versions are on the device at
+            # once (one waiting for its apply while the next is fetched); two reserved idle cost the worker's GPU a
+            # whole model more (at 8B with an 8 GiB optimizer beside the trainer on one 80 GB card, an OOM)
+            self.reserve_device(total_bytes, device, 1)
         have = sum(1 for n in self.pool.free_sizes() if n >= total_bytes)
         self.pool.reserve([total_bytes] * max(0, versions - have))
         self.reserved_versions = max(self.reserved_versions, versions)

@@ -58,3 +58,24 @@ def test_the_shared_memory_reaper_is_reaped_at_a_normal_exit(monkeypatch: pytest
     assert proc is not None and proc.poll() is None
     memory._unlink_all()  # what atexit runs
     assert proc.poll() == 0  # the reaper exited and was reaped, not left running
+
+
+def test_a_subscriber_reserves_one_version_on_its_device_and_two_on_the_host() -> None:
+    """At 8B on one 80 GB card the worker held two reserved device slabs (2 x 14.5 GB, idle on the network path) beside
+    the engine's staging copy, and its own next allocation ran out of memory: one device slab is reserved, a second is
+    made only while two versions are on the device at once."""
+    from rollpool.weights import memory
+    from rollpool.weights.gpu import DeviceSlabs
+
+    slabs = DeviceSlabs()
+    buffers = memory.VersionBuffers(pin=False, pinned_budget_bytes=None, slabs=slabs)
+    try:
+        assert buffers.reserve(1 << 20, 2, "cpu") == 2 << 20
+        assert slabs.allocations == 1
+        assert sorted(buffers.pool.free_sizes()) == [1 << 20, 1 << 20]
+        first = slabs.take_at_least(1 << 20, "cpu")
+        assert slabs.allocations == 1  # the reserved one
+        slabs.take_at_least(1 << 20, "cpu")  # a second version on the device at once: made on demand
+        assert slabs.allocations == 2 and first.numel() >= 1 << 20
+    finally:
+        buffers.pool.close()
