@@ -37,6 +37,13 @@ for step in "$@"; do
   wait "$pid"; rc=$?
   pkill -KILL -s "$pid" 2>/dev/null  # the step's session: whatever it started and left running
   sleep 2
+  # a killed step's CUDA contexts can hold the GPU a while after the kill: the next step's SGLang would size its KV
+  # cache from what is free (seen: "Loaded weights leave no GPU memory for the KV cache"); wait (at most 60 s)
+  for _ in $(seq 60); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1)
+    [ "${used:-0}" -lt 2048 ] && break
+    sleep 1
+  done
   log "$name: rc=$rc in $((SECONDS - s)) s"
   tail -c 3000 "$STEP/step.log" >>"$OUT/batch.log"; echo >>"$OUT/batch.log"
   for f in "$STEP"/*.json; do [ -e "$f" ] && cp "$f" "$OUT/${name}--$(basename "$f")"; done

@@ -28,6 +28,7 @@ from rollpool.protocol.messages import CudaIpcBuffer
 
 __all__ = [
     "MIX64",
+    "MIX64_CPU_SLICE_WORDS",
     "MIX64_SLICE_WORDS",
     "ARENA_ALIGN",
     "DeviceSlabs",
@@ -45,7 +46,11 @@ __all__ = [
 
 MIX64 = "mix64"
 MIX64_SLICE_WORDS = 8 * 1024 * 1024
-"""Words per slice (64 MiB): the temporaries of one slice are 2 x 64 MiB."""
+"""Words per slice on a GPU (64 MiB): the temporaries of one slice are 2 x 64 MiB."""
+MIX64_CPU_SLICE_WORDS = 256 * 1024
+"""Words per slice on the CPU (2 MiB): a slice's temporaries stay in the cache across the sum's five passes (5x the
+rate of 64 MiB slices on the 2-core box: 2.8 against 0.6 GB/s a thread; a trainer publishing 14.5 GB from CPU tensors
+over the staged shared-memory path waits for these sums)."""
 ARENA_ALIGN = 256
 """Every bucket starts at a multiple of this in an arena (so a bucket viewed as int64 words is aligned)."""
 
@@ -106,9 +111,10 @@ def mix64_partial(data: torch.Tensor, base_word: int = 0) -> torch.Tensor:
     acc = torch.zeros((), dtype=torch.int64, device=data.device)
     if words:
         w = data[: words * 8].view(torch.int64)
-        idx = _indices(data.device, min(words, MIX64_SLICE_WORDS))
-        for start in range(0, words, MIX64_SLICE_WORDS):
-            x = w[start : start + MIX64_SLICE_WORDS]
+        step = MIX64_SLICE_WORDS if data.is_cuda else min(MIX64_SLICE_WORDS, MIX64_CPU_SLICE_WORDS)
+        idx = _indices(data.device, min(words, step))
+        for start in range(0, words, step):
+            x = w[start : start + step]
             acc += _mix_sum(x, idx[: x.numel()], base_word + start)
     tail = n - words * 8
     if tail:

@@ -31,6 +31,16 @@ def test_mix64_in_torch_matches_its_numpy_specification(n: int, monkeypatch: Any
     assert mix64_reference(data).startswith("mix64:") and len(mix64_reference(data)) == len("mix64:") + 16
 
 
+def test_mix64_on_the_cpu_in_its_own_slices_matches_the_specification() -> None:
+    """CPU tensors are summed in slices of `MIX64_CPU_SLICE_WORDS` (cache-sized), CUDA ones in `MIX64_SLICE_WORDS`:
+    the digest is the same whatever the slicing."""
+    from rollpool.weights import gpu
+
+    data = os.urandom(gpu.MIX64_CPU_SLICE_WORDS * 8 * 2 + 8 * 1000 + 5)  # two full slices, a partial one, a tail
+    assert gpu.MIX64_CPU_SLICE_WORDS < gpu.MIX64_SLICE_WORDS
+    assert mix64_checksum(_u8(data)) == mix64_reference(data)
+
+
 def test_mix64_catches_a_flipped_bit_and_swapped_words() -> None:
     data = bytearray(os.urandom(64 * 1024))
     base = mix64_checksum(_u8(bytes(data)))
