@@ -37,6 +37,9 @@ for step in "$@"; do
   wait "$pid"; rc=$?
   pkill -KILL -s "$pid" 2>/dev/null  # the step's session: whatever it started and left running
   sleep 2
+  # and whatever still holds the GPU (a step killed for memory leaves children of other sessions: seen twice, the next
+  # step's SGLang then found a quarter of the GPU free)
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -KILL 2>/dev/null
   # a killed step's CUDA contexts can hold the GPU a while after the kill: the next step's SGLang would size its KV
   # cache from what is free (seen: "Loaded weights leave no GPU memory for the KV cache"); wait (at most 60 s)
   for _ in $(seq 60); do
