@@ -32,14 +32,18 @@ for step in "$@"; do
   export STEP="$W/$name"; mkdir -p "$STEP"
   log "$name: start (limit ${limit} s): $cmd"
   s=$SECONDS
+  before=" $(ps -e -o pid= | tr -s ' \n' ' ') "
   setsid timeout "$limit" bash -c "$cmd" >"$STEP/step.log" 2>&1 &
   pid=$!
   wait "$pid"; rc=$?
   pkill -KILL -s "$pid" 2>/dev/null  # the step's session: whatever it started and left running
   sleep 2
-  # and whatever still holds the GPU (a step killed for memory leaves children of other sessions: seen twice, the next
-  # step's SGLang then found a quarter of the GPU free)
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -KILL 2>/dev/null
+  # and whatever still holds the GPU (a step killed for memory or time leaves children of other sessions: seen thrice, the next
+  # step's SGLang then found a quarter of the GPU free; nvidia-smi names no pids inside the container): every process
+  # made since the step began, but this script's own
+  for p in $(ps -e -o pid=); do
+    case "$before" in *" $p "*) ;; *) [ "$p" != "$$" ] && [ "$p" != "$BASHPID" ] && kill -KILL "$p" 2>/dev/null ;; esac
+  done
   # a killed step's CUDA contexts can hold the GPU a while after the kill: the next step's SGLang would size its KV
   # cache from what is free (seen: "Loaded weights leave no GPU memory for the KV cache"); wait (at most 60 s)
   for _ in $(seq 60); do
