@@ -41,6 +41,16 @@ def test_mix64_on_the_cpu_in_its_own_slices_matches_the_specification() -> None:
     assert mix64_checksum(_u8(data)) == mix64_reference(data)
 
 
+def test_mix64_parts_of_a_cpu_bucket_add_up_to_its_digest() -> None:
+    from rollpool.weights import gpu
+
+    data = os.urandom(gpu.MIX64_CPU_SLICE_WORDS * 8 + 4096 + 3)
+    cut = gpu.MIX64_CPU_SLICE_WORDS * 8 - 64  # every part but the last starts and ends on a word
+    whole = _u8(data)
+    parts = int(gpu.mix64_partial(whole[:cut], 0).item()) + int(gpu.mix64_partial(whole[cut:], cut // 8).item())
+    assert gpu.mix64_format(parts) == mix64_reference(data)
+
+
 def test_mix64_catches_a_flipped_bit_and_swapped_words() -> None:
     data = bytearray(os.urandom(64 * 1024))
     base = mix64_checksum(_u8(bytes(data)))
