@@ -618,6 +618,13 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
             name = f"{path}_{on}" + ("_delta" if delta else "")
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "delta": delta, "versions": recs}
+            if ("host" if path == "tcp" else "shm") != last_kind or on != last_on:
+                # the last row's served versions leave (and their buffers with them) before this row reserves its own:
+                # both sets at once, beside a CPU copy of the state dict and the worker's 2 versions, ran the H100 host's
+                # 128 GiB out at 8B (three runs killed before their last rows)
+                for old in list(pub._server.versions):
+                    pub._evict(old)
+                pub._buffers.trim_spares(0)
             pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto", "ring_only": "auto"}[path])
             pub.config = dataclasses.replace(pub.config, weight_delta=delta)  # read at each publish
             # ring_only: the same GPU at keep_versions=0 (the ring alone, no host copy; the call returns once the worker
