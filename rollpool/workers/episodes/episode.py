@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import inspect
 import itertools
 import json
+import logging
 import math
 import queue
 import secrets
@@ -98,13 +100,21 @@ class TokenizerLane:
     nothing queued and nothing running, so the tokenizer is never used by two threads at once. A small call
     (a turn's rendering and tokenizing within `INLINE_CHARS`, well under a millisecond) costs less there than the
     two hand-offs between threads, which under a busy loop each wait for the GIL (up to its 5 ms switch
-    interval); a large one, or any call while the lane holds work, goes to the thread as before.
+    interval); a larger one, or any call while the lane holds work, goes to the thread as before.
+
+    A large call (`call`'s ``large``: past `LARGE_CHARS`, one agent's huge message) runs on a second thread of its
+    own, in order among large calls, with a copy of the tokenizer made there on first use (given as `tokenizer`): the
+    argument that is the runner's tokenizer is swapped for the copy, so each tokenizer is still used by one thread at
+    a time, and the other episodes' turns do not queue behind it. Without a tokenizer, or one that cannot be copied,
+    a large call takes the lane as any other.
     """
 
     INLINE_CHARS = 16_384
     """The most characters of text a call may render or tokenize and still count as small (`call`'s ``small``)."""
+    LARGE_CHARS = 262_144
+    """Past this many characters a call counts as large (`call`'s ``large``): about 64k tokens, seconds to tokenize."""
 
-    def __init__(self, name: str = "rollpool-episode-tokenizer") -> None:
+    def __init__(self, name: str = "rollpool-episode-tokenizer", tokenizer: Any = None) -> None:
         self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue())
         self._closed = False
@@ -114,6 +124,13 @@ class TokenizerLane:
         """Calls the thread finished (written by the thread only): the lane is idle when it equals `_submitted`."""
         self.inline_calls = 0
         """Calls run at once on the caller's thread (`call`'s ``small``)."""
+        self.large_calls = 0
+        """Calls run on the large lane with the tokenizer's copy (`call`'s ``large``)."""
+        self.name = name
+        self._tokenizer = tokenizer
+        self._large: TokenizerLane | None = None
+        self._copy: Any = None
+        self._copy_failed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -147,9 +164,30 @@ class TokenizerLane:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._settle, fut, result, error)
 
-    async def call(self, fn: Callable[..., T], *args: Any, small: bool = False) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any, small: bool = False, large: bool = False) -> T:
         if self._closed:
             raise RuntimeError("the tokenizer lane is shut down")
+        if large and self._tokenizer is not None and not self._copy_failed:
+            if self._large is None:
+                self._large = TokenizerLane(f"{self.name}-large")
+            shared = self._tokenizer
+
+            def on_copy(*given: Any) -> T:
+                if self._copy is None:
+                    try:
+                        self._copy = copy.deepcopy(shared)
+                    except Exception as exc:  # a tokenizer that cannot be copied: the shared one, in the lane
+                        self._copy_failed = True
+                        _log.warning("episode tokenizer: large calls share the lane (the tokenizer cannot be copied: %s)", exc)
+                        raise _NoCopy from exc
+                return fn(*(self._copy if a is shared else a for a in given))
+
+            try:
+                result = await self._large.call(on_copy, *args)
+            except _NoCopy:
+                return await self.call(fn, *args)
+            self.large_calls += 1
+            return result
         if small and self._completed == self._submitted:
             self.inline_calls += 1
             return fn(*args)
@@ -163,6 +201,15 @@ class TokenizerLane:
         """Run nothing more (queued calls are cancelled) and let the thread end."""
         self._closed = True
         self._queue.put(None)
+        if self._large is not None:
+            self._large.shutdown()
+
+
+class _NoCopy(Exception):
+    """The tokenizer could not be copied for the large lane."""
+
+
+_log = logging.getLogger(__name__)
 
 
 def request_digest(prompt_ids: Sequence[int], sampling: SamplingParams, constraint: OutputConstraint | None = None) -> int:
@@ -692,18 +739,17 @@ class Episode:
             self._stop_ids_cache = tuple(sorted(ids))
         return self._stop_ids_cache
 
-    def _end_of_turn(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> tuple[str, int | None]:
+    def _end_of_turn(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> tuple[str, int | None]:
         """The template's end-of-turn text after `messages`, and its token (e.g. ``<|im_end|>``) when it is one special token.
 
-        Probed once per (tools, first and last role of the history) for the runner's tokenizer: a chat
-        template closes an assistant turn by where the turn stands, not by the words of earlier messages,
-        and the probe is a whole rendering of the conversation (a third of a turn's template work).
+        Probed once per (tools, first and last role of the history) for the runner's tokenizer (`tok`: it, or the
+        large lane's copy of it): a chat template closes an assistant turn by where the turn stands, not by the words
+        of earlier messages, and the probe is a whole rendering of the conversation (a third of a turn's template work).
         """
         key = (chat.tools_key(tools), str(messages[0].get("role")), str(messages[-1].get("role")))
         found = self._eot_cache.get(key)
         if found is not None:
             return found
-        tok = self.tokenizer
         text = chat.end_of_turn(tok, messages, tools)
         eot = text.strip()
         ids = tok.encode(eot, add_special_tokens=False) if eot else []
@@ -726,11 +772,13 @@ class Episode:
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, chars: int | None = None) -> T:
         """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop;
-        `chars` (the text it renders or tokenizes) within `TokenizerLane.INLINE_CHARS`: on the loop when that thread is idle."""
+        `chars` (the text it renders or tokenizes) within `TokenizerLane.INLINE_CHARS`: on the loop when that thread is idle;
+        past `TokenizerLane.LARGE_CHARS`: on the large lane, with its copy of the tokenizer where `fn` is given `tok`."""
         if self.tokenizer_lane is None:
             return fn(*args)
         small = chars is not None and chars <= TokenizerLane.INLINE_CHARS
-        return await self.tokenizer_lane.call(fn, *args, small=small)
+        large = chars is not None and chars > TokenizerLane.LARGE_CHARS
+        return await self.tokenizer_lane.call(fn, *args, small=small, large=large)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
@@ -738,7 +786,7 @@ class Episode:
         end-of-turn text, end-of-turn id)."""
         prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
         delta = chat.extension(view, tok, messages, tools, prompt_text)
-        eot_text, eot_id = self._end_of_turn(messages, tools)
+        eot_text, eot_id = self._end_of_turn(tok, messages, tools)
         if delta is not None:
             return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, eot_text, eot_id
         return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), eot_text, eot_id
@@ -1031,14 +1079,14 @@ class Episode:
                 view = seg.chat if seg is not None and isinstance(seg.chat, _TextView) else None
                 if seg is not None and view is not None and prompt.startswith(view.text):
                     rest = prompt[len(view.text):]
-                    ids = await self._off_loop(lambda: list(tok.encode(rest, add_special_tokens=False)))
+                    ids = await self._off_loop(lambda t: list(t.encode(rest, add_special_tokens=False)), tok, chars=len(rest))
                     self._check_open()
                     self._fits(len(seg) + len(ids) + 1, seg)
                     reused = len(seg)
                     seg.insert(ids)
                 else:
                     text_prompt = prompt
-                    ids = await self._off_loop(lambda: list(tok.encode(text_prompt)))
+                    ids = await self._off_loop(lambda t: list(t.encode(text_prompt)), tok, chars=len(text_prompt))
                     self._check_open()
                     seg = self._begin(ids)
                 text_before = prompt

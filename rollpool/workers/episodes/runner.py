@@ -281,7 +281,7 @@ class EpisodeRunner:
     async def start(self) -> None:
         if not self._started:
             self._threads = ThreadPoolExecutor(max_workers=2 * self.config.max_episodes, thread_name_prefix="rollpool-episode")
-            self._tokenizer_lane = TokenizerLane()
+            self._tokenizer_lane = TokenizerLane(tokenizer=self.tokenizer)
             if self.config.serve_openai:
                 self.server.max_request_bytes = self._max_request_bytes()
                 await self.server.start()

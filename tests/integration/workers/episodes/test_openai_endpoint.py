@@ -522,3 +522,35 @@ async def test_episode_clients_share_one_http_client_and_closing_one_leaves_the_
     assert http_clients[0].is_closed and asyncio.get_running_loop() not in sdk._CLIENTS
     with pytest.raises(TypeError, match="no http_client"):
         sdk.episode_client("http://127.0.0.1/v1", "k", http_client=http_clients[0])
+
+
+async def test_turns_tokenized_on_the_large_lane_record_the_same_tokens(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request past `TokenizerLane.LARGE_CHARS` is rendered and tokenized on a thread of its own with a copy of the
+    runner's tokenizer (so one agent's huge message does not hold the other episodes' turns): every turn sent there
+    (the bound lowered to 64 characters) gives the trajectory the shared lane gives."""
+    from rollpool.workers.episodes.episode import TokenizerLane
+
+    async def agent(ctx: EpisodeContext, prompt: Prompt) -> float:
+        async with _client(ctx) as client:
+            messages: list[Any] = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 19 + 23?"}]
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+            messages.append(r.choices[0].message)
+            messages.append({"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "42"})
+            await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+        return 1.0
+
+    script = [CALL, "It is 42.<|im_end|>"]
+    (shared,), _, _ = await _run(tiny_tokenizer, list(script), agent)
+    large_calls: list[int] = []
+    shutdown = TokenizerLane.shutdown
+
+    def counted(lane: TokenizerLane) -> None:
+        large_calls.append(lane.large_calls)
+        shutdown(lane)
+
+    monkeypatch.setattr(TokenizerLane, "LARGE_CHARS", 64)
+    monkeypatch.setattr(TokenizerLane, "shutdown", counted)
+    (large,), _, runner = await _run(tiny_tokenizer, list(script), agent)
+    assert large_calls and large_calls[0] >= 2  # both turns' renderings went to the large lane
+    assert large.output_ids.tolist() == shared.output_ids.tolist() and large.input_ids.tolist() == shared.input_ids.tolist()
+    assert large.loss_mask.tolist() == shared.loss_mask.tolist() and runner.stats.segments == 1

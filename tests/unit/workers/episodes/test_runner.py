@@ -451,3 +451,65 @@ async def test_a_small_tokenizer_call_runs_on_the_loop_only_while_the_lane_is_id
         assert seen[-1] == ("idle again", True) and lane.inline_calls == 2
     finally:
         lane.shutdown()
+
+
+async def test_a_large_tokenizer_call_runs_beside_the_lane_with_its_own_copy_of_the_tokenizer() -> None:
+    """One agent's huge message (seconds of tokenizing) held every other episode's turns behind it in the one lane:
+    a call past `LARGE_CHARS` runs on a thread of its own with a copy of the tokenizer, so the tokenizer is still
+    used by one thread at a time and the other turns go on."""
+    from rollpool.workers.episodes.episode import TokenizerLane
+
+    class Tok:
+        def __init__(self) -> None:
+            self.name = "shared"
+
+        def __deepcopy__(self, memo: Any) -> Tok:
+            other = Tok()
+            other.name = "copy"
+            return other
+
+    shared = Tok()
+    lane = TokenizerLane(tokenizer=shared)
+    try:
+        started, release = threading.Event(), threading.Event()
+
+        def huge(t: Tok, text: str) -> str:
+            started.set()
+            release.wait(10)
+            return f"{t.name}:{len(text)}"
+
+        def turn(t: Tok) -> str:
+            return t.name
+
+        big = asyncio.ensure_future(lane.call(huge, shared, "x" * 1000, large=True))
+        assert await asyncio.to_thread(started.wait, 10)
+        assert await asyncio.wait_for(lane.call(turn, shared), 5) == "shared"  # not behind the huge one
+        release.set()
+        assert await big == "copy:1000" and lane.large_calls == 1
+        assert await lane.call(huge, shared, "y", large=True) == "copy:1"  # the copy is made once and kept
+    finally:
+        release.set()
+        lane.shutdown()
+
+
+async def test_a_tokenizer_that_cannot_be_copied_keeps_large_calls_in_the_lane_in_order() -> None:
+    from rollpool.workers.episodes.episode import TokenizerLane
+
+    class Uncopyable:
+        def __deepcopy__(self, memo: Any) -> Any:
+            raise TypeError("no copies")
+
+    shared = Uncopyable()
+    lane = TokenizerLane(tokenizer=shared)
+    try:
+        seen: list[Any] = []
+
+        def work(t: Any, i: int) -> int:
+            seen.append((t is shared, threading.current_thread().name))
+            return i
+
+        assert await lane.call(work, shared, 1, large=True) == 1
+        assert await lane.call(work, shared, 2, large=True) == 2
+        assert lane.large_calls == 0 and seen == [(True, "rollpool-episode-tokenizer")] * 2
+    finally:
+        lane.shutdown()
