@@ -1,6 +1,7 @@
 """Broker benchmark: what the broker costs, measured by the broker, beside Redis Streams and a trivial broker.
 
-NEW METHOD (issue 19; `p99_ms` and `broker_cpu_us_per_rt` of the JSON come from it)
+NEW METHOD (what the broker itself costs, not its load generators; `p99_ms` and `broker_cpu_us_per_rt` of the JSON
+come from it)
 
 * Load from separate processes: zero-latency simulated workers hosted many per process
   (`--hosts`, one DEALER each, epoll on their FDs) and open-loop clients (`--clients`) that

@@ -1,4 +1,4 @@
-"""The hf engine's output tokens/s against two transformers peers on CPU (issue 4).
+"""The hf engine's output tokens/s against two transformers peers on CPU.
 
 Workload (fixed and seeded, the same for every system): a tiny random Llama
 (`build_tiny_model` defaults: vocab 384, hidden 64, 2 layers, 4 heads, 2 KV

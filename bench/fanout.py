@@ -1,4 +1,4 @@
-"""Weight fan-out over bandwidth-limited links: direct vs one relay per node (issue 11).
+"""Weight fan-out over bandwidth-limited links: direct vs one relay per node.
 
 Hosts are Linux network namespaces: ``rp-pub`` (the publisher) and
 ``rp-node0 .. rp-node{N-1}`` (``--workers-per-node`` subscribers each, plus a

@@ -1,4 +1,4 @@
-"""GPU probe (issue 23): one GPU's host link, each way alone and both ways at once.
+"""GPU probe for the shm path staged to the GPU: one GPU's host link, each way alone and both ways at once.
 
     python3 bench/gpu_duplex_probe.py [GIB] > duplex.json
 

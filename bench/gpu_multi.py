@@ -1,4 +1,4 @@
-"""Several SGLang workers, rolling weight updates, a killed worker: issue 12's run (gpu, skipped in CI).
+"""Several SGLang workers, rolling weight updates, a killed worker on several GPUs (gpu, skipped in CI).
 
 One device call: a broker (``--max-applying 1``), N SGLang workers (worker i on GPU ``i % gpus``,
 ``CUDA_VISIBLE_DEVICES``), and a trainer client that keeps the pool busy with prompts while it

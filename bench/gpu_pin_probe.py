@@ -1,4 +1,5 @@
-"""GPU probe (issue 23): does page-locking host memory in a thread stall an asyncio loop, and how fast is each way?
+"""GPU probe for the weight paths at real model sizes: does page-locking host memory in a thread stall an asyncio
+loop, and how fast is each way?
 
     python3 bench/gpu_pin_probe.py GIB KIND CUDA_ON_LOOP     # KIND: torch_pinned | register; CUDA_ON_LOOP: 0 | 1
 

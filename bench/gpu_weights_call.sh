@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 23), from the checkout root after the kit install: the GPU tests of the weight paths (each
+# One device call, from the checkout root after the kit install: the GPU tests of the weight paths (each
 # timeout-wrapped), then bench/gpu_weights.py --run RUN [options], its --deadline-s what is left of BUDGET seconds
 # (give BUDGET as the call's limit less what the install took, less a margin); what matters is copied to $OUT.
 #   bash bench/gpu_weights_call.sh 8b 540 --rows shm_cuda,tcp_cuda --streams 8 --chunk-mib 8 --no-cuda-graph

@@ -3,8 +3,8 @@
 Every fenced block in a shell or Python language (``bash``, ``sh``, ``shell``, ``console``, ``python``,
 ``py``) carries a marker in the HTML comment right above it (several comments may stack there):
 
-- ``<!-- doc-test: run -->``: run by ``tests/integration/docs/test_doc_blocks.py`` in the normal CI job;
-- ``<!-- doc-test: slow -->``: run there too, marked ``slow`` (the long job);
+- ``<!-- doc-test: run -->``: run by ``tests/integration/docs/test_doc_blocks.py`` (CI's one pytest run);
+- ``<!-- doc-test: slow -->``: run there too, marked ``slow`` (``-m "not slow"`` skips it);
 - ``<!-- doc-test: serve -->``: each line starts a service; it must come up and stop cleanly on SIGINT;
 - ``<!-- doc-test: illustrative: REASON -->``: not run, and REASON says why (a GPU, another
   framework, a fragment of the block above, ...).

@@ -76,7 +76,8 @@ def test_relay_needs_an_upstream() -> None:
         LocalLaunchConfig(relay=True)
 
 
-# nested launch configs (issue 27): flags and environment stay flat, the TOML file nests, old flat TOML keys still read
+# nested launch configs (a shared group of fields is one dataclass, not copies): flags and environment stay flat, the
+# TOML file nests, old flat TOML keys still read
 
 
 def _cli_config(cls: type, argv: list[str], toml: str | None = None, tmp_path: pathlib.Path | None = None,

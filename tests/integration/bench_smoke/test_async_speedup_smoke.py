@@ -35,7 +35,7 @@ def test_async_speedup_smoke(tmp_path: Path) -> None:
     sync = data["runs"]["8"]["sync"]
     assert sync["samples"] == data["runs"]["8"]["async_eta2"]["samples"]  # same samples trained in both modes
     assert sync["max_staleness_seen"] == 0
-    # issue 24: the keep policy ran through the same pool, and every map is keyed by eta at the run's GPU count
+    # the keep policy ran through the same pool, and every map is keyed by eta at the run's GPU count
     keep = data["runs"]["8"]["keep_eta2"]
     assert keep["stale_policy"] == "keep" and keep["samples"] == sync["samples"]
     for key in ("keep_fraction_of_bound", "keep_wasted_share", "keep_older_than_eta_share", "drop_wasted_share",

@@ -208,7 +208,7 @@ async def test_a_minor6_workers_failed_apply_is_not_taken_for_a_skip_and_a_minor
         old.close()
         new.close()
 async def test_minor7_peers_without_the_minor8_fields_work_unchanged(start_broker) -> None:  # type: ignore[no-untyped-def]
-    """Protocol minor 8 (issue 24) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-7
+    """Protocol minor 8 (staleness control) adds SetVersion.stale_bound and WorkerHeartbeat.tokens_cancelled: a minor-7
     client and worker, whose messages lack them, are served as before (eta bounds the cancellation, nothing counted)."""
     h: Harness = await start_broker(heartbeat_interval_s=0.2, max_staleness=1, cancel_stale_inflight=True)
     w = RawWorker(h, "m7", minor=7, capacity=2)

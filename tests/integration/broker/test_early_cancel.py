@@ -1,5 +1,5 @@
-"""Issue 24 on real sockets: a real `Broker`, real `Worker`s on the sim engine (simulated tokens), a real
-`TrainerClient` publishing real (zero-byte) weight versions.
+"""Staleness control without wasted generation, on real sockets: a real `Broker`, real `Worker`s on the sim engine
+(simulated tokens), a real `TrainerClient` publishing real (zero-byte) weight versions.
 
 * early cancellation: a lease that started more than the trainer's bound behind is cancelled at the
   bump that dooms it, although its worker has caught up (today's rule looked at the worker only); the

@@ -1,4 +1,4 @@
-"""Per-peer limits on a live broker: refused with an error that names the limit, counted, others served (issue 21)."""
+"""Per-peer limits on a live broker: refused with an error that names the limit, counted, others served."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Oversize messages (issue 21, break 4): the sender refuses with an error naming the limit; the receiver counts the drops.
+"""Oversize messages: the sender refuses with an error naming the limit; the receiver counts the drops.
 
 A real broker, the real asyncio `TrainerClient`, tcp loopback. libzmq drops a
 message part over the receiver's MAXMSGSIZE together with the connection and

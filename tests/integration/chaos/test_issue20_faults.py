@@ -1,4 +1,4 @@
-"""The CI chaos run of issue 20: 2,000 prompts through a real pool under the issue-20 faults, checked end to end.
+"""The CI chaos run: 2,000 prompts through a real pool under the message-level faults, checked end to end.
 
 Broker, relay, four sim workers (simulated generation, `sim-chaos` engine) and Redis are child processes;
 the faults are every kind of `ISSUE20_FAULTS`: per-message drop, duplicate, delay and reorder and

@@ -4,8 +4,8 @@ Python and shell blocks run as a reader would run them, in a child process; one 
 (`POOL_NAMES`) gets a fresh local pool (`rollpool launch local`, sim workers) in their place; Python blocks get the names of
 prelude.py first. ``serve`` blocks start each line's service with its flags as written (endpoints through
 ``ROLLPOOL_*`` environment variables, so the line stays verbatim), check that the pool answers, then stop
-it with SIGINT and expect exit 0. ``slow`` blocks (and ``serve: slow``) run in the long job, with the tiny
-model made by ``rollpool make-tiny-model``.
+it with SIGINT and expect exit 0. ``slow`` blocks (and ``serve: slow``) are marked ``slow`` (CI's one pytest run
+runs them with the rest), with the tiny model made by ``rollpool make-tiny-model``.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def test_the_dashboard_charts_draw_the_pool_series(make_sink: Callable[..., Redi
         assert drawn["points"] >= 2 and drawn["lineTo"] >= 1, (chart, drawn)
     assert {"w1", "w2"} <= set(result["charts"]["chart-tokens"]["text"])  # one legend entry per worker
     assert result["workerRows"] == 2 and result["eventRows"] == 2
-    cards = {label: value for value, label in result["brokerCards"]}  # issue 24: the wasted shares by reason
+    # the wasted shares by reason (cancelled, dropped as stale)
+    cards = {label: value for value, label in result["brokerCards"]}
     assert cards["wasted"] == "30.0%" and cards["wasted: cancel"] == "25.0%" and cards["wasted: stale drop"] == "5.0%"
 
 

@@ -1,6 +1,6 @@
-"""Issue 20 monitoring on real parts: a broker (real sockets) repairs a lost task, re-sends an unacknowledged
-batch, stalls and hears of a failed version; its counters and events reach a real Redis through its metrics
-sink, and `rollpool top`'s frame and the Prometheus exporter's text show each of them."""
+"""Monitoring of the reconciliation on real parts: a broker (real sockets) repairs a lost task, re-sends an
+unacknowledged batch, stalls and hears of a failed version; its counters and events reach a real Redis through its
+metrics sink, and `rollpool top`'s frame and the Prometheus exporter's text show each of them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`rollpool top` shows refusals by role end to end (issue 21, monitoring).
+"""`rollpool top` shows refusals by role end to end (CURVE roles and limits, as an operator sees them).
 
 A real broker with CURVE roles (keys from `rollpool keys gen`, the broker host's files only) publishing
 to a real Redis; an intruder holding only a worker host's files dials the client port. `rollpool top

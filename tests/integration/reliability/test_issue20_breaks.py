@@ -1,8 +1,7 @@
-"""Issue 20: the seven ways exactly-once breaks when messages are lost, each reproduced on real sockets.
+"""The seven ways exactly-once broke when messages were lost, each reproduced on real sockets.
 
-Each test states the behaviour the trainer relies on and fails on today's
-code (the xfail marks are strict: when a fix lands its test passes, the run
-reports XPASS as a failure, and the mark must be removed). Message losses are
+Each test states the behaviour the trainer relies on and failed on the code
+before its fix (its strict xfail mark, removed when the fix landed). Message losses are
 made by `FaultyZmtpProxy` (a fake link at the process edge: it drops one
 chosen message on a live connection); stalls by SIGSTOP of a broker child
 process; engines that hang or refuse a parameter are fakes at the engine
@@ -84,7 +83,8 @@ async def test_break2_a_lost_task_or_credit_is_reconciled_by_heartbeats(pool: Po
 
 
 async def test_a_lost_result_is_found_by_the_held_digest_and_reconciled(pool: Pool) -> None:
-    # issue 19: a real worker's heartbeats carry a count and a digest of what it holds, not the list; a Result lost
+    # a heartbeat's size must not grow with what the worker holds: a real worker's heartbeats carry a count and a
+    # digest of what it holds, not the list; a Result lost
     # on the live connection makes the digests disagree, the broker asks for the list, and the lease is requeued
     broker = await pool.start_broker()
     proxy = await pool.proxy("broker:worker", broker.worker_endpoint)
@@ -101,8 +101,8 @@ async def test_a_lost_result_is_found_by_the_held_digest_and_reconciled(pool: Po
 
 
 async def test_a_worker_without_scoring_sends_its_credits_in_its_results(pool: Pool) -> None:
-    # issue 19: one message per finished task, not a Credit and a Result; a one-sequence worker only gets its next
-    # task when the broker read the credit inside the result
+    # one message per finished task, not a Credit and a Result (fewer messages per round trip); a one-sequence worker
+    # only gets its next task when the broker read the credit inside the result
     broker = await pool.start_broker()
     proxy = await pool.proxy("broker:worker", broker.worker_endpoint)
     await pool.worker(proxy.endpoint, "w1", capacity=1)

@@ -1,4 +1,4 @@
-"""Issue 20: a trainer that resumes from a checkpoint at an older version rebases the pool (protocol 1.6).
+"""A trainer that resumes from a checkpoint at an older version rebases the pool (protocol 1.6).
 
 On real sockets: an in-process broker, sim workers (simulated generation) fed by a
 real weight publisher hosted by the real `TrainerClient`. The first trainer reaches

@@ -59,7 +59,8 @@ def served() -> Iterator[Served]:
     pool.start_broker()
     pool.start_hf_worker(str(model))
     # Every adapter of this module hosts its own weight publisher on ports of its own (the default, as a porting user
-    # gets it): the broker names each new publisher to the worker, which follows it (issue 20 break 3).
+    # gets it): the broker names each new publisher to the worker, which follows it (a worker that kept its first
+    # subscriber stayed on the first publisher's versions).
     try:
         from rollpool.trainer_client import SyncTrainerClient
 

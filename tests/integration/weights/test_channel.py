@@ -326,7 +326,8 @@ async def test_malformed_frames_get_an_error_and_the_publisher_keeps_serving(mak
             reply = decode(await asyncio.wait_for(rogue.recv_multipart(), 5))
             assert isinstance(reply, Error)
             codes.append(reply.code)
-        # a type this socket does not serve is refused before its fields are read (roles table, issue 21)
+        # a type this socket does not serve is refused before its fields are read (the roles table: a peer cannot make
+        # a socket parse a message it does not serve)
         assert codes == ["malformed", "unexpected_type", "unexpected_type", "bad_range", "bad_range", "unknown_version", "gone"]
         assert pub.stats["protocol_errors"] >= 3
         await rogue.send_multipart(encode(ManifestRequest(request_id="ok")))

@@ -1,4 +1,4 @@
-"""A worker's Result over the broker's MAXMSGSIZE (issue 21, oversize, the worker's side).
+"""A worker's Result over the broker's MAXMSGSIZE (the worker's side of oversize messages).
 
 A real in-process broker whose sockets accept at most 32 KiB per message part (it says so in its
 Welcome), a real `Worker` on the sim engine, a real `TrainerClient`, tcp loopback. libzmq drops a part

@@ -76,7 +76,7 @@ def test_starting_a_version_behind_at_each_bump_costs_most_at_small_eta() -> Non
     assert loss[1] > 0.1 > loss[8]
 
 
-# ---------------------------------------------------------------------- the rule sets of issue 24 (MODEL)
+# ---------------------------------------------------------------------- the staleness rule sets (MODEL)
 
 TODAY = {"start_behind_at_bump": True}
 NEW = {"start_behind_at_bump": True, "fresh_dispatch_hold_s": 5.0, "apply_s": 1.0, "cancel_doomed": True}
@@ -135,7 +135,8 @@ def test_summarise_writes_the_issue_24_maps_from_the_model_and_the_runs() -> Non
     run = {"eta": 4, "steady_samples_per_s": 0.5 * bound, "samples_per_s": 0.5 * bound, "max_staleness_seen": 4,
            "wasted_share": 0.3, "older_than_eta_share": 0.0, "rules": "new"}
     keep = {**run, "steady_samples_per_s": 0.9 * bound, "max_staleness_seen": 7, "wasted_share": 0.01, "older_than_eta_share": 0.2}
-    today = {k: v for k, v in run.items() if k not in ("wasted_share", "rules")}  # stored before issue 24's broker rules
+    # stored before the broker's staleness rules
+    today = {k: v for k, v in run.items() if k not in ("wasted_share", "rules")}
     out: dict = {"runs": {"64": {"analytic": model, "async_eta4": run, "keep_eta4": keep, "today_eta4": {**today, "rules": "today"}}}}
     bench.summarise(out)
     assert out["keep_fraction_of_bound"] == {"64": {"4": pytest.approx(0.9)}}

@@ -1,4 +1,4 @@
-"""Issue 20: a rebase (checkpoint resume) in the broker's pure state, with an injected clock."""
+"""A rebase (checkpoint resume) in the broker's pure state, with an injected clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 20: the reconciliation rule of DESIGN.md as a pure-state test (no sockets, an injected clock).
+"""The reconciliation rule of DESIGN.md as a pure-state test (no sockets, an injected clock).
 
 The rule: every task carries a per-worker dispatch sequence number; each
 worker heartbeat echoes the highest one it received, the tasks it holds and

@@ -1,4 +1,4 @@
-"""Issue 24 in the broker's pure state (injected clock, no sockets): version-aware dispatch
+"""Staleness control in the broker's pure state (injected clock, no sockets): version-aware dispatch
 (`fresh_dispatch_hold_s`), early cancellation of doomed leases (`cancel_stale_inflight`, judged by
 each lease's start version against the trainer's bound) and wasted tokens by reason."""
 

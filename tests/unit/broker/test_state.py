@@ -382,7 +382,7 @@ def test_a_group_missing_a_sample_or_repeating_a_segment_is_invalid(case: str) -
 
 
 def test_an_apply_slot_held_past_its_deadline_goes_to_the_next_worker() -> None:
-    # issue 20 break 5: a hung apply held the slot forever
+    # before the deadline, a hung apply held the slot forever
     s = make(max_applying=1, apply_slot_deadline_s=2.0)
     a, b = join(s, "a"), join(s, "b")
     s.apply_request(a, 1, now=10.0)
@@ -446,7 +446,7 @@ def test_a_version_a_worker_gave_up_is_shown_on_it_and_frees_only_its_wait_for_a
 
 
 def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_until_acknowledged() -> None:
-    # issue 20 break 1: a lost Batch left its groups counted as delivered until a new ClientHello
+    # before the resend, a lost Batch left its groups counted as delivered until a new ClientHello
     s = make(result_resend_s=2.0)
     w = join(s, "w", capacity=4)
     s.submit([prompt("a"), prompt("b")], 0.0)
@@ -466,7 +466,7 @@ def test_a_group_sent_and_not_acknowledged_is_sent_again_after_result_resend_s_u
 
 
 def test_a_broker_stall_is_not_worker_silence_and_burns_no_attempt() -> None:
-    # issue 20 break 4: after a stall longer than dead-after every worker was declared dead
+    # liveness was judged on time: after a broker stall longer than dead-after every worker was declared dead
     s = make(task_timeout_s=10.0, apply_slot_deadline_s=5.0)  # dead after 3 x 1 s
     join(s, "w", capacity=4, now=0.0)
     v = join(s, "v", capacity=4, now=0.0)

@@ -66,7 +66,7 @@ def test_a_lease_the_worker_does_not_hold_is_a_mismatch_and_the_full_list_names_
     beat(s, w, 1.0, seq=3, held=[held[0], held[2], "ghost@0"], full=True)
     assert w.unreported == (lost,)
     assert s.counters["leases_unreported"] == 1 and s.counters["held_unknown"] == 1
-    if reconcile:  # issue 20: acted on at once, the lost lease is requeued burning no attempt
+    if reconcile:  # whole heartbeats are reconciled: acted on at once, the lost lease is requeued burning no attempt
         assert lost not in w.leases and s.leased == 2 and s.counters["leases_reconciled"] == 1
     else:  # a worker of protocol 1.4 or older: recorded only
         assert lost in w.leases and s.leased == 3 and s.counters["leases_reconciled"] == 0

@@ -1,5 +1,5 @@
-"""The chaos run's terminal bound (issue 20), on made-up timelines: which (clear, prompt) pairs are checked,
-which a later fault supersedes, and what counts as over the bound."""
+"""The chaos run's terminal bound (every prompt terminal within a bound after a fault clears), on made-up timelines:
+which (clear, prompt) pairs are checked, which a later fault supersedes, and what counts as over the bound."""
 
 from __future__ import annotations
 

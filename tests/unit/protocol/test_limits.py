@@ -1,4 +1,4 @@
-"""Limits are checked before allocation: a small header cannot expand into a large decode (issue 21, break 2).
+"""Limits are checked before allocation: a small header cannot expand into a large decode.
 
 The memory figures are traced by `tracemalloc` (every Python object msgpack
 builds goes through the traced allocator); they are bounds on what a decode

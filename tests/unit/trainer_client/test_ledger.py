@@ -304,7 +304,7 @@ def test_the_ledger_is_pure() -> None:
     assert {"rollpool", "numpy"} >= imported - {"__future__", "collections", "dataclasses"}, imported
 
 
-# ---------------------------------------------------------------------- stale_policy (issue 24)
+# ---------------------------------------------------------------------- stale_policy
 
 
 def test_keep_delivers_stale_groups_up_to_max_staleness_keep_with_their_staleness_stated() -> None:
@@ -435,7 +435,7 @@ def test_every_prompt_taken_is_reported_exactly_once_under_every_policy(policy: 
 
 
 def test_a_stale_dropped_group_redelivered_is_acknowledged_as_stale_again() -> None:
-    """Bug (before issue 24): the redelivery of a group dropped as stale (its dropped_stale ack lost) was
+    """Bug (before the stale_policy rules): the redelivery of a group dropped as stale (its dropped_stale ack lost) was
     acknowledged plainly, so the broker kept counting its samples as accepted and its capacity was never freed."""
     led = make()
     led.observe_version(5)
@@ -462,7 +462,8 @@ def test_segments_of_one_sample_are_distinct_trajectories_and_a_redelivery_drops
 
 
 def test_recheck_drops_ready_groups_the_version_has_moved_past_and_regenerates_them_whole() -> None:
-    # issue 20 break 7: a group taken by a timed-out get_batch is judged again before it is returned
+    # the hard staleness bound was skipped for a group taken by a timed-out get_batch; now it is judged again before
+    # it is returned
     led = make(stale_policy="regenerate")
     p = prompt("a", priority=3)
     accept(led, p, prompt("b"))
@@ -495,7 +496,7 @@ def test_a_trajectory_with_fewer_token_versions_than_tokens_fails_any_bound() ->
 
 
 def test_a_batch_for_an_abandoned_pull_is_kept_and_a_resend_of_a_held_group_is_acked_once() -> None:
-    # issue 20 break 1 (client side): a Batch reaching no waiting request was discarded
+    # before this, a Batch reaching no waiting request was discarded
     led = make()
     accept(led, prompt("a"))
     led.adopt([done("a", version=0)])

@@ -407,7 +407,7 @@ def test_every_task_ends_in_exactly_one_message_and_credits_stay_within_capacity
         assert ends.get(tid, 0) == 1 or tid in cancelled, (tid, ends)  # exactly one unless the broker cancelled it
 
 
-# ---------------------------------------------------------------- issue 20: whole heartbeats and rebases
+# ---------------------------------------------------------------- whole heartbeats and rebases
 
 
 def test_once_welcomed_a_heartbeat_echoes_the_numbering_the_welcome_names_and_is_whole() -> None:
@@ -426,7 +426,7 @@ def test_once_welcomed_a_heartbeat_echoes_the_numbering_the_welcome_names_and_is
 
 
 def test_to_a_broker_that_checks_digests_a_heartbeat_holds_a_count_and_a_digest_and_the_list_goes_when_asked() -> None:
-    # issue 19: a heartbeat's size must not grow with what the worker holds; the broker asks for the list on a mismatch
+    # a heartbeat's size must not grow with what the worker holds; the broker asks for the list on a mismatch
     s = make(capacity_limit=8)
     hello = s.engine_started(0.0, FACTS).send[0]
     assert isinstance(hello, Hello) and Feature.HELD_DIGEST in hello.features

@@ -63,7 +63,8 @@ def test_the_staging_subscriber_can_be_turned_off(monkeypatch: pytest.MonkeyPatc
     assert made_with(FakeEngine("cuda:0", stages=True), recording, off) == {"pin_memory": True, "stage_device": None}
 
 
-# -- the weight-path flags and the reserve at engine start (issue 23: config and CLI; no cold version)
+# -- the weight-path flags and the reserve at engine start (config and CLI; the first version lands in buffers made
+# before it)
 
 
 def worker_config(*argv: str) -> WorkerConfig:

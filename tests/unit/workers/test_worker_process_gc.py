@@ -1,4 +1,4 @@
-"""`rollpool worker` freezes its start-up heap out of the garbage collector once its engines are up (issue 23: a full
+"""`rollpool worker` freezes its start-up heap out of the garbage collector once its engines are up (a full
 collection of it came due around the first weight version and held the event loop for 118 ms on the H200)."""
 
 from __future__ import annotations
