@@ -46,6 +46,26 @@ class VisionSpec:
             raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
         return out, [[int(x) for x in row] for row in out["image_grid_thw"].tolist()]
 
+    def grids_of(self, images: Sequence[bytes]) -> list[list[int]]:
+        """The patch grids alone, for an engine that preprocesses the images itself (SGLang): from each image's size
+        as the processor resizes it (transformers' Qwen2-VL ``smart_resize`` with the processor's size bounds, patch
+        and merge sizes), the file's header read, no pixel decoded; the processor run whole (`grids`) where it is not
+        one whose grid follows from the size. The worker has already decoded every image (its image rules)."""
+        sized = _size_rule(self.processor)
+        if sized is None:
+            return self.grids(images)[1]
+        from PIL import Image
+
+        out: list[list[int]] = []
+        try:
+            for data in images:
+                with Image.open(io.BytesIO(data)) as im:
+                    w, h = im.size
+                out.append(sized(h, w))
+        except Exception as exc:  # noqa: BLE001 - any failure to read one image refuses its prompt only
+            raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
+        return out
+
     def placeholders(self, prompt: list[int], count: int) -> list[int]:
         """`prompt` with one image token per image: as given, or ``<start><image><end>`` per image put in front."""
         if self.image_id not in prompt:
@@ -66,6 +86,32 @@ class VisionSpec:
             else:
                 out.append(t)
         return out
+
+
+def _size_rule(processor: Any) -> Any:
+    """``(height, width) -> [1, grid_h, grid_w]`` for a Qwen2-VL-style processor (it resizes by ``smart_resize``
+    within its size bounds, then cuts patches of ``patch_size``), else None."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    except ImportError:
+        return None
+    if type(processor).__name__ not in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"):
+        return None
+    if not getattr(processor, "do_resize", True):
+        return None
+    size = getattr(processor, "size", None)
+    get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
+    lo, hi = get("shortest_edge"), get("longest_edge")
+    patch, merge = getattr(processor, "patch_size", None), getattr(processor, "merge_size", None)
+    if not (isinstance(patch, int) and isinstance(merge, int) and all(isinstance(x, int) and x > 0 for x in (lo, hi, patch, merge))):
+        return None
+    p, factor = patch, patch * merge
+
+    def rule(height: int, width: int) -> list[int]:
+        h, w = smart_resize(height, width, factor, min_pixels=lo, max_pixels=hi)
+        return [1, h // p, w // p]
+
+    return rule
 
 
 def load_vision_spec(path: str | pathlib.Path, config: Any | None = None) -> VisionSpec | None:

@@ -181,3 +181,39 @@ async def test_concurrent_first_text_prompts_load_the_tokenizer_once(tiny_vlm_di
     results = await asyncio.gather(*[sg._tokenize(None, "the red square", False) for _ in range(8)])
     assert calls == 1
     assert all(r == results[0] and r for r in results)
+
+
+@pytest.mark.parametrize("size", [(224, 224), (56, 56), (28, 300), (301, 97), (1000, 640), (13, 17), (640, 1)])
+def test_the_grids_from_the_image_size_are_the_processors_grids(tiny_vlm_dir: pathlib.Path, size: tuple[int, int]) -> None:
+    """The sglang engine reports the expanded ids from each image's size (SGLang preprocesses the pixels itself): the
+    grids must be the ones the model's image processor makes from the decoded image, at any size and aspect."""
+    import io
+
+    from PIL import Image
+
+    from rollpool.protocol.errors import RequestRefusedError
+    from rollpool.workers.engines.vision import _size_rule, load_vision_spec
+
+    spec = load_vision_spec(tiny_vlm_dir)
+    assert spec is not None and _size_rule(spec.processor) is not None  # the size rule, not the fallback, is tested
+    buf = io.BytesIO()
+    Image.new("RGB", size, (10, 200, 30)).save(buf, "PNG")
+    data = buf.getvalue()
+
+    def outcome(fn: Any) -> Any:
+        try:
+            return fn([data, data])
+        except RequestRefusedError as exc:
+            return str(exc)  # an aspect past 200: both refuse, with the processor's reason
+
+    assert outcome(spec.grids_of) == outcome(lambda d: spec.grids(d)[1])
+
+
+def test_the_grids_from_the_size_refuse_what_is_not_an_image(tiny_vlm_dir: pathlib.Path) -> None:
+    from rollpool.protocol.errors import RequestRefusedError
+    from rollpool.workers.engines.vision import load_vision_spec
+
+    spec = load_vision_spec(tiny_vlm_dir)
+    assert spec is not None
+    with pytest.raises(RequestRefusedError, match="refused the images"):
+        spec.grids_of([b"not an image"])

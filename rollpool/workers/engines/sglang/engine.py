@@ -761,7 +761,10 @@ class SGLangEngine:
                 self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
         spec = self._vision
         assert spec is not None  # the config has a vision tower
-        _pixels, grids = await asyncio.to_thread(spec.grids, images)
+        # the grids only (SGLang preprocesses the pixels itself): from each image's size, no second decode and no
+        # pixel arrays made here (the processor run whole cost the pool about a quarter of direct SGLang's rate with
+        # one 224 px image per prompt on an H100)
+        grids = await asyncio.to_thread(spec.grids_of, images)
         return spec.placeholders(prompt, len(images)), spec.expand(prompt, grids), [x for g in grids for x in g]
 
     async def _run_sample(self, req: _Request, s: _Sample) -> None:
