@@ -4,7 +4,8 @@ Reads the run JSONs of ``bench/gpu_demo.py`` (``<card>-demo-<mode>-s<seed>.json`
 per seed), takes from each what the simulator needs, runs the simulator's model with the same configuration,
 and writes the simulated async/sync ratio beside the measured one::
 
-    python bench/calibrate_sim.py --runs 'bench/results/h100-demo-*-s*.json' --json bench/results/h100-demo-calibration.json
+    python bench/calibrate_sim.py --runs 'bench/results/h100-demo-*-s*.json' --json bench/results/h100-demo-calibration.json \
+        --rerun-64
 
 The simulator is `bench/async_speedup.py`'s zero-latency model of the pool's rules (`ideal_pool`: AReaL
 admission over the engine's sequence slots, groups in completion order, the trainer's hard bound, a training
@@ -19,7 +20,7 @@ its prompt's length: ``Workload.shared_group_length``), and two measured times:
 * trainer seconds per token: the trainer's busy time per step (train + publish + the held-out check) over the
   tokens it trained, summed over the run.
 
-Two variants of the model:
+The earlier variants (they read the async runs' own times where said, so they fit rather than predict):
 
 * ``as_built``: the simulator as it is. Both times from the sync run, and, as its model has it, generation and
   training never slow each other (in its 64-GPU figures they run on different GPUs) and a decode step costs the
@@ -31,15 +32,34 @@ Two variants of the model:
   applied, dispatch, the pull: the measured sync step less the model's sync step, ``sync_latency_s``), which
   sits on sync's critical path once per step and which this variant takes as overlapped in async; its sync
   rate is therefore the measured one.
+* ``fitted_shared``: each run's group timings fitted as a fixed part plus seconds per token (`fitted_times`),
+  the async prediction with the async run's own fit.
 
-``simulator_error`` = |simulated ratio - measured ratio| / measured ratio, where ratio = trained samples per
-second of the training loop, async / sync, same seed (``async_over_sync_samples_per_s``; the demo's runs train
-B samples per step in both modes). Per mode it is the error of the mean over seeds; the top-level figure is the
-largest over the modes, for each variant. Where the as-built error is above 0.15, ``correction`` says which
-measured times moved and by how much, and ``--rerun-64`` re-runs the 64-GPU model figures (``ideal_pool`` at
-the issue's workload, eta 1, 2, 4, 8) with the async decode step slowed by the measured factor, labelled
-MODEL, corrected: an upper bound of the correction there, since on 64 GPUs the trainer has GPUs of its own
-and only the fuller engine's part of the slowdown applies.
+The corrected model (``corrected`` in the JSON; `bench/async_speedup.py` ``shared_gpu_pool`` with a
+``SharedGpuCost``): `ideal_pool`'s rules with the engine's clock counted in decode steps, and five parameters,
+fitted by `fit_corrected` on the sync runs and the async runs of ONE bound (``--fit-etas``, eta 1 by default)
+and then run unchanged at the other bounds (predicted, not fitted): the decode step (``decode_s_per_step``), the
+fixed seconds of a group (``group_latency_s``), a decode step's extra seconds per sequence decoding
+(``decode_s_per_seq``), the engines' pause at each weight version per sequence in flight (``update_s_per_seq``: the
+interrupt re-prefills every running sample) and a decode step's slowdown while the trainer trains on the same
+GPU (``decode_overlap``). The fit minimises, over those runs, the squared log errors of samples/s and of the
+trained groups' mean seconds, and the squared error of the trainer's idle share (async); the async trainer
+seconds per token are the fitted bound's measured ones.
+
+``simulator_error`` = |simulated ratio - measured ratio| / measured ratio of the corrected model, where ratio =
+wall time to the held-out reward threshold, async / sync, same seed (``async_over_sync``), per bound the error
+of the mean over seeds, the largest over the bounds fitted and predicted (``simulator_error_predicted``: over
+the predicted bounds only). The model predicts when each step ends, not how many steps learning needs, so its
+time to the threshold of a run is its time at the end of the step at which that run measured the threshold
+(``steps_to_threshold``). ``simulator_error_as_built`` is the as-built model on the same ratio;
+``simulator_error_samples_per_s`` (the as-built model) and ``simulator_error_shared_gpu``,
+``_shared_gpu_latency``, ``_fitted_shared`` (the three earlier variants) are on the ratio of trained samples per
+second of the training loop, async / sync (``async_over_sync_samples_per_s``; the demo's runs train B samples
+per step in both modes). Where the as-built samples/s error is above 0.15, ``correction`` says which measured
+times moved and by how much. ``--rerun-64`` re-runs the 64-GPU model figures (``ideal_pool`` at the issue's
+workload, eta 1, 2, 4, 8) with the corrected model (``rerun_64_corrected``: SIMULATED, corrected model; the
+uncorrected figures beside it as the upper bound) and, superseded, with the async decode step slowed by the
+one-GPU runs' measured factor (``rerun_64``).
 """
 
 from __future__ import annotations
@@ -414,8 +434,9 @@ def rerun_64(decode_slowdown: float, etas: Sequence[int] = (1, 2, 4, 8), gpus: i
         after = ideal_pool(slow, gen, train, eta, warmup_s=600.0, start_behind_at_bump=True)["samples_per_s"]
         rows[str(eta)] = {"speedup_model": round(before / base["sync_samples_per_s"], 3),
                           "speedup_model_corrected": round(after / base["sync_samples_per_s"], 3)}
-    return {"label": f"MODEL, corrected by the one-GPU calibration (async decode x{decode_slowdown:.2f}; sync unchanged); "
-                     f"{gpus} GPUs, the issue's workload; not measured",
+    return {"label": f"MODEL, superseded by rerun_64_corrected: the async decode step slowed by the one-GPU runs' measured "
+                     f"x{decode_slowdown:.2f} (sync unchanged), which counts the trainer sharing the GPU that 64 GPUs do not "
+                     f"have; {gpus} GPUs, the issue's workload; not measured",
             "gpus": gpus, "by_eta": rows}
 
 
