@@ -441,7 +441,7 @@ def rerun_64(decode_slowdown: float, etas: Sequence[int] = (1, 2, 4, 8), gpus: i
 
 
 def rerun_64_corrected(params: dict[str, float], etas: Sequence[int] = (1, 2, 4, 8), gpus: int = 64,
-                       warmup_s: float = 600.0) -> dict[str, Any]:
+                       warmup_s: float = 600.0, fit_etas: Sequence[int] = (1,)) -> dict[str, Any]:
     """The 64-GPU model figures (the issue's workload) with the corrected model, sync and async alike.
 
     SIMULATED, corrected model: `shared_gpu_pool` with the costs fitted on one GPU carried over in units of the decode
@@ -466,7 +466,7 @@ def rerun_64_corrected(params: dict[str, float], etas: Sequence[int] = (1, 2, 4,
                           "async_samples_per_s_corrected": round(after["samples_per_s"], 4),
                           "paused_share_corrected": round(after["paused_share"], 4)}
     return {"label": f"SIMULATED, corrected model (bench/async_speedup.py shared_gpu_pool, costs fitted on the one-GPU demo's "
-                     f"sync and eta-1 runs, in decode steps: {cost}); speedup_model: the uncorrected model, an upper bound; "
+                     f"sync and eta-{','.join(map(str, fit_etas))} runs, in decode steps: {cost}); speedup_model: the uncorrected model, an upper bound; "
                      f"{gpus} GPUs, the issue's workload; not measured",
             "gpus": gpus, "cost": {"decode_overlap": cost.decode_overlap, "decode_s_per_seq": cost.decode_s_per_seq,
                                    "update_s_per_seq": cost.update_s_per_seq},
@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rerun_64 and "correction" in out:
         out["rerun_64"] = rerun_64(out["correction"]["decode_slowdown"])
     if args.rerun_64 and "params" in out["corrected"]:
-        out["rerun_64_corrected"] = rerun_64_corrected(out["corrected"]["params"])
+        out["rerun_64_corrected"] = rerun_64_corrected(out["corrected"]["params"], fit_etas=fit_etas)
     print("samples/s ratio (async / sync):")
     print(f"{'mode':<8}{'eta':>4}{'measured':>10}{'(min..max)':>14}{'as built':>10}{'err':>7}{'shared GPU':>12}{'err':>7}"
           f"{'+ latency':>11}{'err':>7}{'fitted':>9}{'err':>7}")
