@@ -365,6 +365,138 @@ def ideal_pool(w: Workload, gen: int, train: int, eta: int, steps: int = 400, se
             **({"step_at_s": [float(x) for x in t]} if return_steps else {})}
 
 
+@dataclass(frozen=True)
+class SharedGpuCost:
+    """MODEL option, the *corrected model* of `bench/calibrate_sim.py`: what `ideal_pool` leaves out when the engine
+    applies every weight version by interrupting what it is generating, and (on one GPU) shares the card with the
+    trainer. All zero: `shared_gpu_pool` is `ideal_pool` (same rules, same draws, fixed decode step). Not used by the
+    simulated tables unless asked for (`bench/calibrate_sim.py --rerun-64`)."""
+
+    decode_overlap: float = 0.0
+    """While the trainer trains, a decode step takes (1 + decode_overlap) x `Workload.decode_s_per_step` (the trainer
+    and the engine on one GPU; 0 where the trainer has GPUs of its own)."""
+    decode_s_per_seq: float = 0.0
+    """A decode step takes this many seconds more per sequence decoding on the engine: with it the engine's token
+    rate levels off near 1 / decode_s_per_seq (the per-token work of the engine and the worker), so a fuller engine
+    makes every sequence in it slower instead of making more tokens."""
+    update_s_per_seq: float = 0.0
+    """At each weight version the engines stop for this many seconds per sequence in flight on an engine (the
+    interrupt: every running sample is re-prefilled on the new weights); no sequence in flight, no pause."""
+
+    def update_pause_s(self, seqs_per_engine: float) -> float:
+        return self.update_s_per_seq * seqs_per_engine
+
+
+def shared_gpu_pool(w: Workload, cost: SharedGpuCost, gen: int, train: int, eta: int, steps: int = 400, seed: int = 7,
+                    hard_bound: bool = True, warmup_s: float = 0.0, start_behind_at_bump: bool = False,
+                    return_steps: bool = False) -> dict[str, Any]:
+    """`ideal_pool`'s rules (admission, slots, completion order, hard bound; the drop policy) with the costs of
+    `SharedGpuCost`: a discrete-event model in which the engines' clock is counted in decode steps.
+
+    Every engine decodes one token of every sequence it holds per decode step (continuous batching), so a group
+    admitted at engine step tau ends at step tau + its longest length, whatever the wall time of a step; the wall
+    time of a step is `decode_s_per_step`, x (1 + `decode_overlap`) while the trainer trains, and no step runs
+    during the pause after each version (`update_s_per_seq` x sequences in flight per engine: the engines are
+    taken as evenly loaded, one pool of ``gen x capacity`` slots). A group's result arrives `group_latency_s` after
+    its last token (its slots held until then). Returns ``samples_per_s`` (steady, after `warmup_s`),
+    ``dropped_share``, ``mean_in_flight`` (sequences decoding, time-averaged), ``paused_share`` (of the wall time),
+    ``trainer_idle_share`` (over the whole run, as the demo measures it),
+    ``group_timings`` ([longest length, seconds from admission to result] of the trained groups) and, with
+    `return_steps`, ``step_at_s``."""
+    n, per_step = w.group_size, w.batch_size // w.group_size
+    draws = draw_lengths(w, (steps * per_step * 4, n), seed=seed)
+    if w.shared_group_length:
+        draws = np.repeat(draws[:, :1], n, axis=1)
+    slots = gen * w.capacity // n
+    version = accepted = running = decoding = 0
+    now = tau = 0.0
+    paused_until = 0.0
+    paused_total = in_flight_area = busy = 0.0
+    finish: list[tuple[float, int]] = []  # (engine step at which the group's last token is made, group id)
+    arrive: list[tuple[float, int]] = []  # (wall time its result reaches the trainer, group id)
+    live: dict[int, tuple[int, float, float, int]] = {}  # group id -> (version at start, tokens, start time, draw index)
+    done: deque[tuple[int, float, float, float]] = deque()  # (version at start, tokens, longest, seconds)
+    ready: list[tuple[int, float, float, float]] = []
+    train_end = math.inf
+    step_at: list[float] = []
+    timings: list[list[float]] = []
+    next_id = 0
+    ended = {"done": 0, "dropped": 0}
+
+    def admit(start: int) -> None:
+        nonlocal running, decoding, next_id
+        while len(live) < slots and accepted + running + n <= (version + eta + 1) * w.batch_size:
+            k = next_id % len(draws)
+            next_id += 1
+            live[next_id] = (start, float(draws[k].sum()), now, k)
+            running += n
+            decoding += n
+            heapq.heappush(finish, (tau + float(draws[k].max()), next_id))
+
+    def take() -> None:
+        nonlocal accepted
+        while done and len(ready) < per_step:
+            g = done.popleft()
+            if hard_bound and version - g[0] > eta:
+                accepted -= n
+                if now >= warmup_s:
+                    ended["dropped"] += 1
+            else:
+                ready.append(g)
+
+    admit(version)
+    while len(step_at) < steps:
+        step_s = ((w.decode_s_per_step + cost.decode_s_per_seq * decoding / gen)
+                  * (1.0 + (cost.decode_overlap if train_end < math.inf else 0.0)))
+        start_decoding = max(now, paused_until)
+        t_finish = start_decoding + (finish[0][0] - tau) * step_s if finish else math.inf
+        t_arrive = arrive[0][0] if arrive else math.inf
+        t_next = min(t_finish, t_arrive, train_end)
+        if t_next == math.inf:
+            raise RuntimeError("shared_gpu_pool: nothing in flight and the trainer idle (batch larger than the window?)")
+        if t_next > start_decoding:
+            tau += (t_next - start_decoding) / step_s
+        paused_total += max(0.0, min(t_next, paused_until) - now)
+        in_flight_area += decoding * (t_next - now)
+        now = t_next
+        bump = False
+        if t_next == train_end:
+            version += 1
+            train_end = math.inf
+            step_at.append(now)
+            bump = True
+            if decoding:
+                paused_until = now + cost.update_pause_s(decoding / gen)
+        elif t_next == t_arrive:
+            _, gid = heapq.heappop(arrive)
+            start_v, toks, t0, k = live.pop(gid)
+            running -= n
+            accepted += n
+            if now >= warmup_s:
+                ended["done"] += 1
+            done.append((start_v, toks, float(draws[k].max()), now - t0))
+        else:
+            _, gid = heapq.heappop(finish)
+            tau = max(tau, _)  # the float sum can fall a hair short of the event's step
+            decoding -= n
+            heapq.heappush(arrive, (now + w.group_latency_s, gid))
+        if train_end == math.inf:
+            take()
+            if len(ready) >= per_step:
+                batch, ready[:] = ready[:per_step], ready[per_step:]
+                train_end = now + sum(g[1] for g in batch) * w.train_s_per_token_gpu / train
+                busy += train_end - now
+                timings.extend([g[2], g[3]] for g in batch)
+        admit(version - 1 if bump and start_behind_at_bump else version)
+    t = np.asarray(step_at)
+    first = int(np.searchsorted(t, warmup_s))
+    return {"samples_per_s": float((len(t) - 1 - first) * w.batch_size / (t[-1] - t[first])) if len(t) - 1 > first else 0.0,
+            "dropped_share": ended["dropped"] / max(1, ended["done"]),
+            "mean_in_flight": in_flight_area / max(now, 1e-12), "paused_share": paused_total / max(now, 1e-12),
+            "trainer_idle_share": 1.0 - busy / max(now, 1e-12),
+            "group_timings": timings, **({"step_at_s": [float(x) for x in t]} if return_steps else {})}
+
+
 def analytic(w: Workload, gpus: int, etas: list[int], warmup_s: float, rule_models: bool = True) -> dict[str, Any]:
     """The bounds and the zero-latency models at each eta (`rule_models`: also the new rule sets)."""
     per_sample = draw_lengths(w, 400_000)

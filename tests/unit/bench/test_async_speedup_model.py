@@ -147,3 +147,41 @@ def test_summarise_writes_the_issue_24_maps_from_the_model_and_the_runs() -> Non
     assert out["drop_model_wasted_share"]["64"]["4"] == new_drop["wasted_share"]
     assert out["drop_fraction_of_model"]["64"]["4"] == pytest.approx(0.5 * bound / new_drop["samples_per_s"])
     assert out["today_fraction_of_bound"]["64"]["4"] == pytest.approx(0.5) and out["today_wasted_share"] == {}
+
+
+# ---------------------------------------------------------------------- the corrected model (one shared GPU, MODEL)
+
+DEMO = bench.Workload(length_median=32, length_sigma=1.0, length_cap=512, decode_s_per_step=0.0016, capacity=512,
+                      group_size=8, batch_size=256, train_s_per_token_gpu=25e-6, shared_group_length=True,
+                      group_latency_s=0.15)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_the_shared_gpu_model_without_costs_is_the_zero_latency_model(eta: int) -> None:
+    plain = bench.ideal_pool(DEMO, 1, 1, eta, steps=20, seed=3, return_steps=True)
+    shared = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(), 1, 1, eta, steps=20, seed=3, return_steps=True)
+    assert shared["step_at_s"] == pytest.approx(plain["step_at_s"], rel=1e-9)
+    assert shared["paused_share"] == 0
+
+
+def test_a_fuller_engine_slows_every_sequence_and_weight_updates_pause_the_groups_in_flight() -> None:
+    free = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(), 1, 1, 4, steps=30, seed=3)
+    per_seq = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(decode_s_per_seq=20e-6), 1, 1, 4, steps=30, seed=3)
+    paused = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(update_s_per_seq=5e-4), 1, 1, 4, steps=30, seed=3)
+    overlap = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(decode_overlap=1.0), 1, 1, 4, steps=30, seed=3)
+
+    def mean_s(r: dict) -> float:
+        return sum(g[1] for g in r["group_timings"]) / len(r["group_timings"])
+
+    for slow in (per_seq, paused, overlap):
+        assert mean_s(slow) > mean_s(free)
+    # (a decode slowed only while the trainer trains can raise the rate: the short groups it lets finish first make
+    # cheaper batches; so no rate claim for it)
+    assert per_seq["samples_per_s"] < free["samples_per_s"] and paused["samples_per_s"] < free["samples_per_s"]
+    assert per_seq["mean_in_flight"] > 2 * free["mean_in_flight"]  # slower sequences: more of them in flight
+    assert paused["paused_share"] > 0.02 and per_seq["paused_share"] == 0
+    # sync has nothing in flight at a version: the update pause costs it nothing
+    sync = bench.ideal_pool(DEMO, 1, 1, 0, steps=10, seed=3, return_steps=True)
+    sync_paused = bench.shared_gpu_pool(DEMO, bench.SharedGpuCost(update_s_per_seq=5e-4), 1, 1, 0, steps=10, seed=3,
+                                        return_steps=True)
+    assert sync_paused["step_at_s"] == pytest.approx(sync["step_at_s"], rel=1e-9)

@@ -56,7 +56,10 @@ def test_a_measured_ratio_the_model_misses_by_more_than_15_percent_gets_a_correc
     out = json.loads(out_path.read_text())
     row = out["by_mode"]["async2"]
     assert row["measured"] == pytest.approx(truth / sync_rate, rel=1e-3)
-    assert out["simulator_error"] > cs.ERROR_LIMIT and not out["within_limit"]  # as built: decode time fixed, no contention
+    # as built: decode time fixed, no contention
+    assert out["simulator_error_samples_per_s"] > cs.ERROR_LIMIT and not out["within_limit_samples_per_s"]
+    # no time to the threshold in these runs: no wall-time ratio, no corrected model, and no error made up for them
+    assert out["simulator_error"] is None and not out["within_limit"] and "skipped" in out["corrected"]
     assert out["simulator_error_shared_gpu"] < 0.02  # the measured contention times reproduce the measured ratio
     assert out["correction"]["decode_slowdown"] == pytest.approx(7 / 4, rel=1e-3)
     assert out["correction"]["trainer_slowdown"] == pytest.approx(1.5, rel=1e-3)
@@ -83,7 +86,7 @@ def test_a_ratio_the_model_predicts_within_15_percent_needs_no_correction(tmp_pa
     out = cs.calibrate(runs)
     row = out["by_mode"]["async4"]
     assert row["seeds"] == [0, 1] and row["measured_min"] < row["measured_max"]  # the spread over seeds
-    assert out["simulator_error"] < cs.ERROR_LIMIT and out["within_limit"]
+    assert out["simulator_error_samples_per_s"] < cs.ERROR_LIMIT and out["within_limit_samples_per_s"]
     assert "correction" not in out
 
 
@@ -119,3 +122,39 @@ def test_fitted_times_separate_the_fixed_seconds_of_a_group_from_its_seconds_per
     assert w.group_latency_s == pytest.approx(0.15)
     # the latency is on every group's clock: a step of the sync model takes longer with it than without it
     assert cs.simulated_rate(w, 0, 10) < cs.simulated_rate(cs.workload_of(rec, {**fitted, "group_latency_s": 0.0}), 0, 10)
+
+
+TRUTH = {"decode_s_per_step": 1e-3, "group_latency_s": 0.1, "decode_s_per_seq": 5e-6, "update_s_per_seq": 2e-3,
+         "decode_overlap": 0.5}
+SMALL_GRID = {"decode_s_per_step": (1e-3, 2e-3), "group_latency_s": (0.1, 0.2), "decode_s_per_seq": (0.0, 5e-6),
+              "update_s_per_seq": (0.0, 2e-3), "decode_overlap": (0.0, 0.5)}
+SEEDS = (1, 2)
+
+
+def _corrected_run(mode: str, eta: int, seed: int, params: dict[str, float], trainer_s: float, steps: int = 12) -> dict[str, Any]:
+    """A run JSON whose measured figures are the corrected model's own (what a GPU obeying the model would give)."""
+    rec = _run(mode, eta, seed, 0.002, trainer_s, 1.0, steps=steps)
+    sim = cs.corrected_sim(rec, params, eta, trainer_s, steps, SEEDS)
+    m = sim["mean_group_s"]
+    k = steps - 2
+    rec.update({"samples_per_s": sim["samples_per_s"], "trainer_idle_share": sim["trainer_idle_share"],
+                "group_timings": [[1, 16, m - 0.05, 8], [1, 48, m + 0.05, 8]],
+                "steps_to_threshold": k, "time_to_threshold_s": sim["step_at_s"][k - 1]})
+    return rec
+
+
+def test_the_corrected_model_fitted_on_sync_and_eta_1_recovers_its_parameters_and_predicts_eta_2() -> None:
+    runs = [_corrected_run("sync", 0, 0, TRUTH, 2e-5), _corrected_run("async1", 1, 0, TRUTH, 3e-5),
+            _corrected_run("async2", 2, 0, TRUTH, 3e-5)]
+    out = cs.calibrate(runs, fit_etas=(1,), grid=SMALL_GRID, seeds=SEEDS)
+    corr = out["corrected"]
+    assert corr["params"] == TRUTH and corr["loss"] == pytest.approx(0.0, abs=1e-12)
+    assert corr["trainer_s_per_token_async"] == pytest.approx(3e-5)  # the fitted bound's trainer, not the sync one's
+    assert [r["role"] for r in corr["by_mode"].values()] == ["fitted", "predicted"]
+    assert out["simulator_error_predicted"] < 1e-3 and out["within_limit"] and out["within_limit_predicted"]
+    # the same runs against the simulator as built (fixed decode step, nothing shared): far off on the wall time
+    assert out["simulator_error_as_built"] > cs.ERROR_LIMIT
+    # the predicted bound is not fitted on: its runs can say anything, the parameters stay
+    runs[2] = {**runs[2], "samples_per_s": 1.0, "trainer_idle_share": 0.99, "time_to_threshold_s": 1e3}
+    again = cs.fit_corrected(runs, fit_etas=(1,), grid=SMALL_GRID, seeds=SEEDS, refine_rounds=0)
+    assert again["params"] == TRUTH and not any("async2" in p for p in again["fitted_on"])
