@@ -2,6 +2,10 @@
 
     python bench/convergence.py --workers 16 --versions 12 --json bench/results/convergence-sim16.json
 
+With a real engine (one worker on the GPU: its versions carry no bytes, so the figures are the pool's own
+activation path on a real engine, not a weight transfer): ``--engine sglang --model DIR --workers 1
+--engine-options capacity=64,mem_fraction_static=0.5``.
+
 For each activation mode (``rolling``: apply slots, ``--max-applying`` at once; ``fleet``: every worker
 stages the version while serving and all switch together), one run: a broker process, one process
 hosting ``--workers`` sim workers (simulated tokens, zero-byte weight versions), and a `TrainerClient`
@@ -54,7 +58,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def run_mode(mode: str, workers: int, versions: int, groups_per_version: int, log_dir: Path, max_applying: int,
-                   decode_s: float, tokens: int, deadline_s: float, change_after_s: float) -> dict[str, Any]:
+                   decode_s: float, tokens: int, deadline_s: float, change_after_s: float,
+                   engine: str = "sim", model: str | None = None, engine_options: str | None = None) -> dict[str, Any]:
     from rollpool.protocol import GroupState, Prompt, SamplingParams
     from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
 
@@ -63,9 +68,12 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
     broker = _spawn([*py, "broker", "--worker-endpoint", bw, "--client-endpoint", bc, "--activation", mode,
                      "--max-applying", str(max_applying), "--heartbeat-interval-s", "0.2",
                      "--fleet-stage-deadline-s", str(deadline_s)], log_dir / f"convergence-{mode}-broker.log")
-    pool = _spawn([*py, "worker", "--engine", "sim", "--broker", bw, "--count", str(workers), "--worker-id", f"conv-{mode}",
+    options = engine_options if engine_options is not None else (
+        f"decode_s_per_token={decode_s},length=fixed,length_median={tokens},capacity=8" if engine == "sim" else "capacity=64")
+    real = [] if engine == "sim" else ["--model", str(model)]
+    pool = _spawn([*py, "worker", "--engine", engine, *real, "--broker", bw, "--count", str(workers), "--worker-id", f"conv-{mode}",
                    "--heartbeat-interval-s", "0.2", "--apply-mode", "interrupt", "--drain-timeout-s", "0.5",
-                   "--engine-options", f"decode_s_per_token={decode_s},length=fixed,length_median={tokens},capacity=8"],
+                   "--engine-options", options],
                   log_dir / f"convergence-{mode}-workers.log")
     all_in = asyncio.Event()
     exact_sent: dict[str, int] = {}
@@ -209,21 +217,29 @@ def main() -> int:
     ap.add_argument("--change-after-s", type=float, default=None,
                     help="publish each version this long after submitting the groups (default: one group's generation time)")
     ap.add_argument("--modes", default="rolling,fleet")
+    ap.add_argument("--engine", default="sim", help="the workers' engine: sim (SIMULATED), or hf / sglang with --model")
+    ap.add_argument("--model", default=None, help="the model directory for a real engine (e.g. a 1p4 model of bench/gpu_weights.py)")
+    ap.add_argument("--engine-options", default=None, help="the workers' --engine-options (default: the sim workload, or capacity=64)")
     ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.engine != "sim" and not args.model:
+        ap.error(f"--engine {args.engine} needs --model")
+    sim = args.engine == "sim"
     runs: dict[str, Any] = {}
     for mode in args.modes.split(","):
         runs[mode] = asyncio.run(run_mode(mode, args.workers, args.versions, args.groups_per_version, Path(args.log_dir),
                                           args.max_applying, args.decode_s_per_token, args.tokens, args.fleet_stage_deadline_s,
-                                          args.tokens * args.decode_s_per_token if args.change_after_s is None else args.change_after_s))
-    print(f"SIMULATED: {args.workers} sim workers, {args.versions} versions, apply mode interrupt (2-core box)")
+                                          args.tokens * args.decode_s_per_token if args.change_after_s is None else args.change_after_s,
+                                          args.engine, args.model, args.engine_options))
+    what = "SIMULATED: sim workers" if sim else f"MEASURED: {args.engine} workers on {args.model}"
+    print(f"{what}, {args.workers} of them, {args.versions} versions, apply mode interrupt")
     cols = ("convergence_p50_s", "convergence_p95_s", "convergence_max_s", "fleet_activation_skew_p95_ms", "exact_groups",
             "exact_delivered", "exact_failed_at_once", "exact_wrong_version", "exact_stuck")
     print(f"{'':28}" + "".join(f"{m:>12}" for m in runs))
     for c in cols:
         print(f"{c:28}" + "".join(f"{runs[m].get(c, '-')!s:>12}" for m in runs))
-    out: dict[str, Any] = {"simulated": True, "engine": "sim", "workers": args.workers, "versions": args.versions,
+    out: dict[str, Any] = {"simulated": sim, "engine": args.engine, "model": args.model, "workers": args.workers, "versions": args.versions,
                            "groups_per_version": args.groups_per_version, "max_applying": args.max_applying, "runs": runs}
     head = runs.get("fleet") or next(iter(runs.values()))
     for key in ("convergence_p50_s", "convergence_p95_s", "fleet_activation_skew_p95_ms"):
