@@ -13,7 +13,7 @@ One device call (``--out $OUT``); every stage rewrites the partial JSON before t
    worker's ``sglang apply`` line counts ``ranks`` = tp_size x dp_size, one payload each), every trajectory's
    token versions are checked, and publish -> applied is split into fetch, stage, pause, update, verify.
 
-Writes ``$OUT/<card>-tp<N>[-dp<M>].json`` (``h100-tp1.json`` on one H100) with ``pool_vs_direct`` (the goal at
+Writes ``$OUT/<card>-tp<N>[-dp<M>].json`` (``h200-tp1.json`` on one H200, as in bench/results) with ``pool_vs_direct`` (the goal at
 tp_size 1: >= 0.97), ``publish_to_applied_s`` and its split (compare with bench/results/h200-sglang.json's).
 
 On the device::

@@ -30,10 +30,6 @@ from tests.integration.reliability.conftest import Pool, sim_engine, wait_until
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
 
 
-def issue20(n: int, why: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 20 break {n}: {why}")
-
-
 def _tensors(torch: Any, value: float, extra: bool = False) -> dict[str, Any]:
     t = {"w": torch.full((64,), value)}
     if extra:
