@@ -58,8 +58,6 @@ def save() -> None:
 
 
 def build(work: Path, args: argparse.Namespace) -> tuple[Path, list[bytes]]:
-    from PIL import Image
-
     from rollpool.workers.engines.tiny_model import build_tiny_model
 
     model = work / "vlm"
@@ -75,13 +73,20 @@ def build(work: Path, args: argparse.Namespace) -> tuple[Path, list[bytes]]:
             cfg = json.loads((model / "config.json").read_text())
             cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
             (model / "config.json").write_text(json.dumps(cfg, indent=1))
-    rng = random.Random(0)
+    return model, noise_pngs(args.prompts, args.image_px)
+
+
+def noise_pngs(count: int, px: int, seed: int = 0) -> list[bytes]:
+    """`count` distinct random-noise PNGs of `px` x `px` (distinct, so SGLang's multimodal cache serves none twice)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
     images = []
-    for _ in range(args.prompts):
+    for _ in range(count):
         buf = io.BytesIO()
-        Image.frombytes("RGB", (args.image_px, args.image_px), rng.randbytes(args.image_px * args.image_px * 3)).save(buf, "PNG")
+        Image.frombytes("RGB", (px, px), rng.randbytes(px * px * 3)).save(buf, "PNG")
         images.append(buf.getvalue())
-    return model, images
+    return images
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -8,14 +8,17 @@ from the image's size (`VisionSpec.grids_of`: the header read, transformers' ``s
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import pathlib
-import random
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the bench package beside rollpool
+    sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
@@ -25,8 +28,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args()
-    from PIL import Image
-
+    from bench.gpu_vlm import noise_pngs
     from rollpool.workers.engines.tiny_model import build_tiny_model
     from rollpool.workers.engines.vision import load_vision_spec
 
@@ -34,12 +36,7 @@ def main() -> int:
                              kv_heads=2, vlm=True)
     spec = load_vision_spec(model)
     assert spec is not None
-    rng = random.Random(0)
-    images = []
-    for _ in range(args.images):
-        buf = io.BytesIO()
-        Image.frombytes("RGB", (args.image_px, args.image_px), rng.randbytes(args.image_px * args.image_px * 3)).save(buf, "PNG")
-        images.append(buf.getvalue())
+    images = noise_pngs(args.images, args.image_px)
 
     def per_image(fn: Any) -> float:
         runs = []

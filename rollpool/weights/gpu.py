@@ -136,33 +136,30 @@ def _mix64_cpu(data: torch.Tensor, base_word: int) -> int:
     n = int(arr.size)
     words = n // 8
     step = max(1, min(MIX64_SLICE_WORDS, MIX64_CPU_SLICE_WORDS))
+    room = max(1, min(words, step))
+    idx = np.arange(room, dtype=np.uint64)
+    v = np.empty(room, dtype=np.uint64)
+    t = np.empty(room, dtype=np.uint64)
+
+    def mix(x: Any, base: int) -> int:  # the slice's words, the first one's index in the bucket
+        vv, tt = v[: x.size], t[: x.size]
+        np.add(x, idx[: x.size], out=vv)
+        vv += np.uint64(base & _MASK64)
+        vv *= np.uint64(_C1)
+        np.right_shift(vv, np.uint64(_SHIFT), out=tt)
+        vv ^= tt
+        vv *= np.uint64(_C2)
+        return int(vv.sum(dtype=np.uint64))
+
     total = 0
     with np.errstate(over="ignore"):
-        if words:
-            w = arr[: words * 8].view("<u8")
-            first = min(words, step)
-            idx = np.arange(first, dtype=np.uint64)
-            v = np.empty(first, dtype=np.uint64)
-            t = np.empty(first, dtype=np.uint64)
-            for start in range(0, words, step):
-                x = w[start : start + step]
-                k = int(x.size)
-                vv, tt = v[:k], t[:k]
-                np.add(x, idx[:k], out=vv)
-                vv += np.uint64((base_word + start) & _MASK64)
-                vv *= np.uint64(_C1)
-                np.right_shift(vv, np.uint64(_SHIFT), out=tt)
-                vv ^= tt
-                vv *= np.uint64(_C2)
-                total += int(vv.sum(dtype=np.uint64))
-        tail = n - words * 8
-        if tail:
+        w = arr[: words * 8].view("<u8")
+        for start in range(0, words, step):
+            total += mix(w[start : start + step], base_word + start)
+        if n > words * 8:  # the tail, zero-padded to a word
             pad = np.zeros(8, dtype=np.uint8)
-            pad[:tail] = arr[words * 8 :]
-            v1 = (pad.view("<u8") + np.uint64((base_word + words) & _MASK64)) * np.uint64(_C1)
-            v1 ^= v1 >> np.uint64(_SHIFT)
-            v1 *= np.uint64(_C2)
-            total += int(v1[0])
+            pad[: n - words * 8] = arr[words * 8 :]
+            total += mix(pad.view("<u8"), base_word + words)
     return total & _MASK64
 
 

@@ -234,6 +234,28 @@ def _whole_model(tiny_model_dir: pathlib.Path, version: int) -> dict[str, Any]:
     return {norm: torch.full((32,), float(version))}
 
 
+async def _skips_version_2_for_a_gone_version_1(harness: Callable[..., Any], engine: Any, version_1: tuple[Any, Any],
+                                                version_2: tuple[Any, Any], names: str) -> tuple[Any, Any, Any]:
+    """A joining worker is published version 2 (tensors, manifest), which needs version 1 (tensors, manifest) that the
+    publisher no longer serves: version 2 is skipped, reported naming `names` and "no longer served", nothing applied,
+    and a task still runs on the engine's version 0. (worker, broker, the fake subscriber)."""
+    worker, broker, _run = await harness(lambda: engine)
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    sub.gone.add(1)
+    sub.versions[1], sub.manifests[1] = version_1
+    sub.publish(2, version_2[0], manifest=version_2[1])
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
+    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
+    assert names in (skipped.error or "") and "no longer served" in (skipped.error or "")
+    assert sub.fetches == [2, 1] and worker.weights.skipped == 2
+    assert engine.adapter_versions() == [] and engine.version == 0
+    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    return worker, broker, sub
+
+
 @pytest.mark.timeout(90)
 async def test_a_joiner_that_cannot_get_the_adapter_on_under_a_version_skips_it_saying_why_and_serves_on(
         harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
@@ -244,21 +266,11 @@ async def test_a_joiner_that_cannot_get_the_adapter_on_under_a_version_skips_it_
     from rollpool.workers.engines.hf import HFEngine
 
     engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
-    worker, broker, _run = await harness(lambda: engine)
-    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
-    sub = await fake_subscriber(worker=worker, broker=broker)
     named, spec = _adapter(tiny_model_dir)
-    sub.gone.add(1)
-    sub.versions[1], sub.manifests[1] = named, types.SimpleNamespace(adapter=spec)
-    sub.publish(2, _whole_model(tiny_model_dir, 2), manifest=types.SimpleNamespace(adapter=None, adapter_on=1))
-    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
-    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
-    assert "adapter version 1" in (skipped.error or "") and "no longer served" in (skipped.error or "")
-    assert sub.fetches == [2, 1] and worker.weights.adapter_on_fallbacks == 1 and worker.weights.skipped == 2
-    assert engine.adapter_versions() == [] and engine.version == 0
-    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
-    result = await broker.expect(Result, timeout_s=30)
-    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    worker, broker, sub = await _skips_version_2_for_a_gone_version_1(
+        harness, engine, (named, types.SimpleNamespace(adapter=spec)),
+        (_whole_model(tiny_model_dir, 2), types.SimpleNamespace(adapter=None, adapter_on=1)), "adapter version 1")
+    assert worker.weights.adapter_on_fallbacks == 1
     # the next adapter version is served (a newer adapter replaces the one that was on)
     named3, spec3 = _adapter(tiny_model_dir)
     sub.publish(3, named3, manifest=types.SimpleNamespace(adapter=spec3))
@@ -379,21 +391,11 @@ async def test_a_joiner_that_cannot_get_the_base_of_an_adapter_version_skips_it_
     from rollpool.workers.engines.hf import HFEngine
 
     engine = HFEngine(model=str(tiny_model_dir), capacity=4, num_threads=1)
-    worker, broker, _run = await harness(lambda: engine)
-    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
-    sub = await fake_subscriber(worker=worker, broker=broker)
-    sub.gone.add(1)
-    sub.versions[1], sub.manifests[1] = _whole_model(tiny_model_dir, 1), types.SimpleNamespace(adapter=None)
     named, spec = _adapter(tiny_model_dir)
-    sub.publish(2, named, manifest=types.SimpleNamespace(adapter=spec, base_on=1))
-    skipped = await broker.expect(ApplyDone, timeout_s=30)  # no ApplyRequest: nothing to apply
-    assert (skipped.version, skipped.ok, skipped.skipped) == (2, False, True)
-    assert "version 1" in (skipped.error or "") and "no longer served" in (skipped.error or "")
-    assert sub.fetches == [2, 1] and worker.weights.base_on_fallbacks == 1 and worker.weights.skipped == 2
-    assert engine.adapter_versions() == [] and engine.version == 0
-    await broker.send(task(1, n=1, max_new=4, ignore_eos=True))
-    result = await broker.expect(Result, timeout_s=30)
-    assert [t.token_versions.tolist() for t in result.trajectories] == [[0] * 4]  # its version, said exactly
+    worker, broker, sub = await _skips_version_2_for_a_gone_version_1(
+        harness, engine, (_whole_model(tiny_model_dir, 1), types.SimpleNamespace(adapter=None)),
+        (named, types.SimpleNamespace(adapter=spec, base_on=1)), "version 1")
+    assert worker.weights.base_on_fallbacks == 1
     # the next whole-model version is served, and an adapter version over it needs nothing fetched besides
     sub.publish(3, _whole_model(tiny_model_dir, 3), manifest=types.SimpleNamespace(adapter=None))
     assert (await broker.expect(ApplyRequest, timeout_s=30)).version == 3
