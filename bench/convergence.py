@@ -71,10 +71,14 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
     options = engine_options if engine_options is not None else (
         f"decode_s_per_token={decode_s},length=fixed,length_median={tokens},capacity=8" if engine == "sim" else "capacity=64")
     real = [] if engine == "sim" else ["--model", str(model)]
-    pool = _spawn([*py, "worker", "--engine", engine, *real, "--broker", bw, "--count", str(workers), "--worker-id", f"conv-{mode}",
-                   "--heartbeat-interval-s", "0.2", "--apply-mode", "interrupt", "--drain-timeout-s", "0.5",
-                   "--engine-options", options],
-                  log_dir / f"convergence-{mode}-workers.log")
+    common = ["--broker", bw, "--heartbeat-interval-s", "0.2", "--apply-mode", "interrupt", "--drain-timeout-s", "0.5",
+              "--engine-options", options]
+    if engine == "sim":  # one process hosts them all
+        procs = [_spawn([*py, "worker", "--engine", engine, "--count", str(workers), "--worker-id", f"conv-{mode}", *common],
+                        log_dir / f"convergence-{mode}-workers.log")]
+    else:  # a real engine is one worker per process
+        procs = [_spawn([*py, "worker", "--engine", engine, *real, "--worker-id", f"conv-{mode}-{i}", *common],
+                        log_dir / f"convergence-{mode}-worker{i}.log") for i in range(workers)]
     all_in = asyncio.Event()
     exact_sent: dict[str, int] = {}
     results: dict[str, Any] = {}
@@ -91,6 +95,8 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
             st = await client.status()
             if st["counters"].get("workers_alive", 0) >= workers:
                 break
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a worker process exited (rc {[p.poll() for p in procs]}): see its log under {log_dir}")
             await asyncio.sleep(0.1)
         else:
             raise RuntimeError(f"only {st['counters'].get('workers_alive')} of {workers} workers joined")
@@ -164,9 +170,9 @@ async def run_mode(mode: str, workers: int, versions: int, groups_per_version: i
         counters = (await client.status())["counters"]
         await client.close()
     finally:
-        for proc in (pool, broker):
+        for proc in (*procs, broker):
             proc.terminate()
-        for proc in (pool, broker):
+        for proc in (*procs, broker):
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
