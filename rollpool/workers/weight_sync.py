@@ -55,7 +55,10 @@
   restart) and the one being fetched, plus, while a whole-model version is served over a
   LoRA adapter version, that adapter version (the engines keep it on across whole-model
   versions, docs/lora.md): a restarted engine is given it first, then the whole-model
-  version, so it serves what the engine it replaces served. Once a newer version is served,
+  version, so it serves what the engine it replaces served. The other way round, while an
+  adapter version is served over a whole-model version, that whole-model version stays held
+  (the same bytes as while it was served) and a restarted engine is given it under the
+  adapter, never the adapter over the model it loaded from disk. Once a newer version is served,
   the previous one's buffers go back to the subscriber for the next fetch.
 - The served version has one owner, the worker's session (`WorkerSession.version`): this
   class reads it through the ``served_version`` hook and reports each change through
@@ -238,6 +241,8 @@ class WeightSync:
         self._base_under = -1
         """The whole-model version the engine serves under `_served` when that is an adapter version (-1: its model
         from disk)."""
+        self._base_held: _Version | None = None
+        """That whole-model version itself (its buffers kept), so a restarted engine is given it under the adapter."""
         self._reapply_target: _Version | None = None
         self._served_abandoned = False
         """`_served` is of an abandoned run (`rebase`): served again to a fresh engine, it counts as version -1."""
@@ -629,7 +634,7 @@ class WeightSync:
         if target is not None and target.version > self.version:
             try:
                 await self._restore_adapter(engine, target)
-                await self._apply(target, engine=engine)
+                await self._apply(self._on_its_base(target), engine=engine)
                 return
             except WeightsRefusedError:
                 pass  # skipped; the fresh engine is intact: it gets the last good version below
@@ -639,10 +644,19 @@ class WeightSync:
         if self._served is not None:
             abandoned = self._served_abandoned
             await self._restore_adapter(engine, self._served)
-            await self._apply(self._served, engine=engine)
+            await self._apply(self._on_its_base(self._served), engine=engine)
             if abandoned:
                 self._served_abandoned = True
                 self.on_apply_finished(-1)
+
+    def _on_its_base(self, target: _Version) -> _Version:
+        """`target` as a fresh engine must be given it: an adapter version over the whole-model version the engine it
+        replaces served under its adapters (held for this), not over the model the fresh engine loaded from disk."""
+        if _adapter_of(target) is None or target.under is not None:
+            return target
+        served = self._served
+        base = self._base_held if served is not None and _adapter_of(served) is not None else served
+        return target if base is None else replace(target, under=base)
 
     async def _restore_adapter(self, engine: Engine, target: _Version) -> None:
         """Before a fresh engine gets whole-model version `target`: the adapter version that is on under it (the one
@@ -664,23 +678,28 @@ class WeightSync:
         if _adapter_of(target) is not None:
             done_with.append(self._adapter_on)  # a newer adapter replaces the one that was on
             self._adapter_on = None
-            if target.under is not None:  # the base fetched with it (a late joiner): the engine copied it
-                done_with.append(target.under)
-                self._base_under = target.under.version
-                # its buffers take the next fetch: not given again to a restarted engine (docs/lora.md, not covered)
+            if target.under is not None:  # the base fetched with it (a late joiner), or given again to a fresh engine
+                if self._base_held is not target.under:
+                    done_with.append(self._base_held)
+                self._base_held, self._base_under = target.under, target.under.version
                 self._served = replace(target, under=None)
             elif previous is not None and _adapter_of(previous) is None:
-                self._base_under = previous.version
+                # the whole-model version it applies over stays held: a restarted engine needs it under the adapter
+                done_with.remove(previous)
+                self._base_held, self._base_under = previous, previous.version
         elif target.under is not None:  # the adapter version fetched with it is on under it now (a late joiner)
-            done_with.append(self._adapter_on)
-            self._adapter_on = target.under
+            done_with += [self._adapter_on, self._base_held]
+            self._adapter_on, self._base_held = target.under, None
         elif previous is not None and _adapter_of(previous) is not None:
             # a whole-model version over an adapter version: the engine keeps the adapter on, a fresh one needs it too
-            done_with = [self._adapter_on]
-            self._adapter_on = previous
+            done_with = [self._adapter_on, self._base_held]
+            self._adapter_on, self._base_held = previous, None
+        else:
+            done_with.append(self._base_held)
+            self._base_held = None
         for old in done_with:
             if (old is not None and old.fetched is not None and old.fetched is not target.fetched and old is not self._adapter_on
-                    and self.subscriber is not None):
+                    and old is not self._base_held and self.subscriber is not None):
                 # the engine copied the version: its buffers take the next fetch (no fresh pages)
                 self.subscriber.recycle(old.fetched)
 

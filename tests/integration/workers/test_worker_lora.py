@@ -225,6 +225,57 @@ async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_mode
         assert [t.token_versions.tolist() for t in result.trajectories] == [[version] * 4]
 
 
+@pytest.mark.timeout(120)
+async def test_a_restarted_engine_gets_the_whole_model_version_under_the_adapter_it_serves(
+        harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
+    """The other way round: whole-model version 1, then adapter version 2 over it (`Manifest.base_on` 1); adapter
+    version 3 fails on every engine (a fault injected at the engine's edge), so the worker restarts its engine, tries
+    3 on the fresh one, restarts again and gives the engine it keeps what the failed one served: version 1's weights
+    under adapter 2, and 2's tokens sampled there. Before, a restarted engine got adapter 2 alone, over the base it
+    loaded from disk, while its tokens claimed the policy of version 1 plus that adapter."""
+    from rollpool.protocol.errors import EngineError
+    from rollpool.workers.engines.hf import HFEngine
+
+    engines: list[HFEngine] = []
+
+    class FailsAdapter3(HFEngine):
+        async def update_adapter(self, named_tensors: Any, spec: Any, version: int) -> None:
+            if version == 3:
+                raise EngineError("injected: adapter version 3 failed on this engine")
+            await super().update_adapter(named_tensors, spec, version)
+
+    def factory() -> HFEngine:
+        engines.append(FailsAdapter3(model=str(tiny_model_dir), capacity=4, num_threads=1))
+        return engines[-1]
+
+    worker, broker, _run = await harness(factory, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    sub = await fake_subscriber(worker=worker, broker=broker)
+    base = _whole_model(tiny_model_dir, 7)  # the final norm at 7.0 (the model on disk has it at 1.0)
+    sub.publish(1, base, manifest=types.SimpleNamespace(adapter=None))
+    assert (await broker.expect(ApplyRequest)).version == 1
+    await broker.send(ApplyGrant(version=1))
+    assert (await broker.expect(ApplyDone)).ok
+    for version in (2, 3):
+        named, spec = _adapter(tiny_model_dir)
+        sub.publish(version, named, manifest=types.SimpleNamespace(adapter=spec, base_on=1))
+        assert (await broker.expect(ApplyRequest)).version == version
+        await broker.send(ApplyGrant(version=version))
+        done = await broker.expect(ApplyDone)
+        assert done.ok is (version == 2)
+    skipped = await broker.expect(ApplyDone, timeout_s=30)  # the skip notice: it failed on a fresh engine too
+    assert skipped.version == 3 and skipped.skipped
+    hello = await broker.welcome()  # the engine it keeps was given what the failed one served before the hello
+    assert hello.weight_version == 2 and len(engines) == 3
+    kept = engines[-1]
+    (norm, value), = base.items()
+    assert kept.adapter_versions() == [2]
+    assert kept._model.state_dict()[norm].float().tolist() == value.tolist()  # version 1's weights, not the disk's
+    await broker.send(task(20, n=1, max_new=4, ignore_eos=True))
+    result = await broker.expect(Result, timeout_s=30)
+    assert [t.token_versions.tolist() for t in result.trajectories] == [[2] * 4]
+
+
 def _whole_model(tiny_model_dir: pathlib.Path, version: int) -> dict[str, Any]:
     """A whole-model version: the final norm's weight, set to `version`."""
     import torch
