@@ -174,6 +174,21 @@ async def test_a_whole_model_version_still_asks_for_an_apply_slot_from_a_broker_
     assert done.ok and done.version == 1 and worker.weights.grants_skipped == 0
 
 
+async def _hf_worker_on_a_fake_publisher(harness: Callable[..., Any], tiny_model_dir: pathlib.Path,
+                                         engine_class: type[Any]) -> tuple[list[Any], Any, Any]:
+    """A worker whose hf engines are `engine_class` on the tiny model (each restart appends one), welcomed by the scripted
+    broker with a fake publisher: (the engines, the broker, the fake subscriber)."""
+    engines: list[Any] = []
+
+    def factory() -> Any:
+        engines.append(engine_class(model=str(tiny_model_dir), capacity=4, num_threads=1))
+        return engines[-1]
+
+    worker, broker, _run = await harness(factory, apply_mode="interrupt")
+    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
+    return engines, broker, await fake_subscriber(worker=worker, broker=broker)
+
+
 @pytest.mark.timeout(120)
 async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_model_version(
         harness: Callable[..., Any], tiny_model_dir: pathlib.Path) -> None:
@@ -189,7 +204,6 @@ async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_mode
     from rollpool.workers.engines.hf import HFEngine
 
     fail_once = {2, 3}
-    engines: list[HFEngine] = []
 
     class FailsOnce(HFEngine):
         async def update_weights(self, named_tensors: Any, version: int) -> None:
@@ -198,13 +212,7 @@ async def test_a_restarted_engine_gets_the_adapter_that_is_on_under_a_whole_mode
                 raise EngineError(f"injected: the update to version {version} failed on this engine")
             await super().update_weights(named_tensors, version)
 
-    def factory() -> HFEngine:
-        engines.append(FailsOnce(model=str(tiny_model_dir), capacity=4, num_threads=1))
-        return engines[-1]
-
-    worker, broker, _run = await harness(factory, apply_mode="interrupt")
-    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
-    sub = await fake_subscriber(worker=worker, broker=broker)
+    engines, broker, sub = await _hf_worker_on_a_fake_publisher(harness, tiny_model_dir, FailsOnce)
     named, spec = _adapter(tiny_model_dir)
     sub.publish(1, named, manifest=types.SimpleNamespace(adapter=spec))
     assert (await broker.expect(ApplyRequest)).version == 1
@@ -236,21 +244,13 @@ async def test_a_restarted_engine_gets_the_whole_model_version_under_the_adapter
     from rollpool.protocol.errors import EngineError
     from rollpool.workers.engines.hf import HFEngine
 
-    engines: list[HFEngine] = []
-
     class FailsAdapter3(HFEngine):
         async def update_adapter(self, named_tensors: Any, spec: Any, version: int) -> None:
             if version == 3:
                 raise EngineError("injected: adapter version 3 failed on this engine")
             await super().update_adapter(named_tensors, spec, version)
 
-    def factory() -> HFEngine:
-        engines.append(FailsAdapter3(model=str(tiny_model_dir), capacity=4, num_threads=1))
-        return engines[-1]
-
-    worker, broker, _run = await harness(factory, apply_mode="interrupt")
-    await broker.welcome(weight_endpoint="tcp://fake:1", announce_endpoint="tcp://fake:2", weight_version=-1)
-    sub = await fake_subscriber(worker=worker, broker=broker)
+    engines, broker, sub = await _hf_worker_on_a_fake_publisher(harness, tiny_model_dir, FailsAdapter3)
     base = _whole_model(tiny_model_dir, 7)  # the final norm at 7.0 (the model on disk has it at 1.0)
     sub.publish(1, base, manifest=types.SimpleNamespace(adapter=None))
     assert (await broker.expect(ApplyRequest)).version == 1
