@@ -544,14 +544,16 @@ class WorkerSession:
         return eff
 
     def goodbye(self, now: float) -> Effects:
-        """Hand back what was not delivered (one Nack) and say Goodbye to a broker that welcomed us."""
+        """Hand back what was not delivered (one Nack) and say Goodbye to a broker that welcomed us, or that our hello
+        may have reached (it registers a worker on the hello and dispatches to its credits before the welcome arrives:
+        without the Goodbye it would wait for missed heartbeats; a broker that never had the hello ignores it)."""
         eff = Effects()
         handed = self._handed_at_shutdown + [r.task_id for r in self.outbox]
         self._handed_at_shutdown = []
         self.outbox.clear()
         if handed:
             eff.send.append(Nack(task_ids=tuple(handed), reason="worker_shutdown"))
-        if self.epoch:
+        if self.epoch or self.hellos_sent:
             eff.send.append(Goodbye(reason="shutdown"))
         self.stopped = True
         return eff

@@ -338,10 +338,19 @@ def test_drain_delivers_the_outbox_and_hands_back_what_the_link_could_not_send()
 
 def test_drain_without_a_broker_hands_back_everything_and_says_no_goodbye() -> None:
     s = make()
-    s.engine_started(0.0, FACTS)
-    s.stop(1.0)
+    s.stop(0.5)  # before its engine started: it never said hello
     assert s.hand_back_rest(1.0).send == []
     assert s.goodbye(1.1).send == []
+
+
+def test_a_worker_stopped_between_its_hello_and_the_welcome_says_goodbye() -> None:
+    """The broker registers a worker on its hello (and may dispatch to its credits) before the welcome arrives: a
+    worker stopped in between says Goodbye, so its groups go back to the queue now, not after missed heartbeats."""
+    s = make()
+    assert of(s.engine_started(0.0, FACTS), Hello)  # the hello is out; no welcome yet
+    s.stop(1.0)
+    assert s.hand_back_rest(1.0).send == []
+    assert s.goodbye(1.1).send == [Goodbye(reason="shutdown")]
 
 
 # ---------------------------------------------------------------- one message per task, whatever happens
