@@ -499,6 +499,8 @@ class RolloutPool:
                 "reward": t.reward,
                 "finished_at": t.finished_at,
             }
+            if t.policy is not None:  # the adapter (by name) every sampled token was made under, checked by the broker
+                meta["policy"] = t.policy
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
             if logprob_start >= 0:
