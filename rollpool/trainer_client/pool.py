@@ -26,6 +26,11 @@ Guarantees:
   string, an ``http(s)://`` URL (fetched by the worker only where its operator
   allows it) or a file name (read by the worker). They travel as
   `Prompt.images`; a worker that cannot read one fails that prompt naming why.
+* ``lora_path``: an entry naming an adapter loaded through `load_lora_adapter` (by
+  its name or path; a PEFT directory is loaded on first use) has its prompt served
+  at that adapter's version or newer and, with a broker of protocol 1.25, carries the
+  adapter's name as `Prompt.policy`: the broker checks every sampled token is that
+  adapter's and the result's ``meta_info["policy"]`` says it (docs/lora.md).
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
