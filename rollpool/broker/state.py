@@ -1209,6 +1209,9 @@ class BrokerState:
     def _served(self) -> str:
         if self.policy is None:
             return "the pool serves its base model (no LoRA adapter was announced to it)"
+        if not self.policy:
+            return (f"the pool serves an unnamed LoRA adapter (since version {self.policy_since}; the trainer names it with "
+                    "AdapterSpec.name)")
         return f"the pool serves policy {self.policy!r} (a LoRA adapter, since version {self.policy_since})"
 
     def _policy_refusal(self, p: Prompt) -> str:

@@ -42,7 +42,10 @@ def test_a_policy_the_pool_does_not_serve_is_refused_at_submit_naming_it_and_wha
     assert "'code' is not served" in why["y"] and "policy 'math' (a LoRA adapter, since version 1)" in why["y"]
     assert "base model that adapter 'math' applies to" in why["z"]
     assert "an adapter's name or None" in why["e"]
-    assert s.counters["policy_rejected"] == 4
+    announce(s, 2, "")  # an adapter published without a name: no prompt can name it
+    _, rej = s.submit([named("u", "math")], 0.0)
+    assert "the pool serves an unnamed LoRA adapter (since version 2; the trainer names it with AdapterSpec.name)" in rej[0].detail
+    assert s.counters["policy_rejected"] == 5
     # the pool keeps serving: the plain prompt was dispatched and is delivered
     [(w, g)] = s.dispatch(0.0)
     assert g.prompt_id == "p"
