@@ -106,3 +106,21 @@ async def test_the_client_refuses_to_send_a_named_policy_to_a_broker_that_would_
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         router.close(linger=0)
+
+
+async def test_the_sync_client_names_a_policy_and_says_which_adapter_a_version_serves(pool: Pool) -> None:
+    from rollpool.trainer_client import SyncTrainerClient
+
+    broker = await pool.start_broker()
+    await pool.worker(broker.worker_endpoint, "w0")
+
+    def run() -> tuple[Any, Any]:
+        with SyncTrainerClient(broker.client_endpoint) as client:
+            client.set_version(1, adapter=SPEC)
+            res = client.submit([prompt("a"), prompt("b")], policy="code")
+            ok = client.submit([prompt("c")], policy="math")
+            return res, ok
+
+    res, ok = await asyncio.to_thread(run)
+    assert res.rejected == {"a": "policy_unavailable", "b": "policy_unavailable"} and "policy 'code' is not served" in res.details["a"]
+    assert ok.accepted == ["c"] and broker.state.policy == "math"
