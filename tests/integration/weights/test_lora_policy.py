@@ -8,6 +8,7 @@ serving the other prompts."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import pathlib
 
@@ -92,3 +93,33 @@ async def test_a_prompt_names_the_adapter_it_is_generated_with_and_an_unserved_n
     counters = (await client.status())["counters"]
     assert counters["policy"] == "code" and counters["policy_since"] == 2 and counters["policy_rejected"] == 4
     assert counters["policy_off"] == 0  # no named group was dispatched to a worker not yet serving its adapter
+
+
+@pytest.mark.timeout(120)
+async def test_prompts_naming_an_adapter_every_worker_refused_fail_at_once_and_the_pool_serves_on(
+        pool: Pool, model_dir: pathlib.Path) -> None:
+    broker = await pool.start_broker()
+    client = await pool.client(broker.client_endpoint)
+    worker = await pool.worker(broker.worker_endpoint, "w0", engine_factory=lambda: _engine(model_dir))
+    assert await wait_until(lambda: worker.engine is not None and worker.engine.info() is not None, 60)
+    big, big_spec = _adapter(model_dir, seed=3, rank=16)  # the engine serves rank 8 at most (max_lora_rank)
+    await client.publish_weights(big, 1, adapter=dataclasses.replace(big_spec, name="big"))
+    res = await client.submit([_prompt("b1", "big"), _prompt("b2", "big"), _prompt("plain")])
+    assert res.accepted == ["b1", "b2", "plain"]  # announced, so accepted: they wait for a worker serving version 1
+    got: dict[str, object] = {}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while not {"b1", "b2", "plain"} <= got.keys():
+        assert loop.time() < deadline, f"stuck: {sorted({'b1', 'b2', 'plain'} - got.keys())}"
+        got |= {g.prompt_id: g for g in await client.take_ended(timeout=0.2)}
+        try:
+            batch = await client.get_batch(1, timeout=0.2)
+        except TimeoutError:
+            continue
+        got |= {g.prompt_id: g for g in batch.groups + batch.other}
+    for pid in ("b1", "b2"):
+        g = got[pid]
+        assert g.state == GroupState.FAILED, g  # type: ignore[attr-defined]
+        reason = g.reason  # type: ignore[attr-defined]
+        assert "policy 'big' (since version 1) was given up by every live worker" in reason and "w0" in reason and "rank" in reason
+    assert got["plain"].state == GroupState.DONE  # type: ignore[attr-defined]
