@@ -821,6 +821,8 @@ class Broker:
             return
         else:
             newer = st.set_version(msg.version, self._now)
+        if msg.adapter is not None:  # the LoRA adapter (policy) served from this version on
+            st.set_policy(msg.adapter.name, msg.adapter_since if msg.adapter_since >= 0 else msg.version, msg.adapter.base_model, self._now)
         if msg.weight_endpoint:
             self.weight_endpoint = msg.weight_endpoint
         if msg.announce_endpoint:

@@ -31,6 +31,11 @@ Guarantees this class keeps (and its tests check):
   only when every sampled token is of v (otherwise it is handed back and tried again); when no live worker
   holds v and none can reach it, it fails at once with the reason (`_exact_verdict`), and a v the pool
   cannot serve is refused at submit;
+* a group whose prompt names a `policy` (a LoRA adapter's name) is accepted only while the pool serves that
+  adapter (the newest one announced, `set_policy`; otherwise refused at submit naming what is served), goes only to
+  a worker at the version that adapter was first published at or newer, and is delivered only when every sampled
+  token's version is one of that adapter's (its trajectories then carry `Trajectory.policy`); a queued group whose
+  policy stops being served fails at once with the reason;
 * fleet activation (``activation = "fleet"``): a worker's `ApplyRequest` says it has the version fetched and
   staged; when every live worker has (or at ``fleet_stage_deadline_s`` after the first did), every staged
   worker is granted at once (`fleet_version` moves), and from that moment no worker below `fleet_version` is
@@ -71,10 +76,11 @@ set from the absolute free capacity less what was sent after the echo
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +126,8 @@ class ResultOutcome:
     DROPPED_STALE = "dropped_stale"
 
 
+_POLICY_HISTORY = 256
+"""Policies (adapter names) whose first versions the broker remembers to judge a result's tokens by."""
 _MAX_SKIPPED_PER_FILL = 64
 """Groups too new for a worker that one fill looks past before giving up on that worker this round."""
 
@@ -318,6 +326,10 @@ _COUNTERS = (
     "exact_rejected",
     "exact_failed",
     "exact_off_version",
+    # named policies (Prompt.policy)
+    "policy_rejected",
+    "policy_failed",
+    "policy_off",
     "versions_converged",
     "fleet_activations",
     "fleet_deadline_activations",
@@ -410,6 +422,17 @@ class BrokerState:
         self._skews_ms: deque[float] = deque(maxlen=256)
         self.replay_bytes = 0
         """Bytes of episode turns kept for every group together (`replay_max_bytes`)."""
+        self.policy: str | None = None
+        """The LoRA adapter (its name) the pool serves now, as the trainer announced it (`SetVersion.adapter`; None:
+        none announced, the base model is served)."""
+        self.policy_since = -1
+        """The first version `policy` was published at (its tokens from there on are that policy's)."""
+        self.policy_base = ""
+        """The base model `policy` applies to (`AdapterSpec.base_model`), for refusals that name it."""
+        self._policies: list[tuple[int, str]] = []
+        """(first version, adapter name) of the policies announced, ascending, the newest `_POLICY_HISTORY`."""
+        self._named: dict[str, Group] = {}
+        """Live groups whose prompt names a policy (a policy change fails the queued ones naming another)."""
 
     # ------------------------------------------------------------------ workers
 
@@ -724,9 +747,8 @@ class BrokerState:
                 reason, detail = "invalid", "a prompt needs input_ids or text"
             elif pid in self._forgotten:
                 reason, detail = "duplicate", "this prompt id was already delivered"
-            elif p.exact_weight_version != -1 and (why := self._exact_refusal(p)):
-                reason, detail = "exact_version_unavailable", why
-                self.counters["exact_rejected"] += 1
+            elif refused := self._serving_refusal(p):
+                reason, detail = refused
             else:
                 g = self.groups.get(pid)
                 if g is not None:
@@ -740,9 +762,7 @@ class BrokerState:
             if reason:
                 rejected.append(Rejection(prompt_id=pid if isinstance(pid, str) else "", reason=reason, detail=detail))
                 continue
-            g = Group(prompt_id=pid, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now,
-                      exempt=p.exempt_from_staleness, min_version=p.min_weight_version, exact_version=p.exact_weight_version)
-            self.groups[pid] = g
+            g = self._new_group(p, now)
             self.queued += 1
             self._push(g)
             accepted.append(pid)
@@ -750,13 +770,33 @@ class BrokerState:
         self.counters["rejected"] += len(rejected)
         return accepted, rejected
 
+    def _new_group(self, p: Prompt, now: float) -> Group:
+        g = Group(prompt_id=p.prompt_id, prompt=p, size=p.group_size, priority=p.priority, seq=self._next_seq(), queued_at=now,
+                  exempt=p.exempt_from_staleness, min_version=self._min_version(p), exact_version=p.exact_weight_version)
+        self.groups[p.prompt_id] = g
+        if p.policy is not None:
+            self._named[p.prompt_id] = g
+        return g
+
+    def _serving_refusal(self, p: Prompt) -> tuple[str, str] | None:
+        """(reason, detail) when the pool cannot serve the exact version or the policy `p` names; None when it can."""
+        if p.exact_weight_version != -1 and (why := self._exact_refusal(p)):
+            self.counters["exact_rejected"] += 1
+            return "exact_version_unavailable", why
+        if p.policy is not None and (why := self._policy_refusal(p)):
+            self.counters["policy_rejected"] += 1
+            return "policy_unavailable", why
+        return None
+
     def _merge_resubmitted(self, g: Group, p: Prompt) -> None:
         """A resubmitted prompt meets the task a worker re-announced: one group, first result wins."""
         self._orphans.pop(g.prompt_id, None)
         g.prompt = p
         g.priority = p.priority
-        g.min_version = p.min_weight_version
+        g.min_version = self._min_version(p)
         g.exact_version = p.exact_weight_version
+        if p.policy is not None:
+            self._named[g.prompt_id] = g
         if g.phase == Phase.QUEUED:  # parked: its adopted lease ended before the prompt came back
             self.parked -= 1
             self.queued += 1
@@ -976,6 +1016,7 @@ class BrokerState:
     def _terminal(self, g: Group, phase: str, reason: str = "", trajectories: tuple[Trajectory, ...] = ()) -> None:
         g.phase = phase
         g.worker_id = None
+        self._named.pop(g.prompt_id, None)
         self._forget_turns(g)
         metadata = g.prompt.metadata if g.prompt is not None else {}
         g.result = GroupResult(
@@ -1038,7 +1079,8 @@ class BrokerState:
             self._terminal(g, Phase.FAILED, f"error: {error}")
             self.effects.events.append(("task_failed", {"prompt_id": prompt_id, "reason": error, "attempts": g.attempt + 1}))
             return ResultOutcome.FAILED
-        if (outcome := self._off_exact(g, trajectories, tokens, now)) is not None:
+        outcome, trajectories = self._off_contract(g, trajectories, tokens, now)
+        if outcome is not None:
             return outcome
         if (outcome := self._stale_output(g, trajectories, tokens, now)) is not None:
             return outcome
@@ -1075,6 +1117,124 @@ class BrokerState:
         if g.phase == Phase.QUEUED:
             self._check_exact(now, only=g.exact_version)
         return ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.FAILED
+
+    def _off_contract(self, g: Group, trajectories: tuple[Trajectory, ...], tokens: int,
+                      now: float) -> tuple[str | None, tuple[Trajectory, ...]]:
+        """A result judged by its group's exact version and policy: (the outcome, ()) when it is not delivered, else (None,
+        the trajectories to deliver)."""
+        if (outcome := self._off_exact(g, trajectories, tokens, now)) is not None:
+            return outcome, ()
+        if g.prompt is not None and g.prompt.policy is not None:
+            return self._off_policy(g, g.prompt.policy, trajectories, tokens, now)
+        return None, trajectories
+
+    def _off_policy(self, g: Group, policy: str, trajectories: tuple[Trajectory, ...], tokens: int,
+                    now: float) -> tuple[str | None, tuple[Trajectory, ...]]:
+        """A result of a group naming `policy` with a sampled token of a version that is another policy's: handed back
+        while the pool still serves `policy` (tried again on a worker serving it), failed with the reason once it does
+        not: (the outcome, ()). (None, the trajectories saying `policy`): every sampled token is of `policy`'s versions."""
+        off = next(((v, other) for t in trajectories for v in np.unique(sampled_versions(t.token_versions, t.loss_mask)).tolist()
+                    if (other := self.policy_at(int(v))) != policy), None)
+        if off is None:
+            return None, tuple(dataclasses.replace(t, policy=policy) for t in trajectories)
+        v, other = off
+        self.counters["policy_off"] += 1
+        self.counters["wasted_tokens_failure"] += tokens
+        ran = f"a token of version {v}, which is {'the base model' if other is None else f'policy {other!r}'}"
+        if policy == self.policy:
+            self._requeue(g, now, reason=f"served partly under another policy than {policy!r} ({ran})", counted=False)
+            return (ResultOutcome.REQUEUED if g.phase == Phase.QUEUED else ResultOutcome.FAILED), ()
+        why = f"policy {policy!r} stopped being served while the group ran ({ran}); {self._served()}"
+        self.counters["policy_failed"] += 1
+        self._terminal(g, Phase.FAILED, f"policy_unavailable: {why}")
+        self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": why, "attempts": g.attempt + 1}))
+        return ResultOutcome.FAILED, ()
+
+    # ------------------------------------------------------------------ named policies (LoRA adapters)
+
+    def set_policy(self, name: str, since: int, base_model: str, now: float) -> None:
+        """The trainer says the pool serves the LoRA adapter `name` from this version on, first published at `since`
+        (`SetVersion.adapter`, `adapter_since`). A new name replaces the old one (one adapter is served at a time):
+        queued groups naming another policy fail at once with the reason; leased ones are judged by their tokens."""
+        since = since if since >= 0 else max(self.version, 0)
+        if self._policies and self._policies[-1][1] == name and self._policies[-1][0] <= since:
+            since = self._policies[-1][0]  # the same adapter trained on: its versions stay one policy
+        else:
+            while self._policies and self._policies[-1][0] >= since:
+                self._policies.pop()
+            self._policies.append((since, name))
+            del self._policies[:-_POLICY_HISTORY]
+        changed = name != self.policy
+        self.policy, self.policy_since, self.policy_base = name, since, base_model
+        if changed:
+            self.effects.events.append(("policy_changed", {"policy": name, "since": since}))
+            self._fail_named(lambda g: g.prompt is not None and g.prompt.policy != name,
+                             lambda g: f"policy {g.prompt.policy if g.prompt else None!r} is no longer served: {self._served()}")
+
+    def _fail_named(self, doomed: Callable[[Group], bool], why: Callable[[Group], str]) -> None:
+        """Fail at once every queued group naming a policy that `doomed` picks, with the reason `why` gives."""
+        for g in [g for g in self._named.values() if g.phase == Phase.QUEUED and doomed(g)]:
+            reason = why(g)
+            self.queued -= 1  # its queue entry is skipped once the group is terminal
+            self.counters["policy_failed"] += 1
+            self._terminal(g, Phase.FAILED, f"policy_unavailable: {reason}")
+            self.effects.events.append(("task_failed", {"prompt_id": g.prompt_id, "reason": reason, "attempts": g.attempt}))
+
+    def _check_policy_reachable(self) -> None:
+        """Fail the queued groups of the served policy when every live worker gave up the newest version while below the
+        version the policy began at (its adapter was refused everywhere): none will ever take them."""
+        since = self.policy_since
+        if not self.workers or not all(w.version < since and w.skipped_version >= max(since, self.version) for w in self.workers.values()):
+            return
+        errors = "; ".join(f"{w.worker_id}: {w.skipped_error or 'no reason given'}" for w in list(self.workers.values())[:4])
+        self._fail_named(lambda g: g.prompt is not None and g.prompt.policy == self.policy,
+                         lambda g: f"policy {self.policy!r} (since version {since}) was given up by every live worker ({errors})")
+
+    def _policies_rebased(self, version: int) -> None:
+        """A rebase to `version` abandons the policies first published above it: the one on at `version` is served."""
+        if not self._policies or self._policies[-1][0] <= version:
+            return
+        while self._policies and self._policies[-1][0] > version:
+            self._policies.pop()
+        self.policy, self.policy_since = (self._policies[-1][1], self._policies[-1][0]) if self._policies else (None, -1)
+        self._fail_named(lambda g: g.prompt is not None and g.prompt.policy != self.policy,
+                         lambda g: f"policy {g.prompt.policy if g.prompt else None!r} is no longer served after the rebase to "
+                                   f"version {version}: {self._served()}")
+
+    def policy_at(self, version: int) -> str | None:
+        """The policy (adapter name) tokens of weight `version` were made under (None: the base model, no adapter)."""
+        i = bisect.bisect_right(self._policies, version, key=lambda e: e[0])
+        return self._policies[i - 1][1] if i else None
+
+    def _served(self) -> str:
+        if self.policy is None:
+            return "the pool serves its base model (no LoRA adapter was announced to it)"
+        if not self.policy:
+            return (f"the pool serves an unnamed LoRA adapter (since version {self.policy_since}; the trainer names it with "
+                    "AdapterSpec.name)")
+        return f"the pool serves policy {self.policy!r} (a LoRA adapter, since version {self.policy_since})"
+
+    def _policy_refusal(self, p: Prompt) -> str:
+        """Why a prompt naming a policy cannot be accepted now ("" when it can)."""
+        name = p.policy
+        if not isinstance(name, str) or not name:
+            return f"policy must be an adapter's name or None (whatever the pool serves), got {name!r}"
+        if name == self.policy:
+            v = p.exact_weight_version
+            if v >= 0 and (at := self.policy_at(v) if v <= self.version else self.policy) != name:
+                return f"exact_weight_version {v} is {'the base model' if at is None else f'policy {at!r}'}, not policy {name!r}"
+            return ""
+        if self.policy is not None and name == self.policy_base:
+            return (f"policy {name!r} is the base model that adapter {self.policy!r} applies to, and every version since "
+                    f"{self.policy_since} serves it with the adapter on (a whole-model version leaves it on); "
+                    f"leave Prompt.policy None, or name {self.policy!r}")
+        return f"policy {name!r} is not served: {self._served()}"
+
+    def _min_version(self, p: Prompt) -> int:
+        """The version a worker needs to take `p`: its own minimum, and for a named policy the one it began at."""
+        if p.policy is not None and p.policy == self.policy:
+            return max(p.min_weight_version, self.policy_since)
+        return p.min_weight_version
 
     # ------------------------------------------------------------------ episode turns (replay)
 
@@ -1411,6 +1571,7 @@ class BrokerState:
                     cancelled += 1
             self._refresh(w)
         self._hold_reserved = 0  # a hold for a version of the abandoned run is void
+        self._policies_rebased(version)
         for g in self.groups.values():
             self._forget_turns(g)  # turns sampled on the abandoned run's weights are never served again
         self.convergence.reset()
@@ -1653,6 +1814,8 @@ class BrokerState:
             self._fleet_check(now)
         if exact and self._exact:
             self._check_exact(now)
+        if self._named and self.policy is not None:
+            self._check_policy_reachable()
 
     def _exact_refusal(self, p: Prompt) -> str:
         """Why a prompt naming an exact weight version cannot be accepted now ("" when it can)."""
@@ -1796,6 +1959,9 @@ class BrokerState:
         c["tokens_regenerated_per_worker_lost"] = round(self.counters["tokens_regenerated"] / lost, 1) if lost else 0.0
         c.update(self.convergence.figures())
         c["activation"] = self.config.activation
+        if self.policy is not None:
+            c["policy"] = self.policy
+            c["policy_since"] = self.policy_since
         if self._fleet:
             c["fleet_version"] = self.fleet_version
             c["fleet_held_out"] = sum(1 for w in self.workers.values() if w.held_out)

@@ -75,6 +75,10 @@ BROKER_COUNTERS: dict[str, tuple[str, str]] = {
     "exact_rejected": ("rollpool_exact_version_rejected_total", "Prompts refused at submit: their exact weight version could not be served."),
     "exact_failed": ("rollpool_exact_version_failed_total", "Exact-version groups failed at once: no live worker held or could reach their version."),
     "exact_off_version": ("rollpool_exact_version_off_results_total", "Exact-version results served partly at another version (handed back)."),
+    # named policies (Prompt.policy, a LoRA adapter's name)
+    "policy_rejected": ("rollpool_policy_rejected_total", "Prompts refused at submit: the policy (adapter) they name is not served."),
+    "policy_failed": ("rollpool_policy_failed_total", "Named-policy groups failed: their adapter stopped being served, or every worker gave it up."),
+    "policy_off": ("rollpool_policy_off_results_total", "Named-policy results with a token of another policy (handed back)."),
     "fleet_activations": ("rollpool_fleet_activations_total", "Fleet activations (every staged worker told to switch together)."),
     "fleet_holdouts": ("rollpool_fleet_holdouts_total", "Workers held out at a fleet activation's deadline (not staged in time)."),
 }

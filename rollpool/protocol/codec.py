@@ -93,6 +93,7 @@ __all__ = [
     "RING_MINOR",
     "ADAPTER_ON_MINOR",
     "BASE_ON_MINOR",
+    "POLICY_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -132,7 +133,14 @@ PROTOCOL_MAJOR = 1
 #   1.22 the same-GPU ring: CudaIpcBuffer.ring_slots, ManifestRequest.ring / ring_done (RING_MINOR)
 #   1.23 the adapter version on under a whole-model version: Manifest.adapter_on (ADAPTER_ON_MINOR)
 #   1.24 the whole-model version a LoRA adapter version applies over: Manifest.base_on (BASE_ON_MINOR)
-PROTOCOL_MINOR = 24
+#   1.25 named policies: AdapterSpec.name, Prompt.policy, Trajectory.policy, SetVersion.adapter / adapter_since (POLICY_MINOR)
+PROTOCOL_MINOR = 25
+POLICY_MINOR = 25
+"""The first minor whose brokers read `Prompt.policy` (the LoRA adapter, by its `AdapterSpec.name`, a group is generated
+with): a group naming a policy the pool does not serve is refused at submit, one naming the served policy goes only to a
+worker serving it and comes back with `Trajectory.policy` set. Its clients say which adapter a version serves
+(`SetVersion.adapter`, `adapter_since`). A client refuses to send a named policy to an older broker (which would ignore
+it and serve the group with whatever adapter is on); an older client's versions name no adapter."""
 BASE_ON_MINOR = 24
 """The first minor whose weight servers name, on a LoRA adapter version, the whole-model version it applies over
 (`Manifest.base_on`), and keep that whole-model version served while it is the base of the newest adapter version; its

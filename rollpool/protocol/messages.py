@@ -328,6 +328,13 @@ class Prompt:
     """Images the prompt shows the model, in the order of its image placeholders (docs/multimodal.md); they
     travel once per group. Protocol 1.16 (`IMAGES_MINOR`); a worker whose engine takes no images refuses the
     prompt (an error result), never ignores them."""
+    policy: str | None = None
+    """The policy to generate the group with: the name of a LoRA adapter the pool serves (`AdapterSpec.name`, as the
+    trainer published it; docs/lora.md). None: whatever the pool serves, as before. A name the pool does not serve (no
+    adapter of that name announced, or the base model's name while an adapter is on) is refused at submit
+    (``policy_unavailable``, naming what is served); the group goes only to a worker serving the policy, and is
+    delivered only when every sampled token was made under it (`Trajectory.policy` then says so). Protocol 1.25
+    (`POLICY_MINOR`; the client refuses to send one to an older broker)."""
 
 
 @record
@@ -388,6 +395,9 @@ class Trajectory:
     image_grid_thw: Int32Array | None = None
     """With `Prompt.images` on a Qwen2-VL-style model: the (t, h, w) patch grid of each image, row-major (3 per image),
     to check a trainer's own preprocessing against; None otherwise. Protocol 1.16."""
+    policy: str | None = None
+    """With `Prompt.policy`: the policy (LoRA adapter name) every sampled token was made under, set by the broker after
+    checking each token's version against the versions announced for it; None otherwise. Protocol 1.25."""
 
     @property
     def trajectory_id(self) -> str:
@@ -526,6 +536,9 @@ class AdapterSpec:
     """`model_fingerprint` of the base model the adapter applies to (``""``: not checked)."""
     base_model: str = ""
     """The base model's name or path, for error messages."""
+    name: str = ""
+    """(minor 25, `POLICY_MINOR`) The policy this adapter serves: prompts name it (`Prompt.policy`). Versions of one
+    adapter under training keep one name; ``""``: unnamed (no prompt can name it)."""
 
 
 # --------------------------------------------------------------------------- worker flow
@@ -929,6 +942,12 @@ class SetVersion:
     """(minor 8) The staleness above which the trainer will not train a group (its stale_policy's bound:
     max_staleness under drop and regenerate, max_staleness_keep under keep; -1: not stated). The broker's
     early cancellation and result-time drop judge by it instead of its eta."""
+    adapter: AdapterSpec | None = None
+    """(minor 25, `POLICY_MINOR`) The LoRA adapter the pool serves from this version on (its `name` is the policy prompts
+    may name): the adapter of this version or, for a whole-model version, the one that stays on under it. None: not said
+    (the broker keeps what it was last told; there is no version that turns an adapter off)."""
+    adapter_since: int = -1
+    """(minor 25) The first version this adapter (by name) was published at: its tokens from there on are that policy's."""
 
 
 @message("status_request")

@@ -32,6 +32,12 @@ Guarantees the trainer relies on:
   is rejected at submit. A broker older than protocol 1.14 (`CONTRACT_MINOR`) would ignore the field, so
   such a submit to it raises `RejectedError` before anything is sent. `wait_for_version(v, fraction, timeout)`
   returns once that share of the live workers serves v or newer, and raises at once when the rest gave v up.
+* Named policies: ``submit(..., policy=name)`` (or `Prompt.policy`) has each group generated with the LoRA adapter
+  of that name (`AdapterSpec.name`, as `publish_weights(..., adapter=spec)` published it; docs/lora.md). Every
+  version this client announces says which adapter the pool serves from it on, so a prompt naming another policy is
+  rejected at submit (``policy_unavailable``, naming what is served) and the delivered trajectories say
+  ``policy``. A broker older than protocol 1.25 (`POLICY_MINOR`) would ignore the field: such a submit raises
+  `RejectedError` before anything is sent.
 * `get_batch` without a timeout never waits for what cannot come: when fewer
   groups could ever arrive than it asks for (those buffered here, plus this
   client's prompts still pending, or plus every group the broker holds queued,
@@ -72,9 +78,11 @@ import numpy as np
 
 from rollpool.protocol import (
     CONTRACT_MINOR,
+    POLICY_MINOR,
     PROTOCOL_MINOR,
     SUPPORTED_MAJORS,
     Ack,
+    AdapterSpec,
     Batch,
     BrokerUnavailableError,
     CancelPrompts,
@@ -284,11 +292,21 @@ class TrainerClient:
         self._epoch_lock = asyncio.Lock()
         self._publisher: WeightPublisher | None = None
         self._closed = False
+        self._adapter: AdapterSpec | None = None
+        """The LoRA adapter the pool serves as far as this client knows (the last one it published or was told of), sent
+        with every version (`SetVersion.adapter`: its name is the policy prompts may name)."""
+        self._adapter_since = -1
+        """The first version `_adapter` (by name) was published at."""
 
     @property
     def version(self) -> int:
         """The trainer's version as far as this client knows (set, published, or reported by the broker)."""
         return self.ledger.version
+
+    @property
+    def broker_minor(self) -> int:
+        """The protocol minor settled with the broker at the last hello (0: none yet)."""
+        return self._broker_minor
 
     @property
     def counters(self) -> dict[str, int]:
@@ -443,20 +461,28 @@ class TrainerClient:
     # ------------------------------------------------------------------ public API
 
     async def submit(self, prompts: Iterable[Prompt | Mapping[str, Any] | str | Sequence[int]], *, group_size: int = 1,
-                     sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None) -> SubmitResult:
+                     sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None,
+                     policy: str | None = None) -> SubmitResult:
         """Submit prompts; returns the accepted ids and the rejected ones with reasons (nothing is silently lost).
 
         ``exact_weight_version``: every group is served only at that weight version (`Prompt.exact_weight_version`).
+        ``policy``: every group is generated with the LoRA adapter of that name (`Prompt.policy`; None: whatever the
+        pool serves, or each prompt's own).
         """
         items = [make_prompt(p, group_size=group_size, sampling=sampling) for p in prompts]
         if exact_weight_version is not None:
             items = [dataclasses.replace(p, exact_weight_version=exact_weight_version) for p in items]
+        if policy is not None:
+            items = [dataclasses.replace(p, policy=policy) for p in items]
         return await self._submit(items)
 
     async def _submit(self, items: Sequence[Prompt]) -> SubmitResult:
         if self._broker_minor < CONTRACT_MINOR and any(p.exact_weight_version != -1 for p in items):
             raise RejectedError("exact_weight_version", f"the broker speaks protocol minor {self._broker_minor}, which ignores "
                                 f"exact_weight_version (it needs {CONTRACT_MINOR}): nothing was submitted")
+        if self._broker_minor < POLICY_MINOR and any(p.policy is not None for p in items):
+            raise RejectedError("policy", f"the broker speaks protocol minor {self._broker_minor}, which ignores Prompt.policy "
+                                f"(it needs {POLICY_MINOR}) and would serve whatever adapter is on: nothing was submitted")
         result = SubmitResult(accepted=[], rejected={})
         valid = []
         for p in items:  # refused here, as every engine would refuse it (protocol.sampling): never sent
@@ -583,8 +609,16 @@ class TrainerClient:
         if taken.regenerate:
             self.ledger.regenerated(await self._submit(taken.regenerate))
 
-    async def set_version(self, version: int) -> None:
-        """Tell the broker the trainer's version (admission control counts from it)."""
+    async def set_version(self, version: int, *, adapter: AdapterSpec | None = None) -> None:
+        """Tell the broker the trainer's version (admission control counts from it).
+
+        `adapter`: the version is that LoRA adapter's (weights published outside this client); its name is the policy
+        prompts may name from this version on. Without it, the adapter this client published or was told of last stays
+        the one served (a whole-model version leaves it on)."""
+        if adapter is not None and (self._adapter is None or adapter.name != self._adapter.name):
+            self._adapter_since = version  # a new policy begins here; versions of the same name continue it
+        if adapter is not None:
+            self._adapter = adapter
         self.ledger.observe_version(version)
         await self._set_version_request(version)
 
@@ -609,6 +643,8 @@ class TrainerClient:
             with contextlib.suppress(Exception):
                 await self._publisher.close()
             self._publisher = None
+        if self._adapter_since > version:  # that adapter's versions belong to the abandoned run (the broker forgets them too)
+            self._adapter, self._adapter_since = None, -1
         reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, rebase=True))
         if isinstance(reply, Reply) and not reply.ok:
             raise RejectedError("rebase_version", reply.error or "refused")
@@ -621,7 +657,8 @@ class TrainerClient:
         if self._publisher is not None:
             router, pub = self._publisher.router_endpoint, self._publisher.pub_endpoint
         reply = await self._request(lambda rid: SetVersion(request_id=rid, version=version, weight_endpoint=router, announce_endpoint=pub,
-                                                           stale_bound=self._stale_bound))
+                                                           stale_bound=self._stale_bound, adapter=self._adapter,
+                                                           adapter_since=self._adapter_since))
         if isinstance(reply, Reply) and not reply.ok:
             raise RejectedError("set_version", reply.error or "refused")
 
@@ -666,7 +703,7 @@ class TrainerClient:
                 f"the pool serves fingerprint {self.fingerprint}")
         publisher = await self._hosted_publisher()
         manifest = await publisher.publish(model_or_named_tensors, version, adapter=adapter)
-        await self.set_version(version)
+        await self.set_version(version, adapter=adapter)
         return manifest
 
     async def status(self) -> dict[str, Any]:

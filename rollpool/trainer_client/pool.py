@@ -26,6 +26,11 @@ Guarantees:
   string, an ``http(s)://`` URL (fetched by the worker only where its operator
   allows it) or a file name (read by the worker). They travel as
   `Prompt.images`; a worker that cannot read one fails that prompt naming why.
+* ``lora_path``: an entry naming an adapter loaded through `load_lora_adapter` (by
+  its name or path; a PEFT directory is loaded on first use) has its prompt served
+  at that adapter's version or newer and, with a broker of protocol 1.25, carries the
+  adapter's name as `Prompt.policy`: the broker checks every sampled token is that
+  adapter's and the result's ``meta_info["policy"]`` says it (docs/lora.md).
 * A mapping passed where text is expected (NeMo-RL's batched dict) is refused,
   never generated from its key names.
 * Staged tensors (`update_weights_from_tensor`) are published as one new
@@ -299,8 +304,9 @@ class RolloutPool:
         self._released: set[str] = set()
         """Memory tags this object released on the workers and has not resumed."""
         self._closed = False
-        self._adapters: dict[str, int] = {}
-        """Adapter names and paths loaded through this object (`load_lora_adapter`) -> the version that published them."""
+        self._adapters: dict[str, tuple[str, int]] = {}
+        """Adapter names and paths loaded through this object (`load_lora_adapter`) -> (the adapter's name, which is its
+        policy; the version that published it)."""
 
     # ------------------------------------------------------------------ generation
 
@@ -313,7 +319,7 @@ class RolloutPool:
                                "(or prepare_for_generation()) first")
         items, single = _normalise_inputs(prompt, input_ids)
         _check_unsupported(image_data, lora_path, custom_logit_processor, logprob_start_len, top_logprobs_num, stream, len(items))
-        adapter_version = self._lora_version(lora_path, len(items))
+        adapter_version, policies = self._lora_version(lora_path, len(items))
         sampling = [sampling_from_sglang(sp) for sp in _per_prompt("sampling_params", sampling_params, len(items))]
         logprobs = [bool(x) for x in _per_prompt("return_logprob", return_logprob, len(items))]
         # SGLang reports top logprobs with return_logprob only; they are asked of the workers only then
@@ -328,10 +334,12 @@ class RolloutPool:
         required = max(required, adapter_version)
         prompts = []
         images = _images_per_prompt(image_data, len(items), single)
-        for item, (sp, n), ims in zip(items, sampling, images, strict=True):
+        for item, (sp, n), ims, policy in zip(items, sampling, images, policies, strict=True):
             p = make_prompt(item, group_size=n, sampling=sp)
             if ims:
                 p = replace(p, images=ims)
+            if policy is not None:
+                p = replace(p, policy=policy)
             p = replace(p, min_weight_version=required) if required >= 0 else p
             prompts.append(replace(p, exact_weight_version=exact_weight_version) if exact_weight_version is not None else p)
         result = self._client.submit(prompts)
@@ -496,6 +504,8 @@ class RolloutPool:
                 "reward": t.reward,
                 "finished_at": t.finished_at,
             }
+            if t.policy is not None:  # the adapter (by name) every sampled token was made under, checked by the broker
+                meta["policy"] = t.policy
             if return_logprob:
                 meta["output_token_logprobs"] = [(float(lp), int(tok), None) for lp, tok in zip(t.output_logprobs, t.output_ids, strict=True)]
             if logprob_start >= 0:
@@ -566,13 +576,16 @@ class RolloutPool:
                           spec: Any = None) -> int:
         """Publish a LoRA adapter as a new version (SGLang's ``load_lora_adapter(lora_name, lora_path)``): from a PEFT
         directory (`lora_path`, default `lora_name`) or from its matrices and `AdapterSpec` (`tensors`, `spec`). The pool
-        serves one adapter at a time, the latest; prompts may name it (``lora_path=[name]``). Returns the version."""
+        serves one adapter at a time, the latest; prompts may name it (``lora_path=[name]``, or by its path). `lora_name`
+        is the adapter's policy name (`AdapterSpec.name`, whatever `spec` said): loading the same name again publishes a
+        new version of that policy. Returns the version."""
         from rollpool.weights.adapters import read_peft_adapter
 
         if tensors is None:
             tensors, spec = read_peft_adapter(lora_path or lora_name, base_fingerprint=self._client.client.fingerprint)
         elif spec is None:
             raise ValueError("load_lora_adapter with tensors needs their spec (rollpool.weights.adapters.adapter_spec)")
+        spec = replace(spec, name=str(lora_name))
         if spec.base_fingerprint:  # refused here, before anything is published, when a worker serves another base
             workers = self._client.status()["workers"]
             other = {w: st.get("fingerprint") for w, st in workers.items() if st.get("fingerprint") not in (None, "", spec.base_fingerprint)}
@@ -584,16 +597,20 @@ class RolloutPool:
         self._client.publish_weights(tensors, version, adapter=spec)
         self.version = version
         self._required = version
-        self._adapters = {lora_name: version} | ({lora_path: version} if lora_path else {})
+        self._adapters = {lora_name: (str(lora_name), version)} | ({lora_path: (str(lora_name), version)} if lora_path else {})
         return version
 
-    def _lora_version(self, lora_path: Any, count: int) -> int:
-        """The adapter version prompts naming `lora_path` need (-1: none named). An entry that is a PEFT directory not
-        loaded yet is loaded (published) first; any other unknown name, or one of an adapter no longer served, is refused
-        by name before anything is submitted."""
-        names = {str(p) for p in _per_prompt("lora_path", lora_path, count) if p is not None}
+    def _lora_version(self, lora_path: Any, count: int) -> tuple[int, list[str | None]]:
+        """The adapter version prompts naming `lora_path` need (-1: none named), and each prompt's policy: the name of
+        the adapter its entry names (None for a None entry, or when the broker is older than `POLICY_MINOR`: there the
+        version alone says it). An entry that is a PEFT directory not loaded yet is loaded (published) first; any other
+        unknown name, or one of an adapter no longer served, is refused by name before anything is submitted."""
+        from rollpool.protocol import POLICY_MINOR
+
+        entries = [None if p is None else str(p) for p in _per_prompt("lora_path", lora_path, count)]
+        names = {p for p in entries if p is not None}
         if not names:
-            return -1
+            return -1, [None] * count
         for name in sorted(names - set(self._adapters)):
             import pathlib
 
@@ -603,10 +620,11 @@ class RolloutPool:
                 raise UnsupportedParameterError(
                     "lora_path", f"unknown adapter {name!r}: load it first (load_lora_adapter); the pool serves "
                     f"{sorted(self._adapters) or 'no adapter'}, one at a time")
-        versions = {self._adapters[n] for n in names}
+        versions = {self._adapters[n][1] for n in names}
         if len(versions) > 1:
             raise UnsupportedParameterError("lora_path", f"{sorted(names)}: the pool serves one adapter at a time")
-        return versions.pop()
+        named = self._client.client.broker_minor >= POLICY_MINOR
+        return versions.pop(), [self._adapters[e][0] if e is not None and named else None for e in entries]
 
     def update_weights_from_disk(self, path: str) -> int:
         """Workers load an HF checkpoint directory from a path they share with the trainer; a new version."""

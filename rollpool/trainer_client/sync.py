@@ -66,10 +66,11 @@ class SyncTrainerClient:
         return dict(self.client.counters)
 
     def submit(self, prompts: Iterable[Prompt | Mapping[str, Any] | str | Sequence[int]], *, group_size: int = 1,
-               sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None) -> SubmitResult:
+               sampling: SamplingParams | Mapping[str, Any] | None = None, exact_weight_version: int | None = None,
+               policy: str | None = None) -> SubmitResult:
         items = list(prompts)
         return self._call(lambda: self.client.submit(items, group_size=group_size, sampling=sampling,
-                                                     exact_weight_version=exact_weight_version))
+                                                     exact_weight_version=exact_weight_version, policy=policy))
 
     def take_ended(self, timeout: float = 0.0) -> list[GroupResult]:
         """See `TrainerClient.take_ended`."""
@@ -88,8 +89,8 @@ class SyncTrainerClient:
     def publish_weights(self, model_or_named_tensors: Any, version: int, *, adapter: Any = None) -> Any:
         return self._call(lambda: self.client.publish_weights(model_or_named_tensors, version, adapter=adapter))
 
-    def set_version(self, version: int) -> None:
-        self._call(lambda: self.client.set_version(version))
+    def set_version(self, version: int, *, adapter: Any = None) -> None:
+        self._call(lambda: self.client.set_version(version, adapter=adapter))
 
     def rebase_version(self, version: int) -> None:
         """See `TrainerClient.rebase_version` (a trainer resumed from a checkpoint at `version`)."""

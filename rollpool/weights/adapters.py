@@ -31,10 +31,12 @@ __all__ = ["AdapterSpec", "PEFT_PREFIX", "adapter_spec", "lora_pairs", "read_pef
 PEFT_PREFIX = "base_model.model."
 
 
-def adapter_spec(rank: int, alpha: float, target_modules: Any, *, base_fingerprint: str = "", base_model: str = "") -> AdapterSpec:
+def adapter_spec(rank: int, alpha: float, target_modules: Any, *, base_fingerprint: str = "", base_model: str = "",
+                 name: str = "") -> AdapterSpec:
     """An `AdapterSpec`, checked (rank >= 1, alpha > 0, at least one target module).
 
     `target_modules` as PEFT's ``LoraConfig.target_modules`` (a list or set of names; a PEFT config's own value).
+    `name`: the policy this adapter serves (prompts name it: `Prompt.policy`); keep it across the versions of one adapter.
     """
     if isinstance(target_modules, str):
         target_modules = [target_modules]
@@ -45,7 +47,8 @@ def adapter_spec(rank: int, alpha: float, target_modules: Any, *, base_fingerpri
         raise ValueError(f"adapter alpha must be > 0, got {alpha}")
     if not targets:
         raise ValueError("an adapter needs at least one target module (PEFT's target_modules)")
-    return AdapterSpec(rank=int(rank), alpha=float(alpha), target_modules=targets, base_fingerprint=base_fingerprint, base_model=base_model)
+    return AdapterSpec(rank=int(rank), alpha=float(alpha), target_modules=targets, base_fingerprint=base_fingerprint,
+                       base_model=base_model, name=str(name))
 
 
 def _split(name: str) -> tuple[str, str] | None:

@@ -563,6 +563,7 @@ def test_lightrft_lora_path_serves_the_adapter_and_bad_adapters_are_refused_by_n
         version = engine.pool.version
         assert int(res[0]["meta_info"]["weight_version"]) >= version
         assert res[0]["meta_info"]["output_token_logprobs"] != base["meta_info"]["output_token_logprobs"]  # the adapter is on
+        assert res[0]["meta_info"]["policy"] == str(adir)  # the entry named the adapter's policy (its name: the path)
         with pytest.raises(UnsupportedParameterError, match=r"lora_path.*unknown adapter 'nope'"):
             engine.generate("Hello", sampling_params=greedy, lora_path=["nope"])
         assert engine.pool.status()["counters"]["queued"] == 0  # refused before anything was submitted

@@ -161,6 +161,13 @@ def samples() -> dict[str, Any]:
                                        adapter=p.AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj",)),
                                        buckets=(p.BucketInfo(index=0, dtype="float32", nbytes=32, checksum="xxh3_64:0123456789abcdef",
                                                              tensors=(p.TensorInfo(name="w", dtype="float32", shape=(8,), offset=0, nbytes=32),)),)),
+        # minor 25: named policies (POLICY_MINOR): a prompt naming an adapter, the adapter a version serves, a trajectory saying it
+        "submit_policy": p.Submit(request_id="r10", prompts=(p.Prompt(prompt_id="p10", text="2+2=", policy="math-lora"),)),
+        "set_version_adapter": p.SetVersion(request_id="r11", version=13, adapter_since=12,
+                                            adapter=p.AdapterSpec(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"),
+                                                                  base_model="Qwen/Qwen3-8B", name="math-lora")),
+        "batch_policy": p.Batch(request_id="r12", epoch="e1", groups=(p.GroupResult(prompt_id="p1", state=p.GroupState.DONE, attempts=1,
+                                                                                    trajectories=(dataclasses.replace(traj, policy="math-lora"),)),)),
     }
 
 
