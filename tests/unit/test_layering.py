@@ -160,7 +160,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "paths.delta", "manifest", "config",
                    "bucketing", "gpu", "memory", "snapshot", "delta", "watch"},
     "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters",
-                  "delta_device"},
+                  "delta", "delta_device"},
     "ring": set(),
     "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory", "delta"},
     "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports
