@@ -14,7 +14,7 @@ Contract
       gap - 1, ``sparse``: int32 index, little-endian, then the values). Each bucket's `DeltaSet` has exactly the
       payload bytes `delta.encode_bucket` makes of the same two versions (a ``whole`` bucket's payload is the caller's
       host buffer of it, `wholes`, as the host path's is the host bucket); a payload is copied to the host (page-locked
-      on CUDA) behind the device work, and `BucketDiff.wait` returns once it landed. `diff` returns None for the
+      on CUDA, on a stream of its own, so the trainer does not wait for it) and `BucketDiff.wait` returns once it landed. `diff` returns None for the
       deltas when the base held no `version - 1` of the same layout (the first version, a skipped one, a changed
       layout): the base is written all the same.
     - It reads the caller's tensors only inside `diff` (on CUDA on a side stream that first waits for the caller's
@@ -101,6 +101,7 @@ class DeviceBase:
         """The version the base holds (-1: none, or a diff that failed part way)."""
         self.charged = 0
         """Bytes taken from the budget (given back by `release`)."""
+        self._copy_stream: Any = None
 
     @staticmethod
     def need_bytes(buckets: Sequence[BucketInfo]) -> int:
@@ -122,7 +123,7 @@ class DeviceBase:
     def release(self) -> None:
         """Free the base (its budget given back); the next `diff` makes none (no `version - 1` held)."""
         self.arena = self.mask = None
-        self.buckets, self.offsets, self.version, self.device = (), [], -1, None
+        self.buckets, self.offsets, self.version, self.device, self._copy_stream = (), [], -1, None, None
         self.budget.give(self.charged)
         self.charged = 0
 
@@ -137,6 +138,13 @@ class DeviceBase:
         self.arena = torch.empty(total, dtype=torch.uint8, device=device)
         self.mask = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.bool, device=device)
         self.buckets, self.device = tuple(buckets), device
+
+    def _copier(self, device: torch.device, after: Any) -> Any:
+        """The stream payloads are copied to the host on (made once), after the work queued on `after` so far."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._copy_stream.wait_stream(after)
+        return self._copy_stream
 
     def views(self, places: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
         """The base as the version's tensors (`Place` order: name, shape, dtype), views of its buffer."""
@@ -215,11 +223,14 @@ class DeviceBase:
                 del gaps
                 payload[pos * k :].copy_(torch.index_select(base, 0, idx).view(torch.uint8))  # the base holds the new values now
         done = None
-        if payload is not None and payload.is_cuda:
+        if payload is not None and payload.is_cuda:  # to the host on a stream of its own: the next bucket's diff goes on
+            copier = self._copier(payload.device, stream)
             host = torch.empty(int(payload.numel()), dtype=torch.uint8, pin_memory=True)
-            host.copy_(payload, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
+            with torch.cuda.stream(copier):
+                host.copy_(payload, non_blocking=True)
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                done.record(copier)
+            payload.record_stream(copier)  # its memory is not reused before the copy read it
             payload = host
         t2 = time.perf_counter()
         assert enc is not None

@@ -447,7 +447,7 @@ class WeightPublisher(ServingFace):
         self._ipc.note_offer(version, offered, why_not_ring)
         previous, self._latest = self._latest, version
         delta = ipc_device is None and self.config.weight_delta
-        on_device = self._delta_device_for(version, items, snap.served.buckets, offered) if delta else None
+        on_device = self._delta_device_for(version, items, snap.served.buckets, offered, delta)
         if delta:
             self._server.expect_delta(snap.served)  # the delta against the previous version follows
             snap.served.delta_hold = True  # each bucket's delta is encoded once the trainer is free (after the copy)
@@ -532,12 +532,17 @@ class WeightPublisher(ServingFace):
 
     # -- deltas made on the trainer's GPU
 
-    def _delta_device_for(self, version: int, items: Any, buckets: tuple[Any, ...], offered: str) -> torch.device | None:
+    def _delta_device_for(self, version: int, items: Any, buckets: tuple[Any, ...], offered: str, delta: bool) -> torch.device | None:
         """The device this version's delta is made on (`rollpool.weights.delta_device`): the tensors' GPU, when they are
         all there and the base fits the GPU budget; else None (the host compares the copies), the reason in `path_note`
-        and the log, and the device base is freed."""
+        and the log, and the device base is freed. None and the base freed when no delta is made (`delta` false:
+        deltas are off, or the same-GPU arena serves the version)."""
         device: torch.device | None = None
         why = ""
+        if not delta:
+            self._delta_base.release()
+            self._delta_note = {"delta_made_on": "", "why_not_delta_on_device": ""}
+            return None
         if offered != "host":
             why = "the same-GPU ring reads the tensors beside the host copy"
         elif version in self._server.pending_adapters:

@@ -107,6 +107,9 @@ async def test_a_device_made_delta_serves_the_host_paths_bytes_and_the_trainers_
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
     assert on_device.gpu_budget.used == delta_device.DeviceBase.need_bytes(on_device._server.versions[4].buckets)
     assert on_host.gpu_budget.used == 0
+    on_device.config = dataclasses.replace(on_device.config, weight_delta=False)  # deltas turned off: the base goes back
+    await on_device.publish(model, 5, wait_ready=True)
+    assert on_device.gpu_budget.used == 0 and on_device.path_note["delta_made_on"] == ""
 
 
 def _key(b: Any) -> tuple[Any, ...]:
