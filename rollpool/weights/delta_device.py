@@ -156,10 +156,12 @@ class DeviceBase:
         return out
 
     def diff(self, version: int, buckets: Sequence[BucketInfo], places: Sequence[Any], items: Sequence[tuple[str, torch.Tensor]],
-             wholes: Sequence[torch.Tensor]) -> list[BucketDiff] | None:
+             wholes: Sequence[torch.Tensor], after: Any = None) -> list[BucketDiff] | None:
         """Compare `items` (laid out by `places` into `buckets`) with the base, write them into it, and return each
         bucket's delta against the base's version when that is `version - 1` of this layout, else None (see the module
-        docstring). On failure the base holds no version (the caller's tensors are unchanged; it copies them itself)."""
+        docstring). On CUDA the work first waits for `after` (the caller's stream, taken on its thread; None: this
+        thread's current stream). On failure the base holds no version (the caller's tensors are unchanged; it copies
+        them itself)."""
         device = items[0][1].device if items else torch.device("cpu")
         had = self.version if self.fits(buckets, device) else -1
         compare = had >= 0 and had == version - 1
@@ -173,7 +175,7 @@ class DeviceBase:
                 by_bucket[idx].append((offset, tensor))
         stream = side_stream(device) if device.type == "cuda" else None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))
+            stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
         out: list[BucketDiff | None] = []
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for b, tensors, whole in zip(buckets, by_bucket, wholes, strict=True):

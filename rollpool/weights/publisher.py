@@ -20,7 +20,9 @@ version names the whole-model version it applies over (the newest one,
 of the newest adapter version (one whole model's bytes besides the K
 versions, only once adapter versions have pushed it out of them), so a late
 joiner applies it before the adapter. CUDA tensors on the same-GPU path are snapshotted into a device
-arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
+arena first (`paths/cuda_ipc.py`). With delta versions on and a GPU budget that holds it, CUDA tensors are compared
+with the previous version kept on their GPU instead of copied (`delta_device.py`): the call returns after that diff,
+and the host copy is made from the device base afterwards. Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
 once at its final size and tensors are copied by parallel threads, each bucket
@@ -580,8 +582,10 @@ class WeightPublisher(ServingFace):
             with contextlib.suppress(BaseException):
                 await asyncio.wait([reader])
         base = self._server.versions.get(snap.version - 1)
+        device = items[0][1].device
+        after = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the trainer's stream, on its thread
         try:
-            made = await asyncio.to_thread(self._delta_base.diff, snap.version, snap.served.buckets, places, items, list(snap.buffers))
+            made = await asyncio.to_thread(self._delta_base.diff, snap.version, snap.served.buckets, places, items, list(snap.buffers), after)
         except Exception as exc:  # noqa: BLE001 - the host path serves the version
             self._delta_broken = f"{type(exc).__name__}: {exc}"
             log.error("weight publisher %s: the device diff failed (%s); deltas are made on the host from now on", self.publisher_id,
