@@ -168,7 +168,8 @@ class WeightPublisher(ServingFace):
                                     copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm)
         self.last_phases: dict[str, float] = {}
         """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
-        ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
+        ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``diffed``
+        (a delta made on the device: the diff and the base's update done, instead of the copy's marks), ``returned``."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._plan = PlanMemo()
@@ -593,6 +594,7 @@ class WeightPublisher(ServingFace):
             self._delta_base.release()
             self._delta_note = {"delta_made_on": "host", "why_not_delta_on_device": f"the device diff failed ({self._delta_broken})"}
             return None
+        snap.marks["diffed"] = time.perf_counter()
         if made is not None and base is not None:
             parts = [functools.partial(_device_part, d, self.checksum_algorithm) for d in made]
             if self._server.take_delta_parts(snap.served, base, parts):
