@@ -639,7 +639,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         t_joined = time.time()
         sd_cpu: dict[str, Any] | None = None
-        budget_as_made = pub.gpu_budget.budget
+        budget_as_made, device_made = pub.gpu_budget.budget, 0
         for path, on, delta in rows:
             name = row_name(path, on, delta)
             recs: list[dict[str, Any]] = []
@@ -764,7 +764,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                             "changed_fraction": round(made.changed_fraction, 6) if made is not None else None,
                             "delta_wire_bytes": made.wire_bytes if made is not None else None})
                 rec["delta_phases"] = delta_phases(made, f, t_pub) if delta else None
-                rec["delta_made_on"] = pub.path_note.get("delta_made_on") if delta else None
+                # this version's delta came from the device only if the publisher counted one (the row's first version
+                # writes the base, and its delta, if any, is the host's)
+                device_made, device_made_before = pub.delta_device_versions, device_made
+                rec["delta_made_on"] = ("device" if device_made > device_made_before else "host") if delta else None
                 rec["why_not_delta_on_device"] = pub.path_note.get("why_not_delta_on_device") if delta else None
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
@@ -1048,7 +1051,7 @@ HOW = {
     "delta_device_host_path_s": "row tcp_cuda_delta_device (the publisher's GPU budget raised for the row to hold the device delta base): median over versions 3..N of publish -> applied",
     "delta_device_shm_path_s": "row shm_cuda_delta_device: the same median less the row's pause",
     "delta_device_trainer_blocked_s": "duration of publish_weights over the _delta_device rows, versions 2..N: the diff on the trainer's GPU and the base's update (the host copy is made from the base after the call)",
-    "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (publisher path_note delta_made_on: device or host); delta_device_why_not: the reasons given for host",
+    "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (device: the publisher's delta_device_versions counted it, else host); delta_device_why_not: the reasons path_note gave for host",
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
     "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s; the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
