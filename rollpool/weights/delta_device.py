@@ -136,7 +136,8 @@ class DeviceBase:
         self.charged = need
         self.offsets, total = arena_offsets([b.nbytes for b in buckets])
         self.arena = torch.empty(total, dtype=torch.uint8, device=device)
-        self.mask = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.bool, device=device)
+        self.mask = torch.empty(max((b.nbytes // word_width(b.nbytes, itemsize_of(b.dtype)) for b in buckets), default=0),
+                                dtype=torch.bool, device=device)  # one flag per element of the largest bucket
         self.buckets, self.device = tuple(buckets), device
 
     def _copier(self, device: torch.device, after: Any) -> Any:
