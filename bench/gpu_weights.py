@@ -45,7 +45,7 @@ delta_device_host_path_s, delta_device_shm_path_s, delta_device_trainer_blocked_
 delta_device_phases beside the host rows' keys:
 
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
-        --rows tcp_cuda,tcp_cuda_delta,tcp_cuda_delta_device,shm_cuda_delta,shm_cuda_delta_device
+        --streams 8 --chunk-mib 8 --rows tcp_cuda,shm_cuda,tcp_cuda_delta,tcp_cuda_delta_device,shm_cuda_delta,shm_cuda_delta_device
 
 A goal is reported only for the path its row meant (`path_goal`): a row whose versions went over another path says
 ``"met": null`` and ``"not_measured"``, with the paths taken and every fallback's reason (the worker's, per fetch, and
