@@ -14,9 +14,9 @@ Contract
       gap - 1, ``sparse``: int32 index, little-endian, then the values). Each bucket's `DeltaSet` has exactly the
       payload bytes `delta.encode_bucket` makes of the same two versions (a ``whole`` bucket's payload is the caller's
       host buffer of it, `wholes`, as the host path's is the host bucket); a payload is copied to the host (page-locked
-      on CUDA, on a stream of its own, so the trainer does not wait for it) and `BucketDiff.wait` returns once it landed. `diff` returns None for the
-      deltas when the base held no `version - 1` of the same layout (the first version, a skipped one, a changed
-      layout): the base is written all the same.
+      on CUDA, on a stream of its own, so the trainer does not wait for it) and `BucketDiff.wait` returns once it
+      landed. `diff` returns None for the deltas when the base held no `version - 1` of the same layout (the first
+      version, a skipped one, a changed layout): the base is written all the same.
     - It reads the caller's tensors only inside `diff` (on CUDA on a side stream that first waits for the caller's
       stream, synchronised before it returns): once it returned they may change. Nothing else may write the base
       while `views` (the base as the version's tensors, for the host copy made from it) are being read.
