@@ -19,6 +19,15 @@ at lr 1e-6 gave in bench/weights.py --delta). Per version, from the moment `publ
 Every fetched tensor is compared with the trainer's, bit for bit (outside the timings). ``--kernel`` adds a
 single-threaded cProfile of one bucket's encode, decode and checksum (the op-level split).
 
+``--device`` compares, in one process, the publisher's two ways of making a delta on the same versions: the host
+path (numpy in ``--threads`` threads after the full copy) and the device path (`rollpool.weights.delta_device`, torch
+against a base held on the tensors' device; here that device is the CPU, so it is labelled ``cpu``: no GPU claim).
+Two publishers take each version in turn (the order alternating by version); per version and side, ``publish_s``
+(the trainer's wait) and ``delta_ready_s`` (publish -> the delta served), and every version's served delta is checked
+byte for byte (manifest entries and encoded bytes) between the two sides:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py --device --mib 512 --bucket-mib 128 --versions 4 --json bench/results/cpu-delta-device.json
+
 ``--ab TREE`` runs this script alternately against TREE (another checkout's root: its ``rollpool``) and this tree,
 ``--reps`` times each, one at a time, and writes both sides' runs and the ratios of their medians (this tree over
 TREE) to ``--json``:
@@ -269,6 +278,86 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
+    """`--device`: the host path and the device path (on CPU tensors) side by side, their served deltas compared."""
+    import dataclasses
+
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights import delta_device
+    from rollpool.weights.config import WeightPathConfig
+    from rollpool.weights.publisher import WeightPublisher
+
+    delta_device.DEVICE_TYPES = (*delta_device.DEVICE_TYPES, "cpu")  # the device path's torch code, run on the CPU
+    sd = make_model(args.mib)
+    model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    cfg = WeightPathConfig(weight_path="network", weight_delta=True, weight_copy_threads=args.threads)
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx)
+    pubs = {side: WeightPublisher(sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
+                                  bucket_bytes=args.bucket_mib * _MiB, chunk_bytes=4 * _MiB,
+                                  weights=dataclasses.replace(cfg, publisher_gpu_budget_bytes=(0 if side == "host" else 4 * model_bytes + (1 << 30))))
+            for side in ("host", "device")}
+    for pub in pubs.values():
+        pub.reserve(sd)
+        await pub.start()
+    rows: list[dict[str, Any]] = []
+
+    async def one(side: str, v: int) -> dict[str, Any]:
+        pub = pubs[side]
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await pub.publish(sd, v)
+        t_ret = time.perf_counter()
+        await pub.wait_ready(v)
+        for _ in range(600_000):  # the delta follows the checksums (polled: the server sets no event for it)
+            if pub._server.versions[v].delta_state != "pending":
+                break
+            await asyncio.sleep(0.001)
+        t_ready = time.perf_counter()
+        return {"publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4), "process_cpu_s": round(time.process_time() - cpu0, 3),
+                "made_on": pub.path_note.get("delta_made_on"), "why_not_device": pub.path_note.get("why_not_delta_on_device")}
+
+    def served(pub: Any, v: int) -> tuple[Any, list[bytes]]:
+        d = pub._server.versions[v].delta
+        if d is None:
+            return None, []
+        keys = [(b.index, b.checksum, b.encoding, b.delta_nbytes, b.delta_checksum) for b in d.buckets]
+        return keys, [bytes(src.read(0, b.nbytes)) for b, src in zip(d.payload.buckets, d.payload.sources, strict=True)]
+
+    try:
+        for v in range(1, args.versions + 2):
+            if v > 1:
+                sparse_step(sd, v, args.fraction)
+            row: dict[str, Any] = {"version": v}
+            for side in ("host", "device") if v % 2 else ("device", "host"):
+                row[side] = await one(side, v)
+            (hk, hb), (dk, db) = served(pubs["host"], v), served(pubs["device"], v)
+            row["same_served_bytes"] = hk == dk and hb == db
+            if v > 1 and not row["same_served_bytes"]:
+                raise AssertionError(f"v{v}: the device path's served delta differs from the host path's")
+            d = pubs["device"]._server.versions[v].delta
+            row["changed_fraction"] = round(d.changed_fraction, 6) if d is not None else None
+            row["delta_bytes_fraction"] = round(d.wire_bytes / model_bytes, 6) if d is not None else None
+            row["device_phases"] = {k: x for k, x in pubs["device"]._server.last_delta.items() if k.endswith("_s")} if d is not None else {}
+            row["host_phases"] = {k: x for k, x in pubs["host"]._server.last_delta.items() if k.endswith("_s")}
+            rows.append(row)
+            print(f"  v{v} {json.dumps(row)}", file=sys.stderr, flush=True)
+    finally:
+        for pub in pubs.values():
+            await pub.close()
+        ctx.destroy(linger=0)
+    steady = rows[1:]
+    summary: dict[str, Any] = {"label": "cpu: the device path's torch code on CPU tensors, not a GPU figure",
+                               "all_served_bytes_identical": all(r["same_served_bytes"] for r in steady),
+                               "made_on": {side: sorted({str(r[side]["made_on"]) for r in steady}) for side in ("host", "device")}}
+    for k in ("publish_s", "delta_ready_s", "process_cpu_s"):
+        h = statistics.median(r["host"][k] for r in steady)
+        dv = statistics.median(r["device"][k] for r in steady)
+        summary[k] = {"host": round(h, 4), "device_cpu": round(dv, 4), "device_over_host": round(dv / h, 3) if h else None}
+    return {"summary": summary, "versions": rows, "model_bytes": model_bytes}
+
+
 def ab(args: argparse.Namespace) -> dict[str, Any]:
     """This script against `args.ab` and this tree, alternately, `args.reps` times each."""
     trees = {"A": str(Path(args.ab).resolve()), "B": str(ROOT)}
@@ -308,9 +397,12 @@ def main() -> int:
     ap.add_argument("--kernel", action="store_true", help="add a single-threaded cProfile of one bucket's encode/decode/checksum")
     ap.add_argument("--ab", default=None, help="another tree's root: run it and this tree alternately (--reps each)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", action="store_true", help="the host path and the device path (on CPU tensors) side by side, their served deltas compared")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.ab:
+    if args.device:
+        result = asyncio.run(device_compare(args))
+    elif args.ab:
         result = ab(args)
     else:
         result = asyncio.run(run(args))

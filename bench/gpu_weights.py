@@ -37,7 +37,15 @@ Delta versions at 8B (docs/weights.md "Delta versions"; the full rows beside the
 
 The delta rows' versions are `sparse_step`s (--delta-fraction of the bf16 elements, 0.0215 by default); the JSON
 gains changed_fraction, delta_bytes_fraction, delta_host_path_s, delta_shm_path_s, delta_trainer_blocked_s and
-their goals.
+their goals. The ``_delta_device`` rows (tcp_cuda_delta_device, shm_cuda_delta_device) are the same with the
+publisher's GPU budget raised for the row to hold the device delta base (`rollpool.weights.delta_device`: 1 x the
+model's bytes plus its scratch), so the changed elements are found on the trainer's GPU; every version records the
+path its delta took (``delta_made_on``: device or host, ``why_not_delta_on_device``), and the JSON gains
+delta_device_host_path_s, delta_device_shm_path_s, delta_device_trainer_blocked_s, delta_device_made_on and
+delta_device_phases beside the host rows' keys:
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --streams 8 --chunk-mib 8 --rows tcp_cuda,shm_cuda,tcp_cuda_delta,tcp_cuda_delta_device,shm_cuda_delta,shm_cuda_delta_device
 
 A goal is reported only for the path its row meant (`path_goal`): a row whose versions went over another path says
 ``"met": null`` and ``"not_measured"``, with the paths taken and every fallback's reason (the worker's, per fetch, and
@@ -506,6 +514,23 @@ DELTA_PHASES = ("delta_compare_s", "delta_encode_s", "delta_checksum_s", "delta_
                 "rebuild_after_fetch_s", "delta_total_s")
 
 
+def row_name(path: str, on: str, delta: bool | str) -> str:
+    """``tcp_cuda``, ``tcp_cuda_delta`` (deltas, made where the budget as given allows), ``tcp_cuda_delta_device``
+    (deltas, the budget raised to hold the device base)."""
+    return f"{path}_{on}" + ("_delta" if delta else "") + ("_device" if delta == "device" else "")
+
+
+def device_base_bytes(sd: dict[str, Any], bucket_bytes: int) -> int:
+    """What the publisher's device delta base costs for this model (`DeviceBase.need_bytes` of its buckets)."""
+    from rollpool.protocol.messages import BucketInfo
+    from rollpool.weights.delta_device import DeviceBase
+    from rollpool.weights.snapshot import plan_version
+
+    _items, _places, planner = plan_version(sd, bucket_bytes, None)
+    return DeviceBase.need_bytes([BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors))
+                                  for b in planner.buckets])
+
+
 def delta_phases(made: Any, f: dict[str, Any], t_pub: float) -> dict[str, Any]:
     """Where a delta version's time went: the server's phases (`WeightServer.note_delta`: compare, encode and checksum
     seconds summed over the buckets, the delta made from its first bucket's encode and from the version's last
@@ -534,7 +559,7 @@ def optimizer_step(sd: dict[str, Any], v: int) -> None:
 # --------------------------------------------------------------------------- the pool
 
 
-async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, rows: list[tuple[str, str, bool]]) -> None:
+async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, rows: list[tuple[str, str, bool | str]]) -> None:
     """One engine start; `rows` = [(path, tensors_on, delta)], each for args.versions versions (delta: the publisher
     offers delta versions and every version is a `sparse_step`; the worker asks for deltas on every row when any row
     is a delta row: a publisher with them off answers full versions)."""
@@ -614,10 +639,17 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         last_kind, last_on = "shm", "cuda"  # the publisher was made on auto and reserved for these tensors
         t_joined = time.time()
         sd_cpu: dict[str, Any] | None = None
+        budget_as_made, device_made = pub.gpu_budget.budget, 0
         for path, on, delta in rows:
-            name = f"{path}_{on}" + ("_delta" if delta else "")
+            name = row_name(path, on, delta)
             recs: list[dict[str, Any]] = []
-            stage[name] = {"path": path, "tensors_on": on, "delta": delta, "versions": recs}
+            stage[name] = {"path": path, "tensors_on": on, "delta": bool(delta), "versions": recs}
+            # the device delta rows: the budget raised to hold the device base for the row; the others: as made (a base
+            # that does not fit it is not made, so those rows' deltas are the host's)
+            pub.gpu_budget.budget = budget_as_made
+            if delta == "device":
+                pub.gpu_budget.budget = max(budget_as_made, pub.gpu_budget.used + device_base_bytes(sd_cuda, args.bucket_mib * _MiB))
+            stage[name]["publisher_gpu_budget_bytes"] = pub.gpu_budget.budget
             if ("host" if path == "tcp" else "shm") != last_kind or on != last_on:
                 # the last row's served versions leave (and their buffers with them) before this row reserves its own:
                 # both sets at once, beside a CPU copy of the state dict and the worker's 2 versions, ran the H100 host's
@@ -626,7 +658,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     pub._evict(old)
                 pub._buffers.trim_spares(0)
             pub.set_path({"tcp": "network", "shm": "shm", "cuda_ipc": "auto", "ring_only": "auto"}[path])
-            pub.config = dataclasses.replace(pub.config, weight_delta=delta)  # read at each publish
+            pub.config = dataclasses.replace(pub.config, weight_delta=bool(delta))  # read at each publish
             # ring_only: the same GPU at keep_versions=0 (the ring alone, no host copy; the call returns once the worker
             # copied every bucket out); every other row keeps its 2 versions (read at each publish)
             pub.keep_versions = 0 if path == "ring_only" else 2
@@ -732,6 +764,11 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                             "changed_fraction": round(made.changed_fraction, 6) if made is not None else None,
                             "delta_wire_bytes": made.wire_bytes if made is not None else None})
                 rec["delta_phases"] = delta_phases(made, f, t_pub) if delta else None
+                # this version's delta came from the device only if the publisher counted one (the row's first version
+                # writes the base, and its delta, if any, is the host's)
+                device_made, device_made_before = pub.delta_device_versions, device_made
+                rec["delta_made_on"] = ("device" if device_made > device_made_before else "host") if delta else None
+                rec["why_not_delta_on_device"] = pub.path_note.get("why_not_delta_on_device") if delta else None
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
                 bulk = int(f.get("bulk_bytes", last_bulk))  # of those, over the bulk lane (minor 13)
@@ -939,6 +976,27 @@ def summarize() -> None:
         goals["first_over_warm"] = {"value": max(fow), "goal": "<= 1.2", "met": max(fow) <= 1.2}
     if pause is not None:
         goals["pause_s"] = {"value": pause, "goal": "<= 0.15", "met": pause <= 0.15}
+    device_rows = {name: row for name, row in rows.items() if name.endswith("_delta_device") and row.get("versions")}
+    if device_rows:  # the same keys for the rows whose deltas were made on the trainer's GPU
+        dt, ds = device_rows.get("tcp_cuda_delta_device", {}), device_rows.get("shm_cuda_delta_device", {})
+        RESULT["delta_device_host_path_s"] = (dt.get("summary") or {}).get("publish_to_applied_s")
+        ds_s, ds_pause = (ds.get("summary") or {}).get("publish_to_applied_s"), (ds.get("summary") or {}).get("pause_s")
+        RESULT["delta_device_shm_path_s"] = round(ds_s - ds_pause, 4) if ds_s is not None and ds_pause is not None else None
+        RESULT["delta_device_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for row in device_rows.values() for r in row["versions"][1:]])
+        RESULT["delta_device_made_on"] = sorted({str(r.get("delta_made_on")) for row in device_rows.values() for r in row["versions"][1:]})
+        RESULT["delta_device_why_not"] = sorted({str(r.get("why_not_delta_on_device")) for row in device_rows.values()
+                                                 for r in row["versions"][1:] if r.get("why_not_delta_on_device")})
+        steady_dev = [r for row in device_rows.values() for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
+        RESULT["delta_device_phases"] = {k: _median([r["delta_phases"][k] for r in steady_dev if (r.get("delta_phases") or {}).get(k) is not None])
+                                         for k in DELTA_PHASES}
+        on_device = RESULT["delta_device_made_on"] == ["device"]
+        for key, limit in (("delta_device_host_path_s", 0.35), ("delta_device_shm_path_s", 0.25), ("delta_device_trainer_blocked_s", 0.15)):
+            if RESULT.get(key) is not None:  # a figure of the device path only when every delta was made there
+                goals[key] = {"value": RESULT[key], "goal": f"<= {limit}", "met": RESULT[key] <= limit if on_device else None,
+                              "made_on": RESULT["delta_device_made_on"]}
+                if not on_device:
+                    goals[key]["not_measured"] = f"deltas made on {RESULT['delta_device_made_on']}, not only the device"
+                    goals[key]["why_not_device"] = RESULT["delta_device_why_not"]
     delta_rows = [row for name, row in rows.items() if name.endswith("_delta") and row.get("versions")]
     if delta_rows:
         steady = [r for row in delta_rows for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
@@ -990,6 +1048,11 @@ HOW = {
     "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (deltas travel on the ROUTER)",
     "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause; a delta is served over the ROUTER, not shared memory (delta_shm_paths_taken)",
     "delta_trainer_blocked_s": "duration of publish_weights over the delta rows, versions 2..N (the delta is computed after publish returns, off the trainer's call)",
+    "delta_device_host_path_s": "row tcp_cuda_delta_device (the publisher's GPU budget raised for the row to hold the device delta base): median over versions 3..N of publish -> applied",
+    "delta_device_shm_path_s": "row shm_cuda_delta_device: the same median less the row's pause",
+    "delta_device_trainer_blocked_s": "duration of publish_weights over the _delta_device rows, versions 2..N: the diff on the trainer's GPU and the base's update (the host copy is made from the base after the call)",
+    "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (device: the publisher's delta_device_versions counted it, else host); delta_device_why_not: the reasons path_note gave for host",
+    "delta_device_phases": "as delta_phases, over the _delta_device rows",
     "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s; the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
@@ -1021,7 +1084,8 @@ def main() -> int:
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-raw", action="store_true", help="skip the raw ZeroMQ tcp probe (rows without tcp)")
     ap.add_argument("--peers-timeout-s", type=int, default=240)
-    ap.add_argument("--delta", action="store_true", help="add the delta rows tcp_cuda_delta, shm_cuda_delta (every version a sparse_step)")
+    ap.add_argument("--delta", action="store_true", help="add the delta rows tcp_cuda_delta, shm_cuda_delta and their _delta_device twins "
+                    "(every version a sparse_step)")
     ap.add_argument("--delta-fraction", type=float, default=0.0215,
                     help="the delta rows' changed fraction per version (default: bench/weights.py --delta, AdamW at lr 1e-6, on CPU)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
@@ -1061,12 +1125,13 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - recorded; the rest of the run goes on
             RESULT["raw_tcp_error"] = f"{type(exc).__name__}: {exc}"[:1000]
         save()
-    rows = [("tcp", "cuda", False), ("shm", "cuda", False), ("cuda_ipc", "cuda", False), ("tcp", "cpu", False), ("shm", "cpu", False)]
-    delta_rows = [("tcp", "cuda", True), ("shm", "cuda", True)]
+    rows: list[tuple[str, str, bool | str]] = [("tcp", "cuda", False), ("shm", "cuda", False), ("cuda_ipc", "cuda", False), ("tcp", "cpu", False),
+                                               ("shm", "cpu", False)]
+    delta_rows: list[tuple[str, str, bool | str]] = [("tcp", "cuda", True), ("shm", "cuda", True), ("tcp", "cuda", "device"), ("shm", "cuda", "device")]
     if args.delta:
         rows += delta_rows
     if args.rows:  # the rows named, in the order named
-        by_name = {f"{r[0]}_{r[1]}" + ("_delta" if r[2] else ""): r for r in [*rows, *delta_rows, ("ring_only", "cuda", False)]}
+        by_name = {row_name(*r): r for r in [*rows, *delta_rows, ("ring_only", "cuda", False)]}
         rows = [by_name[n] for n in args.rows.split(",") if n in by_name]
     if not args.skip_peers:  # first: a hang later in the pool stage must not cost the peers' figures
         note("peers: update_weights_from_disk and update_weights_from_tensor in a child sglang.Engine")

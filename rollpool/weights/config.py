@@ -29,10 +29,11 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
   snapshot's copy threads) and rebuild one (a subscriber); 0: ``weight_copy_threads``. The delta reads two versions'
   bytes and the rebuild writes one, so where cores are idle more threads shorten both (docs/weights.md).
 - ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
-  arenas and ring, and any other device work of the publisher, drawn from one `rollpool.weights.manifest.GpuBudget`);
+  arenas and ring, the device delta base, drawn from one `rollpool.weights.manifest.GpuBudget`);
   None: two of its buckets. A whole-version arena that would pass it is not made: the version streams through the
   same-GPU ring when two slots of its largest bucket fit, else over the host paths, and the publisher says why (log,
-  `WeightPublisher.path_note`).
+  `WeightPublisher.path_note`). Delta versions are made on the trainer's GPU only when it holds the device base (1 x
+  the model's bytes plus 5 buckets of scratch; `rollpool.weights.delta_device`), else on the host.
 """
 
 from __future__ import annotations

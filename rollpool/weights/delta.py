@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "WireSummary", "compute_delta", "decode_bucket", "encode_bucket",
-           "itemsize_of", "wire_summary"]
+           "itemsize_of", "plan_encoding", "position_bytes", "word_width", "wire_summary"]
 
 WHOLE = "whole"
 UNCHANGED = "unchanged"
@@ -74,6 +74,12 @@ def itemsize_of(dtype_name: str) -> int:
 
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def word_width(nbytes: int, itemsize: int) -> int:
+    """The width a bucket of `nbytes` bytes of `itemsize`-byte elements is compared in: its item size when that is 1, 2,
+    4 or 8 and divides the bucket, else 1 (bytes)."""
+    return itemsize if itemsize in _WORD and nbytes % itemsize == 0 else 1
 
 
 def _words(t: torch.Tensor, itemsize: int) -> np.ndarray[Any, Any]:
@@ -113,21 +119,42 @@ def _plan(parts: list[np.ndarray[Any, Any]], n: int, width: int) -> _Packing:
     """UNCHANGED, WHOLE, GAPS or SPARSE for a bucket of `n` elements of `width` bytes whose changed indices are `parts`
     (ascending, piece by piece); for GAPS and SPARSE an empty payload of the right size."""
     k = sum(int(p.size) for p in parts)
+    enc = plan_encoding(k, n, width, None)
+    if enc is None:
+        widest, last = 0, -1
+        for p in parts:
+            if p.size:
+                widest = max(widest, int(p[0]) - last, int(np.diff(p).max()) if p.size > 1 else 0)
+                last = int(p[-1])
+        enc = plan_encoding(k, n, width, widest)
+    if enc in (GAPS, SPARSE):
+        return _Packing(enc, k, width, parts, np.empty(k * (position_bytes(enc) + width), dtype=np.uint8))
+    return _Packing(enc or WHOLE, k, width, parts)
+
+
+def position_bytes(encoding: str) -> int:
+    """Bytes of one changed element's position in a ``gaps`` (2) or ``sparse`` (4) payload."""
+    return 2 if encoding == GAPS else 4
+
+
+def plan_encoding(k: int, n: int, width: int, widest: int | None) -> str | None:
+    """The encoding of a bucket of `n` elements of `width` bytes of which `k` changed, the widest distance between
+    consecutive changed elements being `widest` (the first counted from position -1); None when that depends on
+    `widest` and it is not given yet (so a caller finds the positions only when they are needed). The one rule every
+    maker of deltas follows (`encode_bucket`, `compute_delta`, the device's `rollpool.weights.delta_device`), so the
+    same versions give the same bytes wherever they were compared."""
     if k == 0:
-        return _Packing(UNCHANGED, 0, width, parts)
+        return UNCHANGED
     if k * (2 + width) >= n * width or n > _MAX_ELEMENTS:
-        return _Packing(WHOLE, k, width, parts)
-    widest, last = 0, -1
-    for p in parts:
-        if p.size:
-            widest = max(widest, int(p[0]) - last, int(np.diff(p).max()) if p.size > 1 else 0)
-            last = int(p[-1])
+        return WHOLE
+    if widest is None:
+        return None
     if widest <= 0x10000:
         # every gap between changed elements fits 2 bytes (the common case: changes are dense enough to be worth a delta)
-        return _Packing(GAPS, k, width, parts, np.empty(k * (2 + width), dtype=np.uint8))
+        return GAPS
     if k * (4 + width) >= n * width:
-        return _Packing(WHOLE, k, width, parts)
-    return _Packing(SPARSE, k, width, parts, np.empty(k * (4 + width), dtype=np.uint8))
+        return WHOLE
+    return SPARSE
 
 
 def _pack_piece(plan: _Packing, a: np.ndarray[Any, Any], j: int) -> None:

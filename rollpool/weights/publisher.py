@@ -20,7 +20,9 @@ version names the whole-model version it applies over (the newest one,
 of the newest adapter version (one whole model's bytes besides the K
 versions, only once adapter versions have pushed it out of them), so a late
 joiner applies it before the adapter. CUDA tensors on the same-GPU path are snapshotted into a device
-arena first (`paths/cuda_ipc.py`). Every knob is its `WeightPathConfig`.
+arena first (`paths/cuda_ipc.py`). With delta versions on and a GPU budget that holds it, CUDA tensors are compared
+with the previous version kept on their GPU instead of copied (`delta_device.py`): the call returns after that diff,
+and the host copy is made from the device base afterwards. Every knob is its `WeightPathConfig`.
 
 Snapshot cost: a dict or a module has known sizes, so each bucket is allocated
 once at its final size and tensors are copied by parallel threads, each bucket
@@ -47,6 +49,8 @@ On the same GPU the ring carries CUDA tensors instead, with no copy
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -58,6 +62,7 @@ import torch
 from rollpool.protocol.messages import AdapterSpec, Manifest, ShmSegment
 from rollpool.protocol.metrics import MetricsSink, NullMetricsSink
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights import delta_device as _delta_device
 from rollpool.weights import snapshot as _snapshot
 from rollpool.weights.adapters import lora_pairs
 from rollpool.weights.bucketing import (
@@ -68,11 +73,19 @@ from rollpool.weights.bucketing import (
     default_checksum_algorithm,
 )
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
+from rollpool.weights.delta import DeltaSet
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import host_key, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
-from rollpool.weights.serving import MAX_CHUNK_BYTES, ServedVersion, ServingFace, WeightServer, new_server_id
+from rollpool.weights.serving import (
+    MAX_CHUNK_BYTES,
+    ServedVersion,
+    ServingFace,
+    WeightServer,
+    new_server_id,
+    with_digest,
+)
 from rollpool.weights.snapshot import (
     Place,
     PlanMemo,
@@ -155,7 +168,8 @@ class WeightPublisher(ServingFace):
                                     copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm)
         self.last_phases: dict[str, float] = {}
         """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
-        ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``returned``."""
+        ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``diffed``
+        (a delta made on the device: the diff and the base's update done, instead of the copy's marks), ``returned``."""
         self._finishing: dict[int, asyncio.Future[None]] = {}
         self._layout: list[tuple[str, str, tuple[int, ...], int]] | None = None
         self._plan = PlanMemo()
@@ -187,6 +201,18 @@ class WeightPublisher(ServingFace):
         buckets), shared by its device users; `gpu_budget.free_bytes()` is what is left."""
         self._ipc = IpcArenas(self.publisher_id, self.host_key, path, self.gpu_budget)
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
+        self._delta_base = _delta_device.DeviceBase(self.gpu_budget)
+        """The previous version on the trainer's GPU, for deltas made there (`rollpool.weights.delta_device`)."""
+        self._delta_note: dict[str, Any] = {"delta_made_on": "", "why_not_delta_on_device": ""}
+        """Where the last planned version's delta is compared (`path_note`): ``device`` or ``host`` and why not the
+        device ("" when delta versions are off)."""
+        self._delta_broken = ""
+        """Why a diff on the device failed here (then it is never tried again), or ""."""
+        self._base_reader: asyncio.Future[None] | None = None
+        """The host copy being made from the device base (the last device version's `_finish_device`): the next diff
+        writes the base only once it is done."""
+        self.delta_device_versions = 0
+        """Versions whose delta was made on the device."""
         self._server.on_manifest_request = self._ipc.hello
         self._server.ring = self._ipc.ring  # the same-GPU ring's takers and who may see its buffer
         self._warming: threading.Thread | None = None
@@ -206,6 +232,7 @@ class WeightPublisher(ServingFace):
         await self._server.close()
         self._pools.shutdown()
         self._ipc.close()
+        self._delta_base.release()
         self._buffers.close()
         await asyncio.to_thread(wait_released)  # and those dropped in the background before
 
@@ -221,8 +248,10 @@ class WeightPublisher(ServingFace):
         """The last planned version's offer: ``offered`` (``cuda_ipc``: a whole-version device arena besides the host
         buckets, ``cuda_ipc_ring``: the version streamed through the same-GPU ring, or ``host``), ``why_not_cuda_ipc``
         (why no arena was offered; "" when one was), ``why_not_ring`` (why no ring either) and ``last_ring`` (the last
-        ring's outcome: buckets released, its taker, why it was abandoned)."""
-        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last)}
+        ring's outcome: buckets released, its taker, why it was abandoned), ``delta_made_on`` (with delta versions on:
+        ``device``, the changed elements found on the trainer's GPU, or ``host``, after the full copy; "" when off) and
+        ``why_not_delta_on_device`` (why the host, "" when the device)."""
+        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last), **self._delta_note}
 
     @property
     def ipc_versions(self) -> int:
@@ -240,6 +269,7 @@ class WeightPublisher(ServingFace):
             "ipc_ring_versions": self._ipc.ring.versions,
             "ipc_ring_abandoned": self._ipc.ring.abandoned,
             "ipc_ring_bytes": self._ipc.ring.allocated,
+            "delta_device_versions": self.delta_device_versions,
             "gpu_budget_bytes": self.gpu_budget.budget,
             "gpu_budget_used_bytes": self.gpu_budget.used,
             "buffers_allocated": self._buffers.buffers_allocated,
@@ -419,13 +449,15 @@ class WeightPublisher(ServingFace):
                 offered, (arena, snap.ipc_offsets, arena_items) = "cuda_ipc", got
         self._ipc.note_offer(version, offered, why_not_ring)
         previous, self._latest = self._latest, version
-        if ipc_device is None and self.config.weight_delta:
-            self._server.expect_delta(snap.served)  # the delta against the previous host copy follows the checksums
+        delta = ipc_device is None and self.config.weight_delta
+        on_device = self._delta_device_for(version, items, snap.served.buckets, offered, delta)
+        if delta:
+            self._server.expect_delta(snap.served)  # the delta against the previous version follows
             snap.served.delta_hold = True  # each bucket's delta is encoded once the trainer is free (after the copy)
         self._server.add_version(snap.served)  # announced now; buckets are served as they become ready
         snap.marks["announced"] = time.perf_counter()
         try:
-            await self._copy(snap, offered, arena, places, items)
+            from_base = await self._copy(snap, offered, arena, places, items, on_device is not None)
         except BaseException:
             self._server.drop_version(version, code="unavailable")
             self._latest = previous
@@ -440,6 +472,8 @@ class WeightPublisher(ServingFace):
         self.last_phases = {k: round(at - t0, 4) for k, at in sorted(snap.marks.items(), key=lambda kv: kv[1])}
         if ipc_device is not None:
             self._finishing[version] = asyncio.ensure_future(self._finish_ipc(snap, arena, arena_items, t0, copied))
+        elif from_base is not None:
+            self._finishing[version] = self._base_reader = asyncio.ensure_future(self._finish_device(snap, from_base, t0, copied))
         else:
             self._finishing[version] = asyncio.ensure_future(self._finish(snap, t0, copied))
         for old in sorted(self._server.versions)[: -self.keep_versions or None]:
@@ -449,14 +483,22 @@ class WeightPublisher(ServingFace):
             await self.wait_ready(version)
         return snap.served.manifest("")
 
-    async def _copy(self, snap: Snapshot, offered: str, arena: Any, places: list[Place], items: Any) -> None:
-        """The snapshot's copy for the path offered (the call's blocking part: the trainer may step once it returns)."""
+    async def _copy(self, snap: Snapshot, offered: str, arena: Any, places: list[Place], items: Any,
+                    on_device: bool = False) -> list[tuple[str, torch.Tensor]] | None:
+        """The snapshot's copy for the path offered (the call's blocking part: the trainer may step once it returns); with
+        a delta made on the device, that diff instead, and the views of the device base the host copy is made from
+        later (returned; None otherwise)."""
+        if on_device:
+            views = await self._diff_on_device(snap, places, items)
+            if views is not None:
+                return views
         if offered == "cuda_ipc":
             snap.ipc_stream = await self._ipc.copy(arena, snap.ipc_offsets, places, items)
         elif offered == "cuda_ipc_ring":  # the host snapshot and the ring read the trainer's tensors side by side
             await self._ipc.ring.beside(snap.copy(items), snap.version, places, items, self._server.complete_ipc)
         else:
             await snap.copy(items)
+        return None
 
     async def wait_ready(self, version: int | None = None) -> None:
         """Wait until `version` (None: the latest) has every bucket's checksum (and so is served whole)."""
@@ -490,6 +532,87 @@ class WeightPublisher(ServingFace):
         buffers = self._buffers.take([b.nbytes for b in planner.buckets], self.path)
         self._sync_segments()
         return Snapshot(self._knobs, self._pools, self._server, version, places, planner, buffers, [self._buffers.segment_of(b) for b in buffers])
+
+    # -- deltas made on the trainer's GPU
+
+    def _delta_device_for(self, version: int, items: Any, buckets: tuple[Any, ...], offered: str, delta: bool) -> torch.device | None:
+        """The device this version's delta is made on (`rollpool.weights.delta_device`): the tensors' GPU, when they are
+        all there and the base fits the GPU budget; else None (the host compares the copies), the reason in `path_note`
+        and the log, and the device base is freed. None and the base freed when no delta is made (`delta` false:
+        deltas are off, or the same-GPU arena serves the version)."""
+        device: torch.device | None = None
+        why = ""
+        if not delta:
+            self._delta_base.release()
+            self._delta_note = {"delta_made_on": "", "why_not_delta_on_device": ""}
+            return None
+        if offered != "host":
+            why = "the same-GPU ring reads the tensors beside the host copy"
+        elif version in self._server.pending_adapters:
+            why = "an adapter version is compared on the host"
+        elif not isinstance(items, list) or not items:
+            why = "an iterator's tensors are compared on the host after their copy"
+        elif self._delta_broken:
+            why = f"the device diff failed here before ({self._delta_broken})"
+        else:
+            devices = {t.device for _n, t in items}
+            device = next(iter(devices))
+            if len(devices) != 1:
+                why = "the tensors are on several devices"
+            elif device.type not in _delta_device.DEVICE_TYPES:
+                why = f"the tensors are on the {device.type}: the host's threads compare them"
+            else:
+                why = self._delta_base.why_not(buckets, device)
+        note = {"delta_made_on": "host" if why else "device", "why_not_delta_on_device": why}
+        if note != self._delta_note:
+            log.info("weight publisher %s: from version %d, deltas are made on the %s", self.publisher_id, version,
+                     f"host ({why})" if why else f"tensors' device ({device}; base: {self._delta_base.need_bytes(buckets)} bytes of the GPU budget)")
+        self._delta_note = note
+        if why:
+            self._delta_base.release()  # the host path needs none: its memory goes back to the trainer
+            return None
+        return device
+
+    async def _diff_on_device(self, snap: Snapshot, places: list[Place], items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | None:
+        """The trainer's wait on the device path: the changed elements found against the base on its GPU and the base
+        written (it is this version then); each bucket's payload reaches the host and is checksummed in the delta's
+        threads. Returns the base's views, which the host copy of the version is made from once the trainer is free,
+        or None when the device failed (logged; the trainer's tensors, unchanged, are copied as on the host path)."""
+        reader = self._base_reader
+        if reader is not None and not reader.done():  # the previous version's host copy still reads the base
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([reader])
+        base = self._server.versions.get(snap.version - 1)
+        device = items[0][1].device
+        after = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the trainer's stream, on its thread
+        try:
+            made = await asyncio.to_thread(self._delta_base.diff, snap.version, snap.served.buckets, places, items, list(snap.buffers), after)
+        except Exception as exc:  # noqa: BLE001 - the host path serves the version
+            self._delta_broken = f"{type(exc).__name__}: {exc}"
+            log.error("weight publisher %s: the device diff failed (%s); deltas are made on the host from now on", self.publisher_id,
+                      self._delta_broken)
+            self._delta_base.release()
+            self._delta_note = {"delta_made_on": "host", "why_not_delta_on_device": f"the device diff failed ({self._delta_broken})"}
+            return None
+        snap.marks["diffed"] = time.perf_counter()
+        if made is not None and base is not None:
+            parts = [functools.partial(_device_part, d, self.checksum_algorithm) for d in made]
+            if self._server.take_delta_parts(snap.served, base, parts):
+                self.delta_device_versions += 1
+        return self._delta_base.views(places)
+
+    async def _finish_device(self, snap: Snapshot, views: list[tuple[str, torch.Tensor]], t0: float, copied: float) -> None:
+        """After the device diff: the version's host buckets copied from the device base (the trainer's tensors may have
+        changed by now; the base holds the version) and checksummed as usual."""
+        try:
+            await snap.copy(views)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("weight version %d: the host copy from the device base failed (%s); withdrawn", snap.version, exc)
+            self._server.drop_version(snap.version, code="unavailable")
+            self._finishing.pop(snap.version, None)
+            raise
+        await self._finish(snap, t0, copied)
 
     # -- the same-GPU path (CUDA IPC)
 
@@ -528,3 +651,8 @@ class WeightPublisher(ServingFace):
                 self._ipc.release(version)
         if served is not None:
             self._buffers.retire(served.sources)
+
+
+def _device_part(diff: _delta_device.BucketDiff, algorithm: str) -> tuple[DeltaSet, str]:
+    """A device-made bucket's delta once its payload is on the host, with its checksum (a delta thread runs it)."""
+    return with_digest(diff.wait(), algorithm)

@@ -51,7 +51,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Self
@@ -228,13 +228,18 @@ def _whole(src: BucketSource, n: int) -> Any:
 def _encode_bucket_of(v: ServedVersion, base: ServedVersion, i: int, algorithm: str | None) -> tuple[DeltaSet, str]:
     """Bucket `i` of `v` encoded against `base`'s (a one-bucket `DeltaSet`, its timings) and its payload's checksum
     (``""`` when it carries none or is the bucket itself); run in the server's delta threads."""
-    from rollpool.weights.bucketing import checksum
-
     b = v.buckets[i]
     if not same_layout([b], [base.buckets[i]]):
         raise ValueError(f"bucket {i} does not line up with the base's")
     ds = encode_buckets([_whole(v.sources[i], b.nbytes)], [_whole(base.sources[i], base.buckets[i].nbytes)], [b], base_version=base.version)
     assert ds is not None
+    return with_digest(ds, algorithm)
+
+
+def with_digest(ds: DeltaSet, algorithm: str | None) -> tuple[DeltaSet, str]:
+    """A one-bucket delta and its payload's checksum (``""`` when it carries none or is the bucket itself)."""
+    from rollpool.weights.bucketing import checksum
+
     payload, digest = ds.payloads[0], ""
     if payload is not None and ds.encodings[0] != WHOLE:
         t = time.perf_counter()
@@ -482,6 +487,18 @@ class WeightServer:
             v.delta_started = time.perf_counter()
         algo = v.buckets[bucket].checksum.partition(":")[0] or None
         v.delta_parts[bucket] = (base, self._delta_threads().submit(_encode_bucket_of, v, base, bucket, algo))
+
+    def take_delta_parts(self, v: ServedVersion, base: ServedVersion, parts: Sequence[Callable[[], tuple[DeltaSet, str]]]) -> bool:
+        """`v`'s delta against `base` made elsewhere (the publisher's device: `rollpool.weights.delta_device`), one part
+        per bucket, each finished (its payload on the host, checksummed) in the delta's threads; `make_delta` serves them
+        as it serves the buckets encoded here. False (nothing taken) unless `v` expects a delta against `base`."""
+        if v.delta_state != "pending" or self.versions.get(v.version - 1) is not base or len(parts) != len(v.buckets):
+            return False
+        if v.delta_started == 0.0:
+            v.delta_started = time.perf_counter()
+        for i, part in enumerate(parts):
+            v.delta_parts[i] = (base, self._delta_threads().submit(part))
+        return True
 
     def release_delta(self, version: int) -> None:
         """`version`'s snapshot copy is done (`ServedVersion.delta_hold`): its buckets checksummed so far are encoded now,

@@ -145,6 +145,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "gpu": set(),
     "memory": {"gpu"},
     "delta": set(),
+    "delta_device": {"delta", "bucketing", "gpu", "manifest"},
     "paths": set(),  # the package's docstring
     "paths.base": set(),
     "paths.network": {"paths.base", "manifest", "bucketing"},
@@ -158,7 +159,8 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "watch": {"paths.base", "paths.network"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "paths.delta", "manifest", "config",
                    "bucketing", "gpu", "memory", "snapshot", "delta", "watch"},
-    "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters"},
+    "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters",
+                  "delta", "delta_device"},
     "ring": set(),
     "relay": {"subscriber", "serving", "paths.base", "manifest", "config", "memory", "delta"},
     "__init__": {"publisher", "subscriber", "relay"},  # the lazy exports

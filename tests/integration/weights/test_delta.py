@@ -18,11 +18,19 @@ from rollpool.weights.bucketing import checksum  # noqa: E402
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.fixture(autouse=True)
-def _deltas_on(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=["host", "device"])
+def _deltas_on(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> str:
     """Delta versions are opt-in (`WeightPathConfig.weight_delta`); every publisher, relay and subscriber here reads it
-    from the environment, as a process started with ``ROLLPOOL_WEIGHT_DELTA=1`` would."""
+    from the environment, as a process started with ``ROLLPOOL_WEIGHT_DELTA=1`` would. Every test runs twice: the
+    publisher's deltas made on the host, and on the tensors' device (`rollpool.weights.delta_device`, its torch code on
+    these CPU tensors, the GPU budget raised to hold the base), which must change nothing a subscriber or relay sees."""
     monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
+    if request.param == "device":
+        from rollpool.weights import delta_device, publisher
+
+        monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)
+    return str(request.param)
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,7 +64,8 @@ async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> 
         await asyncio.sleep(0.01)
 
 
-async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any) -> None:
+async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any,
+                                                                                              _deltas_on: str) -> None:
     pub = await make_publisher()
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
     total = sum(t.numel() * t.element_size() for t in _model().values())
@@ -85,6 +94,8 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
     stats = pub.stats
     assert stats["last_delta_version"] == 4 and 5_000 < stats["last_delta_changed_ppm"] < 20_000
     assert stats["delta_manifests_served"] == 3 and 0 < stats["last_delta_wire_bytes"] < total // 10
+    assert stats["delta_device_versions"] == (3 if _deltas_on == "device" else 0)
+    assert pub.path_note["delta_made_on"] == _deltas_on
 
 
 async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_versions(make_publisher: Any, sockets: Any) -> None:

@@ -139,3 +139,23 @@ def test_the_ring_only_row_is_measured_on_the_ring_alone() -> None:
     bench.summarize()
     assert bench.RESULT["goals"]["ring_only_ipc_s"]["met"] is None
     assert bench.RESULT["goals"]["ring_only_extra_gpu_bytes"]["met"] is None
+
+
+def test_the_device_delta_goals_are_measured_only_when_every_delta_was_made_on_the_device() -> None:
+    bench = _bench()
+
+    def row(made_on: str, why: str = "") -> dict[str, Any]:
+        vs = []
+        for v in range(1, 7):
+            rec = {**_version(v, "network", applied=0.3), "delta_base": v - 1 if v > 1 else -1, "trainer_blocked_s": 0.05,
+                   "delta_made_on": made_on, "why_not_delta_on_device": why, "delta_phases": {"delta_compare_s": 0.01}}
+            vs.append(rec)
+        return {"delta": True, "versions": vs}
+
+    goals = _summarize(bench, {"tcp_cuda_delta_device": row("device")})["goals"]
+    assert goals["delta_device_host_path_s"]["met"] is True and goals["delta_device_trainer_blocked_s"]["met"] is True
+    why = "a device delta base of 16 GiB would pass the publisher's GPU budget"
+    res = _summarize(bench, {"tcp_cuda_delta_device": row("host", why)})
+    goal = res["goals"]["delta_device_trainer_blocked_s"]
+    assert goal["met"] is None and goal["made_on"] == ["host"] and goal["why_not_device"] == [why]
+    assert res["delta_device_phases"]["delta_compare_s"] == 0.01

@@ -1,0 +1,260 @@
+"""Delta versions made on the tensors' device: the trainer's CUDA tensors compared with the previous version held on
+their GPU, and only the changed elements brought to the host.
+
+Contract
+    - `DeviceBase` holds one version's bytes on a device in bucket layout (one buffer, each bucket at its
+      `rollpool.weights.gpu.arena_offsets` offset), which version that is, and the scratch one bucket's encoding needs.
+      It costs `need_bytes`: 1 x the model's bytes plus `SCRATCH_BUCKETS` x the largest bucket (and one piece's
+      positions), counted against the publisher's `GpuBudget` (`why_not` says when they do not fit), allocated on first
+      use and kept until the layout or the device changes or `release`.
+    - `DeviceBase.diff(version, buckets, places, items, wholes)`: per bucket, the caller's tensors are compared with the
+      base element by element in the width `delta.encode_bucket` compares (`delta.word_width`: a bf16 element is a
+      2-byte word, bit for bit), then written into the base (which holds `version` afterwards), and the changed elements
+      are encoded on the device by `delta.plan_encoding`'s rule into `delta.py`'s wire forms (``gaps``: uint16
+      gap - 1, ``sparse``: int32 index, little-endian, then the values). Each bucket's `DeltaSet` has exactly the
+      payload bytes `delta.encode_bucket` makes of the same two versions (a ``whole`` bucket's payload is the caller's
+      host buffer of it, `wholes`, as the host path's is the host bucket); a payload is copied to the host (page-locked
+      on CUDA, on a stream of its own, so the trainer does not wait for it) and `BucketDiff.wait` returns once it
+      landed. `diff` returns None for the deltas when the base held no `version - 1` of the same layout (the first
+      version, a skipped one, a changed layout): the base is written all the same.
+    - It reads the caller's tensors only inside `diff` (on CUDA on a side stream that first waits for the caller's
+      stream, synchronised before it returns): once it returned they may change. Nothing else may write the base
+      while `views` (the base as the version's tensors, for the host copy made from it) are being read.
+    - torch ops only, so the same code runs on CPU tensors (the tests; `DEVICE_TYPES`) and CUDA tensors (the GPU).
+
+Why a whole base on the device and not bucket by bucket from the host copy: staging the previous version's host bucket
+to the GPU reads the model's bytes over PCIe while the trainer waits, as long as today's device-to-host copy of the new
+version, so it would save the trainer nothing; a device base turns that wait into two reads of the model in HBM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollpool.protocol.messages import BucketInfo
+from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes
+from rollpool.weights.delta import (
+    GAPS,
+    SPARSE,
+    UNCHANGED,
+    WHOLE,
+    DeltaSet,
+    itemsize_of,
+    plan_encoding,
+    position_bytes,
+    same_layout,
+    word_width,
+)
+from rollpool.weights.gpu import arena_offsets, side_stream
+from rollpool.weights.manifest import GpuBudget
+
+__all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase"]
+
+DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""Device types whose tensors the publisher diffs on their device. The tests add ``"cpu"`` to run this module's torch
+code on CPU tensors; on the CPU the host path (numpy in `weight_delta_threads` threads) is the one used."""
+
+PIECE_ELEMENTS = 1 << 25
+"""Changed positions are found in pieces of this many elements: one piece's int64 positions (at most 256 MiB) are the
+only temporary that grows with the bucket beyond the scratch below."""
+
+SCRATCH_BUCKETS = 5
+"""The scratch of one bucket's encoding, in buckets' bytes, at the worst case a delta is still made (just under the
+``whole`` threshold): its comparison mask (<= 1), the positions as int32 and their gaps (< 2.7), the values (< 1) and
+the payload (< 1), never all at once."""
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(slots=True)
+class BucketDiff:
+    """One bucket's delta made on the device: its one-bucket `DeltaSet` (payload on the host once `wait` returned)."""
+
+    delta: DeltaSet
+    done: Any = None
+    """A CUDA event recorded after the payload's copy to the host (None: already there)."""
+
+    def wait(self) -> DeltaSet:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.delta
+
+
+class DeviceBase:
+    """The previous version on the tensors' device (see the module docstring)."""
+
+    def __init__(self, budget: GpuBudget) -> None:
+        self.budget = budget
+        self.device: torch.device | None = None
+        self.arena: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.offsets: list[int] = []
+        self.buckets: tuple[BucketInfo, ...] = ()
+        self.version = -1
+        """The version the base holds (-1: none, or a diff that failed part way)."""
+        self.charged = 0
+        """Bytes taken from the budget (given back by `release`)."""
+        self._copy_stream: Any = None
+
+    @staticmethod
+    def need_bytes(buckets: Sequence[BucketInfo]) -> int:
+        """The device memory a base of this layout costs: the version's bytes plus one bucket's scratch."""
+        _offsets, total = arena_offsets([b.nbytes for b in buckets])
+        largest = max((b.nbytes for b in buckets), default=0)
+        return total + SCRATCH_BUCKETS * largest + 8 * PIECE_ELEMENTS
+
+    def fits(self, buckets: Sequence[BucketInfo], device: torch.device) -> bool:
+        return self.arena is not None and self.device == device and same_layout(self.buckets, buckets)
+
+    def why_not(self, buckets: Sequence[BucketInfo], device: torch.device) -> str:
+        """"" when a base for this layout on `device` is held or fits the budget, else why not."""
+        if self.fits(buckets, device):
+            return ""
+        return self.budget.why_not(self.need_bytes(buckets) - self.charged,
+                                   "a device delta base (1 x the model's bytes) and its encoding scratch")
+
+    def release(self) -> None:
+        """Free the base (its budget given back); the next `diff` makes none (no `version - 1` held)."""
+        self.arena = self.mask = None
+        self.buckets, self.offsets, self.version, self.device, self._copy_stream = (), [], -1, None, None
+        self.budget.give(self.charged)
+        self.charged = 0
+
+    def _allocate(self, buckets: Sequence[BucketInfo], device: torch.device) -> None:
+        if self.fits(buckets, device):
+            return
+        self.release()
+        need = self.need_bytes(buckets)
+        self.budget.take(need, "a device delta base (1 x the model's bytes) and its encoding scratch")
+        self.charged = need
+        self.offsets, total = arena_offsets([b.nbytes for b in buckets])
+        self.arena = torch.empty(total, dtype=torch.uint8, device=device)
+        self.mask = torch.empty(max((b.nbytes // word_width(b.nbytes, itemsize_of(b.dtype)) for b in buckets), default=0),
+                                dtype=torch.bool, device=device)  # one flag per element of the largest bucket
+        self.buckets, self.device = tuple(buckets), device
+
+    def _copier(self, device: torch.device, after: Any) -> Any:
+        """The stream payloads are copied to the host on (made once), after the work queued on `after` so far."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._copy_stream.wait_stream(after)
+        return self._copy_stream
+
+    def views(self, places: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
+        """The base as the version's tensors (`Place` order: name, shape, dtype), views of its buffer."""
+        assert self.arena is not None
+        out = []
+        for idx, offset, name, shape, dtype, nbytes in places:
+            start = self.offsets[idx] + offset
+            out.append((name, self.arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
+        return out
+
+    def diff(self, version: int, buckets: Sequence[BucketInfo], places: Sequence[Any], items: Sequence[tuple[str, torch.Tensor]],
+             wholes: Sequence[torch.Tensor], after: Any = None) -> list[BucketDiff] | None:
+        """Compare `items` (laid out by `places` into `buckets`) with the base, write them into it, and return each
+        bucket's delta against the base's version when that is `version - 1` of this layout, else None (see the module
+        docstring). On CUDA the work first waits for `after` (the caller's stream, taken on its thread; None: this
+        thread's current stream). On failure the base holds no version (the caller's tensors are unchanged; it copies
+        them itself)."""
+        device = items[0][1].device if items else torch.device("cpu")
+        had = self.version if self.fits(buckets, device) else -1
+        compare = had >= 0 and had == version - 1
+        self._allocate(buckets, device)
+        self.version = -1
+        by_bucket: list[list[tuple[int, torch.Tensor]]] = [[] for _ in buckets]
+        for (idx, offset, name, shape, dtype, nbytes), (got, tensor) in zip(places, items, strict=True):
+            if got != name or tuple(int(x) for x in tensor.shape) != tuple(shape) or dtype_name(tensor.dtype) != dtype:
+                raise ValueError(f"got {got!r} {tuple(tensor.shape)} {tensor.dtype}, the layout has {name!r} {shape} {dtype}")
+            if nbytes:
+                by_bucket[idx].append((offset, tensor))
+        stream = side_stream(device) if device.type == "cuda" else None
+        if stream is not None:
+            stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
+        out: list[BucketDiff | None] = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for b, tensors, whole in zip(buckets, by_bucket, wholes, strict=True):
+                out.append(self._bucket(b, tensors, whole, had if compare else -1, stream))
+            if stream is not None:
+                stream.synchronize()
+        self.version = version
+        return [d for d in out if d is not None] if compare else None
+
+    def _bucket(self, b: BucketInfo, tensors: list[tuple[int, torch.Tensor]], whole: torch.Tensor, had: int, stream: Any) -> BucketDiff | None:
+        """One bucket: compared with the base (`had` >= 0: the version it holds) and written into it, then encoded
+        (see `diff`); None when there is nothing to compare with."""
+        assert self.arena is not None and self.mask is not None
+        t0 = time.perf_counter()
+        width = word_width(b.nbytes, itemsize_of(b.dtype))
+        word = _WORD[width]
+        n = b.nbytes // width
+        base = self.arena[self.offsets[b.index] : self.offsets[b.index] + b.nbytes].view(word)
+        mask = self.mask[:n]
+        for offset, tensor in tensors:
+            src = flat_bytes(tensor).view(word)
+            lo = offset // width
+            part = base[lo : lo + src.numel()]
+            if had >= 0:
+                torch.ne(src, part, out=mask[lo : lo + src.numel()])
+            part.copy_(src)
+        if had < 0:  # nothing to compare with: the base is written, no delta
+            return None
+        k = int(mask.sum().item()) if n else 0
+        t1 = time.perf_counter()
+        enc = plan_encoding(k, n, width, None)
+        payload: torch.Tensor | None = None
+        if enc is None:
+            idx = _positions(mask, k)
+            gaps = torch.empty_like(idx)
+            gaps[:1] = idx[:1]
+            torch.sub(idx[1:], idx[:-1], out=gaps[1:])
+            gaps[1:] -= 1
+            enc = plan_encoding(k, n, width, int(gaps.max().item()) + 1)
+            if enc in (GAPS, SPARSE):
+                pos = position_bytes(enc)
+                payload = torch.empty(k * (pos + width), dtype=torch.uint8, device=mask.device)
+                if enc == GAPS:  # each gap - 1 fits 2 bytes: the low two of its little-endian int32
+                    payload[: 2 * k].view(k, 2).copy_(gaps.view(torch.uint8).view(k, 4)[:, :2])
+                else:
+                    payload[: 4 * k].copy_(idx.view(torch.uint8))
+                del gaps
+                payload[pos * k :].copy_(torch.index_select(base, 0, idx).view(torch.uint8))  # the base holds the new values now
+        done = None
+        if payload is not None and payload.is_cuda:  # to the host on a stream of its own: the next bucket's diff goes on
+            copier = self._copier(payload.device, stream)
+            host = torch.empty(int(payload.numel()), dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(copier):
+                host.copy_(payload, non_blocking=True)
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                done.record(copier)
+            payload.record_stream(copier)  # its memory is not reused before the copy read it
+            payload = host
+        t2 = time.perf_counter()
+        assert enc is not None
+        got: torch.Tensor | None = None if enc == UNCHANGED else (whole if enc == WHOLE else payload)
+        ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
+                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4)})
+        return BucketDiff(ds, done)
+
+
+def _positions(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` positions of `mask`'s set elements, ascending, as int32 (found `PIECE_ELEMENTS` at a time)."""
+    idx = torch.empty(k, dtype=torch.int32, device=mask.device)
+    at = 0
+    for lo in range(0, int(mask.numel()), PIECE_ELEMENTS):
+        part = torch.nonzero(mask[lo : lo + PIECE_ELEMENTS]).squeeze(1)
+        m = int(part.numel())
+        if m:
+            if lo:
+                part += lo
+            idx[at : at + m].copy_(part)
+            at += m
+    if at != k:
+        raise RuntimeError(f"found {at} changed elements, counted {k}")
+    return idx

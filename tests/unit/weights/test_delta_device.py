@@ -1,0 +1,138 @@
+"""Deltas made on the tensors' device (`rollpool.weights.delta_device`): the same bytes as the host's encoding of the
+same two versions, bucket by bucket, on CPU tensors here and on a GPU where there is one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollpool.protocol.messages import BucketInfo  # noqa: E402
+from rollpool.weights import delta_device  # noqa: E402
+from rollpool.weights.bucketing import flat_bytes  # noqa: E402
+from rollpool.weights.delta import GAPS, SPARSE, UNCHANGED, WHOLE, compute_delta, encode_bucket, itemsize_of  # noqa: E402
+from rollpool.weights.delta_device import DeviceBase  # noqa: E402
+from rollpool.weights.manifest import GpuBudget  # noqa: E402
+from rollpool.weights.snapshot import plan_version  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")])]
+
+
+def _model(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "a": torch.randn(3000, generator=g).to(torch.bfloat16),          # changes scattered: gaps
+        "b": torch.randn(40, 50, generator=g).to(torch.bfloat16),        # unchanged (shares a bucket with "a")
+        "far": torch.randn(80_000, generator=g).to(torch.bfloat16),      # two changes 70 000 apart: sparse
+        "norm": torch.randn(700, generator=g),                           # fp32, every element changes: whole
+        "ids": torch.randint(0, 255, (999,), generator=g, dtype=torch.uint8),
+        "step": torch.tensor(7, dtype=torch.int64),                      # 0-d
+        "empty": torch.empty(0, dtype=torch.bfloat16),
+        "t": torch.randn(64, 32, generator=g).to(torch.bfloat16).t(),   # not contiguous
+    }
+    return {k: v.to(device) for k, v in sd.items()}
+
+
+def _next(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in sd.items()}
+    a = out["a"]
+    idx = torch.randperm(a.numel(), generator=g)[:60].to(a.device)
+    a[idx] = (a[idx].float() * 1.5 + 0.25).to(a.dtype)
+    a[0] += 1  # the first element (a gap from position -1)
+    a[-1] += 1
+    out["far"][5] += 1
+    out["far"][5 + 70_000] += 1
+    out["norm"] += 1.0
+    out["ids"][::7] += 1
+    out["step"] += 1
+    out["t"][3, 5] += 1  # one element of the transposed view
+    return out
+
+
+def _plan(sd: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[tuple[str, torch.Tensor]], list[Any], tuple[BucketInfo, ...]]:
+    items, places, planner = plan_version(sd, bucket_bytes, None)
+    assert places is not None
+    infos = tuple(BucketInfo(index=b.index, dtype=b.dtype, nbytes=b.nbytes, checksum="", tensors=tuple(b.tensors)) for b in planner.buckets)
+    return items, places, infos
+
+
+def _host(items: list[tuple[str, torch.Tensor]], places: list[Any], infos: tuple[BucketInfo, ...]) -> list[torch.Tensor]:
+    """The version's host buckets, as the publisher's snapshot packs them."""
+    out = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in infos]
+    for (idx, offset, _n, _s, _d, nbytes), (_name, t) in zip(places, items, strict=True):
+        if nbytes:
+            out[idx][offset : offset + nbytes] = flat_bytes(t).cpu()
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("piece", [None, 100])
+def test_a_device_made_delta_is_byte_identical_to_the_host_made_one(device: str, piece: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bucket's encoding, changed count and payload bytes are the host path's (`compute_delta` over the two
+    versions' host buckets); a `whole` bucket's payload is the new host bucket, as there; the base holds v2 after."""
+    if piece is not None:  # positions found in pieces of 100 elements: changes on both sides of many piece boundaries
+        monkeypatch.setattr(delta_device, "PIECE_ELEMENTS", piece)
+    v1, bucket_bytes = _model(device), 8192
+    v2 = _next(v1, 1)
+    items1, places, infos = _plan(v1, bucket_bytes)
+    items2, places2, infos2 = _plan(v2, bucket_bytes)
+    assert places2 == places and infos2 == infos
+    base = DeviceBase(GpuBudget(1 << 30))
+    host1, host2 = _host(items1, places, infos), _host(items2, places, infos)
+    assert base.diff(1, infos, places, items1, host1) is None  # nothing held before: the base is written, no delta
+    made = base.diff(2, infos, places, items2, host2)
+    assert made is not None and len(made) == len(infos)
+    want = compute_delta(host2, host1, infos, infos, base_version=1, max_fraction=1.0)  # the host path's threads
+    assert want is not None
+    assert {GAPS, SPARSE, UNCHANGED, WHOLE} <= set(want.encodings)  # the model exercises every encoding
+    for i, d in enumerate(made):
+        ds = d.wait()
+        enc, exp, changed = encode_bucket(host2[i], host1[i], itemsize_of(infos[i].dtype))
+        assert (ds.encodings[0], ds.changed_elements, ds.base) == (enc, changed, 1) and enc == want.encodings[i], infos[i]
+        got = ds.payloads[0]
+        if exp is None:
+            assert got is None
+        elif enc == WHOLE:
+            assert got is host2[i]
+        else:
+            assert got is not None and got.device.type == "cpu" and want.payloads[i] is not None
+            assert got.numpy().tobytes() == exp.numpy().tobytes() == want.payloads[i].numpy().tobytes(), infos[i]
+    assert sum(d.delta.changed_elements for d in made) == want.changed_elements
+    assert sum(d.delta.total_elements for d in made) == want.total_elements
+    assert set(made[0].delta.timings) == {"compare_s", "encode_s"}
+    for (name, view), (_n, t) in zip(base.views(places), items2, strict=True):
+        assert torch.equal(view, t), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_delta_against_a_skipped_version_or_a_changed_layout_and_the_base_follows(device: str) -> None:
+    v1 = _model(device)
+    items, places, infos = _plan(v1, 8192)
+    host = _host(items, places, infos)
+    base = DeviceBase(GpuBudget(1 << 30))
+    assert base.diff(1, infos, places, items, host) is None
+    assert base.diff(3, infos, places, items, host) is None  # holds 1, not 2
+    assert base.version == 3
+    assert base.diff(4, infos, places, items, host) is not None
+    bigger = {**v1, "extra": torch.ones(10, device=device)}
+    items2, places2, infos2 = _plan(bigger, 8192)
+    assert base.diff(5, infos2, places2, items2, _host(items2, places2, infos2)) is None  # a new layout: a new base
+    assert base.version == 5 and base.buckets == infos2
+
+
+def test_the_base_and_its_scratch_are_counted_against_the_gpu_budget() -> None:
+    items, places, infos = _plan(_model("cpu"), 8192)
+    need = DeviceBase.need_bytes(infos)
+    assert need >= sum(b.nbytes for b in infos) + delta_device.SCRATCH_BUCKETS * max(b.nbytes for b in infos)
+    budget = GpuBudget(need - 1)
+    base = DeviceBase(budget)
+    assert "publisher_gpu_budget_bytes" in base.why_not(infos, torch.device("cpu"))
+    budget.budget = need
+    assert base.why_not(infos, torch.device("cpu")) == ""
+    base.diff(1, infos, places, items, _host(items, places, infos))
+    assert budget.used == need and base.why_not(infos, torch.device("cpu")) == ""  # held: no more needed
+    base.release()
+    assert budget.used == 0 and base.version == -1
