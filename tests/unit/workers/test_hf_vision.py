@@ -217,3 +217,33 @@ def test_the_grids_from_the_size_refuse_what_is_not_an_image(tiny_vlm_dir: pathl
     assert spec is not None
     with pytest.raises(RequestRefusedError, match="refused the images"):
         spec.grids_of([b"not an image"])
+
+
+async def test_the_sglang_childs_generate_route_hands_the_images_to_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's ``/generate`` on the real-SGLang backend passes the body's ``image_data`` to ``Engine.async_generate``:
+    without it SGLang runs the one image token per image as a text token and never sees the image. SGLang is faked
+    here (a recording ``Engine`` and an empty ``io_struct``): the CPU has no SGLang."""
+    import sys
+    import types
+
+    from rollpool.workers.engines.sglang.server import sglang_routes
+    from rollpool.workers.engines.sglang.wire import generate_body
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["sglang.srt.managers"].io_struct = sys.modules["sglang.srt.managers.io_struct"]  # type: ignore[attr-defined]
+    calls: list[dict[str, Any]] = []
+
+    class FakeSGLangEngine:
+        tokenizer_manager = object()
+
+        async def async_generate(self, **kwargs: Any) -> dict[str, Any]:
+            calls.append(kwargs)
+            return {"output_ids": [1], "meta_info": {"id": kwargs.get("rid")}}
+
+    generate = sglang_routes(FakeSGLangEngine())["/generate"]
+    uri = "data:image/png;base64," + __import__("base64").b64encode(png((0, 0, 255))).decode()
+    await generate(generate_body([5, 151655, 6], SamplingParams(max_new_tokens=1), rid="r1", index=0, image_data=[uri]))
+    await generate(generate_body([5, 6], SamplingParams(max_new_tokens=1), rid="r2", index=0))
+    assert calls[0]["image_data"] == [uri] and calls[0]["input_ids"] == [5, 151655, 6]
+    assert calls[1].get("image_data") is None

@@ -10,9 +10,11 @@ names, bodies and answers (the subset rollpool uses):
 - ``sglang``: an in-process ``sglang.Engine`` (its scheduler and detokenizer
   are this process's children, so a scheduler crash, which SIGKILLs the whole
   tree, takes only this child down; API notes fact 6). The routes call the
-  Engine's tokenizer manager the way SGLang's own HTTP server does.
+  Engine's tokenizer manager the way SGLang's own HTTP server does; a
+  ``/generate`` body's ``image_data`` reaches ``async_generate`` as sent.
 - ``sim``: the `sim` engine, with answers shaped like SGLang's (the keys and
   types of tests/fixtures/sglang, recorded on the H200; a test compares them).
+  It takes ``image_data`` and runs no vision tower (the images change nothing it samples).
   Weights sent by value from a CPU worker are kept, so ``get_weights_by_name``
   answers with what was sent. It lets the real `SGLangEngine` code (launch,
   HTTP, interrupt-and-resubmit, per-attempt versions, death detection) run the
@@ -91,7 +93,7 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
         try:
             out = await engine.async_generate(input_ids=_need(b, "input_ids"), sampling_params=sp,
                                               return_logprob=bool(b.get("return_logprob")), rid=b.get("rid"),
-                                              lora_path=b.get("lora_path"))
+                                              lora_path=b.get("lora_path"), image_data=b.get("image_data"))
         except ValueError as exc:
             if isinstance(sp, dict) and sp.get("ebnf") is not None:  # SGLang refuses a grammar it cannot hold this way
                 raise BadRequest(str(exc)) from exc
