@@ -223,6 +223,7 @@ async def test_the_sglang_childs_generate_route_hands_the_images_to_sglang(monke
     """The child's ``/generate`` on the real-SGLang backend passes the body's ``image_data`` to ``Engine.async_generate``:
     without it SGLang runs the one image token per image as a text token and never sees the image. SGLang is faked
     here (a recording ``Engine`` and an empty ``io_struct``): the CPU has no SGLang."""
+    import base64
     import sys
     import types
 
@@ -242,8 +243,78 @@ async def test_the_sglang_childs_generate_route_hands_the_images_to_sglang(monke
             return {"output_ids": [1], "meta_info": {"id": kwargs.get("rid")}}
 
     generate = sglang_routes(FakeSGLangEngine())["/generate"]
-    uri = "data:image/png;base64," + __import__("base64").b64encode(png((0, 0, 255))).decode()
+    uri = "data:image/png;base64," + base64.b64encode(png((0, 0, 255))).decode()
     await generate(generate_body([5, 151655, 6], SamplingParams(max_new_tokens=1), rid="r1", index=0, image_data=[uri]))
     await generate(generate_body([5, 6], SamplingParams(max_new_tokens=1), rid="r2", index=0))
     assert calls[0]["image_data"] == [uri] and calls[0]["input_ids"] == [5, 151655, 6]
     assert calls[1].get("image_data") is None
+
+
+async def test_images_cross_the_hop_as_their_own_bytes_and_strings_stay_strings(tmp_path: pathlib.Path) -> None:
+    """The hop to the engine's child carries a body's ``image_data`` bytes as frames of their own, and the route gets the
+    very bytes (no base64 made or parsed on either side); data URIs (strings) reach it as sent."""
+    import contextlib
+
+    from rollpool.workers.engines.sglang.hop import HopClient, serve_hop
+
+    seen: list[dict[str, Any]] = []
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        seen.append(b)
+        return 200, {"ok": True}
+
+    endpoint = f"ipc://{tmp_path}/hop"
+    server = asyncio.create_task(serve_hop({"/generate": generate}, endpoint, "tok"))
+    hop = HopClient(endpoint, token="tok")
+    red, blue = png((255, 0, 0)), png((0, 0, 255), size=48)
+    try:
+        await hop.request("POST", "/generate", {"input_ids": [1, 2], "image_data": [red, blue]}, timeout_s=10)
+        await hop.request("POST", "/generate", {"input_ids": [1, 2], "image_data": ["data:image/png;base64,AAAA"]}, timeout_s=10)
+        await hop.request("POST", "/generate", {"input_ids": [3]}, timeout_s=10)
+    finally:
+        await hop.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+    assert seen[0]["image_data"] == [red, blue] and all(type(b) is bytes for b in seen[0]["image_data"])
+    assert seen[0]["input_ids"] == [1, 2]
+    assert seen[1]["image_data"] == ["data:image/png;base64,AAAA"]
+    assert "image_data" not in seen[2]
+
+
+async def test_over_http_the_sglang_engine_sends_each_image_as_a_data_uri_of_its_bytes(tiny_vlm_dir: pathlib.Path) -> None:
+    """A server at ``url=`` (no hop) gets every image as a base64 data URI of the prompt's bytes, on every attempt."""
+    import base64
+    import socket
+
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.sglang.http import serve_routes
+
+    bodies: list[dict[str, Any]] = []
+
+    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"success": True}
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        bodies.append(b)
+        n = int(b["sampling_params"]["max_new_tokens"])
+        return 200, {"output_ids": [5] * n, "meta_info": {"id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
+                                                          "output_token_logprobs": [[-1.0, 5, None]] * n}}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
+    engine = SGLangEngine(model=str(tiny_vlm_dir), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
+    red = png((255, 0, 0))
+    try:
+        await engine.start()
+        out = await engine.generate([7, 8], 2, SamplingParams(max_new_tokens=3), "r", images=[red])
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+    assert len(bodies) == 2 and len(out.samples) == 2
+    for b in bodies:
+        (uri,) = b["image_data"]
+        head, _, payload = uri.partition(",")
+        assert head == "data:image/png;base64" and base64.b64decode(payload) == red

@@ -196,9 +196,11 @@ class _Request:
     aborted: bool = False
     ids: np.ndarray[Any, Any] | None = None
     """`input_ids` as one int64 array, converted once per request (every attempt sends it: JSON, or the hop's frame)."""
-    image_data: list[str] | None = None
-    """With images: each as a base64 data URI, sent with every attempt; `input_ids` then hold one image token per
-    image, which SGLang's processor expands (the ids reported are expanded here by the same rule)."""
+    images: tuple[bytes, ...] = ()
+    """The encoded image files, sent with every attempt; `input_ids` then hold one image token per image, which
+    SGLang's processor expands (the ids reported are expanded here by the same rule). Over the hop they travel as raw
+    frames (SGLang's ``image_data`` takes bytes); over HTTP as base64 data URIs (`image_uris`, made once)."""
+    image_uris: list[str] | None = None
     ebnf: str | None = None
     """The grammar every sample is held to (`generate_constrained`), sent with every attempt."""
 
@@ -716,11 +718,9 @@ class SGLangEngine:
             raise EngineError("sglang engine not started")
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
         prompt = await self._tokenize(input_ids, text, apply_chat_template)
-        reported, image_data, grid = prompt, None, None
+        reported, grid = prompt, None
         if images:
             prompt, reported, grid = await self._image_prompt(prompt, images)
-            image_data = ["data:image/png;base64," + base64.b64encode(b).decode() if b.startswith(b"\x89PNG")
-                          else "data:image/jpeg;base64," + base64.b64encode(b).decode() for b in images]
         check_prompt(reported, sampling, vocab=self._vocab, context_tokens=self._context_tokens)
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
@@ -728,7 +728,7 @@ class SGLangEngine:
         # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
         child = min(self._children, key=lambda c: (c.running, c.replica))
         req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica,
-                       image_data=image_data, ebnf=ebnf)
+                       images=tuple(images), ebnf=ebnf)
         self._requests[request_id] = req
         child.running += n
         started = time.time()
@@ -767,6 +767,19 @@ class SGLangEngine:
         grids = await asyncio.to_thread(spec.grids_of, images)
         return spec.placeholders(prompt, len(images)), spec.expand(prompt, grids), [x for g in grids for x in g]
 
+    def _image_data(self, req: _Request) -> list[bytes] | list[str] | None:
+        """The request's images as its replica's ``/generate`` takes them: the bytes themselves over the hop (its own
+        frames: no base64 made here, no base64 in the JSON, none decoded by SGLang), base64 data URIs over HTTP."""
+        if not req.images:
+            return None
+        child = self._children[req.replica] if req.replica < len(self._children) else None
+        if child is not None and child.hop is not None and "/generate" in HOP_PATHS:
+            return list(req.images)
+        if req.image_uris is None:
+            req.image_uris = [("data:image/png;base64," if b.startswith(b"\x89PNG") else "data:image/jpeg;base64,")
+                              + base64.b64encode(b).decode() for b in req.images]
+        return req.image_uris
+
     async def _run_sample(self, req: _Request, s: _Sample) -> None:
         sp = req.sampling
         while True:
@@ -786,7 +799,7 @@ class SGLangEngine:
             if req.ids is None:
                 req.ids = np.asarray(req.input_ids, dtype=np.int64)
             ids = np.concatenate([req.ids, np.asarray(s.out, dtype=np.int64)]) if s.out else req.ids
-            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=req.image_data,
+            body = generate_body(ids, sp, rid=s.rid, index=s.index, max_new_tokens=remaining, image_data=self._image_data(req),
                                  ebnf=req.ebnf)
             if s.adapter is not None:
                 name = self._adapters.get(s.adapter)

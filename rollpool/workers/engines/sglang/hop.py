@@ -20,8 +20,13 @@ Guarantees:
   `ConnectionError`. The engine watches the child's process as it does for HTTP, so a dead child
   fails every pending call at once (`SGLangEngine._post`).
 - Frames: request ``[token, request id (8 bytes), path, JSON body without input_ids, input_ids as
-  little-endian int32 (empty when the body has none)]``; answer ``[request id, status (ASCII),
-  JSON answer]`` (the ROUTER's identity frame in front on the child's side).
+  little-endian int32 (empty when the body has none), then one frame per image]``; answer
+  ``[request id, status (ASCII), JSON answer]`` (the ROUTER's identity frame in front on the
+  child's side). A body's ``image_data`` given as bytes (the encoded image files) travels as those
+  image frames, not in the JSON, and reaches the route as a list of bytes (SGLang's ``image_data``
+  takes bytes as it takes data URIs: ``sglang.srt.utils.load_image``); given as strings it stays in
+  the JSON. Worker and child are one checkout (the worker launches the child), so the frames of
+  both ends always match.
 """
 
 from __future__ import annotations
@@ -116,12 +121,16 @@ class HopClient:
             raise ConnectionError(f"sglang hop: {path} on a closed hop")
         body = dict(body or {})
         ids = body.pop("input_ids", None)
+        images = body.get("image_data")
+        raw: list[Any] = []
+        if isinstance(images, list | tuple) and images and all(isinstance(b, bytes | bytearray | memoryview) for b in images):
+            raw = list(body.pop("image_data"))
         rid = struct.pack("<Q", next(self._ids))
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
             await self._sock.send_multipart([self._token, rid, path.encode(), dumps(body),
-                                             b"" if ids is None else _pack_ids(ids)], copy=False)
+                                             b"" if ids is None else _pack_ids(ids), *raw], copy=False)
             async with asyncio.timeout(timeout_s):
                 status, payload = await fut
         except TimeoutError as exc:
@@ -153,19 +162,23 @@ async def serve_hop(routes: Mapping[str, Route], endpoint: str, token: str) -> N
     expected = token.encode()
     tasks: set[asyncio.Task[None]] = set()
 
-    async def handle(identity: bytes, rid: bytes, path: str, header: bytes, ids: bytes) -> None:
-        status, answer = await answer_route(routes, path, _body(header, ids))
+    async def handle(identity: bytes, rid: bytes, path: str, header: bytes, ids: bytes, images: list[bytes]) -> None:
+        status, answer = await answer_route(routes, path, _body(header, ids, images))
         try:
             await sock.send_multipart([identity, rid, str(status).encode(), dumps(answer) if answer is not None else b""],
                                       copy=False)
         except Exception as exc:  # noqa: BLE001 - the worker is gone (ROUTER_MANDATORY) or slow: its call times out
             log.warning("sglang hop: an answer to %s could not be sent: %r", path, exc)
 
-    def _body(header: bytes, ids: bytes) -> Any:
+    def _body(header: bytes, ids: bytes, images: list[bytes]) -> Any:
         try:
             body = loads(header) if header else {}
             if ids and isinstance(body, dict):
                 body["input_ids"] = _unpack_ids(ids)
+            if images and isinstance(body, dict):
+                if "image_data" in body:
+                    raise ValueError("image_data both in the JSON and as frames")
+                body["image_data"] = images
         except ValueError as exc:
             return exc
         return body
@@ -173,15 +186,15 @@ async def serve_hop(routes: Mapping[str, Route], endpoint: str, token: str) -> N
     try:
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) != 6:
+            if len(frames) < 6:
                 log.warning("sglang hop: a request of %d frames dropped", len(frames))
                 continue
-            identity, given, rid, path, header, ids = frames
+            identity, given, rid, path, header, ids, *images = frames
             if token and not hmac.compare_digest(given, expected):
                 with contextlib.suppress(Exception):
                     await sock.send_multipart([identity, rid, b"401", dumps({"error": {"message": "missing or wrong token"}})])
                 continue
-            task = asyncio.create_task(handle(identity, rid, path.decode(errors="replace"), header, ids))
+            task = asyncio.create_task(handle(identity, rid, path.decode(errors="replace"), header, ids, images))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
     finally:

@@ -64,11 +64,12 @@ def generate_body(
     rid: str,
     index: int,
     max_new_tokens: int | None = None,
-    image_data: list[str] | None = None,
+    image_data: Sequence[str] | Sequence[bytes] | None = None,
     ebnf: str | None = None,
 ) -> dict[str, Any]:
     """The JSON body of ``POST /generate`` for one sample (``index`` offsets the seed, as the hf engine does);
-    ``image_data`` (data URIs, one per image token of `input_ids`) and ``ebnf`` (a grammar for SGLang's grammar
+    ``image_data`` (one per image token of `input_ids`: data URIs, or the encoded files as bytes, which only the hop
+    carries, in frames of their own) and ``ebnf`` (a grammar for SGLang's grammar
     backend, ``sampling_params.ebnf``) only when given. `input_ids` given as an integer
     numpy array stay one (the caller converted them once: JSON writes them as a list, the hop as its int32 frame)."""
     sp: dict[str, Any] = {
