@@ -66,6 +66,11 @@ class VisionSpec:
             raise RequestRefusedError(f"the model's image processor refused the images: {type(exc).__name__}: {exc}") from None
         return out
 
+    @property
+    def grids_from_headers(self) -> bool:
+        """`grids_of` reads only each file's header (tens of microseconds an image), not the processor run whole."""
+        return _size_rule(self.processor) is not None
+
     def placeholders(self, prompt: list[int], count: int) -> list[int]:
         """`prompt` with one image token per image: as given, or ``<start><image><end>`` per image put in front."""
         if self.image_id not in prompt:
