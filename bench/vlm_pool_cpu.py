@@ -151,16 +151,28 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
                 for ids, uri in zip(sent, uris, strict=True)))
             return sum(len(parse_generate_response(o).output_ids) for o in outs)
 
+        timeline: dict[str, float] = {}
+
         async def pooled() -> int:
+            t0 = time.time()
             prompts = [Prompt(prompt_id=new_prompt_id(), input_ids=np.asarray(t, dtype=np.int32), sampling=sp,
                               images=(PromptImage(data=b),)) for t, b in zip(texts, images, strict=True)]
             res = await client.submit(prompts)
+            submitted = time.time()
             if res.rejected:
                 raise RuntimeError(f"rejected: {list(res.rejected.values())[:3]}")
             batch = await client.get_batch(len(images), max_staleness=1000, timeout=600)
             bad = [t for t in batch.trajectories if len(t.image_sha256) != 1 or t.input_ids.tolist().count(spec.image_id) != expect]
             if bad or len(batch.trajectories) != len(images):
                 raise RuntimeError(f"{len(batch.trajectories)} trajectories, {len(bad)} without the image's hash or expanded ids")
+            done = time.time()
+            # where the wall time went (one host, one clock): submit -> the engine took the first and the last prompt;
+            # the last sample done -> the batch in the trainer's hands
+            timeline.update(submit_returned_s=submitted - t0, last_queued_s=max(t.queued_at for t in batch.trajectories) - t0,
+                            first_started_s=min(t.started_at for t in batch.trajectories) - t0,
+                            last_started_s=max(t.started_at for t in batch.trajectories) - t0,
+                            last_finished_s=max(t.finished_at for t in batch.trajectories) - t0,
+                            batch_in_hand_s=done - t0)
             return sum(len(t.output_ids) for t in batch.trajectories)
 
         expect = spec.expand([7], [spec.grids_of(images[:1])[0]]).count(spec.image_id)
@@ -179,6 +191,8 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
                    "client_cpu_ms_per_prompt": round(1e3 * mine / n, 3),
                    **{f"{k}_cpu_ms_per_prompt": round(1e3 * v / n, 3) for k, v in cpu.items()},
                    "worker_loop_thread_cpu_ms_per_prompt": round(1e3 * loop / n, 3)}
+            if run == "pool":
+                row["timeline"] = {k: round(v, 3) for k, v in timeline.items()}
             if profiler is not None:
                 row["profile"] = profiler.stop()
             print(f"  {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
