@@ -8,7 +8,10 @@ One entry point for one device call (``--out $OUT``); the partial JSON (``--resu
 2. broker + one worker whose ``sglang`` engine starts SGLang as its child + a trainer client;
    pool vs direct output tokens/s: the same prompts, each with its image, straight to the same SGLang
    child (``/generate`` with ``image_data``) and through the pool (`Prompt.images`), alternating pairs,
-   medians; ``pool_vs_direct`` = median pool / median direct;
+   medians; ``pool_vs_direct`` = median pool / median direct; ``images_reached_sglang``: SGLang's
+   ``prompt_tokens`` of every direct prompt is the expanded length (the image seen; one image token means
+   SGLang ran without it); ``stages.pool.pool_timelines``: per pool run, seconds after submit until the engine
+   took the first and the last prompt, the last sample was done, the batch was in hand;
 3. versions with images: a long batch while version 1 is published; every trajectory's token versions
    must be non-decreasing and within {0, 1}, every trajectory must carry its image's sha256 and the
    expanded image tokens its grid says (``versions_exact``).
@@ -162,27 +165,46 @@ async def pool_stage(model: Path, images: list[bytes], args: argparse.Namespace)
         http = HttpClient("127.0.0.1", sg_port, token=(OUT / f"sglang-{sg_port}.token").read_text())
         counter = iter(range(10**9))
 
+        expanded = [len(spec.expand(t, spec.grids_of([b]))) for t, b in zip(texts, images, strict=True)]
+        seen_prompt_tokens: list[int] = []
+
         async def direct() -> float:
             t = time.perf_counter()
             outs = await asyncio.gather(*(http.request("POST", "/generate", generate_body(
                 ids, sp, rid=sample_rid("directvl", next(counter), 0, 0), index=0, image_data=[uri])) for ids, uri in zip(sent, uris, strict=True)))
             dt = time.perf_counter() - t
+            seen_prompt_tokens[:] = [int((o.get("meta_info") or {}).get("prompt_tokens") or 0) for o in outs]
             return sum(len(parse_generate_response(o).output_ids) for o in outs) / dt
 
         def prompts(sampling: SamplingParams) -> list[Prompt]:
             return [Prompt(prompt_id=new_prompt_id(), input_ids=np.asarray(t, dtype=np.int32), sampling=sampling,
                            images=(PromptImage(data=b),)) for t, b in zip(texts, images, strict=True)]
 
+        timelines: list[dict[str, float]] = []
+
         async def pool() -> tuple[float, list[Any]]:
-            t = time.perf_counter()
+            t, t0 = time.perf_counter(), time.time()
             res = await client.submit(prompts(sp))
             if res.rejected:
                 raise RuntimeError(f"rejected: {list(res.rejected.values())[:3]}")
             batch = await client.get_batch(len(images), max_staleness=1000, timeout=600)
             dt = time.perf_counter() - t
-            return sum(len(tr.output_ids) for tr in batch.trajectories) / dt, list(batch.trajectories)
+            tr = batch.trajectories
+            # where the wall time went (one host, one clock): submit -> the engine took the first and the last prompt
+            # (its image checks done), the last sample done, the batch in hand
+            timelines.append({"first_started_s": round(min(x.started_at for x in tr) - t0, 3),
+                              "last_started_s": round(max(x.started_at for x in tr) - t0, 3),
+                              "last_finished_s": round(max(x.finished_at for x in tr) - t0, 3), "batch_in_hand_s": round(dt, 3)})
+            return sum(len(x.output_ids) for x in tr) / dt, list(tr)
 
         await direct()  # warm-up
+        # SGLang's prompt_tokens is the prompt as its model ran it: with the image seen, the expanded length the pool
+        # reports; a prompt run without its image has one image token (SGLang never got image_data)
+        RESULT["images_reached_sglang"] = seen_prompt_tokens == expanded
+        RESULT["direct_prompt_tokens_seen"] = sorted(set(seen_prompt_tokens))[:5]
+        RESULT["expanded_prompt_tokens"] = sorted(set(expanded))[:5]
+        note(f"SGLang ran prompts of {RESULT['direct_prompt_tokens_seen']} tokens; the expanded ids have {RESULT['expanded_prompt_tokens']}")
+        save()
         d_runs, p_runs = [], []
         trajs: list[Any] = []
         for i in range(args.pairs):
@@ -190,7 +212,7 @@ async def pool_stage(model: Path, images: list[bytes], args: argparse.Namespace)
             rate, trajs = await pool()
             p_runs.append(rate)
             note(f"pair {i}: direct {d_runs[-1]:.0f} tok/s, pool {p_runs[-1]:.0f} tok/s")
-            stage.update(direct_runs=d_runs, pool_runs=p_runs)
+            stage.update(direct_runs=d_runs, pool_runs=p_runs, pool_timelines=timelines)
             save()
         RESULT["direct_tokens_per_s"] = round(statistics.median(d_runs), 1)
         RESULT["pool_tokens_per_s"] = round(statistics.median(p_runs), 1)

@@ -237,7 +237,7 @@ def summarise_rows(rows: list[dict[str, Any]], trees: list[tuple[str, Path]]) ->
         for run in ("direct", "pool"):
             mine = [r for r in rows if r["tree"] == label and r["run"] == run and r["rep"] >= 0]
             out[f"{label}/{run}"] = {k: _median([r[k] for r in mine]) for k in KEYS}
-        pairs = {}
+        pairs: dict[int, dict[str, float]] = {}
         for r in rows:
             if r["tree"] == label and r["rep"] >= 0:
                 pairs.setdefault(r["rep"], {})[r["run"]] = r["output_tokens_per_s"]
