@@ -153,16 +153,20 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
 
         timeline: dict[str, float] = {}
 
-        async def pooled() -> int:
+        async def pooled(with_images: bool = True) -> int:
             t0 = time.time()
-            prompts = [Prompt(prompt_id=new_prompt_id(), input_ids=np.asarray(t, dtype=np.int32), sampling=sp,
-                              images=(PromptImage(data=b),)) for t, b in zip(texts, images, strict=True)]
+            if with_images:
+                prompts = [Prompt(prompt_id=new_prompt_id(), input_ids=np.asarray(t, dtype=np.int32), sampling=sp,
+                                  images=(PromptImage(data=b),)) for t, b in zip(texts, images, strict=True)]
+            else:  # the ids the direct run sends (one image token each), no image: what the images cost the pool
+                prompts = [Prompt(prompt_id=new_prompt_id(), input_ids=np.asarray(ids, dtype=np.int32), sampling=sp) for ids in sent]
             res = await client.submit(prompts)
             submitted = time.time()
             if res.rejected:
                 raise RuntimeError(f"rejected: {list(res.rejected.values())[:3]}")
             batch = await client.get_batch(len(images), max_staleness=1000, timeout=600)
-            bad = [t for t in batch.trajectories if len(t.image_sha256) != 1 or t.input_ids.tolist().count(spec.image_id) != expect]
+            bad = [t for t in batch.trajectories
+                   if with_images and (len(t.image_sha256) != 1 or t.input_ids.tolist().count(spec.image_id) != expect)]
             if bad or len(batch.trajectories) != len(images):
                 raise RuntimeError(f"{len(batch.trajectories)} trajectories, {len(bad)} without the image's hash or expanded ids")
             done = time.time()
@@ -180,7 +184,7 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
         async def measured(run: str, rep: int, profiler: Any = None) -> dict[str, Any]:
             before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
             loop0, mine0, t0 = _main_thread_cpu(worker.pid), time.process_time(), time.perf_counter()
-            tokens = await (direct() if run == "direct" else pooled())
+            tokens = await (direct() if run == "direct" else pooled(run == "pool"))
             wall = time.perf_counter() - t0
             mine = time.process_time() - mine0
             cpu = {k: sum(_cpu(p) for p in v) - before[k] for k, v in pids.items()}
@@ -191,7 +195,7 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
                    "client_cpu_ms_per_prompt": round(1e3 * mine / n, 3),
                    **{f"{k}_cpu_ms_per_prompt": round(1e3 * v / n, 3) for k, v in cpu.items()},
                    "worker_loop_thread_cpu_ms_per_prompt": round(1e3 * loop / n, 3)}
-            if run == "pool":
+            if run != "direct":
                 row["timeline"] = {k: round(v, 3) for k, v in timeline.items()}
             if profiler is not None:
                 row["profile"] = profiler.stop()
@@ -208,7 +212,8 @@ async def tree_rows(label: str, tree: Path, args: argparse.Namespace, work: Path
             row["join_s"] = round(join_s, 1)
             rows.append(row)
         for rep in reps:
-            for run in (("direct", "pool") if rep % 2 == 0 else ("pool", "direct")):
+            runs = ("direct", "pool", *(("pool_text",) if args.text_pool else ()))
+            for run in (runs if rep % 2 == 0 else runs[::-1]):
                 row = await measured(run, rep)
                 row["join_s"] = round(join_s, 1)
                 rows.append(row)
@@ -234,13 +239,15 @@ KEYS = ("output_tokens_per_s", "wall_s", "client_cpu_ms_per_prompt", "broker_cpu
 def summarise_rows(rows: list[dict[str, Any]], trees: list[tuple[str, Path]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, _ in trees:
-        for run in ("direct", "pool"):
+        for run in ("direct", "pool", "pool_text"):
             mine = [r for r in rows if r["tree"] == label and r["run"] == run and r["rep"] >= 0]
+            if not mine:
+                continue
             out[f"{label}/{run}"] = {k: _median([r[k] for r in mine]) for k in KEYS}
-        pairs: dict[int, dict[str, float]] = {}
+        pairs: dict[tuple[str, int], dict[str, float]] = {}
         for r in rows:
             if r["tree"] == label and r["rep"] >= 0:
-                pairs.setdefault(r["rep"], {})[r["run"]] = r["output_tokens_per_s"]
+                pairs.setdefault((r["tree"], r["rep"]), {})[r["run"]] = r["output_tokens_per_s"]
         ratios = [p["pool"] / p["direct"] for p in pairs.values() if "pool" in p and "direct" in p]
         d, p = out[f"{label}/direct"]["output_tokens_per_s"], out[f"{label}/pool"]["output_tokens_per_s"]
         out[f"{label}/pool_vs_direct"] = round(p / d, 4) if d and p else None
@@ -248,6 +255,12 @@ def summarise_rows(rows: list[dict[str, Any]], trees: list[tuple[str, Path]]) ->
         pool, direct = out[f"{label}/pool"], out[f"{label}/direct"]
         out[f"{label}/pool_extra_cpu_ms_per_prompt"] = {
             k.removesuffix("_cpu_ms_per_prompt"): round((pool[k] or 0) - (direct[k] or 0), 3) for k in KEYS if k.endswith("_cpu_ms_per_prompt")}
+        text = out.get(f"{label}/pool_text")
+        if text:
+            out[f"{label}/pool_text_vs_direct"] = round(text["output_tokens_per_s"] / d, 4) if d else None
+            out[f"{label}/pool_vs_pool_text"] = round(p / text["output_tokens_per_s"], 4) if p else None
+            out[f"{label}/image_extra_cpu_ms_per_prompt"] = {
+                k.removesuffix("_cpu_ms_per_prompt"): round((pool[k] or 0) - (text[k] or 0), 3) for k in KEYS if k.endswith("_cpu_ms_per_prompt")}
     if len(trees) == 2:
         (a, _), (b, _) = trees
         out[f"{b}_vs_{a}"] = {
@@ -303,6 +316,9 @@ def main() -> int:
     ap.add_argument("--decode-s-per-token", type=float, default=0.0002, help="the sim child's decode step (simulated)")
     ap.add_argument("--reps", type=int, default=3, help="pools per tree; each runs one direct and one pool batch")
     ap.add_argument("--warmup", type=int, default=1, help="direct + pool batches before the measured ones, per pool")
+    ap.add_argument("--text-pool", action="store_true",
+                    help="each rep also runs the same prompts through the pool without their images (pool_text: the ids the "
+                         "direct run sends): what the images cost the pool beyond a text prompt")
     ap.add_argument("--profile", default="", metavar="PY_SPY", help="then one profiled pool batch per tree (py-spy binary)")
     ap.add_argument("--model-dir", default="/tmp/rp-vlm-pool-tiny")
     ap.add_argument("--keep-work", action="store_true")
