@@ -250,6 +250,35 @@ async def test_the_sglang_childs_generate_route_hands_the_images_to_sglang(monke
     assert calls[1].get("image_data") is None
 
 
+def test_the_sglang_child_has_sglang_run_the_prompt_ids_it_was_given(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """The child starts SGLang with ``SGLANG_MM_AVOID_RETOKENIZE=1`` whatever the environment says: off, SGLang decodes
+    a token prompt with images to text and tokenizes it again, and the ids the worker reports are not the ids the model
+    ran. SGLang is faked here (a module whose ``Engine`` records the variable and stops the child)."""
+    import os
+    import sys
+    import types
+
+    from rollpool.workers.engines.sglang.server import serve_main
+
+    MM_AVOID_RETOKENIZE = "SGLANG_MM_AVOID_RETOKENIZE"  # SGLang's name (spelt out: the test holds the child to it)
+    seen: list[str | None] = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(**_kw: Any) -> None:
+        seen.append(os.environ.get(MM_AVOID_RETOKENIZE))
+        raise Stop
+
+    fake = types.ModuleType("sglang")
+    fake.Engine = engine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang", fake)
+    monkeypatch.setenv(MM_AVOID_RETOKENIZE, "0")
+    with pytest.raises(Stop):
+        serve_main(["--model-path", str(tmp_path), "--port", "1"])
+    assert seen == ["1"]
+
+
 async def test_images_cross_the_hop_as_their_own_bytes_and_strings_stay_strings(tmp_path: pathlib.Path) -> None:
     """The hop to the engine's child carries a body's ``image_data`` bytes as frames of their own, and the route gets the
     very bytes (no base64 made or parsed on either side); data URIs (strings) reach it as sent."""

@@ -612,6 +612,10 @@ def _sim_model_kwargs(model_path: str) -> dict[str, Any]:
     return out
 
 
+MM_AVOID_RETOKENIZE = "SGLANG_MM_AVOID_RETOKENIZE"
+"""SGLang's switch between running a token prompt's own ids (on) and retokenizing its decoded text (off)."""
+
+
 def serve_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollpool.workers.engines.sglang.server")
     ap.add_argument("--model-path", required=True)
@@ -651,6 +655,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
         asyncio.run(run_sim())
         return 0
+    # SGLang keeps a token prompt's own ids and expands its image tokens only with this on (0.5.14's default); off, it
+    # decodes the ids to text and tokenizes them again, and the ids the worker reports are not the ids the model ran
+    if os.environ.get(MM_AVOID_RETOKENIZE, "1") != "1":
+        log.warning("%s=%s in the environment: set to 1 for this engine (the reported ids must be the ids SGLang runs)",
+                    MM_AVOID_RETOKENIZE, os.environ[MM_AVOID_RETOKENIZE])
+    os.environ[MM_AVOID_RETOKENIZE] = "1"
     import sglang
 
     # triton attention and torch sampling: the kit has no fa3/flashinfer sampling; the grammar backend only where
