@@ -31,8 +31,8 @@ lost, duplicated and timed-out episodes, throughput, and the most episodes one w
     python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
     python bench/episodes.py --trees base=/tmp/base,now=. --profile "$(which py-spy)"   # + 'profile': py-spy per tree
 
-``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker and
-the engine's child; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
+``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker, the
+engine's child and the broker; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
 each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
     python bench/episodes.py --bench sessions --json bench/results/cpu-episodes-sessions.json
 
@@ -425,6 +425,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
             profilers = {"worker": Profiler(args.profile, worker.pid, work / f"profile-{label}-{placement}-worker.txt")}
             if child:
                 profilers["engine_child"] = Profiler(args.profile, child[0], work / f"profile-{label}-{placement}-child.txt")
+            profilers["broker"] = Profiler(args.profile, broker.pid, work / f"profile-{label}-{placement}-broker.txt")
             await asyncio.sleep(1.0)  # py-spy attached
         before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
         loop0 = _main_thread_cpu(worker.pid)
@@ -727,7 +728,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", default="", metavar="PY_SPY",
                     help="turns bench: after the measured reps, one row per tree and placement under this py-spy binary "
-                         "(the JSON's 'profile': where the worker's and the engine child's CPU went)")
+                         "(the JSON's 'profile': where the worker's, the engine child's and the broker's CPU went)")
     ap.add_argument("--profile-raw", default="", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
     ap.add_argument("--update", action="store_true",
