@@ -212,3 +212,58 @@ def test_responses_items_become_the_chat_messages_an_agent_would_send() -> None:
     assert body["max_tokens"] == 9 and body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     with pytest.raises(chat.EndpointError, match="not served"):
         responses.to_chat_body({"input": "x", "frobnicate": 1}, store)
+
+
+def test_the_direct_template_rendering_is_the_text_of_apply_chat_template(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import template_renderer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": [2, null], "c": {"d": "e"}}'}}
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+         {"role": "user", "content": "again", "name": "bob"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add"}, {"role": "assistant", "content": None,
+         "tool_calls": [call, {**call, "id": "c2", "function": {"name": "add", "arguments": "not json"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "3"}, {"role": "developer", "content": "ok"}],
+    ]
+    assert template_renderer(tok) is not None
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            for gen in (True, False):
+                canonical = chat.validate_messages(messages)
+                want = tok.apply_chat_template([chat.render_message(m) for m in canonical], tokenize=False, add_generation_prompt=gen,
+                                               **({"tools": TOOLS} if tools else {}))
+                assert chat.render(tok, canonical, tools, add_generation_prompt=gen) == want
+    renderer = template_renderer(tok)
+    assert renderer is not None and getattr(renderer, "checked", False)  # the first call compared both, and they agreed
+
+
+def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_renders(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import template_renderer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    renderer = template_renderer(tok)
+    assert renderer is not None
+
+    class Other:
+        def render(self, **_: Any) -> str:
+            return "something else"
+
+    renderer._compile = lambda _template: Other()  # type: ignore[attr-defined]  # a transformers that renders otherwise
+    messages = [{"role": "user", "content": "hi"}]
+    want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.render(tok, messages, None, add_generation_prompt=True) == want
+    assert template_renderer(tok) is None  # refused for this tokenizer from now on
+    assert chat.render(tok, messages, None, add_generation_prompt=True) == want
+
+    class Overridden(type(tok)):  # type: ignore[misc]  # a tokenizer with its own apply_chat_template: never bypassed
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+            return "overridden"
+
+    own = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    own.__class__ = Overridden
+    assert template_renderer(own) is None
+    assert chat.render(own, messages, None, add_generation_prompt=True) == "overridden"
