@@ -11,6 +11,13 @@ transformers' per-call conversion of every message (about two thirds of a render
 template). Its first call is checked against ``apply_chat_template``; where they differ, or where the
 tokenizer or transformers is not the kind this was written against, it is None and the endpoint calls
 ``apply_chat_template`` as before.
+
+`encode_text(tokenizer, text)` and `decode_ids(tokenizer, ids, skip_special_tokens)`: ``tokenizer.encode(text,
+add_special_tokens=False)`` and ``tokenizer.decode(ids, ...)`` of a transformers fast tokenizer, on its Rust
+backend directly (``backend_tokenizer``): encoding without the offsets nobody reads (``encode_batch_fast``), and
+neither call converting or checking its arguments in Python. Taken only while the backend is set as transformers
+would set it for the call (no truncation, no padding, its special-token splitting) and the decode needs no
+clean-up; the first of each is checked against the transformers call. Any other tokenizer: the transformers call.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["load_tokenizer", "template_renderer"]
+__all__ = ["decode_ids", "encode_text", "load_tokenizer", "template_renderer"]
 
 Renderer = Callable[[list[dict[str, Any]], Sequence[dict[str, Any]] | None, bool], str]
 """(plain messages, plain tool dicts or None, add_generation_prompt) -> the rendered text."""
@@ -112,3 +119,84 @@ def template_renderer(tokenizer: Any) -> Renderer | None:
     except TypeError:
         return None
     return renderer
+
+
+class _Codec:
+    """The direct encode and decode of one fast tokenizer (module docstring); `*_ok`: None until checked."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.encode_ok: bool | None = None if callable(getattr(backend, "encode_batch_fast", None)) else False
+        self.decode_ok: bool | None = None
+
+    def encode(self, tok: Any, text: str) -> list[int]:
+        b = self.backend
+        if (self.encode_ok is False or b.truncation is not None or b.padding is not None
+                or b.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False))):
+            return list(tok.encode(text, add_special_tokens=False))
+        ids: list[int] = b.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        if self.encode_ok is None:
+            want = list(tok.encode(text, add_special_tokens=False))
+            self.encode_ok = ids == want
+            return want
+        return ids
+
+    def decode(self, tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        if self.decode_ok is False or tok.clean_up_tokenization_spaces:
+            return _slow_decode(tok, ids, skip_special_tokens)
+        text = str(self.backend.decode(ids if type(ids) is list else [int(t) for t in ids], skip_special_tokens=skip_special_tokens))
+        if self.decode_ok is None:
+            want = _slow_decode(tok, ids, skip_special_tokens)
+            self.decode_ok = text == want
+            return want
+        return text
+
+
+def _slow_decode(tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    # an int64 array: transformers converts an array in one call, a list element by element
+    import numpy as np
+
+    return str(tok.decode(np.asarray(ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
+
+
+_CODECS: weakref.WeakKeyDictionary[Any, _Codec | None] = weakref.WeakKeyDictionary()
+
+
+def _codec(tokenizer: Any) -> _Codec | None:
+    try:
+        known = tokenizer in _CODECS
+    except TypeError:
+        return None
+    if known:
+        return _CODECS[tokenizer]
+    codec: _Codec | None = None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        pass
+    else:
+        cls = type(tokenizer)
+        stock = (isinstance(tokenizer, TokenizersBackend) and cls.encode is PreTrainedTokenizerBase.encode
+                 and cls.decode is PreTrainedTokenizerBase.decode and cls._encode_plus is TokenizersBackend._encode_plus
+                 and cls._decode is TokenizersBackend._decode)
+        backend = getattr(tokenizer, "backend_tokenizer", None) if stock else None
+        if backend is not None:
+            codec = _Codec(backend)
+    try:
+        _CODECS[tokenizer] = codec
+    except TypeError:
+        return None
+    return codec
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)`` as a list (see the module docstring)."""
+    codec = _codec(tokenizer)
+    return codec.encode(tokenizer, text) if codec is not None else list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` (see the module docstring)."""
+    codec = _codec(tokenizer)
+    return codec.decode(tokenizer, ids, skip_special_tokens) if codec is not None else _slow_decode(tokenizer, ids, skip_special_tokens)
