@@ -298,7 +298,9 @@ class _Reply:
 
 
 def tools_key(tools: Sequence[Any] | None) -> str:
-    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+    if not tools:
+        return "[]"  # json.dumps([]): most turns have no tools, and this is asked several times a turn
+    return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
 
 
 def extension(view: ChatView | None, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
