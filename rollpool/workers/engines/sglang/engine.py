@@ -733,7 +733,10 @@ class SGLangEngine:
         child.running += n
         started = time.time()
         try:
-            await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
+            if n == 1:  # an episode's turn: no task and gathering future for one sample
+                await self._run_sample(req, req.samples[0])
+            else:
+                await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
         except BaseException:
             req.aborted = True
             with contextlib.suppress(Exception):
