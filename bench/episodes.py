@@ -22,7 +22,9 @@ each, the history sent back unchanged). Two agent placements:
 
 ``--trees before=/tmp/w41-before,after=.`` runs the same workload on several source trees (a
 checkout of the code before a change beside this one), interleaved rep by rep so a shared machine's
-load hits both alike. CPU is ``psutil`` user+system time of each process over the phase.
+load hits both alike; the summary gives each later tree's ratios to each earlier one (``now_vs_base``:
+``pool_cpu_per_turn_ratio``, the worker's and the broker's CPU per turn, and more). CPU is ``psutil``
+user+system time of each process over the phase.
 
 ``--bench sessions``: ``--sessions`` concurrent episodes (default 10,000) across ``--workers``
 sim workers (1, 2, 4), token-level (``ctx.generate`` / ``ctx.append``), all submitted at once:
@@ -580,14 +582,15 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                                                            "worker_and_engine_child_cpu_us_per_turn", "agent_process_cpu_us_per_turn",
                                                            "worker_and_agent_processes_cpu_us_per_turn", "turns_per_s",
                                                            "output_tokens_per_s")}
-        if len(trees) == 2 and args.reps:
-            (a, _), (b, _) = trees
-            x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
-            summary[f"{placement}/{b}_vs_{a}"] = {
-                "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
-                "worker_and_engine_child_cpu_per_turn_ratio": round(
-                    y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
-                "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+        for i, (a, _) in enumerate(trees if args.reps else []):  # every later tree against every earlier one
+            for b, _ in trees[i + 1:]:
+                x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
+                summary[f"{placement}/{b}_vs_{a}"] = {
+                    "pool_cpu_per_turn_ratio": round(y["pool_cpu_us_per_turn"] / x["pool_cpu_us_per_turn"], 3),
+                    "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
+                    "worker_and_engine_child_cpu_per_turn_ratio": round(
+                        y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
+                    "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
     if args.update:  # the one-update phase: its throughput over the no-update phase's, and how long the engine stopped
         for placement in placements:
             for label, _ in trees:
