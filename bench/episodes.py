@@ -252,7 +252,7 @@ def _children(pid: int) -> list[int]:
 # matches (a socket write under aiohttp's client is the hop). Order matters only within one frame.
 PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the sim engine (the simulated model)", ("engines/sim.py", "_SimPrefixCache")),
-    ("tokenizer and chat template", ("/transformers/", "/tokenizers/", "/jinja2/", "episodes/chat.py")),
+    ("tokenizer and chat template", ("/transformers/", "/tokenizers/", "/jinja2/", "episodes/chat.py", "engines/tokenizer.py")),
     ("JSON", ("/json/", "orjson", "/msgpack/")),
     ("logging", ("/logging/",)),
     ("ZeroMQ and the broker link", ("/zmq/", "workers/link.py", "protocol/codec.py", "protocol/messages.py")),
