@@ -22,7 +22,9 @@ each, the history sent back unchanged). Two agent placements:
 
 ``--trees before=/tmp/w41-before,after=.`` runs the same workload on several source trees (a
 checkout of the code before a change beside this one), interleaved rep by rep so a shared machine's
-load hits both alike. CPU is ``psutil`` user+system time of each process over the phase.
+load hits both alike; the summary gives each later tree's ratios to each earlier one (``now_vs_base``:
+``pool_cpu_per_turn_ratio``, the worker's and the broker's CPU per turn, and more). CPU is ``psutil``
+user+system time of each process over the phase.
 
 ``--bench sessions``: ``--sessions`` concurrent episodes (default 10,000) across ``--workers``
 sim workers (1, 2, 4), token-level (``ctx.generate`` / ``ctx.append``), all submitted at once:
@@ -31,8 +33,8 @@ lost, duplicated and timed-out episodes, throughput, and the most episodes one w
     python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
     python bench/episodes.py --trees base=/tmp/base,now=. --profile "$(which py-spy)"   # + 'profile': py-spy per tree
 
-``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker and
-the engine's child; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
+``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker, the
+engine's child and the broker; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
 each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
     python bench/episodes.py --bench sessions --json bench/results/cpu-episodes-sessions.json
 
@@ -250,7 +252,7 @@ def _children(pid: int) -> list[int]:
 # matches (a socket write under aiohttp's client is the hop). Order matters only within one frame.
 PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the sim engine (the simulated model)", ("engines/sim.py", "_SimPrefixCache")),
-    ("tokenizer and chat template", ("/transformers/", "/tokenizers/", "/jinja2/", "episodes/chat.py")),
+    ("tokenizer and chat template", ("/transformers/", "/tokenizers/", "/jinja2/", "episodes/chat.py", "engines/tokenizer.py")),
     ("JSON", ("/json/", "orjson", "/msgpack/")),
     ("logging", ("/logging/",)),
     ("ZeroMQ and the broker link", ("/zmq/", "workers/link.py", "protocol/codec.py", "protocol/messages.py")),
@@ -425,6 +427,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
             profilers = {"worker": Profiler(args.profile, worker.pid, work / f"profile-{label}-{placement}-worker.txt")}
             if child:
                 profilers["engine_child"] = Profiler(args.profile, child[0], work / f"profile-{label}-{placement}-child.txt")
+            profilers["broker"] = Profiler(args.profile, broker.pid, work / f"profile-{label}-{placement}-broker.txt")
             await asyncio.sleep(1.0)  # py-spy attached
         before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
         loop0 = _main_thread_cpu(worker.pid)
@@ -579,14 +582,15 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                                                            "worker_and_engine_child_cpu_us_per_turn", "agent_process_cpu_us_per_turn",
                                                            "worker_and_agent_processes_cpu_us_per_turn", "turns_per_s",
                                                            "output_tokens_per_s")}
-        if len(trees) == 2 and args.reps:
-            (a, _), (b, _) = trees
-            x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
-            summary[f"{placement}/{b}_vs_{a}"] = {
-                "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
-                "worker_and_engine_child_cpu_per_turn_ratio": round(
-                    y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
-                "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+        for i, (a, _) in enumerate(trees if args.reps else []):  # every later tree against every earlier one
+            for b, _ in trees[i + 1:]:
+                x, y = summary[f"{placement}/{a}"], summary[f"{placement}/{b}"]
+                summary[f"{placement}/{b}_vs_{a}"] = {
+                    "pool_cpu_per_turn_ratio": round(y["pool_cpu_us_per_turn"] / x["pool_cpu_us_per_turn"], 3),
+                    "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
+                    "worker_and_engine_child_cpu_per_turn_ratio": round(
+                        y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
+                    "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
     if args.update:  # the one-update phase: its throughput over the no-update phase's, and how long the engine stopped
         for placement in placements:
             for label, _ in trees:
@@ -727,7 +731,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", default="", metavar="PY_SPY",
                     help="turns bench: after the measured reps, one row per tree and placement under this py-spy binary "
-                         "(the JSON's 'profile': where the worker's and the engine child's CPU went)")
+                         "(the JSON's 'profile': where the worker's, the engine child's and the broker's CPU went)")
     ap.add_argument("--profile-raw", default="", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     ap.add_argument("--model-dir", default="/tmp/rp-episodes-tiny")
     ap.add_argument("--update", action="store_true",

@@ -1,16 +1,36 @@
-"""The model directory's tokenizer, for an engine that keeps none in this process (sglang).
+"""The model directory's tokenizer, for an engine that keeps none in this process (sglang), and its chat template.
 
 The episode endpoint renders chat messages and decodes turns in the worker; the `hf` engine
 exposes its tokenizer, the sglang engine tokenizes in its child. `load_tokenizer` gives the
 worker the same tokenizer from the model directory, or None (and a warning) when it cannot.
+
+`template_renderer(tokenizer)`: the tokenizer's compiled chat template, called as
+``apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...)`` calls it, for
+messages and tools that are already plain JSON dicts (what the endpoint renders): the same text, without
+transformers' per-call conversion of every message (about two thirds of a rendering's CPU for a short
+template). Its first call is checked against ``apply_chat_template``; where they differ, or where the
+tokenizer or transformers is not the kind this was written against, it is None and the endpoint calls
+``apply_chat_template`` as before.
+
+`encode_text(tokenizer, text)` and `decode_ids(tokenizer, ids, skip_special_tokens)`: ``tokenizer.encode(text,
+add_special_tokens=False)`` and ``tokenizer.decode(ids, ...)`` of a transformers fast tokenizer, on its Rust
+backend directly (``backend_tokenizer``): encoding without the offsets nobody reads (``encode_batch_fast``), and
+neither call converting or checking its arguments in Python. Taken only while the backend is set as transformers
+would set it for the call (no truncation, no padding, its special-token splitting) and the decode needs no
+clean-up; the first of each is checked against the transformers call. Any other tokenizer: the transformers call.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["load_tokenizer"]
+__all__ = ["decode_ids", "encode_text", "load_tokenizer", "template_renderer"]
+
+Renderer = Callable[[list[dict[str, Any]], Sequence[dict[str, Any]] | None, bool], str]
+"""(plain messages, plain tool dicts or None, add_generation_prompt) -> the rendered text."""
 
 log = logging.getLogger(__name__)
 
@@ -26,3 +46,157 @@ def load_tokenizer(model: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - the endpoint then refuses text requests and says so
         log.warning("no tokenizer from %s: %s", model, exc)
         return None
+
+
+_RENDERERS: weakref.WeakKeyDictionary[Any, _TemplateRenderer | None] = weakref.WeakKeyDictionary()
+
+
+class _TemplateRenderer:
+    """See the module docstring: `__call__` renders as ``apply_chat_template`` does, checked on the first call."""
+
+    def __init__(self, tokenizer: Any, compile_template: Callable[[str], Any]) -> None:
+        self._tokenizer = weakref.ref(tokenizer)
+        self._compile = compile_template
+        self.checked = False
+        self.refused = False
+
+    def __call__(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
+        tok = self._tokenizer()
+        if tok is None:
+            raise RuntimeError("the tokenizer of this chat template renderer is gone")
+        if self.refused or not self.checked:
+            return self._first(tok, messages, tools, add_generation_prompt)
+        return self._render(tok, messages, tools, add_generation_prompt)
+
+    def _render(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                add_generation_prompt: bool) -> str:
+        # what apply_chat_template -> render_jinja_template hand the compiled template: the template chosen by
+        # get_chat_template, the messages, the tools, no documents, the generation prompt flag and the special tokens
+        template = self._compile(tok.get_chat_template(None, list(tools) if tools else None))
+        return str(template.render(messages=messages, tools=list(tools) if tools else None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **tok.special_tokens_map))
+
+    def _first(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            kwargs["tools"] = list(tools)
+        want = str(tok.apply_chat_template(messages, **kwargs))  # raises as it always did (the caller's 400)
+        if not self.refused:
+            try:
+                same = self._render(tok, messages, tools, add_generation_prompt) == want
+            except Exception:  # noqa: BLE001 - rendered otherwise than apply_chat_template: not used
+                same = False
+            self.checked, self.refused = same, not same
+            if not same:
+                log.info("chat template: rendered by apply_chat_template (the direct rendering differs for this tokenizer)")
+        return want
+
+
+def template_renderer(tokenizer: Any) -> Renderer | None:
+    """The direct renderer of `tokenizer`'s chat template (module docstring), or None: use ``apply_chat_template``."""
+    try:
+        known = tokenizer in _RENDERERS
+    except TypeError:  # neither hashable nor weakly referable: not a transformers tokenizer
+        return None
+    if known:
+        found = _RENDERERS[tokenizer]
+        return None if found is None or found.refused else found
+    renderer: _TemplateRenderer | None = None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        stock = (isinstance(tokenizer, PreTrainedTokenizerBase)
+                 and type(tokenizer).apply_chat_template is PreTrainedTokenizerBase.apply_chat_template
+                 and type(tokenizer).get_chat_template is PreTrainedTokenizerBase.get_chat_template)
+        if stock:
+            renderer = _TemplateRenderer(tokenizer, _compile_jinja_template)
+    try:
+        _RENDERERS[tokenizer] = renderer
+    except TypeError:
+        return None
+    return renderer
+
+
+class _Codec:
+    """The direct encode and decode of one fast tokenizer (module docstring); `*_ok`: None until checked."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.encode_ok: bool | None = None if callable(getattr(backend, "encode_batch_fast", None)) else False
+        self.decode_ok: bool | None = None
+
+    def encode(self, tok: Any, text: str) -> list[int]:
+        b = self.backend
+        if (self.encode_ok is False or b.truncation is not None or b.padding is not None
+                or b.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False))):
+            return list(tok.encode(text, add_special_tokens=False))
+        ids: list[int] = b.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        if self.encode_ok is None:
+            want = list(tok.encode(text, add_special_tokens=False))
+            self.encode_ok = ids == want
+            return want
+        return ids
+
+    def decode(self, tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        if self.decode_ok is False or tok.clean_up_tokenization_spaces:
+            return _slow_decode(tok, ids, skip_special_tokens)
+        text = str(self.backend.decode(ids if type(ids) is list else [int(t) for t in ids], skip_special_tokens=skip_special_tokens))
+        if self.decode_ok is None:
+            want = _slow_decode(tok, ids, skip_special_tokens)
+            self.decode_ok = text == want
+            return want
+        return text
+
+
+def _slow_decode(tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    # an int64 array: transformers converts an array in one call, a list element by element
+    import numpy as np
+
+    return str(tok.decode(np.asarray(ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
+
+
+_CODECS: weakref.WeakKeyDictionary[Any, _Codec | None] = weakref.WeakKeyDictionary()
+
+
+def _codec(tokenizer: Any) -> _Codec | None:
+    try:
+        known = tokenizer in _CODECS
+    except TypeError:
+        return None
+    if known:
+        return _CODECS[tokenizer]
+    codec: _Codec | None = None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        pass
+    else:
+        cls = type(tokenizer)
+        stock = (isinstance(tokenizer, TokenizersBackend) and cls.encode is PreTrainedTokenizerBase.encode
+                 and cls.decode is PreTrainedTokenizerBase.decode and cls._encode_plus is TokenizersBackend._encode_plus
+                 and cls._decode is TokenizersBackend._decode)
+        backend = getattr(tokenizer, "backend_tokenizer", None) if stock else None
+        if backend is not None:
+            codec = _Codec(backend)
+    try:
+        _CODECS[tokenizer] = codec
+    except TypeError:
+        return None
+    return codec
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)`` as a list (see the module docstring)."""
+    codec = _codec(tokenizer)
+    return codec.encode(tokenizer, text) if codec is not None else list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` (see the module docstring)."""
+    codec = _codec(tokenizer)
+    return codec.decode(tokenizer, ids, skip_special_tokens) if codec is not None else _slow_decode(tokenizer, ids, skip_special_tokens)

@@ -27,7 +27,9 @@ so every chat template renders them where they were, as a string; the endpoint r
 images and replaces ``image_urls`` by ``images`` (their sha256), which `message_key` compares: a
 conversation whose earlier image changed is a rewritten history.
 
-`ChatTokenizer` is the part of a Hugging Face tokenizer this module uses; it is never imported here.
+`ChatTokenizer` is the part of a Hugging Face tokenizer this module uses; it is never imported here. A Hugging
+Face tokenizer's template is rendered directly (`rollpool.workers.engines.tokenizer.template_renderer`: the text
+``apply_chat_template`` gives, checked against it on first use), the messages being plain JSON already.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from rollpool.workers.engines.tokenizer import template_renderer
 
 __all__ = [
     "ChatTokenizer",
@@ -222,8 +226,11 @@ def render(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], tool
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = list(tools)
+    plain = [render_message(m) for m in messages]
+    direct = template_renderer(tokenizer) if plain and all(type(t) is dict for t in tools or ()) else None
     try:
-        text = tokenizer.apply_chat_template([render_message(m) for m in messages], **kwargs)
+        text = direct(plain, kwargs.get("tools"), add_generation_prompt) if direct is not None else (
+            tokenizer.apply_chat_template(plain, **kwargs))
     except Exception as exc:  # the template refused these messages: the request's fault
         raise _bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", "messages") from exc
     return str(text)
@@ -291,7 +298,9 @@ class _Reply:
 
 
 def tools_key(tools: Sequence[Any] | None) -> str:
-    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+    if not tools:
+        return "[]"  # json.dumps([]): most turns have no tools, and this is asked several times a turn
+    return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
 
 
 def extension(view: ChatView | None, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: Sequence[Any] | None,

@@ -55,6 +55,8 @@ from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, RecordedTurn, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
 from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput, can_constrain
+from rollpool.workers.engines.tokenizer import decode_ids
+from rollpool.workers.engines.tokenizer import encode_text as _encode_text
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
 from rollpool.workers.episodes.recording import EpisodeRecording, RecordingMark, Segment, SegmentImage
@@ -62,19 +64,22 @@ from rollpool.workers.episodes.toolcalls import ToolCall, ToolCallParser
 from rollpool.workers.images import ImagePolicy, LoadedImage, load_image
 
 __all__ = ["ContextLengthExceededError", "Episode", "EpisodeClosedError", "EpisodeContext", "EpisodeStats", "TokenizerLane",
-           "decode_tokens", "recorded_turn", "request_digest"]
+           "decode_tokens", "encode_text", "recorded_turn", "request_digest"]
 
 T = TypeVar("T")
 
 
 def decode_tokens(tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
-    """``tokenizer.decode(token_ids)``, the ids handed over as an int64 array.
+    """``tokenizer.decode(token_ids)``: on a fast tokenizer's Rust backend directly where that gives the same text
+    (`rollpool.workers.engines.tokenizer.decode_ids`), else the ids handed over as an int64 array (a Hugging Face
+    tokenizer checks every element of a list in Python before it decodes, and converts an array in one call)."""
+    return decode_ids(tokenizer, token_ids, skip_special_tokens)
 
-    A Hugging Face tokenizer checks every element of a list in Python before it decodes (about a
-    microsecond a token: milliseconds for an episode's output), and converts an array in one call;
-    the text is the same.
-    """
-    return str(tokenizer.decode(np.asarray(token_ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)`` as a list, on a fast tokenizer's Rust backend directly where
+    that gives the same ids (`rollpool.workers.engines.tokenizer.encode_text`)."""
+    return _encode_text(tokenizer, text)
 
 
 _ID_PREFIX = secrets.token_hex(8)
@@ -497,7 +502,7 @@ class Episode:
             raise RollpoolError(f"prompt {p.prompt_id} is text, and this engine gives the episode no tokenizer")
         if p.apply_chat_template:
             text = chat.render(tok, [{"role": "user", "content": p.text}], None, add_generation_prompt=True)
-            return list(tok.encode(text, add_special_tokens=False))
+            return encode_text(tok, text)
         return list(tok.encode(p.text))
 
     def _segment(self) -> Segment:
@@ -752,7 +757,7 @@ class Episode:
             return found
         text = chat.end_of_turn(tok, messages, tools)
         eot = text.strip()
-        ids = tok.encode(eot, add_special_tokens=False) if eot else []
+        ids = encode_text(tok, eot) if eot else []
         found = text, (int(ids[0]) if len(ids) == 1 else None)
         if len(self._eot_cache) < 1024:
             self._eot_cache[key] = found
@@ -788,8 +793,8 @@ class Episode:
         delta = chat.extension(view, tok, messages, tools, prompt_text)
         eot_text, eot_id = self._end_of_turn(tok, messages, tools)
         if delta is not None:
-            return prompt_text, list(tok.encode(delta, add_special_tokens=False)), None, eot_text, eot_id
-        return prompt_text, None, list(tok.encode(prompt_text, add_special_tokens=False)), eot_text, eot_id
+            return prompt_text, encode_text(tok, delta), None, eot_text, eot_id
+        return prompt_text, None, encode_text(tok, prompt_text), eot_text, eot_id
 
     def _chat_reply(self, tok: Any, s: SampleOutput, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                     prompt_text: str, eot_text: str, eot_id: int | None, stop_ids: set[int], parse: bool,
@@ -1079,7 +1084,7 @@ class Episode:
                 view = seg.chat if seg is not None and isinstance(seg.chat, _TextView) else None
                 if seg is not None and view is not None and prompt.startswith(view.text):
                     rest = prompt[len(view.text):]
-                    ids = await self._off_loop(lambda t: list(t.encode(rest, add_special_tokens=False)), tok, chars=len(rest))
+                    ids = await self._off_loop(lambda t: encode_text(t, rest), tok, chars=len(rest))
                     self._check_open()
                     self._fits(len(seg) + len(ids) + 1, seg)
                     reused = len(seg)

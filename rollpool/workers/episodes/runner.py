@@ -443,7 +443,9 @@ class EpisodeRunner:
                                                   queued_at=queued_at, reward=reward, metadata=metadata, output_text=texts)
 
     async def _output_texts(self, episode: Episode) -> list[str] | None:
-        """Each segment's output decoded, in the tokenizer thread (an episode's whole output, off the event loop)."""
+        """Each segment's output decoded, in the tokenizer thread (an episode's whole output, off the event loop); a
+        small output (the estimate the endpoint uses for a reply: 8 characters a token) at once, when that thread is
+        idle, as a turn's small tokenizer work is (`TokenizerLane.call`'s ``small``)."""
         if self.tokenizer is None:
             return None
         tok, outputs, lane = self.tokenizer, [s.output_ids for s in episode.recording.segments], self._tokenizer_lane
@@ -451,7 +453,8 @@ class EpisodeRunner:
         def decode() -> list[str]:
             return [decode_tokens(tok, ids, skip_special_tokens=True) for ids in outputs]
 
-        return await lane.call(decode) if lane is not None else decode()
+        small = 8 * sum(len(ids) for ids in outputs) <= TokenizerLane.INLINE_CHARS
+        return await lane.call(decode, small=small) if lane is not None else decode()
 
     async def _call(self, fn: EpisodeFn, ctx: EpisodeContext, prompt: Prompt) -> Any:
         if inspect.iscoroutinefunction(fn):

@@ -164,3 +164,17 @@ def test_the_latency_log_is_a_bounded_ring() -> None:
     assert log.rows()[:, 0].tolist() == [2.0, 3.0, 4.0]
     assert log.rows(last=2)[:, 0].tolist() == [3.0, 4.0]
     assert np.allclose(log.rows()[:, 3] - log.rows()[:, 0], 3.0)
+
+
+def test_the_latency_summary_is_numpys_percentile_to_the_bit() -> None:
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 10, 101, 4096):
+        log = LatencyLog(capacity=4096)
+        t = np.cumsum(rng.exponential(0.01, size=(n, 4)), axis=1)
+        for row in t:
+            log.record(*row.tolist())
+        got = log.summary()
+        for name, a, b in (("e2e", 0, 3), ("queue", 0, 1), ("worker", 1, 2), ("handover", 2, 3)):
+            d = (t[:, b] - t[:, a]) * 1000.0
+            assert got[f"latency_{name}_p50_ms"] == round(float(np.percentile(d, 50)), 3)
+            assert got[f"latency_{name}_p99_ms"] == round(float(np.percentile(d, 99)), 3)

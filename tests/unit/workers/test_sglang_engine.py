@@ -17,6 +17,7 @@ import stat
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("aiohttp")
@@ -169,6 +170,9 @@ async def test_request_checks_use_the_checkpoints_limits(sglang_sim_child: SimCh
     try:
         with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
             await engine.generate([5, 320], 1, SamplingParams(), "vocab")
+        for ids in ([-1, 5], np.array([5, 400], dtype=np.int32)):  # a list (one int64 array) and an array of another width
+            with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
+                await engine.generate(ids, 1, SamplingParams(), "vocab")
         with pytest.raises(RequestRefusedError, match="context of 2048"):
             await engine.generate([5] * 100, 1, SamplingParams(max_new_tokens=1948), "ctx")
         with pytest.raises(EngineError, match="in_place is refused"):

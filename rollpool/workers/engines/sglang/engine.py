@@ -717,23 +717,35 @@ class SGLangEngine:
         if not self._started:
             raise EngineError("sglang engine not started")
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
-        prompt = await self._tokenize(input_ids, text, apply_chat_template)
+        # token ids as one int64 array (what a list of ints becomes): converted once, checked against the vocabulary
+        # in C and sent as it is, where a list was converted, checked element by element and converted again to send
+        ids = np.asarray(input_ids) if input_ids is not None and not images else None
+        if ids is not None and ids.ndim == 1 and ids.dtype == np.int64:
+            prompt = ids.tolist()
+        else:
+            ids = None
+            prompt = await self._tokenize(input_ids, text, apply_chat_template)
         reported, grid = prompt, None
         if images:
             prompt, reported, grid = await self._image_prompt(prompt, images)
-        check_prompt(reported, sampling, vocab=self._vocab, context_tokens=self._context_tokens)
+        check_prompt(reported, sampling, vocab=self._vocab if ids is None else None, context_tokens=self._context_tokens)
+        if ids is not None and self._vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= self._vocab):
+            raise RequestRefusedError(f"prompt token ids must be in [0, {self._vocab})")  # check_prompt's own check
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1
         # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
         child = min(self._children, key=lambda c: (c.running, c.replica))
         req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica,
-                       images=tuple(images), ebnf=ebnf)
+                       images=tuple(images), ebnf=ebnf, ids=ids)
         self._requests[request_id] = req
         child.running += n
         started = time.time()
         try:
-            await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
+            if n == 1:  # an episode's turn: no task and gathering future for one sample
+                await self._run_sample(req, req.samples[0])
+            else:
+                await asyncio.gather(*(self._run_sample(req, s) for s in req.samples))
         except BaseException:
             req.aborted = True
             with contextlib.suppress(Exception):

@@ -128,3 +128,16 @@ async def test_a_worker_of_the_previous_minor_reruns_the_group_whole_and_it_is_d
         assert group.worker_id == "old" and [t.replay for t in old.tasks] == [()]  # no turns sent to a worker that cannot read them
     finally:
         await old.close()
+
+
+async def test_every_turn_is_streamed_to_the_broker_before_its_groups_result(pool: Pool) -> None:
+    await pool.start_broker()
+    HOLD[0], TOOL_RUNS[:] = 0.0, []
+    start_worker(pool, "steady", {"default": four_turns})
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([sim_prompt("q", n=2)])
+    (group,) = (await client.get_batch(1, timeout=20)).groups
+    c = pool.broker.state.counters  # type: ignore[union-attr]
+    # the turns are gathered before they are sent, and a group's last ones are sent before its result: none arrives
+    # for a group already done (ignored), none is dropped
+    assert (c["replay_turns_kept"], c["replay_turns_ignored"]) == (2 * TURNS, 0), c

@@ -212,3 +212,125 @@ def test_responses_items_become_the_chat_messages_an_agent_would_send() -> None:
     assert body["max_tokens"] == 9 and body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     with pytest.raises(chat.EndpointError, match="not served"):
         responses.to_chat_body({"input": "x", "frobnicate": 1}, store)
+
+
+def test_the_direct_template_rendering_is_the_text_of_apply_chat_template(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import template_renderer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": [2, null], "c": {"d": "e"}}'}}
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+         {"role": "user", "content": "again", "name": "bob"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add"}, {"role": "assistant", "content": None,
+         "tool_calls": [call, {**call, "id": "c2", "function": {"name": "add", "arguments": "not json"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "3"}, {"role": "developer", "content": "ok"}],
+    ]
+    assert template_renderer(tok) is not None
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            for gen in (True, False):
+                canonical = chat.validate_messages(messages)
+                want = tok.apply_chat_template([chat.render_message(m) for m in canonical], tokenize=False, add_generation_prompt=gen,
+                                               **({"tools": TOOLS} if tools else {}))
+                assert chat.render(tok, canonical, tools, add_generation_prompt=gen) == want
+    renderer = template_renderer(tok)
+    assert renderer is not None and getattr(renderer, "checked", False)  # the first call compared both, and they agreed
+
+
+def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_renders(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import template_renderer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    renderer = template_renderer(tok)
+    assert renderer is not None
+
+    class Other:
+        def render(self, **_: Any) -> str:
+            return "something else"
+
+    renderer._compile = lambda _template: Other()  # type: ignore[attr-defined]  # a transformers that renders otherwise
+    messages = [{"role": "user", "content": "hi"}]
+    want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.render(tok, messages, None, add_generation_prompt=True) == want
+    assert template_renderer(tok) is None  # refused for this tokenizer from now on
+    assert chat.render(tok, messages, None, add_generation_prompt=True) == want
+
+    class Overridden(type(tok)):  # type: ignore[misc]  # a tokenizer with its own apply_chat_template: never bypassed
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+            return "overridden"
+
+    own = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    own.__class__ = Overridden
+    assert template_renderer(own) is None
+    assert chat.render(own, messages, None, add_generation_prompt=True) == "overridden"
+
+
+def test_encoding_and_decoding_on_the_backend_give_what_transformers_gives(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import decode_ids, encode_text
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["", "hi", " leading space", "<|im_start|>user\nadd 1 and 2<|im_end|>\n<|im_start|>assistant\n", "naïve café ☕ 数字",
+             '<tool_call>{"name": "add"}</tool_call>', "\n\n  \t"]
+    for text in texts:
+        assert encode_text(tok, text) == tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        for skip in (False, True):
+            assert decode_ids(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    specials = tok.encode("<|im_end|><|eos|>", add_special_tokens=False)
+    assert decode_ids(tok, [5, *specials, 7], True) == tok.decode([5, *specials, 7], skip_special_tokens=True)
+    # a backend set otherwise than transformers would set it for the call: transformers encodes
+    tok.backend_tokenizer.enable_truncation(max_length=2)
+    try:
+        assert encode_text(tok, "a longer text than two tokens") == tok.encode("a longer text than two tokens", add_special_tokens=False)
+    finally:
+        tok.backend_tokenizer.no_truncation()
+    assert len(encode_text(tok, "a longer text than two tokens")) > 2
+
+
+def test_a_tokenizer_of_its_own_is_encoded_and_decoded_by_its_own_methods(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import decode_ids, encode_text
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    class Own(type(tok)):  # type: ignore[misc]
+        def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+            return [1, 2, 3]
+
+        def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
+            return "own"
+
+    tok.__class__ = Own
+    assert encode_text(tok, "hi") == [1, 2, 3]
+    assert decode_ids(tok, [5, 6], False) == "own"
+
+
+def test_where_the_backend_answers_otherwise_on_first_use_transformers_encodes_and_decodes(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines import tokenizer as tokenizer_mod
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    codec = tokenizer_mod._codec(tok)
+    assert codec is not None
+    real = codec.backend
+
+    class Other:  # a backend whose answers differ from transformers' (a transformers this was not written against)
+        truncation = padding = None
+        encode_special_tokens = real.encode_special_tokens
+
+        def encode_batch_fast(self, texts: Any, add_special_tokens: bool) -> Any:
+            return [type("E", (), {"ids": [0]})() for _ in texts]
+
+        def decode(self, ids: Any, skip_special_tokens: bool) -> str:
+            return "other"
+
+    codec.backend = Other()
+    for _ in range(2):
+        assert tokenizer_mod.encode_text(tok, "hello there") == tok.encode("hello there", add_special_tokens=False)
+        assert tokenizer_mod.decode_ids(tok, [40, 41], False) == tok.decode([40, 41])
+    assert codec.encode_ok is False and codec.decode_ok is False
