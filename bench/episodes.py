@@ -271,21 +271,27 @@ FALLBACK_CATEGORY = ("asyncio scheduling and sockets", ("/asyncio/", "/selectors
 IDLE_LEAVES = ("select (selectors.py", "_worker (concurrent/futures/thread.py", "wait (threading.py", "poll (zmq/")
 
 
-def _category(stack: str) -> str:
+Categories = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _category(stack: str, categories: Categories = PROFILE_CATEGORIES,
+              fallback: tuple[str, tuple[str, ...]] = FALLBACK_CATEGORY) -> str:
     # py-spy names a file by its package part ("json/__init__.py", "transformers/..."); a "/" in front lets the
     # marks that start with one ("/json/", "/transformers/", "/ssl.py") match it
     frames = [f.replace(" (", " (/", 1) for f in stack.split(";")]
     for frame in reversed(frames):
-        for name, marks in PROFILE_CATEGORIES:
+        for name, marks in categories:
             if any(m in frame for m in marks):
                 return name
-    if any(m in frame for frame in frames for m in FALLBACK_CATEGORY[1]):
-        return FALLBACK_CATEGORY[0]
+    if any(m in frame for frame in frames for m in fallback[1]):
+        return fallback[0]
     return "other"
 
 
-def profile_summary(raw: str, top: int = 25) -> dict[str, Any]:
-    """py-spy's raw (collapsed) stacks -> the share of samples per category and the top leaf functions."""
+def profile_summary(raw: str, top: int = 25, categories: Categories = PROFILE_CATEGORIES,
+                    fallback: tuple[str, tuple[str, ...]] = FALLBACK_CATEGORY) -> dict[str, Any]:
+    """py-spy's raw (collapsed) stacks -> the share of samples per category (the first of `categories` whose marks a
+    frame has, from the leaf up; else `fallback`, else "other") and the top leaf functions."""
     cats: dict[str, int] = {}
     leaves: dict[str, int] = {}
     total = 0
@@ -297,7 +303,8 @@ def profile_summary(raw: str, top: int = 25) -> dict[str, Any]:
         if any(m in stack.split(";")[-1] for m in IDLE_LEAVES):
             continue
         total += n
-        cats[_category(stack)] = cats.get(_category(stack), 0) + n
+        cat = _category(stack, categories, fallback)
+        cats[cat] = cats.get(cat, 0) + n
         leaf = stack.split(";")[-1]
         leaves[leaf] = leaves.get(leaf, 0) + n
     share = {k: round(v / total, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])} if total else {}

@@ -45,7 +45,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the bench package beside rollpool
     sys.path.insert(0, str(ROOT))
 
-from bench.episodes import Pool, Profiler, _children, _client, _cpu, _main_thread_cpu, _port, _wait_workers  # noqa: E402
+from bench.episodes import (  # noqa: E402
+    Pool,
+    Profiler,
+    _children,
+    _client,
+    _cpu,
+    _main_thread_cpu,
+    _port,
+    _wait_workers,
+    profile_summary,
+)
 from bench.gpu_vlm import noise_pngs  # noqa: E402
 
 # where a worker sample's CPU went: the leaf-most frame one of these matches (a file fragment or a function name)
@@ -62,39 +72,11 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("threads (to_thread hand-off)", ("/concurrent/futures/", "/threading.py", "/queue.py")),
 )
 FALLBACK = ("asyncio scheduling and sockets", ("/asyncio/", "/selectors.py", "/socket.py"))
-IDLE_LEAVES = ("select (selectors.py", "_worker (concurrent/futures/thread.py", "wait (threading.py", "poll (zmq/")
-
-
-def _category(stack: str) -> str:
-    frames = [f.replace(" (", " (/", 1) for f in stack.split(";")]
-    for frame in reversed(frames):
-        for name, marks in CATEGORIES:
-            if any(m in frame for m in marks):
-                return name
-    if any(m in frame for frame in frames for m in FALLBACK[1]):
-        return FALLBACK[0]
-    return "other"
 
 
 def summarise(raw: str, top: int = 20) -> dict[str, Any]:
-    """py-spy's raw stacks -> the share of samples per category and the top leaf frames (with line numbers)."""
-    cats: dict[str, int] = {}
-    leaves: dict[str, int] = {}
-    total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit() or any(m in stack.split(";")[-1] for m in IDLE_LEAVES):
-            continue
-        n = int(count)
-        total += n
-        cats[_category(stack)] = cats.get(_category(stack), 0) + n
-        leaf = stack.split(";")[-1]
-        leaves[leaf] = leaves.get(leaf, 0) + n
-    if not total:
-        return {"samples": 0}
-    return {"samples": total,
-            "share_by_category": {k: round(v / total, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_leaf_frames": [[k, round(v / total, 3)] for k, v in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]]}
+    """py-spy's raw stacks -> the share of samples per category (this bench's) and the top leaf frames."""
+    return profile_summary(raw, top, CATEGORIES, FALLBACK)
 
 
 class _Profiled(Profiler):

@@ -10,6 +10,10 @@ and answer Control and ApplyGrant messages.
 ack, set_version, status, control, cancel; requests are matched to replies by
 request id.
 
+`OldBroker`: a broker of an older protocol minor as a client sees it: a ROUTER
+that welcomes with that minor and accepts every prompt it is sent (kept in
+``submits``), for the tests of what a client refuses to send to such a broker.
+
 Both are built only from `rollpool.protocol` and close their sockets in `close()`.
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import zmq
 
 from rollpool import protocol as p
 
@@ -348,3 +353,37 @@ class FakeClient:
         if pending_ack:
             await self.ack(pending_ack)
         return got
+
+
+class OldBroker:
+    """A ROUTER on tcp loopback answering a client as a broker of protocol minor `minor` would: `ClientWelcome` with
+    that minor, every `Submit` accepted whole and kept in `submits`. Start with `start()`, end with `close()`."""
+
+    def __init__(self, sockets: Any, minor: int) -> None:
+        self.router: Any = sockets.router("tcp://127.0.0.1:*")
+        self.endpoint: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.minor = minor
+        self.submits: list[p.Submit] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> OldBroker:
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    async def _serve(self) -> None:
+        while True:
+            identity, *frames = await self.router.recv_multipart()
+            msg = p.decode(frames)
+            if isinstance(msg, p.ClientHello):
+                reply: Any = p.ClientWelcome(epoch="e", protocol=1, protocol_minor=self.minor)
+            else:
+                assert isinstance(msg, p.Submit), f"an old broker stand-in takes hellos and submits, got {msg!r}"
+                self.submits.append(msg)
+                reply = p.SubmitReply(request_id=msg.request_id, epoch="e", accepted=tuple(q.prompt_id for q in msg.prompts))
+            await self.router.send_multipart([identity, *p.encode(reply)])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.router.close(linger=0)

@@ -18,11 +18,11 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from rollpool import protocol as p
 from rollpool.protocol.messages import Prompt, SamplingParams
 from rollpool.trainer_client.client import TrainerClient
+from tests.integration.broker.peers import OldBroker
 from tests.integration.reliability.conftest import Pool, sim_engine, wait_until
 
 
@@ -155,34 +155,17 @@ async def test_a_client_of_the_previous_minor_submits_and_is_served(pool: Pool) 
 async def test_a_client_refuses_to_send_an_exact_version_to_a_broker_that_would_ignore_it(pool: Pool) -> None:
     """A broker of the minor before `CONTRACT_MINOR` (a ROUTER answering the hello as one) would serve such a group at
     any version: the client raises before sending the prompts, and sends plain ones."""
-    router: Any = pool.sockets.router("tcp://127.0.0.1:*")
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    submits: list[p.Submit] = []
-
-    async def old_broker() -> None:
-        while True:
-            identity, *frames = await router.recv_multipart()
-            msg = p.decode(frames)
-            if isinstance(msg, p.ClientHello):
-                reply: Any = p.ClientWelcome(epoch="e", protocol=1, protocol_minor=p.CONTRACT_MINOR - 1)
-            else:
-                assert isinstance(msg, p.Submit)
-                submits.append(msg)
-                reply = p.SubmitReply(request_id=msg.request_id, epoch="e", accepted=tuple(q.prompt_id for q in msg.prompts))
-            await router.send_multipart([identity, *p.encode(reply)])
-
-    task = asyncio.create_task(old_broker())
+    old = OldBroker(pool.sockets, p.CONTRACT_MINOR - 1).start()
+    submits = old.submits
     try:
-        client = await pool.client(endpoint)
+        client = await pool.client(old.endpoint)
         with pytest.raises(p.RejectedError, match="exact_weight_version"):
             await client.submit([prompt("x")], exact_weight_version=0)
         assert submits == [] and client.pending() == 0
         res = await client.submit([prompt("y")])
         assert res.accepted == ["y"] and len(submits) == 1
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        router.close(linger=0)
+        await old.close()
 
 
 async def test_the_rollout_pool_serves_an_exact_version_and_refuses_one_that_is_gone(pool: Pool) -> None:

@@ -16,10 +16,10 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from rollpool import protocol as p
 from rollpool.protocol.messages import Prompt, SamplingParams
+from tests.integration.broker.peers import OldBroker
 from tests.integration.reliability.conftest import Pool
 
 
@@ -76,25 +76,10 @@ async def test_a_client_of_the_previous_minor_is_served_and_leaves_the_served_ad
 async def test_the_client_refuses_to_send_a_named_policy_to_a_broker_that_would_ignore_it(pool: Pool) -> None:
     """A broker of the minor before `POLICY_MINOR` (a ROUTER answering the hello as one) would serve a named group with
     whatever adapter is on: the client raises before sending it, and sends plain prompts."""
-    router: Any = pool.sockets.router("tcp://127.0.0.1:*")
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    submits: list[p.Submit] = []
-
-    async def old_broker() -> None:
-        while True:
-            identity, *frames = await router.recv_multipart()
-            msg = p.decode(frames)
-            if isinstance(msg, p.ClientHello):
-                reply: Any = p.ClientWelcome(epoch="e", protocol=1, protocol_minor=p.POLICY_MINOR - 1)
-            else:
-                assert isinstance(msg, p.Submit)
-                submits.append(msg)
-                reply = p.SubmitReply(request_id=msg.request_id, epoch="e", accepted=tuple(q.prompt_id for q in msg.prompts))
-            await router.send_multipart([identity, *p.encode(reply)])
-
-    task = asyncio.create_task(old_broker())
+    old = OldBroker(pool.sockets, p.POLICY_MINOR - 1).start()
+    submits = old.submits
     try:
-        client = await pool.client(endpoint)
+        client = await pool.client(old.endpoint)
         with pytest.raises(p.RejectedError, match=rf"policy.*minor {p.POLICY_MINOR - 1}, which ignores Prompt.policy"):
             await client.submit([prompt("x")], policy="math")
         with pytest.raises(p.RejectedError, match="policy"):
@@ -103,9 +88,7 @@ async def test_the_client_refuses_to_send_a_named_policy_to_a_broker_that_would_
         res = await client.submit([prompt("z")])
         assert res.accepted == ["z"] and len(submits) == 1
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        router.close(linger=0)
+        await old.close()
 
 
 async def test_the_sync_client_names_a_policy_and_says_which_adapter_a_version_serves(pool: Pool) -> None:
