@@ -456,9 +456,10 @@ class Worker:
                 self._turns_passes += 1
                 self._turns_passed.set()
 
-    async def _flush_turns(self, task_id: str) -> None:
-        """Return once the task's finished turns were sent (before its result, as when each was sent at once)."""
-        queued = any(t == task_id for t, _, _ in self._turns)
+    async def _flush_turns(self, task_id: str | None = None) -> None:
+        """Return once the task's finished turns (every task's, when None) were sent: before its result, as when each
+        was sent at once, and before a drain hands the unfinished episodes back."""
+        queued = any(task_id is None or t == task_id for t, _, _ in self._turns)
         if not queued and not self._turns_sending:
             return
         target = self._turns_passes + (1 if self._turns_sending else 0) + (1 if queued else 0)
@@ -563,6 +564,7 @@ class Worker:
         runners = [r for r in self._runners.values() if not r.done()]
         if runners:
             await asyncio.wait(runners, timeout=self.config.drain_timeout_s)
+        await self._flush_turns()  # the turns of the episodes handed back: a re-run elsewhere samples only the rest
         await self._do(self.session.hand_back_rest(self._now()))
         await self._do(self.session.goodbye(self._now()))
         self.stopped_cleanly = True

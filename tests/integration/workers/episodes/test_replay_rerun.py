@@ -141,3 +141,37 @@ async def test_every_turn_is_streamed_to_the_broker_before_its_groups_result(poo
     # the turns are gathered before they are sent, and a group's last ones are sent before its result: none arrives
     # for a group already done (ignored), none is dropped
     assert (c["replay_turns_kept"], c["replay_turns_ignored"]) == (2 * TURNS, 0), c
+
+
+async def test_a_draining_worker_streams_its_last_turns_before_it_hands_the_episodes_back(pool: Pool) -> None:
+    """A worker told to stop right after its episodes' second turns (inside the turns' gathering window), whose drain
+    ends before the episodes do: the turns they finished reach the broker before the hand-back, so the re-run elsewhere
+    samples only the rest (before, the stream's loop was cancelled with those turns still gathering)."""
+    await pool.start_broker()
+    HOLD[0], TOOL_RUNS[:] = 3600.0, []
+    stopping: list[Any] = []
+
+    async def stop_after_two_turns(ctx: EpisodeContext, prompt: p.Prompt) -> float:
+        for k in range(TURNS):
+            await ctx.generate()
+            if k == 1:
+                if len([1 for i, j in TOOL_RUNS if j == 1]) == prompt.group_size - 1:
+                    stopping[0].stop()  # the last episode's second turn: the worker drains from here
+                TOOL_RUNS.append((ctx.sample_index, k))
+                await asyncio.sleep(HOLD[0])
+            ctx.append([100 + k])
+        return 1.0
+
+    n = 3
+    worker, task = start_worker(pool, "leaving", {"default": stop_after_two_turns}, drain_timeout_s=0.0)
+    stopping.append(worker)
+    client = await pool.client(pool.broker.client_endpoint)  # type: ignore[union-attr]
+    await client.submit([sim_prompt("d", n=n)])
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    st = pool.broker.state  # type: ignore[union-attr]
+    assert st.counters["replay_turns_kept"] == 2 * n, st.counters
+    HOLD[0] = 0.0
+    CountingSim.calls = 0
+    start_worker(pool, "rescuer", {"default": four_turns}, engine_factory=counting_sim)
+    (group,) = (await client.get_batch(1, timeout=20)).groups
+    assert group.worker_id == "rescuer" and CountingSim.calls == n * (TURNS - 2)
