@@ -607,12 +607,16 @@ class WeightPublisher(ServingFace):
         try:
             await snap.copy(views)
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                log.error("weight version %d: the host copy from the device base failed (%s); withdrawn", snap.version, exc)
-            self._server.drop_version(snap.version, code="unavailable")
-            self._finishing.pop(snap.version, None)
+            self._withdraw(snap, exc, "the host copy from the device base")
             raise
         await self._finish(snap, t0, copied)
+
+    def _withdraw(self, snap: Snapshot, exc: BaseException, what: str) -> None:
+        """A version whose copy after the trainer's wait failed (`what`): no longer served (logged unless cancelled)."""
+        if not isinstance(exc, asyncio.CancelledError):
+            log.error("weight version %d: %s failed (%s); withdrawn", snap.version, what, exc)
+        self._server.drop_version(snap.version, code="unavailable")
+        self._finishing.pop(snap.version, None)
 
     # -- the same-GPU path (CUDA IPC)
 
@@ -624,10 +628,7 @@ class WeightPublisher(ServingFace):
             await self._ipc.checksums(arena, snap.ipc_offsets, snap.served, snap.ipc_stream, self._server.complete_ipc)
             await snap.copy(arena_items)
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                log.error("weight version %d: the same-GPU snapshot failed (%s); withdrawn", snap.version, exc)
-            self._server.drop_version(snap.version, code="unavailable")
-            self._finishing.pop(snap.version, None)
+            self._withdraw(snap, exc, "the same-GPU snapshot")
             raise
         await self._finish(snap, t0, copied)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,13 +49,19 @@ async def _served(client: TrainerClient, ids: set[str]) -> dict[str, object]:
     return got
 
 
-@pytest.mark.timeout(120)
-async def test_a_prompt_names_the_adapter_it_is_generated_with_and_an_unserved_name_is_refused_at_once(
-        pool: Pool, model_dir: pathlib.Path) -> None:
+async def _hf_pool(pool: Pool, model_dir: pathlib.Path) -> tuple[Any, Any]:
+    """A broker, a trainer client and one hf worker on `model_dir` whose engine is up: (the client, the worker)."""
     broker = await pool.start_broker()
     client = await pool.client(broker.client_endpoint)
     worker = await pool.worker(broker.worker_endpoint, "w0", engine_factory=lambda: _engine(model_dir))
     assert await wait_until(lambda: worker.engine is not None and worker.engine.info() is not None, 60)
+    return client, worker
+
+
+@pytest.mark.timeout(120)
+async def test_a_prompt_names_the_adapter_it_is_generated_with_and_an_unserved_name_is_refused_at_once(
+        pool: Pool, model_dir: pathlib.Path) -> None:
+    client, worker = await _hf_pool(pool, model_dir)
 
     # no adapter published yet: a name is refused at once; the base is served to a prompt that names none
     res = await client.submit([_prompt("early", "math"), _prompt("base0")])
@@ -98,10 +105,7 @@ async def test_a_prompt_names_the_adapter_it_is_generated_with_and_an_unserved_n
 @pytest.mark.timeout(120)
 async def test_prompts_naming_an_adapter_every_worker_refused_fail_at_once_and_the_pool_serves_on(
         pool: Pool, model_dir: pathlib.Path) -> None:
-    broker = await pool.start_broker()
-    client = await pool.client(broker.client_endpoint)
-    worker = await pool.worker(broker.worker_endpoint, "w0", engine_factory=lambda: _engine(model_dir))
-    assert await wait_until(lambda: worker.engine is not None and worker.engine.info() is not None, 60)
+    client, worker = await _hf_pool(pool, model_dir)
     big, big_spec = _adapter(model_dir, seed=3, rank=16)  # the engine serves rank 8 at most (max_lora_rank)
     await client.publish_weights(big, 1, adapter=dataclasses.replace(big_spec, name="big"))
     res = await client.submit([_prompt("b1", "big"), _prompt("b2", "big"), _prompt("plain")])
