@@ -30,7 +30,7 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
   bytes and the rebuild writes one, so where cores are idle more threads shorten both (docs/weights.md).
 - ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
   arenas and ring, the device delta base, drawn from one `rollpool.weights.manifest.GpuBudget`);
-  None: two of its buckets. A whole-version arena that would pass it is not made: the version streams through the
+  None: two of its buckets and what the ring needs to checksum two slots of one (`manifest.ring_scratch_bytes`). A whole-version arena that would pass it is not made: the version streams through the
   same-GPU ring when two slots of its largest bucket fit, else over the host paths, and the publisher says why (log,
   `WeightPublisher.path_note`). Delta versions are made on the trainer's GPU only when it holds the device base (1 x
   the model's bytes plus 5 buckets of scratch; `rollpool.weights.delta_device`), else on the host.
@@ -70,7 +70,7 @@ class WeightPathConfig:
     weight_reserve_bytes: int | None = field(default=None, metadata={"help": "a subscriber reserves buffers for two versions of this size when made (None: at engine start, else at the first fetch)"})
     weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
     weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})
-    publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets)"})
+    publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets and the ring's checksum scratch)"})
     weight_delta: bool = field(default=False, metadata={"help": "delta versions (off by default until measured at 8B on the GPU): a subscriber holding the previous version asks for the changed elements only; a server offers them"})
     weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
     weight_delta_threads: int = field(default=0, metadata={"help": "threads that make a delta version (a server) and rebuild one (a subscriber), 0..64 (0: weight_copy_threads)"})

@@ -297,9 +297,28 @@ def stream_jobs(sizes: list[int], chunk_bytes: int, streams: int) -> tuple[list[
 # --------------------------------------------------------------------------- the publisher's GPU budget
 
 
+RING_CHECKSUM_PART_BYTES = 16 << 20
+"""A same-GPU ring slot's checksum is summed in parts of this size (`rollpool.weights.paths.ipc_ring.parted_mix64`)."""
+
+
+def ring_scratch_bytes(slot_bytes: int) -> int:
+    """GPU bytes a same-GPU ring needs beside its slots to checksum one: two temporaries of one part and the cached word
+    indices of one part (rounded up to a power of two), where a part is `RING_CHECKSUM_PART_BYTES` or the whole slot
+    when smaller. Counted in the budget with the slots, so the budget bounds what the ring really allocates."""
+    if slot_bytes <= 0:
+        return 0
+    part = min(RING_CHECKSUM_PART_BYTES, slot_bytes)
+    words = -(-part // 8)
+    return 2 * part + 8 * (1 << (words - 1).bit_length())
+
+
 def gpu_budget_bytes(config: WeightPathConfig, bucket_bytes: int) -> int:
-    """The publisher's GPU budget: `config.publisher_gpu_budget_bytes`, or two buckets when it is None."""
-    return 2 * bucket_bytes if config.publisher_gpu_budget_bytes is None else config.publisher_gpu_budget_bytes
+    """The publisher's GPU budget: `config.publisher_gpu_budget_bytes`, or, when it is None, two buckets and what the
+    same-GPU ring needs beside two bucket-sized slots to checksum them (`ring_scratch_bytes`: 48 MiB beside 512 MiB
+    buckets)."""
+    if config.publisher_gpu_budget_bytes is not None:
+        return config.publisher_gpu_budget_bytes
+    return 2 * bucket_bytes + ring_scratch_bytes(bucket_bytes)
 
 
 class GpuBudget:

@@ -225,7 +225,10 @@ async def _run_ring() -> dict[str, Any]:
     w = {f"layers.{i}.w": torch.randn(1024, 1536, device="cuda", generator=g).to(torch.bfloat16) for i in range(16)}
     w["norm"] = torch.randn(1531, device="cuda", generator=g)
     model_bytes = sum(t.numel() * t.element_size() for t in w.values())
-    assert model_bytes > pub.gpu_budget.budget == 2 * pub.bucket_bytes  # no whole-version arena fits
+    from rollpool.weights.manifest import ring_scratch_bytes
+
+    # the default budget: two buckets and the ring's checksum scratch; no whole-version arena fits
+    assert model_bytes > pub.gpu_budget.budget == 2 * pub.bucket_bytes + ring_scratch_bytes(pub.bucket_bytes)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", _RING_CHILD, pub.router_endpoint, str(pub.pub_endpoint),
                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
@@ -271,6 +274,8 @@ async def _run_ring() -> dict[str, Any]:
         report["last_ring"] = pub.path_note.get("last_ring")
         assert stats["ipc_ring_versions"] == 4 and stats["ipc_arenas"] == 0 and stats["ipc_ring_abandoned"] == 0, stats
         assert pub.gpu_budget.peak <= stats["ipc_ring_bytes"] <= pub.gpu_budget.budget, report
+        # what the trainer's GPU really gave the publish, checksum temporaries included, within the budget
+        assert max(r["extra_gpu_bytes"] for r in report["versions"]) <= pub.gpu_budget.budget, report
         assert pub.bytes_served == 0  # the only subscriber took the ring: no bucket byte on a socket
         # keep_versions=0: the ring alone, no host copy; publish returns once the child copied every bucket out
         pub.keep_versions = 0

@@ -61,7 +61,7 @@ from rollpool.weights.gpu import (
     mix64_partial,
     open_buffer,
 )
-from rollpool.weights.manifest import GpuBudget
+from rollpool.weights.manifest import RING_CHECKSUM_PART_BYTES, GpuBudget, ring_scratch_bytes
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, ManifestTimeoutError, PathFallbackError
 from rollpool.weights.ring import RING_LEFT, RingSchedule
 from rollpool.weights.serving import ServedVersion, peer_of
@@ -84,8 +84,9 @@ path alone. A same-GPU worker claims within milliseconds of the announce; one bu
 8B the host snapshot beside the ring takes about as long anyway."""
 RELEASE_TIMEOUT_S = 2.0
 """How long the ring waits for its taker to release a slot (a dead or stuck subscriber) before it is abandoned."""
-MIX64_PART_BYTES = 16 << 20
-"""A ring slot's mix64 is summed in parts of this size, so its temporaries stay small beside the slots (3 x 16 MiB)."""
+MIX64_PART_BYTES = RING_CHECKSUM_PART_BYTES
+"""A ring slot's mix64 is summed in parts of this size, so its temporaries stay small beside the slots (3 x 16 MiB,
+taken from the budget with the slots: `ring_scratch_bytes`)."""
 
 
 class RingDevice(Protocol):
@@ -252,10 +253,12 @@ class IpcRing:
         reuse = self.buffer is not None and self.buffer.device == device and slot <= self.slot_bytes
         if not reuse:
             free = self.budget.free_bytes() + self.allocated
-            slots = min(self.max_slots, free // slot, len(sizes)) if slot else 0
+            scratch = ring_scratch_bytes(slot)
+            slots = min(self.max_slots, max(0, free - scratch) // slot, len(sizes)) if slot else 0
             if slots < min(2, len(sizes)):
-                need = min(2, len(sizes)) * slot
-                return (f"a same-GPU ring of {min(2, len(sizes))} slots of {slot} bytes (the largest bucket) would pass the "
+                need = min(2, len(sizes)) * slot + scratch
+                return (f"a same-GPU ring of {min(2, len(sizes))} slots of {slot} bytes (the largest bucket) and {scratch} bytes "
+                        f"to checksum them would pass the "
                         f"publisher's GPU budget ({self.budget.free_bytes() + self.allocated} of {self.budget.budget} bytes free; "
                         f"publisher_gpu_budget_bytes) and needs {need}")
             if any(not s.ended for s in self.rings.values()):
@@ -280,17 +283,18 @@ class IpcRing:
         self.budget.give(self.allocated)
         self.allocated = 0
         nbytes = slots * slot_bytes
-        self.budget.take(nbytes, "the same-GPU ring")
+        taken = nbytes + ring_scratch_bytes(slot_bytes)  # the checksums' scratch: allocated by each checksum, counted here
+        self.budget.take(taken, "the same-GPU ring")
         try:
             buffer = self.device.allocate(nbytes, device)
             info = replace(self.device.export(buffer), ring_slots=slots)
         except BaseException:
-            self.budget.give(nbytes)
+            self.budget.give(taken)
             raise
-        self.buffer, self.info, self.allocated = buffer, info, nbytes
+        self.buffer, self.info, self.allocated = buffer, info, taken
         self.slots, self.slot_bytes = slots, slot_bytes
-        log.info("weight publisher %s: a same-GPU ring of %d slots of %d bytes (%d bytes of the %d-byte GPU budget)", self.publisher_id,
-                 slots, slot_bytes, nbytes, self.budget.budget)
+        log.info("weight publisher %s: a same-GPU ring of %d slots of %d bytes and %d bytes to checksum them (%d bytes of the "
+                 "%d-byte GPU budget)", self.publisher_id, slots, slot_bytes, taken - nbytes, taken, self.budget.budget)
 
     # -- the stream
 

@@ -23,6 +23,7 @@ import msgpack  # noqa: E402
 from rollpool.protocol import RING_MINOR, decode, encode  # noqa: E402
 from rollpool.protocol.messages import CudaIpcBuffer, Manifest, ManifestRequest  # noqa: E402
 from rollpool.weights.gpu import mix64_checksum  # noqa: E402
+from rollpool.weights.manifest import ring_scratch_bytes  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
@@ -145,12 +146,29 @@ async def test_a_version_past_the_budget_streams_through_two_slots_and_arrives_w
     assert sub.bytes_received == 0 and sub.shm_bytes == 0 and sub.ipc_bytes == 3 * total  # no bucket byte on a socket
     stats = pub.stats
     assert stats["ipc_ring_versions"] == 3 and stats["ipc_arenas"] == 0 and stats["ipc_ring_abandoned"] == 0
-    # the ring is 2 slots of the largest bucket, within the two-bucket budget: the budget's peak is the ring, no more
-    assert pub._ipc.ring.slots == 2 and stats["ipc_ring_bytes"] == 2 * 256 * 1024 == pub.gpu_budget.budget
+    # the ring is 2 slots of the largest bucket and their checksum's scratch, within the default budget (two buckets and
+    # that scratch): the budget's peak is the ring, no more
+    assert pub._ipc.ring.slots == 2 and stats["ipc_ring_bytes"] == 2 * 256 * 1024 + ring_scratch_bytes(256 * 1024) == pub.gpu_budget.budget
     assert pub.gpu_budget.peak == stats["ipc_ring_bytes"]
     assert pub.path_note["last_ring"]["released"] == len(pub.manifest_of(3).buckets) and not pub.path_note["last_ring"]["abandoned"]
     # an ended ring's version names no device buffer (its slots carry the next version)
     assert pub.manifest_of(3).cuda_ipc is None
+
+
+async def test_a_budget_of_two_slots_without_their_checksum_scratch_gets_no_ring(make_publisher: Any, make_subscriber: Any) -> None:
+    """The ring's checksums allocate beside its slots (`ring_scratch_bytes`): a budget holding two slots and not that
+    is not passed; the version goes over the host path whole and the publisher says why."""
+    from rollpool.weights.config import WeightPathConfig
+
+    pub = await ring_publisher(make_publisher, pool="tring0", weights=WeightPathConfig(publisher_gpu_budget_bytes=2 * 256 * 1024))
+    sub = ring_subscriber(make_subscriber, pub)
+    await sub.fetch_manifest()
+    w = model(2)
+    want, (got,) = await publish_while_fetching(pub, [sub], w, 1)
+    assert not isinstance(got, BaseException), got
+    assert same(got.tensors, want) and sub.last_path != "cuda_ipc_ring"
+    assert pub.gpu_budget.peak == 0 and pub.stats["ipc_ring_versions"] == 0
+    assert f"and {ring_scratch_bytes(256 * 1024)} bytes to checksum them would pass" in pub.path_note["why_not_ring"]
 
 
 async def test_one_subscriber_takes_the_ring_and_another_on_the_gpu_takes_the_host_path_counted(make_publisher: Any,

@@ -11,13 +11,20 @@ torch = pytest.importorskip("torch")  # the Python 3.12 unit job has no torch
 
 from rollpool.protocol.errors import ConfigError  # noqa: E402 - after the skip
 from rollpool.weights.config import WeightPathConfig  # noqa: E402 - after the skip
-from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes  # noqa: E402 - after the skip
+from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes, ring_scratch_bytes  # noqa: E402 - after the skip
 from rollpool.weights.paths.cuda_ipc import IpcArenas  # noqa: E402 - after the skip
 from rollpool.weights.publisher import WeightPublisher  # noqa: E402 - after the skip
 
 
-def test_default_budget_is_two_buckets_and_the_field_is_checked() -> None:
-    assert gpu_budget_bytes(WeightPathConfig(), 512 << 20) == 1 << 30
+def test_default_budget_is_two_buckets_and_their_checksum_scratch_and_the_field_is_checked() -> None:
+    # two bucket-sized ring slots and what checksumming one takes (two 16 MiB temporaries and 16 MiB of word indices):
+    # the ring's GPU bytes, all of them, fit the default (on an H100 its checksum temporaries once passed a budget of
+    # the slots alone)
+    assert ring_scratch_bytes(512 << 20) == 48 << 20
+    assert gpu_budget_bytes(WeightPathConfig(), 512 << 20) == (1 << 30) + (48 << 20)
+    # a slot under one part: its checksum's temporaries are of the slot, its indices of the next power of two of words
+    assert ring_scratch_bytes(256 << 10) == 3 * (256 << 10) and ring_scratch_bytes(1000) == 2 * 1000 + 8 * 128
+    assert ring_scratch_bytes(0) == 0
     assert gpu_budget_bytes(WeightPathConfig(publisher_gpu_budget_bytes=0), 512 << 20) == 0
     with pytest.raises(ConfigError, match="publisher_gpu_budget_bytes"):
         WeightPathConfig(publisher_gpu_budget_bytes=-1)
