@@ -285,6 +285,38 @@ async def test_the_warm_up_update_loads_back_the_values_sglang_holds(owned: SGLa
     assert owned.version == 3
 
 
+async def test_a_model_sglang_cannot_read_back_takes_versions_confirmed_by_sglangs_answer(tiny_model_dir: pathlib.Path,
+                                                                                          tmp_path: pathlib.Path,
+                                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang 0.5.14 reads a weight back (``get_weights_by_name``) only for Llama, OPT, Granite and Exaone4: for a
+    Qwen-family model or Qwen2-VL it answers 400 with null. Seen on an H100 with Qwen2-VL: every version failed its
+    check ("cannot confirm ... landed"), restarted the engine and was skipped. The child says so in ``/model_info``
+    (the sim child's ``weights_readable`` false is its stand-in) and the version applies, confirmed by SGLang's
+    success answer; a model that can be read back is still checked."""
+    import torch
+
+    args = {**SIM_SERVER_ARGS, "decode_s_per_token": 0.001, "weights_readable": False}
+    engine = SGLangEngine(model=str(tiny_model_dir), capacity=4, device="cpu", backend="sim", log_dir=str(tmp_path),
+                          server_args=json.dumps(args), start_timeout_s=60)
+    with caplog.at_level(logging.WARNING, logger="rollpool.workers.engines.sglang.engine"):
+        await engine.start()
+    try:
+        new = {k: torch.full(shape, 0.5) for k, (_dt, shape) in engine._params.items()}
+        await engine.pause("drain")
+        await engine.update_weights(new, engine.version + 1)
+        await engine.resume()
+        out = await engine.generate([5, 6, 7], 1, SamplingParams(max_new_tokens=4, ignore_eos=True, seed=1), "after")
+        assert out.samples[0].token_versions == [engine.version] * 4
+        assert engine.update_check == "sglang answer" and engine.info().extra["update_check"] == "sglang answer"
+        assert "cannot read a weight back" in caplog.text
+    finally:
+        await engine.stop()
+
+
+async def test_a_model_sglang_reads_back_is_checked_against_what_was_sent(owned: SGLangEngine) -> None:
+    assert owned.weights_readable is True and owned.update_check == "read back"
+
+
 def test_the_sglang_engine_declares_staging() -> None:
     assert isinstance(SGLangEngine(model="m"), StagingEngine)
     assert not isinstance(SimEngine(), StagingEngine)

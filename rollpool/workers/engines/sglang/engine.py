@@ -41,7 +41,11 @@ Guarantees:
   SGLang, a wrong shape kills its scheduler); `stage_weights` copies a version
   to the GPU while generation goes on (`tensors`), and it reaches SGLang as
   CUDA tensors (CUDA IPC handles, same host). The update is confirmed with
-  ``get_weights_by_name`` (Llama) and a mismatch raises `EngineError`.
+  ``get_weights_by_name`` and a mismatch raises `EngineError`, where SGLang's
+  model class answers it (Llama, OPT, Granite, Exaone4 in 0.5.14: the child
+  says so in ``/model_info``'s ``weights_readable``); for every other model
+  (Qwen-family, Qwen2-VL among them) SGLang's own success answer on every
+  replica confirms it, said once at start (`SGLangEngine.update_check`).
 - LoRA adapter versions (`AdapterEngine`, with the ``lora`` option; docs/lora.md): each version is checked
   (`lora.check_adapter`: rank, target modules, modules and shapes against the checkpoint) before anything is sent,
   written as a PEFT directory on a tmpfs and loaded into every replica under its own name
@@ -321,6 +325,8 @@ class SGLangEngine:
         """Adapter versions loaded in every replica -> their SGLang name."""
         self._adapter_lock = asyncio.Lock()
         self.grammar_backend = "none"
+        self.weights_readable: bool | None = None
+        """Whether SGLang's model class answers ``get_weights_by_name`` (the child's ``/model_info``; None: not said)."""
         """The grammar backend the child's SGLang runs (its ``/model_info``; ``none``: constrained requests refused)."""
 
     @property
@@ -373,8 +379,8 @@ class SGLangEngine:
                 for dev in dict.fromkeys(d for replica in self.rank_devices() for d in replica):
                     await asyncio.to_thread(init_cuda, dev)  # so the first update does not pay for CUDA init
             await self._post_all("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
-            self.grammar_backend = await self._read_grammar_backend()
-            if self.device.startswith("cuda"):
+            await self._read_model_info()
+            if self.device.startswith("cuda") and self.weights_readable is not False:
                 await self._warm_update()
         except BaseException:
             await self.stop()
@@ -411,14 +417,30 @@ class SGLangEngine:
         log.info("sglang engine: warm-up update of %s (%d values, the same ones) %s in %.3f s", name, n,
                  "done" if ok else f"refused: {res!r:.200}", time.time() - t0)
 
-    async def _read_grammar_backend(self) -> str:
-        """The grammar backend every replica runs (``/model_info``); ``none`` where one has none or does not say."""
+    async def _read_model_info(self) -> None:
+        """From every replica's ``/model_info``: the grammar backend they run (``none`` where one has none or does not
+        say) and whether SGLang can read a weight back (``weights_readable``; false where any replica says false)."""
         try:
             infos = await self._post_all("/model_info", method="GET")
         except HttpError:
-            return "none"
+            infos = []
         backends = {str(i.get("grammar_backend") or "none") if isinstance(i, Mapping) else "none" for i in infos}
-        return backends.pop() if len(backends) == 1 else "none"
+        self.grammar_backend = backends.pop() if len(backends) == 1 else "none"
+        said = [i.get("weights_readable") for i in infos if isinstance(i, Mapping) and isinstance(i.get("weights_readable"), bool)]
+        self.weights_readable = all(said) if said else None
+        if self.verify_updates and self.weights_readable is False:
+            log.warning("sglang engine: SGLang's model class for %s cannot read a weight back (get_weights_by_name: only "
+                        "Llama, OPT, Granite and Exaone4 in SGLang 0.5.14); each version is confirmed by SGLang's success "
+                        "answer on every replica alone", self.model_path)
+
+    @property
+    def update_check(self) -> str:
+        """How a version's arrival in SGLang is confirmed: ``read back`` (``get_weights_by_name`` against what was
+        sent), ``sglang answer`` (the model cannot be read back: SGLang's success answer alone) or ``off``
+        (``verify_updates=false``)."""
+        if not self.verify_updates:
+            return "off"
+        return "sglang answer" if self.weights_readable is False else "read back"
 
     def _read_limits(self, path: pathlib.Path) -> None:
         """Vocabulary and context length for the request checks, from the checkpoint's config.json."""
@@ -620,6 +642,7 @@ class SGLangEngine:
                    if self.gpu_plan is not None else [],
                    "max_context_tokens": self._context_tokens or 0,  # the episode endpoint's context_length_exceeded
                    "lora": self.options.lora, "adapter_versions": sorted(self._adapters), "grammar_backend": self.grammar_backend,
+                   "update_check": self.update_check,
                    **({"image_placeholder_ids": self._image_placeholder_ids} if self._image_placeholder_ids else {})},
             images=self._takes_images,
         )
@@ -1081,7 +1104,7 @@ class SGLangEngine:
         finally:
             t2 = time.time()
         verify_s = 0.0
-        if self.verify_updates:
+        if self.update_check == "read back":
             t3 = time.time()
             for c in self._children:
                 await self._verify(ranks.first(), names, c.replica)

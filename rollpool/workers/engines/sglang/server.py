@@ -139,9 +139,26 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
         tm.server_args.weight_version = str(_need(b, "new_version"))
         return 200, {"success": True, "message": "ok", "new_version": str(b["new_version"])}
 
+    readable: list[bool | None] = []
+
+    def weights_readable() -> bool | None:
+        """Whether SGLang's model class for this checkpoint answers ``get_weights_by_name`` (in 0.5.14 Llama, OPT,
+        Granite and Exaone4 do; Qwen-family models and most others answer None); None when it cannot be told."""
+        if not readable:
+            try:
+                from sglang.srt.model_loader.utils import get_model_architecture
+
+                cls, _arch = get_model_architecture(tm.model_config)
+                readable.append(hasattr(cls, "get_weights_by_name"))
+            except Exception as exc:  # noqa: BLE001 - another SGLang's layout: not known, the worker reads back as before
+                log.warning("cannot tell whether SGLang's model class answers get_weights_by_name: %s", exc)
+                readable.append(None)
+        return readable[0]
+
     async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version,
-                     "context_length": getattr(tm, "context_len", None), "grammar_backend": tm.server_args.grammar_backend}
+                     "context_length": getattr(tm, "context_len", None), "grammar_backend": tm.server_args.grammar_backend,
+                     "weights_readable": weights_readable()}
 
     async def health(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, None
@@ -385,8 +402,10 @@ class SimGrammar:
 
 
 def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: SimLora | None = None,  # noqa: C901 - grandfathered: one handler per route
-               grammar: SimGrammar | None = None) -> dict[str, Route]:
-    """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample)."""
+               grammar: SimGrammar | None = None, weights_readable: bool = True) -> dict[str, Route]:
+    """The same routes over a `SimEngine`, answering with SGLang's shapes (each request is one sample).
+    `weights_readable` false stands in for a model class SGLang cannot read a weight back from (Qwen-family):
+    ``get_weights_by_name`` answers 400 with null, as SGLang's does for those."""
     ranks = ranks or SimRanks(1, sim.version)
     lora = lora or SimLora(False, None, None)
     grammar = grammar or SimGrammar("none", model_path, None, None)
@@ -476,7 +495,7 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         return 200, {"success": True, "message": "Succeeded to update model weights."}
 
     async def get_weights_by_name(b: dict[str, Any]) -> tuple[int, Any]:
-        t = weights.get(str(_need(b, "name")))
+        t = weights.get(str(_need(b, "name"))) if weights_readable else None
         if t is None:
             return 400, None
         n = int(b.get("truncate_size", 100))
@@ -496,7 +515,8 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         return 200, {"model_path": model_path, "weight_version": str(sim.version), "tp_size": ranks.tp_size,
                      "rank_versions": list(ranks.versions), "rank_pids": list(ranks.pids),
                      "lora_loaded": sorted(lora.loaded), "lora_tokens": dict(lora.tokens), "lora_loads": lora.loads,
-                     "grammar_backend": grammar.backend, "grammar_requests": grammar.served, "control_calls": dict(calls)}
+                     "grammar_backend": grammar.backend, "grammar_requests": grammar.served, "control_calls": dict(calls),
+                     "weights_readable": weights_readable}
 
     async def load_lora_adapter(b: dict[str, Any]) -> tuple[int, Any]:
         ok, error = lora.load(str(_need(b, "lora_name")), str(_need(b, "lora_path")))
@@ -638,6 +658,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         kwargs.pop("base_gpu_id", None)
         lora = SimLora(bool(kwargs.pop("enable_lora", False)), kwargs.pop("max_lora_rank", None), kwargs.pop("lora_target_modules", None))
         kwargs.pop("max_loras_per_batch", None)
+        readable = bool(kwargs.pop("weights_readable", True))  # the sim's stand-in of a model SGLang cannot read back
         model_kwargs = _sim_model_kwargs(a.model_path)
         grammar = SimGrammar(resolve_grammar_backend(str(kwargs.pop("grammar_backend", "none"))), a.model_path,
                              model_kwargs.get("vocab"), model_kwargs.get("eos_id"))
@@ -648,7 +669,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             await sim.start()
             watch = await _start_rank_stand_ins(ranks) if tp_size > 1 else None
             try:
-                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora, grammar), a.host, a.port, token, a.hop, a.parent_pid)
+                await _serve_forever(sim_routes(sim, a.model_path, ranks, lora, grammar, readable), a.host, a.port, token, a.hop, a.parent_pid)
             finally:
                 if watch is not None:
                     watch.cancel()
