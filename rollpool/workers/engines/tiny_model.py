@@ -185,5 +185,8 @@ def _tiny_qwen2_vl(out: pathlib.Path, tok: Any, common: dict[str, Any], hidden: 
     cfg_path = out / "preprocessor_config.json"
     pre = json.loads(cfg_path.read_text())
     pre["processor_class"] = "Qwen2VLProcessor"
+    # the bounds under their older names too: transformers 5 saves them as ``size`` only, and on the H100 SGLang's
+    # processor (transformers 5.8.1) expanded a 224 px image to 64 tokens where the worker's, reading ``size``, made 16
+    pre["min_pixels"], pre["max_pixels"] = 56 * 56, 112 * 112
     cfg_path.write_text(json.dumps(pre, indent=2))
     return model

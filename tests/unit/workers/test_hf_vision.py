@@ -347,3 +347,50 @@ async def test_over_http_the_sglang_engine_sends_each_image_as_a_data_uri_of_its
         (uri,) = b["image_data"]
         head, _, payload = uri.partition(",")
         assert head == "data:image/png;base64" and base64.b64decode(payload) == red
+
+
+async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporting_ids_the_model_did_not_run(
+        tiny_vlm_dir: pathlib.Path) -> None:
+    """SGLang expands a prompt's image tokens with its own image processor and says how long the prompt it ran was
+    (``meta_info.prompt_tokens``). Seen on an H100 with the tiny Qwen2-VL: SGLang ran 130 tokens where the worker's
+    processor expanded the prompt to 82 (its size bounds not read the same), so the ids and grids reported were not the
+    model's. Such a prompt fails with the reason; one whose lengths agree completes, resubmits included. The server
+    here is a fake of SGLang at the process edge, expanding each image token to `per_image` tokens."""
+    import socket
+
+    from rollpool.protocol.errors import RequestRefusedError
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.sglang.http import serve_routes
+
+    per_image = {"n": 0}
+
+    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"success": True}
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        n = int(b["sampling_params"]["max_new_tokens"])
+        images = len(b.get("image_data") or [])
+        return 200, {"output_ids": [5] * n, "meta_info": {
+            "id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
+            "prompt_tokens": len(b["input_ids"]) + images * (per_image["n"] - 1), "output_token_logprobs": [[-1.0, 5, None]] * n}}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
+    engine = SGLangEngine(model=str(tiny_vlm_dir), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
+    red = png((255, 0, 0))
+    try:
+        await engine.start()
+        _sent, reported, grid = await engine._image_prompt([7, 8], [red])
+        per_image["n"] = grid[0] * grid[1] * grid[2] // 4  # the worker's own expansion: SGLang agrees
+        out = await engine.generate([7, 8], 2, SamplingParams(max_new_tokens=3), "agree", images=[red])
+        assert out.input_ids == reported and all(len(s.output_ids) == 3 for s in out.samples)
+        per_image["n"] = grid[0] * grid[1] * grid[2]  # SGLang's processor did not merge (or resized otherwise)
+        with pytest.raises(RequestRefusedError, match=r"SGLang ran this image prompt as \d+ tokens, the worker expands it to \d+"):
+            await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=3), "disagree", images=[red])
+        text = await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=2), "text")  # a prompt without images: no check
+        assert len(text.samples[0].output_ids) == 2
+    finally:
+        await engine.stop()
+        await runner.cleanup()

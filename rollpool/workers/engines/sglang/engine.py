@@ -205,6 +205,8 @@ class _Request:
     SGLang's processor expands (the ids reported are expanded here by the same rule). Over the hop they travel as raw
     frames (SGLang's ``image_data`` takes bytes); over HTTP as base64 data URIs (`image_uris`, made once)."""
     image_uris: list[str] | None = None
+    expanded_tokens: int = 0
+    """With images: the length of the prompt as reported (its images expanded here), which SGLang must have run."""
     ebnf: str | None = None
     """The grammar every sample is held to (`generate_constrained`), sent with every attempt."""
 
@@ -760,7 +762,7 @@ class SGLangEngine:
         # the whole group on one replica (its prefix cache serves all n), the one with the fewest samples assigned
         child = min(self._children, key=lambda c: (c.running, c.replica))
         req = _Request(request_id, self._counter, prompt, sampling, [_Sample(i) for i in range(n)], replica=child.replica,
-                       images=tuple(images), ebnf=ebnf, ids=ids)
+                       images=tuple(images), expanded_tokens=len(reported) if images else 0, ebnf=ebnf, ids=ids)
         self._requests[request_id] = req
         child.running += n
         started = time.time()
@@ -803,6 +805,19 @@ class SGLangEngine:
         # only once the last prompt's images were decoded
         grids = spec.grids_of(images) if spec.grids_from_headers else await asyncio.to_thread(spec.grids_of, images)
         return spec.placeholders(prompt, len(images)), spec.expand(prompt, grids), [x for g in grids for x in g]
+
+    def _check_image_expansion(self, req: _Request, s: _Sample, parsed: ParsedSample) -> None:
+        """`RequestRefusedError` when SGLang ran an image prompt (plus the sample's output so far) at another length
+        than the worker expanded it to: the ids reported would not be the ids the model ran, so they are never
+        delivered."""
+        want = req.expanded_tokens + len(s.out)
+        if not req.images or parsed.prompt_tokens is None or parsed.prompt_tokens == want:
+            return
+        processor = type(self._vision.processor).__name__ if self._vision is not None else "none loaded"
+        raise RequestRefusedError(
+            f"sglang engine: SGLang ran this image prompt as {parsed.prompt_tokens} tokens, the worker expands it to {want}: "
+            f"SGLang's image processor and the worker's ({processor}) disagree on the images' patch grids (read from the "
+            "model's preprocessor_config.json); the reported ids would not be the ids the model ran")
 
     def _image_data(self, req: _Request) -> list[bytes] | list[str] | None:
         """The request's images as its replica's ``/generate`` takes them: the bytes themselves over the hop (its own
@@ -861,6 +876,7 @@ class SGLangEngine:
                 if self._in_sglang == 0:
                     self._idle.set()
             parsed = parse_generate_response(resp)
+            self._check_image_expansion(req, s, parsed)
             resubmit = parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted
             if resubmit and req.ebnf is not None:
                 # a grammar starts at the beginning of the output: the sample starts over from its prompt

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -415,6 +416,21 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
     # the sim's own counters (/model_info): the control calls served, and the updates that found samples generating
     # (SGLang 0.5.14 makes such an update wait for them behind its model-update lock unless paused; so does the sim)
     calls = {"pause_generation": 0, "continue_generation": 0, "updates_while_generating": 0}
+    vision: list[Any] = []
+
+    def prompt_tokens(ids: list[int], image_data: Any) -> int:
+        """The prompt's length as SGLang runs it: each image token expanded for its image's merged patches (the
+        sim runs no vision tower, so it expands by the same rule as the worker: `rollpool.workers.engines.vision`)."""
+        if not image_data:
+            return len(ids)
+        if not vision:
+            from rollpool.workers.engines.vision import load_vision_spec
+
+            vision.append(load_vision_spec(model_path))
+        if vision[0] is None:
+            raise BadRequest(f"the model at {model_path} takes no images")
+        raw = [base64.b64decode(x.partition(",")[2]) if isinstance(x, str) else bytes(x) for x in image_data]
+        return len(vision[0].expand(list(ids), vision[0].grids_of(raw)))
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         ids = _need(b, "input_ids")
@@ -442,7 +458,7 @@ def sim_routes(sim: Any, model_path: str, ranks: SimRanks | None = None, lora: S
         lora.tokens[adapter] = lora.tokens.get(adapter, 0) + len(output_ids)
         cache.insert(list(ids) + output_ids[:-1])  # the last sampled token has no KV yet, as in SGLang
         meta = {
-            "id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": str(version),
+            "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens(ids, b.get("image_data")), "weight_version": str(version),
             "num_retractions": 0, "input_token_logprobs": [],
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
             "output_token_logprobs_length": len(output_ids), "reasoning_tokens": 0,

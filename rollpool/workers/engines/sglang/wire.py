@@ -116,6 +116,8 @@ class ParsedSample:
     """SGLang's abort message; ``Aborted`` and ``Abort in waiting queue`` are ordinary aborts."""
     cached_tokens: int | None = None
     """``meta_info.cached_tokens``: prompt tokens SGLang's radix cache served."""
+    prompt_tokens: int | None = None
+    """``meta_info.prompt_tokens``: the prompt's length as SGLang ran it (its images expanded by its own processor)."""
 
     @property
     def aborted_by_request(self) -> bool:
@@ -163,6 +165,7 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
             reason = FinishReason.ERROR
     version = meta.get("weight_version")
     cached = meta.get("cached_tokens")
+    prompt_tokens = meta.get("prompt_tokens")
     return ParsedSample(
         rid=str(meta.get("id", "")),
         output_ids=ids,
@@ -173,6 +176,7 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
         weight_version=None if version is None else str(version),
         abort_message=abort_message,
         cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
+        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) else None,
     )
 
 
