@@ -56,6 +56,8 @@ def _pack_ids(ids: Any) -> bytes:
     import numpy as np
 
     arr = np.asarray(ids)
+    if arr.dtype == np.dtype("<i4") and arr.ndim == 1:  # int32 already (the engine's, checked against the vocabulary)
+        return arr.tobytes()
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError("input_ids must be a flat list of token ids")
     if arr.size and (int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31):
