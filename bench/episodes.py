@@ -389,6 +389,23 @@ def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
             for i in range(groups)]
 
 
+def _sim_child_options(args: argparse.Namespace, work: Path) -> str:
+    """The sglang engine options that make every tree's engine child the same sim: ``--sim-tree`` (the child runs
+    that tree's code, through a ``python`` that starts there) and ``--chat-sampling`` (its sim samples as a chat model
+    does: `SimOptions.special_ids`)."""
+    out = ""
+    if args.sim_tree:
+        tree = Path(args.sim_tree).resolve()
+        wrapper = work / "sim-python"
+        if not wrapper.exists():  # python -m puts the working directory first on the path: start in the sim's tree
+            wrapper.write_text(f"#!/bin/sh\ncd '{tree}' && PYTHONPATH='{tree}' exec '{sys.executable}' \"$@\"\n")
+            wrapper.chmod(0o755)
+        out += f",python={wrapper}"
+    if args.chat_sampling:
+        out += ',server_args={"chat_sampling":true}'
+    return out
+
+
 async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path,
                     profile: bool = False) -> dict[str, Any]:
     """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase (`profile`: py-spy on
@@ -409,7 +426,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
             agents.append(pool.spawn([str(ROOT / "bench" / "episodes.py"), "--agent-process", sock], f"agents-{label}.log"))
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
         agent_processes = args.agent_processes if placement == "children" else 0
-        opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}{args.engine_extra}"
+        opts = (f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
+                f"{_sim_child_options(args, work)}{args.engine_extra}")
         pool.env[AGENT_SOCKET_ENV] = sock
         worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
@@ -747,6 +765,12 @@ def main() -> int:
     ap.add_argument("--apply-mode", default="interrupt", help="the worker's --apply-mode (interrupt, drain)")
     ap.add_argument("--keep-work", action="store_true", help="keep the work directory (the pool's logs); its path is printed")
     ap.add_argument("--engine-extra", default="", help="appended to the sglang engine's options, e.g. ',engine_kwargs=...'")
+    ap.add_argument("--sim-tree", default="", metavar="PATH",
+                    help="turns bench: every tree's engine child (the sim) runs this tree's code, so trees differ only in the "
+                         "pool's own code (the child's CPU is not the pool's)")
+    ap.add_argument("--chat-sampling", action="store_true",
+                    help="turns bench: the sim samples as a chat model does (no special token inside a turn, a stop on the "
+                         "end-of-turn; SimOptions.special_ids); the sim's tree (--sim-tree, else every tree) must have it")
     add_workload_args(ap)
     ap.add_argument("--phase-timeout-s", type=float, default=600)
     ap.add_argument("--sessions", type=int, default=10_000)
