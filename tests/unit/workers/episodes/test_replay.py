@@ -134,3 +134,8 @@ def test_a_turns_digest_is_the_same_from_its_ids_as_a_list_or_as_their_array() -
     held = TokenIds(ids)
     assert held == ids and held.array.dtype == np.int64 and held.array.tolist() == ids
     assert request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    # what every worker has digested: the ids as little-endian int32, then the sampling's and the constraint's repr
+    import hashlib
+
+    h = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes() + repr(sp).encode() + repr(None).encode(), digest_size=8)
+    assert request_digest(held.array, sp) == int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
