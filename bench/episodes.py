@@ -33,6 +33,14 @@ lost, duplicated and timed-out episodes, throughput, and the most episodes one w
     python bench/episodes.py --trees before=/tmp/w41-before,after=. --json bench/results/cpu-episodes.json
     python bench/episodes.py --trees base=/tmp/base,now=. --profile "$(which py-spy)"   # + 'profile': py-spy per tree
 
+``--sim-tree PATH`` makes every tree's engine child (the sim, whose CPU is not the pool's) that tree's code, so the trees
+differ only in the pool's own code; ``--chat-sampling`` has that sim sample as a chat model does (no special token inside
+a turn, a stop on the template's end-of-turn: `SimOptions.special_ids`). Without it the sim draws uniformly over the tiny
+model's 384 ids, 7 of them special, and ends a stopped turn with the end-of-sequence: on about 80% of turns the reply's
+text is then not what the template renders, and the endpoint renders the conversation a second time (a real model's
+turns seldom do that; the GPU bench's random 32,000-id model, about 2% of its turns). The summary's ``*_vs_*`` keys
+also give the ratio rep by rep (``per_rep_pool_cpu_ratio``), a spread that the ratio of medians hides.
+
 ``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker, the
 engine's child and the broker; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
 each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
@@ -389,6 +397,23 @@ def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
             for i in range(groups)]
 
 
+def _sim_child_options(args: argparse.Namespace, work: Path) -> str:
+    """The sglang engine options that make every tree's engine child the same sim: ``--sim-tree`` (the child runs
+    that tree's code, through a ``python`` that starts there) and ``--chat-sampling`` (its sim samples as a chat model
+    does: `SimOptions.special_ids`)."""
+    out = ""
+    if args.sim_tree:
+        tree = Path(args.sim_tree).resolve()
+        wrapper = work / "sim-python"
+        if not wrapper.exists():  # python -m puts the working directory first on the path: start in the sim's tree
+            wrapper.write_text(f"#!/bin/sh\ncd '{tree}' && PYTHONPATH='{tree}' exec '{sys.executable}' \"$@\"\n")
+            wrapper.chmod(0o755)
+        out += f",python={wrapper}"
+    if args.chat_sampling:
+        out += ',server_args={"chat_sampling":true}'
+    return out
+
+
 async def turns_row(tree: Path, label: str, placement: str, args: argparse.Namespace, work: Path, model: Path,
                     profile: bool = False) -> dict[str, Any]:
     """One pool of `tree`: warm-up, then the measured phase; CPU of each process over the phase (`profile`: py-spy on
@@ -409,7 +434,8 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
             agents.append(pool.spawn([str(ROOT / "bench" / "episodes.py"), "--agent-process", sock], f"agents-{label}.log"))
         fn = "rp_episodes_bench:remote_agent" if placement == "remote" else "rp_episodes_bench:agent"
         agent_processes = args.agent_processes if placement == "children" else 0
-        opts = f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}{args.engine_extra}"
+        opts = (f"port={sg_port},capacity={args.concurrency},backend=sim,context_length={args.context},log_dir={work}"
+                f"{_sim_child_options(args, work)}{args.engine_extra}")
         pool.env[AGENT_SOCKET_ENV] = sock
         worker = pool.spawn(["-m", "rollpool.workers", "--broker", wep, "--engine", "sglang", "--model", str(model), "--worker-id",
                              f"ep-{label}", "--engine-options", opts, "--episode", fn, "--max-episodes", str(args.concurrency),
@@ -597,7 +623,8 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                     "worker_cpu_per_turn_ratio": round(y["worker_cpu_us_per_turn"] / x["worker_cpu_us_per_turn"], 3),
                     "worker_and_engine_child_cpu_per_turn_ratio": round(
                         y["worker_and_engine_child_cpu_us_per_turn"] / x["worker_and_engine_child_cpu_us_per_turn"], 3),
-                    "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
+                    "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3),
+                    "per_rep_pool_cpu_ratio": _per_rep_ratios(rows, placement, a, b)}
     if args.update:  # the one-update phase: its throughput over the no-update phase's, and how long the engine stopped
         for placement in placements:
             for label, _ in trees:
@@ -616,6 +643,13 @@ async def bench_turns(args: argparse.Namespace, result: dict[str, Any], save: An
                 "turns_per_s_ratio": round(y["turns_per_s"] / x["turns_per_s"], 3)}
     result["summary"] = summary
     print(json.dumps(summary, indent=1))
+
+
+def _per_rep_ratios(rows: list[dict[str, Any]], placement: str, a: str, b: str) -> list[float]:
+    """Tree `b`'s pool CPU per turn over tree `a`'s, rep by rep (the two rows of one rep ran next to each other)."""
+    by = {(r["tree"], r["rep"]): r for r in rows if r["placement"] == placement and "rep" in r and not r.get("profile")}
+    return [round(by[(b, rep)]["pool_cpu_us_per_turn"] / by[(a, rep)]["pool_cpu_us_per_turn"], 3)
+            for (tree, rep) in sorted(by) if tree == a and (b, rep) in by]
 
 
 # --------------------------------------------------------------------------- bench: many sessions
@@ -747,6 +781,12 @@ def main() -> int:
     ap.add_argument("--apply-mode", default="interrupt", help="the worker's --apply-mode (interrupt, drain)")
     ap.add_argument("--keep-work", action="store_true", help="keep the work directory (the pool's logs); its path is printed")
     ap.add_argument("--engine-extra", default="", help="appended to the sglang engine's options, e.g. ',engine_kwargs=...'")
+    ap.add_argument("--sim-tree", default="", metavar="PATH",
+                    help="turns bench: every tree's engine child (the sim) runs this tree's code, so trees differ only in the "
+                         "pool's own code (the child's CPU is not the pool's)")
+    ap.add_argument("--chat-sampling", action="store_true",
+                    help="turns bench: the sim samples as a chat model does (no special token inside a turn, a stop on the "
+                         "end-of-turn; SimOptions.special_ids); the sim's tree (--sim-tree, else every tree) must have it")
     add_workload_args(ap)
     ap.add_argument("--phase-timeout-s", type=float, default=600)
     ap.add_argument("--sessions", type=int, default=10_000)

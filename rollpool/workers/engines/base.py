@@ -44,6 +44,8 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from rollpool.protocol.errors import RequestRefusedError
 from rollpool.protocol.messages import AdapterSpec, ApplyMode, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
@@ -60,12 +62,28 @@ __all__ = [
     "SampleOutput",
     "SizedEngine",
     "StagingEngine",
+    "TokenIds",
     "check_prompt",
     "check_request",
     "validate_sampling",
 ]
 
 APPLY_MODES: tuple[str, ...] = ApplyMode.ALL
+
+
+class TokenIds(list[int]):
+    """A prompt's token ids: a list of ints like any other, which also holds them as one int64 array (`array`).
+
+    Made once by a caller that needs the array itself (the episode's request digest), so an engine that sends ids as
+    an array (the sglang engine) does not convert the list again; to every other engine it is a plain list. Its
+    `array` is made at construction: a `TokenIds` is not to be changed afterwards.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        super().__init__(ids)
+        self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64)
 
 
 @dataclass(slots=True)

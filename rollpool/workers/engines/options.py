@@ -64,9 +64,16 @@ class SimOptions:
     seed: int = 0
     apply_s: float = 0.0
     initial_version: int = 0
+    special_ids: tuple[int, ...] = ()
+    """Sample as a chat model does: none of these ids (the tokenizer's special tokens) inside a sample, and a sample
+    that stops ends with the request's first stop id other than `eos_id` (a chat template's end-of-turn) where it
+    has one. Empty (default): any id but a stop id inside a sample, and the request's first stop id at its end. The
+    sglang engine's sim child fills it from the model directory's tokenizer with ``server_args={"chat_sampling": true}``."""
 
     def __post_init__(self) -> None:
         c = type(self)
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab for t in self.special_ids):
+            raise _fail(c, "special_ids", f"must be token ids in [0, vocab={self.vocab})", self.special_ids)
         if self.length not in SIM_LENGTHS:
             raise _fail(c, "length", f"must be one of {SIM_LENGTHS}", self.length)
         if self.decode_s_per_token <= 0:

@@ -11,6 +11,12 @@ the stop token when a sample stops. Weight versions may be zero-byte (no
 tensors): an update only changes the version. Everything it produces is
 marked simulated (`EngineInfo.simulated`, `GenerateOutput.simulated`).
 
+Tokens: seeded uniform draws over ``[0, vocab)``, never a stop id inside a sample; with `SimOptions.special_ids`
+(what the sglang engine's sim child reads from a model's tokenizer on request), never one of those either, and a
+stopped sample ends with the request's end-of-turn rather than the end-of-sequence: what a chat model does, so
+the episode endpoint sees turns shaped like a real model's (a special token mid-turn makes the reply's text differ
+from its tokens, which the endpoint then renders again).
+
 Latency model: ``prefill_s_per_token * prompt_len`` before the first token,
 then ``decode_s_per_token`` per token (all samples of a request decode in
 parallel), each scaled by ``1 + jitter * N(0, 1)`` (clipped at 0.1) per
@@ -71,13 +77,16 @@ class _SimSample:
 class _SimRequest:
     """Progress of one request, advanced in virtual decode steps."""
 
-    def __init__(self, request_id: str, samples: list[_SimSample], decode_s: float, eos_id: int, stop_ids: tuple[int, ...], vocab: int) -> None:
+    def __init__(self, request_id: str, samples: list[_SimSample], decode_s: float, eos_id: int, stop_ids: tuple[int, ...], vocab: int,
+                 avoid: frozenset[int] = frozenset()) -> None:
         self.request_id = request_id
         self.samples = samples
         self.decode_s = decode_s
         self.eos_id = eos_id
         self.stop_ids = stop_ids
         self.vocab = vocab
+        self.avoid = avoid
+        """Ids never drawn inside a sample, besides the stop ids (`SimOptions.special_ids`)."""
         self.steps = 0.0
         self.mark = 0.0
         """Monotonic time from which decode progress counts (0: not started)."""
@@ -100,7 +109,7 @@ class _SimRequest:
                     tok = self.eos_id
                 else:
                     tok = s.rng.randrange(self.vocab)
-                    while tok in self.stop_ids or tok == self.eos_id:
+                    while tok in self.stop_ids or tok == self.eos_id or tok in self.avoid:
                         tok = s.rng.randrange(self.vocab)
                 s.ids.append(tok)
                 s.logprobs.append(-s.rng.expovariate(1.0))
@@ -147,6 +156,9 @@ class SimEngine:
         self.seed = opts.seed
         self.apply_s = opts.apply_s
         self.version = opts.initial_version
+        self.special_ids = frozenset(opts.special_ids)
+        if len(self.special_ids) >= self.vocab - 2:
+            raise EngineError(f"sim engine: special_ids leave no id to sample in a vocabulary of {self.vocab}")
         self._requests: dict[str, _SimRequest] = {}
         self._waiters: set[asyncio.Future[None]] = set()
         self._pause_mode: str | None = None
@@ -344,6 +356,8 @@ class SimEngine:
         scale = max(0.1, 1.0 + self.jitter * rng.gauss(0.0, 1.0)) if self.jitter > 0 else 1.0
         stop_ids = tuple(sampling.stop_token_ids)
         eos = stop_ids[0] if stop_ids else self.eos_id
+        if self.special_ids:  # a chat model ends its turn with the template's end-of-turn, not the end-of-sequence
+            eos = next((t for t in stop_ids if t != self.eos_id), eos)
         samples = []
         for i in range(n):
             srng = random.Random(base * 1_000_003 + i)
@@ -353,7 +367,7 @@ class SimEngine:
             else:
                 finish = FinishReason.STOP
             samples.append(_SimSample(i, length, finish, srng))
-        return _SimRequest(request_id, samples, self.decode_s_per_token * scale, eos, stop_ids, self.vocab)
+        return _SimRequest(request_id, samples, self.decode_s_per_token * scale, eos, stop_ids, self.vocab, self.special_ids)
 
     def _draw_length(self, rng: random.Random) -> int:
         if self.length == "fixed":

@@ -54,7 +54,14 @@ import numpy as np
 from rollpool.protocol.errors import RequestRefusedError, RollpoolError
 from rollpool.protocol.messages import FinishReason, Prompt, PromptImage, RecordedTurn, SamplingParams
 from rollpool.protocol.sampling import sampling_problem
-from rollpool.workers.engines.base import ConstrainedEngine, Engine, OutputConstraint, SampleOutput, can_constrain
+from rollpool.workers.engines.base import (
+    ConstrainedEngine,
+    Engine,
+    OutputConstraint,
+    SampleOutput,
+    TokenIds,
+    can_constrain,
+)
 from rollpool.workers.engines.tokenizer import decode_ids
 from rollpool.workers.engines.tokenizer import encode_text as _encode_text
 from rollpool.workers.episodes import chat
@@ -217,7 +224,7 @@ class _NoCopy(Exception):
 _log = logging.getLogger(__name__)
 
 
-def request_digest(prompt_ids: Sequence[int], sampling: SamplingParams, constraint: OutputConstraint | None = None) -> int:
+def request_digest(prompt_ids: Sequence[int] | np.ndarray[Any, Any], sampling: SamplingParams, constraint: OutputConstraint | None = None) -> int:
     """A 63-bit blake2b of one engine request: the token sequence, every sampling field and the grammar (if any).
 
     Two requests with the same digest ask the engine for the same thing; a replayed turn is served only then."""
@@ -589,7 +596,7 @@ class Episode:
     async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark,
                       constraint: OutputConstraint | None = None) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
-        prompt = seg.tokens
+        prompt = TokenIds(seg.tokens)  # its int64 array made once: the digest's and the engine's (the sglang engine sends it)
         extra: dict[str, Any] = {}
         if seg.images:
             if constraint is not None:
@@ -606,7 +613,7 @@ class Episode:
             if sampling.max_new_tokens > room:
                 sampling = dataclasses.replace(sampling, max_new_tokens=room)
         turn = self._sampled
-        digest = request_digest(prompt, sampling, constraint)
+        digest = request_digest(prompt.array, sampling, constraint)
         if seg.images:
             self._replaying = False  # the digest does not cover images, and a replay would not expand them: sample from here
         s = self._from_record(turn, digest)

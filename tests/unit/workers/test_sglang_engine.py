@@ -140,6 +140,37 @@ async def test_the_hop_answers_as_http_does_and_refuses_calls_without_the_launch
             await hop.close()
 
 
+async def test_many_calls_at_once_on_the_hop_each_get_their_own_answer_and_close_fails_the_rest(sglang_sim_child: SimChild) -> None:
+    """Answers drained from the socket as they come (several per wake-up) reach their own callers; calls still waiting
+    when the hop closes fail with ConnectionError, and a closed hop refuses new ones."""
+    from rollpool.workers.engines.sglang.hop import HopClient
+
+    def body(i: int) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3, 4 + i], "sampling_params": {"max_new_tokens": 1 + i % 7, "temperature": 0.0},
+                "return_logprob": True, "rid": f"hop-many-{i}"}
+
+    hop = HopClient(sglang_sim_child.hop, token=sglang_sim_child.token)
+    try:
+        answers = await asyncio.gather(*(hop.request("POST", "/generate", body(i), timeout_s=30) for i in range(96)))
+        assert [len(a["output_ids"]) for a in answers] == [1 + i % 7 for i in range(96)]
+        assert [a["meta_info"]["id"] for a in answers] == [f"hop-many-{i}" for i in range(96)]
+        slow = {**body(0), "sampling_params": {"max_new_tokens": 100_000, "temperature": 0.0, "ignore_eos": True}, "rid": "hop-slow"}
+        waiting = asyncio.ensure_future(hop.request("POST", "/generate", slow, timeout_s=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+    finally:
+        await hop.close()
+    with pytest.raises(ConnectionError):
+        await waiting
+    with pytest.raises(ConnectionError):
+        await hop.request("POST", "/generate", body(0))
+    http = _client(sglang_sim_child, token=sglang_sim_child.token)
+    try:  # the sample the closed hop left in the child
+        await http.request("POST", "/abort_request", {"rid": "hop-slow"})
+    finally:
+        await http.close()
+
+
 async def test_a_refused_or_failed_generate_is_an_engine_error_not_a_refusal(tiny_model_dir: pathlib.Path) -> None:
     """F5: a 4xx/5xx after rollpool's own checks passed means the engine is broken: restart, don't blame the prompt."""
     answers = iter([(400, {"error": {"message": "ValueError: something inside"}}), (500, {"error": {"message": "KeyError"}})])

@@ -86,6 +86,9 @@ def test_generate_body_ids_as_an_array_write_the_same_json_and_the_same_hop_fram
     as_list, as_array = (generate_body(x, sp, rid="r", index=0) for x in (ids, np.asarray(ids, dtype=np.int64)))
     assert loads(dumps(as_array)) == loads(dumps(as_list)) == {**as_list, "input_ids": ids}
     assert _unpack_ids(_pack_ids(as_array["input_ids"])) == _unpack_ids(_pack_ids(as_list["input_ids"])) == ids
+    # the engine's int32 array (its ids checked against the vocabulary) travels as the same frame and the same JSON
+    as_int32 = generate_body(np.asarray(ids, dtype=np.int32), sp, rid="r", index=0)
+    assert _pack_ids(as_int32["input_ids"]) == _pack_ids(ids) and loads(dumps(as_int32)) == loads(dumps(as_list))
     for bad in ([2**31], [-(2**31) - 1], [1.5], [[1, 2]]):
         with pytest.raises(ValueError):
             _pack_ids(bad)

@@ -30,6 +30,33 @@ async def test_hundreds_of_sim_engines_share_one_loop_without_threads() -> None:
     assert stopped and all(s.output_ids[-1] == 2 for s in stopped)  # eos included
 
 
+async def test_a_sim_with_special_ids_samples_turns_as_a_chat_model_does() -> None:
+    """No special token inside a sample, and a stopped sample ends with the request's end-of-turn (4 here), not the
+    end-of-sequence (2); without special ids the sim keeps its draws (specials inside, the first stop id at the end)."""
+    specials = (0, 1, 2, 3, 4, 5, 6)
+    sp = SamplingParams(max_new_tokens=64, stop_token_ids=(2, 4))
+
+    async def samples(**opts: object) -> list[list[int]]:
+        e = SimEngine(decode_s_per_token=0.0001, vocab=40, length="uniform", length_median=24, **opts)  # type: ignore[arg-type]
+        await e.start()
+        outs = await asyncio.gather(*(e.generate([7, 8, 9], 4, sp, f"r{i}") for i in range(8)))
+        return [s.output_ids for o in outs for s in o.samples if s.finish_reason == FinishReason.STOP]
+
+    chat, plain = await samples(special_ids=specials), await samples()
+    assert chat and all(ids[-1] == 4 and not set(ids[:-1]) & set(specials) for ids in chat)
+    assert plain and all(ids[-1] == 2 for ids in plain) and any(set(ids[:-1]) & {0, 1, 3, 5, 6} for ids in plain)
+    with pytest.raises(ConfigError, match="special_ids"):
+        SimEngine(vocab=40, special_ids=(40,))
+
+
+def test_the_sim_childs_chat_sampling_reads_the_models_special_tokens(tiny_model_dir: object) -> None:
+    from rollpool.workers.engines.sglang.server import _sim_special_ids
+    from rollpool.workers.engines.tiny_model import SPECIAL_TOKENS
+
+    assert _sim_special_ids(str(tiny_model_dir), 320) == tuple(range(len(SPECIAL_TOKENS)))
+    assert _sim_special_ids(str(tiny_model_dir), 3) == (0, 1, 2)
+
+
 async def test_sim_zero_byte_versions_and_crash() -> None:
     e = SimEngine(decode_s_per_token=0.001, length="fixed", length_median=3)
     await e.start()

@@ -105,6 +105,7 @@ from rollpool.workers.engines.base import (
     GenerateOutput,
     OutputConstraint,
     SampleOutput,
+    TokenIds,
     check_prompt,
     check_request,
 )
@@ -141,6 +142,9 @@ __all__ = ["SGLangEngine", "SGLangOptions", "ENGINE_FACTORY", "SGLANG_APPLY_MODE
 log = logging.getLogger(__name__)
 
 SGLANG_APPLY_MODES: tuple[str, ...] = (ApplyMode.INTERRUPT, ApplyMode.DRAIN)
+_INT32_IDS = 1 << 31
+"""Token ids below this fit int32, the hop's frame."""
+
 _IN_PLACE_REFUSED = (
     "apply mode in_place is refused on SGLang 0.5.14: pause_generation(in_place) followed by a weight update "
     "with flush_cache crashes the scheduler (sglang-kit API-NOTES fact 7); use interrupt or drain"
@@ -743,9 +747,13 @@ class SGLangEngine:
             raise EngineError("sglang engine not started")
         check_request(n, sampling, request_id, capacity=self.capacity, running=self._requests, input_ids=input_ids, text=text)
         # token ids as one int64 array (what a list of ints becomes): converted once, checked against the vocabulary
-        # in C and sent as it is, where a list was converted, checked element by element and converted again to send
-        ids = np.asarray(input_ids) if input_ids is not None and not images else None
-        if ids is not None and ids.ndim == 1 and ids.dtype == np.int64:
+        # in C and sent as it is, where a list was converted, checked element by element and converted again to send;
+        # a `TokenIds` brings its array along (the episode made it for its request digest)
+        given = input_ids.array if type(input_ids) is TokenIds and not images else None
+        ids = given if given is not None else np.asarray(input_ids) if input_ids is not None and not images else None
+        if given is not None:
+            prompt = list(input_ids or ())
+        elif ids is not None and ids.ndim == 1 and ids.dtype == np.int64:
             prompt = ids.tolist()
         else:
             ids = None
@@ -756,6 +764,8 @@ class SGLangEngine:
         check_prompt(reported, sampling, vocab=self._vocab if ids is None else None, context_tokens=self._context_tokens)
         if ids is not None and self._vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= self._vocab):
             raise RequestRefusedError(f"prompt token ids must be in [0, {self._vocab})")  # check_prompt's own check
+        if ids is not None and self._vocab is not None and self._vocab <= _INT32_IDS:
+            ids = ids.astype("<i4")  # within the vocabulary, so int32: what the hop sends, without checking them again
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1

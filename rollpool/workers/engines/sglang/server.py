@@ -28,6 +28,8 @@ names, bodies and answers (the subset rollpool uses):
   that version: the fault a test needs, applied before any rank changes.
   LoRA (``enable_lora`` and SGLang's other LoRA keywords): `SimLora`, a fake of SGLang's adapter serving.
   Grammars (``grammar_backend``): `SimGrammar`, a fake of SGLang's grammar backend.
+  ``chat_sampling: true`` (an engine keyword; the sglang engine's ``server_args``): sample as a chat model does,
+  no special token of the model's tokenizer inside a turn and a stop on the end-of-turn (`SimOptions.special_ids`).
 
 Both report the grammar backend they run in ``/model_info`` (``grammar_backend``; ``auto`` resolves to
 ``xgrammar`` when the child can import it, else ``none``), and refuse an ``ebnf`` request without one with 400.
@@ -648,6 +650,22 @@ def _sim_model_kwargs(model_path: str) -> dict[str, Any]:
     return out
 
 
+def _sim_special_ids(model_path: str, vocab: int | None) -> tuple[int, ...]:
+    """The ids of the model directory's special tokens (``tokenizer.json``'s added tokens marked special, else
+    ``tokenizer_config.json``'s ``added_tokens_decoder``) within `vocab`: what a chat model does not sample mid-turn."""
+    ids: set[int] = set()
+    try:
+        added = json.loads((Path(model_path) / "tokenizer.json").read_text()).get("added_tokens") or []
+        ids = {int(t["id"]) for t in added if isinstance(t, dict) and t.get("special") and isinstance(t.get("id"), int)}
+    except (OSError, ValueError, AttributeError):
+        try:
+            decoder = json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("added_tokens_decoder") or {}
+            ids = {int(k) for k, t in decoder.items() if isinstance(t, dict) and t.get("special")}
+        except (OSError, ValueError, AttributeError):
+            return ()
+    return tuple(sorted(t for t in ids if t >= 0 and (vocab is None or t < vocab)))
+
+
 MM_AVOID_RETOKENIZE = "SGLANG_MM_AVOID_RETOKENIZE"
 """SGLang's switch between running a token prompt's own ids (on) and retokenizing its decoded text (off)."""
 
@@ -676,6 +694,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         kwargs.pop("max_loras_per_batch", None)
         readable = bool(kwargs.pop("weights_readable", True))  # the sim's stand-in of a model SGLang cannot read back
         model_kwargs = _sim_model_kwargs(a.model_path)
+        if kwargs.pop("chat_sampling", False):  # sample as a chat model does (SimOptions.special_ids)
+            model_kwargs["special_ids"] = _sim_special_ids(a.model_path, model_kwargs.get("vocab"))
         grammar = SimGrammar(resolve_grammar_backend(str(kwargs.pop("grammar_backend", "none"))), a.model_path,
                              model_kwargs.get("vocab"), model_kwargs.get("eos_id"))
         sim = SimEngine(parse_options(SimOptions, {**model_kwargs, **kwargs}))

@@ -121,3 +121,21 @@ async def test_each_episode_of_a_group_is_served_its_own_turns() -> None:
     assert again.prompts == []
     for a, b in zip(out, out2, strict=True):
         _same(a, b)
+
+
+def test_a_turns_digest_is_the_same_from_its_ids_as_a_list_or_as_their_array() -> None:
+    """The episode digests a turn from the `TokenIds` array it hands the engine: a record written by a worker that
+    digested the list must still match (and the array holds the same ids as the list)."""
+    from rollpool.workers.engines.base import TokenIds
+    from rollpool.workers.episodes.episode import request_digest
+
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=(2, 4))
+    ids = [0, 1, 383, 70_000, 2**31 - 1, *range(5, 600)]
+    held = TokenIds(ids)
+    assert held == ids and held.array.dtype == np.int64 and held.array.tolist() == ids
+    assert request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    # what every worker has digested: the ids as little-endian int32, then the sampling's and the constraint's repr
+    import hashlib
+
+    h = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes() + repr(sp).encode() + repr(None).encode(), digest_size=8)
+    assert request_digest(held.array, sp) == int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
