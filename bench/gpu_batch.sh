@@ -21,6 +21,14 @@ log() { echo "[batch $(date +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/batch.lo
 if ! bash .sgkit/install.sh .sgkit /tmp/site >"$W/install.log" 2>&1; then
   log "kit install failed"; tail -20 "$W/install.log" | tee -a "$OUT/batch.log"; exit 1
 fi
+# the test runner the GPU tests need (the device's python has pytest without pytest-asyncio): wheels carried in
+# .gpuextra/ (fetched here with `pip download --no-deps -d .gpuextra pytest==9.2.0 pytest-asyncio==1.5.0 pytest-timeout
+# pluggy iniconfig`; carry [".sgkit", ".gpuextra"])
+if ls .gpuextra/pytest_asyncio-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpuextra/pytest-*.whl .gpuextra/pytest_asyncio-*.whl \
+    .gpuextra/pytest_timeout-*.whl .gpuextra/pluggy-*.whl .gpuextra/iniconfig-*.whl >"$W/pytest-install.log" 2>&1 \
+    || { log "pytest wheels did not install"; tail -5 "$W/pytest-install.log" | tee -a "$OUT/batch.log"; }
+fi
 export PYTHONPATH=/tmp/site:$R TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/batch.log"
 log "kit installed"
