@@ -252,6 +252,8 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument("--base", choices=("1p4", "8b"), default="1p4",
+                    help="the base of stage 3: the 1.4 GB model, or bench/gpu_weights.py's 8B-shaped Llama (the issue's goal shape)")
     ap.add_argument("--skip-tests", action="store_true", help="stage 3 only (the figures)")
     ap.add_argument("--tests-only", action="store_true", help="stages 1-2 only (the gpu tests), for a short device call")
     ap.add_argument("--sim", action="store_true", help="a CPU dry run of stage 3 on the sim child (checks the script only)")
@@ -281,7 +283,11 @@ def main() -> int:
         big = small
     else:
         small, big, model_bytes = G.build_models(work)
-        RESULT["model_bytes"] = model_bytes
+        if a.base == "8b":
+            import gpu_weights
+
+            big, model_bytes = gpu_weights.build_model(work, "8b")
+        RESULT["model_bytes"], RESULT["base"] = model_bytes, a.base
     save()
     if not a.skip_tests:
         asyncio.run(run_tests(small))
