@@ -382,6 +382,8 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
     red = png((255, 0, 0))
     try:
         await engine.start()
+        # the image processor is loaded at start, not under the first batch of image prompts
+        assert engine._vision is not None and type(engine._vision.processor).__name__.startswith("Qwen2VLImageProcessor")
         _sent, reported, grid = await engine._image_prompt([7, 8], [red])
         per_image["n"] = grid[0] * grid[1] * grid[2] // 4  # the worker's own expansion: SGLang agrees
         out = await engine.generate([7, 8], 2, SamplingParams(max_new_tokens=3), "agree", images=[red])

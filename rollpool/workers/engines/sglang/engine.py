@@ -386,6 +386,8 @@ class SGLangEngine:
                     await asyncio.to_thread(init_cuda, dev)  # so the first update does not pay for CUDA init
             await self._post_all("/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False})
             await self._read_model_info()
+            if self._takes_images:
+                await self._load_vision()
             if self.device.startswith("cuda") and self.weights_readable is not False:
                 await self._warm_update()
         except BaseException:
@@ -798,6 +800,19 @@ class SGLangEngine:
         ]
         return GenerateOutput(request_id, list(reported), samples, started, simulated=self.options.backend == "sim",
                               image_grid_thw=grid)
+
+    async def _load_vision(self) -> None:
+        """The image processor, loaded at start so the first batch of image prompts does not wait for it (transformers'
+        image-processing imports take seconds on a GPU host; on an H100 the pool's cold first batch reached SGLang 7.4 s
+        after submit). One that fails to load here is loaded again by the first image prompt, which then fails with
+        the reason."""
+        try:
+            async with self._load_lock:
+                if self._vision is None:
+                    self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
+        except Exception as exc:  # noqa: BLE001 - not fatal at start: said, and the first image prompt says it again
+            log.warning("sglang engine: the image processor of %s did not load at start: %s: %s", self.model_path,
+                        type(exc).__name__, exc)
 
     async def _image_prompt(self, prompt: list[int], images: Sequence[bytes]) -> tuple[list[int], list[int], list[int]]:
         """(the ids sent: one image token per image; the ids the model runs: expanded; the patch grids, flat)."""
