@@ -108,6 +108,33 @@ def test_a_device_made_delta_is_byte_identical_to_the_host_made_one(device: str,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_bucket_s_changed_elements_are_counted_in_pieces(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sums a bool tensor by casting it whole to int64 first (8 bytes an element: 2 GiB for a 512 MiB bf16
+    bucket, which ran an H100 trainer out of memory at 8B): the comparison mask is summed a piece at a time."""
+    from torch.overrides import TorchFunctionMode
+
+    sums: list[int] = []
+
+    class Sums(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in (torch.sum, torch.Tensor.sum, torch.count_nonzero, torch.Tensor.count_nonzero) and args[0].dtype == torch.bool:
+                sums.append(int(args[0].numel()))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(delta_device, "PIECE_ELEMENTS", 100)
+    v1 = _model(device)
+    v2 = _next(v1, 1)
+    items1, places, infos = _plan(v1, 8192)
+    items2, _p, _i = _plan(v2, 8192)
+    base = DeviceBase(GpuBudget(1 << 30))
+    base.diff(1, infos, places, items1, _host(items1, places, infos))
+    with Sums():
+        made = base.diff(2, infos, places, items2, _host(items2, places, infos))
+    assert made is not None and sum(d.wait().changed_elements for d in made) > 0
+    assert sums and max(sums) <= 100, max(sums)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_delta_against_a_skipped_version_or_a_changed_layout_and_the_base_follows(device: str) -> None:
     v1 = _model(device)
     items, places, infos = _plan(v1, 8192)
