@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "WireSummary", "compute_delta", "decode_bucket", "encode_bucket",
-           "itemsize_of", "plan_encoding", "position_bytes", "word_width", "wire_summary"]
+           "itemsize_of", "payload_offsets", "plan_encoding", "position_bytes", "word_width", "wire_summary"]
 
 WHOLE = "whole"
 UNCHANGED = "unchanged"
@@ -323,6 +323,17 @@ def wire_summary(version: int, buckets: Sequence[BucketInfo], delta_base: int) -
         elif b.encoding in (SPARSE, GAPS):
             changed += b.delta_nbytes // ((4 if b.encoding == SPARSE else 2) + size)
     return WireSummary(version, model, by, changed / total if total else 0.0)
+
+
+def payload_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each of a delta's carried buckets' encoded bytes (`sizes`, in bucket order) starts in one buffer holding them
+    all, each at a multiple of 8 bytes (decoded through int32 and element views), and the buffer's size: the layout of
+    the subscriber's scratch and of the publisher's shared-memory segment (`Manifest.delta_shm`) alike."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // 8) * 8
+    return offsets, at
 
 
 def same_layout(a: Sequence[BucketInfo], b: Sequence[BucketInfo]) -> bool:

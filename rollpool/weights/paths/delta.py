@@ -39,11 +39,12 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
-from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, rebuild_bucket, same_layout
-from rollpool.weights.manifest import NETWORK, check_manifest
-from rollpool.weights.memory import VersionBuffers
+from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, payload_offsets, rebuild_bucket, same_layout
+from rollpool.weights.manifest import NETWORK, SHM, Plan, check_manifest
+from rollpool.weights.memory import ShmUnavailableError, VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, WeightVersion
 from rollpool.weights.paths.network import NetworkPath
+from rollpool.weights.paths.shm import ShmSegments
 
 __all__ = ["DeltaPath"]
 
@@ -51,9 +52,15 @@ __all__ = ["DeltaPath"]
 class DeltaPath:
     """The subscriber's end of delta versions (see the module docstring)."""
 
-    def __init__(self, network: NetworkPath, buffers: VersionBuffers, *, enabled: bool, threads: int) -> None:
+    def __init__(self, network: NetworkPath, buffers: VersionBuffers, *, enabled: bool, threads: int,
+                 segments: ShmSegments | None = None, plan: Callable[[Manifest], Plan] | None = None) -> None:
         self.network = network
         self.buffers = buffers
+        self.segments = segments
+        """The publisher's shared-memory segments mapped here (None: the encoded bytes come over the network only)."""
+        self.plan = plan
+        """Where a delta's encoded bytes are read (`rollpool.weights.manifest.delta_plan` with this subscriber's facts;
+        None: the network)."""
         self.enabled = enabled
         """`WeightPathConfig.weight_delta`: off, no base is held (and none asked for)."""
         self.threads = threads
@@ -116,6 +123,10 @@ class DeltaPath:
             raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
         if not same_layout(manifest.buckets, base.manifest.buckets) or len(base.buffers) != len(manifest.buckets):
             raise WeightSyncError("the base's buckets do not line up with the delta's")
+        steps = self.plan(manifest) if self.plan is not None else None
+        if steps is not None and steps.refusal:
+            raise WeightSyncError(steps.refusal)
+        via = SHM if steps is not None and SHM in steps.to_try else NETWORK
         await self.buffers.reserved()
         slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
         loop = asyncio.get_running_loop()
@@ -133,17 +144,22 @@ class DeltaPath:
             for b in manifest.buckets:
                 if b.encoding == UNCHANGED:
                     start(b.index, None)  # no bytes to wait for
-            payloads, _carried = await self.fetch_payloads(manifest, on_payload=start)
+            if via == SHM:
+                payloads, still = await self.read_payloads(manifest, on_payload=start)
+            else:
+                payloads, _carried = await self.fetch_payloads(manifest, on_payload=start)
             fetched = time.perf_counter()
             for i, p in enumerate(payloads):
                 start(i, p)
             rebuild_s, verify_s = await self._collect(manifest, work, done, buffers, on_bucket)
+            if via == SHM:
+                still()  # every rebuilt bucket matched its checksum; the segment must still be this delta's as well
         except BaseException:
             self._give_when_done(slab, list(work.values()))  # (a rebuild still writing keeps its buffer until it ends)
             raise
         now = time.perf_counter()
         self.versions += 1
-        return Fetched(manifest, buffers, slab, NETWORK, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
+        return Fetched(manifest, buffers, slab, via, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
                                                           "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
                                                           "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
                                                           "delta_total_s": round(now - t0, 4)})
@@ -201,11 +217,9 @@ class DeltaPath:
         carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
         payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
                                                            for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
-        scratch = torch.empty(sum(-(-b.delta_nbytes // 8) * 8 for b in carried), dtype=torch.uint8)
-        views, at = [], 0
-        for b in carried:  # each payload 8-byte aligned: decoded through int32 and element views
-            views.append(scratch[at : at + b.delta_nbytes])
-            at += -(-b.delta_nbytes // 8) * 8
+        offsets, total = payload_offsets([b.delta_nbytes for b in carried])  # each 8-byte aligned: decoded through int32 and element views
+        scratch = torch.empty(total, dtype=torch.uint8)
+        views = [scratch[at : at + b.delta_nbytes] for b, at in zip(carried, offsets, strict=True)]
         told = None if on_payload is None else (lambda j, _tensors: on_payload(carried[j].index, views[j]))
         if carried:
             await self.network.fetch(FetchJob(check_manifest(payload_manifest), on_bucket=told, buffers=views, slab=scratch))
@@ -213,6 +227,58 @@ class DeltaPath:
         for b, view in zip(carried, views, strict=True):
             payloads[b.index] = view
         return payloads, carried
+
+    async def read_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None
+                            ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
+        """A delta manifest's encoded buckets read in place from the publisher's segment (`Manifest.delta_shm`, laid out
+        by `payload_offsets`), each verified against its own checksum in `threads` threads (`on_payload` told each one as
+        it verifies, as `fetch_payloads` tells them); per bucket its payload (None: unchanged), views of the mapping,
+        and a check to run once they have been read (the segment's header still names this version, in the generation
+        it had: else the publisher reused it meanwhile). `WeightSyncError` for a segment that cannot be mapped or holds
+        another version (the delta was evicted), `DeltaError` for encoded bytes that do not match their checksum."""
+        seg = manifest.delta_shm
+        if seg is None or self.segments is None:
+            raise WeightSyncError("the delta names no shared-memory segment")
+        try:
+            reader = self.segments.reader(seg.name, seg.nbytes)
+        except ShmUnavailableError as exc:
+            raise WeightSyncError(f"cannot map the delta's segment ({exc})") from exc
+        state = reader.state()
+        if state[0] != manifest.version:
+            raise WeightSyncError(f"the delta's segment holds version {state[0]}, not {manifest.version} (the delta was evicted)")
+        carried = [b for b in manifest.buckets if b.encoding != UNCHANGED]
+        offsets, total = payload_offsets([b.delta_nbytes for b in carried])
+        if total > seg.nbytes:
+            raise DeltaError(f"the delta's {total} encoded bytes do not fit its segment of {seg.nbytes}")
+        data = reader.host_tensor()
+        payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
+        for b, at in zip(carried, offsets, strict=True):
+            payloads[b.index] = data[at : at + b.delta_nbytes]
+
+        def still() -> None:
+            if reader.state() != state:
+                raise WeightSyncError(f"the publisher reused the delta's segment while it was read (version {manifest.version} evicted)")
+
+        def check(b: BucketInfo) -> bool:
+            view = payloads[b.index]
+            assert view is not None
+            return verify_checksum(b.delta_checksum, view.numpy().data)
+
+        loop = asyncio.get_running_loop()
+        pool = self._threads()
+        checks = [(b, asyncio.wrap_future(pool.submit(check, b), loop=loop)) for b in carried]
+        try:
+            for b, f in checks:
+                if not await f:
+                    raise DeltaError(f"bucket {b.index}'s encoded bytes in shared memory do not match their checksum")
+                if on_payload is not None:
+                    on_payload(b.index, payloads[b.index])  # type: ignore[arg-type]
+        finally:
+            for _b, f in checks:
+                f.cancel()
+        still()
+        self.network.ctx.counters.shm_bytes += sum(b.delta_nbytes for b in carried)
+        return payloads, still
 
     async def rebuild(self, manifest: Manifest, payloads: Sequence[torch.Tensor | None], base: Sequence[torch.Tensor],
                       out: Sequence[torch.Tensor]) -> None:

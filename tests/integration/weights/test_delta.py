@@ -4,6 +4,7 @@ rebuilds a version bit-identical to the trainer's; every fault ends in a verifie
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,8 @@ torch = pytest.importorskip("torch")
 from rollpool.protocol import DELTA_MINOR, encode  # noqa: E402
 from rollpool.protocol.messages import Manifest, ManifestRequest  # noqa: E402
 from rollpool.weights.bucketing import checksum  # noqa: E402
+from rollpool.weights.delta import payload_offsets  # noqa: E402
+from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,6 +33,15 @@ def _deltas_on(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) 
 
         monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)
+    return str(request.param)
+
+
+@pytest.fixture(params=["network", "shm"])
+def sub_path(request: pytest.FixtureRequest) -> str:
+    """The subscriber-side tests run on both paths a delta's encoded bytes take: the network (the ROUTER) and the
+    publisher's shared memory (`Manifest.delta_shm`; the subscriber held to ``shm``, so nothing can come over a socket)."""
+    if request.param == "shm" and not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm")
     return str(request.param)
 
 
@@ -65,27 +77,32 @@ async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> 
 
 
 async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any,
-                                                                                              _deltas_on: str) -> None:
+                                                                                              _deltas_on: str, sub_path: str) -> None:
     pub = await make_publisher()
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path=sub_path)
     total = sum(t.numel() * t.element_size() for t in _model().values())
     m1 = _model()
     await _published(pub, m1, 1)
     wv = await sub.fetch(1)
-    assert _same(wv.tensors, m1) and sub.delta_versions == 0
+    assert _same(wv.tensors, m1) and sub.delta_versions == 0 and sub.last_path == sub_path
     sub.recycle(wv)
     model = m1
     for version in (2, 3, 4):
         model = _step(model, version)
         await _published(pub, model, version)
-        before = sub.bytes_received
+        before, before_shm, served = sub.bytes_received, sub.shm_bytes, pub.bytes_served
         wv = await sub.fetch(version)
         assert _same(wv.tensors, model)
         assert wv.manifest.delta_base == version - 1
+        # the publisher's version is in shared memory, so its delta is there too; only a subscriber on shm reads it there
+        assert wv.manifest.delta_shm is not None and sub.last_path == sub_path
+        got = sub.bytes_received - before if sub_path == "network" else sub.shm_bytes - before_shm
+        if sub_path == "shm":  # the delta path ran, not a full version: its encoded bytes read in place, none on a socket
+            assert sub.bytes_received == before and pub.bytes_served == served
         # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
-        assert 0 < sub.bytes_received - before < total // 10
+        assert 0 < got < total // 10
         wire = sub.last_wire  # what status and top show: the bytes by encoding, the changed fraction carried
-        assert wire.version == version and wire.wire_bytes == sub.bytes_received - before and wire.model_bytes == total
+        assert wire.version == version and wire.wire_bytes == got and wire.model_bytes == total
         assert wire.bytes_by_encoding["gaps"] + wire.bytes_by_encoding["sparse"] == wire.wire_bytes > 0  # scattered: no bucket whole
         assert 0.009 < wire.changed_fraction < 0.011  # 1% of each tensor's elements changed
         sub.recycle(wv)
@@ -96,6 +113,43 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
     assert stats["delta_manifests_served"] == 3 and 0 < stats["last_delta_wire_bytes"] < total // 10
     assert stats["delta_device_versions"] == (3 if _deltas_on == "device" else 0)
     assert pub.path_note["delta_made_on"] == _deltas_on
+    assert pub._server.delta_shm_written == 3
+
+
+@pytest.fixture
+def shm_dir() -> str:
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm")
+    return SHM_DIR
+
+
+async def test_a_subscriber_on_shm_asks_an_older_server_for_no_delta_and_one_on_auto_gets_it_over_the_network(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, shm_dir: str) -> None:
+    """A server of `DELTA_PATHS_MINOR - 1` puts no delta in shared memory: a subscriber held to ``shm`` (which could not
+    fetch the encoded bytes over the network) does not ask it for deltas and gets full versions from shared memory,
+    never a fallback; one on ``auto`` gets the delta over the network, as from every server before."""
+    from rollpool.protocol import DELTA_PATHS_MINOR
+    from rollpool.weights import serving
+
+    monkeypatch.setattr(serving, "PROTOCOL_MINOR", DELTA_PATHS_MINOR - 1)
+    pub = await make_publisher()
+    pub._server.delta_segments = None  # what the older server lacks
+    strict = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path="shm", worker_id="strict")
+    auto = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path="auto", worker_id="auto")
+    model = _model()
+    await _published(pub, model, 1)
+    for s in (strict, auto):
+        s.recycle(await s.fetch(1))
+    for version in (2, 3):
+        model = _step(model, version)
+        await _published(pub, model, version)
+        for s in (strict, auto):
+            wv = await s.fetch(version)
+            assert _same(wv.tensors, model)
+            s.recycle(wv)
+    assert strict.delta_versions == 0 and strict.delta_fallbacks == 0 and strict.last_path == "shm" and strict.fallbacks == {}
+    assert strict.bytes_received == 0
+    assert auto.delta_versions == 2 and auto.delta_fallbacks == 0 and auto.last_path == "network"
 
 
 async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_versions(make_publisher: Any, sockets: Any) -> None:
@@ -123,9 +177,10 @@ async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_
     assert all(b.encoding == "" and b.delta_nbytes == 0 for b in reply.buckets)
 
 
-async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_versions(make_publisher: Any, make_subscriber: Any) -> None:
+async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_versions(make_publisher: Any, make_subscriber: Any,
+                                                                                        sub_path: str) -> None:
     pub = await make_publisher()
-    early = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="early")
+    early = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="early", path=sub_path)
     m1 = _model()
     await _published(pub, m1, 1)
     early.recycle(await early.fetch(1))
@@ -133,10 +188,10 @@ async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_ve
     await _published(pub, m2, 2)
     m3 = _step(m2, 3)
     await _published(pub, m3, 3)
-    late = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="late")
+    late = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="late", path=sub_path)
     for sub in (early, late):  # early holds 1, the delta of 3 is against 2; late holds nothing
         wv = await sub.fetch(3)
-        assert _same(wv.tensors, m3) and wv.manifest.delta_base == -1
+        assert _same(wv.tensors, m3) and wv.manifest.delta_base == -1 and sub.last_path == sub_path
     assert early.delta_versions == 0 and pub._server.full_served_to_delta_askers >= 1
 
 
@@ -155,8 +210,8 @@ async def _restarted(make_publisher: Any, endpoint: str, pub_endpoint: str) -> A
     raise AssertionError(f"{endpoint} stayed in use")
 
 
-async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any, path: str = "network") -> tuple[Any, dict[str, torch.Tensor]]:
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path=path)
     m1 = _model()
     await _published(pub, m1, 1)
     sub.recycle(await sub.fetch(1))
@@ -165,70 +220,84 @@ async def _holding_v1_with_v2_published(pub: Any, make_subscriber: Any) -> tuple
     return sub, m2
 
 
-async def test_a_delta_whose_base_the_subscriber_does_not_hold_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any) -> None:
+async def test_a_delta_whose_base_the_subscriber_does_not_hold_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any,
+                                                                                         sub_path: str) -> None:
     pub = await make_publisher()
-    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     delta_manifest = await sub.fetch_manifest(2)
     assert delta_manifest.delta_base == 1
-    other = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="other")  # holds no version
+    other = make_subscriber(pub.router_endpoint, pub.pub_endpoint, worker_id="other", path=sub_path)  # holds no version
     other.watch.known, other.watch.latest = delta_manifest, 2  # handed the delta manifest (as a catch-up would)
     wv = await other.fetch(2)
-    assert _same(wv.tensors, m2) and other.delta_fallbacks == 1 and other.delta_versions == 0
+    assert _same(wv.tensors, m2) and other.delta_fallbacks == 1 and other.delta_versions == 0 and other.last_path == sub_path
+
+
+def _corrupt(served: Any, k: int, change: Any, *, keep_checksum: bool) -> None:
+    """The `k`-th carried bucket of `served`'s delta changed by `change(array)` where every subscriber reads it: the
+    bytes the ROUTER serves and their copy in shared memory (`Manifest.delta_shm`); with `keep_checksum` the encoded
+    bytes' checksum is made to match them (so only the checksum of the resulting bytes can catch the change)."""
+    d = served.delta
+    payload = d.payload
+    src = payload.sources[k]
+    change(src.array)
+    if d.shm_buffer is not None:
+        offsets, _total = payload_offsets([b.nbytes for b in payload.buckets])
+        n = payload.buckets[k].nbytes
+        d.shm_buffer.numpy()[offsets[k] : offsets[k] + n] = src.array
+    if keep_checksum:
+        i = [b.index for b in d.buckets if b.encoding != "unchanged"][k]
+        digest = checksum(src.array.data)
+        payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
+        d.buckets = tuple(replace(b, delta_checksum=digest) if b.index == i else b for b in d.buckets)
+
+
+def _flip_last(a: Any) -> None:
+    a[-1] ^= 0x40  # a changed value's bits flipped
 
 
 @pytest.mark.parametrize("where", ["payload", "payload_and_its_checksum"])
-async def test_a_corrupt_delta_bucket_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any, where: str) -> None:
+async def test_a_corrupt_delta_bucket_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any, where: str, sub_path: str) -> None:
     pub = await make_publisher()
-    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     served = pub._server.versions[2]
     assert served.delta is not None
-    payload = served.delta.payload
     i = next(j for j, b in enumerate(served.delta.buckets) if b.encoding in ("sparse", "gaps"))
     k = sum(1 for b in served.delta.buckets[:i] if b.encoding != "unchanged")
-    src = payload.sources[k]
-    src.array[-1] ^= 0x40  # a changed value's bits flipped
-    if where == "payload_and_its_checksum":
-        # the encoded bytes check out, so only the checksum of the resulting bytes can catch it
-        digest = checksum(src.array.data)
-        payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
-        served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == i else b for b in served.delta.buckets)
+    # with the checksum kept, the encoded bytes check out, so only the checksum of the resulting bytes can catch it
+    _corrupt(served, k, _flip_last, keep_checksum=where == "payload_and_its_checksum")
     wv = await sub.fetch(2)
-    assert _same(wv.tensors, m2)
+    assert _same(wv.tensors, m2) and sub.last_path == sub_path
     assert sub.delta_fallbacks == 1 and sub.delta_versions == 0
 
 
 @pytest.mark.parametrize("where", ["values", "positions"])
 async def test_a_bucket_that_fails_while_others_are_rebuilt_and_handed_on_ends_in_the_full_version(make_publisher: Any, make_subscriber: Any,
-                                                                                                   where: str) -> None:
+                                                                                                   where: str, sub_path: str) -> None:
     """Buckets are rebuilt as their encoded bytes arrive and handed on as each verifies: one whose encoded bytes check
     out but whose result cannot be right (a value's bits flipped, or positions past the bucket) ends in the full
     version; nothing handed on, before or after, differs from the trainer's tensors, and the failed rebuild's buffer
     serves the next delta."""
     pub = await make_publisher(bucket_bytes=64 * 1024)
-    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     served = pub._server.versions[2]
     assert served.delta is not None
-    payload = served.delta.payload
     carried = [b for b in served.delta.buckets if b.encoding != "unchanged"]
     assert len(carried) >= 3 and carried[-1].encoding == "gaps"
-    k = len(carried) - 1
-    src = payload.sources[k]
-    if where == "values":
-        src.array[-1] ^= 0x40
-    else:
-        src.array[:2] = 0xFF  # the first gap 65535: past the bucket's 32768 elements
-    digest = checksum(src.array.data)  # the encoded bytes check out
-    payload.buckets = tuple(replace(b, checksum=digest) if b.index == k else b for b in payload.buckets)
-    served.delta.buckets = tuple(replace(b, delta_checksum=digest) if b.index == carried[-1].index else b for b in served.delta.buckets)
+
+    def past_the_bucket(a: Any) -> None:
+        a[:2] = 0xFF  # the first gap 65535: past the bucket's 32768 elements
+
+    # the encoded bytes check out
+    _corrupt(served, len(carried) - 1, _flip_last if where == "values" else past_the_bucket, keep_checksum=True)
     handed: list[dict[str, torch.Tensor]] = []
     wv = await sub.fetch(2, on_bucket=lambda _i, tensors: handed.append({n: t.clone() for n, t in tensors.items()}))
-    assert _same(wv.tensors, m2) and sub.delta_fallbacks == 1 and sub.delta_versions == 0
+    assert _same(wv.tensors, m2) and sub.delta_fallbacks == 1 and sub.delta_versions == 0 and sub.last_path == sub_path
     assert handed and all(torch.equal(t.view(torch.uint8), m2[n].contiguous().view(torch.uint8)) for h in handed for n, t in h.items())
     sub.recycle(wv)
     m3 = _step(m2, 3)
     await _published(pub, m3, 3)
     wv3 = await sub.fetch(3)
-    assert _same(wv3.tensors, m3) and sub.delta_versions == 1 and sub.delta_fallbacks == 1
+    assert _same(wv3.tensors, m3) and sub.delta_versions == 1 and sub.delta_fallbacks == 1 and sub.last_path == sub_path
 
 
 def _evicting(through: Any, pub: Any, m2: Any, newer: dict[str, Any]) -> Any:
@@ -246,22 +315,38 @@ def _evicting(through: Any, pub: Any, m2: Any, newer: dict[str, Any]) -> Any:
     return evicting
 
 
-async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_publisher: Any, make_subscriber: Any) -> None:
+async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_publisher: Any, make_subscriber: Any, sub_path: str) -> None:
     pub = await make_publisher()
-    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     newer: dict[str, Any] = {}
-    evicting = _evicting(sub._network.fetch, pub, m2, newer)  # keep_versions=2: versions 1 and 2, and 2's delta, go
+    if sub_path == "network":
+        evicting = _evicting(sub._network.fetch, pub, m2, newer)  # keep_versions=2: versions 1 and 2, and 2's delta, go
+        sub._network.fetch = evicting
+    else:
+        read = sub.delta.read_payloads
 
-    sub._network.fetch = evicting
+        async def evicted_while_read(manifest: Any, on_payload: Any = None) -> Any:
+            # the encoded bytes checked out and the rebuild reads them from the segment, when versions 3 and 4 are
+            # published: version 2 and its delta are evicted, and 4's delta is written into the segment 2's was in
+            got = await read(manifest, on_payload)
+            newer["m3"] = _step(m2, 3)
+            await _published(pub, newer["m3"], 3)
+            newer["m4"] = _step(newer["m3"], 4)
+            await _published(pub, newer["m4"], 4)
+            assert pub._server.versions[4].delta.shm.name == manifest.delta_shm.name  # the same segment, reused
+            return got
+
+        sub.delta.read_payloads = evicted_while_read
     wv = await sub.fetch()  # the latest: 2 was announced
-    assert wv.version == 4 and _same(wv.tensors, newer["m4"])
+    assert wv.version == 4 and _same(wv.tensors, newer["m4"]) and sub.last_path == sub_path
     assert sub.delta_fallbacks == 1
 
 
-async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
+async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publisher: Any, make_subscriber: Any, sockets: Any,
+                                                                      sub_path: str) -> None:
     pub = await make_publisher()
     endpoint, pub_endpoint = pub.router_endpoint, pub.pub_endpoint
-    sub, _m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    sub, _m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     await pub.close()
     restarted = await _restarted(make_publisher, endpoint, pub_endpoint)
     # the new run publishes its own version 1 (other bytes) and then 2: a delta of 2 against *its* 1
@@ -271,7 +356,7 @@ async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publi
     await _published(restarted, r2, 2)
     assert restarted._server.versions[2].delta is not None
     wv = await sub.fetch(2)
-    assert _same(wv.tensors, r2) and sub.delta_versions == 0 and sub.delta_fallbacks == 1
+    assert _same(wv.tensors, r2) and sub.delta_versions == 0 and sub.delta_fallbacks == 1 and sub.last_path == sub_path
 
 
 async def test_a_relay_that_missed_the_base_serves_the_full_version_then_deltas(make_publisher: Any, make_subscriber: Any, sockets: Any) -> None:
