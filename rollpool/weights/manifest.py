@@ -28,6 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpool.protocol.codec import DELTA_PATHS_MINOR
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.config import WeightPathConfig
@@ -268,8 +269,8 @@ def plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) -> Pla
 
 def delta_plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) -> Plan:
     """Where a delta manifest's encoded bytes are read (the rebuild is the same whichever): `SHM` (the publisher's
-    segment, `Manifest.delta_shm`) or `NETWORK` (the ROUTER or, where `bulk_step` takes it, the bulk lane), in that
-    order, each to try or passed over with the reason. Passing shared memory over is never a counted fallback here (a
+    segment, `Manifest.delta_shm`), `BULK` (where `bulk_step` takes the lane and the server's lane serves deltas: minor
+    `DELTA_PATHS_MINOR`) or `NETWORK` (the ROUTER), in that order, each to try or passed over with the reason. Passing shared memory over is never a counted fallback here (a
     relay or an older publisher offers none, and the network serves the same bytes); under ``shm`` a delta that is not
     in shared memory on this host is a refusal (the caller then fetches the full version, which shared memory serves)."""
     path = config.weight_path
@@ -289,6 +290,8 @@ def delta_plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) 
     else:
         network = Step(NETWORK)
         bulk = bulk_step(manifest, facts, config)
+        if not bulk.why_not and manifest.protocol_minor < DELTA_PATHS_MINOR:
+            bulk = Step(BULK, f"the server's bulk lane serves no deltas (minor {manifest.protocol_minor} < {DELTA_PATHS_MINOR})")
     return Plan(steps=(shm, bulk, network), refusal=refusal)
 
 

@@ -173,7 +173,7 @@ class WeightSubscriber:
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._errlog = RateLimitedLog(log)
         self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads, segments=self.segments,
-                               plan=lambda m: delta_plan(m, self.facts(), self.config))
+                               bulk=self._bulk, plan=lambda m: delta_plan(m, self.facts(), self.config))
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""

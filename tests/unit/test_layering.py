@@ -150,7 +150,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "paths.base": set(),
     "paths.network": {"paths.base", "manifest", "bucketing"},
     "paths.bulk": {"paths.base", "manifest", "bucketing"},
-    "paths.delta": {"paths.base", "paths.network", "paths.shm", "manifest", "bucketing", "delta", "memory"},
+    "paths.delta": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "manifest", "bucketing", "delta", "memory"},
     "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta", "config", "memory"},
     "snapshot": {"serving", "bucketing", "gpu", "memory"},
     "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,21 +41,26 @@ from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
 from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, payload_offsets, rebuild_bucket, same_layout
-from rollpool.weights.manifest import NETWORK, SHM, Plan, check_manifest
+from rollpool.weights.manifest import BULK, NETWORK, SHM, Plan, check_manifest
 from rollpool.weights.memory import ShmUnavailableError, VersionBuffers
-from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, WeightVersion
+from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, PathFallbackError, WeightVersion
+from rollpool.weights.paths.bulk import BulkPath
 from rollpool.weights.paths.network import NetworkPath
 from rollpool.weights.paths.shm import ShmSegments
 
 __all__ = ["DeltaPath"]
+
+log = logging.getLogger("rollpool.weights.subscriber")
 
 
 class DeltaPath:
     """The subscriber's end of delta versions (see the module docstring)."""
 
     def __init__(self, network: NetworkPath, buffers: VersionBuffers, *, enabled: bool, threads: int,
-                 segments: ShmSegments | None = None, plan: Callable[[Manifest], Plan] | None = None) -> None:
+                 segments: ShmSegments | None = None, bulk: BulkPath | None = None, plan: Callable[[Manifest], Plan] | None = None) -> None:
         self.network = network
+        self.bulk = bulk
+        """The bulk lane (None: the encoded bytes come over the ROUTER only)."""
         self.buffers = buffers
         self.segments = segments
         """The publisher's shared-memory segments mapped here (None: the encoded bytes come over the network only)."""
@@ -222,7 +228,21 @@ class DeltaPath:
         views = [scratch[at : at + b.delta_nbytes] for b, at in zip(carried, offsets, strict=True)]
         told = None if on_payload is None else (lambda j, _tensors: on_payload(carried[j].index, views[j]))
         if carried:
-            await self.network.fetch(FetchJob(check_manifest(payload_manifest), on_bucket=told, buffers=views, slab=scratch))
+            steps = self.plan(manifest) if self.plan is not None else None
+            lane = self.bulk is not None and steps is not None and BULK in steps.to_try
+            job = FetchJob(check_manifest(replace(payload_manifest, bulk_port=manifest.bulk_port if lane else 0)), on_bucket=told,
+                           buffers=views, slab=scratch)
+            lane_done = False
+            if self.bulk is not None and lane:
+                try:
+                    await self.bulk.fetch(job)
+                    lane_done = True
+                except PathFallbackError as exc:  # what the lane verified is kept; the ROUTER fetches the rest
+                    log.info("weight version %d: the delta's encoded bytes over the ROUTER: %s", manifest.version, exc.reason)
+                    if exc.resume is not None:
+                        job.manifest, job.skip = exc.resume
+            if not lane_done:
+                await self.network.fetch(job)
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, view in zip(carried, views, strict=True):
             payloads[b.index] = view

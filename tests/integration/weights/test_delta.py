@@ -90,7 +90,7 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
     for version in (2, 3, 4):
         model = _step(model, version)
         await _published(pub, model, version)
-        before, before_shm, served = sub.bytes_received, sub.shm_bytes, pub.bytes_served
+        before, before_shm, before_bulk, served = sub.bytes_received, sub.shm_bytes, sub.bulk_bytes, pub.bytes_served
         wv = await sub.fetch(version)
         assert _same(wv.tensors, model)
         assert wv.manifest.delta_base == version - 1
@@ -99,6 +99,8 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         got = sub.bytes_received - before if sub_path == "network" else sub.shm_bytes - before_shm
         if sub_path == "shm":  # the delta path ran, not a full version: its encoded bytes read in place, none on a socket
             assert sub.bytes_received == before and pub.bytes_served == served
+        else:  # over TCP the encoded bytes take the server's bulk lane (minor 26), as a full version's bytes do
+            assert sub.bulk_bytes - before_bulk == got
         # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
         assert 0 < got < total // 10
         wire = sub.last_wire  # what status and top show: the bytes by encoding, the changed fraction carried
@@ -140,6 +142,7 @@ async def test_a_subscriber_on_shm_asks_an_older_server_for_no_delta_and_one_on_
     await _published(pub, model, 1)
     for s in (strict, auto):
         s.recycle(await s.fetch(1))
+    lane_bytes = auto.bulk_bytes
     for version in (2, 3):
         model = _step(model, version)
         await _published(pub, model, version)
@@ -150,6 +153,33 @@ async def test_a_subscriber_on_shm_asks_an_older_server_for_no_delta_and_one_on_
     assert strict.delta_versions == 0 and strict.delta_fallbacks == 0 and strict.last_path == "shm" and strict.fallbacks == {}
     assert strict.bytes_received == 0
     assert auto.delta_versions == 2 and auto.delta_fallbacks == 0 and auto.last_path == "network"
+    assert auto.bulk_bytes == lane_bytes  # that server's lane knows no delta request: the encoded bytes came over the ROUTER
+
+
+async def test_a_bulk_lane_lost_while_it_carries_a_delta_leaves_the_rest_to_the_router(make_publisher: Any, make_subscriber: Any) -> None:
+    """The lane fails part-way through a delta's encoded bytes: what it verified is kept, the ROUTER brings the rest, and
+    the version is still rebuilt from the delta, bit-identical."""
+    pub = await make_publisher(bucket_bytes=64 * 1024)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber)
+    served = pub._server.versions[2]
+    assert served.delta is not None and len(served.delta.payload.buckets) >= 3
+    lane = pub._server.bulk
+    assert lane is not None
+    answer, answered = lane._answer, []
+
+    def fails_on_the_second(conn: Any, peer: bytes, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> None:
+        if delta_base >= 0 and answered:
+            conn.shutdown(2)  # the lane drops: the subscriber's stream sees the connection fail
+            return
+        answered.append(bucket)
+        answer(conn, peer, version, bucket, offset, nbytes, delta_base)
+
+    lane._answer = fails_on_the_second
+    before, before_bulk = sub.bytes_received, sub.bulk_bytes
+    wv = await sub.fetch(2)
+    assert _same(wv.tensors, m2) and sub.delta_versions == 1 and sub.delta_fallbacks == 0
+    lane_bytes, total = sub.bulk_bytes - before_bulk, sub.bytes_received - before
+    assert 0 < lane_bytes < total  # part over the lane, the rest over the ROUTER
 
 
 async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_versions(make_publisher: Any, sockets: Any) -> None:
@@ -320,8 +350,9 @@ async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_pu
     sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
     newer: dict[str, Any] = {}
     if sub_path == "network":
-        evicting = _evicting(sub._network.fetch, pub, m2, newer)  # keep_versions=2: versions 1 and 2, and 2's delta, go
-        sub._network.fetch = evicting
+        # keep_versions=2: versions 1 and 2, and 2's delta, go; the encoded bytes go over the bulk lane, else the ROUTER
+        sub._bulk.fetch = _evicting(sub._bulk.fetch, pub, m2, newer)
+        sub._network.fetch = _evicting(sub._network.fetch, pub, m2, newer)
     else:
         read = sub.delta.read_payloads
 
@@ -491,9 +522,9 @@ async def test_a_delta_evicted_while_the_relay_fetches_it_ends_in_the_full_lates
         m2 = _step(m1, 2)
         await _published(pub, m2, 2)
         newer: dict[str, Any] = {}
-        evicting = _evicting(relay.upstream._network.fetch, pub, m2, newer)  # keep_versions=2: 2 and its delta go mid-fetch
-
-        relay.upstream._network.fetch = evicting
+        # keep_versions=2: 2 and its delta go mid-fetch (over the bulk lane, else the ROUTER)
+        relay.upstream._bulk.fetch = _evicting(relay.upstream._bulk.fetch, pub, m2, newer)
+        relay.upstream._network.fetch = _evicting(relay.upstream._network.fetch, pub, m2, newer)
         with pytest.raises(WeightSyncError):  # the follow loop logs it and looks again
             await relay.follow_latest()
         assert relay.latest_version == 1 and relay.delta_fallbacks == 1 and 2 not in relay._server.versions
