@@ -427,7 +427,9 @@ class WeightSubscriber:
         self.buffers.give(old.slab, old.buffers)
 
     def _take_buffers(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        self.delta.forget(slab)  # about to be written: no longer the version it held (a delta's in-place rebuild asks)
+        return slab, buffers
 
     # -- the shared-memory path
 

@@ -40,7 +40,16 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
-from rollpool.weights.delta import UNCHANGED, DeltaError, itemsize_of, payload_offsets, rebuild_bucket, same_layout
+from rollpool.weights.delta import (
+    UNCHANGED,
+    WHOLE,
+    DeltaError,
+    itemsize_of,
+    patch_bucket,
+    payload_offsets,
+    rebuild_bucket,
+    same_layout,
+)
 from rollpool.weights.manifest import BULK, NETWORK, SHM, Plan, check_manifest
 from rollpool.weights.memory import ShmUnavailableError, VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, PathFallbackError, WeightVersion
@@ -78,6 +87,18 @@ class DeltaPath:
         self.fallbacks = 0
         """Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched full instead."""
         self._pool: ThreadPoolExecutor | None = None
+        self.in_place = True
+        """Rebuild in place where it is safe (`_chain_for`); off: always copy the base (a benchmark's comparison)."""
+        self.in_place_versions = 0
+        """Versions rebuilt in place, in the buffer that held the version two before (no copy of the base)."""
+        self._content: dict[int, tuple[str, int]] = {}
+        """Host buffers (by address) that hold a whole verified version nothing has written since: its publisher and
+        number. A buffer is dropped from here as soon as a fetch takes it to write into."""
+        self._last: tuple[Manifest, list[torch.Tensor | None]] | None = None
+        """The newest version's delta when it came as one (its manifest and encoded bytes, owned here): applied again,
+        with the next one, to the buffer that holds the version before it."""
+        self._made: tuple[Manifest, list[torch.Tensor | None]] | None = None
+        """The delta just rebuilt, until `hold` makes it `_last`."""
 
     def base_version(self) -> int:
         """The version a manifest request names as its base (-1: none held)."""
@@ -90,6 +111,10 @@ class DeltaPath:
         if not self.enabled:
             return wv
         host = wv.slab is not None and not on_device and not wv.slab.is_cuda
+        made, self._made = self._made, None
+        self._last = made if made is not None and host and made[0].version == wv.version else None
+        if host and wv.slab is not None:
+            self._content[wv.slab.data_ptr()] = (wv.manifest.publisher_id, wv.version)
         old, recycled = self.base, self._base_recycled
         self.base, self._base_recycled = (wv if host else None), False
         if old is not None and recycled and old.slab is not None:
@@ -103,8 +128,31 @@ class DeltaPath:
             return True
         return False
 
+    def forget(self, slab: torch.Tensor | None) -> None:
+        """`slab` was taken to be written: what it held is no longer known."""
+        if slab is not None:
+            self._content.pop(slab.data_ptr(), None)
+
+    def _chain_for(self, manifest: Manifest, slab: torch.Tensor) -> list[torch.Tensor | None] | None:
+        """When `slab` (free, so nothing reads it) still holds the version before the base, whole and verified, and the
+        base came as a delta against it from the same publisher: that delta's encoded bytes per bucket, so this version
+        is rebuilt in place (both deltas applied to it, no copy of the base). None: copy the base."""
+        held = self._content.pop(slab.data_ptr(), None)
+        last = self._last
+        if not self.in_place or held is None or last is None:
+            return None
+        prev, payloads = last
+        publisher, version = held
+        if (publisher != manifest.publisher_id or prev.publisher_id != publisher or version != manifest.delta_base - 1
+                or prev.version != manifest.delta_base or prev.delta_base != version or len(prev.buckets) != len(manifest.buckets)):
+            return None
+        encodings = [b.encoding for b in prev.buckets]
+        return [p if e != WHOLE else None for p, e in zip(payloads, encodings, strict=True)]
+
     def close(self) -> None:
         self.base = None
+        self._content.clear()
+        self._last = self._made = None
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -135,6 +183,8 @@ class DeltaPath:
         via = SHM if steps is not None and SHM in steps.to_try else NETWORK
         await self.buffers.reserved()
         slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        chain = self._chain_for(manifest, slab)
+        prev = self._last[0] if chain is not None and self._last is not None else None
         loop = asyncio.get_running_loop()
         pool = self._threads()
         work: dict[int, Future[tuple[bool, float, float]]] = {}
@@ -143,7 +193,11 @@ class DeltaPath:
         def start(i: int, payload: torch.Tensor | None) -> None:
             if i in work:
                 return
-            work[i] = f = pool.submit(_rebuild_one, manifest.buckets[i], payload, base.buffers[i], buffers[i])
+            b = manifest.buckets[i]
+            if chain is not None and prev is not None and b.encoding != WHOLE and prev.buckets[i].encoding != WHOLE:
+                work[i] = f = pool.submit(_patch_one, b, (prev.buckets[i].encoding, chain[i]), (b.encoding, payload), buffers[i])
+            else:
+                work[i] = f = pool.submit(_rebuild_one, b, payload, base.buffers[i], buffers[i])
             f.add_done_callback(lambda _f: _call_soon(loop, done.put_nowait, i))
 
         try:
@@ -151,24 +205,25 @@ class DeltaPath:
                 if b.encoding == UNCHANGED:
                     start(b.index, None)  # no bytes to wait for
             if via == SHM:
-                payloads, still = await self.read_payloads(manifest, on_payload=start)
+                payloads = await self.read_payloads(manifest, on_payload=start)
             else:
                 payloads, _carried = await self.fetch_payloads(manifest, on_payload=start)
             fetched = time.perf_counter()
             for i, p in enumerate(payloads):
                 start(i, p)
             rebuild_s, verify_s = await self._collect(manifest, work, done, buffers, on_bucket)
-            if via == SHM:
-                still()  # every rebuilt bucket matched its checksum; the segment must still be this delta's as well
         except BaseException:
             self._give_when_done(slab, list(work.values()))  # (a rebuild still writing keeps its buffer until it ends)
             raise
         now = time.perf_counter()
         self.versions += 1
+        self.in_place_versions += chain is not None
+        self._made = (manifest, payloads)
         return Fetched(manifest, buffers, slab, via, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
-                                                          "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
-                                                          "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
-                                                          "delta_total_s": round(now - t0, 4)})
+                                                      "in_place": chain is not None,
+                                                      "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
+                                                      "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
+                                                      "delta_total_s": round(now - t0, 4)})
 
     async def _collect(self, manifest: Manifest, work: dict[int, Future[tuple[bool, float, float]]], done: asyncio.Queue[int],
                        buffers: list[torch.Tensor], on_bucket: BucketCallback | None) -> tuple[float, float]:
@@ -249,13 +304,13 @@ class DeltaPath:
         return payloads, carried
 
     async def read_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None
-                            ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
-        """A delta manifest's encoded buckets read in place from the publisher's segment (`Manifest.delta_shm`, laid out
-        by `payload_offsets`), each verified against its own checksum in `threads` threads (`on_payload` told each one as
-        it verifies, as `fetch_payloads` tells them); per bucket its payload (None: unchanged), views of the mapping,
-        and a check to run once they have been read (the segment's header still names this version, in the generation
-        it had: else the publisher reused it meanwhile). `WeightSyncError` for a segment that cannot be mapped or holds
-        another version (the delta was evicted), `DeltaError` for encoded bytes that do not match their checksum."""
+                            ) -> list[torch.Tensor | None]:
+        """A delta manifest's encoded buckets copied out of the publisher's segment (`Manifest.delta_shm`, laid out by
+        `payload_offsets`) into a buffer of this subscriber's, each copy verified against its checksum while in cache, in
+        `threads` threads (`on_payload` told each one as it verifies, as `fetch_payloads` tells them); per bucket its
+        payload (None: unchanged). The segment's header must name this version before the copies and be unchanged
+        after them (else the publisher reused it meanwhile: the delta was evicted): `WeightSyncError`, as for a segment
+        that cannot be mapped; `DeltaError` for encoded bytes that do not match their checksum."""
         seg = manifest.delta_shm
         if seg is None or self.segments is None:
             raise WeightSyncError("the delta names no shared-memory segment")
@@ -270,35 +325,33 @@ class DeltaPath:
         offsets, total = payload_offsets([b.delta_nbytes for b in carried])
         if total > seg.nbytes:
             raise DeltaError(f"the delta's {total} encoded bytes do not fit its segment of {seg.nbytes}")
-        data = reader.host_tensor()
+        source = reader.host_tensor()
+        scratch = torch.empty(total, dtype=torch.uint8)
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, at in zip(carried, offsets, strict=True):
-            payloads[b.index] = data[at : at + b.delta_nbytes]
+            payloads[b.index] = scratch[at : at + b.delta_nbytes]
 
-        def still() -> None:
-            if reader.state() != state:
-                raise WeightSyncError(f"the publisher reused the delta's segment while it was read (version {manifest.version} evicted)")
-
-        def check(b: BucketInfo) -> bool:
-            view = payloads[b.index]
-            assert view is not None
-            return verify_checksum(b.delta_checksum, view.numpy().data)
+        def copy_checked(b: BucketInfo, at: int) -> bool:
+            mine = scratch[at : at + b.delta_nbytes]
+            mine.copy_(source[at : at + b.delta_nbytes])
+            return verify_checksum(b.delta_checksum, mine.numpy().data)
 
         loop = asyncio.get_running_loop()
         pool = self._threads()
-        checks = [(b, asyncio.wrap_future(pool.submit(check, b), loop=loop)) for b in carried]
+        checks = [(b, asyncio.wrap_future(pool.submit(copy_checked, b, at), loop=loop)) for b, at in zip(carried, offsets, strict=True)]
         try:
             for b, f in checks:
                 if not await f:
                     raise DeltaError(f"bucket {b.index}'s encoded bytes in shared memory do not match their checksum")
+                if reader.state() != state:
+                    raise WeightSyncError(f"the publisher reused the delta's segment while it was read (version {manifest.version} evicted)")
                 if on_payload is not None:
                     on_payload(b.index, payloads[b.index])  # type: ignore[arg-type]
         finally:
             for _b, f in checks:
                 f.cancel()
-        still()
         self.network.ctx.counters.shm_bytes += sum(b.delta_nbytes for b in carried)
-        return payloads, still
+        return payloads
 
     async def rebuild(self, manifest: Manifest, payloads: Sequence[torch.Tensor | None], base: Sequence[torch.Tensor],
                       out: Sequence[torch.Tensor]) -> None:
@@ -345,6 +398,21 @@ def _rebuild_one(b: BucketInfo, payload: torch.Tensor | None, base: torch.Tensor
     t = time.perf_counter()
     summer = _TimedSummer(Checksummer(algo))
     rebuild_bucket(b.encoding, payload, base, out, itemsize_of(b.dtype), summer)
+    return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds
+
+
+def _patch_one(b: BucketInfo, before: tuple[str, torch.Tensor | None], now: tuple[str, torch.Tensor | None], out: torch.Tensor
+               ) -> tuple[bool, float, float]:
+    """Bucket `b` rebuilt in place: `out` holds the version two before; the delta before and this one are applied to it
+    (`patch_bucket`: a bucket neither touched is not written) and its resulting bytes checksummed in the same pass, as
+    every rebuilt bucket is (the bytes of a recycled buffer are its caller's to keep unwritten; the checksum is what
+    says they were). As `_rebuild_one`: (match, seconds, seconds checksumming)."""
+    algo = b.checksum.partition(":")[0]
+    if not checksum_supported(algo):
+        return False, 0.0, 0.0
+    t = time.perf_counter()
+    summer = _TimedSummer(Checksummer(algo))
+    patch_bucket([before, now], out, itemsize_of(b.dtype), summer)
     return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds
 
 

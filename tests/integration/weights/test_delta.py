@@ -83,14 +83,13 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
     total = sum(t.numel() * t.element_size() for t in _model().values())
     m1 = _model()
     await _published(pub, m1, 1)
-    wv = await sub.fetch(1)
-    assert _same(wv.tensors, m1) and sub.delta_versions == 0 and sub.last_path == sub_path
-    sub.recycle(wv)
+    served = await sub.fetch(1)
+    assert _same(served.tensors, m1) and sub.delta_versions == 0 and sub.last_path == sub_path
     model = m1
     for version in (2, 3, 4):
-        model = _step(model, version)
+        before_model, model = model, _step(model, version)
         await _published(pub, model, version)
-        before, before_shm, before_bulk, served = sub.bytes_received, sub.shm_bytes, sub.bulk_bytes, pub.bytes_served
+        before, before_shm, before_bulk, served_bytes = sub.bytes_received, sub.shm_bytes, sub.bulk_bytes, pub.bytes_served
         wv = await sub.fetch(version)
         assert _same(wv.tensors, model)
         assert wv.manifest.delta_base == version - 1
@@ -98,7 +97,7 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert wv.manifest.delta_shm is not None and sub.last_path == sub_path
         got = sub.bytes_received - before if sub_path == "network" else sub.shm_bytes - before_shm
         if sub_path == "shm":  # the delta path ran, not a full version: its encoded bytes read in place, none on a socket
-            assert sub.bytes_received == before and pub.bytes_served == served
+            assert sub.bytes_received == before and pub.bytes_served == served_bytes
         else:  # over TCP the encoded bytes take the server's bulk lane (minor 26), as a full version's bytes do
             assert sub.bulk_bytes - before_bulk == got
         # 1% of the bf16 elements as (int32 index, value) pairs and the fp32 norm whole: a few % of the version
@@ -107,8 +106,12 @@ async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_t
         assert wire.version == version and wire.wire_bytes == got and wire.model_bytes == total
         assert wire.bytes_by_encoding["gaps"] + wire.bytes_by_encoding["sparse"] == wire.wire_bytes > 0  # scattered: no bucket whole
         assert 0.009 < wire.changed_fraction < 0.011  # 1% of each tensor's elements changed
-        sub.recycle(wv)
-    assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
+        # as a worker does: the version the engine served is recycled once the new one is applied; until then the
+        # rebuild never wrote it (from version 3 on the rebuild writes, in place, the buffer recycled the time before)
+        assert _same(served.tensors, before_model)
+        sub.recycle(served)
+        served = wv
+    assert sub.delta_versions == 3 and sub.delta_fallbacks == 0 and sub.delta.in_place_versions == 2
     assert sub.buffers_allocated == 2  # the base and the version being rebuilt: recycled buffers come back a version later
     stats = pub.stats
     assert stats["last_delta_version"] == 4 and 5_000 < stats["last_delta_changed_ppm"] < 20_000
@@ -123,6 +126,30 @@ def shm_dir() -> str:
     if not os.path.isdir(SHM_DIR):
         pytest.skip("no /dev/shm")
     return SHM_DIR
+
+
+async def test_a_recycled_buffer_written_after_it_was_given_back_is_caught_by_the_checksum_of_the_in_place_rebuild(
+        make_publisher: Any, make_subscriber: Any, sub_path: str) -> None:
+    """A version rebuilt in place starts from the bytes the buffer recycled the time before holds (the version two
+    before). A caller that wrote into it after giving it back (against `recycle`'s contract) gets no wrong tensor: the
+    rebuilt buckets fail their checksums and the full version arrives; the next delta is rebuilt again."""
+    pub = await make_publisher()
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, sub_path)
+    served = await sub.fetch(2)  # a delta, rebuilt by copying the base
+    assert _same(served.tensors, m2) and sub.delta_versions == 1 and sub.delta.in_place_versions == 0
+    m3 = _step(m2, 3)
+    await _published(pub, m3, 3)
+    free = [b for bufs in sub.buffers.pool._free.values() for b in bufs]
+    assert free  # the buffer version 1 was in: the next delta is rebuilt in it
+    for b in free:
+        b[::4096] ^= 0x01  # written after it was given back
+    wv = await sub.fetch(3)
+    assert _same(wv.tensors, m3) and sub.delta_fallbacks == 1 and sub.delta.in_place_versions == 0 and sub.last_path == sub_path
+    sub.recycle(served)
+    m4 = _step(m3, 4)
+    await _published(pub, m4, 4)
+    wv4 = await sub.fetch(4)  # 3 came full: its delta is not kept, so version 4 is rebuilt by a copy of the base
+    assert _same(wv4.tensors, m4) and sub.delta_versions == 2 and sub.delta_fallbacks == 1
 
 
 async def test_a_subscriber_on_shm_asks_an_older_server_for_no_delta_and_one_on_auto_gets_it_over_the_network(
@@ -356,21 +383,46 @@ async def test_a_delta_evicted_mid_fetch_ends_in_a_verified_full_version(make_pu
     else:
         read = sub.delta.read_payloads
 
-        async def evicted_while_read(manifest: Any, on_payload: Any = None) -> Any:
-            # the encoded bytes checked out and the rebuild reads them from the segment, when versions 3 and 4 are
-            # published: version 2 and its delta are evicted, and 4's delta is written into the segment 2's was in
-            got = await read(manifest, on_payload)
+        async def evicted_before_read(manifest: Any, on_payload: Any = None) -> Any:
+            # the manifest is here, then versions 3 and 4 are published before the encoded bytes are read: version 2
+            # and its delta are evicted, and 4's delta is written into the segment 2's was in
             newer["m3"] = _step(m2, 3)
             await _published(pub, newer["m3"], 3)
             newer["m4"] = _step(newer["m3"], 4)
             await _published(pub, newer["m4"], 4)
             assert pub._server.versions[4].delta.shm.name == manifest.delta_shm.name  # the same segment, reused
-            return got
+            return await read(manifest, on_payload)
 
-        sub.delta.read_payloads = evicted_while_read
+        sub.delta.read_payloads = evicted_before_read
     wv = await sub.fetch()  # the latest: 2 was announced
     assert wv.version == 4 and _same(wv.tensors, newer["m4"]) and sub.last_path == sub_path
     assert sub.delta_fallbacks == 1
+
+
+async def test_a_delta_segment_written_again_while_it_is_copied_is_a_torn_read_and_ends_in_the_full_version(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, shm_dir: str) -> None:
+    """The publisher writes the delta's segment again while the subscriber copies the encoded bytes out (the header
+    names the same version, in a new generation): nothing copied is used, and the full version arrives."""
+    from rollpool.weights.paths import delta as delta_path
+
+    pub = await make_publisher(bucket_bytes=64 * 1024)
+    sub, m2 = await _holding_v1_with_v2_published(pub, make_subscriber, "shm")
+    served = pub._server.versions[2]
+    assert served.delta is not None and served.delta.shm is not None
+    seg = pub._server.delta_segments.segment_of(served.delta.shm_buffer)
+    verify, calls = delta_path.verify_checksum, []
+
+    def rewritten_meanwhile(expected: str, data: Any = None, **kw: Any) -> bool:
+        if not calls:  # during the first copy, the publisher writes the segment again
+            seg.begin_write()
+            seg.end_write(2)
+        calls.append(expected)
+        return verify(expected, data, **kw)
+
+    monkeypatch.setattr(delta_path, "verify_checksum", rewritten_meanwhile)
+    wv = await sub.fetch(2)
+    assert _same(wv.tensors, m2) and sub.delta_fallbacks == 1 and sub.delta_versions == 0 and sub.last_path == "shm"
+    assert any("reused the delta's segment" in why for why in sub.fallbacks)
 
 
 async def test_a_publisher_restarted_between_versions_is_never_a_base(make_publisher: Any, make_subscriber: Any, sockets: Any,
