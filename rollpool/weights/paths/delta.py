@@ -10,9 +10,11 @@ What it promises
       recycles it (`holds` tells the caller so). A version that lands on a device (the same GPU, shared memory staged
       to a GPU) leaves no base: the host copy of the version before it is stale (servers offer a delta against the
       version just before only), so no request names it and its buffer goes back.
-    - A delta's encoded buckets travel on the network path (`NetworkPath`, each payload verified against its own
-      checksum); each rebuilt bucket is verified against the checksum of the resulting bytes, so a rebuilt version is
-      bit-identical to the full one or refused.
+    - A delta's encoded buckets are read where `rollpool.weights.manifest.delta_plan` says: copied out of the
+      publisher's shared-memory segment on this host (`Manifest.delta_shm`, minor 26: each copy verified against its
+      checksum, the segment's header unchanged after the copies), else over the bulk lane (minor 26) or the ROUTER
+      (`NetworkPath`, each payload verified against its own checksum); each rebuilt bucket is verified against the
+      checksum of the resulting bytes, so a rebuilt version is bit-identical to the full one or refused.
     - Anything that keeps the version from being rebuilt (no base, another publisher's base, buckets that do not line
       up, a corrupt delta) raises `WeightSyncError` or `rollpool.weights.delta.DeltaError`, and the caller fetches
       the full version instead (counted). A bucket is handed to ``on_bucket`` only once its resulting bytes verified
@@ -20,8 +22,10 @@ What it promises
       returns, and a fallback hands every bucket again.
     - The rebuild writes a buffer of its own (taken from the subscriber's buffers), never the base's: the base is the
       version the engine serves, kept for a re-apply on a restarted engine until the next one is applied, so it stays
-      intact whatever the delta holds. A buffer a failed rebuild wrote goes back to the buffers only once no rebuild
-      thread writes into it any more.
+      intact whatever the delta holds. When that buffer still holds the version before the base (recycled by its
+      caller, nothing written to it since) and the base came as a delta against it, the version is rebuilt there in
+      place (the delta before and this one applied, no copy of the base); else the base is copied into it. A buffer a
+      failed rebuild wrote goes back to the buffers only once no rebuild thread writes into it any more.
 """
 
 from __future__ import annotations
