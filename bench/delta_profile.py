@@ -167,6 +167,71 @@ def kernel_profile(bucket_mib: int, fraction: float) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def rebuild_kernel(mib: int, bucket_mib: int, fractions: list[float], threads: int, reps: int) -> dict[str, Any]:
+    """The subscriber's rebuild alone, without the publisher beside it (`--rebuild-kernel`): `mib` of bf16 in
+    `bucket_mib` buckets, three versions v0 -> v1 -> v2 each a `fraction` step, every bucket rebuilt in `threads`
+    threads with its xxh3 in the same pass, three ways interleaved rep by rep: ``copy_16mib`` (the base v1 copied, v2's
+    delta scattered, 16 MiB pieces: the code before), ``copy_4mib`` (the same, 4 MiB pieces) and ``in_place_4mib`` (a
+    buffer holding v0 patched with both deltas, no copy). Medians of `reps` wall seconds and their ratios; every result
+    compared with v2."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rollpool.weights import delta as delta_mod
+    from rollpool.weights.bucketing import Checksummer
+    from rollpool.weights.delta import encode_bucket, patch_bucket, rebuild_bucket
+
+    n = bucket_mib * _MiB
+    out: dict[str, Any] = {"mib": mib, "bucket_mib": bucket_mib, "threads": threads, "reps": reps, "by_fraction": {}}
+    for fraction in fractions:
+        g = torch.Generator().manual_seed(7)
+        buckets = []
+        for _ in range(max(1, mib // bucket_mib)):
+            v0 = torch.randint(-30000, 30000, (n // 2,), dtype=torch.int16, generator=g)
+            v1 = v0.clone()
+            v1[torch.rand(n // 2, generator=g) < fraction] += 1
+            v2 = v1.clone()
+            v2[torch.rand(n // 2, generator=g) < fraction] -= 1
+            b0, b1, b2 = v0.view(torch.uint8), v1.view(torch.uint8), v2.view(torch.uint8)
+            e1, p1, _ = encode_bucket(b1, b0, 2)
+            e2, p2, _ = encode_bucket(b2, b1, 2)
+            target = torch.empty(n, dtype=torch.uint8)
+            target.copy_(b0)  # touched, as a subscriber's reserved buffers are
+            buckets.append((b0, b1, b2, (e1, p1), (e2, p2), target))
+
+        def copy_one(item: Any) -> None:
+            _b0, b1, _b2, _d1, (e2, p2), target = item
+            rebuild_bucket(e2, p2, b1, target, 2, Checksummer("xxh3_64"))
+
+        def in_place_one(item: Any) -> None:
+            _b0, _b1, _b2, d1, d2, target = item
+            patch_bucket([d1, d2], target, 2, Checksummer("xxh3_64"))
+
+        times: dict[str, list[float]] = {"copy_16mib": [], "copy_4mib": [], "in_place_4mib": []}
+        piece = delta_mod.REBUILD_PIECE_BYTES
+        with ThreadPoolExecutor(threads) as ex:
+            for rep in range(reps):
+                modes = list(times) if rep % 2 == 0 else list(times)[::-1]
+                for mode in modes:
+                    for item in buckets:  # the target holds v0 before each way (outside the timing)
+                        item[5].copy_(item[0])
+                    delta_mod.REBUILD_PIECE_BYTES = 16 * _MiB if mode == "copy_16mib" else 4 * _MiB
+                    t = time.perf_counter()
+                    list(ex.map(in_place_one if mode == "in_place_4mib" else copy_one, buckets))
+                    times[mode].append(time.perf_counter() - t)
+                    for item in buckets:
+                        assert torch.equal(item[5], item[2]), f"{mode}: a rebuilt bucket differs from v2"
+        delta_mod.REBUILD_PIECE_BYTES = piece
+        med = {k: round(statistics.median(v), 4) for k, v in times.items()}
+        out["by_fraction"][str(fraction)] = {"median_s": med, "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+                                             "copy_4mib_over_copy_16mib": round(med["copy_4mib"] / med["copy_16mib"], 3),
+                                             "in_place_over_copy_4mib": round(med["in_place_4mib"] / med["copy_4mib"], 3),
+                                             "in_place_over_copy_16mib": round(med["in_place_4mib"] / med["copy_16mib"], 3)}
+        print(f"  fraction {fraction}: {json.dumps(out['by_fraction'][str(fraction)]['median_s'])}", file=sys.stderr, flush=True)
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import zmq.asyncio
@@ -483,9 +548,14 @@ def main() -> int:
     ap.add_argument("--ab-copy", action="store_true", help="with --ab: a third side, this tree with --copy-rebuild")
     ap.add_argument("--pyspy", default=None, help="with --ab: the py-spy binary; one more run of each side under it, summarised")
     ap.add_argument("--device", action="store_true", help="the host path and the device path (on CPU tensors) side by side, their served deltas compared")
+    ap.add_argument("--rebuild-kernel", default=None, metavar="FRACTIONS",
+                    help="the subscriber's rebuild alone at these changed fractions (comma-separated): copy (16 and 4 MiB pieces) vs in place")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.device:
+    if args.rebuild_kernel:
+        result: dict[str, Any] = {"summary": rebuild_kernel(args.mib, args.bucket_mib, [float(x) for x in args.rebuild_kernel.split(",")],
+                                                            args.threads, args.reps)}
+    elif args.device:
         result = asyncio.run(device_compare(args))
     elif args.ab:
         result = ab(args)

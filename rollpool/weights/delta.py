@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["GAPS", "SPARSE", "UNCHANGED", "WHOLE", "DeltaError", "DeltaSet", "WireSummary", "compute_delta", "decode_bucket", "encode_bucket",
-           "itemsize_of", "patch_bucket", "payload_offsets", "plan_encoding", "position_bytes", "word_width", "wire_summary"]
+           "in_place_pays", "itemsize_of", "patch_bucket", "payload_offsets", "plan_encoding", "position_bytes", "word_width", "wire_summary"]
 
 WHOLE = "whole"
 UNCHANGED = "unchanged"
@@ -263,6 +263,27 @@ def rebuild_bucket(encoding: str, payload: torch.Tensor | None, base: torch.Tens
             start = end
         if summer is not None:
             summer.update(o[lo:hi].view(np.uint8))
+
+
+IN_PLACE_MAX_FRACTION = 0.01
+"""A bucket is rebuilt in place (`patch_bucket`: the delta before applied again, then this one, no copy of the base) only
+when the delta before changed at most this fraction of its elements: that scatter then costs less than the copy it
+saves. On the 2-core box (`bench/delta_profile.py --rebuild-kernel`, bench/results/cpu-delta-rebuild.json) a changed
+element costs about 60 times a copied bf16 element, so in place wins below about 1.6% (0.63x of the copy's time at
+0.5%) and loses above (1.13x at 2.15%)."""
+
+
+def in_place_pays(before: BucketInfo) -> bool:
+    """Whether a bucket whose delta before was `before` (a delta manifest's entry) is cheaper rebuilt in place than by a
+    copy of the base: unchanged then, or changed in at most `IN_PLACE_MAX_FRACTION` of its elements; never ``whole``."""
+    if before.encoding == UNCHANGED:
+        return True
+    if before.encoding not in (SPARSE, GAPS):
+        return False
+    width = word_width(before.nbytes, itemsize_of(before.dtype))
+    elements = before.nbytes // width
+    changed = before.delta_nbytes // (position_bytes(before.encoding) + width)
+    return changed <= IN_PLACE_MAX_FRACTION * elements
 
 
 def patch_bucket(patches: Sequence[tuple[str, torch.Tensor | None]], out: torch.Tensor, itemsize: int, summer: Any = None) -> None:

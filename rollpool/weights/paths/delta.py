@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -48,6 +49,7 @@ from rollpool.weights.delta import (
     UNCHANGED,
     WHOLE,
     DeltaError,
+    in_place_pays,
     itemsize_of,
     patch_bucket,
     payload_offsets,
@@ -95,9 +97,10 @@ class DeltaPath:
         """Rebuild in place where it is safe (`_chain_for`); off: always copy the base (a benchmark's comparison)."""
         self.in_place_versions = 0
         """Versions rebuilt in place, in the buffer that held the version two before (no copy of the base)."""
-        self._content: dict[int, tuple[str, int]] = {}
-        """Host buffers (by address) that hold a whole verified version nothing has written since: its publisher and
-        number. A buffer is dropped from here as soon as a fetch takes it to write into."""
+        self._content: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
+        """Host buffers (by identity, held weakly: one the pool frees is gone from here) that hold a whole verified
+        version nothing has written since: its publisher and number. A buffer is dropped from here as soon as a fetch
+        takes it to write into."""
         self._last: tuple[Manifest, list[torch.Tensor | None]] | None = None
         """The newest version's delta when it came as one (its manifest and encoded bytes, owned here): applied again,
         with the next one, to the buffer that holds the version before it."""
@@ -118,7 +121,7 @@ class DeltaPath:
         made, self._made = self._made, None
         self._last = made if made is not None and host and made[0].version == wv.version else None
         if host and wv.slab is not None:
-            self._content[wv.slab.data_ptr()] = (wv.manifest.publisher_id, wv.version)
+            self._content[id(wv.slab)] = (weakref.ref(wv.slab), wv.manifest.publisher_id, wv.version)
         old, recycled = self.base, self._base_recycled
         self.base, self._base_recycled = (wv if host else None), False
         if old is not None and recycled and old.slab is not None:
@@ -135,18 +138,18 @@ class DeltaPath:
     def forget(self, slab: torch.Tensor | None) -> None:
         """`slab` was taken to be written: what it held is no longer known."""
         if slab is not None:
-            self._content.pop(slab.data_ptr(), None)
+            self._content.pop(id(slab), None)
 
     def _chain_for(self, manifest: Manifest, slab: torch.Tensor) -> list[torch.Tensor | None] | None:
         """When `slab` (free, so nothing reads it) still holds the version before the base, whole and verified, and the
         base came as a delta against it from the same publisher: that delta's encoded bytes per bucket, so this version
         is rebuilt in place (both deltas applied to it, no copy of the base). None: copy the base."""
-        held = self._content.pop(slab.data_ptr(), None)
+        held = self._content.pop(id(slab), None)
         last = self._last
-        if not self.in_place or held is None or last is None:
+        if not self.in_place or held is None or held[0]() is not slab or last is None:
             return None
         prev, payloads = last
-        publisher, version = held
+        _ref, publisher, version = held
         if (publisher != manifest.publisher_id or prev.publisher_id != publisher or version != manifest.delta_base - 1
                 or prev.version != manifest.delta_base or prev.delta_base != version or len(prev.buckets) != len(manifest.buckets)):
             return None
@@ -193,12 +196,15 @@ class DeltaPath:
         pool = self._threads()
         work: dict[int, Future[tuple[bool, float, float]]] = {}
         done: asyncio.Queue[int] = asyncio.Queue()
+        patched: set[int] = set()
+        """Buckets rebuilt in place (the others: a copy of the base's, then this delta)."""
 
         def start(i: int, payload: torch.Tensor | None) -> None:
             if i in work:
                 return
             b = manifest.buckets[i]
-            if chain is not None and prev is not None and b.encoding != WHOLE and prev.buckets[i].encoding != WHOLE:
+            if chain is not None and prev is not None and b.encoding != WHOLE and in_place_pays(prev.buckets[i]):
+                patched.add(i)
                 work[i] = f = pool.submit(_patch_one, b, (prev.buckets[i].encoding, chain[i]), (b.encoding, payload), buffers[i])
             else:
                 work[i] = f = pool.submit(_rebuild_one, b, payload, base.buffers[i], buffers[i])
@@ -221,10 +227,10 @@ class DeltaPath:
             raise
         now = time.perf_counter()
         self.versions += 1
-        self.in_place_versions += chain is not None
+        self.in_place_versions += bool(patched)
         self._made = (manifest, payloads)
         return Fetched(manifest, buffers, slab, via, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
-                                                      "in_place": chain is not None,
+                                                      "in_place": bool(patched), "in_place_buckets": len(patched),
                                                       "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
                                                       "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
                                                       "delta_total_s": round(now - t0, 4)})

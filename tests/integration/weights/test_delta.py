@@ -77,7 +77,11 @@ async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> 
 
 
 async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any,
-                                                                                              _deltas_on: str, sub_path: str) -> None:
+                                                                                              _deltas_on: str, sub_path: str,
+                                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollpool.weights import delta as delta_mod
+
+    monkeypatch.setattr(delta_mod, "IN_PLACE_MAX_FRACTION", 0.05)  # every bucket of these 1% steps rebuilt in place (from v3 on)
     pub = await make_publisher()
     sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path=sub_path)
     total = sum(t.numel() * t.element_size() for t in _model().values())

@@ -202,3 +202,19 @@ def test_a_whole_bucket_cannot_be_applied_in_place_and_a_bad_payload_is_refused(
         patch_bucket([(WHOLE, base.clone())], base.clone(), 2)
     with pytest.raises(DeltaError):
         patch_bucket([(GAPS, torch.tensor([0xFF, 0xFF, 0, 0], dtype=torch.uint8))], base.clone(), 2)  # a gap past the bucket
+
+
+def test_a_bucket_is_rebuilt_in_place_only_when_the_delta_before_changed_few_of_its_elements() -> None:
+    from rollpool.weights.delta import IN_PLACE_MAX_FRACTION, in_place_pays
+
+    n = 1 << 20  # bytes: 2**19 bf16 elements
+    few = int(IN_PLACE_MAX_FRACTION * (n // 2))
+
+    def before(encoding: str, changed: int) -> BucketInfo:
+        per = {GAPS: 4, SPARSE: 6}.get(encoding, 0)
+        return BucketInfo(index=0, dtype="bfloat16", nbytes=n, checksum="", encoding=encoding, delta_nbytes=changed * per)
+
+    assert in_place_pays(before(UNCHANGED, 0))  # nothing to apply again: only this delta's scatter, no copy
+    assert in_place_pays(before(GAPS, few)) and in_place_pays(before(SPARSE, few))
+    assert not in_place_pays(before(GAPS, few + 1)) and not in_place_pays(before(SPARSE, 4 * few))
+    assert not in_place_pays(BucketInfo(index=0, dtype="bfloat16", nbytes=n, checksum="", encoding=WHOLE, delta_nbytes=n))
