@@ -28,12 +28,26 @@ byte for byte (manifest entries and encoded bytes) between the two sides:
 
     PYTHONPATH=$PWD python bench/delta_profile.py --device --mib 512 --bucket-mib 128 --versions 4 --json bench/results/cpu-delta-device.json
 
+``--path shm`` puts the publisher's versions in shared memory and the subscriber on ``auto`` on the same host (a tree of
+minor 26 reads a delta's encoded bytes there; an older one fetches them over the ROUTER); ``--copy-rebuild`` rebuilds
+every delta by a copy of the base (no in-place rebuild). ``--rebuild-kernel FRACTIONS`` times the subscriber's rebuild
+alone (copy with 16 and 4 MiB pieces, in place), without the publisher beside it:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py --rebuild-kernel 0.0025,0.005,0.01,0.0215 --mib 1024 --bucket-mib 128 --reps 7
+
 ``--ab TREE`` runs this script alternately against TREE (another checkout's root: its ``rollpool``) and this tree,
 ``--reps`` times each, one at a time, and writes both sides' runs and the ratios of their medians (this tree over
 TREE) to ``--json``:
 
     PYTHONPATH=$PWD python bench/delta_profile.py [--mib 2048] [--bucket-mib 512] [--versions 4] [--kernel] [--json PATH]
     PYTHONPATH=$PWD python bench/delta_profile.py --ab /path/to/other/tree --reps 3 --json bench/results/cpu-delta-profile.json
+
+With ``--ab-copy`` a third side, C, is this tree with ``--copy-rebuild``; with ``--pyspy PY_SPY`` one more run of each
+side runs under py-spy and its samples are summarised by thread and innermost frame (the JSON's ``profiles``). The
+figures of bench/results/cpu-delta-rebuild.json:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py --ab /tmp/main --ab-copy --reps 3 --mib 1024 --bucket-mib 128 --versions 5 \
+        --fraction 0.005 --path shm --pyspy "$(which py-spy)" --json /tmp/shm.json
 """
 
 from __future__ import annotations

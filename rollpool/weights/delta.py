@@ -93,8 +93,8 @@ def _words(t: torch.Tensor, itemsize: int) -> np.ndarray[Any, Any]:
 
 REBUILD_PIECE_BYTES = 4 << 20
 """A rebuild writes, scatters into and checksums a bucket this many bytes at a time: small enough that a piece written by
-each of two threads is still in the last-level cache when it is scattered into and checksummed (16 MiB pieces cost 20%
-more on the 2-core box, bench/results/cpu-delta-rebuild.json)."""
+each of two threads is still in the last-level cache when it is scattered into and checksummed (on the 2-core box 4 MiB
+pieces took 0.75-0.91x the time of 16 MiB ones, bench/results/cpu-delta-rebuild.json)."""
 
 
 def _pieces(n: int, width: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
@@ -269,8 +269,8 @@ IN_PLACE_MAX_FRACTION = 0.01
 """A bucket is rebuilt in place (`patch_bucket`: the delta before applied again, then this one, no copy of the base) only
 when the delta before changed at most this fraction of its elements: that scatter then costs less than the copy it
 saves. On the 2-core box (`bench/delta_profile.py --rebuild-kernel`, bench/results/cpu-delta-rebuild.json) a changed
-element costs about 60 times a copied bf16 element, so in place wins below about 1.6% (0.63x of the copy's time at
-0.5%) and loses above (1.13x at 2.15%)."""
+element costs about 60 times a copied bf16 element: in place took 0.54x of the copy's time at 0.5% changed, 0.78x at
+1%, 0.96-1.13x at 2.15%."""
 
 
 def in_place_pays(before: BucketInfo) -> bool:
