@@ -238,6 +238,44 @@ async def test_a_peer_of_the_previous_minor_never_asks_for_deltas_and_gets_full_
     assert all(b.encoding == "" and b.delta_nbytes == 0 for b in reply.buckets)
 
 
+async def test_a_subscriber_of_the_minor_before_deltas_in_shared_memory_gets_its_delta_over_the_router(make_publisher: Any,
+                                                                                                      sockets: Any) -> None:
+    """A raw peer of `DELTA_PATHS_MINOR - 1` (which knows no `Manifest.delta_shm` and no bulk-lane delta request) asks
+    the new publisher for a delta and fetches its encoded bytes with `Fetch.delta_base` over the ROUTER, as before."""
+    import msgpack
+    import zmq
+
+    from rollpool.protocol import DELTA_PATHS_MINOR, decode
+    from rollpool.protocol.messages import Chunk, Fetch
+
+    pub = await make_publisher()
+    m1 = _model()
+    await _published(pub, m1, 1)
+    await _published(pub, _step(m1, 2), 2)
+    served = pub._server.versions[2].delta
+    assert served is not None and served.shm is not None  # the new publisher put it in shared memory too
+
+    def old(msg: Any) -> list[bytes]:
+        frames = encode(msg)
+        header = msgpack.unpackb(frames[0])
+        header[1] = DELTA_PATHS_MINOR - 1
+        return [msgpack.packb(header), *frames[1:]]
+
+    dealer = sockets.context.socket(zmq.DEALER)
+    dealer.connect(pub.router_endpoint)
+    try:
+        await dealer.send_multipart(old(ManifestRequest(request_id="old", version=2, streamed=True, delta_base=1)))
+        reply = decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+        assert isinstance(reply, Manifest) and reply.delta_base == 1
+        carried = [b for b in reply.buckets if b.encoding != "unchanged"]
+        first = carried[0]
+        await dealer.send_multipart(old(Fetch(request_id="f", version=2, bucket=0, offset=0, nbytes=first.delta_nbytes, delta_base=1)))
+        chunk = decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+    finally:
+        dealer.close(linger=0)
+    assert isinstance(chunk, Chunk) and checksum(bytes(chunk.data)) == first.delta_checksum
+
+
 async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_versions(make_publisher: Any, make_subscriber: Any,
                                                                                         sub_path: str) -> None:
     pub = await make_publisher()
