@@ -28,12 +28,26 @@ byte for byte (manifest entries and encoded bytes) between the two sides:
 
     PYTHONPATH=$PWD python bench/delta_profile.py --device --mib 512 --bucket-mib 128 --versions 4 --json bench/results/cpu-delta-device.json
 
+``--path shm`` puts the publisher's versions in shared memory and the subscriber on ``auto`` on the same host (a tree of
+minor 26 reads a delta's encoded bytes there; an older one fetches them over the ROUTER); ``--copy-rebuild`` rebuilds
+every delta by a copy of the base (no in-place rebuild). ``--rebuild-kernel FRACTIONS`` times the subscriber's rebuild
+alone (copy with 16 and 4 MiB pieces, in place), without the publisher beside it:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py --rebuild-kernel 0.0025,0.005,0.01,0.0215 --mib 1024 --bucket-mib 128 --reps 7
+
 ``--ab TREE`` runs this script alternately against TREE (another checkout's root: its ``rollpool``) and this tree,
 ``--reps`` times each, one at a time, and writes both sides' runs and the ratios of their medians (this tree over
 TREE) to ``--json``:
 
     PYTHONPATH=$PWD python bench/delta_profile.py [--mib 2048] [--bucket-mib 512] [--versions 4] [--kernel] [--json PATH]
     PYTHONPATH=$PWD python bench/delta_profile.py --ab /path/to/other/tree --reps 3 --json bench/results/cpu-delta-profile.json
+
+With ``--ab-copy`` a third side, C, is this tree with ``--copy-rebuild``; with ``--pyspy PY_SPY`` one more run of each
+side runs under py-spy and its samples are summarised by thread and innermost frame (the JSON's ``profiles``). The
+figures of bench/results/cpu-delta-rebuild.json:
+
+    PYTHONPATH=$PWD python bench/delta_profile.py --ab /tmp/main --ab-copy --reps 3 --mib 1024 --bucket-mib 128 --versions 5 \
+        --fraction 0.005 --path shm --pyspy "$(which py-spy)" --json /tmp/shm.json
 """
 
 from __future__ import annotations
@@ -167,6 +181,71 @@ def kernel_profile(bucket_mib: int, fraction: float) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def rebuild_kernel(mib: int, bucket_mib: int, fractions: list[float], threads: int, reps: int) -> dict[str, Any]:
+    """The subscriber's rebuild alone, without the publisher beside it (`--rebuild-kernel`): `mib` of bf16 in
+    `bucket_mib` buckets, three versions v0 -> v1 -> v2 each a `fraction` step, every bucket rebuilt in `threads`
+    threads with its xxh3 in the same pass, three ways interleaved rep by rep: ``copy_16mib`` (the base v1 copied, v2's
+    delta scattered, 16 MiB pieces: the code before), ``copy_4mib`` (the same, 4 MiB pieces) and ``in_place_4mib`` (a
+    buffer holding v0 patched with both deltas, no copy). Medians of `reps` wall seconds and their ratios; every result
+    compared with v2."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rollpool.weights import delta as delta_mod
+    from rollpool.weights.bucketing import Checksummer
+    from rollpool.weights.delta import encode_bucket, patch_bucket, rebuild_bucket
+
+    n = bucket_mib * _MiB
+    out: dict[str, Any] = {"mib": mib, "bucket_mib": bucket_mib, "threads": threads, "reps": reps, "by_fraction": {}}
+    for fraction in fractions:
+        g = torch.Generator().manual_seed(7)
+        buckets = []
+        for _ in range(max(1, mib // bucket_mib)):
+            v0 = torch.randint(-30000, 30000, (n // 2,), dtype=torch.int16, generator=g)
+            v1 = v0.clone()
+            v1[torch.rand(n // 2, generator=g) < fraction] += 1
+            v2 = v1.clone()
+            v2[torch.rand(n // 2, generator=g) < fraction] -= 1
+            b0, b1, b2 = v0.view(torch.uint8), v1.view(torch.uint8), v2.view(torch.uint8)
+            e1, p1, _ = encode_bucket(b1, b0, 2)
+            e2, p2, _ = encode_bucket(b2, b1, 2)
+            target = torch.empty(n, dtype=torch.uint8)
+            target.copy_(b0)  # touched, as a subscriber's reserved buffers are
+            buckets.append((b0, b1, b2, (e1, p1), (e2, p2), target))
+
+        def copy_one(item: Any) -> None:
+            _b0, b1, _b2, _d1, (e2, p2), target = item
+            rebuild_bucket(e2, p2, b1, target, 2, Checksummer("xxh3_64"))
+
+        def in_place_one(item: Any) -> None:
+            _b0, _b1, _b2, d1, d2, target = item
+            patch_bucket([d1, d2], target, 2, Checksummer("xxh3_64"))
+
+        times: dict[str, list[float]] = {"copy_16mib": [], "copy_4mib": [], "in_place_4mib": []}
+        piece = delta_mod.REBUILD_PIECE_BYTES
+        with ThreadPoolExecutor(threads) as ex:
+            for rep in range(reps):
+                modes = list(times) if rep % 2 == 0 else list(times)[::-1]
+                for mode in modes:
+                    for item in buckets:  # the target holds v0 before each way (outside the timing)
+                        item[5].copy_(item[0])
+                    delta_mod.REBUILD_PIECE_BYTES = 16 * _MiB if mode == "copy_16mib" else 4 * _MiB
+                    t = time.perf_counter()
+                    list(ex.map(in_place_one if mode == "in_place_4mib" else copy_one, buckets))
+                    times[mode].append(time.perf_counter() - t)
+                    for item in buckets:
+                        assert torch.equal(item[5], item[2]), f"{mode}: a rebuilt bucket differs from v2"
+        delta_mod.REBUILD_PIECE_BYTES = piece
+        med = {k: round(statistics.median(v), 4) for k, v in times.items()}
+        out["by_fraction"][str(fraction)] = {"median_s": med, "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+                                             "copy_4mib_over_copy_16mib": round(med["copy_4mib"] / med["copy_16mib"], 3),
+                                             "in_place_over_copy_4mib": round(med["in_place_4mib"] / med["copy_4mib"], 3),
+                                             "in_place_over_copy_16mib": round(med["in_place_4mib"] / med["copy_16mib"], 3)}
+        print(f"  fraction {fraction}: {json.dumps(out['by_fraction'][str(fraction)]['median_s'])}", file=sys.stderr, flush=True)
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import zmq.asyncio
@@ -180,6 +259,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     timed = _Timed()
     timed.wrap_async(DeltaPath, "fetch_payloads", "fetch_payloads_s")
+    if hasattr(DeltaPath, "read_payloads"):  # (a tree whose deltas travel over shared memory too)
+        timed.wrap_async(DeltaPath, "read_payloads", "read_payloads_s")
     timed.wrap_async(DeltaPath, "rebuild", "rebuild_call_s")
     timed.wrap(WeightServer, "_build_delta", "build_delta_s")
     fetched_log = _FetchedLog()
@@ -188,7 +269,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     sd = make_model(args.mib)
     model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
-    cfg = WeightPathConfig(weight_path="network", weight_delta=True, weight_copy_threads=args.threads)
+    # --path shm: the publisher's versions in shared memory and the subscriber on auto, on the same host (a tree that
+    # carries deltas there reads them there; an older one fetches them over the network)
+    cfg = WeightPathConfig(weight_path="network" if args.path == "network" else "auto", weight_delta=True, weight_copy_threads=args.threads)
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx)
     pub = WeightPublisher(sockets, router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
@@ -196,6 +279,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pub.reserve(sd)
     await pub.start()
     sub = WeightSubscriber(sockets, worker_id="prof0", weights=cfg, fetch_timeout_s=120.0)
+    if args.copy_rebuild and hasattr(sub.delta, "in_place"):
+        sub.delta.in_place = False  # every delta rebuilt by a copy of the base (the comparison for the in-place rebuild)
     sub.reserve(total_bytes=model_bytes)
     sub.connect(pub.router_endpoint, pub.pub_endpoint)
     rows: list[dict[str, Any]] = []
@@ -244,7 +329,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sv = pub._server.versions.get(v)
             d = sv.delta if sv is not None else None
             row: dict[str, Any] = {
-                "version": v, "delta": line.get("delta_base", -1) >= 0,
+                "version": v, "delta": line.get("delta_base", -1) >= 0, "path": line.get("path"), "in_place": line.get("in_place", False),
+                "fetched_after_manifest_s": round(t_fetched - t0 - manifest_at.get("manifest_s", float("nan")), 4),
                 "publish_s": round(t_ret - t0, 4), "delta_ready_s": round(ready.get("delta_ready_s", float("nan")), 4),
                 "manifest_s": round(manifest_at.get("manifest_s", float("nan")), 4), "fetched_s": round(t_fetched - t0, 4),
                 "process_cpu_s": round(cpu, 3),
@@ -267,8 +353,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         xs = [x for x in (get(r) for r in steady) if isinstance(x, (int, float))]
         return round(statistics.median(xs), 4) if xs else None
 
-    keys = ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "process_cpu_s", "changed_fraction", "delta_bytes_fraction")
+    keys = ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "fetched_after_manifest_s", "process_cpu_s", "changed_fraction",
+            "delta_bytes_fraction")
     summary: dict[str, Any] = {k: med(lambda r, k=k: r[k]) for k in keys}
+    summary["paths"] = sorted({str(r["path"]) for r in steady})
+    summary["in_place_versions"] = sum(1 for r in steady if r["in_place"])
     for side in ("server", "subscriber"):
         names = sorted({k for r in steady for k in r[side]})
         summary[side] = {k: med(lambda r, k=k, side=side: r[side].get(k)) for k in names}
@@ -358,33 +447,103 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
     return {"summary": summary, "versions": rows, "model_bytes": model_bytes}
 
 
+PHASE_KEYS = ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "fetched_after_manifest_s", "process_cpu_s")
+
+
 def ab(args: argparse.Namespace) -> dict[str, Any]:
-    """This script against `args.ab` and this tree, alternately, `args.reps` times each."""
+    """This script against `args.ab` (A) and this tree (B), alternately, `args.reps` times each; with `--ab-copy` a third
+    side, C: this tree with every delta rebuilt by a copy of the base (`--copy-rebuild`). With `--pyspy`, one more run of
+    each side under py-spy, its samples summarised (`pyspy_summary`)."""
     trees = {"A": str(Path(args.ab).resolve()), "B": str(ROOT)}
-    runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+    sides: dict[str, tuple[str, list[str]]] = {"A": (trees["A"], []), "B": (str(ROOT), [])}
+    if args.ab_copy:
+        sides["C"] = (str(ROOT), ["--copy-rebuild"])
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    order = list(sides)
     for rep in range(args.reps):
-        for side in ("A", "B") if rep % 2 == 0 else ("B", "A"):
-            out = Path(f"/tmp/delta-profile-{os.getpid()}-{side}{rep}.json")
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--mib", str(args.mib), "--bucket-mib", str(args.bucket_mib),
-                   "--versions", str(args.versions), "--fraction", str(args.fraction), "--threads", str(args.threads),
-                   "--json", str(out)]
-            if args.kernel:
-                cmd.append("--kernel")
-            env = {**os.environ, "PYTHONPATH": trees[side]}
-            print(f"[{side}{rep}] {trees[side]}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, env=env, check=True, cwd=trees[side])
-            runs[side].append(json.loads(out.read_text()))
-            out.unlink()
+        for side in order if rep % 2 == 0 else order[::-1]:
+            runs[side].append(_one_run(args, side, rep, *sides[side]))
 
     def med(side: str, get: Any) -> float | None:
         xs = [x for x in (get(r["summary"]) for r in runs[side]) if isinstance(x, (int, float))]
         return statistics.median(xs) if xs else None
 
+    pairs = [("B", "A")] + ([("C", "A"), ("B", "C")] if "C" in sides else [])
     ratios: dict[str, Any] = {}
-    for k in ("publish_s", "delta_ready_s", "manifest_s", "fetched_s", "process_cpu_s"):
-        a, b = med("A", lambda s, k=k: s[k]), med("B", lambda s, k=k: s[k])
-        ratios[k] = {"A": round(a, 4) if a else a, "B": round(b, 4) if b else b, "B_over_A": round(b / a, 3) if a and b else None}
-    return {"trees": trees, "ratios_B_over_A": ratios, "runs": runs}
+    for k in PHASE_KEYS + ("subscriber.delta_total_s", "subscriber.rebuild_s"):
+        get = (lambda s, k=k: s["subscriber"].get(k.split(".", 1)[1])) if k.startswith("subscriber.") else (lambda s, k=k: s[k])
+        vals = {side: med(side, get) for side in sides}
+        ratios[k] = {side: round(x, 4) if x else x for side, x in vals.items()}
+        for a, b in pairs:
+            x, y = vals[a], vals[b]
+            ratios[k][f"{a}_over_{b}"] = round(x / y, 3) if x and y else None
+    out: dict[str, Any] = {"trees": trees, "sides": {k: {"tree": t, "flags": f} for k, (t, f) in sides.items()},
+                           "ratios": ratios, "runs": runs}
+    if args.pyspy:
+        out["profiles"] = {side: _one_run(args, side, -1, *sides[side], pyspy=args.pyspy).get("pyspy") for side in sides}
+    return out
+
+
+def _one_run(args: argparse.Namespace, side: str, rep: int, tree: str, flags: list[str], pyspy: str | None = None) -> dict[str, Any]:
+    out = Path(f"/tmp/delta-profile-{os.getpid()}-{side}{rep}.json")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--mib", str(args.mib), "--bucket-mib", str(args.bucket_mib),
+           "--versions", str(args.versions), "--fraction", str(args.fraction), "--threads", str(args.threads),
+           "--json", str(out), *flags]
+    if args.path != "network":
+        cmd += ["--path", args.path]
+    if args.kernel:
+        cmd.append("--kernel")
+    raw = Path(f"/tmp/delta-profile-{os.getpid()}-{side}.pyspy.txt")
+    if pyspy:
+        cmd = [pyspy, "record", "--rate", "250", "--format", "raw", "--threads", "-o", str(raw), "--", *cmd]
+    env = {**os.environ, "PYTHONPATH": tree}
+    print(f"[{side}{rep}] {tree} {' '.join(flags)}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, env=env, check=True, cwd=tree)
+    got: dict[str, Any] = json.loads(out.read_text())
+    out.unlink()
+    if pyspy:
+        got = {"pyspy": {**pyspy_summary(raw), "summary_of_that_run": got["summary"]}}
+        raw.unlink()
+    return got
+
+
+_IDLE = ("concurrent/futures/thread.py:8", "threading.py:", "selectors.py:", "asyncio/base_events.py:", "queue.py:")
+"""Frames where a thread waits (py-spy reports some waits as samples): left out of the shares."""
+
+
+def pyspy_summary(raw: Path, top: int = 12) -> dict[str, Any]:
+    """py-spy's raw stacks (``--threads``) -> per thread kind (its name without the number) its busy samples, and for the
+    subscriber's rebuild threads and the whole process the busy samples by innermost frame (function and line), shares
+    of the busy total. Samples whose innermost frame is a wait (`_IDLE`) are not counted."""
+    import re
+    from collections import Counter
+
+    threads: Counter[str] = Counter()
+    frames: dict[str, Counter[str]] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        parts = stack.split(";")
+        leaf = parts[-1]
+        if any(mark in leaf for mark in _IDLE):
+            continue
+        kind = re.sub(r"\(\d+\)|_\d+$|\d+", "", parts[0].split(":", 1)[-1]).strip() or "?"
+        threads[kind] += int(n)
+        frames.setdefault(kind, Counter())[leaf] += int(n)
+        total += int(n)
+
+    def shares(c: Counter[str]) -> list[tuple[str, float]]:
+        busy = sum(c.values())
+        return [(k, round(v / busy, 3)) for k, v in c.most_common(top)] if busy else []
+
+    rebuild = Counter[str]()
+    for kind, c in frames.items():
+        if "rebuild" in kind:
+            rebuild.update(c)
+    return {"busy_samples": total, "threads_share": shares(threads), "rebuild_threads_by_frame": shares(rebuild),
+            "subscriber_loop_and_others_by_frame": shares(sum((c for k, c in frames.items() if "rebuild" not in k), Counter()))}
 
 
 def main() -> int:
@@ -397,21 +556,31 @@ def main() -> int:
     ap.add_argument("--kernel", action="store_true", help="add a single-threaded cProfile of one bucket's encode/decode/checksum")
     ap.add_argument("--ab", default=None, help="another tree's root: run it and this tree alternately (--reps each)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--path", choices=("network", "shm"), default="network",
+                    help="network: publisher and subscriber on the network path; shm: the publisher's versions in shared memory, the subscriber on auto on this host")
+    ap.add_argument("--copy-rebuild", action="store_true", help="every delta rebuilt by a copy of the base (no in-place rebuild)")
+    ap.add_argument("--ab-copy", action="store_true", help="with --ab: a third side, this tree with --copy-rebuild")
+    ap.add_argument("--pyspy", default=None, help="with --ab: the py-spy binary; one more run of each side under it, summarised")
     ap.add_argument("--device", action="store_true", help="the host path and the device path (on CPU tensors) side by side, their served deltas compared")
+    ap.add_argument("--rebuild-kernel", default=None, metavar="FRACTIONS",
+                    help="the subscriber's rebuild alone at these changed fractions (comma-separated): copy (16 and 4 MiB pieces) vs in place")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.device:
+    if args.rebuild_kernel:
+        result: dict[str, Any] = {"summary": rebuild_kernel(args.mib, args.bucket_mib, [float(x) for x in args.rebuild_kernel.split(",")],
+                                                            args.threads, args.reps)}
+    elif args.device:
         result = asyncio.run(device_compare(args))
     elif args.ab:
         result = ab(args)
     else:
         result = asyncio.run(run(args))
-    result["params"] = {k: getattr(args, k) for k in ("mib", "bucket_mib", "versions", "fraction", "threads", "reps")}
+    result["params"] = {k: getattr(args, k) for k in ("mib", "bucket_mib", "versions", "fraction", "threads", "reps", "path", "copy_rebuild")}
     result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
     text = json.dumps(result, indent=1)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    print(json.dumps(result.get("ratios_B_over_A") or result["summary"], indent=1))
+    print(json.dumps(result.get("ratios") or result["summary"], indent=1))
     return 0
 
 

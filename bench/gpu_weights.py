@@ -1001,8 +1001,9 @@ def summarize() -> None:
     if delta_rows:
         steady = [r for row in delta_rows for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
         RESULT["changed_fraction"] = _median([r["changed_fraction"] for r in steady if r.get("changed_fraction") is not None])
+        # over a socket only: a delta read from the publisher's shared memory (minor 26) moves no socket byte
         RESULT["delta_bytes_fraction"] = _median([r["worker_socket_bytes"] / model_bytes for r in steady
-                                                  if model_bytes and r.get("worker_socket_bytes") is not None])
+                                                  if model_bytes and r.get("worker_socket_bytes") is not None and r.get("fetched_path") != "shm"])
         RESULT["delta_versions_rebuilt"] = len(steady)
         dt, ds = rows.get("tcp_cuda_delta", {}), rows.get("shm_cuda_delta", {})
         RESULT["delta_host_path_s"] = (dt.get("summary") or {}).get("publish_to_applied_s")
@@ -1045,8 +1046,8 @@ HOW = {
     "fallback_reasons": "per version: the worker subscriber's fallback reasons of that fetch (its 'weights fetched' line); publisher_path_note: why the publisher offered no device buffer",
     "changed_fraction": "delta rows (--delta): median over the versions the worker rebuilt from a delta of the publisher's changed fraction (changed bf16 elements over all, WeightServer's delta); the step is sparse_step at --delta-fraction, a stand-in for AdamW (see its docstring)",
     "delta_bytes_fraction": "delta rows: median over the versions rebuilt from a delta of the worker's socket bytes for that version over the model's bytes",
-    "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (deltas travel on the ROUTER)",
-    "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause; a delta is served over the ROUTER, not shared memory (delta_shm_paths_taken)",
+    "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (a delta's encoded bytes over the bulk lane, else the ROUTER)",
+    "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause. Since minor 26 a delta's encoded bytes are read from the publisher's shared memory (fetched_path shm) and rebuilt on the host; a worker whose engine stages to CUDA (the default) takes shm_device full versions, which leave no host base, so pass --shm-cpu-copy for this row to carry deltas (delta_shm_paths_taken says which ran)",
     "delta_trainer_blocked_s": "duration of publish_weights over the delta rows, versions 2..N (the delta is computed after publish returns, off the trainer's call)",
     "delta_device_host_path_s": "row tcp_cuda_delta_device (the publisher's GPU budget raised for the row to hold the device delta base): median over versions 3..N of publish -> applied",
     "delta_device_shm_path_s": "row shm_cuda_delta_device: the same median less the row's pause",

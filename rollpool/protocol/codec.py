@@ -94,6 +94,7 @@ __all__ = [
     "ADAPTER_ON_MINOR",
     "BASE_ON_MINOR",
     "POLICY_MINOR",
+    "DELTA_PATHS_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -134,7 +135,13 @@ PROTOCOL_MAJOR = 1
 #   1.23 the adapter version on under a whole-model version: Manifest.adapter_on (ADAPTER_ON_MINOR)
 #   1.24 the whole-model version a LoRA adapter version applies over: Manifest.base_on (BASE_ON_MINOR)
 #   1.25 named policies: AdapterSpec.name, Prompt.policy, Trajectory.policy, SetVersion.adapter / adapter_since (POLICY_MINOR)
-PROTOCOL_MINOR = 25
+#   1.26 delta weight versions over shared memory: Manifest.delta_shm (DELTA_PATHS_MINOR)
+PROTOCOL_MINOR = 26
+DELTA_PATHS_MINOR = 26
+"""The first minor whose weight servers put a delta's encoded bytes in shared memory for subscribers on their host
+(`Manifest.delta_shm`), and whose subscribers held to the ``shm`` path ask for deltas (only of a server of this minor or
+newer: an older one serves deltas over the network only, which ``shm`` forbids). An older subscriber ignores the field
+and fetches the encoded bytes over the network, as before."""
 POLICY_MINOR = 25
 """The first minor whose brokers read `Prompt.policy` (the LoRA adapter, by its `AdapterSpec.name`, a group is generated
 with): a group naming a policy the pool does not serve is refused at submit, one naming the served policy goes only to a

@@ -1072,6 +1072,12 @@ class Manifest:
     this version is that version plus this adapter, docs/lora.md); the server keeps it served while it is the base of the
     newest adapter version, so a subscriber whose engine does not serve it (a late joiner) fetches it and applies it,
     then this adapter, in one pause. -1: the engines' model from disk (or a server older than `BASE_ON_MINOR`)."""
+    delta_shm: ShmSegment | None = None
+    """(minor 26, `DELTA_PATHS_MINOR`) On a delta manifest (`delta_base` >= 0) from a publisher whose version is in shared
+    memory: the segment holding the delta's encoded bytes, each carried bucket's (`BucketInfo.delta_nbytes`) in bucket
+    order, each starting at a multiple of 8 bytes; its header names the version while they are valid. A subscriber on
+    this host (`host_key`) reads them there instead of fetching them; None: over the network only (a relay, a version
+    not in shared memory, or a server older than `DELTA_PATHS_MINOR`)."""
 
 
 @message("fetch")

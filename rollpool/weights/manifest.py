@@ -28,6 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpool.protocol.codec import DELTA_PATHS_MINOR
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.config import WeightPathConfig
@@ -48,6 +49,7 @@ __all__ = [
     "check_bucket_info",
     "check_manifest",
     "checksum_supported",
+    "delta_plan",
     "chunk_bytes_of",
     "dtype_itemsize",
     "gpu_budget_bytes",
@@ -263,6 +265,34 @@ def plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) -> Pla
         network = Step(NETWORK)
         bulk = bulk_step(manifest, facts, config)
     return Plan(steps=(ipc, shm_device, shm, bulk, network), refusal=refusal)
+
+
+def delta_plan(manifest: Manifest, facts: FetchFacts, config: WeightPathConfig) -> Plan:
+    """Where a delta manifest's encoded bytes are read (the rebuild is the same whichever): `SHM` (the publisher's
+    segment, `Manifest.delta_shm`), `BULK` (where `bulk_step` takes the lane and the server's lane serves deltas: minor
+    `DELTA_PATHS_MINOR`) or `NETWORK` (the ROUTER), in that order, each to try or passed over with the reason. Passing shared memory over is never a counted fallback here (a
+    relay or an older publisher offers none, and the network serves the same bytes); under ``shm`` a delta that is not
+    in shared memory on this host is a refusal (the caller then fetches the full version, which shared memory serves)."""
+    path = config.weight_path
+    refusal = ""
+    if path == NETWORK:
+        shm = Step(SHM, "the weight path is 'network'")
+    elif manifest.delta_shm is None or not manifest.host_key:
+        shm = Step(SHM, "the publisher offers no shared memory for this delta")
+    elif manifest.host_key != facts.host_key:
+        shm = Step(SHM, "the publisher is on another host (or another /dev/shm)")
+    else:
+        shm = Step(SHM)
+    if path == SHM:
+        refusal = f"weight path 'shm': {shm.why_not}" if shm.why_not else ""
+        network = Step(NETWORK, "the weight path is 'shm'")
+        bulk = Step(BULK, "the weight path is 'shm'")
+    else:
+        network = Step(NETWORK)
+        bulk = bulk_step(manifest, facts, config)
+        if not bulk.why_not and manifest.protocol_minor < DELTA_PATHS_MINOR:
+            bulk = Step(BULK, f"the server's bulk lane serves no deltas (minor {manifest.protocol_minor} < {DELTA_PATHS_MINOR})")
+    return Plan(steps=(shm, bulk, network), refusal=refusal)
 
 
 def stream_jobs(sizes: list[int], chunk_bytes: int, streams: int) -> tuple[list[tuple[int, list[tuple[int, int]]]], list[int], list[bool]]:

@@ -75,7 +75,7 @@ from rollpool.weights.bucketing import (
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
 from rollpool.weights.delta import DeltaSet
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
-from rollpool.weights.memory import host_key, wait_released
+from rollpool.weights.memory import BufferPool, host_key, wait_released
 from rollpool.weights.paths.base import Attr
 from rollpool.weights.paths.cuda_ipc import IpcArenas
 from rollpool.weights.serving import (
@@ -193,6 +193,10 @@ class WeightPublisher(ServingFace):
             weights=cfg,
         )
         self._server.early_delta = True  # a snapshot's bucket is final once checksummed: its delta is encoded then
+        if self._buffers.shm is not None:
+            # deltas of versions held in shared memory are written there too, for subscribers on this host
+            # (segments of their own: named apart from the snapshot's, swept and reaped alike)
+            self._server.delta_segments = BufferPool(kind="shm", pool=pool, owner_id=f"{self.publisher_id}_delta")
         self._latest = -1
         self._released_manifest: ServedVersion | None = None
         self._lock = asyncio.Lock()

@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from rollpool.protocol.codec import PROTOCOL_MINOR, decode, encode, peek_type
 from rollpool.protocol.errors import ProtocolError
@@ -79,6 +79,9 @@ from rollpool.weights.delta import WHOLE, DeltaSet, encode_buckets, same_layout
 from rollpool.weights.manifest import MAX_CHUNK_BYTES
 from rollpool.weights.paths.base import Attr, ChunkRead
 from rollpool.weights.paths.bulk import BulkServer, lane_host, lane_port
+
+if TYPE_CHECKING:
+    from rollpool.weights.memory import BufferPool
 
 __all__ = ["MAX_CHUNK_BYTES", "BucketSource", "DeltaServed", "ServedVersion", "TensorSource", "WeightServer", "peer_of"]
 
@@ -209,6 +212,10 @@ class DeltaServed:
     bytes_by_encoding: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
     """Where it was made here: seconds of its phases (`WeightServer.note_delta`)."""
+    shm: ShmSegment | None = None
+    """The shared-memory segment its encoded bytes were also written to (`Manifest.delta_shm`), or None."""
+    shm_buffer: Any = None
+    """That segment's bytes (given back to `WeightServer.delta_segments` when the version is dropped)."""
 
     @property
     def wire_bytes(self) -> int:
@@ -246,6 +253,14 @@ def with_digest(ds: DeltaSet, algorithm: str | None) -> tuple[DeltaSet, str]:
         digest = checksum(payload.numpy().data, algorithm)
         ds.timings["checksum_s"] = time.perf_counter() - t
     return ds, digest
+
+
+def _segment_bytes(n: int) -> int:
+    """A delta segment's size for `n` encoded bytes: rounded up to a sixteenth of the next power of two (at most 1/8
+    more), so the next versions' deltas, of about the same size, reuse it."""
+    n = max(n, 1 << 16)
+    step = (1 << (n - 1).bit_length()) // 16
+    return -(-n // step) * step
 
 
 def peer_of(ident: bytes) -> bytes:
@@ -368,6 +383,12 @@ class WeightServer:
         self.full_served_to_delta_askers = 0
         self.last_delta: dict[str, Any] = {}
         """The newest delta made: base, version, changed fraction, wire bytes by encoding (status and top read it)."""
+        self.delta_segments: BufferPool | None = None
+        """Shared-memory segments for deltas' encoded bytes (the publisher's, when its versions are in shared memory):
+        a delta of a version held in shared memory is written to one before it is served, so a subscriber on this host
+        reads it there (`Manifest.delta_shm`) instead of over a socket. None: over the network only (a relay)."""
+        self.delta_shm_written = 0
+        """Deltas written to shared memory."""
 
     def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
         """The owner's segments changed (made by a reserve or a version, or freed): named on manifests from now on."""
@@ -420,6 +441,8 @@ class WeightServer:
         if self._delta_pool is not None:
             self._delta_pool.shutdown(wait=False, cancel_futures=True)
             self._delta_pool = None
+        if self.delta_segments is not None:
+            self.delta_segments.close()
         if self.bulk is not None:
             self.bulk.close()
             self.bulk = None
@@ -453,6 +476,7 @@ class WeightServer:
         if v is None:
             return
         self.highest_dropped = max(self.highest_dropped, version)
+        self._give_delta_segment(v.delta)
         if self.bulk is not None:
             self.bulk.notify()  # a bulk request waiting for this version's bytes answers gone now
         gone = f"version {version} is no longer served"
@@ -555,6 +579,8 @@ class WeightServer:
             v.delta_parts = {}
         if self.versions.get(version) is not v:
             return None
+        if made is not None and v.host_key and self.delta_segments is not None and not await self._write_shm(v, made, timings):
+            return None
         now = time.perf_counter()
         v.delta, v.delta_state = made, ("ready" if made is not None else "none")
         if made is not None:
@@ -565,6 +591,63 @@ class WeightServer:
         for ident, req in waiting:
             self._answer_manifest(ident, req, v)
         return made
+
+    async def _write_shm(self, v: ServedVersion, made: DeltaServed, timings: dict[str, float]) -> bool:
+        """`made` (the delta of `v`, held in shared memory) written to a segment of its own too, off the loop; False when
+        `v` was dropped meanwhile (the segment goes back). A failure to write it is logged: the network serves it."""
+        t = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._delta_to_shm, made, v.version)
+        except Exception as exc:  # noqa: BLE001 - no room or no /dev/shm: the delta still goes over the network
+            self._errlog.warning("delta_shm", "%s: the delta of weight version %d not in shared memory (%s); over the network only",
+                                 self.name, v.version, exc)
+        timings["shm_write_s"] = round(time.perf_counter() - t, 4)
+        if self.versions.get(v.version) is not v:
+            self._give_delta_segment(made)
+            return False
+        return True
+
+    def _delta_to_shm(self, made: DeltaServed, version: int) -> None:
+        """Write `made`'s encoded bytes into a segment of `delta_segments` (laid out by `payload_offsets`), its header
+        naming `version` once they are all there; runs in a thread, before the delta is served."""
+        import numpy as np
+
+        from rollpool.weights.delta import payload_offsets
+
+        pool = self.delta_segments
+        assert pool is not None
+        sizes = [b.nbytes for b in made.payload.buckets]
+        offsets, total = payload_offsets(sizes)
+        buf = pool.take_at_least(_segment_bytes(total))
+        seg = pool.segment_of(buf)
+        if seg is None:
+            pool.give([buf])
+            raise ValueError("the delta's buffer is not a shared-memory segment")
+        try:
+            seg.begin_write()
+            out = buf.numpy()
+            for src, at, n in zip(made.payload.sources, offsets, sizes, strict=True):
+                data = src.read(0, n) if n else b""
+                if data is None:
+                    raise ValueError("a delta's encoded bytes are not all there")
+                out[at : at + n] = np.frombuffer(data, dtype=np.uint8, count=n)
+            seg.end_write(version)
+        except BaseException:
+            pool.give([buf])
+            raise
+        made.shm, made.shm_buffer = ShmSegment(name=seg.name, nbytes=seg.nbytes), buf
+        self.delta_shm_written += 1
+
+    def _give_delta_segment(self, made: DeltaServed | None) -> None:
+        """`made`'s segment back to `delta_segments` (its header says no version first: a reader of it sees a torn read)."""
+        if made is None or made.shm_buffer is None or self.delta_segments is None:
+            return
+        seg = self.delta_segments.segment_of(made.shm_buffer)
+        if seg is not None:
+            seg.begin_write()
+        self.delta_segments.give([made.shm_buffer])
+        self.delta_segments.trim(2 * int(made.shm_buffer.numel()))  # a spare or two for the next deltas, no more
+        made.shm, made.shm_buffer = None, None
 
     def note_delta(self, v: ServedVersion) -> None:
         """`v` carries a delta now (made here, or a relay's from upstream): `last_delta` and the ``weight_delta`` event
@@ -632,7 +715,7 @@ class WeightServer:
         d = v.delta
         if req.delta_base >= 0 and d is not None and d.base == req.delta_base and not v.released:
             self.deltas_served += 1
-            self._send(ident, replace(v.manifest(req.request_id), buckets=d.buckets, delta_base=d.base))
+            self._send(ident, replace(v.manifest(req.request_id), buckets=d.buckets, delta_base=d.base, delta_shm=d.shm))
             return
         if req.delta_base >= 0:
             self.full_served_to_delta_askers += 1

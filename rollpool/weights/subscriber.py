@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from rollpool.protocol.codec import DELTA_PATHS_MINOR
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.logs import RateLimitedLog
 from rollpool.protocol.messages import Manifest
@@ -55,7 +56,18 @@ from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import DeltaError, WireSummary, wire_summary
 from rollpool.weights.gpu import DeviceSlabs
-from rollpool.weights.manifest import BULK, CUDA_IPC, NETWORK, SHM, SHM_DEVICE, FetchFacts, Plan, check_manifest, plan
+from rollpool.weights.manifest import (
+    BULK,
+    CUDA_IPC,
+    NETWORK,
+    SHM,
+    SHM_DEVICE,
+    FetchFacts,
+    Plan,
+    check_manifest,
+    delta_plan,
+    plan,
+)
 from rollpool.weights.memory import VersionBuffers, host_key
 from rollpool.weights.paths.base import (
     Attr,
@@ -134,10 +146,12 @@ class WeightSubscriber:
         """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
         self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
         self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key,
-                                    asks_deltas=cfg.weight_delta and path in ("auto", NETWORK),  # deltas ride the network path
+                                    asks_deltas=cfg.weight_delta and path in ("auto", NETWORK, SHM),  # deltas ride these paths
                                     fetch_timeout_s=fetch_timeout_s, max_refetch=max_refetch,
                                     gpu_uuids=self.gpu_uuids, delta_base=lambda: self.delta.base_version())
         """The versions the publisher is known to hold, and the manifest requests to it (the paths' `ManifestSource`)."""
+        if path == SHM:
+            self.watch.deltas_need_minor = DELTA_PATHS_MINOR  # an older server's deltas come over the network only
         self.ctx = FetchContext(worker_id=self.worker_id, metrics=self.metrics, manifests=self.watch, counters=self.counters,
                                 fetch_timeout_s=fetch_timeout_s, window_chunks=window_chunks, max_refetch=max_refetch,
                                 streams=streams, copy_threads=self.copy_threads)
@@ -158,7 +172,8 @@ class WeightSubscriber:
         self._shm = ShmPath(self.ctx, self.segments)
         self._shm_device = ShmDevicePath(self.ctx, self.segments)
         self._errlog = RateLimitedLog(log)
-        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads)
+        self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads, segments=self.segments,
+                               bulk=self._bulk, plan=lambda m: delta_plan(m, self.facts(), self.config))
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
@@ -412,7 +427,9 @@ class WeightSubscriber:
         self.buffers.give(old.slab, old.buffers)
 
     def _take_buffers(self, manifest: Manifest) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        slab, buffers = self.buffers.take([b.nbytes for b in manifest.buckets], manifest.version)
+        self.delta.forget(slab)  # about to be written: no longer the version it held (a delta's in-place rebuild asks)
+        return slab, buffers
 
     # -- the shared-memory path
 

@@ -63,8 +63,12 @@ class PublisherWatch:
         self.gpu_uuids = gpu_uuids
         """This side's GPUs by UUID (empty: none, or a path that never uses them)."""
         self.asks_deltas = asks_deltas
-        """Whether requests name a delta base (`weight_delta` on, and deltas travel on the network path: a subscriber
-        held to shm or cuda_ipc never asks for one)."""
+        """Whether requests name a delta base (`weight_delta` on, on a path deltas travel: not one held to cuda_ipc)."""
+        self.deltas_need_minor = 0
+        """Requests name a delta base only to a server of at least this minor (`server_minor`): a subscriber held to
+        ``shm`` asks only a server that puts deltas in shared memory (`DELTA_PATHS_MINOR`)."""
+        self.server_minor = 0
+        """The minor the last manifest said its server speaks (`Manifest.protocol_minor`; 0: none yet, or older)."""
         self.delta_base = delta_base
         """The version held as a delta's base (-1: none)."""
         self.fetch_timeout_s = fetch_timeout_s
@@ -204,7 +208,8 @@ class PublisherWatch:
         """
         tries = (self.max_refetch + 1) if attempts is None else attempts
         gpus = tuple(self.gpu_uuids())
-        base = (self.delta_base() if delta_base is None else delta_base) if delta and self.asks_deltas else -1
+        asks = delta and self.asks_deltas and self.server_minor >= self.deltas_need_minor
+        base = (self.delta_base() if delta_base is None else delta_base) if asks else -1
         waited = self.fetch_timeout_s if timeout_s is None else timeout_s
         for _attempt in range(tries):
             try:
@@ -215,6 +220,7 @@ class PublisherWatch:
             except TimeoutError:
                 continue
             if isinstance(reply, Manifest):
+                self.server_minor = reply.protocol_minor
                 if reply.version >= 0:
                     self._observe(reply.version)
                 self.segments.register_ahead(reply)

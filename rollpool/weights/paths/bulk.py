@@ -10,6 +10,8 @@ Wire (all integers little-endian; one TCP connection per subscriber stream, requ
 
     hello     b"RPBH" u16 n, n bytes: the subscriber's peer id (its ROUTER identity without ``#<stream>``)
     request   b"RPBQ" u64 version, u32 bucket, u64 offset, u32 nbytes
+    request   b"RPBD" the same, then i64 delta_base: the bucket's encoded bytes of the version's delta against that base
+              (`Fetch.delta_base`, minor 26: `DELTA_PATHS_MINOR`; asked only of a server that says that minor or newer)
     reply     b"RPBA" u8 status, u32 nbytes, u16 n, n bytes: the bucket's checksum (status 0) or the error
               message; then `nbytes` bytes of the chunk (status 0 only)
 
@@ -65,6 +67,7 @@ log = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4sH")
 _REQUEST = struct.Struct("<4sQIQI")
+_DELTA_BASE = struct.Struct("<q")
 _REPLY = struct.Struct("<4sBIH")
 _MAX_PEER_ID = 512
 OK, GONE, UNKNOWN_VERSION, BAD_RANGE, BUSY, BAD_REQUEST = range(6)
@@ -136,7 +139,7 @@ class VersionStore(Protocol):
 
     name: str
 
-    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int) -> ChunkRead: ...
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead: ...
 
     def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None: ...
 
@@ -218,25 +221,26 @@ class BulkServer:
             peer = _recv_exact(conn, n)
             while not self._closed:
                 magic, version, bucket, offset, nbytes = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
-                if magic != b"RPBQ":
+                if magic not in (b"RPBQ", b"RPBD"):
                     self._refuse(conn, "not a bulk-lane request")
                     return
-                self._answer(conn, peer, version, bucket, offset, nbytes)
+                delta_base = _DELTA_BASE.unpack(_recv_exact(conn, _DELTA_BASE.size))[0] if magic == b"RPBD" else -1
+                self._answer(conn, peer, version, bucket, offset, nbytes, delta_base)
         except (OSError, struct.error):
             pass  # the subscriber left (or sent garbage): nothing of ours is lost, it asks again elsewhere
         finally:
             self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, conn: socket.socket, peer: bytes, version: int, bucket: int, offset: int, nbytes: int) -> None:
-        found = self._on_loop(self._lookup, version, bucket, offset, nbytes)
+    def _answer(self, conn: socket.socket, peer: bytes, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> None:
+        found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
         began = time.monotonic()
         waited = 0.0
         while found is None and waited < self.wait_s and not self._closed:  # the bytes have not arrived yet
             with self._arrived:
                 self._arrived.wait(min(0.5, self.wait_s - waited))
             waited = time.monotonic() - began  # by the clock: every arrival of other bytes wakes this thread
-            found = self._on_loop(self._lookup, version, bucket, offset, nbytes)
+            found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
         if found is None:
             self._reply(conn, BUSY, f"bucket {bucket} of version {version}: the bytes did not arrive within {self.wait_s} s")
             return
@@ -254,9 +258,9 @@ class BulkServer:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
                 self._loop.call_soon_threadsafe(self.server.bulk_served, v, peer, nbytes, waited > 0)
 
-    def _lookup(self, version: int, bucket: int, offset: int, nbytes: int) -> tuple[int, str, Any, Any] | None:
+    def _lookup(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> tuple[int, str, Any, Any] | None:
         """On the loop, the ROUTER's own lookup: (status, checksum or message, bytes, version), None: not arrived yet."""
-        got = self.server.read_chunk(version, bucket, offset, nbytes)
+        got = self.server.read_chunk(version, bucket, offset, nbytes, delta_base)
         if got.code:
             return _STATUS.get(got.code, BAD_REQUEST), got.text, None, None
         if got.data is None:
@@ -328,8 +332,10 @@ def fetch_bucket_range(
     on_chunk: Callable[[int, int, int, str, memoryview], None],
     on_part_done: Callable[[int], list[tuple[int, int]]],
     stop: threading.Event,
+    delta_base: int = -1,
 ) -> None:
-    """Thread of one subscriber stream: fetch `jobs` (bucket, chunks of it as (offset, nbytes)) into `views`.
+    """Thread of one subscriber stream: fetch `jobs` (bucket, chunks of it as (offset, nbytes)) into `views` (with
+    `delta_base` >= 0, the encoded bytes of `version`'s delta against it: the payload buckets' numbering).
 
     `on_chunk(bucket, offset, nbytes, checksum, data)` runs in this thread once a chunk is in its view (the caller
     folds it into the running checksum); `on_part_done(bucket)` runs when this job's chunks of the bucket have
@@ -341,7 +347,7 @@ def fetch_bucket_range(
         for bucket, chunks in jobs:
             todo = chunks
             while todo and not stop.is_set():
-                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop)
+                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop, delta_base)
                 if stop.is_set():
                     return
                 todo = on_part_done(bucket)
@@ -352,12 +358,16 @@ def fetch_bucket_range(
 
 
 def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequence[tuple[int, int]], view: memoryview,
-                  window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event) -> None:
+                  window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
+                  delta_base: int = -1) -> None:
     sent = 0
     for k, (offset, nbytes) in enumerate(chunks):
         while sent < len(chunks) and sent < k + window:
             off, n = chunks[sent]
-            sock.sendall(_REQUEST.pack(b"RPBQ", version, bucket, off, n))
+            if delta_base >= 0:
+                sock.sendall(_REQUEST.pack(b"RPBD", version, bucket, off, n) + _DELTA_BASE.pack(delta_base))
+            else:
+                sock.sendall(_REQUEST.pack(b"RPBQ", version, bucket, off, n))
             sent += 1
         magic, status, size, n_text = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
         text = _recv_exact(sock, n_text).decode(errors="replace") if n_text else ""
@@ -441,7 +451,8 @@ class _BulkTransfer:
         futures = [
             self.loop.run_in_executor(pool, functools.partial(
                 fetch_bucket_range, self.host, self.port, self.peer, version, _taken(queue), self.views, timeout_s=ctx.fetch_timeout_s,
-                window=ctx.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop))
+                window=ctx.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop,
+                delta_base=self.manifest.delta_base))
             for _ in range(n)
         ] if queue else []
         try:

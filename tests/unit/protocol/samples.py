@@ -168,6 +168,12 @@ def samples() -> dict[str, Any]:
                                                                   base_model="Qwen/Qwen3-8B", name="math-lora")),
         "batch_policy": p.Batch(request_id="r12", epoch="e1", groups=(p.GroupResult(prompt_id="p1", state=p.GroupState.DONE, attempts=1,
                                                                                     trajectories=(dataclasses.replace(traj, policy="math-lora"),)),)),
+        # minor 26: a delta whose encoded bytes lie in the publisher's shared memory (DELTA_PATHS_MINOR)
+        "manifest_delta_shm": p.Manifest(request_id="m12", version=14, publisher_id="pub", host_key="boot/1.2", protocol_minor=26,
+                                         delta_base=13, delta_shm=p.ShmSegment(name="rollpool-default-pub_delta-o0123456789abcdef-1", nbytes=4096),
+                                         buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=32, checksum="xxh3_64:0123456789abcdef",
+                                                               encoding="gaps", delta_nbytes=8, delta_checksum="xxh3_64:fedcba9876543210",
+                                                               tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(16,), offset=0, nbytes=32),)),)),
     }
 
 

@@ -165,3 +165,56 @@ def test_an_unchanged_bucket_rebuilt_over_its_base_is_checksummed_without_a_copy
     summer = Checksummer()
     rebuild_bucket(UNCHANGED, None, base, base, 2, summer)
     assert summer.hexdigest() == checksum(base.numpy().data)
+
+
+@pytest.mark.parametrize("piece_bytes", [4 << 20, 4096])
+def test_two_deltas_applied_in_place_to_the_version_before_the_base_give_the_new_version_and_its_checksum(
+        monkeypatch: pytest.MonkeyPatch, piece_bytes: int) -> None:
+    """The in-place rebuild: a buffer holding v-2, patched with the delta v-2 -> v-1 and then v-1 -> v (gaps, sparse or
+    unchanged, positions spanning pieces), is v bit for bit, and its checksum is fed in the same pass."""
+    from rollpool.weights import delta as delta_mod
+    from rollpool.weights.bucketing import Checksummer, checksum
+    from rollpool.weights.delta import patch_bucket
+
+    monkeypatch.setattr(delta_mod, "REBUILD_PIECE_BYTES", piece_bytes)  # small pieces: positions spread over many
+    v0 = _bf16(1 << 16, 0)
+    v1 = _step(v0, 0.01, 1)
+    v2 = v1.clone()
+    v2[[5, 70_000 // 2, 65_000]] = (v2[[5, 70_000 // 2, 65_000]].float() + 1.0).to(v2.dtype)  # a few, far apart
+    e1, p1, _ = encode_bucket(v1.view(torch.uint8), v0.view(torch.uint8), 2)
+    e2, p2, _ = encode_bucket(v2.view(torch.uint8), v1.view(torch.uint8), 2)
+    assert e1 == GAPS and e2 in (GAPS, SPARSE)
+    out = v0.clone().view(torch.uint8)
+    summer = Checksummer("crc32")
+    patch_bucket([(e1, p1), (e2, p2)], out, 2, summer)
+    assert torch.equal(out, v2.view(torch.uint8))
+    assert summer.hexdigest() == checksum(v2.view(torch.uint8).numpy().data, "crc32")
+    again = v2.clone().view(torch.uint8)
+    patch_bucket([(UNCHANGED, None), (UNCHANGED, None)], again, 2)  # neither delta touched it: not written
+    assert torch.equal(again, v2.view(torch.uint8))
+
+
+def test_a_whole_bucket_cannot_be_applied_in_place_and_a_bad_payload_is_refused() -> None:
+    from rollpool.weights.delta import patch_bucket
+
+    base = _bf16(4096, 0).view(torch.uint8)
+    with pytest.raises(DeltaError, match="in place"):
+        patch_bucket([(WHOLE, base.clone())], base.clone(), 2)
+    with pytest.raises(DeltaError):
+        patch_bucket([(GAPS, torch.tensor([0xFF, 0xFF, 0, 0], dtype=torch.uint8))], base.clone(), 2)  # a gap past the bucket
+
+
+def test_a_bucket_is_rebuilt_in_place_only_when_the_delta_before_changed_few_of_its_elements() -> None:
+    from rollpool.weights.delta import IN_PLACE_MAX_FRACTION, in_place_pays
+
+    n = 1 << 20  # bytes: 2**19 bf16 elements
+    few = int(IN_PLACE_MAX_FRACTION * (n // 2))
+
+    def before(encoding: str, changed: int) -> BucketInfo:
+        per = {GAPS: 4, SPARSE: 6}.get(encoding, 0)
+        return BucketInfo(index=0, dtype="bfloat16", nbytes=n, checksum="", encoding=encoding, delta_nbytes=changed * per)
+
+    assert in_place_pays(before(UNCHANGED, 0))  # nothing to apply again: only this delta's scatter, no copy
+    assert in_place_pays(before(GAPS, few)) and in_place_pays(before(SPARSE, few))
+    assert not in_place_pays(before(GAPS, few + 1)) and not in_place_pays(before(SPARSE, 4 * few))
+    assert not in_place_pays(BucketInfo(index=0, dtype="bfloat16", nbytes=n, checksum="", encoding=WHOLE, delta_nbytes=n))

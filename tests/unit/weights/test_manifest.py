@@ -250,3 +250,50 @@ def test_the_plan_imports_no_torch() -> None:
 
     code = "import sys, rollpool.weights.manifest; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------- where a delta's bytes are read
+
+
+def _delta(**kw: Any) -> Manifest:
+    from rollpool.protocol import DELTA_PATHS_MINOR
+    from rollpool.protocol.messages import ShmSegment
+
+    fields: dict[str, Any] = {"delta_base": 2, "delta_shm": ShmSegment(name="rollpool-p-x_delta-1-1", nbytes=65536),
+                              "protocol_minor": DELTA_PATHS_MINOR, "cuda_ipc": None}
+    fields.update(kw)
+    return _manifest(**fields)
+
+
+def _delta_plan(path: str = "auto", m: Manifest | None = None, **facts: Any) -> Plan:
+    from rollpool.weights.manifest import delta_plan
+
+    return delta_plan(m if m is not None else _delta(), _facts(**facts), WeightPathConfig(weight_path=path))
+
+
+def test_a_delta_in_shared_memory_on_this_host_is_read_there_first_then_the_lane_then_the_router() -> None:
+    p = _delta_plan()
+    assert p.to_try == (SHM, BULK, NETWORK) and not p.refusal
+    assert _delta_plan("shm").to_try == (SHM,)
+    assert _delta_plan("network").to_try == (BULK, NETWORK)
+    assert _delta_plan("network").step(SHM).why_not == "the weight path is 'network'"
+
+
+@pytest.mark.parametrize(("m", "facts", "why"), [
+    (_delta(delta_shm=None), {}, "the publisher offers no shared memory for this delta"),
+    (_delta(), {"host_key": "other"}, "the publisher is on another host (or another /dev/shm)"),
+])
+def test_a_delta_not_in_shared_memory_here_goes_over_the_network_quietly_and_is_refused_under_shm(m: Manifest, facts: dict[str, Any],
+                                                                                                  why: str) -> None:
+    p = _delta_plan("auto", m, **facts)
+    assert p.to_try == (BULK, NETWORK) and p.step(SHM).why_not == why and not p.step(SHM).counted
+    strict = _delta_plan("shm", m, **facts)
+    assert strict.refusal == f"weight path 'shm': {why}" and strict.to_try == ()
+
+
+def test_a_delta_of_a_server_older_than_the_minor_whose_lane_serves_deltas_goes_over_the_router() -> None:
+    from rollpool.protocol import DELTA_PATHS_MINOR
+
+    p = _delta_plan("auto", _delta(protocol_minor=DELTA_PATHS_MINOR - 1, delta_shm=None))
+    assert p.to_try == (NETWORK,) and "serves no deltas" in p.step(BULK).why_not
+    assert _delta_plan("auto", _delta(bulk_port=0)).to_try == (SHM, NETWORK)  # no lane offered at all
