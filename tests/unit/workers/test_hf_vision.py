@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import pathlib
 from collections.abc import AsyncIterator
@@ -314,15 +315,9 @@ async def test_images_cross_the_hop_as_their_own_bytes_and_strings_stay_strings(
 async def test_over_http_the_sglang_engine_sends_each_image_as_a_data_uri_of_its_bytes(tiny_vlm_dir: pathlib.Path) -> None:
     """A server at ``url=`` (no hop) gets every image as a base64 data URI of the prompt's bytes, on every attempt."""
     import base64
-    import socket
 
-    from rollpool.workers.engines.sglang.engine import SGLangEngine
-    from rollpool.workers.engines.sglang.http import serve_routes
 
     bodies: list[dict[str, Any]] = []
-
-    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
-        return 200, {"success": True}
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         bodies.append(b)
@@ -330,18 +325,9 @@ async def test_over_http_the_sglang_engine_sends_each_image_as_a_data_uri_of_its
         return 200, {"output_ids": [5] * n, "meta_info": {"id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
                                                           "output_token_logprobs": [[-1.0, 5, None]] * n}}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
-    engine = SGLangEngine(model=str(tiny_vlm_dir), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
     red = png((255, 0, 0))
-    try:
-        await engine.start()
+    async with _engine_over_fake_sglang(tiny_vlm_dir, generate) as engine:
         out = await engine.generate([7, 8], 2, SamplingParams(max_new_tokens=3), "r", images=[red])
-    finally:
-        await engine.stop()
-        await runner.cleanup()
     assert len(bodies) == 2 and len(out.samples) == 2
     for b in bodies:
         (uri,) = b["image_data"]
@@ -356,16 +342,10 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
     processor expanded the prompt to 82 (its size bounds not read the same), so the ids and grids reported were not the
     model's. Such a prompt fails with the reason; one whose lengths agree completes, resubmits included. The server
     here is a fake of SGLang at the process edge, expanding each image token to `per_image` tokens."""
-    import socket
 
     from rollpool.protocol.errors import RequestRefusedError
-    from rollpool.workers.engines.sglang.engine import SGLangEngine
-    from rollpool.workers.engines.sglang.http import serve_routes
 
     per_image = {"n": 0}
-
-    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
-        return 200, {"success": True}
 
     async def generate(b: dict[str, Any]) -> tuple[int, Any]:
         n = int(b["sampling_params"]["max_new_tokens"])
@@ -374,14 +354,8 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
             "id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
             "prompt_tokens": len(b["input_ids"]) + images * (per_image["n"] - 1), "output_token_logprobs": [[-1.0, 5, None]] * n}}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
-    engine = SGLangEngine(model=str(tiny_vlm_dir), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
     red = png((255, 0, 0))
-    try:
-        await engine.start()
+    async with _engine_over_fake_sglang(tiny_vlm_dir, generate) as engine:
         # the image processor is loaded at start, not under the first batch of image prompts
         assert engine._vision is not None and type(engine._vision.processor).__name__.startswith("Qwen2VLImageProcessor")
         _sent, reported, grid = await engine._image_prompt([7, 8], [red])
@@ -393,6 +367,27 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
             await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=3), "disagree", images=[red])
         text = await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=2), "text")  # a prompt without images: no check
         assert len(text.samples[0].output_ids) == 2
+
+
+@contextlib.asynccontextmanager
+async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any) -> AsyncIterator[Any]:
+    """A started sglang engine at ``url=`` over a fake of SGLang at the process edge whose ``/generate`` is `generate`."""
+    import socket
+
+    from rollpool.workers.engines.sglang.engine import SGLangEngine
+    from rollpool.workers.engines.sglang.http import serve_routes
+
+    async def ok(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"success": True}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
+    engine = SGLangEngine(model=str(model), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
+    try:
+        await engine.start()
+        yield engine
     finally:
         await engine.stop()
         await runner.cleanup()
