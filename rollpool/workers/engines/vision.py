@@ -29,6 +29,9 @@ class VisionSpec:
     """The vision tower's spatial merge size (2x2 patches per image token for Qwen2-VL)."""
     processor: Any
     """The model's image processor (transformers), for the patch grids."""
+    bounds: tuple[int, int] | None = None
+    """The pixel bounds (shortest_edge, longest_edge) the engine's own processor resizes within, where they differ
+    from the checkpoint's (SGLang 0.5.14 loads a Qwen2-VL processor with its own ``size``); None: the processor's."""
 
     def grids(self, images: Sequence[bytes]) -> tuple[Any, list[list[int]]]:
         """The processor's output (``pixel_values``, ``image_grid_thw``, torch tensors) and the grids as ints.
@@ -51,7 +54,7 @@ class VisionSpec:
         as the processor resizes it (transformers' Qwen2-VL ``smart_resize`` with the processor's size bounds, patch
         and merge sizes), the file's header read, no pixel decoded; the processor run whole (`grids`) where it is not
         one whose grid follows from the size. The worker has already decoded every image (its image rules)."""
-        sized = _size_rule(self.processor)
+        sized = _size_rule(self.processor, self.bounds)
         if sized is None:
             return self.grids(images)[1]
         from PIL import Image
@@ -69,7 +72,7 @@ class VisionSpec:
     @property
     def grids_from_headers(self) -> bool:
         """`grids_of` reads only each file's header (tens of microseconds an image), not the processor run whole."""
-        return _size_rule(self.processor) is not None
+        return _size_rule(self.processor, self.bounds) is not None
 
     def placeholders(self, prompt: list[int], count: int) -> list[int]:
         """`prompt` with one image token per image: as given, or ``<start><image><end>`` per image put in front."""
@@ -93,9 +96,9 @@ class VisionSpec:
         return out
 
 
-def _size_rule(processor: Any) -> Any:
+def _size_rule(processor: Any, bounds: tuple[int, int] | None = None) -> Any:
     """``(height, width) -> [1, grid_h, grid_w]`` for a Qwen2-VL-style processor (it resizes by ``smart_resize``
-    within its size bounds, then cuts patches of ``patch_size``), else None."""
+    within its size bounds, or `bounds` where given, then cuts patches of ``patch_size``), else None."""
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
     except ImportError:
@@ -106,7 +109,7 @@ def _size_rule(processor: Any) -> Any:
         return None
     size = getattr(processor, "size", None)
     get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
-    lo, hi = get("shortest_edge"), get("longest_edge")
+    lo, hi = bounds if bounds is not None else (get("shortest_edge"), get("longest_edge"))
     patch, merge = getattr(processor, "patch_size", None), getattr(processor, "merge_size", None)
     if not (isinstance(patch, int) and isinstance(merge, int) and all(isinstance(x, int) and x > 0 for x in (lo, hi, patch, merge))):
         return None

@@ -370,8 +370,9 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
 
 
 @contextlib.asynccontextmanager
-async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any) -> AsyncIterator[Any]:
-    """A started sglang engine at ``url=`` over a fake of SGLang at the process edge whose ``/generate`` is `generate`."""
+async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any, model_info: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+    """A started sglang engine at ``url=`` over a fake of SGLang at the process edge whose ``/generate`` is `generate`
+    (and whose ``/model_info`` answers `model_info`, where given)."""
     import socket
 
     from rollpool.workers.engines.sglang.engine import SGLangEngine
@@ -383,7 +384,11 @@ async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any) -> AsyncI
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    runner = await serve_routes({"/health_generate": ok, "/update_weight_version": ok, "/generate": generate}, "127.0.0.1", port, "tok")
+    async def info(b: dict[str, Any]) -> tuple[int, Any]:
+        return 200, model_info
+
+    routes = {"/health_generate": ok, "/update_weight_version": ok, "/generate": generate, **({"/model_info": info} if model_info else {})}
+    runner = await serve_routes(routes, "127.0.0.1", port, "tok")
     engine = SGLangEngine(model=str(model), url=f"http://127.0.0.1:{port}", api_key="tok", device="cpu")
     try:
         await engine.start()
@@ -391,3 +396,30 @@ async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any) -> AsyncI
     finally:
         await engine.stop()
         await runner.cleanup()
+
+
+async def test_images_are_expanded_within_the_pixel_bounds_sglangs_own_processor_uses(tiny_vlm_dir: pathlib.Path) -> None:
+    """SGLang 0.5.14 loads a Qwen2-VL processor with its own ``size`` (3136..1003520 pixels) unless the checkpoint
+    names ``min_pixels``/``max_pixels``: the worker expands each image within the bounds SGLang's processor reports
+    (``/model_info``'s ``image_size``), so a 224 px image is 64 tokens on both sides where the checkpoint's own bounds
+    (at most 112 x 112 pixels) would make it 16, and the prompt completes. The server is a fake of SGLang at the
+    process edge, expanding each image by SGLang's bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    lo, hi = 3136, 1003520
+    h, w = smart_resize(224, 224, 28, min_pixels=lo, max_pixels=hi)
+    per_image = (h // 14) * (w // 14) // 4
+    assert per_image == 64
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        n = int(b["sampling_params"]["max_new_tokens"])
+        images = len(b.get("image_data") or [])
+        return 200, {"output_ids": [5] * n, "meta_info": {
+            "id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
+            "prompt_tokens": len(b["input_ids"]) + images * (per_image - 1), "output_token_logprobs": [[-1.0, 5, None]] * n}}
+
+    image = png((0, 0, 255), size=224)
+    info = {"weight_version": "0", "grammar_backend": "none", "image_size": {"shortest_edge": lo, "longest_edge": hi}}
+    async with _engine_over_fake_sglang(tiny_vlm_dir, generate, info) as engine:
+        out = await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=2), "bounds", images=[image])
+    assert out.image_grid_thw == [1, 16, 16] and out.input_ids.count(out.input_ids[1]) >= 64

@@ -92,7 +92,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -332,6 +332,8 @@ class SGLangEngine:
         self._adapter_lock = asyncio.Lock()
         self.grammar_backend = "none"
         self.weights_readable: bool | None = None
+        self._image_bounds: tuple[int, int] | None = None
+        """The pixel bounds SGLang's image processor resizes within (its ``/model_info``), where the child says."""
         """Whether SGLang's model class answers ``get_weights_by_name`` (the child's ``/model_info``; None: not said)."""
         """The grammar backend the child's SGLang runs (its ``/model_info``; ``none``: constrained requests refused)."""
 
@@ -434,6 +436,10 @@ class SGLangEngine:
             infos = []
         backends = {str(i.get("grammar_backend") or "none") if isinstance(i, Mapping) else "none" for i in infos}
         self.grammar_backend = backends.pop() if len(backends) == 1 else "none"
+        for i in infos:
+            size = i.get("image_size") if isinstance(i, Mapping) else None
+            if isinstance(size, Mapping) and all(isinstance(size.get(k), int) for k in ("shortest_edge", "longest_edge")):
+                self._image_bounds = (int(size["shortest_edge"]), int(size["longest_edge"]))
         said = [i.get("weights_readable") for i in infos if isinstance(i, Mapping) and isinstance(i.get("weights_readable"), bool)]
         self.weights_readable = all(said) if said else None
         if self.verify_updates and self.weights_readable is False:
@@ -801,6 +807,15 @@ class SGLangEngine:
         return GenerateOutput(request_id, list(reported), samples, started, simulated=self.options.backend == "sim",
                               image_grid_thw=grid)
 
+    def _load_vision_spec(self) -> VisionSpec | None:
+        """The checkpoint's vision spec, its grids computed within SGLang's own pixel bounds where the child said them
+        (SGLang 0.5.14 loads a Qwen2-VL processor with ``size`` 3136..1003520 pixels whatever the checkpoint's
+        ``size`` says, unless it names ``min_pixels``/``max_pixels``; the worker must expand images as SGLang does)."""
+        spec = load_vision_spec(self.model_path)
+        if spec is not None and self._image_bounds is not None:
+            spec = replace(spec, bounds=self._image_bounds)
+        return spec
+
     async def _load_vision(self) -> None:
         """The image processor, loaded at start so the first batch of image prompts does not wait for it (transformers'
         image-processing imports take seconds on a GPU host; on an H100 the pool's cold first batch reached SGLang 7.4 s
@@ -809,7 +824,7 @@ class SGLangEngine:
         try:
             async with self._load_lock:
                 if self._vision is None:
-                    self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
+                    self._vision = await asyncio.to_thread(self._load_vision_spec)
         except Exception as exc:  # noqa: BLE001 - not fatal at start: said, and the first image prompt says it again
             log.warning("sglang engine: the image processor of %s did not load at start: %s: %s", self.model_path,
                         type(exc).__name__, exc)
@@ -820,7 +835,7 @@ class SGLangEngine:
             raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
         async with self._load_lock:
             if self._vision is None:
-                self._vision = await asyncio.to_thread(load_vision_spec, self.model_path)
+                self._vision = await asyncio.to_thread(self._load_vision_spec)
         spec = self._vision
         assert spec is not None  # the config has a vision tower
         # the grids only (SGLang preprocesses the pixels itself): from each image's size, no second decode and no

@@ -158,10 +158,18 @@ def sglang_routes(engine: Any) -> dict[str, Route]:  # noqa: C901 - grandfathere
                 readable.append(None)
         return readable[0]
 
+    def image_size() -> dict[str, int] | None:
+        """The pixel bounds SGLang's image processor resizes within (``size``: shortest_edge, longest_edge pixels), which
+        may not be the checkpoint's (SGLang passes its own ``size`` for Qwen2-VL); None for a text model."""
+        size: Any = getattr(getattr(getattr(tm, "processor", None), "image_processor", None), "size", None)
+        lo, hi = ((size.get("shortest_edge"), size.get("longest_edge")) if isinstance(size, dict)
+                  else (getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)))
+        return {"shortest_edge": lo, "longest_edge": hi} if isinstance(lo, int) and isinstance(hi, int) else None
+
     async def model_info(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"model_path": tm.server_args.model_path, "weight_version": tm.server_args.weight_version,
                      "context_length": getattr(tm, "context_len", None), "grammar_backend": tm.server_args.grammar_backend,
-                     "weights_readable": weights_readable()}
+                     "weights_readable": weights_readable(), "image_size": image_size()}
 
     async def health(b: dict[str, Any]) -> tuple[int, Any]:
         return 200, None
