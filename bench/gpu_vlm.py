@@ -125,7 +125,7 @@ async def pool_stage(model: Path, images: list[bytes], args: argparse.Namespace)
     from safetensors.torch import load_file
 
     from rollpool.protocol.messages import Prompt, PromptImage, SamplingParams
-    from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig, new_prompt_id
+    from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig, UnfillableBatchError, new_prompt_id
     from rollpool.workers.engines.sglang.http import HttpClient
     from rollpool.workers.engines.sglang.wire import generate_body, parse_generate_response, sample_rid
     from rollpool.workers.engines.vision import load_vision_spec
@@ -187,7 +187,13 @@ async def pool_stage(model: Path, images: list[bytes], args: argparse.Namespace)
             res = await client.submit(prompts(sp))
             if res.rejected:
                 raise RuntimeError(f"rejected: {list(res.rejected.values())[:3]}")
-            batch = await client.get_batch(len(images), max_staleness=1000, timeout=600)
+            # no timeout: a prompt the worker fails (an image SGLang expands otherwise) raises UnfillableBatchError at
+            # once, with the reasons, instead of the call waiting out a timeout while the device call runs out
+            try:
+                batch = await client.get_batch(len(images), max_staleness=1000)
+            except UnfillableBatchError as exc:
+                ended = [f"{g.state}: {g.reason}" for g in await client.take_ended()]
+                raise RuntimeError(f"{len(ended)} prompts ended otherwise ({ended[:2]}): {exc}") from exc
             dt = time.perf_counter() - t
             tr = batch.trajectories
             # where the wall time went (one host, one clock): submit -> the engine took the first and the last prompt
@@ -230,7 +236,7 @@ async def pool_stage(model: Path, images: list[bytes], args: argparse.Namespace)
         await client.submit(prompts(long_sp))
         await asyncio.sleep(1.0)
         await client.publish_weights(sd, 1)
-        batch = await client.get_batch(len(images), max_staleness=1000, timeout=900)
+        batch = await client.get_batch(len(images), max_staleness=1000)
         bad, spanning = 0, 0
         for t in batch.trajectories:
             v = t.token_versions.tolist()
