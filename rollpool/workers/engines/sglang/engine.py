@@ -429,7 +429,8 @@ class SGLangEngine:
 
     async def _read_model_info(self) -> None:
         """From every replica's ``/model_info``: the grammar backend they run (``none`` where one has none or does not
-        say) and whether SGLang can read a weight back (``weights_readable``; false where any replica says false)."""
+        say), whether SGLang can read a weight back (``weights_readable``; false where any replica says false) and the
+        pixel bounds its image processor resizes within (``image_size``)."""
         try:
             infos = await self._post_all("/model_info", method="GET")
         except HttpError:
@@ -816,15 +817,20 @@ class SGLangEngine:
             spec = replace(spec, bounds=self._image_bounds)
         return spec
 
+    async def _vision_spec(self) -> VisionSpec | None:
+        """The vision spec, loaded once (concurrent first callers wait for the one load)."""
+        async with self._load_lock:
+            if self._vision is None:
+                self._vision = await asyncio.to_thread(self._load_vision_spec)
+        return self._vision
+
     async def _load_vision(self) -> None:
         """The image processor, loaded at start so the first batch of image prompts does not wait for it (transformers'
         image-processing imports take seconds on a GPU host; on an H100 the pool's cold first batch reached SGLang 7.4 s
         after submit). One that fails to load here is loaded again by the first image prompt, which then fails with
         the reason."""
         try:
-            async with self._load_lock:
-                if self._vision is None:
-                    self._vision = await asyncio.to_thread(self._load_vision_spec)
+            await self._vision_spec()
         except Exception as exc:  # noqa: BLE001 - not fatal at start: said, and the first image prompt says it again
             log.warning("sglang engine: the image processor of %s did not load at start: %s: %s", self.model_path,
                         type(exc).__name__, exc)
@@ -833,10 +839,7 @@ class SGLangEngine:
         """(the ids sent: one image token per image; the ids the model runs: expanded; the patch grids, flat)."""
         if not self._takes_images:
             raise RequestRefusedError(f"the model at {self.model_path} takes no images (not a vision-language model)")
-        async with self._load_lock:
-            if self._vision is None:
-                self._vision = await asyncio.to_thread(self._load_vision_spec)
-        spec = self._vision
+        spec = await self._vision_spec()
         assert spec is not None  # the config has a vision tower
         # the grids only (SGLang preprocesses the pixels itself): from each image's size, no second decode and no
         # pixel arrays made here (the processor run whole cost the pool about a quarter of direct SGLang's rate with
