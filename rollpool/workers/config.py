@@ -182,13 +182,8 @@ def parse_engine_options(text: str) -> dict[str, Any]:
     have no dataclass here; the built-in engines are parsed by their dataclass.
     """
     out: dict[str, Any] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        key, sep, raw = part.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"WorkerConfig.engine_options: {part!r} is not key=value")
-        value: Any = raw.strip()
+    for key, raw in split_options(text).items():
+        value: Any = raw
         low = value.lower()
         if low in ("true", "false"):
             value = low == "true"
@@ -199,5 +194,5 @@ def parse_engine_options(text: str) -> dict[str, Any]:
                     break
                 except ValueError:
                     continue
-        out[key.strip()] = value
+        out[key] = value
     return out

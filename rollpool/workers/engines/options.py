@@ -252,10 +252,37 @@ def options_from(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
     return cls(**values)
 
 
+def _top_level_parts(text: str) -> list[str]:
+    """`text` cut at its commas outside JSON brackets, braces and strings: a JSON value (``server_args={"a":1,"b":2}``)
+    stays one part."""
+    parts: list[str] = []
+    depth, quoted, escaped, start = 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"' and depth > 0:  # a string inside a JSON value (a quote elsewhere is a plain character)
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
 def split_options(text: str, where: str = "engine_options") -> dict[str, str]:
-    """``"a=1, b=x"`` -> ``{"a": "1", "b": "x"}`` (values untyped)."""
+    """``"a=1, b=x"`` -> ``{"a": "1", "b": "x"}`` (values untyped). A comma inside a JSON value (brackets, braces,
+    strings) does not cut it: ``server_args={"a":1,"b":2}`` is one option."""
     out: dict[str, str] = {}
-    for part in (p.strip() for p in text.split(",")):
+    for part in (p.strip() for p in _top_level_parts(text)):
         if not part:
             continue
         key, sep, raw = part.partition("=")

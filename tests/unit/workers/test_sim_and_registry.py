@@ -89,3 +89,14 @@ def test_config_validates_and_parses_engine_options() -> None:
         WorkerConfig(reward="no_colon")
     with pytest.raises(ConfigError, match="count"):
         WorkerConfig(engine="hf", count=2)
+
+
+def test_engine_options_keep_a_json_value_with_commas_whole() -> None:
+    """``server_args`` is a JSON object: one of several keys must reach the engine whole, not cut at its commas."""
+    text = 'port=31000,server_args={"chat_sampling": true, "length": "fixed", "stop": [1, 2], "s": "a,}b"},capacity=4'
+    cfg = WorkerConfig(engine="sglang", model="/m", engine_options=text)
+    assert cfg.engine_kwargs()["server_args"] == '{"chat_sampling": true, "length": "fixed", "stop": [1, 2], "s": "a,}b"}'
+    assert cfg.engine_kwargs()["port"] == 31000
+    assert parse_engine_options('a=1,b={"x": 1, "y": [2, 3]},c=x') == {"a": 1, "b": '{"x": 1, "y": [2, 3]}', "c": "x"}
+    with pytest.raises(ConfigError, match="is not key=value"):
+        WorkerConfig(engine="sim", engine_options="length=fixed,oops")
