@@ -41,6 +41,15 @@ text is then not what the template renders, and the endpoint renders the convers
 turns seldom do that; the GPU bench's random 32,000-id model, about 2% of its turns). The summary's ``*_vs_*`` keys
 also give the ratio rep by rep (``per_rep_pool_cpu_ratio``), a spread that the ratio of medians hides.
 
+Each row also has the phase's ramp and tail (`turn_timing`, from the agents' per-turn ``start`` and ``end``; the keys
+`bench/gpu_episodes.py` reports): ``first_turn_start_s``, ``delivery_after_last_turn_s`` (a group's last turn to its
+arrival in this process's client, `stamp_deliveries`), ``tail_s``, ``turn_s``, ``running_per_100ms``, ``waves``.
+``--agent-client shared`` has the agent take one SDK client per process, as the GPU runs do (the default, a client per
+episode, builds a TLS context per episode: most of the ramp on this box). The GPU's turns (a random model samples all
+128 tokens, so every episode is on the same turn at once):
+``--engine-extra ',server_args={"chat_sampling":true,"length":"fixed","length_median":128}'`` (instead of
+``--chat-sampling``).
+
 ``--profile PY_SPY`` adds, after the measured reps, one row per tree and placement under py-spy (the worker, the
 engine's child and the broker; samples of the thread holding the GIL), summarised by category in the JSON's ``profile``;
 each row also reports the worker's event-loop thread's CPU alone (``worker_loop_thread_cpu_us_per_turn``).
@@ -57,6 +66,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -82,7 +92,11 @@ async def sdk_loop(base_url: str, api_key: str, model: str, md: dict[str, Any], 
 
     turns, tokens, tool_words = int(md["turns"]), int(md["tokens_per_turn"]), int(md["tool_words"])
     rng = random.Random(seed)
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    shared = md.get("agent_client") == "shared"
+    if shared:  # one SDK client per process, copied per episode: one TLS context, one pool (as bench/gpu_episodes.py's)
+        client = _shared_client().with_options(base_url=base_url, api_key=api_key)
+    else:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                       {"role": "user", "content": str(md["task"])}]
     done = completion_tokens = 0
@@ -90,14 +104,16 @@ async def sdk_loop(base_url: str, api_key: str, model: str, md: dict[str, Any], 
     prev: tuple[int, int] | None = None
     try:
         for t in range(turns):
+            start = time.time()
             r = await client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=1.0)
+            end = time.time()
             msg = r.choices[0].message
             usage = r.usage
             completion_tokens += usage.completion_tokens if usage else 0
             cached = int(usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
             rec = {"turn": t, "prompt_tokens": usage.prompt_tokens if usage else 0,
                    "completion_tokens": usage.completion_tokens if usage else 0, "cached": cached,
-                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0}
+                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0, "start": round(start, 4), "end": round(end, 4)}
             per_turn.append(rec)
             prev = (rec["prompt_tokens"], rec["completion_tokens"])
             messages.append(msg.model_dump(exclude_none=True))  # sent back unchanged
@@ -105,8 +121,22 @@ async def sdk_loop(base_url: str, api_key: str, model: str, md: dict[str, Any], 
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
             done += 1
     finally:
-        await client.close()
+        if not shared:
+            await client.close()
     return {"turns": done, "completion_tokens": completion_tokens, "cache_turns": per_turn}
+
+
+_SHARED: dict[int, Any] = {}
+
+
+def _shared_client() -> Any:
+    """This event loop's one `openai.AsyncOpenAI` (``--agent-client shared``); never closed: it lives as long as the process."""
+    import openai
+
+    key = id(asyncio.get_running_loop())
+    if key not in _SHARED:
+        _SHARED[key] = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=600)
+    return _SHARED[key]
 
 
 async def agent(ctx: Any, prompt: Any) -> float:
@@ -380,6 +410,85 @@ async def _collect(client: Any, n_groups: int, timeout_s: float) -> list[Any]:
     return list(batch.groups)
 
 
+def stamp_deliveries(client: Any) -> dict[str, float]:
+    """Bench instrumentation: when each group reached the trainer's process, its prompt id -> the time (``time.time()``)
+    the client's pull that carried it returned (`get_batch` hands them over once its n are there). Wraps the client's
+    private ``_pull``, so it sees every pull of every `get_batch`."""
+    delivered: dict[str, float] = {}
+    pull = client._pull
+
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        batch = await pull(*args, **kwargs)
+        now = time.time()
+        for g in batch.groups:
+            delivered.setdefault(g.prompt_id, now)
+        return batch
+
+    client._pull = timed
+    return delivered
+
+
+def _spread(xs: list[float], keys: tuple[str, ...] = ("min", "median", "max")) -> dict[str, float] | None:
+    if not xs:
+        return None
+    pick = {"min": min(xs), "median": _median(xs), "max": max(xs)}
+    return {k: round(float(pick[k] or 0.0), 4) for k in keys}
+
+
+def phase_timing(groups: list[Any], t0: float, delivered: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """`turn_timing` of a pool's phase: each episode's turns from its trajectories' ``cache_turns`` (the agent's records;
+    an episode's segments carry the same), each group's delivery from `delivered` (its prompt id -> the time)."""
+    episodes: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for g in groups:
+        for tr in g.trajectories:
+            recs = tr.metadata.get("cache_turns") or []
+            if recs:
+                episodes.setdefault((g.prompt_id, tr.sample_index), recs)
+    return turn_timing(episodes, t0, wall_s, delivered)
+
+
+def turn_timing(episodes: dict[tuple[str, int], list[dict[str, Any]]], t0: float, wall_s: float,
+                delivered: dict[str, float] | None = None) -> dict[str, Any]:
+    """A phase's ramp and tail from each episode's turns (``{(group, index): [{"turn", "start", "end"}, ...]}``, the
+    agents' clock, this host's; ``start`` may be given as ``end`` less ``s``) and each group's delivery, all in seconds
+    after `t0` (just before the submit):
+
+    - ``first_turn_start_s``: each episode's first request leaving its agent (min, median, max over episodes): the ramp;
+    - ``delivery_after_last_turn_s``: per group, its delivery less the end of its last turn (median, max): the tail
+      (only with `delivered`);
+    - ``last_turn_end_s`` (the phase's last turn) and ``tail_s`` (``wall_s`` less it);
+    - ``running_per_100ms``: how many episodes were between their first turn's start and their last turn's end at
+      0.1, 0.2, ..., 1.0 s (the in-process loop has every episode running at once from the start);
+    - ``turn_s``: one turn's time as its agent saw it, request to answer (median, max over every turn);
+    - ``waves``: per turn index, [first start, last start, first end, last end] over the episodes: with every episode
+      on the same turn at once, a turn's requests leave their agents spread over [first start, last start]."""
+    spans: list[tuple[float, float]] = []
+    waves: dict[int, list[float]] = {}
+    group_end: dict[str, float] = {}
+    durations: list[float] = []
+    for (group, _), recs in episodes.items():
+        times = [((float(r["start"]) if "start" in r else float(r["end"]) - float(r["s"])) - t0, float(r["end"]) - t0, int(r["turn"]))
+                 for r in recs]
+        for b, e, turn in times:
+            durations.append(e - b)
+            w = waves.setdefault(turn, [b, b, e, e])
+            waves[turn] = [min(w[0], b), max(w[1], b), min(w[2], e), max(w[3], e)]
+        spans.append((min(b for b, _, _ in times), max(e for _, e, _ in times)))
+        group_end[group] = max(group_end.get(group, -math.inf), spans[-1][1])
+    if not spans:
+        return {}
+    last = max(e for _, e in spans)
+    out: dict[str, Any] = {"first_turn_start_s": _spread([s for s, _ in spans])}
+    if delivered is not None:
+        out["delivery_after_last_turn_s"] = _spread([delivered[g] - t0 - e for g, e in group_end.items() if g in delivered],
+                                                    ("median", "max"))
+    out.update({"last_turn_end_s": round(last, 4), "tail_s": round(wall_s - last, 4),
+                "running_per_100ms": [sum(1 for s, e in spans if s <= m / 10 < e) for m in range(1, 11)],
+                "turn_s": _spread(durations, ("median", "max")),
+                "waves": [[round(x, 3) for x in waves[t]] for t in sorted(waves)]})
+    return out
+
+
 # --------------------------------------------------------------------------- bench: CPU per turn
 
 
@@ -393,7 +502,7 @@ def _prompts(name: str, args: argparse.Namespace, groups: int) -> list[Any]:
     return [Prompt(prompt_id=f"{name}-{i}", text=task(i), group_size=args.n,
                    sampling=SamplingParams(max_new_tokens=args.tokens_per_turn, temperature=1.0),
                    metadata={"turns": args.turns, "tokens_per_turn": args.tokens_per_turn, "tool_words": args.tool_words,
-                             "task": task(i)})
+                             "task": task(i), "agent_client": args.agent_client})
             for i in range(groups)]
 
 
@@ -465,12 +574,14 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
         before = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
         loop0 = _main_thread_cpu(worker.pid)
         mine0 = time.process_time()
+        delivered = stamp_deliveries(client)
         t0 = time.time()
         res = await client.submit(_prompts(f"{placement}-{label}", args, args.groups))
         if res.rejected:
             raise RuntimeError(f"rejected: {res.rejected}")
         groups = await _collect(client, args.groups, args.phase_timeout_s)
         wall = time.time() - t0
+        timing = phase_timing(groups, t0, delivered, wall)
         after = {k: sum(_cpu(p) for p in v) for k, v in pids.items()}
         loop_cpu = _main_thread_cpu(worker.pid) - loop0
         trainer_cpu = time.process_time() - mine0
@@ -496,7 +607,7 @@ async def turns_row(tree: Path, label: str, placement: str, args: argparse.Names
            "worker_declared_dead": dead,
            "episodes": episodes, "trajectories": len(trajs), "segments_per_episode": round(len(trajs) / max(1, episodes), 3),
            "turns": turns, "sampled_tokens": sampled, "turns_per_s": round(turns / wall, 1),
-           "output_tokens_per_s": round(sampled / wall, 1), **per_turn,
+           "output_tokens_per_s": round(sampled / wall, 1), **per_turn, **timing,
            "pool_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["broker"]) / turns, 1) if turns else None,
            "worker_and_engine_child_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["engine_child"]) / turns, 1) if turns else None,
            "worker_and_agent_processes_cpu_us_per_turn": round(1e6 * (cpu["worker"] + cpu["agent_process"]) / turns, 1) if turns else None}
@@ -770,6 +881,9 @@ def main() -> int:
     ap.add_argument("--placement", default="both", help="comma-separated: remote, inworker, children; both = remote,inworker")
     ap.add_argument("--agent-processes", type=int, default=2, help="the children placement's worker --agent-processes")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--agent-client", choices=("per-episode", "shared"), default="per-episode",
+                    help="turns bench: the agent's openai client, a new AsyncOpenAI per episode (each builds a TLS context) or "
+                         "one per process copied per episode (bench/gpu_episodes.py --agent-client shared, what the GPU runs use)")
     ap.add_argument("--profile", default="", metavar="PY_SPY",
                     help="turns bench: after the measured reps, one row per tree and placement under this py-spy binary "
                          "(the JSON's 'profile': where the worker's, the engine child's and the broker's CPU went)")

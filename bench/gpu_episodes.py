@@ -65,6 +65,15 @@ top 10 [function, share] per role). Sampling that fails (no py-spy, no ptrace ri
 ``stopped_s``, how long it sent nothing; ``pause_s``, ``sglang_update_s``, ``verify_s``; ``*_at`` in seconds after the
 phase's start), ``publish_called_at_s`` .. ``published_at_s`` (the trainer's publish call), and in every phase
 ``longest_gap_s`` (the longest stretch with no turn ending) and ``turns_ended_per_s``.
+
+Every phase, the pool's and the peer's, also reports its ramp and tail (`bench.episodes.turn_timing`, from each turn's
+``start`` and ``end`` as its agent saw them, in seconds after the submit): ``first_turn_start_s`` (min, median, max over
+the episodes: the submit to each episode's first request), ``delivery_after_last_turn_s`` (median, max over the groups:
+a group's last turn to ``get_batch`` returning it; the pool only), ``tail_s`` (the phase's wall less its last turn's
+end), ``turn_s`` (one turn, request to answer, median and max), ``running_per_100ms`` (episodes running at 0.1 .. 1.0 s)
+and ``waves`` (per turn index: first start, last start, first end, last end). The random model samples all 128 tokens
+of nearly every turn, so every episode is on the same turn at once: a phase is 6 waves of 128 requests, and
+``turns_ended_per_s`` counts waves cut by whole seconds.
 """
 
 from __future__ import annotations
@@ -86,7 +95,7 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_weights as gw  # noqa: E402 - the model builder, process helpers and kit setup
 from bench import profiling  # noqa: E402 - py-spy on the pool's and the peer's processes (--profile-s)
-from bench.episodes import _apply_lines, add_workload_args  # noqa: E402 - the workload both episode benches run
+from bench.episodes import _apply_lines, add_workload_args, phase_timing, turn_timing  # noqa: E402 - the workload both episode benches run
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
 
@@ -118,7 +127,8 @@ async def agent(ctx: Any, prompt: Any) -> float:
             cached = int(usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
             rec = {"turn": t, "prompt_tokens": usage.prompt_tokens if usage else 0,
                    "completion_tokens": usage.completion_tokens if usage else 0, "cached": cached,
-                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0, "s": round(time.time() - t0, 4), "end": round(time.time(), 4)}
+                   "cacheable": (prev[0] + prev[1] - 1) if prev else 0, "s": round(time.time() - t0, 4), "start": round(t0, 4),
+                   "end": round(time.time(), 4)}
             per_turn.append(rec)
             prev = (rec["prompt_tokens"], rec["completion_tokens"])
             messages.append(msg.model_dump(exclude_none=True))  # sent back unchanged
@@ -196,6 +206,7 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
     if res.rejected:
         raise RuntimeError(f"rejected: {res.rejected}")
     groups: list[Any] = []
+    delivered: dict[str, float] = {}  # prompt id -> when get_batch returned it
     published_at = None
     publish_call: list[float] = []
 
@@ -222,13 +233,15 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
                 raise RuntimeError(f"{name}: {len(groups)} of {args.groups} groups after {args.phase_timeout_s} s") from None
             continue
         groups += batch.groups
+        now = time.time()
+        delivered.update((g.prompt_id, now) for g in batch.groups)
         for other in batch.other:
             raise RuntimeError(f"{name}: group {other.prompt_id} ended {other.state}: {other.reason}")
     wall = time.time() - t0
     if publisher is not None:
         await publisher
     out = {"wall_s": round(wall, 2), "episodes": sum(len(g.trajectories) for g in groups), "published_at_s": published_at,
-           **cache_share(groups), **turn_gaps(groups, t0)}
+           **cache_share(groups), **turn_gaps(groups, t0), **phase_timing(groups, t0, delivered, wall)}
     if publish_call:  # the publish call's start (its end is published_at_s), and the worker's apply as its engine logged it
         out["publish_called_at_s"] = publish_call[0]
         applies = _apply_lines(Path(args.out) / "worker.log")
@@ -289,19 +302,23 @@ async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, u
     stop = [eot] if isinstance(eot, int) and eot >= 0 else []
     sampled = 0
     turns = 0
+    records: dict[tuple[str, int], list[dict[str, Any]]] = {}  # the turns' start and end, as the pool's agent records them
 
     async def episode(i: int, j: int) -> None:
         nonlocal sampled, turns
         rng = random.Random(f"{name}-{i}:{j}")
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                           {"role": "user", "content": _task(i)}]
+        mine = records.setdefault((str(i), j), [])
         for t in range(args.turns):
+            start = time.time()
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tok.encode(text, add_special_tokens=False)
             out = await eng.async_generate(input_ids=ids, sampling_params={"max_new_tokens": args.tokens_per_turn, "temperature": 1.0,
                                                                            "stop_token_ids": stop}, return_logprob=True)
             sampled += len(out["output_ids"])
             turns += 1
+            mine.append({"turn": t, "start": start, "end": time.time()})
             messages.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
             obs = " ".join(rng.choice(WORDS) for _ in range(args.tool_words))
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
@@ -334,7 +351,7 @@ async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, u
     await asyncio.gather(*(episode(i, j) for i in range(args.groups) for j in range(args.n)))
     wall = time.time() - t0
     out: dict[str, Any] = {"wall_s": round(wall, 2), "episodes": args.groups * args.n, "turns": turns, "sampled_tokens": sampled,
-                           "output_tokens_per_s": round(sampled / wall, 1)}
+                           "output_tokens_per_s": round(sampled / wall, 1), **turn_timing(records, t0, wall)}
     if upd is not None:
         out["update_s"] = await upd
         out["published_at_s"] = update_at
