@@ -74,6 +74,12 @@ end), ``turn_s`` (one turn, request to answer, median and max), ``running_per_10
 and ``waves`` (per turn index: first start, last start, first end, last end). The random model samples all 128 tokens
 of nearly every turn, so every episode is on the same turn at once: a phase is 6 waves of 128 requests, and
 ``turns_ended_per_s`` counts waves cut by whole seconds.
+
+``--sglang-log-level info`` runs SGLang at INFO in the worker's child and in the peer, and every phase of both gets
+``scheduler`` (`SchedulerLog`: from their logs, what SGLang's scheduler did in the phase): ``prefill_batches`` (forward
+passes that admitted new requests: each holds back the running requests' next token by one pass),
+``prefill_seqs``, ``seqs_per_prefill`` and ``decode_log_lines`` (one per 40 decode passes). Requests that reach the
+scheduler spread out are admitted in more, smaller prefill passes than requests that arrive together.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -154,6 +161,36 @@ def _shared_client() -> Any:
     return _SHARED[key]
 
 
+# --------------------------------------------------------------------------- SGLang's own batches (--sglang-log-level info)
+
+_PREFILL = re.compile(r"Prefill batch[^,]*, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+
+
+class SchedulerLog:
+    """What SGLang's scheduler logged at INFO during a phase, read from its log files between the phase's start and end
+    (their sizes at `start`): ``prefill_batches`` (its ``Prefill batch`` lines: forward passes that admitted new
+    requests, each holding back every running request's next token by one pass), ``prefill_seqs`` (the requests they
+    admitted), ``seqs_per_prefill``, ``prefill_new_tokens`` and ``decode_log_lines`` (one per ``decode_log_interval``
+    decode passes, 40 by default). Empty at SGLang's default level (warning)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.offsets = {p: p.stat().st_size if p.exists() else 0 for p in paths}
+
+    def read(self) -> dict[str, Any]:
+        text = ""
+        for p in self.paths:
+            if p.exists():
+                with p.open("rb") as fh:
+                    fh.seek(self.offsets.get(p, 0))
+                    text += fh.read().decode(errors="replace")
+        batches = [tuple(int(x) for x in m) for m in _PREFILL.findall(text)]
+        seqs = sum(b[0] for b in batches)
+        return {"prefill_batches": len(batches), "prefill_seqs": seqs,
+                "seqs_per_prefill": round(seqs / len(batches), 2) if batches else None,
+                "prefill_new_tokens": sum(b[1] for b in batches), "decode_log_lines": text.count("Decode batch")}
+
+
 # --------------------------------------------------------------------------- the trainer side
 
 
@@ -201,6 +238,8 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
                       metadata={"turns": args.turns, "tokens_per_turn": args.tokens_per_turn, "tool_words": args.tool_words,
                                 "task": task(i), "agent_client": args.agent_client})
                for i in range(args.groups)]
+    logs = sorted(Path(args.out).glob("sglang-*.log"))  # noqa: ASYNC240 - a directory listing, before the phase's clock starts
+    sched = SchedulerLog(logs) if args.sglang_log_level == "info" else None
     t0 = time.time()
     res = await client.submit(prompts)
     if res.rejected:
@@ -251,6 +290,8 @@ async def run_phase(client: Any, name: str, args: argparse.Namespace, publish_at
                             if isinstance(v, int | float)}
     versions = sorted({int(v) for g in groups for tr in g.trajectories for v in tr.token_versions})
     out["token_versions_seen"] = versions
+    if sched is not None:
+        out["scheduler"] = sched.read()
     out["sampled_tokens"] = sum(int((tr.loss_mask == 1).sum()) for g in groups for tr in g.trajectories)
     out["output_tokens_per_s"] = round(out["sampled_tokens"] / wall, 1)
     return out
@@ -346,12 +387,16 @@ async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, u
             raise RuntimeError(f"peer update failed: {msg}")
         return round(time.time() - t, 3)
 
+    sched = SchedulerLog([Path(args.out) / "peer.log"]) if args.sglang_log_level == "info" else None
     t0 = time.time()
     upd = asyncio.ensure_future(update()) if update_at is not None else None
     await asyncio.gather(*(episode(i, j) for i in range(args.groups) for j in range(args.n)))
     wall = time.time() - t0
     out: dict[str, Any] = {"wall_s": round(wall, 2), "episodes": args.groups * args.n, "turns": turns, "sampled_tokens": sampled,
                            "output_tokens_per_s": round(sampled / wall, 1), **turn_timing(records, t0, wall)}
+    if sched is not None:
+        sys.stderr.flush()
+        out["scheduler"] = sched.read()
     if upd is not None:
         out["update_s"] = await upd
         out["published_at_s"] = update_at
@@ -368,7 +413,7 @@ def peer_main(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {}
     eng = sglang.Engine(model_path=model, dtype="bfloat16", mem_fraction_static=args.mem_fraction, max_running_requests=args.concurrency,
                         random_seed=0, context_length=args.context, attention_backend="triton", sampling_backend="pytorch",
-                        log_level="warning", grammar_backend="none", cuda_graph_backend_prefill="disabled")
+                        log_level=args.sglang_log_level, grammar_backend="none", cuda_graph_backend_prefill="disabled")
     try:
         tok = AutoTokenizer.from_pretrained(model)
         sd = gw.load_on(Path(model), "cuda")
@@ -404,7 +449,7 @@ def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
     out = Path(args.out) / "peer.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-out", str(out)]
     for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction", "out",
-              "profile_s", "profile_rate"):
+              "profile_s", "profile_rate", "sglang_log_level"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--profile-gil"] if args.profile_gil else []
     cmd += ["--profile-native"] if args.profile_native else []
@@ -451,6 +496,8 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     broker = gw._spawn(["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
                         "--task-timeout-s", "3600", "--log-level", "WARNING"], out / "broker.log")
     opts = f"port={sg_port},capacity={args.concurrency},backend={args.backend},context_length={args.context},log_dir={out},hop={args.hop}"
+    if args.sglang_log_level != "warning" and args.backend == "sglang":  # the child's sglang.Engine (the peer's: a keyword)
+        opts += f',server_args={{"log_level":"{args.sglang_log_level}"}}'
     if args.backend == "sglang":
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
@@ -523,6 +570,9 @@ def main() -> int:
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
     ap.add_argument("--peer-timeout-s", type=float, default=300)
+    ap.add_argument("--sglang-log-level", choices=("warning", "info"), default="warning",
+                    help="SGLang's log level in the worker's child and the peer (info: each phase's 'scheduler' key counts "
+                         "SGLang's prefill passes and the requests each admitted, from their logs)")
     ap.add_argument("--profile-s", type=float, default=0,
                     help="after the measured phases, py-spy samples the worker, one agent process, the SGLang child (and the "
                          "peer's process) for this many seconds while the no_update workload runs again: profile-<role>.txt; 0: off")
