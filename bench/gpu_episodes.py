@@ -80,6 +80,9 @@ of nearly every turn, so every episode is on the same turn at once: a phase is 6
 passes that admitted new requests: each holds back the running requests' next token by one pass),
 ``prefill_seqs``, ``seqs_per_prefill`` and ``decode_log_lines`` (one per 40 decode passes). Requests that reach the
 scheduler spread out are admitted in more, smaller prefill passes than requests that arrive together.
+``--sglang-args JSON`` gives both SGLangs the same extra ``sglang.Engine`` keywords (the JSON's ``sglang_args``), e.g.
+``'{"enable_mixed_chunk": true}'`` (new requests' prefill in the same pass as the running requests' decode), to run
+a setting on both sides in one call.
 """
 
 from __future__ import annotations
@@ -162,6 +165,20 @@ def _shared_client() -> Any:
 
 
 # --------------------------------------------------------------------------- SGLang's own batches (--sglang-log-level info)
+
+
+def sglang_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--sglang-args``: extra ``sglang.Engine`` keywords, the same for the worker's child and the peer."""
+    if not args.sglang_args:
+        return {}
+    try:
+        value = json.loads(args.sglang_args)
+    except ValueError as exc:
+        raise SystemExit(f"--sglang-args must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"--sglang-args must be a JSON object, got {args.sglang_args!r}")
+    return value
+
 
 _PREFILL = re.compile(r"Prefill batch[^,]*, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 
@@ -411,9 +428,11 @@ def peer_main(args: argparse.Namespace) -> int:
 
     model = str(gw.build_model(Path(args.work), args.shape)[0])
     res: dict[str, Any] = {}
-    eng = sglang.Engine(model_path=model, dtype="bfloat16", mem_fraction_static=args.mem_fraction, max_running_requests=args.concurrency,
-                        random_seed=0, context_length=args.context, attention_backend="triton", sampling_backend="pytorch",
-                        log_level=args.sglang_log_level, grammar_backend="none", cuda_graph_backend_prefill="disabled")
+    kwargs = {"dtype": "bfloat16", "mem_fraction_static": args.mem_fraction, "max_running_requests": args.concurrency, "random_seed": 0,
+              "context_length": args.context, "attention_backend": "triton", "sampling_backend": "pytorch",
+              "log_level": args.sglang_log_level, "grammar_backend": "none", "cuda_graph_backend_prefill": "disabled",
+              **sglang_args(args)}
+    eng = sglang.Engine(model_path=model, **kwargs)
     try:
         tok = AutoTokenizer.from_pretrained(model)
         sd = gw.load_on(Path(model), "cuda")
@@ -449,7 +468,7 @@ def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
     out = Path(args.out) / "peer.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-out", str(out)]
     for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction", "out",
-              "profile_s", "profile_rate", "sglang_log_level"):
+              "profile_s", "profile_rate", "sglang_log_level", "sglang_args"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--profile-gil"] if args.profile_gil else []
     cmd += ["--profile-native"] if args.profile_native else []
@@ -496,8 +515,10 @@ async def main_async(args: argparse.Namespace, result: dict[str, Any], save: Any
     broker = gw._spawn(["rollpool.broker", "--worker-endpoint", wep, "--client-endpoint", cep, "--max-staleness", "1000",
                         "--task-timeout-s", "3600", "--log-level", "WARNING"], out / "broker.log")
     opts = f"port={sg_port},capacity={args.concurrency},backend={args.backend},context_length={args.context},log_dir={out},hop={args.hop}"
-    if args.sglang_log_level != "warning" and args.backend == "sglang":  # the child's sglang.Engine (the peer's: a keyword)
-        opts += f',server_args={{"log_level":"{args.sglang_log_level}"}}'
+    if args.backend == "sglang":  # the child's sglang.Engine, as the peer's (its keywords)
+        server = {**({"log_level": args.sglang_log_level} if args.sglang_log_level != "warning" else {}), **sglang_args(args)}
+        if server:
+            opts += f",server_args={json.dumps(server, separators=(',', ':'))}"
     if args.backend == "sglang":
         opts += f",mem_fraction_static={args.mem_fraction}"
     wlog = out / "worker.log"
@@ -570,6 +591,9 @@ def main() -> int:
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
     ap.add_argument("--peer-timeout-s", type=float, default=300)
+    ap.add_argument("--sglang-args", default="",
+                    help="a JSON object of sglang.Engine keywords for the worker's SGLang child and the peer alike, e.g. "
+                         "'{\"enable_mixed_chunk\": true}' (the JSON's sglang_args)")
     ap.add_argument("--sglang-log-level", choices=("warning", "info"), default="warning",
                     help="SGLang's log level in the worker's child and the peer (info: each phase's 'scheduler' key counts "
                          "SGLang's prefill passes and the requests each admitted, from their logs)")
@@ -582,6 +606,7 @@ def main() -> int:
                     help="py-spy --native: C and Rust frames too (the collector, waits for the GIL, the tokenizer's Rust)")
     ap.add_argument("--peer-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    sglang_args(args)  # a bad --sglang-args ends the run here, before any device time
     if args.peer_out:
         return peer_main(args)
     out = Path(args.out)
@@ -621,6 +646,7 @@ def main() -> int:
                                     "profile_top_self: the top 10 functions by own samples, [function, share of the role's samples]")
         result["ptrace"] = profiling.ptrace_facts()
     result["hop"] = args.hop
+    result["sglang_args"] = sglang_args(args)
     try:
         asyncio.run(main_async(args, result, gw.save))
     except Exception as exc:  # noqa: BLE001 - recorded; the partial JSON stands
