@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from rollpool.protocol.messages import BucketInfo, TensorInfo  # noqa: E402
 from rollpool.weights.delta import GAPS, SPARSE, UNCHANGED, WHOLE, DeltaError, encode_bucket, rebuild_bucket  # noqa: E402
 from rollpool.weights.delta_gpu import DeviceHeld, apply_delta, decode_positions, result_checks  # noqa: E402
-from rollpool.weights.delta_gpu import rebuild_bucket as rebuild_on_device
+from rollpool.weights.delta_gpu import rebuild_bucket as rebuild_on_device  # noqa: E402
 from rollpool.weights.gpu import mix64_checksum, mix64_reference  # noqa: E402
 
 
