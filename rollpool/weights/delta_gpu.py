@@ -160,11 +160,15 @@ class DeviceHeld:
     def lines_up(self, buckets: Sequence[BucketInfo]) -> bool:
         return self.slab is not None and same_layout(self.buckets, buckets)
 
-    def begin(self, buckets: Sequence[BucketInfo], take: Any = None) -> list[torch.Tensor]:
+    def begin(self, buckets: Sequence[BucketInfo], take: Any = None, give: Any = None) -> list[torch.Tensor]:
         """The buffers a version of this layout is written into: the ones held when the layout lines up (their version
-        is forgotten: they are being written), else a slab of its size (`take(nbytes, device)`, or a fresh one)."""
+        is forgotten: they are being written), else a slab of its size (`take(nbytes, device)`, or a fresh one; the
+        slab held before goes to `give`)."""
         self.version = -1
         if not self.lines_up(buckets):
+            old = self.drop()
+            if old is not None and give is not None:
+                give(old)
             need = self.need_bytes(buckets)
             self.slab = take(need, self.device) if take is not None else torch.empty(need, dtype=torch.uint8, device=self.device)
             offsets, _total = arena_offsets([b.nbytes for b in buckets])
@@ -175,6 +179,11 @@ class DeviceHeld:
     def done(self, publisher_id: str, version: int, buckets: Sequence[BucketInfo]) -> None:
         """The buffers hold `version` now, every bucket verified."""
         self.publisher_id, self.version, self.buckets = publisher_id, version, tuple(buckets)
+
+    def adopt(self, slab: torch.Tensor, views: Sequence[torch.Tensor], buckets: Sequence[BucketInfo], publisher_id: str, version: int) -> None:
+        """Hold a version a device path already put (and verified) on this device, in buffers of its own."""
+        self.slab, self.views = slab, list(views)
+        self.done(publisher_id, version, buckets)
 
     def drop(self) -> torch.Tensor | None:
         """Forget the version (and the buffers: returned, for the caller's pool)."""
