@@ -199,12 +199,15 @@ class DeltaPath:
             return "an adapter version"
         return result_checks(manifest.buckets)
 
-    def release_device(self, slabs: DeviceSlabs) -> None:
-        """The version on the engine's GPU is let go (a device path fetches the next one into a slab of its own: its
-        buffers go to `slabs` so that path reuses them, one version on the GPU at a time)."""
+    def release_device(self, slabs: DeviceSlabs | None) -> None:
+        """The version on the engine's GPU is let go: a device path fetches the next one into a slab of its own, so its
+        buffers go to `slabs` for that path to reuse (one version on the GPU at a time); None: freed (to the process's
+        CUDA caching allocator, where the engine's own staging finds them)."""
         held = self.device
         if held is not None and held.slab is not None:
-            slabs.give(held.drop())  # type: ignore[arg-type]
+            slab = held.drop()
+            if slabs is not None and slab is not None:
+                slabs.give(slab)
 
     def staging(self, manifest: Manifest, slabs: DeviceSlabs) -> DeviceStaging | None:
         """The staging of a whole-model version fetched into host buffers onto the engine's GPU (into the buffers the
@@ -229,7 +232,11 @@ class DeltaPath:
             self.why_not_device = ""
             return await self._fetch_on_device(manifest, on_bucket)
         self.why_not_device = why_not_device if self.device is not None else ""
-        return await self._fetch_on_host(manifest, on_bucket, why_not_device)
+        got = await self._fetch_on_host(manifest, on_bucket, why_not_device)
+        # rebuilt on the host (the delta could not be on the GPU): the engine stages it itself, so the GPU's copy of an
+        # older version is let go (its memory reused by that staging; the next whole version is held there again)
+        self.release_device(None)
+        return got
 
     async def _fetch_on_host(self, manifest: Manifest, on_bucket: BucketCallback | None, why_not_device: str) -> Fetched:
         """`fetch` from the base held in host buffers (`why_not_device`: why not on the engine's GPU)."""
