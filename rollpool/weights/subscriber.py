@@ -389,7 +389,8 @@ class WeightSubscriber:
         held = got.held
         # the engine loads the GPU's copy where one is held (it maps those tensors; no copy of its own)
         tensors = unpack_buckets(zip(manifest.buckets, held.views if held is not None else got.buffers, strict=True))
-        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab, held=held)
+        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab, held=held,
+                           details={"path": path, **{k: v for k, v in details.items() if k != "timeline"}})
         return self.delta.hold(wv, on_device=got.on_device)
 
     # -- memory

@@ -88,7 +88,7 @@ from rollpool.workers.engine_supervisor import EngineSupervisor
 from rollpool.workers.engines.base import AdapterEngine, Engine, SizedEngine, StagingEngine
 from rollpool.workers.link import BrokerLink
 
-__all__ = ["BucketHook", "BucketStagingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
+__all__ = ["BucketHook", "BucketStagingEngine", "FetchNotingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,13 @@ class SubscriberFactory(Protocol):
 
     def __call__(self, sockets: SocketFactory, *, worker_id: str, fetch_timeout_s: float, window_chunks: int, max_refetch: int,
                  pin_memory: bool, stage_device: str | None, weights: WeightPathConfig) -> Subscriber: ...
+
+
+@runtime_checkable
+class FetchNotingEngine(Protocol):
+    """An engine whose apply record says how the version was fetched (the SGLang engine: where a delta was rebuilt)."""
+
+    def note_fetch(self, version: int, details: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -736,6 +743,9 @@ class WeightSync:
                 self.subscriber.recycle(old.fetched)
 
     async def _stage(self, engine: Engine, target: _Version) -> None:
+        details = getattr(target.fetched, "details", None)
+        if isinstance(engine, FetchNotingEngine) and isinstance(details, Mapping):
+            engine.note_fetch(target.version, details)
         if not isinstance(engine, StagingEngine) or getattr(getattr(target.fetched, "manifest", None), "adapter", None) is not None:
             return
         try:

@@ -97,6 +97,8 @@ class WeightVersion:
     """The version is held on the engine's GPU (`rollpool.weights.delta_gpu.DeviceHeld`): `tensors` are views of its
     device buffers (kept there as the next delta's base), `buffers` of the host copy when one was fetched (else the
     device buffers too). Those device buffers are written in place by the next version: see `intact`."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """How it was fetched (the ``weights fetched`` line's path details: ``delta_rebuilt_on``, ``device_rebuild_s``, ...)."""
 
     @property
     def total_bytes(self) -> int:
