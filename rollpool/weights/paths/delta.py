@@ -26,6 +26,15 @@ What it promises
       caller, nothing written to it since) and the base came as a delta against it, the version is rebuilt there in
       place (the delta before and this one applied, no copy of the base); else the base is copied into it. A buffer a
       failed rebuild wrote goes back to the buffers only once no rebuild thread writes into it any more.
+    - On the engine's GPU (`device`, a `rollpool.weights.delta_gpu.DeviceHeld`, when the worker's engine stages to
+      CUDA and `weight_delta_on_device` is on): every whole-model version fetched into host buffers is staged into
+      buffers kept on that GPU as each bucket verifies (`DeviceStaging`), and the engine is handed those; a delta
+      against the version held there, whose manifest carries the mix64 of every bucket's resulting bytes, is rebuilt
+      there in place and verified there (`_fetch_on_device`). In place, so the held version is gone from the first
+      write: a failure drops it and the full version is fetched (staged afresh); a version whose tensors view it says
+      so (`WeightVersion.intact`). The host copy of an older version is never named as the base once the GPU holds a
+      newer one (`base_version`), and a delta the GPU cannot take is rebuilt on the host as above (the GPU's copy let
+      go) or fetched whole.
 """
 
 from __future__ import annotations

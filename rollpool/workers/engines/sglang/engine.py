@@ -1116,9 +1116,14 @@ class SGLangEngine:
         Holds one extra copy of the weights in GPU memory (outside SGLang's
         `mem_fraction_static`) until `update_weights(..., version)` consumes
         it or another version is staged: on rank 0's GPU, or, with
-        ``per_rank_weights`` and ``tp_size > 1``, on every rank's GPU. Names
-        and shapes are checked here too, so a bad version fails before
-        anything pauses.
+        ``per_rank_weights`` and ``tp_size > 1``, on every rank's GPU. With
+        deltas rebuilt on the GPU (`WeightPathConfig.weight_delta_on_device`)
+        that copy on rank 0's GPU is the subscriber's, made as each bucket
+        verified and kept after the update as the next delta's base: the
+        tensors given here are already on the device and are mapped as they
+        are (the same 1 x the model's bytes, kept between versions; other
+        ranks' copies are made and dropped as before). Names and shapes are
+        checked here too, so a bad version fails before anything pauses.
         """
         self._check()
         names = self._check_names(named_tensors)
