@@ -350,7 +350,7 @@ class WeightSubscriber:
                     self._fallback(job.manifest.version, step.why_not, path=step.path)
                 continue
             path = self._path(step.path)
-            if not path.host_buffers and step.path in (CUDA_IPC, SHM_DEVICE):
+            if not path.host_buffers and step.path in (CUDA_IPC, SHM_DEVICE) and job.manifest.adapter is None:
                 self.delta.release_device(self.buffers.slabs)  # that path takes a slab of its own: this one, one version on the GPU
             if path.host_buffers and job.buffers is None:
                 await self.buffers.reserved()  # the device paths need no host buffer: they do not wait for the reserve

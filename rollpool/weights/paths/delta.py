@@ -68,7 +68,7 @@ from rollpool.weights.delta import (
 from rollpool.weights.delta_gpu import DeviceHeld, result_checks
 from rollpool.weights.delta_gpu import rebuild_bucket as rebuild_on_device
 from rollpool.weights.gpu import DeviceSlabs, side_stream
-from rollpool.weights.manifest import BULK, NETWORK, SHM, SHM_DEVICE, Plan, check_manifest
+from rollpool.weights.manifest import BULK, NETWORK, SHM, Plan, check_manifest
 from rollpool.weights.memory import ShmUnavailableError, VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, PathFallbackError, WeightVersion
 from rollpool.weights.paths.bulk import BulkPath
@@ -645,7 +645,8 @@ class DeviceStaging:
                 slab = held.drop()
                 if slab is not None:
                     self.slabs.give(slab)
-            if got.path == SHM_DEVICE and got.slab is not None and got.slab.is_cuda == (held.device.type == "cuda"):
+            # (the shared-memory path staged to the GPU names itself ``shm``, on the device)
+            if got.path == SHM and got.slab is not None and got.slab.is_cuda == (held.device.type == "cuda"):
                 held.adopt(got.slab, got.buffers, got.manifest.buckets, got.manifest.publisher_id, got.manifest.version)
                 return replace(got, held=held)
             return got

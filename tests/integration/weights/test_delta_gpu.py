@@ -191,3 +191,30 @@ async def test_a_device_path_takes_the_held_buffers_and_a_delta_then_finds_no_ba
     await _published(pub, model, 3)
     v3 = await sub.fetch(3)
     assert _same(v3.tensors, model) and v3.manifest.delta_base == -1 and held.holds(pub.publisher_id, 3)
+
+
+async def test_a_version_the_shared_memory_path_staged_on_the_device_is_the_base_of_the_next_delta(make_publisher: Any,
+                                                                                                   make_subscriber: Any, sub_path: str) -> None:
+    """The staged shared-memory path copies a whole version to the engine's device and verifies it there (`FakeDevice`:
+    CPU tensors); the subscriber holds that copy as the base, in the same buffers, and the next delta (its encoded bytes
+    in the publisher's shared memory) is rebuilt there in place."""
+    if sub_path != "shm":
+        pytest.skip("the staged shared-memory path only")
+    from .test_shm_device import FakeDevice
+
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path="auto")
+    sub.stage_device = "fake:0"
+    sub.device_ops = FakeDevice
+    held = _on_gpu(sub)
+    model = _model()
+    await _published(pub, model, 1)
+    v1 = await sub.fetch(1)
+    assert _same(v1.tensors, model) and sub.device_stage_bytes > 0 and held.holds(pub.publisher_id, 1) and v1.slab is held.slab
+    slab = held.slab
+    model = _step(model, 2)
+    await _published(pub, model, 2)
+    v2 = await sub.fetch(2)
+    assert _same(v2.tensors, model) and v2.manifest.delta_base == 1 and sub.delta_device_versions == 1 and held.slab is slab
+    sub.recycle(v1)  # the held buffers are not given back by the recycle of the version they held before
+    assert held.slab is slab and held.holds(pub.publisher_id, 2)
