@@ -218,3 +218,20 @@ async def test_a_version_the_shared_memory_path_staged_on_the_device_is_the_base
     assert _same(v2.tensors, model) and v2.manifest.delta_base == 1 and sub.delta_device_versions == 1 and held.slab is slab
     sub.recycle(v1)  # the held buffers are not given back by the recycle of the version they held before
     assert held.slab is slab and held.holds(pub.publisher_id, 2)
+
+
+async def test_a_worker_that_skipped_a_version_gets_it_whole_staged_into_the_same_device_buffers(make_publisher: Any,
+                                                                                                 make_subscriber: Any) -> None:
+    pub = await make_publisher(path="network")
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    held = _on_gpu(sub)
+    model = _model()
+    await _published(pub, model, 1)
+    v1 = await sub.fetch(1)
+    slab = held.slab
+    for version in (2, 3):  # the worker skips version 2: its request names base 1, the server's delta of 3 is against 2
+        model = _step(model, version)
+        await _published(pub, model, version)
+    v3 = await sub.fetch(3)
+    assert _same(v3.tensors, model) and v3.manifest.delta_base == -1 and sub.delta_fallbacks == 0
+    assert held.slab is slab and held.holds(pub.publisher_id, 3) and not v1.intact
