@@ -235,3 +235,65 @@ async def test_a_worker_that_skipped_a_version_gets_it_whole_staged_into_the_sam
     v3 = await sub.fetch(3)
     assert _same(v3.tensors, model) and v3.manifest.delta_base == -1 and sub.delta_fallbacks == 0
     assert held.slab is slab and held.holds(pub.publisher_id, 3) and not v1.intact
+
+
+class _RecordingSim:
+    """The sim engine (no model), keeping a copy of the bytes each update gave it (fake of the engine edge)."""
+
+    @staticmethod
+    def make() -> Any:
+        from tests.integration.reliability.conftest import sim_engine
+
+        engine = sim_engine()
+        got: dict[int, dict[str, torch.Tensor]] = {}
+        update = engine.update_weights
+
+        async def update_weights(named: Any, version: int) -> None:
+            got[version] = {k: t.clone() for k, t in named.items()}
+            await update(named, version)
+
+        engine.update_weights = update_weights  # type: ignore[method-assign]
+        engine.got = got  # type: ignore[attr-defined]
+        return engine
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_applies_every_version_from_the_buffers_its_gpu_holds(zmq_ctx: Any, tmp_path: Any, sub_path: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker's one apply path (a real broker and trainer client, real sockets): the subscriber it makes
+    holds versions on the "GPU" (a CPU `DeviceHeld`, test-only), the engine is given the held buffers' tensors, and
+    every version it applied is the trainer's bit for bit, the later ones rebuilt there from deltas."""
+    from rollpool.weights.subscriber import WeightSubscriber
+    from tests.integration.reliability.conftest import Pool, wait_until
+
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_PATH", sub_path)  # the trainer client's publisher and the worker alike
+    made: list[WeightSubscriber] = []
+
+    def on_gpu(sockets: Any, **kw: Any) -> WeightSubscriber:
+        sub = WeightSubscriber(sockets, **kw)
+        sub.delta.device = DeviceHeld("cpu")  # test-only: CPU tensors stand in for the engine's GPU
+        made.append(sub)
+        return sub
+
+    pool = Pool(zmq_ctx, tmp_path)
+    try:
+        broker = await pool.start_broker()
+        client = await pool.client(broker.client_endpoint, keep_versions=2)
+        engines: list[Any] = []
+        worker = await pool.worker(broker.worker_endpoint, "w-gpu", engine_factory=lambda: engines.append(_RecordingSim.make()) or engines[-1],
+                                   subscriber_factory=on_gpu)
+        model = _model()
+        published = {}
+        for version in (1, 2, 3, 4):
+            model = _step(model, version) if version > 1 else model
+            published[version] = {k: t.clone() for k, t in model.items()}
+            await client.publish_weights(model, version)
+            assert await wait_until(lambda v=version: worker.weights.version >= v, 30), f"serves {worker.weights.version}"
+        engine = engines[-1]
+        assert sorted(engine.got) == [1, 2, 3, 4]
+        for version, want in published.items():
+            assert _same(engine.got[version], want), version
+        sub = made[-1]
+        assert sub.delta_device_versions == 3 and sub.delta_fallbacks == 0 and sub.last_path == sub_path
+    finally:
+        await pool.close()
