@@ -72,7 +72,7 @@ def decode_positions(encoding: str, payload: torch.Tensor, n: int, width: int) -
         idx = _aligned(raw, 2).view(torch.int16).to(torch.int64)
         idx.bitwise_and_(0xFFFF)
         idx += 1
-        torch.cumsum(idx, 0, out=idx)
+        idx.cumsum_(0)
         idx -= 1
     if k:
         lo, hi = (int(x) for x in torch.stack([idx[0], idx[-1]]).tolist())
@@ -119,8 +119,11 @@ def rebuild_bucket(info: BucketInfo, payload: torch.Tensor | None, bucket: torch
     t0 = time.perf_counter()
     if not info.host_mix64:
         return False, 0.0, 0.0
-    dev = payload.to(bucket.device, non_blocking=True) if payload is not None and payload.device != bucket.device else payload
-    apply_delta(info.encoding, dev, bucket, itemsize_of(info.dtype))
+    if info.encoding == WHOLE and payload is not None and payload.device != bucket.device and int(payload.numel()) == int(bucket.numel()):
+        bucket.copy_(payload, non_blocking=True)  # straight into the bucket: no device copy of the payload first
+    else:
+        dev = payload.to(bucket.device, non_blocking=True) if payload is not None and payload.device != bucket.device else payload
+        apply_delta(info.encoding, dev, bucket, itemsize_of(info.dtype))
     t1 = time.perf_counter()
     ok = mix64_checksum(bucket) == info.host_mix64
     return ok, t1 - t0, time.perf_counter() - t1
