@@ -506,7 +506,7 @@ class DeltaPath:
                 start(i, p)
             rebuild_s, verify_s = await self._collect(manifest, work, done, views, on_bucket)
         except BaseException:
-            self._drop_when_done(list(work.values()))
+            await self._abandon_device(list(work.values()))
             raise
         held.done(manifest.publisher_id, manifest.version, manifest.buckets)
         now = time.perf_counter()
@@ -519,27 +519,24 @@ class DeltaPath:
                                                     "device_rebuild_s": round(rebuild_s + verify_s, 4), "delta_total_s": round(now - t0, 4)},
                        on_device=True, held=held)
 
-    def _drop_when_done(self, work: list[Future[tuple[bool, float, float]]]) -> None:
-        """A rebuild on the GPU failed part-way: the base there is neither version, so it is dropped; its memory is let
-        go once no queued bucket writes it any more (a fetch that reused it meanwhile would be written over)."""
+    async def _abandon_device(self, work: list[Future[tuple[bool, float, float]]]) -> None:
+        """A rebuild on the GPU failed part-way: the base there is neither version, so it is dropped, once the bucket
+        its thread may still be patching is done (queued ones are cancelled; one bucket's work, milliseconds), so the
+        full version that follows, staged into the same buffers, is never written over by it."""
         held = self.device
-        if held is None:
-            return
-        running = [f for f in work if not f.done() and not f.cancel()]
-        if not running:
-            held.drop()
-            return
-        slab = held.slab
-        held.version = -1
-        left = [len(running)]
-
-        def one_ended(_f: Future[tuple[bool, float, float]]) -> None:
-            left[0] -= 1
-            if left[0] == 0 and held.slab is slab and held.version < 0:
-                held.drop()
-
-        for f in running:
-            f.add_done_callback(one_ended)
+        running = [f for f in work if not f.cancel() and not f.done()]
+        if held is not None:
+            held.version = -1
+        if running:
+            try:
+                await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))  # (their outcome no longer matters)
+            except asyncio.CancelledError:
+                # the caller goes away now: the buffers are let go, not reused (the bucket still being patched keeps its
+                # view alive until it is done; whatever comes next takes other buffers)
+                if held is not None:
+                    held.drop()
+                raise
+        self.release_device(self.buffers.slabs)
 
     def _device_threads(self) -> ThreadPoolExecutor:
         """One thread for the GPU's rebuild work: the buckets' copies, kernels and checks queued in order on one stream."""
