@@ -297,3 +297,28 @@ async def test_a_worker_applies_every_version_from_the_buffers_its_gpu_holds(zmq
         assert sub.delta_device_versions == 3 and sub.delta_fallbacks == 0 and sub.last_path == sub_path
     finally:
         await pool.close()
+
+
+async def test_a_failed_gpu_rebuild_lets_its_buffers_go_only_once_no_bucket_is_being_patched(make_subscriber: Any) -> None:
+    """The full version that follows a failed rebuild is staged into the same buffers: they are let go only once the
+    bucket the GPU thread may still be patching is done, so it can never write over the staged version."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollpool.protocol.messages import BucketInfo
+
+    sub = make_subscriber()
+    held = _on_gpu(sub)
+    held.begin([BucketInfo(index=0, dtype="uint8", nbytes=1024, checksum="")])
+    held.done("p", 3, held.buckets)
+    slab = held.slab
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        patching = pool.submit(lambda: (gate.wait(5), (True, 0.0, 0.0))[1])
+        queued = pool.submit(lambda: (True, 0.0, 0.0))
+        abandon = asyncio.ensure_future(sub.delta._abandon_device([patching, queued]))
+        await asyncio.sleep(0.05)
+        assert not abandon.done() and held.slab is slab and not held.holds("p", 3)  # waits for the bucket being patched
+        gate.set()
+        await asyncio.wait_for(abandon, 5)
+    assert queued.cancelled() and held.slab is None and sub.buffers.slabs.fits(1024, "cpu")  # back for the next version
