@@ -47,6 +47,18 @@ delta_device_phases beside the host rows' keys:
     PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
         --streams 8 --chunk-mib 8 --rows tcp_cuda,shm_cuda,tcp_cuda_delta,tcp_cuda_delta_device,shm_cuda_delta,shm_cuda_delta_device
 
+Where the worker rebuilds them (``delta_rebuilt_on`` per version, from its ``sglang apply`` line): on its engine's GPU,
+in place, from the version it kept there (``weight_delta_on_device``, the default: the delta's encoded bytes go to the
+GPU, are decoded and scattered there and every bucket is verified there against the manifest's mix64 of the resulting
+bytes), else on the host. The rows and keys of the GPU rebuild, beside the full rows and the host rebuild's baseline:
+
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_weights.py --run 8b --out $OUT --skip-peers --skip-raw --no-cuda-graph \
+        --streams 8 --chunk-mib 8 --rows tcp_cuda,shm_cuda,tcp_cuda_delta_device,shm_cuda_delta_device
+
+    -> delta_device_host_path_s (<= 0.35), delta_device_shm_path_s (<= 0.25), delta_device_rebuilt_on (per row: where
+       versions 3..N were rebuilt), delta_device_rebuild_s, goals.delta_device_* (met only when every steady version
+       was rebuilt on the GPU, rebuilt_goal); the host rebuild's baseline: the same with --worker-delta-host.
+
 A goal is reported only for the path its row meant (`path_goal`): a row whose versions went over another path says
 ``"met": null`` and ``"not_measured"``, with the paths taken and every fallback's reason (the worker's, per fetch, and
 the publisher's ``publisher_path_note``: why it offered no device buffer, e.g. its GPU budget).
@@ -583,6 +595,9 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
             "ROLLPOOL_WEIGHT_RESERVE_BYTES": str(model_bytes)}  # the worker reserves its 2 page-locked versions at start
     if any(delta for _p, _o, delta in rows):
         wenv["ROLLPOOL_WEIGHT_DELTA"] = "1"
+        # the worker rebuilds a delta on its engine's GPU (the version it applied kept there: weight_delta_on_device, on by
+        # default) where the delta carries the mix64 of its resulting bytes; --worker-delta-host: on the host, as before
+        wenv["ROLLPOOL_WEIGHT_DELTA_ON_DEVICE"] = "0" if args.worker_delta_host else "1"
     if args.shm_cpu_copy:  # the shm row through the CPU copy + CPU checksum (the staged-to-GPU path is the default)
         wenv["ROLLPOOL_WEIGHT_SHM_TO_DEVICE"] = "0"
     # the trainer's GPU memory (its model, an optimizer's state) is taken before the worker's SGLang starts: SGLang sizes
@@ -769,6 +784,10 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 device_made, device_made_before = pub.delta_device_versions, device_made
                 rec["delta_made_on"] = ("device" if device_made > device_made_before else "host") if delta else None
                 rec["why_not_delta_on_device"] = pub.path_note.get("why_not_delta_on_device") if delta else None
+                # where the worker rebuilt it (its apply record, else its fetch line): device, host, or None (a full version)
+                rec["delta_rebuilt_on"] = a.get("delta_rebuilt_on") or f.get("delta_rebuilt_on")
+                rec["delta_device_rebuild_s"] = a.get("delta_device_rebuild_s", f.get("device_rebuild_s"))
+                rec["why_not_rebuilt_on_device"] = f.get("why_not_delta_on_device") or None
                 rx = int(f.get("bytes_received", last_rx))  # the worker subscriber's running count of socket bytes
                 rec["worker_socket_bytes"], last_rx = rx - last_rx, rx
                 bulk = int(f.get("bulk_bytes", last_bulk))  # of those, over the bulk lane (minor 13)
@@ -867,6 +886,27 @@ def path_goal(row: dict[str, Any], meant: str | tuple[str, ...], value: float | 
         out.update(met=None, not_measured=why, fallback_reasons=reasons)
         return out
     out["met"] = value <= limit
+    return out
+
+
+def rebuilt_on(row: dict[str, Any]) -> dict[str, Any]:
+    """Where the worker rebuilt a delta row's versions 3..N (its apply record's ``delta_rebuilt_on``): the places seen
+    (``none``: a version that came whole, a fallback), the count per place, and the reasons the GPU did not."""
+    steady = row.get("versions", [])[2:]
+    places = [str(r.get("delta_rebuilt_on") or "none") for r in steady]
+    return {"places": sorted(set(places)), "counts": {p: places.count(p) for p in sorted(set(places))},
+            "why_not_device": sorted({str(r["why_not_rebuilt_on_device"]) for r in steady if r.get("why_not_rebuilt_on_device")})}
+
+
+def rebuilt_goal(row: dict[str, Any]) -> dict[str, Any]:
+    """A device delta row's goal keeps its verdict only when the worker rebuilt every steady version on its GPU (the
+    path the row is meant to show); otherwise ``met`` None and ``not_measured`` says where they were rebuilt. Pure:
+    tests/unit/bench/test_gpu_weights_goals.py holds it to never credit a path not taken."""
+    where = rebuilt_on(row)
+    out: dict[str, Any] = {"rebuilt_on": where["places"]}
+    if where["places"] != ["device"]:
+        out.update(met=None, not_measured=f"the worker rebuilt versions 3..N on {where['counts']}, not only its GPU",
+                   why_not_rebuilt_on_device=where["why_not_device"])
     return out
 
 
@@ -990,6 +1030,8 @@ def summarize() -> None:
         RESULT["delta_device_phases"] = {k: _median([r["delta_phases"][k] for r in steady_dev if (r.get("delta_phases") or {}).get(k) is not None])
                                          for k in DELTA_PHASES}
         on_device = RESULT["delta_device_made_on"] == ["device"]
+        RESULT["delta_device_rebuilt_on"] = {name: rebuilt_on(row) for name, row in device_rows.items()}
+        RESULT["delta_device_rebuild_s"] = _median([r.get("delta_device_rebuild_s") for r in steady_dev])
         for key, limit in (("delta_device_host_path_s", 0.35), ("delta_device_shm_path_s", 0.25), ("delta_device_trainer_blocked_s", 0.15)):
             if RESULT.get(key) is not None:  # a figure of the device path only when every delta was made there
                 goals[key] = {"value": RESULT[key], "goal": f"<= {limit}", "met": RESULT[key] <= limit if on_device else None,
@@ -997,6 +1039,9 @@ def summarize() -> None:
                 if not on_device:
                     goals[key]["not_measured"] = f"deltas made on {RESULT['delta_device_made_on']}, not only the device"
                     goals[key]["why_not_device"] = RESULT["delta_device_why_not"]
+                row = {"delta_device_host_path_s": dt, "delta_device_shm_path_s": ds}.get(key)
+                if row is not None:  # and only when the worker rebuilt every steady version where the row says
+                    goals[key].update(rebuilt_goal(row))
     delta_rows = [row for name, row in rows.items() if name.endswith("_delta") and row.get("versions")]
     if delta_rows:
         steady = [r for row in delta_rows for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
@@ -1013,10 +1058,14 @@ def summarize() -> None:
         RESULT["delta_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for row in delta_rows for r in row["versions"][1:]])
         RESULT["delta_phases"] = {k: _median([r["delta_phases"][k] for r in steady if (r.get("delta_phases") or {}).get(k) is not None])
                                   for k in DELTA_PHASES}
+        RESULT["delta_rebuilt_on"] = {name: rebuilt_on(row) for name, row in rows.items() if name.endswith("_delta") and row.get("versions")}
         for key, limit in (("delta_bytes_fraction", 0.05), ("delta_host_path_s", 0.35), ("delta_shm_path_s", 0.25),
                            ("delta_trainer_blocked_s", 0.15)):
             if RESULT.get(key) is not None:
                 goals[key] = {"value": RESULT[key], "goal": f"<= {limit}", "met": RESULT[key] <= limit}
+                row = {"delta_host_path_s": dt, "delta_shm_path_s": ds}.get(key)
+                if row is not None:  # where the worker rebuilt them, said beside the figure
+                    goals[key]["rebuilt_on"] = rebuilt_on(row)["places"]
     RESULT["goals"] = goals
 
 
@@ -1047,13 +1096,15 @@ HOW = {
     "changed_fraction": "delta rows (--delta): median over the versions the worker rebuilt from a delta of the publisher's changed fraction (changed bf16 elements over all, WeightServer's delta); the step is sparse_step at --delta-fraction, a stand-in for AdamW (see its docstring)",
     "delta_bytes_fraction": "delta rows: median over the versions rebuilt from a delta of the worker's socket bytes for that version over the model's bytes",
     "delta_host_path_s": "row tcp_cuda_delta: median over versions 3..N of publish -> applied (a delta's encoded bytes over the bulk lane, else the ROUTER)",
-    "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause. Since minor 26 a delta's encoded bytes are read from the publisher's shared memory (fetched_path shm) and rebuilt on the host; a worker whose engine stages to CUDA (the default) takes shm_device full versions, which leave no host base, so pass --shm-cpu-copy for this row to carry deltas (delta_shm_paths_taken says which ran)",
+    "delta_shm_path_s": "row shm_cuda_delta (publisher on shm, deltas on): the same median less the row's pause. Since minor 26 a delta's encoded bytes are read from the publisher's shared memory (fetched_path shm) and rebuilt on the host; a worker whose engine stages to CUDA (the default) takes shm_device full versions, which leave no host base: since minor 27 it holds them on its GPU (weight_delta_on_device) and rebuilds the deltas there (delta_rebuilt_on); with --worker-delta-host pass --shm-cpu-copy too for this row to carry deltas (delta_shm_paths_taken says which ran)",
     "delta_trainer_blocked_s": "duration of publish_weights over the delta rows, versions 2..N (the delta is computed after publish returns, off the trainer's call)",
     "delta_device_host_path_s": "row tcp_cuda_delta_device (the publisher's GPU budget raised for the row to hold the device delta base): median over versions 3..N of publish -> applied",
     "delta_device_shm_path_s": "row shm_cuda_delta_device: the same median less the row's pause",
     "delta_device_trainer_blocked_s": "duration of publish_weights over the _delta_device rows, versions 2..N: the diff on the trainer's GPU and the base's update (the host copy is made from the base after the call)",
     "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (device: the publisher's delta_device_versions counted it, else host); delta_device_why_not: the reasons path_note gave for host",
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
+    "delta_rebuilt_on": "per delta row, versions 3..N: where the worker rebuilt each version (the 'sglang apply' line's delta_rebuilt_on: device = in place on its engine's GPU from the version it kept there, verified there against the manifest's mix64 of the resulting bytes; host = host buffers, then staged; none = the version came whole), with the worker's reasons the GPU did not (why_not_rebuilt_on_device). A _delta_device row's goals count only when every steady version was rebuilt on the device (rebuilt_goal)",
+    "delta_device_rebuild_s": "the _delta_device rows' versions rebuilt from a delta: median of the worker's GPU seconds for the rebuild (patch + mix64 check, summed over buckets; its apply record's delta_device_rebuild_s)",
     "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s; the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
@@ -1070,6 +1121,8 @@ def main() -> int:
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk size (the network path's Fetch replies; at most 16)")
     ap.add_argument("--shm-cpu-copy", action="store_true", help="the worker's shm path copies on the CPU (ROLLPOOL_WEIGHT_SHM_TO_DEVICE=0)")
+    ap.add_argument("--worker-delta-host", action="store_true",
+                    help="the worker rebuilds delta versions on the host (ROLLPOOL_WEIGHT_DELTA_ON_DEVICE=0), the baseline of the device rebuild")
     ap.add_argument("--no-cuda-graph", action="store_true", help="SGLang without CUDA graphs in the worker and the peer (a shorter start)")
     ap.add_argument("--register-wait-s", type=float, default=90.0,
                     help="before a shm row: wait at most this long for the worker's segments registered ahead")

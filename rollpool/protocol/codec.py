@@ -95,6 +95,7 @@ __all__ = [
     "BASE_ON_MINOR",
     "POLICY_MINOR",
     "DELTA_PATHS_MINOR",
+    "RESULT_MIX64_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -136,7 +137,15 @@ PROTOCOL_MAJOR = 1
 #   1.24 the whole-model version a LoRA adapter version applies over: Manifest.base_on (BASE_ON_MINOR)
 #   1.25 named policies: AdapterSpec.name, Prompt.policy, Trajectory.policy, SetVersion.adapter / adapter_since (POLICY_MINOR)
 #   1.26 delta weight versions over shared memory: Manifest.delta_shm (DELTA_PATHS_MINOR)
-PROTOCOL_MINOR = 26
+#   1.27 the mix64 of a delta's resulting bytes on network versions too: BucketInfo.host_mix64 (RESULT_MIX64_MINOR)
+PROTOCOL_MINOR = 27
+RESULT_MIX64_MINOR = 27
+"""The first minor whose weight servers put `BucketInfo.host_mix64` (the mix64 of the bucket's bytes) on the buckets of a
+network version too when its deltas are made and its bytes come from CUDA tensors (summed on the GPU beside the copy), so
+a delta manifest carries the mix64 of every bucket's *resulting* bytes on every path, and a subscriber that holds the
+base on its engine's GPU rebuilds the version there and verifies it there (`rollpool.weights.delta_gpu`). Older servers
+put it on shared-memory versions only (minor 10): a delta manifest without it is rebuilt on the host, as before. An
+older subscriber reads the field only on the shared-memory path."""
 DELTA_PATHS_MINOR = 26
 """The first minor whose weight servers put a delta's encoded bytes in shared memory for subscribers on their host
 (`Manifest.delta_shm`), and whose subscribers held to the ``shm`` path ask for deltas (only of a server of this minor or

@@ -474,7 +474,9 @@ class BucketInfo:
     host_mix64: str = ""
     """Same-host path staged to a GPU (minor 10): ``"mix64:<hex>"`` of the bucket's host bytes (its `shm_segment`), so a
     subscriber that copies the segment host-to-device verifies its device copy on its GPU (``""``: pending or none;
-    set once the bucket's bytes have landed in the segment)."""
+    set once the bucket's bytes have landed in the segment). Since minor 27 (`RESULT_MIX64_MINOR`) also on network
+    versions whose deltas are made from CUDA tensors; on a delta manifest it is the mix64 of the bucket's *resulting*
+    bytes, which a subscriber holding the base on its GPU verifies its rebuild there against."""
     encoding: str = ""
     """Delta versions (minor 18, `DELTA_MINOR`), on a manifest naming `Manifest.delta_base`: how the bucket travels,
     ``"whole"`` (its bytes), ``"unchanged"`` (nothing: the base's bucket is the result), ``"gaps"`` (the changed elements:

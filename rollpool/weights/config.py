@@ -28,6 +28,11 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
 - ``weight_delta_threads``: threads that make a delta version (a server: compare and pack, the publisher's beside its
   snapshot's copy threads) and rebuild one (a subscriber); 0: ``weight_copy_threads``. The delta reads two versions'
   bytes and the rebuild writes one, so where cores are idle more threads shorten both (docs/weights.md).
+- ``weight_delta_on_device``: with ``weight_delta``, a worker whose engine stages to CUDA keeps the version it applied on
+  its GPU in bucket layout (the staging copy, 1 x the model's bytes outside SGLang's static fraction, kept between
+  versions instead of dropped after each apply: the same peak) and rebuilds a delta against it there, in place,
+  verified there against the mix64 of the resulting bytes (`rollpool.weights.delta_gpu`); off: deltas are rebuilt on
+  the host and the engine stages each version itself.
 - ``publisher_gpu_budget_bytes``: the most GPU memory a publisher allocates on the trainer's GPU (the same-GPU path's
   arenas and ring, the device delta base, drawn from one `rollpool.weights.manifest.GpuBudget`);
   None: two of its buckets and what the ring needs to checksum two slots of one (`manifest.ring_scratch_bytes`). A whole-version arena that would pass it is not made: the version streams through the
@@ -74,6 +79,7 @@ class WeightPathConfig:
     weight_delta: bool = field(default=False, metadata={"help": "delta versions (off by default until measured at 8B on the GPU): a subscriber holding the previous version asks for the changed elements only; a server offers them"})
     weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
     weight_delta_threads: int = field(default=0, metadata={"help": "threads that make a delta version (a server) and rebuild one (a subscriber), 0..64 (0: weight_copy_threads)"})
+    weight_delta_on_device: bool = field(default=True, metadata={"help": "with deltas on, a worker whose engine stages to CUDA keeps the version it applied on its GPU (the staging copy, 1 x the model's bytes, kept instead of dropped) and rebuilds delta versions there, verified there (off: on the host)"})
 
     def __post_init__(self) -> None:
         owner = type(self).__name__

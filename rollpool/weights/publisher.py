@@ -455,6 +455,7 @@ class WeightPublisher(ServingFace):
         previous, self._latest = self._latest, version
         delta = ipc_device is None and self.config.weight_delta
         on_device = self._delta_device_for(version, items, snap.served.buckets, offered, delta)
+        snap.mix_for_deltas(delta and (on_device is not None or _on_cuda(items)))  # a delta's result checks (minor 27)
         if delta:
             self._server.expect_delta(snap.served)  # the delta against the previous version follows
             snap.served.delta_hold = True  # each bucket's delta is encoded once the trainer is free (after the copy)
@@ -656,6 +657,11 @@ class WeightPublisher(ServingFace):
                 self._ipc.release(version)
         if served is not None:
             self._buffers.retire(served.sources)
+
+
+def _on_cuda(items: Any) -> bool:
+    """Whether a publish's tensors (a list of ``(name, tensor)``) are all CUDA tensors (an iterator's are not looked at)."""
+    return isinstance(items, list) and bool(items) and all(isinstance(t, torch.Tensor) and t.is_cuda for _n, t in items)
 
 
 def _device_part(diff: _delta_device.BucketDiff, algorithm: str) -> tuple[DeltaSet, str]:

@@ -715,7 +715,10 @@ class WeightServer:
         d = v.delta
         if req.delta_base >= 0 and d is not None and d.base == req.delta_base and not v.released:
             self.deltas_served += 1
-            self._send(ident, replace(v.manifest(req.request_id), buckets=d.buckets, delta_base=d.base, delta_shm=d.shm))
+            # each bucket's mix64 of its bytes (the resulting bytes: minor 27), where it came after the delta was made
+            buckets = tuple(replace(b, host_mix64=vb.host_mix64) if not b.host_mix64 and vb.host_mix64 else b
+                            for b, vb in zip(d.buckets, v.buckets, strict=True))
+            self._send(ident, replace(v.manifest(req.request_id), buckets=buckets, delta_base=d.base, delta_shm=d.shm))
             return
         if req.delta_base >= 0:
             self.full_served_to_delta_askers += 1

@@ -372,6 +372,20 @@ class Snapshot:
             if seg is not None:
                 seg.begin_write()
 
+    def mix_for_deltas(self, wanted: bool = True) -> bool:
+        """Before `copy`, when `wanted`: a network version whose deltas are made gets the mix64 of each bucket's bytes too (minor 27,
+        `RESULT_MIX64_MINOR`: a delta manifest carries it as the mix64 of the resulting bytes, so a subscriber holding
+        the base on its GPU verifies its rebuild there). Only where it is summed tensor by tensor (every bucket word
+        aligned: on the GPU from CUDA tensors, else numpy per tensor range); True when it will be."""
+        if self.mix or not wanted:
+            return self.mix
+        if not all(word_aligned(b.tensors) for b in self.planned):
+            return False
+        self.mix = True
+        self.mix_aligned = [True] * len(self.planned)
+        self.parts_left = [2] * len(self.buffers)
+        return True
+
     def abandon(self) -> None:
         if not self.checksummed.done():
             self.checksummed.cancel()

@@ -55,6 +55,7 @@ from rollpool.protocol.sockets import SocketFactory
 from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import DeltaError, WireSummary, wire_summary
+from rollpool.weights.delta_gpu import DeviceHeld
 from rollpool.weights.gpu import DeviceSlabs
 from rollpool.weights.manifest import (
     BULK,
@@ -144,7 +145,8 @@ class WeightSubscriber:
         """The host buffers, one per version, and the device slabs of the device paths (`reserve`, `recycle`)."""
         self.segments = ShmSegments(host_key(), path, self.buffers.slabs)
         """The publisher's shared-memory segments mapped here, and the staging edge to the engine's GPU."""
-        self.segments.stage_device = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
+        cuda = stage_device if stage_device and stage_device.startswith("cuda") and torch.cuda.is_available() else None
+        self.segments.stage_device = cuda if cfg.weight_shm_to_device else None
         self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key,
                                     asks_deltas=cfg.weight_delta and path in ("auto", NETWORK, SHM),  # deltas ride these paths
                                     fetch_timeout_s=fetch_timeout_s, max_refetch=max_refetch,
@@ -175,6 +177,10 @@ class WeightSubscriber:
         self.delta = DeltaPath(self._network, self.buffers, enabled=cfg.weight_delta, threads=cfg.delta_threads, segments=self.segments,
                                bulk=self._bulk, plan=lambda m: delta_plan(m, self.facts(), self.config))
         """Delta versions: the base held here and the rebuild from it (`rollpool.weights.paths.delta`)."""
+        if cuda is not None and cfg.weight_delta and cfg.weight_delta_on_device:
+            # the engine's GPU holds the version it loads from, kept as the next delta's base (tests put a CPU
+            # `DeviceHeld` in `delta.device` to run the same flow on CPU tensors)
+            self.delta.device = DeviceHeld(cuda)
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
         if cfg.weight_reserve_bytes:
@@ -210,6 +216,7 @@ class WeightSubscriber:
     segment_maps: Attr[int] = Attr("segments", "Segments mapped so far (a warm subscriber maps none per version).")
     segments_registered_ahead: Attr[int] = Attr("segments", "Segments mapped (and page-locked) ahead of the version that used them.")
     delta_versions: Attr[int] = Attr("delta", "Versions rebuilt from a delta.", field="versions")
+    delta_device_versions: Attr[int] = Attr("delta", "Of those, versions rebuilt on the engine's GPU.", field="device_versions")
     delta_fallbacks: Attr[int] = Attr("delta", "Delta versions that could not be rebuilt (no base, a corrupt or evicted delta): fetched "
                                       "full instead.", field="fallbacks")
 
@@ -322,9 +329,15 @@ class WeightSubscriber:
         if steps.refusal:
             raise WeightSyncError(steps.refusal)
         job = FetchJob(manifest, on_bucket)
+        staging = self.delta.staging(manifest, self.buffers.slabs)
+        if staging is not None:  # a whole-model version goes to the engine's GPU as it verifies, and stays there
+            job.on_bucket = staging.hook(job, on_bucket)
         try:
-            return self._fetched(await self._walk(steps, job))
+            got = await self._walk(steps, job)
+            return self._fetched(await staging.finish(got) if staging is not None else got)
         except BaseException:
+            if staging is not None:
+                staging.abandon()
             if job.slab is not None:
                 self.buffers.pool.give([job.slab])
             raise
@@ -337,6 +350,8 @@ class WeightSubscriber:
                     self._fallback(job.manifest.version, step.why_not, path=step.path)
                 continue
             path = self._path(step.path)
+            if not path.host_buffers and step.path in (CUDA_IPC, SHM_DEVICE) and job.manifest.adapter is None:
+                self.delta.release_device(self.buffers.slabs)  # that path takes a slab of its own: this one, one version on the GPU
             if path.host_buffers and job.buffers is None:
                 await self.buffers.reserved()  # the device paths need no host buffer: they do not wait for the reserve
                 job.slab, job.buffers = self._take_buffers(job.manifest)
@@ -371,8 +386,11 @@ class WeightSubscriber:
             event["staged_to"] = details["staged_to"]
         self.metrics.event("version_fetched", event)
         self.last_wire = wire_summary(manifest.version, manifest.buckets, manifest.delta_base)
-        tensors = unpack_buckets(zip(manifest.buckets, got.buffers, strict=True))
-        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab)
+        held = got.held
+        # the engine loads the GPU's copy where one is held (it maps those tensors; no copy of its own)
+        tensors = unpack_buckets(zip(manifest.buckets, held.views if held is not None else got.buffers, strict=True))
+        wv = WeightVersion(version=manifest.version, tensors=tensors, manifest=manifest, buffers=tuple(got.buffers), slab=got.slab, held=held,
+                           details={"path": path, **{k: v for k, v in details.items() if k != "timeline"}})
         return self.delta.hold(wv, on_device=got.on_device)
 
     # -- memory
@@ -399,12 +417,17 @@ class WeightSubscriber:
             from rollpool.weights.snapshot import layout_of
 
             total_bytes = sum(n for _name, _dtype, _shape, n in layout_of(named_shapes))
-        return self.buffers.reserve(total_bytes, versions, self.stage_device)
+        return self.buffers.reserve(total_bytes, versions, self._device_for_reserve())
 
     def reserve_in_background(self, total_bytes: int, versions: int = 2) -> None:
         """`reserve` in a thread (page-locking 2 x 14.5 GB takes seconds; the event loop and its heartbeats go on);
         the next fetch waits for it to finish before it takes a buffer."""
-        self.buffers.reserve_in_background(total_bytes, versions, self.stage_device)
+        self.buffers.reserve_in_background(total_bytes, versions, self._device_for_reserve())
+
+    def _device_for_reserve(self) -> str | None:
+        """The device whose slab `reserve` makes first: the staged shared-memory path's, or the GPU that holds versions."""
+        held = self.delta.device
+        return self.stage_device or (str(held.device) if held is not None and held.device.type == "cuda" else None)
 
     def reserve_device(self, total_bytes: int, device: str | torch.device, versions: int = 2) -> int:
         """Allocate the same-GPU path's device buffers for `versions` versions now (else the first such fetch does)."""
@@ -422,6 +445,8 @@ class WeightSubscriber:
         the cost of the copy itself on first touch. The caller must not use
         `old`'s tensors afterwards.
         """
+        if old.held is not None and (old.slab is None or old.slab is old.held.slab):
+            return  # device buffers held on the engine's GPU (the next delta's base; let go by the delta path)
         if self.delta.holds(old):
             return  # still the base of the next delta: back to the buffers when a newer version lands
         self.buffers.give(old.slab, old.buffers)

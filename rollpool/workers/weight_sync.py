@@ -88,7 +88,7 @@ from rollpool.workers.engine_supervisor import EngineSupervisor
 from rollpool.workers.engines.base import AdapterEngine, Engine, SizedEngine, StagingEngine
 from rollpool.workers.link import BrokerLink
 
-__all__ = ["BucketHook", "BucketStagingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
+__all__ = ["BucketHook", "BucketStagingEngine", "FetchNotingEngine", "FetchedVersion", "Subscriber", "SubscriberFactory", "WeightSync"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,13 @@ class SubscriberFactory(Protocol):
 
 
 @runtime_checkable
+class FetchNotingEngine(Protocol):
+    """An engine whose apply record says how the version was fetched (the SGLang engine: where a delta was rebuilt)."""
+
+    def note_fetch(self, version: int, details: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
 class BucketStagingEngine(Protocol):
     """An engine that copies each verified bucket to its device while the next one arrives (the SGLang engine)."""
 
@@ -178,6 +185,14 @@ def _base_on_of(fetched: FetchedVersion) -> int:
     if getattr(manifest, "adapter", None) is None:
         return -1
     return int(getattr(manifest, "base_on", -1))
+
+
+def _intact(version: _Version) -> bool:
+    """Whether a version's tensors (and those of the version applied with it) still hold it: a version held on the
+    engine's GPU is written over in place by the next one (`rollpool.weights.WeightVersion.intact`)."""
+    if not bool(getattr(version.fetched, "intact", True)):
+        return False
+    return version.under is None or _intact(version.under)
 
 
 async def _import_subscriber_module() -> None:
@@ -505,6 +520,12 @@ class WeightSync:
         """
         fresh = engine is not None
         version = target.version
+        if not _intact(target):
+            # its tensors view device buffers a newer version was written into since: never applied under this number
+            why = f"version {version}'s buffers on the GPU hold a newer version by now"
+            if fresh:
+                raise WeightsRefusedError(why)
+            raise WeightSyncError(why)
         if engine is None:
             engine = self.supervisor.engine
             assert engine is not None
@@ -631,6 +652,10 @@ class WeightSync:
         """The supervisor's hook: give a fresh engine the version to serve, through `_apply`."""
         target = self._reapply_target
         self._reapply_target = None  # tried once on a fresh engine; then the last good version
+        if target is not None and not _intact(target):
+            target = None  # its device buffers hold another version by now: never given to an engine
+        if self._served is not None and not _intact(self._served):
+            self._served_gone()
         if target is not None and target.version > self.version:
             try:
                 await self._restore_adapter(engine, target)
@@ -648,6 +673,20 @@ class WeightSync:
             if abandoned:
                 self._served_abandoned = True
                 self.on_apply_finished(-1)
+
+    def _served_gone(self) -> None:
+        """The served version's tensors are device buffers written since by a newer version (the GPU holds one version,
+        the next delta's base, rebuilt or staged in place): a fresh engine is not given them. It serves its checkpoint's
+        weights, reported as version -1 (honest, never another version's bytes under this number), until the next
+        version is applied."""
+        served = self._served
+        assert served is not None
+        log.warning("the restarted engine does not get weight version %d again: its buffers on the GPU hold a newer version "
+                    "by now (one version is kept there, the next delta's base); it serves its checkpoint's weights as version "
+                    "-1 until the next version is applied", served.version, extra={"worker": self.worker_id})
+        self.metrics.event("reapply_bytes_gone", {"worker_id": self.worker_id, "version": served.version})
+        self._served, self._served_abandoned = None, False
+        self.on_apply_finished(-1)
 
     def _on_its_base(self, target: _Version) -> _Version:
         """`target` as a fresh engine must be given it: an adapter version over the whole-model version the engine it
@@ -704,6 +743,9 @@ class WeightSync:
                 self.subscriber.recycle(old.fetched)
 
     async def _stage(self, engine: Engine, target: _Version) -> None:
+        details = getattr(target.fetched, "details", None)
+        if isinstance(engine, FetchNotingEngine) and isinstance(details, Mapping):
+            engine.note_fetch(target.version, details)
         if not isinstance(engine, StagingEngine) or getattr(getattr(target.fetched, "manifest", None), "adapter", None) is not None:
             return
         try:
@@ -761,7 +803,10 @@ class WeightSync:
         # an engine that stages to CUDA bucket by bucket takes device tensors: on the shared-memory path each bucket is
         # copied from the publisher's segment straight to its device and verified there (weight_shm_to_device off: the
         # CPU copy, which stays the counted fallback either way)
-        stages = on_cuda and cfg.weights.weight_shm_to_device and isinstance(engine, BucketStagingEngine)
+        # (and with deltas on the GPU, `weight_delta_on_device`: the version is staged by the subscriber into buffers it
+        # keeps on the engine's GPU after the apply, the next delta's base, rebuilt there in place)
+        w = cfg.weights
+        stages = on_cuda and isinstance(engine, BucketStagingEngine) and (w.weight_shm_to_device or (w.weight_delta and w.weight_delta_on_device))
         return factory(self.sockets, worker_id=self.worker_id, fetch_timeout_s=cfg.fetch_timeout_s, window_chunks=cfg.window_chunks,
                        max_refetch=cfg.max_refetch, pin_memory=on_cuda, stage_device=device if stages else None, weights=cfg.weights)
 

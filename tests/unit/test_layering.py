@@ -146,11 +146,12 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "memory": {"gpu"},
     "delta": set(),
     "delta_device": {"delta", "bucketing", "gpu", "manifest"},
+    "delta_gpu": {"delta", "gpu"},
     "paths": set(),  # the package's docstring
-    "paths.base": set(),
+    "paths.base": {"delta_gpu"},  # (a type only)
     "paths.network": {"paths.base", "manifest", "bucketing"},
     "paths.bulk": {"paths.base", "manifest", "bucketing"},
-    "paths.delta": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "manifest", "bucketing", "delta", "memory"},
+    "paths.delta": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "manifest", "bucketing", "delta", "delta_gpu", "gpu", "memory"},
     "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta", "config", "memory"},
     "snapshot": {"serving", "bucketing", "gpu", "memory"},
     "paths.shm": {"paths.base", "manifest", "bucketing", "gpu", "memory"},
@@ -158,7 +159,7 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "paths.cuda_ipc": {"paths.base", "paths.ipc_ring", "manifest", "bucketing", "gpu", "serving", "snapshot"},
     "watch": {"paths.base", "paths.network"},
     "subscriber": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "paths.cuda_ipc", "paths.delta", "manifest", "config",
-                   "bucketing", "gpu", "memory", "snapshot", "delta", "watch"},
+                   "bucketing", "gpu", "memory", "snapshot", "delta", "delta_gpu", "watch"},
     "publisher": {"serving", "snapshot", "paths.base", "paths.cuda_ipc", "config", "bucketing", "gpu", "memory", "manifest", "adapters",
                   "delta", "delta_device"},
     "ring": set(),

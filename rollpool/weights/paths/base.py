@@ -31,6 +31,8 @@ from rollpool.protocol.metrics import MetricsSink
 if TYPE_CHECKING:
     import torch
 
+    from rollpool.weights.delta_gpu import DeviceHeld
+
 __all__ = [
     "Attr",
     "BucketCallback",
@@ -91,10 +93,22 @@ class WeightVersion:
     """The verified buckets as 1-D uint8 tensors, in manifest order (e.g. for SGLang's flattened buckets)."""
     slab: torch.Tensor | None = None
     """The one buffer `buffers` are views of (what `WeightSubscriber.recycle` hands back)."""
+    held: DeviceHeld | None = None
+    """The version is held on the engine's GPU (`rollpool.weights.delta_gpu.DeviceHeld`): `tensors` are views of its
+    device buffers (kept there as the next delta's base), `buffers` of the host copy when one was fetched (else the
+    device buffers too). Those device buffers are written in place by the next version: see `intact`."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """How it was fetched (the ``weights fetched`` line's path details: ``delta_rebuilt_on``, ``device_rebuild_s``, ...)."""
 
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.manifest.buckets)
+
+    @property
+    def intact(self) -> bool:
+        """Whether `tensors` still hold this version: False once the device buffers they view were written by a newer
+        version (staged into them, or a delta rebuilt in them in place); such tensors must not be applied again."""
+        return self.held is None or self.held.holds(self.manifest.publisher_id, self.version)
 
 
 class WeightVersionGoneError(WeightSyncError):
@@ -230,7 +244,9 @@ class Fetched:
     """Extra fields for the ``weights fetched`` log line (the staged path's timeline)."""
     on_device: bool = False
     """The buffers are the device path's own (the same GPU, shared memory staged to a GPU), not host buffers of the
-    subscriber's: the version cannot be a delta's base (a delta is rebuilt on the host)."""
+    subscriber's: the version cannot be a delta's base on the host."""
+    held: DeviceHeld | None = None
+    """The version is also (or only) on the engine's GPU, held there as the next delta's base (`WeightVersion.held`)."""
 
 
 class PathFallbackError(Exception):

@@ -26,6 +26,15 @@ What it promises
       caller, nothing written to it since) and the base came as a delta against it, the version is rebuilt there in
       place (the delta before and this one applied, no copy of the base); else the base is copied into it. A buffer a
       failed rebuild wrote goes back to the buffers only once no rebuild thread writes into it any more.
+    - On the engine's GPU (`device`, a `rollpool.weights.delta_gpu.DeviceHeld`, when the worker's engine stages to
+      CUDA and `weight_delta_on_device` is on): every whole-model version fetched into host buffers is staged into
+      buffers kept on that GPU as each bucket verifies (`DeviceStaging`), and the engine is handed those; a delta
+      against the version held there, whose manifest carries the mix64 of every bucket's resulting bytes, is rebuilt
+      there in place and verified there (`_fetch_on_device`). In place, so the held version is gone from the first
+      write: a failure drops it and the full version is fetched (staged afresh); a version whose tensors view it says
+      so (`WeightVersion.intact`). The host copy of an older version is never named as the base once the GPU holds a
+      newer one (`base_version`), and a delta the GPU cannot take is rebuilt on the host as above (the GPU's copy let
+      go) or fetched whole.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ from rollpool.weights.delta import (
     rebuild_bucket,
     same_layout,
 )
+from rollpool.weights.delta_gpu import DeviceHeld, result_checks
+from rollpool.weights.delta_gpu import rebuild_bucket as rebuild_on_device
+from rollpool.weights.gpu import DeviceSlabs, side_stream
 from rollpool.weights.manifest import BULK, NETWORK, SHM, Plan, check_manifest
 from rollpool.weights.memory import ShmUnavailableError, VersionBuffers
 from rollpool.weights.paths.base import BucketCallback, Fetched, FetchJob, PathFallbackError, WeightVersion
@@ -63,7 +75,7 @@ from rollpool.weights.paths.bulk import BulkPath
 from rollpool.weights.paths.network import NetworkPath
 from rollpool.weights.paths.shm import ShmSegments
 
-__all__ = ["DeltaPath"]
+__all__ = ["DeltaPath", "DeviceStaging"]
 
 log = logging.getLogger("rollpool.weights.subscriber")
 
@@ -106,10 +118,23 @@ class DeltaPath:
         with the next one, to the buffer that holds the version before it."""
         self._made: tuple[Manifest, list[torch.Tensor | None]] | None = None
         """The delta just rebuilt, until `hold` makes it `_last`."""
+        self.device: DeviceHeld | None = None
+        """The version held on the engine's GPU (`WeightPathConfig.weight_delta_on_device`; the subscriber sets it):
+        a delta against it is rebuilt there, in place (`_fetch_on_device`). None: deltas are rebuilt on the host."""
+        self.device_versions = 0
+        """Versions rebuilt on the engine's GPU."""
+        self.why_not_device = ""
+        """Why the last delta version was not rebuilt on the GPU ("" when it was, or none came)."""
+        self._device_pool: ThreadPoolExecutor | None = None
+        self._scratch: torch.Tensor | None = None
+        """The page-locked buffer a delta's encoded bytes land in before they are copied to the GPU (reused)."""
 
     def base_version(self) -> int:
-        """The version a manifest request names as its base (-1: none held)."""
-        return self.base.version if self.base is not None else -1
+        """The version a manifest request names as its base (-1: none held): the newest of the one on the engine's GPU
+        and the one in host buffers."""
+        host = self.base.version if self.base is not None else -1
+        held = self.device
+        return max(host, held.version) if held is not None else host
 
     def hold(self, wv: WeightVersion, *, on_device: bool = False) -> WeightVersion:
         """A version just fetched: in host buffers, it becomes the base of the next delta; on a device (`on_device`),
@@ -160,9 +185,45 @@ class DeltaPath:
         self.base = None
         self._content.clear()
         self._last = self._made = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self.device is not None:
+            self.device.drop()
+        self._scratch = None
+        for pool in (self._pool, self._device_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._pool = self._device_pool = None
+
+    def device_why_not(self, manifest: Manifest) -> str:
+        """"" when `manifest` (a delta) is rebuilt on the engine's GPU: the base is the version held there, the buckets
+        line up and each carries the mix64 of its resulting bytes; else why not (then the host rebuilds it, or the
+        version is fetched whole)."""
+        held = self.device
+        if held is None:
+            return "deltas are rebuilt on the host (no engine GPU holds the base)"
+        if not held.holds(manifest.publisher_id, manifest.delta_base):
+            return f"the engine's GPU holds version {held.version}, not the base {manifest.delta_base}"
+        if not held.lines_up(manifest.buckets):
+            return "the base's buckets on the engine's GPU do not line up with the delta's"
+        if manifest.adapter is not None:
+            return "an adapter version"
+        return result_checks(manifest.buckets)
+
+    def release_device(self, slabs: DeviceSlabs | None) -> None:
+        """The version on the engine's GPU is let go: a device path fetches the next one into a slab of its own, so its
+        buffers go to `slabs` for that path to reuse (one version on the GPU at a time); None: freed (to the process's
+        CUDA caching allocator, where the engine's own staging finds them)."""
+        held = self.device
+        if held is not None and held.slab is not None:
+            slab = held.drop()
+            if slabs is not None and slab is not None:
+                slabs.give(slab)
+
+    def staging(self, manifest: Manifest, slabs: DeviceSlabs) -> DeviceStaging | None:
+        """The staging of a whole-model version fetched into host buffers onto the engine's GPU (into the buffers the
+        version before it held there, in place), or None when no GPU holds versions here."""
+        if self.device is None or manifest.adapter is not None or not manifest.buckets:
+            return None
+        return DeviceStaging(self.device, manifest, slabs)
 
     async def fetch(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
         """Rebuild `manifest`'s version from the base held here and the encoded buckets (fetched over the network
@@ -175,11 +236,25 @@ class DeltaPath:
         line: ``fetch_s`` (the encoded bytes), ``rebuild_s`` and ``verify_s`` (decode and checksum, summed over the
         buckets: the checksum is taken in the same pass), ``rebuild_after_fetch_s`` (the last encoded bytes to the last
         bucket verified: what the rebuild adds after the fetch) and ``delta_total_s``."""
+        why_not_device = self.device_why_not(manifest)
+        if not why_not_device:
+            self.why_not_device = ""
+            return await self._fetch_on_device(manifest, on_bucket)
+        self.why_not_device = why_not_device if self.device is not None else ""
+        got = await self._fetch_on_host(manifest, on_bucket, why_not_device)
+        # rebuilt on the host (the delta could not be on the GPU): the engine stages it itself, so the GPU's copy of an
+        # older version is let go (its memory reused by that staging; the next whole version is held there again)
+        self.release_device(None)
+        return got
+
+    async def _fetch_on_host(self, manifest: Manifest, on_bucket: BucketCallback | None, why_not_device: str) -> Fetched:
+        """`fetch` from the base held in host buffers (`why_not_device`: why not on the engine's GPU)."""
         t0 = time.perf_counter()
         base = self.base
         if base is None or base.version != manifest.delta_base:
             held = "none" if base is None else str(base.version)
-            raise WeightSyncError(f"the base is not held here (holding {held})")
+            on_gpu = f"; not on the engine's GPU: {why_not_device}" if self.device is not None else ""
+            raise WeightSyncError(f"the base is not held here (holding {held}){on_gpu}")
         if base.manifest.publisher_id != manifest.publisher_id:
             raise WeightSyncError(f"the base came from publisher {base.manifest.publisher_id!r}, the delta from {manifest.publisher_id!r}")
         if not same_layout(manifest.buckets, base.manifest.buckets) or len(base.buffers) != len(manifest.buckets):
@@ -230,6 +305,7 @@ class DeltaPath:
         self.in_place_versions += bool(patched)
         self._made = (manifest, payloads)
         return Fetched(manifest, buffers, slab, via, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
+                                                      "delta_rebuilt_on": "host", "why_not_delta_on_device": why_not_device,
                                                       "in_place": bool(patched), "in_place_buckets": len(patched),
                                                       "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
                                                       "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
@@ -280,8 +356,8 @@ class DeltaPath:
         for f in running:
             f.add_done_callback(one_ended)
 
-    async def fetch_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None
-                             ) -> tuple[list[torch.Tensor | None], list[BucketInfo]]:
+    async def fetch_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None, *,
+                             reuse: bool = False) -> tuple[list[torch.Tensor | None], list[BucketInfo]]:
         """A delta manifest's encoded buckets over the network path, each verified against its own checksum: per bucket
         its payload (None: unchanged), and the buckets that carry bytes (the payload's dense numbering, as served).
         `on_payload(bucket, payload)` is told each one as it verifies (`bucket`: its index in `manifest`)."""
@@ -289,7 +365,7 @@ class DeltaPath:
         payload_manifest = replace(manifest, buckets=tuple(BucketInfo(index=i, dtype="uint8", nbytes=b.delta_nbytes, checksum=b.delta_checksum)
                                                            for i, b in enumerate(carried)), host_key="", cuda_ipc=None, bulk_port=0)
         offsets, total = payload_offsets([b.delta_nbytes for b in carried])  # each 8-byte aligned: decoded through int32 and element views
-        scratch = torch.empty(total, dtype=torch.uint8)
+        scratch = self._scratch_of(total) if reuse else torch.empty(total, dtype=torch.uint8)
         views = [scratch[at : at + b.delta_nbytes] for b, at in zip(carried, offsets, strict=True)]
         told = None if on_payload is None else (lambda j, _tensors: on_payload(carried[j].index, views[j]))
         if carried:
@@ -313,8 +389,8 @@ class DeltaPath:
             payloads[b.index] = view
         return payloads, carried
 
-    async def read_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None
-                            ) -> list[torch.Tensor | None]:
+    async def read_payloads(self, manifest: Manifest, on_payload: Callable[[int, torch.Tensor], None] | None = None, *,
+                            reuse: bool = False) -> list[torch.Tensor | None]:
         """A delta manifest's encoded buckets copied out of the publisher's segment (`Manifest.delta_shm`, laid out by
         `payload_offsets`) into a buffer of this subscriber's, each copy verified against its checksum while in cache, in
         `threads` threads (`on_payload` told each one as it verifies, as `fetch_payloads` tells them); per bucket its
@@ -336,7 +412,7 @@ class DeltaPath:
         if total > seg.nbytes:
             raise DeltaError(f"the delta's {total} encoded bytes do not fit its segment of {seg.nbytes}")
         source = reader.host_tensor()
-        scratch = torch.empty(total, dtype=torch.uint8)
+        scratch = self._scratch_of(total) if reuse else torch.empty(total, dtype=torch.uint8)
         payloads: list[torch.Tensor | None] = [None] * len(manifest.buckets)
         for b, at in zip(carried, offsets, strict=True):
             payloads[b.index] = scratch[at : at + b.delta_nbytes]
@@ -378,6 +454,95 @@ class DeltaPath:
         bad = [i for i, ok in enumerate(oks) if not ok]
         if bad:
             raise WeightSyncError(f"buckets {bad} rebuilt from the delta do not match their checksums")
+
+    def _scratch_of(self, nbytes: int) -> torch.Tensor:
+        """The reused buffer a delta's encoded bytes land in before they go to the GPU (page-locked there, so the copies
+        run at full speed; grown when a delta needs more). Only the device rebuild uses it: it has read the bytes by the
+        time its fetch returns (each bucket's check waits for its copy), so the next fetch may write it again."""
+        held = self.device
+        pin = held is not None and held.device.type == "cuda"
+        if self._scratch is None or int(self._scratch.numel()) < nbytes:
+            self._scratch = torch.empty(max(nbytes, 1 << 20) * 5 // 4, dtype=torch.uint8, pin_memory=pin)
+        return self._scratch[:nbytes]
+
+    async def _fetch_on_device(self, manifest: Manifest, on_bucket: BucketCallback | None) -> Fetched:
+        """`manifest`'s version rebuilt in place in the buffers of the version held on the engine's GPU (its base,
+        `device_why_not` says so): each bucket's encoded bytes fetched and verified on the host as on the host path,
+        copied to the GPU, decoded and scattered there, and the resulting bytes verified there against the manifest's
+        mix64 of them (`rollpool.weights.delta_gpu.rebuild_bucket`), handed to ``on_bucket`` as they verify. The base is
+        written in place, so from the first write it holds neither version: any failure drops it (the caller fetches
+        the version whole, staged afresh) and raises `WeightSyncError` or `DeltaError`."""
+        t0 = time.perf_counter()
+        held = self.device
+        assert held is not None
+        steps = self.plan(manifest) if self.plan is not None else None
+        if steps is not None and steps.refusal:
+            raise WeightSyncError(steps.refusal)
+        via = SHM if steps is not None and SHM in steps.to_try else NETWORK
+        views = list(held.views)
+        stream = side_stream(held.device) if held.device.type == "cuda" else None
+        held.version = -1  # written in place from here on: the version it held is gone until this one verifies
+        loop = asyncio.get_running_loop()
+        pool = self._device_threads()
+        work: dict[int, Future[tuple[bool, float, float]]] = {}
+        done: asyncio.Queue[int] = asyncio.Queue()
+
+        def start(i: int, payload: torch.Tensor | None) -> None:
+            if i in work:
+                return
+            work[i] = f = pool.submit(_device_one, manifest.buckets[i], payload, views[i], stream)
+            f.add_done_callback(lambda _f: _call_soon(loop, done.put_nowait, i))
+
+        try:
+            for b in manifest.buckets:
+                if b.encoding == UNCHANGED:
+                    start(b.index, None)  # verified as it is: the base's bucket is the result
+            if via == SHM:
+                payloads = await self.read_payloads(manifest, on_payload=start, reuse=True)
+            else:
+                payloads, _carried = await self.fetch_payloads(manifest, on_payload=start, reuse=True)
+            fetched = time.perf_counter()
+            for i, p in enumerate(payloads):
+                start(i, p)
+            rebuild_s, verify_s = await self._collect(manifest, work, done, views, on_bucket)
+        except BaseException:
+            await self._abandon_device(list(work.values()))
+            raise
+        held.done(manifest.publisher_id, manifest.version, manifest.buckets)
+        now = time.perf_counter()
+        self.versions += 1
+        self.device_versions += 1
+        return Fetched(manifest, views, None, via, {"delta_base": manifest.delta_base, "delta_bytes": sum(b.delta_nbytes for b in manifest.buckets),
+                                                    "delta_rebuilt_on": "device", "device": str(held.device),
+                                                    "fetch_s": round(fetched - t0, 4), "rebuild_s": round(rebuild_s, 4),
+                                                    "verify_s": round(verify_s, 4), "rebuild_after_fetch_s": round(now - fetched, 4),
+                                                    "device_rebuild_s": round(rebuild_s + verify_s, 4), "delta_total_s": round(now - t0, 4)},
+                       on_device=True, held=held)
+
+    async def _abandon_device(self, work: list[Future[tuple[bool, float, float]]]) -> None:
+        """A rebuild on the GPU failed part-way: the base there is neither version, so it is dropped, once the bucket
+        its thread may still be patching is done (queued ones are cancelled; one bucket's work, milliseconds), so the
+        full version that follows, staged into the same buffers, is never written over by it."""
+        held = self.device
+        running = [f for f in work if not f.cancel() and not f.done()]
+        if held is not None:
+            held.version = -1
+        if running:
+            try:
+                await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))  # (their outcome no longer matters)
+            except asyncio.CancelledError:
+                # the caller goes away now: the buffers are let go, not reused (the bucket still being patched keeps its
+                # view alive until it is done; whatever comes next takes other buffers)
+                if held is not None:
+                    held.drop()
+                raise
+        self.release_device(self.buffers.slabs)
+
+    def _device_threads(self) -> ThreadPoolExecutor:
+        """One thread for the GPU's rebuild work: the buckets' copies, kernels and checks queued in order on one stream."""
+        if self._device_pool is None:
+            self._device_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-rebuild-gpu")
+        return self._device_pool
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -424,6 +589,76 @@ def _patch_one(b: BucketInfo, before: tuple[str, torch.Tensor | None], now: tupl
     summer = _TimedSummer(Checksummer(algo))
     patch_bucket([before, now], out, itemsize_of(b.dtype), summer)
     return verify_checksum(b.checksum, running=summer.inner), time.perf_counter() - t, summer.seconds
+
+
+def _device_one(b: BucketInfo, payload: torch.Tensor | None, bucket: torch.Tensor, stream: Any) -> tuple[bool, float, float]:
+    """Bucket `b` rebuilt in place on the GPU and verified there (`rollpool.weights.delta_gpu.rebuild_bucket`), on
+    `stream` (None: the device's current one, or the CPU): (match, seconds patching, seconds checksumming)."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return rebuild_on_device(b, payload, bucket)
+
+
+class DeviceStaging:
+    """A whole-model version fetched into host buffers, staged onto the engine's GPU bucket by bucket as each verifies,
+    into the buffers the version before it held there (`DeviceHeld`, in place: one version on the GPU; the version
+    before is no longer intact there from the first copy). The engine is handed the device tensors (it maps them, no
+    copy of its own), and the GPU holds the version afterwards as the next delta's base."""
+
+    def __init__(self, held: DeviceHeld, manifest: Manifest, slabs: DeviceSlabs) -> None:
+        self.held = held
+        self.manifest = manifest
+        self.slabs = slabs
+        self.views: list[torch.Tensor] | None = None
+        self.staged: set[int] = set()
+        self.stream = side_stream(held.device) if held.device.type == "cuda" else None
+
+    def hook(self, job: FetchJob, inner: BucketCallback | None) -> BucketCallback:
+        """`job`'s ``on_bucket``: a bucket verified in host buffers is copied to the GPU, and `inner` gets its device
+        tensors; a device path's buckets (no host buffers) go to `inner` as they are."""
+
+        def on_bucket(i: int, tensors: dict[str, torch.Tensor]) -> Any:
+            if job.buffers is None:
+                return inner(i, tensors) if inner is not None else None
+            self._copy(i, job.buffers[i])
+            assert self.views is not None
+            return inner(i, unpack_bucket(self.manifest.buckets[i], self.views[i])) if inner is not None else None
+
+        return on_bucket
+
+    def _copy(self, i: int, host: torch.Tensor) -> None:
+        if self.views is None:
+            self.views = self.held.begin(self.manifest.buckets, take=self.slabs.take_at_least, give=self.slabs.give)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.views[i].copy_(host, non_blocking=True)
+        self.staged.add(i)
+
+    async def finish(self, got: Fetched) -> Fetched:
+        """The fetch is done: a host path's version is staged whole (the buckets not staged yet copied, the copies
+        waited for) and held; a version the shared-memory path staged itself (``shm_device``, verified there) is held
+        as it is; any other device path's leaves none held."""
+        held = self.held
+        if got.on_device:
+            if self.views is not None:  # a host path staged some buckets, then failed over to a device path
+                slab = held.drop()
+                if slab is not None:
+                    self.slabs.give(slab)
+            # (the shared-memory path staged to the GPU names itself ``shm``, on the device)
+            if got.path == SHM and got.slab is not None and got.slab.is_cuda == (held.device.type == "cuda"):
+                held.adopt(got.slab, got.buffers, got.manifest.buckets, got.manifest.publisher_id, got.manifest.version)
+                return replace(got, held=held)
+            return got
+        for i, host in enumerate(got.buffers):
+            if i not in self.staged:
+                self._copy(i, host)
+        if self.stream is not None:
+            await asyncio.to_thread(self.stream.synchronize)
+        held.done(got.manifest.publisher_id, got.manifest.version, got.manifest.buckets)
+        return replace(got, held=held)
+
+    def abandon(self) -> None:
+        """The fetch failed: whatever was copied is no version."""
+        if self.views is not None:
+            self.held.version = -1
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

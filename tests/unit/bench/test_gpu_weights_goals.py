@@ -148,7 +148,8 @@ def test_the_device_delta_goals_are_measured_only_when_every_delta_was_made_on_t
         vs = []
         for v in range(1, 7):
             rec = {**_version(v, "network", applied=0.3), "delta_base": v - 1 if v > 1 else -1, "trainer_blocked_s": 0.05,
-                   "delta_made_on": made_on, "why_not_delta_on_device": why, "delta_phases": {"delta_compare_s": 0.01}}
+                   "delta_made_on": made_on, "why_not_delta_on_device": why, "delta_phases": {"delta_compare_s": 0.01},
+                   "delta_rebuilt_on": "device" if v > 1 else None, "delta_device_rebuild_s": 0.03}
             vs.append(rec)
         return {"delta": True, "versions": vs}
 
@@ -159,3 +160,27 @@ def test_the_device_delta_goals_are_measured_only_when_every_delta_was_made_on_t
     goal = res["goals"]["delta_device_trainer_blocked_s"]
     assert goal["met"] is None and goal["made_on"] == ["host"] and goal["why_not_device"] == [why]
     assert res["delta_device_phases"]["delta_compare_s"] == 0.01
+
+
+def test_a_device_delta_row_counts_only_when_the_worker_rebuilt_every_steady_version_on_its_gpu() -> None:
+    """The worker's side of the device rows: a version rebuilt on the host (an older publisher's delta without the
+    mix64 of its resulting bytes) or one that came whole (a fallback) leaves the row's figure unmeasured, with where the
+    versions were rebuilt and why not on the GPU."""
+    bench = _bench()
+
+    def row(rebuilt: list[str | None], why: str = "") -> dict[str, Any]:
+        vs = [{**_version(v, "network", applied=0.3), "delta_base": v - 1, "trainer_blocked_s": 0.05, "delta_made_on": "device",
+               "delta_rebuilt_on": where, "why_not_rebuilt_on_device": why if where != "device" else None,
+               "delta_device_rebuild_s": 0.02 if where == "device" else None, "delta_phases": {}}
+              for v, where in zip(range(1, 7), rebuilt, strict=True)]
+        return {"delta": True, "versions": vs}
+
+    res = _summarize(bench, {"tcp_cuda_delta_device": row([None, "device", "device", "device", "device", "device"])})
+    assert res["goals"]["delta_device_host_path_s"]["met"] is True and res["goals"]["delta_device_host_path_s"]["rebuilt_on"] == ["device"]
+    assert res["delta_device_rebuilt_on"]["tcp_cuda_delta_device"]["counts"] == {"device": 4}
+    assert res["delta_device_rebuild_s"] == 0.02
+    why = "the delta carries no mix64 of the resulting bytes for 27 of 27 buckets"
+    res = _summarize(bench, {"tcp_cuda_delta_device": row([None, "device", "host", "device", None, "device"], why)})
+    goal = res["goals"]["delta_device_host_path_s"]
+    assert goal["met"] is None and goal["rebuilt_on"] == ["device", "host", "none"] and goal["why_not_rebuilt_on_device"] == [why]
+    assert "not only its GPU" in goal["not_measured"]

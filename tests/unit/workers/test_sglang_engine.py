@@ -266,6 +266,31 @@ async def test_an_interrupt_update_uses_sglangs_update_without_pause(sglang_sim_
         await engine.stop()
 
 
+async def test_the_apply_record_says_where_a_delta_version_was_rebuilt(sglang_sim_child: SimChild) -> None:
+    """The worker tells the engine how a version was fetched (`note_fetch`): its apply record (``sglang apply``) carries
+    where a delta was rebuilt and the GPU's seconds for it, for that version only."""
+    import torch
+
+    engine = SGLangEngine(model=sglang_sim_child.model, url=sglang_sim_child.url, api_key=sglang_sim_child.token, device="cpu")
+    await engine.start()
+    try:
+        new = {k: torch.zeros(shape) for k, (_dt, shape) in engine._params.items()}
+        v = engine.version
+        engine.note_fetch(v + 1, {"path": "network", "delta_base": v, "delta_rebuilt_on": "device", "device_rebuild_s": 0.012})
+        await engine.pause("interrupt")
+        await engine.update_weights(new, v + 1)
+        await engine.resume()
+        assert engine.last_update["delta_rebuilt_on"] == "device" and engine.last_update["delta_device_rebuild_s"] == 0.012
+        assert engine.last_update["delta_base"] == v
+        engine.note_fetch(v + 5, {"delta_rebuilt_on": "host"})  # another version's note: not this apply's
+        await engine.pause("interrupt")
+        await engine.update_weights(new, v + 2)
+        await engine.resume()
+        assert "delta_rebuilt_on" not in engine.last_update and "h2d_s" in engine.last_update
+    finally:
+        await engine.stop()
+
+
 @pytest.fixture
 async def owned(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> AsyncIterator[SGLangEngine]:
     """An engine that launches its own child (the worker's path), sim backend."""

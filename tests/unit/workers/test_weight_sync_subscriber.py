@@ -164,3 +164,46 @@ def test_no_reserve_on_the_cpu_when_asked_not_to_or_when_the_engine_does_not_kno
         sync = sync_for(engine, config)
         sync.engine_started()
         assert sync.subscriber is None
+
+
+def test_with_deltas_on_the_gpu_a_cuda_engine_gets_a_subscriber_that_holds_versions_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weight_delta_on_device` (on by default with deltas): the staging device is given even with the shared-memory
+    staging off, since the GPU keeps the version applied as the next delta's base; off, as before."""
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_SHM_TO_DEVICE", "0")
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
+    assert made_with(FakeEngine("cuda:0", stages=True), recording)["stage_device"] == "cuda:0"
+    assert made_with(FakeEngine("cpu", stages=True), recording)["stage_device"] is None
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA_ON_DEVICE", "0")
+    assert made_with(FakeEngine("cuda:0", stages=True), recording)["stage_device"] is None
+
+
+async def test_a_version_whose_gpu_buffers_hold_a_newer_one_is_never_given_to_an_engine() -> None:
+    """A version held on the GPU is written over in place by the next one (staged or rebuilt there): a restarted engine
+    is not given it again (it serves its checkpoint as version -1 until the next version), an intact one is; and the
+    serving engine is never given such a version either."""
+    from rollpool.protocol.errors import WeightSyncError
+    from rollpool.protocol.metrics import MemoryMetricsSink
+    from rollpool.workers.engines.sim import SimEngine
+    from rollpool.workers.weight_sync import _Version
+
+    finished: list[int | None] = []
+    served = [5]
+    sup = SimpleNamespace(reapply=None, engine=None, ok=asyncio.Event())
+    sync = WeightSync(WorkerConfig(broker="tcp://127.0.0.1:1", worker_id="w1"), None, None, sup, MemoryMetricsSink(),  # type: ignore[arg-type]
+                      served_version=lambda: served[0], on_apply_finished=finished.append)
+    engine = SimEngine()
+    await engine.start()
+    try:
+        sync._served = _Version({}, 5, fetched=SimpleNamespace(version=5, tensors={}, intact=False))
+        await sync._reapply(engine)
+        assert finished == [-1] and engine.info().weight_version != 5 and sync._served is None
+        sync._served = _Version({}, 5, fetched=SimpleNamespace(version=5, tensors={}, intact=True))
+        await sync._reapply(engine)
+        assert finished[-1] == 5 and engine.info().weight_version == 5
+        sup.engine = engine
+        sup.ok.set()
+        with pytest.raises(WeightSyncError, match="newer version"):
+            await sync.apply({}, 6, fetched=SimpleNamespace(version=6, tensors={}, intact=False))  # type: ignore[arg-type]
+        assert engine.info().weight_version == 5
+    finally:
+        await engine.stop()

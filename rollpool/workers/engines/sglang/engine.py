@@ -285,8 +285,11 @@ class SGLangEngine:
         self.token = opts.api_key if opts.url else ""
         """The bearer token of the server: `api_key` for ``url=``, fresh for each launch otherwise."""
         self.token_path: pathlib.Path | None = None
-        self.last_update: dict[str, float] = {}
-        """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s."""
+        self.last_update: dict[str, Any] = {}
+        """Timings of the last update (wall-clock seconds): pause_s, h2d_s, sglang_update_s, verify_s, resume_s; for a
+        version rebuilt from a delta, where (``delta_rebuilt_on``: ``device`` or ``host``) and, on the device, its
+        seconds (``delta_device_rebuild_s``), as the fetch reported them (`note_fetch`)."""
+        self._fetch_notes: tuple[int, dict[str, Any]] | None = None
         self.stats: dict[str, int] = {"attempts": 0, "resubmits": 0, "restarts": 0, "version_mismatches": 0}
         self.tp_size = opts.tp_size
         self.dp_size = opts.dp_size
@@ -1084,6 +1087,13 @@ class SGLangEngine:
             params["lm_head.weight"] = embed
         return version_bytes(params, self.dtype)
 
+    def note_fetch(self, version: int, details: Mapping[str, Any]) -> None:
+        """How `version` was fetched (the subscriber's ``weights fetched`` details): its apply record says where a delta
+        was rebuilt (``delta_rebuilt_on``) and the GPU's seconds for it (``delta_device_rebuild_s``)."""
+        keep = {"delta_rebuilt_on": details.get("delta_rebuilt_on"), "delta_device_rebuild_s": details.get("device_rebuild_s"),
+                "delta_base": details.get("delta_base"), "why_not_delta_on_device": details.get("why_not_delta_on_device") or None}
+        self._fetch_notes = (version, {k: v for k, v in keep.items() if v is not None})
+
     def stage_bucket(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         """One verified bucket of `version` (the fetch's ``on_bucket``, on the loop): its copy to the device is queued
         at once on a side stream, so it overlaps the fetch of the next bucket; with ``per_rank_weights`` and several
@@ -1106,9 +1116,14 @@ class SGLangEngine:
         Holds one extra copy of the weights in GPU memory (outside SGLang's
         `mem_fraction_static`) until `update_weights(..., version)` consumes
         it or another version is staged: on rank 0's GPU, or, with
-        ``per_rank_weights`` and ``tp_size > 1``, on every rank's GPU. Names
-        and shapes are checked here too, so a bad version fails before
-        anything pauses.
+        ``per_rank_weights`` and ``tp_size > 1``, on every rank's GPU. With
+        deltas rebuilt on the GPU (`WeightPathConfig.weight_delta_on_device`)
+        that copy on rank 0's GPU is the subscriber's, made as each bucket
+        verified and kept after the update as the next delta's base: the
+        tensors given here are already on the device and are mapped as they
+        are (the same 1 x the model's bytes, kept between versions; other
+        ranks' copies are made and dropped as before). Names and shapes are
+        checked here too, so a bad version fails before anything pauses.
         """
         self._check()
         names = self._check_names(named_tensors)
@@ -1170,6 +1185,9 @@ class SGLangEngine:
             verify_s = time.time() - t3
         self.version = version
         await self._keep_adapter_on_new_base()
+        notes, self._fetch_notes = self._fetch_notes, None
+        if notes is not None and notes[0] == version:
+            self.last_update.update(notes[1])
         self.last_update.update({"update_started_at": t0, "h2d_s": h2d_s, "serialize_s": t1 - t0 - h2d_s,
                                  "sglang_update_s": t2 - t1, "verify_s": verify_s, "ranks": float(self.tp_size * self.dp_size),
                                  "bytes": float(sum(nbytes(t) for t in named_tensors.values()))})
