@@ -96,6 +96,7 @@ __all__ = [
     "POLICY_MINOR",
     "DELTA_PATHS_MINOR",
     "RESULT_MIX64_MINOR",
+    "EARLY_DELTA_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -138,7 +139,14 @@ PROTOCOL_MAJOR = 1
 #   1.25 named policies: AdapterSpec.name, Prompt.policy, Trajectory.policy, SetVersion.adapter / adapter_since (POLICY_MINOR)
 #   1.26 delta weight versions over shared memory: Manifest.delta_shm (DELTA_PATHS_MINOR)
 #   1.27 the mix64 of a delta's resulting bytes on network versions too: BucketInfo.host_mix64 (RESULT_MIX64_MINOR)
-PROTOCOL_MINOR = 27
+#   1.28 a device-made delta served before its version's host copy to askers that verify on the GPU: ManifestRequest.device_verify (EARLY_DELTA_MINOR)
+PROTOCOL_MINOR = 28
+EARLY_DELTA_MINOR = PROTOCOL_MINOR
+"""The first minor whose weight servers answer a manifest request with ``device_verify`` (the asker rebuilds a delta on
+its engine's GPU and proves each bucket by `BucketInfo.host_mix64`) with a delta made on the publisher's GPU as soon as
+its buckets are encoded and their mix64 known, before the version's host copy and xxh3 exist: such a manifest may carry
+``""`` as a bucket's `BucketInfo.checksum` (pending), never to be taken as checked. Older servers ignore the field and
+answer once the delta is complete, as to every other asker."""
 RESULT_MIX64_MINOR = 27
 """The first minor whose weight servers put `BucketInfo.host_mix64` (the mix64 of the bucket's bytes) on the buckets of a
 network version too when its deltas are made and its bytes come from CUDA tensors (summed on the GPU beside the copy), so

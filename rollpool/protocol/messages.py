@@ -1032,6 +1032,12 @@ class ManifestRequest:
     copied every bucket below this out of it, releasing their slots; the answer waits until bucket `ring_done` is in its
     slot or the ring ended (then the manifest names no device buffer). -2 (`rollpool.weights.ring.RING_LEFT`): the taker
     leaves the ring. -1: not a ring request."""
+    device_verify: bool = False
+    """(minor 28, `EARLY_DELTA_MINOR`) With `delta_base`: the asker rebuilds a delta on its engine's GPU and verifies each
+    bucket there against `BucketInfo.host_mix64`, so a delta made on the publisher's GPU may be answered as soon as its
+    buckets are encoded and their mix64 known, before the version's host copy is checksummed: its buckets' `checksum`
+    may then be ``""`` (pending), and the asker takes none of them as checked. False: the delta comes complete, as to
+    every asker before minor 28 (an older server ignores the field)."""
 
 
 @message("manifest")

@@ -174,6 +174,13 @@ def samples() -> dict[str, Any]:
                                          buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=32, checksum="xxh3_64:0123456789abcdef",
                                                                encoding="gaps", delta_nbytes=8, delta_checksum="xxh3_64:fedcba9876543210",
                                                                tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(16,), offset=0, nbytes=32),)),)),
+        # minor 28: a delta asker that verifies on its GPU by the mix64 of the resulting bytes (EARLY_DELTA_MINOR), and the
+        # early delta it may get: a bucket's checksum still pending, its host_mix64 there
+        "manifest_request_device_verify": p.ManifestRequest(request_id="m13", version=15, streamed=True, delta_base=14, device_verify=True),
+        "manifest_delta_early": p.Manifest(request_id="m13", version=15, publisher_id="pub", protocol_minor=28, delta_base=14,
+                                           buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=32, checksum="", host_mix64="mix64:0123456789abcdef",
+                                                                 encoding="gaps", delta_nbytes=8, delta_checksum="xxh3_64:fedcba9876543210",
+                                                                 tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(16,), offset=0, nbytes=32),)),)),
     }
 
 
