@@ -51,7 +51,7 @@ from rollpool.weights.delta import (
     same_layout,
     word_width,
 )
-from rollpool.weights.gpu import arena_offsets, side_stream
+from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
 __all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase"]
@@ -155,6 +155,24 @@ class DeviceBase:
             start = self.offsets[idx] + offset
             out.append((name, self.arena[start : start + nbytes].view(dtype_from_name(dtype)).view(shape)))
         return out
+
+    def mix64s(self, places: Sequence[Any]) -> list[str]:
+        """Each bucket's mix64 of the bytes the base holds (after `diff`: the version's, the mix64 of a delta's resulting
+        bytes, `BucketInfo.host_mix64`), summed tensor by tensor at its word offset as the snapshot sums a host copy's
+        (`rollpool.weights.gpu.mix64_partial`; every tensor of a bucket 8-byte aligned), on a stream of its own on CUDA,
+        one sync at the end. Only reads the base: the caller keeps `diff` from writing it meanwhile."""
+        arena, offsets, buckets = self.arena, self.offsets, self.buckets
+        if arena is None:
+            raise RuntimeError("no device base is held")
+        stream = torch.cuda.Stream(device=arena.device) if arena.is_cuda else None  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            totals = [torch.zeros((), dtype=torch.int64, device=arena.device) for _ in buckets]
+            for idx, offset, _name, _shape, _dtype, nbytes in places:
+                if nbytes:
+                    start = offsets[idx] + offset
+                    totals[idx] += mix64_partial(arena[start : start + nbytes], offset // 8).to(arena.device)
+            out = torch.stack(totals).cpu() if totals else torch.empty(0, dtype=torch.int64)
+        return [mix64_format(int(x)) for x in out.tolist()]
 
     def diff(self, version: int, buckets: Sequence[BucketInfo], places: Sequence[Any], items: Sequence[tuple[str, torch.Tensor]],
              wholes: Sequence[torch.Tensor], after: Any = None) -> list[BucketDiff] | None:

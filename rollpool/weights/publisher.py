@@ -215,6 +215,9 @@ class WeightPublisher(ServingFace):
         self._base_reader: asyncio.Future[None] | None = None
         """The host copy being made from the device base (the last device version's `_finish_device`): the next diff
         writes the base only once it is done."""
+        self._base_mixer: asyncio.Future[None] | None = None
+        """The mix64 of the device base's buckets being summed for an early delta (`_serve_early`): the next diff
+        writes the base only once it is done."""
         self.delta_device_versions = 0
         """Versions whose delta was made on the device."""
         self._server.on_manifest_request = self._ipc.hello
@@ -231,7 +234,7 @@ class WeightPublisher(ServingFace):
         log.info("weight publisher %s serving on %s, announcing on %s", self.publisher_id, self.router_endpoint, self.pub_endpoint)
 
     async def close(self) -> None:
-        for fut in list(self._finishing.values()):
+        for fut in [*self._finishing.values(), *([self._base_mixer] if self._base_mixer is not None else [])]:
             fut.cancel()
         await self._server.close()
         self._pools.shutdown()
@@ -583,10 +586,10 @@ class WeightPublisher(ServingFace):
         written (it is this version then); each bucket's payload reaches the host and is checksummed in the delta's
         threads. Returns the base's views, which the host copy of the version is made from once the trainer is free,
         or None when the device failed (logged; the trainer's tensors, unchanged, are copied as on the host path)."""
-        reader = self._base_reader
-        if reader is not None and not reader.done():  # the previous version's host copy still reads the base
-            with contextlib.suppress(BaseException):
-                await asyncio.wait([reader])
+        for reader in (self._base_reader, self._base_mixer):
+            if reader is not None and not reader.done():  # the previous version's host copy (or its mix64) still reads the base
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([reader])
         base = self._server.versions.get(snap.version - 1)
         device = items[0][1].device
         after = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the trainer's stream, on its thread
@@ -604,7 +607,20 @@ class WeightPublisher(ServingFace):
             parts = [functools.partial(_device_part, d, self.checksum_algorithm) for d in made]
             if self._server.take_delta_parts(snap.served, base, parts):
                 self.delta_device_versions += 1
+                if snap.mix and all(snap.mix_aligned):
+                    self._base_mixer = asyncio.ensure_future(self._serve_early(snap.version, places))
         return self._delta_base.views(places)
+
+    async def _serve_early(self, version: int, places: list[Place]) -> None:
+        """The device-made delta of `version` served before the version's host copy and checksums exist, to subscribers
+        that verify on their GPU (`WeightServer.serve_early_delta`): each bucket's mix64 of the resulting bytes summed
+        from the device base (which holds the version now) as the snapshot sums the host copy's, tensor by tensor."""
+        try:
+            mix64 = await asyncio.to_thread(self._delta_base.mix64s, places)
+        except Exception as exc:  # noqa: BLE001 - the delta is served once the version is complete, as for every asker
+            log.warning("weight publisher %s: no early delta for version %d (%s)", self.publisher_id, version, exc)
+            return
+        await self._server.serve_early_delta(version, mix64)
 
     async def _finish_device(self, snap: Snapshot, views: list[tuple[str, torch.Tensor]], t0: float, copied: float) -> None:
         """After the device diff: the version's host buckets copied from the device base (the trainer's tensors may have

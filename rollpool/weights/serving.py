@@ -139,6 +139,13 @@ class ServedVersion:
     """``"pending"``: the owner will compute a delta against the previous version (`WeightServer.make_delta`), manifest
     requests for one wait for it; ``"ready"``: `delta` is served; ``"none"``: full versions only."""
     delta: DeltaServed | None = None
+    early: DeltaServed | None = None
+    """A delta made on the publisher's GPU, served before the version is complete (`WeightServer.serve_early_delta`) to
+    askers that verify on their GPU (``device_verify``); `delta` once the version is (the same one, its checksums in)."""
+    early_building: asyncio.Future[None] | None = None
+    """`serve_early_delta` under way (`make_delta` waits for it, so the delta served early is the one served on)."""
+    delta_settling: bool = False
+    """`make_delta` has begun: no delta is served early from then on (it serves the complete one)."""
     waiting_delta: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     waiting_mix64: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     """Manifest requests (``after_mix64``) parked until the version carries more GPU checksums of its host bytes."""
@@ -380,6 +387,10 @@ class WeightServer:
         bytes are final (the publisher's snapshot; not a relay's streamed upstream checksums, whose bytes may still be
         arriving or be refetched)."""
         self.deltas_served = 0
+        self.early_deltas = 0
+        """Deltas served before their version was complete (`serve_early_delta`)."""
+        self.early_deltas_served = 0
+        """Manifests of such a delta answered before its version was complete (to askers that verify on their GPU)."""
         self.full_served_to_delta_askers = 0
         self.last_delta: dict[str, Any] = {}
         """The newest delta made: base, version, changed fraction, wire bytes by encoding (status and top read it)."""
@@ -477,6 +488,7 @@ class WeightServer:
             return
         self.highest_dropped = max(self.highest_dropped, version)
         self._give_delta_segment(v.delta)
+        self._give_delta_segment(v.early)
         if self.bulk is not None:
             self.bulk.notify()  # a bulk request waiting for this version's bytes answers gone now
         gone = f"version {version} is no longer served"
@@ -557,6 +569,7 @@ class WeightServer:
         timings: dict[str, float] = {}
         try:
             base = self.versions.get(version - 1)
+            await self._settling(v)
             if v.delta_state == "pending" and base is not None and not base.released and v.complete:
                 if self.early_delta and same_layout(v.buckets, base.buckets):
                     v.delta_hold = False  # (the version is complete: its snapshot's copy is long done)
@@ -565,7 +578,7 @@ class WeightServer:
                     parts = v.delta_parts
                     got = [await asyncio.wrap_future(parts[i][1]) for i in range(len(v.buckets))] if len(parts) == len(v.buckets) else None
                     if got is not None and all(parts[i][0] is base for i in range(len(v.buckets))):
-                        made = self._delta_served(v, base, got, timings)
+                        made = self._completed(v, base, got, timings)
                 else:
                     if v.delta_started == 0.0:
                         v.delta_started = t_complete
@@ -579,18 +592,97 @@ class WeightServer:
             v.delta_parts = {}
         if self.versions.get(version) is not v:
             return None
-        if made is not None and v.host_key and self.delta_segments is not None and not await self._write_shm(v, made, timings):
+        if made is not None and made.shm is None and v.host_key and self.delta_segments is not None and not await self._write_shm(v, made, timings):
             return None
         now = time.perf_counter()
         v.delta, v.delta_state = made, ("ready" if made is not None else "none")
+        self._end_early(v)
         if made is not None:
-            made.timings = {**timings, "delta_made_s": round(now - (v.delta_started or t_complete), 4),
+            made.timings = {**made.timings, **timings, "delta_made_s": round(now - (v.delta_started or t_complete), 4),
                             "delta_after_complete_s": round(now - t_complete, 4), "made_at": time.time()}
         self.note_delta(v)
         waiting, v.waiting_delta = v.waiting_delta, []
         for ident, req in waiting:
             self._answer_manifest(ident, req, v)
         return made
+
+    async def serve_early_delta(self, version: int, mix64: Sequence[str]) -> DeltaServed | None:
+        """`version`'s delta made elsewhere (`take_delta_parts`: the publisher's GPU) served before the version is
+        complete, to the manifest requests that verify on their GPU (`ManifestRequest.device_verify`): once every
+        bucket's part is finished, with `mix64` (per bucket, the mix64 of the resulting bytes, summed on the publisher's
+        GPU) as each bucket's `BucketInfo.host_mix64`; its `checksum` stays the version's as far as it exists (``""``:
+        pending). The other askers wait for `make_delta`, which serves this same delta once the version is complete.
+        None (nothing served early) when a part failed, a bucket goes whole (its bytes are the version's host copy,
+        not there yet), the delta passes `delta_max_fraction`, or the version or its base changed meanwhile."""
+        v = self.versions.get(version)
+        base = self.versions.get(version - 1)
+        if (v is None or base is None or v.delta_state != "pending" or v.delta_settling or v.early_building is not None
+                or len(mix64) != len(v.buckets) or len(v.delta_parts) != len(v.buckets)):
+            return None
+        building = v.early_building = asyncio.get_running_loop().create_future()
+        try:
+            return await self._early(v, base, mix64)
+        finally:
+            building.set_result(None)
+            v.early_building = None
+
+    async def _early(self, v: ServedVersion, base: ServedVersion, mix64: Sequence[str]) -> DeltaServed | None:
+        """`serve_early_delta`'s work (`make_delta` waits for it)."""
+        version = v.version
+        parts = dict(v.delta_parts)
+        timings: dict[str, float] = {}
+        try:
+            got = [await asyncio.wrap_future(parts[i][1]) for i in range(len(v.buckets))]
+        except Exception:  # noqa: BLE001 - make_delta meets the same failure and says it
+            return None
+        if (self.versions.get(version) is not v or self.versions.get(version - 1) is not base or v.delta_settling
+                or base.released or any(parts[i][0] is not base for i in parts) or any(d.encodings[0] == WHOLE for d, _ in got)):
+            return None
+        made = self._delta_served(v, base, got, timings)
+        if made is None:
+            return None
+        made.buckets = tuple(replace(b, host_mix64=m) for b, m in zip(made.buckets, mix64, strict=True))
+        if v.host_key and self.delta_segments is not None and not await self._write_shm(v, made, timings):
+            return None
+        if self.versions.get(version) is not v:
+            self._give_delta_segment(made)
+            return None
+        made.timings = {**timings, "early_at": time.time(),
+                        "early_made_s": round(time.perf_counter() - (v.delta_started or time.perf_counter()), 4)}
+        v.early = made
+        self.early_deltas += 1
+        waiting, v.waiting_delta = v.waiting_delta, []
+        for ident, req in waiting:
+            if req.device_verify and req.delta_base == made.base:
+                self._answer_manifest(ident, req, v)
+            else:
+                v.waiting_delta.append((ident, req))
+        return made
+
+    def _completed(self, v: ServedVersion, base: ServedVersion, got: list[tuple[DeltaSet, str]], timings: dict[str, float]) -> DeltaServed | None:
+        """`v`'s delta (complete) from its buckets' parts: the one served early when there is one (`serve_early_delta`),
+        now with each bucket's checksum of the resulting bytes in (a ``whole`` bucket never goes early, so no payload's
+        checksum was pending), else made of the parts now."""
+        early = v.early
+        if early is None or early.base != base.version:
+            return self._delta_served(v, base, got, timings)
+        early.buckets = tuple(replace(b, checksum=vb.checksum) for b, vb in zip(early.buckets, v.buckets, strict=True))
+        return early
+
+    @staticmethod
+    async def _settling(v: ServedVersion) -> None:
+        """`make_delta` begins for `v`: after an early delta under way (the delta served early is the one served on),
+        and none served early from now on."""
+        if v.early_building is not None:
+            await asyncio.shield(v.early_building)
+        v.delta_settling = True
+
+    def _end_early(self, v: ServedVersion) -> None:
+        """`v`'s delta is settled (`v.delta`): an early one not served on as it (no delta now, or another) gives its
+        segment back, and its askers' fetches of it answer ``gone`` (they fetch the version whole)."""
+        if v.early is not v.delta:
+            self._give_delta_segment(v.early)
+        v.early = None
 
     async def _write_shm(self, v: ServedVersion, made: DeltaServed, timings: dict[str, float]) -> bool:
         """`made` (the delta of `v`, held in shared memory) written to a segment of its own too, off the loop; False when
@@ -713,10 +805,15 @@ class WeightServer:
     def _answer_manifest(self, ident: bytes, req: ManifestRequest, v: ServedVersion) -> None:
         """A version's manifest for this asker: its delta when it holds the base and one is served, else the full one."""
         d = v.delta
+        early = d is None and req.device_verify and v.early is not None
+        if early:
+            d = v.early
         if req.delta_base >= 0 and d is not None and d.base == req.delta_base and not v.released:
             self.deltas_served += 1
-            # each bucket's mix64 of its bytes (the resulting bytes: minor 27), where it came after the delta was made
-            buckets = tuple(replace(b, host_mix64=vb.host_mix64) if not b.host_mix64 and vb.host_mix64 else b
+            self.early_deltas_served += early
+            # each bucket's mix64 of its bytes (the resulting bytes: minor 27), where it came after the delta was made, and
+            # (an early delta) each checksum of them that exists by now
+            buckets = tuple(replace(b, host_mix64=b.host_mix64 or vb.host_mix64, checksum=b.checksum or vb.checksum)
                             for b, vb in zip(d.buckets, v.buckets, strict=True))
             self._send(ident, replace(v.manifest(req.request_id), buckets=buckets, delta_base=d.base, delta_shm=d.shm))
             return
@@ -870,8 +967,9 @@ class WeightServer:
             self._park(ident, req, v.waiting_mix64)
             return
         if req.delta_base >= 0 and req.delta_base == v.version - 1 and v.delta_state == "pending":
-            self._park(ident, req, v.waiting_delta)
-            return
+            if not (req.device_verify and v.early is not None and v.early.base == req.delta_base):
+                self._park(ident, req, v.waiting_delta)
+                return
         self._answer_manifest(ident, req, v)
 
     def _park(self, ident: bytes, req: ManifestRequest, waiting: list[tuple[bytes, ManifestRequest]]) -> None:
@@ -890,9 +988,10 @@ class WeightServer:
             err = self._missing(version, "", "fetch")
             return ChunkRead(err.code, err.message)
         if delta_base >= 0:
-            if v.delta is None or v.delta.base != delta_base:
+            d = v.delta or v.early
+            if d is None or d.base != delta_base:
                 return ChunkRead("gone", f"version {version}'s delta against {delta_base} is not served")
-            v = v.delta.payload
+            v = d.payload
         if v.released:
             return ChunkRead("gone", f"version {v.version} was released by its publisher (keep_versions=0)")
         if not 0 <= bucket < len(v.buckets):

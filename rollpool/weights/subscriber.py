@@ -150,7 +150,8 @@ class WeightSubscriber:
         self.watch = PublisherWatch(sockets, self.dealers, self.segments, host_key=self.segments.host_key,
                                     asks_deltas=cfg.weight_delta and path in ("auto", NETWORK, SHM),  # deltas ride these paths
                                     fetch_timeout_s=fetch_timeout_s, max_refetch=max_refetch,
-                                    gpu_uuids=self.gpu_uuids, delta_base=lambda: self.delta.base_version())
+                                    gpu_uuids=self.gpu_uuids, delta_base=lambda: self.delta.base_version(),
+                                    device_verify=lambda base: self.delta.verifies_on_device(base))
         """The versions the publisher is known to hold, and the manifest requests to it (the paths' `ManifestSource`)."""
         if path == SHM:
             self.watch.deltas_need_minor = DELTA_PATHS_MINOR  # an older server's deltas come over the network only

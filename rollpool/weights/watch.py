@@ -54,7 +54,8 @@ class PublisherWatch:
     """The versions one publisher (or relay) is known to hold, and the manifest requests to it (see the module docstring)."""
 
     def __init__(self, sockets: SocketFactory, dealers: DealerSet, segments: SegmentHints, *, host_key: str, asks_deltas: bool,
-                 fetch_timeout_s: float, max_refetch: int, gpu_uuids: Callable[[], dict[str, int]], delta_base: Callable[[], int]) -> None:
+                 fetch_timeout_s: float, max_refetch: int, gpu_uuids: Callable[[], dict[str, int]], delta_base: Callable[[], int],
+                 device_verify: Callable[[int], bool] | None = None) -> None:
         self.sockets = sockets
         self.dealers = dealers
         self.segments = segments
@@ -71,6 +72,8 @@ class PublisherWatch:
         """The minor the last manifest said its server speaks (`Manifest.protocol_minor`; 0: none yet, or older)."""
         self.delta_base = delta_base
         """The version held as a delta's base (-1: none)."""
+        self.device_verify = device_verify or (lambda _base: False)
+        """Whether a delta against that base is verified on the engine's GPU (`ManifestRequest.device_verify`)."""
         self.fetch_timeout_s = fetch_timeout_s
         self.max_refetch = max_refetch
         self.router_endpoint: str | None = None
@@ -210,12 +213,13 @@ class PublisherWatch:
         gpus = tuple(self.gpu_uuids())
         asks = delta and self.asks_deltas and self.server_minor >= self.deltas_need_minor
         base = (self.delta_base() if delta_base is None else delta_base) if asks else -1
+        on_gpu = base >= 0 and delta_base is None and self.device_verify(base)
         waited = self.fetch_timeout_s if timeout_s is None else timeout_s
         for _attempt in range(tries):
             try:
                 reply = await self.dealers.request(lambda rid: ManifestRequest(request_id=rid, version=version, streamed=streamed,
                                                                                host_key=self.host_key, gpu_uuids=gpus, wait_ipc=wait_ipc,
-                                                                               delta_base=base, after_mix64=after_mix64,
+                                                                               delta_base=base, device_verify=on_gpu, after_mix64=after_mix64,
                                                                                ring=bool(gpus), ring_done=ring_done), waited)
             except TimeoutError:
                 continue

@@ -136,6 +136,13 @@ class DeltaPath:
         held = self.device
         return max(host, held.version) if held is not None else host
 
+    def verifies_on_device(self, base: int) -> bool:
+        """Whether a delta against `base` is rebuilt on the engine's GPU and verified there by the mix64 of its resulting
+        bytes (the GPU holds `base`): the manifest request then says so (`ManifestRequest.device_verify`), and may be
+        answered before the publisher checksummed the version's host copy (minor 28)."""
+        held = self.device
+        return held is not None and base >= 0 and held.version == base and held.slab is not None
+
     def hold(self, wv: WeightVersion, *, on_device: bool = False) -> WeightVersion:
         """A version just fetched: in host buffers, it becomes the base of the next delta; on a device (`on_device`),
         no base is held after it. The previous base's buffer goes back to the buffers if its caller already recycled it
@@ -241,6 +248,10 @@ class DeltaPath:
             self.why_not_device = ""
             return await self._fetch_on_device(manifest, on_bucket)
         self.why_not_device = why_not_device if self.device is not None else ""
+        pending = [b.index for b in manifest.buckets if not b.checksum]
+        if pending:  # an early delta (minor 28): its proof is the GPU's mix64 alone, which cannot be taken here
+            raise WeightSyncError(f"the delta's checksums of {len(pending)} resulting buckets are still pending (served early, to be verified "
+                                  f"on the engine's GPU) and it cannot be rebuilt there: {why_not_device}")
         got = await self._fetch_on_host(manifest, on_bucket, why_not_device)
         # rebuilt on the host (the delta could not be on the GPU): the engine stages it itself, so the GPU's copy of an
         # older version is let go (its memory reused by that staging; the next whole version is held there again)
