@@ -24,7 +24,9 @@ path (numpy in ``--threads`` threads after the full copy) and the device path (`
 against a base held on the tensors' device; here that device is the CPU, so it is labelled ``cpu``: no GPU claim).
 Two publishers take each version in turn (the order alternating by version); per version and side, ``publish_s``
 (the trainer's wait) and ``delta_ready_s`` (publish -> the delta served), and every version's served delta is checked
-byte for byte (manifest entries and encoded bytes) between the two sides:
+byte for byte (manifest entries and encoded bytes) between the two sides. On the device side also ``host_copy_ready_s``
+(publish -> the version's host copy checksummed) and ``early_ready_s`` (publish -> its delta served early, to subscribers
+that verify on their GPU: minor 28), summarised in ``summary.device_early``:
 
     PYTHONPATH=$PWD python bench/delta_profile.py --device --mib 512 --bucket-mib 128 --versions 4 --json bench/results/cpu-delta-device.json
 
@@ -395,16 +397,21 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
 
     async def one(side: str, v: int) -> dict[str, Any]:
         pub = pubs[side]
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        cpu0, t0, wall0 = time.process_time(), time.perf_counter(), time.time()
         await pub.publish(sd, v)
         t_ret = time.perf_counter()
         await pub.wait_ready(v)
+        t_host = time.perf_counter()
         for _ in range(600_000):  # the delta follows the checksums (polled: the server sets no event for it)
             if pub._server.versions[v].delta_state != "pending":
                 break
             await asyncio.sleep(0.001)
         t_ready = time.perf_counter()
-        return {"publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4), "process_cpu_s": round(time.process_time() - cpu0, 3),
+        d = pub._server.versions[v].delta
+        early = d.timings.get("early_at") if d is not None else None
+        return {"publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4),
+                "host_copy_ready_s": round(t_host - t0, 4), "early_ready_s": round(early - wall0, 4) if early is not None else None,
+                "process_cpu_s": round(time.process_time() - cpu0, 3),
                 "made_on": pub.path_note.get("delta_made_on"), "why_not_device": pub.path_note.get("why_not_delta_on_device")}
 
     def served(pub: Any, v: int) -> tuple[Any, list[bytes]]:
@@ -444,6 +451,13 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
         h = statistics.median(r["host"][k] for r in steady)
         dv = statistics.median(r["device"][k] for r in steady)
         summary[k] = {"host": round(h, 4), "device_cpu": round(dv, 4), "device_over_host": round(dv / h, 3) if h else None}
+    # the device side's delta served early (minor 28: before the version's host copy is checksummed, to subscribers that
+    # verify on their GPU) beside the host copy's checksums and the complete delta, publish -> each
+    early = [r["device"]["early_ready_s"] for r in steady if r["device"].get("early_ready_s") is not None]
+    summary["device_early"] = {"served_early": f"{len(early)} of {len(steady)}",
+                               "early_ready_s": round(statistics.median(early), 4) if early else None,
+                               "host_copy_ready_s": round(statistics.median(r["device"]["host_copy_ready_s"] for r in steady), 4),
+                               "delta_ready_s": summary["delta_ready_s"]["device_cpu"]}
     return {"summary": summary, "versions": rows, "model_bytes": model_bytes}
 
 

@@ -522,7 +522,7 @@ def sparse_step(sd: dict[str, Any], v: int, fraction: float) -> None:
 
 
 DELTA_PHASES = ("delta_compare_s", "delta_encode_s", "delta_checksum_s", "delta_made_s", "delta_after_complete_s",
-                "delta_ready_after_publish_s", "manifest_after_publish_s", "manifest_wait_s", "fetch_s", "rebuild_s", "verify_s",
+                "delta_ready_after_publish_s", "early_delta_ready_after_publish_s", "manifest_after_publish_s", "manifest_wait_s", "fetch_s", "rebuild_s", "verify_s",
                 "rebuild_after_fetch_s", "delta_total_s")
 
 
@@ -546,13 +546,17 @@ def device_base_bytes(sd: dict[str, Any], bucket_bytes: int) -> int:
 def delta_phases(made: Any, f: dict[str, Any], t_pub: float) -> dict[str, Any]:
     """Where a delta version's time went: the server's phases (`WeightServer.note_delta`: compare, encode and checksum
     seconds summed over the buckets, the delta made from its first bucket's encode and from the version's last
-    checksum, ready after publish) and the worker's (its ``weights fetched`` line: the manifest in hand after publish
+    checksum, ready after publish, and served early: before the version's host copy was checksummed, to workers that
+    verify on their GPU) and the worker's (its ``weights fetched`` line: the manifest in hand after publish
     and its wait, the encoded bytes' fetch, the rebuild and its checksum summed over the buckets, what the rebuild
     added after the fetch, the whole delta fetch)."""
     tm = dict(made.timings) if made is not None else {}
     out: dict[str, Any] = {"delta_compare_s": tm.get("compare_s"), "delta_encode_s": tm.get("encode_s"), "delta_checksum_s": tm.get("checksum_s"),
                            "delta_made_s": tm.get("delta_made_s"), "delta_after_complete_s": tm.get("delta_after_complete_s"),
                            "delta_ready_after_publish_s": round(tm["made_at"] - t_pub, 4) if "made_at" in tm else None,
+                           # a device-made delta served before the version's host copy was checksummed (minor 28), to
+                           # workers that verify on their GPU: when it was (None: it was not served early)
+                           "early_delta_ready_after_publish_s": round(tm["early_at"] - t_pub, 4) if "early_at" in tm else None,
                            "manifest_after_publish_s": round(f["manifest_at"] - t_pub, 4) if "manifest_at" in f else None,
                            "manifest_wait_s": f.get("manifest_s")}
     for k in ("fetch_s", "rebuild_s", "verify_s", "rebuild_after_fetch_s", "delta_total_s"):
@@ -1105,7 +1109,7 @@ HOW = {
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
     "delta_rebuilt_on": "per delta row, versions 3..N: where the worker rebuilt each version (the 'sglang apply' line's delta_rebuilt_on: device = in place on its engine's GPU from the version it kept there, verified there against the manifest's mix64 of the resulting bytes; host = host buffers, then staged; none = the version came whole), with the worker's reasons the GPU did not (why_not_rebuilt_on_device). A _delta_device row's goals count only when every steady version was rebuilt on the device (rebuilt_goal)",
     "delta_device_rebuild_s": "the _delta_device rows' versions rebuilt from a delta: median of the worker's GPU seconds for the rebuild (patch + mix64 check, summed over buckets; its apply record's delta_device_rebuild_s)",
-    "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s; the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
+    "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s, delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s, early_delta_ready_after_publish_s (a device-made delta served before the host copy was checksummed, to workers that verify on their GPU: minor 28; absent when not served early); the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
 
