@@ -608,6 +608,7 @@ class WeightPublisher(ServingFace):
             if self._server.take_delta_parts(snap.served, base, parts):
                 self.delta_device_versions += 1
                 if snap.mix and all(snap.mix_aligned):
+                    self._server.early_coming(snap.version)  # the complete delta waits for the early one: the same delta
                     self._base_mixer = asyncio.ensure_future(self._serve_early(snap.version, places))
         return self._delta_base.views(places)
 
@@ -615,12 +616,13 @@ class WeightPublisher(ServingFace):
         """The device-made delta of `version` served before the version's host copy and checksums exist, to subscribers
         that verify on their GPU (`WeightServer.serve_early_delta`): each bucket's mix64 of the resulting bytes summed
         from the device base (which holds the version now) as the snapshot sums the host copy's, tensor by tensor."""
+        mix64: list[str] | None = None
         try:
             mix64 = await asyncio.to_thread(self._delta_base.mix64s, places)
         except Exception as exc:  # noqa: BLE001 - the delta is served once the version is complete, as for every asker
             log.warning("weight publisher %s: no early delta for version %d (%s)", self.publisher_id, version, exc)
-            return
-        await self._server.serve_early_delta(version, mix64)
+        finally:  # (called even when cancelled: the complete delta waits for it)
+            await asyncio.shield(self._server.serve_early_delta(version, mix64))
 
     async def _finish_device(self, snap: Snapshot, views: list[tuple[str, torch.Tensor]], t0: float, copied: float) -> None:
         """After the device diff: the version's host buckets copied from the device base (the trainer's tensors may have

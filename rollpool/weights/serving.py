@@ -606,25 +606,41 @@ class WeightServer:
             self._answer_manifest(ident, req, v)
         return made
 
-    async def serve_early_delta(self, version: int, mix64: Sequence[str]) -> DeltaServed | None:
+    def early_coming(self, version: int) -> None:
+        """`version`'s delta made elsewhere will be offered early (`serve_early_delta` follows, with or without its
+        mix64): `make_delta` waits for that call, so whichever ends first, the delta served early is the one served on."""
+        v = self.versions.get(version)
+        if v is not None and v.delta_state == "pending" and not v.delta_settling and v.early_building is None:
+            v.early_building = asyncio.get_running_loop().create_future()
+
+    async def serve_early_delta(self, version: int, mix64: Sequence[str] | None) -> DeltaServed | None:
         """`version`'s delta made elsewhere (`take_delta_parts`: the publisher's GPU) served before the version is
         complete, to the manifest requests that verify on their GPU (`ManifestRequest.device_verify`): once every
         bucket's part is finished, with `mix64` (per bucket, the mix64 of the resulting bytes, summed on the publisher's
         GPU) as each bucket's `BucketInfo.host_mix64`; its `checksum` stays the version's as far as it exists (``""``:
         pending). The other askers wait for `make_delta`, which serves this same delta once the version is complete.
         None (nothing served early) when a part failed, a bucket goes whole (its bytes are the version's host copy,
-        not there yet), the delta passes `delta_max_fraction`, or the version or its base changed meanwhile."""
+        not there yet), the delta passes `delta_max_fraction`, the version or its base changed meanwhile, or `mix64` is
+        None (the publisher could not sum it: this call only ends what `early_coming` began)."""
         v = self.versions.get(version)
-        base = self.versions.get(version - 1)
-        if (v is None or base is None or v.delta_state != "pending" or v.delta_settling or v.early_building is not None
-                or len(mix64) != len(v.buckets) or len(v.delta_parts) != len(v.buckets)):
+        if v is None:
             return None
-        building = v.early_building = asyncio.get_running_loop().create_future()
+        building = v.early_building
+        if building is None:
+            if v.delta_settling:
+                return None
+            building = v.early_building = asyncio.get_running_loop().create_future()
         try:
+            base = self.versions.get(version - 1)
+            if (mix64 is None or base is None or v.delta_state != "pending" or len(mix64) != len(v.buckets)
+                    or len(v.delta_parts) != len(v.buckets)):
+                return None
             return await self._early(v, base, mix64)
         finally:
-            building.set_result(None)
-            v.early_building = None
+            if not building.done():
+                building.set_result(None)
+            if v.early_building is building:
+                v.early_building = None
 
     async def _early(self, v: ServedVersion, base: ServedVersion, mix64: Sequence[str]) -> DeltaServed | None:
         """`serve_early_delta`'s work (`make_delta` waits for it)."""
