@@ -411,6 +411,7 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
         early = d.timings.get("early_at") if d is not None else None
         return {"publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4),
                 "host_copy_ready_s": round(t_host - t0, 4), "early_ready_s": round(early - wall0, 4) if early is not None else None,
+                "early_mix_s": d.timings.get("early_mix_s") if d is not None else None,
                 "process_cpu_s": round(time.process_time() - cpu0, 3),
                 "made_on": pub.path_note.get("delta_made_on"), "why_not_device": pub.path_note.get("why_not_delta_on_device")}
 
@@ -457,6 +458,7 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
     summary["device_early"] = {"served_early": f"{len(early)} of {len(steady)}",
                                "early_ready_s": round(statistics.median(early), 4) if early else None,
                                "host_copy_ready_s": round(statistics.median(r["device"]["host_copy_ready_s"] for r in steady), 4),
+                               "early_mix_s": round(statistics.median(x["device"]["early_mix_s"] for x in steady if x["device"].get("early_mix_s") is not None), 4) if early else None,
                                "delta_ready_s": summary["delta_ready_s"]["device_cpu"]}
     return {"summary": summary, "versions": rows, "model_bytes": model_bytes}
 

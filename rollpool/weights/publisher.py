@@ -617,12 +617,13 @@ class WeightPublisher(ServingFace):
         that verify on their GPU (`WeightServer.serve_early_delta`): each bucket's mix64 of the resulting bytes summed
         from the device base (which holds the version now) as the snapshot sums the host copy's, tensor by tensor."""
         mix64: list[str] | None = None
+        t0 = time.perf_counter()
         try:
             mix64 = await asyncio.to_thread(self._delta_base.mix64s, places)
         except Exception as exc:  # noqa: BLE001 - the delta is served once the version is complete, as for every asker
             log.warning("weight publisher %s: no early delta for version %d (%s)", self.publisher_id, version, exc)
         finally:  # (called even when cancelled: the complete delta waits for it)
-            await asyncio.shield(self._server.serve_early_delta(version, mix64))
+            await asyncio.shield(self._server.serve_early_delta(version, mix64, time.perf_counter() - t0))
 
     async def _finish_device(self, snap: Snapshot, views: list[tuple[str, torch.Tensor]], t0: float, copied: float) -> None:
         """After the device diff: the version's host buckets copied from the device base (the trainer's tensors may have

@@ -613,7 +613,7 @@ class WeightServer:
         if v is not None and v.delta_state == "pending" and not v.delta_settling and v.early_building is None:
             v.early_building = asyncio.get_running_loop().create_future()
 
-    async def serve_early_delta(self, version: int, mix64: Sequence[str] | None) -> DeltaServed | None:
+    async def serve_early_delta(self, version: int, mix64: Sequence[str] | None, mix_s: float = 0.0) -> DeltaServed | None:
         """`version`'s delta made elsewhere (`take_delta_parts`: the publisher's GPU) served before the version is
         complete, to the manifest requests that verify on their GPU (`ManifestRequest.device_verify`): once every
         bucket's part is finished, with `mix64` (per bucket, the mix64 of the resulting bytes, summed on the publisher's
@@ -621,7 +621,8 @@ class WeightServer:
         pending). The other askers wait for `make_delta`, which serves this same delta once the version is complete.
         None (nothing served early) when a part failed, a bucket goes whole (its bytes are the version's host copy,
         not there yet), the delta passes `delta_max_fraction`, the version or its base changed meanwhile, or `mix64` is
-        None (the publisher could not sum it: this call only ends what `early_coming` began)."""
+        None (the publisher could not sum it: this call only ends what `early_coming` began). `mix_s`: the seconds the
+        mix64 took (the delta's ``early_mix_s``)."""
         v = self.versions.get(version)
         if v is None:
             return None
@@ -635,7 +636,10 @@ class WeightServer:
             if (mix64 is None or base is None or v.delta_state != "pending" or len(mix64) != len(v.buckets)
                     or len(v.delta_parts) != len(v.buckets)):
                 return None
-            return await self._early(v, base, mix64)
+            made = await self._early(v, base, mix64)
+            if made is not None:
+                made.timings["early_mix_s"] = round(mix_s, 4)
+            return made
         finally:
             if not building.done():
                 building.set_result(None)
