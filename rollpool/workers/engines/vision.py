@@ -32,6 +32,17 @@ class VisionSpec:
     bounds: tuple[int, int] | None = None
     """The pixel bounds (shortest_edge, longest_edge) the engine's own processor resizes within, where they differ
     from the checkpoint's (SGLang 0.5.14 loads a Qwen2-VL processor with its own ``size``); None: the processor's."""
+    video_id: int | None = None
+    """The model's video token (``<|video_pad|>``), where its config names one."""
+
+    def holds_media_tokens(self, ids: Sequence[int]) -> bool:
+        """Whether `ids` (a sample's output) hold a token the engine's processor reads as an image or video slot (the
+        image, video, vision start and end tokens). A model can sample them; sent back as a prompt with the request's
+        images, SGLang matches them to media data it does not have and fails the whole request."""
+        marks = {self.start_id, self.image_id, self.end_id}
+        if self.video_id is not None:
+            marks.add(self.video_id)
+        return any(int(t) in marks for t in ids)
 
     def grids(self, images: Sequence[bytes]) -> tuple[Any, list[list[int]]]:
         """The processor's output (``pixel_values``, ``image_grid_thw``, torch tensors) and the grids as ints.
@@ -81,6 +92,8 @@ class VisionSpec:
         slots = sum(1 for t in prompt if t == self.image_id)
         if slots != count:
             raise RequestRefusedError(f"the prompt has {slots} image tokens for {count} images (one token per image)")
+        if self.video_id is not None and self.video_id in prompt:
+            raise RequestRefusedError("the prompt holds a video token; the pool's engines take images, not videos")
         return prompt
 
     def expand(self, prompt: list[int], grids: Sequence[Sequence[int]]) -> list[int]:
@@ -137,5 +150,7 @@ def load_vision_spec(path: str | pathlib.Path, config: Any | None = None) -> Vis
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    video = getattr(cfg, "video_token_id", None)
     return VisionSpec(int(cfg.vision_start_token_id), int(cfg.image_token_id), int(cfg.vision_end_token_id),
-                      int(getattr(cfg.vision_config, "spatial_merge_size", 1)), processor)
+                      int(getattr(cfg.vision_config, "spatial_merge_size", 1)), processor,
+                      video_id=None if video is None else int(video))

@@ -84,6 +84,10 @@ async def test_image_tokens_in_the_prompt_place_the_images_and_a_count_mismatch_
     assert out.input_ids[:3] == [5, 6, start] and out.input_ids[3:7] == [image] * 4 and out.input_ids[7:] == [end, 7]
     with pytest.raises(RequestRefusedError, match="2 image tokens for 1 images"):
         await vlm.generate([image, 9, image], 1, SamplingParams(max_new_tokens=2), "two", images=[red])
+    video = vlm._vision.video_id
+    assert video is not None  # a video token (a model's output sent back in a later turn, say) is refused by name
+    with pytest.raises(RequestRefusedError, match="holds a video token"):
+        await vlm.generate([5, video, 6], 1, SamplingParams(max_new_tokens=2), "video", images=[red])
     with pytest.raises(RequestRefusedError, match="image processor refused"):
         await vlm.generate(None, 1, SamplingParams(max_new_tokens=2), "bad", text="x", images=[b"not an image"])
     ok = await vlm.generate(None, 1, SamplingParams(max_new_tokens=2), "after", text="x", images=[red])
@@ -369,8 +373,47 @@ async def test_an_image_prompt_sglang_expands_otherwise_fails_instead_of_reporti
         assert len(text.samples[0].output_ids) == 2
 
 
+async def test_an_interrupted_image_sample_whose_output_holds_a_media_token_starts_over(tiny_vlm_dir: pathlib.Path) -> None:
+    """A sample interrupted by a weight update goes on from its output so far; an image prompt's output that holds an
+    image or video token cannot (SGLang reads it as a media slot of the request and fails the request: seen on an H100
+    with the tiny Qwen2-VL, "No data iterator found for token: <|video_pad|>", which restarted the engine). Such a
+    sample starts over from its prompt; one without them goes on. The server is a fake of SGLang at the process edge:
+    each prompt's first attempt is aborted after 3 tokens, and a prompt with more media tokens than images fails as
+    SGLang's does."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_vlm_dir)
+    media = {int(cfg.image_token_id), int(cfg.video_token_id)}
+    first_out = {"video": [5, int(cfg.video_token_id), 6], "plain": [5, 6, 7]}
+    mode: dict[str, Any] = {"first": "video", "interrupts": 1}
+
+    async def generate(b: dict[str, Any]) -> tuple[int, Any]:
+        ids = [int(t) for t in b["input_ids"]]
+        if sum(t in media for t in ids) > len(b.get("image_data") or []):
+            return 500, {"error": {"message": "ValueError: No data iterator found for token: <|video_pad|>"}}
+        n = int(b["sampling_params"]["max_new_tokens"])
+        if mode["interrupts"]:  # a first attempt: interrupted, as by a weight update
+            mode["interrupts"] -= 1
+            out = first_out[mode["first"]]
+            return 200, {"output_ids": out, "meta_info": {"id": b["rid"], "finish_reason": {"type": "abort", "message": "Aborted"},
+                                                          "weight_version": "0", "output_token_logprobs": [[-1.0, t, None] for t in out]}}
+        return 200, {"output_ids": [9] * n, "meta_info": {"id": b["rid"], "finish_reason": {"type": "length"}, "weight_version": "1",
+                                                          "output_token_logprobs": [[-1.0, 9, None]] * n}}
+
+    red = png((255, 0, 0))
+    async with _engine_over_fake_sglang(tiny_vlm_dir, generate) as engine:
+        out = await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=8), "r", images=[red])
+        (s,) = out.samples
+        assert s.output_ids == [9] * 8 and set(s.token_versions) == {1}  # started over: no media token kept, all version 1
+        mode.update(first="plain", interrupts=1)
+        out = await engine.generate([7, 8], 1, SamplingParams(max_new_tokens=8), "q", images=[red])
+        (s,) = out.samples
+        assert s.output_ids == [5, 6, 7] + [9] * 5 and s.token_versions == [0] * 3 + [1] * 5  # went on from its output
+
+
 @contextlib.asynccontextmanager
-async def _engine_over_fake_sglang(model: pathlib.Path, generate: Any, model_info: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+async def _engine_over_fake_sglang(
+model: pathlib.Path, generate: Any, model_info: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """A started sglang engine at ``url=`` over a fake of SGLang at the process edge whose ``/generate`` is `generate`
     (and whose ``/model_info`` answers `model_info`, where given)."""
     import socket

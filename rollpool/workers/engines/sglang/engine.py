@@ -865,6 +865,11 @@ class SGLangEngine:
             f"SGLang's image processor and the worker's ({processor}) disagree on the images' patch grids (read from the "
             "model's preprocessor_config.json); the reported ids would not be the ids the model ran")
 
+    def _media_in_output(self, req: _Request, s: _Sample, parsed: ParsedSample) -> bool:
+        """Whether an image prompt's sample holds (so far, this attempt included) a token SGLang reads as a media slot."""
+        spec = self._vision
+        return bool(req.images) and spec is not None and (spec.holds_media_tokens(s.out) or spec.holds_media_tokens(parsed.output_ids))
+
     def _image_data(self, req: _Request) -> list[bytes] | list[str] | None:
         """The request's images as its replica's ``/generate`` takes them: the bytes themselves over the hop (its own
         frames: no base64 made here, no base64 in the JSON, none decoded by SGLang), base64 data URIs over HTTP."""
@@ -924,8 +929,10 @@ class SGLangEngine:
             parsed = parse_generate_response(resp)
             self._check_image_expansion(req, s, parsed)
             resubmit = parsed.finish_reason == FinishReason.ABORT and parsed.aborted_by_request and not req.aborted
-            if resubmit and req.ebnf is not None:
-                # a grammar starts at the beginning of the output: the sample starts over from its prompt
+            if resubmit and (req.ebnf is not None or self._media_in_output(req, s, parsed)):
+                # a grammar starts at the beginning of the output; an image prompt's output holding an image or video
+                # token cannot go on (sent back, SGLang matches it to media the request lacks and fails the request:
+                # "No data iterator found for token: <|video_pad|>" on an H100): the sample starts over from its prompt
                 s.out, s.logprobs, s.versions, s.texts, s.first_token_at = [], [], [], [], 0.0
                 self.stats["restarts"] += 1
                 continue
