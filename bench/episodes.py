@@ -461,7 +461,10 @@ def turn_timing(episodes: dict[tuple[str, int], list[dict[str, Any]]], t0: float
       0.1, 0.2, ..., 1.0 s (the in-process loop has every episode running at once from the start);
     - ``turn_s``: one turn's time as its agent saw it, request to answer (median, max over every turn);
     - ``waves``: per turn index, [first start, last start, first end, last end] over the episodes: with every episode
-      on the same turn at once, a turn's requests leave their agents spread over [first start, last start]."""
+      on the same turn at once, a turn's requests leave their agents spread over [first start, last start];
+    - ``context_tokens`` (where the records carry ``prompt_tokens``): the prompt tokens the engine ran, summed over every
+      turn, and the mean of the last turn's (the KV each decode step reads grows with them, so two loops compare only at
+      the same context)."""
     spans: list[tuple[float, float]] = []
     waves: dict[int, list[float]] = {}
     group_end: dict[str, float] = {}
@@ -486,6 +489,11 @@ def turn_timing(episodes: dict[tuple[str, int], list[dict[str, Any]]], t0: float
                 "running_per_100ms": [sum(1 for s, e in spans if s <= m / 10 < e) for m in range(1, 11)],
                 "turn_s": _spread(durations, ("median", "max")),
                 "waves": [[round(x, 3) for x in waves[t]] for t in sorted(waves)]})
+    prompts = [(int(r["turn"]), int(r["prompt_tokens"])) for recs in episodes.values() for r in recs if r.get("prompt_tokens")]
+    if prompts:
+        final = max(t for t, _ in prompts)
+        lasts = [n for t, n in prompts if t == final]
+        out["context_tokens"] = {"sum": sum(n for _, n in prompts), "last_turn_mean": round(sum(lasts) / len(lasts), 1)}
     return out
 
 

@@ -353,9 +353,24 @@ def _task(i: int) -> str:
     return f"Task {i}: " + " ".join(rng.choice(WORDS) for _ in range(40))
 
 
+REPLY_MARK = "\x00rollpool-reply\x00"
+
+
+def rest_after_reply(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids the chat template puts after the last reply (``messages[-2]``, the assistant's) up to the next generation
+    prompt: the reply's end, the new user message (``messages[-1]``), the assistant's header."""
+    text = tok.apply_chat_template(messages[:-2] + [{"role": "assistant", "content": REPLY_MARK}, messages[-1]],
+                                   tokenize=False, add_generation_prompt=True)
+    return list(tok.encode(text.split(REPLY_MARK, 1)[1], add_special_tokens=False))
+
+
 async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, update_at: float | None,
                       sd: dict[str, Any] | None) -> dict[str, Any]:
-    """`args.groups` x `args.n` episodes at once; the chat template re-rendered and tokenized every turn."""
+    """`args.groups` x `args.n` episodes at once. ``--peer-history text``: the chat template re-rendered and tokenized every
+    turn, the reply decoded to text (a random model's replies then come back shorter than sampled: byte tokens collapse
+    in the decode, so its contexts run smaller than the pool's, which keeps the sampled ids); ``tokens``: each turn's
+    prompt is the last one's ids, the reply's ids as sampled and the rendered rest (the new user message and the
+    generation prompt), the ids the pool's endpoint runs."""
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     stop = [eot] if isinstance(eot, int) and eot >= 0 else []
     sampled = 0
@@ -368,15 +383,21 @@ async def _peer_phase(eng: Any, tok: Any, args: argparse.Namespace, name: str, u
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."},
                                           {"role": "user", "content": _task(i)}]
         mine = records.setdefault((str(i), j), [])
+        ids: list[int] = []
         for t in range(args.turns):
             start = time.time()
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
+            if args.peer_history == "text" or t == 0:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                ids = tok.encode(text, add_special_tokens=False)
+            else:
+                ids = ids + rest_after_reply(tok, messages)
             out = await eng.async_generate(input_ids=ids, sampling_params={"max_new_tokens": args.tokens_per_turn, "temperature": 1.0,
                                                                            "stop_token_ids": stop}, return_logprob=True)
             sampled += len(out["output_ids"])
             turns += 1
-            mine.append({"turn": t, "start": start, "end": time.time()})
+            mine.append({"turn": t, "start": start, "end": time.time(), "prompt_tokens": len(ids)})
+            reply = list(out["output_ids"])
+            ids = ids + (reply[:-1] if reply and stop and reply[-1] == stop[0] else reply)  # the template writes the end itself
             messages.append({"role": "assistant", "content": tok.decode(out["output_ids"], skip_special_tokens=True)})
             obs = " ".join(rng.choice(WORDS) for _ in range(args.tool_words))
             messages.append({"role": "user", "content": f"observation {t}: {obs}"})
@@ -468,7 +489,7 @@ def run_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
     out = Path(args.out) / "peer.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-out", str(out)]
     for k in ("shape", "work", "groups", "n", "concurrency", "turns", "tokens_per_turn", "tool_words", "context", "mem_fraction", "out",
-              "profile_s", "profile_rate", "sglang_log_level", "sglang_args"):
+              "profile_s", "profile_rate", "sglang_log_level", "sglang_args", "peer_history"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--profile-gil"] if args.profile_gil else []
     cmd += ["--profile-native"] if args.profile_native else []
@@ -591,6 +612,9 @@ def main() -> int:
     ap.add_argument("--hop", choices=("auto", "off"), default="auto",
                     help="the worker's per-sample calls to SGLang: auto (the ZeroMQ hop to its launched child) or off (HTTP)")
     ap.add_argument("--peer-timeout-s", type=float, default=300)
+    ap.add_argument("--peer-history", choices=("text", "tokens"), default="text",
+                    help="the in-process peer's next prompt: the conversation re-rendered from text (as the issue's loop), or the "
+                         "ids run so far + the reply's sampled ids + the rendered rest (the pool's ids); both report context_tokens")
     ap.add_argument("--sglang-args", default="",
                     help="a JSON object of sglang.Engine keywords for the worker's SGLang child and the peer alike, e.g. "
                          "'{\"enable_mixed_chunk\": true}' (the JSON's sglang_args)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.episodes import turn_timing
 from bench.gpu_episodes import SchedulerLog
 
@@ -25,6 +27,12 @@ def test_ramp_tail_and_waves_from_the_agents_turns() -> None:
     assert out["turn_s"] == {"median": 0.5, "max": 0.6}
     assert "delivery_after_last_turn_s" not in turn_timing(episodes, t0, wall_s=1.5)  # the in-process peer delivers nothing
     assert turn_timing({}, t0, wall_s=1.0) == {}
+    assert "context_tokens" not in out  # no record says its prompt's length
+    for recs, sizes in zip(episodes.values(), ([100, 300], [100, 260], [120, 330]), strict=True):
+        for r, n in zip(recs, sizes, strict=True):
+            r["prompt_tokens"] = n
+    sized = turn_timing(episodes, t0, wall_s=1.5)
+    assert sized["context_tokens"] == {"sum": 1210, "last_turn_mean": 296.7}
 
 
 def test_scheduler_log_counts_only_the_phase_s_prefill_passes(tmp_path: Path) -> None:
@@ -37,3 +45,21 @@ def test_scheduler_log_counts_only_the_phase_s_prefill_passes(tmp_path: Path) ->
                  "[t] Prefill batch [7], #new-seq: 1, #new-token: 12, #cached-token: 300, token usage: 0.01\n")
     assert window.read() == {"prefill_batches": 2, "prefill_seqs": 4, "seqs_per_prefill": 2.0, "prefill_new_tokens": 42,
                              "decode_log_lines": 1}
+
+
+def test_the_token_history_peer_runs_the_ids_the_text_history_renders_when_a_reply_round_trips(tmp_path: Path) -> None:
+    """`--peer-history tokens`: the last prompt's ids + the reply's ids + `rest_after_reply` are the ids the template
+    renders for the whole conversation, for a reply whose text tokenizes back to its ids."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from bench.gpu_episodes import rest_after_reply
+    from rollpool.workers.engines.tiny_model import build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m", vocab=320, hidden=32, layers=2, heads=4, kv_heads=2))
+    messages = [{"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": "Task 1: alpha beta"}]
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    reply = tok.encode("gamma delta omega", add_special_tokens=False)
+    messages += [{"role": "assistant", "content": tok.decode(reply)}, {"role": "user", "content": "observation 0: zeta"}]
+    whole = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    assert ids + reply + rest_after_reply(tok, messages) == whole
