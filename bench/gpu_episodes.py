@@ -105,7 +105,7 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_weights as gw  # noqa: E402 - the model builder, process helpers and kit setup
 from bench import profiling  # noqa: E402 - py-spy on the pool's and the peer's processes (--profile-s)
-from bench.episodes import _apply_lines, add_workload_args, phase_timing, turn_timing  # noqa: E402 - the workload both episode benches run
+from bench.episodes import _apply_lines, _shared_client, add_workload_args, phase_timing, turn_timing  # noqa: E402 - the workload both episode benches run
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta")
 
@@ -149,19 +149,6 @@ async def agent(ctx: Any, prompt: Any) -> float:
             await client.close()
     ctx.metadata["cache_turns"] = per_turn
     return 0.0
-
-
-_SHARED: dict[int, Any] = {}
-
-
-def _shared_client() -> Any:
-    """This event loop's one `openai.AsyncOpenAI` (``--agent-client shared``); never closed: it lives as long as the process."""
-    import openai
-
-    key = id(asyncio.get_running_loop())
-    if key not in _SHARED:
-        _SHARED[key] = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=600)
-    return _SHARED[key]
 
 
 # --------------------------------------------------------------------------- SGLang's own batches (--sglang-log-level info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from rollpool.protocol.sockets import SocketFactory
+from rollpool.weights.memory import SHM_DIR
 from rollpool.weights.publisher import WeightPublisher
 from rollpool.weights.relay import Relay
 from rollpool.weights.subscriber import WeightSubscriber
@@ -76,3 +78,24 @@ async def make_relay(sockets: SocketFactory) -> AsyncIterator[Callable[..., Any]
     for relay, task in made:
         relay.stop()
         await asyncio.wait_for(task, 5)
+
+
+# --------------------------------------------------------------------------- the delta tests
+
+
+@pytest.fixture(params=["network", "shm"])
+def sub_path(request: pytest.FixtureRequest) -> str:
+    if request.param == "shm" and not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm")
+    return str(request.param)
+
+
+@pytest.fixture
+def deltas_made_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deltas on, made "on the device" (`rollpool.weights.delta_device` on CPU tensors, the GPU budget raised to hold the
+    base); a module asks for it with ``pytest.mark.usefixtures``."""
+    from rollpool.weights import delta_device, publisher
+
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
+    monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)

@@ -18,6 +18,11 @@ from rollpool.weights.bucketing import checksum  # noqa: E402
 from rollpool.weights.delta import payload_offsets  # noqa: E402
 from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
+from .delta_models import model as _model  # noqa: E402
+from .delta_models import published as _published  # noqa: E402
+from .delta_models import same as _same  # noqa: E402
+from .delta_models import step as _step  # noqa: E402
+
 pytestmark = pytest.mark.asyncio
 
 
@@ -34,46 +39,6 @@ def _deltas_on(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) 
         monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)
     return str(request.param)
-
-
-@pytest.fixture(params=["network", "shm"])
-def sub_path(request: pytest.FixtureRequest) -> str:
-    """The subscriber-side tests run on both paths a delta's encoded bytes take: the network (the ROUTER) and the
-    publisher's shared memory (`Manifest.delta_shm`; the subscriber held to ``shm``, so nothing can come over a socket)."""
-    if request.param == "shm" and not os.path.isdir(SHM_DIR):
-        pytest.skip("no /dev/shm")
-    return str(request.param)
-
-
-def _model(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.w": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(3)} | {
-        "norm": torch.randn(256, generator=g)}
-
-
-def _step(model: dict[str, torch.Tensor], seed: int, frac: float = 0.01) -> dict[str, torch.Tensor]:
-    """A version where `frac` of each matrix's elements changed (the norm too, whole)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in model.items():
-        t = t.clone()
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * frac))]
-        flat[idx] = (flat[idx].float() + 0.5).to(t.dtype)
-        out[name] = t
-    return out
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
-    return got.keys() == want.keys() and all(torch.equal(got[n].view(torch.uint8), want[n].contiguous().view(torch.uint8)) for n in want)
-
-
-async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> None:
-    await pub.publish(model, version, wait_ready=True)
-    for _ in range(500):  # the delta follows the checksums
-        if pub._server.versions[version].delta_state != "pending":
-            return
-        await asyncio.sleep(0.01)
 
 
 async def test_a_subscriber_holding_the_base_gets_the_changed_elements_and_the_trainers_bytes(make_publisher: Any, make_subscriber: Any,

@@ -9,7 +9,6 @@ publisher's host copy of each version (made from its device base once the traine
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import msgpack
@@ -18,27 +17,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollpool import protocol as p  # noqa: E402
-from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
-from .test_delta_gpu import _model, _on_gpu, _published, _same, _step  # noqa: E402
+from .delta_models import model as _model  # noqa: E402
+from .delta_models import published as _published  # noqa: E402
+from .delta_models import same as _same  # noqa: E402
+from .delta_models import step as _step  # noqa: E402
+from .test_delta_gpu import _on_gpu  # noqa: E402
 
-pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture(autouse=True)
-def _deltas_made_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollpool.weights import delta_device, publisher
-
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
-    monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)
-
-
-@pytest.fixture(params=["network", "shm"])
-def sub_path(request: pytest.FixtureRequest) -> str:
-    if request.param == "shm" and not os.path.isdir(SHM_DIR):
-        pytest.skip("no /dev/shm")
-    return str(request.param)
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("deltas_made_on_the_device")]
 
 
 def _hold_host_copies(pub: Any) -> asyncio.Event:

@@ -8,7 +8,6 @@ test_delta.py does), so its network versions carry the mix64 of every bucket's b
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import pytest
@@ -17,55 +16,13 @@ torch = pytest.importorskip("torch")
 
 from rollpool.protocol import RESULT_MIX64_MINOR  # noqa: E402
 from rollpool.weights.delta_gpu import DeviceHeld  # noqa: E402
-from rollpool.weights.memory import SHM_DIR  # noqa: E402
 
-pytestmark = pytest.mark.asyncio
+from .delta_models import model as _model  # noqa: E402
+from .delta_models import published as _published  # noqa: E402
+from .delta_models import same as _same  # noqa: E402
+from .delta_models import step as _step  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _deltas_made_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollpool.weights import delta_device, publisher
-
-    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA", "1")
-    monkeypatch.setattr(delta_device, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(publisher, "gpu_budget_bytes", lambda _cfg, _bucket_bytes: 1 << 34)
-
-
-@pytest.fixture(params=["network", "shm"])
-def sub_path(request: pytest.FixtureRequest) -> str:
-    if request.param == "shm" and not os.path.isdir(SHM_DIR):
-        pytest.skip("no /dev/shm")
-    return str(request.param)
-
-
-def _model(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.w": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(3)} | {
-        "norm": torch.randn(256, generator=g)}
-
-
-def _step(model: dict[str, torch.Tensor], seed: int, frac: float = 0.01) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in model.items():
-        t = t.clone()
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * frac))]
-        flat[idx] = (flat[idx].float() + 0.5).to(t.dtype)
-        out[name] = t
-    return out
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
-    return got.keys() == want.keys() and all(torch.equal(got[n].view(torch.uint8), want[n].contiguous().view(torch.uint8)) for n in want)
-
-
-async def _published(pub: Any, model: dict[str, torch.Tensor], version: int) -> None:
-    await pub.publish(model, version, wait_ready=True)
-    for _ in range(500):
-        if pub._server.versions[version].delta_state != "pending":
-            return
-        await asyncio.sleep(0.01)
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("deltas_made_on_the_device")]
 
 
 def _on_gpu(sub: Any) -> DeviceHeld:
