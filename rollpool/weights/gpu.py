@@ -13,8 +13,9 @@ after mixing each with its index: ``v = (w_i + i) * C1; v ^= v >> 29 (logical); 
 ``mix64:<16 hex>`` of the sum. Word order does not matter to a sum modulo 2^64, so the GPU's reduction order
 does not change it; mixing in the index catches moved words, and any single changed word changes the sum
 (the multipliers are odd, so the mix is a bijection). It catches corruption on the way, like xxh3; it is
-no defence against tampering (CURVE keeps that out). torch ops only, so the same function runs on CPU
-tensors (the tests) and CUDA tensors (the GPU), in slices of `MIX64_SLICE_WORDS` to bound temporaries.
+no defence against tampering (CURVE keeps that out). On CUDA one fused pass (`rollpool.weights.mix64_kernel`, a
+Triton kernel, checked against the torch ops on each device at `warm_up`) where it runs, else torch ops in slices of
+`MIX64_SLICE_WORDS` to bound temporaries; on the CPU numpy (`_mix64_cpu`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import CudaIpcBuffer
+from rollpool.weights import mix64_kernel
 
 __all__ = [
     "MIX64",
@@ -40,6 +42,7 @@ __all__ = [
     "mix64_partial",
     "mix64_reference",
     "open_buffer",
+    "self_check",
     "side_stream",
     "warm_up",
 ]
@@ -111,8 +114,9 @@ def mix64_partial(data: torch.Tensor, base_word: int = 0) -> torch.Tensor:
     if not data.is_cuda:
         total = _mix64_cpu(data, base_word)
         return torch.tensor(total - (1 << 64) if total >= 1 << 63 else total, dtype=torch.int64)
-    acc = torch.zeros((), dtype=torch.int64, device=data.device)
-    if words:
+    acc = _fused(data[: words * 8], base_word) if words else None
+    if acc is None:
+        acc = torch.zeros((), dtype=torch.int64, device=data.device)
         w = data[: words * 8].view(torch.int64)
         idx = _indices(data.device, min(words, MIX64_SLICE_WORDS))
         for start in range(0, words, MIX64_SLICE_WORDS):
@@ -124,6 +128,17 @@ def mix64_partial(data: torch.Tensor, base_word: int = 0) -> torch.Tensor:
         pad[:tail] = data[words * 8 :]
         acc += _mix_sum(pad.view(torch.int64), _indices(data.device, 1), base_word + words)
     return acc
+
+
+def _fused(data: torch.Tensor, base_word: int) -> torch.Tensor | None:
+    """The words' sum by the fused kernel, or None where it is off (then, for good, after a failure here)."""
+    if not mix64_kernel.enabled():
+        return None
+    try:
+        return mix64_kernel.mix64_words(data.view(torch.int64), base_word)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build or launch on this device
+        mix64_kernel.switch_off(f"{type(e).__name__}: {e}")
+        return None
 
 
 def _mix64_cpu(data: torch.Tensor, base_word: int) -> int:
@@ -226,7 +241,24 @@ def warm_up(device: torch.device | str) -> None:
         torch.empty_like(buf).copy_(buf, non_blocking=True)
         mix64_checksum(buf)
         _indices(buf.device, MIX64_SLICE_WORDS)  # the index of a full slice, made once
+        self_check(buf.device)
     stream.synchronize()
+
+
+def self_check(device: torch.device) -> bool:
+    """Compare the fused kernel (`rollpool.weights.mix64_kernel`) with the torch path on random bytes of `device` (at a
+    word offset, as a bucket's middle) and switch the kernel off if they differ: every side of a version must
+    compute the same function, or every version would fail its checks. True when the kernel is on after the check."""
+    if not mix64_kernel.enabled():
+        return False
+    data = torch.randint(0, 256, (3 << 17,), dtype=torch.uint8, device=device)  # 48 Ki words: 6 programs
+    fused = _fused(data, 12345)
+    plain = _mix_sum(data.view(torch.int64), _indices(data.device, data.numel() // 8), 12345)
+    if fused is None or int(fused.item()) != int(plain.item()):
+        if fused is not None:
+            mix64_kernel.switch_off(f"its sum differs from the torch path's on {device} ({int(fused.item())} != {int(plain.item())})")
+        return False
+    return True
 
 
 def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:
