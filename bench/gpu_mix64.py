@@ -91,13 +91,13 @@ def main() -> int:
         buf = torch.randint(-128, 127, (n // 8,), dtype=torch.int64, device=dev).view(torch.uint8)
         row: dict[str, Any] = {"mib": mib}
         for base in (0, 12_345_679):
-            ft, fv = timed(lambda: mix64_kernel.mix64_words(buf.view(torch.int64), base), args.repeats)
-            tt, tv = timed(lambda: torch_path(buf, base), max(3, args.repeats // 2))
+            ft, fv = timed(lambda b=buf, o=base: mix64_kernel.mix64_words(b.view(torch.int64), o), args.repeats)
+            tt, tv = timed(lambda b=buf, o=base: torch_path(b, o), max(3, args.repeats // 2))
             equal = int(fv.item()) == int(tv.item())
             all_equal &= equal
             row[f"equal_base_{base}"] = equal
             if base == 0:
-                lt, _ = timed(lambda: buf.view(torch.int64).sum(), args.repeats)
+                lt, _ = timed(lambda b=buf: b.view(torch.int64).sum(), args.repeats)
                 row.update(fused_s=round(ft, 5), torch_s=round(tt, 5), limit_s=round(lt, 5),
                            fused_gbps=round(n / ft / 1e9, 1), torch_gbps=round(n / tt / 1e9, 1),
                            limit_gbps=round(n / lt / 1e9, 1), fused_vs_torch=round(tt / ft, 2),

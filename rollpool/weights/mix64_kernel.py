@@ -66,8 +66,8 @@ def _build() -> Any:
             switch_off(f"triton does not import ({type(e).__name__}: {e})")
             return None
 
-        @triton.jit
-        def _mix64_blocks(words, partials, n_words, base, c1, c2, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        @triton.jit  # type: ignore[untyped-decorator]
+        def _mix64_blocks(words, partials, n_words, base, c1, c2, BLOCK: tl.constexpr, ITERS: tl.constexpr,  # type: ignore[no-untyped-def]
                           SHIFT: tl.constexpr):
             pid = tl.program_id(0).to(tl.int64)
             lane = tl.arange(0, BLOCK).to(tl.int64)
