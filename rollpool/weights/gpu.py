@@ -20,6 +20,7 @@ Triton kernel, checked against the torch ops on each device at `warm_up`) where 
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "self_check",
     "side_stream",
     "warm_up",
+    "warm_up_in_background",
 ]
 
 MIX64 = "mix64"
@@ -57,6 +59,7 @@ tensors over the staged shared-memory path waits for these sums)."""
 ARENA_ALIGN = 256
 """Every bucket starts at a multiple of this in an arena (so a bucket viewed as int64 words is aligned)."""
 
+_log = logging.getLogger(__name__)
 _C1 = 0x9E3779B97F4A7C15
 _C2 = 0xBF58476D1CE4E5B9
 _MASK64 = (1 << 64) - 1
@@ -71,6 +74,9 @@ _C1S, _C2S = _signed(_C1), _signed(_C2)
 _LOW_MASK = (1 << (64 - _SHIFT)) - 1  # the logical shift: arithmetic shift, then the sign bits cleared
 _index_cache: dict[tuple[str, int], torch.Tensor] = {}
 _index_lock = threading.Lock()
+_checked: set[str] = set()
+"""Devices whose fused mix64 has been compared with the torch ops (`self_check`, before the first sum there)."""
+_check_lock = threading.Lock()
 
 
 def _indices(device: torch.device, n: int) -> torch.Tensor:
@@ -134,6 +140,14 @@ def _fused(data: torch.Tensor, base_word: int) -> torch.Tensor | None:
     """The words' sum by the fused kernel, or None where it is off (then, for good, after a failure here)."""
     if not mix64_kernel.enabled():
         return None
+    key = str(data.device)
+    if key not in _checked:  # the first sum on a device: the kernel compared with the torch ops there first
+        with _check_lock:
+            if key not in _checked:
+                self_check(data.device)
+                _checked.add(key)
+        if not mix64_kernel.enabled():
+            return None
     try:
         return mix64_kernel.mix64_words(data.view(torch.int64), base_word)
     except Exception as e:  # noqa: BLE001 - a kernel that does not build or launch on this device
@@ -239,10 +253,21 @@ def warm_up(device: torch.device | str) -> None:
     with torch.cuda.stream(stream):
         buf = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
         torch.empty_like(buf).copy_(buf, non_blocking=True)
-        mix64_checksum(buf)
+        mix64_checksum(buf)  # (the fused kernel built and checked on this device, `_fused`)
         _indices(buf.device, MIX64_SLICE_WORDS)  # the index of a full slice, made once
-        self_check(buf.device)
     stream.synchronize()
+
+
+def warm_up_in_background(device: torch.device | str) -> None:
+    """`warm_up` in a thread of its own (a failure logged at debug: the first version then pays the kernels' load)."""
+
+    def warm() -> None:
+        try:
+            warm_up(device)
+        except Exception:  # noqa: BLE001 - only the first version's time is at stake
+            _log.debug("warming the checksum kernels up on %s failed", device, exc_info=True)
+
+    threading.Thread(target=warm, name="weights-gpu-warm", daemon=True).start()
 
 
 def self_check(device: torch.device) -> bool:
@@ -252,11 +277,14 @@ def self_check(device: torch.device) -> bool:
     if not mix64_kernel.enabled():
         return False
     data = torch.randint(0, 256, (3 << 17,), dtype=torch.uint8, device=device)  # 48 Ki words: 6 programs
-    fused = _fused(data, 12345)
-    plain = _mix_sum(data.view(torch.int64), _indices(data.device, data.numel() // 8), 12345)
-    if fused is None or int(fused.item()) != int(plain.item()):
-        if fused is not None:
-            mix64_kernel.switch_off(f"its sum differs from the torch path's on {device} ({int(fused.item())} != {int(plain.item())})")
+    plain = int(_mix_sum(data.view(torch.int64), _indices(data.device, data.numel() // 8), 12345).item())
+    try:
+        fused = int(mix64_kernel.mix64_words(data.view(torch.int64), 12345).item())
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build or launch on this device
+        mix64_kernel.switch_off(f"{type(e).__name__}: {e}")
+        return False
+    if fused != plain:
+        mix64_kernel.switch_off(f"its sum differs from the torch path's on {device} ({fused} != {plain})")
         return False
     return True
 

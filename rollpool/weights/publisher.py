@@ -74,6 +74,7 @@ from rollpool.weights.bucketing import (
 )
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
 from rollpool.weights.delta import DeltaSet
+from rollpool.weights.gpu import warm_up_in_background
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import BufferPool, host_key, wait_released
 from rollpool.weights.paths.base import Attr
@@ -207,6 +208,9 @@ class WeightPublisher(ServingFace):
         """The same-GPU path's arenas (`rollpool.weights.paths.cuda_ipc`)."""
         self._delta_base = _delta_device.DeviceBase(self.gpu_budget)
         """The previous version on the trainer's GPU, for deltas made there (`rollpool.weights.delta_device`)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            # a trainer already on its GPU: the checksum kernels built there now, not in its first version
+            warm_up_in_background(torch.device("cuda", torch.cuda.current_device()))
         self._delta_note: dict[str, Any] = {"delta_made_on": "", "why_not_delta_on_device": ""}
         """Where the last planned version's delta is compared (`path_note`): ``device`` or ``host`` and why not the
         device ("" when delta versions are off)."""

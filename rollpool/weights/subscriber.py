@@ -56,7 +56,7 @@ from rollpool.weights.bucketing import unpack_buckets
 from rollpool.weights.config import WeightPathConfig, with_overrides
 from rollpool.weights.delta import DeltaError, WireSummary, wire_summary
 from rollpool.weights.delta_gpu import DeviceHeld
-from rollpool.weights.gpu import DeviceSlabs
+from rollpool.weights.gpu import DeviceSlabs, warm_up_in_background
 from rollpool.weights.manifest import (
     BULK,
     CUDA_IPC,
@@ -182,6 +182,7 @@ class WeightSubscriber:
             # the engine's GPU holds the version it loads from, kept as the next delta's base (tests put a CPU
             # `DeviceHeld` in `delta.device` to run the same flow on CPU tensors)
             self.delta.device = DeviceHeld(cuda)
+            warm_up_in_background(cuda)  # the first delta checked on the GPU does not build the checksum kernel
         self.last_wire: WireSummary | None = None
         """The last version fetched: its bytes on the wire by encoding and the changed fraction it carried (status, top)."""
         if cfg.weight_reserve_bytes:

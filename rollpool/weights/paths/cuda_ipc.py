@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -38,7 +37,7 @@ from rollpool.weights.gpu import (
     mix64_checksum,
     open_buffer,
     side_stream,
-    warm_up,
+    warm_up_in_background,
 )
 from rollpool.weights.manifest import CUDA_IPC, GpuBudget, check_manifest
 from rollpool.weights.paths.base import BucketCallback, FetchContext, Fetched, FetchJob, PathFallbackError
@@ -57,16 +56,8 @@ Places = list[Place]
 
 def warm_in_background() -> None:
     """The same-GPU path may be used soon: its checksum kernels warmed on this process's GPU, in a thread."""
-    if not torch.cuda.is_available():
-        return
-
-    def warm() -> None:
-        try:
-            warm_up(torch.device("cuda", torch.cuda.current_device()))
-        except Exception:
-            log.debug("warming the same-GPU path up failed", exc_info=True)
-
-    threading.Thread(target=warm, name="weights-ipc-warm", daemon=True).start()
+    if torch.cuda.is_available():
+        warm_up_in_background(torch.device("cuda", torch.cuda.current_device()))
 
 
 class CudaIpcPath:

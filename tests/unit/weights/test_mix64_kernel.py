@@ -71,6 +71,7 @@ def test_a_kernel_that_cannot_launch_is_switched_off_and_the_torch_path_sums(mon
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton reads it as the kernel is made
     monkeypatch.setattr(mix64_kernel, "_off", None)
     monkeypatch.setattr(mix64_kernel, "_kernel", None)
+    monkeypatch.setattr(gpu, "_checked", set())
     data = torch.randint(0, 256, (8 * 3000 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     # not interpreted and no GPU here: the launch fails, as a kernel that does not build on a device would
     assert gpu._fused(data[: 8 * 3000], 0) is None
