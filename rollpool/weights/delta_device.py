@@ -87,6 +87,17 @@ class BucketDiff:
         return self.delta
 
 
+def _tiles(ranges: Sequence[tuple[int, int]], nbytes: int) -> bool:
+    """Whether (offset, nbytes) ranges cover [0, `nbytes`) end to end, each but the last a whole number of words: then a
+    bucket's mix64 summed over it at once is the sum of its tensors' parts."""
+    pos = 0
+    for offset, n in sorted(ranges):
+        if offset != pos or pos % 8:
+            return False
+        pos += n
+    return pos == nbytes
+
+
 class DeviceBase:
     """The previous version on the tensors' device (see the module docstring)."""
 
@@ -164,13 +175,22 @@ class DeviceBase:
         arena, offsets, buckets = self.arena, self.offsets, self.buckets
         if arena is None:
             raise RuntimeError("no device base is held")
+        parts: list[list[tuple[int, int]]] = [[] for _ in buckets]
+        for idx, offset, _name, _shape, _dtype, nbytes in places:
+            if nbytes:
+                parts[idx].append((offset, nbytes))
         stream = torch.cuda.Stream(device=arena.device) if arena.is_cuda else None  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            totals = [torch.zeros((), dtype=torch.int64, device=arena.device) for _ in buckets]
-            for idx, offset, _name, _shape, _dtype, nbytes in places:
-                if nbytes:
+            totals = []
+            for idx, (b, ranges) in enumerate(zip(buckets, parts, strict=True)):
+                if _tiles(ranges, b.nbytes):  # one sum over the bucket (its tensors end to end: the same sum, one call)
+                    totals.append(mix64_partial(arena[offsets[idx] : offsets[idx] + b.nbytes], 0))
+                    continue
+                total = torch.zeros((), dtype=torch.int64, device=arena.device)
+                for offset, nbytes in ranges:
                     start = offsets[idx] + offset
-                    totals[idx] += mix64_partial(arena[start : start + nbytes], offset // 8).to(arena.device)
+                    total += mix64_partial(arena[start : start + nbytes], offset // 8)
+                totals.append(total)
             out = torch.stack(totals).cpu() if totals else torch.empty(0, dtype=torch.int64)
         return [mix64_format(int(x)) for x in out.tolist()]
 

@@ -163,3 +163,27 @@ def test_the_base_and_its_scratch_are_counted_against_the_gpu_budget() -> None:
     assert budget.used == need and base.why_not(infos, torch.device("cpu")) == ""  # held: no more needed
     base.release()
     assert budget.used == 0 and base.version == -1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_base_s_mix64_of_every_bucket_is_the_reference_of_its_bytes(device: str) -> None:
+    """`DeviceBase.mix64s` (an early delta's `host_mix64`): each bucket's digest is `mix64_reference` of the version's
+    host bucket (the planner lays a bucket's tensors end to end: summed over the bucket at once); a bucket with a gap
+    or a tensor ending inside a word is not taken for one (summed tensor by tensor, as before)."""
+    from rollpool.weights.delta_device import _tiles
+    from rollpool.weights.gpu import mix64_reference
+
+    v1 = _model(device)
+    items, places, infos = _plan(v1, 8192)
+    host = _host(items, places, infos)
+    base = DeviceBase(GpuBudget(1 << 30))
+    base.diff(1, infos, places, items, host)
+    ranges: list[list[tuple[int, int]]] = [[] for _ in infos]
+    for idx, offset, _n, _s, _d, nbytes in places:
+        if nbytes:
+            ranges[idx].append((offset, nbytes))
+    tiled = [_tiles(r, b.nbytes) for r, b in zip(ranges, infos, strict=True)]
+    assert all(tiled), tiled
+    assert not _tiles([(0, 8), (16, 8)], 24) and not _tiles([(0, 6), (6, 8)], 14) and not _tiles([(0, 8)], 16)
+    assert _tiles([(8, 5), (0, 8)], 13) and _tiles([], 0)
+    assert base.mix64s(places) == [mix64_reference(bytes(h.numpy())) for h in host]
