@@ -259,7 +259,10 @@ def warm_up(device: torch.device | str) -> None:
 
 
 def warm_up_in_background(device: torch.device | str) -> None:
-    """`warm_up` in a thread of its own (a failure logged at debug: the first version then pays the kernels' load)."""
+    """`warm_up` in a thread of its own (a failure logged at debug: the first version then pays the kernels' load);
+    nothing where it ran already."""
+    if str(torch.device(device)) in _warmed:
+        return
 
     def warm() -> None:
         try:
