@@ -328,11 +328,19 @@ class _HeldClient:
 
     def __init__(self) -> None:
         self.calls: list[asyncio.Future[Any]] = []
+        self.arrived = asyncio.Event()
 
     async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.calls.append(fut)
+        self.arrived.set()
         return await fut
+
+    async def held(self, n: int) -> None:
+        """Until `n` calls wait here."""
+        while len(self.calls) < n:
+            self.arrived.clear()
+            await self.arrived.wait()
 
 
 def _engine_on(client: _HeldClient) -> SGLangEngine:
@@ -350,7 +358,7 @@ async def test_a_death_fails_a_running_post_and_a_callers_cancel_stays_a_cancel(
     engine = _engine_on(client)
     running = asyncio.create_task(engine._post("/generate", {}))
     cancelled = asyncio.create_task(engine._post("/generate", {}))
-    await asyncio.sleep(0)
+    await client.held(2)
     engine._mark_dead("SGLang server exited with code -9")
     cancelled.cancel()  # the caller's cancel in the same pass of the loop as the death: it stays a cancel
     with pytest.raises(EngineError, match="exited"):
@@ -369,7 +377,7 @@ async def test_a_death_after_a_post_ended_cancels_nothing_later() -> None:
         return "done"
 
     task = asyncio.create_task(call_then_wait())
-    await asyncio.sleep(0)
+    await client.held(1)
     client.calls[0].set_result("answer")
     engine._mark_dead("SGLang server exited with code -9")  # in the same pass of the loop as the answer
     assert await task == "done"
