@@ -323,6 +323,66 @@ async def test_a_dead_child_fails_running_and_later_calls_at_once(owned: SGLangE
         await owned.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=2), "after")
 
 
+class _HeldClient:
+    """A hop client whose calls wait until the test answers them."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future[Any]] = []
+        self.arrived = asyncio.Event()
+
+    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.calls.append(fut)
+        self.arrived.set()
+        return await fut
+
+    async def held(self, n: int) -> None:
+        """Until `n` calls wait here."""
+        while len(self.calls) < n:
+            self.arrived.clear()
+            await self.arrived.wait()
+
+
+def _engine_on(client: _HeldClient) -> SGLangEngine:
+    """An engine's `_post` state around a held client (no child process)."""
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine._dead = None
+    engine._died = asyncio.get_running_loop().create_future()
+    engine._gate = asyncio.Event()
+    engine._children = [type("Child", (), {"hop": client, "http": client})()]  # type: ignore[list-item]
+    return engine
+
+
+async def test_a_death_fails_a_running_post_and_a_callers_cancel_stays_a_cancel() -> None:
+    client = _HeldClient()
+    engine = _engine_on(client)
+    running = asyncio.create_task(engine._post("/generate", {}))
+    cancelled = asyncio.create_task(engine._post("/generate", {}))
+    await client.held(2)
+    engine._mark_dead("SGLang server exited with code -9")
+    cancelled.cancel()  # the caller's cancel in the same pass of the loop as the death: it stays a cancel
+    with pytest.raises(EngineError, match="exited"):
+        await running
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+
+
+async def test_a_death_after_a_post_ended_cancels_nothing_later() -> None:
+    client = _HeldClient()
+    engine = _engine_on(client)
+
+    async def call_then_wait() -> str:
+        assert await engine._post("/generate", {}) == "answer"
+        await asyncio.sleep(0.05)  # the death's callback, scheduled before the call's end was seen, runs here
+        return "done"
+
+    task = asyncio.create_task(call_then_wait())
+    await client.held(1)
+    client.calls[0].set_result("answer")
+    engine._mark_dead("SGLang server exited with code -9")  # in the same pass of the loop as the answer
+    assert await task == "done"
+
+
 async def test_the_warm_up_update_loads_back_the_values_sglang_holds(owned: SGLangEngine, caplog: pytest.LogCaptureFixture) -> None:
     """The engine's warm-up (run at start on CUDA, so the first version does not pay SGLang's first update) writes
     the smallest 1-D parameter back with the values SGLang answers: an update happens and no weight changes."""
