@@ -116,6 +116,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -1165,6 +1166,12 @@ def main() -> int:
     RESULT["params"] = vars(args)
     RESULT["how"] = HOW
     save()
+    # this process's publisher logs at INFO into the step's folder (gpu_batch.sh packs it with the worker's log): its
+    # "published weight version" lines say when each version was checksummed, its device-delta and kernel lines why
+    publisher_log = logging.FileHandler(OUT / "publisher.log")
+    publisher_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("rollpool.weights").addHandler(publisher_log)
+    logging.getLogger("rollpool.weights").setLevel(logging.INFO)
     t = time.time()
     model, model_bytes = build_model(Path(args.work), args.run)
     RESULT["model"] = {**SHAPES[args.run], "dtype": "bfloat16", "bytes": model_bytes, "build_s": round(time.time() - t, 1)}
