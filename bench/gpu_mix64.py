@@ -2,7 +2,7 @@
 and against the card's limit, bit for bit and in GB/s, side by side in one run.
 
 For bucket-sized buffers of random bytes (64 MiB to 2 GiB, and a whole 8B model's 14.5 GB as eight 1.8 GB buckets):
-- ``torch``: the torch ops in 64 MiB slices (``ROLLPOOL_MIX64_TRITON=0``'s path; sessions 17-18 measured ~85 GB/s);
+- ``torch``: the torch ops in 64 MiB slices (``ROLLPOOL_MIX64_TRITON=0``'s path);
 - ``fused``: the Triton kernel, one read of every word;
 - ``limit``: ``torch.sum`` of the same int64 words, one read and nothing mixed (what a single pass can reach);
 each the median of ``--repeats`` runs timed with CUDA events on one stream; ``all_equal``: every fused digest is the

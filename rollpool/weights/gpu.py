@@ -14,7 +14,7 @@ after mixing each with its index: ``v = (w_i + i) * C1; v ^= v >> 29 (logical); 
 does not change it; mixing in the index catches moved words, and any single changed word changes the sum
 (the multipliers are odd, so the mix is a bijection). It catches corruption on the way, like xxh3; it is
 no defence against tampering (CURVE keeps that out). On CUDA one fused pass (`rollpool.weights.mix64_kernel`, a
-Triton kernel, checked against the torch ops on each device at `warm_up`) where it runs, else torch ops in slices of
+Triton kernel, compared with the torch ops before its first sum on each device: `self_check`) where it runs, else torch ops in slices of
 `MIX64_SLICE_WORDS` to bound temporaries; on the CPU numpy (`_mix64_cpu`).
 """
 

@@ -1,15 +1,16 @@
 """mix64 in one pass over the bytes: a Triton kernel for CUDA buffers.
 
 `rollpool.weights.gpu.mix64_partial` on a CUDA buffer runs the mix as about ten torch operations per 64 MiB slice,
-each reading and writing the slice again: ~85 GB/s on an H100 (session 18), a twentieth of what the card's memory
-gives, and two such passes over 14.5 GB (the publisher's sums of an early delta, the worker's check of the version it
-rebuilt) were most of a delta version's time to applied. This kernel reads each word once: every program mixes
-`ITERS` blocks of `BLOCK` words in registers and writes one partial sum; torch adds the partials (modulo 2^64, as
-int64 arithmetic wraps). The digest is the same function (`mix64_reference` is the specification): the tests run the
-kernel in Triton's interpreter on the CPU against it, and `bench/gpu_mix64.py` compares it with the torch path on the
-GPU, bit for bit, with its speed.
+each reading and writing the slice again: 215 GB/s on an idle H200, ~85 GB/s on an H100 beside SGLang, a tenth to a
+twentieth of what the card's memory gives. Two such passes over a 14.5 GB model (the publisher's sums of an early
+delta, the worker's check of the version it rebuilt) were most of a delta version's time to applied. This kernel reads
+each word once: every program mixes `ITERS` blocks of `BLOCK` words in registers and writes one partial sum; torch adds
+the partials (modulo 2^64, as int64 arithmetic wraps). The digest is the same function (`mix64_reference` is the
+specification): the tests run the kernel in Triton's interpreter on the CPU against it, and `bench/gpu_mix64.py`
+compares it with the torch path on the GPU, bit for bit, with its speed.
 
-Used only on CUDA, only where Triton imports, and not with ``ROLLPOOL_MIX64_TRITON=0``; a kernel that fails to build
+Used only on CUDA, only where Triton imports, and not with ``ROLLPOOL_MIX64_TRITON=0``; a kernel whose sum differs
+from the torch ops' on a device (`rollpool.weights.gpu.self_check`, before its first sum there) or that fails to build
 or launch is switched off for the process (logged once) and the torch path takes over.
 """
 
