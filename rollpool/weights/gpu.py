@@ -53,9 +53,11 @@ MIX64 = "mix64"
 MIX64_SLICE_WORDS = 8 * 1024 * 1024
 """Words per slice on a GPU (64 MiB): the temporaries of one slice are 2 x 64 MiB."""
 MIX64_CPU_SLICE_WORDS = 128 * 1024
-"""Words per slice on the CPU (1 MiB): a slice's temporaries stay in the cache across the sum's five passes (numpy,
-one thread: 5 GB/s on the 2-core box against 0.6 for torch on 64 MiB slices; a trainer publishing 14.5 GB from CPU
-tensors over the staged shared-memory path waits for these sums)."""
+"""Words per slice on the CPU (1 MiB): a slice's temporaries stay in the cache across the sum's passes (numpy, one
+thread: 5 GB/s on the 2-core box against 0.6 for torch on 64 MiB slices; a trainer publishing 14.5 GB from CPU
+tensors over the staged shared-memory path waits for these sums). Smaller slices are faster on one thread (256 KiB:
+1.3x on the 2-core box) but take the GIL four times as often, and the publisher sums 8 buckets at once: numpy's small
+operations did not scale over two threads on that box (`bench/cpu_mix64.py`); not changed without a many-core run."""
 ARENA_ALIGN = 256
 """Every bucket starts at a multiple of this in an arena (so a bucket viewed as int64 words is aligned)."""
 
@@ -170,14 +172,13 @@ def _mix64_cpu(data: torch.Tensor, base_word: int) -> int:
     v = np.empty(room, dtype=np.uint64)
     t = np.empty(room, dtype=np.uint64)
 
-    def mix(x: Any, base: int) -> int:  # the slice's words, the first one's index in the bucket
+    def mix(x: Any, base: int) -> int:  # the slice's words, the first one's index in the bucket; the sum before x C2
         vv, tt = v[: x.size], t[: x.size]
         np.add(x, idx[: x.size], out=vv)
         vv += np.uint64(base & _MASK64)
         vv *= np.uint64(_C1)
         np.right_shift(vv, np.uint64(_SHIFT), out=tt)
         vv ^= tt
-        vv *= np.uint64(_C2)
         return int(vv.sum(dtype=np.uint64))
 
     total = 0
@@ -189,7 +190,8 @@ def _mix64_cpu(data: torch.Tensor, base_word: int) -> int:
             pad = np.zeros(8, dtype=np.uint8)
             pad[: n - words * 8] = arr[words * 8 :]
             total += mix(pad.view("<u8"), base_word + words)
-    return total & _MASK64
+    # the last step, x C2, taken once for the whole sum: multiplying is distributive modulo 2^64 (one pass of six saved)
+    return (total * _C2) & _MASK64
 
 
 def mix64_format(total: int) -> str:
