@@ -544,6 +544,17 @@ def device_base_bytes(sd: dict[str, Any], bucket_bytes: int) -> int:
                                   for b in planner.buckets])
 
 
+def served_delta(served: Any) -> Any:
+    """The delta a version is served with when the worker applied it: the complete one, or (a device-made delta served
+    early, minor 28) the early one, which holds its phases until the complete delta replaces it. Until 2026-12-07 the
+    bench read the complete one only, absent at apply time on every early-served version but a row's first (applied
+    after it): the steady versions' server phases (`early_mix_s` among them) were recorded as None, and a row's
+    medians were its first delta version's."""
+    if served is None:
+        return None
+    return served.delta or served.early
+
+
 def delta_phases(made: Any, f: dict[str, Any], t_pub: float) -> dict[str, Any]:
     """Where a delta version's time went: the server's phases (`WeightServer.note_delta`: compare, encode and checksum
     seconds summed over the buckets, the delta made from its first bucket's encode and from the version's last
@@ -779,8 +790,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "publisher_gpu_budget_peak_bytes": pub.gpu_budget.peak, "ipc_ring_bytes": pub.stats.get("ipc_ring_bytes"),
                     "ring_s": f.get("ring_s"), "ring_slots": f.get("ring_slots"),
                 }
-                served_v = pub._server.versions.get(v)
-                made = served_v.delta if served_v is not None else None
+                made = served_delta(pub._server.versions.get(v))
                 rec.update({"delta_base": f.get("delta_base", -1), "delta_bytes": f.get("delta_bytes"),
                             "changed_fraction": round(made.changed_fraction, 6) if made is not None else None,
                             "delta_wire_bytes": made.wire_bytes if made is not None else None})

@@ -184,3 +184,22 @@ def test_a_device_delta_row_counts_only_when_the_worker_rebuilt_every_steady_ver
     goal = res["goals"]["delta_device_host_path_s"]
     assert goal["met"] is None and goal["rebuilt_on"] == ["device", "host", "none"] and goal["why_not_rebuilt_on_device"] == [why]
     assert "not only its GPU" in goal["not_measured"]
+
+
+def test_an_early_served_delta_versions_phases_are_recorded() -> None:
+    """A device-made delta served early (minor 28) is applied before its complete delta exists: the version's phases
+    are the early delta's (`ServedVersion.early`). The bench read only the complete one, so every steady version's
+    server phases were None and a row's medians were its first delta version's (`early_mix_s` 0.147 s on an H100)."""
+    from types import SimpleNamespace
+
+    bench = _bench()
+    early = SimpleNamespace(timings={"compare_s": 0.05, "encode_s": 0.03, "early_mix_s": 0.012, "early_at": 100.2},
+                            changed_fraction=0.02, wire_bytes=1 << 20)
+    served = SimpleNamespace(delta=None, early=early)
+    phases = bench.delta_phases(bench.served_delta(served), {"manifest_at": 100.25, "manifest_s": 0.2}, 100.0)
+    assert phases["early_mix_s"] == 0.012
+    assert phases["early_delta_ready_after_publish_s"] == 0.2
+    assert phases["delta_compare_s"] == 0.05
+    complete = SimpleNamespace(timings={"early_mix_s": 0.012, "made_at": 101.0}, changed_fraction=0.02, wire_bytes=1 << 20)
+    assert bench.served_delta(SimpleNamespace(delta=complete, early=None)) is complete  # the complete one, once made
+    assert bench.served_delta(None) is None
