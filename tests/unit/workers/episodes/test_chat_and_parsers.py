@@ -269,6 +269,72 @@ def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_
     assert chat.render(own, messages, None, add_generation_prompt=True) == "overridden"
 
 
+# a Qwen-like template: a namespace set in a loop, method calls in loops and blocks (which the compiled template hands
+# `_loop_vars`), loop attributes, filters, a macro, a global and a test
+_BUSY_TEMPLATE = (
+    "{%- macro show(m) -%}{{ m.get('content', '') | trim }}{%- endmacro -%}"
+    "{%- set ns = namespace(last_user=-1, seen=[]) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set text = m['content'] or '' -%}"
+    "<|im_start|>{{ m.get('role') }}{{ ' #' ~ loop.index if loop.last else '' }}\n"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in text -%}"
+    "{{ text.split('</think>')[-1].lstrip('\n') }}"
+    "{%- else -%}{{ show(m) }}{%- endif -%}"
+    "{%- for c in m.get('tool_calls') or [] -%}{{ c.function.name | upper }}{{ c.function.arguments | tojson }}{%- endfor -%}"
+    "{%- if text.startswith('!') -%}{{ text[1:].replace('x', 'y') }}{%- endif -%}"
+    "{%- if text is string and text | length > 3 -%}({{ text | length }}){%- endif -%}"
+    "<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if tools -%}{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def test_the_lean_template_renders_what_the_compiled_one_renders_and_refuses_what_it_refuses() -> None:
+    pytest.importorskip("transformers")
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from rollpool.workers.engines.tokenizer import _lean_template
+
+    compiled = _compile_jinja_template(_BUSY_TEMPLATE)
+    lean = _lean_template(compiled, _BUSY_TEMPLATE)
+    assert lean is not compiled and lean.environment is not compiled.environment
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": " be brief "}, {"role": "user", "content": "!xox"},
+         {"role": "assistant", "content": "<think>a</think>\n\nyo", "tool_calls": [call]}, {"role": "user", "content": "again"},
+         {"role": "assistant", "content": "<think>b</think>kept"}],
+    ]
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            for gen in (True, False):
+                kwargs = {"messages": messages, "tools": tools, "documents": None, "add_generation_prompt": gen, "eos_token": "<e>"}
+                assert lean.render(**kwargs) == compiled.render(**kwargs)
+    # what the sandbox refuses, it still refuses (the answer remembered, not skipped)
+    for unsafe in ("{{ messages.append(1) }}", "{{ messages[0].update({}) }}", "{{ ''.__class__ }}", "{{ messages.pop() }}",
+                   "{{ ''.format.__globals__ }}"):
+        got = []
+        for template in (_compile_jinja_template(unsafe), _lean_template(_compile_jinja_template(unsafe), unsafe)):
+            for _ in range(2):  # the second time from what the lean one remembered
+                try:
+                    got.append(("ok", template.render(messages=[{"role": "user", "content": "x"}])))
+                except jinja2.exceptions.SecurityError as exc:
+                    got.append(("refused", str(exc)))
+                except jinja2.exceptions.UndefinedError as exc:
+                    got.append(("undefined", str(exc)))
+        assert len(set(got)) == 1, (unsafe, got)
+    # a callable raising StopIteration is the same undefined value
+    stop = "[{{ step(it) }}]"
+    for template in (_compile_jinja_template(stop), _lean_template(_compile_jinja_template(stop), stop)):
+        assert template.render(step=next, it=iter([])) == "[]"
+    # anything but the stock sandboxed template is rendered as it is
+    plain = jinja2.Environment().from_string("{{ x }}")
+    assert _lean_template(plain, "{{ x }}") is plain
+
+
 def test_encoding_and_decoding_on_the_backend_give_what_transformers_gives(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import decode_ids, encode_text
