@@ -467,6 +467,8 @@ class Episode:
         self._images: dict[str, LoadedImage] = {}
         """Images this episode has checked, by sha256 (an agent sends its whole conversation every turn)."""
         self._stop_ids_cache: tuple[int, ...] | None = None
+        self._image_facts_cache: tuple[tuple[int, str] | None] | None = None
+        """`_image_facts` once the engine said them: the model's, fixed for the episode (an engine restart re-runs it)."""
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
@@ -536,15 +538,21 @@ class Episode:
                 f"{self.max_context_tokens}")
 
     def _image_facts(self) -> tuple[int, str] | None:
-        """(the model's image token, the text one image's placeholder renders as), or None for an engine without images."""
+        """(the model's image token, the text one image's placeholder renders as), or None for an engine without images.
+
+        Asked once an episode (every turn asked it: the sglang engine's `info` builds its whole answer each call)."""
+        if self._image_facts_cache is not None:
+            return self._image_facts_cache[0]
         try:
             info = self.engine.info()
-        except Exception:  # noqa: BLE001 - an engine that cannot say takes no images here
+        except Exception:  # noqa: BLE001 - an engine that cannot say takes no images here (and is asked again next turn)
             return None
         ids = info.extra.get("image_placeholder_ids") if info.images else None
-        if self.tokenizer is None or not isinstance(ids, list | tuple) or len(ids) != 3 or not all(isinstance(t, int) for t in ids):
-            return None
-        return int(ids[1]), decode_tokens(self.tokenizer, list(ids), skip_special_tokens=False)
+        facts: tuple[int, str] | None = None
+        if self.tokenizer is not None and isinstance(ids, list | tuple) and len(ids) == 3 and all(isinstance(t, int) for t in ids):
+            facts = int(ids[1]), decode_tokens(self.tokenizer, list(ids), skip_special_tokens=False)
+        self._image_facts_cache = (facts,)
+        return facts
 
     def _load_images(self, urls: Sequence[str]) -> list[LoadedImage]:
         """Each image_url read and checked by the worker's image rules; 400 naming the first bad one (in a thread)."""
