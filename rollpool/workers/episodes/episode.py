@@ -604,7 +604,8 @@ class Episode:
     async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark,
                       constraint: OutputConstraint | None = None) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
-        prompt = TokenIds(seg.tokens)  # its int64 array made once: the digest's and the engine's (the sglang engine sends it)
+        # its int64 array the digest's and the engine's (the sglang engine sends it), kept by the segment as it grows
+        prompt = TokenIds(seg.tokens, seg.token_array())
         extra: dict[str, Any] = {}
         if seg.images:
             if constraint is not None:

@@ -90,6 +90,34 @@ class Segment:
     """The images the sequence shows, in the order of their placeholders."""
     image_token_id: int = -1
     """The model's image token (its placeholders in the ids); -1 without images."""
+    _array: np.ndarray[Any, np.dtype[np.int64]] | None = field(default=None, repr=False, compare=False)
+    """`token_array`'s buffer: its first `_array_len` entries are the sequence's first ids (more room after them)."""
+    _array_len: int = field(default=0, repr=False, compare=False)
+
+    def token_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The whole sequence (`tokens`) as a new int64 array. Each id is converted once, when first asked for after it
+        was appended (a turn's prompt of a thousand ids, converted whole every turn, cost more than the rest of the
+        turn's bookkeeping); `EpisodeRecording.rollback` takes back what it removes."""
+        n, k, start = len(self), self._array_len, len(self.input_ids)
+        buf = self._array
+        if buf is None or k > n or k < start:
+            buf, k = np.empty(max(2 * n, 1024), dtype=np.int64), 0
+            buf[:start] = self.input_ids
+            k = start
+        elif n > len(buf):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:k] = buf[:k]
+            buf = grown
+        if n > k:
+            buf[k:n] = self.output_ids[k - start:]
+        self._array, self._array_len = buf, n
+        return buf[:n].copy()
+
+    def truncate_outputs(self, n: int) -> None:
+        """Keep the first `n` outputs (ids, masks, logprobs, versions); what `token_array` held after them is dropped."""
+        for name in ("output_ids", "loss_mask", "logprobs", "versions"):
+            del getattr(self, name)[n:]
+        self._array_len = min(self._array_len, len(self.input_ids) + n)
 
     @property
     def image_extra_tokens(self) -> int:
@@ -221,8 +249,7 @@ class EpisodeRecording:
         del self.segments[m.segments:]
         seg = self.current
         if seg is not None and m.outputs >= 0:
-            for name in ("output_ids", "loss_mask", "logprobs", "versions"):
-                del getattr(seg, name)[m.outputs:]
+            seg.truncate_outputs(m.outputs)
             del seg.images[m.images:]
             seg.chat, seg.finish_reason = m.chat, m.finish_reason
         self.prompt_tokens, self.reused_prefix_tokens = m.prompt_tokens, m.reused_prefix_tokens
