@@ -8,12 +8,14 @@ HTTP server at the process edge that answers like a misbehaving SGLang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import signal
 import stat
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -167,6 +169,40 @@ async def test_many_calls_at_once_on_the_hop_each_get_their_own_answer_and_close
     http = _client(sglang_sim_child, token=sglang_sim_child.token)
     try:  # the sample the closed hop left in the child
         await http.request("POST", "/abort_request", {"rid": "hop-slow"})
+    finally:
+        await http.close()
+
+
+async def test_a_hop_call_past_its_timeout_fails_alone_and_the_soonest_deadline_fires_first(sglang_sim_child: SimChild) -> None:
+    """One timer serves every call's timeout: a call with a short timeout made after one with a long timeout still fails
+    on time, with TimeoutError; the long one and later calls go on."""
+    from rollpool.workers.engines.sglang.hop import HopClient
+
+    def slow(rid: str) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100_000, "temperature": 0.0, "ignore_eos": True},
+                "return_logprob": True, "rid": rid}
+
+    hop = HopClient(sglang_sim_child.hop, token=sglang_sim_child.token)
+    long_wait = asyncio.ensure_future(hop.request("POST", "/generate", slow("hop-timeout-long"), timeout_s=60))
+    try:
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer within 0.3 s"):
+            await hop.request("POST", "/generate", slow("hop-timeout-short"), timeout_s=0.3)
+        assert 0.25 <= time.monotonic() - started < 5
+        assert not long_wait.done()
+        quick = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}, "return_logprob": True,
+                 "rid": "hop-timeout-quick"}
+        assert len((await hop.request("POST", "/generate", quick, timeout_s=30))["output_ids"]) == 2
+    finally:
+        long_wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_wait
+        await hop.close()
+    http = _client(sglang_sim_child, token=sglang_sim_child.token)
+    try:  # the samples the calls left in the child
+        for rid in ("hop-timeout-long", "hop-timeout-short"):
+            await http.request("POST", "/abort_request", {"rid": rid})
     finally:
         await http.close()
 

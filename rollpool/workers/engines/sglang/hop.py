@@ -82,6 +82,10 @@ class HopClient:
     signals edges, so the socket's events are read again after every send (an answer that arrived meanwhile would
     otherwise wait for the next edge). A send that ZeroMQ cannot queue now (its high-water mark) waits for the socket
     to become writable, within the call's timeout.
+
+    Timeouts: one timer for the whole client, at the soonest deadline of the calls pending (those past it fail with
+    `TimeoutError`; it is then set again for the next), instead of ``asyncio.timeout`` around each call (an object, a
+    timer handle in the loop's heap, its cancel and the heap's clean-up, each call).
     """
 
     def __init__(self, endpoint: str, *, token: str) -> None:
@@ -96,6 +100,10 @@ class HopClient:
         self._sock = SocketFactory(self._context).dealer(endpoint, max_msg_bytes=_MAX_MSG_BYTES)
         self._ids = itertools.count(1)
         self._pending: dict[bytes, asyncio.Future[tuple[int, bytes]]] = {}
+        self._deadlines: dict[bytes, float] = {}
+        """Loop time past which each pending call with a timeout fails (`_expire`)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._writable: list[asyncio.Future[None]] = []
         self._closed = False
         self._failed: BaseException | None = None
@@ -137,6 +145,29 @@ class HopClient:
             return
         fut.set_result((status, frames[2]))
 
+    def _watch(self, deadline: float) -> None:
+        """Have the timer fire by `deadline`."""
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = self._loop.call_at(deadline, self._expire), deadline
+
+    def _expire(self) -> None:
+        """Fail the calls past their deadline; set the timer for the soonest other one."""
+        self._timer = None
+        now = self._loop.time()
+        soonest: float | None = None
+        for rid, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[rid]
+                fut = self._pending.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_exception(TimeoutError())
+            elif soonest is None or deadline < soonest:
+                soonest = deadline
+        if soonest is not None:
+            self._watch(soonest)
+
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
@@ -147,7 +178,7 @@ class HopClient:
             if not w.done():
                 w.set_exception(exc)
 
-    async def _send(self, frames: list[Any]) -> None:
+    async def _send(self, frames: list[Any], deadline: float | None) -> None:
         zmq = self._zmq
         while True:
             if self._closed or self._failed is not None:
@@ -155,11 +186,12 @@ class HopClient:
             try:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
-            except zmq.Again:  # no room now: wait until the socket is writable again
+            except zmq.Again:  # no room now: wait until the socket is writable again, within the call's deadline
                 room: asyncio.Future[None] = self._loop.create_future()
                 self._writable.append(room)
                 self._loop.call_soon(self._on_events)  # it may be writable already (an edge that went unseen)
-                await room
+                async with asyncio.timeout_at(deadline):
+                    await room
         if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send took the descriptor's edge: drain now
             self._loop.call_soon(self._on_events)
 
@@ -176,14 +208,20 @@ class HopClient:
         rid = struct.pack("<Q", next(self._ids))
         fut: asyncio.Future[tuple[int, bytes]] = self._loop.create_future()
         self._pending[rid] = fut
+        deadline = None
+        if timeout_s is not None:
+            deadline = self._deadlines[rid] = self._loop.time() + timeout_s
+            self._watch(deadline)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._send([self._token, rid, path.encode(), dumps(body), b"" if ids is None else _pack_ids(ids), *raw])
-                status, payload = await fut
+            await self._send([self._token, rid, path.encode(), dumps(body), b"" if ids is None else _pack_ids(ids), *raw], deadline)
+            status, payload = await fut
         except TimeoutError as exc:
             raise TimeoutError(f"{method} {path}: no answer within {timeout_s} s") from exc
         finally:
             self._pending.pop(rid, None)
+            self._deadlines.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: a call cancelled after its answer or its timeout leaves no "never retrieved"
         if status >= 300:
             raise HttpError(status, payload)
         return loads(payload) if payload else None
@@ -192,6 +230,9 @@ class HopClient:
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._fd)
         self._fail_pending(ConnectionError("sglang hop closed"))
