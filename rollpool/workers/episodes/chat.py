@@ -139,36 +139,59 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def validate_messages(raw: Any, *, image_text: str | None = None) -> list[dict[str, Any]]:
+def validate_messages(raw: Any, *, image_text: str | None = None,
+                      known: tuple[Sequence[Any], Sequence[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """The request's messages in a canonical shape (role, content, tool_calls, tool_call_id, name, and ``image_urls``
     for a user message with image parts, which stand in its content as `image_text`); 400 if malformed, or if a
-    message has an image part and `image_text` is None (a model without images)."""
+    message has an image part and `image_text` is None (a model without images).
+
+    `known`: (the raw messages, their canonical shapes) of an earlier call with the same `image_text` (the episode's
+    previous turn: an agent sends its whole history every turn). A raw message equal to the one at its position there
+    is given that same canonical dict, not checked again: the canonical shape is a function of the message's value,
+    except where ``str()`` of an id would tell ``1`` from ``1.0`` or ``True`` (reused only when every id is a string
+    or absent) and for image parts (whose dict the endpoint rewrites: never reused). The dicts given are not to be
+    changed by the caller (the endpoint's views of earlier turns hold them)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list", "messages")
+    before, shapes = known if known is not None else ((), ())
     out = []
     for i, msg in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise _bad(f"{where} must be an object", "messages")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
-        text, urls = _content_text(msg.get("content"), where, role, image_text)
-        clean: dict[str, Any] = {"role": role, "content": text}
-        if urls:
-            clean["image_urls"] = urls
-        if role == "assistant":
-            calls = _tool_calls(msg.get("tool_calls"), where)
-            if calls:
-                clean["tool_calls"] = calls
-        elif clean["content"] is None:
-            raise _bad(f"{where}.content is required for role {role}", f"{where}.content")
-        if role == "tool":
-            clean["tool_call_id"] = str(msg.get("tool_call_id") or "")
-        if isinstance(msg.get("name"), str) and msg["name"]:
-            clean["name"] = msg["name"]
-        out.append(clean)
+        if i < len(before) and i < len(shapes) and type(msg) is dict and msg == before[i] and _reusable(msg, shapes[i]):
+            out.append(shapes[i])
+            continue
+        out.append(_validate_message(i, msg, image_text))
     return out
+
+
+def _reusable(msg: dict[str, Any], shape: dict[str, Any]) -> bool:
+    if "image_urls" in shape or "images" in shape or type(msg.get("tool_call_id")) not in (str, type(None)):
+        return False
+    calls = msg.get("tool_calls")
+    return not calls or all(type(c) is dict and type(c.get("id")) in (str, type(None)) for c in calls)
+
+
+def _validate_message(i: int, msg: Any, image_text: str | None) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(msg, Mapping):
+        raise _bad(f"{where} must be an object", "messages")
+    role = msg.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+    text, urls = _content_text(msg.get("content"), where, role, image_text)
+    clean: dict[str, Any] = {"role": role, "content": text}
+    if urls:
+        clean["image_urls"] = urls
+    if role == "assistant":
+        calls = _tool_calls(msg.get("tool_calls"), where)
+        if calls:
+            clean["tool_calls"] = calls
+    elif clean["content"] is None:
+        raise _bad(f"{where}.content is required for role {role}", f"{where}.content")
+    if role == "tool":
+        clean["tool_call_id"] = str(msg.get("tool_call_id") or "")
+    if isinstance(msg.get("name"), str) and msg["name"]:
+        clean["name"] = msg["name"]
+    return clean
 
 
 def _arguments_key(arguments: str) -> Any:

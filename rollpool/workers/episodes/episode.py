@@ -468,6 +468,8 @@ class Episode:
         """Images this episode has checked, by sha256 (an agent sends its whole conversation every turn)."""
         self._stop_ids_cache: tuple[int, ...] | None = None
         self._image_facts_cache: tuple[tuple[int, str] | None] | None = None
+        self._known_messages: tuple[list[Any], list[dict[str, Any]]] | None = None
+        """The last chat request's raw messages and their canonical shapes (`chat.validate_messages`'s ``known``)."""
         """`_image_facts` once the engine said them: the model's, fixed for the episode (an engine restart re-runs it)."""
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
@@ -914,7 +916,10 @@ class Episode:
         tok = self._require_tokenizer()
         given = _token_ids(body.get("tokens")) if token_prompt else None
         vision = self._image_facts()
-        messages = chat.validate_messages(body.get("messages"), image_text=None if vision is None else vision[1])
+        raw_messages = body.get("messages")
+        messages = chat.validate_messages(raw_messages, image_text=None if vision is None else vision[1], known=self._known_messages)
+        if type(raw_messages) is list:
+            self._known_messages = (raw_messages, messages)
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
             raise EndpointError(400, "tools must be a list of objects", param="tools")

@@ -55,6 +55,30 @@ def test_malformed_messages_are_refused_with_a_400_naming_what(tok: Any) -> None
     assert chat.validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])[0]["content"] == "ab"
 
 
+def test_messages_equal_to_the_last_turns_keep_their_canonical_shape_and_any_other_is_checked_anew() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi", "name": "bob"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "3"},
+             {"role": "tool", "tool_call_id": 1, "content": "4"},
+             {"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:,x"}}]}]
+    shapes = chat.validate_messages(first, image_text="<img>")
+    import copy
+
+    again = [*copy.deepcopy(first), {"role": "assistant", "content": "ok"}]
+    again[4]["tool_call_id"] = 1.0  # equal to 1, but its text is "1.0": checked anew
+    got = chat.validate_messages(again, image_text="<img>", known=(first, shapes))
+    assert got == chat.validate_messages(again, image_text="<img>")  # what a call without `known` gives
+    assert [g is s for g, s in zip(got, shapes, strict=False)] == [True, True, True, True, False, False]
+    assert got[4]["tool_call_id"] == "1.0" and got[5] == {"role": "user", "content": "see <img>", "image_urls": ["data:,x"]}
+    changed = copy.deepcopy(again)
+    changed[1]["content"] = "hello"  # a rewritten message: checked anew, and a bad one still refused
+    got = chat.validate_messages(changed, image_text="<img>", known=(again, got))
+    assert got[1]["content"] == "hello" and got[0] is shapes[0]
+    changed[2] = {"role": "robot", "content": "x"}
+    with pytest.raises(EndpointError, match=r"messages\[2\].role"):
+        chat.validate_messages(changed, image_text="<img>", known=(again, got))
+
+
 def test_an_image_part_stands_as_the_placeholder_text_and_its_image_is_part_of_the_message_key() -> None:
     raw = [{"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
                                         {"type": "text", "text": " and "}, {"type": "image_url", "image_url": "https://x/y.png"}]}]
