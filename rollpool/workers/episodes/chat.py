@@ -242,14 +242,28 @@ def render_message(msg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
-           *, add_generation_prompt: bool) -> str:
-    """The chat template's text for `messages` (400 when the model has no chat template)."""
+           *, add_generation_prompt: bool, plain_cache: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] | None = None) -> str:
+    """The chat template's text for `messages` (400 when the model has no chat template).
+
+    `plain_cache` (id of a message -> (the message, its `render_message`)): the plain form of a message rendered before
+    is that same dict again, for a caller whose messages are not changed once given (the endpoint's canonical ones);
+    both the direct rendering and transformers' (which converts a copy) leave the plain forms as they were."""
     if not getattr(tokenizer, "chat_template", None):
         raise _bad("this model has no chat template: use /v1/completions, or give the model a chat template", "messages")
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = list(tools)
-    plain = [render_message(m) for m in messages]
+    if plain_cache is None:
+        plain = [render_message(m) for m in messages]
+    else:
+        if len(plain_cache) > 4096:  # a long episode of rewritten histories: what is gone is not kept
+            plain_cache.clear()
+        plain = []
+        for m in messages:
+            hit = plain_cache.get(id(m))
+            if hit is None or hit[0] is not m:
+                hit = plain_cache[id(m)] = (m, render_message(m))
+            plain.append(hit[1])
     direct = template_renderer(tokenizer) if plain and all(type(t) is dict for t in tools or ()) else None
     try:
         text = direct(plain, kwargs.get("tools"), add_generation_prompt) if direct is not None else (

@@ -470,6 +470,8 @@ class Episode:
         self._image_facts_cache: tuple[tuple[int, str] | None] | None = None
         self._known_messages: tuple[list[Any], list[dict[str, Any]]] | None = None
         """The last chat request's raw messages and their canonical shapes (`chat.validate_messages`'s ``known``)."""
+        self._plain_messages: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] = {}
+        """The plain forms of the canonical messages rendered so far (`chat.render`'s ``plain_cache``)."""
         """`_image_facts` once the engine said them: the model's, fixed for the episode (an engine restart re-runs it)."""
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
@@ -807,7 +809,7 @@ class Episode:
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
         """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None,
         end-of-turn text, end-of-turn id)."""
-        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
+        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True, plain_cache=self._plain_messages)
         delta = chat.extension(view, tok, messages, tools, prompt_text)
         eot_text, eot_id = self._end_of_turn(tok, messages, tools)
         if delta is not None:

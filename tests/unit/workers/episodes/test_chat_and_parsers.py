@@ -264,6 +264,22 @@ def test_the_direct_template_rendering_is_the_text_of_apply_chat_template(tiny_m
     assert renderer is not None and getattr(renderer, "checked", False)  # the first call compared both, and they agreed
 
 
+def test_the_plain_forms_kept_between_renderings_render_the_same_text(tok: Any) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = chat.validate_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "add"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "3"}])
+    cache: dict[int, Any] = {}
+    for turn in range(3):
+        for tools in (None, TOOLS):
+            want = chat.render(tok, messages, tools, add_generation_prompt=True)
+            assert chat.render(tok, messages, tools, add_generation_prompt=True, plain_cache=cache) == want
+        assert len(cache) == len(messages)
+        messages = [*messages, {"role": "user", "content": f"more {turn}"}]
+    assert [m["function"]["arguments"] for m in cache[id(messages[2])][1]["tool_calls"]] == [{"a": 1}]
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the canonical message left as it was
+
+
 def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_renders(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import template_renderer
