@@ -77,16 +77,19 @@ class TokenIds(list[int]):
     Made once by a caller that needs the array itself (the episode's request digest), so an engine that sends ids as
     an array (the sglang engine) does not convert the list again; to every other engine it is a plain list. Its
     `array` is made at construction, or given by a caller that holds the same ids as an int64 array already (an
-    episode's segment keeps its sequence so): a `TokenIds` is not to be changed afterwards.
+    episode's segment keeps its sequence so): a `TokenIds` is not to be changed afterwards. `bounds`, the least and
+    the greatest id, where the caller knows them (an engine's vocabulary check then reads no array); else None.
     """
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "bounds")
 
-    def __init__(self, ids: Sequence[int], array: np.ndarray[Any, np.dtype[np.int64]] | None = None) -> None:
+    def __init__(self, ids: Sequence[int], array: np.ndarray[Any, np.dtype[np.int64]] | None = None,
+                 bounds: tuple[int, int] | None = None) -> None:
         super().__init__(ids)
         if array is not None and (array.dtype != np.int64 or array.shape != (len(self),)):
             raise ValueError(f"TokenIds: the given array must be {len(self)} int64 ids, got {array.dtype} {array.shape}")
         self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64) if array is None else array
+        self.bounds = bounds
 
 
 @dataclass(slots=True)

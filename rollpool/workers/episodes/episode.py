@@ -609,7 +609,8 @@ class Episode:
                       constraint: OutputConstraint | None = None) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
         # its int64 array the digest's and the engine's (the sglang engine sends it), kept by the segment as it grows
-        prompt = TokenIds(seg.tokens, seg.token_array())
+        arr = seg.token_array()
+        prompt = TokenIds(seg.tokens, arr, seg.token_bounds())
         extra: dict[str, Any] = {}
         if seg.images:
             if constraint is not None:

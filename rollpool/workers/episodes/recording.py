@@ -93,31 +93,44 @@ class Segment:
     _array: np.ndarray[Any, np.dtype[np.int64]] | None = field(default=None, repr=False, compare=False)
     """`token_array`'s buffer: its first `_array_len` entries are the sequence's first ids (more room after them)."""
     _array_len: int = field(default=0, repr=False, compare=False)
+    _array_bounds: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    """The least and the greatest of the buffer's first `_array_len` ids (None: none)."""
 
     def token_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The whole sequence (`tokens`) as a new int64 array. Each id is converted once, when first asked for after it
-        was appended (a turn's prompt of a thousand ids, converted whole every turn, cost more than the rest of the
-        turn's bookkeeping); `EpisodeRecording.rollback` takes back what it removes."""
+        """The whole sequence (`tokens`) as an int64 array, not to be changed. Each id is converted once, when first
+        asked for after it was appended (a turn's prompt of a thousand ids, converted whole every turn, cost more than
+        the rest of the turn's bookkeeping). It is a view of a buffer that is never written where an array given out
+        lies: appends go past it, growth moves to a new buffer, and `truncate_outputs` (a rollback) drops the buffer."""
         n, k, start = len(self), self._array_len, len(self.input_ids)
         buf = self._array
         if buf is None or k > n or k < start:
             buf, k = np.empty(max(2 * n, 1024), dtype=np.int64), 0
             buf[:start] = self.input_ids
             k = start
+            self._array_bounds = (min(self.input_ids), max(self.input_ids)) if self.input_ids else None
         elif n > len(buf):
             grown = np.empty(2 * n, dtype=np.int64)
             grown[:k] = buf[:k]
             buf = grown
         if n > k:
-            buf[k:n] = self.output_ids[k - start:]
+            new = self.output_ids[k - start:]
+            buf[k:n] = new
+            lo, hi = min(new), max(new)  # in Python over the new ids: cheaper here than a reduction over the whole array
+            if self._array_bounds is not None:
+                lo, hi = min(lo, self._array_bounds[0]), max(hi, self._array_bounds[1])
+            self._array_bounds = (lo, hi)
         self._array, self._array_len = buf, n
-        return buf[:n].copy()
+        return buf[:n]
+
+    def token_bounds(self) -> tuple[int, int] | None:
+        """(least, greatest) id of the sequence `token_array` last gave (None for an empty one)."""
+        return self._array_bounds
 
     def truncate_outputs(self, n: int) -> None:
-        """Keep the first `n` outputs (ids, masks, logprobs, versions); what `token_array` held after them is dropped."""
+        """Keep the first `n` outputs (ids, masks, logprobs, versions); `token_array` starts a new buffer."""
         for name in ("output_ids", "loss_mask", "logprobs", "versions"):
             del getattr(self, name)[n:]
-        self._array_len = min(self._array_len, len(self.input_ids) + n)
+        self._array, self._array_len, self._array_bounds = None, 0, None
 
     @property
     def image_extra_tokens(self) -> int:

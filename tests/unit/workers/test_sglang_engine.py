@@ -27,7 +27,7 @@ pytest.importorskip("aiohttp")
 from rollpool.protocol.errors import ConfigError, EngineError, RequestRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.config import WorkerConfig
-from rollpool.workers.engines.base import StagingEngine
+from rollpool.workers.engines.base import StagingEngine, TokenIds
 from rollpool.workers.engines.options import HFOptions, SGLangOptions, SimOptions, parse_options
 from rollpool.workers.engines.sglang.engine import SGLangEngine
 from rollpool.workers.engines.sglang.http import HttpClient, HttpError, serve_routes
@@ -237,7 +237,8 @@ async def test_request_checks_use_the_checkpoints_limits(sglang_sim_child: SimCh
     try:
         with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
             await engine.generate([5, 320], 1, SamplingParams(), "vocab")
-        for ids in ([-1, 5], np.array([5, 400], dtype=np.int32)):  # a list (one int64 array) and an array of another width
+        for ids in ([-1, 5], np.array([5, 400], dtype=np.int32),  # a list (one int64 array) and an array of another width
+                    TokenIds([5, 400]), TokenIds([5, 400], bounds=(5, 400)), TokenIds([-1, 5], bounds=(-1, 5))):
             with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
                 await engine.generate(ids, 1, SamplingParams(), "vocab")
         with pytest.raises(RequestRefusedError, match="context of 2048"):

@@ -796,8 +796,10 @@ class SGLangEngine:
         if images:
             prompt, reported, grid = await self._image_prompt(prompt, images)
         check_prompt(reported, sampling, vocab=self._vocab if ids is None else None, context_tokens=self._context_tokens)
-        # one pass: a negative id read as unsigned is past any vocabulary
-        if ids is not None and self._vocab is not None and ids.size and int(ids.view(np.uint64).max()) >= self._vocab:
+        # the bounds a `TokenIds` knows, else one pass (a negative id read as unsigned is past any vocabulary)
+        bounds = input_ids.bounds if given is not None and type(input_ids) is TokenIds else None
+        if ids is not None and self._vocab is not None and ids.size and (
+                bounds[0] < 0 or bounds[1] >= self._vocab if bounds is not None else int(ids.view(np.uint64).max()) >= self._vocab):
             raise RequestRefusedError(f"prompt token ids must be in [0, {self._vocab})")  # check_prompt's own check
         if ids is not None and self._vocab is not None and self._vocab <= _INT32_IDS:
             ids = ids.astype("<i4")  # within the vocabulary, so int32: what the hop sends, without checking them again

@@ -169,11 +169,11 @@ def test_the_segments_token_array_is_its_sequence_after_every_append_rollback_an
             rec.rollback(mark)
             seg.insert([rnd.randrange(1000) for _ in range(rnd.randrange(1, 30))])
         arr = seg.token_array()
-        assert arr.tolist() == seg.tokens
+        assert arr.tolist() == seg.tokens and seg.token_bounds() == (min(seg.tokens), max(seg.tokens))
         held.append((arr, list(seg.tokens)))
         prompt = TokenIds(seg.tokens, arr)
         assert prompt == seg.tokens and prompt.array is arr
     assert len(seg) > 1024
-    assert all(arr.tolist() == tokens for arr, tokens in held)  # each a copy: later turns and rollbacks leave it as it was
+    assert all(arr.tolist() == tokens for arr, tokens in held)  # later turns and rollbacks leave each as it was
     with pytest.raises(ValueError, match="int64"):
         TokenIds([1, 2], np.array([1, 2], dtype=np.int32))
