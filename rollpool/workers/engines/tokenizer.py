@@ -111,6 +111,9 @@ def _lean_template(compiled: Any, source: str) -> Any:
     - ``is_safe_attribute`` remembers its answer per (type, attribute) for the built-in types and jinja's loop and
       namespace objects: the stock check reads only the attribute's name and the object's type (``isinstance``
       against the function, method, code and frame types and the mutable ABCs), never the value, for these types;
+    - ``getattr`` of an attribute already known safe on a built-in type (``content.strip``, ``message.get``) reads it
+      without the stock path's checks, which would pass it unchanged: such a type's attributes are its own methods
+      and descriptors, and the only ones the sandbox wraps (``str.format``, ``str.format_map``) take the stock path;
     - ``call`` of a built-in method (``message.get(...)``, ``content.strip()``) calls it as the sandbox's `call` then
       does: such a method can carry neither ``unsafe_callable`` nor ``alters_data`` nor a jinja pass argument, and a
       ``StopIteration`` it raises still becomes the same undefined value;
@@ -136,8 +139,9 @@ def _lean_template(compiled: Any, source: str) -> Any:
     if not stock or not isinstance(env, ImmutableSandboxedEnvironment):
         return compiled
     overlay = env.overlay()
-    stock_safe, stock_call = overlay.is_safe_attribute, overlay.call
-    known_types = frozenset({str, dict, list, tuple, int, float, bool, type(None), LoopContext, Namespace})
+    stock_safe, stock_call, stock_getattr = overlay.is_safe_attribute, overlay.call, overlay.getattr
+    builtin_types = frozenset({str, dict, list, tuple, int, float, bool, type(None)})
+    known_types = builtin_types | {LoopContext, Namespace}
     answers: dict[tuple[type, str], bool] = {}
 
     def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
@@ -151,6 +155,15 @@ def _lean_template(compiled: Any, source: str) -> Any:
                 answers[(kind, attr)] = found
         return found
 
+    def getattr_(obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind in builtin_types and answers.get((kind, attribute)) and attribute not in ("format", "format_map"):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass
+        return stock_getattr(obj, attribute)
+
     def call(__context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # the sandbox's names: no clash with kwargs
         if type(__obj) is not types.BuiltinMethodType:
             return stock_call(__context, __obj, *args, **kwargs)
@@ -163,6 +176,7 @@ def _lean_template(compiled: Any, source: str) -> Any:
 
     overlay.is_safe_attribute = is_safe_attribute  # type: ignore[method-assign]
     overlay.call = call  # type: ignore[method-assign]
+    overlay.getattr = getattr_  # type: ignore[method-assign]
     lean = overlay.from_string(source)
     lean.globals = dict(lean.globals)
     return lean

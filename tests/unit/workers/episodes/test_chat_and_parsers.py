@@ -323,7 +323,7 @@ _BUSY_TEMPLATE = (
     "{%- else -%}{{ show(m) }}{%- endif -%}"
     "{%- for c in m.get('tool_calls') or [] -%}{{ c.function.name | upper }}{{ c.function.arguments | tojson }}{%- endfor -%}"
     "{%- if text.startswith('!') -%}{{ text[1:].replace('x', 'y') }}{%- endif -%}"
-    "{%- if text is string and text | length > 3 -%}({{ text | length }}){%- endif -%}"
+    "{%- if text is string and text | length > 3 -%}({{ text | length }}){{ '<{}:{}>'.format(m.role, text.upper()[:2]) }}{%- endif -%}"
     "<|im_end|>\n"
     "{%- endfor -%}"
     "{%- if tools -%}{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}{%- endif -%}"
@@ -355,7 +355,8 @@ def test_the_lean_template_renders_what_the_compiled_one_renders_and_refuses_wha
                 assert lean.render(**kwargs) == compiled.render(**kwargs)
     # what the sandbox refuses, it still refuses (the answer remembered, not skipped)
     for unsafe in ("{{ messages.append(1) }}", "{{ messages[0].update({}) }}", "{{ ''.__class__ }}", "{{ messages.pop() }}",
-                   "{{ ''.format.__globals__ }}"):
+                   "{{ ''.format.__globals__ }}", "{{ '{0.__class__}'.format(1) }}", "{{ '{0.__class__}'.format_map([1]) }}",
+                   "{{ 'a'.strip.__self__ }}", "{{ 'x'.mro }}"):
         got = []
         for template in (_compile_jinja_template(unsafe), _lean_template(_compile_jinja_template(unsafe), unsafe)):
             for _ in range(2):  # the second time from what the lean one remembered
