@@ -230,9 +230,25 @@ def request_digest(prompt_ids: Sequence[int] | np.ndarray[Any, Any], sampling: S
     Two requests with the same digest ask the engine for the same thing; a replayed turn is served only then."""
     h = hashlib.blake2b(digest_size=8)
     h.update(np.asarray(prompt_ids, dtype="<i4").tobytes())
-    h.update(repr(sampling).encode())
+    h.update(_sampling_text(sampling))
     h.update(repr(constraint).encode())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+_SAMPLING_TEXTS: dict[int, tuple[SamplingParams, bytes]] = {}
+
+
+def _sampling_text(sampling: SamplingParams) -> bytes:
+    """``repr(sampling).encode()``, kept per object (an episode hands the same settings object to turn after turn, and the
+    dataclass's repr formats every field): a frozen object's text does not change; bounded, and held so no id is reused."""
+    found = _SAMPLING_TEXTS.get(id(sampling))
+    if found is not None and found[0] is sampling:
+        return found[1]
+    text = repr(sampling).encode()
+    if len(_SAMPLING_TEXTS) >= 4096:
+        _SAMPLING_TEXTS.clear()
+    _SAMPLING_TEXTS[id(sampling)] = (sampling, text)
+    return text
 
 
 def recorded_turn(sample_index: int, turn: int, digest: int, s: SampleOutput) -> RecordedTurn:
@@ -469,6 +485,10 @@ class Episode:
         self._stop_ids_cache: tuple[int, ...] | None = None
         self._image_facts_cache: tuple[tuple[int, str] | None] | None = None
         self._known_messages: tuple[list[Any], list[dict[str, Any]]] | None = None
+        self._sampling_memo: tuple[bool, tuple[tuple[str, type, Any], ...], SamplingParams] | None = None
+        """`_body_sampling`'s last (chat request, body fields, result)."""
+        self._stops_memo: tuple[SamplingParams, tuple[int, ...], SamplingParams] | None = None
+        """The last chat turn's (settings, stop ids, settings with those stops)."""
         """The last chat request's raw messages and their canonical shapes (`chat.validate_messages`'s ``known``)."""
         self._plain_messages: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] = {}
         """The plain forms of the canonical messages rendered so far (`chat.render`'s ``plain_cache``)."""
@@ -755,6 +775,20 @@ class Episode:
             raise EndpointError(400, "this engine gives the episode no tokenizer: text requests cannot be served")
         return self.tokenizer
 
+    def _body_sampling(self, body: Mapping[str, Any], *, chat_request: bool) -> SamplingParams:
+        """`_sampling_from_body` of the episode's base; the last turn's result again for a body whose fields (but its
+        messages and tools, which it does not read) are the same values of the same types, in the same order (an agent
+        sends the same settings every turn). A float 0 is never matched (-0.0 equals 0.0, but its text, which the
+        request digest reads, differs)."""
+        items = tuple([(k, type(v), v) for k, v in body.items() if k != "messages" and k != "tools"])
+        memo = self._sampling_memo
+        if memo is not None and memo[0] == chat_request and memo[1] == items:
+            return memo[2]
+        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=chat_request)
+        if not any(t is float and v == 0 for _, t, v in items):
+            self._sampling_memo = (chat_request, items, sampling)
+        return sampling
+
     def _stop_ids(self) -> tuple[int, ...]:
         if self._stop_ids_cache is None:  # a tokenizer's eos_token_id is a property that converts on every read
             ids = set()
@@ -930,7 +964,7 @@ class Episode:
         constraint = self._constraint(tools, tool_choice, body.get("response_format"))
         loaded = await self._request_images(messages, body, token_prompt=given is not None, constrained=constraint is not None)
         want_logprobs = bool(body.get("logprobs"))
-        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
+        sampling = self._body_sampling(body, chat_request=True)
         top = self._top_logprobs(body.get("top_logprobs"))
         if top:
             sampling = dataclasses.replace(sampling, top_logprobs_num=top)
@@ -963,7 +997,14 @@ class Episode:
             if loaded or seg.images:
                 self._add_images(seg, loaded, vision, mark)
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
-            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
+            stops = tuple(sorted(set(sampling.stop_token_ids) | stop_ids))
+            memo = self._stops_memo
+            if memo is not None and memo[0] is sampling and memo[1] == stops:
+                sampling = memo[2]  # the same settings and stops as the last turn: its object (and its digest's text)
+            else:
+                with_stops = dataclasses.replace(sampling, stop_token_ids=stops)
+                self._stops_memo = (sampling, stops, with_stops)
+                sampling = with_stops
             prompt_len = seg.model_len()
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
@@ -1083,7 +1124,7 @@ class Episode:
         want = body.get("logprobs")
         if want is not None and (isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= 5):
             raise EndpointError(400, "logprobs must be an integer in [0, 5]", param="logprobs")
-        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=False)
+        sampling = self._body_sampling(body, chat_request=False)
         tok = self.tokenizer
         if not token_prompt:
             tok = self._require_tokenizer()
