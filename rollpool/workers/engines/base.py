@@ -71,6 +71,9 @@ __all__ = [
 APPLY_MODES: tuple[str, ...] = ApplyMode.ALL
 
 
+_INT64 = np.dtype(np.int64)
+
+
 class TokenIds(list[int]):
     """A prompt's token ids: a list of ints like any other, which also holds them as one int64 array (`array`).
 
@@ -84,9 +87,12 @@ class TokenIds(list[int]):
     __slots__ = ("array", "bounds")
 
     def __init__(self, ids: Sequence[int], array: np.ndarray[Any, np.dtype[np.int64]] | None = None,
-                 bounds: tuple[int, int] | None = None) -> None:
+                 bounds: tuple[int, int] | None = None, *, more: Sequence[int] = ()) -> None:
+        """`more`: ids that follow `ids` (a segment's outputs after its prompt: one copy of both, not a joined list copied)."""
         super().__init__(ids)
-        if array is not None and (array.dtype != np.int64 or array.shape != (len(self),)):
+        if more:
+            self.extend(more)
+        if array is not None and (array.dtype is not _INT64 and array.dtype != _INT64 or array.shape != (len(self),)):
             raise ValueError(f"TokenIds: the given array must be {len(self)} int64 ids, got {array.dtype} {array.shape}")
         self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64) if array is None else array
         self.bounds = bounds

@@ -630,7 +630,7 @@ class Episode:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
         # its int64 array the digest's and the engine's (the sglang engine sends it), kept by the segment as it grows
         arr = seg.token_array()
-        prompt = TokenIds(seg.tokens, arr, seg.token_bounds())
+        prompt = TokenIds(seg.input_ids, arr, seg.token_bounds(), more=seg.output_ids)
         extra: dict[str, Any] = {}
         if seg.images:
             if constraint is not None:

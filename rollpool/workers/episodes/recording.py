@@ -139,7 +139,7 @@ class Segment:
 
     def model_len(self) -> int:
         """The sequence's length as the model runs it (placeholders expanded, where known)."""
-        return len(self) + self.image_extra_tokens
+        return len(self) + self.image_extra_tokens if self.images else len(self.input_ids) + len(self.output_ids)
 
     def model_tokens(self) -> list[int]:
         """The whole sequence as the model runs it (placeholders expanded, where known)."""

@@ -171,8 +171,8 @@ def test_the_segments_token_array_is_its_sequence_after_every_append_rollback_an
         arr = seg.token_array()
         assert arr.tolist() == seg.tokens and seg.token_bounds() == (min(seg.tokens), max(seg.tokens))
         held.append((arr, list(seg.tokens)))
-        prompt = TokenIds(seg.tokens, arr)
-        assert prompt == seg.tokens and prompt.array is arr
+        prompt = TokenIds(seg.input_ids, arr, seg.token_bounds(), more=seg.output_ids)
+        assert prompt == seg.tokens and prompt.array is arr and prompt.bounds == (min(seg.tokens), max(seg.tokens))
     assert len(seg) > 1024
     assert all(arr.tolist() == tokens for arr, tokens in held)  # later turns and rollbacks leave each as it was
     with pytest.raises(ValueError, match="int64"):
