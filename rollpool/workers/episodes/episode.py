@@ -176,6 +176,10 @@ class TokenizerLane:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._settle, fut, result, error)
 
+    def idle(self) -> bool:
+        """Open, nothing queued and nothing running: a small call would run at once on the caller's thread."""
+        return not self._closed and self._completed == self._submitted
+
     async def call(self, fn: Callable[..., T], *args: Any, small: bool = False, large: bool = False) -> T:
         if self._closed:
             raise RuntimeError("the tokenizer lane is shut down")
@@ -834,11 +838,15 @@ class Episode:
         """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop;
         `chars` (the text it renders or tokenizes) within `TokenizerLane.INLINE_CHARS`: on the loop when that thread is idle;
         past `TokenizerLane.LARGE_CHARS`: on the large lane, with its copy of the tokenizer where `fn` is given `tok`."""
-        if self.tokenizer_lane is None:
+        lane = self.tokenizer_lane
+        if lane is None:
             return fn(*args)
         small = chars is not None and chars <= TokenizerLane.INLINE_CHARS
+        if small and lane.idle():  # what `call` does for it, without a coroutine of its own
+            lane.inline_calls += 1
+            return fn(*args)
         large = chars is not None and chars > TokenizerLane.LARGE_CHARS
-        return await self.tokenizer_lane.call(fn, *args, small=small, large=large)
+        return await lane.call(fn, *args, small=small, large=large)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
