@@ -298,12 +298,13 @@ class EpisodeRecording:
                 meta["constrained_tokens"] = ran.constrained
             if seg.images:
                 meta["episode_images"] = {im.sha256: im.data for im in seg.images}
+            input_ids, output_ids = _int32_ids(seg, ran)
             out.append(Trajectory(
                 prompt_id=self.prompt_id,
                 sample_index=self.sample_index,
                 segment_index=seg.index,
-                input_ids=np.asarray(ran.input_ids, dtype=np.int32),
-                output_ids=np.asarray(ran.output_ids, dtype=np.int32),
+                input_ids=input_ids,
+                output_ids=output_ids,
                 output_logprobs=np.asarray(ran.logprobs, dtype=np.float32),
                 token_versions=np.asarray(ran.versions, dtype=np.int32),
                 loss_mask=np.asarray(ran.loss_mask, dtype=np.uint8),
@@ -322,6 +323,18 @@ class EpisodeRecording:
                                 if seg.images else None),
             ))
         return out
+
+
+def _int32_ids(seg: Segment, ran: _Run) -> tuple[np.ndarray[Any, np.dtype[np.int32]], np.ndarray[Any, np.dtype[np.int32]]]:
+    """The trajectory's input and output ids as int32 arrays: from the segment's `token_array` where it holds them as
+    they ran (no images) and they fit int32 (a list of ids converted one by one cost more); else from the lists, as
+    before (an id past int32 then raises as it did)."""
+    if ran.input_ids is seg.input_ids and ran.output_ids is seg.output_ids:
+        ids, bounds = seg.token_array(), seg.token_bounds()
+        if bounds is None or (bounds[0] >= -(1 << 31) and bounds[1] < 1 << 31):
+            start = len(seg.input_ids)
+            return ids[:start].astype(np.int32), ids[start:].astype(np.int32)
+    return np.asarray(ran.input_ids, dtype=np.int32), np.asarray(ran.output_ids, dtype=np.int32)
 
 
 @dataclass(slots=True)

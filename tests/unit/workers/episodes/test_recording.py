@@ -177,3 +177,19 @@ def test_the_segments_token_array_is_its_sequence_after_every_append_rollback_an
     assert all(arr.tolist() == tokens for arr, tokens in held)  # later turns and rollbacks leave each as it was
     with pytest.raises(ValueError, match="int64"):
         TokenIds([1, 2], np.array([1, 2], dtype=np.int32))
+
+
+def test_trajectory_ids_from_the_segments_array_are_its_lists_and_an_id_past_int32_still_raises() -> None:
+    import numpy as np
+
+    rec = EpisodeRecording("p", 0, start_version=0)
+    seg, _ = rec.continue_with([5, -3, 7])
+    seg.token_array()
+    seg.sample([8, 9], [-1.0, -1.0], [1, 1], "stop")
+    seg.insert([2**31 - 1])  # appended after the last array: converted when the trajectory is made
+    (t,) = rec.trajectories()
+    assert t.input_ids.dtype == np.int32 and t.input_ids.tolist() == [5, -3, 7]
+    assert t.output_ids.dtype == np.int32 and t.output_ids.tolist() == [8, 9, 2**31 - 1]
+    seg.insert([2**31])
+    with pytest.raises(OverflowError):
+        rec.trajectories()
