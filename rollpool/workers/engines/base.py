@@ -84,7 +84,7 @@ class TokenIds(list[int]):
     the greatest id, where the caller knows them (an engine's vocabulary check then reads no array); else None.
     """
 
-    __slots__ = ("array", "bounds")
+    __slots__ = ("_int32", "array", "bounds")
 
     def __init__(self, ids: Sequence[int], array: np.ndarray[Any, np.dtype[np.int64]] | None = None,
                  bounds: tuple[int, int] | None = None, *, more: Sequence[int] = ()) -> None:
@@ -96,6 +96,14 @@ class TokenIds(list[int]):
             raise ValueError(f"TokenIds: the given array must be {len(self)} int64 ids, got {array.dtype} {array.shape}")
         self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64) if array is None else array
         self.bounds = bounds
+        self._int32: np.ndarray[Any, np.dtype[np.int32]] | None = None
+
+    def int32(self) -> np.ndarray[Any, np.dtype[np.int32]]:
+        """`array` as little-endian int32 (``astype("<i4")``: an id past int32 wraps, as that cast does), made once:
+        what the request digest hashes and what the sglang engine sends are the same conversion."""
+        if self._int32 is None:
+            self._int32 = self.array.astype("<i4")
+        return self._int32
 
 
 @dataclass(slots=True)

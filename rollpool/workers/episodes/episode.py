@@ -233,7 +233,8 @@ def request_digest(prompt_ids: Sequence[int] | np.ndarray[Any, Any], sampling: S
 
     Two requests with the same digest ask the engine for the same thing; a replayed turn is served only then."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(np.asarray(prompt_ids, dtype="<i4").tobytes())
+    # the ids as little-endian int32 (a `TokenIds` has them so once, for the engine too), hashed in place
+    h.update((prompt_ids.int32() if type(prompt_ids) is TokenIds else np.ascontiguousarray(prompt_ids, dtype="<i4")).data)
     h.update(_sampling_text(sampling))
     h.update(repr(constraint).encode())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
@@ -651,7 +652,7 @@ class Episode:
             if sampling.max_new_tokens > room:
                 sampling = dataclasses.replace(sampling, max_new_tokens=room)
         turn = self._sampled
-        digest = request_digest(prompt.array, sampling, constraint)
+        digest = request_digest(prompt, sampling, constraint)
         if seg.images:
             self._replaying = False  # the digest does not cover images, and a replay would not expand them: sample from here
         s = self._from_record(turn, digest)

@@ -802,7 +802,8 @@ class SGLangEngine:
                 bounds[0] < 0 or bounds[1] >= self._vocab if bounds is not None else int(ids.view(np.uint64).max()) >= self._vocab):
             raise RequestRefusedError(f"prompt token ids must be in [0, {self._vocab})")  # check_prompt's own check
         if ids is not None and self._vocab is not None and self._vocab <= _INT32_IDS:
-            ids = ids.astype("<i4")  # within the vocabulary, so int32: what the hop sends, without checking them again
+            # within the vocabulary, so int32: what the hop sends, without checking them again (a `TokenIds` has them so)
+            ids = input_ids.int32() if given is not None and type(input_ids) is TokenIds else ids.astype("<i4")
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1

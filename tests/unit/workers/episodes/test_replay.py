@@ -134,7 +134,8 @@ def test_a_turns_digest_is_the_same_from_its_ids_as_a_list_or_as_their_array() -
     ids = [0, 1, 383, 70_000, 2**31 - 1, *range(5, 600)]
     held = TokenIds(ids)
     assert held == ids and held.array.dtype == np.int64 and held.array.tolist() == ids
-    assert request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    assert request_digest(held, sp) == request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    assert held.int32() is held.int32() and held.int32().dtype == np.dtype("<i4") and held.int32().tolist() == ids
     # what every worker has digested: the ids as little-endian int32, then the sampling's and the constraint's repr
     import hashlib
 
