@@ -843,10 +843,10 @@ class Episode:
         if lane is None:
             return fn(*args)
         small = chars is not None and chars <= TokenizerLane.INLINE_CHARS
-        if small and lane.idle():  # what `call` does for it, without a coroutine of its own
+        large = chars is not None and chars > TokenizerLane.LARGE_CHARS
+        if small and not large and lane.idle():  # what `call` does for it, without a coroutine of its own
             lane.inline_calls += 1
             return fn(*args)
-        large = chars is not None and chars > TokenizerLane.LARGE_CHARS
         return await lane.call(fn, *args, small=small, large=large)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
