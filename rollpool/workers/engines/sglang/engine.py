@@ -702,18 +702,16 @@ class SGLangEngine:
             client = child.hop if child.hop is not None and path in HOP_PATHS else child.http
         assert client is not None and self._died is not None
         # the call runs in this task, and the server's death cancels it (`_DeathWatch`, a callback on `_died`): a task
-        # per call raced against `_died` by `asyncio.wait` cost about 11 us of CPU per call. The call still leaves on
-        # the loop's next pass, as that task's did: the calls of one pass then leave together (starting each at once
-        # cost the worker 1.05x and the child 1.09x the CPU per turn, bench/episodes.py); the hop sends a pass's calls
-        # in one callback itself (`HopClient._flush`), an HTTP call waits a pass here (`sleep(0)`)
+        # per call raced against `_died` by `asyncio.wait` cost about 11 us of CPU per call. The call still starts on
+        # the loop's next pass, as that task's did (`sleep(0)`): the calls of one pass then leave together, and
+        # starting each at once cost the worker 1.05x and the child 1.09x the CPU per turn (bench/episodes.py)
         task = asyncio.current_task()
         assert task is not None
         watch, died = _DeathWatch(task), self._died
         died.add_done_callback(watch)
         try:
             try:
-                if not isinstance(client, HopClient):
-                    await asyncio.sleep(0)
+                await asyncio.sleep(0)
                 return await client.request(method, path, body, timeout_s=timeout_s)
             finally:
                 watch.armed = False

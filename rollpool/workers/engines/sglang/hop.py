@@ -78,12 +78,10 @@ class HopClient:
 
     The DEALER is a plain (blocking-API) ZeroMQ socket driven from the event loop: a call is one non-blocking send,
     and answers are drained by a reader on the socket's file descriptor, without a future per send and per receive
-    (what ``zmq.asyncio`` makes: about a tenth of the worker's CPU per episode turn went to it). The calls made in one
-    pass of the loop are sent together by one callback on the next pass (`_flush`), in order: the calls of a pass
-    leaving together cost both ends less than each leaving at once (bench/episodes.py), and no caller's task wakes
-    just to send. ZeroMQ's descriptor signals edges, so the socket's events are read again after the sends (an answer
-    that arrived meanwhile would otherwise wait for the next edge). What ZeroMQ cannot queue now (its high-water mark)
-    waits for the socket to become writable, each call within its timeout.
+    (what ``zmq.asyncio`` makes: about a tenth of the worker's CPU per episode turn went to it). ZeroMQ's descriptor
+    signals edges, so the socket's events are read again after every send (an answer that arrived meanwhile would
+    otherwise wait for the next edge). A send that ZeroMQ cannot queue now (its high-water mark) waits for the socket
+    to become writable, within the call's timeout.
 
     The socket is driven through pyzmq's compiled socket methods with plain integer flags and options: its Python
     layer (``send_multipart``, ``recv_multipart``) checks every frame and combines its flag enums in Python, which cost
@@ -111,8 +109,6 @@ class HopClient:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._writable: list[asyncio.Future[None]] = []
-        self._outbox: list[tuple[list[Any], asyncio.Future[tuple[int, bytes]]]] = []
-        self._flush_scheduled = False
         self._closed = False
         self._failed: BaseException | None = None
         self._loop = asyncio.get_running_loop()
@@ -197,45 +193,22 @@ class HopClient:
             if not w.done():
                 w.set_exception(exc)
 
-    def _queue(self, frames: list[Any], fut: asyncio.Future[tuple[int, bytes]]) -> None:
-        """Send `frames` with the other calls of this pass of the loop, in order (`_flush`, the pass after)."""
-        self._outbox.append((frames, fut))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Send the queued calls in order; a call already over (cancelled, timed out, failed) is not sent. What ZeroMQ
-        cannot take now (its high-water mark) waits, with the calls after it, until the socket is writable again."""
-        self._flush_scheduled = False
-        box, self._outbox = self._outbox, []
-        sent = False
-        for i, (frames, fut) in enumerate(box):
-            if fut.done():
-                continue
+    async def _send(self, frames: list[Any], deadline: float | None) -> None:
+        zmq = self._zmq
+        while True:
             if self._closed or self._failed is not None:
-                fut.set_exception(self._failed or ConnectionError("sglang hop closed"))
-                continue
+                raise self._failed or ConnectionError("sglang hop closed")
             try:
                 self._send_frames(frames)
-                sent = True
-            except self._zmq.Again:
-                self._outbox[:0] = box[i:]
-                self._flush_scheduled = True  # by the room, not by a new call
+                break
+            except zmq.Again:  # no room now: wait until the socket is writable again, within the call's deadline
                 room: asyncio.Future[None] = self._loop.create_future()
-                room.add_done_callback(self._flush_when_room)
                 self._writable.append(room)
                 self._loop.call_soon(self._on_events)  # it may be writable already (an edge that went unseen)
-                break
-            except Exception as exc:  # noqa: BLE001 - the send's own failure is the call's, as when it sent itself
-                fut.set_exception(exc)
-        if sent and self._raw_get(self._sock, self._EVENTS) & self._POLLIN:  # a send took the descriptor's edge
+                async with asyncio.timeout_at(deadline):
+                    await room
+        if self._raw_get(self._sock, self._EVENTS) & self._POLLIN:  # the send took the descriptor's edge: drain now
             self._loop.call_soon(self._on_events)
-
-    def _flush_when_room(self, room: asyncio.Future[None]) -> None:
-        if not room.cancelled():
-            room.exception()  # a failed socket failed every call already (`_fail_pending`)
-        self._flush()
 
     def _send_frames(self, frames: list[Any]) -> None:
         """``send_multipart(frames, NOBLOCK, copy=False)``: `zmq.Again` when the first frame cannot be queued (ZeroMQ
@@ -258,11 +231,12 @@ class HopClient:
         rid = struct.pack("<Q", next(self._ids))
         fut: asyncio.Future[tuple[int, bytes]] = self._loop.create_future()
         self._pending[rid] = fut
+        deadline = None
         if timeout_s is not None:
-            self._deadlines[rid] = deadline = self._loop.time() + timeout_s
+            deadline = self._deadlines[rid] = self._loop.time() + timeout_s
             self._watch(deadline)
         try:
-            self._queue([self._token, rid, path.encode(), dumps(body), b"" if ids is None else _pack_ids(ids), *raw], fut)
+            await self._send([self._token, rid, path.encode(), dumps(body), b"" if ids is None else _pack_ids(ids), *raw], deadline)
             status, payload = await fut
         except TimeoutError as exc:
             raise TimeoutError(f"{method} {path}: no answer within {timeout_s} s") from exc
