@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["decode_ids", "encode_text", "load_tokenizer", "template_renderer"]
+__all__ = ["decode_ids", "decode_reply", "encode_text", "load_tokenizer", "template_renderer"]
 
 Renderer = Callable[[list[dict[str, Any]], Sequence[dict[str, Any]] | None, bool], str]
 """(plain messages, plain tool dicts or None, add_generation_prompt) -> the rendered text."""
@@ -217,6 +217,44 @@ class _Codec:
         self.backend = backend
         self.encode_ok: bool | None = None if callable(getattr(backend, "encode_batch_fast", None)) else False
         self.decode_ok: bool | None = None
+        self.special_ids: frozenset[int] | None = None
+        """The ids the backend's decode drops with ``skip_special_tokens`` (its added tokens marked special)."""
+        self.token_texts: dict[int, str] = {}
+        """One token decoded alone (with its special text), for `decode_reply`."""
+
+    def decode_reply(self, tok: Any, content: Sequence[int], output: Sequence[int]) -> tuple[str, str] | None:
+        """(``decode(content, skip_special_tokens=True)``, ``decode(output, skip_special_tokens=False)``) by one decode,
+        where `output` is `content` or `content` and one more token, and that is the same text; else None.
+
+        The same text where: the direct decode is in use and checked; the backend's decoder is one ``ByteLevel``
+        (its text is the UTF-8 reading, invalid bytes replaced, of every token's bytes in order); no id of `content` is
+        special (so skipping them changes nothing); and the one more token's bytes start with an ASCII byte (so they
+        cannot complete a character the content's bytes left open: the replacement is the same before it as at the end).
+        """
+        from tokenizers.decoders import ByteLevel
+
+        n = len(content)
+        if self.decode_ok is not True or tok.clean_up_tokenization_spaces or not isinstance(self.backend.decoder, ByteLevel):
+            return None
+        if len(output) not in (n, n + 1) or list(output[:n]) != list(content):
+            return None
+        if self.special_ids is None:
+            self.special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        if not self.special_ids.isdisjoint(content):
+            return None
+        ids = content if type(content) is list else [int(t) for t in content]
+        text = str(self.backend.decode(ids, skip_special_tokens=False))
+        if len(output) == n:
+            return text, text
+        last = int(output[n])
+        tail = self.token_texts.get(last)
+        if tail is None:
+            tail = str(self.backend.decode([last], skip_special_tokens=False))
+            if len(self.token_texts) < 4096:
+                self.token_texts[last] = tail
+        if not tail or not tail[0].isascii():  # its first byte not ASCII (a character, or one replaced)
+            return None
+        return text, text + tail
 
     def encode(self, tok: Any, text: str) -> list[int]:
         b = self.backend
@@ -283,6 +321,13 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     """``tokenizer.encode(text, add_special_tokens=False)`` as a list (see the module docstring)."""
     codec = _codec(tokenizer)
     return codec.encode(tokenizer, text) if codec is not None else list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_reply(tokenizer: Any, content: Sequence[int], output: Sequence[int]) -> tuple[str, str] | None:
+    """(`content` decoded without special tokens, `output` decoded with them) by one decode where that is the same text
+    as two (`_Codec.decode_reply`), else None (the caller decodes each)."""
+    codec = _codec(tokenizer)
+    return codec.decode_reply(tokenizer, content, output) if codec is not None else None
 
 
 def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:

@@ -62,7 +62,7 @@ from rollpool.workers.engines.base import (
     TokenIds,
     can_constrain,
 )
-from rollpool.workers.engines.tokenizer import decode_ids
+from rollpool.workers.engines.tokenizer import decode_ids, decode_reply
 from rollpool.workers.engines.tokenizer import encode_text as _encode_text
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
@@ -869,14 +869,19 @@ class Episode:
         raw = ""
         if parse:
             raw, calls = self.parser.parse(decode_tokens(tok, content_ids, skip_special_tokens=False))
+        # the reply's text and the sampled text by one decode where that is the same text as two (most turns)
+        both = decode_reply(tok, content_ids, s.output_ids) if not calls and s.output_text is None else None
         if calls:
             content: str | None = self._strip_specials(raw).strip() or None
+        elif both is not None:
+            content = both[0]
         else:
             content = s.output_text if s.output_text is not None else decode_tokens(tok, content_ids, skip_special_tokens=True)
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
-        view = chat.deferred_view(messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
+        sampled_text = both[1] if both is not None else decode_tokens(tok, s.output_ids, skip_special_tokens=False)
+        view = chat.deferred_view(messages, reply, tools, prompt_text, sampled_text,
                                   bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
         texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
         return reply, calls, view, texts

@@ -399,6 +399,35 @@ def test_encoding_and_decoding_on_the_backend_give_what_transformers_gives(tiny_
     assert len(encode_text(tok, "a longer text than two tokens")) > 2
 
 
+def test_a_reply_decoded_once_is_the_text_of_its_two_decodes_and_otherwise_not_given(tiny_model_dir: pathlib.Path) -> None:
+    import random
+
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import decode_ids, decode_reply
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    decode_ids(tok, [5, 6], False)  # the direct decode checked (its first call)
+    specials = set(tok.all_special_ids)
+    plain = [i for i in range(len(tok)) if i not in specials]
+    rnd = random.Random(5)
+    given = 0
+    for _ in range(3000):  # random ids: many end inside a character (byte-level tokens)
+        content = [rnd.choice(plain) for _ in range(rnd.randrange(0, 30))]
+        if rnd.random() < 0.2:
+            content.insert(rnd.randrange(len(content) + 1), rnd.choice(sorted(specials)))
+        output = content + rnd.choice([[], [rnd.choice(sorted(specials))], [rnd.randrange(len(tok))]])
+        got = decode_reply(tok, content, output)
+        if got is not None:
+            given += 1
+            assert got == (tok.decode(content, skip_special_tokens=True), tok.decode(output, skip_special_tokens=False))
+        elif not specials & set(content) and len(output) == len(content) + 1:
+            assert not tok.decode(output[-1:], skip_special_tokens=False)[:1].isascii()  # refused only for a non-ASCII start
+    assert given > 1500
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert decode_reply(tok, [5, im_end, 6], [5, im_end, 6, im_end]) is None  # a special token in the content
+    assert decode_reply(tok, [5, 6], [5, 7, im_end]) is None and decode_reply(tok, [5, 6], [5, 6, 7, 8]) is None
+
+
 def test_a_tokenizer_of_its_own_is_encoded_and_decoded_by_its_own_methods(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import decode_ids, encode_text
