@@ -71,19 +71,39 @@ __all__ = [
 APPLY_MODES: tuple[str, ...] = ApplyMode.ALL
 
 
+_INT64 = np.dtype(np.int64)
+
+
 class TokenIds(list[int]):
     """A prompt's token ids: a list of ints like any other, which also holds them as one int64 array (`array`).
 
     Made once by a caller that needs the array itself (the episode's request digest), so an engine that sends ids as
     an array (the sglang engine) does not convert the list again; to every other engine it is a plain list. Its
-    `array` is made at construction: a `TokenIds` is not to be changed afterwards.
+    `array` is made at construction, or given by a caller that holds the same ids as an int64 array already (an
+    episode's segment keeps its sequence so): a `TokenIds` is not to be changed afterwards. `bounds`, the least and
+    the greatest id, where the caller knows them (an engine's vocabulary check then reads no array); else None.
     """
 
-    __slots__ = ("array",)
+    __slots__ = ("_int32", "array", "bounds")
 
-    def __init__(self, ids: Sequence[int]) -> None:
+    def __init__(self, ids: Sequence[int], array: np.ndarray[Any, np.dtype[np.int64]] | None = None,
+                 bounds: tuple[int, int] | None = None, *, more: Sequence[int] = ()) -> None:
+        """`more`: ids that follow `ids` (a segment's outputs after its prompt: one copy of both, not a joined list copied)."""
         super().__init__(ids)
-        self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64)
+        if more:
+            self.extend(more)
+        if array is not None and (array.dtype is not _INT64 and array.dtype != _INT64 or array.shape != (len(self),)):
+            raise ValueError(f"TokenIds: the given array must be {len(self)} int64 ids, got {array.dtype} {array.shape}")
+        self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64) if array is None else array
+        self.bounds = bounds
+        self._int32: np.ndarray[Any, np.dtype[np.int32]] | None = None
+
+    def int32(self) -> np.ndarray[Any, np.dtype[np.int32]]:
+        """`array` as little-endian int32 (``astype("<i4")``: an id past int32 wraps, as that cast does), made once:
+        what the request digest hashes and what the sglang engine sends are the same conversion."""
+        if self._int32 is None:
+            self._int32 = self.array.astype("<i4")
+        return self._int32
 
 
 @dataclass(slots=True)

@@ -139,36 +139,59 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def validate_messages(raw: Any, *, image_text: str | None = None) -> list[dict[str, Any]]:
+def validate_messages(raw: Any, *, image_text: str | None = None,
+                      known: tuple[Sequence[Any], Sequence[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """The request's messages in a canonical shape (role, content, tool_calls, tool_call_id, name, and ``image_urls``
     for a user message with image parts, which stand in its content as `image_text`); 400 if malformed, or if a
-    message has an image part and `image_text` is None (a model without images)."""
+    message has an image part and `image_text` is None (a model without images).
+
+    `known`: (the raw messages, their canonical shapes) of an earlier call with the same `image_text` (the episode's
+    previous turn: an agent sends its whole history every turn). A raw message equal to the one at its position there
+    is given that same canonical dict, not checked again: the canonical shape is a function of the message's value,
+    except where ``str()`` of an id would tell ``1`` from ``1.0`` or ``True`` (reused only when every id is a string
+    or absent) and for image parts (whose dict the endpoint rewrites: never reused). The dicts given are not to be
+    changed by the caller (the endpoint's views of earlier turns hold them)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list", "messages")
+    before, shapes = known if known is not None else ((), ())
     out = []
     for i, msg in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise _bad(f"{where} must be an object", "messages")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
-        text, urls = _content_text(msg.get("content"), where, role, image_text)
-        clean: dict[str, Any] = {"role": role, "content": text}
-        if urls:
-            clean["image_urls"] = urls
-        if role == "assistant":
-            calls = _tool_calls(msg.get("tool_calls"), where)
-            if calls:
-                clean["tool_calls"] = calls
-        elif clean["content"] is None:
-            raise _bad(f"{where}.content is required for role {role}", f"{where}.content")
-        if role == "tool":
-            clean["tool_call_id"] = str(msg.get("tool_call_id") or "")
-        if isinstance(msg.get("name"), str) and msg["name"]:
-            clean["name"] = msg["name"]
-        out.append(clean)
+        if i < len(before) and i < len(shapes) and type(msg) is dict and msg == before[i] and _reusable(msg, shapes[i]):
+            out.append(shapes[i])
+            continue
+        out.append(_validate_message(i, msg, image_text))
     return out
+
+
+def _reusable(msg: dict[str, Any], shape: dict[str, Any]) -> bool:
+    if "image_urls" in shape or "images" in shape or type(msg.get("tool_call_id")) not in (str, type(None)):
+        return False
+    calls = msg.get("tool_calls")
+    return not calls or all(type(c) is dict and type(c.get("id")) in (str, type(None)) for c in calls)
+
+
+def _validate_message(i: int, msg: Any, image_text: str | None) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(msg, Mapping):
+        raise _bad(f"{where} must be an object", "messages")
+    role = msg.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+    text, urls = _content_text(msg.get("content"), where, role, image_text)
+    clean: dict[str, Any] = {"role": role, "content": text}
+    if urls:
+        clean["image_urls"] = urls
+    if role == "assistant":
+        calls = _tool_calls(msg.get("tool_calls"), where)
+        if calls:
+            clean["tool_calls"] = calls
+    elif clean["content"] is None:
+        raise _bad(f"{where}.content is required for role {role}", f"{where}.content")
+    if role == "tool":
+        clean["tool_call_id"] = str(msg.get("tool_call_id") or "")
+    if isinstance(msg.get("name"), str) and msg["name"]:
+        clean["name"] = msg["name"]
+    return clean
 
 
 def _arguments_key(arguments: str) -> Any:
@@ -219,14 +242,28 @@ def render_message(msg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
-           *, add_generation_prompt: bool) -> str:
-    """The chat template's text for `messages` (400 when the model has no chat template)."""
+           *, add_generation_prompt: bool, plain_cache: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] | None = None) -> str:
+    """The chat template's text for `messages` (400 when the model has no chat template).
+
+    `plain_cache` (id of a message -> (the message, its `render_message`)): the plain form of a message rendered before
+    is that same dict again, for a caller whose messages are not changed once given (the endpoint's canonical ones);
+    both the direct rendering and transformers' (which converts a copy) leave the plain forms as they were."""
     if not getattr(tokenizer, "chat_template", None):
         raise _bad("this model has no chat template: use /v1/completions, or give the model a chat template", "messages")
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = list(tools)
-    plain = [render_message(m) for m in messages]
+    if plain_cache is None:
+        plain = [render_message(m) for m in messages]
+    else:
+        if len(plain_cache) > 4096:  # a long episode of rewritten histories: what is gone is not kept
+            plain_cache.clear()
+        plain = []
+        for m in messages:
+            hit = plain_cache.get(id(m))
+            if hit is None or hit[0] is not m:
+                hit = plain_cache[id(m)] = (m, render_message(m))
+            plain.append(hit[1])
     direct = template_renderer(tokenizer) if plain and all(type(t) is dict for t in tools or ()) else None
     try:
         text = direct(plain, kwargs.get("tools"), add_generation_prompt) if direct is not None else (

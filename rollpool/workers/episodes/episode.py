@@ -62,7 +62,7 @@ from rollpool.workers.engines.base import (
     TokenIds,
     can_constrain,
 )
-from rollpool.workers.engines.tokenizer import decode_ids
+from rollpool.workers.engines.tokenizer import decode_ids, decode_reply
 from rollpool.workers.engines.tokenizer import encode_text as _encode_text
 from rollpool.workers.episodes import chat
 from rollpool.workers.episodes.chat import EndpointError
@@ -176,6 +176,10 @@ class TokenizerLane:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._settle, fut, result, error)
 
+    def idle(self) -> bool:
+        """Open, nothing queued and nothing running: a small call would run at once on the caller's thread."""
+        return not self._closed and self._completed == self._submitted
+
     async def call(self, fn: Callable[..., T], *args: Any, small: bool = False, large: bool = False) -> T:
         if self._closed:
             raise RuntimeError("the tokenizer lane is shut down")
@@ -229,10 +233,27 @@ def request_digest(prompt_ids: Sequence[int] | np.ndarray[Any, Any], sampling: S
 
     Two requests with the same digest ask the engine for the same thing; a replayed turn is served only then."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(np.asarray(prompt_ids, dtype="<i4").tobytes())
-    h.update(repr(sampling).encode())
+    # the ids as little-endian int32 (a `TokenIds` has them so once, for the engine too), hashed in place
+    h.update((prompt_ids.int32() if type(prompt_ids) is TokenIds else np.ascontiguousarray(prompt_ids, dtype="<i4")).data)
+    h.update(_sampling_text(sampling))
     h.update(repr(constraint).encode())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+_SAMPLING_TEXTS: dict[int, tuple[SamplingParams, bytes]] = {}
+
+
+def _sampling_text(sampling: SamplingParams) -> bytes:
+    """``repr(sampling).encode()``, kept per object (an episode hands the same settings object to turn after turn, and the
+    dataclass's repr formats every field): a frozen object's text does not change; bounded, and held so no id is reused."""
+    found = _SAMPLING_TEXTS.get(id(sampling))
+    if found is not None and found[0] is sampling:
+        return found[1]
+    text = repr(sampling).encode()
+    if len(_SAMPLING_TEXTS) >= 4096:
+        _SAMPLING_TEXTS.clear()
+    _SAMPLING_TEXTS[id(sampling)] = (sampling, text)
+    return text
 
 
 def recorded_turn(sample_index: int, turn: int, digest: int, s: SampleOutput) -> RecordedTurn:
@@ -467,6 +488,16 @@ class Episode:
         self._images: dict[str, LoadedImage] = {}
         """Images this episode has checked, by sha256 (an agent sends its whole conversation every turn)."""
         self._stop_ids_cache: tuple[int, ...] | None = None
+        self._image_facts_cache: tuple[tuple[int, str] | None] | None = None
+        self._known_messages: tuple[list[Any], list[dict[str, Any]]] | None = None
+        self._sampling_memo: tuple[bool, tuple[tuple[str, type, Any], ...], SamplingParams] | None = None
+        """`_body_sampling`'s last (chat request, body fields, result)."""
+        self._stops_memo: tuple[SamplingParams, tuple[int, ...], SamplingParams] | None = None
+        """The last chat turn's (settings, stop ids, settings with those stops)."""
+        """The last chat request's raw messages and their canonical shapes (`chat.validate_messages`'s ``known``)."""
+        self._plain_messages: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] = {}
+        """The plain forms of the canonical messages rendered so far (`chat.render`'s ``plain_cache``)."""
+        """`_image_facts` once the engine said them: the model's, fixed for the episode (an engine restart re-runs it)."""
         self.recording = EpisodeRecording(prompt.prompt_id, sample_index, start_version)
         self.closed = False
         self.tool_calls = 0
@@ -536,15 +567,21 @@ class Episode:
                 f"{self.max_context_tokens}")
 
     def _image_facts(self) -> tuple[int, str] | None:
-        """(the model's image token, the text one image's placeholder renders as), or None for an engine without images."""
+        """(the model's image token, the text one image's placeholder renders as), or None for an engine without images.
+
+        Asked once an episode (every turn asked it: the sglang engine's `info` builds its whole answer each call)."""
+        if self._image_facts_cache is not None:
+            return self._image_facts_cache[0]
         try:
             info = self.engine.info()
-        except Exception:  # noqa: BLE001 - an engine that cannot say takes no images here
+        except Exception:  # noqa: BLE001 - an engine that cannot say takes no images here (and is asked again next turn)
             return None
         ids = info.extra.get("image_placeholder_ids") if info.images else None
-        if self.tokenizer is None or not isinstance(ids, list | tuple) or len(ids) != 3 or not all(isinstance(t, int) for t in ids):
-            return None
-        return int(ids[1]), decode_tokens(self.tokenizer, list(ids), skip_special_tokens=False)
+        facts: tuple[int, str] | None = None
+        if self.tokenizer is not None and isinstance(ids, list | tuple) and len(ids) == 3 and all(isinstance(t, int) for t in ids):
+            facts = int(ids[1]), decode_tokens(self.tokenizer, list(ids), skip_special_tokens=False)
+        self._image_facts_cache = (facts,)
+        return facts
 
     def _load_images(self, urls: Sequence[str]) -> list[LoadedImage]:
         """Each image_url read and checked by the worker's image rules; 400 naming the first bad one (in a thread)."""
@@ -596,7 +633,9 @@ class Episode:
     async def _sample(self, seg: Segment, sampling: SamplingParams, mark: RecordingMark,
                       constraint: OutputConstraint | None = None) -> SampleOutput:
         """One engine turn on the segment's whole sequence; records the sampled tokens (and marks them when constrained)."""
-        prompt = TokenIds(seg.tokens)  # its int64 array made once: the digest's and the engine's (the sglang engine sends it)
+        # its int64 array the digest's and the engine's (the sglang engine sends it), kept by the segment as it grows
+        arr = seg.token_array()
+        prompt = TokenIds(seg.input_ids, arr, seg.token_bounds(), more=seg.output_ids)
         extra: dict[str, Any] = {}
         if seg.images:
             if constraint is not None:
@@ -613,7 +652,7 @@ class Episode:
             if sampling.max_new_tokens > room:
                 sampling = dataclasses.replace(sampling, max_new_tokens=room)
         turn = self._sampled
-        digest = request_digest(prompt.array, sampling, constraint)
+        digest = request_digest(prompt, sampling, constraint)
         if seg.images:
             self._replaying = False  # the digest does not cover images, and a replay would not expand them: sample from here
         s = self._from_record(turn, digest)
@@ -741,6 +780,20 @@ class Episode:
             raise EndpointError(400, "this engine gives the episode no tokenizer: text requests cannot be served")
         return self.tokenizer
 
+    def _body_sampling(self, body: Mapping[str, Any], *, chat_request: bool) -> SamplingParams:
+        """`_sampling_from_body` of the episode's base; the last turn's result again for a body whose fields (but its
+        messages and tools, which it does not read) are the same values of the same types, in the same order (an agent
+        sends the same settings every turn). A float 0 is never matched (-0.0 equals 0.0, but its text, which the
+        request digest reads, differs)."""
+        items = tuple([(k, type(v), v) for k, v in body.items() if k != "messages" and k != "tools"])
+        memo = self._sampling_memo
+        if memo is not None and memo[0] == chat_request and memo[1] == items:
+            return memo[2]
+        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=chat_request)
+        if not any(t is float and v == 0 for _, t, v in items):
+            self._sampling_memo = (chat_request, items, sampling)
+        return sampling
+
     def _stop_ids(self) -> tuple[int, ...]:
         if self._stop_ids_cache is None:  # a tokenizer's eos_token_id is a property that converts on every read
             ids = set()
@@ -786,17 +839,21 @@ class Episode:
         """Tokenizer and template work: in the runner's tokenizer thread (one, so calls never overlap), off the loop;
         `chars` (the text it renders or tokenizes) within `TokenizerLane.INLINE_CHARS`: on the loop when that thread is idle;
         past `TokenizerLane.LARGE_CHARS`: on the large lane, with its copy of the tokenizer where `fn` is given `tok`."""
-        if self.tokenizer_lane is None:
+        lane = self.tokenizer_lane
+        if lane is None:
             return fn(*args)
         small = chars is not None and chars <= TokenizerLane.INLINE_CHARS
         large = chars is not None and chars > TokenizerLane.LARGE_CHARS
-        return await self.tokenizer_lane.call(fn, *args, small=small, large=large)
+        if small and not large and lane.idle():  # what `call` does for it, without a coroutine of its own
+            lane.inline_calls += 1
+            return fn(*args)
+        return await lane.call(fn, *args, small=small, large=large)
 
     def _chat_prepare(self, tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
                       view: chat.ChatView | None) -> tuple[str, list[int] | None, list[int] | None, str, int | None]:
         """(rendered prompt, ids to insert when it extends `view` else None, the whole prompt's ids else None,
         end-of-turn text, end-of-turn id)."""
-        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True)
+        prompt_text = chat.render(tok, messages, tools, add_generation_prompt=True, plain_cache=self._plain_messages)
         delta = chat.extension(view, tok, messages, tools, prompt_text)
         eot_text, eot_id = self._end_of_turn(tok, messages, tools)
         if delta is not None:
@@ -812,14 +869,19 @@ class Episode:
         raw = ""
         if parse:
             raw, calls = self.parser.parse(decode_tokens(tok, content_ids, skip_special_tokens=False))
+        # the reply's text and the sampled text by one decode where that is the same text as two (most turns)
+        both = decode_reply(tok, content_ids, s.output_ids) if not calls and s.output_text is None else None
         if calls:
             content: str | None = self._strip_specials(raw).strip() or None
+        elif both is not None:
+            content = both[0]
         else:
             content = s.output_text if s.output_text is not None else decode_tokens(tok, content_ids, skip_special_tokens=True)
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.as_openai() for c in calls]
-        view = chat.deferred_view(messages, reply, tools, prompt_text, decode_tokens(tok, s.output_ids, skip_special_tokens=False),
+        sampled_text = both[1] if both is not None else decode_tokens(tok, s.output_ids, skip_special_tokens=False)
+        view = chat.deferred_view(messages, reply, tools, prompt_text, sampled_text,
                                   bool(s.output_ids) and eot_id is not None and s.output_ids[-1] == eot_id, eot_text=eot_text)
         texts = [tok.decode([t], skip_special_tokens=False) for t in s.output_ids] if want_token_texts else []
         return reply, calls, view, texts
@@ -905,7 +967,10 @@ class Episode:
         tok = self._require_tokenizer()
         given = _token_ids(body.get("tokens")) if token_prompt else None
         vision = self._image_facts()
-        messages = chat.validate_messages(body.get("messages"), image_text=None if vision is None else vision[1])
+        raw_messages = body.get("messages")
+        messages = chat.validate_messages(raw_messages, image_text=None if vision is None else vision[1], known=self._known_messages)
+        if type(raw_messages) is list:
+            self._known_messages = (raw_messages, messages)
         tools = body.get("tools") or None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
             raise EndpointError(400, "tools must be a list of objects", param="tools")
@@ -913,7 +978,7 @@ class Episode:
         constraint = self._constraint(tools, tool_choice, body.get("response_format"))
         loaded = await self._request_images(messages, body, token_prompt=given is not None, constrained=constraint is not None)
         want_logprobs = bool(body.get("logprobs"))
-        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=True)
+        sampling = self._body_sampling(body, chat_request=True)
         top = self._top_logprobs(body.get("top_logprobs"))
         if top:
             sampling = dataclasses.replace(sampling, top_logprobs_num=top)
@@ -946,7 +1011,14 @@ class Episode:
             if loaded or seg.images:
                 self._add_images(seg, loaded, vision, mark)
             stop_ids = set(self._stop_ids()) | ({eot_id} if eot_id is not None else set())
-            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | stop_ids)))
+            stops = tuple(sorted(set(sampling.stop_token_ids) | stop_ids))
+            memo = self._stops_memo
+            if memo is not None and memo[0] is sampling and memo[1] == stops:
+                sampling = memo[2]  # the same settings and stops as the last turn: its object (and its digest's text)
+            else:
+                with_stops = dataclasses.replace(sampling, stop_token_ids=stops)
+                self._stops_memo = (sampling, stops, with_stops)
+                sampling = with_stops
             prompt_len = seg.model_len()
             self.recording.count_turn(prompt_len, reused)
             self.stats.prompt_tokens += prompt_len
@@ -1066,7 +1138,7 @@ class Episode:
         want = body.get("logprobs")
         if want is not None and (isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= 5):
             raise EndpointError(400, "logprobs must be an integer in [0, 5]", param="logprobs")
-        sampling = _sampling_from_body(self.prompt.sampling, body, chat_request=False)
+        sampling = self._body_sampling(body, chat_request=False)
         tok = self.tokenizer
         if not token_prompt:
             tok = self._require_tokenizer()

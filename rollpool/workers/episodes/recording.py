@@ -90,6 +90,47 @@ class Segment:
     """The images the sequence shows, in the order of their placeholders."""
     image_token_id: int = -1
     """The model's image token (its placeholders in the ids); -1 without images."""
+    _array: np.ndarray[Any, np.dtype[np.int64]] | None = field(default=None, repr=False, compare=False)
+    """`token_array`'s buffer: its first `_array_len` entries are the sequence's first ids (more room after them)."""
+    _array_len: int = field(default=0, repr=False, compare=False)
+    _array_bounds: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    """The least and the greatest of the buffer's first `_array_len` ids (None: none)."""
+
+    def token_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The whole sequence (`tokens`) as an int64 array, not to be changed. Each id is converted once, when first
+        asked for after it was appended (a turn's prompt of a thousand ids, converted whole every turn, cost more than
+        the rest of the turn's bookkeeping). It is a view of a buffer that is never written where an array given out
+        lies: appends go past it, growth moves to a new buffer, and `truncate_outputs` (a rollback) drops the buffer."""
+        n, k, start = len(self), self._array_len, len(self.input_ids)
+        buf = self._array
+        if buf is None or k > n or k < start:
+            buf, k = np.empty(max(2 * n, 1024), dtype=np.int64), 0
+            buf[:start] = self.input_ids
+            k = start
+            self._array_bounds = (min(self.input_ids), max(self.input_ids)) if self.input_ids else None
+        elif n > len(buf):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:k] = buf[:k]
+            buf = grown
+        if n > k:
+            new = self.output_ids[k - start:]
+            buf[k:n] = new
+            lo, hi = min(new), max(new)  # in Python over the new ids: cheaper here than a reduction over the whole array
+            if self._array_bounds is not None:
+                lo, hi = min(lo, self._array_bounds[0]), max(hi, self._array_bounds[1])
+            self._array_bounds = (lo, hi)
+        self._array, self._array_len = buf, n
+        return buf[:n]
+
+    def token_bounds(self) -> tuple[int, int] | None:
+        """(least, greatest) id of the sequence `token_array` last gave (None for an empty one)."""
+        return self._array_bounds
+
+    def truncate_outputs(self, n: int) -> None:
+        """Keep the first `n` outputs (ids, masks, logprobs, versions); `token_array` starts a new buffer."""
+        for name in ("output_ids", "loss_mask", "logprobs", "versions"):
+            del getattr(self, name)[n:]
+        self._array, self._array_len, self._array_bounds = None, 0, None
 
     @property
     def image_extra_tokens(self) -> int:
@@ -98,7 +139,7 @@ class Segment:
 
     def model_len(self) -> int:
         """The sequence's length as the model runs it (placeholders expanded, where known)."""
-        return len(self) + self.image_extra_tokens
+        return len(self) + self.image_extra_tokens if self.images else len(self.input_ids) + len(self.output_ids)
 
     def model_tokens(self) -> list[int]:
         """The whole sequence as the model runs it (placeholders expanded, where known)."""
@@ -221,8 +262,7 @@ class EpisodeRecording:
         del self.segments[m.segments:]
         seg = self.current
         if seg is not None and m.outputs >= 0:
-            for name in ("output_ids", "loss_mask", "logprobs", "versions"):
-                del getattr(seg, name)[m.outputs:]
+            seg.truncate_outputs(m.outputs)
             del seg.images[m.images:]
             seg.chat, seg.finish_reason = m.chat, m.finish_reason
         self.prompt_tokens, self.reused_prefix_tokens = m.prompt_tokens, m.reused_prefix_tokens
@@ -258,12 +298,13 @@ class EpisodeRecording:
                 meta["constrained_tokens"] = ran.constrained
             if seg.images:
                 meta["episode_images"] = {im.sha256: im.data for im in seg.images}
+            input_ids, output_ids = _int32_ids(seg, ran)
             out.append(Trajectory(
                 prompt_id=self.prompt_id,
                 sample_index=self.sample_index,
                 segment_index=seg.index,
-                input_ids=np.asarray(ran.input_ids, dtype=np.int32),
-                output_ids=np.asarray(ran.output_ids, dtype=np.int32),
+                input_ids=input_ids,
+                output_ids=output_ids,
                 output_logprobs=np.asarray(ran.logprobs, dtype=np.float32),
                 token_versions=np.asarray(ran.versions, dtype=np.int32),
                 loss_mask=np.asarray(ran.loss_mask, dtype=np.uint8),
@@ -282,6 +323,18 @@ class EpisodeRecording:
                                 if seg.images else None),
             ))
         return out
+
+
+def _int32_ids(seg: Segment, ran: _Run) -> tuple[np.ndarray[Any, np.dtype[np.int32]], np.ndarray[Any, np.dtype[np.int32]]]:
+    """The trajectory's input and output ids as int32 arrays: from the segment's `token_array` where it holds them as
+    they ran (no images) and they fit int32 (a list of ids converted one by one cost more); else from the lists, as
+    before (an id past int32 then raises as it did)."""
+    if ran.input_ids is seg.input_ids and ran.output_ids is seg.output_ids:
+        ids, bounds = seg.token_array(), seg.token_bounds()
+        if bounds is None or (bounds[0] >= -(1 << 31) and bounds[1] < 1 << 31):
+            start = len(seg.input_ids)
+            return ids[:start].astype(np.int32), ids[start:].astype(np.int32)
+    return np.asarray(ran.input_ids, dtype=np.int32), np.asarray(ran.output_ids, dtype=np.int32)
 
 
 @dataclass(slots=True)

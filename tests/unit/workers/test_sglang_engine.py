@@ -8,12 +8,14 @@ HTTP server at the process edge that answers like a misbehaving SGLang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import signal
 import stat
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +27,7 @@ pytest.importorskip("aiohttp")
 from rollpool.protocol.errors import ConfigError, EngineError, RequestRefusedError
 from rollpool.protocol.messages import FinishReason, SamplingParams
 from rollpool.workers.config import WorkerConfig
-from rollpool.workers.engines.base import StagingEngine
+from rollpool.workers.engines.base import StagingEngine, TokenIds
 from rollpool.workers.engines.options import HFOptions, SGLangOptions, SimOptions, parse_options
 from rollpool.workers.engines.sglang.engine import SGLangEngine
 from rollpool.workers.engines.sglang.http import HttpClient, HttpError, serve_routes
@@ -171,6 +173,40 @@ async def test_many_calls_at_once_on_the_hop_each_get_their_own_answer_and_close
         await http.close()
 
 
+async def test_a_hop_call_past_its_timeout_fails_alone_and_the_soonest_deadline_fires_first(sglang_sim_child: SimChild) -> None:
+    """One timer serves every call's timeout: a call with a short timeout made after one with a long timeout still fails
+    on time, with TimeoutError; the long one and later calls go on."""
+    from rollpool.workers.engines.sglang.hop import HopClient
+
+    def slow(rid: str) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100_000, "temperature": 0.0, "ignore_eos": True},
+                "return_logprob": True, "rid": rid}
+
+    hop = HopClient(sglang_sim_child.hop, token=sglang_sim_child.token)
+    long_wait = asyncio.ensure_future(hop.request("POST", "/generate", slow("hop-timeout-long"), timeout_s=60))
+    try:
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer within 0.3 s"):
+            await hop.request("POST", "/generate", slow("hop-timeout-short"), timeout_s=0.3)
+        assert 0.25 <= time.monotonic() - started < 5
+        assert not long_wait.done()
+        quick = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}, "return_logprob": True,
+                 "rid": "hop-timeout-quick"}
+        assert len((await hop.request("POST", "/generate", quick, timeout_s=30))["output_ids"]) == 2
+    finally:
+        long_wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_wait
+        await hop.close()
+    http = _client(sglang_sim_child, token=sglang_sim_child.token)
+    try:  # the samples the calls left in the child
+        for rid in ("hop-timeout-long", "hop-timeout-short"):
+            await http.request("POST", "/abort_request", {"rid": rid})
+    finally:
+        await http.close()
+
+
 async def test_a_refused_or_failed_generate_is_an_engine_error_not_a_refusal(tiny_model_dir: pathlib.Path) -> None:
     """F5: a 4xx/5xx after rollpool's own checks passed means the engine is broken: restart, don't blame the prompt."""
     answers = iter([(400, {"error": {"message": "ValueError: something inside"}}), (500, {"error": {"message": "KeyError"}})])
@@ -201,7 +237,8 @@ async def test_request_checks_use_the_checkpoints_limits(sglang_sim_child: SimCh
     try:
         with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
             await engine.generate([5, 320], 1, SamplingParams(), "vocab")
-        for ids in ([-1, 5], np.array([5, 400], dtype=np.int32)):  # a list (one int64 array) and an array of another width
+        for ids in ([-1, 5], np.array([5, 400], dtype=np.int32),  # a list (one int64 array) and an array of another width
+                    TokenIds([5, 400]), TokenIds([5, 400], bounds=(5, 400)), TokenIds([-1, 5], bounds=(-1, 5))):
             with pytest.raises(RequestRefusedError, match="token ids must be in \\[0, 320\\)"):
                 await engine.generate(ids, 1, SamplingParams(), "vocab")
         with pytest.raises(RequestRefusedError, match="context of 2048"):

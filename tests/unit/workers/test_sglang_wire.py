@@ -140,3 +140,11 @@ def test_version_bytes_counts_floating_parameters_in_the_serving_dtype() -> None
     assert version_bytes(params, "bfloat16") == 4 * 8 * 2 + 8 * 2 + 3 * 8  # what a trainer publishing bf16 sends
     assert version_bytes(params, "auto") == version_bytes(params)
     assert version_bytes({"q": ("float4_packed", (2,))}) == 0  # a dtype it cannot size: unknown, not a guess
+
+
+def test_logprobs_are_floats_with_a_missing_one_read_as_zero() -> None:
+    meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 7, None], [None, 8, None], [-1, 9, None]]}
+    s = parse_generate_response({"output_ids": [7, 8, 9], "meta_info": meta})
+    assert s.logprobs == [-0.5, 0.0, -1.0] and all(type(x) is float for x in s.logprobs)
+    s = parse_generate_response({"output_ids": [7, 9], "meta_info": {**meta, "output_token_logprobs": [[-0.5, 7, None], [-1, 9, None]]}})
+    assert s.logprobs == [-0.5, -1.0] and all(type(x) is float for x in s.logprobs)

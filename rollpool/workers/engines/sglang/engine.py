@@ -93,7 +93,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -785,8 +785,8 @@ class SGLangEngine:
         # a `TokenIds` brings its array along (the episode made it for its request digest)
         given = input_ids.array if type(input_ids) is TokenIds and not images else None
         ids = given if given is not None else np.asarray(input_ids) if input_ids is not None and not images else None
-        if given is not None:
-            prompt = list(input_ids or ())
+        if given is not None:  # not to be changed (`TokenIds`): held and handed back as it is, not copied
+            prompt = cast(list[int], input_ids)
         elif ids is not None and ids.ndim == 1 and ids.dtype == np.int64:
             prompt = ids.tolist()
         else:
@@ -796,10 +796,14 @@ class SGLangEngine:
         if images:
             prompt, reported, grid = await self._image_prompt(prompt, images)
         check_prompt(reported, sampling, vocab=self._vocab if ids is None else None, context_tokens=self._context_tokens)
-        if ids is not None and self._vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= self._vocab):
+        # the bounds a `TokenIds` knows, else one pass (a negative id read as unsigned is past any vocabulary)
+        bounds = input_ids.bounds if given is not None and type(input_ids) is TokenIds else None
+        if ids is not None and self._vocab is not None and ids.size and (
+                bounds[0] < 0 or bounds[1] >= self._vocab if bounds is not None else int(ids.view(np.uint64).max()) >= self._vocab):
             raise RequestRefusedError(f"prompt token ids must be in [0, {self._vocab})")  # check_prompt's own check
         if ids is not None and self._vocab is not None and self._vocab <= _INT32_IDS:
-            ids = ids.astype("<i4")  # within the vocabulary, so int32: what the hop sends, without checking them again
+            # within the vocabulary, so int32: what the hop sends, without checking them again (a `TokenIds` has them so)
+            ids = input_ids.int32() if given is not None and type(input_ids) is TokenIds else ids.astype("<i4")
         if request_id in self._requests:  # the tokenizer awaited: check again
             raise RequestRefusedError(f"request id {request_id!r} is already running")
         self._counter += 1
@@ -830,7 +834,7 @@ class SGLangEngine:
                          finished_at=max(s.finished_at, s.first_token_at or started), cached_tokens=s.cached_tokens)
             for s in req.samples
         ]
-        return GenerateOutput(request_id, list(reported), samples, started, simulated=self.options.backend == "sim",
+        return GenerateOutput(request_id, reported if given is not None else list(reported), samples, started, simulated=self.options.backend == "sim",
                               image_grid_thw=grid)
 
     def _load_vision_spec(self) -> VisionSpec | None:

@@ -19,6 +19,7 @@ Guarantees (the traps of ../shared/sglang-kit/API-NOTES.md):
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,9 @@ class ParsedSample:
         return self.finish_reason == FinishReason.ABORT and (self.abort_message or "Aborted") in _ABORT_MESSAGES
 
 
+_FIRST = operator.itemgetter(0)
+
+
 def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
     """Parse one non-streaming ``/generate`` dict (``ValueError`` if it is not one)."""
     meta = resp.get("meta_info")
@@ -135,7 +139,8 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
     if ids is None:
         ids = [int(e[1]) for e in lp_entries]
     ids = list(map(int, ids))
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in lp_entries]
+    firsts = list(map(_FIRST, lp_entries))  # each entry's logprob, in C (a turn's tokens each time)
+    logprobs = [float(x) if x is not None else 0.0 for x in firsts] if None in firsts else list(map(float, firsts))
     if len(logprobs) != len(ids):
         if len(logprobs) > len(ids):
             logprobs = logprobs[: len(ids)]

@@ -55,6 +55,30 @@ def test_malformed_messages_are_refused_with_a_400_naming_what(tok: Any) -> None
     assert chat.validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])[0]["content"] == "ab"
 
 
+def test_messages_equal_to_the_last_turns_keep_their_canonical_shape_and_any_other_is_checked_anew() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi", "name": "bob"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "3"},
+             {"role": "tool", "tool_call_id": 1, "content": "4"},
+             {"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:,x"}}]}]
+    shapes = chat.validate_messages(first, image_text="<img>")
+    import copy
+
+    again = [*copy.deepcopy(first), {"role": "assistant", "content": "ok"}]
+    again[4]["tool_call_id"] = 1.0  # equal to 1, but its text is "1.0": checked anew
+    got = chat.validate_messages(again, image_text="<img>", known=(first, shapes))
+    assert got == chat.validate_messages(again, image_text="<img>")  # what a call without `known` gives
+    assert [g is s for g, s in zip(got, shapes, strict=False)] == [True, True, True, True, False, False]
+    assert got[4]["tool_call_id"] == "1.0" and got[5] == {"role": "user", "content": "see <img>", "image_urls": ["data:,x"]}
+    changed = copy.deepcopy(again)
+    changed[1]["content"] = "hello"  # a rewritten message: checked anew, and a bad one still refused
+    got = chat.validate_messages(changed, image_text="<img>", known=(again, got))
+    assert got[1]["content"] == "hello" and got[0] is shapes[0]
+    changed[2] = {"role": "robot", "content": "x"}
+    with pytest.raises(EndpointError, match=r"messages\[2\].role"):
+        chat.validate_messages(changed, image_text="<img>", known=(again, got))
+
+
 def test_an_image_part_stands_as_the_placeholder_text_and_its_image_is_part_of_the_message_key() -> None:
     raw = [{"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
                                         {"type": "text", "text": " and "}, {"type": "image_url", "image_url": "https://x/y.png"}]}]
@@ -240,6 +264,22 @@ def test_the_direct_template_rendering_is_the_text_of_apply_chat_template(tiny_m
     assert renderer is not None and getattr(renderer, "checked", False)  # the first call compared both, and they agreed
 
 
+def test_the_plain_forms_kept_between_renderings_render_the_same_text(tok: Any) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = chat.validate_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "add"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "3"}])
+    cache: dict[int, Any] = {}
+    for turn in range(3):
+        for tools in (None, TOOLS):
+            want = chat.render(tok, messages, tools, add_generation_prompt=True)
+            assert chat.render(tok, messages, tools, add_generation_prompt=True, plain_cache=cache) == want
+        assert len(cache) == len(messages)
+        messages = [*messages, {"role": "user", "content": f"more {turn}"}]
+    assert [m["function"]["arguments"] for m in cache[id(messages[2])][1]["tool_calls"]] == [{"a": 1}]
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the canonical message left as it was
+
+
 def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_renders(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import template_renderer
@@ -269,6 +309,73 @@ def test_where_the_direct_rendering_differs_or_is_not_known_apply_chat_template_
     assert chat.render(own, messages, None, add_generation_prompt=True) == "overridden"
 
 
+# a Qwen-like template: a namespace set in a loop, method calls in loops and blocks (which the compiled template hands
+# `_loop_vars`), loop attributes, filters, a macro, a global and a test
+_BUSY_TEMPLATE = (
+    "{%- macro show(m) -%}{{ m.get('content', '') | trim }}{%- endmacro -%}"
+    "{%- set ns = namespace(last_user=-1, seen=[]) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set text = m['content'] or '' -%}"
+    "<|im_start|>{{ m.get('role') }}{{ ' #' ~ loop.index if loop.last else '' }}\n"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in text -%}"
+    "{{ text.split('</think>')[-1].lstrip('\n') }}"
+    "{%- else -%}{{ show(m) }}{%- endif -%}"
+    "{%- for c in m.get('tool_calls') or [] -%}{{ c.function.name | upper }}{{ c.function.arguments | tojson }}{%- endfor -%}"
+    "{%- if text.startswith('!') -%}{{ text[1:].replace('x', 'y') }}{%- endif -%}"
+    "{%- if text is string and text | length > 3 -%}({{ text | length }}){{ '<{}:{}>'.format(m.role, text.upper()[:2]) }}{%- endif -%}"
+    "<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if tools -%}{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def test_the_lean_template_renders_what_the_compiled_one_renders_and_refuses_what_it_refuses() -> None:
+    pytest.importorskip("transformers")
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from rollpool.workers.engines.tokenizer import _lean_template
+
+    compiled = _compile_jinja_template(_BUSY_TEMPLATE)
+    lean = _lean_template(compiled, _BUSY_TEMPLATE)
+    assert lean is not compiled and lean.environment is not compiled.environment
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": " be brief "}, {"role": "user", "content": "!xox"},
+         {"role": "assistant", "content": "<think>a</think>\n\nyo", "tool_calls": [call]}, {"role": "user", "content": "again"},
+         {"role": "assistant", "content": "<think>b</think>kept"}],
+    ]
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            for gen in (True, False):
+                kwargs = {"messages": messages, "tools": tools, "documents": None, "add_generation_prompt": gen, "eos_token": "<e>"}
+                assert lean.render(**kwargs) == compiled.render(**kwargs)
+    # what the sandbox refuses, it still refuses (the answer remembered, not skipped)
+    for unsafe in ("{{ messages.append(1) }}", "{{ messages[0].update({}) }}", "{{ ''.__class__ }}", "{{ messages.pop() }}",
+                   "{{ ''.format.__globals__ }}", "{{ '{0.__class__}'.format(1) }}", "{{ '{x.__class__}'.format_map({'x': 1}) }}",
+                   "{{ 'a'.strip.__self__ }}", "{{ 'x'.mro }}"):
+        got = []
+        for template in (_compile_jinja_template(unsafe), _lean_template(_compile_jinja_template(unsafe), unsafe)):
+            for _ in range(2):  # the second time from what the lean one remembered
+                try:
+                    got.append(("ok", template.render(messages=[{"role": "user", "content": "x"}])))
+                except jinja2.exceptions.SecurityError as exc:
+                    got.append(("refused", str(exc)))
+                except jinja2.exceptions.UndefinedError as exc:
+                    got.append(("undefined", str(exc)))
+        assert len(set(got)) == 1, (unsafe, got)
+    # a callable raising StopIteration is the same undefined value
+    stop = "[{{ step(it) }}]"
+    for template in (_compile_jinja_template(stop), _lean_template(_compile_jinja_template(stop), stop)):
+        assert template.render(step=next, it=iter([])) == "[]"
+    # anything but the stock sandboxed template is rendered as it is
+    plain = jinja2.Environment().from_string("{{ x }}")
+    assert _lean_template(plain, "{{ x }}") is plain
+
+
 def test_encoding_and_decoding_on_the_backend_give_what_transformers_gives(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import decode_ids, encode_text
@@ -290,6 +397,35 @@ def test_encoding_and_decoding_on_the_backend_give_what_transformers_gives(tiny_
     finally:
         tok.backend_tokenizer.no_truncation()
     assert len(encode_text(tok, "a longer text than two tokens")) > 2
+
+
+def test_a_reply_decoded_once_is_the_text_of_its_two_decodes_and_otherwise_not_given(tiny_model_dir: pathlib.Path) -> None:
+    import random
+
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines.tokenizer import decode_ids, decode_reply
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    decode_ids(tok, [5, 6], False)  # the direct decode checked (its first call)
+    specials = set(tok.all_special_ids)
+    plain = [i for i in range(len(tok)) if i not in specials]
+    rnd = random.Random(5)
+    given = 0
+    for _ in range(3000):  # random ids: many end inside a character (byte-level tokens)
+        content = [rnd.choice(plain) for _ in range(rnd.randrange(0, 30))]
+        if rnd.random() < 0.2:
+            content.insert(rnd.randrange(len(content) + 1), rnd.choice(sorted(specials)))
+        output = content + rnd.choice([[], [rnd.choice(sorted(specials))], [rnd.randrange(len(tok))]])
+        got = decode_reply(tok, content, output)
+        if got is not None:
+            given += 1
+            assert got == (tok.decode(content, skip_special_tokens=True), tok.decode(output, skip_special_tokens=False))
+        elif not specials & set(content) and len(output) == len(content) + 1:
+            assert not tok.decode(output[-1:], skip_special_tokens=False)[:1].isascii()  # refused only for a non-ASCII start
+    assert given > 1500
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert decode_reply(tok, [5, im_end, 6], [5, im_end, 6, im_end]) is None  # a special token in the content
+    assert decode_reply(tok, [5, 6], [5, 7, im_end]) is None and decode_reply(tok, [5, 6], [5, 6, 7, 8]) is None
 
 
 def test_a_tokenizer_of_its_own_is_encoded_and_decoded_by_its_own_methods(tiny_model_dir: pathlib.Path) -> None:

@@ -143,3 +143,53 @@ def test_image_placeholders_are_expanded_in_the_trajectory_and_a_sampled_image_t
     seg.images.append(SegmentImage(b"c", "sha-c"))
     rec.rollback(mark)
     assert [im.sha256 for im in seg.images] == ["sha-a", "sha-b"]
+
+
+def test_the_segments_token_array_is_its_sequence_after_every_append_rollback_and_growth() -> None:
+    import random
+
+    import numpy as np
+
+    from rollpool.workers.engines.base import TokenIds
+
+    rnd = random.Random(3)
+    rec = EpisodeRecording("p", 0, start_version=0)
+    seg, _ = rec.continue_with([rnd.randrange(1000) for _ in range(300)])
+    held = []
+    for turn in range(40):  # past the buffer's first 1024 ids, so it grows
+        mark = rec.mark()
+        seg.insert([rnd.randrange(1000) for _ in range(rnd.randrange(0, 30))])
+        arr = seg.token_array()  # the turn's prompt, as the episode makes it
+        assert arr.dtype == np.int64 and arr.tolist() == seg.tokens
+        ids = [rnd.randrange(1000) for _ in range(rnd.randrange(1, 60))]
+        seg.sample(ids, [0.0] * len(ids), [0] * len(ids), "stop")
+        if turn % 4 == 1:  # a refused turn: undone, then other tokens where it stood
+            if turn % 8 == 1:
+                seg.token_array()
+            rec.rollback(mark)
+            seg.insert([rnd.randrange(1000) for _ in range(rnd.randrange(1, 30))])
+        arr = seg.token_array()
+        assert arr.tolist() == seg.tokens and seg.token_bounds() == (min(seg.tokens), max(seg.tokens))
+        held.append((arr, list(seg.tokens)))
+        prompt = TokenIds(seg.input_ids, arr, seg.token_bounds(), more=seg.output_ids)
+        assert prompt == seg.tokens and prompt.array is arr and prompt.bounds == (min(seg.tokens), max(seg.tokens))
+    assert len(seg) > 1024
+    assert all(arr.tolist() == tokens for arr, tokens in held)  # later turns and rollbacks leave each as it was
+    with pytest.raises(ValueError, match="int64"):
+        TokenIds([1, 2], np.array([1, 2], dtype=np.int32))
+
+
+def test_trajectory_ids_from_the_segments_array_are_its_lists_and_an_id_past_int32_still_raises() -> None:
+    import numpy as np
+
+    rec = EpisodeRecording("p", 0, start_version=0)
+    seg, _ = rec.continue_with([5, -3, 7])
+    seg.token_array()
+    seg.sample([8, 9], [-1.0, -1.0], [1, 1], "stop")
+    seg.insert([2**31 - 1])  # appended after the last array: converted when the trajectory is made
+    (t,) = rec.trajectories()
+    assert t.input_ids.dtype == np.int32 and t.input_ids.tolist() == [5, -3, 7]
+    assert t.output_ids.dtype == np.int32 and t.output_ids.tolist() == [8, 9, 2**31 - 1]
+    seg.insert([2**31])
+    with pytest.raises(OverflowError):
+        rec.trajectories()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from rollpool.protocol.messages import Prompt, RecordedTurn, SamplingParams
 from rollpool.workers import EpisodeContext
@@ -133,9 +134,44 @@ def test_a_turns_digest_is_the_same_from_its_ids_as_a_list_or_as_their_array() -
     ids = [0, 1, 383, 70_000, 2**31 - 1, *range(5, 600)]
     held = TokenIds(ids)
     assert held == ids and held.array.dtype == np.int64 and held.array.tolist() == ids
-    assert request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    assert request_digest(held, sp) == request_digest(held.array, sp) == request_digest(ids, sp) != request_digest(ids[:-1], sp)
+    assert held.int32() is held.int32() and held.int32().dtype == np.dtype("<i4") and held.int32().tolist() == ids
     # what every worker has digested: the ids as little-endian int32, then the sampling's and the constraint's repr
     import hashlib
 
     h = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes() + repr(sp).encode() + repr(None).encode(), digest_size=8)
     assert request_digest(held.array, sp) == int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+async def test_a_turns_settings_are_the_last_turns_object_only_for_the_same_body_fields_of_the_same_types() -> None:
+    """The endpoint reuses the last turn's sampling settings (and so its digest's text) for a body whose fields are the
+    same values of the same types; a value equal but of another type, or a float zero (-0.0 equals 0.0), is read anew."""
+    import asyncio
+
+    from rollpool.workers.episodes.episode import Episode, EpisodeStats, request_digest
+    from rollpool.workers.episodes.toolcalls import get_tool_call_parser
+
+    episode = Episode(engine=ScriptedEngine(), prompt=_prompt(), sample_index=0, start_version=0, tokenizer=None,
+                      parser=get_tool_call_parser("hermes"), model_name="m", max_context_tokens=0, request_prefix="r",
+                      stats=EpisodeStats(), loop=asyncio.get_running_loop())
+    ids = [1, 2, 3]
+
+    def sampling(body: dict[str, Any]) -> SamplingParams:
+        return episode._body_sampling(body, chat_request=True)
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 5, "temperature": 1.0}
+    first = sampling(base)
+    assert sampling({**base, "messages": [{"role": "user", "content": "b"}]}) is first  # the messages are not read
+    assert sampling({**base, "temperature": 0.5}) is not first
+    for zero in (0.0, -0.0):
+        a, b = sampling({**base, "temperature": zero}), sampling({**base, "temperature": zero})
+        assert a is not b and repr(a) == repr(b)
+    assert repr(sampling({**base, "temperature": -0.0})) != repr(sampling({**base, "temperature": 0.0}))
+    plus, minus = sampling({**base, "temperature": 0.0}), sampling({**base, "temperature": -0.0})
+    assert request_digest(ids, plus) != request_digest(ids, minus)  # as every worker digested them: by their text
+    again = sampling(base)
+    assert again is not first and repr(again) == repr(first)  # read anew after other settings, the same text
+    from rollpool.workers.episodes.chat import EndpointError
+
+    with pytest.raises(EndpointError, match="max_tokens must be an integer"):  # equal to 5, but read anew: refused
+        sampling({**base, "max_tokens": 5.0})
