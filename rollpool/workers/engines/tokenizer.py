@@ -100,6 +100,10 @@ class _TemplateRenderer:
         return want
 
 
+_STR_FORMATS = frozenset({"format", "format_map"})
+"""The str methods jinja's sandbox wraps (their fields could reach any attribute): never on the lean template's fast paths."""
+
+
 def _lean_template(compiled: Any, source: str) -> Any:
     """`compiled` (transformers' template) compiled again from `source` in an overlay of its sandboxed environment that
     renders the same text with less work per rendering, or `compiled` itself where its environment is not the stock
@@ -157,7 +161,7 @@ def _lean_template(compiled: Any, source: str) -> Any:
 
     def getattr_(obj: Any, attribute: str) -> Any:
         kind = type(obj)
-        if kind in builtin_types and answers.get((kind, attribute)) and attribute not in ("format", "format_map"):
+        if kind in builtin_types and answers.get((kind, attribute)) and attribute not in _STR_FORMATS:
             try:
                 return getattr(obj, attribute)
             except AttributeError:
@@ -165,7 +169,8 @@ def _lean_template(compiled: Any, source: str) -> Any:
         return stock_getattr(obj, attribute)
 
     def call(__context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # the sandbox's names: no clash with kwargs
-        if type(__obj) is not types.BuiltinMethodType:
+        if type(__obj) is not types.BuiltinMethodType or (type(getattr(__obj, "__self__", None)) is str and __obj.__name__ in _STR_FORMATS):
+            # (a str's format methods take the stock path: jinja before 3.1.5 sandboxes them in `call`, not `getattr`)
             return stock_call(__context, __obj, *args, **kwargs)
         kwargs.pop("_block_vars", None)  # what the compiled template hands `Context.call` inside loops and blocks
         kwargs.pop("_loop_vars", None)

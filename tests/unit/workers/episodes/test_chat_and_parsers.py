@@ -470,3 +470,33 @@ def test_where_the_backend_answers_otherwise_on_first_use_transformers_encodes_a
         assert tokenizer_mod.encode_text(tok, "hello there") == tok.encode("hello there", add_special_tokens=False)
         assert tokenizer_mod.decode_ids(tok, [40, 41], False) == tok.decode([40, 41])
     assert codec.encode_ok is False and codec.decode_ok is False
+
+
+def test_the_lean_template_leaves_a_strs_format_methods_to_the_sandboxs_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jinja before 3.1.5 sandboxes ``str.format`` and ``format_map`` in `SandboxedEnvironment.call` (from 3.1.5 in
+    `getattr`): the lean template's fast call of built-in methods must hand those two to the stock call, whatever the
+    jinja, or a format field could reach any attribute (``'{0.__class__}'.format``)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from rollpool.workers.engines.tokenizer import _lean_template
+
+    stock_call = ImmutableSandboxedEnvironment.call
+
+    def old_jinja_call(__self: Any, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # as before 3.1.5
+        if getattr(__obj, "__name__", "") in ("format", "format_map") and isinstance(getattr(__obj, "__self__", None), str):
+            raise SecurityError("a str's format method is sandboxed in call")
+        return stock_call(__self, __context, __obj, *args, **kwargs)
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "call", old_jinja_call)
+    for source in ("{{ f(1) }}", "{{ f({'x': 1}) }}"):
+        compiled = ImmutableSandboxedEnvironment().from_string(source)
+        lean = _lean_template(compiled, source)
+        assert lean is not compiled
+        for template in (compiled, lean):
+            for f in ("{0.__class__}".format, "{x.__class__}".format_map):
+                with pytest.raises(SecurityError):
+                    template.render(f=f)
+    source = "{{ f() }}|{{ 'a b'.split()|length }}"
+    compiled = ImmutableSandboxedEnvironment().from_string(source)
+    assert _lean_template(compiled, source).render(f="a".upper) == compiled.render(f="a".upper) == "A|2"  # the fast call
