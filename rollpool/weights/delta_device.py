@@ -264,9 +264,12 @@ class DeviceBase:
                 del gaps
                 payload[pos * k :].copy_(torch.index_select(base, 0, idx).view(torch.uint8))  # the base holds the new values now
         done = None
+        pin_s = 0.0
         if payload is not None and payload.is_cuda:  # to the host on a stream of its own: the next bucket's diff goes on
             copier = self._copier(payload.device, stream)
+            t_pin = time.perf_counter()
             host = torch.empty(int(payload.numel()), dtype=torch.uint8, pin_memory=True)
+            pin_s = time.perf_counter() - t_pin
             with torch.cuda.stream(copier):
                 host.copy_(payload, non_blocking=True)
                 done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
@@ -277,7 +280,7 @@ class DeviceBase:
         assert enc is not None
         got: torch.Tensor | None = None if enc == UNCHANGED else (whole if enc == WHOLE else payload)
         ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
-                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4)})
+                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4)})
         return BucketDiff(ds, done)
 
 
