@@ -476,6 +476,7 @@ def test_the_lean_template_leaves_a_strs_format_methods_to_the_sandboxs_call(mon
     """jinja before 3.1.5 sandboxes ``str.format`` and ``format_map`` in `SandboxedEnvironment.call` (from 3.1.5 in
     `getattr`): the lean template's fast call of built-in methods must hand those two to the stock call, whatever the
     jinja, or a format field could reach any attribute (``'{0.__class__}'.format``)."""
+    pytest.importorskip("jinja2")
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
