@@ -94,7 +94,7 @@ class TokenIds(list[int]):
             self.extend(more)
         if array is not None and (array.dtype is not _INT64 and array.dtype != _INT64 or array.shape != (len(self),)):
             raise ValueError(f"TokenIds: the given array must be {len(self)} int64 ids, got {array.dtype} {array.shape}")
-        self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(ids, dtype=np.int64) if array is None else array
+        self.array: np.ndarray[Any, np.dtype[np.int64]] = np.array(self, dtype=np.int64) if array is None else array
         self.bounds = bounds
         self._int32: np.ndarray[Any, np.dtype[np.int32]] | None = None
 

@@ -521,3 +521,14 @@ def test_only_the_child_module_imports_sglang() -> None:
             if any(n == "sglang" or n.startswith("sglang.") for n in names):
                 importers.add(path.relative_to(root).as_posix())
     assert importers == {"workers/engines/sglang/server.py"}
+
+
+def test_token_ids_hold_the_ids_that_follow_in_their_array_too() -> None:
+    """`TokenIds(ids, more=...)` is the list of both; its array, when not given, is made of both as well (it was made of
+    `ids` alone, so an engine sending the array would have sent a shorter prompt than the list says)."""
+    both = TokenIds([1, 2], more=[3, 4])
+    assert list(both) == [1, 2, 3, 4] and both.array.tolist() == [1, 2, 3, 4] and both.int32().tolist() == [1, 2, 3, 4]
+    given = TokenIds([1, 2], np.array([1, 2, 3], dtype=np.int64), more=[3])
+    assert list(given) == given.array.tolist() == [1, 2, 3]
+    with pytest.raises(ValueError):
+        TokenIds([1, 2], np.array([1, 2], dtype=np.int64), more=[3])  # an array that is not the ids
