@@ -2,8 +2,8 @@
 the trainer's tensors are on the CPU and a worker stages the shared-memory bucket to its GPU) against its previous form
 and against one read of the same bytes, in GB/s, side by side in one run.
 
-- ``before``: the form up to session 19 (1 MiB slices, the last multiply by C2 on every word), written out here;
-- ``now``: `_mix64_cpu` (256 KiB slices, the multiply by C2 taken once on the sum);
+- ``before``: the previous form (1 MiB slices, the last multiply by C2 on every word), written out here;
+- ``now``: `_mix64_cpu` (the same 1 MiB slices, the multiply by C2 taken once on the sum);
 - ``limit``: numpy's sum of the same uint64 words (one pass, nothing mixed);
 each the median of ``--repeats`` rounds (the three interleaved in each round), on one thread and on ``--threads``
 threads at once (each its own buffer, as the publisher's checksum threads each take a bucket). ``all_equal``: every

@@ -546,10 +546,9 @@ def device_base_bytes(sd: dict[str, Any], bucket_bytes: int) -> int:
 
 def served_delta(served: Any) -> Any:
     """The delta a version is served with when the worker applied it: the complete one, or (a device-made delta served
-    early, minor 28) the early one, which holds its phases until the complete delta replaces it. Until 2026-12-07 the
-    bench read the complete one only, absent at apply time on every early-served version but a row's first (applied
-    after it): the steady versions' server phases (`early_mix_s` among them) were recorded as None, and a row's
-    medians were its first delta version's."""
+    early, minor 28) the early one, which holds its phases until the complete delta replaces it. The complete one
+    alone is absent at apply time on every early-served version but a row's first (applied after it), so reading only
+    it would leave the steady versions' server phases (`early_mix_s` among them) None."""
     if served is None:
         return None
     return served.delta or served.early

@@ -328,7 +328,8 @@ class DeltaSet:
     changed_elements: int
     total_elements: int
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds of each phase: ``compare_s`` (finding the changed elements), ``encode_s`` (writing positions and values)."""
+    """Seconds of each phase: ``compare_s`` (finding the changed elements), ``encode_s`` (writing positions and values;
+    a delta made on a GPU also ``pin_s``, of it: allocating the page-locked host buffer its payload is copied into)."""
 
     @property
     def wire_bytes(self) -> int:
