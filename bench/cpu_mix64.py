@@ -2,12 +2,12 @@
 the trainer's tensors are on the CPU and a worker stages the shared-memory bucket to its GPU) against its previous form
 and against one read of the same bytes, in GB/s, side by side in one run.
 
-- ``before``: the previous form (1 MiB slices, the last multiply by C2 on every word), written out here;
-- ``now``: `_mix64_cpu` (the same 1 MiB slices, the multiply by C2 taken once on the sum);
+- ``before``: the previous form, numpy on 1 MiB slices (`gpu._mix64_numpy`, still the fallback where no compiler is);
+- ``now``: `_mix64_cpu`: one compiled pass with the GIL released (`rollpool.weights.mix64_native`) where it builds;
 - ``limit``: numpy's sum of the same uint64 words (one pass, nothing mixed);
 each the median of ``--repeats`` rounds (the three interleaved in each round), on one thread and on ``--threads``
 threads at once (each its own buffer, as the publisher's checksum threads each take a bucket). ``all_equal``: every
-digest of ``now`` is ``before``'s. ``now_vs_before`` = before's time / now's.
+digest of ``now`` is ``before``'s. ``now_vs_before`` = before's time / now's; ``now_path`` says which path ``now`` took.
 
     python bench/cpu_mix64.py --json bench/results/cpu-mix64.json
 """
@@ -29,32 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _before(arr: Any) -> int:
-    """The previous form of `_mix64_cpu` for a whole bucket (base word 0, length a multiple of 8)."""
-    import numpy as np
-
-    from rollpool.weights import gpu
-
-    step = 128 * 1024
-    words = arr.view("<u8")
-    idx = np.arange(step, dtype=np.uint64)
-    v = np.empty(step, dtype=np.uint64)
-    t = np.empty(step, dtype=np.uint64)
-    total = 0
-    with np.errstate(over="ignore"):
-        for start in range(0, words.size, step):
-            x = words[start : start + step]
-            vv, tt = v[: x.size], t[: x.size]
-            np.add(x, idx[: x.size], out=vv)
-            vv += np.uint64(start)
-            vv *= np.uint64(gpu._C1)
-            np.right_shift(vv, np.uint64(gpu._SHIFT), out=tt)
-            vv ^= tt
-            vv *= np.uint64(gpu._C2)
-            total += int(vv.sum(dtype=np.uint64))
-    return total & gpu._MASK64
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=512, help="bytes per buffer (a bucket's default size)")
@@ -66,13 +40,13 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from rollpool.weights import gpu
+    from rollpool.weights import gpu, mix64_native
 
     n = args.mib << 20
     rng = np.random.default_rng(0)
     bufs = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for _ in range(max(1, args.threads))]
     forms = {
-        "before": lambda b: _before(b.numpy()),
+        "before": lambda b: gpu._mix64_numpy(b.numpy(), 0),
         "now": lambda b: gpu._mix64_cpu(b, 0),
         "limit": lambda b: int(b.numpy().view("<u8").sum(dtype=np.uint64)),
     }
@@ -99,7 +73,8 @@ def main() -> int:
             "now_vs_limit": round(med["limit"] / med["now"], 3),
         }
     result = {
-        "what": "bench/cpu_mix64.py: the CPU mix64 of a bucket (numpy) against its previous form and one read of the bytes",
+        "what": "bench/cpu_mix64.py: the CPU mix64 of a bucket against its previous form (numpy) and one read of the bytes",
+        "now_path": f"compiled ({mix64_native.library_path()})" if mix64_native.enabled() else "numpy (no compiled sum here)",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "simulated": False,
         "mib_per_buffer": args.mib,

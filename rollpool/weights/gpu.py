@@ -15,7 +15,8 @@ does not change it; mixing in the index catches moved words, and any single chan
 (the multipliers are odd, so the mix is a bijection). It catches corruption on the way, like xxh3; it is
 no defence against tampering (CURVE keeps that out). On CUDA one fused pass (`rollpool.weights.mix64_kernel`, a
 Triton kernel, compared with the torch ops before its first sum on each device: `self_check`) where it runs, else torch ops in slices of
-`MIX64_SLICE_WORDS` to bound temporaries; on the CPU numpy (`_mix64_cpu`).
+`MIX64_SLICE_WORDS` to bound temporaries; on the CPU one compiled pass (`rollpool.weights.mix64_native`) where it
+builds, else numpy (`_mix64_cpu`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import CudaIpcBuffer
-from rollpool.weights import mix64_kernel
+from rollpool.weights import mix64_kernel, mix64_native
 
 __all__ = [
     "MIX64",
@@ -46,6 +47,7 @@ __all__ = [
     "self_check",
     "side_stream",
     "warm_up",
+    "warm_up_host_in_background",
     "warm_up_in_background",
 ]
 
@@ -158,12 +160,28 @@ def _fused(data: torch.Tensor, base_word: int) -> torch.Tensor | None:
 
 
 def _mix64_cpu(data: torch.Tensor, base_word: int) -> int:
-    """`mix64_partial` of a CPU tensor, as an unsigned int: numpy on cache-sized slices with temporaries made once per
-    call (one thread each, the GIL released in every operation: the publisher's checksum threads run side by side
-    without torch's intra-op threads oversubscribing the cores, seen on the H100 host as 0.67 GB/s a thread)."""
+    """`mix64_partial` of a CPU tensor, as an unsigned int: one compiled pass with the GIL released where it builds
+    (`rollpool.weights.mix64_native`; the publisher's checksum threads then sum side by side), else `_mix64_numpy`."""
     import numpy as np
 
     arr = data.numpy()
+    if not (arr.flags.c_contiguous and mix64_native.enabled()):
+        return _mix64_numpy(arr, base_word)
+    n = int(arr.size)
+    words = n // 8
+    total = mix64_native.mix_words(arr, words, base_word) if words else 0
+    if n > words * 8:  # the tail, zero-padded to a word
+        pad = np.zeros(8, dtype=np.uint8)
+        pad[: n - words * 8] = arr[words * 8 :]
+        total += mix64_native.mix_words(pad, 1, base_word + words)
+    return (total * _C2) & _MASK64  # x C2 once on the sum: multiplying is distributive modulo 2^64
+
+
+def _mix64_numpy(arr: Any, base_word: int) -> int:
+    """The same sum of a uint8 numpy array in numpy, on cache-sized slices with temporaries made once per call (one
+    thread each, the GIL taken in and out of every operation: on the H100 host 1.2 GB/s a checksum thread)."""
+    import numpy as np
+
     n = int(arr.size)
     words = n // 8
     step = max(1, min(MIX64_SLICE_WORDS, MIX64_CPU_SLICE_WORDS))
@@ -273,6 +291,18 @@ def warm_up_in_background(device: torch.device | str) -> None:
             _log.debug("warming the checksum kernels up on %s failed", device, exc_info=True)
 
     threading.Thread(target=warm, name="weights-gpu-warm", daemon=True).start()
+
+
+def warm_up_host_in_background() -> None:
+    """The compiled CPU mix64 built and checked (`mix64_native`: a compiler's run the first time on a machine) in a
+    thread of its own, so a publisher's first version of CPU tensors does not wait for it; nothing after the first call."""
+    if _host_warmed.is_set():
+        return
+    _host_warmed.set()
+    threading.Thread(target=mix64_native.enabled, name="weights-mix64-build", daemon=True).start()
+
+
+_host_warmed = threading.Event()
 
 
 def self_check(device: torch.device) -> bool:

@@ -74,7 +74,7 @@ from rollpool.weights.bucketing import (
 )
 from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
 from rollpool.weights.delta import DeltaSet
-from rollpool.weights.gpu import warm_up_in_background
+from rollpool.weights.gpu import warm_up_host_in_background, warm_up_in_background
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
 from rollpool.weights.memory import BufferPool, host_key, wait_released
 from rollpool.weights.paths.base import Attr
@@ -685,9 +685,12 @@ class WeightPublisher(ServingFace):
 
 def _warm_kernels(items: Any) -> None:
     """From a trainer's first version of CUDA tensors on, the checksum kernels are built on its GPU in the background
-    (a later version's GPU sums then do not wait for the build: ~2.6 s on a fresh machine for the fused mix64)."""
+    (a later version's GPU sums then do not wait for the build: ~2.6 s on a fresh machine for the fused mix64); from
+    its first version of CPU tensors on, the compiled CPU mix64 (a compiler's run where not built on this machine yet)."""
     if _on_cuda(items):
         warm_up_in_background(items[0][1].device)
+    else:
+        warm_up_host_in_background()
 
 
 def _on_cuda(items: Any) -> bool:
