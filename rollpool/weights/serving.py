@@ -735,14 +735,20 @@ class WeightServer:
         if seg is None:
             pool.give([buf])
             raise ValueError("the delta's buffer is not a shared-memory segment")
+        out = buf.numpy()
+
+        def put(src: BucketSource, at: int, n: int) -> None:
+            data = src.read(0, n) if n else b""
+            if data is None:
+                raise ValueError("a delta's encoded bytes are not all there")
+            out[at : at + n] = np.frombuffer(data, dtype=np.uint8, count=n)
+
         try:
             seg.begin_write()
-            out = buf.numpy()
-            for src, at, n in zip(made.payload.sources, offsets, sizes, strict=True):
-                data = src.read(0, n) if n else b""
-                if data is None:
-                    raise ValueError("a delta's encoded bytes are not all there")
-                out[at : at + n] = np.frombuffer(data, dtype=np.uint8, count=n)
+            # the buckets' copies side by side in the delta's threads (numpy copies without the GIL; their parts are
+            # all done by now, so none of them waits for this thread): one thread wrote 0.6 GB at 8B in ~0.13 s
+            for f in [self._delta_threads().submit(put, *job) for job in zip(made.payload.sources, offsets, sizes, strict=True)]:
+                f.result()
             seg.end_write(version)
         except BaseException:
             pool.give([buf])
