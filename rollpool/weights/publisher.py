@@ -598,8 +598,10 @@ class WeightPublisher(ServingFace):
         base = self._server.versions.get(snap.version - 1)
         device = items[0][1].device
         after = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the trainer's stream, on its thread
+        early = snap.mix and all(snap.mix_aligned)  # the delta served early: its result's sums queued behind the diff
         try:
-            made = await asyncio.to_thread(self._delta_base.diff, snap.version, snap.served.buckets, places, items, list(snap.buffers), after)
+            made = await asyncio.to_thread(functools.partial(self._delta_base.diff, mix=early), snap.version, snap.served.buckets, places, items,
+                                           list(snap.buffers), after)
         except Exception as exc:  # noqa: BLE001 - the host path serves the version
             self._delta_broken = f"{type(exc).__name__}: {exc}"
             log.error("weight publisher %s: the device diff failed (%s); deltas are made on the host from now on", self.publisher_id,
@@ -612,7 +614,7 @@ class WeightPublisher(ServingFace):
             parts = [functools.partial(_device_part, d, self.checksum_algorithm) for d in made]
             if self._server.take_delta_parts(snap.served, base, parts):
                 self.delta_device_versions += 1
-                if snap.mix and all(snap.mix_aligned):
+                if early:
                     self._server.early_coming(snap.version)  # the complete delta waits for the early one: the same delta
                     self._base_mixer = asyncio.ensure_future(self._serve_early(snap.version, places))
         return self._delta_base.views(places)

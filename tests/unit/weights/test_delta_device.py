@@ -187,3 +187,26 @@ def test_the_base_s_mix64_of_every_bucket_is_the_reference_of_its_bytes(device: 
     assert not _tiles([(0, 8), (16, 8)], 24) and not _tiles([(0, 6), (6, 8)], 14) and not _tiles([(0, 8)], 16)
     assert _tiles([(8, 5), (0, 8)], 13) and _tiles([], 0)
     assert base.mix64s(places) == [mix64_reference(bytes(h.numpy())) for h in host]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sums_queued_by_the_diff_are_the_new_versions_and_taken_once(device: str) -> None:
+    """`diff(mix=True)` queues the base's sums behind the diff (the early delta's `host_mix64`, launched while the
+    trainer waits anyway): `mix64s` returns the sums of the version the diff wrote, not of the one before, and a
+    later call sums again (the queued sums are taken once); a diff without a delta queues none."""
+    from rollpool.weights.gpu import mix64_reference
+
+    v1 = _model(device)
+    items1, places, infos = _plan(v1, 8192)
+    base = DeviceBase(GpuBudget(1 << 30))
+    base.diff(1, infos, places, items1, _host(items1, places, infos), mix=True)
+    assert base._mixed is None  # the first version: no delta made, nothing queued
+    v2 = _next(v1, 1)
+    items2, _places, _infos = _plan(v2, 8192)
+    host2 = _host(items2, places, infos)
+    assert base.diff(2, infos, places, items2, host2, mix=True) is not None
+    assert base._mixed is not None
+    want = [mix64_reference(bytes(h.numpy())) for h in host2]
+    assert want != [mix64_reference(bytes(h.numpy())) for h in _host(items1, places, infos)]
+    assert base.mix64s(places) == want
+    assert base._mixed is None and base.mix64s(places) == want  # summed again from the base
