@@ -78,6 +78,7 @@ class WeightPathConfig:
     publisher_gpu_budget_bytes: int | None = field(default=None, metadata={"help": "the most GPU memory a publisher allocates on the trainer's GPU for weight paths (None: two buckets and the ring's checksum scratch)"})
     weight_delta: bool = field(default=False, metadata={"help": "delta versions (off by default until measured at 8B on the GPU): a subscriber holding the previous version asks for the changed elements only; a server offers them"})
     weight_delta_max_fraction: float = field(default=0.5, metadata={"help": "a delta whose encoded bytes pass this fraction of the version's goes out as a full version, 0..1"})
+    weight_delta_wait_s: float = field(default=1.0, metadata={"help": "a server answers a request parked for a version's delta with the full version once the version has been complete this long without its delta made, 0..600 (0: at once)"})
     weight_delta_threads: int = field(default=0, metadata={"help": "threads that make a delta version (a server) and rebuild one (a subscriber), 0..64 (0: weight_copy_threads)"})
     weight_delta_on_device: bool = field(default=True, metadata={"help": "with deltas on, a worker whose engine stages to CUDA keeps the version it applied on its GPU (the staging copy, 1 x the model's bytes, kept instead of dropped) and rebuilds delta versions there, verified there (off: on the host)"})
 
@@ -95,6 +96,8 @@ class WeightPathConfig:
             raise ConfigError(f"{owner}.publisher_gpu_budget_bytes must be >= 0 or None (two buckets), got {self.publisher_gpu_budget_bytes}")
         if not 0.0 <= self.weight_delta_max_fraction <= 1.0:
             raise ConfigError(f"{owner}.weight_delta_max_fraction must be in [0, 1], got {self.weight_delta_max_fraction}")
+        if not 0.0 <= self.weight_delta_wait_s <= 600.0:
+            raise ConfigError(f"{owner}.weight_delta_wait_s must be in [0, 600] seconds, got {self.weight_delta_wait_s}")
         if not 0 <= self.weight_copy_threads <= 64:
             raise ConfigError(f"{owner}.weight_copy_threads must be in [0, 64] (0: automatic), got {self.weight_copy_threads}")
         if not 0 <= self.weight_delta_threads <= 64:

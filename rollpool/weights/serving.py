@@ -147,6 +147,8 @@ class ServedVersion:
     delta_settling: bool = False
     """`make_delta` has begun: no delta is served early from then on (it serves the complete one)."""
     waiting_delta: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
+    delta_overdue: bool = False
+    """Its delta is still being made `WeightServer.delta_wait_s` after it was complete: askers get the full version."""
     waiting_mix64: list[tuple[bytes, ManifestRequest]] = field(default_factory=list)
     """Manifest requests (``after_mix64``) parked until the version carries more GPU checksums of its host bytes."""
     delta_parts: dict[int, tuple[ServedVersion, Future[tuple[DeltaSet, str]]]] = field(default_factory=dict)
@@ -378,6 +380,11 @@ class WeightServer:
         self.delta_threads = cfg.delta_threads
         self.delta_max_fraction = cfg.weight_delta_max_fraction
         """A delta whose encoded bytes pass this fraction of the version's goes out as a full version."""
+        self.delta_wait_s = cfg.weight_delta_wait_s
+        """How long after its version is complete a delta may keep its askers waiting (`start_delta`): then they get the
+        full version (a delta made on the host at 8B took ~5 s on the H100 host, its full version ~1.4 s over tcp)."""
+        self.delta_waits_ended = 0
+        """Manifest requests parked for a delta answered with the full version when `delta_wait_s` ran out."""
         self._deltas: set[asyncio.Task[Any]] = set()
         """Delta computations running (`start_delta`), cancelled by `close`."""
         self._delta_pool: ThreadPoolExecutor | None = None
@@ -555,6 +562,21 @@ class WeightServer:
             task = asyncio.ensure_future(self.make_delta(version, algorithm=algorithm))
             self._deltas.add(task)
             task.add_done_callback(self._deltas.discard)
+            asyncio.get_running_loop().call_later(self.delta_wait_s, self._delta_overdue, v)
+
+    def _delta_overdue(self, v: ServedVersion) -> None:
+        """`delta_wait_s` after `v` was complete: if its delta is still being made, the requests parked for it get the
+        full version now, and later ones do not wait (the delta, once made, is served to those that ask after)."""
+        if self.versions.get(v.version) is not v or v.delta_state != "pending":
+            return
+        v.delta_overdue = True
+        waiting, v.waiting_delta = v.waiting_delta, []
+        if waiting:
+            log.info("%s: the delta of weight version %d is not made %.1f s after the version was; %d waiting get the full version",
+                     self.name, v.version, self.delta_wait_s, len(waiting))
+        for ident, req in waiting:
+            self.delta_waits_ended += 1
+            self._answer_manifest(ident, req, v)
 
     async def make_delta(self, version: int, *, algorithm: str | None = None) -> DeltaServed | None:
         """Compute `version`'s delta against the version before it from the bytes this server holds (off the loop, in
@@ -992,7 +1014,7 @@ class WeightServer:
         if req.after_mix64 >= 0 and v.mix64_waits(req.after_mix64):
             self._park(ident, req, v.waiting_mix64)
             return
-        if req.delta_base >= 0 and req.delta_base == v.version - 1 and v.delta_state == "pending":
+        if req.delta_base >= 0 and req.delta_base == v.version - 1 and v.delta_state == "pending" and not v.delta_overdue:
             if not (req.device_verify and v.early is not None and v.early.base == req.delta_base):
                 self._park(ident, req, v.waiting_delta)
                 return
@@ -1095,7 +1117,7 @@ class WeightServer:
         d = self.last_delta
         return {"bytes_served": self.bytes_served, "chunks_served": self.chunks_served, "dropped_replies": self.dropped_replies,
                 "protocol_errors": self.protocol_errors, "delta_manifests_served": self.deltas_served,
-                "full_manifests_to_delta_askers": self.full_served_to_delta_askers,
+                "full_manifests_to_delta_askers": self.full_served_to_delta_askers, "delta_waits_ended": self.delta_waits_ended,
                 "last_delta_version": int(d.get("version", -1)), "last_delta_wire_bytes": int(d.get("wire_bytes", 0)),
                 "last_delta_changed_ppm": round(float(d.get("changed_fraction", 0.0)) * 1e6)}
 

@@ -259,6 +259,34 @@ async def test_a_late_joiner_and_a_subscriber_that_skipped_a_version_get_full_ve
     assert early.delta_versions == 0 and pub._server.full_served_to_delta_askers >= 1
 
 
+async def test_a_delta_not_made_in_time_leaves_its_askers_the_full_version(make_publisher: Any, make_subscriber: Any,
+                                                                            sub_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subscriber holding the base waits for the delta at most `weight_delta_wait_s` after the version is complete,
+    then gets the full version (at 8B a delta made on the host kept a worker waiting 5 s for a version whose full bytes
+    were ready and checksummed after 0.6 s)."""
+    from rollpool.weights.serving import WeightServer
+
+    settling = WeightServer._settling
+
+    async def slow(v: Any) -> None:  # the delta takes 1.5 s to be made
+        await asyncio.sleep(1.5)
+        await settling(v)
+
+    monkeypatch.setattr(WeightServer, "_settling", staticmethod(slow))
+    monkeypatch.setenv("ROLLPOOL_WEIGHT_DELTA_WAIT_S", "0.1")
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, path=sub_path)
+    m1 = _model()
+    await pub.publish(m1, 1, wait_ready=True)
+    sub.recycle(await sub.fetch(1))
+    m2 = _step(m1, 2)
+    await pub.publish(m2, 2, wait_ready=True)
+    assert pub._server.versions[2].delta_state == "pending"
+    wv = await sub.fetch(2)  # (had it waited for the delta, it would have got it: delta_base 1)
+    assert _same(wv.tensors, m2) and wv.manifest.delta_base == -1 and sub.last_path == sub_path
+    assert pub.stats["delta_waits_ended"] == 1 and pub._server.full_served_to_delta_askers == 1
+
+
 async def _restarted(make_publisher: Any, endpoint: str, pub_endpoint: str) -> Any:
     """A publisher on the endpoints of one just closed: ZeroMQ releases a closed socket's port in its I/O thread, a little
     later, so the rebind is tried again while the port is still held."""

@@ -127,11 +127,11 @@ async def test_a_device_that_fails_leaves_the_host_path_with_the_reason_said(mak
     real = delta_device.DeviceBase.diff
     calls = []
 
-    def failing(self: Any, version: int, *a: Any) -> Any:
+    def failing(self: Any, version: int, *a: Any, **kw: Any) -> Any:
         calls.append(version)
         if version == 2:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real(self, version, *a)
+        return real(self, version, *a, **kw)
 
     monkeypatch.setattr(delta_device.DeviceBase, "diff", failing)
     for version in (1, 2, 3):
