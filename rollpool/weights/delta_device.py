@@ -239,7 +239,7 @@ class DeviceBase:
         compare = had >= 0 and had == version - 1
         self._allocate(buckets, device)
         self.version = -1
-        self._mixed = None
+        unread, self._mixed = self._mixed, None  # sums queued by the last diff and never taken: they may still read the base
         by_bucket: list[list[tuple[int, torch.Tensor]]] = [[] for _ in buckets]
         for (idx, offset, name, shape, dtype, nbytes), (got, tensor) in zip(places, items, strict=True):
             if got != name or tuple(int(x) for x in tensor.shape) != tuple(shape) or dtype_name(tensor.dtype) != dtype:
@@ -249,6 +249,8 @@ class DeviceBase:
         stream = side_stream(device) if device.type == "cuda" else None
         if stream is not None:
             stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
+            if unread is not None and unread[0] is not None:
+                stream.wait_event(unread[0])  # the base is written only once they have read it
         out: list[BucketDiff | None] = []
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for b, tensors, whole in zip(buckets, by_bucket, wholes, strict=True):
