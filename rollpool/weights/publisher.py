@@ -102,7 +102,10 @@ from rollpool.weights.snapshot import (
     warm_segments,
 )
 
-__all__ = ["WeightPublisher", "layout_of"]
+__all__ = ["EARLY_FIRST_S", "WeightPublisher", "layout_of"]
+
+EARLY_FIRST_S = 0.5
+"""The longest the host copy of a device-made delta version waits for the delta to be served early first (`_finish_device`)."""
 
 log = logging.getLogger(__name__)
 
@@ -634,7 +637,14 @@ class WeightPublisher(ServingFace):
 
     async def _finish_device(self, snap: Snapshot, views: list[tuple[str, torch.Tensor]], t0: float, copied: float) -> None:
         """After the device diff: the version's host buckets copied from the device base (the trainer's tensors may have
-        changed by now; the base holds the version) and checksummed as usual."""
+        changed by now; the base holds the version) and checksummed as usual. Where a delta is served early, the copy
+        begins once it is (at most `EARLY_FIRST_S` later): issuing the whole model's copies takes the event loop and the
+        GIL for tenths of a second at 8B, and the early delta's parts, its sums and its answer waited behind them (on an
+        H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work)."""
+        early = self._base_mixer
+        if early is not None and not early.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([early], timeout=EARLY_FIRST_S)
         try:
             await snap.copy(views)
         except BaseException as exc:
