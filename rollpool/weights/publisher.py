@@ -641,16 +641,20 @@ class WeightPublisher(ServingFace):
         begins once it is (at most `EARLY_FIRST_S` later): issuing the whole model's copies takes the event loop and the
         GIL for tenths of a second at 8B, and the early delta's parts, its sums and its answer waited behind them (on an
         H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work)."""
-        early = self._base_mixer
-        if early is not None and not early.done():
-            with contextlib.suppress(BaseException):
-                await asyncio.wait([early], timeout=EARLY_FIRST_S)
+        await self._early_first()
         try:
             await snap.copy(views)
         except BaseException as exc:
             self._withdraw(snap, exc, "the host copy from the device base")
             raise
         await self._finish(snap, t0, copied)
+
+    async def _early_first(self) -> None:
+        """Until the early delta under way is served (`_serve_early`), `EARLY_FIRST_S` at most."""
+        early = self._base_mixer
+        if early is not None and not early.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([early], timeout=EARLY_FIRST_S)
 
     def _withdraw(self, snap: Snapshot, exc: BaseException, what: str) -> None:
         """A version whose copy after the trainer's wait failed (`what`): no longer served (logged unless cancelled)."""

@@ -134,3 +134,34 @@ async def test_an_early_delta_that_fails_its_gpu_check_ends_in_the_verified_full
     v2 = await asyncio.wait_for(fetching, 30)
     assert v2.manifest.delta_base == -1 and all(b.checksum for b in v2.manifest.buckets)
     assert _same(v2.tensors, model) and held.holds(pub.publisher_id, 2) and sub.delta_device_versions == 0
+
+
+async def test_the_host_copy_begins_once_the_early_delta_is_served(make_publisher: Any, make_subscriber: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The version's host copy from the device base waits for the early delta to be served (issuing the whole model's
+    copies took the event loop and the GIL beside the early delta's parts at 8B); a delta that is not served early
+    holds it at most `EARLY_FIRST_S`."""
+    from rollpool.weights import publisher as publisher_mod
+    from rollpool.weights.snapshot import Snapshot
+
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    _on_gpu(sub)
+    model = _step(await _first_version(pub, sub), 2)
+    seen: list[tuple[int, int]] = []
+    copy = Snapshot.copy
+
+    async def watched(self: Snapshot, items: Any) -> None:
+        seen.append((self.version, pub._server.early_deltas))
+        await copy(self, items)
+
+    monkeypatch.setattr(Snapshot, "copy", watched)
+    await pub.publish(model, 2, wait_ready=True)
+    assert seen == [(2, 1)]  # served early before the host copy began
+    # an early delta that never comes (its task never ends) holds the host copy EARLY_FIRST_S at most
+    monkeypatch.setattr(publisher_mod, "EARLY_FIRST_S", 0.05)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pub._base_mixer = never
+    await asyncio.wait_for(pub._early_first(), 5)
+    assert not never.done()
+    never.cancel()
