@@ -168,7 +168,7 @@ class HopClient:
         self._raw_send: Any = base.send
         self._raw_recv: Any = base.recv
         self._raw_get: Any = base.get
-        self._EVENTS, self._RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+        self._EVENTS = int(zmq.EVENTS)
         self._POLLIN, self._POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
         self._NOBLOCK, self._MORE = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
         self._loop.add_reader(self._fd, self._on_events)
@@ -186,9 +186,13 @@ class HopClient:
                             w.set_result(None)
                 if not events & self._POLLIN:
                     return
-                frames = [recv(sock, self._NOBLOCK)]  # recv_multipart's loop: a message's parts arrive together
-                while get(sock, self._RCVMORE):
-                    frames.append(recv(sock, self._NOBLOCK))
+                # recv_multipart's loop (a message's parts arrive together), each part's "more" read from its frame:
+                # the socket's RCVMORE option goes through pyzmq's option enum in Python, a part at a time
+                frame = recv(sock, self._NOBLOCK, copy=False)
+                frames = [frame.bytes]
+                while frame.more:
+                    frame = recv(sock, self._NOBLOCK, copy=False)
+                    frames.append(frame.bytes)
                 self._answer(frames)
         except zmq.Again:
             return
