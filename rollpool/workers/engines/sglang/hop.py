@@ -129,9 +129,9 @@ class HopClient:
     The DEALER is a plain (blocking-API) ZeroMQ socket driven from the event loop: a call is one non-blocking send,
     and answers are drained by a reader on the socket's file descriptor, without a future per send and per receive
     (what ``zmq.asyncio`` makes: about a tenth of the worker's CPU per episode turn went to it). ZeroMQ's descriptor
-    signals edges, so the socket's events are read again after every send (an answer that arrived meanwhile would
-    otherwise wait for the next edge). A send that ZeroMQ cannot queue now (its high-water mark) waits for the socket
-    to become writable, within the call's timeout.
+    signals edges, so the socket's events are read again once after the sends of each pass of the loop (an answer that
+    arrived meanwhile would otherwise wait for the next edge). A send that ZeroMQ cannot queue now (its high-water mark)
+    waits for the socket to become writable, within the call's timeout.
 
     The socket is driven through pyzmq's compiled socket methods with plain integer flags and options: its Python
     layer (``send_multipart``, ``recv_multipart``) checks every frame and combines its flag enums in Python, which cost
@@ -159,6 +159,8 @@ class HopClient:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._writable: list[asyncio.Future[None]] = []
+        self._drain_soon = False
+        """`_drain_after_sends` is scheduled (once a pass, however many calls were sent in it)."""
         self._closed = False
         self._failed: BaseException | None = None
         self._loop = asyncio.get_running_loop()
@@ -261,8 +263,15 @@ class HopClient:
                 self._loop.call_soon(self._on_events)  # it may be writable already (an edge that went unseen)
                 async with asyncio.timeout_at(deadline):
                     await room
-        if self._raw_get(self._sock, self._EVENTS) & self._POLLIN:  # the send took the descriptor's edge: drain now
-            self._loop.call_soon(self._on_events)
+        if not self._drain_soon:  # a send may take the descriptor's edge: read the events once after this pass's sends
+            self._drain_soon = True
+            self._loop.call_soon(self._drain_after_sends)
+
+    def _drain_after_sends(self) -> None:
+        """`_on_events` once after a pass of the loop that sent (the sends of one pass each read the socket's events
+        before, every read going through pyzmq's option enum in Python)."""
+        self._drain_soon = False
+        self._on_events()
 
     def _send_frames(self, frames: list[Any]) -> None:
         """``send_multipart(frames, NOBLOCK, copy=False)``: `zmq.Again` when the first frame cannot be queued (ZeroMQ
