@@ -558,7 +558,8 @@ class Worker:
             beat = self.session.heartbeat(self._now())
             if beat is not None:
                 await self.link.send(beat)
-            self.metrics.publish_state("worker", self.worker_id, self._state_fields(self.session.state), ttl_s=ttl_s)
+            if type(self.metrics) is not NullMetricsSink:  # the fields are built only for a sink that takes them
+                self.metrics.publish_state("worker", self.worker_id, self._state_fields(self.session.state), ttl_s=ttl_s)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _weights_loop(self) -> None:
