@@ -229,9 +229,9 @@ class _Codec:
         """The ids the backend's decode drops with ``skip_special_tokens`` (its added tokens marked special)."""
         self.token_texts: dict[int, str] = {}
         """One token decoded alone (with its special text), for `decode_reply`."""
-        self.tables: tuple[dict[int, bytes], dict[int, bytes]] | None | bool = None
-        """`_tables`: (id -> bytes keeping special tokens, id -> bytes skipping them), False where not taken; None until
-        built."""
+        self.tables: tuple[dict[int, bytes], dict[int, bytes]] | None = None
+        """`_tables`: (id -> bytes keeping special tokens, id -> bytes skipping them); None until built or where not taken."""
+        self.tables_built = False
 
     def _tables(self) -> tuple[dict[int, bytes], dict[int, bytes]] | None:
         """Each model token's bytes, for a backend whose decoder is one ``ByteLevel`` and whose decode is checked
@@ -241,14 +241,14 @@ class _Codec:
         the table (a decode holding one keeping special tokens is the backend's: it decodes around them), except that
         the second table reads the special ones as nothing (what ``skip_special_tokens`` does: the bytes on both sides
         are read together). Built once; checked against the backend on sampled tokens, on every byte alone and on a
-        character split around a skipped special token; any difference, and it is False (the backend decodes)."""
-        if self.tables is None:
-            self.tables = False
+        character split around a skipped special token; any difference, and there is none (the backend decodes)."""
+        if not self.tables_built:
+            self.tables_built = True
             try:
-                self.tables = self._build_tables() or False
+                self.tables = self._build_tables()
             except Exception as exc:  # noqa: BLE001 - an unexpected tokenizer: the backend decodes, as before
                 log.debug("no byte table for this tokenizer: %s", exc)
-        return self.tables or None
+        return self.tables
 
     def _build_tables(self) -> tuple[dict[int, bytes], dict[int, bytes]] | None:
         from tokenizers.decoders import ByteLevel
