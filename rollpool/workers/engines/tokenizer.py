@@ -20,7 +20,7 @@ would set it for the call (no truncation, no padding, its special-token splittin
 clean-up; the first of each is checked against the transformers call. Any other tokenizer: the transformers call.
 Where the backend's decoder is one ``ByteLevel`` (GPT-2 style byte-level BPE: Llama 3, Qwen, ...), a decode of model
 tokens (special ones skipped or not, no other added token kept) is the UTF-8 reading of their bytes from a table made
-once and checked against the backend (`_Codec._tables`): the same text, about a third of the backend's time.
+once and checked against the backend (`_Codec._table`): the same text, about a third of the backend's time.
 """
 
 from __future__ import annotations
@@ -229,68 +229,70 @@ class _Codec:
         """The ids the backend's decode drops with ``skip_special_tokens`` (its added tokens marked special)."""
         self.token_texts: dict[int, str] = {}
         """One token decoded alone (with its special text), for `decode_reply`."""
-        self.tables: tuple[dict[int, bytes], dict[int, bytes]] | None = None
-        """`_tables`: (id -> bytes keeping special tokens, id -> bytes skipping them); None until built or where not taken."""
-        self.tables_built = False
+        self.table: tuple[dict[int, bytes], frozenset[int]] | None = None
+        """`_table`: (id -> the token's bytes, the special ids in it as ``b""``); None until built or where not taken."""
+        self.table_built = False
 
-    def _tables(self) -> tuple[dict[int, bytes], dict[int, bytes]] | None:
+    def _table(self) -> tuple[dict[int, bytes], frozenset[int]] | None:
         """Each model token's bytes, for a backend whose decoder is one ``ByteLevel`` and whose decode is checked
         (`decode_ok`): its decode is then the UTF-8 reading (invalid bytes replaced as Python's ``replace`` does, as
         Rust's lossy reading does) of the tokens' bytes in order, which `_joined` makes from this table without
         converting each id to a Rust string and back (about a third of the backend's time). Added tokens are not in
-        the table (a decode holding one keeping special tokens is the backend's: it decodes around them), except that
-        the second table reads the special ones as nothing (what ``skip_special_tokens`` does: the bytes on both sides
-        are read together). Built once; checked against the backend on sampled tokens, on every byte alone and on a
-        character split around a skipped special token; any difference, and there is none (the backend decodes)."""
-        if not self.tables_built:
-            self.tables_built = True
+        the table (a decode keeping one is the backend's: it decodes around them), except the special ones as nothing,
+        for a decode that skips them (``skip_special_tokens``: the bytes on both sides are read together). Built once;
+        checked against the backend on sampled tokens, on every byte alone and on a character split around a skipped
+        special token; any difference, and there is none (the backend decodes)."""
+        if not self.table_built:
+            self.table_built = True
             try:
-                self.tables = self._build_tables()
+                self.table = self._build_table()
             except Exception as exc:  # noqa: BLE001 - an unexpected tokenizer: the backend decodes, as before
                 log.debug("no byte table for this tokenizer: %s", exc)
-        return self.tables
+        return self.table
 
-    def _build_tables(self) -> tuple[dict[int, bytes], dict[int, bytes]] | None:
+    def _build_table(self) -> tuple[dict[int, bytes], frozenset[int]] | None:
         from tokenizers.decoders import ByteLevel
 
         b = self.backend
         if self.decode_ok is not True or type(b.decoder) is not ByteLevel:
             return None
         to_byte = {c: i for i, c in _byte_alphabet().items()}
-        keep: dict[int, bytes] = {}
+        table: dict[int, bytes] = {}
         for token, i in b.get_vocab(with_added_tokens=False).items():
             try:
-                keep[i] = bytes([to_byte[c] for c in token])
+                table[i] = bytes([to_byte[c] for c in token])
             except KeyError:  # a character outside the byte alphabet: such a token's decode is the backend's
                 continue
         added = b.get_added_tokens_decoder()
         for i in added:
-            keep.pop(i, None)
-        skip = dict(keep)
-        skip.update((i, b"") for i, t in added.items() if t.special)
+            table.pop(i, None)
+        specials = frozenset(i for i, t in added.items() if t.special)
         # checked: sampled tokens alone, every single byte, and a character split around a skipped special token
-        step = max(1, len(keep) // 256)
-        sample = sorted(keep)[::step]
-        single = {byte: i for i, tb in keep.items() if len(tb) == 1 for byte in tb}
-        special = next((i for i, t in added.items() if t.special), None)
-        if len(single) < 256 or special is None:
+        step = max(1, len(table) // 256)
+        sample = sorted(table)[::step]
+        single = {byte: i for i, tb in table.items() if len(tb) == 1 for byte in tb}
+        if len(single) < 256 or not specials:
             return None
         for i in [*sample, *single.values()]:
-            if str(b.decode([i], skip_special_tokens=False)) != keep[i].decode("utf-8", "replace"):
+            if str(b.decode([i], skip_special_tokens=False)) != table[i].decode("utf-8", "replace"):
                 return None
-        probe = [single[0x41], single[0xC3], special, single[0xA9], single[0xF0], single[0x9F], single[0x41]]
+        probe = [single[0x41], single[0xC3], min(specials), single[0xA9], single[0xF0], single[0x9F], single[0x41]]
         if str(b.decode(probe, skip_special_tokens=True)) != "A\u00e9\ufffdA":
             return None
-        return keep, skip
+        table.update((i, b"") for i in specials)
+        return table, specials
 
     def _joined(self, ids: Sequence[int], skip_special_tokens: bool) -> str | None:
-        """The backend's decode of `ids` from the byte tables (`_tables`), or None where they do not hold it."""
-        tables = self._tables()
-        if tables is None:
+        """The backend's decode of `ids` from the byte table (`_table`), or None where it does not hold it."""
+        found = self._table()
+        if found is None:
+            return None
+        table, specials = found
+        if not skip_special_tokens and not specials.isdisjoint(ids):  # a special token kept: the backend decodes around it
             return None
         try:
-            raw = b"".join(map(tables[1 if skip_special_tokens else 0].__getitem__, ids))
-        except (KeyError, TypeError):  # an added token kept, an id outside the vocabulary: the backend decides
+            raw = b"".join(map(table.__getitem__, ids))
+        except (KeyError, TypeError):  # another added token, an id outside the vocabulary: the backend decides
             return None
         return raw.decode("utf-8", "replace")
 

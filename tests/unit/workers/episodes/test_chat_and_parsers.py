@@ -437,7 +437,7 @@ def test_decoding_by_the_byte_table_gives_what_the_backend_and_transformers_give
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer_mod.decode_ids(tok, [5, 6], False)  # the direct decode checked (its first call)
     codec = tokenizer_mod._codec(tok)
-    assert codec is not None and codec._tables() is not None  # a byte-level BPE: the table is taken
+    assert codec is not None and codec._table() is not None  # a byte-level BPE: the table is taken
     specials = sorted(tok.all_special_ids)
     rnd = random.Random(7)
     joined = 0
@@ -469,7 +469,7 @@ def test_a_decoder_other_than_byte_level_takes_no_byte_table(tiny_model_dir: pat
     ids = tok.encode("naïve café", add_special_tokens=False)
     assert tokenizer_mod.decode_ids(tok, ids, True) == tok.decode(ids, skip_special_tokens=True)
     codec = tokenizer_mod._codec(tok)
-    assert codec is not None and codec._tables() is None and codec._joined(ids, True) is None
+    assert codec is not None and codec._table() is None and codec._joined(ids, True) is None
 
 
 def test_a_tokenizer_of_its_own_is_encoded_and_decoded_by_its_own_methods(tiny_model_dir: pathlib.Path) -> None:
