@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from rollpool import protocol as p
+from rollpool.protocol.errors import MessageTooLargeError
 from rollpool.workers import EpisodeContext
 from tests.integration.reliability.conftest import Pool, wait_until
 from tests.integration.workers.episodes.test_worker_episodes import sim_prompt, start_worker
@@ -36,7 +37,7 @@ async def pool(zmq_ctx: Any, tmp_path: Any) -> Any:
         await pl.close()
 
 
-async def _run_groups(pool: Pool, *, broker_lists_it: bool) -> tuple[dict[str, int], list[str]]:
+async def _run_groups(pool: Pool, *, broker_lists_it: bool, batch_too_large: bool = False) -> tuple[dict[str, int], list[str]]:
     broker = await pool.start_broker()
     if not broker_lists_it:  # a broker of the previous minor: it lists no TURN_BATCH
         broker._welcome_features = tuple(f for f in broker._welcome_features if f != p.Feature.TURN_BATCH)
@@ -47,6 +48,8 @@ async def _run_groups(pool: Pool, *, broker_lists_it: bool) -> tuple[dict[str, i
     async def spy(msg: object) -> bool:
         if type(msg) in (p.TurnRecords, p.TurnRecordBatch):
             sent.append(type(msg).__name__)
+            if batch_too_large and type(msg) is p.TurnRecordBatch:  # as the link refuses one over the broker's limits
+                raise MessageTooLargeError("turn_record_batch", 1 << 20, 1 << 10)
         return await link_send(msg)
 
     worker.link.send = spy  # type: ignore[method-assign]
@@ -69,3 +72,8 @@ async def test_a_worker_streams_several_tasks_turns_in_one_message_and_the_broke
 async def test_to_a_broker_of_the_previous_minor_the_worker_sends_one_turn_records_per_task(pool: Pool) -> None:
     _, sent = await _run_groups(pool, broker_lists_it=False)
     assert sent and set(sent) == {"TurnRecords"}
+
+
+async def test_a_batch_over_the_brokers_limits_goes_task_by_task_and_every_turn_is_kept(pool: Pool) -> None:
+    _, sent = await _run_groups(pool, broker_lists_it=True, batch_too_large=True)
+    assert "TurnRecordBatch" in sent and "TurnRecords" in sent  # refused as one message, sent as one per task
