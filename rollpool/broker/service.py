@@ -13,7 +13,7 @@ burst (and on every timer tick, as a safety net) both sockets' ``EVENTS`` are
 checked again and a drain is scheduled for any socket with messages waiting.
 
 Worker port: Hello -> Welcome (adopting re-announced tasks), Credit, Result,
-ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone, TurnRecords (episode turns kept for a re-run); the
+ResultBatch, WorkerHeartbeat, Nack, Goodbye, ControlReply, ApplyRequest/ApplyDone, TurnRecords and TurnRecordBatch (episode turns kept for a re-run); the
 broker sends Task (TaskBatch to a worker that lists it: one message per worker
 per burst), Cancel, BrokerHeartbeat, Control, ApplyGrant, Goodbye. Fewer, larger
 messages are the main saving: each send costs a wake-up of ZeroMQ's I/O thread.
@@ -78,6 +78,7 @@ from rollpool.protocol import (
     SubmitReply,
     Task,
     TaskBatch,
+    TurnRecordBatch,
     TurnRecords,
     Welcome,
     WorkerHeartbeat,
@@ -621,6 +622,9 @@ class Broker:
             st.nack(w, msg.task_ids, now, reason=msg.reason)
         elif kind is TurnRecords:
             st.record_turns(w, msg.task_id, msg.prompt_id, msg.turns, now)
+        elif kind is TurnRecordBatch:
+            for records in msg.records:
+                st.record_turns(w, records.task_id, records.prompt_id, records.turns, now)
         elif kind is ControlReply:
             st.touch(w, now)
             self._on_control_reply(w, msg)
@@ -900,10 +904,11 @@ class Broker:
         interval = self.config.heartbeat_interval_s
         while True:
             self._broadcast_heartbeat()
-            try:
-                self.metrics.publish_state("broker", "broker", self.counters())
-            except Exception:
-                log.debug("metrics sink failed", exc_info=True)
+            if type(self.metrics) is not NullMetricsSink:  # the counters' snapshot is most of an idle broker's beat
+                try:
+                    self.metrics.publish_state("broker", "broker", self.counters())
+                except Exception:
+                    log.debug("metrics sink failed", exc_info=True)
             self._recheck()
             await asyncio.sleep(interval)
 

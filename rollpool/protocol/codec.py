@@ -97,6 +97,7 @@ __all__ = [
     "DELTA_PATHS_MINOR",
     "RESULT_MIX64_MINOR",
     "EARLY_DELTA_MINOR",
+    "TURN_BATCH_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -140,8 +141,13 @@ PROTOCOL_MAJOR = 1
 #   1.26 delta weight versions over shared memory: Manifest.delta_shm (DELTA_PATHS_MINOR)
 #   1.27 the mix64 of a delta's resulting bytes on network versions too: BucketInfo.host_mix64 (RESULT_MIX64_MINOR)
 #   1.28 a device-made delta served before its version's host copy to askers that verify on the GPU: ManifestRequest.device_verify (EARLY_DELTA_MINOR)
-PROTOCOL_MINOR = 28
-EARLY_DELTA_MINOR = PROTOCOL_MINOR
+#   1.29 several tasks' finished episode turns in one message: TurnRecordBatch, Feature.TURN_BATCH (TURN_BATCH_MINOR)
+PROTOCOL_MINOR = 29
+TURN_BATCH_MINOR = PROTOCOL_MINOR
+"""The first minor whose brokers decode `TurnRecordBatch` (the finished episode turns of several tasks in one message) and
+list `Feature.TURN_BATCH` in their Welcome; a worker sends one only to a broker that lists it. An older broker keeps
+getting one `TurnRecords` per task, an older worker keeps sending them (this broker reads both)."""
+EARLY_DELTA_MINOR = 28
 """The first minor whose weight servers answer a manifest request with ``device_verify`` (the asker rebuilds a delta on
 its engine's GPU and proves each bucket by `BucketInfo.host_mix64`) with a delta made on the publisher's GPU as soon as
 its buckets are encoded and their mix64 known, before the version's host copy and xxh3 exist: such a manifest may carry

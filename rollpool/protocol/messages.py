@@ -76,6 +76,7 @@ __all__ = [
     "Task",
     "RecordedTurn",
     "TurnRecords",
+    "TurnRecordBatch",
     "TaskBatch",
     "Result",
     "ResultBatch",
@@ -187,6 +188,10 @@ class Feature:
     """(minor 20, `REPLAY_MINOR`) Episode turns are kept off the worker: a broker that lists it reads `TurnRecords`
     (each finished turn of a running episode, streamed as it ends) and a worker that lists it reads `Task.replay`
     (the turns an earlier attempt of the group recorded). Each side sends them only to a peer that lists it."""
+    TURN_BATCH = "turn_batch"
+    """(minor 29, `TURN_BATCH_MINOR`; the broker's Welcome only) The broker decodes `TurnRecordBatch`: the finished turns
+    of every task that a worker gathered, in one message instead of one `TurnRecords` per task. A worker sends it only to a
+    broker that lists it; an older broker keeps getting `TurnRecords`."""
     ADAPTER_NO_GRANT = "adapter_no_grant"
     """(minor 21, `ADAPTER_GRANT_MINOR`; the broker's Welcome only) An adapter version needs no apply slot: a worker whose
     engine serves adapter versions without a pause (``adapters_without_pause``) applies one without `ApplyRequest` /
@@ -195,7 +200,7 @@ class Feature:
 
 
 FEATURES: tuple[str, ...] = (Feature.TASK_BATCH, Feature.RESULT_BATCH, Feature.RESULT_CREDITS, Feature.HELD_DIGEST, Feature.RECONCILE,
-                             Feature.IMAGES, Feature.REPLAY, Feature.ADAPTER_NO_GRANT)
+                             Feature.IMAGES, Feature.REPLAY, Feature.ADAPTER_NO_GRANT, Feature.TURN_BATCH)
 """Every feature this build speaks."""
 
 _DIGEST_MASK = (1 << 63) - 1
@@ -715,6 +720,18 @@ class TurnRecords:
     task_id: str
     prompt_id: str
     turns: tuple[RecordedTurn, ...]
+
+
+@message("turn_record_batch")
+class TurnRecordBatch:
+    """Worker -> broker (minor 29, `TURN_BATCH_MINOR`; only to a broker listing `Feature.TURN_BATCH`): several tasks'
+    `TurnRecords` in one message, exactly as if each were sent on its own, in this order.
+
+    A worker gathers finished turns for a moment before streaming them, and those of one moment mostly belong to
+    different tasks (a group's episodes end their turns at different times): one message per task was about one
+    message per turn, and the send, the broker's read and its decode of each were most of what streaming turns cost."""
+
+    records: tuple[TurnRecords, ...]
 
 
 @message("result_batch")

@@ -59,7 +59,7 @@ class ServerSocket:
 
 _WORKER_PORT = frozenset(
     {"hello", "credit", "result", "result_batch", "worker_heartbeat", "nack", "goodbye", "control_reply", "apply_request", "apply_done",
-     "turn_records"}
+     "turn_records", "turn_record_batch"}
 )
 _CLIENT_PORT = frozenset(
     {"client_hello", "submit", "pull", "ack", "set_version", "status_request", "control", "cancel_prompts"}

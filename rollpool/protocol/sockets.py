@@ -29,9 +29,12 @@ pyzmq is imported lazily so that ``import rollpool.protocol`` stays free of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +212,11 @@ class _Keyring:
 
 
 class _Monitor:
-    """One thread that reads the monitor sockets of watched server sockets and counts their events."""
+    """One thread that reads the monitor sockets of watched server sockets and counts their events.
+
+    The thread waits on them without a timeout (an idle process then has no thread waking ten times a second: about a
+    millisecond of CPU a second on a 2-core box, most of an idle broker's), and a pipe of its own wakes it when a socket
+    is watched or the monitor is closed. It leaves once every watched socket is closed; `watch` starts it again."""
 
     def __init__(self, context: Any) -> None:
         import zmq
@@ -221,6 +228,13 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self.counts: dict[str, int] = {}
         self._n = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the thread: a write never waits
+        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"w")
 
     def watch(self, sock: Any, name: str) -> None:
         import zmq
@@ -241,6 +255,8 @@ class _Monitor:
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="rollpool-socket-monitor", daemon=True)
                 self._thread.start()
+            else:
+                self._wake()  # the running thread waits on the sockets it knows: it registers this one
 
     def _run(self) -> None:
         import zmq
@@ -253,23 +269,25 @@ class _Monitor:
         }
         stopped = int(zmq.EVENT_MONITOR_STOPPED)
         poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
         seen: set[Any] = set()
         try:
             while not self._stop.is_set():
                 with self._lock:
                     if not self._pairs:
-                        # every watched socket is closed. Leave: an empty Poller.poll(100) returns at once, so
-                        # staying would spin, holding the GIL (the cause of the 25x slowdown of the broker's
-                        # in-process tests: one such thread per test whose factory was never closed).
-                        # `watch` starts a new thread when it is needed again.
+                        # every watched socket is closed: leave (`watch` starts a new thread when one is needed again)
                         self._thread = None
                         return
                     for pair in self._pairs:
                         if pair not in seen:
                             poller.register(pair, zmq.POLLIN)
                             seen.add(pair)
-                ready = poller.poll(100)
+                ready = poller.poll()  # until an event or a wake-up (`watch`, `close`)
                 for pair, _ in ready:
+                    if pair == self._wake_r:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            os.read(self._wake_r, 4096)
+                        continue
                     event = parse_monitor_message(pair.recv_multipart(zmq.NOBLOCK))
                     if int(event["event"]) == stopped:  # the watched socket was closed
                         poller.unregister(pair)
@@ -294,9 +312,16 @@ class _Monitor:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=2)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class SocketFactory:

@@ -62,6 +62,7 @@ from rollpool.protocol.messages import (
     RecordedTurn,
     Result,
     Task,
+    TurnRecordBatch,
     TurnRecords,
     Welcome,
 )
@@ -429,7 +430,9 @@ class Worker:
         self._turns_ready.set()
 
     async def _turns_loop(self) -> None:
-        """Send finished turns, one `TurnRecords` per task in order, those of `_TURNS_GATHER_S` together."""
+        """Send finished turns, those of `_TURNS_GATHER_S` together: one `TurnRecordBatch` of every task's `TurnRecords` to a
+        broker listing `Feature.TURN_BATCH`, else (or when that message is over the broker's limits) one `TurnRecords` per
+        task, in order."""
         while True:
             await self._turns_ready.wait()
             if not self._turns_now.is_set():
@@ -444,13 +447,24 @@ class Worker:
                 while self._turns:
                     task_id, prompt_id, turn = self._turns.popleft()
                     batches.setdefault(task_id, (prompt_id, []))[1].append(turn)
-                for task_id, (prompt_id, turns) in batches.items():
+                records = [TurnRecords(task_id=task_id, prompt_id=prompt_id, turns=tuple(turns))
+                           for task_id, (prompt_id, turns) in batches.items()]
+                if len(records) > 1 and Feature.TURN_BATCH in self.session.broker_features:
+                    try:  # one message for the pass (`TurnRecordBatch`): each message costs a send and a read
+                        sent = await self.link.send(TurnRecordBatch(records=tuple(records)))
+                    except MessageTooLargeError:  # over the broker's limit together: task by task, as before
+                        sent = None
+                    if sent is not None:
+                        if not sent:
+                            self.turns_dropped += sum(len(r.turns) for r in records)
+                        records = []
+                for r in records:
                     try:
-                        sent = await self.link.send(TurnRecords(task_id=task_id, prompt_id=prompt_id, turns=tuple(turns)))
+                        sent = await self.link.send(r)
                     except MessageTooLargeError:
                         sent = False
                     if not sent:
-                        self.turns_dropped += len(turns)
+                        self.turns_dropped += len(r.turns)
             finally:
                 self._turns_sending = False
                 self._turns_passes += 1
@@ -544,7 +558,8 @@ class Worker:
             beat = self.session.heartbeat(self._now())
             if beat is not None:
                 await self.link.send(beat)
-            self.metrics.publish_state("worker", self.worker_id, self._state_fields(self.session.state), ttl_s=ttl_s)
+            if type(self.metrics) is not NullMetricsSink:  # the fields are built only for a sink that takes them
+                self.metrics.publish_state("worker", self.worker_id, self._state_fields(self.session.state), ttl_s=ttl_s)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _weights_loop(self) -> None:

@@ -320,11 +320,26 @@ def can_constrain(engine: object) -> bool:
     return callable(getattr(engine, "generate_constrained", None))
 
 
+_VALID_SAMPLING: dict[tuple[int, int], SamplingParams] = {}
+"""Settings `validate_sampling` found valid, by (their id, the group size), each entry holding its object (so that id
+is not another object's while the entry is here). An episode hands the engine the same settings object turn after
+turn (`Episode._body_sampling`), and the rules are a function of a frozen record's fields: only a `SamplingParams`
+whose sequence fields are tuples is kept (a list given in one could change after its check)."""
+
+
 def validate_sampling(sampling: SamplingParams, n: int) -> None:
     """Raise `RequestRefusedError` naming the parameter that is out of range (the rules: `rollpool.protocol.sampling`)."""
+    key = (id(sampling), n)
+    exact = type(n) is int
+    if exact and _VALID_SAMPLING.get(key) is sampling:
+        return
     problem = sampling_problem(sampling, n)
     if problem is not None:
         raise RequestRefusedError(problem.message)
+    if exact and type(sampling) is SamplingParams and type(sampling.stop_token_ids) is tuple and type(sampling.stop) is tuple:
+        if len(_VALID_SAMPLING) >= 4096:
+            _VALID_SAMPLING.clear()
+        _VALID_SAMPLING[key] = sampling
 
 
 def check_request(

@@ -81,8 +81,18 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw)
 
 
+_JSON_HEADERS: Any = None
+"""``Content-Type: application/json`` as a header map, made once (aiohttp copies it into each response; its
+``content_type`` argument parses the type and builds the header each time)."""
+
+
 def _json(body: Any, status: int = 200) -> Any:
-    return _web().Response(body=_dumps(body), status=status, content_type="application/json")
+    global _JSON_HEADERS
+    if _JSON_HEADERS is None:
+        from multidict import CIMultiDict
+
+        _JSON_HEADERS = CIMultiDict({"Content-Type": "application/json"})
+    return _web().Response(body=_dumps(body), status=status, headers=_JSON_HEADERS)
 
 
 def _error(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -123,3 +123,53 @@ async def test_the_disconnect_monitor_leaves_when_its_sockets_close_and_comes_ba
     finally:
         sockets.close()
         ctx.destroy(linger=0)
+
+
+async def test_the_disconnect_monitor_waits_without_waking_and_is_woken_for_a_new_socket_and_for_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor thread waits on its sockets without a timeout (it woke ten times a second, forever, in every process
+    with a watched socket): idle, it does not wake; a socket watched while it waits is still counted; `close` ends it."""
+    import threading
+
+    waits: list[object] = []
+    poll = zmq.Poller.poll
+
+    def counted(self: zmq.Poller, timeout: int | None = None) -> list[tuple[object, int]]:
+        waits.append(timeout)
+        return poll(self, timeout)
+
+    monkeypatch.setattr(zmq.Poller, "poll", counted)
+
+    def monitors() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "rollpool-socket-monitor"]
+
+    before = set(monitors())
+    ctx = zmq.asyncio.Context()
+    sockets = SocketFactory(ctx, SocketOptions(monitor_disconnects=True))
+    try:
+        first = sockets.router("tcp://127.0.0.1:*")
+        sockets.watch(first, "first")
+        (thread,) = [t for t in monitors() if t not in before]
+        await asyncio.sleep(0.05)
+        n = len(waits)
+        await asyncio.sleep(0.5)  # idle, waiting on `first` alone
+        assert len(waits) == n, f"the idle monitor thread woke {len(waits) - n} times in 0.5 s"
+        second = sockets.router("tcp://127.0.0.1:*")
+        sockets.watch(second, "second")  # the waiting thread is woken to take it
+        endpoint = second.getsockopt(zmq.LAST_ENDPOINT).decode()
+        peer = SocketFactory(ctx).dealer(endpoint, identity=b"p")
+        await peer.send_multipart([b"x"])
+        await second.recv_multipart()
+        peer.close(linger=0)
+        deadline = time.monotonic() + 10
+        while sockets.counters().get("disconnects.second", 0) < 1:
+            assert time.monotonic() < deadline, sockets.counters()
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        sockets.close()  # first and second still open: the thread waits on them, and close wakes it
+        assert not thread.is_alive() and time.monotonic() - t0 < 1.0
+        first.close(linger=0)
+        second.close(linger=0)
+    finally:
+        sockets.close()
+        ctx.destroy(linger=0)

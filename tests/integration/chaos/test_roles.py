@@ -60,6 +60,7 @@ def _message(type_name: str) -> Any:
         "apply_request": m.ApplyRequest(version=0),
         "apply_done": m.ApplyDone(version=0, ok=True),
         "turn_records": m.TurnRecords(task_id="t-none", prompt_id="none", turns=()),
+        "turn_record_batch": m.TurnRecordBatch(records=(m.TurnRecords(task_id="t-none", prompt_id="none", turns=()),)),
         "client_hello": m.ClientHello(client_id="matrix", protocol_min=1, protocol_max=1),
         "submit": s["submit"],
         "pull": m.Pull(request_id="r", max_groups=1, wait_s=0.0),

@@ -181,6 +181,9 @@ def samples() -> dict[str, Any]:
                                            buckets=(p.BucketInfo(index=0, dtype="bfloat16", nbytes=32, checksum="", host_mix64="mix64:0123456789abcdef",
                                                                  encoding="gaps", delta_nbytes=8, delta_checksum="xxh3_64:fedcba9876543210",
                                                                  tensors=(p.TensorInfo(name="w", dtype="bfloat16", shape=(16,), offset=0, nbytes=32),)),)),
+        # minor 29: several tasks' finished episode turns in one message (TURN_BATCH_MINOR)
+        "turn_record_batch": p.TurnRecordBatch(records=(p.TurnRecords(task_id="p1@0", prompt_id="p1", turns=(_turn(0, 0), _turn(1, 0))),
+                                                        p.TurnRecords(task_id="p2@1", prompt_id="p2", turns=(_turn(0, 1, top=True),)))),
     }
 
 
@@ -193,4 +196,4 @@ def inline_samples() -> dict[str, Any]:
     referenced twice in one message (the prompt of both tasks of `task_batch`) still travels once, in a frame."""
     s = samples()
     return {name + INLINE: s[name] for name in ("task", "task_batch", "result", "result_batch", "submit", "batch", "chunk",
-                                                "result_top_logprobs", "turn_records", "task_replay")}
+                                                "result_top_logprobs", "turn_records", "task_replay", "turn_record_batch")}

@@ -15,6 +15,7 @@ import os
 import pathlib
 import signal
 import stat
+import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -119,6 +120,27 @@ async def test_the_hop_answers_as_http_does_and_refuses_calls_without_the_launch
     try:
         by_http, by_hop = await http.request("POST", "/generate", body), await hop.request("POST", "/generate", body)
         assert by_hop["output_ids"] == by_http["output_ids"] and len(by_hop["output_ids"]) == 5
+        # the logprobs came as the hop's binary columns, the same entries as the JSON's
+        assert type(by_hop["meta_info"]["output_token_logprobs"]).__name__ == "LogprobTriples"
+        assert by_hop["meta_info"]["output_token_logprobs"] == by_http["meta_info"]["output_token_logprobs"]
+        # a request id without the options byte (an older worker's) gets the answer as JSON alone, in 3 frames
+        import zmq
+        import zmq.asyncio
+
+        from rollpool.workers.engines.sglang.http import dumps, loads
+
+        ctx = zmq.asyncio.Context()
+        old = ctx.socket(zmq.DEALER)
+        try:
+            old.connect(sglang_sim_child.hop)
+            await old.send_multipart([sglang_sim_child.token.encode(), b"\x01" * 8, b"/generate",
+                                      dumps({k: v for k, v in body.items() if k != "input_ids"}), struct.pack("<4i", 1, 2, 3, 4)])
+            rid, status, answer = await asyncio.wait_for(old.recv_multipart(), 30)
+            assert (rid, status) == (b"\x01" * 8, b"200")
+            assert loads(answer)["meta_info"]["output_token_logprobs"] == by_http["meta_info"]["output_token_logprobs"]
+        finally:
+            old.close(linger=0)
+            ctx.term()
         # the same ids reached the child: its prefix cache serves the whole prompt but its last token on the second call
         assert by_hop["meta_info"]["prompt_tokens"] == 4 and by_hop["meta_info"]["cached_tokens"] == 3
         for bad, status in (({"input_ids": [1, 2], "sampling_params": {"nope": 1}}, 400), ({}, 400)):

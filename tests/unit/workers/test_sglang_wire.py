@@ -148,3 +148,45 @@ def test_logprobs_are_floats_with_a_missing_one_read_as_zero() -> None:
     assert s.logprobs == [-0.5, 0.0, -1.0] and all(type(x) is float for x in s.logprobs)
     s = parse_generate_response({"output_ids": [7, 9], "meta_info": {**meta, "output_token_logprobs": [[-0.5, 7, None], [-1, 9, None]]}})
     assert s.logprobs == [-0.5, -1.0] and all(type(x) is float for x in s.logprobs)
+
+
+def _over_the_hop(answer: Any) -> Any:
+    """`answer` as the hop's caller gets it: the child's frames after the status, read back as the client does."""
+    from rollpool.workers.engines.sglang.hop import _answer_frames, _with_logprobs
+    from rollpool.workers.engines.sglang.http import loads
+
+    frames = _answer_frames(answer)
+    if len(frames) == 3:
+        return _with_logprobs(loads(frames[0]), frames[1], frames[2])
+    return loads(frames[0]) if frames[0] else None
+
+
+def test_the_hops_logprob_frames_give_what_the_json_gives_and_odd_entries_stay_json() -> None:
+    pytest.importorskip("aiohttp")  # the http module (its JSON helpers) needs the sglang extra's aiohttp
+    from rollpool.workers.engines.sglang.hop import _answer_frames
+    from rollpool.workers.engines.sglang.http import dumps, loads
+    from rollpool.workers.engines.sglang.wire import LogprobTriples
+
+    for name in ("length", "stop_token", "abort"):
+        answer = GOLDEN[name]
+        by_json, by_hop = loads(dumps(answer)), _over_the_hop(answer)
+        assert len(_answer_frames(answer)) == (3 if answer["meta_info"]["output_token_logprobs"] else 1)
+        assert by_hop == by_json and list(by_hop["meta_info"]) == list(by_json["meta_info"])  # same keys, same order
+        assert parse_generate_response(by_hop) == parse_generate_response(by_json)
+    # exact floats (a logprob's every bit), -0.0, ids at the int32 bounds, tuples as lists
+    entries = [(-0.1 + 1e-17 * i, t, None) for i, t in enumerate([0, 2**31 - 1, -(2**31), 5])] + [(-0.0, 9, None)]
+    got = _over_the_hop({"output_ids": None, "meta_info": {"output_token_logprobs": entries, "finish_reason": None}})
+    assert type(got["meta_info"]["output_token_logprobs"]) is LogprobTriples
+    assert [[float(v).hex(), t, x] for v, t, x in got["meta_info"]["output_token_logprobs"]] == [
+        [float(v).hex(), t, x] for v, t, x in entries]
+    assert got["meta_info"]["output_token_logprobs"][1:3] == [list(e) for e in entries[1:3]]
+    parsed = parse_generate_response(got)
+    assert parsed.output_ids == [t for _, t, _ in entries] and [x.hex() for x in parsed.logprobs] == [v.hex() for v, _, _ in entries]
+    # what the columns cannot hold exactly stays JSON, and reads as before (a non-finite logprob is JSON's null: 0.0)
+    for odd in ([[float("nan"), 1, None]], [[float("-inf"), 1, None]], [[-1, 1, None]], [[None, 1, None]], [[-1.0, 2**31, None]],
+                [[-1.0, True, None]], [[-1.0, 1]], [[-1.0, 1, None, 0]], [[-1.0, 1, 0]], ["abc"], [{"a": 1, "b": 2, "c": 3}]):
+        answer = {"output_ids": [1], "meta_info": {"output_token_logprobs": odd, "finish_reason": {"type": "length"}}}
+        assert len(_answer_frames(answer)) == 1, odd
+        assert _over_the_hop(answer) == loads(dumps(answer))
+    for plain in (None, [1, 2], {"text": "x"}, {"meta_info": {"output_token_logprobs": []}}, {"meta_info": "x"}):
+        assert len(_answer_frames(plain)) == 1 and _over_the_hop(plain) == (None if plain is None else loads(dumps(plain)))

@@ -100,3 +100,32 @@ def test_engine_options_keep_a_json_value_with_commas_whole() -> None:
     assert parse_engine_options('a=1,b={"x": 1, "y": [2, 3]},c=x') == {"a": 1, "b": '{"x": 1, "y": [2, 3]}', "c": "x"}
     with pytest.raises(ConfigError, match="is not key=value"):
         WorkerConfig(engine="sim", engine_options="length=fixed,oops")
+
+
+def test_settings_checked_once_are_checked_again_when_they_could_have_changed() -> None:
+    """`validate_sampling` remembers the settings objects it found valid (an episode sends one object every turn): the
+    same object passes again, a bad one is refused every time, and one whose list field changed after its check (a
+    list given where a tuple belongs) is checked again, not passed as remembered."""
+    from rollpool.protocol.errors import RequestRefusedError
+    from rollpool.protocol.messages import SamplingParams
+    from rollpool.workers.engines.base import validate_sampling
+
+    ok = SamplingParams(max_new_tokens=8, stop_token_ids=(3,))
+    for _ in range(2):
+        validate_sampling(ok, 1)
+    with pytest.raises(RequestRefusedError, match="seed"):
+        validate_sampling(SamplingParams(seed=2**63 - 1), 2)  # the same settings are valid for n=1, not for a group of 2
+    bad = SamplingParams(top_p=0.0)
+    for _ in range(2):
+        with pytest.raises(RequestRefusedError, match="top_p"):
+            validate_sampling(bad, 1)
+    ids = [3]
+    loose = SamplingParams(stop_token_ids=ids)  # type: ignore[arg-type]
+    validate_sampling(loose, 1)
+    ids.append(-1)
+    with pytest.raises(RequestRefusedError, match="stop_token_ids"):
+        validate_sampling(loose, 1)
+    seeded = SamplingParams(seed=2**63 - 1)
+    validate_sampling(seeded, 1)
+    with pytest.raises(RequestRefusedError, match="seed"):
+        validate_sampling(seeded, 2)  # remembered for n=1 only

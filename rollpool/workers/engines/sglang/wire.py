@@ -24,7 +24,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -35,6 +35,7 @@ __all__ = [
     "RID_WIDTH",
     "sample_rid",
     "generate_body",
+    "LogprobTriples",
     "parse_generate_response",
     "parse_weight_version",
     "read_safetensors_index",
@@ -129,6 +130,42 @@ class ParsedSample:
 _FIRST = operator.itemgetter(0)
 
 
+class LogprobTriples(Sequence[list[Any]]):
+    """``meta_info.output_token_logprobs`` as the hop carries it (`hop`): the same ``[logprob, id, None]`` entries,
+    held as their two columns, which is how the hop's binary frames arrive (building a list per token and reading it
+    back in `parse_generate_response` was most of a turn's answer parsing). Only entries that are exactly these
+    columns travel so: every logprob a finite float, every id an int32, every third element None."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, values: list[float], ids: list[int]) -> None:
+        if len(values) != len(ids):
+            raise ValueError(f"{len(values)} logprobs for {len(ids)} ids")
+        self.values, self.ids = values, ids
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, i: int) -> list[Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[Any]]: ...
+    def __getitem__(self, i: int | slice) -> list[Any] | list[list[Any]]:
+        if isinstance(i, slice):
+            return [[v, t, None] for v, t in zip(self.values[i], self.ids[i], strict=True)]
+        return [self.values[i], self.ids[i], None]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LogprobTriples):
+            return self.values == other.values and self.ids == other.ids
+        return isinstance(other, Sequence) and list(self) == [list(e) if isinstance(e, tuple) else e for e in other]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
     """Parse one non-streaming ``/generate`` dict (``ValueError`` if it is not one)."""
     meta = resp.get("meta_info")
@@ -136,11 +173,15 @@ def parse_generate_response(resp: Mapping[str, Any]) -> ParsedSample:
         raise ValueError(f"not a /generate response (no meta_info): {str(resp)[:200]}")
     lp_entries = meta.get("output_token_logprobs") or []
     ids = resp.get("output_ids")
-    if ids is None:
-        ids = [int(e[1]) for e in lp_entries]
-    ids = list(map(int, ids))
-    firsts = list(map(_FIRST, lp_entries))  # each entry's logprob, in C (a turn's tokens each time)
-    logprobs = [float(x) if x is not None else 0.0 for x in firsts] if None in firsts else list(map(float, firsts))
+    if type(lp_entries) is LogprobTriples:  # the hop's columns: finite floats and ints already
+        ids = list(map(int, lp_entries.ids if ids is None else ids))
+        logprobs = list(lp_entries.values)
+    else:
+        if ids is None:
+            ids = [int(e[1]) for e in lp_entries]
+        ids = list(map(int, ids))
+        firsts = list(map(_FIRST, lp_entries))  # each entry's logprob, in C (a turn's tokens each time)
+        logprobs = [float(x) if x is not None else 0.0 for x in firsts] if None in firsts else list(map(float, firsts))
     if len(logprobs) != len(ids):
         if len(logprobs) > len(ids):
             logprobs = logprobs[: len(ids)]

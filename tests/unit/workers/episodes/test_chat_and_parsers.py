@@ -428,6 +428,50 @@ def test_a_reply_decoded_once_is_the_text_of_its_two_decodes_and_otherwise_not_g
     assert decode_reply(tok, [5, 6], [5, 7, im_end]) is None and decode_reply(tok, [5, 6], [5, 6, 7, 8]) is None
 
 
+def test_decoding_by_the_byte_table_gives_what_the_backend_and_transformers_give(tiny_model_dir: pathlib.Path) -> None:
+    import random
+
+    transformers = pytest.importorskip("transformers")
+    from rollpool.workers.engines import tokenizer as tokenizer_mod
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer_mod.decode_ids(tok, [5, 6], False)  # the direct decode checked (its first call)
+    codec = tokenizer_mod._codec(tok)
+    assert codec is not None and codec._table() is not None  # a byte-level BPE: the table is taken
+    specials = sorted(tok.all_special_ids)
+    rnd = random.Random(7)
+    joined = 0
+    for _ in range(3000):  # random ids: many split a character, some hold special tokens, a few lie outside the vocabulary
+        ids = [rnd.randrange(len(tok)) for _ in range(rnd.randrange(0, 40))]
+        for _ in range(rnd.choice([0, 0, 1, 3])):
+            ids.insert(rnd.randrange(len(ids) + 1), rnd.choice(specials))
+        if rnd.random() < 0.02:
+            ids.append(rnd.choice([len(tok) + 5, -1]))
+        for skip in (False, True):
+            got = codec._joined(ids, skip)
+            if got is not None:
+                joined += 1
+                assert got == tok.backend_tokenizer.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+            if -1 not in ids and len(tok) + 5 not in ids:
+                assert tokenizer_mod.decode_ids(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    assert joined > 3000
+    assert codec._joined([5, specials[0], 6], False) is None  # a special token kept: the backend decodes around it
+    assert codec._joined([5, -1], True) is None and codec._joined([5, len(tok) + 5], False) is None
+
+
+def test_a_decoder_other_than_byte_level_takes_no_byte_table(tiny_model_dir: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    decoders = pytest.importorskip("tokenizers.decoders")
+    from rollpool.workers.engines import tokenizer as tokenizer_mod
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    ids = tok.encode("naïve café", add_special_tokens=False)
+    assert tokenizer_mod.decode_ids(tok, ids, True) == tok.decode(ids, skip_special_tokens=True)
+    codec = tokenizer_mod._codec(tok)
+    assert codec is not None and codec._table() is None and codec._joined(ids, True) is None
+
+
 def test_a_tokenizer_of_its_own_is_encoded_and_decoded_by_its_own_methods(tiny_model_dir: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     from rollpool.workers.engines.tokenizer import decode_ids, encode_text
