@@ -135,10 +135,14 @@ def _build() -> Path:
     key = hashlib.sha256("\0".join([_SOURCE, exe, *flags, os.uname().machine]).encode()).hexdigest()[:16]
     for folder in _cache_dirs():
         target = folder / f"mix64-{key}.so"
-        if target.exists():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not _ours(folder):
+                continue  # a folder another user made or may write (a shared /tmp): never load a library from it
+            if target.exists():
+                if _ours(target):
+                    return target
+                continue
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 src = Path(tmp) / "mix64.c"
                 src.write_text(_SOURCE)
@@ -148,9 +152,15 @@ def _build() -> Path:
                     raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
                 os.replace(out, target)  # whole or absent, for every process building at once
             return target
-        except PermissionError:
+        except OSError:
             continue  # a cache folder we may not write: the next one
     raise PermissionError("no writable folder to build the compiled CPU mix64 in")
+
+
+def _ours(path: Path) -> bool:
+    """Whether `path` belongs to this user and no one else may write it."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _cache_dirs() -> list[Path]:

@@ -122,3 +122,15 @@ def test_the_compiled_sum_lets_other_threads_run(fresh: Path) -> None:
     finally:
         sys.setswitchinterval(before)
     assert laps > 0
+
+
+@needs_cc
+def test_a_cache_folder_others_may_write_is_never_loaded_from(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library is loaded only from a folder of this user's that no one else may write (a shared /tmp's folder could
+    hold anybody's library under the name this source's hash gives)."""
+    fresh.mkdir(parents=True)
+    fresh.chmod(0o777)
+    data = torch.randint(0, 256, (8 * 100 + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    got = gpu.mix64_format(gpu._mix64_cpu(data, 0))
+    assert not mix64_native.enabled() and "no writable folder" in str(mix64_native._off)
+    assert list(fresh.iterdir()) == [] and got == gpu.mix64_reference(bytes(data.numpy()))
