@@ -9,6 +9,7 @@ after its retries and nobody logs why.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -84,6 +85,11 @@ async def test_a_previous_minor_client_gets_the_limits_and_is_served(broker: Bro
         ctx.destroy(linger=0)
 
 
+def monitors() -> list[threading.Thread]:
+    """The socket monitor threads alive now."""
+    return [t for t in threading.enumerate() if t.name == "rollpool-socket-monitor"]
+
+
 async def test_the_disconnect_monitor_leaves_when_its_sockets_close_and_comes_back_for_new_ones() -> None:
     """The monitor thread of a factory nobody closes must not outlive its sockets.
 
@@ -91,11 +97,6 @@ async def test_the_disconnect_monitor_leaves_when_its_sockets_close_and_comes_ba
     spun forever holding the GIL: one per broker whose factory was not closed, which made the broker's
     in-process tests 25x slower and lost their 0.05 s-heartbeat workers (why the monitor had been made opt-in).
     """
-    import threading
-
-    def monitors() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name == "rollpool-socket-monitor"]
-
     before = set(monitors())
     ctx = zmq.asyncio.Context()
     sockets = SocketFactory(ctx, SocketOptions(monitor_disconnects=True))
@@ -129,8 +130,6 @@ async def test_the_disconnect_monitor_waits_without_waking_and_is_woken_for_a_ne
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The monitor thread waits on its sockets without a timeout (it woke ten times a second, forever, in every process
     with a watched socket): idle, it does not wake; a socket watched while it waits is still counted; `close` ends it."""
-    import threading
-
     waits: list[object] = []
     poll = zmq.Poller.poll
 
@@ -139,9 +138,6 @@ async def test_the_disconnect_monitor_waits_without_waking_and_is_woken_for_a_ne
         return poll(self, timeout)
 
     monkeypatch.setattr(zmq.Poller, "poll", counted)
-
-    def monitors() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name == "rollpool-socket-monitor"]
 
     before = set(monitors())
     ctx = zmq.asyncio.Context()

@@ -24,9 +24,7 @@ from rollpool.protocol.messages import Prompt, SamplingParams
 from rollpool.workers.episodes.processes import AgentProcesses
 from rollpool.workers.heap import GC_THRESHOLDS
 from tests.integration.reliability.conftest import Pool, wait_until
-from tests.integration.workers.episodes.test_worker_episodes import broker_counters, pool, start_worker
-
-__all__ = ["pool"]
+from tests.integration.workers.episodes.test_worker_episodes import broker_counters, start_worker
 
 pytest.importorskip("aiohttp")
 FNS = "tests.integration.workers.episodes.agent_process_fns"

@@ -52,14 +52,6 @@ def counting_sim() -> SimEngine:
     return CountingSim(decode_s_per_token=0.002, length="fixed", length_median=4, capacity=4, vocab=300)  # as `sim_engine`
 
 
-@pytest.fixture
-async def pool(zmq_ctx: Any, tmp_path: Any) -> Any:
-    pl = Pool(zmq_ctx, tmp_path)
-    try:
-        yield pl
-    finally:
-        await pl.close()
-
 
 async def _kill_after_two_turns(pool: Pool, n: int) -> tuple[Any, dict[int, list[list[int]]]]:
     """A worker runs `n` episodes to the tool after turn 1 and is killed there; the turns the broker kept."""

@@ -5,8 +5,6 @@ minor, on raw sockets: tests/integration/broker/test_turn_batch_wire.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from rollpool import protocol as p
@@ -27,14 +25,6 @@ async def three_turns(ctx: EpisodeContext, prompt: p.Prompt) -> float:
             ctx.append([100 + k])
     return 1.0
 
-
-@pytest.fixture
-async def pool(zmq_ctx: Any, tmp_path: Any) -> Any:
-    pl = Pool(zmq_ctx, tmp_path)
-    try:
-        yield pl
-    finally:
-        await pl.close()
 
 
 async def _run_groups(pool: Pool, *, broker_lists_it: bool, batch_too_large: bool = False) -> tuple[dict[str, int], list[str]]:

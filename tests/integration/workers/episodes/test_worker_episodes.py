@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,14 +24,6 @@ from tests.integration.reliability.conftest import HB, Pool, sim_engine, wait_un
 
 pytest.importorskip("aiohttp")
 
-
-@pytest.fixture
-async def pool(zmq_ctx: Any, tmp_path: Any) -> AsyncIterator[Pool]:
-    p = Pool(zmq_ctx, tmp_path)
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 def start_worker(p: Pool, worker_id: str, episodes: Mapping[str, Any] | None, *, engine_factory: Callable[[], Any] | None = None,
