@@ -30,8 +30,10 @@ version, so it would save the trainer nothing; a device base turns that wait int
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +56,9 @@ from rollpool.weights.delta import (
 from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
-__all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase"]
+__all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
+
+log = logging.getLogger(__name__)
 
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 """Device types whose tensors the publisher diffs on their device. The tests add ``"cpu"`` to run this module's torch
@@ -79,6 +83,8 @@ class BucketDiff:
     delta: DeltaSet
     done: Any = None
     """A CUDA event recorded after the payload's copy to the host (None: already there)."""
+    on_device: bool = False
+    """Whether its payload was made on a GPU and copied to the host (`PayloadHost`)."""
 
     def wait(self) -> DeltaSet:
         if self.done is not None:
@@ -96,6 +102,62 @@ def _tiles(ranges: Sequence[tuple[int, int]], nbytes: int) -> bool:
             return False
         pos += n
     return pos == nbytes
+
+
+def _page_locked(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class PayloadHost:
+    """The host memory a device delta's payloads are copied into, with no page-locking on the trainer's wait.
+
+    Page-locked blocks come from torch's caching host allocator, which rounds a request up to a power of two and reuses
+    a freed block of that size; a block it has none of costs a `cudaHostAlloc` (on an H100 at 8B: 0.58-0.60 s for the
+    ~33 payloads of each of the first two device deltas, the trainer waiting, measured in session 21). So:
+    - until page-locked blocks were made ahead (`warm`), a payload is copied into pageable memory, synchronously (at
+      ~10 GB/s, ~60 ms for the 620 MB of an 8B delta at a 2% changed fraction, against ~0.6 s of allocation);
+    - after each version's diff, `warm_for` allocates blocks of that version's payload sizes in a thread of its own,
+      all held at once and then freed into the allocator's cache, so the next version (whose payloads are about the
+      same sizes) finds free blocks while this version's are still held. Blocks the cache has already are reused by
+      that warm-up, so the page-locked memory grows to at most one version's payloads more than are held at once.
+
+    `allocate` makes one page-locked block (the tests pass a fake of their own)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] = _page_locked) -> None:
+        self._allocate = allocate
+        self.warm = False
+        """Whether page-locked blocks were made ahead for a version's payloads (then `take` page-locks)."""
+        self.warm_s = 0.0
+        """How long the last warm-up took (its own thread)."""
+        self._thread: threading.Thread | None = None
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A host buffer of `nbytes` for a payload and whether it is page-locked (else: copy into it synchronously)."""
+        if self.warm:
+            return self._allocate(nbytes), True
+        return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def warm_for(self, sizes: Sequence[int]) -> None:
+        """Make page-locked blocks of these sizes ahead, in a thread (none when one is still running)."""
+        if not sizes or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self._warm, args=(list(sizes),), name="rollpool-payload-pin", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _warm(self, sizes: list[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            held = [self._allocate(n) for n in sizes]  # all at once: the blocks this version holds are not among them
+            del held
+        except Exception as e:  # noqa: BLE001 (out of page-locked memory, a driver error: payloads stay pageable)
+            log.warning("page-locked payload buffers could not be made ahead (%s): device deltas copy to pageable memory", e)
+            return
+        self.warm_s = time.perf_counter() - t0
+        self.warm = True
 
 
 class DeviceBase:
@@ -116,6 +178,7 @@ class DeviceBase:
         self._mix_stream: Any = None
         self._mixed: tuple[Any, torch.Tensor] | None = None
         """The sums `diff` queued for `mix64s` (with ``mix=True``): (their event, their host copy)."""
+        self.payload_host = PayloadHost()
 
     @staticmethod
     def need_bytes(buckets: Sequence[BucketInfo]) -> int:
@@ -260,6 +323,9 @@ class DeviceBase:
             if stream is not None:
                 stream.synchronize()  # (the diff's stream: the sums run on after this returns)
         self.version = version
+        if compare:
+            self.payload_host.warm_for([int(p.numel()) for d in out if d is not None and d.on_device
+                                        for p in d.delta.payloads if p is not None])
         return [d for d in out if d is not None] if compare else None
 
     def _bucket(self, b: BucketInfo, tensors: list[tuple[int, torch.Tensor]], whole: torch.Tensor, had: int, stream: Any) -> BucketDiff | None:
@@ -302,24 +368,30 @@ class DeviceBase:
                 del gaps
                 payload[pos * k :].copy_(torch.index_select(base, 0, idx).view(torch.uint8))  # the base holds the new values now
         done = None
-        pin_s = 0.0
-        if payload is not None and payload.is_cuda:  # to the host on a stream of its own: the next bucket's diff goes on
+        pin_s = pageable_s = 0.0
+        on_device = payload is not None and payload.is_cuda
+        if payload is not None and on_device:  # to the host on a stream of its own: the next bucket's diff goes on
             copier = self._copier(payload.device, stream)
             t_pin = time.perf_counter()
-            host = torch.empty(int(payload.numel()), dtype=torch.uint8, pin_memory=True)
+            host, locked = self.payload_host.take(int(payload.numel()))
             pin_s = time.perf_counter() - t_pin
             with torch.cuda.stream(copier):
-                host.copy_(payload, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                done.record(copier)
+                if locked:
+                    host.copy_(payload, non_blocking=True)
+                    done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                    done.record(copier)
+                else:  # no page-locked block made ahead yet (`PayloadHost`): a synchronous copy beats allocating one
+                    host.copy_(payload)
+                    pageable_s = time.perf_counter() - t_pin - pin_s
             payload.record_stream(copier)  # its memory is not reused before the copy read it
             payload = host
         t2 = time.perf_counter()
         assert enc is not None
         got: torch.Tensor | None = None if enc == UNCHANGED else (whole if enc == WHOLE else payload)
         ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
-                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4)})
-        return BucketDiff(ds, done)
+                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4),
+                               "pageable_s": round(pageable_s, 4)})
+        return BucketDiff(ds, done, on_device)
 
 
 def _count(mask: torch.Tensor) -> int:

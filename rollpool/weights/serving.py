@@ -822,7 +822,7 @@ class WeightServer:
         """The buckets encoded one by one (`_encode_early`) as one delta, unless it passes `delta_max_fraction`."""
         ds = DeltaSet(base=base.version, encodings=[d.encodings[0] for d, _ in got], payloads=[d.payloads[0] for d, _ in got],
                       changed_elements=sum(d.changed_elements for d, _ in got), total_elements=sum(d.total_elements for d, _ in got))
-        for key in ("compare_s", "encode_s", "checksum_s", "pin_s"):  # (pin_s: of encode_s, a device delta's page-locked payloads)
+        for key in ("compare_s", "encode_s", "checksum_s", "pin_s", "pageable_s"):  # (pin_s, pageable_s: of encode_s, a device delta's payloads to the host)
             timings[key] = round(sum(d.timings.get(key, 0.0) for d, _ in got), 4)
         total = v.total_bytes
         if total and ds.wire_bytes > self.delta_max_fraction * total:

@@ -3,6 +3,7 @@ same two versions, bucket by bucket, on CPU tensors here and on a GPU where ther
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -102,7 +103,7 @@ def test_a_device_made_delta_is_byte_identical_to_the_host_made_one(device: str,
             assert got.numpy().tobytes() == exp.numpy().tobytes() == want.payloads[i].numpy().tobytes(), infos[i]
     assert sum(d.delta.changed_elements for d in made) == want.changed_elements
     assert sum(d.delta.total_elements for d in made) == want.total_elements
-    assert set(made[0].delta.timings) == {"compare_s", "encode_s", "pin_s"}
+    assert set(made[0].delta.timings) == {"compare_s", "encode_s", "pin_s", "pageable_s"}
     for (name, view), (_n, t) in zip(base.views(places), items2, strict=True):
         assert torch.equal(view, t), name
 
@@ -210,3 +211,75 @@ def test_the_sums_queued_by_the_diff_are_the_new_versions_and_taken_once(device:
     assert want != [mix64_reference(bytes(h.numpy())) for h in _host(items1, places, infos)]
     assert base.mix64s(places) == want
     assert base._mixed is None and base.mix64s(places) == want  # summed again from the base
+
+
+class _FakePageLocked:
+    """A fake of torch's page-locked allocation (the process edge: no GPU here): plain tensors, every size asked for
+    and the most held at once recorded."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.asked: list[int] = []
+        self.live = self.most_live = 0
+        self.fail = fail
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("CUDA error: out of memory (fake)")
+        self.asked.append(nbytes)
+        self.live += 1
+        self.most_live = max(self.most_live, self.live)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        weakref.finalize(t, self._freed)
+        return t
+
+    def _freed(self) -> None:
+        self.live -= 1
+
+
+def test_payloads_go_to_pageable_memory_until_page_locked_blocks_were_made_ahead_for_them() -> None:
+    """The first device delta's payloads are not page-locked on the trainer's wait (0.58-0.60 s at 8B on an H100):
+    they are copied to pageable memory; after its diff, blocks of its payload sizes are made in a thread, all held at
+    once (so the allocator's cache has them beside the version's own), and the next version's payloads page-lock."""
+    fake = _FakePageLocked()
+    host = delta_device.PayloadHost(fake)
+    buf, locked = host.take(100)
+    assert not locked and buf.numel() == 100 and fake.asked == []
+    host.warm_for([100, 300, 200])
+    host.join(5)
+    assert host.warm and sorted(fake.asked) == [100, 200, 300] and fake.most_live == 3 and fake.live == 0
+    buf, locked = host.take(300)
+    assert locked and buf.numel() == 300 and fake.asked[-1] == 300
+
+
+def test_payloads_stay_pageable_when_page_locked_blocks_cannot_be_made(caplog: pytest.LogCaptureFixture) -> None:
+    host = delta_device.PayloadHost(_FakePageLocked(fail=True))
+    host.warm_for([100])
+    host.join(5)
+    buf, locked = host.take(100)
+    assert not host.warm and not locked and buf.numel() == 100
+    assert "could not be made ahead" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_the_first_device_delta_copies_to_pageable_memory_and_the_next_to_page_locked_blocks() -> None:
+    v1, bucket_bytes = _model("cuda"), 8192
+    base = DeviceBase(GpuBudget(1 << 30))
+    versions = [v1, _next(v1, 1), _next(_next(v1, 1), 2)]
+    hosts = []
+    for n, sd in enumerate(versions, start=1):
+        items, places, infos = _plan(sd, bucket_bytes)
+        hosts.append(_host(items, places, infos))
+        made = base.diff(n, infos, places, items, hosts[-1])
+        if n == 1:
+            assert made is None
+            continue
+        assert made is not None
+        payloads = [(d.wait().payloads[0], d.delta.encodings[0]) for d in made]
+        device_made = [p for p, enc in payloads if p is not None and enc in (GAPS, SPARSE)]
+        assert device_made and all(p.is_pinned() == (n == 3) for p in device_made), n
+        want = compute_delta(hosts[-1], hosts[-2], infos, infos, base_version=n - 1, max_fraction=1.0)
+        assert want is not None
+        for (p, _enc), w in zip(payloads, want.payloads, strict=True):
+            assert (p is None) == (w is None) and (p is None or p.numpy().tobytes() == w.numpy().tobytes())
+        base.payload_host.join(10)
