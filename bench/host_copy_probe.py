@@ -15,6 +15,7 @@ Prints and writes host_copy_probe.json: GB/s and seconds per way, with the host'
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -35,6 +36,54 @@ def layout(scale: float) -> list[tuple[str, tuple[int, ...]]]:
                 (f"l{i}.gate", (inter, h)), (f"l{i}.up", (inter, h)), (f"l{i}.down", (h, inter)),
                 (f"l{i}.n1", (h,)), (f"l{i}.n2", (h,))]
     return out + [("norm", (h,)), ("head", (vocab, h))]
+
+
+def ways(mm: mmap.mmap, total: int, src: list[torch.Tensor], sizes: list[int], offsets: list[int],
+         args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], int]:
+    dst_np = np.frombuffer(mm, dtype=np.uint8)
+    dst_np[:] = 0  # pages touched once, as a reused segment's are
+    dst = torch.from_numpy(dst_np)
+    flat = [t.view(-1).view(torch.uint8) for t in src]
+    flat_np = [f.numpy() for f in flat]
+    cores = os.cpu_count() or 1
+    results: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        runs = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        s = statistics.median(runs)
+        results[name] = {"s": round(s, 4), "gbps": round(total / s / 1e9, 2), "runs": [round(r, 4) for r in runs]}
+        print(name, results[name], flush=True)
+
+    def per_tensor(pool: ThreadPoolExecutor, copy) -> None:  # type: ignore[no-untyped-def]
+        list(pool.map(copy, range(len(flat))))
+
+    def torch_copy(i: int) -> None:
+        dst[offsets[i] : offsets[i] + sizes[i]].copy_(flat[i])
+
+    def numpy_copy(i: int) -> None:
+        np.copyto(dst_np[offsets[i] : offsets[i] + sizes[i]], flat_np[i])
+
+    def ranged(cuts: list[int], k: int) -> None:
+        lo, hi = cuts[k], cuts[k + 1]
+        for i, (off, sz) in enumerate(zip(offsets, sizes, strict=True)):
+            a, b = max(lo, off), min(hi, off + sz)
+            if a < b:
+                np.copyto(dst_np[a:b], flat_np[i][a - off : b - off])
+
+    for n in [int(x) for x in args.threads.split(",")]:
+        with ThreadPoolExecutor(n) as pool:
+            for intra in (1, cores):
+                torch.set_num_threads(intra)
+                timed(f"torch_{n}t_intra{intra}", functools.partial(per_tensor, pool, torch_copy))
+            torch.set_num_threads(cores)
+            timed(f"numpy_{n}t", functools.partial(per_tensor, pool, numpy_copy))
+            cuts = [total * k // n for k in range(n + 1)]  # equal byte ranges: large tensors split across threads
+            timed(f"split_{n}t", functools.partial(lambda p, c, m: list(p.map(functools.partial(ranged, c), range(m))), pool, cuts, n))
+    return results, cores
 
 
 def main() -> None:
@@ -58,57 +107,10 @@ def main() -> None:
     try:
         os.ftruncate(fd, total)
         mm = mmap.mmap(fd, total)
-        dst_np = np.frombuffer(mm, dtype=np.uint8)
-        dst_np[:] = 0  # pages touched once, as a reused segment's are
-        dst = torch.from_numpy(dst_np)
-        flat = [t.view(-1).view(torch.uint8) for t in src]
-        flat_np = [f.numpy() for f in flat]
-        cores = os.cpu_count() or 1
-        results: dict[str, dict[str, float]] = {}
-
-        def timed(name: str, fn) -> None:  # type: ignore[no-untyped-def]
-            runs = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                fn()
-                runs.append(time.perf_counter() - t0)
-            s = statistics.median(runs)
-            results[name] = {"s": round(s, 4), "gbps": round(total / s / 1e9, 2), "runs": [round(r, 4) for r in runs]}
-            print(name, results[name], flush=True)
-
-        for n in [int(x) for x in args.threads.split(",")]:
-            pool = ThreadPoolExecutor(n)
-
-            def per_tensor(copy) -> None:  # type: ignore[no-untyped-def]
-                list(pool.map(copy, range(len(flat))))
-
-            def torch_copy(i: int) -> None:
-                dst[offsets[i] : offsets[i] + sizes[i]].copy_(flat[i])
-
-            def numpy_copy(i: int) -> None:
-                np.copyto(dst_np[offsets[i] : offsets[i] + sizes[i]], flat_np[i])
-
-            for intra in (1, cores):
-                torch.set_num_threads(intra)
-                timed(f"torch_{n}t_intra{intra}", lambda: per_tensor(torch_copy))
-            torch.set_num_threads(cores)
-            timed(f"numpy_{n}t", lambda: per_tensor(numpy_copy))
-            # equal byte ranges: each thread's share of the version, large tensors split
-            cuts = [total * k // n for k in range(n + 1)]
-
-            def ranged(k: int) -> None:
-                lo, hi = cuts[k], cuts[k + 1]
-                for i, (off, sz) in enumerate(zip(offsets, sizes, strict=True)):
-                    a, b = max(lo, off), min(hi, off + sz)
-                    if a < b:
-                        np.copyto(dst_np[a:b], flat_np[i][a - off : b - off])
-
-            timed(f"split_{n}t", lambda: list(pool.map(ranged, range(n))))
-            pool.shutdown()
+        results, cores = ways(mm, total, src, sizes, offsets, args)
         out = {"cores": cores, "bytes": total, "tensors": len(src), "torch": torch.__version__, "ways": results}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "host_copy_probe.json").write_text(json.dumps(out, indent=1))
-        del dst, dst_np
         mm.close()
     finally:
         os.close(fd)
