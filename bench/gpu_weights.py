@@ -522,8 +522,8 @@ def sparse_step(sd: dict[str, Any], v: int, fraction: float) -> None:
             w[mask] += 1 if v % 2 else -1
 
 
-DELTA_PHASES = ("delta_compare_s", "delta_encode_s", "delta_pin_s", "delta_pageable_s", "delta_checksum_s", "delta_made_s", "delta_after_complete_s",
-                "delta_ready_after_publish_s", "early_delta_ready_after_publish_s", "early_mix_s", "delta_shm_write_s", "manifest_after_publish_s", "manifest_wait_s", "fetch_s", "rebuild_s", "verify_s",
+DELTA_PHASES = ("delta_compare_s", "delta_encode_s", "delta_pin_s", "delta_checksum_s", "delta_made_s", "delta_after_complete_s",
+                "delta_ready_after_publish_s", "early_delta_ready_after_publish_s", "early_mix_s", "early_called_after_publish_s", "early_landed_after_publish_s", "early_parts_after_publish_s", "delta_shm_write_s", "manifest_after_publish_s", "manifest_wait_s", "fetch_s", "rebuild_s", "verify_s",
                 "rebuild_after_fetch_s", "delta_total_s")
 
 
@@ -564,13 +564,17 @@ def delta_phases(made: Any, f: dict[str, Any], t_pub: float) -> dict[str, Any]:
     tm = dict(made.timings) if made is not None else {}
     out: dict[str, Any] = {"delta_compare_s": tm.get("compare_s"), "delta_encode_s": tm.get("encode_s"),
                            # of delta_encode_s: allocating the page-locked host buffers of a device delta's payloads
-                           "delta_pin_s": tm.get("pin_s"), "delta_pageable_s": tm.get("pageable_s"), "delta_checksum_s": tm.get("checksum_s"),
+                           "delta_pin_s": tm.get("pin_s"), "delta_checksum_s": tm.get("checksum_s"),
                            "delta_made_s": tm.get("delta_made_s"), "delta_after_complete_s": tm.get("delta_after_complete_s"),
                            "delta_ready_after_publish_s": round(tm["made_at"] - t_pub, 4) if "made_at" in tm else None,
                            # a device-made delta served before the version's host copy was checksummed (minor 28), to
                            # workers that verify on their GPU: when it was (None: it was not served early)
                            "early_delta_ready_after_publish_s": round(tm["early_at"] - t_pub, 4) if "early_at" in tm else None,
                            "early_mix_s": tm.get("early_mix_s"),  # of which: the mix64 of the resulting bytes, on the publisher's GPU
+                           # the early delta's steps after publish: the mix64 in hand (serve_early_delta called), the
+                           # last payload on the host, every part checksummed
+                           **{f"early_{k[:-3]}_after_publish_s": round(tm[k] - t_pub, 4) if tm.get(k) else None
+                              for k in ("called_at", "landed_at", "parts_at")},
                            # and: the encoded bytes written to a shared-memory segment (a publisher whose versions are there)
                            "delta_shm_write_s": tm.get("shm_write_s"),
                            "manifest_after_publish_s": round(f["manifest_at"] - t_pub, 4) if "manifest_at" in f else None,
@@ -1124,7 +1128,7 @@ HOW = {
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
     "delta_rebuilt_on": "per delta row, versions 3..N: where the worker rebuilt each version (the 'sglang apply' line's delta_rebuilt_on: device = in place on its engine's GPU from the version it kept there, verified there against the manifest's mix64 of the resulting bytes; host = host buffers, then staged; none = the version came whole), with the worker's reasons the GPU did not (why_not_rebuilt_on_device). A _delta_device row's goals count only when every steady version was rebuilt on the device (rebuilt_goal)",
     "delta_device_rebuild_s": "the _delta_device rows' versions rebuilt from a delta: median of the worker's GPU seconds for the rebuild (patch + mix64 check, summed over buckets; its apply record's delta_device_rebuild_s)",
-    "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s (of it delta_pin_s: allocating a device delta's host payload buffers, and delta_pageable_s: its synchronous copies into pageable memory before page-locked blocks were made ahead), delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s, early_delta_ready_after_publish_s (a device-made delta served before the host copy was checksummed, to workers that verify on their GPU: minor 28; absent when not served early), early_mix_s (the publisher's GPU summing the mix64 of the resulting bytes for it), delta_shm_write_s (the encoded bytes written to a shared-memory segment, before a delta is served where the publisher's versions are in shared memory); the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
+    "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s (of it delta_pin_s: allocating a device delta's page-locked payload buffers, made ahead since session 22), delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s, early_delta_ready_after_publish_s (a device-made delta served before the host copy was checksummed, to workers that verify on their GPU: minor 28; absent when not served early), early_mix_s (the publisher's GPU summing the mix64 of the resulting bytes for it), delta_shm_write_s (the encoded bytes written to a shared-memory segment, before a delta is served where the publisher's versions are in shared memory); the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",
     "bytes_moved_per_version": "model_bytes (every tensor changes every version) and the bytes the publisher's sockets served (0 on the shm path)",
 }
 

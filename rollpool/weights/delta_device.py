@@ -56,7 +56,7 @@ from rollpool.weights.delta import (
 from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
-__all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
+__all__ = ["DEVICE_TYPES", "FIRST_PAYLOAD_GUESS", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
 
 log = logging.getLogger(__name__)
 
@@ -108,34 +108,41 @@ def _page_locked(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+FIRST_PAYLOAD_GUESS = 0.04
+"""Before any device delta was made, the page-locked blocks made ahead (`PayloadHost`) are this fraction of each bucket's
+bytes: a bf16 bucket's ``gaps`` payload is 4 bytes per changed element, 2 x its changed fraction of the bucket's bytes,
+so 0.04 is an RL step changing 2% of the elements (measured at lr 1e-6: 2.15%). torch rounds a block to a power of two,
+so the guess holds for any changed fraction whose payloads round to the same size (1.6-3.1% at 512 MiB buckets); a
+wrong guess leaves one bucket's worth of blocks per bucket unused in torch's cache and the first delta allocates."""
+
+
 class PayloadHost:
-    """The host memory a device delta's payloads are copied into, with no page-locking on the trainer's wait.
+    """The page-locked host memory a device delta's payloads are copied into, made before the trainer waits for it.
 
     Page-locked blocks come from torch's caching host allocator, which rounds a request up to a power of two and reuses
-    a freed block of that size; a block it has none of costs a `cudaHostAlloc` (on an H100 at 8B: 0.58-0.60 s for the
-    ~33 payloads of each of the first two device deltas, the trainer waiting, measured in session 21). So:
-    - until page-locked blocks were made ahead (`warm`), a payload is copied into pageable memory, synchronously (at
-      ~10 GB/s, ~60 ms for the 620 MB of an 8B delta at a 2% changed fraction, against ~0.6 s of allocation);
-    - after each version's diff, `warm_for` allocates blocks of that version's payload sizes in a thread of its own,
-      all held at once and then freed into the allocator's cache, so the next version (whose payloads are about the
-      same sizes) finds free blocks while this version's are still held. Blocks the cache has already are reused by
-      that warm-up, so the page-locked memory grows to at most one version's payloads more than are held at once.
+    a freed block of that size; a block it has none free of costs a `cudaHostAlloc` (on an H100 at 8B: 0.58-0.60 s for
+    the ~33 payloads of each of the first two device deltas, in the trainer's wait; copying them to pageable memory
+    instead took as long, 0.53 s, on an H200). So `warm_for` makes blocks of the sizes the next version's payloads will
+    have (the last version's, `DeviceBase.payload_sizes`; `FIRST_PAYLOAD_GUESS` before any), in a thread of its own, all
+    held at once and then freed into the allocator's cache, so the next version finds free blocks while the blocks of
+    the versions still served are held. Blocks the cache has free already are reused by it (no new memory): the
+    page-locked memory grows to at most one version's payloads more than are held at once.
 
-    `allocate` makes one page-locked block (the tests pass a fake of their own)."""
+    The publisher calls `warm_for` once a version's early delta is served (a thread making blocks takes the CUDA
+    driver's lock while the early delta's copies wait for it: on an H200 at 8B that delayed the early delta of each of
+    the two versions after the first by ~0.45 s). `allocate` makes one page-locked block (the tests pass a fake)."""
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor] = _page_locked) -> None:
-        self._allocate = allocate
-        self.warm = False
-        """Whether page-locked blocks were made ahead for a version's payloads (then `take` page-locks)."""
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self._allocate = allocate or _page_locked
         self.warm_s = 0.0
         """How long the last warm-up took (its own thread)."""
+        self.warmed = 0
+        """Warm-ups done."""
         self._thread: threading.Thread | None = None
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """A host buffer of `nbytes` for a payload and whether it is page-locked (else: copy into it synchronously)."""
-        if self.warm:
-            return self._allocate(nbytes), True
-        return torch.empty(nbytes, dtype=torch.uint8), False
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of `nbytes` for a payload."""
+        return self._allocate(nbytes)
 
     def warm_for(self, sizes: Sequence[int]) -> None:
         """Make page-locked blocks of these sizes ahead, in a thread (none when one is still running)."""
@@ -151,13 +158,13 @@ class PayloadHost:
     def _warm(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
         try:
-            held = [self._allocate(n) for n in sizes]  # all at once: the blocks this version holds are not among them
+            held = [self._allocate(n) for n in sizes]  # all at once: the blocks the served versions hold are not among them
             del held
-        except Exception as e:  # noqa: BLE001 (out of page-locked memory, a driver error: payloads stay pageable)
-            log.warning("page-locked payload buffers could not be made ahead (%s): device deltas copy to pageable memory", e)
+        except Exception as e:  # noqa: BLE001 (out of page-locked memory, a driver error: the diff allocates as it needs)
+            log.warning("page-locked buffers for device deltas could not be made ahead (%s)", e)
             return
         self.warm_s = time.perf_counter() - t0
-        self.warm = True
+        self.warmed += 1
 
 
 class DeviceBase:
@@ -179,6 +186,9 @@ class DeviceBase:
         self._mixed: tuple[Any, torch.Tensor] | None = None
         """The sums `diff` queued for `mix64s` (with ``mix=True``): (their event, their host copy)."""
         self.payload_host = PayloadHost()
+        self.payload_sizes: list[int] = []
+        """The host payload sizes the next diff is expected to need (the last diff's, or `FIRST_PAYLOAD_GUESS`'s), for
+        `PayloadHost.warm_for`."""
 
     @staticmethod
     def need_bytes(buckets: Sequence[BucketInfo]) -> int:
@@ -324,8 +334,9 @@ class DeviceBase:
                 stream.synchronize()  # (the diff's stream: the sums run on after this returns)
         self.version = version
         if compare:
-            self.payload_host.warm_for([int(p.numel()) for d in out if d is not None and d.on_device
-                                        for p in d.delta.payloads if p is not None])
+            self.payload_sizes = [int(p.numel()) for d in out if d is not None and d.on_device for p in d.delta.payloads if p is not None]
+        elif device.type == "cuda":
+            self.payload_sizes = [max(1, int(b.nbytes * FIRST_PAYLOAD_GUESS)) for b in buckets]
         return [d for d in out if d is not None] if compare else None
 
     def _bucket(self, b: BucketInfo, tensors: list[tuple[int, torch.Tensor]], whole: torch.Tensor, had: int, stream: Any) -> BucketDiff | None:
@@ -368,29 +379,24 @@ class DeviceBase:
                 del gaps
                 payload[pos * k :].copy_(torch.index_select(base, 0, idx).view(torch.uint8))  # the base holds the new values now
         done = None
-        pin_s = pageable_s = 0.0
+        pin_s = 0.0
         on_device = payload is not None and payload.is_cuda
         if payload is not None and on_device:  # to the host on a stream of its own: the next bucket's diff goes on
             copier = self._copier(payload.device, stream)
             t_pin = time.perf_counter()
-            host, locked = self.payload_host.take(int(payload.numel()))
+            host = self.payload_host.take(int(payload.numel()))  # (made ahead: `PayloadHost`)
             pin_s = time.perf_counter() - t_pin
             with torch.cuda.stream(copier):
-                if locked:
-                    host.copy_(payload, non_blocking=True)
-                    done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                    done.record(copier)
-                else:  # no page-locked block made ahead yet (`PayloadHost`): a synchronous copy beats allocating one
-                    host.copy_(payload)
-                    pageable_s = time.perf_counter() - t_pin - pin_s
+                host.copy_(payload, non_blocking=True)
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                done.record(copier)
             payload.record_stream(copier)  # its memory is not reused before the copy read it
             payload = host
         t2 = time.perf_counter()
         assert enc is not None
         got: torch.Tensor | None = None if enc == UNCHANGED else (whole if enc == WHOLE else payload)
         ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
-                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4),
-                               "pageable_s": round(pageable_s, 4)})
+                      timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4)})
         return BucketDiff(ds, done, on_device)
 
 

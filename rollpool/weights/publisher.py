@@ -640,8 +640,10 @@ class WeightPublisher(ServingFace):
         changed by now; the base holds the version) and checksummed as usual. Where a delta is served early, the copy
         begins once it is (at most `EARLY_FIRST_S` later): issuing the whole model's copies takes the event loop and the
         GIL for tenths of a second at 8B, and the early delta's parts, its sums and its answer waited behind them (on an
-        H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work)."""
+        H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work). Then the next diff's page-locked payload
+        blocks are made ahead (`delta_device.PayloadHost`), beside the copy."""
         await self._early_first()
+        self._delta_base.payload_host.warm_for(self._delta_base.payload_sizes)
         try:
             await snap.copy(views)
         except BaseException as exc:
@@ -715,5 +717,8 @@ def _on_cuda(items: Any) -> bool:
 
 
 def _device_part(diff: _delta_device.BucketDiff, algorithm: str) -> tuple[DeltaSet, str]:
-    """A device-made bucket's delta once its payload is on the host, with its checksum (a delta thread runs it)."""
-    return with_digest(diff.wait(), algorithm)
+    """A device-made bucket's delta once its payload is on the host, with its checksum (a delta thread runs it);
+    `DeltaSet.timings` gets ``landed_at`` (the payload on the host, `time.time()`)."""
+    ds = diff.wait()
+    ds.timings["landed_at"] = time.time()
+    return with_digest(ds, algorithm)

@@ -645,6 +645,7 @@ class WeightServer:
         not there yet), the delta passes `delta_max_fraction`, the version or its base changed meanwhile, or `mix64` is
         None (the publisher could not sum it: this call only ends what `early_coming` began). `mix_s`: the seconds the
         mix64 took (the delta's ``early_mix_s``)."""
+        called_at = time.time()
         v = self.versions.get(version)
         if v is None:
             return None
@@ -660,7 +661,7 @@ class WeightServer:
                 return None
             made = await self._early(v, base, mix64)
             if made is not None:
-                made.timings["early_mix_s"] = round(mix_s, 4)
+                made.timings.update(early_mix_s=round(mix_s, 4), early_called_at=called_at)
             return made
         finally:
             if not building.done():
@@ -677,6 +678,8 @@ class WeightServer:
             got = [await asyncio.wrap_future(parts[i][1]) for i in range(len(v.buckets))]
         except Exception:  # noqa: BLE001 - make_delta meets the same failure and says it
             return None
+        timings["parts_at"] = time.time()  # (where the early delta's time goes: the bench's early_* phases)
+        timings["landed_at"] = max((d.timings.get("landed_at", 0.0) for d, _ in got), default=0.0)
         if (self.versions.get(version) is not v or self.versions.get(version - 1) is not base or v.delta_settling
                 or base.released or any(parts[i][0] is not base for i in parts) or any(d.encodings[0] == WHOLE for d, _ in got)):
             return None
@@ -822,7 +825,7 @@ class WeightServer:
         """The buckets encoded one by one (`_encode_early`) as one delta, unless it passes `delta_max_fraction`."""
         ds = DeltaSet(base=base.version, encodings=[d.encodings[0] for d, _ in got], payloads=[d.payloads[0] for d, _ in got],
                       changed_elements=sum(d.changed_elements for d, _ in got), total_elements=sum(d.total_elements for d, _ in got))
-        for key in ("compare_s", "encode_s", "checksum_s", "pin_s", "pageable_s"):  # (pin_s, pageable_s: of encode_s, a device delta's payloads to the host)
+        for key in ("compare_s", "encode_s", "checksum_s", "pin_s"):  # (pin_s: of encode_s, a device delta's page-locked payloads)
             timings[key] = round(sum(d.timings.get(key, 0.0) for d, _ in got), 4)
         total = v.total_bytes
         if total and ds.wire_bytes > self.delta_max_fraction * total:

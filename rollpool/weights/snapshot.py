@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from rollpool.protocol.errors import WeightSyncError
@@ -57,7 +58,7 @@ from rollpool.weights.gpu import mix64_checksum, mix64_format, mix64_partial, si
 from rollpool.weights.memory import BufferPool, ShmBuffer, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import ServedVersion
 
-__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "PlanMemo", "Snapshot", "SnapshotBuffers",
+__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "host_copy", "GatedSource", "PiecesSource", "Place", "PlanMemo", "Snapshot", "SnapshotBuffers",
            "SnapshotKnobs", "layout_key", "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
 
 log = logging.getLogger("rollpool.weights.publisher")
@@ -493,7 +494,7 @@ class Snapshot:
             done.synchronize()
             self._add_part(idx, part)
         else:
-            dst.copy_(src)
+            host_copy(dst, src)
         self._landed(idx, mix_stream, offset)
 
     def _copy_many(self, jobs: list[_Job]) -> None:
@@ -1035,3 +1036,17 @@ async def referenced_version(named_tensors: Any, version: int, bucket_bytes: int
     )
     return ServedVersion(version=version, publisher_id=knobs.publisher_id, buckets=infos,
                          sources=[PiecesSource(pieces.get(i, [])) for i in range(len(infos))], chunk_bytes=knobs.chunk_bytes)
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One CPU tensor's bytes into a host buffer (both uint8, the same length): numpy's copy, which is the C library's
+    `memcpy` (non-temporal stores for large copies: the destination is written without being read first), the GIL
+    released. Measured on the H200 host (16 cores, `bench/host_copy_probe.py`, the 8B layout into /dev/shm):
+    34.7 GB/s in 8 threads against 27.7 GB/s for torch's `copy_` (1.25x), 44.1 against 38.1 GB/s in 16. torch's
+    `copy_` where numpy cannot view a tensor (a subclass, a tensor with the conjugate or negative bit)."""
+    try:
+        d, s = dst.numpy(), src.numpy()
+    except (RuntimeError, TypeError):
+        dst.copy_(src)
+        return
+    np.copyto(d, s)

@@ -146,3 +146,18 @@ async def test_cpu_tensors_are_folded_only_with_a_core_to_spare(monkeypatch: pyt
         pools.shutdown()
     assert (snap.folds[0] is not None) is folded
     assert sink.checksums[0] == checksum(snap.buffers[0].numpy(), default_checksum_algorithm())
+
+
+def test_a_host_copy_writes_the_tensors_bytes_and_takes_torchs_copy_where_numpy_cannot_view() -> None:
+    from rollpool.weights.bucketing import flat_bytes
+    from rollpool.weights.snapshot import host_copy
+
+    src = torch.randn(1001, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.zeros(2 * 1001 + 6, dtype=torch.uint8)
+    host_copy(dst[3 : 3 + 2002], flat_bytes(src))
+    assert dst[3 : 3 + 2002].numpy().tobytes() == src.view(torch.int16).numpy().tobytes()
+    assert not dst[:3].any() and not dst[-3:].any()  # nothing written outside its place
+    neg = torch.randn(5)._neg_view()  # numpy cannot view a tensor with the negative bit: torch copies it
+    out = torch.empty(5)
+    host_copy(out, neg)
+    assert torch.equal(out, -neg._neg_view())
