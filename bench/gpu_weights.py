@@ -946,10 +946,20 @@ def summarize() -> None:
         w = warm(row, "publish_to_applied_s")
         return round(vs[0]["publish_to_applied_s"] / w, 3) if vs and w else None
 
+    def first_delta_over_warm(row: dict[str, Any]) -> float | None:
+        """A delta row's first version rebuilt from a delta over the median of versions 3..N: its first version is a full
+        one (nothing to be a delta of), so this is the row's cold start."""
+        vs = row.get("versions", [])
+        w = warm(row, "publish_to_applied_s")
+        first = next((r for r in vs if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0), None)
+        return round(first["publish_to_applied_s"] / w, 3) if first is not None and w else None
+
     for row in rows.values():
         if row.get("versions"):
             row["summary"] = {k: warm(row, k) for k in ("trainer_blocked_s", "publish_to_applied_s", "pause_s", "fetched_after_publish_s")}
             row["summary"]["first_over_warm"] = first_over_warm(row)
+            if row.get("delta"):
+                row["summary"]["first_delta_over_warm"] = first_delta_over_warm(row)
             row["summary"]["torn_snapshots"] = sum(1 for r in row["versions"] if r["torn_snapshot"])
             row["summary"]["paths_taken"] = sorted({str(r["fetched_path"]) for r in row["versions"]})
             row["summary"]["staged_to"] = sorted({str(r.get("staged_to")) for r in row["versions"]})
@@ -1034,9 +1044,15 @@ def summarize() -> None:
         goals["shm_path_s"] = path_goal(shm, ("shm", "shm_device"), RESULT["shm_path_s"], 0.5)
     if RESULT["trainer_blocked_s"] is not None:
         goals["trainer_blocked_s"] = {"value": RESULT["trainer_blocked_s"], "goal": "<= 0.5", "met": RESULT["trainer_blocked_s"] <= 0.5}
-    fow = [x for x in RESULT["first_over_warm"].values() if x is not None]
+    # a delta row's first version is a full one measured against its steady deltas: its cold start is its first delta
+    fow = [x for name, x in RESULT["first_over_warm"].items() if x is not None and not rows[name].get("delta")]
     if fow:
         goals["first_over_warm"] = {"value": max(fow), "goal": "<= 1.2", "met": max(fow) <= 1.2}
+    RESULT["first_delta_over_warm"] = {name: row["summary"].get("first_delta_over_warm") for name, row in rows.items()
+                                       if row.get("delta") and row.get("summary")}
+    fdw = [x for x in RESULT["first_delta_over_warm"].values() if x is not None]
+    if fdw:
+        goals["first_delta_over_warm"] = {"value": max(fdw), "goal": "<= 1.2", "met": max(fdw) <= 1.2}
     if pause is not None:
         goals["pause_s"] = {"value": pause, "goal": "<= 0.15", "met": pause <= 0.15}
     device_rows = {name: row for name, row in rows.items() if name.endswith("_delta_device") and row.get("versions")}
@@ -1098,7 +1114,8 @@ HOW = {
     "same_gpu_ipc_s": "row cuda_ipc_cuda (publisher on auto, worker on auto: same host, same GPU UUID): the same median, less the row's median pause_s",
     "trainer_blocked_s": "duration of TrainerClient.publish_weights (snapshot copied, CUDA side-stream event waited, broker set_version) over the CUDA rows, versions 2..N",
     "pause_s": "row tcp_cuda: the engine's pause_s (pause -> resume around update_weights), median over versions 3..N",
-    "first_over_warm": "per row: version 1's publish_to_applied_s over the median of versions 3..N",
+    "first_over_warm": "per row: version 1's publish_to_applied_s over the median of versions 3..N (its goal over the rows of full versions: a delta row's version 1 is a full version)",
+    "first_delta_over_warm": "per delta row: the first version rebuilt from a delta, its publish_to_applied_s over the median of versions 3..N (the delta row's cold start; goal <= 1.2 as first_over_warm's)",
     "disk_peer_s": "a child process's sglang.Engine on the same model file: update_weights_from_disk, page cache warm, median of 3",
     "cuda_ipc_limit_s": "the same engine: update_weights_from_tensor of CUDA tensors in process, median of 3",
     "raw_tcp_4stream_gbps": "pyzmq PUSH -> PULL, 4 tcp connections, 4 I/O threads each side, 4 MiB frames copied by the receiver, 8 GiB",
