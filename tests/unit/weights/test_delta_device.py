@@ -269,3 +269,32 @@ def test_the_payload_sizes_to_make_ahead_follow_the_last_diff(device: str) -> No
     assert made is not None
     want = [int(d.delta.payloads[0].numel()) for d in made if d.delta.payloads[0] is not None and d.delta.encodings[0] in (GAPS, SPARSE)]
     assert base.payload_sizes == (want if device == "cuda" else []) and (device == "cpu" or want)
+
+
+def test_the_workers_delta_buffer_is_made_ahead_once_a_version_is_held_on_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page-locked buffer a delta's encoded bytes land in (the worker's first delta fetch made it: ~0.6 s at 8B)
+    is made in a thread once the first whole version is held on the engine's GPU, `FIRST_SCRATCH_GUESS` of the model;
+    the first delta's fetch takes it; a delta larger than it grows it then. The page-locked allocation is faked (no GPU
+    here: the process edge), the device a CUDA one by name only."""
+    from types import SimpleNamespace
+
+    from rollpool.weights.paths import delta as delta_path
+
+    made: list[tuple[int, bool]] = []
+    real_empty = torch.empty
+
+    def fake_empty(n: int, *, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+        made.append((n, pin_memory))
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(delta_path.torch, "empty", fake_empty)
+    path = delta_path.DeltaPath(None, None, enabled=True, threads=1)  # type: ignore[arg-type]
+    path.device = SimpleNamespace(device=torch.device("cuda", 0))  # type: ignore[assignment]
+    model = 1000 << 20
+    path._make_scratch_ahead(model)
+    path._make_scratch_ahead(model)  # once
+    want = delta_path._scratch_bytes(int(model * delta_path.FIRST_SCRATCH_GUESS))
+    got = path._scratch_of(30 << 20)
+    assert made == [(want, True)] and got.numel() == 30 << 20 and path._scratch is not None and path._scratch.numel() == want
+    path._scratch_of(want + 1)  # a larger delta: grown when it comes
+    assert made[-1] == (delta_path._scratch_bytes(want + 1), True)
