@@ -66,6 +66,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -369,6 +370,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _busy_trainer(seconds: float) -> None:
+    """A stand-in for the trainer's next step (`--busy-trainer`): small torch ops from Python for `seconds`, the way a
+    forward pass launches kernels, holding the GIL between them."""
+    import torch
+
+    xs = [torch.randn(64, 64) for _ in range(32)]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for x in xs:
+            x.mul_(0.999).add_(0.001)
+
+
 async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
     """`--device`: the host path and the device path (on CPU tensors) side by side, their served deltas compared."""
     import dataclasses
@@ -400,6 +413,10 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
         cpu0, t0, wall0 = time.process_time(), time.perf_counter(), time.time()
         await pub.publish(sd, v)
         t_ret = time.perf_counter()
+        busy = None
+        if args.busy_trainer:  # the trainer's next step right after publish returns: Python-heavy torch work in a thread
+            busy = threading.Thread(target=_busy_trainer, args=(args.busy_trainer,), daemon=True)
+            busy.start()
         await pub.wait_ready(v)
         t_host = time.perf_counter()
         for _ in range(600_000):  # the delta follows the checksums (polled: the server sets no event for it)
@@ -407,9 +424,13 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.001)
         t_ready = time.perf_counter()
+        if busy is not None:
+            busy.join()
         d = pub._server.versions[v].delta
         early = d.timings.get("early_at") if d is not None else None
-        return {"publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4),
+        stamps = {f"early_{k[:-3]}_s": round(d.timings[k] - wall0, 4) for k in ("called_at", "landed_at", "parts_at")
+                  if d is not None and d.timings.get(k)}
+        return {**stamps, "publish_s": round(t_ret - t0, 4), "delta_ready_s": round(t_ready - t0, 4),
                 "host_copy_ready_s": round(t_host - t0, 4), "early_ready_s": round(early - wall0, 4) if early is not None else None,
                 "early_mix_s": d.timings.get("early_mix_s") if d is not None else None,
                 "process_cpu_s": round(time.process_time() - cpu0, 3),
@@ -460,6 +481,12 @@ async def device_compare(args: argparse.Namespace) -> dict[str, Any]:
                                "host_copy_ready_s": round(statistics.median(r["device"]["host_copy_ready_s"] for r in steady), 4),
                                "early_mix_s": round(statistics.median(x["device"]["early_mix_s"] for x in steady if x["device"].get("early_mix_s") is not None), 4) if early else None,
                                "delta_ready_s": summary["delta_ready_s"]["device_cpu"]}
+    # after the trainer's return: the early delta's steps (the mix64 in hand, the last payload landed, every part
+    # checksummed, served), medians over the steady versions
+    for k in ("early_called_s", "early_landed_s", "early_parts_s", "early_ready_s"):
+        after = [r["device"][k] - r["device"]["publish_s"] for r in steady if r["device"].get(k) is not None]
+        summary["device_early"][f"{k[:-2]}_after_return_s"] = round(statistics.median(after), 4) if after else None
+    summary["device_early"]["busy_trainer_s"] = args.busy_trainer
     return {"summary": summary, "versions": rows, "model_bytes": model_bytes}
 
 
@@ -580,6 +607,8 @@ def main() -> int:
     ap.add_argument("--device", action="store_true", help="the host path and the device path (on CPU tensors) side by side, their served deltas compared")
     ap.add_argument("--rebuild-kernel", default=None, metavar="FRACTIONS",
                     help="the subscriber's rebuild alone at these changed fractions (comma-separated): copy (16 and 4 MiB pieces) vs in place")
+    ap.add_argument("--busy-trainer", type=float, default=0.0, metavar="S",
+                    help="with --device: a thread does small torch ops for S seconds after each publish returns (the trainer's next step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.rebuild_kernel:

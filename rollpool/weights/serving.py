@@ -659,9 +659,7 @@ class WeightServer:
             if (mix64 is None or base is None or v.delta_state != "pending" or len(mix64) != len(v.buckets)
                     or len(v.delta_parts) != len(v.buckets)):
                 return None
-            made = await self._early(v, base, mix64)
-            if made is not None:
-                made.timings.update(early_mix_s=round(mix_s, 4), early_called_at=called_at)
+            made = await self._early(v, base, mix64, {"early_mix_s": round(mix_s, 4), "early_called_at": called_at})
             return made
         finally:
             if not building.done():
@@ -669,11 +667,11 @@ class WeightServer:
             if v.early_building is building:
                 v.early_building = None
 
-    async def _early(self, v: ServedVersion, base: ServedVersion, mix64: Sequence[str]) -> DeltaServed | None:
-        """`serve_early_delta`'s work (`make_delta` waits for it)."""
+    async def _early(self, v: ServedVersion, base: ServedVersion, mix64: Sequence[str], given: dict[str, float]) -> DeltaServed | None:
+        """`serve_early_delta`'s work (`make_delta` waits for it); `given`: timings of the caller's, kept with the delta's."""
         version = v.version
         parts = dict(v.delta_parts)
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = dict(given)
         try:
             got = [await asyncio.wrap_future(parts[i][1]) for i in range(len(v.buckets))]
         except Exception:  # noqa: BLE001 - make_delta meets the same failure and says it
