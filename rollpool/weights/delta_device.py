@@ -128,9 +128,10 @@ class PayloadHost:
     the versions still served are held. Blocks the cache has free already are reused by it (no new memory): the
     page-locked memory grows to at most one version's payloads more than are held at once.
 
-    The publisher calls `warm_for` once a version's early delta is served (a thread making blocks takes the CUDA
-    driver's lock while the early delta's copies wait for it: on an H200 at 8B that delayed the early delta of each of
-    the two versions after the first by ~0.45 s). `allocate` makes one page-locked block (the tests pass a fake)."""
+    The publisher calls `warm_for` once a version's host copy has landed (a thread making new blocks holds up the CUDA
+    calls of the publisher's other threads: started right after each diff, on an H200 at 8B, it delayed the early delta
+    of each of the two versions after the first by ~0.45 s). `allocate` makes one page-locked block (the tests pass a
+    fake)."""
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self._allocate = allocate or _page_locked

@@ -640,15 +640,16 @@ class WeightPublisher(ServingFace):
         changed by now; the base holds the version) and checksummed as usual. Where a delta is served early, the copy
         begins once it is (at most `EARLY_FIRST_S` later): issuing the whole model's copies takes the event loop and the
         GIL for tenths of a second at 8B, and the early delta's parts, its sums and its answer waited behind them (on an
-        H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work). Then the next diff's page-locked payload
-        blocks are made ahead (`delta_device.PayloadHost`), beside the copy."""
+        H100 at 8B it was served 0.17 s after the diff, for ~0.05 s of work). Once the copy is issued and landed, the
+        next diff's page-locked payload blocks are made ahead (`delta_device.PayloadHost`): making new ones takes the
+        CUDA driver for tenths of a second, which neither the early delta's copies nor this copy should wait for."""
         await self._early_first()
-        self._delta_base.payload_host.warm_for(self._delta_base.payload_sizes)
         try:
             await snap.copy(views)
         except BaseException as exc:
             self._withdraw(snap, exc, "the host copy from the device base")
             raise
+        self._delta_base.payload_host.warm_for(self._delta_base.payload_sizes)
         await self._finish(snap, t0, copied)
 
     async def _early_first(self) -> None:
