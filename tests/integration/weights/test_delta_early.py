@@ -165,3 +165,38 @@ async def test_the_host_copy_begins_once_the_early_delta_is_served(make_publishe
     await asyncio.wait_for(pub._early_first(), 5)
     assert not never.done()
     never.cancel()
+
+
+async def test_the_next_versions_payload_blocks_are_made_once_the_host_copy_landed(make_publisher: Any, make_subscriber: Any,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making page-locked blocks ahead (`PayloadHost.warm_for`) takes the CUDA driver for tenths of a second when new
+    ones are made: started right after the diff it held up the early delta on an H200 at 8B, so it starts once the
+    version's host copy has landed, with the sizes the last diff gave."""
+    from rollpool.weights.delta_device import PayloadHost
+    from rollpool.weights.snapshot import Snapshot
+
+    pub = await make_publisher()
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint)
+    _on_gpu(sub)
+    model = _step(await _first_version(pub, sub), 2)
+    events: list[str] = []
+    copy = Snapshot.copy
+
+    async def watched(self: Snapshot, items: Any) -> None:
+        events.append("copy begins")
+        await copy(self, items)
+        events.append("copy landed")
+
+    monkeypatch.setattr(Snapshot, "copy", watched)
+    monkeypatch.setattr(PayloadHost, "warm_for", lambda _self, sizes: events.append(f"warm {list(sizes)}"))
+    pub._delta_base.payload_sizes = [123, 456]  # (CPU tensors make no device payloads: sizes as a GPU diff would give)
+    orig_diff = pub._delta_base.diff
+
+    def diff(*a: Any, **kw: Any) -> Any:
+        out = orig_diff(*a, **kw)
+        pub._delta_base.payload_sizes = [123, 456]
+        return out
+
+    monkeypatch.setattr(pub._delta_base, "diff", diff)
+    await pub.publish(model, 2, wait_ready=True)
+    assert events == ["copy begins", "copy landed", "warm [123, 456]"]
