@@ -1,5 +1,5 @@
 """Probe: how fast can a trainer's CPU tensors (8B-shaped, bf16) be copied into one shared-memory buffer, and by which
-way? Issue 40's goal for CPU tensors (trainer blocked <= 0.5 s at 8B) is mostly this copy.
+way? A trainer publishing CPU tensors waits for mostly this copy.
 
     python3 bench/host_copy_probe.py --gib 13.5 --out DIR
 

@@ -42,6 +42,7 @@ import torch
 from rollpool.protocol.messages import BucketInfo
 from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes
 from rollpool.weights.delta import (
+    ENCODED_FRACTION_GUESS,
     GAPS,
     SPARSE,
     UNCHANGED,
@@ -56,7 +57,7 @@ from rollpool.weights.delta import (
 from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
-__all__ = ["DEVICE_TYPES", "FIRST_PAYLOAD_GUESS", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
+__all__ = ["DEVICE_TYPES", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +109,6 @@ def _page_locked(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-FIRST_PAYLOAD_GUESS = 0.04
-"""Before any device delta was made, the page-locked blocks made ahead (`PayloadHost`) are this fraction of each bucket's
-bytes: a bf16 bucket's ``gaps`` payload is 4 bytes per changed element, 2 x its changed fraction of the bucket's bytes,
-so 0.04 is an RL step changing 2% of the elements (measured at lr 1e-6: 2.15%). torch rounds a block to a power of two,
-so the guess holds for any changed fraction whose payloads round to the same size (1.6-3.1% at 512 MiB buckets); a
-wrong guess leaves one bucket's worth of blocks per bucket unused in torch's cache and the first delta allocates."""
-
-
 class PayloadHost:
     """The page-locked host memory a device delta's payloads are copied into, made before the trainer waits for it.
 
@@ -123,20 +116,19 @@ class PayloadHost:
     a freed block of that size; a block it has none free of costs a `cudaHostAlloc` (on an H100 at 8B: 0.58-0.60 s for
     the ~33 payloads of each of the first two device deltas, in the trainer's wait; copying them to pageable memory
     instead took as long, 0.53 s, on an H200). So `warm_for` makes blocks of the sizes the next version's payloads will
-    have (the last version's, `DeviceBase.payload_sizes`; `FIRST_PAYLOAD_GUESS` before any), in a thread of its own, all
+    have (the last version's, `DeviceBase.payload_sizes`; before any, `delta.ENCODED_FRACTION_GUESS` of each bucket: torch
+    rounds a block to a power of two, so it holds for 1.6-3.1% changed at 512 MiB buckets), in a thread of its own, all
     held at once and then freed into the allocator's cache, so the next version finds free blocks while the blocks of
     the versions still served are held. Blocks the cache has free already are reused by it (no new memory): the
     page-locked memory grows to at most one version's payloads more than are held at once.
 
     The publisher calls `warm_for` once a version's host copy has landed (a thread making new blocks holds up the CUDA
-    calls of the publisher's other threads: started right after each diff, on an H200 at 8B, it delayed the early delta
-    of each of the two versions after the first by ~0.45 s). `allocate` makes one page-locked block (the tests pass a
+    calls of the publisher's other threads: started right after each diff, on an H200 at 8B, it delayed the early deltas
+    of the versions whose blocks it was making by ~0.45 s). `allocate` makes one page-locked block (the tests pass a
     fake)."""
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self._allocate = allocate or _page_locked
-        self.warm_s = 0.0
-        """How long the last warm-up took (its own thread)."""
         self.warmed = 0
         """Warm-ups done."""
         self._thread: threading.Thread | None = None
@@ -157,14 +149,12 @@ class PayloadHost:
             self._thread.join(timeout)
 
     def _warm(self, sizes: list[int]) -> None:
-        t0 = time.perf_counter()
         try:
             held = [self._allocate(n) for n in sizes]  # all at once: the blocks the served versions hold are not among them
             del held
         except Exception as e:  # noqa: BLE001 (out of page-locked memory, a driver error: the diff allocates as it needs)
             log.warning("page-locked buffers for device deltas could not be made ahead (%s)", e)
             return
-        self.warm_s = time.perf_counter() - t0
         self.warmed += 1
 
 
@@ -188,7 +178,7 @@ class DeviceBase:
         """The sums `diff` queued for `mix64s` (with ``mix=True``): (their event, their host copy)."""
         self.payload_host = PayloadHost()
         self.payload_sizes: list[int] = []
-        """The host payload sizes the next diff is expected to need (the last diff's, or `FIRST_PAYLOAD_GUESS`'s), for
+        """The host payload sizes the next diff is expected to need (the last diff's, or `delta.ENCODED_FRACTION_GUESS`'s), for
         `PayloadHost.warm_for`."""
 
     @staticmethod
@@ -337,7 +327,7 @@ class DeviceBase:
         if compare:
             self.payload_sizes = [int(p.numel()) for d in out if d is not None and d.on_device for p in d.delta.payloads if p is not None]
         elif device.type == "cuda":
-            self.payload_sizes = [max(1, int(b.nbytes * FIRST_PAYLOAD_GUESS)) for b in buckets]
+            self.payload_sizes = [max(1, int(b.nbytes * ENCODED_FRACTION_GUESS)) for b in buckets]
         return [d for d in out if d is not None] if compare else None
 
     def _bucket(self, b: BucketInfo, tensors: list[tuple[int, torch.Tensor]], whole: torch.Tensor, had: int, stream: Any) -> BucketDiff | None:

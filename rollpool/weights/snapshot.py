@@ -58,8 +58,9 @@ from rollpool.weights.gpu import mix64_checksum, mix64_format, mix64_partial, si
 from rollpool.weights.memory import BufferPool, ShmBuffer, shm_free_bytes, sweep_stale_segments
 from rollpool.weights.serving import ServedVersion
 
-__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "host_copy", "GatedSource", "PiecesSource", "Place", "PlanMemo", "Snapshot", "SnapshotBuffers",
-           "SnapshotKnobs", "layout_key", "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes", "layout_of", "word_aligned"]
+__all__ = ["THREAD_COPY_BYTES", "ContiguousSource", "GatedSource", "PiecesSource", "Place", "PlanMemo", "Snapshot", "SnapshotBuffers",
+           "SnapshotKnobs", "layout_key", "packed_version", "plan_version", "referenced_version", "warm_segments", "SnapshotPools", "SnapshotSink", "cpu_bytes",
+           "host_copy", "layout_of", "word_aligned"]
 
 log = logging.getLogger("rollpool.weights.publisher")
 

@@ -56,6 +56,7 @@ from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import BucketInfo, Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
 from rollpool.weights.delta import (
+    ENCODED_FRACTION_GUESS,
     UNCHANGED,
     WHOLE,
     DeltaError,
@@ -197,7 +198,7 @@ class DeltaPath:
         self._last = self._made = None
         if self.device is not None:
             self.device.drop()
-        self._scratch = None
+        self._scratch = self._scratch_ahead = None
         for pool in (self._pool, self._device_pool):
             if pool is not None:
                 pool.shutdown(wait=False)
@@ -471,12 +472,12 @@ class DeltaPath:
 
     def _make_scratch_ahead(self, model_bytes: int) -> None:
         """A whole version is held on the engine's GPU (the first delta's base): the page-locked buffer its deltas land
-        in is made now, `FIRST_SCRATCH_GUESS` of the model's bytes, in a thread, not when the first delta is fetched
+        in is made now, `delta.ENCODED_FRACTION_GUESS` of the model's bytes (x 5/4, as every such buffer), in a thread, not when the first delta is fetched
         (page-locking ~0.7 GB took ~0.6 s of that delta's fetch at 8B on an H200)."""
         held = self.device
         if not self.enabled or held is None or held.device.type != "cuda" or self._scratch is not None or self._scratch_ahead is not None:
             return
-        nbytes = _scratch_bytes(int(model_bytes * FIRST_SCRATCH_GUESS))
+        nbytes = _scratch_bytes(int(model_bytes * ENCODED_FRACTION_GUESS))
         fut: Future[torch.Tensor] = Future()
 
         def make() -> None:
@@ -709,12 +710,6 @@ class DeviceStaging:
         """The fetch failed: whatever was copied is no version."""
         if self.views is not None:
             self.held.version = -1
-
-
-FIRST_SCRATCH_GUESS = 0.04
-"""The page-locked buffer for a delta's encoded bytes made ahead is this fraction of the model's bytes (x 5/4, as every
-such buffer): an RL step changing 2% of the bf16 elements encodes to 4% (`rollpool.weights.delta_device.FIRST_PAYLOAD_GUESS`);
-a larger delta grows it when it comes."""
 
 
 def _scratch_bytes(nbytes: int) -> int:

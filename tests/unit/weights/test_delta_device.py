@@ -13,7 +13,16 @@ torch = pytest.importorskip("torch")
 from rollpool.protocol.messages import BucketInfo  # noqa: E402
 from rollpool.weights import delta_device  # noqa: E402
 from rollpool.weights.bucketing import flat_bytes  # noqa: E402
-from rollpool.weights.delta import GAPS, SPARSE, UNCHANGED, WHOLE, compute_delta, encode_bucket, itemsize_of  # noqa: E402
+from rollpool.weights.delta import (  # noqa: E402
+    ENCODED_FRACTION_GUESS,
+    GAPS,
+    SPARSE,
+    UNCHANGED,
+    WHOLE,
+    compute_delta,
+    encode_bucket,
+    itemsize_of,
+)
 from rollpool.weights.delta_device import DeviceBase  # noqa: E402
 from rollpool.weights.manifest import GpuBudget  # noqa: E402
 from rollpool.weights.snapshot import plan_version  # noqa: E402
@@ -256,13 +265,13 @@ def test_a_failed_warm_up_is_logged_and_leaves_the_diff_to_allocate(caplog: pyte
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_payload_sizes_to_make_ahead_follow_the_last_diff(device: str) -> None:
-    """Before any delta (a CUDA base just written): `FIRST_PAYLOAD_GUESS` of each bucket; after a diff: that diff's
+    """Before any delta (a CUDA base just written): `delta.ENCODED_FRACTION_GUESS` of each bucket; after a diff: that diff's
     device payloads (on the CPU none are copied from a device, so none)."""
     v1, bucket_bytes = _model(device), 8192
     items, places, infos = _plan(v1, bucket_bytes)
     base = DeviceBase(GpuBudget(1 << 30))
     assert base.diff(1, infos, places, items, _host(items, places, infos)) is None
-    guess = [max(1, int(b.nbytes * delta_device.FIRST_PAYLOAD_GUESS)) for b in infos]
+    guess = [max(1, int(b.nbytes * ENCODED_FRACTION_GUESS)) for b in infos]
     assert base.payload_sizes == (guess if device == "cuda" else [])
     items2, _p, _i = _plan(_next(v1, 1), bucket_bytes)
     made = base.diff(2, infos, places, items2, _host(items2, places, infos))
@@ -273,7 +282,7 @@ def test_the_payload_sizes_to_make_ahead_follow_the_last_diff(device: str) -> No
 
 def test_the_workers_delta_buffer_is_made_ahead_once_a_version_is_held_on_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The page-locked buffer a delta's encoded bytes land in (the worker's first delta fetch made it: ~0.6 s at 8B)
-    is made in a thread once the first whole version is held on the engine's GPU, `FIRST_SCRATCH_GUESS` of the model;
+    is made in a thread once the first whole version is held on the engine's GPU, `delta.ENCODED_FRACTION_GUESS` of the model;
     the first delta's fetch takes it; a delta larger than it grows it then. The page-locked allocation is faked (no GPU
     here: the process edge), the device a CUDA one by name only."""
     from types import SimpleNamespace
@@ -293,7 +302,7 @@ def test_the_workers_delta_buffer_is_made_ahead_once_a_version_is_held_on_its_gp
     model = 1000 << 20
     path._make_scratch_ahead(model)
     path._make_scratch_ahead(model)  # once
-    want = delta_path._scratch_bytes(int(model * delta_path.FIRST_SCRATCH_GUESS))
+    want = delta_path._scratch_bytes(int(model * ENCODED_FRACTION_GUESS))
     got = path._scratch_of(30 << 20)
     assert made == [(want, True)] and got.numel() == 30 << 20 and path._scratch is not None and path._scratch.numel() == want
     path._scratch_of(want + 1)  # a larger delta: grown when it comes
