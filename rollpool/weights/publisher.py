@@ -72,7 +72,7 @@ from rollpool.weights.bucketing import (
     checksum_supported,
     default_checksum_algorithm,
 )
-from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, with_overrides
+from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, default_host_copy_threads, with_overrides
 from rollpool.weights.delta import DeltaSet
 from rollpool.weights.gpu import warm_up_host_in_background, warm_up_in_background
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
@@ -167,9 +167,12 @@ class WeightPublisher(ServingFace):
         # page-locked buckets (device-to-host copies at full speed) where CUDA is available
         self._buffers = SnapshotBuffers(pin=torch.cuda.is_available(), pinned_budget_bytes=pinned_budget_bytes,
                                         shm=path != "network" and keep_versions > 0, pool=pool, owner_id=self.publisher_id)
-        self._pools = SnapshotPools.make(self.copy_threads, self.checksum_threads)
+        # a trainer's CPU tensors are copied by threads it waits for: more of them where the host has the cores
+        self.host_copy_threads = cfg.weight_copy_threads or default_host_copy_threads()
+        self._pools = SnapshotPools.make(max(self.copy_threads, self.host_copy_threads), self.checksum_threads)
         self._knobs = SnapshotKnobs(publisher_id=self.publisher_id, chunk_bytes=chunk_bytes, host_key=self.host_key, pool=pool,
-                                    copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm)
+                                    copy_threads=self.copy_threads, checksum_algorithm=self.checksum_algorithm,
+                                    host_copy_threads=self.host_copy_threads)
         self.last_phases: dict[str, float] = {}
         """The last planned publish's phases, seconds from its call: ``begun`` (buffers taken), ``announced``,
         ``issued`` (every copy handed out), ``landed`` (every copy done), ``mixed`` (the GPU mix64 reads done), ``diffed``

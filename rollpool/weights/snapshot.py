@@ -80,6 +80,11 @@ summed after its last copy; bench/lora.py's ``--compare-what checksums`` and ``-
 _FOLD_MIN_BYTES = 1 * _MiB
 """A fold is handed to a checksum thread once this many contiguous bytes wait (or the bucket's last copy landed): a
 thread hop per small tensor would cost more than its bytes."""
+_SUMS_AFTER_COPIES: bool | None = None
+"""Hold every bucket's checksum until the version's last copy landed (`Snapshot.copy`), so the copies, which the trainer
+waits for, have the host's cores and memory bandwidth to themselves: None for CPU tensors (copied by threads, the
+checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
+The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py)."""
 
 
 class _Job(NamedTuple):
@@ -159,6 +164,13 @@ class SnapshotKnobs:
     pool: str
     copy_threads: int
     checksum_algorithm: str
+    host_copy_threads: int = 0
+    """Threads that copy CPU tensors (0: `copy_threads`): the trainer waits for those copies, and more threads than the
+    checksums' share copy faster where the host has the cores (`rollpool.weights.config.default_host_copy_threads`)."""
+
+    @property
+    def cpu_copy_threads(self) -> int:
+        return self.host_copy_threads or self.copy_threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +186,7 @@ class SnapshotPools:
 
     @classmethod
     def make(cls, copy_threads: int, checksum_threads: int) -> SnapshotPools:
+        """`copy_threads`: the most copies at once (of CPU tensors, and of CUDA tensors into pageable memory)."""
         return cls(copy=ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy"),
                    issue=ThreadPoolExecutor(1, thread_name_prefix="weights-issue"),
                    land=ThreadPoolExecutor(1, thread_name_prefix="weights-land"),
@@ -370,6 +383,10 @@ class Snapshot:
         if not buffers:
             self.checksummed.set_result(None)
         self._lock = threading.Lock()
+        self.holding = False
+        """The buckets' checksums wait for the version's last copy (`_sums_after_copies`)."""
+        self.held: list[int] = []
+        """Buckets whose last copy landed while `holding`: summed by `_release_sums`."""
         for seg in self.segments:
             if seg is not None:
                 seg.begin_write()
@@ -398,13 +415,14 @@ class Snapshot:
         Tensors are copied as they come (an iterator is never gathered whole: at most 4 x copy_threads
         copies are outstanding, so at most that many of its tensors are alive at once). A dict's or a module's small
         tensors (all alive anyway) are copied in jobs of up to `_BATCH_BYTES` (`_Batches`)."""
-        if not self._fold_wanted(items):
+        self.holding = self._sums_after_copies(items)
+        if self.holding or not self._fold_wanted(items):
             self.folds = [None] * len(self.folds)
         streams: dict[Any, Any] = {}
         mix_streams: dict[Any, Any] = {}
         it = iter(items)
         inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
-        window = asyncio.Semaphore(4 * max(1, self.knobs.copy_threads))
+        window = asyncio.Semaphore(4 * max(1, self.knobs.copy_threads, self.knobs.cpu_copy_threads))
         futures: list[asyncio.Future[None]] = []
         # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
         for b in self.planned:
@@ -434,6 +452,7 @@ class Snapshot:
             self.marks["issued"] = time.perf_counter()
             await asyncio.gather(*futures)
             self.marks["landed"] = time.perf_counter()
+            self._release_sums()
             if mix_streams:
                 # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
                 # the whole version, not one per tensor)
@@ -443,6 +462,20 @@ class Snapshot:
             await asyncio.gather(*futures, return_exceptions=True)  # no copy still writes into buffers handed back
             raise
 
+    def _sums_after_copies(self, items: Any) -> bool:
+        """Whether the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`): by default for a list of CPU
+        tensors (an iterator's are not known ahead; those are summed as today)."""
+        if _SUMS_AFTER_COPIES is not None:
+            return _SUMS_AFTER_COPIES
+        return isinstance(items, list) and bool(items) and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cpu"
+
+    def _release_sums(self) -> None:
+        """Every copy landed: the buckets held for their checksum are summed now, in order (the first is served first)."""
+        with self._lock:
+            held, self.held, self.holding = sorted(self.held), [], False
+        for idx in held:
+            self.pools.sum.submit(self._checksum, idx)
+
     def _fold_wanted(self, items: Any) -> bool:
         """Whether folding the checksums during the copies overlaps them: CUDA tensors are copied by the copy engine
         (the host's cores are free), CPU tensors by `copy_threads` threads, so a fold needs a core beyond those and the
@@ -451,7 +484,7 @@ class Snapshot:
             return _FOLD_CHECKSUMS
         if isinstance(items, list) and items and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cuda":
             return True
-        return host_cores() > self.knobs.copy_threads + 1
+        return host_cores() > self.knobs.cpu_copy_threads + 1
 
     def _finish_empty(self) -> None:
         """Buckets with no bytes to copy are checksummed (and mixed) at once."""
@@ -629,8 +662,12 @@ class Snapshot:
     def _sum_later(self, idx: int) -> None:
         if self.buffers[idx].numel() < _THREAD_COPY_BYTES:
             self._checksum(idx)
-        else:
-            self.pools.sum.submit(self._checksum, idx)
+            return
+        with self._lock:
+            if self.holding:  # until the version's last copy landed (`_release_sums`)
+                self.held.append(idx)
+                return
+        self.pools.sum.submit(self._checksum, idx)
 
     def _fold(self, idx: int, rng: tuple[int, int] | None) -> None:
         """Checksum thread: fold the bucket's landed bytes into its checksum, range after range while more are ready;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -135,8 +136,10 @@ def test_fold_ranges_cover_the_bucket_once_in_order_gaps_and_tail_included() -> 
 @pytest.mark.parametrize(("cores", "folded"), [(2, False), (16, True)])
 async def test_cpu_tensors_are_folded_only_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch, cores: int, folded: bool) -> None:
     """CPU tensors are copied by the copy threads: a fold beside them needs a core of its own, else it only slows the copy
-    the trainer waits for. Either way the digest is the bucket's."""
+    the trainer waits for. Either way the digest is the bucket's. (With the checksums summed as buckets land, not held
+    until the last copy: `_SUMS_AFTER_COPIES` False.)"""
     monkeypatch.setattr(snapshot, "host_cores", lambda: cores)
+    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", False)
     named = adapter_like(6)
     snap, _places, pools, sink = made(named, bucket_bytes=64 * _MiB, copy_threads=2)
     try:
@@ -146,6 +149,48 @@ async def test_cpu_tensors_are_folded_only_with_a_core_to_spare(monkeypatch: pyt
         pools.shutdown()
     assert (snap.folds[0] is not None) is folded
     assert sink.checksums[0] == checksum(snap.buffers[0].numpy(), default_checksum_algorithm())
+
+
+async def test_cpu_tensors_checksums_wait_for_the_versions_last_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer waits for its CPU tensors' copies, not for the checksums: no bucket is summed (its reads competing with
+    the copies for the host's memory bandwidth and cores) before the version's last copy landed; then every bucket is,
+    with its bytes' digest, and is served."""
+    copies: list[int] = []
+    summed_after: list[int] = []
+    real_copy, real_checksum = snapshot.host_copy, Snapshot._checksum
+
+    def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        real_copy(dst, src)
+        time.sleep(0.01)  # a copy takes a while: a checksum queued early would run before the later copies
+        copies.append(1)
+
+    def checksum_seen(self: Snapshot, idx: int) -> None:
+        summed_after.append(len(copies))
+        real_checksum(self, idx)
+
+    monkeypatch.setattr(snapshot, "host_copy", slow_copy)
+    monkeypatch.setattr(Snapshot, "_checksum", checksum_seen)
+    g = torch.Generator().manual_seed(8)
+    named = {f"w{i}": torch.randn(512, 1024, generator=g).to(torch.bfloat16) for i in range(6)}  # 1 MiB each
+    snap, _places, pools, sink = made(named, bucket_bytes=2 * _MiB)  # three buckets
+    assert len(snap.buffers) == 3
+    try:
+        await snap.copy(list(named.items()))
+        await asyncio.wait_for(snap.checksummed, 10)
+    finally:
+        pools.shutdown()
+    assert summed_after == [6, 6, 6]
+    algorithm = default_checksum_algorithm()
+    assert [sink.checksums[i] for i in range(3)] == [checksum(b.numpy(), algorithm) for b in snap.buffers]
+    assert all(s.ready for s in snap.sources)
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (16, 15), (64, 16)])
+def test_a_publisher_copies_cpu_tensors_with_up_to_16_threads(monkeypatch: pytest.MonkeyPatch, cores: int, threads: int) -> None:
+    from rollpool.weights import config
+
+    monkeypatch.setattr(config.os, "cpu_count", lambda: cores)
+    assert config.default_host_copy_threads() == threads
 
 
 def test_a_host_copy_writes_the_tensors_bytes_and_takes_torchs_copy_where_numpy_cannot_view() -> None:

@@ -1,0 +1,128 @@
+"""Probe: what publishing a trainer's CPU tensors costs it, by how the snapshot copies and checksums them.
+
+    python3 bench/cpu_publish_probe.py --gib 13.5 --out DIR
+
+A real `WeightPublisher` (network path, page-locked buckets where CUDA is there, nobody fetching) publishes the 8B
+layout's CPU tensors (bench/host_copy_probe.py's) version after version. Per way, the first version is a warm-up, the
+next --versions are timed:
+    blocked_s   the publish call (what the trainer waits for: the copies into the snapshot)
+    ready_s     publish to every bucket checksummed (`wait_ready`: every bucket servable)
+Ways: copy threads (8: the default before; --threads: the default now, up to 16) x checksums summed as buckets land
+(folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now), each
+alone and with the trainer's next step running right after publish returns (`torch._foreach_add_` over every tensor in a
+thread, as bench/gpu_weights.py's CPU rows do: 14.5 GB read and written on the host beside the checksums).
+Writes cpu_publish_probe.json: medians per way, the host's cores. No GPU used (its driver page-locks the buckets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.host_copy_probe import layout  # noqa: E402
+
+
+def make_tensors(gib: float) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for name, shape in layout(gib / 13.5):
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        t.view(torch.int16).fill_(1)
+        out[name] = t
+    return out
+
+
+def step(sd: dict[str, Any], v: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        torch._foreach_add_(list(sd.values()), 0.01 if v % 2 else -0.01)
+
+
+async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0: int) -> list[dict[str, Any]]:
+    """One publisher with `threads` copy threads; each way's versions in turn (the switch is read at each copy)."""
+    import zmq.asyncio
+
+    from rollpool.protocol.sockets import SocketFactory
+    from rollpool.weights import snapshot
+    from rollpool.weights.config import WeightPathConfig
+    from rollpool.weights.publisher import WeightPublisher
+
+    ctx = zmq.asyncio.Context()
+    cfg = WeightPathConfig(weight_path="network", weight_copy_threads=threads)
+    pub = WeightPublisher(SocketFactory(ctx), router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
+                          bucket_bytes=args.bucket_mib << 20, chunk_bytes=8 << 20, weights=cfg)
+    t = time.perf_counter()
+    pub.reserve(sd)
+    reserve_s = time.perf_counter() - t
+    await pub.start()
+    out, v = [], v0
+    try:
+        for after in (False, True):
+            for with_step in (False, True):
+                snapshot._SUMS_AFTER_COPIES = after
+                rows = []
+                for i in range(args.versions + 1):
+                    v += 1
+                    t0 = time.perf_counter()
+                    await pub.publish(list(sd.items()), v)
+                    blocked = time.perf_counter() - t0
+                    stepping = asyncio.ensure_future(asyncio.to_thread(step, sd, v)) if with_step else None
+                    await pub.wait_ready(v)
+                    ready = time.perf_counter() - t0
+                    if stepping is not None:
+                        await stepping
+                    if i:  # the way's first version is a warm-up
+                        rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases)})
+                got = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
+                       "blocked_s": round(statistics.median(r["blocked_s"] for r in rows), 4),
+                       "ready_s": round(statistics.median(r["ready_s"] for r in rows), 4), "runs": rows, "reserve_s": round(reserve_s, 2)}
+                print(json.dumps({k: got[k] for k in ("threads", "sums", "with_step", "blocked_s", "ready_s")}), flush=True)
+                out.append(got)
+    finally:
+        snapshot._SUMS_AFTER_COPIES = None
+        await pub.close()
+        ctx.term()
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from rollpool.weights.config import default_host_copy_threads
+
+    sd = make_tensors(args.gib)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    now = args.threads or default_host_copy_threads()
+    ways: list[dict[str, Any]] = []
+    for threads in sorted({8, now}):
+        ways += await ways_of(sd, threads, args, len(ways) * 100)
+    return {"cores": os.cpu_count(), "bytes": total, "tensors": len(sd), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "ways": ways}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=13.5, help="about this many GiB of bf16 (13.5: the 8B layout)")
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="the copy threads of the 'now' ways (0: the default)")
+    ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "cpu_publish_probe.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
