@@ -222,6 +222,28 @@ def test_the_sums_queued_by_the_diff_are_the_new_versions_and_taken_once(device:
     assert base._mixed is None and base.mix64s(places) == want  # summed again from the base
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("in_diff", [False, True])
+def test_the_early_sums_run_ahead_of_the_trainers_next_step(monkeypatch: pytest.MonkeyPatch, in_diff: bool) -> None:
+    """The sums the diff queues run on a stream of the device's highest priority (the trainer's next step, on its own
+    stream once the diff returns, does not hold them up); with `MIX_IN_DIFF` they are done when the diff returns."""
+    monkeypatch.setattr(delta_device, "MIX_IN_DIFF", in_diff)
+    v1 = _model("cuda")
+    items1, places, infos = _plan(v1, 8192)
+    base = DeviceBase(GpuBudget(1 << 30))
+    base.diff(1, infos, places, items1, _host(items1, places, infos), mix=True)
+    v2 = _next(v1, 1)
+    items2, _places, _infos = _plan(v2, 8192)
+    assert base.diff(2, infos, places, items2, _host(items2, places, infos), mix=True) is not None
+    assert base._mix_stream is not None
+    _least, greatest = torch.cuda.Stream.priority_range()
+    assert base._mix_stream.priority == greatest < 0
+    if in_diff:
+        assert base._mixed is not None and base._mixed[0].query()
+    base.mix64s(places)
+
+
 class _FakePageLocked:
     """A fake of torch's page-locked allocation (the process edge: no GPU here): plain tensors, every size asked for
     and the most held at once recorded."""
