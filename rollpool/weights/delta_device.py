@@ -57,7 +57,7 @@ from rollpool.weights.delta import (
 from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
-__all__ = ["DEVICE_TYPES", "MIX_IN_DIFF", "MIX_STREAM_PRIORITY", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
+__all__ = ["DEVICE_TYPES", "MIX_STREAM_PRIORITY", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,6 @@ the payload (< 1), never all at once."""
 MIX_STREAM_PRIORITY = -5
 """The priority of the stream that sums the early delta's mix64s (`mix64s`): lower is higher, clamped by torch to the
 device's range (the highest there), so the sums run ahead of the trainer's next step on its default stream."""
-MIX_IN_DIFF = False
-"""True: `diff` also waits for those sums (the trainer's wait grows by their GPU time, ~7 ms at 8B on an H100, and the
-sums never meet its next step); False: they run after it returns, on the high-priority stream
-(bench/gpu_weights.py --mix-in-diff compares the two)."""
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -274,7 +270,7 @@ class DeviceBase:
         if arena.is_cuda:
             if self._mix_stream is None:
                 # the highest priority the device has: the trainer's next step, queued on its own stream once `diff`
-                # returns, otherwise takes the GPU's blocks first (an H100 at 8B: ~7 ms of sums served after ~0.09 s)
+                # returns, does not take the GPU's blocks ahead of these ~7 ms of sums (at 8B on an H100)
                 self._mix_stream = torch.cuda.Stream(device=arena.device, priority=MIX_STREAM_PRIORITY)  # type: ignore[no-untyped-call]
             stream = self._mix_stream
             if after is not None:
@@ -332,8 +328,6 @@ class DeviceBase:
                 self._mixed = self._queue_mix64s(places, stream)
             if stream is not None:
                 stream.synchronize()  # (the diff's stream: the sums run on after this returns)
-                if MIX_IN_DIFF and self._mixed is not None and self._mixed[0] is not None:
-                    self._mixed[0].synchronize()
         self.version = version
         if compare:
             self.payload_sizes = [int(p.numel()) for d in out if d is not None and d.on_device for p in d.delta.payloads if p is not None]

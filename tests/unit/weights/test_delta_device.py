@@ -224,11 +224,9 @@ def test_the_sums_queued_by_the_diff_are_the_new_versions_and_taken_once(device:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-@pytest.mark.parametrize("in_diff", [False, True])
-def test_the_early_sums_run_ahead_of_the_trainers_next_step(monkeypatch: pytest.MonkeyPatch, in_diff: bool) -> None:
-    """The sums the diff queues run on a stream of the device's highest priority (the trainer's next step, on its own
-    stream once the diff returns, does not hold them up); with `MIX_IN_DIFF` they are done when the diff returns."""
-    monkeypatch.setattr(delta_device, "MIX_IN_DIFF", in_diff)
+def test_the_early_sums_run_on_the_devices_highest_priority_stream() -> None:
+    """The sums the diff queues run on a stream of the device's highest priority: the trainer's next step, on its own
+    stream once the diff returns, does not take the GPU ahead of them."""
     v1 = _model("cuda")
     items1, places, infos = _plan(v1, 8192)
     base = DeviceBase(GpuBudget(1 << 30))
@@ -239,9 +237,6 @@ def test_the_early_sums_run_ahead_of_the_trainers_next_step(monkeypatch: pytest.
     assert base._mix_stream is not None
     _least, greatest = torch.cuda.Stream.priority_range()
     assert base._mix_stream.priority == greatest < 0
-    if in_diff:
-        assert base._mixed is not None and base._mixed[0].query()
-    base.mix64s(places)
 
 
 class _FakePageLocked:
