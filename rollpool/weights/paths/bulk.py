@@ -432,6 +432,19 @@ class _BulkTransfer:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.loop = asyncio.get_running_loop()
+        self.t0 = time.monotonic()
+        self.first_ms = [-1.0] * n
+        """Per bucket: ms from the transfer's start to its first chunk landing (the ``weights fetched`` line's timeline:
+        a bucket the publisher had not summed yet waits there)."""
+        self.verified_ms = [-1.0] * n
+        """Per bucket: ms to it being whole and verified (then handed to `on_bucket`)."""
+
+    def timeline(self) -> dict[str, Any]:
+        """Where the transfer's time went, per bucket (the shared-memory path logs its own, `paths.shm`)."""
+        return {"total_ms": self._ms(), "first_chunk_ms": self.first_ms, "verified_ms": self.verified_ms}
+
+    def _ms(self) -> float:
+        return round((time.monotonic() - self.t0) * 1000, 1)
 
     def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """The version's jobs for `streams` threads (`rollpool.weights.manifest.stream_jobs`)."""
@@ -484,6 +497,8 @@ class _BulkTransfer:
                     self.sums[bucket] = Checksummer.for_digest(checksum)
                     if self.sink is not None:
                         self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
+        if self.first_ms[bucket] < 0:
+            self.first_ms[bucket] = self._ms()
         summer = self.sums[bucket]
         if self.folding[bucket] and summer is not None:
             summer.update(data)
@@ -513,6 +528,7 @@ class _BulkTransfer:
         if ok:
             with self.lock:
                 self.verified.add(bucket)
+            self.verified_ms[bucket] = self._ms()
             if self.on_bucket is not None:
                 self.loop.call_soon_threadsafe(self.on_bucket, bucket, unpack_bucket(info, self.buffers[bucket]))
             return []
@@ -559,7 +575,7 @@ class BulkPath:
                     if i not in bulk.verified:
                         sink.on_bucket_reset(i)
             raise PathFallbackError("bulk lane unavailable", resume=(_with_checksums(manifest, bulk.expected), frozenset(bulk.verified))) from None
-        return Fetched(_with_checksums(manifest, bulk.expected), buffers, job.slab, NETWORK)
+        return Fetched(_with_checksums(manifest, bulk.expected), buffers, job.slab, NETWORK, {"timeline": bulk.timeline()})
 
 
 def _with_checksums(manifest: Manifest, checksums: list[str]) -> Manifest:

@@ -8,6 +8,8 @@ a clear error, never a part of one.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import socket
 import struct
 import time
@@ -118,6 +120,32 @@ async def test_a_request_waits_for_its_bytes_by_the_clock_not_by_how_often_other
     assert_same(got.tensors, w)
     assert not sub.fallbacks, sub.fallbacks
     assert sub.bulk_bytes == sum(b.nbytes for b in manifest.buckets)
+
+
+async def test_the_fetched_line_says_when_each_bucket_came_over_the_lane(make_publisher: Any, make_subscriber: Any,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The ``weights fetched`` line of a lane fetch carries a per-bucket timeline (ms from the transfer's start to the
+    bucket's first chunk and to it verified), so a slow version tells a bucket the publisher had not ready yet from a
+    slow transfer: here the last bucket's bytes arrive 0.4 s late."""
+    pub = await make_publisher(**TCP)
+    w = model(6)
+    manifest = await pub.publish(w, 1)
+    served = pub._server.versions[1]
+    held = _NotArrived(served.sources[-1])
+    served.sources[-1] = held
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
+    caplog.set_level(logging.INFO, logger="rollpool.weights.subscriber")
+    fetch = asyncio.create_task(sub.fetch(1))
+    await asyncio.sleep(0.4)
+    held.arrived = True
+    pub._server.notify_arrived(1)
+    assert_same((await asyncio.wait_for(fetch, 10)).tensors, w)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights fetched "))
+    timeline = json.loads(line.split(" ", 2)[2])["timeline"]
+    first, verified = timeline["first_chunk_ms"], timeline["verified_ms"]
+    assert len(first) == len(verified) == len(manifest.buckets)
+    assert all(0 <= f <= v <= timeline["total_ms"] for f, v in zip(first, verified, strict=True))
+    assert first[-1] >= 350 and max(verified[:-1]) < 350  # the late bucket waited; the others did not
 
 
 async def test_a_bucket_corrupted_every_time_fails_the_version_with_a_clear_error(make_publisher: Any, make_subscriber: Any) -> None:
