@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.host_copy_probe import layout  # noqa: E402
+from bench.host_copy_probe import layout
 
 
 def make_tensors(gib: float) -> dict[str, Any]:

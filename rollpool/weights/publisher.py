@@ -72,7 +72,13 @@ from rollpool.weights.bucketing import (
     checksum_supported,
     default_checksum_algorithm,
 )
-from rollpool.weights.config import WEIGHT_PATHS, WeightPathConfig, default_copy_threads, default_host_copy_threads, with_overrides
+from rollpool.weights.config import (
+    WEIGHT_PATHS,
+    WeightPathConfig,
+    default_copy_threads,
+    default_host_copy_threads,
+    with_overrides,
+)
 from rollpool.weights.delta import DeltaSet
 from rollpool.weights.gpu import warm_up_host_in_background, warm_up_in_background
 from rollpool.weights.manifest import GpuBudget, gpu_budget_bytes
