@@ -7,6 +7,9 @@ layout's CPU tensors (bench/host_copy_probe.py's) version after version. Per way
 next --versions are timed:
     blocked_s   the publish call (what the trainer waits for: the copies into the snapshot)
     ready_s     publish to every bucket checksummed (`wait_ready`: every bucket servable)
+    fetched_s   with --fetch: publish to the version fetched and verified by a `WeightSubscriber` in this process over
+                tcp (the bulk lane), started once the version is announced, as a worker's fetch begins (not a worker's
+                process: its receive shares this process's GIL)
 Ways: copy threads (8: the default before; --threads: the default now, up to 16) x checksums summed as buckets land
 (folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now), each
 alone and with the trainer's next step running right after publish returns (`torch._foreach_add_` over every tensor in a
@@ -58,7 +61,9 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     from rollpool.weights.config import WeightPathConfig
     from rollpool.weights.publisher import WeightPublisher
 
-    ctx = zmq.asyncio.Context()
+    from rollpool.weights.subscriber import WeightSubscriber
+
+    ctx = zmq.asyncio.Context(io_threads=2)
     cfg = WeightPathConfig(weight_path="network", weight_copy_threads=threads)
     pub = WeightPublisher(SocketFactory(ctx), router_endpoint="tcp://127.0.0.1:*", pub_endpoint="tcp://127.0.0.1:*", keep_versions=2,
                           bucket_bytes=args.bucket_mib << 20, chunk_bytes=8 << 20, weights=cfg)
@@ -66,6 +71,12 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     pub.reserve(sd)
     reserve_s = time.perf_counter() - t
     await pub.start()
+    sub = None
+    if args.fetch:
+        sub = WeightSubscriber(SocketFactory(ctx), worker_id="probe0", weights=WeightPathConfig(weight_path="network"), fetch_timeout_s=120.0)
+        sub.reserve(total_bytes=sum(t.numel() * t.element_size() for t in sd.values()))
+        sub.connect(pub.router_endpoint, pub.pub_endpoint)
+    held: Any = None
     out, v = [], v0
     try:
         for after in (False, True):
@@ -75,22 +86,40 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                 for i in range(args.versions + 1):
                     v += 1
                     t0 = time.perf_counter()
-                    await pub.publish(list(sd.items()), v)
+                    publishing = asyncio.ensure_future(pub.publish(list(sd.items()), v))
+                    fetching = None
+                    if sub is not None:
+                        while v not in pub._server.versions and not publishing.done():
+                            await asyncio.sleep(0.001)  # announced (at once, before the copies): the fetch begins
+                        fetching = asyncio.ensure_future(sub.fetch(v))
+                    await publishing
                     blocked = time.perf_counter() - t0
                     stepping = asyncio.ensure_future(asyncio.to_thread(step, sd, v)) if with_step else None
                     await pub.wait_ready(v)
                     ready = time.perf_counter() - t0
+                    fetched = None
+                    if fetching is not None:
+                        got = await fetching
+                        fetched = time.perf_counter() - t0
+                        if held is not None and sub is not None:
+                            sub.recycle(held)
+                        held = got
                     if stepping is not None:
                         await stepping
                     if i:  # the way's first version is a warm-up
-                        rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases)})
+                        rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
+                                     **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
                 got = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
                        "blocked_s": round(statistics.median(r["blocked_s"] for r in rows), 4),
                        "ready_s": round(statistics.median(r["ready_s"] for r in rows), 4), "runs": rows, "reserve_s": round(reserve_s, 2)}
-                print(json.dumps({k: got[k] for k in ("threads", "sums", "with_step", "blocked_s", "ready_s")}), flush=True)
+                if sub is not None:
+                    got["fetched_s"] = round(statistics.median(r["fetched_s"] for r in rows), 4)
+                print(json.dumps({k: got[k] for k in ("threads", "sums", "with_step", "blocked_s", "ready_s", "fetched_s") if k in got}), flush=True)
                 out.append(got)
     finally:
         snapshot._SUMS_AFTER_COPIES = None
+        if sub is not None:
+            sub.close()
         await pub.close()
         ctx.term()
     return out
@@ -108,7 +137,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for threads in sorted({8, now}):
         ways += await ways_of(sd, threads, args, len(ways) * 100)
     return {"cores": os.cpu_count(), "bytes": total, "tensors": len(sd), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "ways": ways}
+            "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "fetch": args.fetch, "ways": ways}
 
 
 def main() -> None:
@@ -117,6 +146,7 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="the copy threads of the 'now' ways (0: the default)")
     ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--fetch", action="store_true", help="a subscriber in this process fetches each version as it is published (fetched_s)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     out = asyncio.run(run(args))
