@@ -60,7 +60,6 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     from rollpool.weights import snapshot
     from rollpool.weights.config import WeightPathConfig
     from rollpool.weights.publisher import WeightPublisher
-
     from rollpool.weights.subscriber import WeightSubscriber
 
     ctx = zmq.asyncio.Context(io_threads=2)
@@ -89,8 +88,10 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                     publishing = asyncio.ensure_future(pub.publish(list(sd.items()), v))
                     fetching = None
                     if sub is not None:
-                        while v not in pub._server.versions and not publishing.done():
-                            await asyncio.sleep(0.001)  # announced (at once, before the copies): the fetch begins
+                        while True:  # announced (at once, before the copies): the fetch begins
+                            if v in pub._server.versions or publishing.done():
+                                break
+                            await asyncio.sleep(0.001)
                         fetching = asyncio.ensure_future(sub.fetch(v))
                     await publishing
                     blocked = time.perf_counter() - t0
