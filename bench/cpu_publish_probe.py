@@ -102,7 +102,7 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                     if fetching is not None:
                         got = await fetching
                         fetched = time.perf_counter() - t0
-                        if held is not None and sub is not None:
+                        if held is not None:
                             sub.recycle(held)
                         held = got
                     if stepping is not None:
@@ -110,13 +110,13 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                     if i:  # the way's first version is a warm-up
                         rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
                                      **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
-                got = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
+                way = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
                        "blocked_s": round(statistics.median(r["blocked_s"] for r in rows), 4),
                        "ready_s": round(statistics.median(r["ready_s"] for r in rows), 4), "runs": rows, "reserve_s": round(reserve_s, 2)}
                 if sub is not None:
-                    got["fetched_s"] = round(statistics.median(r["fetched_s"] for r in rows), 4)
-                print(json.dumps({k: got[k] for k in ("threads", "sums", "with_step", "blocked_s", "ready_s", "fetched_s") if k in got}), flush=True)
-                out.append(got)
+                    way["fetched_s"] = round(statistics.median(r["fetched_s"] for r in rows), 4)
+                print(json.dumps({k: way[k] for k in ("threads", "sums", "with_step", "blocked_s", "ready_s", "fetched_s") if k in way}), flush=True)
+                out.append(way)
     finally:
         snapshot._SUMS_AFTER_COPIES = None
         if sub is not None:

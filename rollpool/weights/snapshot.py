@@ -422,7 +422,9 @@ class Snapshot:
         mix_streams: dict[Any, Any] = {}
         it = iter(items)
         inline = isinstance(items, list) and sum(tensor_bytes(t) for _, t in items) < _THREAD_COPY_BYTES
-        window = asyncio.Semaphore(4 * max(1, self.knobs.copy_threads, self.knobs.cpu_copy_threads))
+        # as many copies outstanding as the threads that run them take (an iterator's tensors stay bounded by it)
+        threads = self.knobs.cpu_copy_threads if _list_on(items) == "cpu" else self.knobs.copy_threads
+        window = asyncio.Semaphore(4 * max(1, threads))
         futures: list[asyncio.Future[None]] = []
         # how many copies each bucket waits for is known from the plan, so a bucket's last copy is its last
         for b in self.planned:
@@ -467,7 +469,7 @@ class Snapshot:
         tensors (an iterator's are not known ahead; those are summed as today)."""
         if _SUMS_AFTER_COPIES is not None:
             return _SUMS_AFTER_COPIES
-        return isinstance(items, list) and bool(items) and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cpu"
+        return _list_on(items) == "cpu"
 
     def _release_sums(self) -> None:
         """Every copy landed: the buckets held for their checksum are summed now, in order (the first is served first)."""
@@ -482,7 +484,7 @@ class Snapshot:
         event loop's; without one it only moves the checksum's time into the copy's (the trainer waits longer)."""
         if _FOLD_CHECKSUMS is not None:
             return _FOLD_CHECKSUMS
-        if isinstance(items, list) and items and isinstance(items[0][1], torch.Tensor) and items[0][1].device.type == "cuda":
+        if _list_on(items) == "cuda":
             return True
         return host_cores() > self.knobs.cpu_copy_threads + 1
 
@@ -801,6 +803,13 @@ class _Batches:
             fut = asyncio.wrap_future(pools.copy.submit(self.snap._copy_many, jobs))
         fut.add_done_callback(lambda _f: self.window.release())
         self.futures.append(fut)
+
+
+def _list_on(items: Any) -> str | None:
+    """The device type of a list of (name, tensor) pairs (its first tensor's); None for an iterator or an empty list."""
+    if isinstance(items, list) and items and isinstance(items[0][1], torch.Tensor):
+        return str(items[0][1].device.type)
+    return None
 
 
 def _keep_until_done(t: torch.Tensor, stream: Any) -> None:
