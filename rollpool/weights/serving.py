@@ -1074,14 +1074,25 @@ class WeightServer:
             self.chunks_served += 1
             self._served_to(v, peer_of(ident), req.nbytes)
 
-    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None:
-        """A chunk went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
-        (`parked`: it waited for its bytes to arrive, as a parked fetch)."""
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False, *, chunks: int = 1) -> None:
+        """`chunks` chunks of `v`, `nbytes` in all, went out over the bulk lane (told on the loop by `BulkServer`, in
+        batches): counted as the ROUTER's are (`parked`: one that waited for its bytes to arrive, as a parked fetch),
+        and `v` counts as requested now (``keep_versions=0`` releases after an idle spell)."""
         self.parked_served += parked
         self.bytes_served += nbytes
         self.bulk_bytes_served += nbytes
-        self.chunks_served += 1
+        self.chunks_served += chunks
+        if self._loop is not None:
+            v.last_request_s = self._loop.time()
         self._served_to(v, peer, nbytes)
+
+    def still_serves(self, version: int, v: ServedVersion) -> bool:
+        """Whether `v` (what `read_chunk` of `version` answered from: the version or its delta's payload) is still
+        served. Called by the bulk lane's connection threads, off the loop: it reads a dict and attributes only."""
+        owner = self.versions.get(version)
+        if owner is None or v.released:
+            return False
+        return v is owner or any(d is not None and d.payload is v for d in (owner.delta, owner.early))
 
     def _served_to(self, v: ServedVersion, peer: bytes, nbytes: int) -> None:
         v.served_by_peer[peer] = v.served_by_peer.get(peer, 0) + nbytes

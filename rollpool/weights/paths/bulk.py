@@ -48,7 +48,7 @@ import torch
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
-from rollpool.weights.manifest import BULK, NETWORK, chunk_bytes_of, stream_jobs
+from rollpool.weights.manifest import BULK, MAX_CHUNK_BYTES, NETWORK, chunk_bytes_of, stream_jobs
 from rollpool.weights.paths.base import (
     BucketCallback,
     ChunkRead,
@@ -124,18 +124,46 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
+    while got < n:  # one call on a socket in blocking mode (`kernel_timeouts`); more only on a timeout or a signal
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("the peer closed the connection")
         got += k
+
+
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Leave `sock` in blocking mode and let the kernel time its calls out (`SO_RCVTIMEO`, `SO_SNDTIMEO`): a chunk is
+    then sent or received in one call that holds no interpreter lock, where Python's own timeout (a non-blocking
+    socket polled) returns to the interpreter for every piece the socket buffer takes. A call that times out raises
+    an `OSError` (``EAGAIN``), as a dead peer's does."""
+    sec = max(0.0, seconds)
+    tv = struct.pack("@ll", int(sec), int((sec - int(sec)) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """`parts` (byte views) in order, in one `sendmsg` where the socket takes them all (blocking mode)."""
+    while parts:
+        sent = sock.sendmsg(parts)
+        if sent <= 0:
+            raise ConnectionError("the peer stopped taking bytes")
+        k = 0
+        while k < len(parts) and sent >= parts[k].nbytes:
+            sent -= parts[k].nbytes
+            k += 1
+        parts = parts[k:]
+        if parts and sent:
+            parts[0] = parts[0][sent:]
 
 
 # ---------------------------------------------------------------------------------------------- the server
 
 
 class VersionStore(Protocol):
-    """What the lane serves from (`rollpool.weights.serving.WeightServer`), called on its event loop."""
+    """What the lane serves from (`rollpool.weights.serving.WeightServer`), called on its event loop, but for
+    `still_serves`, which a connection thread calls."""
 
     name: str
 
@@ -143,19 +171,38 @@ class VersionStore(Protocol):
 
     def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None: ...
 
+    def still_serves(self, version: int, v: Any) -> bool: ...
+
 
 _STATUS = {"gone": GONE, "unknown_version": UNKNOWN_VERSION, "bad_range": BAD_RANGE}
+
+
+class _Held:
+    """What a connection answered its last chunk from (`BulkServer._answer`): a later chunk of the same bucket is read
+    there in the connection's thread, with no trip to the loop, while the store still serves it."""
+
+    __slots__ = ("bucket", "delta_base", "size", "v", "version")
+
+    def __init__(self) -> None:
+        self.version, self.bucket, self.delta_base, self.size = -1, -1, -1, 0
+        self.v: Any = None
 
 
 class BulkServer:
     """The lane's server beside a `WeightServer`: one thread per connection, answering from its versions.
 
-    A connection thread looks each request up on the event loop, where the version store lives (the same
-    checks and the same source `read` as the ROUTER's fetch), then sends from its own thread, holding the bytes
-    while it does (so a source's buffer counts as in flight, as a zero-copy ZeroMQ frame would); what the loop
-    keeps (bytes served per peer, the last request time that `keep_versions=0` releases on) is handed to the loop
-    after each chunk. A request for bytes not yet arrived (a streamed or relayed version) waits up to `wait_s`
-    for `notify`, then is answered ``busy``.
+    A connection thread looks a bucket up on the event loop, where the version store lives (the same checks and the
+    same source `read` as the ROUTER's fetch), then sends from its own thread, holding the bytes while it does (so a
+    source's buffer counts as in flight, as a zero-copy ZeroMQ frame would). The bucket's later chunks are read in the
+    thread, each checked with `VersionStore.still_serves` after it is held (a version dropped before the read is
+    never sent from: its buffers are reused only once nothing holds them), and what the loop keeps (bytes served per
+    peer, the last request time that `keep_versions=0` releases on) is handed to it in batches. In the trainer's
+    process the loop and these threads share one interpreter lock with whatever else the trainer runs: a trip to the
+    loop per chunk, and a send of a chunk in pieces, each wait for that lock (one Python thread busy beside the
+    publisher took the lane from 2.8 to 0.37 GB/s on the 2-core VM, `bench/lane_probe.py`). The sockets are in
+    blocking mode with the kernel's timeouts (`SO_RCVTIMEO`, `SO_SNDTIMEO`), so a chunk goes out in one call and a
+    request comes in in one. A request for bytes not yet arrived (a streamed or relayed version) waits up to
+    `wait_s` for `notify`, then is answered ``busy``.
     """
 
     def __init__(self, server: VersionStore, host: str, port: int = 0, *, wait_s: float = 30.0, idle_s: float = 120.0,
@@ -167,9 +214,12 @@ class BulkServer:
         self.max_connections = max_connections
         self.bytes_served = 0
         self.chunks_served = 0
+        self.loop_lookups = 0
+        """Chunks looked up on the loop (the first of each bucket a connection serves, and those not arrived yet)."""
         self.connections = 0
         self.refused = 0
         self._arrived = threading.Condition()
+        self._counted = threading.Lock()
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._listen = socket.create_server((host, port), backlog=64, family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -207,32 +257,55 @@ class BulkServer:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.idle_s)
+            kernel_timeouts(conn, self.idle_s)
             self._conns.add(conn)
             self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.server.name}.bulk.conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        held = _Held()
+        peer = b""
         try:
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
             if magic != b"RPBH" or n > _MAX_PEER_ID:
                 self._refuse(conn, "not a bulk-lane hello")
                 return
             peer = _recv_exact(conn, n)
+            pending = bytearray()
             while not self._closed:
-                magic, version, bucket, offset, nbytes = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
-                if magic not in (b"RPBQ", b"RPBD"):
-                    self._refuse(conn, "not a bulk-lane request")
+                got = conn.recv(1 << 16)  # the requests that came since (pipelined: usually several)
+                if not got:
                     return
-                delta_base = _DELTA_BASE.unpack(_recv_exact(conn, _DELTA_BASE.size))[0] if magic == b"RPBD" else -1
-                self._answer(conn, peer, version, bucket, offset, nbytes, delta_base)
+                pending += got
+                used = 0
+                while len(pending) - used >= _REQUEST.size:
+                    magic, version, bucket, offset, nbytes = _REQUEST.unpack_from(pending, used)
+                    if magic not in (b"RPBQ", b"RPBD"):
+                        self._refuse(conn, "not a bulk-lane request")
+                        return
+                    size = _REQUEST.size + (_DELTA_BASE.size if magic == b"RPBD" else 0)
+                    if len(pending) - used < size:
+                        break
+                    delta_base = _DELTA_BASE.unpack_from(pending, used + _REQUEST.size)[0] if magic == b"RPBD" else -1
+                    used += size
+                    self._answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
+                del pending[:used]
         except (OSError, struct.error):
             pass  # the subscriber left (or sent garbage): nothing of ours is lost, it asks again elsewhere
         finally:
             self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, conn: socket.socket, peer: bytes, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> None:
+    def _answer(self, conn: socket.socket, peer: bytes, held: _Held, version: int, bucket: int, offset: int, nbytes: int,
+                delta_base: int = -1) -> None:
+        if (version, bucket, delta_base) == (held.version, held.bucket, held.delta_base) and 0 <= offset and 0 < nbytes <= MAX_CHUNK_BYTES \
+                and offset + nbytes <= held.size:
+            data = held.v.sources[bucket].read(offset, nbytes)
+            # held first, then checked: a version dropped before the read was not sent from (nor is its buffer reused
+            # while this thread holds the bytes); one dropped after it goes out whole, as from the loop's lookup
+            if data is not None and self.server.still_serves(version, held.v):
+                self._send_chunk(conn, held, peer, held.v.buckets[bucket].checksum, data, nbytes)
+                return
         found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
         began = time.monotonic()
         waited = 0.0
@@ -241,6 +314,8 @@ class BulkServer:
                 self._arrived.wait(min(0.5, self.wait_s - waited))
             waited = time.monotonic() - began  # by the clock: every arrival of other bytes wakes this thread
             found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
+        with self._counted:
+            self.loop_lookups += 1
         if found is None:
             self._reply(conn, BUSY, f"bucket {bucket} of version {version}: the bytes did not arrive within {self.wait_s} s")
             return
@@ -248,15 +323,23 @@ class BulkServer:
         if status != OK:
             self._reply(conn, status, text)
             return
-        body = text.encode()
-        conn.sendall(_REPLY.pack(b"RPBA", OK, nbytes, len(body)) + body)
-        conn.sendall(data)
+        held.version, held.bucket, held.delta_base, held.v = version, bucket, delta_base, v
+        held.size = v.buckets[bucket].nbytes
+        self._send_chunk(conn, held, peer, text, data, nbytes, parked=waited > 0)
+
+    def _send_chunk(self, conn: socket.socket, held: _Held, peer: bytes, checksum: str, data: Any, nbytes: int, *,
+                    parked: bool = False) -> None:
+        """The reply and its bytes in one call (the socket in blocking mode takes them all); counted, and told to the
+        loop (`VersionStore.bulk_served`; `parked`: the chunk waited for its bytes to arrive)."""
+        body = checksum.encode()
+        send_parts(conn, [memoryview(_REPLY.pack(b"RPBA", OK, nbytes, len(body)) + body), memoryview(data).cast("B")])
         del data
-        self.bytes_served += nbytes
-        self.chunks_served += 1
+        with self._counted:
+            self.bytes_served += nbytes
+            self.chunks_served += 1
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
-                self._loop.call_soon_threadsafe(self.server.bulk_served, v, peer, nbytes, waited > 0)
+                self._loop.call_soon_threadsafe(functools.partial(self.server.bulk_served, held.v, peer, nbytes, parked))
 
     def _lookup(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> tuple[int, str, Any, Any] | None:
         """On the loop, the ROUTER's own lookup: (status, checksum or message, bytes, version), None: not arrived yet."""
@@ -310,7 +393,7 @@ class _Lane:
             self.sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
             raise BulkUnavailableError(f"cannot reach the bulk lane at {host}:{port}: {exc}", unreachable=True) from exc
-        self.sock.settimeout(timeout_s)
+        kernel_timeouts(self.sock, timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(_HELLO.pack(b"RPBH", len(peer)) + peer)
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from rollpool.protocol import WeightSyncError
+from rollpool.weights import WeightVersionGoneError
 from rollpool.weights.paths.bulk import lane_host
 from tests.integration.weights.test_channel import assert_same, model, wrap_sources
 
@@ -292,3 +293,43 @@ async def test_a_relay_forwards_a_version_on_its_lane_while_the_version_still_ar
     assert sub.bulk_bytes == got.total_bytes and relay.upstream.bulk_bytes == got.total_bytes
     assert relay._server.parked_served > 0  # chunks waited on the relay's lane for their bytes
 
+
+
+async def test_a_lane_connection_goes_to_the_event_loop_once_per_bucket_not_per_chunk(make_publisher: Any, make_subscriber: Any) -> None:
+    """The publisher's loop shares the trainer's interpreter lock: a trip to it per chunk waited on whatever Python the
+    trainer ran beside (bench/lane_probe.py). A connection looks a bucket up there once and reads its later chunks in
+    its own thread; the loop still learns every byte served (keep_versions=0 releases on it)."""
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(13)
+    manifest = await pub.publish(w, 1)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    lane = pub._server.bulk
+    buckets = sum(1 for b in manifest.buckets if b.nbytes)
+    assert lane.chunks_served > 3 * buckets  # many chunks a bucket at the test sizes
+    assert lane.loop_lookups == buckets
+    assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
+    assert pub._server.chunks_served == lane.chunks_served
+
+
+async def test_a_version_dropped_while_a_connection_serves_its_bucket_answers_gone_and_sends_nothing_more(
+        make_publisher: Any, make_subscriber: Any) -> None:
+    """The chunks a connection reads in its own thread are checked after they are held: a version dropped before the
+    read is never sent from (its buffers are reused once nothing holds them), the next request is answered ``gone``."""
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    await pub.publish(model(14), 1)
+    loop = asyncio.get_running_loop()
+
+    async def drop() -> None:
+        pub._server.drop_version(1)
+
+    def drop_on_second_read(n: int) -> None:  # in the lane's connection thread, before the read
+        if n == 2:
+            asyncio.run_coroutine_threadsafe(drop(), loop).result(5)
+
+    wrap_sources(pub, 1, on_read=drop_on_second_read)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
+    with pytest.raises(WeightVersionGoneError):
+        await sub.fetch(1)
+    assert pub._server.bulk.chunks_served == 1  # the first chunk only: the one read after the drop never went out

@@ -57,6 +57,25 @@ class FaultySource:
         return data
 
 
+class LoopHook:
+    """A `FaultySource` hook's action: `start()` (a coroutine) begun once on the test's loop, from whichever thread
+    reads (the ROUTER reads on the loop, the bulk lane in its connection threads); `done()` awaits it."""
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self.loop, self.start, self.fired = asyncio.get_running_loop(), start, False
+        self.tasks: list[asyncio.Future[Any]] = []
+
+    def fire(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.loop.call_soon_threadsafe(lambda: self.tasks.append(asyncio.ensure_future(self.start())))
+
+    async def done(self) -> None:
+        while self.fired and not self.tasks:  # noqa: ASYNC110 - fired from another thread: the task comes next turn
+            await asyncio.sleep(0)
+        await asyncio.gather(*self.tasks)
+
+
 def wrap_sources(pub: Any, version: int, **kw: Any) -> list[FaultySource]:
     served = pub._server.versions[version]
     served.sources = [FaultySource(s, **kw) for s in served.sources]
@@ -245,24 +264,19 @@ async def test_a_bucket_that_never_verifies_is_never_returned(make_publisher: An
 async def test_eviction_mid_fetch(make_publisher: Any, make_subscriber: Any) -> None:
     pub = await make_publisher(keep_versions=1)
     await pub.publish(model(1), 1)
-    tasks: list[asyncio.Task[Any]] = []
-
-    def evict_on_third_read(n: int) -> None:
-        if n == 3 and not tasks:
-            tasks.append(asyncio.ensure_future(pub.publish(model(2), 2)))
-
-    wrap_sources(pub, 1, on_read=evict_on_third_read)
+    evict = LoopHook(lambda: pub.publish(model(2), 2))
+    wrap_sources(pub, 1, on_read=lambda n: n == 3 and evict.fire())  # type: ignore[func-returns-value]
     sub = make_subscriber(pub.router_endpoint, window_chunks=1)
     with pytest.raises(WeightVersionGoneError, match="version 1 is gone") as info:
         await sub.fetch(1)  # that version by number: a clear error
     assert isinstance(info.value, WeightSyncError) and info.value.version == 1
-    await asyncio.gather(*tasks)
+    await evict.done()
 
     # asking for the latest moves on to the newer version instead
-    tasks.clear()
-    wrap_sources(pub, 2, on_read=lambda n: n == 3 and not tasks and tasks.append(asyncio.ensure_future(pub.publish(model(3), 3))))  # type: ignore[func-returns-value]
+    evict = LoopHook(lambda: pub.publish(model(3), 3))
+    wrap_sources(pub, 2, on_read=lambda n: n == 3 and evict.fire())  # type: ignore[func-returns-value]
     got = await sub.fetch()
-    await asyncio.gather(*tasks)
+    await evict.done()
     assert got.version == 3
     assert_same(got.tensors, model(3))
 
@@ -271,15 +285,15 @@ async def test_publisher_dies_mid_transfer_then_returns(make_publisher: Any, mak
     router, announce = tcp_endpoint(), tcp_endpoint()
     pub = await make_publisher(router_endpoint=router, pub_endpoint=announce)
     await pub.publish(model(1), 1)
-    closing: list[asyncio.Task[None]] = []
-    wrap_sources(pub, 1, on_read=lambda n: n == 2 and not closing and closing.append(asyncio.ensure_future(pub.close())))  # type: ignore[func-returns-value]
+    closing = LoopHook(pub.close)
+    wrap_sources(pub, 1, on_read=lambda n: n == 2 and closing.fire())  # type: ignore[func-returns-value]
     sub = make_subscriber(router, announce, fetch_timeout_s=0.3, max_refetch=1)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(WeightSyncError, match="no reply"):
         await sub.fetch(1)
     assert loop.time() - t0 < 5
-    await asyncio.gather(*closing)
+    await closing.done()
 
     pub2 = await make_publisher(router_endpoint=router, pub_endpoint=announce)
     await pub2.publish(model(1), 1)

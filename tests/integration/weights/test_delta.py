@@ -163,12 +163,13 @@ async def test_a_bulk_lane_lost_while_it_carries_a_delta_leaves_the_rest_to_the_
     assert lane is not None
     answer, answered = lane._answer, []
 
-    def fails_on_the_second(conn: Any, peer: bytes, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> None:
+    def fails_on_the_second(conn: Any, peer: bytes, held: Any, version: int, bucket: int, offset: int, nbytes: int,
+                            delta_base: int = -1) -> None:
         if delta_base >= 0 and answered:
             conn.shutdown(2)  # the lane drops: the subscriber's stream sees the connection fail
             return
         answered.append(bucket)
-        answer(conn, peer, version, bucket, offset, nbytes, delta_base)
+        answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
 
     lane._answer = fails_on_the_second
     before, before_bulk = sub.bytes_received, sub.bulk_bytes
