@@ -84,7 +84,12 @@ _SUMS_AFTER_COPIES: bool | None = None
 """Hold every bucket's checksum until the version's last copy landed (`Snapshot.copy`), so the copies, which the trainer
 waits for, have the host's cores and memory bandwidth to themselves: None for CPU tensors (copied by threads, the
 checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
-The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py)."""
+The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py), but
+for the first `_EARLY_SUMS` buckets."""
+_EARLY_SUMS = 2
+"""While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), the first this many buckets are summed as
+their copies land all the same (one checksum thread beside the copies), so subscribers start fetching during the copy
+instead of a checksum after it."""
 
 
 class _Job(NamedTuple):
@@ -666,7 +671,7 @@ class Snapshot:
             self._checksum(idx)
             return
         with self._lock:
-            if self.holding:  # until the version's last copy landed (`_release_sums`)
+            if self.holding and idx >= _EARLY_SUMS:  # until the version's last copy landed (`_release_sums`)
                 self.held.append(idx)
                 return
         self.pools.sum.submit(self._checksum, idx)
