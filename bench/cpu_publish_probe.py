@@ -11,7 +11,8 @@ next --versions are timed:
                 tcp (the bulk lane), started once the version is announced, as a worker's fetch begins (not a worker's
                 process: its receive shares this process's GIL)
 Ways: copy threads (8: the default before; --threads: the default now, up to 16) x checksums summed as buckets land
-(folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now), each
+(folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now, the
+first `snapshot._EARLY_SUMS` buckets summed as they land all the same, none by default; --early N: also with N), each
 alone and with the trainer's next step running right after publish returns (`torch._foreach_add_` over every tensor in a
 thread, as bench/gpu_weights.py's CPU rows do: 14.5 GB read and written on the host beside the checksums).
 Writes cpu_publish_probe.json: medians per way, the host's cores. No GPU used (its driver page-locks the buckets).
@@ -77,10 +78,13 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
         sub.connect(pub.router_endpoint, pub.pub_endpoint)
     held: Any = None
     out, v = [], v0
+    early_default = snapshot._EARLY_SUMS
     try:
-        for after in (False, True):
+        kinds = [(False, snapshot._EARLY_SUMS), (True, snapshot._EARLY_SUMS)] + ([(True, args.early)] if args.early else [])
+        for after, early in kinds:
             for with_step in (False, True):
                 snapshot._SUMS_AFTER_COPIES = after
+                snapshot._EARLY_SUMS = early
                 rows = []
                 for i in range(args.versions + 1):
                     v += 1
@@ -110,7 +114,8 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                     if i:  # the way's first version is a warm-up
                         rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
                                      **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
-                way = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
+                way = {"threads": threads, "sums": ("after the last copy" + (f" but the first {early} buckets'" if early else "")) if after
+                       else "as buckets land", "with_step": with_step,
                        "blocked_s": round(statistics.median(r["blocked_s"] for r in rows), 4),
                        "ready_s": round(statistics.median(r["ready_s"] for r in rows), 4), "runs": rows, "reserve_s": round(reserve_s, 2)}
                 if sub is not None:
@@ -119,6 +124,7 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                 out.append(way)
     finally:
         snapshot._SUMS_AFTER_COPIES = None
+        snapshot._EARLY_SUMS = early_default
         if sub is not None:
             sub.close()
         await pub.close()
@@ -135,7 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(t.numel() * t.element_size() for t in sd.values())
     now = args.threads or default_host_copy_threads()
     ways: list[dict[str, Any]] = []
-    for threads in sorted({8, now}):
+    for threads in sorted({now} if args.only_now else {8, now}):
         ways += await ways_of(sd, threads, args, len(ways) * 100)
     return {"cores": os.cpu_count(), "bytes": total, "tensors": len(sd), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "fetch": args.fetch, "ways": ways}
@@ -146,6 +152,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=13.5, help="about this many GiB of bf16 (13.5: the 8B layout)")
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="the copy threads of the 'now' ways (0: the default)")
+    ap.add_argument("--only-now", action="store_true", help="only the default copy threads (not 8 beside them)")
+    ap.add_argument("--early", type=int, default=0, help="also the held checksums with this many first buckets summed "
+                    "as they land (`snapshot._EARLY_SUMS`), beside the default")
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--fetch", action="store_true", help="a subscriber in this process fetches each version as it is published (fetched_s)")
     ap.add_argument("--out", default=".")

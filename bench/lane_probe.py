@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.weights import VERSION, _MiB, _subscriber_child, make_tensors  # noqa: E402
+from bench.weights import VERSION, _MiB, _subscriber_child, make_tensors
 
 
 def busy(stop: threading.Event) -> None:

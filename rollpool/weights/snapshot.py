@@ -86,10 +86,13 @@ waits for, have the host's cores and memory bandwidth to themselves: None for CP
 checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
 The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py), but
 for the first `_EARLY_SUMS` buckets."""
-_EARLY_SUMS = 2
+_EARLY_SUMS = 0
 """While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), the first this many buckets are summed as
-their copies land all the same (one checksum thread beside the copies), so subscribers start fetching during the copy
-instead of a checksum after it."""
+their copies land all the same (a checksum thread beside the copies), so subscribers start fetching during the copy
+instead of a checksum after it. 0 by default: on the 2-core VM two early buckets cost the trainer 0.10 s more blocked
+(0.31 against 0.21 s) for publish to fetched 5% sooner without the trainer's CPU step beside and no sooner with it
+(`bench/cpu_publish_probe.py --early 2`, bench/results/cpu-publish-probe-early-2core-s24.json); not measured on a
+GPU host (the session's calls for it lost their machine)."""
 
 
 class _Job(NamedTuple):
