@@ -7,7 +7,8 @@ switch interval (5 ms) each time, so what the lane costs a chunk in lock hand-of
 median of ``--reps`` fetches of the same version (the subscriber, a process of its own, recycles its buffers):
 
 - ``idle``: nothing else runs in the publisher's process (the limit);
-- ``busy``: ``--busy`` threads run pure Python beside it (the worst case of a trainer's other threads);
+- ``busy``: ``--busy`` threads run pure Python beside it (the worst case of a trainer's other threads); with
+  ``--side subscriber`` in the subscriber's process instead (a worker whose engine's Python runs while it fetches);
 - ``idle2`` / ``busy2``: the same again, interleaved, so drift shows.
 
 ``busy_over_idle`` = busy GB/s over idle GB/s. Run it on two checkouts (``--label``) to compare a change; the lane's
@@ -32,7 +33,29 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.weights import VERSION, _MiB, _subscriber_child, make_tensors
+from bench.weights import VERSION, _MiB, make_tensors
+
+
+def _subscriber(conn: Any, router: str, window: int) -> None:
+    """The subscriber's process (a worker): fetch the version on each "go", with `n` busy threads beside on ("go", n)."""
+    from bench.weights import Fetcher
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with Fetcher(router, window, "tcp") as f:
+            conn.send("ready")
+            while (msg := await loop.run_in_executor(None, conn.recv)) != "stop":
+                stop = threading.Event()
+                threads = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(msg[1])]
+                for t in threads:
+                    t.start()
+                _dt, total = await f.once()
+                stop.set()
+                for t in threads:
+                    t.join()
+                conn.send((time.perf_counter(), total))
+
+    asyncio.run(main())
 
 
 def busy(stop: threading.Event) -> None:
@@ -58,22 +81,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await pub.publish(tensors, v)
     loop = asyncio.get_running_loop()
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_subscriber_child, args=(child, pub.router_endpoint, args.window, "tcp"))
+    proc = mp.get_context("spawn").Process(target=_subscriber, args=(child, pub.router_endpoint, args.window))
     proc.start()
     await loop.run_in_executor(None, parent.recv)
     lane = pub._server.bulk
     rows: dict[str, Any] = {}
     total = 0
+    sub_side = args.side == "subscriber"
     for label, n in (("warmup", 0), ("idle", 0), ("busy", args.busy), ("idle2", 0), ("busy2", args.busy)):
         stop = threading.Event()
-        threads = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(n)]
+        threads = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(0 if sub_side else n)]
         for t in threads:
             t.start()
         times = []
         lookups0, chunks0 = getattr(lane, "loop_lookups", None), lane.chunks_served
         for _ in range(1 if label == "warmup" else args.reps):
             t0 = time.perf_counter()
-            parent.send("go")
+            parent.send(("go", n if sub_side else 0))
             _t, total = await loop.run_in_executor(None, parent.recv)
             times.append(time.perf_counter() - t0)
         stop.set()
@@ -105,6 +129,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--busy", type=int, default=1, help="pure-Python threads beside the publisher in the busy rows")
+    ap.add_argument("--side", choices=("publisher", "subscriber"), default="publisher",
+                    help="whose process the busy threads run in (the subscriber's: a worker generating while it fetches)")
     ap.add_argument("--label", default="now")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

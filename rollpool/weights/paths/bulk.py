@@ -443,28 +443,53 @@ def fetch_bucket_range(
 def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequence[tuple[int, int]], view: memoryview,
                   window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
                   delta_base: int = -1) -> None:
+    """`chunks` of `bucket` into `view`, `window` requests ahead. In the worker's process the engine's Python shares the
+    interpreter lock with this thread, and each socket call gives the lock up and waits for it again behind that Python
+    (up to the switch interval): so requests go out half a window at a time, and a chunk's checksum, its bytes and the
+    next reply's header come in one `recvmsg_into`."""
+    n = len(chunks)
     sent = 0
+    head = memoryview(bytearray(_REPLY.size))
+
+    def ask(upto: int) -> int:
+        reqs = b"".join(_REQUEST.pack(b"RPBD" if delta_base >= 0 else b"RPBQ", version, bucket, off, k)
+                        + (_DELTA_BASE.pack(delta_base) if delta_base >= 0 else b"") for off, k in chunks[sent:upto])
+        sock.sendall(reqs)
+        return upto
+
+    sent = ask(min(n, max(1, window)))
+    _recv_into_exact(sock, head)
     for k, (offset, nbytes) in enumerate(chunks):
-        while sent < len(chunks) and sent < k + window:
-            off, n = chunks[sent]
-            if delta_base >= 0:
-                sock.sendall(_REQUEST.pack(b"RPBD", version, bucket, off, n) + _DELTA_BASE.pack(delta_base))
-            else:
-                sock.sendall(_REQUEST.pack(b"RPBQ", version, bucket, off, n))
-            sent += 1
-        magic, status, size, n_text = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-        text = _recv_exact(sock, n_text).decode(errors="replace") if n_text else ""
+        if sent < n and sent - (k + 1) < max(1, window // 2):
+            sent = ask(min(n, k + 1 + max(1, window)))  # (the next reply's header is read with this chunk: asked first)
+        magic, status, size, n_text = _REPLY.unpack(head)
         if magic != b"RPBA":
             raise ConnectionError("not a bulk-lane reply")
         if status != OK:
+            text = _recv_exact(sock, n_text).decode(errors="replace") if n_text else ""
             raise BulkError(STATUS_CODES[status] if status < len(STATUS_CODES) else f"status_{status}", text)
         if size != nbytes:
             raise ConnectionError(f"a reply of {size} bytes to a request of {nbytes}")
+        text_buf = bytearray(n_text)
         part = view[offset : offset + nbytes]
-        _recv_into_exact(sock, part)
-        on_chunk(bucket, offset, nbytes, text, part)
+        _recv_into_parts(sock, [memoryview(text_buf), part, *([head] if k + 1 < n else [])])
+        on_chunk(bucket, offset, nbytes, text_buf.decode(errors="replace"), part)
         if stop.is_set():
             return
+
+
+def _recv_into_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill `parts` in order from `sock`: one call in blocking mode (`kernel_timeouts`), more only on a timeout or a signal."""
+    parts = [p for p in parts if p.nbytes]
+    while parts:
+        got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("the peer closed the connection")
+        while parts and got >= parts[0].nbytes:
+            got -= parts[0].nbytes
+            parts.pop(0)
+        if parts and got:
+            parts[0] = parts[0][got:]
 
 
 # ---------------------------------------------------------------------------------------------- the subscriber's transfer
