@@ -196,12 +196,13 @@ class BulkServer:
     source's buffer counts as in flight, as a zero-copy ZeroMQ frame would). The bucket's later chunks are read in the
     thread, each checked with `VersionStore.still_serves` after it is held (a version dropped before the read is
     never sent from: its buffers are reused only once nothing holds them), and what the loop keeps (bytes served per
-    peer, the last request time that `keep_versions=0` releases on) is handed to it in batches. In the trainer's
+    peer, the last request time that `keep_versions=0` releases on) is handed to it after each chunk, without waiting
+    for it. In the trainer's
     process the loop and these threads share one interpreter lock with whatever else the trainer runs: a trip to the
     loop per chunk, and a send of a chunk in pieces, each wait for that lock (one Python thread busy beside the
     publisher took the lane from 2.8 to 0.37 GB/s on the 2-core VM, `bench/lane_probe.py`). The sockets are in
-    blocking mode with the kernel's timeouts (`SO_RCVTIMEO`, `SO_SNDTIMEO`), so a chunk goes out in one call and a
-    request comes in in one. A request for bytes not yet arrived (a streamed or relayed version) waits up to
+    blocking mode with the kernel's timeouts (`SO_RCVTIMEO`, `SO_SNDTIMEO`), so a chunk goes out in one call, and the
+    requests that came since are read in one. A request for bytes not yet arrived (a streamed or relayed version) waits up to
     `wait_s` for `notify`, then is answered ``busy``.
     """
 
