@@ -13,6 +13,11 @@
 # At the end every log is packed into $OUT/logs.tar.gz.
 #   bash bench/gpu_batch.sh 560 'episodes|240|python3 bench/gpu_episodes.py --out $STEP' \
 #                               'tp1|200|python3 bench/gpu_tp.py --tp-size 1 --pairs 3 --out $STEP'
+# A before/after on one machine (hosts differ call to call by up to 1.7x): put the other commit's tree in an ignored
+# folder (`git archive COMMIT rollpool bench | tar x -C .before`, `.before/` in .git/info/exclude, carried) and run its
+# step from inside it, so its package comes first on sys.path and its workers' too (they start with cwd = its root):
+#   'before|180|ln -s ../.sgkit .before/.sgkit; cd .before && export PYTHONPATH=/tmp/site:$PWD && python3 bench/gpu_weights.py ...'
+# (PYTHONPATH=.../.before alone is not enough: the checkout's own rollpool/ is found first from its root.)
 set -u
 BUDGET=${1:?budget in seconds}; shift
 R=$PWD W=/tmp/gpu_batch

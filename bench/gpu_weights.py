@@ -1191,7 +1191,14 @@ def main() -> int:
     ap.add_argument("--delta-fraction", type=float, default=0.0215,
                     help="the delta rows' changed fraction per version (default: bench/weights.py --delta, AdamW at lr 1e-6, on CPU)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
+    ap.add_argument("--early-sums", type=int, default=None,
+                    help="CPU tensors: sum this many first buckets as their copies land while the rest wait for the last copy "
+                         "(rollpool.weights.snapshot._EARLY_SUMS, in this process: the publisher's; default: the library's, 0)")
     args = ap.parse_args()
+    if args.early_sums is not None:
+        from rollpool.weights import snapshot
+
+        snapshot._EARLY_SUMS = args.early_sums
     if args.versions < 6:
         ap.error("--versions: at least 6 per path (the issue's rule)")
     OUT = Path(args.out)
