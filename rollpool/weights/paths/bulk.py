@@ -4,7 +4,7 @@ Over ZeroMQ a chunk is received into a ZeroMQ message and then copied into its b
 that a receiver writing into caller memory does not make (`Socket.recv_into` copies out of a message too).
 This lane keeps the manifest, the versions, the checksums and verify-then-apply of the ROUTER path and moves
 only the chunk bytes: the server answers each request with `sendall` from the version's own buffers, the
-subscriber `recv_into`s its bucket and folds the chunk into the bucket's running checksum while it is in cache.
+subscriber `recv_into`s its bucket and folds what landed into the bucket's running checksum while it is in cache.
 
 Wire (all integers little-endian; one TCP connection per subscriber stream, requests pipelined):
 
@@ -103,6 +103,11 @@ class BulkUnavailableError(Exception):
         super().__init__(message)
         self.unreachable = unreachable
 
+
+FOLD_BYTES = 32 << 20
+"""A folded bucket's landed bytes go into its running checksum this many at a time (and the rest at its end): each
+fold gives the interpreter lock up and waits for it again (python-xxhash releases it while it sums), so in a worker
+whose engine's Python runs beside, a fold per 8 MiB chunk was one more wait a chunk."""
 
 CONNECT_TIMEOUT_S = 3.0
 """How long a subscriber waits for the lane's connection before it takes the ROUTER."""
@@ -511,7 +516,7 @@ class _BulkTransfer:
     The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
     `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
     ahead and receives each one straight into its bucket's buffer. A whole bucket is folded into its running
-    checksum chunk by chunk while in cache; a bucket cut into parts is checksummed in one pass by the thread that
+    checksum as it lands, `FOLD_BYTES` at a time (recently landed: in cache); a bucket cut into parts is checksummed in one pass by the thread that
     lands its last part. A bucket that fails is fetched again whole
     by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
     `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
@@ -536,6 +541,8 @@ class _BulkTransfer:
         self.parts_left = [0] * n
         self.folding = [True] * n
         """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
+        self.folded_to = [0] * n
+        """A folded bucket's bytes below this are in its running checksum (`FOLD_BYTES` at a time, the rest at its end)."""
         self.verified: set[int] = set()
         """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
         self.lock = threading.Lock()
@@ -609,8 +616,9 @@ class _BulkTransfer:
         if self.first_ms[bucket] < 0:
             self.first_ms[bucket] = self._ms()
         summer = self.sums[bucket]
-        if self.folding[bucket] and summer is not None:
-            summer.update(data)
+        if self.folding[bucket] and summer is not None and offset + nbytes - self.folded_to[bucket] >= FOLD_BYTES:
+            summer.update(self.views[bucket][self.folded_to[bucket] : offset + nbytes])
+            self.folded_to[bucket] = offset + nbytes
         counters = self.ctx.counters
         with counters.lock:
             counters.bytes_received += nbytes
@@ -631,6 +639,8 @@ class _BulkTransfer:
         elif not expected:
             ok = False  # no chunk named the pending checksum: nothing to verify against
         elif self.folding[bucket]:
+            if summer is not None and self.folded_to[bucket] < info.nbytes:
+                summer.update(self.views[bucket][self.folded_to[bucket] :])
             ok = summer is not None and verify_checksum(expected, running=summer)
         else:
             ok = verify_checksum(expected, self.views[bucket])  # cut into parts: one pass over the whole bucket
@@ -644,6 +654,7 @@ class _BulkTransfer:
         self.ctx.bucket_failed(self.manifest.version, bucket, self.failures, NETWORK, "", "bulk lane", loop=self.loop)
         self.sums[bucket] = Checksummer.for_digest(expected) if expected else None
         self.folding[bucket] = True
+        self.folded_to[bucket] = 0
         self.parts_left[bucket] = 1
         if self.sink is not None:
             self.loop.call_soon_threadsafe(self.sink.on_bucket_reset, bucket)

@@ -333,3 +333,25 @@ async def test_a_version_dropped_while_a_connection_serves_its_bucket_answers_go
     with pytest.raises(WeightVersionGoneError):
         await sub.fetch(1)
     assert pub._server.bulk.chunks_served == 1  # the first chunk only: the one read after the drop never went out
+
+
+async def test_a_bucket_folded_a_few_chunks_at_a_time_verifies_and_a_corrupt_one_is_fetched_again(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subscriber folds a bucket's landed bytes into its checksum `FOLD_BYTES` at a time, not per chunk (each fold waits
+    for the interpreter lock): here 40 KiB over 16 KiB chunks, so folds end mid-chunk-run and the rest at the bucket's
+    end; every byte is summed once, and a flipped one is still caught."""
+    from rollpool.weights.paths import bulk
+
+    monkeypatch.setattr(bulk, "FOLD_BYTES", 40 << 10)
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(15)
+    manifest = await pub.publish(w, 1)
+    assert max(b.nbytes for b in manifest.buckets) > 3 * (40 << 10)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, max_refetch=2)
+    assert_same((await sub.fetch(1)).tensors, w)
+    assert sub.buckets_refetched == 0
+    w2 = model(16)
+    await pub.publish(w2, 2)
+    wrap_sources(pub, 2, flips=1)  # each bucket's first chunk comes with a flipped byte, once
+    assert_same((await sub.fetch(2)).tensors, w2)
+    assert sub.buckets_refetched == len(manifest.buckets)
