@@ -11,7 +11,8 @@ median of ``--reps`` fetches of the same version (the subscriber, a process of i
   ``--side subscriber`` in the subscriber's process instead (a worker whose engine's Python runs while it fetches);
 - ``idle2`` / ``busy2``: the same again, interleaved, so drift shows.
 
-``busy_over_idle`` = busy GB/s over idle GB/s. Run it on two checkouts (``--label``) to compare a change; the lane's
+``busy_over_idle`` = busy GB/s over idle GB/s. With ``ROLLPOOL_WEIGHT_BULK=0`` the chunks come over the ROUTER (ZeroMQ,
+served on the publisher's loop) instead. Run it on two checkouts (``--label``) to compare a change; the lane's
 own counters (chunks looked up on the loop, chunks served) come with it where the checkout has them.
 
     python bench/lane_probe.py [--mib 512] [--reps 5] [--busy 1] [--chunk-mib 8] [--label now] [--out PATH]
@@ -94,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for t in threads:
             t.start()
         times = []
-        lookups0, chunks0 = getattr(lane, "loop_lookups", None), lane.chunks_served
+        lookups0, chunks0 = getattr(lane, "loop_lookups", None), (lane.chunks_served if lane is not None else None)
         for _ in range(1 if label == "warmup" else args.reps):
             t0 = time.perf_counter()
             parent.send(("go", n if sub_side else 0))
@@ -107,7 +108,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         med = statistics.median(times)
         rows[label] = {"busy_threads": n, "fetch_s": [round(x, 4) for x in times], "median_s": round(med, 4),
-                       "gbps": round(total / med / 1e9, 3), "chunks_served": lane.chunks_served - chunks0,
+                       "gbps": round(total / med / 1e9, 3), "lane": lane is not None,
+                       "chunks_served": None if chunks0 is None else lane.chunks_served - chunks0,
                        "loop_lookups": None if lookups0 is None else lane.loop_lookups - lookups0}
         print(label, rows[label], flush=True)
     parent.send("stop")
