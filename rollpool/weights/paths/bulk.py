@@ -440,6 +440,8 @@ def fetch_bucket_range(
                 if stop.is_set():
                     return
                 todo = on_part_done(bucket)
+    except (BlockingIOError, TimeoutError) as exc:  # the kernel's timeout (`kernel_timeouts`): nothing came
+        raise BulkUnavailableError(f"the bulk lane to {host}:{port} was silent for {timeout_s} s") from exc
     except (OSError, ConnectionError, struct.error) as exc:
         raise BulkUnavailableError(f"the bulk lane to {host}:{port} failed: {exc}") from exc
     finally:

@@ -183,7 +183,9 @@ async def test_a_lane_reset_mid_version_takes_the_router_for_that_version(make_p
     assert sorted(staged) == list(range(len(got.manifest.buckets)))
 
 
-async def test_a_silent_lane_is_given_up_after_the_fetch_timeout(make_publisher: Any, make_subscriber: Any) -> None:
+async def test_a_silent_lane_is_given_up_after_the_fetch_timeout(make_publisher: Any, make_subscriber: Any,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rollpool.weights.paths.bulk")
     pub = await make_publisher(**TCP)
     w = model(7)
     await pub.publish(w, 1)
@@ -198,6 +200,7 @@ async def test_a_silent_lane_is_given_up_after_the_fetch_timeout(make_publisher:
         assert loop.time() - t0 < 3
         assert_same(got.tensors, w)
         assert sub.fallbacks == {"bulk lane unavailable": 1} and sub.bulk_bytes == 0
+        assert any("was silent for 0.3 s" in r.getMessage() for r in caplog.records)  # the log says what happened
     finally:
         silent.close()
 
