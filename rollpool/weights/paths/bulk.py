@@ -105,9 +105,19 @@ class BulkUnavailableError(Exception):
 
 
 FOLD_BYTES = 32 << 20
-"""A folded bucket's landed bytes go into its running checksum this many at a time (and the rest at its end): each
+"""A folded bucket's landed bytes go into its running checksum up to this many at a time (and the rest at its end): each
 fold gives the interpreter lock up and waits for it again (python-xxhash releases it while it sums), so in a worker
 whose engine's Python runs beside, a fold per 8 MiB chunk was one more wait a chunk."""
+FOLD_BUDGET_BYTES = 64 << 20
+"""... and all the streams' bytes waiting for their fold stay within this (at 8 streams that is a fold per 8 MiB chunk,
+as before `FOLD_BYTES`), so what a fold reads is still in the cache: `fold_bytes`."""
+
+
+def fold_bytes(streams: int, chunk_bytes: int) -> int:
+    """How many landed bytes a stream folds at a time: `FOLD_BYTES` within `FOLD_BUDGET_BYTES` over the streams, at least a
+    chunk."""
+    return max(chunk_bytes, min(FOLD_BYTES, FOLD_BUDGET_BYTES // max(1, streams)))
+
 
 CONNECT_TIMEOUT_S = 3.0
 """How long a subscriber waits for the lane's connection before it takes the ROUTER."""
@@ -518,7 +528,7 @@ class _BulkTransfer:
     The version's buckets, in order, are jobs in one queue (the last ones cut into parts, see `plan`); each of
     `streams` threads, with one TCP connection, takes the next job when free, asks for its chunks `window_chunks`
     ahead and receives each one straight into its bucket's buffer. A whole bucket is folded into its running
-    checksum as it lands, `FOLD_BYTES` at a time (recently landed: in cache); a bucket cut into parts is checksummed in one pass by the thread that
+    checksum as it lands, `fold_bytes` at a time (recently landed: in cache); a bucket cut into parts is checksummed in one pass by the thread that
     lands its last part. A bucket that fails is fetched again whole
     by that thread (at most `max_refetch` times); an error status ends the transfer (``gone``:
     `WeightVersionGoneError`); a connection that fails or is silent for `fetch_timeout_s` raises
@@ -544,7 +554,8 @@ class _BulkTransfer:
         self.folding = [True] * n
         """The bucket's chunks arrive in order on one thread: folded into its running checksum as they land."""
         self.folded_to = [0] * n
-        """A folded bucket's bytes below this are in its running checksum (`FOLD_BYTES` at a time, the rest at its end)."""
+        """A folded bucket's bytes below this are in its running checksum (`fold_bytes` at a time, the rest at its end)."""
+        self.fold_bytes = fold_bytes(ctx.streams, self.chunk)
         self.verified: set[int] = set()
         """Buckets whole and verified (kept when the lane fails and the rest comes over the ROUTER)."""
         self.lock = threading.Lock()
@@ -567,6 +578,7 @@ class _BulkTransfer:
     def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """The version's jobs for `streams` threads (`rollpool.weights.manifest.stream_jobs`)."""
         jobs, self.parts_left, self.folding = stream_jobs([b.nbytes for b in self.manifest.buckets], self.chunk, streams)
+        self.fold_bytes = fold_bytes(streams, self.chunk)
         return jobs
 
     async def run(self) -> None:
@@ -618,7 +630,7 @@ class _BulkTransfer:
         if self.first_ms[bucket] < 0:
             self.first_ms[bucket] = self._ms()
         summer = self.sums[bucket]
-        if self.folding[bucket] and summer is not None and offset + nbytes - self.folded_to[bucket] >= FOLD_BYTES:
+        if self.folding[bucket] and summer is not None and offset + nbytes - self.folded_to[bucket] >= self.fold_bytes:
             summer.update(self.views[bucket][self.folded_to[bucket] : offset + nbytes])
             self.folded_to[bucket] = offset + nbytes
         counters = self.ctx.counters

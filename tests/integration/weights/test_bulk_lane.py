@@ -358,3 +358,13 @@ async def test_a_bucket_folded_a_few_chunks_at_a_time_verifies_and_a_corrupt_one
     wrap_sources(pub, 2, flips=1)  # each bucket's first chunk comes with a flipped byte, once
     assert_same((await sub.fetch(2)).tensors, w2)
     assert sub.buckets_refetched == len(manifest.buckets)
+
+
+def test_the_bytes_waiting_for_their_fold_stay_within_the_budget_over_the_streams() -> None:
+    """Few streams (a small worker) fold 32 MiB at a time; at 8 streams a chunk at a time, as before, so the 8 streams'
+    unfolded bytes (64 MiB) are still in the cache when folded."""
+    from rollpool.weights.paths.bulk import fold_bytes
+
+    mib = 1 << 20
+    assert [fold_bytes(s, 8 * mib) // mib for s in (1, 2, 4, 8, 16)] == [32, 32, 16, 8, 8]
+    assert fold_bytes(1, 4 * mib) == 32 * mib and fold_bytes(16, 16 * mib) == 16 * mib  # never less than a chunk
