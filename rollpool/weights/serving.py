@@ -1074,14 +1074,14 @@ class WeightServer:
             self.chunks_served += 1
             self._served_to(v, peer_of(ident), req.nbytes)
 
-    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False, *, chunks: int = 1) -> None:
-        """`chunks` chunks of `v`, `nbytes` in all, went out over the bulk lane (told on the loop by `BulkServer`, in
-        batches): counted as the ROUTER's are (`parked`: one that waited for its bytes to arrive, as a parked fetch),
-        and `v` counts as requested now (``keep_versions=0`` releases after an idle spell)."""
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None:
+        """A chunk of `v` went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
+        (`parked`: it waited for its bytes to arrive, as a parked fetch), and `v` counts as requested now
+        (``keep_versions=0`` releases after an idle spell; the lane reads a bucket's later chunks off the loop)."""
         self.parked_served += parked
         self.bytes_served += nbytes
         self.bulk_bytes_served += nbytes
-        self.chunks_served += chunks
+        self.chunks_served += 1
         if self._loop is not None:
             v.last_request_s = self._loop.time()
         self._served_to(v, peer, nbytes)

@@ -92,7 +92,7 @@ their copies land all the same (a checksum thread beside the copies), so subscri
 instead of a checksum after it. 0 by default: on the 2-core VM two early buckets cost the trainer 0.10 s more blocked
 (0.31 against 0.21 s) for publish to fetched 5% sooner without the trainer's CPU step beside and no sooner with it
 (`bench/cpu_publish_probe.py --early 2`, bench/results/cpu-publish-probe-early-2core-s24.json); not measured on a
-GPU host (the session's calls for it lost their machine)."""
+GPU host (`bench/gpu_weights.py --early-sums N` sets it there)."""
 
 
 class _Job(NamedTuple):

@@ -355,7 +355,7 @@ class BulkServer:
             self.chunks_served += 1
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
-                self._loop.call_soon_threadsafe(functools.partial(self.server.bulk_served, held.v, peer, nbytes, parked))
+                self._loop.call_soon_threadsafe(self.server.bulk_served, held.v, peer, nbytes, parked)
 
     def _lookup(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> tuple[int, str, Any, Any] | None:
         """On the loop, the ROUTER's own lookup: (status, checksum or message, bytes, version), None: not arrived yet."""
@@ -578,7 +578,6 @@ class _BulkTransfer:
     def plan(self, streams: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """The version's jobs for `streams` threads (`rollpool.weights.manifest.stream_jobs`)."""
         jobs, self.parts_left, self.folding = stream_jobs([b.nbytes for b in self.manifest.buckets], self.chunk, streams)
-        self.fold_bytes = fold_bytes(streams, self.chunk)
         return jobs
 
     async def run(self) -> None:
