@@ -178,16 +178,20 @@ def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted
     is the time from the clear to the trainer seeing the prompt terminal (the client's pull cadence
     included) less the group's own generation time (its trajectories' ``finished_at - started_at`` as the
     worker's engine timed it; simulated here); ``over_bound`` counts the prompts with a checked excess above
-    the bound; ``never_terminal`` those whose bound after a clear ran out with the prompt never terminal.
+    the bound; ``never_terminal`` those whose bound after a clear ran out with the prompt never terminal. A fault
+    the run ended inside (``unfinished``: a start, maybe no clear) still supersedes the clear before it: without it,
+    a broker stop under way at the end was counted against the previous fault's bound (CI, 4d22bb4: 5 prompts "over").
+    ``worst_cases``: the largest excesses, each with the fault whose clear it was checked against.
     """
     formula = "5 x heartbeat_interval_s + apply_slot_deadline_s + generation time"
     limit = 5 * cfg.heartbeat_interval_s + cfg.apply_slot_deadline_s
-    spans = [(r["_t0"], r["_clear"]) for r in fault_log if "_t0" in r and "_clear" in r]
-    starts = sorted(a for a, _ in spans)
-    clears = sorted(c for _, c in spans)
+    starts = sorted(r["_t0"] for r in fault_log if "_t0" in r)  # a fault the run ended inside has no clear
+    clears = sorted(r["_clear"] for r in fault_log if "_t0" in r and "_clear" in r)
+    kind_at = {r["_clear"]: f'{r.get("kind", "?")} (injected at {r.get("at_s")} s)' for r in fault_log if "_t0" in r and "_clear" in r}
     excess: list[tuple[float, str]] = []
     since: list[float] = []
     over: set[str] = set()
+    cases: list[dict[str, Any]] = []
     never: set[str] = set()
     superseded = 0
     for pid, s in submitted_at.items():
@@ -204,6 +208,8 @@ def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted
                 continue
             since.append(t - c)
             excess.append((t - c - gen, pid))
+            cases.append({"prompt": pid, "after": kind_at.get(c, "?"), "excess_s": round(t - c - gen, 3),
+                          "generation_s": round(gen, 3), "submitted_before_clear_s": round(c - s, 3)})
             if t - c - gen > limit:
                 over.add(pid)
     worst = max(excess, default=(0.0, ""))
@@ -221,6 +227,7 @@ def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted
         "worst_prompt": worst[1],
         "worst_generation_s": round(gen_s.get(worst[1], 0.0), 3),
         "over_bound": len(over),
+        "worst_cases": sorted(cases, key=lambda r: -r["excess_s"])[:10],
         "never_terminal": len(never),
         "within_bound": not over and not never,
     }
@@ -423,6 +430,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
             return bool(observed.delivered_at) and observed.delivered_at[-1] > t
 
         deck: list[str] = []
+        injecting: list[dict[str, Any]] = []  # the fault under way, if any: logged even when the run ends inside it
 
         async def fault_loop() -> None:  # noqa: C901 - grandfathered: one branch per fault kind
             while not done.is_set():
@@ -435,6 +443,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                 rec: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t_start, 3)}
                 t0 = time.monotonic()
                 rec["_t0"] = t0
+                injecting[:] = [rec]
                 if kind in ("kill_worker", "stop_worker"):
                     w = rng.choice(workers)
                     wid = "chaos-" + w
@@ -528,6 +537,7 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
                     if isinstance(rec.get(k), float):
                         rec[k] = round(rec[k], 3)
                 fault_log.append(rec)
+                injecting.clear()
                 log.info("chaos: %s", rec)
 
         bg = [asyncio.create_task(poll_loop(), name="chaos.poll_loop"), asyncio.create_task(fault_loop(), name="chaos.fault_loop")]
@@ -644,6 +654,9 @@ async def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:  # noqa: C901 (one driv
         for task in bg:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for rec in injecting:  # the run ended inside it: its start still supersedes the clear before it
+            rec["unfinished"] = True
+            fault_log.append(rec)
         # consumed staleness must be within the bound (the trainer never trains past eta)
         violations = sum(c for s, c in staleness_hist.items() if s > cfg.max_staleness) - dropped_stale
         elapsed = time.monotonic() - t_start

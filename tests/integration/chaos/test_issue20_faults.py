@@ -61,5 +61,7 @@ async def test_the_pool_survives_the_issue20_faults_within_the_terminal_bound(tm
     assert result["duplicated"] == 0
     assert result["staleness_violations"] == 0
     bound = result["terminal_bound"]
-    assert result["stuck"] == 0, bound
+    faults = [(r["kind"], r.get("started_at_s"), r.get("cleared_at_s")) for r in result["fault_log"]]
+    assert result["stuck"] == 0, json.dumps({"worst": bound["worst_cases"], "never": bound["never_terminal"],
+                                             "bound_s": bound["bound_s"], "faults": faults})
     assert bound["checked"] > 0 and bound["within_bound"], bound

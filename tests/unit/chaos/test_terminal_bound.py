@@ -31,3 +31,19 @@ def test_a_later_fault_supersedes_the_clear_it_follows_and_a_prompt_never_termin
 def test_no_clears_no_checks() -> None:
     b = _terminal_bound(CFG, [], {"p": 1.0}, {"p": 2.0}, {})
     assert b["checked"] == 0 and b["within_bound"]
+
+
+def test_a_fault_the_run_ended_inside_still_supersedes_the_clear_before_it() -> None:
+    # the run ended while a broker stop was under way (its record has a start, no clear): the prompt open across it
+    # is not checked against the earlier clear (that would count the stop against a bound it has no part in)
+    unfinished = {"_t0": 13.0, "unfinished": True}
+    b = _terminal_bound(CFG, [*_faults((10.0, 12.0)), unfinished], {"p": 11.0}, {"p": 20.0}, {"p": 0.5})
+    assert b["superseded"] == 1 and b["checked"] == 0 and b["over_bound"] == 0 and b["within_bound"]
+
+
+def test_the_worst_cases_name_the_fault_whose_clear_they_are_checked_against() -> None:
+    faults = [{"kind": "broker_stop", "at_s": 1.0, "_t0": 10.0, "_clear": 12.0}]
+    b = _terminal_bound(CFG, faults, {"p": 11.0, "q": 11.5}, {"p": 20.0, "q": 13.0}, {"p": 1.0, "q": 0.5})
+    assert [c["prompt"] for c in b["worst_cases"]] == ["p", "q"]
+    assert b["worst_cases"][0] == {"prompt": "p", "after": "broker_stop (injected at 1.0 s)", "excess_s": 7.0,
+                                   "generation_s": 1.0, "submitted_before_clear_s": 1.0}
