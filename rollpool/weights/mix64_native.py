@@ -8,9 +8,7 @@ each, and at 8B the sums, not the copies, set when a version was applied (2.67 s
 in C reads each word once and runs in the caller's thread with the GIL released (ctypes releases it around a
 foreign call), so the checksum threads run side by side.
 
-The source is built once per machine into the user's cache (``$ROLLPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or
-``~/.cache``, then ``rollpool/``; a temporary folder where none is writable), named by the source's and compiler's
-hash and written under a temporary name then renamed, so processes building at once each get a whole library. The
+The source is built once per machine into the user's cache (`rollpool.weights.native`). The
 same function as `mix64_reference` (its specification): compared with numpy on random bytes before first use
 (`_self_check`), and switched off for the process, logged once, where it differs, no compiler is found
 (``$CC``, else ``cc``), the build fails, or ``ROLLPOOL_MIX64_NATIVE=0``; numpy sums then.
@@ -19,15 +17,13 @@ same function as `mix64_reference` (its specification): compared with numpy on r
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from rollpool.weights import native
 
 __all__ = ["enabled", "library_path", "mix_words", "switch_off"]
 
@@ -91,14 +87,7 @@ def mix_words(buf: Any, nwords: int, base_word: int) -> int:
     fn = _load()
     if fn is None:
         raise RuntimeError(f"the compiled CPU mix64 is off: {_off}")
-    return int(fn(_address(buf), nwords, base_word & ((1 << 64) - 1)))
-
-
-def _address(buf: Any) -> int:
-    iface = getattr(buf, "__array_interface__", None)
-    if iface is not None:
-        return int(iface["data"][0])
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return int(fn(native.address(buf), nwords, base_word & ((1 << 64) - 1)))
 
 
 def _load() -> Any:
@@ -127,48 +116,7 @@ def _load() -> Any:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or "cc"
-    exe = shutil.which(cc)
-    if exe is None:
-        raise FileNotFoundError(f"no C compiler ({cc!r}) on PATH")
-    flags = ["-O3", "-shared", "-fPIC"]
-    key = hashlib.sha256("\0".join([_SOURCE, exe, *flags, os.uname().machine]).encode()).hexdigest()[:16]
-    for folder in _cache_dirs():
-        target = folder / f"mix64-{key}.so"
-        try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not _ours(folder):
-                continue  # a folder another user made or may write (a shared /tmp): never load a library from it
-            if target.exists():
-                if _ours(target):
-                    return target
-                continue
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = Path(tmp) / "mix64.c"
-                src.write_text(_SOURCE)
-                out = Path(tmp) / "mix64.so"
-                done = subprocess.run([exe, *flags, "-o", str(out), str(src)], capture_output=True, text=True, timeout=120)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-                os.replace(out, target)  # whole or absent, for every process building at once
-            return target
-        except OSError:
-            continue  # a cache folder we may not write: the next one
-    raise PermissionError("no writable folder to build the compiled CPU mix64 in")
-
-
-def _ours(path: Path) -> bool:
-    """Whether `path` belongs to this user and no one else may write it."""
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _cache_dirs() -> list[Path]:
-    given = os.environ.get("ROLLPOOL_CACHE_DIR")
-    if given:
-        return [Path(given)]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [Path(base) / "rollpool", Path(tempfile.gettempdir()) / f"rollpool-{os.getuid()}"]
+    return native.build("mix64", _SOURCE)
 
 
 def _self_check(fn: Any) -> str | None:

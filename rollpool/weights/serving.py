@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import time
 import uuid
@@ -207,6 +208,9 @@ class TensorSource:
 
     def read(self, offset: int, nbytes: int) -> Any:
         return self.array[offset : offset + nbytes].data
+
+    def contiguous(self) -> Any:
+        return self.array
 
 
 @dataclass(slots=True)
@@ -375,6 +379,9 @@ class WeightServer:
         self.shm_generation = 0
         """Bumped by `set_shm_reserved` when the set changes; announced, so subscribers ask for the manifest again."""
         self.bulk: BulkServer | None = None
+        self.served_changes = ctypes.c_int64(0)
+        """Bumped whenever `still_serves` may answer False for what it answered True (a version dropped or released,
+        an early delta settled): the bulk lane's compiled send loop (`paths.lane_native`) stops at the next chunk."""
         """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
         self.delta_threads = cfg.delta_threads
@@ -493,6 +500,7 @@ class WeightServer:
         v = self.versions.pop(version, None)
         if v is None:
             return
+        self.served_changes.value += 1
         self.highest_dropped = max(self.highest_dropped, version)
         self._give_delta_segment(v.delta)
         self._give_delta_segment(v.early)
@@ -725,6 +733,8 @@ class WeightServer:
         segment back, and its askers' fetches of it answer ``gone`` (they fetch the version whole)."""
         if v.early is not v.delta:
             self._give_delta_segment(v.early)
+        if v.early is not None:
+            self.served_changes.value += 1
         v.early = None
 
     async def _write_shm(self, v: ServedVersion, made: DeltaServed, timings: dict[str, float]) -> bool:
@@ -1074,14 +1084,15 @@ class WeightServer:
             self.chunks_served += 1
             self._served_to(v, peer_of(ident), req.nbytes)
 
-    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None:
-        """A chunk of `v` went out over the bulk lane (told on the loop by `BulkServer`): counted as the ROUTER's are
-        (`parked`: it waited for its bytes to arrive, as a parked fetch), and `v` counts as requested now
-        (``keep_versions=0`` releases after an idle spell; the lane reads a bucket's later chunks off the loop)."""
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False, chunks: int = 1) -> None:
+        """`chunks` chunks of `v`, `nbytes` in all, went out over the bulk lane (told on the loop by `BulkServer`: one
+        at a time, or those its compiled send loop sent in one call): counted as the ROUTER's are (`parked`: it waited
+        for its bytes to arrive, as a parked fetch), and `v` counts as requested now (``keep_versions=0`` releases
+        after an idle spell; the lane reads a bucket's later chunks off the loop)."""
         self.parked_served += parked
         self.bytes_served += nbytes
         self.bulk_bytes_served += nbytes
-        self.chunks_served += 1
+        self.chunks_served += chunks
         if self._loop is not None:
             v.last_request_s = self._loop.time()
         self._served_to(v, peer, nbytes)
@@ -1122,6 +1133,7 @@ class WeightServer:
         finally:
             if total:
                 served.released = True
+                self.served_changes.value += 1
                 served.sources = []
 
     def stats(self) -> dict[str, int]:

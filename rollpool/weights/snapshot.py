@@ -232,6 +232,10 @@ class ContiguousSource:
     def read(self, offset: int, nbytes: int) -> Any:
         return self.array[offset : offset + nbytes].data
 
+    def contiguous(self) -> Any:
+        """The whole bucket as one uint8 array (the bulk lane's compiled send loop reads there), or None: not all there."""
+        return self.array
+
     def in_flight(self) -> bool:
         # the attribute and getrefcount's own argument; anything more is a chunk still held
         return sys.getrefcount(self.array) > 2
@@ -250,6 +254,9 @@ class GatedSource(ContiguousSource):
         if not self.ready:
             return None
         return self.array[offset : offset + nbytes].data
+
+    def contiguous(self) -> Any:
+        return self.array if self.ready else None
 
 
 def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:

@@ -143,7 +143,8 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "manifest": {"config"},
     "bucketing": {"manifest"},
     "mix64_kernel": set(),
-    "mix64_native": set(),
+    "native": set(),
+    "mix64_native": {"native"},
     "gpu": {"mix64_kernel", "mix64_native"},
     "memory": {"gpu"},
     "delta": set(),
@@ -152,7 +153,8 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "paths": set(),  # the package's docstring
     "paths.base": {"delta_gpu"},  # (a type only)
     "paths.network": {"paths.base", "manifest", "bucketing"},
-    "paths.bulk": {"paths.base", "manifest", "bucketing"},
+    "paths.lane_native": {"native"},
+    "paths.bulk": {"paths.base", "paths.lane_native", "manifest", "bucketing"},
     "paths.delta": {"paths.base", "paths.network", "paths.bulk", "paths.shm", "manifest", "bucketing", "delta", "delta_gpu", "gpu", "memory"},
     "serving": {"paths.base", "paths.bulk", "manifest", "bucketing", "delta", "config", "memory"},
     "snapshot": {"serving", "bucketing", "gpu", "memory"},

@@ -31,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
 import logging
+import os
 import socket
 import struct
 import threading
@@ -45,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+import rollpool.weights.paths.lane_native as lane_native
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
@@ -184,7 +187,10 @@ class VersionStore(Protocol):
 
     def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead: ...
 
-    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False) -> None: ...
+    served_changes: ctypes.c_int64
+    """Bumped whenever `still_serves` may turn False (read by the compiled send loop, `lane_native`)."""
+
+    def bulk_served(self, v: Any, peer: bytes, nbytes: int, parked: bool = False, chunks: int = 1) -> None: ...
 
     def still_serves(self, version: int, v: Any) -> bool: ...
 
@@ -217,8 +223,11 @@ class BulkServer:
     loop per chunk, and a send of a chunk in pieces, each wait for that lock (one Python thread busy beside the
     publisher took the lane from 2.8 to 0.37 GB/s on the 2-core VM, `bench/lane_probe.py`). The sockets are in
     blocking mode with the kernel's timeouts (`SO_RCVTIMEO`, `SO_SNDTIMEO`), so a chunk goes out in one call, and the
-    requests that came since are read in one. A request for bytes not yet arrived (a streamed or relayed version) waits up to
-    `wait_s` for `notify`, then is answered ``busy``.
+    requests that came since are read in one. Where the bucket's bytes are one contiguous buffer (a snapshot's, a delta
+    payload's), its later requests are answered by the compiled send loop (`lane_native`) with the lock released,
+    back in Python at the next request for another bucket, after `lane_native.IDLE_MS` without one, or when the
+    store's `served_changes` moved (then `still_serves` is asked again). A request for bytes not yet arrived (a
+    streamed or relayed version) waits up to `wait_s` for `notify`, then is answered ``busy``.
     """
 
     def __init__(self, server: VersionStore, host: str, port: int = 0, *, wait_s: float = 30.0, idle_s: float = 120.0,
@@ -232,6 +241,8 @@ class BulkServer:
         self.chunks_served = 0
         self.loop_lookups = 0
         """Chunks looked up on the loop (the first of each bucket a connection serves, and those not arrived yet)."""
+        self.native_chunks = 0
+        """Chunks sent by the compiled send loop (`lane_native`), counted in `chunks_served` too."""
         self.connections = 0
         self.refused = 0
         self._arrived = threading.Condition()
@@ -288,24 +299,34 @@ class BulkServer:
                 return
             peer = _recv_exact(conn, n)
             pending = bytearray()
+            native_next = True
             while not self._closed:
-                got = conn.recv(1 << 16)  # the requests that came since (pipelined: usually several)
-                if not got:
-                    return
-                pending += got
-                used = 0
-                while len(pending) - used >= _REQUEST.size:
-                    magic, version, bucket, offset, nbytes = _REQUEST.unpack_from(pending, used)
-                    if magic not in (b"RPBQ", b"RPBD"):
-                        self._refuse(conn, "not a bulk-lane request")
+                if len(pending) < _REQUEST.size or (pending[:4] == b"RPBD" and len(pending) < _REQUEST.size + _DELTA_BASE.size):
+                    got = conn.recv(1 << 16)  # the requests that came since (pipelined: usually several)
+                    if not got:
                         return
-                    size = _REQUEST.size + (_DELTA_BASE.size if magic == b"RPBD" else 0)
-                    if len(pending) - used < size:
-                        break
-                    delta_base = _DELTA_BASE.unpack_from(pending, used + _REQUEST.size)[0] if magic == b"RPBD" else -1
-                    used += size
-                    self._answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
-                del pending[:used]
+                    pending += got
+                    continue
+                magic, version, bucket, offset, nbytes = _REQUEST.unpack_from(pending)
+                if magic not in (b"RPBQ", b"RPBD"):
+                    self._refuse(conn, "not a bulk-lane request")
+                    return
+                size = _REQUEST.size + (_DELTA_BASE.size if magic == b"RPBD" else 0)
+                delta_base = _DELTA_BASE.unpack_from(pending, _REQUEST.size)[0] if magic == b"RPBD" else -1
+                if native_next and (version, bucket, delta_base) == (held.version, held.bucket, held.delta_base):
+                    served = self._serve_native(conn, peer, held, bytes(pending))
+                    if served is not None:
+                        pending = bytearray(served.left)
+                        if served.why == lane_native.CLOSED:
+                            return
+                        if served.why < 0:
+                            raise OSError(-served.why, os.strerror(-served.why))
+                        # no chunk went out and the front request is still there: Python answers it (never a spin)
+                        native_next = served.chunks > 0 or served.why == lane_native.IDLE
+                        continue
+                native_next = True
+                del pending[:size]
+                self._answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
         except (OSError, struct.error):
             pass  # the subscriber left (or sent garbage): nothing of ours is lost, it asks again elsewhere
         finally:
@@ -342,6 +363,37 @@ class BulkServer:
         held.version, held.bucket, held.delta_base, held.v = version, bucket, delta_base, v
         held.size = v.buckets[bucket].nbytes
         self._send_chunk(conn, held, peer, text, data, nbytes, parked=waited > 0)
+
+    def _serve_native(self, conn: socket.socket, peer: bytes, held: _Held, pending: bytes) -> lane_native.Served | None:
+        """The held bucket's requests in `pending` and those that follow, answered by the compiled send loop with the
+        interpreter lock released (`lane_native`); None where it cannot serve them (off, the bytes not one
+        contiguous buffer, the version no longer served: the caller's Python path answers)."""
+        if not lane_native.enabled():
+            return None
+        changes = self.server.served_changes
+        changes0 = changes.value  # read before the check: a change after it stops the loop at its next chunk
+        if not self.server.still_serves(held.version, held.v):
+            return None
+        sources = held.v.sources  # (emptied when the version is released: then the change stops the loop)
+        whole_of = getattr(sources[held.bucket], "contiguous", None) if held.bucket < len(sources) else None
+        whole = whole_of() if whole_of is not None else None
+        if whole is None or whole.nbytes < held.size:
+            return None
+        body = held.v.buckets[held.bucket].checksum.encode()
+        head = _REPLY.pack(b"RPBA", OK, 0, len(body)) + body
+        served = lane_native.serve(conn, whole[: held.size], held.version, held.bucket, held.delta_base, head, pending,
+                                   changes, changes0, MAX_CHUNK_BYTES)
+        del whole  # the bucket's bytes are held (in flight) only while the loop sends from them
+        if served.chunks:
+            with self._counted:
+                self.bytes_served += served.nbytes
+                self.chunks_served += served.chunks
+                self.native_chunks += served.chunks
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
+                    self._loop.call_soon_threadsafe(functools.partial(self.server.bulk_served, held.v, peer, served.nbytes,
+                                                                      chunks=served.chunks))
+        return served
 
     def _send_chunk(self, conn: socket.socket, held: _Held, peer: bytes, checksum: str, data: Any, nbytes: int, *,
                     parked: bool = False) -> None:

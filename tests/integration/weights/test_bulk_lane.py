@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import socket
 import struct
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from rollpool.protocol import WeightSyncError
 from rollpool.weights import WeightVersionGoneError
+from rollpool.weights.paths import lane_native
 from rollpool.weights.paths.bulk import lane_host
 from tests.integration.weights.test_channel import assert_same, model, wrap_sources
 
@@ -336,6 +338,63 @@ async def test_a_version_dropped_while_a_connection_serves_its_bucket_answers_go
     with pytest.raises(WeightVersionGoneError):
         await sub.fetch(1)
     assert pub._server.bulk.chunks_served == 1  # the first chunk only: the one read after the drop never went out
+
+
+needs_native = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the Python path serves")
+
+
+@needs_native
+@pytest.mark.parametrize("native", [True, False])
+async def test_the_compiled_send_loop_sends_a_buckets_later_chunks_and_the_loop_learns_each(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """A connection's chunks after a bucket's first go out from the compiled loop, without the interpreter lock
+    (`lane_native`); the bytes verify and the publisher counts every one for the peer. Off, Python sends them."""
+    if not native:
+        monkeypatch.setattr(lane_native, "_off", "off for the test")
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(17)
+    manifest = await pub.publish(w, 1)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2)
+    got = await sub.fetch(1)
+    assert_same(got.tensors, w)
+    lane = pub._server.bulk
+    buckets = sum(1 for b in manifest.buckets if b.nbytes)
+    assert lane.chunks_served > 3 * buckets
+    # every chunk but the first a connection serves of a bucket (a cut bucket's parts are looked up per connection)
+    want = lane.chunks_served - lane.loop_lookups if native else 0
+    assert await settled(lambda: lane.native_chunks, want) == want
+    assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
+    assert await settled(lambda: pub._server.chunks_served, lane.chunks_served) == lane.chunks_served
+
+
+@needs_native
+async def test_a_version_dropped_while_the_compiled_loop_serves_its_bucket_answers_gone(
+        make_publisher: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled loop checks the store's change counter before each chunk: a version dropped while it waits for
+    the next request is not sent from; Python answers that request ``gone``."""
+    monkeypatch.setattr(lane_native, "IDLE_MS", 5000)  # the loop is still waiting in C when the request comes
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    manifest = await pub.publish(model(18), 1)
+    bucket = next(i for i, b in enumerate(manifest.buckets) if b.nbytes >= 3 * (16 << 10))
+    lane = pub._server.bulk
+    c = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", lane.port), 5)
+    c.settimeout(5)
+
+    def ask(k: int) -> tuple[int, bytes]:
+        c.sendall(struct.pack("<4sQIQI", b"RPBQ", 1, bucket, k * (16 << 10), 16 << 10))
+        status, nbytes, n = struct.unpack("<xxxxBIH", c.recv(11, socket.MSG_WAITALL))
+        return status, c.recv(n + nbytes, socket.MSG_WAITALL)
+
+    try:
+        c.sendall(struct.pack("<4sH", b"RPBH", 1) + b"p")
+        assert (await asyncio.to_thread(ask, 0))[0] == 0  # looked up on the loop
+        assert (await asyncio.to_thread(ask, 1))[0] == 0  # from the compiled loop (it counts when it returns)
+        pub._server.drop_version(1)
+        status, text = await asyncio.to_thread(ask, 2)
+        assert status == 1 and b"version 1" in text  # gone
+        assert lane.chunks_served == 2 and lane.native_chunks == 1 and lane.loop_lookups == 2
+    finally:
+        c.close()
 
 
 async def test_a_bucket_folded_a_few_chunks_at_a_time_verifies_and_a_corrupt_one_is_fetched_again(

@@ -1,0 +1,120 @@
+"""The bulk lane's compiled send loop (`rollpool.weights.paths.lane_native`) on a real socket pair: the replies are
+the lane's wire, byte for byte, and it returns to Python at each point the server relies on (a request not for its
+bucket, the store changed, nothing came, the peer closed)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import socket
+import struct
+import threading
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+from rollpool.weights.paths import lane_native  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the Python path serves")
+
+REQ = struct.Struct("<4sQIQI")
+HEAD = struct.pack("<4sBIH", b"RPBA", 0, 0, 7) + b"xxh3:ab"
+DATA = np.random.default_rng(3).integers(0, 256, size=100_000, dtype=np.uint8)
+
+
+def reply(offset: int, nbytes: int) -> bytes:
+    return struct.pack("<4sBIH", b"RPBA", 0, nbytes, 7) + b"xxh3:ab" + DATA[offset : offset + nbytes].tobytes()
+
+
+def recv_all(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        assert got, "closed early"
+        out += got
+    return out
+
+
+@pytest.fixture
+def pair():  # type: ignore[no-untyped-def]
+    assert lane_native.enabled(), lane_native._off
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def serve(b: socket.socket, pending: bytes, *, changes: ctypes.c_int64 | None = None, idle_ms: int = 0,
+          delta_base: int = -1) -> lane_native.Served:
+    counter = changes if changes is not None else ctypes.c_int64(0)
+    return lane_native.serve(b, DATA, 5, 1, delta_base, HEAD, pending, counter, 0, 1 << 20, idle_ms=idle_ms)
+
+
+def test_it_answers_its_buckets_requests_in_order_and_stops_at_one_for_another_bucket(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    other = REQ.pack(b"RPBQ", 5, 2, 0, 100)
+    pending = REQ.pack(b"RPBQ", 5, 1, 0, 4096) + REQ.pack(b"RPBQ", 5, 1, 99_000, 1000) + other + REQ.pack(b"RPBQ", 5, 1, 0, 8)
+    got = serve(b, pending)
+    assert (got.why, got.chunks, got.nbytes) == (lane_native.NOT_OURS, 2, 5096)
+    assert got.left == pending[2 * REQ.size :]  # the other bucket's request first: Python answers it
+    assert recv_all(a, len(reply(0, 4096)) + len(reply(99_000, 1000))) == reply(0, 4096) + reply(99_000, 1000)
+
+
+@pytest.mark.parametrize("bad", [
+    REQ.pack(b"RPBQ", 5, 1, 99_999, 2),  # past the bucket's end
+    REQ.pack(b"RPBQ", 5, 1, 0, 0),  # no bytes
+    REQ.pack(b"RPBQ", 5, 1, 0, (1 << 20) + 1),  # over the largest chunk
+    REQ.pack(b"RPBQ", 6, 1, 0, 8),  # another version
+    REQ.pack(b"RPBD", 5, 1, 0, 8) + struct.pack("<q", 4),  # the delta of it
+    b"GET / HTTP/1.1\r\n\r\n0123456789",  # not a request
+])
+def test_what_it_does_not_answer_is_left_to_python_with_nothing_sent(pair, bad: bytes) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    got = serve(b, bad)
+    assert (got.why, got.chunks, got.left) == (lane_native.NOT_OURS, 0, bad)
+    a.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        a.recv(1)
+
+
+def test_a_delta_request_is_answered_for_its_base(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    got = serve(b, REQ.pack(b"RPBD", 5, 1, 10, 20) + struct.pack("<q", 4), delta_base=4)
+    assert (got.why, got.chunks) == (lane_native.IDLE, 1)
+    assert recv_all(a, len(reply(10, 20))) == reply(10, 20)
+
+
+def test_a_change_in_the_store_stops_it_before_the_next_send(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    changes = ctypes.c_int64(0)
+
+    def later() -> None:  # the peer reads the first reply, the store changes, then the next request comes
+        recv_all(a, len(reply(0, 10)))
+        changes.value += 1
+        a.sendall(REQ.pack(b"RPBQ", 5, 1, 10, 10))
+
+    t = threading.Thread(target=later)
+    t.start()
+    got = serve(b, REQ.pack(b"RPBQ", 5, 1, 0, 10), changes=changes, idle_ms=5000)
+    t.join()
+    assert (got.why, got.chunks, got.left) == (lane_native.CHANGED, 1, REQ.pack(b"RPBQ", 5, 1, 10, 10))
+
+
+def test_requests_that_come_in_pieces_are_answered_and_idle_or_a_close_return(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    req = REQ.pack(b"RPBQ", 5, 1, 0, 300)
+    a.sendall(req[5:])  # the request's first bytes are what Python read; the rest is still on the socket
+    got = serve(b, req[:5], idle_ms=200)
+    assert (got.why, got.chunks, got.left) == (lane_native.IDLE, 1, b"")  # answered, then nothing came for idle_ms
+    assert recv_all(a, len(reply(0, 300))) == reply(0, 300)
+    a.shutdown(socket.SHUT_WR)
+    assert serve(b, b"", idle_ms=200).why == lane_native.CLOSED
+
+
+def test_a_peer_gone_mid_send_is_an_error_not_a_hang(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    a.close()
+    got = serve(b, REQ.pack(b"RPBQ", 5, 1, 0, 100))
+    assert got.why < 0 and got.chunks == 0  # -EPIPE (or -ECONNRESET): the caller closes the connection
