@@ -13,7 +13,8 @@ median of ``--reps`` fetches of the same version (the subscriber, a process of i
 
 ``busy_over_idle`` = busy GB/s over idle GB/s. With ``ROLLPOOL_WEIGHT_BULK=0`` the chunks come over the ROUTER (ZeroMQ,
 served on the publisher's loop) instead. Run it on two checkouts (``--label``) to compare a change; the lane's
-own counters (chunks looked up on the loop, chunks served) come with it where the checkout has them.
+own counters (chunks looked up on the loop, chunks served, chunks sent by the compiled loop) come with it where the
+checkout has them; ``ROLLPOOL_LANE_NATIVE=0`` turns the compiled send loop off (`rollpool.weights.paths.lane_native`).
 
     python bench/lane_probe.py [--mib 512] [--reps 5] [--busy 1] [--chunk-mib 8] [--label now] [--out PATH]
 """
@@ -96,6 +97,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t.start()
         times = []
         lookups0, chunks0 = getattr(lane, "loop_lookups", None), (lane.chunks_served if lane is not None else None)
+        native0 = getattr(lane, "native_chunks", None)
         for _ in range(1 if label == "warmup" else args.reps):
             t0 = time.perf_counter()
             parent.send(("go", n if sub_side else 0))
@@ -110,7 +112,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rows[label] = {"busy_threads": n, "fetch_s": [round(x, 4) for x in times], "median_s": round(med, 4),
                        "gbps": round(total / med / 1e9, 3), "lane": lane is not None,
                        "chunks_served": None if chunks0 is None else lane.chunks_served - chunks0,
-                       "loop_lookups": None if lookups0 is None else lane.loop_lookups - lookups0}
+                       "loop_lookups": None if lookups0 is None else lane.loop_lookups - lookups0,
+                       "native_chunks": None if native0 is None else lane.native_chunks - native0}
         print(label, rows[label], flush=True)
     parent.send("stop")
     proc.join(10)

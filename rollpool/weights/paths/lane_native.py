@@ -52,6 +52,7 @@ _SOURCE = r"""
 
 #define REQ 28   /* "<4sQIQI": magic, version, bucket, offset, nbytes */
 #define BASE 8   /* "<q": an RPBD request's delta base */
+#define PIECE (1u << 20)
 
 static uint64_t rd64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -86,7 +87,13 @@ int64_t rollpool_lane_serve(int fd, const unsigned char *base, uint64_t size, ui
             memset(&msg, 0, sizeof msg);
             msg.msg_iov = iov; msg.msg_iovlen = 2;
             while (msg.msg_iovlen) {
+                /* at most PIECE bytes a call: the receiver then reads bytes this thread wrote just before, still in
+                   cache (one 8 MiB call ran the lane at 2.0 GB/s on the 2-core VM, 1 MiB calls at 2.4) */
+                struct iovec *last = &msg.msg_iov[msg.msg_iovlen - 1];
+                size_t over = last->iov_len > PIECE ? last->iov_len - PIECE : 0;
+                last->iov_len -= over;
                 ssize_t s = sendmsg(fd, &msg, MSG_NOSIGNAL);
+                last->iov_len += over;
                 if (s < 0) { if (errno == EINTR) continue; return -errno; }
                 if (s == 0) return -EPIPE;
                 while (s > 0 && msg.msg_iovlen) {
