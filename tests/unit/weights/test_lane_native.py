@@ -118,3 +118,17 @@ def test_a_peer_gone_mid_send_is_an_error_not_a_hang(pair) -> None:  # type: ign
     a.close()
     got = serve(b, REQ.pack(b"RPBQ", 5, 1, 0, 100))
     assert got.why < 0 and got.chunks == 0  # -EPIPE (or -ECONNRESET): the caller closes the connection
+
+
+def test_a_chunk_larger_than_a_send_goes_out_whole_in_pieces(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    big = np.random.default_rng(4).integers(0, 256, size=(3 << 20) + 5, dtype=np.uint8)  # over 1 MiB a sendmsg
+    want = struct.pack("<4sBIH", b"RPBA", 0, big.nbytes - 1, 7) + b"xxh3:ab" + big[1:].tobytes()
+    got_bytes: list[bytes] = []
+    reader = threading.Thread(target=lambda: got_bytes.append(recv_all(a, len(want))))
+    reader.start()
+    got = lane_native.serve(b, big, 5, 1, -1, HEAD, REQ.pack(b"RPBQ", 5, 1, 1, big.nbytes - 1), ctypes.c_int64(0), 0, 8 << 20,
+                            idle_ms=0)
+    reader.join()
+    assert (got.why, got.chunks, got.nbytes) == (lane_native.IDLE, 1, big.nbytes - 1)
+    assert got_bytes == [want]
