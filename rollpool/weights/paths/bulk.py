@@ -377,7 +377,7 @@ class BulkServer:
         sources = held.v.sources  # (emptied when the version is released: then the change stops the loop)
         whole_of = getattr(sources[held.bucket], "contiguous", None) if held.bucket < len(sources) else None
         whole = whole_of() if whole_of is not None else None
-        if whole is None or whole.nbytes < held.size:
+        if whole is None or whole.itemsize != 1 or whole.nbytes < held.size:  # (a bucket's buffer is uint8)
             return None
         body = held.v.buckets[held.bucket].checksum.encode()
         head = _REPLY.pack(b"RPBA", OK, 0, len(body)) + body
