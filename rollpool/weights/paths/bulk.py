@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -484,6 +485,7 @@ def fetch_bucket_range(
     on_part_done: Callable[[int], list[tuple[int, int]]],
     stop: threading.Event,
     delta_base: int = -1,
+    batch_bytes: int = 0,
 ) -> None:
     """Thread of one subscriber stream: fetch `jobs` (bucket, chunks of it as (offset, nbytes)) into `views` (with
     `delta_base` >= 0, the encoded bytes of `version`'s delta against it: the payload buckets' numbering).
@@ -498,7 +500,7 @@ def fetch_bucket_range(
         for bucket, chunks in jobs:
             todo = chunks
             while todo and not stop.is_set():
-                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop, delta_base)
+                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop, delta_base, batch_bytes)
                 if stop.is_set():
                     return
                 todo = on_part_done(bucket)
@@ -512,11 +514,15 @@ def fetch_bucket_range(
 
 def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequence[tuple[int, int]], view: memoryview,
                   window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
-                  delta_base: int = -1) -> None:
+                  delta_base: int = -1, batch_bytes: int = 0) -> None:
     """`chunks` of `bucket` into `view`, `window` requests ahead. In the worker's process the engine's Python shares the
     interpreter lock with this thread, and each socket call gives the lock up and waits for it again behind that Python
-    (up to the switch interval): so requests go out half a window at a time, and a chunk's checksum, its bytes and the
-    next reply's header come in one `recvmsg_into`."""
+    (up to the switch interval): so the compiled receiving loop takes the chunks where it is on (`lane_native`,
+    `batch_bytes` at a time before `on_chunk` hears of them), else requests go out half a window at a time, and a
+    chunk's checksum, its bytes and the next reply's header come in one `recvmsg_into`."""
+    if chunks and view.nbytes and not view.readonly and lane_native.enabled():
+        _fetch_chunks_native(sock, version, bucket, list(chunks), view, window, on_chunk, stop, delta_base, batch_bytes)
+        return
     n = len(chunks)
     sent = 0
     head = memoryview(bytearray(_REPLY.size))
@@ -546,6 +552,43 @@ def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequen
         on_chunk(bucket, offset, nbytes, text_buf.decode(errors="replace"), part)
         if stop.is_set():
             return
+
+
+def _fetch_chunks_native(sock: socket.socket, version: int, bucket: int, chunks: list[tuple[int, int]], view: memoryview,
+                         window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
+                         delta_base: int, batch_bytes: int) -> None:
+    """`_fetch_chunks` by the compiled receiving loop (`lane_native.ChunkFetch`): the landed chunks are handed to
+    `on_chunk` after each return, with the text each carried."""
+    job = lane_native.ChunkFetch(chunks, b"RPBD" if delta_base >= 0 else b"RPBQ", version, bucket, delta_base, max(1, window), view)
+    text = b""  # what the chunks landed so far carried (a reply's checksum text)
+    k = 0
+    while k < len(chunks):
+        why = job.run(sock, text, max(1, batch_bytes))
+        done = job.done
+        for i in range(k, done):
+            carried = job.text if why == lane_native.NEW_TEXT and i == done - 1 else text
+            offset, nbytes = chunks[i]
+            on_chunk(bucket, offset, nbytes, carried.decode(errors="replace"), view[offset : offset + nbytes])
+        if why == lane_native.NEW_TEXT:
+            text = job.text
+        k = done
+        if stop.is_set():
+            return
+        if why in (lane_native.ALL_LANDED, lane_native.BATCH, lane_native.NEW_TEXT):
+            continue
+        if why == lane_native.BAD_STATUS:
+            _magic, status, size, n_text = _REPLY.unpack(job.header)
+            if status != OK:
+                message = _recv_exact(sock, n_text).decode(errors="replace") if n_text else ""
+                raise BulkError(STATUS_CODES[status] if status < len(STATUS_CODES) else f"status_{status}", message)
+            raise ConnectionError(f"a reply of {size} bytes to a request of {chunks[k][1]}")
+        if why == lane_native.NOT_LANE:
+            raise ConnectionError("not a bulk-lane reply")
+        if why == lane_native.CLOSED:
+            raise ConnectionError("the peer closed the connection")
+        if why in (-errno.EAGAIN, -errno.EWOULDBLOCK):
+            raise BlockingIOError(errno.EAGAIN, "the kernel's timeout")
+        raise OSError(-why, os.strerror(-why))
 
 
 def _recv_into_parts(sock: socket.socket, parts: list[memoryview]) -> None:
@@ -646,7 +689,7 @@ class _BulkTransfer:
             self.loop.run_in_executor(pool, functools.partial(
                 fetch_bucket_range, self.host, self.port, self.peer, version, _taken(queue), self.views, timeout_s=ctx.fetch_timeout_s,
                 window=ctx.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop,
-                delta_base=self.manifest.delta_base))
+                delta_base=self.manifest.delta_base, batch_bytes=self.fold_bytes))
             for _ in range(n)
         ] if queue else []
         try:

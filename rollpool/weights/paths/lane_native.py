@@ -29,7 +29,7 @@ from typing import Any
 
 from rollpool.weights import native
 
-__all__ = ["IDLE_MS", "PENDING_CAP", "Served", "enabled", "serve", "switch_off"]
+__all__ = ["IDLE_MS", "PENDING_CAP", "ChunkFetch", "Served", "enabled", "serve", "switch_off"]
 
 _log = logging.getLogger("rollpool.weights.paths.lane_native")
 
@@ -40,6 +40,9 @@ PENDING_CAP = 1 << 16
 
 NOT_OURS, CLOSED, CHANGED, IDLE = 0, 1, 2, 3
 """Why `serve` returned (a negative value: ``-errno`` of a failed socket call)."""
+ALL_LANDED, BATCH, BAD_STATUS, NEW_TEXT, NOT_LANE = 0, 4, 5, 6, 7
+"""Why `ChunkFetch.run` returned (and `CLOSED`, or ``-errno``)."""
+TEXT_CAP = 4096
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -119,10 +122,72 @@ int64_t rollpool_lane_serve(int fd, const unsigned char *base, uint64_t size, ui
         *npending += (uint32_t)got;
     }
 }
+
+static int64_t recv_all(int fd, unsigned char *p, uint64_t n) {
+    while (n) {
+        ssize_t got = recv(fd, p, n, MSG_WAITALL);
+        if (got < 0) { if (errno == EINTR) continue; return -errno; }
+        if (got == 0) return 1;
+        p += got; n -= (uint64_t)got;
+    }
+    return 0;
+}
+
+/* The subscriber's end: chunks [*done, n) of one bucket (offsets offs, sizes lens) into dst. Requests (the template
+   `req`, nreq bytes, its offset and nbytes patched) go out half a window at a time, at most `window` unanswered; each
+   reply's header (11 bytes: "RPBA", status, nbytes, n), checksum text and bytes are read in turn. Returns 0: every chunk
+   landed; 4: chunks landed since the call reached stop_bytes (the caller folds); 6: the last chunk landed carried a text
+   other than `expected` (in `text`, *ntext bytes); 5: a reply's status is not 0 or its size not the request's (its header
+   in hdr, its text not read); 7: a reply that is not the lane's; 1: the peer closed; -errno: a socket call failed
+   (EAGAIN: the kernel's timeout). *done and *sent move as chunks land and requests go out. */
+int64_t rollpool_lane_fetch(int fd, unsigned char *dst, const uint64_t *offs, const uint32_t *lens, uint32_t n,
+                            uint32_t *done, uint32_t *sent, uint32_t window, unsigned char *req, uint32_t nreq,
+                            const unsigned char *expected, uint32_t nexpected, unsigned char *text, uint32_t textcap,
+                            uint32_t *ntext, unsigned char *hdr, uint64_t stop_bytes) {
+    uint64_t landed = 0;
+    uint32_t half = window / 2 ? window / 2 : 1, win = window ? window : 1;
+    while (*done < n) {
+        if (*sent < n && (*sent == *done || *sent - (*done + 1) < half)) {
+            uint32_t upto = *done + 1 + win;
+            if (*sent == *done) upto = *done + win;
+            if (upto > n) upto = n;
+            while (*sent < upto) {
+                memcpy(req + 16, &offs[*sent], 8);
+                memcpy(req + 24, &lens[*sent], 4);
+                uint32_t left = nreq;
+                while (left) {
+                    ssize_t s = send(fd, req + (nreq - left), left, MSG_NOSIGNAL);
+                    if (s < 0) { if (errno == EINTR) continue; return -errno; }
+                    left -= (uint32_t)s;
+                }
+                *sent += 1;
+            }
+        }
+        int64_t r = recv_all(fd, hdr, 11);
+        if (r) return r;
+        if (memcmp(hdr, "RPBA", 4) != 0) return 7;
+        uint32_t size; uint16_t nt;
+        memcpy(&size, hdr + 5, 4);
+        memcpy(&nt, hdr + 9, 2);
+        if (hdr[4] != 0 || size != lens[*done]) return 5;
+        if (nt > textcap) return 7;
+        r = recv_all(fd, text, nt);
+        if (r) return r;
+        *ntext = nt;
+        r = recv_all(fd, dst + offs[*done], size);
+        if (r) return r;
+        *done += 1;
+        landed += size;
+        if (nt != nexpected || memcmp(text, expected, nt) != 0) return 6;
+        if (landed >= stop_bytes && *done < n) return 4;
+    }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
 _fn: Any = None
+_fetch_fn: Any = None
 _off: str | None = None if os.environ.get("ROLLPOOL_LANE_NATIVE", "1") != "0" else "ROLLPOOL_LANE_NATIVE=0"
 if struct.pack("=I", 1) != struct.pack("<I", 1):
     _off = "not a little-endian host"
@@ -177,8 +242,61 @@ def _call(fn: Any, sock: socket.socket, bucket_bytes: Any, version: int, bucket:
     return Served(int(why), int(sent_chunks.value), int(sent_bytes.value), buf.raw[: n.value])
 
 
+class ChunkFetch:
+    """The subscriber's end: one stream's chunks of one bucket received into the bucket's buffer by the compiled loop
+    (`rollpool_lane_fetch`), with the interpreter lock released: requests half a window at a time, each reply's header,
+    checksum text and bytes read in turn. `run` returns after `batch_bytes` landed (the caller folds and tells what
+    landed), when a chunk's text differs from the previous one's, at an error reply (its header in `header`, its text
+    left on the socket) or a socket error; `done` chunks have landed, `sent` requests went out."""
+
+    def __init__(self, chunks: list[tuple[int, int]], magic: bytes, version: int, bucket: int, delta_base: int, window: int,
+                 dst: Any) -> None:
+        n = len(chunks)
+        self.dst = dst
+        """The bucket's buffer (a numpy array or a writable buffer), held while this job lives."""
+        self._address = native.address(dst)
+        self.n = n
+        self.offs = (ctypes.c_uint64 * max(1, n))(*[o for o, _ in chunks])
+        self.lens = (ctypes.c_uint32 * max(1, n))(*[k for _, k in chunks])
+        self._done, self._sent = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        req = struct.pack("<4sQIQI", magic, version, bucket, 0, 0) + (struct.pack("<q", delta_base) if delta_base >= 0 else b"")
+        self._req = ctypes.create_string_buffer(req, len(req))
+        self._text = ctypes.create_string_buffer(TEXT_CAP)
+        self._ntext = ctypes.c_uint32(0)
+        self._hdr = ctypes.create_string_buffer(11)
+        self.window = window
+
+    @property
+    def done(self) -> int:
+        return int(self._done.value)
+
+    @property
+    def text(self) -> bytes:
+        """The text the last chunk landed carried."""
+        return self._text.raw[: self._ntext.value]
+
+    @property
+    def header(self) -> bytes:
+        return self._hdr.raw
+
+    def run(self, sock: socket.socket, expected: bytes, batch_bytes: int) -> int:
+        fn = _load_fetch()
+        if fn is None:
+            raise RuntimeError(f"the bulk lane's compiled loops are off: {_off}")
+        return self.run_with(fn, sock, expected, batch_bytes)
+
+    def run_with(self, fn: Any, sock: socket.socket, expected: bytes, batch_bytes: int) -> int:
+        return int(fn(sock.fileno(), self._address, self.offs, self.lens, self.n, ctypes.byref(self._done), ctypes.byref(self._sent),
+                      self.window, self._req, len(self._req), expected, len(expected), self._text, TEXT_CAP,
+                      ctypes.byref(self._ntext), self._hdr, batch_bytes))
+
+
+def _load_fetch() -> Any:
+    return _fetch_fn if _load() is not None else None
+
+
 def _load() -> Any:
-    global _fn
+    global _fn, _fetch_fn
     if _fn is not None or _off is not None:
         return _fn
     with _lock:
@@ -192,21 +310,28 @@ def _load() -> Any:
                            ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32,
                            ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
                            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+            fetch = lib.rollpool_lane_fetch
+            fetch.restype = ctypes.c_int64
+            u32p = ctypes.POINTER(ctypes.c_uint32)
+            fetch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, u32p, u32p,
+                              ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p,
+                              ctypes.c_uint32, u32p, ctypes.c_char_p, ctypes.c_uint64]
         except Exception as e:  # noqa: BLE001 - no compiler, a failed build, a library that does not load
             switch_off(f"{type(e).__name__}: {e}")
             return None
-        why = _self_check(fn)
+        why = _self_check(fn, fetch)
         if why:
             switch_off(why)
             return None
-        _fn = fn
+        _fn, _fetch_fn = fn, fetch
         _log.debug("the bulk lane's compiled send loop is on")
         return _fn
 
 
-def _self_check(fn: Any) -> str | None:
-    """Why the built loop does not answer as the lane's wire says (two requests on a socket pair: the replies' headers
-    and bytes, a third request for another bucket left pending), or None when it does."""
+def _self_check(fn: Any, fetch: Any) -> str | None:
+    """Why the built loops do not speak the lane's wire (on a socket pair: the sending end's replies to two requests,
+    byte for byte, a third for another bucket left pending; then the receiving end fetching three chunks from the
+    sending end), or None when they do."""
     import numpy as np
 
     req = struct.Struct("<4sQIQI")
@@ -214,8 +339,9 @@ def _self_check(fn: Any) -> str | None:
     head = struct.pack("<4sBIH", b"RPBA", 0, 0, 3) + b"x:1"
     a, b = socket.socketpair()
     try:
-        a.settimeout(5)
-        b.settimeout(5)
+        for end in (a, b):  # blocking, with the kernel's timeouts, as the lane's sockets are (`bulk.kernel_timeouts`)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 5, 0))
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", 5, 0))
         pending = req.pack(b"RPBQ", 7, 2, 0, 1000) + req.pack(b"RPBQ", 7, 2, 1000, 2000) + req.pack(b"RPBQ", 7, 3, 0, 8)
         got = _call(fn, b, data, 7, 2, -1, head, pending, ctypes.c_int64(0), 0, 1 << 20, 0)
         want = b"".join(struct.pack("<4sBIH", b"RPBA", 0, n, 3) + b"x:1" + data[o : o + n].tobytes() for o, n in ((0, 1000), (1000, 2000)))
@@ -224,6 +350,15 @@ def _self_check(fn: Any) -> str | None:
             out += a.recv(len(want) - len(out))
         if (got.why, got.chunks, got.nbytes, got.left) != (NOT_OURS, 2, 3000, pending[2 * req.size :]) or out != want:
             return f"its replies differ from the lane's wire ({got.why}, {got.chunks}, {got.nbytes})"
+        # the receiving end against the sending end: three chunks, a window of two
+        server = threading.Thread(target=_call, args=(fn, b, data, 7, 2, -1, head, b"", ctypes.c_int64(0), 0, 1 << 20, 300))
+        server.start()
+        into = np.zeros(3000, dtype=np.uint8)
+        job = ChunkFetch([(0, 1000), (1000, 1000), (2000, 1000)], b"RPBQ", 7, 2, -1, 2, into)
+        whys = [job.run_with(fetch, a, b"", 1 << 30), job.run_with(fetch, a, b"x:1", 1 << 30)]
+        server.join()
+        if whys != [NEW_TEXT, ALL_LANDED] or job.done != 3 or job.text != b"x:1" or not np.array_equal(into, data):
+            return f"its receiving end differs from the lane's wire ({whys}, {job.done})"
         return None
     except Exception as e:  # noqa: BLE001 - reported as the reason it is off
         return f"its self-check failed: {type(e).__name__}: {e}"

@@ -348,9 +348,15 @@ needs_native = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compi
 async def test_the_compiled_send_loop_sends_a_buckets_later_chunks_and_the_loop_learns_each(
         make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
     """A connection's chunks after a bucket's first go out from the compiled loop, without the interpreter lock
-    (`lane_native`); the bytes verify and the publisher counts every one for the peer. Off, Python sends them."""
+    (`lane_native`), and the subscriber's compiled loop receives them; the bytes verify and the publisher counts every
+    one for the peer. Off, Python sends and receives them."""
+    from rollpool.weights.paths import bulk
+
     if not native:
         monkeypatch.setattr(lane_native, "_off", "off for the test")
+    received: list[int] = []
+    real = bulk._fetch_chunks_native
+    monkeypatch.setattr(bulk, "_fetch_chunks_native", lambda *a: received.append(len(a[3])) or real(*a))
     pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
     w = model(17)
     manifest = await pub.publish(w, 1)
@@ -365,6 +371,8 @@ async def test_the_compiled_send_loop_sends_a_buckets_later_chunks_and_the_loop_
     assert await settled(lambda: lane.native_chunks, want) == want
     assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
     assert await settled(lambda: pub._server.chunks_served, lane.chunks_served) == lane.chunks_served
+    # the subscriber's end received every chunk in its compiled loop too (or none, off)
+    assert sum(received) == (lane.chunks_served if native else 0)
 
 
 @needs_native

@@ -132,3 +132,44 @@ def test_a_chunk_larger_than_a_send_goes_out_whole_in_pieces(pair) -> None:  # t
     reader.join()
     assert (got.why, got.chunks, got.nbytes) == (lane_native.IDLE, 1, big.nbytes - 1)
     assert got_bytes == [want]
+
+
+def blocking(s: socket.socket) -> socket.socket:
+    """Blocking mode with the kernel's timeouts, as the lane's sockets (`bulk.kernel_timeouts`)."""
+    s.settimeout(None)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 5, 0))
+    return s
+
+
+def test_the_receiving_end_fetches_a_buckets_chunks_in_batches_and_says_when_the_text_changes(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    a = blocking(a)
+    chunks = [(o, min(7000, DATA.nbytes - o)) for o in range(0, DATA.nbytes, 7000)]
+    server = threading.Thread(target=serve, args=(b, b""), kwargs={"idle_ms": 200})
+    server.start()
+    into = np.zeros(DATA.nbytes, dtype=np.uint8)
+    job = lane_native.ChunkFetch(chunks, b"RPBQ", 5, 1, -1, 4, into)
+    whys, dones = [], []
+    text = b""
+    while job.done < len(chunks):
+        whys.append(job.run(a, text, 20_000))
+        dones.append(job.done)
+        text = job.text
+    server.join()
+    assert np.array_equal(into, DATA)
+    # the first chunk's text differs from the none expected; then a return every 20,000 bytes (three 7,000-byte chunks)
+    assert whys[0] == lane_native.NEW_TEXT and dones[0] == 1 and text == b"xxh3:ab"
+    assert set(whys[1:-1]) == {lane_native.BATCH} and whys[-1] == lane_native.ALL_LANDED
+    assert all(d - c == 3 for c, d in zip(dones[1:-2], dones[2:-1], strict=True))
+
+
+def test_the_receiving_end_stops_at_an_error_reply_with_its_text_left_for_python(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    a = blocking(a)
+    b.sendall(reply(0, 100) + struct.pack("<4sBIH", b"RPBA", 1, 0, 4) + b"gone")  # the second request answered gone
+    into = np.zeros(200, dtype=np.uint8)
+    job = lane_native.ChunkFetch([(0, 100), (100, 100)], b"RPBQ", 5, 1, -1, 2, into)
+    assert job.run(a, b"xxh3:ab", 1 << 30) == lane_native.BAD_STATUS
+    assert job.done == 1 and np.array_equal(into[:100], DATA[:100])
+    assert struct.unpack("<4sBIH", job.header) == (b"RPBA", 1, 0, 4) and a.recv(4) == b"gone"
+    assert b.recv(2 * REQ.size, socket.MSG_WAITALL) == REQ.pack(b"RPBQ", 5, 1, 0, 100) + REQ.pack(b"RPBQ", 5, 1, 100, 100)
