@@ -1,19 +1,26 @@
-"""The bulk lane's send loop in C, without the interpreter lock: a connection's chunks of one bucket served in one call.
+"""The bulk lane's loops in C, without the interpreter lock: a connection's chunks of one bucket sent (`serve`) or
+received (`ChunkFetch`) in one call.
 
 In the trainer's process the lane's connection threads share the interpreter lock with the trainer's own Python, and
 each socket call gives the lock up and waits for it again, up to the switch interval (5 ms) behind a busy thread: one
 pure-Python thread beside the publisher held the lane at 1.0 GB/s against 2.8 idle (`bench/lane_probe.py`, the
 2-core VM, session 24). Once a connection has looked a bucket up (on the event loop, as every first chunk is) and
 holds its bytes as one contiguous buffer, `serve` answers the requests for that bucket in C: it parses each request,
-sends the reply's header and the chunk's bytes in one ``sendmsg``, and reads the requests that came since, returning
+sends the reply's header and the chunk's bytes with ``sendmsg`` (at most 1 MiB a call), and reads the requests that came since, returning
 to Python only when a request is not for that bucket (another bucket, a malformed one: Python answers it as today),
 when the version store changed (`WeightServer.served_changes`: Python checks `still_serves` again, so a dropped
 version is never sent from), when no request has come for `IDLE_MS` (Python tells the loop what went out, then waits
 in its own ``recv``), or on a socket error or the peer's close.
 
+The subscriber's end is the same in reverse (`ChunkFetch`: the worker's engine runs Python beside its fetch): a
+stream's requests for a bucket go out half a window at a time and each reply's header, checksum text and bytes are read
+into the bucket, back in Python every `batch_bytes` (the caller folds what landed into the bucket's checksum), at a
+reply whose text differs from the last one's, at an error reply, or on a socket error.
+
 Built with `rollpool.weights.native` at first use and checked against the Python path's bytes on a socket pair
-(`_self_check`); off for the process (logged once, the Python path serves) where that fails, no compiler is found,
-or ``ROLLPOOL_LANE_NATIVE=0``. The wire is the lane's own (`rollpool.weights.paths.bulk`): nothing changes for a peer.
+and the receiving end against the sending end (`_self_check`); both off for the process (logged once, the Python
+paths serve) where that fails, no compiler is found, or ``ROLLPOOL_LANE_NATIVE=0``. The wire is the lane's own
+(`rollpool.weights.paths.bulk`): nothing changes for a peer.
 """
 
 from __future__ import annotations
