@@ -1213,6 +1213,12 @@ def main() -> int:
         RESULT_NAME = f"h100-weights-{args.run}.json"
     RESULT["run"] = args.run
     RESULT["params"] = vars(args)
+    try:  # which send and receive code the bulk lane ran (ROLLPOOL_LANE_NATIVE=0: Python's; absent in older checkouts)
+        from rollpool.weights.paths import lane_native
+
+        RESULT["lane_native"] = {"enabled": lane_native.enabled(), "off_reason": lane_native._off}
+    except ImportError:
+        RESULT["lane_native"] = {"enabled": False, "off_reason": "this checkout has no compiled lane loops"}
     RESULT["how"] = HOW
     save()
     # this process's publisher logs at INFO into the step's folder (gpu_batch.sh packs it with the worker's log): its
