@@ -3,8 +3,8 @@ received (`ChunkFetch`) in one call.
 
 In the trainer's process the lane's connection threads share the interpreter lock with the trainer's own Python, and
 each socket call gives the lock up and waits for it again, up to the switch interval (5 ms) behind a busy thread: one
-pure-Python thread beside the publisher held the lane at 1.0 GB/s against 2.8 idle (`bench/lane_probe.py`, the
-2-core VM, session 24). Once a connection has looked a bucket up (on the event loop, as every first chunk is) and
+pure-Python thread beside the publisher held the Python send path at 1.0 GB/s against 2.8 idle (`bench/lane_probe.py`,
+the 2-core VM). Once a connection has looked a bucket up (on the event loop, as every first chunk is) and
 holds its bytes as one contiguous buffer, `serve` answers the requests for that bucket in C: it parses each request,
 sends the reply's header and the chunk's bytes with ``sendmsg`` (at most 1 MiB a call), and reads the requests that came since, returning
 to Python only when a request is not for that bucket (another bucket, a malformed one: Python answers it as today),
@@ -212,16 +212,16 @@ class Served:
 
 
 def enabled() -> bool:
-    """Whether the compiled send loop serves here (built, loaded and checked on first call; False for good after a failure)."""
+    """Whether the compiled loops run here (built, loaded and checked on first call; False for good after a failure)."""
     return _off is None and _load() is not None
 
 
 def switch_off(reason: str) -> None:
-    """The Python path serves every chunk from now on in this process."""
+    """The Python paths send and receive every chunk from now on in this process."""
     global _off
     if _off is None:
         _off = reason
-        _log.warning("the bulk lane's compiled send loop is off, Python sends every chunk from now on: %s", reason)
+        _log.warning("the bulk lane's compiled loops are off, Python sends and receives every chunk from now on: %s", reason)
 
 
 def serve(sock: socket.socket, bucket_bytes: Any, version: int, bucket: int, delta_base: int, head: bytes, pending: bytes,
@@ -232,19 +232,20 @@ def serve(sock: socket.socket, bucket_bytes: Any, version: int, bucket: int, del
     the caller last checked that the version is served. Raises where not `enabled`."""
     fn = _load()
     if fn is None:
-        raise RuntimeError(f"the bulk lane's compiled send loop is off: {_off}")
+        raise RuntimeError(f"the bulk lane's compiled loops are off: {_off}")
     return _call(fn, sock, bucket_bytes, version, bucket, delta_base, head, pending, changes, changes0, max_chunk,
                  IDLE_MS if idle_ms is None else idle_ms)
 
 
 def _call(fn: Any, sock: socket.socket, bucket_bytes: Any, version: int, bucket: int, delta_base: int, head: bytes,
           pending: bytes, changes: ctypes.c_int64, changes0: int, max_chunk: int, idle_ms: int) -> Served:
-    buf = ctypes.create_string_buffer(pending, PENDING_CAP)
+    cap = max(PENDING_CAP, len(pending))  # (Python reads up to 64 KiB onto a part of a request)
+    buf = ctypes.create_string_buffer(pending, cap)
     n = ctypes.c_uint32(len(pending))
     hbuf = ctypes.create_string_buffer(head, len(head))
     sent_bytes, sent_chunks = ctypes.c_uint64(0), ctypes.c_uint64(0)
     why = fn(sock.fileno(), native.address(bucket_bytes), int(bucket_bytes.nbytes), version, bucket, delta_base, hbuf, len(head),
-             buf, ctypes.byref(n), PENDING_CAP, ctypes.byref(changes), changes0, max_chunk, idle_ms,
+             buf, ctypes.byref(n), cap, ctypes.byref(changes), changes0, max_chunk, idle_ms,
              ctypes.byref(sent_bytes), ctypes.byref(sent_chunks))
     return Served(int(why), int(sent_chunks.value), int(sent_bytes.value), buf.raw[: n.value])
 
@@ -254,7 +255,7 @@ class ChunkFetch:
     (`rollpool_lane_fetch`), with the interpreter lock released: requests half a window at a time, each reply's header,
     checksum text and bytes read in turn. `run` returns after `batch_bytes` landed (the caller folds and tells what
     landed), when a chunk's text differs from the previous one's, at an error reply (its header in `header`, its text
-    left on the socket) or a socket error; `done` chunks have landed, `sent` requests went out."""
+    left on the socket) or a socket error; `done` chunks have landed (the job resumes where it stopped)."""
 
     def __init__(self, chunks: list[tuple[int, int]], magic: bytes, version: int, bucket: int, delta_base: int, window: int,
                  dst: Any) -> None:

@@ -173,3 +173,15 @@ def test_the_receiving_end_stops_at_an_error_reply_with_its_text_left_for_python
     assert job.done == 1 and np.array_equal(into[:100], DATA[:100])
     assert struct.unpack("<4sBIH", job.header) == (b"RPBA", 1, 0, 4) and a.recv(4) == b"gone"
     assert b.recv(2 * REQ.size, socket.MSG_WAITALL) == REQ.pack(b"RPBQ", 5, 1, 0, 100) + REQ.pack(b"RPBQ", 5, 1, 100, 100)
+
+
+def test_more_pending_requests_than_its_buffer_holds_are_all_answered(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    reqs = [REQ.pack(b"RPBQ", 5, 1, i, 1) for i in range(lane_native.PENDING_CAP // REQ.size + 100)]  # over 64 KiB
+    want = b"".join(reply(i, 1) for i in range(len(reqs)))
+    got_bytes: list[bytes] = []
+    reader = threading.Thread(target=lambda: got_bytes.append(recv_all(a, len(want))))
+    reader.start()
+    got = serve(b, b"".join(reqs))
+    reader.join()
+    assert (got.why, got.chunks) == (lane_native.IDLE, len(reqs)) and got_bytes == [want]
