@@ -179,8 +179,8 @@ def _terminal_bound(cfg: ChaosConfig, fault_log: list[dict[str, Any]], submitted
     included) less the group's own generation time (its trajectories' ``finished_at - started_at`` as the
     worker's engine timed it; simulated here); ``over_bound`` counts the prompts with a checked excess above
     the bound; ``never_terminal`` those whose bound after a clear ran out with the prompt never terminal. A fault
-    the run ended inside (``unfinished``: a start, maybe no clear) still supersedes the clear before it: without it,
-    a broker stop under way at the end was counted against the previous fault's bound (CI, 4d22bb4: 5 prompts "over").
+    the run ended inside (``unfinished``: a start, maybe no clear) still supersedes the clear before it, or a broker
+    stop under way at the end would count against the previous fault's bound.
     ``worst_cases``: the largest excesses, each with the fault whose clear it was checked against.
     """
     formula = "5 x heartbeat_interval_s + apply_slot_deadline_s + generation time"

@@ -8,8 +8,8 @@ each, and at 8B the sums, not the copies, set when a version was applied (2.67 s
 in C reads each word once and runs in the caller's thread with the GIL released (ctypes releases it around a
 foreign call), so the checksum threads run side by side.
 
-The source is built once per machine into the user's cache (`rollpool.weights.native`). The
-same function as `mix64_reference` (its specification): compared with numpy on random bytes before first use
+The source is built once per machine into the user's cache (`rollpool.weights.native`). The same function as
+`mix64_reference` (its specification): compared with numpy on random bytes before first use
 (`_self_check`), and switched off for the process, logged once, where it differs, no compiler is found
 (``$CC``, else ``cc``), the build fails, or ``ROLLPOOL_MIX64_NATIVE=0``; numpy sums then.
 """

@@ -379,10 +379,10 @@ class WeightServer:
         self.shm_generation = 0
         """Bumped by `set_shm_reserved` when the set changes; announced, so subscribers ask for the manifest again."""
         self.bulk: BulkServer | None = None
+        """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.served_changes = ctypes.c_int64(0)
         """Bumped whenever `still_serves` may answer False for what it answered True (a version dropped or released,
         an early delta settled): the bulk lane's compiled send loop (`paths.lane_native`) stops at the next chunk."""
-        """The bulk lane (`rollpool.weights.paths.bulk`) beside the ROUTER, when this server offers one."""
         self.bulk_bytes_served = 0
         self.delta_threads = cfg.delta_threads
         self.delta_max_fraction = cfg.weight_delta_max_fraction

@@ -300,24 +300,6 @@ async def test_a_relay_forwards_a_version_on_its_lane_while_the_version_still_ar
 
 
 
-async def test_a_lane_connection_goes_to_the_event_loop_once_per_bucket_not_per_chunk(make_publisher: Any, make_subscriber: Any) -> None:
-    """The publisher's loop shares the trainer's interpreter lock: a trip to it per chunk waited on whatever Python the
-    trainer ran beside (bench/lane_probe.py). A connection looks a bucket up there once and reads its later chunks in
-    its own thread; the loop still learns every byte served (keep_versions=0 releases on it)."""
-    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
-    w = model(13)
-    manifest = await pub.publish(w, 1)
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
-    got = await sub.fetch(1)
-    assert_same(got.tensors, w)
-    lane = pub._server.bulk
-    buckets = sum(1 for b in manifest.buckets if b.nbytes)
-    assert lane.chunks_served > 3 * buckets  # many chunks a bucket at the test sizes
-    assert lane.loop_lookups == buckets
-    assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
-    assert pub._server.chunks_served == lane.chunks_served
-
-
 async def test_a_version_dropped_while_a_connection_serves_its_bucket_answers_gone_and_sends_nothing_more(
         make_publisher: Any, make_subscriber: Any) -> None:
     """The chunks a connection reads in its own thread are checked after they are held: a version dropped before the
@@ -343,13 +325,13 @@ async def test_a_version_dropped_while_a_connection_serves_its_bucket_answers_go
 needs_native = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the Python path serves")
 
 
-@needs_native
-@pytest.mark.parametrize("native", [True, False])
-async def test_the_compiled_send_loop_sends_a_buckets_later_chunks_and_the_loop_learns_each(
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+async def test_a_lane_connection_goes_to_the_event_loop_once_per_bucket_and_the_compiled_loops_carry_the_rest(
         make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
-    """A connection's chunks after a bucket's first go out from the compiled loop, without the interpreter lock
-    (`lane_native`), and the subscriber's compiled loop receives them; the bytes verify and the publisher counts every
-    one for the peer. Off, Python sends and receives them."""
+    """The publisher's loop shares the trainer's interpreter lock: a trip to it per chunk waited on whatever Python the
+    trainer ran beside (bench/lane_probe.py). A connection looks a bucket up there once; its later chunks go out from
+    the compiled send loop without the lock (`lane_native`) and the subscriber's compiled loop receives them (off:
+    Python's, in the connection's thread). The loop still learns every byte served (keep_versions=0 releases on it)."""
     from rollpool.weights.paths import bulk
 
     if not native:
@@ -360,19 +342,18 @@ async def test_the_compiled_send_loop_sends_a_buckets_later_chunks_and_the_loop_
     pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
     w = model(17)
     manifest = await pub.publish(w, 1)
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1)
     got = await sub.fetch(1)
     assert_same(got.tensors, w)
     lane = pub._server.bulk
     buckets = sum(1 for b in manifest.buckets if b.nbytes)
-    assert lane.chunks_served > 3 * buckets
-    # every chunk but the first a connection serves of a bucket (a cut bucket's parts are looked up per connection)
-    want = lane.chunks_served - lane.loop_lookups if native else 0
+    assert lane.chunks_served > 3 * buckets  # many chunks a bucket at the test sizes
+    assert lane.loop_lookups == buckets
+    want = lane.chunks_served - buckets if native else 0
     assert await settled(lambda: lane.native_chunks, want) == want
     assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
     assert await settled(lambda: pub._server.chunks_served, lane.chunks_served) == lane.chunks_served
-    # the subscriber's end received every chunk in its compiled loop too (or none, off)
-    assert sum(received) == (lane.chunks_served if native else 0)
+    assert sum(received) == (lane.chunks_served if native else 0)  # every chunk through the receiving loop, or none
 
 
 @needs_native
