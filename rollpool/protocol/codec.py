@@ -98,6 +98,7 @@ __all__ = [
     "RESULT_MIX64_MINOR",
     "EARLY_DELTA_MINOR",
     "TURN_BATCH_MINOR",
+    "EARLY_BYTES_MINOR",
     "DEFAULT_INLINE_MAX_BYTES",
 ]
 
@@ -142,11 +143,18 @@ PROTOCOL_MAJOR = 1
 #   1.27 the mix64 of a delta's resulting bytes on network versions too: BucketInfo.host_mix64 (RESULT_MIX64_MINOR)
 #   1.28 a device-made delta served before its version's host copy to askers that verify on the GPU: ManifestRequest.device_verify (EARLY_DELTA_MINOR)
 #   1.29 several tasks' finished episode turns in one message: TurnRecordBatch, Feature.TURN_BATCH (TURN_BATCH_MINOR)
-PROTOCOL_MINOR = 29
-TURN_BATCH_MINOR = PROTOCOL_MINOR
+#   1.30 a bucket's bytes over the bulk lane before its checksum: the lane's RPBE request (EARLY_BYTES_MINOR)
+PROTOCOL_MINOR = 30
+TURN_BATCH_MINOR = 29
 """The first minor whose brokers decode `TurnRecordBatch` (the finished episode turns of several tasks in one message) and
 list `Feature.TURN_BATCH` in their Welcome; a worker sends one only to a broker that lists it. An older broker keeps
 getting one `TurnRecords` per task, an older worker keeps sending them (this broker reads both)."""
+EARLY_BYTES_MINOR = 30
+"""The first minor whose servers answer the bulk lane's ``RPBE`` request (`rollpool.weights.paths.bulk`): a bucket's chunks
+as soon as its bytes are in place, with an empty checksum text while its checksum is pending, but for the chunk that
+ends the bucket, which waits for the checksum and carries it. A subscriber asks so only of a server whose manifest says
+this minor or newer (`Manifest.protocol_minor`); an older subscriber's ``RPBQ`` is answered as before (once the bucket is
+checksummed)."""
 EARLY_DELTA_MINOR = 28
 """The first minor whose weight servers answer a manifest request with ``device_verify`` (the asker rebuilds a delta on
 its engine's GPU and proves each bucket by `BucketInfo.host_mix64`) with a delta made on the publisher's GPU as soon as

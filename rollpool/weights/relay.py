@@ -169,6 +169,7 @@ class Relay(ServingFace):
             max_refetch=max_refetch,
             metrics=self.metrics,
             weights=cfg,
+            early_bytes=False,  # a bucket's bytes are forwarded once its checksum is known (`BulkPath.early_bytes`)
         )
         self._server = WeightServer(
             sockets,

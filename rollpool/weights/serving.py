@@ -1038,10 +1038,12 @@ class WeightServer:
             return
         waiting.append((ident, req))
 
-    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead:
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1, early: bool = False) -> ChunkRead:
         """The one lookup of a chunk, for the ROUTER and the bulk lane alike: its bytes (None: not arrived yet) and its
         bucket's checksum, or an error code (``gone``, ``unknown_version``, ``bad_range``) and message. A version read
-        from counts as requested now (``keep_versions=0`` releases after an idle spell)."""
+        from counts as requested now (``keep_versions=0`` releases after an idle spell). `early` (the lane's ``RPBE``,
+        minor 30): a chunk that does not end its bucket is answered once its bytes are in place, before the bucket's
+        checksum (the text is then ``""``); the chunk that ends it waits for the checksum, as every chunk of ``RPBQ``."""
         v = self.versions.get(version)
         if v is None:
             err = self._missing(version, "", "fetch")
@@ -1060,7 +1062,12 @@ class WeightServer:
             return ChunkRead("bad_range", f"[{offset}, +{nbytes}) is not a chunk of bucket {bucket} ({size} bytes, at most {MAX_CHUNK_BYTES} per chunk)")
         if self._loop is not None:
             v.last_request_s = self._loop.time()
-        return ChunkRead("", v.buckets[bucket].checksum, v.sources[bucket].read(offset, nbytes), v)
+        source = v.sources[bucket]
+        data = source.read(offset, nbytes)
+        if data is None and early and offset + nbytes < size:
+            read_early = getattr(source, "read_early", None)  # (a relay's arriving bucket has none: its read is the same)
+            data = read_early(offset, nbytes) if read_early is not None else None
+        return ChunkRead("", v.buckets[bucket].checksum, data, v)
 
     def _fetch(self, ident: bytes, req: Fetch) -> None:
         got = self.read_chunk(req.version, req.bucket, req.offset, req.nbytes, req.delta_base)

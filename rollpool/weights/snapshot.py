@@ -236,19 +236,29 @@ class ContiguousSource:
         """The whole bucket as one uint8 array (the bulk lane's compiled send loop reads there), or None: not all there."""
         return self.array
 
+    def read_early(self, offset: int, nbytes: int) -> Any:
+        """`read`, for a request that takes bytes before the bucket's checksum (the lane's ``RPBE``): the same here."""
+        return self.read(offset, nbytes)
+
+    def contiguous_early(self) -> Any:
+        """`contiguous`, for a request that takes bytes before the bucket's checksum: the same here."""
+        return self.contiguous()
+
     def in_flight(self) -> bool:
         # the attribute and getrefcount's own argument; anything more is a chunk still held
         return sys.getrefcount(self.array) > 2
 
 
 class GatedSource(ContiguousSource):
-    """A streamed bucket: unreadable (fetches park) until it is copied and checksummed."""
+    """A streamed bucket: unreadable (fetches park) until it is copied and checksummed (`ready`); readable by a request
+    that takes bytes before the checksum (`read_early`) once its last copy landed (`landed`)."""
 
-    __slots__ = ("ready",)
+    __slots__ = ("landed", "ready")
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__(data)
         self.ready = False
+        self.landed = False
 
     def read(self, offset: int, nbytes: int) -> Any:
         if not self.ready:
@@ -257,6 +267,14 @@ class GatedSource(ContiguousSource):
 
     def contiguous(self) -> Any:
         return self.array if self.ready else None
+
+    def read_early(self, offset: int, nbytes: int) -> Any:
+        if not (self.ready or self.landed):
+            return None
+        return self.array[offset : offset + nbytes].data
+
+    def contiguous_early(self) -> Any:
+        return self.array if self.ready or self.landed else None
 
 
 def layout_of(named_shapes: Any) -> list[tuple[str, str, tuple[int, ...], int]]:
@@ -647,6 +665,9 @@ class Snapshot:
         if rng is not None:
             self.pools.sum.submit(self._fold, idx, rng)
         if last:
+            # every byte of the bucket is in place and none changes again: servable to a request that takes bytes
+            # before the checksum (`GatedSource.read_early`), which the checksums held for the copies (`holding`) delay
+            self.sources[idx].landed = True
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
                 self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))

@@ -12,6 +12,10 @@ Wire (all integers little-endian; one TCP connection per subscriber stream, requ
     request   b"RPBQ" u64 version, u32 bucket, u64 offset, u32 nbytes
     request   b"RPBD" the same, then i64 delta_base: the bucket's encoded bytes of the version's delta against that base
               (`Fetch.delta_base`, minor 26: `DELTA_PATHS_MINOR`; asked only of a server that says that minor or newer)
+    request   b"RPBE" as RPBQ, answered as soon as the chunk's bytes are in place, before the bucket's checksum (the
+              reply's text is then empty), but for the chunk that ends the bucket: it waits for the checksum and carries
+              it, so a bucket's checksum still arrives before it is verified (minor 30: `EARLY_BYTES_MINOR`; asked only
+              of a server that says that minor or newer)
     reply     b"RPBA" u8 status, u32 nbytes, u16 n, n bytes: the bucket's checksum (status 0) or the error
               message; then `nbytes` bytes of the chunk (status 0 only)
 
@@ -49,6 +53,7 @@ from typing import Any, Protocol
 import torch
 
 import rollpool.weights.paths.lane_native as lane_native
+from rollpool.protocol.codec import EARLY_BYTES_MINOR
 from rollpool.protocol.errors import WeightSyncError
 from rollpool.protocol.messages import Manifest
 from rollpool.weights.bucketing import Checksummer, checksum_supported, unpack_bucket, verify_checksum
@@ -186,7 +191,7 @@ class VersionStore(Protocol):
 
     name: str
 
-    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> ChunkRead: ...
+    def read_chunk(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1, early: bool = False) -> ChunkRead: ...
 
     served_changes: ctypes.c_int64
     """Bumped whenever `still_serves` may turn False (read by the compiled send loop, `lane_native`)."""
@@ -201,7 +206,8 @@ _STATUS = {"gone": GONE, "unknown_version": UNKNOWN_VERSION, "bad_range": BAD_RA
 
 class _Held:
     """What a connection answered its last chunk from (`BulkServer._answer`): a later chunk of the same bucket is read
-    there in the connection's thread, with no trip to the loop, while the store still serves it."""
+    there in the connection's thread, with no trip to the loop, while the store still serves it (an ``RPBE`` request's
+    before the bucket's checksum too, as the loop's lookup would answer it)."""
 
     __slots__ = ("bucket", "delta_base", "size", "v", "version")
 
@@ -309,13 +315,14 @@ class BulkServer:
                     pending += got
                     continue
                 magic, version, bucket, offset, nbytes = _REQUEST.unpack_from(pending)
-                if magic not in (b"RPBQ", b"RPBD"):
+                if magic not in (b"RPBQ", b"RPBD", b"RPBE"):
                     self._refuse(conn, "not a bulk-lane request")
                     return
                 size = _REQUEST.size + (_DELTA_BASE.size if magic == b"RPBD" else 0)
                 delta_base = _DELTA_BASE.unpack_from(pending, _REQUEST.size)[0] if magic == b"RPBD" else -1
+                early = magic == b"RPBE"
                 if native_next and (version, bucket, delta_base) == (held.version, held.bucket, held.delta_base):
-                    served = self._serve_native(conn, peer, held, bytes(pending))
+                    served = self._serve_native(conn, peer, held, bytes(pending), early)
                     if served is not None:
                         pending = bytearray(served.left)
                         if served.why == lane_native.CLOSED:
@@ -327,7 +334,7 @@ class BulkServer:
                         continue
                 native_next = True
                 del pending[:size]
-                self._answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
+                self._answer(conn, peer, held, version, bucket, offset, nbytes, delta_base, early)
         except (OSError, struct.error):
             pass  # the subscriber left (or sent garbage): nothing of ours is lost, it asks again elsewhere
         finally:
@@ -335,23 +342,26 @@ class BulkServer:
             conn.close()
 
     def _answer(self, conn: socket.socket, peer: bytes, held: _Held, version: int, bucket: int, offset: int, nbytes: int,
-                delta_base: int = -1) -> None:
+                delta_base: int = -1, early: bool = False) -> None:
         if (version, bucket, delta_base) == (held.version, held.bucket, held.delta_base) and 0 <= offset and 0 < nbytes <= MAX_CHUNK_BYTES \
                 and offset + nbytes <= held.size:
-            data = held.v.sources[bucket].read(offset, nbytes)
+            source = held.v.sources[bucket]
+            data = source.read(offset, nbytes)
+            if data is None and early and offset + nbytes < held.size and hasattr(source, "read_early"):
+                data = source.read_early(offset, nbytes)  # (the text below is then "" while the checksum is pending)
             # held first, then checked: a version dropped before the read was not sent from (nor is its buffer reused
             # while this thread holds the bytes); one dropped after it goes out whole, as from the loop's lookup
             if data is not None and self.server.still_serves(version, held.v):
                 self._send_chunk(conn, held, peer, held.v.buckets[bucket].checksum, data, nbytes)
                 return
-        found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
+        found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base, early)
         began = time.monotonic()
         waited = 0.0
         while found is None and waited < self.wait_s and not self._closed:  # the bytes have not arrived yet
             with self._arrived:
                 self._arrived.wait(min(0.5, self.wait_s - waited))
             waited = time.monotonic() - began  # by the clock: every arrival of other bytes wakes this thread
-            found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base)
+            found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base, early)
         with self._counted:
             self.loop_lookups += 1
         if found is None:
@@ -365,10 +375,13 @@ class BulkServer:
         held.size = v.buckets[bucket].nbytes
         self._send_chunk(conn, held, peer, text, data, nbytes, parked=waited > 0)
 
-    def _serve_native(self, conn: socket.socket, peer: bytes, held: _Held, pending: bytes) -> lane_native.Served | None:
+    def _serve_native(self, conn: socket.socket, peer: bytes, held: _Held, pending: bytes, early: bool = False) -> lane_native.Served | None:
         """The held bucket's requests in `pending` and those that follow, answered by the compiled send loop with the
         interpreter lock released (`lane_native`); None where it cannot serve them (off, the bytes not one
-        contiguous buffer, the version no longer served: the caller's Python path answers)."""
+        contiguous buffer, the version no longer served: the caller's Python path answers). `early` (the front request
+        is ``RPBE``): a bucket whose bytes are in place but whose checksum is pending is served too, to ``RPBE``
+        requests only, with an empty text and never its last chunk (the loop returns there: Python waits for the
+        checksum)."""
         if not lane_native.enabled():
             return None
         changes = self.server.served_changes
@@ -376,14 +389,21 @@ class BulkServer:
         if not self.server.still_serves(held.version, held.v):
             return None
         sources = held.v.sources  # (emptied when the version is released: then the change stops the loop)
-        whole_of = getattr(sources[held.bucket], "contiguous", None) if held.bucket < len(sources) else None
+        source = sources[held.bucket] if held.bucket < len(sources) else None
+        whole_of = getattr(source, "contiguous", None)
         whole = whole_of() if whole_of is not None else None
-        if whole is None or whole.itemsize != 1 or whole.nbytes < held.size:  # (a bucket's buffer is uint8)
+        size, early_only = held.size, False
+        if whole is None and early:
+            early_of = getattr(source, "contiguous_early", None)
+            whole = early_of() if early_of is not None else None
+            # every chunk but the last: its request (ending at the bucket's end) is past what the loop is given
+            size, early_only = held.size - 1, True
+        if whole is None or whole.itemsize != 1 or whole.nbytes < held.size or size < 1:  # (a bucket's buffer is uint8)
             return None
-        body = held.v.buckets[held.bucket].checksum.encode()
+        body = b"" if early_only else held.v.buckets[held.bucket].checksum.encode()
         head = _REPLY.pack(b"RPBA", OK, 0, len(body)) + body
-        served = lane_native.serve(conn, whole[: held.size], held.version, held.bucket, held.delta_base, head, pending,
-                                   changes, changes0, MAX_CHUNK_BYTES)
+        served = lane_native.serve(conn, whole[:size], held.version, held.bucket, held.delta_base, head, pending,
+                                   changes, changes0, MAX_CHUNK_BYTES, early_only=early_only)
         del whole  # the bucket's bytes are held (in flight) only while the loop sends from them
         if served.chunks:
             with self._counted:
@@ -410,9 +430,10 @@ class BulkServer:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
                 self._loop.call_soon_threadsafe(self.server.bulk_served, held.v, peer, nbytes, parked)
 
-    def _lookup(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1) -> tuple[int, str, Any, Any] | None:
+    def _lookup(self, version: int, bucket: int, offset: int, nbytes: int, delta_base: int = -1,
+                early: bool = False) -> tuple[int, str, Any, Any] | None:
         """On the loop, the ROUTER's own lookup: (status, checksum or message, bytes, version), None: not arrived yet."""
-        got = self.server.read_chunk(version, bucket, offset, nbytes, delta_base)
+        got = self.server.read_chunk(version, bucket, offset, nbytes, delta_base, early)
         if got.code:
             return _STATUS.get(got.code, BAD_REQUEST), got.text, None, None
         if got.data is None:
@@ -486,13 +507,16 @@ def fetch_bucket_range(
     stop: threading.Event,
     delta_base: int = -1,
     batch_bytes: int = 0,
+    early: bool = False,
 ) -> None:
     """Thread of one subscriber stream: fetch `jobs` (bucket, chunks of it as (offset, nbytes)) into `views` (with
     `delta_base` >= 0, the encoded bytes of `version`'s delta against it: the payload buckets' numbering).
 
     `on_chunk(bucket, offset, nbytes, checksum, data)` runs in this thread once a chunk is in its view (the caller
     folds it into the running checksum); `on_part_done(bucket)` runs when this job's chunks of the bucket have
-    landed and returns the chunks to fetch again (a bucket that failed its checksum), or none. Raises `BulkError`
+    landed and returns the chunks to fetch again (a bucket that failed its checksum), or none. `early`: ask with
+    ``RPBE`` (a server of `EARLY_BYTES_MINOR` or newer), so a bucket's chunks but its last come before its checksum,
+    with an empty text (`on_chunk` is told ``""``). Raises `BulkError`
     for an error status, `BulkUnavailableError` when the connection fails or goes silent for `timeout_s`.
     """
     lane = _Lane(host, port, peer, timeout_s)
@@ -500,7 +524,7 @@ def fetch_bucket_range(
         for bucket, chunks in jobs:
             todo = chunks
             while todo and not stop.is_set():
-                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop, delta_base, batch_bytes)
+                _fetch_chunks(lane.sock, version, bucket, todo, views[bucket], window, on_chunk, stop, delta_base, batch_bytes, early)
                 if stop.is_set():
                     return
                 todo = on_part_done(bucket)
@@ -514,21 +538,22 @@ def fetch_bucket_range(
 
 def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequence[tuple[int, int]], view: memoryview,
                   window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
-                  delta_base: int = -1, batch_bytes: int = 0) -> None:
+                  delta_base: int = -1, batch_bytes: int = 0, early: bool = False) -> None:
     """`chunks` of `bucket` into `view`, `window` requests ahead. In the worker's process the engine's Python shares the
     interpreter lock with this thread, and each socket call gives the lock up and waits for it again behind that Python
     (up to the switch interval): so the compiled receiving loop takes the chunks where it is on (`lane_native`,
     `batch_bytes` at a time before `on_chunk` hears of them), else requests go out half a window at a time, and a
     chunk's checksum, its bytes and the next reply's header come in one `recvmsg_into`."""
+    asks = b"RPBD" if delta_base >= 0 else b"RPBE" if early else b"RPBQ"
     if chunks and view.nbytes and not view.readonly and lane_native.enabled():
-        _fetch_chunks_native(sock, version, bucket, list(chunks), view, window, on_chunk, stop, delta_base, batch_bytes)
+        _fetch_chunks_native(sock, version, bucket, list(chunks), view, window, on_chunk, stop, delta_base, batch_bytes, asks)
         return
     n = len(chunks)
     sent = 0
     head = memoryview(bytearray(_REPLY.size))
 
     def ask(upto: int) -> int:
-        reqs = b"".join(_REQUEST.pack(b"RPBD" if delta_base >= 0 else b"RPBQ", version, bucket, off, k)
+        reqs = b"".join(_REQUEST.pack(asks, version, bucket, off, k)
                         + (_DELTA_BASE.pack(delta_base) if delta_base >= 0 else b"") for off, k in chunks[sent:upto])
         sock.sendall(reqs)
         return upto
@@ -556,10 +581,10 @@ def _fetch_chunks(sock: socket.socket, version: int, bucket: int, chunks: Sequen
 
 def _fetch_chunks_native(sock: socket.socket, version: int, bucket: int, chunks: list[tuple[int, int]], view: memoryview,
                          window: int, on_chunk: Callable[[int, int, int, str, memoryview], None], stop: threading.Event,
-                         delta_base: int, batch_bytes: int) -> None:
+                         delta_base: int, batch_bytes: int, magic: bytes = b"RPBQ") -> None:
     """`_fetch_chunks` by the compiled receiving loop (`lane_native.ChunkFetch`): the landed chunks are handed to
     `on_chunk` after each return, with the text each carried."""
-    job = lane_native.ChunkFetch(chunks, b"RPBD" if delta_base >= 0 else b"RPBQ", version, bucket, delta_base, max(1, window), view)
+    job = lane_native.ChunkFetch(chunks, magic, version, bucket, delta_base, max(1, window), view)
     text = b""  # what the chunks landed so far carried (a reply's checksum text)
     k = 0
     while k < len(chunks):
@@ -631,8 +656,10 @@ class _BulkTransfer:
     """
 
     def __init__(self, ctx: FetchContext, peer: bytes, manifest: Manifest, buffers: list[torch.Tensor], sink: TransferSink | None,
-                 on_bucket: BucketCallback | None, host: str, port: int) -> None:
+                 on_bucket: BucketCallback | None, host: str, port: int, early: bool = False) -> None:
         self.ctx = ctx
+        self.early = early and manifest.delta_base < 0 and manifest.protocol_minor >= EARLY_BYTES_MINOR
+        """Ask with ``RPBE``: a bucket's chunks but its last before its checksum (`fetch_bucket_range`)."""
         self.peer = peer
         self.manifest = manifest
         self.buffers = buffers
@@ -689,7 +716,7 @@ class _BulkTransfer:
             self.loop.run_in_executor(pool, functools.partial(
                 fetch_bucket_range, self.host, self.port, self.peer, version, _taken(queue), self.views, timeout_s=ctx.fetch_timeout_s,
                 window=ctx.window_chunks, on_chunk=self._on_chunk, on_part_done=self._part_done, stop=self.stop,
-                delta_base=self.manifest.delta_base, batch_bytes=self.fold_bytes))
+                delta_base=self.manifest.delta_base, batch_bytes=self.fold_bytes, early=self.early))
             for _ in range(n)
         ] if queue else []
         try:
@@ -776,11 +803,15 @@ class BulkPath:
     name = BULK
     host_buffers = True
 
-    def __init__(self, ctx: FetchContext, peer: bytes, endpoint: Callable[[], str | None]) -> None:
+    def __init__(self, ctx: FetchContext, peer: bytes, endpoint: Callable[[], str | None], *, early_bytes: bool = True) -> None:
         self.ctx = ctx
         self.peer = peer
         self.endpoint = endpoint
         """The ROUTER endpoint in use (the lane is on its host)."""
+        self.early_bytes = early_bytes
+        """Take a bucket's bytes before its checksum from a server that offers it (``RPBE``, `EARLY_BYTES_MINOR`): the
+        bucket is verified as before, once its last chunk brought the checksum. A relay does not (its downstream's
+        older subscribers would get bytes with no checksum from it)."""
         self.unreachable: set[tuple[str, int]] = set()
         """Lanes that could not be connected to at all: not tried again (a firewall stays shut)."""
 
@@ -789,7 +820,7 @@ class BulkPath:
         manifest, buffers, sink = job.manifest, job.buffers, job.sink
         host = lane_host(self.endpoint())
         assert host is not None  # the plan takes the lane only on a TCP endpoint
-        bulk = _BulkTransfer(self.ctx, self.peer, manifest, buffers, sink, job.on_bucket, host, manifest.bulk_port)
+        bulk = _BulkTransfer(self.ctx, self.peer, manifest, buffers, sink, job.on_bucket, host, manifest.bulk_port, self.early_bytes)
         try:
             await bulk.run()
         except BulkUnavailableError as exc:

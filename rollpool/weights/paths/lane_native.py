@@ -68,19 +68,21 @@ static uint64_t rd64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); ret
 static uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 /* Answer the requests in pending[0, *npending) for bucket `bucket` of `version` (delta base `delta_base`, -1: none)
-   from `base` (`size` bytes), reading more as they come. `head` (nhead bytes) is the reply's header and checksum
+   from `base` (`size` bytes), reading more as they come: "RPBQ", "RPBE" and "RPBD" requests, or with early_only
+   "RPBE" ones alone (the bucket's checksum is pending: `base` then ends before the bucket's last chunk). `head` (nhead bytes) is the reply's header and checksum
    text, nbytes patched at byte 5. Returns 0: the first pending request is not one this call answers; 1: the peer
    closed; 2: *changes != changes0 before a send; 3: nothing pending and nothing came for idle_ms; -errno: a socket
    call failed (EAGAIN: the kernel's timeout). Little-endian hosts only (the caller checks). */
 int64_t rollpool_lane_serve(int fd, const unsigned char *base, uint64_t size, uint64_t version, uint32_t bucket,
                             int64_t delta_base, unsigned char *head, uint32_t nhead, unsigned char *pending,
                             uint32_t *npending, uint32_t cap, const volatile int64_t *changes, int64_t changes0,
-                            uint32_t max_chunk, int idle_ms, uint64_t *served_bytes, uint64_t *served_chunks) {
+                            uint32_t max_chunk, int idle_ms, uint64_t *served_bytes, uint64_t *served_chunks,
+                            int early_only) {
     for (;;) {
         while (*npending >= REQ) {
             const unsigned char *r = pending;
-            int delta = memcmp(r, "RPBD", 4) == 0;
-            if (!delta && memcmp(r, "RPBQ", 4) != 0) return 0;
+            int delta = memcmp(r, "RPBD", 4) == 0, early = memcmp(r, "RPBE", 4) == 0;
+            if (early_only ? !early : !delta && !early && memcmp(r, "RPBQ", 4) != 0) return 0;
             uint32_t need = REQ + (delta ? BASE : 0);
             if (*npending < need) break;
             uint64_t v = rd64(r + 4), off = rd64(r + 16);
@@ -225,20 +227,22 @@ def switch_off(reason: str) -> None:
 
 
 def serve(sock: socket.socket, bucket_bytes: Any, version: int, bucket: int, delta_base: int, head: bytes, pending: bytes,
-          changes: ctypes.c_int64, changes0: int, max_chunk: int, idle_ms: int | None = None) -> Served:
+          changes: ctypes.c_int64, changes0: int, max_chunk: int, idle_ms: int | None = None, *, early_only: bool = False) -> Served:
     """Answer `pending` (request bytes) and the requests that follow for one bucket, from `bucket_bytes` (the whole
     bucket: a numpy uint8 array), in C with the interpreter lock released; see the module's text for when it returns.
     `head`: the reply's header (status ok) and checksum text; `changes`: the store's counter, `changes0` its value when
-    the caller last checked that the version is served. Raises where not `enabled`."""
+    the caller last checked that the version is served. `early_only`: answer ``RPBE`` requests alone (the bucket's
+    checksum is pending: `head` carries no text and `bucket_bytes` ends before the bucket's last chunk). Raises where
+    not `enabled`."""
     fn = _load()
     if fn is None:
         raise RuntimeError(f"the bulk lane's compiled loops are off: {_off}")
     return _call(fn, sock, bucket_bytes, version, bucket, delta_base, head, pending, changes, changes0, max_chunk,
-                 IDLE_MS if idle_ms is None else idle_ms)
+                 IDLE_MS if idle_ms is None else idle_ms, early_only)
 
 
 def _call(fn: Any, sock: socket.socket, bucket_bytes: Any, version: int, bucket: int, delta_base: int, head: bytes,
-          pending: bytes, changes: ctypes.c_int64, changes0: int, max_chunk: int, idle_ms: int) -> Served:
+          pending: bytes, changes: ctypes.c_int64, changes0: int, max_chunk: int, idle_ms: int, early_only: bool = False) -> Served:
     cap = max(PENDING_CAP, len(pending))  # (Python reads up to 64 KiB onto a part of a request)
     buf = ctypes.create_string_buffer(pending, cap)
     n = ctypes.c_uint32(len(pending))
@@ -246,7 +250,7 @@ def _call(fn: Any, sock: socket.socket, bucket_bytes: Any, version: int, bucket:
     sent_bytes, sent_chunks = ctypes.c_uint64(0), ctypes.c_uint64(0)
     why = fn(sock.fileno(), native.address(bucket_bytes), int(bucket_bytes.nbytes), version, bucket, delta_base, hbuf, len(head),
              buf, ctypes.byref(n), cap, ctypes.byref(changes), changes0, max_chunk, idle_ms,
-             ctypes.byref(sent_bytes), ctypes.byref(sent_chunks))
+             ctypes.byref(sent_bytes), ctypes.byref(sent_chunks), int(early_only))
     return Served(int(why), int(sent_chunks.value), int(sent_bytes.value), buf.raw[: n.value])
 
 
@@ -317,7 +321,7 @@ def _load() -> Any:
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int64,
                            ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32,
                            ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
-                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
             fetch = lib.rollpool_lane_fetch
             fetch.restype = ctypes.c_int64
             u32p = ctypes.POINTER(ctypes.c_uint32)

@@ -416,3 +416,52 @@ def test_the_bytes_waiting_for_their_fold_stay_within_the_budget_over_the_stream
     mib = 1 << 20
     assert [fold_bytes(s, 8 * mib) // mib for s in (1, 2, 4, 8, 16)] == [32, 32, 16, 8, 8]
     assert fold_bytes(1, 4 * mib) == 32 * mib and fold_bytes(16, 16 * mib) == 16 * mib  # never less than a chunk
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+@pytest.mark.parametrize("server_minor", [30, 29])
+async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_that_asks_and_verify_once_it_comes(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool, server_minor: int) -> None:
+    """A trainer's CPU tensors are checksummed after the version's last copy (the copies have the cores to themselves):
+    a subscriber of minor 30 asks with ``RPBE`` and gets every chunk but each bucket's last while the checksums are
+    still held, with an empty text; the last chunk waits for the checksum and carries it, so the bucket is verified
+    as before. A subscriber that does not ask (``RPBQ``, as every one before minor 30), and any subscriber of a server
+    of minor 29, gets nothing before the checksum. Both end with the trainer's tensors, bit for bit."""
+    from rollpool.weights import serving, snapshot
+
+    if not native:
+        monkeypatch.setattr(lane_native, "_off", "off for the test")
+    monkeypatch.setattr(serving, "PROTOCOL_MINOR", server_minor)  # what the server's manifests say
+    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
+    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)  # every bucket's checksum held (the test's are small)
+    held: list[Any] = []
+    release = snapshot.Snapshot._release_sums
+    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))  # the test releases them
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(19)
+    manifest = await pub.publish(w, 1)
+    assert held and not any(b.checksum for b in manifest.buckets if b.nbytes)  # copied, no checksum yet
+    early = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="early")
+    old = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="old",
+                          early_bytes=False)
+    fetches = [asyncio.create_task(early.fetch(1)), asyncio.create_task(old.fetch(1))]
+    v = pub._server.versions[1]
+
+    def served_to(who: str) -> int:
+        return sum(n for peer, n in v.served_by_peer.items() if (peer.decode() if isinstance(peer, bytes) else peer).startswith(who))
+
+    # each of the early subscriber's two streams takes a bucket and gets all of it but its last chunk, then waits there
+    chunk = 16 << 10
+    firsts = [b.nbytes for b in manifest.buckets if b.nbytes][:2]
+    want = sum(n - (n - (n - 1) // chunk * chunk) for n in firsts) if server_minor >= 30 else 0
+    assert want > 0 or server_minor < 30
+    got_early = await settled(lambda: served_to("early"), want, timeout_s=5.0) if want else served_to("early")
+    await asyncio.sleep(0.2)  # (what the subscriber that does not ask would have had by now)
+    assert (got_early, served_to("early"), served_to("old")) == (want, want, 0)
+    assert not any(f.done() for f in fetches)
+    for s in held:
+        release(s)
+    for got in await asyncio.gather(*fetches):
+        assert_same(got.tensors, w)
+    assert early.bulk_bytes == early.bytes_received and old.bulk_bytes == old.bytes_received
+    assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0

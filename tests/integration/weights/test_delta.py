@@ -164,12 +164,12 @@ async def test_a_bulk_lane_lost_while_it_carries_a_delta_leaves_the_rest_to_the_
     answer, answered = lane._answer, []
 
     def fails_on_the_second(conn: Any, peer: bytes, held: Any, version: int, bucket: int, offset: int, nbytes: int,
-                            delta_base: int = -1) -> None:
+                            delta_base: int = -1, early: bool = False) -> None:
         if delta_base >= 0 and answered:
             conn.shutdown(2)  # the lane drops: the subscriber's stream sees the connection fail
             return
         answered.append(bucket)
-        answer(conn, peer, held, version, bucket, offset, nbytes, delta_base)
+        answer(conn, peer, held, version, bucket, offset, nbytes, delta_base, early)
 
     lane._answer = fails_on_the_second
     before, before_bulk = sub.bytes_received, sub.bulk_bytes

@@ -185,3 +185,30 @@ def test_more_pending_requests_than_its_buffer_holds_are_all_answered(pair) -> N
     got = serve(b, b"".join(reqs))
     reader.join()
     assert (got.why, got.chunks) == (lane_native.IDLE, len(reqs)) and got_bytes == [want]
+
+
+def test_an_early_request_is_answered_as_a_plain_one_once_the_checksum_is_known(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    pending = REQ.pack(b"RPBE", 5, 1, 0, 4096) + REQ.pack(b"RPBQ", 5, 1, 4096, 100)
+    got = serve(b, pending)
+    assert (got.why, got.chunks, got.nbytes, got.left) == (lane_native.IDLE, 2, 4196, b"")
+    assert recv_all(a, len(reply(0, 4096)) + len(reply(4096, 100))) == reply(0, 4096) + reply(4096, 100)
+
+
+def test_before_the_checksum_it_answers_early_requests_alone_with_no_text_and_never_the_buckets_last_chunk(pair) -> None:  # type: ignore[no-untyped-def]
+    """The bucket's checksum is pending (the server gives the loop the bucket but its last byte and an empty text): an
+    ``RPBE`` request is answered, the chunk that ends the bucket and a plain ``RPBQ`` are left to Python (which waits
+    for the checksum), with nothing sent for them."""
+    a, b = pair
+    head = struct.pack("<4sBIH", b"RPBA", 0, 0, 0)
+    last = REQ.pack(b"RPBE", 5, 1, 96_000, 4000)
+    for front in (REQ.pack(b"RPBQ", 5, 1, 0, 4096), last):
+        pending = REQ.pack(b"RPBE", 5, 1, 0, 4096) + REQ.pack(b"RPBE", 5, 1, 4096, 4096) + front
+        got = lane_native.serve(b, DATA[: DATA.nbytes - 1], 5, 1, -1, head, pending, ctypes.c_int64(0), 0, 1 << 20,
+                                idle_ms=0, early_only=True)
+        assert (got.why, got.chunks, got.nbytes, got.left) == (lane_native.NOT_OURS, 2, 8192, front)
+        want = b"".join(struct.pack("<4sBIH", b"RPBA", 0, 4096, 0) + DATA[o : o + 4096].tobytes() for o in (0, 4096))
+        assert recv_all(a, len(want)) == want
+    a.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        a.recv(1)
