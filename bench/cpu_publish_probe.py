@@ -73,11 +73,13 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     await pub.start()
     sub = None
     if args.fetch:
-        sub = WeightSubscriber(SocketFactory(ctx), worker_id="probe0", weights=WeightPathConfig(weight_path="network"), fetch_timeout_s=120.0)
+        sub = WeightSubscriber(SocketFactory(ctx), worker_id="probe0", fetch_timeout_s=120.0,
+                               weights=WeightPathConfig(weight_path="network", weight_early_bytes=args.early_bytes == "on"))
         sub.reserve(total_bytes=sum(t.numel() * t.element_size() for t in sd.values()))
         sub.connect(pub.router_endpoint, pub.pub_endpoint)
     held: Any = None
     out, v = [], v0
+    early0 = 0  # the lane's chunks sent before their bucket's checksum, so far
     early_default = snapshot._EARLY_SUMS
     try:
         kinds = [(False, snapshot._EARLY_SUMS), (True, snapshot._EARLY_SUMS)] + ([(True, args.early)] if args.early else [])
@@ -111,8 +113,11 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                         held = got
                     if stepping is not None:
                         await stepping
+                    lane = pub._server.bulk
+                    early_chunks, early0 = (lane.early_chunks - early0, lane.early_chunks) if lane is not None else (0, 0)
                     if i:  # the way's first version is a warm-up
                         rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
+                                     "early_chunks": early_chunks,
                                      **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
                 way = {"threads": threads, "sums": ("after the last copy" + (f" but the first {early} buckets'" if early else "")) if after
                        else "as buckets land", "with_step": with_step,
@@ -144,7 +149,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for threads in sorted({now} if args.only_now else {8, now}):
         ways += await ways_of(sd, threads, args, len(ways) * 100)
     return {"cores": os.cpu_count(), "bytes": total, "tensors": len(sd), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "fetch": args.fetch, "ways": ways}
+            "bucket_mib": args.bucket_mib, "versions_timed": args.versions, "fetch": args.fetch,
+            "early_bytes": args.early_bytes if args.fetch else None, "ways": ways}
 
 
 def main() -> None:
@@ -155,6 +161,8 @@ def main() -> None:
     ap.add_argument("--only-now", action="store_true", help="only the default copy threads (not 8 beside them)")
     ap.add_argument("--early", type=int, default=0, help="also the held checksums with this many first buckets summed "
                     "as they land (`snapshot._EARLY_SUMS`), beside the default")
+    ap.add_argument("--early-bytes", choices=("on", "off"), default="on",
+                    help="--fetch: the subscriber takes a bucket's bytes before its checksum (WeightPathConfig.weight_early_bytes)")
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--fetch", action="store_true", help="a subscriber in this process fetches each version as it is published (fetched_s)")
     ap.add_argument("--out", default=".")

@@ -738,6 +738,8 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 v += 1
                 want = expected_checksums(sd, args.bucket_mib * _MiB)
                 served0 = pub.bytes_served
+                lane = getattr(pub._server, "bulk", None)
+                early0 = getattr(lane, "early_chunks", 0)
                 if on == "cuda":
                     torch.cuda.synchronize()
                 lag.begin()
@@ -781,6 +783,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                     "pause_s": round(a.get("pause_s", float("nan")), 4), "torn_snapshot": torn, "fetched_path": f.get("path"),
                     "fetched_after_publish_s": round(f["at"] - t_pub, 4) if "at" in f else None,
                     "publisher_socket_bytes": pub.bytes_served - served0, "model_bytes": model_bytes,
+                    "lane_early_chunks": getattr(lane, "early_chunks", 0) - early0,  # sent before their bucket's checksum (RPBE)
                     "stage_h2d_s": a.get("stage_h2d_s"), "h2d_s": a.get("h2d_s"), "sglang_update_s": a.get("sglang_update_s"),
                     "staged_by_bucket": a.get("staged_by_bucket"), "stage_started_at_s": round(a["stage_started_at"] - t_pub, 4) if "stage_started_at" in a else None,
                     "update_started_after_publish_s": round(a["update_started_at"] - t_pub, 4) if "update_started_at" in a else None,

@@ -18,6 +18,9 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
   it buffers are pageable).
 - ``weight_bulk``: the network path's bulk lane (plain TCP beside the ROUTER, off under CURVE anyway); off on either
   side, that side neither offers nor takes it.
+- ``weight_early_bytes``: a subscriber takes a bucket's bytes over the bulk lane before the publisher has its checksum,
+  from a server that offers it (minor 30: every chunk but the bucket's last once its copies landed; the bucket is
+  verified as before, once its last chunk brought the checksum). A relay's own fetch never does.
 - ``weight_reserve_bytes``: a subscriber reserves its host (and staging device) buffers for two versions of this
   size at its making (None: at engine start by the engine's own size, `WorkerConfig.weight_reserve_versions`, else
   at the first fetch).
@@ -80,6 +83,7 @@ class WeightPathConfig:
     weight_streams: int = field(default=0, metadata={"help": "sockets a subscriber spreads its fetch over, 1..16 (0: automatic, one per two cores up to 4)"})
     pinned_budget_bytes: int | None = field(default=None, metadata={"help": "most page-locked bucket memory per side (None: no bound)"})
     weight_bulk: bool = field(default=True, metadata={"help": "the network path's bulk lane (plain TCP beside the ROUTER; off under CURVE anyway)"})
+    weight_early_bytes: bool = field(default=True, metadata={"help": "a subscriber takes a bucket's bytes over the bulk lane before the publisher has its checksum (verified once its last chunk brings it)"})
     weight_reserve_bytes: int | None = field(default=None, metadata={"help": "a subscriber reserves buffers for two versions of this size when made (None: at engine start, else at the first fetch)"})
     weight_shm_to_device: bool = field(default=True, metadata={"help": "an engine that stages to CUDA gets shared-memory buckets copied straight to its GPU and verified there"})
     weight_copy_threads: int = field(default=0, metadata={"help": "threads that copy and checksum buckets, 0..64 (0: automatic, up to 8)"})

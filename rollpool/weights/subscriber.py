@@ -116,13 +116,13 @@ class WeightSubscriber:
         copy_threads: int | None = None,
         reserve_bytes: int | None = None,
         bulk: bool | None = None,
-        early_bytes: bool = True,
+        early_bytes: bool | None = None,
     ) -> None:
         """`weights`: every weight-path knob (None: `WeightPathConfig.from_env`, read once here); `path`, `streams`,
-        `pinned_budget_bytes`, `copy_threads`, `reserve_bytes` and `bulk` override one of its fields each. `early_bytes`:
-        over the bulk lane, take a bucket's bytes before the publisher has its checksum (`BulkPath.early_bytes`)."""
+        `pinned_budget_bytes`, `copy_threads`, `reserve_bytes`, `bulk` and `early_bytes` override one of its fields each."""
         cfg = with_overrides(weights, weight_path=path, weight_streams=streams, pinned_budget_bytes=pinned_budget_bytes,
-                             weight_copy_threads=copy_threads, weight_reserve_bytes=reserve_bytes, weight_bulk=bulk)
+                             weight_copy_threads=copy_threads, weight_reserve_bytes=reserve_bytes, weight_bulk=bulk,
+                             weight_early_bytes=early_bytes)
         path, streams, pinned_budget_bytes = cfg.weight_path, cfg.streams, cfg.pinned_budget_bytes
         self.sockets = sockets
         self.worker_id = worker_id or f"sub-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -161,7 +161,7 @@ class WeightSubscriber:
                                 fetch_timeout_s=fetch_timeout_s, window_chunks=window_chunks, max_refetch=max_refetch,
                                 streams=streams, copy_threads=self.copy_threads)
         self._network = NetworkPath(self.ctx, self.dealers)
-        self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint, early_bytes=early_bytes)
+        self._bulk = BulkPath(self.ctx, peer.encode(), lambda: self.router_endpoint, early_bytes=cfg.weight_early_bytes)
         self.fallbacks: dict[str, int] = {}
         """Versions a faster path did not serve, by reason (each one a counted fallback to the next path)."""
         self.last_fallback = ""

@@ -250,6 +250,8 @@ class BulkServer:
         """Chunks looked up on the loop (the first of each bucket a connection serves, and those not arrived yet)."""
         self.native_chunks = 0
         """Chunks sent by the compiled send loop (`lane_native`), counted in `chunks_served` too."""
+        self.early_chunks = 0
+        """Chunks sent before their bucket's checksum was known (``RPBE``, an empty text), counted in `chunks_served` too."""
         self.connections = 0
         self.refused = 0
         self._arrived = threading.Condition()
@@ -410,6 +412,7 @@ class BulkServer:
                 self.bytes_served += served.nbytes
                 self.chunks_served += served.chunks
                 self.native_chunks += served.chunks
+                self.early_chunks += served.chunks if early_only else 0
             if self._loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
                     self._loop.call_soon_threadsafe(functools.partial(self.server.bulk_served, held.v, peer, served.nbytes,
@@ -426,6 +429,7 @@ class BulkServer:
         with self._counted:
             self.bytes_served += nbytes
             self.chunks_served += 1
+            self.early_chunks += not body
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to account to
                 self._loop.call_soon_threadsafe(self.server.bulk_served, held.v, peer, nbytes, parked)
