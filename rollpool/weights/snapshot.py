@@ -91,8 +91,10 @@ _EARLY_SUMS = 0
 their copies land all the same (a checksum thread beside the copies), so subscribers start fetching during the copy
 instead of a checksum after it. 0 by default: on the 2-core VM two early buckets cost the trainer 0.10 s more blocked
 (0.31 against 0.21 s) for publish to fetched 5% sooner without the trainer's CPU step beside and no sooner with it
-(`bench/cpu_publish_probe.py --early 2`, bench/results/cpu-publish-probe-early-2core-s24.json); not measured on a
-GPU host (`bench/gpu_weights.py --early-sums N` sets it there)."""
+(`bench/cpu_publish_probe.py --early 2`, bench/results/cpu-publish-probe-early-2core-s24.json), and on an H100 host the
+tcp row from CPU tensors went from 1.26x the CUDA row to 1.35x (2) and 1.37x (4) (`bench/gpu_weights.py --early-sums N`,
+h100-weights-8b-cpu-tensors-early2-s26.json): the bucket bytes themselves go out before their checksum instead
+(`GatedSource.landed`, the bulk lane's ``RPBE``)."""
 
 
 class _Job(NamedTuple):
