@@ -907,6 +907,12 @@ class WeightServer:
                     self.parked_manifests_served += 1
                     self._send(ident, v.manifest(req.request_id))
 
+    def bytes_landed(self, version: int, bucket: int) -> None:
+        """A streamed version's bucket is copied, its checksum not yet made (any thread): the bulk lane's requests that
+        take bytes before the checksum (``RPBE``) and wait for this bucket's are woken."""
+        if self.bulk is not None:
+            self.bulk.notify()
+
     def complete_bucket(self, version: int, bucket: int, checksum: str) -> None:
         """A streamed version's bucket is snapshotted and checksummed: serve it, and the manifest once all are."""
         v = self.versions.get(version)

@@ -215,6 +215,10 @@ class SnapshotSink(Protocol):
 
     def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None: ...
 
+    def bytes_landed(self, version: int, bucket: int) -> None:
+        """The bucket's bytes are in place, its checksum not yet (called from a copy thread): wake the requests that
+        take bytes before the checksum (the bulk lane's ``RPBE``)."""
+
 
 class ContiguousSource:
     """A bucket held as one contiguous uint8 CPU tensor: chunks are zero-copy slices.
@@ -668,8 +672,11 @@ class Snapshot:
             self.pools.sum.submit(self._fold, idx, rng)
         if last:
             # every byte of the bucket is in place and none changes again: servable to a request that takes bytes
-            # before the checksum (`GatedSource.read_early`), which the checksums held for the copies (`holding`) delay
+            # before the checksum (`GatedSource.read_early`), which the checksums held for the copies (`holding`)
+            # delay; those requests are woken then (otherwise the checksum follows soon and wakes them)
             self.sources[idx].landed = True
+            if self.holding:
+                self.sink.bytes_landed(self.version, idx)
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
                 self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))

@@ -113,6 +113,9 @@ class BulkUnavailableError(Exception):
         self.unreachable = unreachable
 
 
+WAIT_POLL_S = 0.5
+"""A request waiting for bytes to arrive looks again at least this often (it is woken at each arrival: `notify`)."""
+
 FOLD_BYTES = 32 << 20
 """A folded bucket's landed bytes go into its running checksum up to this many at a time (and the rest at its end): each
 fold gives the interpreter lock up and waits for it again (python-xxhash releases it while it sums), so in a worker
@@ -255,6 +258,10 @@ class BulkServer:
         self.connections = 0
         self.refused = 0
         self._arrived = threading.Condition()
+        self._arrivals = 0
+        """Bumped by `notify`: a waiter that saw it move since its lookup looks again instead of waiting."""
+        self.waiting = 0
+        """Requests waiting now for their bytes to arrive (a streamed or relayed version's)."""
         self._counted = threading.Lock()
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -280,6 +287,7 @@ class BulkServer:
     def notify(self) -> None:
         """Bytes arrived (or a version was dropped): wake the requests waiting for them."""
         with self._arrived:
+            self._arrivals += 1
             self._arrived.notify_all()
 
     def _accept_loop(self) -> None:
@@ -356,14 +364,24 @@ class BulkServer:
             if data is not None and self.server.still_serves(version, held.v):
                 self._send_chunk(conn, held, peer, held.v.buckets[bucket].checksum, data, nbytes)
                 return
+        seen = self._arrivals  # (read before the lookup: an arrival during it is not slept through)
         found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base, early)
         began = time.monotonic()
         waited = 0.0
+        parked = found is None
+        if parked:
+            with self._counted:
+                self.waiting += 1
         while found is None and waited < self.wait_s and not self._closed:  # the bytes have not arrived yet
             with self._arrived:
-                self._arrived.wait(min(0.5, self.wait_s - waited))
+                if self._arrivals == seen:
+                    self._arrived.wait(min(WAIT_POLL_S, self.wait_s - waited))
+                seen = self._arrivals
             waited = time.monotonic() - began  # by the clock: every arrival of other bytes wakes this thread
             found = self._on_loop(self._lookup, version, bucket, offset, nbytes, delta_base, early)
+        if parked:
+            with self._counted:
+                self.waiting -= 1
         with self._counted:
             self.loop_lookups += 1
         if found is None:

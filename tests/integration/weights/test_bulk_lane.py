@@ -347,9 +347,11 @@ async def test_a_lane_connection_goes_to_the_event_loop_once_per_bucket_and_the_
     assert_same(got.tensors, w)
     lane = pub._server.bulk
     buckets = sum(1 for b in manifest.buckets if b.nbytes)
-    assert lane.chunks_served > 3 * buckets  # many chunks a bucket at the test sizes
+    # (the server counts a chunk after it went out: the fetch may return first)
+    total = sum(-(-b.nbytes // (16 << 10)) for b in manifest.buckets)
+    assert await settled(lambda: lane.chunks_served, total) == total > 3 * buckets  # many chunks a bucket at the test sizes
     assert lane.loop_lookups == buckets
-    want = lane.chunks_served - buckets if native else 0
+    want = total - buckets if native else 0
     assert await settled(lambda: lane.native_chunks, want) == want
     assert await settled(lambda: sum(pub._server.versions[1].served_by_peer.values()), got.total_bytes) == got.total_bytes
     assert await settled(lambda: pub._server.chunks_served, lane.chunks_served) == lane.chunks_served
@@ -466,3 +468,46 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
         assert_same(got.tensors, w)
     assert early.bulk_bytes == early.bytes_received and old.bulk_bytes == old.bytes_received
     assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
+
+
+async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_copies_land(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subscriber asks for a bucket before the trainer's copies reach it (the manifest is announced first): its
+    request waits on the lane, and the bucket's last copy landing wakes it (not the next checksum, which the copies
+    hold back, nor the waiter's own look every `WAIT_POLL_S`, made longer than the test here)."""
+    import threading
+
+    from rollpool.weights import snapshot
+    from rollpool.weights.paths import bulk
+
+    monkeypatch.setattr(bulk, "WAIT_POLL_S", 60.0)
+    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
+    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
+    held: list[Any] = []
+    release = snapshot.Snapshot._release_sums
+    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))
+    gate = threading.Event()
+    landed = snapshot.Snapshot._landed
+
+    def gated(self: Any, *args: Any) -> None:
+        gate.wait(20)  # the copies land once the test lets them
+        landed(self, *args)
+
+    monkeypatch.setattr(snapshot.Snapshot, "_landed", gated)
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(20)
+    publishing = asyncio.create_task(pub.publish(w, 1))
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=30.0)
+    fetching = asyncio.create_task(sub.fetch(1))
+    lane = pub._server.bulk
+    assert await settled(lambda: lane.waiting, 1, timeout_s=10.0) == 1  # the first request waits for its bytes
+    gate.set()
+    await publishing
+    first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
+    want = -(-first // (16 << 10)) - 1  # every chunk of the stream's first bucket but its last
+    assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want
+    for s in held:
+        release(s)
+    got = await fetching
+    assert_same(got.tensors, w)
+    assert not sub.fallbacks and sub.bulk_bytes == sub.bytes_received

@@ -32,6 +32,9 @@ class RecordingSink:
     def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None:  # shm versions only: not these
         raise AssertionError("no mix64 on a host-memory version")
 
+    def bytes_landed(self, version: int, bucket: int) -> None:
+        pass
+
 
 def adapter_like(seed: int, n: int = 32) -> dict[str, torch.Tensor]:
     """Matrices of a few hundred KB, odd sizes: several fold ranges in one bucket."""
