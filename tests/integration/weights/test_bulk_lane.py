@@ -470,8 +470,9 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
     assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
 
 
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_copies_land(
-        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
     """A subscriber asks for a bucket before the trainer's copies reach it (the manifest is announced first): its
     request waits on the lane, and the bucket's last copy landing wakes it (not the next checksum, which the copies
     hold back, nor the waiter's own look every `WAIT_POLL_S`, made longer than the test here)."""
@@ -480,6 +481,8 @@ async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_c
     from rollpool.weights import snapshot
     from rollpool.weights.paths import bulk
 
+    if not native:
+        monkeypatch.setattr(lane_native, "_off", "off for the test")
     monkeypatch.setattr(bulk, "WAIT_POLL_S", 60.0)
     monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
     monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
