@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import statistics
 import sys
@@ -53,6 +54,24 @@ def step(sd: dict[str, Any], v: int) -> None:
         torch._foreach_add_(list(sd.values()), 0.01 if v % 2 else -0.01)
 
 
+class _Timelines(logging.Handler):
+    """The subscriber's ``weights fetched`` lines: each version's per-bucket timeline over the bulk lane (ms from the
+    transfer's start to each bucket's first chunk, and to it verified)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.by_version: dict[int, Any] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("weights fetched "):
+            line = json.loads(msg[len("weights fetched "):])
+            self.by_version[line["version"]] = line.get("timeline")
+
+
+timelines = _Timelines()
+
+
 async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0: int) -> list[dict[str, Any]]:
     """One publisher with `threads` copy threads; each way's versions in turn (the switch is read at each copy)."""
     import zmq.asyncio
@@ -74,7 +93,11 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     sub = None
     if args.fetch:
         sub = WeightSubscriber(SocketFactory(ctx), worker_id="probe0", fetch_timeout_s=120.0,
-                               weights=WeightPathConfig(weight_path="network", weight_early_bytes=args.early_bytes == "on"))
+                               weights=WeightPathConfig(weight_path="network", weight_early_bytes=args.early_bytes != "off",
+                                                        weight_streams=args.sub_streams))
+        sub_log = logging.getLogger("rollpool.weights.subscriber")
+        sub_log.addHandler(timelines)
+        sub_log.setLevel(logging.INFO)
         sub.reserve(total_bytes=sum(t.numel() * t.element_size() for t in sd.values()))
         sub.connect(pub.router_endpoint, pub.pub_endpoint)
     held: Any = None
@@ -117,7 +140,7 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                     early_chunks, early0 = (lane.early_chunks - early0, lane.early_chunks) if lane is not None else (0, 0)
                     if i:  # the way's first version is a warm-up
                         rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
-                                     "early_chunks": early_chunks,
+                                     "early_chunks": early_chunks, "fetch_timeline": timelines.by_version.get(v),
                                      **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
                 way = {"threads": threads, "sums": ("after the last copy" + (f" but the first {early} buckets'" if early else "")) if after
                        else "as buckets land", "with_step": with_step,
@@ -161,12 +184,18 @@ def main() -> None:
     ap.add_argument("--only-now", action="store_true", help="only the default copy threads (not 8 beside them)")
     ap.add_argument("--early", type=int, default=0, help="also the held checksums with this many first buckets summed "
                     "as they land (`snapshot._EARLY_SUMS`), beside the default")
-    ap.add_argument("--early-bytes", choices=("on", "off"), default="on",
-                    help="--fetch: the subscriber takes a bucket's bytes before its checksum (WeightPathConfig.weight_early_bytes)")
+    ap.add_argument("--early-bytes", choices=("on", "off", "during"), default="on",
+                    help="--fetch: the subscriber takes a bucket's bytes before its checksum (WeightPathConfig.weight_early_bytes), "
+                         "from the version's last copy on (on) or from each bucket's (during: snapshot._EARLY_BYTES_DURING_COPIES)")
+    ap.add_argument("--sub-streams", type=int, default=0, help="--fetch: the subscriber's streams (0: its default, one per two cores)")
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--fetch", action="store_true", help="a subscriber in this process fetches each version as it is published (fetched_s)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if args.early_bytes == "during":
+        from rollpool.weights import snapshot
+
+        snapshot._EARLY_BYTES_DURING_COPIES = True
     out = asyncio.run(run(args))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "cpu_publish_probe.json").write_text(json.dumps(out, indent=1))

@@ -1194,10 +1194,18 @@ def main() -> int:
     ap.add_argument("--delta-fraction", type=float, default=0.0215,
                     help="the delta rows' changed fraction per version (default: bench/weights.py --delta, AdamW at lr 1e-6, on CPU)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
+    ap.add_argument("--early-bytes-during-copies", action="store_true",
+                    help="CPU tensors: a bucket's bytes servable before its checksum as its copies land, not at the version's "
+                         "last copy (rollpool.weights.snapshot._EARLY_BYTES_DURING_COPIES, the publisher's; a worker asks for "
+                         "them unless ROLLPOOL_WEIGHT_EARLY_BYTES=0)")
     ap.add_argument("--early-sums", type=int, default=None,
                     help="CPU tensors: sum this many first buckets as their copies land while the rest wait for the last copy "
                          "(rollpool.weights.snapshot._EARLY_SUMS, in this process: the publisher's; default: the library's, 0)")
     args = ap.parse_args()
+    if args.early_bytes_during_copies:
+        from rollpool.weights import snapshot
+
+        snapshot._EARLY_BYTES_DURING_COPIES = True
     if args.early_sums is not None:
         from rollpool.weights import snapshot
 
@@ -1222,6 +1230,10 @@ def main() -> int:
         RESULT["lane_native"] = {"enabled": lane_native.enabled(), "off_reason": lane_native._off}
     except ImportError:
         RESULT["lane_native"] = {"enabled": False, "off_reason": "this checkout has no compiled lane loops"}
+    # bytes before their checksum (minor 30): the worker asks unless ROLLPOOL_WEIGHT_EARLY_BYTES=0 (it inherits this
+    # environment); servable from the version's last copy, or from each bucket's with --early-bytes-during-copies
+    RESULT["early_bytes"] = {"worker_asks": os.environ.get("ROLLPOOL_WEIGHT_EARLY_BYTES", "1") not in ("0", "false", "False"),
+                             "during_copies": args.early_bytes_during_copies}
     RESULT["how"] = HOW
     save()
     # this process's publisher logs at INFO into the step's folder (gpu_batch.sh packs it with the worker's log): its

@@ -907,9 +907,9 @@ class WeightServer:
                     self.parked_manifests_served += 1
                     self._send(ident, v.manifest(req.request_id))
 
-    def bytes_landed(self, version: int, bucket: int) -> None:
-        """A streamed version's bucket is copied, its checksum not yet made (any thread): the bulk lane's requests that
-        take bytes before the checksum (``RPBE``) and wait for this bucket's are woken."""
+    def bytes_landed(self, version: int) -> None:
+        """Buckets of a streamed version are copied, their checksums not yet made (any thread): the bulk lane's requests
+        that take bytes before the checksum (``RPBE``) and wait for them are woken."""
         if self.bulk is not None:
             self.bulk.notify()
 

@@ -86,6 +86,14 @@ waits for, have the host's cores and memory bandwidth to themselves: None for CP
 checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
 The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py), but
 for the first `_EARLY_SUMS` buckets."""
+_EARLY_BYTES_DURING_COPIES = False
+"""While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), a bucket's bytes become servable to
+requests that take bytes before the checksum (the bulk lane's ``RPBE``, `GatedSource.read_early`) at the version's last
+copy (False: the trainer has its tensors back; the fetch starts a checksum sooner than without), or as each bucket's
+last copy lands (True: the fetch starts during the copies, but its transfers share the host's cores and memory with
+the copies the trainer waits for: on the 2-core VM, 4 streams, the trainer blocked 0.52-0.57 s against 0.22 s,
+bench/results/cpu-publish-probe-early-bytes-2core-s26.json; `bench/gpu_weights.py --early-bytes-during-copies` and
+`bench/cpu_publish_probe.py --early-bytes during` set it)."""
 _EARLY_SUMS = 0
 """While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), the first this many buckets are summed as
 their copies land all the same (a checksum thread beside the copies), so subscribers start fetching during the copy
@@ -215,9 +223,9 @@ class SnapshotSink(Protocol):
 
     def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None: ...
 
-    def bytes_landed(self, version: int, bucket: int) -> None:
-        """The bucket's bytes are in place, its checksum not yet (called from a copy thread): wake the requests that
-        take bytes before the checksum (the bulk lane's ``RPBE``)."""
+    def bytes_landed(self, version: int) -> None:
+        """Buckets of `version` have their bytes in place and their checksums not yet (`GatedSource.landed`; called
+        from any thread): wake the requests that take bytes before the checksum (the bulk lane's ``RPBE``)."""
 
 
 class ContiguousSource:
@@ -493,6 +501,7 @@ class Snapshot:
             self.marks["issued"] = time.perf_counter()
             await asyncio.gather(*futures)
             self.marks["landed"] = time.perf_counter()
+            self._mark_landed()
             self._release_sums()
             if mix_streams:
                 # the GPU mix64 read the trainer's tensors beside the copies: done before they may change (one wait for
@@ -509,6 +518,14 @@ class Snapshot:
         if _SUMS_AFTER_COPIES is not None:
             return _SUMS_AFTER_COPIES
         return _list_on(items) == "cpu"
+
+    def _mark_landed(self) -> None:
+        """Every copy landed: with the checksums held, every bucket's bytes become servable to requests that take bytes
+        before the checksum now (the trainer has its tensors back), and those waiting are woken."""
+        if self.holding and not _EARLY_BYTES_DURING_COPIES:
+            for source in self.sources:
+                source.landed = True
+            self.sink.bytes_landed(self.version)
 
     def _release_sums(self) -> None:
         """Every copy landed: the buckets held for their checksum are summed now, in order (the first is served first)."""
@@ -672,11 +689,12 @@ class Snapshot:
             self.pools.sum.submit(self._fold, idx, rng)
         if last:
             # every byte of the bucket is in place and none changes again: servable to a request that takes bytes
-            # before the checksum (`GatedSource.read_early`), which the checksums held for the copies (`holding`)
-            # delay; those requests are woken then (otherwise the checksum follows soon and wakes them)
-            self.sources[idx].landed = True
-            if self.holding:
-                self.sink.bytes_landed(self.version, idx)
+            # before the checksum (`GatedSource.read_early`); while the checksums wait for the copies (`holding`), at
+            # the version's last copy (`_mark_landed`) unless `_EARLY_BYTES_DURING_COPIES`
+            if not self.holding or _EARLY_BYTES_DURING_COPIES:
+                self.sources[idx].landed = True
+                if self.holding:
+                    self.sink.bytes_landed(self.version)  # (otherwise the checksum follows soon and wakes them)
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
                 self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))

@@ -32,7 +32,7 @@ class RecordingSink:
     def set_host_mix64(self, version: int, bucket: int, checksum: str) -> None:  # shm versions only: not these
         raise AssertionError("no mix64 on a host-memory version")
 
-    def bytes_landed(self, version: int, bucket: int) -> None:
+    def bytes_landed(self, version: int) -> None:
         pass
 
 
