@@ -514,3 +514,54 @@ async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_c
     got = await fetching
     assert_same(got.tensors, w)
     assert not sub.fallbacks and sub.bulk_bytes == sub.bytes_received
+
+
+@pytest.mark.parametrize("during", [False, True])
+async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out_unless_asked_to(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, during: bool) -> None:
+    """With the checksums held for a CPU-tensor version's copies, a bucket's bytes become servable before its checksum
+    at the version's last copy, when the trainer has its tensors back: serving them during the copies took the cores
+    the copies use (the trainer blocked 2.5x as long on the 2-core VM). `_EARLY_BYTES_DURING_COPIES` serves each bucket
+    from its own last copy instead."""
+    import threading
+
+    from rollpool.weights import snapshot
+
+    monkeypatch.setattr(snapshot, "_EARLY_BYTES_DURING_COPIES", during)
+    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
+    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
+    held: list[Any] = []
+    release = snapshot.Snapshot._release_sums
+    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))
+    gate, first_landed = threading.Event(), threading.Event()
+    landed = snapshot.Snapshot._landed
+
+    def gated(self: Any, idx: int, *args: Any) -> None:
+        if idx == len(self.buffers) - 1:
+            gate.wait(20)  # the last bucket's copy (the model's last tensor) lands once the test lets it
+        landed(self, idx, *args)
+        if idx == 0 and self.left[0] == 0:
+            first_landed.set()
+
+    monkeypatch.setattr(snapshot.Snapshot, "_landed", gated)
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(21)
+    publishing = asyncio.create_task(pub.publish(w, 1))
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=30.0)
+    fetching = asyncio.create_task(sub.fetch(1))
+    assert await asyncio.to_thread(first_landed.wait, 10)
+    lane = pub._server.bulk
+    first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
+    want = -(-first // (16 << 10)) - 1
+    # the first bucket's copies are in, the version's last is not: out early only when asked to; else the request waits
+    if during:
+        assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want
+    else:
+        assert await settled(lambda: lane.waiting, 1, timeout_s=10.0) == 1
+        assert lane.early_chunks == 0 and not publishing.done()
+    gate.set()
+    await publishing
+    assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want  # the copies done: both serve early
+    for s in held:
+        release(s)
+    assert_same((await fetching).tensors, w)
