@@ -19,8 +19,9 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
 - ``weight_bulk``: the network path's bulk lane (plain TCP beside the ROUTER, off under CURVE anyway); off on either
   side, that side neither offers nor takes it.
 - ``weight_early_bytes``: a subscriber takes a bucket's bytes over the bulk lane before the publisher has its checksum,
-  from a server that offers it (minor 30: every chunk but the bucket's last once its copies landed; the bucket is
-  verified as before, once its last chunk brought the checksum). A relay's own fetch never does.
+  from a server that offers it (minor 30: where the checksums wait for a version's copies, a trainer's CPU tensors,
+  every chunk but the bucket's last once the copies landed; the bucket is verified as before, once its last chunk
+  brought the checksum). A relay's own fetch never does.
 - ``weight_reserve_bytes``: a subscriber reserves its host (and staging device) buffers for two versions of this
   size at its making (None: at engine start by the engine's own size, `WorkerConfig.weight_reserve_versions`, else
   at the first fetch).

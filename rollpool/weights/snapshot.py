@@ -688,13 +688,13 @@ class Snapshot:
         if rng is not None:
             self.pools.sum.submit(self._fold, idx, rng)
         if last:
-            # every byte of the bucket is in place and none changes again: servable to a request that takes bytes
-            # before the checksum (`GatedSource.read_early`); while the checksums wait for the copies (`holding`), at
-            # the version's last copy (`_mark_landed`) unless `_EARLY_BYTES_DURING_COPIES`
-            if not self.holding or _EARLY_BYTES_DURING_COPIES:
+            # every byte of the bucket is in place and none changes again: while the checksums wait for the copies
+            # (`holding`), servable to a request that takes bytes before the checksum (`GatedSource.read_early`) from
+            # here with `_EARLY_BYTES_DURING_COPIES`, else from the version's last copy (`_mark_landed`); otherwise the
+            # checksum follows the copy closely (folded beside it) and the bucket is served from then on, as to anyone
+            if self.holding and _EARLY_BYTES_DURING_COPIES:
                 self.sources[idx].landed = True
-                if self.holding:
-                    self.sink.bytes_landed(self.version)  # (otherwise the checksum follows soon and wakes them)
+                self.sink.bytes_landed(self.version)
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
                 self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))
