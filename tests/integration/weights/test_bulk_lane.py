@@ -420,6 +420,30 @@ def test_the_bytes_waiting_for_their_fold_stay_within_the_budget_over_the_stream
     assert fold_bytes(1, 4 * mib) == 32 * mib and fold_bytes(16, 16 * mib) == 16 * mib  # never less than a chunk
 
 
+class _HeldChecksums:
+    """A trainer's CPU-tensor version whose checksums wait for its copies (every bucket's, the test's being small), and
+    then for the test: `release` sums them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from rollpool.weights import snapshot
+
+        monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
+        monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
+        self.held: list[Any] = []
+        self._release = snapshot.Snapshot._release_sums
+        monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda snap: self.held.append(snap))
+
+    def release(self) -> None:
+        for snap in self.held:
+            self._release(snap)
+
+
+def _early_chunks_of_first_bucket(pub: Any, chunk: int = 16 << 10) -> int:
+    """Every chunk of the version's first bucket but its last: what goes out before its checksum to one stream."""
+    first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
+    return -(-first // chunk) - 1
+
+
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 @pytest.mark.parametrize("server_minor", [30, 29])
 async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_that_asks_and_verify_once_it_comes(
@@ -429,20 +453,16 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
     still held, with an empty text; the last chunk waits for the checksum and carries it, so the bucket is verified
     as before. A subscriber that does not ask (``RPBQ``, as every one before minor 30), and any subscriber of a server
     of minor 29, gets nothing before the checksum. Both end with the trainer's tensors, bit for bit."""
-    from rollpool.weights import serving, snapshot
+    from rollpool.weights import serving
 
     if not native:
         monkeypatch.setattr(lane_native, "_off", "off for the test")
     monkeypatch.setattr(serving, "PROTOCOL_MINOR", server_minor)  # what the server's manifests say
-    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
-    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)  # every bucket's checksum held (the test's are small)
-    held: list[Any] = []
-    release = snapshot.Snapshot._release_sums
-    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))  # the test releases them
+    sums = _HeldChecksums(monkeypatch)
     pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
     w = model(19)
     manifest = await pub.publish(w, 1)
-    assert held and not any(b.checksum for b in manifest.buckets if b.nbytes)  # copied, no checksum yet
+    assert sums.held and not any(b.checksum for b in manifest.buckets if b.nbytes)  # copied, no checksum yet
     early = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="early")
     old = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="old",
                           early_bytes=False)
@@ -462,8 +482,7 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
     assert (got_early, served_to("early"), served_to("old")) == (want, want, 0)
     assert pub._server.bulk.early_chunks == sum(-(-n // chunk) - 1 for n in firsts) * (server_minor >= 30)
     assert not any(f.done() for f in fetches)
-    for s in held:
-        release(s)
+    sums.release()
     for got in await asyncio.gather(*fetches):
         assert_same(got.tensors, w)
     assert early.bulk_bytes == early.bytes_received and old.bulk_bytes == old.bytes_received
@@ -484,11 +503,7 @@ async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_c
     if not native:
         monkeypatch.setattr(lane_native, "_off", "off for the test")
     monkeypatch.setattr(bulk, "WAIT_POLL_S", 60.0)
-    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
-    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
-    held: list[Any] = []
-    release = snapshot.Snapshot._release_sums
-    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))
+    sums = _HeldChecksums(monkeypatch)
     gate = threading.Event()
     landed = snapshot.Snapshot._landed
 
@@ -506,11 +521,9 @@ async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_c
     assert await settled(lambda: lane.waiting, 1, timeout_s=10.0) == 1  # the first request waits for its bytes
     gate.set()
     await publishing
-    first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
-    want = -(-first // (16 << 10)) - 1  # every chunk of the stream's first bucket but its last
+    want = _early_chunks_of_first_bucket(pub)
     assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want
-    for s in held:
-        release(s)
+    sums.release()
     got = await fetching
     assert_same(got.tensors, w)
     assert not sub.fallbacks and sub.bulk_bytes == sub.bytes_received
@@ -528,11 +541,7 @@ async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out_unless_ask
     from rollpool.weights import snapshot
 
     monkeypatch.setattr(snapshot, "_EARLY_BYTES_DURING_COPIES", during)
-    monkeypatch.setattr(snapshot, "_SUMS_AFTER_COPIES", True)
-    monkeypatch.setattr(snapshot, "_THREAD_COPY_BYTES", 1)
-    held: list[Any] = []
-    release = snapshot.Snapshot._release_sums
-    monkeypatch.setattr(snapshot.Snapshot, "_release_sums", lambda self: held.append(self))
+    sums = _HeldChecksums(monkeypatch)
     gate, first_landed = threading.Event(), threading.Event()
     landed = snapshot.Snapshot._landed
 
@@ -551,8 +560,7 @@ async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out_unless_ask
     fetching = asyncio.create_task(sub.fetch(1))
     assert await asyncio.to_thread(first_landed.wait, 10)
     lane = pub._server.bulk
-    first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
-    want = -(-first // (16 << 10)) - 1
+    want = _early_chunks_of_first_bucket(pub)
     # the first bucket's copies are in, the version's last is not: out early only when asked to; else the request waits
     if during:
         assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want
@@ -562,6 +570,5 @@ async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out_unless_ask
     gate.set()
     await publishing
     assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want  # the copies done: both serve early
-    for s in held:
-        release(s)
+    sums.release()
     assert_same((await fetching).tensors, w)
