@@ -594,6 +594,19 @@ def optimizer_step(sd: dict[str, Any], v: int) -> None:
         torch._foreach_add_(list(sd.values()), 0.01 if v % 2 else -0.01)
 
 
+def _cpu_step(threads: int | None, step: Any, step_args: tuple[Any, ...]) -> None:
+    """The CPU row's trainer step, on torch's intra-op threads (all cores by default) or on `threads` of them."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        step(*step_args)
+    finally:
+        torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------- the pool
 
 
@@ -756,8 +769,8 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 step, step_args = (sparse_step, (sd, v + 1, args.delta_fraction)) if delta else (optimizer_step, (sd, v))
                 if on == "cuda":
                     step(*step_args)  # kernels queued on the GPU: the loop goes on at once
-                else:
-                    await asyncio.to_thread(step, *step_args)
+                elif args.cpu_step_threads != 0:  # 0: no step (what the trainer's own CPU step costs the lane, isolated)
+                    await asyncio.to_thread(_cpu_step, args.cpu_step_threads, step, step_args)
                 await pub.wait_ready(v)
                 manifest = pub.manifest_of(v)
                 # the trainer's GPU memory the publisher took beyond what it held before this version (its arenas)
@@ -1042,6 +1055,10 @@ def summarize() -> None:
     if cpu_tcp.get("versions") and host:
         goals["cpu_tensors_tcp_vs_cuda_tcp"] = path_goal(cpu_tcp, "network", RESULT["cpu_tensors_tcp_path_s"], 1.2 * host,
                                                          goal=f"<= 1.2 x tcp_cuda ({host} s)")
+    if RESULT.get("params", {}).get("cpu_step_threads") == 0:  # a diagnostic run: the trainer's CPU step left out
+        for k in ("cpu_tensors_shm_path_s", "cpu_tensors_tcp_vs_cuda_tcp"):
+            if k in goals:
+                goals[k] = {**goals[k], "met": None, "not_measured": "--cpu-step-threads 0: no trainer step after publish"}
     if RESULT["cpu_tensors_trainer_blocked_s"] is not None:
         v = RESULT["cpu_tensors_trainer_blocked_s"]
         goals["cpu_tensors_trainer_blocked_s"] = {"value": v, "goal": "<= 0.5", "met": v <= 0.5}
@@ -1194,6 +1211,9 @@ def main() -> int:
     ap.add_argument("--delta-fraction", type=float, default=0.0215,
                     help="the delta rows' changed fraction per version (default: bench/weights.py --delta, AdamW at lr 1e-6, on CPU)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="save and exit after this long (the device call's limit is 600 s)")
+    ap.add_argument("--cpu-step-threads", type=int, default=None,
+                    help="the CPU-tensor rows' trainer step after each publish on this many of torch's threads (default: torch's own, "
+                         "every core; 0: no step, to see what the trainer's own CPU step costs the transfer)")
     ap.add_argument("--early-bytes-during-copies", action="store_true",
                     help="CPU tensors: a bucket's bytes servable before its checksum as its copies land, not at the version's "
                          "last copy (rollpool.weights.snapshot._EARLY_BYTES_DURING_COPIES, the publisher's; a worker asks for "

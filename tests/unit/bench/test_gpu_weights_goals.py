@@ -262,3 +262,18 @@ def test_first_over_warm_leaves_out_a_shm_row_whose_segments_were_not_registered
     rows["shm_cpu"]["worker_registered_ahead"] = {"segments": 66, "registered": 66}
     goal = _summarize(bench, rows)["goals"]["first_over_warm"]
     assert goal["value"] == 1.9 and goal["met"] is False and "not_counted" not in goal
+
+
+def test_a_cpu_row_run_without_the_trainers_step_reports_its_figure_but_no_goal() -> None:
+    """`--cpu-step-threads 0` leaves out the CPU row's trainer step (a diagnostic of what that step costs the
+    transfer): the figures stay, the CPU-tensor goals are "not measured"; with the step they count as before."""
+    bench = _bench()
+    rows = {"tcp_cuda": {"versions": [_version(v, "network", applied=1.0) for v in range(1, 7)]},
+            "tcp_cpu": {"versions": [_version(v, "network", applied=1.1) for v in range(7, 13)]}}
+    for threads, met in ((None, True), (8, True), (0, None)):
+        bench.RESULT.clear()
+        bench.RESULT.update({"rows": rows, "how": {}, "model_bytes": 14 << 30, "params": {"cpu_step_threads": threads}})
+        bench.summarize()
+        goal = bench.RESULT["goals"]["cpu_tensors_tcp_vs_cuda_tcp"]
+        assert goal["value"] == 1.1 and goal["met"] is met, threads
+        assert ("not_measured" in goal) is (met is None)
