@@ -21,7 +21,8 @@ making (`WeightPathConfig.from_env`); library code reads no variable after that.
 - ``weight_early_bytes``: a subscriber takes a bucket's bytes over the bulk lane before the publisher has its checksum,
   from a server that offers it (minor 30: where the checksums wait for a version's copies, a trainer's CPU tensors,
   every chunk but the bucket's last once the copies landed; the bucket is verified as before, once its last chunk
-  brought the checksum). A relay's own fetch never does.
+  brought the checksum). A relay asks too, and forwards such bytes to its subscribers that ask (the rest get a
+  bucket's chunks once its checksum is known).
 - ``weight_reserve_bytes``: a subscriber reserves its host (and staging device) buffers for two versions of this
   size at its making (None: at engine start by the engine's own size, `WorkerConfig.weight_reserve_versions`, else
   at the first fetch).

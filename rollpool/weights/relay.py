@@ -17,7 +17,10 @@ the relay cannot complete is withdrawn: its parked and later fetches answer
 chunks are served downstream as they arrive, before their bucket is verified
 here: safe because a downstream subscriber verifies every bucket against the
 publisher's checksum itself (a bad chunk costs it a refetch, never a wrong
-tensor), and it lets the version flow through the node at wire speed.
+tensor), and it lets the version flow through the node at wire speed. A bucket whose
+checksum is still pending upstream (a trainer's CPU tensors, minor 30) comes
+before its checksum too: its chunks go on to the subscribers that ask for that
+(``RPBE``) and wait for the checksum for the rest (`_FillingSource`).
 
 Delta versions (``weight_delta`` on): a relay holding the version before the
 upstream's latest names it as its base, gets the changed elements, rebuilds the
@@ -77,17 +80,25 @@ log = logging.getLogger(__name__)
 
 
 class _FillingSource:
-    """A bucket still arriving: a read is served once every chunk it touches has arrived."""
+    """A bucket still arriving: a read is served once every chunk it touches has arrived and the bucket's checksum is
+    known (`checksummed`: from the upstream manifest, or from the first reply that carried it); `read_early` (a
+    downstream ``RPBE``, minor 30) serves arrived chunks before it, as a publisher's `GatedSource` does its landed
+    bytes, so a relay whose upstream sends a bucket's bytes before its checksum forwards them to the subscribers that
+    asked for that, and the rest wait for the checksum."""
 
-    __slots__ = ("view", "chunk", "have")
+    __slots__ = ("view", "chunk", "have", "checksummed")
 
-    def __init__(self, data: torch.Tensor, chunk: int) -> None:
+    def __init__(self, data: torch.Tensor, chunk: int, checksummed: bool = True) -> None:
         n = int(data.numel())
         self.view = data.numpy().data if n else memoryview(b"")
         self.chunk = chunk
         self.have = bytearray(-(-n // chunk))
+        self.checksummed = checksummed
 
     def read(self, offset: int, nbytes: int) -> Any:
+        return self.read_early(offset, nbytes) if self.checksummed else None
+
+    def read_early(self, offset: int, nbytes: int) -> Any:
         first, last = offset // self.chunk, (offset + nbytes - 1) // self.chunk
         if first == last:
             if not self.have[first]:
@@ -120,7 +131,9 @@ class _Forwarder:
         self.sources[bucket].reset()
 
     def on_checksum(self, bucket: int, checksum: str) -> None:
-        # a streamed upstream manifest's checksum: downstream chunks carry it from now on
+        # a streamed upstream manifest's checksum: downstream chunks carry it from now on (and every subscriber is
+        # served the bucket's arrived chunks, not only those asking for bytes before the checksum)
+        self.sources[bucket].checksummed = True
         self.server.complete_bucket(self.version, bucket, checksum)
 
 
@@ -169,7 +182,6 @@ class Relay(ServingFace):
             max_refetch=max_refetch,
             metrics=self.metrics,
             weights=cfg,
-            early_bytes=False,  # a bucket's bytes are forwarded once its checksum is known (`BulkPath.early_bytes`)
         )
         self._server = WeightServer(
             sockets,
@@ -348,7 +360,7 @@ class Relay(ServingFace):
         version = manifest.version
         chunk = min(max(manifest.chunk_bytes, 4096), MAX_CHUNK_BYTES)
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
-        sources = [_FillingSource(b, chunk) for b in buffers]
+        sources = [_FillingSource(buf, chunk, checksummed=bool(b.checksum)) for buf, b in zip(buffers, manifest.buckets, strict=True)]
         served = ServedVersion(
             version=version,
             publisher_id=manifest.publisher_id,

@@ -1071,7 +1071,7 @@ class WeightServer:
         source = v.sources[bucket]
         data = source.read(offset, nbytes)
         if data is None and early and offset + nbytes < size:
-            read_early = getattr(source, "read_early", None)  # (a relay's arriving bucket has none: its read is the same)
+            read_early = getattr(source, "read_early", None)  # (a snapshot's landed bytes, a relay's arrived chunks)
             data = read_early(offset, nbytes) if read_early is not None else None
         return ChunkRead("", v.buckets[bucket].checksum, data, v)
 

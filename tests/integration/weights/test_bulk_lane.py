@@ -572,3 +572,47 @@ async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out_unless_ask
     assert await settled(lambda: lane.early_chunks, want, timeout_s=10.0) == want  # the copies done: both serve early
     sums.release()
     assert_same((await fetching).tensors, w)
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+async def test_a_relay_takes_bytes_before_their_checksum_and_forwards_them_only_to_the_subscribers_that_ask(
+        make_publisher: Any, make_subscriber: Any, make_relay: Any, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """Minor 30 through a relay: with the trainer's checksums held, the relay's own fetch asks with ``RPBE`` and gets
+    each bucket's chunks but its last; it forwards them to its subscriber that asks too, and its subscriber that does
+    not (``RPBQ``: what every subscriber before minor 30 sends) and one without the lane (the ROUTER's fetches,
+    parked) get no chunk of a bucket before the bucket's checksum has come through. Once the checksums come, both end with the trainer's tensors, bit for bit, over the lane. (The
+    relay hears of arrived chunks every fold's worth of them, `fold_bytes`: a few chunks here, the test's buckets being
+    small.)"""
+    from rollpool.weights.paths import bulk
+
+    if not native:
+        monkeypatch.setattr(lane_native, "_off", "off for the test")
+    monkeypatch.setattr(bulk, "FOLD_BYTES", 40 << 10)
+    sums = _HeldChecksums(monkeypatch)
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    relay = await make_relay(upstream_router=pub.router_endpoint, upstream_pub=pub.pub_endpoint, fetch_timeout_s=20.0, **TCP)
+    w = model(23)
+    await pub.publish(w, 1)
+    early = make_subscriber(relay.router_endpoint, relay.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="early")
+    old = make_subscriber(relay.router_endpoint, relay.pub_endpoint, streams=2, fetch_timeout_s=20.0, worker_id="old",
+                          early_bytes=False)
+    router = make_subscriber(relay.router_endpoint, relay.pub_endpoint, fetch_timeout_s=20.0, worker_id="router", bulk=False)
+    await early.wait_for_newer(0, timeout_s=5)  # the relay announces once it starts receiving
+    fetches = [asyncio.create_task(s.fetch(1)) for s in (early, old, router)]
+    v = relay._server.versions[1]
+
+    def served_to(who: str) -> int:
+        return sum(n for peer, n in v.served_by_peer.items() if (peer.decode() if isinstance(peer, bytes) else peer).startswith(who))
+
+    forwarded = await settled(lambda: min(relay._server.bulk.early_chunks, 1), 1, timeout_s=5.0)
+    await asyncio.sleep(0.3)  # (what the subscriber that does not ask would have had by now)
+    assert pub._server.bulk.early_chunks > 0  # the relay asked upstream before the checksums
+    assert forwarded == 1 and served_to("early") > 0 and served_to("old") == served_to("router") == 0
+    assert not any(f.done() for f in fetches) and sums.held
+    sums.release()
+    for got in await asyncio.gather(*fetches):
+        assert_same(got.tensors, w)
+    assert early.bulk_bytes == early.bytes_received and old.bulk_bytes == old.bytes_received
+    assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
+    assert router.bulk_bytes == 0 and router.buckets_refetched == 0
+    assert relay.upstream.buckets_refetched == 0
