@@ -11,8 +11,7 @@ next --versions are timed:
                 tcp (the bulk lane), started once the version is announced, as a worker's fetch begins (not a worker's
                 process: its receive shares this process's GIL)
 Ways: copy threads (8: the default before; --threads: the default now, up to 16) x checksums summed as buckets land
-(folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now, the
-first `snapshot._EARLY_SUMS` buckets summed as they land all the same, none by default; --early N: also with N), each
+(folded where a core is spare: before) or held until the version's last copy (`snapshot._SUMS_AFTER_COPIES`: now), each
 alone and with the trainer's next step running right after publish returns (`torch._foreach_add_` over every tensor in a
 thread, as bench/gpu_weights.py's CPU rows do: 14.5 GB read and written on the host beside the checksums).
 Writes cpu_publish_probe.json: medians per way, the host's cores. No GPU used (its driver page-locks the buckets).
@@ -103,13 +102,10 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
     held: Any = None
     out, v = [], v0
     early0 = 0  # the lane's chunks sent before their bucket's checksum, so far
-    early_default = snapshot._EARLY_SUMS
     try:
-        kinds = [(False, snapshot._EARLY_SUMS), (True, snapshot._EARLY_SUMS)] + ([(True, args.early)] if args.early else [])
-        for after, early in kinds:
+        for after in (False, True):
             for with_step in (False, True):
                 snapshot._SUMS_AFTER_COPIES = after
-                snapshot._EARLY_SUMS = early
                 rows = []
                 for i in range(args.versions + 1):
                     v += 1
@@ -142,8 +138,7 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                         rows.append({"blocked_s": round(blocked, 4), "ready_s": round(ready, 4), "phases": dict(pub.last_phases),
                                      "early_chunks": early_chunks, "fetch_timeline": timelines.by_version.get(v),
                                      **({"fetched_s": round(fetched, 4)} if fetched is not None else {})})
-                way = {"threads": threads, "sums": ("after the last copy" + (f" but the first {early} buckets'" if early else "")) if after
-                       else "as buckets land", "with_step": with_step,
+                way = {"threads": threads, "sums": "after the last copy" if after else "as buckets land", "with_step": with_step,
                        "blocked_s": round(statistics.median(r["blocked_s"] for r in rows), 4),
                        "ready_s": round(statistics.median(r["ready_s"] for r in rows), 4), "runs": rows, "reserve_s": round(reserve_s, 2)}
                 if sub is not None:
@@ -152,7 +147,6 @@ async def ways_of(sd: dict[str, Any], threads: int, args: argparse.Namespace, v0
                 out.append(way)
     finally:
         snapshot._SUMS_AFTER_COPIES = None
-        snapshot._EARLY_SUMS = early_default
         if sub is not None:
             sub.close()
         await pub.close()
@@ -182,20 +176,14 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="the copy threads of the 'now' ways (0: the default)")
     ap.add_argument("--only-now", action="store_true", help="only the default copy threads (not 8 beside them)")
-    ap.add_argument("--early", type=int, default=0, help="also the held checksums with this many first buckets summed "
-                    "as they land (`snapshot._EARLY_SUMS`), beside the default")
-    ap.add_argument("--early-bytes", choices=("on", "off", "during"), default="on",
+    ap.add_argument("--early-bytes", choices=("on", "off"), default="on",
                     help="--fetch: the subscriber takes a bucket's bytes before its checksum (WeightPathConfig.weight_early_bytes), "
-                         "from the version's last copy on (on) or from each bucket's (during: snapshot._EARLY_BYTES_DURING_COPIES)")
+                         "from the version's last copy on")
     ap.add_argument("--sub-streams", type=int, default=0, help="--fetch: the subscriber's streams (0: its default, one per two cores)")
     ap.add_argument("--bucket-mib", type=int, default=512)
     ap.add_argument("--fetch", action="store_true", help="a subscriber in this process fetches each version as it is published (fetched_s)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    if args.early_bytes == "during":
-        from rollpool.weights import snapshot
-
-        snapshot._EARLY_BYTES_DURING_COPIES = True
     out = asyncio.run(run(args))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "cpu_publish_probe.json").write_text(json.dumps(out, indent=1))

@@ -1214,22 +1214,7 @@ def main() -> int:
     ap.add_argument("--cpu-step-threads", type=int, default=None,
                     help="the CPU-tensor rows' trainer step after each publish on this many of torch's threads (default: torch's own, "
                          "every core; 0: no step, to see what the trainer's own CPU step costs the transfer)")
-    ap.add_argument("--early-bytes-during-copies", action="store_true",
-                    help="CPU tensors: a bucket's bytes servable before its checksum as its copies land, not at the version's "
-                         "last copy (rollpool.weights.snapshot._EARLY_BYTES_DURING_COPIES, the publisher's; a worker asks for "
-                         "them unless ROLLPOOL_WEIGHT_EARLY_BYTES=0)")
-    ap.add_argument("--early-sums", type=int, default=None,
-                    help="CPU tensors: sum this many first buckets as their copies land while the rest wait for the last copy "
-                         "(rollpool.weights.snapshot._EARLY_SUMS, in this process: the publisher's; default: the library's, 0)")
     args = ap.parse_args()
-    if args.early_bytes_during_copies:
-        from rollpool.weights import snapshot
-
-        snapshot._EARLY_BYTES_DURING_COPIES = True
-    if args.early_sums is not None:
-        from rollpool.weights import snapshot
-
-        snapshot._EARLY_SUMS = args.early_sums
     if args.versions < 6:
         ap.error("--versions: at least 6 per path (the issue's rule)")
     OUT = Path(args.out)
@@ -1251,9 +1236,8 @@ def main() -> int:
     except ImportError:
         RESULT["lane_native"] = {"enabled": False, "off_reason": "this checkout has no compiled lane loops"}
     # bytes before their checksum (minor 30): the worker asks unless ROLLPOOL_WEIGHT_EARLY_BYTES=0 (it inherits this
-    # environment); servable from the version's last copy, or from each bucket's with --early-bytes-during-copies
-    RESULT["early_bytes"] = {"worker_asks": os.environ.get("ROLLPOOL_WEIGHT_EARLY_BYTES", "1") not in ("0", "false", "False"),
-                             "during_copies": args.early_bytes_during_copies}
+    # environment); servable from the version's last copy
+    RESULT["early_bytes"] = {"worker_asks": os.environ.get("ROLLPOOL_WEIGHT_EARLY_BYTES", "1") not in ("0", "false", "False")}
     RESULT["how"] = HOW
     save()
     # this process's publisher logs at INFO into the step's folder (gpu_batch.sh packs it with the worker's log): its

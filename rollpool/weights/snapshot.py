@@ -84,25 +84,10 @@ _SUMS_AFTER_COPIES: bool | None = None
 """Hold every bucket's checksum until the version's last copy landed (`Snapshot.copy`), so the copies, which the trainer
 waits for, have the host's cores and memory bandwidth to themselves: None for CPU tensors (copied by threads, the
 checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
-The first bucket is then served one bucket's checksum after the copy, not before it (bench/cpu_publish_probe.py), but
-for the first `_EARLY_SUMS` buckets."""
-_EARLY_BYTES_DURING_COPIES = False
-"""While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), a bucket's bytes become servable to
-requests that take bytes before the checksum (the bulk lane's ``RPBE``, `GatedSource.read_early`) at the version's last
-copy (False: the trainer has its tensors back; the fetch starts a checksum sooner than without), or as each bucket's
-last copy lands (True: the fetch starts during the copies, but its transfers share the host's cores and memory with
-the copies the trainer waits for: on the 2-core VM, 4 streams, the trainer blocked 0.52-0.57 s against 0.22 s,
-bench/results/cpu-publish-probe-early-bytes-2core-s26.json; `bench/gpu_weights.py --early-bytes-during-copies` and
-`bench/cpu_publish_probe.py --early-bytes during` set it)."""
-_EARLY_SUMS = 0
-"""While the checksums wait for the version's last copy (`_SUMS_AFTER_COPIES`), the first this many buckets are summed as
-their copies land all the same (a checksum thread beside the copies), so subscribers start fetching during the copy
-instead of a checksum after it. 0 by default: on the 2-core VM two early buckets cost the trainer 0.10 s more blocked
-(0.31 against 0.21 s) for publish to fetched 5% sooner without the trainer's CPU step beside and no sooner with it
-(`bench/cpu_publish_probe.py --early 2`, bench/results/cpu-publish-probe-early-2core-s24.json), and on an H100 host the
-tcp row from CPU tensors went from 1.26x the CUDA row to 1.35x (2) and 1.37x (4) (`bench/gpu_weights.py --early-sums N`,
-h100-weights-8b-cpu-tensors-early2-s26.json): the bucket bytes themselves go out before their checksum instead
-(`GatedSource.landed`, the bulk lane's ``RPBE``)."""
+The first bucket is then checksummed one bucket's sum after the copy, not before it (bench/cpu_publish_probe.py);
+its bytes go out before that to a subscriber that asks (`Snapshot._mark_landed`). Summing the first buckets as they
+land all the same was measured and dropped (session 27): on an H100 host the tcp row from CPU tensors went from 1.26x
+the CUDA row to 1.35x (2 buckets) and 1.37x (4), h100-weights-8b-cpu-tensors-early2-s26.json."""
 
 
 class _Job(NamedTuple):
@@ -521,8 +506,11 @@ class Snapshot:
 
     def _mark_landed(self) -> None:
         """Every copy landed: with the checksums held, every bucket's bytes become servable to requests that take bytes
-        before the checksum now (the trainer has its tensors back), and those waiting are woken."""
-        if self.holding and not _EARLY_BYTES_DURING_COPIES:
+        before the checksum now (the trainer has its tensors back), and those waiting are woken. Not at each bucket's
+        own last copy: the fetch then shares the host's cores and memory with the copies the trainer waits for (trainer
+        blocked 0.57 s against 0.36-0.38 s on an H100 host, the row no faster, h100-weights-8b-cpu-tensors-early-during-s27.json;
+        0.52-0.57 s against 0.22 s on the 2-core VM, cpu-publish-probe-early-bytes-2core-s26.json)."""
+        if self.holding:
             for source in self.sources:
                 source.landed = True
             self.sink.bytes_landed(self.version)
@@ -690,11 +678,8 @@ class Snapshot:
         if last:
             # every byte of the bucket is in place and none changes again: while the checksums wait for the copies
             # (`holding`), servable to a request that takes bytes before the checksum (`GatedSource.read_early`) from
-            # here with `_EARLY_BYTES_DURING_COPIES`, else from the version's last copy (`_mark_landed`); otherwise the
-            # checksum follows the copy closely (folded beside it) and the bucket is served from then on, as to anyone
-            if self.holding and _EARLY_BYTES_DURING_COPIES:
-                self.sources[idx].landed = True
-                self.sink.bytes_landed(self.version)
+            # the version's last copy (`_mark_landed`); otherwise the checksum follows the copy closely (folded beside
+            # it) and the bucket is served from then on, as to anyone
             if self.slotted[idx]:
                 assert self.slots is not None  # the digest's copy landed before the bucket's last copy was waited for
                 self._call(self._mix_ready, idx, mix64_format(int(self.slots[idx])))
@@ -729,7 +714,7 @@ class Snapshot:
             self._checksum(idx)
             return
         with self._lock:
-            if self.holding and idx >= _EARLY_SUMS:  # until the version's last copy landed (`_release_sums`)
+            if self.holding:  # until the version's last copy landed (`_release_sums`)
                 self.held.append(idx)
                 return
         self.pools.sum.submit(self._checksum, idx)
