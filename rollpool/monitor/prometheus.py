@@ -199,10 +199,11 @@ def render_prometheus(state: PoolState) -> str:  # noqa: C901 - grandfathered: o
         for fname, (name, help_text) in WORKER_EPISODE_COUNTERS.items():
             if _is_number(fields.get(fname)):
                 add(name, "counter", help_text, fields[fname], labels)
-        for lane in ("network", "bulk", "shm", "ipc"):
+        for lane in ("network", "bulk", "early", "shm", "ipc"):
             if _is_number(fields.get(f"weights_{lane}_bytes")):
                 add("rollpool_worker_weight_bytes_total", "counter", "Weight bytes a worker received, by lane (network: the whole network "
-                    "path, the bulk lane's bytes included).", fields[f"weights_{lane}_bytes"], {**labels, "lane": lane})
+                    "path, the bulk lane's bytes included; early: of the bulk lane's, those before their bucket's checksum).",
+                    fields[f"weights_{lane}_bytes"], {**labels, "lane": lane})
         for enc in ("full", "whole", "gaps", "sparse"):
             if _is_number(fields.get(f"weights_wire_{enc}_bytes")):
                 add("rollpool_worker_weight_version_wire_bytes", "gauge", "Bytes a worker's last weight version took on the wire, by "

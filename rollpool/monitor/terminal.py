@@ -49,8 +49,10 @@ _WORKER_COLUMNS = (
 )
 
 
-_WEIGHT_LANES = (("bulk_bytes", "bulk lane"), ("network_bytes", "network"), ("shm_bytes", "shm"), ("ipc_bytes", "cuda ipc"))
-"""A worker's weight bytes by lane (`weights_*` in its state); ``network`` counts the bulk lane's bytes too."""
+_WEIGHT_LANES = (("bulk_bytes", "bulk lane"), ("early_bytes", "before checksum"), ("network_bytes", "network"), ("shm_bytes", "shm"),
+                 ("ipc_bytes", "cuda ipc"))
+"""A worker's weight bytes by lane (`weights_*` in its state); ``network`` counts the bulk lane's bytes too, ``before
+checksum`` those of the bulk lane's that came before their bucket's checksum (minor 30)."""
 
 
 def _fmt_bytes(v: object) -> str:

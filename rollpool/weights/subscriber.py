@@ -209,6 +209,7 @@ class WeightSubscriber:
     # counters by path (the worker reports them), and the shared-memory part's state, under their public names
     bytes_received: Attr[int] = Attr("counters", "Bucket bytes received on the network path (over ZeroMQ or the bulk lane).")
     bulk_bytes: Attr[int] = Attr("counters", "Of `bytes_received`, those received over the bulk lane.")
+    early_bytes: Attr[int] = Attr("counters", "Of `bulk_bytes`, those received before their bucket's checksum (minor 30).")
     shm_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from a publisher's shared-memory segments.")
     device_stage_bytes: Attr[int] = Attr("counters", "Bucket bytes copied from shared memory straight to `stage_device`, verified there.")
     ipc_bytes: Attr[int] = Attr("counters", "Bucket bytes copied device-to-device from a publisher's exported GPU buffer.")

@@ -679,7 +679,7 @@ class Worker:
         if sub is None:
             return out
         for key, attr in (("weights_last_path", "last_path"), ("weights_network_bytes", "bytes_received"),
-                          ("weights_bulk_bytes", "bulk_bytes"), ("weights_shm_bytes", "shm_bytes"), ("weights_ipc_bytes", "ipc_bytes"),
+                          ("weights_bulk_bytes", "bulk_bytes"), ("weights_early_bytes", "early_bytes"), ("weights_shm_bytes", "shm_bytes"), ("weights_ipc_bytes", "ipc_bytes"),
                           ("weights_refetched", "buckets_refetched")):
             value = getattr(sub, attr, None)  # a subscriber of a test's factory may have fewer
             if value is not None:

@@ -167,6 +167,8 @@ class FetchCounters:
     """Bucket bytes received on the network path (over ZeroMQ or the bulk lane)."""
     bulk_bytes: int = 0
     """Of `bytes_received`, those received over the bulk lane."""
+    early_bytes: int = 0
+    """Of `bulk_bytes`, those received before their bucket's checksum (``RPBE``, minor 30: a trainer's CPU tensors)."""
     shm_bytes: int = 0
     """Bucket bytes copied from a publisher's shared-memory segments."""
     device_stage_bytes: int = 0

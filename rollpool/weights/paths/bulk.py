@@ -780,6 +780,7 @@ class _BulkTransfer:
         with counters.lock:
             counters.bytes_received += nbytes
             counters.bulk_bytes += nbytes
+            counters.early_bytes += 0 if checksum else nbytes  # (only an RPBE reply carries no text)
         if self.sink is not None:
             self.loop.call_soon_threadsafe(self.sink.on_chunk, bucket, offset, nbytes)
 

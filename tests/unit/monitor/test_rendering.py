@@ -145,12 +145,14 @@ def test_top_and_the_exporter_show_how_each_worker_s_weights_arrive() -> None:
     state = _state()
     assert "WEIGHTS" not in render_frame(state, width=100)  # no worker has fetched a version
     state.workers["w-1"].update({"weights_last_path": "network", "weights_network_bytes": 14_480_000_000,
-                                 "weights_bulk_bytes": 14_480_000_000, "weights_shm_bytes": 0, "weights_fallbacks": 0,
+                                 "weights_bulk_bytes": 14_480_000_000, "weights_early_bytes": 3_500_000_000, "weights_shm_bytes": 0,
+                                 "weights_fallbacks": 0,
                                  "weights_refetched": 2, "held_lists_sent": 1})
     state.workers["w-2"].update({"weights_last_path": "network", "weights_network_bytes": 1_000_000, "weights_fallbacks": 1})
     frame = render_frame(state, width=120)
     (w1,) = [x for x in frame.splitlines() if x.startswith("  w-1  path")]
     assert "bulk lane 14.5 GB" in w1 and "network 14.5 GB" in w1 and "refetched 2" in w1 and "shm" not in w1
+    assert "before checksum 3.5 GB" in w1  # of the bulk lane's bytes, those before their bucket's checksum (minor 30)
     (w2,) = [x for x in frame.splitlines() if x.startswith("  w-2  path")]
     assert "fallbacks 1" in w2
     colored = render_frame(state, width=120, color=True).splitlines()
@@ -159,6 +161,7 @@ def test_top_and_the_exporter_show_how_each_worker_s_weights_arrive() -> None:
     assert all(len(x) <= 80 for x in render_frame(state, width=80).splitlines())
     fams = parse_prometheus(render_prometheus(state))
     assert sample_value(fams, "rollpool_worker_weight_bytes_total", worker="w-1", lane="bulk") == 14_480_000_000
+    assert sample_value(fams, "rollpool_worker_weight_bytes_total", worker="w-1", lane="early") == 3_500_000_000
     assert sample_value(fams, "rollpool_worker_weight_bytes_total", worker="w-2", lane="network") == 1_000_000
     assert sample_value(fams, "rollpool_worker_weight_fallbacks_total", worker="w-2") == 1
     assert sample_value(fams, "rollpool_worker_held_lists_total", worker="w-1") == 1
