@@ -1156,7 +1156,8 @@ class WeightServer:
                 "protocol_errors": self.protocol_errors, "delta_manifests_served": self.deltas_served,
                 "full_manifests_to_delta_askers": self.full_served_to_delta_askers, "delta_waits_ended": self.delta_waits_ended,
                 "last_delta_version": int(d.get("version", -1)), "last_delta_wire_bytes": int(d.get("wire_bytes", 0)),
-                "last_delta_changed_ppm": round(float(d.get("changed_fraction", 0.0)) * 1e6)}
+                "last_delta_changed_ppm": round(float(d.get("changed_fraction", 0.0)) * 1e6),
+                "bulk_early_chunks": self.bulk.early_chunks if self.bulk is not None else 0}
 
     def _send(self, ident: bytes, msg: Any, *, copy: bool = True) -> bool:
         import zmq
