@@ -481,7 +481,7 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
     await asyncio.sleep(0.2)  # (what the subscriber that does not ask would have had by now)
     assert (got_early, served_to("early"), served_to("old")) == (want, want, 0)
     assert pub._server.bulk.early_chunks == sum(-(-n // chunk) - 1 for n in firsts) * (server_minor >= 30)
-    assert pub.stats()["bulk_early_chunks"] == pub._server.bulk.early_chunks
+    assert pub.stats["bulk_early_chunks"] == pub._server.bulk.early_chunks
     assert not any(f.done() for f in fetches)
     sums.release()
     for got in await asyncio.gather(*fetches):
