@@ -767,12 +767,19 @@ class _BulkTransfer:
                         raise WeightSyncError(f"weight version {self.manifest.version}: bucket {bucket}: a chunk naming checksum "
                                               f"{checksum!r}, not {self.expected[bucket]!r}")
                     self.expected[bucket] = checksum  # a streamed manifest's pending checksum: the bucket's chunks carry it
-                    self.sums[bucket] = Checksummer.for_digest(checksum)
+                    early = self.sums[bucket]
+                    if early is None or early.algorithm != checksum.partition(":")[0]:  # (else its early fold stands)
+                        self.sums[bucket] = Checksummer.for_digest(checksum)
+                        self.folded_to[bucket] = 0
                     if self.sink is not None:
                         self.loop.call_soon_threadsafe(self.sink.on_checksum, bucket, checksum)
         if self.first_ms[bucket] < 0:
             self.first_ms[bucket] = self._ms()
         summer = self.sums[bucket]
+        if summer is None and not checksum and self.folding[bucket]:
+            # bytes before the checksum (RPBE): folded as they land all the same, by this side's default algorithm (a
+            # publisher's, unless the two differ: then the bucket is folded again from its start once the text names it)
+            summer = self.sums[bucket] = Checksummer()
         if self.folding[bucket] and summer is not None and offset + nbytes - self.folded_to[bucket] >= self.fold_bytes:
             summer.update(self.views[bucket][self.folded_to[bucket] : offset + nbytes])
             self.folded_to[bucket] = offset + nbytes

@@ -612,3 +612,49 @@ async def test_a_relay_takes_bytes_before_their_checksum_and_forwards_them_only_
     assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
     assert router.bulk_bytes == 0 and router.buckets_refetched == 0
     assert relay.upstream.buckets_refetched == 0
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+@pytest.mark.parametrize("algorithm", ["the publisher's", "another"])
+async def test_bytes_before_their_checksum_are_folded_as_they_land_and_verify(
+        make_publisher: Any, make_subscriber: Any, monkeypatch: pytest.MonkeyPatch, native: bool, algorithm: str) -> None:
+    """A bucket's bytes that come before its checksum go into its running checksum as they land (in cache), by the
+    subscriber's default algorithm, not in one pass once the text came; a text naming another algorithm starts the
+    fold again from the bucket's start. Either way every bucket verifies, none is fetched again."""
+    from rollpool.weights import bucketing
+    from rollpool.weights.paths import bulk
+
+    if not native:
+        monkeypatch.setattr(lane_native, "_off", "off for the test")
+    if algorithm == "another":  # the subscriber's default differs from the publisher's (xxh3_64 here)
+        class _Crc(bucketing.Checksummer):
+            __slots__ = ()
+
+            def __init__(self, algorithm: str | None = None) -> None:
+                super().__init__(algorithm or "crc32")
+
+        monkeypatch.setattr(bulk, "Checksummer", _Crc)
+    monkeypatch.setattr(bulk, "FOLD_BYTES", 40 << 10)
+    transfers: list[Any] = []
+    made = bulk._BulkTransfer.__init__
+
+    def seen(self: Any, *args: Any, **kw: Any) -> None:
+        made(self, *args, **kw)
+        transfers.append(self)
+
+    monkeypatch.setattr(bulk._BulkTransfer, "__init__", seen)
+    sums = _HeldChecksums(monkeypatch)
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    w = model(29)
+    await pub.publish(w, 1)
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=20.0)  # (no bucket cut in parts)
+    fetching = asyncio.create_task(sub.fetch(1))
+    first = next(i for i, b in enumerate(pub._server.versions[1].buckets) if b.nbytes)
+    assert await settled(lambda: sum(t.folded_to[first] > 0 for t in transfers), 1, timeout_s=5.0) == 1
+    (t,) = transfers
+    assert t.folding[first] and t.sums[first] is not None and not t.expected[first]  # folded before its checksum came
+    sums.release()
+    assert_same((await fetching).tensors, w)
+    assert sub.buckets_refetched == 0 and not sub.fallbacks and sub.early_bytes > 0
+    summer = t.sums[first]
+    assert summer is not None and summer.algorithm == bucketing.default_checksum_algorithm()  # the publisher's, in the end
