@@ -208,6 +208,14 @@ class Relay(ServingFace):
         self._started = False
         self._stop = asyncio.Event()
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """What the relay fetched and served (its server's `stats`: bytes and chunks served, those before their
+        checksum, deltas), as a publisher's `stats`."""
+        return {"latest_version": self._latest, **self._server.stats(), "versions_fetched": self.versions_fetched,
+                "delta_versions": self.delta_versions, "delta_fallbacks": self.delta_fallbacks,
+                "adapter_on_missing": self.adapter_on_missing, "base_on_missing": self.base_on_missing}
+
     # -- lifecycle
 
     async def start(self) -> None:

@@ -612,6 +612,7 @@ async def test_a_relay_takes_bytes_before_their_checksum_and_forwards_them_only_
     assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
     assert router.bulk_bytes == 0 and router.buckets_refetched == 0
     assert relay.upstream.buckets_refetched == 0
+    assert relay.stats["bulk_early_chunks"] == relay._server.bulk.early_chunks > 0 and relay.stats["versions_fetched"] == 1
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
