@@ -277,3 +277,20 @@ def test_a_cpu_row_run_without_the_trainers_step_reports_its_figure_but_no_goal(
         goal = bench.RESULT["goals"]["cpu_tensors_tcp_vs_cuda_tcp"]
         assert goal["value"] == 1.1 and goal["met"] is met, threads
         assert ("not_measured" in goal) is (met is None)
+
+
+def test_a_cpu_row_run_again_with_its_step_on_n_threads_is_its_own_figure_not_the_goals() -> None:
+    """``--rows tcp_cuda,tcp_cpu,tcp_cpu_step0`` runs the CPU row twice in one engine start, the second without the
+    trainer's step: the goals read the row itself; the step row's median is reported beside, under its name."""
+    bench = _bench()
+    assert bench.select_rows("tcp_cuda,tcp_cpu,tcp_cpu_step0,shm_cpu_step8,tcp_cuda_step3,nope") == [
+        ("tcp", "cuda", False), ("tcp", "cpu", False), ("tcp", "cpu@0", False), ("shm", "cpu@8", False)]
+    assert bench.select_rows("", delta=True)[-1] == ("shm", "cuda", "device") and len(bench.select_rows("")) == 5
+    rows = {"tcp_cuda": {"versions": [_version(v, "network", applied=1.0) for v in range(1, 7)]},
+            "tcp_cpu": {"versions": [_version(v, "network", applied=1.5) for v in range(7, 13)]},
+            "tcp_cpu_step0": {"cpu_step_threads": 0, "versions": [_version(v, "network", applied=1.1) for v in range(13, 19)]}}
+    res = _summarize(bench, rows)
+    goal = res["goals"]["cpu_tensors_tcp_vs_cuda_tcp"]
+    assert goal["value"] == 1.5 and goal["met"] is False  # the row with the step, as always
+    assert res["cpu_tensors_by_step_threads"]["tcp_cpu_step0"]["publish_to_applied_s"] == 1.1
+    assert res["cpu_tensors_by_step_threads"]["tcp_cpu_step0"]["cpu_step_threads"] == 0
