@@ -85,9 +85,10 @@ _SUMS_AFTER_COPIES: bool | None = None
 waits for, have the host's cores and memory bandwidth to themselves: None for CPU tensors (copied by threads, the
 checksums' reads competing with them), True always, False never (summed as each bucket's last copy lands, or folded).
 The first bucket is then checksummed one bucket's sum after the copy, not before it (bench/cpu_publish_probe.py);
-its bytes go out before that to a subscriber that asks (`Snapshot._mark_landed`). Summing the first buckets as they
-land all the same was measured and dropped (session 27): on an H100 host the tcp row from CPU tensors went from 1.26x
-the CUDA row to 1.35x (2 buckets) and 1.37x (4), h100-weights-8b-cpu-tensors-early2-s26.json."""
+its bytes go out before that to a subscriber that asks (`Snapshot._mark_landed`). Not the first buckets summed as
+they land all the same: that started a few streams sooner and made the fetch slower (on an H100 host the tcp row from
+CPU tensors went from 1.26x the CUDA row to 1.35x with 2 such buckets, 1.37x with 4,
+h100-weights-8b-cpu-tensors-early2-s26.json)."""
 
 
 class _Job(NamedTuple):

@@ -438,6 +438,15 @@ class _HeldChecksums:
             self._release(snap)
 
 
+async def _publish_and_fetch(make_publisher: Any, make_subscriber: Any, w: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """A publish of `w` as version 1 and one subscriber's fetch of it (one stream), started side by side: (publisher,
+    subscriber, publishing task, fetching task)."""
+    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
+    publishing = asyncio.create_task(pub.publish(w, 1))
+    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=30.0)
+    return pub, sub, publishing, asyncio.create_task(sub.fetch(1))
+
+
 def _early_chunks_of_first_bucket(pub: Any, chunk: int = 16 << 10) -> int:
     """Every chunk of the version's first bucket but its last: what goes out before its checksum to one stream."""
     first = next(b.nbytes for b in pub._server.versions[1].buckets if b.nbytes)
@@ -514,11 +523,8 @@ async def test_a_request_waiting_for_a_bucket_is_answered_early_as_soon_as_its_c
         landed(self, *args)
 
     monkeypatch.setattr(snapshot.Snapshot, "_landed", gated)
-    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
     w = model(20)
-    publishing = asyncio.create_task(pub.publish(w, 1))
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=30.0)
-    fetching = asyncio.create_task(sub.fetch(1))
+    pub, sub, publishing, fetching = await _publish_and_fetch(make_publisher, make_subscriber, w)
     lane = pub._server.bulk
     assert await settled(lambda: lane.waiting, 1, timeout_s=10.0) == 1  # the first request waits for its bytes
     gate.set()
@@ -552,11 +558,8 @@ async def test_while_the_trainer_waits_for_its_copies_no_bytes_go_out(
             first_landed.set()
 
     monkeypatch.setattr(snapshot.Snapshot, "_landed", gated)
-    pub = await make_publisher(chunk_bytes=16 << 10, **TCP)
     w = model(21)
-    publishing = asyncio.create_task(pub.publish(w, 1))
-    sub = make_subscriber(pub.router_endpoint, pub.pub_endpoint, streams=1, fetch_timeout_s=30.0)
-    fetching = asyncio.create_task(sub.fetch(1))
+    pub, sub, publishing, fetching = await _publish_and_fetch(make_publisher, make_subscriber, w)
     assert await asyncio.to_thread(first_landed.wait, 10)
     lane = pub._server.bulk
     want = _early_chunks_of_first_bucket(pub)
