@@ -20,7 +20,10 @@ Contract
     - It reads the caller's tensors only inside `diff` (on CUDA on a side stream that first waits for the caller's
       stream, synchronised before it returns): once it returned they may change. Nothing else may write the base
       while `views` (the base as the version's tensors, for the host copy made from it) are being read.
-    - torch ops only, so the same code runs on CPU tensors (the tests; `DEVICE_TYPES`) and CUDA tensors (the GPU).
+    - torch ops, so the same code runs on CPU tensors (the tests; `DEVICE_TYPES`) and CUDA tensors (the GPU); on CUDA a
+      bucket is compared, counted and its positions gathered by `rollpool.weights.diff_kernel` where it is usable (one
+      host sync a bucket instead of one a piece; only the changed elements written into the base), with the same
+      positions and base, and the torch ops where it is not.
 
 Why a whole base on the device and not bucket by bucket from the host copy: staging the previous version's host bucket
 to the GPU reads the model's bytes over PCIe while the trainer waits, as long as today's device-to-host copy of the new
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from rollpool.protocol.messages import BucketInfo
+from rollpool.weights import diff_kernel
 from rollpool.weights.bucketing import dtype_from_name, dtype_name, flat_bytes
 from rollpool.weights.delta import (
     ENCODED_FRACTION_GUESS,
@@ -345,21 +349,31 @@ class DeviceBase:
         n = b.nbytes // width
         base = self.arena[self.offsets[b.index] : self.offsets[b.index] + b.nbytes].view(word)
         mask = self.mask[:n]
-        for offset, tensor in tensors:
-            src = flat_bytes(tensor).view(word)
-            lo = offset // width
-            part = base[lo : lo + src.numel()]
-            if had >= 0:
-                torch.ne(src, part, out=mask[lo : lo + src.numel()])
-            part.copy_(src)
-        if had < 0:  # nothing to compare with: the base is written, no delta
-            return None
-        k = _count(mask) if n else 0
+        pairs = [(flat_bytes(tensor).view(word), offset // width) for offset, tensor in sorted(tensors, key=lambda t: t[0])]
+        pieces = [(src, base[lo : lo + src.numel()]) for src, lo in pairs]
+        counted = _count_by_kernel(pieces) if had >= 0 and n and diff_kernel.usable(base.device) else None
+        if counted is None:
+            for (src, lo), (_src, part) in zip(pairs, pieces, strict=True):
+                if had >= 0:
+                    torch.ne(src, part, out=mask[lo : lo + src.numel()])
+                part.copy_(src)
+            if had < 0:  # nothing to compare with: the base is written, no delta
+                return None
+            k = _count(mask) if n else 0
+        else:
+            k = counted[1]  # (the base is written below: only what changed, or all of it for a whole bucket)
         t1 = time.perf_counter()
         enc = plan_encoding(k, n, width, None)
         payload: torch.Tensor | None = None
+        if counted is not None and enc == WHOLE:
+            for src, part in pieces:
+                part.copy_(src)
         if enc is None:
-            idx = _positions(mask, k)
+            if counted is None:
+                idx = _positions(mask, k)
+            else:
+                idx = torch.empty(k, dtype=torch.int32, device=base.device)
+                _gather_by_kernel(pieces, [lo for _src, lo in pairs], counted[0], idx)
             gaps = torch.empty_like(idx)
             gaps[:1] = idx[:1]
             torch.sub(idx[1:], idx[:-1], out=gaps[1:])
@@ -394,6 +408,27 @@ class DeviceBase:
         ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
                       timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4)})
         return BucketDiff(ds, done, on_device)
+
+
+def _count_by_kernel(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int] | None:
+    """`diff_kernel.count_changed` of a bucket's pieces (the base not written yet), or None when the kernels cannot run
+    here (switched off for the process: the torch path compares this bucket and the next)."""
+    try:
+        return diff_kernel.count_changed(pieces)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build or launch on this device
+        diff_kernel.switch_off(f"{type(e).__name__}: {e}")
+        return None
+
+
+def _gather_by_kernel(pieces: list[tuple[torch.Tensor, torch.Tensor]], offsets: list[int], starts: torch.Tensor,
+                      positions: torch.Tensor) -> None:
+    """`diff_kernel.gather_changed`; a failure switches the kernels off and is raised: the base may be written in part,
+    so the diff fails (the base then holds no version, as for any failure of `DeviceBase.diff`)."""
+    try:
+        diff_kernel.gather_changed(pieces, offsets, starts, positions)
+    except Exception as e:
+        diff_kernel.switch_off(f"{type(e).__name__}: {e}")
+        raise
 
 
 def _count(mask: torch.Tensor) -> int:

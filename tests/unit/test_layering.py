@@ -148,7 +148,8 @@ WEIGHT_MODULES: dict[str, set[str]] = {
     "gpu": {"mix64_kernel", "mix64_native"},
     "memory": {"gpu"},
     "delta": set(),
-    "delta_device": {"delta", "bucketing", "gpu", "manifest"},
+    "diff_kernel": set(),
+    "delta_device": {"delta", "diff_kernel", "bucketing", "gpu", "manifest"},
     "delta_gpu": {"delta", "gpu"},
     "paths": set(),  # the package's docstring
     "paths.base": {"delta_gpu"},  # (a type only)
