@@ -852,6 +852,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
                 device_made, device_made_before = pub.delta_device_versions, device_made
                 rec["delta_made_on"] = ("device" if device_made > device_made_before else "host") if delta else None
                 rec["why_not_delta_on_device"] = pub.path_note.get("why_not_delta_on_device") if delta else None
+                rec["delta_compared_by"] = pub.path_note.get("delta_compared_by") if delta else None  # kernels or torch ops
                 # where the worker rebuilt it (its apply record, else its fetch line): device, host, or None (a full version)
                 rec["delta_rebuilt_on"] = a.get("delta_rebuilt_on") or f.get("delta_rebuilt_on")
                 rec["delta_device_rebuild_s"] = a.get("delta_device_rebuild_s", f.get("device_rebuild_s"))
@@ -1124,6 +1125,7 @@ def summarize() -> None:
         RESULT["delta_device_shm_path_s"] = round(ds_s - ds_pause, 4) if ds_s is not None and ds_pause is not None else None
         RESULT["delta_device_trainer_blocked_s"] = _median([r["trainer_blocked_s"] for row in device_rows.values() for r in row["versions"][1:]])
         RESULT["delta_device_made_on"] = sorted({str(r.get("delta_made_on")) for row in device_rows.values() for r in row["versions"][1:]})
+        RESULT["delta_device_compared_by"] = sorted({str(r.get("delta_compared_by")) for row in device_rows.values() for r in row["versions"][1:]})
         RESULT["delta_device_why_not"] = sorted({str(r.get("why_not_delta_on_device")) for row in device_rows.values()
                                                  for r in row["versions"][1:] if r.get("why_not_delta_on_device")})
         steady_dev = [r for row in device_rows.values() for r in row["versions"] if isinstance(r.get("delta_base"), int) and r["delta_base"] >= 0]
@@ -1204,6 +1206,7 @@ HOW = {
     "delta_device_trainer_blocked_s": "duration of publish_weights over the _delta_device rows, versions 2..N: the diff on the trainer's GPU and the base's update (the host copy is made from the base after the call)",
     "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (device: the publisher's delta_device_versions counted it, else host); delta_device_why_not: the reasons path_note gave for host",
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
+    "delta_device_compared_by": "the _delta_device rows' versions 2..N: what compared their buckets on the trainer's GPU (the publisher's path_note delta_compared_by): kernels (rollpool.weights.diff_kernel) or torch ops (why)",
     "delta_rebuilt_on": "per delta row, versions 3..N: where the worker rebuilt each version (the 'sglang apply' line's delta_rebuilt_on: device = in place on its engine's GPU from the version it kept there, verified there against the manifest's mix64 of the resulting bytes; host = host buffers, then staged; none = the version came whole), with the worker's reasons the GPU did not (why_not_rebuilt_on_device). A _delta_device row's goals count only when every steady version was rebuilt on the device (rebuilt_goal)",
     "delta_device_rebuild_s": "the _delta_device rows' versions rebuilt from a delta: median of the worker's GPU seconds for the rebuild (patch + mix64 check, summed over buckets; its apply record's delta_device_rebuild_s)",
     "delta_phases": "delta rows: medians over the versions rebuilt from a delta of where the time went (delta_phases in bench/gpu_weights.py): the server's delta_compare_s, delta_encode_s (of it delta_pin_s: allocating a device delta's page-locked payload buffers, made ahead since they cost 0.6 s there), delta_checksum_s (summed over buckets), delta_made_s, delta_after_complete_s, delta_ready_after_publish_s, early_delta_ready_after_publish_s (a device-made delta served before the host copy was checksummed, to workers that verify on their GPU: minor 28; absent when not served early), early_mix_s (the publisher's GPU summing the mix64 of the resulting bytes for it), delta_shm_write_s (the encoded bytes written to a shared-memory segment, before a delta is served where the publisher's versions are in shared memory); the worker's manifest_after_publish_s, manifest_wait_s, fetch_s, rebuild_s and verify_s (summed over buckets), rebuild_after_fetch_s, delta_total_s",

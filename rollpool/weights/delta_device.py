@@ -61,7 +61,7 @@ from rollpool.weights.delta import (
 from rollpool.weights.gpu import arena_offsets, mix64_format, mix64_partial, side_stream
 from rollpool.weights.manifest import GpuBudget
 
-__all__ = ["DEVICE_TYPES", "MIX_STREAM_PRIORITY", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
+__all__ = ["DEVICE_TYPES", "compared_by", "MIX_STREAM_PRIORITY", "PIECE_ELEMENTS", "SCRATCH_BUCKETS", "BucketDiff", "DeviceBase", "PayloadHost"]
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +408,11 @@ class DeviceBase:
         ds = DeltaSet(base=had, encodings=[enc], payloads=[got], changed_elements=k, total_elements=n,
                       timings={"compare_s": round(t1 - t0, 4), "encode_s": round(t2 - t1, 4), "pin_s": round(pin_s, 4)})
         return BucketDiff(ds, done, on_device)
+
+
+def compared_by(device: torch.device | None) -> str:
+    """What compares a bucket of a base on `device` (`rollpool.weights.diff_kernel.compared_by`)."""
+    return diff_kernel.compared_by(device)
 
 
 def _count_by_kernel(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int] | None:

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "ITERS", "count_changed", "enabled", "gather_changed", "reference_changed", "self_check", "switch_off",
-           "usable"]
+__all__ = ["BLOCK", "ITERS", "compared_by", "count_changed", "enabled", "gather_changed", "reference_changed", "self_check",
+           "switch_off", "usable"]
 
 _log = logging.getLogger("rollpool.weights.diff_kernel")
 
@@ -73,6 +73,18 @@ def usable(device: torch.device) -> bool:
                 self_check(device)
                 _checked.add(key)
     return enabled()
+
+
+def compared_by(device: torch.device | None) -> str:
+    """What compares a bucket on `device`, as far as known without running anything: ``kernels`` (checked there and
+    on), ``torch ops (why)``, or "" (no bucket compared there yet)."""
+    if device is None:
+        return ""
+    if device.type != "cuda":
+        return "torch ops (not a CUDA device)"
+    if _off is not None:
+        return f"torch ops ({_off})"
+    return "kernels" if str(device) in _checked else ""
 
 
 def _build() -> tuple[Any, Any] | None:

@@ -273,8 +273,11 @@ class WeightPublisher(ServingFace):
         (why no arena was offered; "" when one was), ``why_not_ring`` (why no ring either) and ``last_ring`` (the last
         ring's outcome: buckets released, its taker, why it was abandoned), ``delta_made_on`` (with delta versions on:
         ``device``, the changed elements found on the trainer's GPU, or ``host``, after the full copy; "" when off) and
-        ``why_not_delta_on_device`` (why the host, "" when the device)."""
-        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last), **self._delta_note}
+        ``why_not_delta_on_device`` (why the host, "" when the device), and ``delta_compared_by`` (on the device: the
+        ``kernels`` of `rollpool.weights.diff_kernel` or ``torch ops (why)``; "" before the first diff there or on the host)."""
+        on_device = self._delta_note.get("delta_made_on") == "device"
+        return {**self._ipc.note, "last_ring": dict(self._ipc.ring.last), **self._delta_note,
+                "delta_compared_by": _delta_device.compared_by(self._delta_base.device) if on_device else ""}
 
     @property
     def ipc_versions(self) -> int:

@@ -101,7 +101,8 @@ async def test_a_device_made_delta_serves_the_host_paths_bytes_and_the_trainers_
         assert wv.manifest.delta_base == (version - 1 if version > 1 else -1)
         sub.recycle(wv)
     assert on_device.path_note["delta_made_on"] == "device" and on_device.path_note["why_not_delta_on_device"] == ""
-    assert on_host.path_note["delta_made_on"] == "host"
+    assert on_device.path_note["delta_compared_by"] == ("kernels" if device == "cuda" else "torch ops (not a CUDA device)")
+    assert on_host.path_note["delta_made_on"] == "host" and on_host.path_note["delta_compared_by"] == ""
     assert "publisher_gpu_budget_bytes" in on_host.path_note["why_not_delta_on_device"]
     assert on_device.stats["delta_device_versions"] == 3 and on_host.stats["delta_device_versions"] == 0
     assert sub.delta_versions == 3 and sub.delta_fallbacks == 0
