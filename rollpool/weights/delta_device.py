@@ -225,6 +225,8 @@ class DeviceBase:
         self.mask = torch.empty(max((b.nbytes // word_width(b.nbytes, itemsize_of(b.dtype)) for b in buckets), default=0),
                                 dtype=torch.bool, device=device)  # one flag per element of the largest bucket
         self.buckets, self.device = tuple(buckets), device
+        if device.type == "cuda":  # the kernels built and checked there now, beside the trainer, not in its first delta's wait
+            threading.Thread(target=diff_kernel.usable, args=(device,), name="rollpool-diff-kernels", daemon=True).start()
 
     def _copier(self, device: torch.device, after: Any) -> Any:
         """The stream payloads are copied to the host on (made once), after the work queued on `after` so far."""

@@ -18,7 +18,9 @@ So a bucket costs one host sync (its count, which decides the encoding) instead 
 the torch path's, bit for bit (`reference_changed` is the specification: the tests run the kernels in Triton's
 interpreter on the CPU against it, and `self_check` compares them on a device before their first use there).
 
-Used only on CUDA, only where Triton imports, and not with ``ROLLPOOL_DIFF_TRITON=0``; a kernel that fails to build or
+Built and checked on a device when a `DeviceBase` is first allocated there, in a thread of its own (Triton compiles a
+kernel on its first launch, ~a second: not in the trainer's wait for the first delta). Used only on CUDA, only where
+Triton imports, and not with ``ROLLPOOL_DIFF_TRITON=0``; a kernel that fails to build or
 launch, or that disagrees with the torch path in `self_check`, is switched off for the process (logged once) and the
 torch path takes over.
 """
@@ -44,6 +46,7 @@ ITERS = 8
 """Blocks per program: one count per 8 Ki words."""
 
 _lock = threading.Lock()
+_check_lock = threading.Lock()
 _kernels: tuple[Any, Any] | None = None
 _off: str | None = None if os.environ.get("ROLLPOOL_DIFF_TRITON", "1") != "0" else "ROLLPOOL_DIFF_TRITON=0"
 _checked: set[str] = set()
@@ -68,7 +71,7 @@ def usable(device: torch.device) -> bool:
         return False
     key = str(device)
     if key not in _checked:
-        with _lock:
+        with _check_lock:
             if key not in _checked:
                 self_check(device)
                 _checked.add(key)
@@ -101,7 +104,8 @@ def _build() -> tuple[Any, Any] | None:
             switch_off(f"triton does not import ({type(e).__name__}: {e})")
             return None
 
-        @triton.jit  # type: ignore[untyped-decorator]
+        # (`n` and `lo` not specialised on: one build per word type, not one per divisibility of a piece's length)
+        @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
         def _count(src, base, counts, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
             pid = tl.program_id(0).to(tl.int64)
             lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -115,7 +119,7 @@ def _build() -> tuple[Any, Any] | None:
                 acc += (a != b).to(tl.int32)
             tl.store(counts + pid, tl.sum(acc, axis=0))
 
-        @triton.jit  # type: ignore[untyped-decorator]
+        @triton.jit(do_not_specialize=["n", "lo"])  # type: ignore[untyped-decorator]
         def _gather(src, base, starts, positions, n, lo, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
             pid = tl.program_id(0).to(tl.int64)
             lane = tl.arange(0, BLOCK).to(tl.int64)

@@ -169,6 +169,25 @@ def test_a_gather_that_fails_part_way_fails_the_diff_and_the_base_holds_no_versi
     assert delta_device.DeviceBase.fits(base, infos, torch.device("cpu"))  # (the buffers stay; only the version is gone)
 
 
+def test_a_device_is_checked_once_before_its_first_bucket_and_a_failed_check_keeps_the_torch_ops() -> None:
+    out = _interpreted("""
+        import threading, torch
+        from rollpool.weights import diff_kernel as dk
+        checks = []
+        real = dk.self_check
+        dk.self_check = lambda device: checks.append(str(device)) or real(torch.device("cpu"))  # (interpreted, no CUDA here)
+        cuda = torch.device("cuda", 0)
+        threads = [threading.Thread(target=dk.usable, args=(cuda,)) for _ in range(4)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        print("checked", checks, dk.usable(cuda), dk.usable(torch.device("cpu")), dk.compared_by(cuda))
+        dk._checked.clear()
+        dk.self_check = lambda device: dk.switch_off("disagrees") or False
+        print("failed", dk.usable(cuda), dk.compared_by(cuda), dk.compared_by(None) == "")
+    """)
+    assert "checked ['cuda:0'] True False kernels" in out, out
+    assert "failed False torch ops (disagrees) True" in out, out
+
+
 def test_the_switch_turns_the_kernels_off() -> None:
     out = _interpreted("""
         import os
