@@ -6,10 +6,13 @@ launch (no GPU here) hand the bucket to the torch path, which still makes the sa
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -169,31 +172,39 @@ def test_a_gather_that_fails_part_way_fails_the_diff_and_the_base_holds_no_versi
     assert delta_device.DeviceBase.fits(base, infos, torch.device("cpu"))  # (the buffers stay; only the version is gone)
 
 
-def test_a_device_is_checked_once_before_its_first_bucket_and_a_failed_check_keeps_the_torch_ops() -> None:
-    out = _interpreted("""
-        import threading, torch
-        from rollpool.weights import diff_kernel as dk
-        checks = []
-        real = dk.self_check
-        dk.self_check = lambda device: checks.append(str(device)) or real(torch.device("cpu"))  # (interpreted, no CUDA here)
-        cuda = torch.device("cuda", 0)
-        threads = [threading.Thread(target=dk.usable, args=(cuda,)) for _ in range(4)]
-        [t.start() for t in threads]; [t.join() for t in threads]
-        print("checked", checks, dk.usable(cuda), dk.usable(torch.device("cpu")), dk.compared_by(cuda))
-        dk._checked.clear()
-        dk.self_check = lambda device: dk.switch_off("disagrees") or False
-        print("failed", dk.usable(cuda), dk.compared_by(cuda), dk.compared_by(None) == "")
-    """)
-    assert "checked ['cuda:0'] True False kernels" in out, out
-    assert "failed False torch ops (disagrees) True" in out, out
+def test_a_device_is_checked_once_before_its_first_bucket_and_a_failed_check_keeps_the_torch_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diff_kernel, "_off", None)
+    monkeypatch.setattr(diff_kernel, "_checked", set())
+    checks: list[str] = []
+
+    def check(device: torch.device) -> bool:
+        checks.append(str(device))
+        time.sleep(0.05)  # (the other threads arrive meanwhile)
+        return True
+
+    monkeypatch.setattr(diff_kernel, "self_check", check)
+    cuda = torch.device("cuda", 0)
+    threads = [threading.Thread(target=diff_kernel.usable, args=(cuda,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert checks == ["cuda:0"] and diff_kernel.usable(cuda) and not diff_kernel.usable(torch.device("cpu"))
+    assert diff_kernel.compared_by(cuda) == "kernels" and diff_kernel.compared_by(torch.device("cuda", 1)) == ""
+    diff_kernel._checked.clear()
+    monkeypatch.setattr(diff_kernel, "self_check", lambda device: diff_kernel.switch_off("disagrees") or False)
+    assert not diff_kernel.usable(cuda) and diff_kernel.compared_by(cuda) == "torch ops (disagrees)"
+    assert diff_kernel.compared_by(None) == ""
 
 
-def test_the_switch_turns_the_kernels_off() -> None:
-    out = _interpreted("""
-        import os
-        os.environ["ROLLPOOL_DIFF_TRITON"] = "0"
-        import torch
-        from rollpool.weights import diff_kernel as dk
-        print("enabled", dk.enabled(), dk.usable(torch.device("cuda")), dk._off)
-    """)
-    assert "enabled False False ROLLPOOL_DIFF_TRITON=0" in out, out
+def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLPOOL_DIFF_TRITON", "0")
+    try:
+        importlib.reload(diff_kernel)  # (read as the module loads)
+        assert not diff_kernel.enabled() and not diff_kernel.usable(torch.device("cuda"))
+        assert diff_kernel._off == "ROLLPOOL_DIFF_TRITON=0"
+    finally:
+        monkeypatch.delenv("ROLLPOOL_DIFF_TRITON")
+        importlib.reload(diff_kernel)
+    assert diff_kernel._off is None
