@@ -13,10 +13,9 @@ if not torch.cuda.is_available():
 
 from rollpool.weights import diff_kernel  # noqa: E402
 from rollpool.weights.delta import compute_delta  # noqa: E402
-from rollpool.weights.delta_device import DeviceBase, compared_by  # noqa: E402
-from rollpool.weights.manifest import GpuBudget  # noqa: E402
+from rollpool.weights.delta_device import compared_by  # noqa: E402
 
-from ..unit.weights.test_delta_device import _host, _model, _next, _plan  # noqa: E402
+from ..unit.weights.test_delta_device import _base_holding_v1, _host, _model, _plan  # noqa: E402
 
 
 def test_the_kernels_are_on_and_find_the_references_positions() -> None:
@@ -41,13 +40,8 @@ def test_the_kernels_are_on_and_find_the_references_positions() -> None:
 
 
 def test_a_cuda_device_base_compares_through_the_kernels_and_makes_the_host_paths_bytes() -> None:
-    v1 = _model("cuda")
-    v2 = _next(v1, 1)
-    items1, places, infos = _plan(v1, 8192)
-    items2, _p, _i = _plan(v2, 8192)
-    host1, host2 = _host(items1, places, infos), _host(items2, places, infos)
-    base = DeviceBase(GpuBudget(1 << 30))
-    base.diff(1, infos, places, items1, host1)
+    base, items2, places, infos, host2 = _base_holding_v1("cuda")
+    host1 = _host(_plan(_model("cuda"), 8192)[0], places, infos)
     made = [d.wait() for d in base.diff(2, infos, places, items2, host2) or []]
     assert compared_by(torch.device("cuda:0")) == "kernels", diff_kernel._off
     want = compute_delta(host2, host1, infos, infos, base_version=1, max_fraction=1.0)

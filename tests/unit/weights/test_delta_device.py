@@ -78,6 +78,17 @@ def _host(items: list[tuple[str, torch.Tensor]], places: list[Any], infos: tuple
     return out
 
 
+def _base_holding_v1(device: str) -> tuple[DeviceBase, list[tuple[str, torch.Tensor]], list[Any], tuple[BucketInfo, ...], list[torch.Tensor]]:
+    """A `DeviceBase` that diffed `_model` as version 1, and version 2 to diff next: (base, v2's items, the places,
+    the buckets, v2's host buckets)."""
+    v1 = _model(device)
+    items1, places, infos = _plan(v1, 8192)
+    items2, _p, _i = _plan(_next(v1, 1), 8192)
+    base = DeviceBase(GpuBudget(1 << 30))
+    assert base.diff(1, infos, places, items1, _host(items1, places, infos)) is None
+    return base, items2, places, infos, _host(items2, places, infos)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("piece", [None, 100])
 def test_a_device_made_delta_is_byte_identical_to_the_host_made_one(device: str, piece: int | None, monkeypatch: pytest.MonkeyPatch) -> None:

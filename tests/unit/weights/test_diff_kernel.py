@@ -21,10 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from rollpool.weights import delta_device, diff_kernel  # noqa: E402
-from rollpool.weights.delta_device import DeviceBase  # noqa: E402
-from rollpool.weights.manifest import GpuBudget  # noqa: E402
 
-from .test_delta_device import _host, _model, _next, _plan  # noqa: E402
+from .test_delta_device import _base_holding_v1  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -81,9 +79,7 @@ def test_a_device_base_diff_through_the_kernels_makes_the_torch_paths_bytes() ->
     out = _interpreted("""
         import torch
         from rollpool.weights import diff_kernel as dk
-        from rollpool.weights.delta_device import DeviceBase
-        from rollpool.weights.manifest import GpuBudget
-        from tests.unit.weights.test_delta_device import _host, _model, _next, _plan
+        from tests.unit.weights.test_delta_device import _base_holding_v1
 
         def made(kernels):
             calls = []
@@ -91,13 +87,8 @@ def test_a_device_base_diff_through_the_kernels_makes_the_torch_paths_bytes() ->
             count = dk.count_changed
             dk.count_changed = lambda pieces: calls.append(len(pieces)) or count(pieces)
             try:
-                v1 = _model("cpu")
-                v2 = _next(v1, 1)
-                items1, places, infos = _plan(v1, 8192)
-                items2, _p, _i = _plan(v2, 8192)
-                base = DeviceBase(GpuBudget(1 << 30))
-                base.diff(1, infos, places, items1, _host(items1, places, infos))
-                out = [d.wait() for d in base.diff(2, infos, places, items2, _host(items2, places, infos))]
+                base, items2, places, infos, host2 = _base_holding_v1("cpu")
+                out = [d.wait() for d in base.diff(2, infos, places, items2, host2)]
                 same = all(torch.equal(v, t) for (_n, v), (_m, t) in zip(base.views(places), items2))
                 return [(d.encodings[0], d.changed_elements, None if d.payloads[0] is None else bytes(d.payloads[0].numpy()))
                         for d in out], same, calls, len(infos)
@@ -136,13 +127,8 @@ def test_kernels_that_cannot_launch_are_switched_off_and_the_torch_path_diffs(mo
     monkeypatch.setattr(diff_kernel, "_off", None)
     monkeypatch.setattr(diff_kernel, "_kernels", None)
     monkeypatch.setattr(diff_kernel, "usable", lambda device: diff_kernel.enabled())  # (CPU tensors: the launch fails)
-    v1 = _model("cpu")
-    v2 = _next(v1, 1)
-    items1, places, infos = _plan(v1, 8192)
-    items2, _p, _i = _plan(v2, 8192)
-    base = DeviceBase(GpuBudget(1 << 30))
-    base.diff(1, infos, places, items1, _host(items1, places, infos))
-    made = base.diff(2, infos, places, items2, _host(items2, places, infos))
+    base, items2, places, infos, host2 = _base_holding_v1("cpu")
+    made = base.diff(2, infos, places, items2, host2)
     assert made is not None and diff_kernel._off is not None and not diff_kernel.enabled()
     assert sum(d.wait().changed_elements for d in made) > 0
     assert all(torch.equal(v, t) for (_n, v), (_m, t) in zip(base.views(places), items2, strict=True))
@@ -152,12 +138,7 @@ def test_a_gather_that_fails_part_way_fails_the_diff_and_the_base_holds_no_versi
     """The count ran, the gather did not finish (the base may be written in part): the diff raises, the kernels are off
     and the base claims no version, so the next diff makes no delta from it (the publisher falls back as for any
     failed device diff)."""
-    v1 = _model("cpu")
-    v2 = _next(v1, 1)
-    items1, places, infos = _plan(v1, 8192)
-    items2, _p, _i = _plan(v2, 8192)
-    base = DeviceBase(GpuBudget(1 << 30))
-    base.diff(1, infos, places, items1, _host(items1, places, infos))
+    base, items2, places, infos, host2 = _base_holding_v1("cpu")
 
     def broken(*_a: object) -> None:
         raise RuntimeError("launch failed")
@@ -167,7 +148,7 @@ def test_a_gather_that_fails_part_way_fails_the_diff_and_the_base_holds_no_versi
     monkeypatch.setattr(diff_kernel, "count_changed", lambda pieces: (torch.zeros(2, dtype=torch.int64), 5))
     monkeypatch.setattr(diff_kernel, "gather_changed", broken)
     with pytest.raises(RuntimeError, match="launch failed"):
-        base.diff(2, infos, places, items2, _host(items2, places, infos))
+        base.diff(2, infos, places, items2, host2)
     assert base.version == -1 and diff_kernel._off is not None
     assert delta_device.DeviceBase.fits(base, infos, torch.device("cpu"))  # (the buffers stay; only the version is gone)
 
