@@ -599,10 +599,17 @@ ROWS: list[tuple[str, str, bool | str]] = [("tcp", "cuda", False), ("shm", "cuda
 DELTA_ROWS: list[tuple[str, str, bool | str]] = [("tcp", "cuda", True), ("shm", "cuda", True), ("tcp", "cuda", "device"), ("shm", "cuda", "device")]
 
 
+TORCH_DIFF_ROW = "the bench's _torchdiff row (the torch ops compare)"
+"""What `diff_kernel.switch_off` is told for a ``_torchdiff`` row (a row after it turns them back on)."""
+
+
 def select_rows(names: str, *, delta: bool = False) -> list[tuple[str, str, bool | str]]:
     """The rows of a run: every row (`ROWS`, and `DELTA_ROWS` with `delta`), or those `names` (comma-separated) names in
     its order. ``tcp_cpu_stepN`` / ``shm_cpu_stepN`` is the CPU row again with the trainer's step on N threads (0: no
-    step), a diagnostic beside the row itself in the same engine start: its figures are its own, not the goals'."""
+    step), a diagnostic beside the row itself in the same engine start: its figures are its own, not the goals'.
+    ``tcp_cuda_delta_device_torchdiff`` / ``shm_cuda_delta_device_torchdiff`` is the device delta row with the
+    publisher's diff kernels switched off (`rollpool.weights.diff_kernel`: the torch ops compare), the before of an
+    in-run before/after, likewise its own figure."""
     rows = [*ROWS, *(DELTA_ROWS if delta else [])]
     if not names:
         return rows
@@ -613,6 +620,9 @@ def select_rows(names: str, *, delta: bool = False) -> list[tuple[str, str, bool
         if threads.isdigit() and base in ("tcp_cpu", "shm_cpu"):
             path, _on, flag = by_name[base]
             out.append((path, f"cpu@{int(threads)}", flag))
+        elif n.endswith("_delta_device_torchdiff") and n.removesuffix("_torchdiff") in by_name:
+            path, on, flag = by_name[n.removesuffix("_torchdiff")]
+            out.append((path, f"{on}@torchdiff", flag))
         elif n in by_name:
             out.append(by_name[n])
     return out
@@ -643,6 +653,7 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
 
     from rollpool.protocol.sockets import SocketFactory
     from rollpool.trainer_client.client import TrainerClient, TrainerClientConfig
+    from rollpool.weights import diff_kernel
     from rollpool.weights.publisher import WeightPublisher
 
     wep, cep, sg_port = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}", _port()
@@ -719,10 +730,16 @@ async def pool_stage(model: Path, model_bytes: int, args: argparse.Namespace, ro
         sd_cpu: dict[str, Any] | None = None
         budget_as_made, device_made = pub.gpu_budget.budget, 0
         for path, spec, delta in rows:
-            # "cpu@N": the CPU row again, its trainer step on N threads (0: none), named tcp_cpu_stepN (`select_rows`)
-            on, _, threads = spec.partition("@")
+            # "cpu@N": the CPU row again, its trainer step on N threads (0: none), named tcp_cpu_stepN; "cuda@torchdiff":
+            # the device delta row with the diff kernels off, named ..._torchdiff (`select_rows`)
+            on, _, extra = spec.partition("@")
+            threads = extra if extra.isdigit() else ""
             step_threads = int(threads) if threads else args.cpu_step_threads
-            name = row_name(path, on, delta) + (f"_step{threads}" if threads else "")
+            name = row_name(path, on, delta) + (f"_step{threads}" if threads else "_torchdiff" if extra == "torchdiff" else "")
+            if extra == "torchdiff":
+                diff_kernel.switch_off(TORCH_DIFF_ROW)
+            elif diff_kernel._off == TORCH_DIFF_ROW:  # (a row after it: the kernels back, unless they failed for real)
+                diff_kernel._off = None
             recs: list[dict[str, Any]] = []
             stage[name] = {"path": path, "tensors_on": on, "delta": bool(delta), "versions": recs, "cpu_step_threads": step_threads}
             # the device delta rows: the budget raised to hold the device base for the row; the others: as made (a base
@@ -1112,11 +1129,18 @@ def summarize() -> None:
             goals["first_over_warm"]["not_counted"] = {name: "the row's segments were not registered ahead of its first version" for name in unregistered}
     RESULT["first_delta_over_warm"] = {name: row["summary"].get("first_delta_over_warm") for name, row in rows.items()
                                        if row.get("delta") and row.get("summary")}
-    fdw = [x for x in RESULT["first_delta_over_warm"].values() if x is not None]
+    fdw = [x for name, x in RESULT["first_delta_over_warm"].items() if x is not None and not name.endswith("_torchdiff")]
     if fdw:
         goals["first_delta_over_warm"] = {"value": max(fdw), "goal": "<= 1.2", "met": max(fdw) <= 1.2}
     if pause is not None:
         goals["pause_s"] = {"value": pause, "goal": "<= 0.15", "met": pause <= 0.15}
+    # the device delta rows with and without the diff kernels (a _torchdiff row: the before of an in-run before/after)
+    RESULT["delta_device_by_compare"] = {
+        name: {"compared_by": sorted({str(r.get("delta_compared_by")) for r in row["versions"][1:]}),
+               "publish_to_applied_s": (row.get("summary") or {}).get("publish_to_applied_s"),
+               "trainer_blocked_s": _median([r["trainer_blocked_s"] for r in row["versions"][1:]]),
+               **{k: ((row.get("summary") or {}).get("delta_phases") or {}).get(k) for k in ("delta_compare_s", "delta_encode_s")}}
+        for name, row in rows.items() if "_delta_device" in name and row.get("versions")}
     device_rows = {name: row for name, row in rows.items() if name.endswith("_delta_device") and row.get("versions")}
     if device_rows:  # the same keys for the rows whose deltas were made on the trainer's GPU
         dt, ds = device_rows.get("tcp_cuda_delta_device", {}), device_rows.get("shm_cuda_delta_device", {})
@@ -1206,6 +1230,7 @@ HOW = {
     "delta_device_trainer_blocked_s": "duration of publish_weights over the _delta_device rows, versions 2..N: the diff on the trainer's GPU and the base's update (the host copy is made from the base after the call)",
     "delta_device_made_on": "the _delta_device rows' versions 2..N: where each delta was made (device: the publisher's delta_device_versions counted it, else host); delta_device_why_not: the reasons path_note gave for host",
     "delta_device_phases": "as delta_phases, over the _delta_device rows",
+    "delta_device_by_compare": "per device delta row, with (name as the row) and without the diff kernels (its _torchdiff twin, --rows): what compared (compared_by), publish_to_applied_s, trainer_blocked_s (median of versions 2..N), and the row's median delta_compare_s and delta_encode_s; the _torchdiff rows count in no goal",
     "delta_device_compared_by": "the _delta_device rows' versions 2..N: what compared their buckets on the trainer's GPU (the publisher's path_note delta_compared_by): kernels (rollpool.weights.diff_kernel) or torch ops (why)",
     "delta_rebuilt_on": "per delta row, versions 3..N: where the worker rebuilt each version (the 'sglang apply' line's delta_rebuilt_on: device = in place on its engine's GPU from the version it kept there, verified there against the manifest's mix64 of the resulting bytes; host = host buffers, then staged; none = the version came whole), with the worker's reasons the GPU did not (why_not_rebuilt_on_device). A _delta_device row's goals count only when every steady version was rebuilt on the device (rebuilt_goal)",
     "delta_device_rebuild_s": "the _delta_device rows' versions rebuilt from a delta: median of the worker's GPU seconds for the rebuild (patch + mix64 check, summed over buckets; its apply record's delta_device_rebuild_s)",
@@ -1239,7 +1264,8 @@ def main() -> int:
     ap.add_argument("--gpu-budget-mib", type=int, default=None,
                     help="the publisher's GPU budget (WeightPathConfig.publisher_gpu_budget_bytes; default: two buckets)")
     ap.add_argument("--rows", default="", help="comma-separated subset of rows, e.g. cuda_ipc_cuda,tcp_cuda (default: all of the run); "
-                    "tcp_cpu_stepN / shm_cpu_stepN: the CPU row again, its trainer step on N threads (0: none), not counted in the goals")
+                    "tcp_cpu_stepN / shm_cpu_stepN: the CPU row again, its trainer step on N threads (0: none), not counted in the goals; "
+                    "tcp_cuda_delta_device_torchdiff / shm_cuda_delta_device_torchdiff: the device delta row with the diff kernels off")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-raw", action="store_true", help="skip the raw ZeroMQ tcp probe (rows without tcp)")
     ap.add_argument("--peers-timeout-s", type=int, default=240)

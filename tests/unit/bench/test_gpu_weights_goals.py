@@ -294,3 +294,29 @@ def test_a_cpu_row_run_again_with_its_step_on_n_threads_is_its_own_figure_not_th
     assert goal["value"] == 1.5 and goal["met"] is False  # the row with the step, as always
     assert res["cpu_tensors_by_step_threads"]["tcp_cpu_step0"]["publish_to_applied_s"] == 1.1
     assert res["cpu_tensors_by_step_threads"]["tcp_cpu_step0"]["cpu_step_threads"] == 0
+
+
+def test_a_device_delta_row_run_again_without_the_diff_kernels_is_its_own_figure_not_the_goals() -> None:
+    """``--rows tcp_cuda_delta_device,tcp_cuda_delta_device_torchdiff`` runs the device delta row with the diff kernels
+    and again with the torch ops in one engine start: the goals and first_delta_over_warm read the kernels' row only;
+    both rows are reported side by side under delta_device_by_compare, with what compared each."""
+    bench = _bench()
+    assert bench.select_rows("tcp_cuda_delta_device,shm_cuda_delta_device_torchdiff,tcp_cuda_torchdiff") == [
+        ("tcp", "cuda", "device"), ("shm", "cuda@torchdiff", "device")]
+
+    def row(applied: float, blocked: float, by: str, first: float) -> dict[str, Any]:
+        vs = [{**_version(v, "network", applied=first if v == 2 else applied), "delta_base": v - 1 if v > 1 else -1,
+               "trainer_blocked_s": blocked, "delta_made_on": "device", "why_not_delta_on_device": "", "delta_compared_by": by,
+               "delta_phases": {"delta_compare_s": blocked / 2}, "delta_rebuilt_on": "device" if v > 1 else None,
+               "delta_device_rebuild_s": 0.03} for v in range(1, 7)]
+        return {"delta": "device", "versions": vs}
+
+    res = _summarize(bench, {"tcp_cuda_delta_device": row(0.25, 0.05, "kernels", 0.26),
+                             "tcp_cuda_delta_device_torchdiff": row(0.33, 0.13, "torch ops (the bench's _torchdiff row)", 0.9)})
+    assert res["goals"]["delta_device_host_path_s"]["value"] == 0.25 and res["goals"]["delta_device_trainer_blocked_s"]["value"] == 0.05
+    assert res["goals"]["first_delta_over_warm"]["met"] is True  # the torch row's 0.9 s second version is not a cold start
+    by = res["delta_device_by_compare"]
+    assert by["tcp_cuda_delta_device"]["compared_by"] == ["kernels"] and by["tcp_cuda_delta_device"]["publish_to_applied_s"] == 0.25
+    assert by["tcp_cuda_delta_device_torchdiff"]["trainer_blocked_s"] == 0.13
+    assert by["tcp_cuda_delta_device_torchdiff"]["compared_by"] == ["torch ops (the bench's _torchdiff row)"]
+    assert by["tcp_cuda_delta_device_torchdiff"]["delta_compare_s"] == 0.065
