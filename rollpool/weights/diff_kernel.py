@@ -27,6 +27,7 @@ torch path takes over.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -73,7 +74,9 @@ def usable(device: torch.device) -> bool:
     if key not in _checked:
         with _check_lock:
             if key not in _checked:
-                self_check(device)
+                # (on `device`: Triton launches on the thread's current device, 0 in a fresh thread)
+                with torch.cuda.device(device) if device.type == "cuda" and torch.cuda.is_available() else contextlib.nullcontext():
+                    self_check(device)
                 _checked.add(key)
     return enabled()
 
