@@ -126,6 +126,12 @@ async def role_publisher(mib: int) -> None:
     manifest = await pub.publish(tensors, 1)
     _line({"t_call": t_call, "t_announced": time.time(), "version_bytes": int(sum(b.nbytes for b in manifest.buckets))})
     await loop.run_in_executor(None, sys.stdin.readline)  # "stop"
+    # the bulk lane's send threads tell the loop what they sent once each send call returns, which can come after the
+    # subscriber verified those bytes (a CI run read 3.25 copies of 4 so): the count once it settled (0.3 s unchanged)
+    served, until = -1, time.time() + 5.0
+    while time.time() < until and served != int(pub.bytes_served):
+        served = int(pub.bytes_served)
+        await asyncio.sleep(0.3)
     _line({"bytes_served": int(pub.bytes_served)})
     await pub.close()
     ctx.destroy(linger=0)
