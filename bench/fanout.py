@@ -127,7 +127,7 @@ async def role_publisher(mib: int) -> None:
     _line({"t_call": t_call, "t_announced": time.time(), "version_bytes": int(sum(b.nbytes for b in manifest.buckets))})
     await loop.run_in_executor(None, sys.stdin.readline)  # "stop"
     # the bulk lane's send threads tell the loop what they sent once each send call returns, which can come after the
-    # subscriber verified those bytes (a CI run read 3.25 copies of 4 so): the count once it settled (0.3 s unchanged)
+    # subscriber verified those bytes: the count is read once it settled (0.3 s unchanged), not as "stop" arrives
     served, until = -1, time.time() + 5.0
     while time.time() < until and served != int(pub.bytes_served):
         served = int(pub.bytes_served)

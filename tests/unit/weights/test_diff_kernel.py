@@ -7,13 +7,8 @@ launch (no GPU here) hand the bucket to the torch path, which still makes the sa
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,16 +18,11 @@ pytest.importorskip("triton")
 from rollpool.weights import delta_device, diff_kernel  # noqa: E402
 
 from .test_delta_device import _base_holding_v1  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
+from .triton_interpreted import interpreted  # noqa: E402
 
 
 def _interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "ROLLPOOL_DIFF_TRITON": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=180,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return interpreted(code, ROLLPOOL_DIFF_TRITON="1")
 
 
 def test_the_kernels_find_the_references_positions_and_write_the_same_base() -> None:

@@ -5,11 +5,6 @@ off; a kernel that cannot launch (no GPU here) hands the sum to the torch path, 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,13 +12,11 @@ pytest.importorskip("triton")
 
 from rollpool.weights import gpu, mix64_kernel  # noqa: E402
 
+from .triton_interpreted import interpreted  # noqa: E402
+
 
 def _interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "ROLLPOOL_MIX64_TRITON": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return interpreted(code, ROLLPOOL_MIX64_TRITON="1")
 
 
 def test_the_kernels_sum_is_the_reference_for_every_length_and_word_offset() -> None:
