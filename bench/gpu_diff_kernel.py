@@ -186,8 +186,17 @@ def main() -> int:
             all_equal &= same
         for path, base in bases.items():
             views = base.views(places)
-            ok = all(torch.equal(view, t) for (_n, view), (_m, t) in zip(views, items, strict=True))
+            # read on the default stream as soon as the diff returned (what a caller of `views` may do), then again once
+            # the device is idle: a mismatch only in the first is the base read before its writes landed, in both a
+            # wrong base; the first few tensors that differ are kept by name with how many elements differ
+            early = [name for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(view, t)]
+            sync()
+            wrong = {name: int((view != t).sum()) for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(view, t)}
+            ok = not wrong
             rec[f"{path}_base_is_the_model"] = ok
+            if early or wrong:
+                rec[f"{path}_base_differs"] = {"before_sync": len(early), "after_sync": len(wrong), "tensors": len(items),
+                                               "first": dict(list(wrong.items())[:4]) or early[:4]}
             all_equal &= ok
         result["versions"].append(rec)
         result["all_equal"] = all_equal

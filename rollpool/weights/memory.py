@@ -550,7 +550,9 @@ class BufferPool:
 
     `kind` is ``"host"`` (ordinary memory) or ``"shm"`` (segments named with
     `pool` and `owner_id`). `pin` asks for page-locked memory while CUDA is
-    available; `pinned_budget_bytes` bounds it (None: no bound).
+    available; `pinned_budget_bytes` bounds it (None: no bound). Its lists are
+    kept under a lock, so threads may take, give and reserve at once; a buffer
+    is made outside it (making a segment of a gigabyte takes tenths of a second).
     """
 
     def __init__(self, *, kind: str = "host", pin: bool = False, pinned_budget_bytes: int | None = None,
@@ -566,6 +568,7 @@ class BufferPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._segments: dict[int, ShmBuffer] = {}  # data_ptr -> segment
         self._counter = 0
+        self._lock = threading.RLock()
         self.pinned_bytes = 0
         self.allocated_bytes = 0
         self.allocations = 0
@@ -577,48 +580,69 @@ class BufferPool:
 
     def segments(self) -> list[ShmBuffer]:
         """Every segment this pool holds now (free or in use)."""
-        return list(self._segments.values())
+        with self._lock:
+            return list(self._segments.values())
 
     def take(self, nbytes: int, *, ok: Any = None) -> torch.Tensor:
         """A buffer of exactly `nbytes`: a free one (for which `ok(buf)` holds), else a fresh one."""
-        free = self._free.get(nbytes)
-        if free:
-            for i in range(len(free) - 1, -1, -1):
-                if ok is None or ok(free[i]):
-                    return free.pop(i)
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                for i in range(len(free) - 1, -1, -1):
+                    if ok is None or ok(free[i]):
+                        return free.pop(i)
         return self._new(nbytes)
 
     def take_at_least(self, nbytes: int) -> torch.Tensor:
         """The smallest free buffer of at least `nbytes` (a view of its first `nbytes`), else a fresh one of exactly `nbytes`."""
+        buf = self.take_free(nbytes)
+        return buf if buf is not None else self._new(nbytes)
+
+    def take_free(self, nbytes: int) -> torch.Tensor | None:
+        """The smallest free buffer of at least `nbytes`, or None when none is free (nothing is made)."""
+        with self._lock:
+            best = self._smallest_free(nbytes)
+            if best is None:
+                return None
+            buf = self._free[best].pop()
+            if not self._free[best]:
+                del self._free[best]
+            return buf
+
+    def has_free(self, nbytes: int) -> bool:
+        """Whether `take_at_least(nbytes)` would find a free buffer."""
+        with self._lock:
+            return self._smallest_free(nbytes) is not None
+
+    def _smallest_free(self, nbytes: int) -> int | None:
         best: int | None = None
         for size, bufs in self._free.items():
             if size >= nbytes and bufs and (best is None or size < best):
                 best = size
-        if best is None:
-            return self._new(nbytes)
-        buf = self._free[best].pop()
-        if not self._free[best]:
-            del self._free[best]
-        return buf
+        return best
 
     def give(self, bufs: Iterable[torch.Tensor]) -> None:
-        for b in bufs:
-            self._free.setdefault(int(b.numel()), []).append(b)
+        with self._lock:
+            for b in bufs:
+                self._free.setdefault(int(b.numel()), []).append(b)
 
     def free_sizes(self) -> list[int]:
-        return [n for n, v in self._free.items() for _ in v]
+        with self._lock:
+            return [n for n, v in self._free.items() for _ in v]
 
     def free_bytes(self) -> int:
-        return sum(n * len(v) for n, v in self._free.items())
+        with self._lock:
+            return sum(n * len(v) for n, v in self._free.items())
 
     def trim(self, keep_bytes: int) -> None:
         """Drop free buffers (oldest first) until at most `keep_bytes` are held free."""
-        while self.free_bytes() > keep_bytes:
-            size = max(self._free, key=lambda n: n * len(self._free[n]))
-            buf = self._free[size].pop(0)
-            if not self._free[size]:
-                del self._free[size]
-            self._drop(buf)
+        with self._lock:
+            while self.free_bytes() > keep_bytes:
+                size = max(self._free, key=lambda n: n * len(self._free[n]))
+                buf = self._free[size].pop(0)
+                if not self._free[size]:
+                    del self._free[size]
+                self._drop(buf)
 
     def reserve(self, sizes: Iterable[int]) -> list[torch.Tensor]:
         """Allocate (and touch) one buffer per size into the free list, ahead of the first version; the buffers made."""
@@ -630,30 +654,39 @@ class BufferPool:
         return made
 
     def close(self) -> None:
-        for seg in list(self._segments.values()):
-            seg.close()
-        self._segments.clear()
-        self._free.clear()
+        with self._lock:
+            for seg in list(self._segments.values()):
+                seg.close()
+            self._segments.clear()
+            self._free.clear()
 
     def _new(self, nbytes: int) -> torch.Tensor:
-        self.allocations += 1
-        self.allocated_bytes += nbytes
-        want_pin = self.pin and torch.cuda.is_available() and nbytes > 0
-        if want_pin and self.pinned_budget_bytes is not None and self.pinned_bytes + nbytes > self.pinned_budget_bytes:
-            want_pin = False
-            self.unpinned_over_budget += 1
-        if self.kind == "shm":
+        with self._lock:  # (the counts; the buffer is made outside the lock)
+            self.allocations += 1
+            self.allocated_bytes += nbytes
+            want_pin = self.pin and torch.cuda.is_available() and nbytes > 0
+            if want_pin and self.pinned_budget_bytes is not None and self.pinned_bytes + nbytes > self.pinned_budget_bytes:
+                want_pin = False
+                self.unpinned_over_budget += 1
+            if want_pin:
+                self.pinned_bytes += nbytes  # (given back below where the memory could not be page-locked)
             self._counter += 1
-            seg = ShmBuffer(f"{self.prefix}{segment_owner()}-{self._counter}", nbytes, pin=want_pin)
-            if seg.pinned:
-                self.pinned_bytes += nbytes
-            if nbytes:
-                self._segments[seg.data.data_ptr()] = seg
+            name = f"{self.prefix}{segment_owner()}-{self._counter}"
+        if self.kind == "shm":
+            seg = ShmBuffer(name, nbytes, pin=want_pin)
+            with self._lock:
+                if want_pin and not seg.pinned:
+                    self.pinned_bytes -= nbytes
+                if nbytes:
+                    self._segments[seg.data.data_ptr()] = seg
             return seg.data
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=want_pin)
-        if want_pin:
-            self.pinned_bytes += nbytes
-        return buf
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=want_pin)
+        except BaseException:
+            with self._lock:
+                if want_pin:
+                    self.pinned_bytes -= nbytes
+            raise
 
     def _drop(self, buf: torch.Tensor) -> None:
         self.drop([buf], background=False)
@@ -665,15 +698,16 @@ class BufferPool:
         a second per 14 GB (0.41 s on the H200's host), which a trainer's `publish` need not wait for."""
         segs: list[ShmBuffer] = []
         pinned_host = False
-        for buf in bufs:
-            seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
-            # asked before the close: a segment's bytes are no longer page-locked once it is unregistered
-            pinned = seg.pinned if seg is not None else buf.is_pinned()
-            if seg is not None:
-                segs.append(seg)
-            if pinned:
-                self.pinned_bytes -= int(buf.numel())
-                pinned_host = pinned_host or seg is None
+        with self._lock:
+            for buf in bufs:
+                seg = self._segments.pop(buf.data_ptr(), None) if buf.numel() else None
+                # asked before the close: a segment's bytes are no longer page-locked once it is unregistered
+                pinned = seg.pinned if seg is not None else buf.is_pinned()
+                if seg is not None:
+                    segs.append(seg)
+                if pinned:
+                    self.pinned_bytes -= int(buf.numel())
+                    pinned_host = pinned_host or seg is None
         held = list(bufs)
         bufs.clear()
         if background and (segs or held):
