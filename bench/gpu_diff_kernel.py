@@ -83,6 +83,7 @@ def main() -> int:
     import torch
 
     from rollpool.weights import diff_kernel
+    from rollpool.weights.bucketing import flat_bytes
     from rollpool.weights.delta_device import DeviceBase
     from rollpool.weights.manifest import GpuBudget
     from rollpool.weights.snapshot import plan_version
@@ -189,14 +190,17 @@ def main() -> int:
             # read on the default stream as soon as the diff returned (what a caller of `views` may do), then again once
             # the device is idle: a mismatch only in the first is the base read before its writes landed, in both a
             # wrong base; the first few tensors that differ are kept by name with how many elements differ
-            early = [name for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(view, t)]
+            # compared byte for byte (`torch.equal` on the values says a NaN differs from itself)
+            early = [name for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(flat_bytes(view), flat_bytes(t))]
             sync()
-            wrong = {name: int((view != t).sum()) for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(view, t)}
+            wrong = {name: int((flat_bytes(view) != flat_bytes(t)).sum())
+                     for (name, view), (_m, t) in zip(views, items, strict=True) if not torch.equal(flat_bytes(view), flat_bytes(t))}
             ok = not wrong
             rec[f"{path}_base_is_the_model"] = ok
-            if early or wrong:
-                rec[f"{path}_base_differs"] = {"before_sync": len(early), "after_sync": len(wrong), "tensors": len(items),
-                                               "first": dict(list(wrong.items())[:4]) or early[:4]}
+            by_value = sum(not torch.equal(view, t) for (_n, view), (_m, t) in zip(views, items, strict=True))
+            if early or wrong or by_value:
+                rec[f"{path}_base_differs"] = {"before_sync": len(early), "after_sync": len(wrong), "by_value": by_value,
+                                               "tensors": len(items), "first": dict(list(wrong.items())[:4]) or early[:4]}
             all_equal &= ok
         result["versions"].append(rec)
         result["all_equal"] = all_equal
