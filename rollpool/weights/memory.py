@@ -636,13 +636,14 @@ class BufferPool:
 
     def trim(self, keep_bytes: int) -> None:
         """Drop free buffers (oldest first) until at most `keep_bytes` are held free."""
+        victims: list[torch.Tensor] = []
         with self._lock:
             while self.free_bytes() > keep_bytes:
                 size = max(self._free, key=lambda n: n * len(self._free[n]))
-                buf = self._free[size].pop(0)
+                victims.append(self._free[size].pop(0))
                 if not self._free[size]:
                     del self._free[size]
-                self._drop(buf)
+        self.drop(victims, background=False)  # (released outside the lock: unmapping gigabytes takes tenths of a second)
 
     def reserve(self, sizes: Iterable[int]) -> list[torch.Tensor]:
         """Allocate (and touch) one buffer per size into the free list, ahead of the first version; the buffers made."""
@@ -687,9 +688,6 @@ class BufferPool:
                 if want_pin:
                     self.pinned_bytes -= nbytes
             raise
-
-    def _drop(self, buf: torch.Tensor) -> None:
-        self.drop([buf], background=False)
 
     def drop(self, bufs: list[torch.Tensor], *, background: bool = True) -> None:
         """Forget these buffers of this pool (the list is emptied: the caller keeps no reference): each segment is

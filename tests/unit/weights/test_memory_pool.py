@@ -106,3 +106,41 @@ def test_a_subscriber_reserves_one_version_on_its_device_and_two_on_the_host() -
         assert slabs.allocations == 2 and first.numel() >= 1 << 20
     finally:
         buffers.pool.close()
+
+
+def test_a_buffer_being_made_in_one_thread_does_not_hold_up_another_taking_and_giving(monkeypatch: Any) -> None:
+    """The publisher's spare delta segment is made and touched in a thread while the event loop gives segments back and
+    the delta writer takes one: the pool's lists are locked, but making a buffer (a segment of a gigabyte: tenths of a
+    second) happens outside that lock, and what the others take and give is not lost."""
+    import threading
+
+    import torch
+
+    from rollpool.weights import memory
+
+    pool = memory.BufferPool()
+    pool.give([torch.zeros(64, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)])
+    entered, release = threading.Event(), threading.Event()
+    real_empty = torch.empty
+
+    def slow_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread().name == "maker":
+            entered.set()
+            assert release.wait(10)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(memory.torch, "empty", slow_empty)
+    maker = threading.Thread(target=pool.reserve, args=([256],), name="maker")
+    maker.start()
+    try:
+        assert entered.wait(10)
+        # the maker is inside its allocation: the others go on at once
+        got = pool.take_at_least(100)
+        assert int(got.numel()) == 128 and pool.free_sizes() == [64]
+        pool.give([got])
+        pool.trim(128)  # (drops the largest first: only 64 stays)
+        assert pool.free_sizes() == [64]
+    finally:
+        release.set()
+        maker.join(10)
+    assert sorted(pool.free_sizes()) == [64, 256] and pool.allocations == 1
