@@ -269,6 +269,16 @@ def with_digest(ds: DeltaSet, algorithm: str | None) -> tuple[DeltaSet, str]:
     return ds, digest
 
 
+def first_delta_segment_bytes(model_bytes: int) -> int:
+    """The segment made ahead for a publisher's first delta (`WeightServer.spare_delta_segment`), before any delta's
+    size is known: `delta.ENCODED_FRACTION_GUESS` of the version, rounded up to a power of two (at 8B, 1 GiB: it holds
+    a delta of up to ~3.7% changed bf16 elements; a larger one makes its own as before)."""
+    from rollpool.weights.delta import ENCODED_FRACTION_GUESS
+
+    n = _segment_bytes(max(1, int(model_bytes * ENCODED_FRACTION_GUESS)))
+    return 1 << (n - 1).bit_length()
+
+
 def _segment_bytes(n: int) -> int:
     """A delta segment's size for `n` encoded bytes: rounded up to a sixteenth of the next power of two (at most 1/8
     more), so the next versions' deltas, of about the same size, reuse it."""
@@ -416,7 +426,7 @@ class WeightServer:
         self.delta_shm_written = 0
         """Deltas written to shared memory."""
         self.delta_shm_fresh = 0
-        """Of those, the ones that found no segment free and made one while the delta waited (`_spare_segment`)."""
+        """Of those, the ones that found no segment free and made one while the delta waited (`spare_delta_segment`)."""
         self._spare_thread: threading.Thread | None = None
 
     def set_shm_reserved(self, segments: tuple[ShmSegment, ...], host_key: str) -> None:
@@ -797,9 +807,9 @@ class WeightServer:
             raise
         made.shm, made.shm_buffer = ShmSegment(name=seg.name, nbytes=seg.nbytes), buf
         self.delta_shm_written += 1
-        self._spare_segment(_segment_bytes(total))
+        self.spare_delta_segment(_segment_bytes(total))
 
-    def _spare_segment(self, nbytes: int) -> None:
+    def spare_delta_segment(self, nbytes: int) -> None:
         """A free delta segment of `nbytes` for the next delta, made and its pages touched in a thread of its own
         (none while one is under way, none when one is free): a fresh segment costs its first write a page fault per
         4 KiB (on an H100 host at 8B, ~0.6 GB of encoded bytes: the write took 0.26-0.32 s in a fresh segment against
