@@ -453,9 +453,9 @@ class WeightPublisher(ServingFace):
         return manifest
 
     def _spare_first_delta_segment(self, served: ServedVersion, delta: bool) -> None:
-        """With deltas on (`delta`), until a delta was written to shared memory, the first one's segment is made and touched once a version in
-        shared memory is copied (the trainer is free then): a fresh one costs the delta's write a page fault per 4 KiB,
-        0.26-0.32 s at 8B, before it is served."""
+        """With deltas on (`delta`) and none written to shared memory yet, the first one's segment is made and touched
+        once a version in shared memory is copied (the trainer is free then): a fresh one costs the delta's write a page
+        fault per 4 KiB, 0.26-0.32 s at 8B, before it is served."""
         if delta and served.host_key and not self._server.delta_shm_written:
             self._server.spare_delta_segment(first_delta_segment_bytes(sum(b.nbytes for b in served.buckets)))
 

@@ -657,4 +657,3 @@ async def test_a_publisher_restarted_between_versions_is_never_a_relay_s_base(ma
             assert _same(wv.tensors, r2)
     finally:
         await relay.close()
-
