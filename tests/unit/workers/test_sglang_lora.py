@@ -156,8 +156,10 @@ async def test_a_whole_model_version_keeps_the_current_adapter_on_top_of_the_new
     sequence is tests/gpu/test_sglang_lora_gpu.py). Before the fix the engine unloaded adapter 1 itself and ran every
     later token on the base alone: what a prompt naming the adapter got after a base version."""
     await lora_engine.update_adapter(*_adapter(tiny_model_dir), 1)
-    long = asyncio.create_task(lora_engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=120, ignore_eos=True), "long"))
-    await asyncio.sleep(0.1)
+    # 300 tokens at 4 ms: 1.2 s to run, so the interrupt 0.3 s in finds some made and most to come (with 120 tokens
+    # and 0.1 s, a loaded CI box once interrupted it before its first token: cut 0)
+    long = asyncio.create_task(lora_engine.generate([1, 2, 3], 1, SamplingParams(max_new_tokens=300, ignore_eos=True), "long"))
+    await asyncio.sleep(0.3)
     await lora_engine.pause("interrupt")
     await lora_engine.update_weights(_base_version(tiny_model_dir), 2)
     await lora_engine.resume()
@@ -165,9 +167,9 @@ async def test_a_whole_model_version_keeps_the_current_adapter_on_top_of_the_new
     assert all(s.token_versions == [2] * 5 for s in after.samples)
     versions = (await asyncio.wait_for(long, 30)).samples[0].token_versions
     cut = versions.index(2)  # interrupted: tokens before the base version carry 1, after it 2, nothing else
-    assert 0 < cut and versions == [1] * cut + [2] * (120 - cut)
+    assert 0 < cut and versions == [1] * cut + [2] * (300 - cut)
     # every token, before and after the base version, ran on adapter 1: none on the base alone
-    assert _tokens_by_adapter(await _served(lora_engine)) == {1: 130}
+    assert _tokens_by_adapter(await _served(lora_engine)) == {1: 310}
     assert lora_engine.stats["resubmits"] == 1 and lora_engine.adapter_versions() == [1] and lora_engine.version == 2
 
 
