@@ -497,7 +497,9 @@ async def test_a_buckets_bytes_go_out_before_its_checksum_only_to_a_subscriber_t
         assert_same(got.tensors, w)
     assert early.bulk_bytes == early.bytes_received and old.bulk_bytes == old.bytes_received
     assert not early.fallbacks and not old.fallbacks and early.buckets_refetched == old.buckets_refetched == 0
-    assert (early.early_bytes, old.early_bytes) == (want, 0)  # what the worker reports (`weights_early_bytes`)
+    # what the worker reports (`weights_early_bytes`) is what the server sent it early: the two buckets' chunks above, and
+    # any a stream's next request got before the released checksums reached the server's loop (a race: seen in CI)
+    assert early.early_bytes == pub._server.bulk.early_chunks * chunk >= want and old.early_bytes == 0
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
